@@ -1,0 +1,94 @@
+//! The byte stream to the host: the virtio-serial port named `airlock.agent`.
+//!
+//! The port is opened once (it cannot be reopened) and each host connection gets a fresh HTTP/2
+//! session on it. While no host is connected, reads see EOF / POLLHUP; the agent waits for the
+//! host to come back (after a server restart or a snapshot restore) and serves again.
+
+use std::os::fd::{AsRawFd, OwnedFd};
+use std::pin::Pin;
+use std::sync::Arc;
+use std::task::{ready, Context, Poll};
+use tokio::io::unix::AsyncFd;
+use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
+
+/// Find the port's device node by its name in sysfs (no udev in the guest).
+pub fn find_port(name: &str) -> Option<std::path::PathBuf> {
+    let dir = std::fs::read_dir("/sys/class/virtio-ports").ok()?;
+    for entry in dir.flatten() {
+        let port_name = std::fs::read_to_string(entry.path().join("name")).unwrap_or_default();
+        if port_name.trim() == name {
+            return Some(std::path::Path::new("/dev").join(entry.file_name()));
+        }
+    }
+    None
+}
+
+pub fn open(path: &std::path::Path) -> std::io::Result<Arc<AsyncFd<OwnedFd>>> {
+    use std::os::unix::fs::OpenOptionsExt;
+    let f = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .custom_flags(libc::O_NONBLOCK | libc::O_CLOEXEC)
+        .open(path)?;
+    // SAFETY: the OwnedFd stays open for the AsyncFd's whole life (it owns it).
+    Ok(Arc::new(unsafe { AsyncFd::register(OwnedFd::from(f)) }?))
+}
+
+/// True while the host side of the port is connected.
+pub fn host_connected(fd: &AsyncFd<OwnedFd>) -> bool {
+    let mut p = libc::pollfd { fd: fd.get_ref().as_raw_fd(), events: libc::POLLIN | libc::POLLOUT, revents: 0 };
+    let n = unsafe { libc::poll(&mut p, 1, 0) };
+    n >= 0 && p.revents & libc::POLLHUP == 0
+}
+
+/// One host session over the shared port.
+pub struct PortStream(pub Arc<AsyncFd<OwnedFd>>);
+
+impl AsyncRead for PortStream {
+    fn poll_read(self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &mut ReadBuf<'_>) -> Poll<std::io::Result<()>> {
+        loop {
+            let mut guard = ready!(self.0.poll_read_ready(cx))?;
+            let unfilled = buf.initialize_unfilled();
+            match guard.try_io(|inner| {
+                let n = unsafe { libc::read(inner.get_ref().as_raw_fd(), unfilled.as_mut_ptr().cast(), unfilled.len()) };
+                if n < 0 {
+                    Err(std::io::Error::last_os_error())
+                } else {
+                    Ok(n as usize)
+                }
+            }) {
+                Ok(Ok(n)) => {
+                    buf.advance(n);
+                    return Poll::Ready(Ok(()));
+                }
+                Ok(Err(e)) => return Poll::Ready(Err(e)),
+                Err(_would_block) => continue,
+            }
+        }
+    }
+}
+
+impl AsyncWrite for PortStream {
+    fn poll_write(self: Pin<&mut Self>, cx: &mut Context<'_>, data: &[u8]) -> Poll<std::io::Result<usize>> {
+        loop {
+            let mut guard = ready!(self.0.poll_write_ready(cx))?;
+            match guard.try_io(|inner| {
+                let n = unsafe { libc::write(inner.get_ref().as_raw_fd(), data.as_ptr().cast(), data.len()) };
+                if n < 0 {
+                    Err(std::io::Error::last_os_error())
+                } else {
+                    Ok(n as usize)
+                }
+            }) {
+                Ok(r) => return Poll::Ready(r),
+                Err(_would_block) => continue,
+            }
+        }
+    }
+    fn poll_flush(self: Pin<&mut Self>, _: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+        Poll::Ready(Ok(()))
+    }
+    fn poll_shutdown(self: Pin<&mut Self>, _: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+        Poll::Ready(Ok(()))
+    }
+}

@@ -1,0 +1,202 @@
+//! File service: read, write (creating parents), stat, list with depth, mkdir, remove, rename,
+//! and directory watches (inotify through `notify`).
+
+use crate::error::AgentError;
+use crate::users;
+use airlock_proto::{FileKind, FileStat, WatchEvent, WatchEventKind};
+use std::os::unix::fs::{MetadataExt, PermissionsExt};
+use std::path::{Component, Path, PathBuf};
+use std::time::UNIX_EPOCH;
+
+/// Paths must be absolute and free of `..`, so a path always names what it looks like.
+pub fn clean_path(path: &str) -> Result<PathBuf, AgentError> {
+    if path.is_empty() {
+        return Err(AgentError::invalid("path is empty"));
+    }
+    let p = Path::new(path);
+    if !p.is_absolute() {
+        return Err(AgentError::invalid(format!("path {path:?} must be absolute")));
+    }
+    if p.components().any(|c| c == Component::ParentDir) {
+        return Err(AgentError::invalid(format!("path {path:?} must not contain '..'")));
+    }
+    if path.contains('\0') {
+        return Err(AgentError::invalid("path contains a NUL byte"));
+    }
+    Ok(p.components().collect())
+}
+
+pub fn stat(path: &Path) -> Result<FileStat, AgentError> {
+    let shown = path.to_string_lossy().to_string();
+    let meta = std::fs::symlink_metadata(path).map_err(|e| AgentError::io(&shown, e))?;
+    let ft = meta.file_type();
+    let kind = if ft.is_symlink() {
+        FileKind::Symlink
+    } else if ft.is_dir() {
+        FileKind::Dir
+    } else if ft.is_file() {
+        FileKind::File
+    } else {
+        FileKind::Other
+    };
+    let modified_ms = meta
+        .modified()
+        .ok()
+        .and_then(|t| t.duration_since(UNIX_EPOCH).ok())
+        .map(|d| d.as_millis() as u64)
+        .unwrap_or(0);
+    Ok(FileStat {
+        name: path.file_name().map(|n| n.to_string_lossy().to_string()).unwrap_or_else(|| "/".into()),
+        path: shown,
+        kind,
+        size: meta.len(),
+        mode: meta.permissions().mode() & 0o7777,
+        uid: meta.uid(),
+        gid: meta.gid(),
+        owner: users::name_of_uid(meta.uid()).unwrap_or_else(|| meta.uid().to_string()),
+        group: users::name_of_gid(meta.gid()).unwrap_or_else(|| meta.gid().to_string()),
+        modified_ms,
+        symlink_target: ft
+            .is_symlink()
+            .then(|| std::fs::read_link(path).ok().map(|t| t.to_string_lossy().to_string()))
+            .flatten(),
+    })
+}
+
+/// Entries below `dir`, `depth` levels deep (1 = direct children), sorted by path.
+pub fn list(dir: &Path, depth: u32) -> Result<Vec<FileStat>, AgentError> {
+    if depth == 0 {
+        return Err(AgentError::invalid("depth must be at least 1"));
+    }
+    let shown = dir.to_string_lossy().to_string();
+    let meta = std::fs::metadata(dir).map_err(|e| AgentError::io(&shown, e))?;
+    if !meta.is_dir() {
+        return Err(AgentError::new(airlock_proto::ErrorCode::NotADirectory, format!("{shown} is not a directory")));
+    }
+    let mut out = Vec::new();
+    walk(dir, depth, &mut out)?;
+    out.sort_by(|a, b| a.path.cmp(&b.path));
+    Ok(out)
+}
+
+fn walk(dir: &Path, depth: u32, out: &mut Vec<FileStat>) -> Result<(), AgentError> {
+    let shown = dir.to_string_lossy().to_string();
+    for entry in std::fs::read_dir(dir).map_err(|e| AgentError::io(&shown, e))? {
+        let entry = entry.map_err(|e| AgentError::io(&shown, e))?;
+        let Ok(st) = stat(&entry.path()) else { continue }; // raced with a removal
+        let is_dir = st.kind == FileKind::Dir;
+        out.push(st);
+        if is_dir && depth > 1 {
+            // Unreadable subdirectories are listed but not entered.
+            let _ = walk(&entry.path(), depth - 1, out);
+        }
+    }
+    Ok(())
+}
+
+/// Create `path` and missing parents; the ones created are given to `owner` when set.
+pub fn mkdir_all(path: &Path, owner: Option<&users::User>) -> Result<bool, AgentError> {
+    let shown = path.to_string_lossy().to_string();
+    if path.is_dir() {
+        return Ok(false);
+    }
+    if path.exists() {
+        return Err(AgentError::new(airlock_proto::ErrorCode::AlreadyExists, format!("{shown} exists and is not a directory")));
+    }
+    let mut missing = Vec::new();
+    let mut cur = Some(path);
+    while let Some(p) = cur {
+        if p.exists() {
+            break;
+        }
+        missing.push(p.to_path_buf());
+        cur = p.parent();
+    }
+    std::fs::create_dir_all(path).map_err(|e| AgentError::io(&shown, e))?;
+    if let Some(u) = owner {
+        for p in missing {
+            let _ = std::os::unix::fs::chown(&p, Some(u.uid), Some(u.gid));
+        }
+    }
+    Ok(true)
+}
+
+pub fn remove(path: &Path) -> Result<(), AgentError> {
+    let shown = path.to_string_lossy().to_string();
+    if path == Path::new("/") {
+        return Err(AgentError::invalid("refusing to remove /"));
+    }
+    let meta = std::fs::symlink_metadata(path).map_err(|e| AgentError::io(&shown, e))?;
+    if meta.is_dir() {
+        std::fs::remove_dir_all(path)
+    } else {
+        std::fs::remove_file(path)
+    }
+    .map_err(|e| AgentError::io(&shown, e))
+}
+
+pub fn rename(from: &Path, to: &Path) -> Result<(), AgentError> {
+    let shown = from.to_string_lossy().to_string();
+    if !from.exists() && std::fs::symlink_metadata(from).is_err() {
+        return Err(AgentError::not_found(format!("{shown}: no such file or directory")));
+    }
+    if let Some(parent) = to.parent() {
+        mkdir_all(parent, None)?;
+    }
+    std::fs::rename(from, to).map_err(|e| AgentError::io(&shown, e))
+}
+
+/// Translate one notify event into the watch events the host sees.
+pub fn translate(event: &notify::Event) -> Vec<WatchEvent> {
+    use notify::event::{EventKind as K, ModifyKind};
+    let kind = match event.kind {
+        K::Create(_) => WatchEventKind::Create,
+        K::Modify(ModifyKind::Name(_)) => WatchEventKind::Rename,
+        K::Modify(ModifyKind::Metadata(_)) => WatchEventKind::Chmod,
+        K::Modify(_) => WatchEventKind::Write,
+        K::Remove(_) => WatchEventKind::Remove,
+        _ => return Vec::new(),
+    };
+    event
+        .paths
+        .iter()
+        .map(|p| WatchEvent { kind, path: p.to_string_lossy().to_string() })
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn clean_path_rejects_relative_and_parent_components() {
+        assert!(clean_path("relative/x").is_err());
+        assert!(clean_path("/a/../etc/passwd").is_err());
+        assert!(clean_path("").is_err());
+        assert_eq!(clean_path("/a//b/./c").unwrap(), PathBuf::from("/a/b/c"));
+    }
+
+    #[test]
+    fn list_respects_depth() {
+        let d = tempfile::tempdir().unwrap();
+        std::fs::create_dir_all(d.path().join("a/b/c")).unwrap();
+        std::fs::write(d.path().join("a/f"), b"x").unwrap();
+        let one = list(d.path(), 1).unwrap();
+        assert_eq!(one.len(), 1);
+        let two: Vec<_> = list(d.path(), 2).unwrap().into_iter().map(|s| s.name).collect();
+        assert_eq!(two, vec!["a", "b", "f"]);
+        assert_eq!(list(d.path(), 9).unwrap().len(), 4);
+        assert!(list(d.path(), 0).is_err());
+        assert!(list(&d.path().join("a/f"), 1).is_err());
+    }
+
+    #[test]
+    fn mkdir_reports_whether_it_created() {
+        let d = tempfile::tempdir().unwrap();
+        let p = d.path().join("x/y");
+        assert!(mkdir_all(&p, None).unwrap());
+        assert!(!mkdir_all(&p, None).unwrap());
+        std::fs::write(d.path().join("file"), b"").unwrap();
+        assert!(mkdir_all(&d.path().join("file"), None).is_err());
+    }
+}

@@ -1,0 +1,299 @@
+//! HTTP/2 routes the host calls. One handler per service call; bodies are JSON except file
+//! content (raw bytes) and process events (binary frames, see `airlock_proto::frame`).
+
+use crate::error::AgentError;
+use crate::files;
+use crate::metrics::CpuSampler;
+use crate::process::Processes;
+use crate::users;
+use airlock_proto::{Health, MkdirRequest, MkdirResponse, ProcessSpec, PtySize, RenameRequest, SignalRequest};
+use bytes::{Bytes, BytesMut};
+use futures_util::StreamExt;
+use http::{Method, Request, Response, StatusCode};
+use http_body_util::{combinators::BoxBody, BodyExt, Full, StreamBody};
+use hyper::body::{Frame, Incoming};
+use serde::de::DeserializeOwned;
+use std::collections::HashMap;
+use std::convert::Infallible;
+use std::sync::Arc;
+use std::time::Instant;
+use tokio::io::AsyncWriteExt;
+
+pub type Body = BoxBody<Bytes, std::io::Error>;
+
+pub struct Agent {
+    pub processes: Processes,
+    pub cpu: CpuSampler,
+    pub boot_id: String,
+    pub started: Instant,
+}
+
+impl Agent {
+    pub fn new() -> Self {
+        let boot_id = std::fs::read_to_string("/proc/sys/kernel/random/boot_id")
+            .map(|s| s.trim().to_string())
+            .unwrap_or_else(|_| format!("{:x}", crate::process::now_ms()));
+        Self { processes: Processes::default(), cpu: CpuSampler::default(), boot_id, started: Instant::now() }
+    }
+}
+
+fn full(status: StatusCode, body: Bytes, content_type: &str) -> Response<Body> {
+    Response::builder()
+        .status(status)
+        .header("content-type", content_type)
+        .body(Full::new(body).map_err(|never: Infallible| match never {}).boxed())
+        .expect("static response parts are valid")
+}
+
+fn json<T: serde::Serialize>(status: StatusCode, value: &T) -> Response<Body> {
+    full(status, Bytes::from(serde_json::to_vec(value).expect("serializable")), "application/json")
+}
+
+fn error(e: AgentError) -> Response<Body> {
+    let status = StatusCode::from_u16(e.code.http_status()).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
+    json(status, &e.body())
+}
+
+fn query(req: &Request<Incoming>) -> HashMap<String, String> {
+    req.uri()
+        .query()
+        .map(|q| url::form_urlencoded::parse(q.as_bytes()).into_owned().collect())
+        .unwrap_or_default()
+}
+
+fn required<'a>(q: &'a HashMap<String, String>, key: &str) -> Result<&'a str, AgentError> {
+    q.get(key).map(String::as_str).ok_or_else(|| AgentError::invalid(format!("query parameter {key:?} is required")))
+}
+
+async fn read_json<T: DeserializeOwned>(req: Request<Incoming>) -> Result<T, AgentError> {
+    let body = req.into_body().collect().await.map_err(|e| AgentError::invalid(format!("body: {e}")))?.to_bytes();
+    serde_json::from_slice(&body).map_err(|e| AgentError::invalid(format!("bad JSON body: {e}")))
+}
+
+pub async fn handle(agent: Arc<Agent>, req: Request<Incoming>) -> Result<Response<Body>, Infallible> {
+    Ok(route(agent, req).await.unwrap_or_else(error))
+}
+
+async fn route(agent: Arc<Agent>, req: Request<Incoming>) -> Result<Response<Body>, AgentError> {
+    let path = req.uri().path().to_string();
+    let segs: Vec<&str> = path.trim_matches('/').split('/').collect();
+    let method = req.method().clone();
+    match (&method, segs.as_slice()) {
+        (&Method::GET, ["health"]) => Ok(json(
+            StatusCode::OK,
+            &Health {
+                version: env!("CARGO_PKG_VERSION").into(),
+                protocol: airlock_proto::PROTOCOL_VERSION,
+                boot_id: agent.boot_id.clone(),
+                uptime_ms: agent.started.elapsed().as_millis() as u64,
+            },
+        )),
+        (&Method::GET, ["metrics"]) => Ok(json(StatusCode::OK, &agent.cpu.sample())),
+        (&Method::POST, ["system", "shutdown"]) => {
+            tokio::spawn(async {
+                tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+                unsafe { libc::sync() };
+                let _ = nix::sys::reboot::reboot(nix::sys::reboot::RebootMode::RB_POWER_OFF);
+            });
+            Ok(json(StatusCode::ACCEPTED, &serde_json::json!({})))
+        }
+        (&Method::POST, ["system", "sync"]) => {
+            tokio::task::spawn_blocking(|| unsafe { libc::sync() }).await.ok();
+            Ok(json(StatusCode::OK, &serde_json::json!({})))
+        }
+        (&Method::POST, ["processes"]) => {
+            let spec: ProcessSpec = read_json(req).await?;
+            let info = agent.processes.spawn(spec)?;
+            Ok(json(StatusCode::CREATED, &info))
+        }
+        (&Method::GET, ["processes"]) => Ok(json(StatusCode::OK, &agent.processes.list())),
+        (_, ["processes", id, rest @ ..]) => {
+            let id: u64 = id.parse().map_err(|_| AgentError::invalid(format!("bad process id {id:?}")))?;
+            let proc = agent.processes.get(id)?;
+            match (&method, rest) {
+                (&Method::GET, []) => Ok(json(StatusCode::OK, &proc.info())),
+                (&Method::GET, ["events"]) => {
+                    let after: u64 = query(&req).get("after").and_then(|v| v.parse().ok()).unwrap_or(0);
+                    Ok(event_stream(proc, after))
+                }
+                (&Method::POST, ["stdin"]) => {
+                    let mut body = req.into_body();
+                    while let Some(frame) = body.frame().await {
+                        let frame = frame.map_err(|e| AgentError::invalid(format!("body: {e}")))?;
+                        if let Ok(data) = frame.into_data() {
+                            proc.write_stdin(&data).await?;
+                        }
+                    }
+                    Ok(json(StatusCode::OK, &serde_json::json!({})))
+                }
+                (&Method::POST, ["stdin", "close"]) => {
+                    proc.close_stdin().await?;
+                    Ok(json(StatusCode::OK, &serde_json::json!({})))
+                }
+                (&Method::POST, ["signal"]) => {
+                    let r: SignalRequest = read_json(req).await?;
+                    proc.signal(r.signal)?;
+                    Ok(json(StatusCode::OK, &serde_json::json!({})))
+                }
+                (&Method::POST, ["resize"]) => {
+                    let size: PtySize = read_json(req).await?;
+                    proc.resize(&size)?;
+                    Ok(json(StatusCode::OK, &serde_json::json!({})))
+                }
+                _ => Err(AgentError::not_found(format!("no route {method} {path}"))),
+            }
+        }
+        (&Method::GET, ["files"]) => {
+            let p = files::clean_path(required(&query(&req), "path")?)?;
+            read_file(&p).await
+        }
+        (&Method::PUT, ["files"]) => write_file(req).await,
+        (&Method::DELETE, ["files"]) => {
+            let p = files::clean_path(required(&query(&req), "path")?)?;
+            files::remove(&p)?;
+            Ok(json(StatusCode::OK, &serde_json::json!({})))
+        }
+        (&Method::GET, ["files", "stat"]) => {
+            let p = files::clean_path(required(&query(&req), "path")?)?;
+            Ok(json(StatusCode::OK, &files::stat(&p)?))
+        }
+        (&Method::GET, ["files", "list"]) => {
+            let q = query(&req);
+            let p = files::clean_path(required(&q, "path")?)?;
+            let depth = match q.get("depth") {
+                None => 1,
+                Some(d) => d.parse().map_err(|_| AgentError::invalid(format!("bad depth {d:?}")))?,
+            };
+            Ok(json(StatusCode::OK, &files::list(&p, depth)?))
+        }
+        (&Method::POST, ["files", "mkdir"]) => {
+            let r: MkdirRequest = read_json(req).await?;
+            let p = files::clean_path(&r.path)?;
+            let owner = user_or_err(r.user.as_deref())?;
+            let created = files::mkdir_all(&p, owner.as_ref())?;
+            Ok(json(StatusCode::OK, &MkdirResponse { created, stat: files::stat(&p)? }))
+        }
+        (&Method::POST, ["files", "rename"]) => {
+            let r: RenameRequest = read_json(req).await?;
+            let (from, to) = (files::clean_path(&r.from)?, files::clean_path(&r.to)?);
+            files::rename(&from, &to)?;
+            Ok(json(StatusCode::OK, &files::stat(&to)?))
+        }
+        (&Method::GET, ["files", "watch"]) => {
+            let q = query(&req);
+            let p = files::clean_path(required(&q, "path")?)?;
+            let recursive = q.get("recursive").map(|v| v == "true" || v == "1").unwrap_or(false);
+            watch(&p, recursive)
+        }
+        _ => Err(AgentError::not_found(format!("no route {method} {path}"))),
+    }
+}
+
+fn user_or_err(name: Option<&str>) -> Result<Option<users::User>, AgentError> {
+    match name {
+        None => Ok(None),
+        Some(n) => users::lookup(n).map(Some).ok_or_else(|| AgentError::invalid(format!("no user named {n:?}"))),
+    }
+}
+
+fn event_stream(proc: Arc<crate::process::Proc>, after: u64) -> Response<Body> {
+    let stream = futures_util::stream::unfold((proc, after), |(proc, last)| async move {
+        let events = proc.next_events(last).await?;
+        let mut buf = BytesMut::new();
+        let mut last = last;
+        for e in &events {
+            e.encode(&mut buf);
+            last = e.seq;
+        }
+        Some((Ok::<_, std::io::Error>(Frame::data(buf.freeze())), (proc, last)))
+    });
+    Response::builder()
+        .status(StatusCode::OK)
+        .header("content-type", "application/x-airlock-events")
+        .body(BodyExt::boxed(StreamBody::new(stream)))
+        .expect("valid response")
+}
+
+async fn read_file(path: &std::path::Path) -> Result<Response<Body>, AgentError> {
+    let shown = path.to_string_lossy().to_string();
+    let file = tokio::fs::File::open(path).await.map_err(|e| AgentError::io(&shown, e))?;
+    let meta = file.metadata().await.map_err(|e| AgentError::io(&shown, e))?;
+    if meta.is_dir() {
+        return Err(AgentError::new(airlock_proto::ErrorCode::IsADirectory, format!("{shown} is a directory")));
+    }
+    let stream = tokio_util::io::ReaderStream::with_capacity(file, 256 << 10).map(|r| r.map(Frame::data));
+    Ok(Response::builder()
+        .status(StatusCode::OK)
+        .header("content-type", "application/octet-stream")
+        .header("content-length", meta.len())
+        .body(BodyExt::boxed(StreamBody::new(stream)))
+        .expect("valid response"))
+}
+
+async fn write_file(req: Request<Incoming>) -> Result<Response<Body>, AgentError> {
+    let q = query(&req);
+    let path = files::clean_path(required(&q, "path")?)?;
+    let owner = user_or_err(q.get("user").map(String::as_str))?;
+    let shown = path.to_string_lossy().to_string();
+    if let Some(parent) = path.parent() {
+        files::mkdir_all(parent, owner.as_ref())?;
+    }
+    if path.is_dir() {
+        return Err(AgentError::new(airlock_proto::ErrorCode::IsADirectory, format!("{shown} is a directory")));
+    }
+    let mut file = tokio::fs::File::create(&path).await.map_err(|e| AgentError::io(&shown, e))?;
+    let mut body = req.into_body();
+    while let Some(frame) = body.frame().await {
+        let frame = frame.map_err(|e| AgentError::invalid(format!("upload interrupted: {e}")))?;
+        if let Ok(data) = frame.into_data() {
+            file.write_all(&data).await.map_err(|e| AgentError::io(&shown, e))?;
+        }
+    }
+    file.flush().await.map_err(|e| AgentError::io(&shown, e))?;
+    drop(file);
+    if let Some(u) = &owner {
+        let _ = std::os::unix::fs::chown(&path, Some(u.uid), Some(u.gid));
+    }
+    if let Some(mode) = q.get("mode") {
+        let mode = u32::from_str_radix(mode, 8).map_err(|_| AgentError::invalid(format!("bad octal mode {mode:?}")))?;
+        std::fs::set_permissions(&path, std::os::unix::fs::PermissionsExt::from_mode(mode))
+            .map_err(|e| AgentError::io(&shown, e))?;
+    }
+    Ok(json(StatusCode::OK, &files::stat(&path)?))
+}
+
+fn watch(path: &std::path::Path, recursive: bool) -> Result<Response<Body>, AgentError> {
+    use notify::Watcher;
+    let shown = path.to_string_lossy().to_string();
+    if !path.is_dir() {
+        return Err(if path.exists() {
+            AgentError::new(airlock_proto::ErrorCode::NotADirectory, format!("{shown} is not a directory"))
+        } else {
+            AgentError::not_found(format!("{shown}: no such directory"))
+        });
+    }
+    let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
+    let mut watcher = notify::recommended_watcher(move |res: notify::Result<notify::Event>| {
+        if let Ok(ev) = res {
+            for w in files::translate(&ev) {
+                let _ = tx.send(w);
+            }
+        }
+    })
+    .map_err(|e| AgentError::internal(format!("watch: {e}")))?;
+    let mode = if recursive { notify::RecursiveMode::Recursive } else { notify::RecursiveMode::NonRecursive };
+    watcher.watch(path, mode).map_err(|e| AgentError::internal(format!("watch {shown}: {e}")))?;
+    // The watcher lives in the stream's state: it stops when the host drops the response.
+    let stream = futures_util::stream::unfold((rx, watcher), |(mut rx, watcher)| async move {
+        let ev = rx.recv().await?;
+        let mut line = serde_json::to_vec(&ev).expect("serializable");
+        line.push(b'\n');
+        Some((Ok::<_, std::io::Error>(Frame::data(Bytes::from(line))), (rx, watcher)))
+    });
+    // The response headers only leave once the watch is armed: the host may write right after.
+    Ok(Response::builder()
+        .status(StatusCode::OK)
+        .header("content-type", "application/x-ndjson")
+        .body(BodyExt::boxed(StreamBody::new(stream)))
+        .expect("valid response"))
+}

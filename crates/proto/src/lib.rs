@@ -1,0 +1,206 @@
+//! The protocol between the host and the guest agent.
+//!
+//! The agent serves HTTP/2 over one byte stream (virtio-serial today, vsock under Firecracker).
+//! HTTP/2 gives us multiplexing, per-stream flow control and streamed bodies for free, so a
+//! 5 MiB stdout stream and a file upload share the channel without head-of-line blocking.
+//! This crate holds the JSON bodies and the binary framing of process output; both doors of
+//! the host API translate onto these types, nothing else speaks to the guest.
+
+pub mod frame;
+
+use serde::{Deserialize, Serialize};
+use std::collections::BTreeMap;
+
+/// Name of the virtio-serial port the agent listens on (guest sees `/dev/virtio-ports/<name>`).
+pub const AGENT_PORT_NAME: &str = "airlock.agent";
+/// Agent protocol version, bumped on incompatible changes.
+pub const PROTOCOL_VERSION: u32 = 1;
+
+/// Error body of every non-2xx agent response.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
+pub struct ErrorBody {
+    pub code: ErrorCode,
+    pub message: String,
+}
+
+#[derive(Debug, Clone, Copy, Serialize, Deserialize, PartialEq, Eq)]
+#[serde(rename_all = "snake_case")]
+pub enum ErrorCode {
+    NotFound,
+    AlreadyExists,
+    InvalidArgument,
+    PermissionDenied,
+    NotADirectory,
+    IsADirectory,
+    Internal,
+}
+
+impl ErrorCode {
+    pub fn http_status(self) -> u16 {
+        match self {
+            ErrorCode::NotFound => 404,
+            ErrorCode::AlreadyExists => 409,
+            ErrorCode::InvalidArgument | ErrorCode::NotADirectory | ErrorCode::IsADirectory => 400,
+            ErrorCode::PermissionDenied => 403,
+            ErrorCode::Internal => 500,
+        }
+    }
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
+pub struct Health {
+    pub version: String,
+    pub protocol: u32,
+    /// Random per boot; a changed value tells the host the guest rebooted.
+    pub boot_id: String,
+    pub uptime_ms: u64,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+pub struct Metrics {
+    pub cpu_count: u32,
+    /// Busy share of all CPUs since the previous metrics call (0..=100).
+    pub cpu_used_pct: f64,
+    pub mem_total_bytes: u64,
+    pub mem_used_bytes: u64,
+    pub disk_total_bytes: u64,
+    pub disk_used_bytes: u64,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
+pub struct PtySize {
+    pub cols: u16,
+    pub rows: u16,
+}
+
+/// A process to start in the guest.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq, Default)]
+pub struct ProcessSpec {
+    pub argv: Vec<String>,
+    /// Working directory; defaults to the user's home.
+    #[serde(default)]
+    pub cwd: Option<String>,
+    #[serde(default)]
+    pub env: BTreeMap<String, String>,
+    /// User name from the guest's /etc/passwd; defaults to `root`.
+    #[serde(default)]
+    pub user: Option<String>,
+    /// Killed (whole process group, SIGKILL) after this many milliseconds.
+    #[serde(default)]
+    pub timeout_ms: Option<u64>,
+    /// Keep stdin open for `stdin` writes; otherwise stdin is /dev/null.
+    #[serde(default)]
+    pub stdin: bool,
+    /// Run on a pseudo-terminal of this size (stdout and stderr merge into `stdout`).
+    #[serde(default)]
+    pub pty: Option<PtySize>,
+    /// Free-form tag the host may use to find the process again (e.g. an API session id).
+    #[serde(default)]
+    pub tag: Option<String>,
+}
+
+#[derive(Debug, Clone, Copy, Serialize, Deserialize, PartialEq, Eq)]
+#[serde(rename_all = "snake_case")]
+pub enum ProcessState {
+    Running,
+    Exited,
+}
+
+/// How a process ended.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
+pub struct ExitStatus {
+    /// Exit code when the process exited on its own.
+    pub exit_code: Option<i32>,
+    /// Signal number when a signal terminated it.
+    pub signal: Option<i32>,
+    /// True when the agent killed it because its timeout passed.
+    #[serde(default)]
+    pub timed_out: bool,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
+pub struct ProcessInfo {
+    pub id: u64,
+    pub pid: u32,
+    pub tag: Option<String>,
+    pub argv: Vec<String>,
+    pub cwd: String,
+    pub user: String,
+    pub pty: bool,
+    pub stdin: bool,
+    pub state: ProcessState,
+    pub exit: Option<ExitStatus>,
+    /// Milliseconds since the Unix epoch.
+    pub started_at_ms: u64,
+    pub ended_at_ms: Option<u64>,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
+pub struct SignalRequest {
+    /// Signal number (e.g. 15 for SIGTERM).
+    pub signal: i32,
+}
+
+#[derive(Debug, Clone, Copy, Serialize, Deserialize, PartialEq, Eq)]
+#[serde(rename_all = "snake_case")]
+pub enum FileKind {
+    File,
+    Dir,
+    Symlink,
+    Other,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
+pub struct FileStat {
+    pub path: String,
+    pub name: String,
+    pub kind: FileKind,
+    pub size: u64,
+    pub mode: u32,
+    pub uid: u32,
+    pub gid: u32,
+    pub owner: String,
+    pub group: String,
+    /// Milliseconds since the Unix epoch.
+    pub modified_ms: u64,
+    pub symlink_target: Option<String>,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
+pub struct MkdirRequest {
+    pub path: String,
+    /// Owner of the directories created.
+    #[serde(default)]
+    pub user: Option<String>,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
+pub struct MkdirResponse {
+    /// False when the directory already existed.
+    pub created: bool,
+    pub stat: FileStat,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
+pub struct RenameRequest {
+    pub from: String,
+    pub to: String,
+}
+
+#[derive(Debug, Clone, Copy, Serialize, Deserialize, PartialEq, Eq)]
+#[serde(rename_all = "snake_case")]
+pub enum WatchEventKind {
+    Create,
+    Write,
+    Remove,
+    Rename,
+    Chmod,
+}
+
+/// One filesystem change under a watched directory; sent as one JSON line.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
+pub struct WatchEvent {
+    pub kind: WatchEventKind,
+    /// Absolute path in the guest.
+    pub path: String,
+}
