@@ -23,31 +23,72 @@ pub fn find_port(name: &str) -> Option<std::path::PathBuf> {
     None
 }
 
-pub fn open(path: &std::path::Path) -> std::io::Result<Arc<AsyncFd<OwnedFd>>> {
+pub fn open(path: &std::path::Path) -> std::io::Result<OwnedFd> {
     use std::os::unix::fs::OpenOptionsExt;
     let f = std::fs::OpenOptions::new()
         .read(true)
         .write(true)
         .custom_flags(libc::O_NONBLOCK | libc::O_CLOEXEC)
         .open(path)?;
-    // SAFETY: the OwnedFd stays open for the AsyncFd's whole life (it owns it).
-    Ok(Arc::new(unsafe { AsyncFd::register(OwnedFd::from(f)) }?))
+    Ok(OwnedFd::from(f))
 }
 
 /// True while the host side of the port is connected.
-pub fn host_connected(fd: &AsyncFd<OwnedFd>) -> bool {
-    let mut p = libc::pollfd { fd: fd.get_ref().as_raw_fd(), events: libc::POLLIN | libc::POLLOUT, revents: 0 };
+pub fn host_connected(fd: &OwnedFd) -> bool {
+    let mut p = libc::pollfd { fd: fd.as_raw_fd(), events: libc::POLLIN | libc::POLLOUT, revents: 0 };
     let n = unsafe { libc::poll(&mut p, 1, 0) };
     n >= 0 && p.revents & libc::POLLHUP == 0
 }
 
+/// Wait for the host's `HELLO <nonce>` line, discarding anything before it (bytes of an
+/// earlier session), and answer `READY <nonce>`.
+pub async fn await_hello(io: &mut PortStream) -> std::io::Result<()> {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut line = Vec::with_capacity(64);
+    loop {
+        let mut b = [0u8; 1];
+        if io.read(&mut b).await? == 0 {
+            return Err(std::io::ErrorKind::UnexpectedEof.into());
+        }
+        if b[0] != b'\n' {
+            line.push(b[0]);
+            if line.len() > airlock_proto::SESSION_LINE_MAX {
+                line.clear();
+            }
+            continue;
+        }
+        let text = String::from_utf8_lossy(&line).to_string();
+        line.clear();
+        let Some(pos) = text.find(airlock_proto::SESSION_HELLO) else { continue };
+        let nonce = &text[pos + airlock_proto::SESSION_HELLO.len()..];
+        if nonce.is_empty() || !nonce.chars().all(|c| c.is_ascii_alphanumeric()) {
+            continue;
+        }
+        io.write_all(format!("{}{nonce}\n", airlock_proto::SESSION_READY).as_bytes()).await?;
+        return Ok(());
+    }
+}
+
 /// One host session over the shared port.
-pub struct PortStream(pub Arc<AsyncFd<OwnedFd>>);
+///
+/// Each session registers its own duplicate of the port fd: once the host hangs up, tokio keeps
+/// the "closed" readiness of a registration forever, so a registration must not outlive its
+/// session. A hang-up seen mid-session ends the session (EOF) instead of spinning on EAGAIN.
+pub struct PortStream(Arc<AsyncFd<OwnedFd>>);
+
+impl PortStream {
+    pub fn new(port: &OwnedFd) -> std::io::Result<Self> {
+        let dup = port.try_clone()?;
+        // SAFETY: the AsyncFd owns the duplicate for its whole life.
+        Ok(Self(Arc::new(unsafe { AsyncFd::register(dup) }?)))
+    }
+}
 
 impl AsyncRead for PortStream {
     fn poll_read(self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &mut ReadBuf<'_>) -> Poll<std::io::Result<()>> {
         loop {
             let mut guard = ready!(self.0.poll_read_ready(cx))?;
+            let hung_up = guard.ready().is_read_closed();
             let unfilled = buf.initialize_unfilled();
             match guard.try_io(|inner| {
                 let n = unsafe { libc::read(inner.get_ref().as_raw_fd(), unfilled.as_mut_ptr().cast(), unfilled.len()) };
@@ -62,6 +103,7 @@ impl AsyncRead for PortStream {
                     return Poll::Ready(Ok(()));
                 }
                 Ok(Err(e)) => return Poll::Ready(Err(e)),
+                Err(_would_block) if hung_up => return Poll::Ready(Ok(())),
                 Err(_would_block) => continue,
             }
         }
@@ -72,6 +114,7 @@ impl AsyncWrite for PortStream {
     fn poll_write(self: Pin<&mut Self>, cx: &mut Context<'_>, data: &[u8]) -> Poll<std::io::Result<usize>> {
         loop {
             let mut guard = ready!(self.0.poll_write_ready(cx))?;
+            let hung_up = guard.ready().is_write_closed();
             match guard.try_io(|inner| {
                 let n = unsafe { libc::write(inner.get_ref().as_raw_fd(), data.as_ptr().cast(), data.len()) };
                 if n < 0 {
@@ -81,6 +124,7 @@ impl AsyncWrite for PortStream {
                 }
             }) {
                 Ok(r) => return Poll::Ready(r),
+                Err(_would_block) if hung_up => return Poll::Ready(Err(std::io::ErrorKind::BrokenPipe.into())),
                 Err(_would_block) => continue,
             }
         }

@@ -63,7 +63,20 @@ async fn serve() {
         while !channel::host_connected(&port) {
             tokio::time::sleep(Duration::from_millis(5)).await;
         }
-        let io = hyper_util::rt::TokioIo::new(channel::PortStream(port.clone()));
+        let mut stream = match channel::PortStream::new(&port) {
+            Ok(s) => s,
+            Err(e) => boot::fatal(&format!("register the agent port: {e}")),
+        };
+        match channel::await_hello(&mut stream).await {
+            Ok(()) => {}
+            Err(e) => {
+                if e.kind() != std::io::ErrorKind::UnexpectedEof {
+                    eprintln!("airlock-agent: session start: {e}");
+                }
+                continue;
+            }
+        }
+        let io = hyper_util::rt::TokioIo::new(stream);
         let agent = agent.clone();
         let svc = hyper::service::service_fn(move |req| server::handle(agent.clone(), req));
         let conn = hyper::server::conn::http2::Builder::new(hyper_util::rt::TokioExecutor::new())
@@ -72,7 +85,7 @@ async fn serve() {
             .max_frame_size(256 << 10)
             .serve_connection(io, svc);
         if let Err(e) = conn.await {
-            eprintln!("airlock-agent: host session ended: {e}");
+            eprintln!("airlock-agent: host session ended: {e:?}");
         }
     }
 }

@@ -243,7 +243,7 @@ impl Processes {
         }
         cmd.envs(&spec.env);
 
-        let (uid, gid, groups) = (user.uid, user.gid, user.groups.clone());
+        let (uid, gid, groups): (u32, u32, Vec<libc::gid_t>) = (user.uid, user.gid, user.groups.clone());
         let want_pty = spec.pty.clone();
         let mut pty_master: Option<OwnedFd> = None;
         if let Some(size) = &want_pty {
@@ -270,14 +270,16 @@ impl Processes {
                 if with_tty && libc::ioctl(0, libc::TIOCSCTTY, 0) < 0 {
                     return Err(std::io::Error::last_os_error());
                 }
-                let gids: Vec<libc::gid_t> = groups.clone();
-                if libc::setgroups(gids.len(), gids.as_ptr()) < 0 {
+                // Groups, then gid, then uid: after setuid there is no privilege left to drop.
+                if libc::setgroups(groups.len(), groups.as_ptr()) < 0
+                    || libc::setgid(gid) < 0
+                    || libc::setuid(uid) < 0
+                {
                     return Err(std::io::Error::last_os_error());
                 }
                 Ok(())
             });
         }
-        cmd.uid(uid).gid(gid);
 
         // Spawn and register under the table lock, so the reaper cannot see the pid first.
         let mut table = self.table.lock().unwrap();

@@ -13,6 +13,15 @@ use std::collections::BTreeMap;
 
 /// Name of the virtio-serial port the agent listens on (guest sees `/dev/virtio-ports/<name>`).
 pub const AGENT_PORT_NAME: &str = "airlock.agent";
+/// Session start, before HTTP/2: the host writes `HELLO <nonce>\n`, the agent answers
+/// `READY <nonce>\n`, and HTTP/2 begins. Each side discards whatever came before, so a new host
+/// connection resynchronizes even if a previous session died mid-frame (the virtio-serial port
+/// carries both sessions' bytes and the guest may not notice a quick disconnect/reconnect).
+pub const SESSION_HELLO: &str = "AIRLOCK-HELLO ";
+pub const SESSION_READY: &str = "AIRLOCK-READY ";
+/// Longest line either side scans for before giving up on it.
+pub const SESSION_LINE_MAX: usize = 256;
+
 /// Agent protocol version, bumped on incompatible changes.
 pub const PROTOCOL_VERSION: u32 = 1;
 

@@ -1,0 +1,405 @@
+//! Sandboxes on this node: create (overlay + VM + agent ready), find, re-attach after a restart,
+//! delete, and clean up after a VMM that died on its own.
+
+use crate::agent::AgentClient;
+use crate::datadir::{random_hex, write_atomic, DataDir, FileLock};
+use crate::error::{Result, RuntimeError};
+use crate::qemu::QemuVmm;
+use crate::template::{Template, TemplateStore};
+use crate::vmm::{wait_exit, Accel, VmHandle, VmSpec, Vmm};
+use airlock_proto::frame::EventKind;
+use airlock_proto::{ExitStatus, ProcessSpec};
+use futures_util::StreamExt;
+use serde::{Deserialize, Serialize};
+use std::collections::HashMap;
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant, SystemTime};
+
+pub const MIN_MEMORY_MIB: u32 = 128;
+pub const MAX_DISK_MIB: u32 = 1 << 20;
+
+#[derive(Debug, Clone, Copy, Serialize, Deserialize, PartialEq, Eq)]
+pub struct Resources {
+    pub vcpu: u32,
+    pub memory_mib: u32,
+    pub disk_mib: u32,
+}
+
+impl Default for Resources {
+    fn default() -> Self {
+        Self { vcpu: 1, memory_mib: 512, disk_mib: 2048 }
+    }
+}
+
+impl Resources {
+    /// Check against the host and the template; the message names the field and the bound.
+    pub fn validate(&self, template: &Template) -> Result<()> {
+        let host_cpus = std::thread::available_parallelism().map(|n| n.get() as u32).unwrap_or(1);
+        let host_mem_mib = host_memory_mib();
+        let min_disk = template.manifest.rootfs_bytes.div_ceil(1 << 20) as u32;
+        let bad = |m: String| Err(RuntimeError::InvalidResources(m));
+        if self.vcpu == 0 || self.vcpu > host_cpus {
+            return bad(format!("vcpu must be between 1 and {host_cpus} (this host's CPUs), got {}", self.vcpu));
+        }
+        if self.memory_mib < MIN_MEMORY_MIB {
+            return bad(format!(
+                "memory_mib must be at least {MIN_MEMORY_MIB} (the guest kernel needs it), got {}",
+                self.memory_mib
+            ));
+        }
+        if self.memory_mib > host_mem_mib {
+            return bad(format!("memory_mib must be at most {host_mem_mib} (this host's memory), got {}", self.memory_mib));
+        }
+        if self.disk_mib < min_disk {
+            return bad(format!(
+                "disk_mib must be at least {min_disk} (the size of template {}'s image), got {}",
+                template.manifest.name, self.disk_mib
+            ));
+        }
+        if self.disk_mib > MAX_DISK_MIB {
+            return bad(format!("disk_mib must be at most {MAX_DISK_MIB}, got {}", self.disk_mib));
+        }
+        Ok(())
+    }
+}
+
+fn host_memory_mib() -> u32 {
+    let info = std::fs::read_to_string("/proc/meminfo").unwrap_or_default();
+    info.lines()
+        .find(|l| l.starts_with("MemTotal:"))
+        .and_then(|l| l.split_whitespace().nth(1)?.parse::<u64>().ok())
+        .map(|kib| (kib / 1024) as u32)
+        .unwrap_or(u32::MAX)
+}
+
+/// What a sandbox is, as recorded in `<dir>/sandbox.json` (so a restarted server can re-attach).
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
+pub struct SandboxRecord {
+    pub id: String,
+    pub template: String,
+    pub template_digest: String,
+    pub runtime: String,
+    pub accel: Accel,
+    pub resources: Resources,
+    /// RFC 3339.
+    pub created_at: String,
+}
+
+pub struct Sandbox {
+    pub record: SandboxRecord,
+    pub vm: VmHandle,
+    agent: tokio::sync::Mutex<AgentClient>,
+    deleting: AtomicBool,
+}
+
+/// Collected result of a command run to completion.
+#[derive(Debug, Clone)]
+pub struct Output {
+    pub stdout: Vec<u8>,
+    pub stderr: Vec<u8>,
+    pub exit: ExitStatus,
+}
+
+impl Sandbox {
+    pub fn id(&self) -> &str {
+        &self.record.id
+    }
+
+    /// The agent session, reconnected if the channel dropped (e.g. after a server restart).
+    pub async fn agent(&self) -> Result<AgentClient> {
+        let mut guard = self.agent.lock().await;
+        if guard.is_closed() {
+            let (client, _) = AgentClient::connect_ready(&self.vm.agent_socket, Duration::from_secs(10)).await?;
+            *guard = client;
+        }
+        Ok(guard.clone())
+    }
+
+    /// Run a command to completion and collect its output (tests, CLI, benchmarks).
+    pub async fn run(&self, spec: ProcessSpec) -> Result<Output> {
+        let agent = self.agent().await?;
+        let info = agent.spawn(&spec).await?;
+        let mut events = Box::pin(agent.events(info.id, 0).await?);
+        let (mut stdout, mut stderr) = (Vec::new(), Vec::new());
+        while let Some(ev) = events.next().await {
+            match ev?.kind {
+                EventKind::Stdout(b) => stdout.extend_from_slice(&b),
+                EventKind::Stderr(b) => stderr.extend_from_slice(&b),
+                EventKind::Exit(exit) => return Ok(Output { stdout, stderr, exit }),
+            }
+        }
+        Err(RuntimeError::Agent(crate::agent::AgentError::Protocol("event stream ended before the exit".into())))
+    }
+}
+
+pub struct RuntimeOptions {
+    pub data_dir: PathBuf,
+    /// Force an accelerator instead of probing (`AIRLOCK_ACCEL=kvm|tcg` does the same).
+    pub accel: Option<Accel>,
+    /// How long a guest may take from VMM start to agent ready.
+    pub boot_timeout: Duration,
+    /// QEMU binary (default: `AIRLOCK_QEMU`, else `qemu-system-x86_64` on PATH).
+    pub qemu: Option<PathBuf>,
+}
+
+impl RuntimeOptions {
+    pub fn new(data_dir: impl Into<PathBuf>) -> Self {
+        Self { data_dir: data_dir.into(), accel: None, boot_timeout: Duration::from_secs(90), qemu: None }
+    }
+}
+
+struct Inner {
+    _lock: FileLock,
+    data: DataDir,
+    templates: TemplateStore,
+    vmm: Arc<dyn Vmm>,
+    forced_accel: Option<Accel>,
+    accel: tokio::sync::OnceCell<Accel>,
+    boot_timeout: Duration,
+    sandboxes: Mutex<HashMap<String, Arc<Sandbox>>>,
+}
+
+/// The node runtime. Cheap to clone.
+#[derive(Clone)]
+pub struct Runtime {
+    inner: Arc<Inner>,
+}
+
+#[derive(Debug, Clone)]
+pub struct CreateSandbox {
+    pub template: String,
+    pub resources: Resources,
+}
+
+impl Runtime {
+    /// Open the data dir, find QEMU, and re-attach to (or clean up after) existing sandboxes.
+    pub async fn open(opts: RuntimeOptions) -> Result<Self> {
+        let data = DataDir::open(&opts.data_dir)?;
+        let vmm: Arc<dyn Vmm> = Arc::new(QemuVmm::locate(opts.qemu.as_deref())?);
+        // One runtime per data dir: a second one would adopt (and fight over) the same VMs.
+        let lock = FileLock::try_acquire(&data.root().join("runtime.lock"))?.ok_or_else(|| {
+            RuntimeError::DataDirInUse(data.root().display().to_string())
+        })?;
+        let forced_accel = opts.accel.or_else(|| match std::env::var("AIRLOCK_ACCEL").as_deref() {
+            Ok("kvm") => Some(Accel::Kvm),
+            Ok("tcg") => Some(Accel::Tcg),
+            _ => None,
+        });
+        let rt = Self {
+            inner: Arc::new(Inner {
+                _lock: lock,
+                templates: TemplateStore::new(data.clone()),
+                data,
+                vmm,
+                forced_accel,
+                accel: tokio::sync::OnceCell::new(),
+                boot_timeout: opts.boot_timeout,
+                sandboxes: Mutex::new(HashMap::new()),
+            }),
+        };
+        rt.reconcile().await;
+        Ok(rt)
+    }
+
+    pub fn data_dir(&self) -> &DataDir {
+        &self.inner.data
+    }
+
+    pub fn templates(&self) -> &TemplateStore {
+        &self.inner.templates
+    }
+
+    pub fn runtime_name(&self) -> &'static str {
+        self.inner.vmm.name()
+    }
+
+    /// Sandbox dirs left from an earlier process: re-attach live VMs, remove the rest.
+    async fn reconcile(&self) {
+        let entries: Vec<_> = std::fs::read_dir(self.inner.data.sandboxes()).into_iter().flatten().flatten().collect();
+        for entry in entries {
+            let dir = entry.path();
+            let record: Option<SandboxRecord> =
+                std::fs::read(dir.join("sandbox.json")).ok().and_then(|b| serde_json::from_slice(&b).ok());
+            let vm = VmHandle::load(&dir);
+            match (record, vm) {
+                (Some(record), Some(vm)) if self.inner.vmm.is_running(&vm) => {
+                    match AgentClient::connect_ready(&vm.agent_socket, Duration::from_secs(10)).await {
+                        Ok((client, _)) => {
+                            tracing::info!(id = %record.id, pid = vm.pid, "re-attached to running sandbox");
+                            self.adopt(record, vm, client);
+                        }
+                        Err(e) => {
+                            tracing::warn!(id = %record.id, "running VM's agent does not answer ({e}); removing it");
+                            let _ = self.inner.vmm.stop(&vm, Duration::from_secs(2)).await;
+                            let _ = std::fs::remove_dir_all(&dir);
+                        }
+                    }
+                }
+                (_, vm) => {
+                    if let Some(vm) = vm.filter(|vm| self.inner.vmm.is_running(vm)) {
+                        let _ = self.inner.vmm.stop(&vm, Duration::from_secs(2)).await;
+                    }
+                    tracing::info!("removing leftovers of sandbox {}", dir.display());
+                    let _ = std::fs::remove_dir_all(&dir);
+                }
+            }
+        }
+    }
+
+    fn adopt(&self, record: SandboxRecord, vm: VmHandle, client: AgentClient) -> Arc<Sandbox> {
+        let sb = Arc::new(Sandbox {
+            record,
+            vm,
+            agent: tokio::sync::Mutex::new(client),
+            deleting: AtomicBool::new(false),
+        });
+        self.inner.sandboxes.lock().unwrap().insert(sb.id().to_string(), sb.clone());
+        self.watch_vmm(sb.clone());
+        sb
+    }
+
+    /// When the VMM dies on its own (crash, `kill -9`), remove everything the sandbox had.
+    fn watch_vmm(&self, sb: Arc<Sandbox>) {
+        let rt = self.clone();
+        tokio::spawn(async move {
+            while !wait_exit(sb.vm.pid, Duration::from_secs(3600)).await {}
+            if sb.deleting.load(Ordering::SeqCst) {
+                return;
+            }
+            tracing::warn!(id = %sb.id(), pid = sb.vm.pid, "VMM exited on its own; cleaning up the sandbox");
+            rt.inner.sandboxes.lock().unwrap().remove(sb.id());
+            let _ = std::fs::remove_dir_all(&sb.vm.dir);
+        });
+    }
+
+    /// The accelerator sandboxes use: forced, cached, or found by booting a KVM probe guest once.
+    pub async fn accel(&self) -> Accel {
+        if let Some(a) = self.inner.forced_accel {
+            return a;
+        }
+        *self.inner.accel.get_or_init(|| self.detect_accel()).await
+    }
+
+    async fn detect_accel(&self) -> Accel {
+        let kvm_usable = std::fs::OpenOptions::new().read(true).write(true).open("/dev/kvm").is_ok();
+        if !kvm_usable {
+            tracing::info!("accel: tcg (no usable /dev/kvm)");
+            return Accel::Tcg;
+        }
+        let Ok(template) = self.inner.templates.resolve(crate::template::SEED) else {
+            tracing::info!("accel: tcg for now (no seed template to probe KVM with)");
+            return Accel::Tcg;
+        };
+        let key = format!(
+            "{}|{}|{}",
+            std::fs::read_to_string("/proc/sys/kernel/osrelease").unwrap_or_default().trim(),
+            template.manifest.kernel_version,
+            self.inner.vmm.name()
+        );
+        let cache = self.inner.data.accel_cache();
+        if let Some(cached) = std::fs::read(&cache)
+            .ok()
+            .and_then(|b| serde_json::from_slice::<serde_json::Value>(&b).ok())
+            .filter(|v| v["key"] == key)
+            .and_then(|v| serde_json::from_value::<Accel>(v["accel"].clone()).ok())
+        {
+            tracing::info!("accel: {cached} (cached probe verdict)");
+            return cached;
+        }
+        let started = Instant::now();
+        let verdict = match self.boot(&template, Resources { vcpu: 1, memory_mib: 256, disk_mib: 0 }, Accel::Kvm, Duration::from_secs(10)).await {
+            Ok(sb) => {
+                let _ = self.delete(sb.id()).await;
+                Accel::Kvm
+            }
+            Err(e) => {
+                tracing::info!("KVM probe guest did not come up ({e})");
+                Accel::Tcg
+            }
+        };
+        tracing::info!("accel: {verdict} (probed in {:.1}s)", started.elapsed().as_secs_f64());
+        let _ = write_atomic(&cache, serde_json::json!({ "key": key, "accel": verdict }).to_string().as_bytes());
+        verdict
+    }
+
+    pub async fn create(&self, req: CreateSandbox) -> Result<Arc<Sandbox>> {
+        let template = self.inner.templates.resolve(&req.template)?;
+        req.resources.validate(&template)?;
+        let accel = self.accel().await;
+        self.boot(&template, req.resources, accel, self.inner.boot_timeout).await
+    }
+
+    async fn boot(&self, template: &Template, resources: Resources, accel: Accel, limit: Duration) -> Result<Arc<Sandbox>> {
+        let id = random_hex(10);
+        let dir = self.inner.data.sandboxes().join(&id);
+        std::fs::create_dir_all(&dir).map_err(|e| RuntimeError::io(&dir, e))?;
+        let min_disk = template.manifest.rootfs_bytes.div_ceil(1 << 20) as u32;
+        let resources = Resources { disk_mib: resources.disk_mib.max(min_disk), ..resources };
+        let record = SandboxRecord {
+            id: id.clone(),
+            template: template.manifest.name.clone(),
+            template_digest: template.manifest.digest.clone(),
+            runtime: self.inner.vmm.name().into(),
+            accel,
+            resources,
+            created_at: humantime::format_rfc3339_millis(SystemTime::now()).to_string(),
+        };
+        let result = async {
+            write_atomic(&dir.join("sandbox.json"), &serde_json::to_vec_pretty(&record).expect("serializable"))?;
+            let spec = VmSpec {
+                id: id.clone(),
+                dir: dir.clone(),
+                kernel: template.kernel(),
+                initrd: template.initrd(),
+                rootfs: template.rootfs(),
+                vcpu: resources.vcpu,
+                memory_mib: resources.memory_mib,
+                disk_mib: resources.disk_mib,
+                accel,
+            };
+            let vm = self.inner.vmm.start(&spec).await?;
+            let ready = AgentClient::connect_ready(&vm.agent_socket, limit);
+            let died = async { while !wait_exit(vm.pid, Duration::from_secs(3600)).await {} };
+            let failed = |reason: String| RuntimeError::BootFailed { id: id.clone(), reason };
+            tokio::select! {
+                r = ready => r
+                    .map(|(client, _health)| (vm.clone(), client))
+                    .map_err(|e| failed(format!("{e}; console:\n{}", vm.console_tail(12)))),
+                _ = died => Err(failed(format!("the VMM exited during boot; console:\n{}", vm.console_tail(12)))),
+            }
+        }
+        .await;
+        match result {
+            Ok((vm, client)) => Ok(self.adopt(record, vm, client)),
+            Err(e) => {
+                if let Some(vm) = VmHandle::load(&dir) {
+                    let _ = self.inner.vmm.stop(&vm, Duration::from_secs(2)).await;
+                }
+                let _ = std::fs::remove_dir_all(&dir);
+                Err(e)
+            }
+        }
+    }
+
+    pub fn get(&self, id: &str) -> Result<Arc<Sandbox>> {
+        self.inner.sandboxes.lock().unwrap().get(id).cloned().ok_or_else(|| RuntimeError::UnknownSandbox(id.into()))
+    }
+
+    pub fn list(&self) -> Vec<Arc<Sandbox>> {
+        let mut v: Vec<_> = self.inner.sandboxes.lock().unwrap().values().cloned().collect();
+        v.sort_by(|a, b| a.record.created_at.cmp(&b.record.created_at));
+        v
+    }
+
+    /// Stop the VM and remove its dir (overlay, sockets, logs). Unknown ids are an error.
+    pub async fn delete(&self, id: &str) -> Result<()> {
+        let sb = self.get(id)?;
+        sb.deleting.store(true, Ordering::SeqCst);
+        let stopped = self.inner.vmm.stop(&sb.vm, Duration::from_secs(5)).await;
+        self.inner.sandboxes.lock().unwrap().remove(id);
+        std::fs::remove_dir_all(&sb.vm.dir).map_err(|e| RuntimeError::io(&sb.vm.dir, e))?;
+        stopped
+    }
+}

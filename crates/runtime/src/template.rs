@@ -1,0 +1,744 @@
+//! Templates: a kernel, an initramfs and an ext4 root filesystem, stored by content digest.
+//!
+//! `seed` is built here from Debian packages in layers, so a change costs what it should:
+//! - the kernel package is fetched with `apt-get download` and unpacked once per version;
+//! - the debootstrap base (tens of seconds) is cached by its recipe;
+//! - the agent + image assembly (`mkfs.ext4 -d`, about a second) is redone when the agent changes.
+//! A rebuild happens only when the recipe digest changes.
+
+use crate::datadir::{random_hex, write_atomic, DataDir, FileLock};
+use crate::error::{Result, RuntimeError};
+use serde::{Deserialize, Serialize};
+use sha2::{Digest, Sha256};
+use std::collections::{BTreeMap, BTreeSet};
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::time::{Instant, SystemTime};
+
+pub const SEED: &str = "seed";
+/// Bumped when the assembly steps change in a way the recipe fields do not show.
+const BUILDER_VERSION: u32 = 1;
+const KERNEL_META_PACKAGE: &str = "linux-image-cloud-amd64";
+/// Guest kernel modules the initramfs loads (Debian builds them as modules; ext4 is built in).
+const GUEST_MODULES: &[&str] =
+    &["virtio_mmio", "virtio_blk", "virtio_console", "virtio_rng", "virtio_net", "virtio_balloon"];
+const SEED_PACKAGES: &[&str] = &["python3", "procps", "sudo", "ca-certificates", "less"];
+const KERNEL_FILE: &str = "vmlinuz";
+const INITRD_FILE: &str = "initrd.img";
+const ROOTFS_FILE: &str = "rootfs.ext4";
+
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
+pub struct TemplateManifest {
+    pub name: String,
+    /// `sha256:<hex>` over the kernel, initramfs and rootfs digests.
+    pub digest: String,
+    pub kernel_version: String,
+    /// RFC 3339.
+    pub built_at: String,
+    /// Bytes of kernel + initramfs + rootfs image.
+    pub size_bytes: u64,
+    /// Size of the root filesystem image; a sandbox disk may not be smaller.
+    pub rootfs_bytes: u64,
+    pub recipe_digest: String,
+    pub recipe: SeedRecipe,
+}
+
+/// Everything that decides what the seed image contains.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
+pub struct SeedRecipe {
+    pub suite: String,
+    pub variant: String,
+    pub packages: Vec<String>,
+    pub mirror: String,
+    pub kernel_package: String,
+    pub modules: Vec<String>,
+    pub agent_sha256: String,
+    pub builder_version: u32,
+}
+
+impl SeedRecipe {
+    fn digest(&self) -> String {
+        sha256_hex(&serde_json::to_vec(self).expect("serializable"))
+    }
+    /// The debootstrap layer depends only on these fields.
+    fn base_key(&self) -> String {
+        let key = serde_json::json!([self.suite, self.variant, self.packages, self.mirror, BUILDER_VERSION]);
+        sha256_hex(key.to_string().as_bytes())[..16].to_string()
+    }
+}
+
+/// A resolved template on disk.
+#[derive(Debug, Clone)]
+pub struct Template {
+    pub manifest: TemplateManifest,
+    pub dir: PathBuf,
+}
+
+impl Template {
+    pub fn kernel(&self) -> PathBuf {
+        self.dir.join(KERNEL_FILE)
+    }
+    pub fn initrd(&self) -> PathBuf {
+        self.dir.join(INITRD_FILE)
+    }
+    pub fn rootfs(&self) -> PathBuf {
+        self.dir.join(ROOTFS_FILE)
+    }
+}
+
+#[derive(Debug, Clone, Default)]
+pub struct BuildOptions {
+    /// Debian mirror; default: the one in the host's apt sources.
+    pub mirror: Option<String>,
+    /// Statically linked guest agent; default: found next to the airlock binary.
+    pub agent: Option<PathBuf>,
+    /// Draw a progress display on the terminal.
+    pub progress: bool,
+    /// Rebuild even when the recipe is unchanged.
+    pub force: bool,
+}
+
+pub struct TemplateStore {
+    data: DataDir,
+}
+
+fn sha256_hex(data: &[u8]) -> String {
+    hex::encode(Sha256::digest(data))
+}
+
+fn sha256_file(path: &Path) -> Result<String> {
+    use std::io::Read;
+    let mut f = std::fs::File::open(path).map_err(|e| RuntimeError::io(path, e))?;
+    let mut h = Sha256::new();
+    let mut buf = vec![0u8; 1 << 20];
+    loop {
+        let n = f.read(&mut buf).map_err(|e| RuntimeError::io(path, e))?;
+        if n == 0 {
+            break;
+        }
+        h.update(&buf[..n]);
+    }
+    Ok(hex::encode(h.finalize()))
+}
+
+/// Split `name[:tag]`; only the `latest` tag exists today.
+pub fn parse_reference(reference: &str) -> Result<(String, Option<String>)> {
+    let bad = || RuntimeError::UnknownTemplate(reference.to_string());
+    if let Some(hex) = reference.strip_prefix("sha256:") {
+        if hex.len() < 12 || !hex.chars().all(|c| c.is_ascii_hexdigit()) {
+            return Err(bad());
+        }
+        return Ok((String::new(), Some(hex.to_ascii_lowercase())));
+    }
+    let (name, tag) = reference.split_once(':').unwrap_or((reference, "latest"));
+    let valid = !name.is_empty()
+        && name.len() <= 64
+        && name.chars().all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '-' || c == '_' || c == '.');
+    if !valid || tag != "latest" {
+        return Err(bad());
+    }
+    Ok((name.to_string(), None))
+}
+
+impl TemplateStore {
+    pub fn new(data: DataDir) -> Self {
+        Self { data }
+    }
+
+    fn manifest_path(&self, name: &str) -> PathBuf {
+        self.data.templates().join(format!("{name}.json"))
+    }
+
+    fn load(&self, name: &str) -> Option<Template> {
+        let text = std::fs::read(self.manifest_path(name)).ok()?;
+        let manifest: TemplateManifest = serde_json::from_slice(&text).ok()?;
+        let dir = self.data.blobs().join(manifest.digest.trim_start_matches("sha256:"));
+        let t = Template { manifest, dir };
+        (t.kernel().exists() && t.initrd().exists() && t.rootfs().exists()).then_some(t)
+    }
+
+    pub fn list(&self) -> Vec<TemplateManifest> {
+        let mut out: Vec<TemplateManifest> = std::fs::read_dir(self.data.templates())
+            .into_iter()
+            .flatten()
+            .flatten()
+            .filter_map(|e| e.file_name().to_str()?.strip_suffix(".json").map(String::from))
+            .filter_map(|name| self.load(&name).map(|t| t.manifest))
+            .collect();
+        out.sort_by(|a, b| a.name.cmp(&b.name));
+        out
+    }
+
+    /// `seed`, `seed:latest` or `sha256:<hex prefix>`.
+    pub fn resolve(&self, reference: &str) -> Result<Template> {
+        let (name, digest) = parse_reference(reference)?;
+        let found = match digest {
+            None => self.load(&name),
+            Some(hex) => self
+                .list()
+                .into_iter()
+                .find(|m| m.digest.trim_start_matches("sha256:").starts_with(&hex))
+                .and_then(|m| self.load(&m.name)),
+        };
+        found.ok_or_else(|| RuntimeError::UnknownTemplate(reference.to_string()))
+    }
+
+    pub fn exists(&self, name: &str) -> bool {
+        self.load(name).is_some()
+    }
+
+    /// Build `seed` unless its recipe is unchanged. Returns the template and whether it was built.
+    pub fn build_seed(&self, opts: &BuildOptions) -> Result<(Template, bool)> {
+        let progress = Progress::new(opts.progress);
+        let _lock = FileLock::acquire(&self.data.templates().join(".build.lock"))?;
+
+        progress.step("resolving the recipe");
+        let agent = match &opts.agent {
+            Some(p) => p.clone(),
+            None => locate_agent()?,
+        };
+        check_static(&agent)?;
+        let mirror = match &opts.mirror {
+            Some(m) => m.clone(),
+            None => host_mirror()?,
+        };
+        let kernel_package = resolve_kernel_package()?;
+        let recipe = SeedRecipe {
+            suite: "bookworm".into(),
+            variant: "minbase".into(),
+            packages: SEED_PACKAGES.iter().map(|s| s.to_string()).collect(),
+            mirror,
+            kernel_package,
+            modules: GUEST_MODULES.iter().map(|s| s.to_string()).collect(),
+            agent_sha256: sha256_file(&agent)?,
+            builder_version: BUILDER_VERSION,
+        };
+        let recipe_digest = recipe.digest();
+        if !opts.force {
+            if let Some(t) = self.load(SEED).filter(|t| t.manifest.recipe_digest == recipe_digest) {
+                progress.finish(&format!("seed is up to date ({})", short(&t.manifest.digest)));
+                return Ok((t, false));
+            }
+        }
+
+        progress.step(&format!("fetching kernel package {}", recipe.kernel_package));
+        let kernel_dir = self.fetch_kernel(&recipe.kernel_package)?;
+        let kernel_version = kernel_version_of(&kernel_dir)?;
+
+        progress.step("debootstrap base (cached by recipe)");
+        let base = self.debootstrap_base(&recipe, &progress)?;
+
+        let work = self.data.cache().join(format!("assemble-{}", random_hex(6)));
+        let result = self.assemble(&recipe, &recipe_digest, &agent, &kernel_dir, &kernel_version, &base, &work, &progress);
+        let _ = std::fs::remove_dir_all(&work);
+        let t = result?;
+        progress.finish(&format!(
+            "built seed {} ({} MiB, kernel {})",
+            short(&t.manifest.digest),
+            t.manifest.size_bytes >> 20,
+            t.manifest.kernel_version
+        ));
+        Ok((t, true))
+    }
+
+    fn fetch_kernel(&self, package: &str) -> Result<PathBuf> {
+        let dir = self.data.cache().join("kernel").join(package.replace('=', "_"));
+        if dir.join("boot").is_dir() {
+            return Ok(dir);
+        }
+        let dl = self.data.cache().join(format!("kernel-dl-{}", random_hex(4)));
+        std::fs::create_dir_all(&dl).map_err(|e| RuntimeError::io(&dl, e))?;
+        let res = (|| {
+            run(Command::new("apt-get").arg("download").arg(package).current_dir(&dl), "apt-get download")?;
+            let deb = std::fs::read_dir(&dl)
+                .map_err(|e| RuntimeError::io(&dl, e))?
+                .flatten()
+                .map(|e| e.path())
+                .find(|p| p.extension().is_some_and(|x| x == "deb"))
+                .ok_or_else(|| RuntimeError::TemplateBuild(format!("apt-get download {package} produced no .deb")))?;
+            let unpack = dl.join("x");
+            run(Command::new("dpkg-deb").arg("-x").arg(&deb).arg(&unpack), "dpkg-deb -x")?;
+            std::fs::create_dir_all(dir.parent().expect("has parent")).map_err(|e| RuntimeError::io(&dir, e))?;
+            std::fs::rename(&unpack, &dir).map_err(|e| RuntimeError::io(&dir, e))
+        })();
+        let _ = std::fs::remove_dir_all(&dl);
+        res.map(|_| dir)
+    }
+
+    fn debootstrap_base(&self, recipe: &SeedRecipe, progress: &Progress) -> Result<PathBuf> {
+        let base = self.data.cache().join(format!("base-{}", recipe.base_key()));
+        if base.join(".complete").exists() {
+            return Ok(base);
+        }
+        let _ = std::fs::remove_dir_all(&base);
+        let tmp = self.data.cache().join(format!("base-tmp-{}", random_hex(4)));
+        let log = self.data.cache().join("debootstrap.log");
+        let res = (|| {
+            let started = Instant::now();
+            let mut cmd = Command::new("debootstrap");
+            cmd.arg(format!("--variant={}", recipe.variant))
+                .arg(format!("--include={}", recipe.packages.join(",")))
+                .arg(&recipe.suite)
+                .arg(&tmp)
+                .arg(&recipe.mirror);
+            run_logged(&mut cmd, &log, "debootstrap", progress)?;
+            tracing::info!("debootstrap took {:.1}s", started.elapsed().as_secs_f64());
+            customize_base(&tmp)?;
+            std::fs::write(tmp.join(".complete"), b"").map_err(|e| RuntimeError::io(&tmp, e))?;
+            std::fs::rename(&tmp, &base).map_err(|e| RuntimeError::io(&base, e))
+        })();
+        if res.is_err() {
+            let _ = std::fs::remove_dir_all(&tmp);
+        }
+        res.map(|_| base)
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn assemble(
+        &self,
+        recipe: &SeedRecipe,
+        recipe_digest: &str,
+        agent: &Path,
+        kernel_dir: &Path,
+        kernel_version: &str,
+        base: &Path,
+        work: &Path,
+        progress: &Progress,
+    ) -> Result<Template> {
+        progress.step("assembling the root filesystem");
+        let out = work.join("out");
+        let rootfs = work.join("rootfs");
+        std::fs::create_dir_all(&out).map_err(|e| RuntimeError::io(&out, e))?;
+        run(Command::new("cp").arg("-a").arg(base).arg(&rootfs), "cp -a base")?;
+        let _ = std::fs::remove_file(rootfs.join(".complete"));
+        install_file(agent, &rootfs.join("usr/sbin/airlock-agent"), 0o755)?;
+        std::fs::write(rootfs.join("etc/airlock-template"), format!("seed {recipe_digest}\n"))
+            .map_err(|e| RuntimeError::io(&rootfs, e))?;
+
+        progress.step("writing the ext4 image");
+        let used = dir_bytes(&rootfs)?;
+        // Headroom for ext4 metadata and a little free space; sandboxes grow it to disk_mib.
+        let image_mib = (used * 13 / 10 >> 20) + 64;
+        let image = out.join(ROOTFS_FILE);
+        run(
+            Command::new("mkfs.ext4")
+                .args(["-q", "-F", "-L", "airlock-root", "-m", "0", "-b", "4096", "-d"])
+                .arg(&rootfs)
+                .arg(&image)
+                .arg(format!("{image_mib}M")),
+            "mkfs.ext4",
+        )?;
+
+        progress.step("building the initramfs");
+        let modules_root = kernel_dir.join("lib/modules").join(kernel_version);
+        let modules = resolve_modules(&modules_root, &recipe.modules)?;
+        build_initramfs(agent, &modules, &work.join("initramfs"), &out.join(INITRD_FILE))?;
+        let vmlinuz = kernel_dir.join("boot").join(format!("vmlinuz-{kernel_version}"));
+        install_file(&vmlinuz, &out.join(KERNEL_FILE), 0o644)?;
+
+        progress.step("computing the digest");
+        let mut h = Sha256::new();
+        let mut size = 0;
+        for f in [KERNEL_FILE, INITRD_FILE, ROOTFS_FILE] {
+            let p = out.join(f);
+            h.update(sha256_file(&p)?.as_bytes());
+            size += std::fs::metadata(&p).map_err(|e| RuntimeError::io(&p, e))?.len();
+        }
+        let hex = hex::encode(h.finalize());
+        let dir = self.data.blobs().join(&hex);
+        if !dir.exists() {
+            std::fs::rename(&out, &dir).map_err(|e| RuntimeError::io(&dir, e))?;
+        }
+        let manifest = TemplateManifest {
+            name: SEED.into(),
+            digest: format!("sha256:{hex}"),
+            kernel_version: kernel_version.into(),
+            built_at: humantime::format_rfc3339_seconds(SystemTime::now()).to_string(),
+            size_bytes: size,
+            rootfs_bytes: std::fs::metadata(dir.join(ROOTFS_FILE)).map(|m| m.len()).unwrap_or(0),
+            recipe_digest: recipe_digest.into(),
+            recipe: recipe.clone(),
+        };
+        let old = self.load(SEED);
+        write_atomic(&self.manifest_path(SEED), &serde_json::to_vec_pretty(&manifest).expect("serializable"))?;
+        // The previous image stays while sandboxes may use it; unreferenced blobs are pruned
+        // when no sandbox dir mentions them (see `prune_blobs`).
+        if let Some(old) = old.filter(|o| o.dir != dir) {
+            tracing::info!("seed replaced {} -> {}", short(&old.manifest.digest), short(&manifest.digest));
+        }
+        Ok(Template { manifest, dir })
+    }
+
+    /// Remove template blobs that no manifest names and no sandbox uses.
+    pub fn prune_blobs(&self, in_use: &BTreeSet<String>) {
+        let named: BTreeSet<String> =
+            self.list().into_iter().map(|m| m.digest.trim_start_matches("sha256:").to_string()).collect();
+        for entry in std::fs::read_dir(self.data.blobs()).into_iter().flatten().flatten() {
+            let name = entry.file_name().to_string_lossy().to_string();
+            if !named.contains(&name) && !in_use.contains(&name) {
+                let _ = std::fs::remove_dir_all(entry.path());
+            }
+        }
+    }
+}
+
+fn short(digest: &str) -> String {
+    digest.chars().take(19).collect()
+}
+
+/// Extra steps on the fresh debootstrap: the `user` account, hosts, and slimming.
+fn customize_base(root: &Path) -> Result<()> {
+    run(
+        Command::new("chroot").arg(root).args(["useradd", "-m", "-s", "/bin/bash", "-G", "sudo", "user"]),
+        "useradd user",
+    )?;
+    let w = |rel: &str, text: &str| {
+        let p = root.join(rel);
+        std::fs::write(&p, text).map_err(|e| RuntimeError::io(&p, e))
+    };
+    w("etc/sudoers.d/user", "user ALL=(ALL) NOPASSWD:ALL\n")?;
+    w("etc/hosts", "127.0.0.1 localhost\n::1 localhost ip6-localhost ip6-loopback\n")?;
+    w("etc/resolv.conf", "")?;
+    for dir in ["usr/share/doc", "usr/share/man", "usr/share/info", "var/cache/apt/archives", "var/lib/apt/lists"] {
+        let p = root.join(dir);
+        for e in std::fs::read_dir(&p).into_iter().flatten().flatten() {
+            if e.path().is_dir() {
+                let _ = std::fs::remove_dir_all(e.path());
+            } else {
+                let _ = std::fs::remove_file(e.path());
+            }
+        }
+    }
+    let _ = std::fs::create_dir_all(root.join("var/lib/apt/lists/partial"));
+    let _ = std::fs::create_dir_all(root.join("var/cache/apt/archives/partial"));
+    Ok(())
+}
+
+fn install_file(src: &Path, dst: &Path, mode: u32) -> Result<()> {
+    use std::os::unix::fs::PermissionsExt;
+    if let Some(parent) = dst.parent() {
+        std::fs::create_dir_all(parent).map_err(|e| RuntimeError::io(parent, e))?;
+    }
+    let _ = std::fs::remove_file(dst); // never write through a hard link into a cached layer
+    std::fs::copy(src, dst).map_err(|e| RuntimeError::io(src, e))?;
+    std::fs::set_permissions(dst, std::fs::Permissions::from_mode(mode)).map_err(|e| RuntimeError::io(dst, e))
+}
+
+fn dir_bytes(dir: &Path) -> Result<u64> {
+    let out = Command::new("du").arg("-sb").arg(dir).output().map_err(|e| RuntimeError::io("du", e))?;
+    String::from_utf8_lossy(&out.stdout)
+        .split_whitespace()
+        .next()
+        .and_then(|n| n.parse().ok())
+        .ok_or_else(|| RuntimeError::TemplateBuild(format!("du -sb {} failed", dir.display())))
+}
+
+fn run(cmd: &mut Command, what: &str) -> Result<()> {
+    let out = cmd.output().map_err(|e| match e.kind() {
+        std::io::ErrorKind::NotFound => RuntimeError::TemplateBuild(format!(
+            "{what}: command not found; run scripts/install-host-deps as root"
+        )),
+        _ => RuntimeError::TemplateBuild(format!("{what}: {e}")),
+    })?;
+    if !out.status.success() {
+        let err = String::from_utf8_lossy(&out.stderr);
+        let tail: Vec<&str> = err.lines().rev().take(8).collect();
+        return Err(RuntimeError::TemplateBuild(format!(
+            "{what} failed ({}): {}",
+            out.status,
+            tail.into_iter().rev().collect::<Vec<_>>().join(" | ")
+        )));
+    }
+    Ok(())
+}
+
+/// Run a long step with its output in a log file, showing the latest line as progress.
+fn run_logged(cmd: &mut Command, log: &Path, what: &str, progress: &Progress) -> Result<()> {
+    use std::io::BufRead;
+    let file = std::fs::File::create(log).map_err(|e| RuntimeError::io(log, e))?;
+    let mut child = cmd
+        .stdout(std::process::Stdio::piped())
+        .stderr(file)
+        .spawn()
+        .map_err(|e| RuntimeError::TemplateBuild(format!("{what}: {e}; run scripts/install-host-deps as root")))?;
+    let stdout = child.stdout.take().expect("piped");
+    let mut lines = Vec::new();
+    for line in std::io::BufReader::new(stdout).lines().map_while(|l| l.ok()) {
+        progress.detail(&line);
+        lines.push(line);
+    }
+    let status = child.wait().map_err(|e| RuntimeError::TemplateBuild(format!("{what}: {e}")))?;
+    if !status.success() {
+        let errs = std::fs::read_to_string(log).unwrap_or_default();
+        let tail: Vec<&str> = lines.iter().map(String::as_str).chain(errs.lines()).collect();
+        let tail = tail[tail.len().saturating_sub(6)..].join(" | ");
+        return Err(RuntimeError::TemplateBuild(format!("{what} failed ({status}): {tail} (log: {})", log.display())));
+    }
+    Ok(())
+}
+
+/// The Debian mirror configured on this host (deb822 sources first, then sources.list).
+pub fn host_mirror() -> Result<String> {
+    if let Ok(m) = std::env::var("AIRLOCK_DEBIAN_MIRROR") {
+        return Ok(m);
+    }
+    let deb822 = std::fs::read_to_string("/etc/apt/sources.list.d/debian.sources").unwrap_or_default();
+    let legacy = std::fs::read_to_string("/etc/apt/sources.list").unwrap_or_default();
+    mirror_from_sources(&deb822, &legacy).ok_or_else(|| {
+        RuntimeError::TemplateBuild(
+            "no Debian mirror in /etc/apt/sources.list.d/debian.sources; pass --mirror or set AIRLOCK_DEBIAN_MIRROR".into(),
+        )
+    })
+}
+
+pub fn mirror_from_sources(deb822: &str, legacy: &str) -> Option<String> {
+    let from_deb822 = deb822.lines().filter_map(|l| l.strip_prefix("URIs:")).flat_map(str::split_whitespace).find(|u| !u.contains("security"));
+    let from_legacy = || {
+        legacy.lines().map(str::split_whitespace).find_map(|mut f| {
+            (f.next() == Some("deb")).then(|| f.find(|w| w.contains("://"))).flatten().filter(|u| !u.contains("security"))
+        })
+    };
+    from_deb822.or_else(from_legacy).map(String::from)
+}
+
+/// The concrete kernel package behind the cloud meta-package, as `name=version`.
+fn resolve_kernel_package() -> Result<String> {
+    let out = Command::new("apt-cache")
+        .args(["depends", KERNEL_META_PACKAGE])
+        .output()
+        .map_err(|e| RuntimeError::TemplateBuild(format!("apt-cache: {e}")))?;
+    let text = String::from_utf8_lossy(&out.stdout);
+    let name = text
+        .lines()
+        .find_map(|l| l.trim().strip_prefix("Depends: "))
+        .map(str::trim)
+        .filter(|n| n.starts_with("linux-image-"))
+        .ok_or_else(|| {
+            RuntimeError::TemplateBuild(format!(
+                "apt knows no {KERNEL_META_PACKAGE}; run `apt-get update` (scripts/install-host-deps does)"
+            ))
+        })?;
+    let policy = Command::new("apt-cache").args(["policy", name]).output().map_err(|e| RuntimeError::io("apt-cache", e))?;
+    let version = String::from_utf8_lossy(&policy.stdout)
+        .lines()
+        .find_map(|l| l.trim().strip_prefix("Candidate: ").map(str::to_string))
+        .filter(|v| v != "(none)")
+        .ok_or_else(|| RuntimeError::TemplateBuild(format!("no candidate version of {name}")))?;
+    Ok(format!("{name}={version}"))
+}
+
+fn kernel_version_of(kernel_dir: &Path) -> Result<String> {
+    let modules = kernel_dir.join("lib/modules");
+    std::fs::read_dir(&modules)
+        .map_err(|e| RuntimeError::io(&modules, e))?
+        .flatten()
+        .map(|e| e.file_name().to_string_lossy().to_string())
+        .next()
+        .ok_or_else(|| RuntimeError::TemplateBuild(format!("no modules in {}", modules.display())))
+}
+
+fn check_static(agent: &Path) -> Result<()> {
+    let bytes = std::fs::read(agent).map_err(|e| {
+        RuntimeError::TemplateBuild(format!("guest agent {}: {e}; build it with scripts/build", agent.display()))
+    })?;
+    let head = &bytes[..bytes.len().min(4096)];
+    if head.windows(14).any(|w| w == b"/lib64/ld-linu") {
+        return Err(RuntimeError::TemplateBuild(format!(
+            "guest agent {} is dynamically linked; build it with scripts/build (static)",
+            agent.display()
+        )));
+    }
+    Ok(())
+}
+
+/// The statically linked guest agent: `AIRLOCK_AGENT_BIN`, or next to this binary, or in the
+/// cargo target dir the binary was built in.
+pub fn locate_agent() -> Result<PathBuf> {
+    if let Some(p) = std::env::var_os("AIRLOCK_AGENT_BIN") {
+        return Ok(PathBuf::from(p));
+    }
+    let exe = std::env::current_exe().map_err(|e| RuntimeError::io("current_exe", e))?;
+    let mut candidates = Vec::new();
+    for dir in exe.ancestors().skip(1).take(4) {
+        candidates.push(dir.join("airlock-agent"));
+        candidates.push(dir.join("x86_64-unknown-linux-gnu/release/airlock-agent"));
+    }
+    candidates.push(PathBuf::from("/usr/lib/airlock/airlock-agent"));
+    candidates.into_iter().find(|p| p.is_file() && check_static(p).is_ok()).ok_or_else(|| {
+        RuntimeError::TemplateBuild(
+            "guest agent binary not found; build it with scripts/build or set AIRLOCK_AGENT_BIN".into(),
+        )
+    })
+}
+
+/// Module files for `wanted` and their dependencies, in load order (dependencies first).
+pub fn resolve_modules(modules_root: &Path, wanted: &[String]) -> Result<Vec<PathBuf>> {
+    let mut by_name: BTreeMap<String, PathBuf> = BTreeMap::new();
+    let mut stack = vec![modules_root.join("kernel")];
+    while let Some(dir) = stack.pop() {
+        for e in std::fs::read_dir(&dir).map_err(|e| RuntimeError::io(&dir, e))?.flatten() {
+            let p = e.path();
+            if p.is_dir() {
+                stack.push(p);
+            } else if let Some(stem) = p.file_name().and_then(|n| n.to_str()).and_then(|n| n.strip_suffix(".ko")) {
+                by_name.insert(stem.replace('-', "_"), p);
+            }
+        }
+    }
+    let builtin = std::fs::read_to_string(modules_root.join("modules.builtin")).unwrap_or_default();
+    let builtin: BTreeSet<String> = builtin
+        .lines()
+        .filter_map(|l| l.rsplit('/').next()?.strip_suffix(".ko").map(|n| n.replace('-', "_")))
+        .collect();
+    let deps_of = |name: &str| -> Result<Vec<String>> {
+        let path = &by_name[name];
+        let bytes = std::fs::read(path).map_err(|e| RuntimeError::io(path, e))?;
+        Ok(module_depends(&bytes))
+    };
+    let mut order = Vec::new();
+    let mut seen = BTreeSet::new();
+    fn visit(
+        name: &str,
+        by_name: &BTreeMap<String, PathBuf>,
+        builtin: &BTreeSet<String>,
+        deps_of: &dyn Fn(&str) -> Result<Vec<String>>,
+        seen: &mut BTreeSet<String>,
+        order: &mut Vec<PathBuf>,
+    ) -> Result<()> {
+        let name = name.replace('-', "_");
+        if builtin.contains(&name) || !seen.insert(name.clone()) {
+            return Ok(());
+        }
+        if !by_name.contains_key(&name) {
+            return Err(RuntimeError::TemplateBuild(format!("kernel module {name} not found")));
+        }
+        for d in deps_of(&name)? {
+            visit(&d, by_name, builtin, deps_of, seen, order)?;
+        }
+        order.push(by_name[&name].clone());
+        Ok(())
+    }
+    for w in wanted {
+        visit(w, &by_name, &builtin, &deps_of, &mut seen, &mut order)?;
+    }
+    Ok(order)
+}
+
+/// The `depends=` entry of a module's `.modinfo` section.
+pub fn module_depends(ko: &[u8]) -> Vec<String> {
+    let key = b"depends=";
+    let Some(pos) = ko.windows(key.len()).position(|w| w == key) else { return Vec::new() };
+    let rest = &ko[pos + key.len()..];
+    let end = rest.iter().position(|b| *b == 0).unwrap_or(rest.len());
+    String::from_utf8_lossy(&rest[..end]).split(',').filter(|s| !s.is_empty()).map(String::from).collect()
+}
+
+fn build_initramfs(agent: &Path, modules: &[PathBuf], staging: &Path, out: &Path) -> Result<()> {
+    for d in ["dev", "proc", "sys", "newroot", "lib/modules"] {
+        std::fs::create_dir_all(staging.join(d)).map_err(|e| RuntimeError::io(staging, e))?;
+    }
+    install_file(agent, &staging.join("init"), 0o755)?;
+    std::fs::write(staging.join("airlock-initramfs"), b"").map_err(|e| RuntimeError::io(staging, e))?;
+    let mut list = String::new();
+    for m in modules {
+        let name = m.file_name().expect("module file").to_string_lossy().to_string();
+        install_file(m, &staging.join("lib/modules").join(&name), 0o644)?;
+        list.push_str(&format!("/lib/modules/{name}\n"));
+    }
+    std::fs::write(staging.join("modules.list"), list).map_err(|e| RuntimeError::io(staging, e))?;
+    // Uncompressed: under TCG, decompressing costs more boot time than reading a few MB.
+    let script = format!(
+        "cd '{}' && find . | LC_ALL=C sort | cpio -o -H newc --quiet > '{}'",
+        staging.display(),
+        out.display()
+    );
+    run(Command::new("sh").arg("-c").arg(script), "cpio")
+}
+
+/// Step display for long builds: a spinner on a terminal, log lines otherwise.
+struct Progress {
+    bar: Option<indicatif::ProgressBar>,
+    started: Instant,
+}
+
+impl Progress {
+    fn new(enabled: bool) -> Self {
+        let bar = enabled.then(|| {
+            let b = indicatif::ProgressBar::new_spinner();
+            b.set_style(
+                indicatif::ProgressStyle::with_template("{spinner} [{elapsed}] {prefix:.bold} {wide_msg}")
+                    .expect("valid template"),
+            );
+            b.enable_steady_tick(std::time::Duration::from_millis(120));
+            b
+        });
+        Self { bar, started: Instant::now() }
+    }
+    fn step(&self, what: &str) {
+        tracing::info!("template: {what}");
+        if let Some(b) = &self.bar {
+            b.set_prefix(what.to_string());
+            b.set_message("");
+        }
+    }
+    fn detail(&self, line: &str) {
+        if let Some(b) = &self.bar {
+            b.set_message(line.to_string());
+        }
+    }
+    fn finish(&self, msg: &str) {
+        let msg = format!("{msg} in {:.1}s", self.started.elapsed().as_secs_f64());
+        tracing::info!("template: {msg}");
+        match &self.bar {
+            Some(b) => b.finish_with_message(msg),
+            None => eprintln!("{msg}"),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parses_references() {
+        assert_eq!(parse_reference("seed").unwrap(), ("seed".into(), None));
+        assert_eq!(parse_reference("seed:latest").unwrap(), ("seed".into(), None));
+        assert_eq!(parse_reference("sha256:ABCDEF012345").unwrap(), (String::new(), Some("abcdef012345".into())));
+        for bad in ["", "seed:v2", "team/name", "sha256:xyz", "Seed", "../etc"] {
+            assert!(parse_reference(bad).is_err(), "{bad}");
+        }
+    }
+
+    #[test]
+    fn finds_mirror_in_sources() {
+        let deb822 = "Types: deb\nURIs: http://mirror.example/debian\nSuites: bookworm\n\nURIs: http://mirror.example/debian-security\n";
+        assert_eq!(mirror_from_sources(deb822, "").as_deref(), Some("http://mirror.example/debian"));
+        let legacy = "deb http://sec.example/debian-security bookworm-security main\ndeb [arch=amd64] http://m.example/debian bookworm main\n";
+        assert_eq!(mirror_from_sources("", legacy).as_deref(), Some("http://m.example/debian"));
+        assert_eq!(mirror_from_sources("", ""), None);
+    }
+
+    #[test]
+    fn reads_module_depends() {
+        let ko = b"\x7fELF....\0license=GPL\0depends=virtio,virtio_ring\0retpoline=Y\0";
+        assert_eq!(module_depends(ko), vec!["virtio", "virtio_ring"]);
+        assert!(module_depends(b"\0depends=\0").is_empty());
+    }
+
+    #[test]
+    fn orders_modules_dependencies_first() {
+        let d = tempfile::tempdir().unwrap();
+        let k = d.path().join("kernel/drivers");
+        std::fs::create_dir_all(&k).unwrap();
+        std::fs::write(k.join("virtio_ring.ko"), b"\0depends=\0").unwrap();
+        std::fs::write(k.join("virtio.ko"), b"\0depends=virtio_ring\0").unwrap();
+        std::fs::write(k.join("virtio_blk.ko"), b"\0depends=virtio,virtio_ring\0").unwrap();
+        std::fs::write(k.join("virtio-rng.ko"), b"\0depends=virtio,virtio_ring,ext4\0").unwrap();
+        std::fs::write(d.path().join("modules.builtin"), "kernel/fs/ext4/ext4.ko\n").unwrap();
+        let order = resolve_modules(d.path(), &["virtio_blk".into(), "virtio_rng".into()]).unwrap();
+        let names: Vec<_> = order.iter().map(|p| p.file_name().unwrap().to_string_lossy().to_string()).collect();
+        assert_eq!(names, vec!["virtio_ring.ko", "virtio.ko", "virtio_blk.ko", "virtio-rng.ko"]);
+        assert!(resolve_modules(d.path(), &["nope".into()]).is_err());
+    }
+}

@@ -1,0 +1,66 @@
+//! A VM outlives the process that started it, and a new runtime re-attaches to it.
+//!
+//! The parent re-runs this test binary as a child that creates a sandbox and exits without
+//! deleting it; the parent then opens the same data dir and finds the VM running and usable.
+
+mod common;
+
+use airlock_runtime::vmm::pid_alive;
+use airlock_runtime::{CreateSandbox, Runtime, RuntimeOptions};
+use common::*;
+
+const CHILD_ENV: &str = "AIRLOCK_REATTACH_CHILD";
+
+#[test]
+fn child_creates_sandbox_and_exits() {
+    if std::env::var_os(CHILD_ENV).is_none() {
+        return; // only meaningful when started by `vm_survives_its_creator_and_is_reattached`
+    }
+    block_on(async {
+        let rt = Runtime::open(RuntimeOptions::new(test_data_dir())).await.unwrap();
+        let sb = rt.create(CreateSandbox { template: "seed".into(), resources: small() }).await.unwrap();
+        sb.agent().await.unwrap().write_file("/home/user/note.txt", None, &b"written before the restart"[..]).await.unwrap();
+        println!("SANDBOX_ID={} PID={}", sb.id(), sb.vm.pid);
+    });
+}
+
+#[test]
+fn vm_survives_its_creator_and_is_reattached() {
+    // Make sure the template exists (built or found up to date) before the child needs it.
+    build_template();
+    let out = std::process::Command::new(std::env::current_exe().unwrap())
+        .args(["--exact", "child_creates_sandbox_and_exits", "--nocapture", "--test-threads=1"])
+        .env(CHILD_ENV, "1")
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "child failed: {stdout}\n{}", String::from_utf8_lossy(&out.stderr));
+    let line = stdout.split("SANDBOX_ID=").nth(1).expect("child printed the id");
+    let mut parts = line.split_whitespace();
+    let id = parts.next().unwrap().to_string();
+    let pid: u32 = parts.next().unwrap().trim_start_matches("PID=").parse().unwrap();
+    assert!(pid_alive(pid), "the VM died with the process that started it");
+
+    block_on(async {
+        let rt = Runtime::open(RuntimeOptions::new(test_data_dir())).await.unwrap();
+        let sb = rt.get(&id).expect("re-attached after restart");
+        assert_eq!(sb.vm.pid, pid);
+        let note = sb.agent().await.unwrap().read_file("/home/user/note.txt").await.unwrap();
+        assert_eq!(&note[..], b"written before the restart");
+        let out = sb.run(sh("echo still here")).await.unwrap();
+        assert_eq!(String::from_utf8_lossy(&out.stdout), "still here\n");
+        let dir = sb.vm.dir.clone();
+        drop(sb);
+        rt.delete(&id).await.unwrap();
+        assert!(!pid_alive(pid) && !dir.exists());
+    });
+}
+
+/// Build (or find) the template without keeping a runtime open: the child needs the lock.
+fn build_template() {
+    block_on(async {
+        let data = airlock_runtime::datadir::DataDir::open(test_data_dir()).unwrap();
+        let store = airlock_runtime::template::TemplateStore::new(data);
+        tokio::task::spawn_blocking(move || store.build_seed(&Default::default())).await.unwrap().unwrap();
+    });
+}

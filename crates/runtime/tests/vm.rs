@@ -1,0 +1,419 @@
+//! Real-VM tests of the runtime: every test here boots or uses a QEMU microVM (TCG on hosts
+//! without usable KVM) and talks to the guest agent over the real channel.
+
+mod common;
+
+use airlock_proto::frame::EventKind;
+use airlock_proto::{ErrorCode, ProcessSpec, PtySize, WatchEventKind};
+use airlock_runtime::vmm::pid_alive;
+use airlock_runtime::{CreateSandbox, Resources, RuntimeError};
+use common::*;
+use futures_util::StreamExt;
+use std::collections::BTreeMap;
+use std::time::Duration;
+
+#[test]
+fn echo_prints_and_exits_zero() {
+    let sb = shared();
+    let out = block_on(sb.run(argv(&["echo", "hello from airlock"]))).unwrap();
+    assert_eq!(String::from_utf8_lossy(&out.stdout), "hello from airlock\n");
+    assert_eq!(out.exit.exit_code, Some(0));
+    assert_eq!(out.exit.signal, None);
+    assert!(out.stderr.is_empty());
+}
+
+#[test]
+fn nonzero_exit_codes_are_reported() {
+    let sb = shared();
+    for code in [1, 3, 42, 255] {
+        let out = block_on(sb.run(sh(&format!("exit {code}")))).unwrap();
+        assert_eq!(out.exit.exit_code, Some(code));
+    }
+}
+
+#[test]
+fn stderr_is_separate_from_stdout() {
+    let sb = shared();
+    let out = block_on(sb.run(sh("echo out; echo err >&2; echo out2; echo err2 >&2"))).unwrap();
+    assert_eq!(String::from_utf8_lossy(&out.stdout), "out\nout2\n");
+    assert_eq!(String::from_utf8_lossy(&out.stderr), "err\nerr2\n");
+}
+
+#[test]
+fn five_mib_of_stdout_arrives_complete_and_in_order() {
+    let sb = shared();
+    // 655360 lines of 7 digits + newline = exactly 5 MiB
+    let out = block_on(sb.run(argv(&["seq", "-f", "%07g", "0", "655359"]))).unwrap();
+    assert_eq!(out.exit.exit_code, Some(0));
+    assert_eq!(out.stdout.len(), 5 << 20);
+    let expected: String = (0..655360).map(|i| format!("{i:07}\n")).collect();
+    assert!(out.stdout == expected.as_bytes(), "stream differs from the expected sequence");
+}
+
+#[test]
+fn stdin_round_trips_through_cat() {
+    let sb = shared();
+    block_on(async {
+        let agent = sb.agent().await.unwrap();
+        let info = agent.spawn(&ProcessSpec { stdin: true, ..argv(&["cat"]) }).await.unwrap();
+        let payload: Vec<u8> = (0..200_000u32).map(|i| (i % 251) as u8).collect();
+        agent.write_stdin(info.id, payload.clone()).await.unwrap();
+        agent.write_stdin(info.id, &b"tail"[..]).await.unwrap();
+        agent.close_stdin(info.id).await.unwrap();
+        let mut events = Box::pin(agent.events(info.id, 0).await.unwrap());
+        let mut got = Vec::new();
+        let mut last_seq = 0;
+        while let Some(ev) = events.next().await {
+            let ev = ev.unwrap();
+            assert!(ev.seq > last_seq, "sequence numbers increase");
+            last_seq = ev.seq;
+            match ev.kind {
+                EventKind::Stdout(b) => got.extend_from_slice(&b),
+                EventKind::Stderr(b) => panic!("unexpected stderr {b:?}"),
+                EventKind::Exit(e) => assert_eq!(e.exit_code, Some(0)),
+            }
+        }
+        let mut want = payload;
+        want.extend_from_slice(b"tail");
+        assert!(got == want, "cat echoed {} bytes, expected {}", got.len(), want.len());
+    });
+}
+
+#[test]
+fn timeout_kills_the_process_and_says_so() {
+    let sb = shared();
+    let spec = ProcessSpec { timeout_ms: Some(1500), ..sh("echo started; sleep 60; echo never") };
+    let out = block_on(sb.run(spec)).unwrap();
+    assert!(out.exit.timed_out);
+    assert_eq!(out.exit.signal, Some(9));
+    assert_eq!(String::from_utf8_lossy(&out.stdout), "started\n");
+}
+
+#[test]
+fn sigterm_and_sigkill_reach_the_process() {
+    let sb = shared();
+    block_on(async {
+        let agent = sb.agent().await.unwrap();
+        // A TERM handler proves the signal reached the program, not just its session.
+        let trap = sh("trap 'echo got TERM; exit 7' TERM; echo ready; while :; do sleep 0.1; done");
+        let info = agent.spawn(&trap).await.unwrap();
+        let mut events = Box::pin(agent.events(info.id, 0).await.unwrap());
+        let first = events.next().await.unwrap().unwrap();
+        assert_eq!(first.kind, EventKind::Stdout(bytes::Bytes::from_static(b"ready\n")));
+        agent.signal(info.id, 15).await.unwrap();
+        let mut out = Vec::new();
+        let mut exit = None;
+        while let Some(ev) = events.next().await {
+            match ev.unwrap().kind {
+                EventKind::Stdout(b) => out.extend_from_slice(&b),
+                EventKind::Exit(e) => exit = Some(e),
+                _ => {}
+            }
+        }
+        assert_eq!(String::from_utf8_lossy(&out), "got TERM\n");
+        assert_eq!(exit.unwrap().exit_code, Some(7));
+
+        let info = agent.spawn(&argv(&["sleep", "600"])).await.unwrap();
+        agent.signal(info.id, 9).await.unwrap();
+        let mut events = Box::pin(agent.events(info.id, 0).await.unwrap());
+        let mut exit = None;
+        while let Some(ev) = events.next().await {
+            if let EventKind::Exit(e) = ev.unwrap().kind {
+                exit = Some(e);
+            }
+        }
+        let exit = exit.unwrap();
+        assert_eq!((exit.signal, exit.exit_code, exit.timed_out), (Some(9), None, false));
+        // Signalling a finished process is a clear client error.
+        let err = agent.signal(info.id, 15).await.unwrap_err();
+        assert_eq!(err.code(), Some(ErrorCode::InvalidArgument));
+    });
+}
+
+#[test]
+fn cwd_env_and_user_are_honoured() {
+    let sb = shared();
+    let as_user = block_on(sb.run(ProcessSpec { user: Some("user".into()), ..argv(&["id", "-un"]) })).unwrap();
+    assert_eq!(String::from_utf8_lossy(&as_user.stdout), "user\n");
+    let as_root = block_on(sb.run(ProcessSpec { user: Some("root".into()), ..argv(&["id", "-un"]) })).unwrap();
+    assert_eq!(String::from_utf8_lossy(&as_root.stdout), "root\n");
+    let home = block_on(sb.run(ProcessSpec { user: Some("user".into()), ..sh("pwd; echo $HOME") })).unwrap();
+    assert_eq!(String::from_utf8_lossy(&home.stdout), "/home/user\n/home/user\n");
+
+    let mut env = BTreeMap::new();
+    env.insert("GREETING".to_string(), "hi there".to_string());
+    let spec = ProcessSpec { cwd: Some("/tmp".into()), env, ..sh("pwd; echo \"$GREETING\"") };
+    let out = block_on(sb.run(spec)).unwrap();
+    assert_eq!(String::from_utf8_lossy(&out.stdout), "/tmp\nhi there\n");
+
+    // Bad input is a clear error, not a hang.
+    let agent = block_on(sb.agent()).unwrap();
+    for (spec, needle) in [
+        (ProcessSpec { user: Some("nobody-here".into()), ..argv(&["true"]) }, "no user named"),
+        (ProcessSpec { cwd: Some("/does/not/exist".into()), ..argv(&["true"]) }, "does not exist"),
+        (argv(&["/no/such/program"]), "not found"),
+        (argv(&[]), "argv"),
+    ] {
+        let err = block_on(agent.spawn(&spec)).unwrap_err();
+        assert_eq!(err.code(), Some(ErrorCode::InvalidArgument), "{err}");
+        assert!(err.to_string().contains(needle), "{err}");
+    }
+}
+
+#[test]
+fn host_written_binary_file_reads_back_exactly() {
+    let sb = shared();
+    block_on(async {
+        let agent = sb.agent().await.unwrap();
+        let data: Vec<u8> = (0..(10u32 << 20)).map(|i| (i.wrapping_mul(2654435761) >> 13) as u8).collect();
+        let stat = agent.write_file("/home/user/data/blob.bin", Some("user"), data.clone()).await.unwrap();
+        assert_eq!(stat.size, 10 << 20);
+        assert_eq!(stat.owner, "user");
+        let back = agent.read_file("/home/user/data/blob.bin").await.unwrap();
+        assert!(back == data, "read back differs");
+        // The guest sees the same bytes.
+        use sha2::Digest;
+        let want = hex::encode(sha2::Sha256::digest(&data));
+        let out = sb.run(argv(&["sha256sum", "/home/user/data/blob.bin"])).await.unwrap();
+        assert!(String::from_utf8_lossy(&out.stdout).starts_with(&want));
+    });
+}
+
+#[test]
+fn guest_written_file_is_read_by_the_host() {
+    let sb = shared();
+    let out = block_on(sb.run(sh("printf 'line1\\nline2\\n' > /tmp/from-guest.txt; head -c 3000 /dev/urandom > /tmp/rand.bin; sha256sum /tmp/rand.bin"))).unwrap();
+    assert_eq!(out.exit.exit_code, Some(0));
+    let agent = block_on(sb.agent()).unwrap();
+    assert_eq!(&block_on(agent.read_file("/tmp/from-guest.txt")).unwrap()[..], b"line1\nline2\n");
+    let rand = block_on(agent.read_file("/tmp/rand.bin")).unwrap();
+    use sha2::Digest;
+    assert!(String::from_utf8_lossy(&out.stdout).starts_with(&hex::encode(sha2::Sha256::digest(&rand))));
+}
+
+#[test]
+fn file_operations_stat_list_mkdir_rename_remove() {
+    let sb = shared();
+    block_on(async {
+        let a = sb.agent().await.unwrap();
+        let made = a.mkdir("/srv/tree/a/b", None).await.unwrap();
+        assert!(made.created);
+        assert!(!a.mkdir("/srv/tree/a/b", None).await.unwrap().created);
+        a.write_file("/srv/tree/a/one.txt", None, &b"1"[..]).await.unwrap();
+        a.write_file("/srv/tree/a/b/two.txt", None, &b"22"[..]).await.unwrap();
+        let names = |v: Vec<airlock_proto::FileStat>| v.into_iter().map(|s| s.path).collect::<Vec<_>>();
+        assert_eq!(names(a.list("/srv/tree", 1).await.unwrap()), vec!["/srv/tree/a"]);
+        assert_eq!(
+            names(a.list("/srv/tree", 3).await.unwrap()),
+            vec!["/srv/tree/a", "/srv/tree/a/b", "/srv/tree/a/b/two.txt", "/srv/tree/a/one.txt"]
+        );
+        let st = a.rename("/srv/tree/a/one.txt", "/srv/tree/moved/one.txt").await.unwrap();
+        assert_eq!((st.size, st.kind), (1, airlock_proto::FileKind::File));
+        assert_eq!(a.stat("/srv/tree/a/one.txt").await.unwrap_err().code(), Some(ErrorCode::NotFound));
+        a.remove("/srv/tree").await.unwrap();
+        assert_eq!(a.stat("/srv/tree").await.unwrap_err().code(), Some(ErrorCode::NotFound));
+        assert_eq!(a.read_file("/nope").await.unwrap_err().code(), Some(ErrorCode::NotFound));
+        assert_eq!(a.read_file("relative").await.unwrap_err().code(), Some(ErrorCode::InvalidArgument));
+        assert_eq!(a.list("/etc/hostname", 1).await.unwrap_err().code(), Some(ErrorCode::NotADirectory));
+    });
+}
+
+#[test]
+fn watch_reports_create_write_rename_remove_recursively() {
+    let sb = shared();
+    block_on(async {
+        let a = sb.agent().await.unwrap();
+        a.mkdir("/home/user/watched/sub", None).await.unwrap();
+        let mut events = Box::pin(a.watch("/home/user/watched", true).await.unwrap());
+        sb.run(sh("cd /home/user/watched && echo x > f.txt && echo more >> f.txt && mv f.txt g.txt && rm g.txt && echo y > sub/deep.txt"))
+            .await
+            .unwrap();
+        let mut seen = Vec::new();
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
+        while !seen.iter().any(|(k, p): &(WatchEventKind, String)| *k == WatchEventKind::Create && p.ends_with("sub/deep.txt")) {
+            let ev = tokio::time::timeout_at(deadline, events.next()).await.expect("watch events arrive").unwrap().unwrap();
+            seen.push((ev.kind, ev.path));
+        }
+        let has = |k: WatchEventKind, suffix: &str| seen.iter().any(|(kk, p)| *kk == k && p.ends_with(suffix));
+        assert!(has(WatchEventKind::Create, "/watched/f.txt"), "{seen:?}");
+        assert!(has(WatchEventKind::Write, "/watched/f.txt"), "{seen:?}");
+        assert!(has(WatchEventKind::Rename, "/watched/g.txt") || has(WatchEventKind::Rename, "/watched/f.txt"), "{seen:?}");
+        assert!(has(WatchEventKind::Remove, "/watched/g.txt"), "{seen:?}");
+        assert_eq!(a.watch("/no/such/dir", false).await.err().unwrap().code(), Some(ErrorCode::NotFound));
+    });
+}
+
+#[test]
+fn pty_runs_a_shell_and_resizes() {
+    let sb = shared();
+    block_on(async {
+        let a = sb.agent().await.unwrap();
+        let mut env = BTreeMap::new();
+        env.insert("PS1".to_string(), "READY> ".to_string());
+        let spec = ProcessSpec {
+            pty: Some(PtySize { cols: 80, rows: 24 }),
+            env,
+            ..argv(&["/bin/bash", "--norc", "--noprofile", "-i"])
+        };
+        let info = a.spawn(&spec).await.unwrap();
+        assert!(info.pty);
+        let mut events = Box::pin(a.events(info.id, 0).await.unwrap());
+        let mut out = Vec::new();
+        let mut exit = None;
+        // Type only at a prompt, the way a person would.
+        let mut prompts_seen = 0;
+        let script: [&[u8]; 2] = [b"stty size; echo tty=$(tty)\n", b"stty size; exit 3\n"];
+        while let Some(ev) = tokio::time::timeout(Duration::from_secs(30), events.next()).await.unwrap() {
+            match ev.unwrap().kind {
+                EventKind::Stdout(b) => out.extend_from_slice(&b),
+                EventKind::Stderr(_) => panic!("a pty merges stderr into stdout"),
+                EventKind::Exit(e) => exit = Some(e),
+            }
+            let prompts = String::from_utf8_lossy(&out).matches("READY> ").count();
+            if prompts > prompts_seen && prompts_seen < script.len() {
+                if prompts_seen == 1 {
+                    a.resize(info.id, PtySize { cols: 132, rows: 50 }).await.unwrap();
+                }
+                a.write_stdin(info.id, script[prompts_seen]).await.unwrap();
+                prompts_seen = prompts;
+            }
+        }
+        let text = String::from_utf8_lossy(&out);
+        assert!(text.contains("24 80"), "{text}");
+        assert!(text.contains("tty=/dev/pts/"), "{text}");
+        assert!(text.contains("50 132"), "{text}");
+        assert_eq!(exit.unwrap().exit_code, Some(3));
+    });
+}
+
+#[test]
+fn processes_can_be_listed_and_reconnected_by_id() {
+    let sb = shared();
+    block_on(async {
+        let a = sb.agent().await.unwrap();
+        let info = a.spawn(&sh("for i in 1 2 3 4 5; do echo line$i; sleep 0.2; done")).await.unwrap();
+        assert!(a.processes().await.unwrap().iter().any(|p| p.id == info.id));
+        // First reader takes two events and goes away.
+        let mut first = Box::pin(a.events(info.id, 0).await.unwrap());
+        let e1 = first.next().await.unwrap().unwrap();
+        let e2 = first.next().await.unwrap().unwrap();
+        drop(first);
+        // A new reader resumes after the last seen seq, without loss or duplicates.
+        let mut rest = Box::pin(a.events(info.id, e2.seq).await.unwrap());
+        let mut out = Vec::new();
+        for e in [&e1, &e2] {
+            if let EventKind::Stdout(d) = &e.kind {
+                out.extend_from_slice(d);
+            }
+        }
+        while let Some(ev) = rest.next().await {
+            if let EventKind::Stdout(d) = ev.unwrap().kind {
+                out.extend_from_slice(&d);
+            }
+        }
+        assert_eq!(String::from_utf8_lossy(&out), "line1\nline2\nline3\nline4\nline5\n");
+        // Finished processes stay readable for a reconnect.
+        let done = a.process(info.id).await.unwrap();
+        assert_eq!(done.state, airlock_proto::ProcessState::Exited);
+        assert_eq!(done.exit.unwrap().exit_code, Some(0));
+        assert_eq!(a.process(999_999).await.unwrap_err().code(), Some(ErrorCode::NotFound));
+    });
+}
+
+#[test]
+fn metrics_and_health_report_the_guest() {
+    let sb = shared();
+    let a = block_on(sb.agent()).unwrap();
+    let h = block_on(a.health()).unwrap();
+    assert_eq!(h.protocol, airlock_proto::PROTOCOL_VERSION);
+    let m = block_on(a.metrics()).unwrap();
+    assert_eq!(m.cpu_count, 1);
+    assert!(m.mem_total_bytes > 150 << 20 && m.mem_total_bytes <= 256 << 20, "{m:?}");
+    assert!(m.mem_used_bytes > 0 && m.mem_used_bytes < m.mem_total_bytes);
+    // The root fs was grown online to the 1024 MiB disk.
+    assert!(m.disk_total_bytes > 900 << 20, "{m:?}");
+    assert!(m.disk_used_bytes > 100 << 20);
+    assert!((0.0..=100.0).contains(&m.cpu_used_pct));
+}
+
+#[test]
+fn sandboxes_from_one_template_are_isolated() {
+    let (a, b) = (create(), shared());
+    block_on(async {
+        let aa = a.agent().await.unwrap();
+        aa.write_file("/home/user/secret.txt", None, &b"only in a"[..]).await.unwrap();
+        let out = a.run(sh("echo a-was-here > /etc/marker")).await.unwrap();
+        assert_eq!(out.exit.exit_code, Some(0));
+        let bb = b.agent().await.unwrap();
+        assert_eq!(bb.stat("/home/user/secret.txt").await.unwrap_err().code(), Some(ErrorCode::NotFound));
+        assert_eq!(bb.stat("/etc/marker").await.unwrap_err().code(), Some(ErrorCode::NotFound));
+        assert_ne!(aa.health().await.unwrap().boot_id, bb.health().await.unwrap().boot_id);
+        let host_a = a.run(argv(&["hostname"])).await.unwrap();
+        assert_eq!(String::from_utf8_lossy(&host_a.stdout).trim(), a.id());
+        runtime().delete(a.id()).await.unwrap();
+    });
+}
+
+#[test]
+fn delete_leaves_nothing_behind() {
+    let rt = runtime();
+    let sb = create();
+    let (pid, dir) = (sb.vm.pid, sb.vm.dir.clone());
+    assert!(pid_alive(pid) && dir.join("disk.qcow2").exists() && sb.vm.agent_socket.exists());
+    block_on(rt.delete(sb.id())).unwrap();
+    assert!(!pid_alive(pid), "QEMU {pid} still runs");
+    assert!(!dir.exists(), "{} still exists", dir.display());
+    assert!(matches!(rt.get(sb.id()), Err(RuntimeError::UnknownSandbox(_))));
+    assert!(matches!(block_on(rt.delete(sb.id())), Err(RuntimeError::UnknownSandbox(_))));
+}
+
+#[test]
+fn killed_vmm_is_cleaned_up() {
+    let rt = runtime();
+    let sb = create();
+    let (pid, dir, id) = (sb.vm.pid, sb.vm.dir.clone(), sb.id().to_string());
+    drop(sb);
+    nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid as i32), nix::sys::signal::Signal::SIGKILL).unwrap();
+    let gone = block_on(async {
+        for _ in 0..100 {
+            if !dir.exists() && rt.get(&id).is_err() && !pid_alive(pid) {
+                return true;
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        false
+    });
+    assert!(gone, "after kill -9: dir exists={} pid alive={}", dir.exists(), pid_alive(pid));
+    assert!(!std::path::Path::new(&format!("/proc/{pid}")).exists(), "QEMU {pid} left as a zombie");
+}
+
+#[test]
+fn resources_are_honoured_and_validated() {
+    let rt = runtime();
+    let sb = block_on(rt.create(CreateSandbox {
+        template: "seed".into(),
+        resources: Resources { vcpu: 2, memory_mib: 384, disk_mib: 3000 },
+    }))
+    .unwrap();
+    let out = block_on(sb.run(sh("nproc; awk '/MemTotal/ {print $2}' /proc/meminfo; df -m / | awk 'NR==2 {print $2}'"))).unwrap();
+    let text = String::from_utf8_lossy(&out.stdout).to_string();
+    let v: Vec<u64> = text.lines().map(|l| l.trim().parse().unwrap()).collect();
+    assert_eq!(v[0], 2, "{text}");
+    assert!(v[1] > 300 * 1024 && v[1] <= 384 * 1024, "{text}");
+    assert!(v[2] > 2700 && v[2] <= 3000, "{text}");
+    block_on(rt.delete(sb.id())).unwrap();
+
+    let bad = |r: Resources| match block_on(rt.create(CreateSandbox { template: "seed".into(), resources: r })) {
+        Err(RuntimeError::InvalidResources(m)) => m,
+        Err(e) => panic!("wrong error {e}"),
+        Ok(_) => panic!("accepted {r:?}"),
+    };
+    assert!(bad(Resources { vcpu: 0, ..small() }).contains("vcpu must be between 1"));
+    assert!(bad(Resources { vcpu: 4096, ..small() }).contains("vcpu"));
+    assert!(bad(Resources { memory_mib: 32, ..small() }).contains("memory_mib must be at least 128"));
+    assert!(bad(Resources { disk_mib: 16, ..small() }).contains("disk_mib must be at least"));
+    match block_on(rt.create(CreateSandbox { template: "nonexistent".into(), resources: small() })) {
+        Err(e @ RuntimeError::UnknownTemplate(_)) => assert!(e.to_string().contains("airlock template ls")),
+        other => panic!("expected unknown template, got {:?}", other.err()),
+    }
+}
