@@ -1,5 +1,8 @@
 //! Real-VM tests of the runtime: every test here boots or uses a QEMU microVM (TCG on hosts
 //! without usable KVM) and talks to the guest agent over the real channel.
+//!
+//! A custom main (libtest-mimic, same CLI and output as libtest) so the sandboxes the tests
+//! share are deleted when the run ends: VMs outlive the process that started them by design.
 
 mod common;
 
@@ -8,11 +11,11 @@ use airlock_proto::{ErrorCode, ProcessSpec, PtySize, WatchEventKind};
 use airlock_runtime::vmm::pid_alive;
 use airlock_runtime::{CreateSandbox, Resources, RuntimeError};
 use common::*;
+use libtest_mimic::Trial;
 use futures_util::StreamExt;
 use std::collections::BTreeMap;
 use std::time::Duration;
 
-#[test]
 fn echo_prints_and_exits_zero() {
     let sb = shared();
     let out = block_on(sb.run(argv(&["echo", "hello from airlock"]))).unwrap();
@@ -22,7 +25,6 @@ fn echo_prints_and_exits_zero() {
     assert!(out.stderr.is_empty());
 }
 
-#[test]
 fn nonzero_exit_codes_are_reported() {
     let sb = shared();
     for code in [1, 3, 42, 255] {
@@ -31,7 +33,6 @@ fn nonzero_exit_codes_are_reported() {
     }
 }
 
-#[test]
 fn stderr_is_separate_from_stdout() {
     let sb = shared();
     let out = block_on(sb.run(sh("echo out; echo err >&2; echo out2; echo err2 >&2"))).unwrap();
@@ -39,7 +40,6 @@ fn stderr_is_separate_from_stdout() {
     assert_eq!(String::from_utf8_lossy(&out.stderr), "err\nerr2\n");
 }
 
-#[test]
 fn five_mib_of_stdout_arrives_complete_and_in_order() {
     let sb = shared();
     // 655360 lines of 7 digits + newline = exactly 5 MiB
@@ -50,7 +50,6 @@ fn five_mib_of_stdout_arrives_complete_and_in_order() {
     assert!(out.stdout == expected.as_bytes(), "stream differs from the expected sequence");
 }
 
-#[test]
 fn stdin_round_trips_through_cat() {
     let sb = shared();
     block_on(async {
@@ -79,7 +78,6 @@ fn stdin_round_trips_through_cat() {
     });
 }
 
-#[test]
 fn timeout_kills_the_process_and_says_so() {
     let sb = shared();
     let spec = ProcessSpec { timeout_ms: Some(1500), ..sh("echo started; sleep 60; echo never") };
@@ -89,7 +87,6 @@ fn timeout_kills_the_process_and_says_so() {
     assert_eq!(String::from_utf8_lossy(&out.stdout), "started\n");
 }
 
-#[test]
 fn sigterm_and_sigkill_reach_the_process() {
     let sb = shared();
     block_on(async {
@@ -130,7 +127,6 @@ fn sigterm_and_sigkill_reach_the_process() {
     });
 }
 
-#[test]
 fn cwd_env_and_user_are_honoured() {
     let sb = shared();
     let as_user = block_on(sb.run(ProcessSpec { user: Some("user".into()), ..argv(&["id", "-un"]) })).unwrap();
@@ -160,7 +156,6 @@ fn cwd_env_and_user_are_honoured() {
     }
 }
 
-#[test]
 fn host_written_binary_file_reads_back_exactly() {
     let sb = shared();
     block_on(async {
@@ -179,7 +174,6 @@ fn host_written_binary_file_reads_back_exactly() {
     });
 }
 
-#[test]
 fn guest_written_file_is_read_by_the_host() {
     let sb = shared();
     let out = block_on(sb.run(sh("printf 'line1\\nline2\\n' > /tmp/from-guest.txt; head -c 3000 /dev/urandom > /tmp/rand.bin; sha256sum /tmp/rand.bin"))).unwrap();
@@ -191,7 +185,6 @@ fn guest_written_file_is_read_by_the_host() {
     assert!(String::from_utf8_lossy(&out.stdout).starts_with(&hex::encode(sha2::Sha256::digest(&rand))));
 }
 
-#[test]
 fn file_operations_stat_list_mkdir_rename_remove() {
     let sb = shared();
     block_on(async {
@@ -218,7 +211,6 @@ fn file_operations_stat_list_mkdir_rename_remove() {
     });
 }
 
-#[test]
 fn watch_reports_create_write_rename_remove_recursively() {
     let sb = shared();
     block_on(async {
@@ -243,7 +235,6 @@ fn watch_reports_create_write_rename_remove_recursively() {
     });
 }
 
-#[test]
 fn pty_runs_a_shell_and_resizes() {
     let sb = shared();
     block_on(async {
@@ -286,7 +277,6 @@ fn pty_runs_a_shell_and_resizes() {
     });
 }
 
-#[test]
 fn processes_can_be_listed_and_reconnected_by_id() {
     let sb = shared();
     block_on(async {
@@ -320,7 +310,6 @@ fn processes_can_be_listed_and_reconnected_by_id() {
     });
 }
 
-#[test]
 fn metrics_and_health_report_the_guest() {
     let sb = shared();
     let a = block_on(sb.agent()).unwrap();
@@ -336,7 +325,6 @@ fn metrics_and_health_report_the_guest() {
     assert!((0.0..=100.0).contains(&m.cpu_used_pct));
 }
 
-#[test]
 fn sandboxes_from_one_template_are_isolated() {
     let (a, b) = (create(), shared());
     block_on(async {
@@ -354,7 +342,6 @@ fn sandboxes_from_one_template_are_isolated() {
     });
 }
 
-#[test]
 fn delete_leaves_nothing_behind() {
     let rt = runtime();
     let sb = create();
@@ -367,7 +354,6 @@ fn delete_leaves_nothing_behind() {
     assert!(matches!(block_on(rt.delete(sb.id())), Err(RuntimeError::UnknownSandbox(_))));
 }
 
-#[test]
 fn killed_vmm_is_cleaned_up() {
     let rt = runtime();
     let sb = create();
@@ -387,7 +373,6 @@ fn killed_vmm_is_cleaned_up() {
     assert!(!std::path::Path::new(&format!("/proc/{pid}")).exists(), "QEMU {pid} left as a zombie");
 }
 
-#[test]
 fn resources_are_honoured_and_validated() {
     let rt = runtime();
     let sb = block_on(rt.create(CreateSandbox {
@@ -415,5 +400,52 @@ fn resources_are_honoured_and_validated() {
     match block_on(rt.create(CreateSandbox { template: "nonexistent".into(), resources: small() })) {
         Err(e @ RuntimeError::UnknownTemplate(_)) => assert!(e.to_string().contains("airlock template ls")),
         other => panic!("expected unknown template, got {:?}", other.err()),
+    }
+}
+
+fn catch(f: fn()) -> Result<(), libtest_mimic::Failed> {
+    f();
+    Ok(())
+}
+
+fn main() {
+    let args = libtest_mimic::Arguments::from_args();
+    let tests = vec![
+        Trial::test("echo_prints_and_exits_zero", || catch(echo_prints_and_exits_zero)),
+        Trial::test("nonzero_exit_codes_are_reported", || catch(nonzero_exit_codes_are_reported)),
+        Trial::test("stderr_is_separate_from_stdout", || catch(stderr_is_separate_from_stdout)),
+        Trial::test("five_mib_of_stdout_arrives_complete_and_in_order", || catch(five_mib_of_stdout_arrives_complete_and_in_order)),
+        Trial::test("stdin_round_trips_through_cat", || catch(stdin_round_trips_through_cat)),
+        Trial::test("timeout_kills_the_process_and_says_so", || catch(timeout_kills_the_process_and_says_so)),
+        Trial::test("sigterm_and_sigkill_reach_the_process", || catch(sigterm_and_sigkill_reach_the_process)),
+        Trial::test("cwd_env_and_user_are_honoured", || catch(cwd_env_and_user_are_honoured)),
+        Trial::test("host_written_binary_file_reads_back_exactly", || catch(host_written_binary_file_reads_back_exactly)),
+        Trial::test("guest_written_file_is_read_by_the_host", || catch(guest_written_file_is_read_by_the_host)),
+        Trial::test("file_operations_stat_list_mkdir_rename_remove", || catch(file_operations_stat_list_mkdir_rename_remove)),
+        Trial::test("watch_reports_create_write_rename_remove_recursively", || catch(watch_reports_create_write_rename_remove_recursively)),
+        Trial::test("pty_runs_a_shell_and_resizes", || catch(pty_runs_a_shell_and_resizes)),
+        Trial::test("processes_can_be_listed_and_reconnected_by_id", || catch(processes_can_be_listed_and_reconnected_by_id)),
+        Trial::test("metrics_and_health_report_the_guest", || catch(metrics_and_health_report_the_guest)),
+        Trial::test("sandboxes_from_one_template_are_isolated", || catch(sandboxes_from_one_template_are_isolated)),
+        Trial::test("delete_leaves_nothing_behind", || catch(delete_leaves_nothing_behind)),
+        Trial::test("killed_vmm_is_cleaned_up", || catch(killed_vmm_is_cleaned_up)),
+        Trial::test("resources_are_honoured_and_validated", || catch(resources_are_honoured_and_validated)),
+    ];
+    let booting = !args.list && tests.iter().any(|t| args.skip.iter().all(|s| !t.name().contains(s.as_str())));
+    if booting {
+        // Sandboxes a crashed earlier run left behind are adopted by the runtime: remove them.
+        remove_all_sandboxes();
+    }
+    let conclusion = libtest_mimic::run(&args, tests);
+    if booting {
+        remove_all_sandboxes();
+    }
+    conclusion.exit();
+}
+
+fn remove_all_sandboxes() {
+    let rt = runtime();
+    for sb in rt.list() {
+        let _ = block_on(rt.delete(sb.id()));
     }
 }
