@@ -1,17 +1,23 @@
-//! `airlock`: the command-line front of the airlock runtime.
+//! `airlock`: the command-line front of airlock: the server, template builds, and a client
+//! of the HTTP API for sandboxes, commands and operations.
+
+mod client;
 
 use airlock_runtime::datadir::DEFAULT_DATA_DIR;
 use airlock_runtime::template::{BuildOptions, TemplateStore, SEED};
 use airlock_runtime::{datadir::DataDir, Runtime, RuntimeOptions};
+use anyhow::Context;
 use clap::{Parser, Subcommand};
+use serde_json::json;
 use std::io::IsTerminal;
+use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::process::ExitCode;
 
 #[derive(Parser)]
 #[command(name = "airlock", version, about = "Self-hosted microVM sandboxes for AI agents")]
 struct Cli {
-    /// Where templates, sandboxes and the store live.
+    /// Where templates, sandboxes, the store and the credentials live.
     #[arg(long, global = true, env = "AIRLOCK_DATA_DIR", default_value = DEFAULT_DATA_DIR)]
     data_dir: PathBuf,
     #[command(subcommand)]
@@ -20,13 +26,65 @@ struct Cli {
 
 #[derive(Subcommand)]
 enum Command {
+    /// Run the API server (builds `seed` first if it is missing).
+    Serve {
+        #[arg(long, env = "AIRLOCK_LISTEN", default_value = "127.0.0.1:7420")]
+        listen: SocketAddr,
+    },
     /// Build and list templates.
     Template {
         #[command(subcommand)]
         command: TemplateCommand,
     },
+    /// Create, list, inspect and delete sandboxes (through the server).
+    Sandbox {
+        #[command(subcommand)]
+        command: SandboxCommand,
+    },
+    /// Run a command in a sandbox, stream its output, exit with its exit code.
+    Exec {
+        id: String,
+        #[command(flatten)]
+        opts: ExecOpts,
+        #[arg(last = true, required = true)]
+        argv: Vec<String>,
+    },
+    /// Create a sandbox, run one command in it, stream the output, delete the sandbox.
+    Run {
+        #[arg(long, default_value = SEED)]
+        template: String,
+        #[command(flatten)]
+        opts: ExecOpts,
+        #[arg(last = true, required = true)]
+        argv: Vec<String>,
+    },
+    /// Inspect operations.
+    Ops {
+        #[command(subcommand)]
+        command: OpsCommand,
+    },
+    /// Manage API keys (directly on the store in the data dir).
+    Key {
+        #[command(subcommand)]
+        command: KeyCommand,
+    },
     /// Check the host and report what sandboxes would run with (QEMU, accelerator, templates).
     Doctor,
+}
+
+#[derive(clap::Args)]
+struct ExecOpts {
+    /// User to run as (default `user`).
+    #[arg(long)]
+    user: Option<String>,
+    #[arg(long)]
+    cwd: Option<String>,
+    /// KEY=VALUE, repeatable.
+    #[arg(long = "env")]
+    env: Vec<String>,
+    /// Kill the command after this long, e.g. 30s.
+    #[arg(long)]
+    timeout: Option<String>,
 }
 
 #[derive(Subcommand)]
@@ -49,10 +107,59 @@ enum TemplateCommand {
     Ls,
 }
 
+#[derive(Subcommand)]
+enum SandboxCommand {
+    /// Create a sandbox and wait until it runs; prints its id.
+    Create {
+        #[arg(long, default_value = SEED)]
+        template: String,
+        #[arg(long)]
+        vcpu: Option<u32>,
+        #[arg(long)]
+        memory_mib: Option<u32>,
+        #[arg(long)]
+        disk_mib: Option<u32>,
+        /// Lifetime, e.g. 10m.
+        #[arg(long)]
+        timeout: Option<String>,
+        /// KEY=VALUE labels, repeatable.
+        #[arg(long = "metadata")]
+        metadata: Vec<String>,
+        /// Return at once with the operation instead of waiting.
+        #[arg(long)]
+        no_wait: bool,
+    },
+    /// List sandboxes.
+    Ls {
+        #[arg(long)]
+        state: Option<String>,
+    },
+    /// Show one sandbox.
+    Get { id: String },
+    /// Delete a sandbox.
+    Rm { id: String },
+}
+
+#[derive(Subcommand)]
+enum OpsCommand {
+    /// Show one operation.
+    Get { id: String },
+}
+
+#[derive(Subcommand)]
+enum KeyCommand {
+    /// Mint an API key (usable as E2B_API_KEY too) for a tenant, created if new.
+    Create {
+        #[arg(long, default_value = "default")]
+        tenant: String,
+    },
+}
+
 fn main() -> ExitCode {
     tracing_subscriber::fmt()
         .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_env("AIRLOCK_LOG").unwrap_or_else(|_| "warn,airlock=info".into()),
+            tracing_subscriber::EnvFilter::try_from_env("AIRLOCK_LOG")
+                .unwrap_or_else(|_| "warn,airlock=info,airlock_runtime=info,airlock_server=info".into()),
         )
         .with_writer(std::io::stderr)
         .with_ansi(std::io::stderr().is_terminal())
@@ -60,38 +167,148 @@ fn main() -> ExitCode {
     let cli = Cli::parse();
     let rt = tokio::runtime::Runtime::new().expect("tokio runtime");
     match rt.block_on(run(cli)) {
-        Ok(()) => ExitCode::SUCCESS,
+        Ok(code) => ExitCode::from(code),
         Err(e) => {
-            eprintln!("airlock: {e}");
+            eprintln!("airlock: {e:#}");
             ExitCode::FAILURE
         }
     }
 }
 
-async fn run(cli: Cli) -> anyhow::Result<()> {
+/// Signal number for a name like `SIGKILL` (for the shell-style 128+n exit code).
+pub fn signal_number(name: &str) -> i32 {
+    match name.trim_start_matches("SIG") {
+        "HUP" => 1,
+        "INT" => 2,
+        "QUIT" => 3,
+        "ABRT" => 6,
+        "KILL" => 9,
+        "USR1" => 10,
+        "USR2" => 12,
+        "PIPE" => 13,
+        "ALRM" => 14,
+        "TERM" => 15,
+        other => other.parse().unwrap_or(0),
+    }
+}
+
+fn print_json(v: &serde_json::Value) {
+    println!("{}", serde_json::to_string_pretty(v).unwrap_or_default());
+}
+
+fn blocking<T: Send + 'static>(f: impl FnOnce() -> anyhow::Result<T> + Send + 'static) -> impl std::future::Future<Output = anyhow::Result<T>> {
+    async move { tokio::task::spawn_blocking(f).await? }
+}
+
+fn build_seed(data_dir: &std::path::Path, opts: BuildOptions) -> impl std::future::Future<Output = anyhow::Result<()>> {
+    let data_dir = data_dir.to_path_buf();
+    blocking(move || {
+        let store = TemplateStore::new(DataDir::open(&data_dir)?);
+        let (t, _) = store.build_seed(&opts)?;
+        println!("{} {}", t.manifest.name, t.manifest.digest);
+        Ok(())
+    })
+}
+
+async fn run(cli: Cli) -> anyhow::Result<u8> {
+    let data_dir = cli.data_dir.clone();
+    let client = || client::Client::from_env(&data_dir);
     match cli.command {
+        Command::Serve { listen } => {
+            let store = TemplateStore::new(DataDir::open(&cli.data_dir)?);
+            if !store.exists(SEED) {
+                eprintln!("airlock: template `seed` is missing; building it first");
+                build_seed(&cli.data_dir, BuildOptions { progress: std::io::stderr().is_terminal(), ..Default::default() }).await?;
+            }
+            airlock_server::serve(airlock_server::ServeOptions { listen, data_dir: cli.data_dir }).await?;
+        }
         Command::Template { command: TemplateCommand::Build { name, mirror, agent, force } } => {
             if name != SEED {
                 anyhow::bail!("only the `seed` template can be built today (got {name:?})");
             }
-            let store = TemplateStore::new(DataDir::open(&cli.data_dir)?);
             let opts = BuildOptions { mirror, agent, progress: std::io::stderr().is_terminal(), force };
-            let (t, _built) = tokio::task::spawn_blocking(move || store.build_seed(&opts)).await??;
-            println!("{} {}", t.manifest.name, t.manifest.digest);
+            build_seed(&cli.data_dir, opts).await?;
         }
         Command::Template { command: TemplateCommand::Ls } => {
             let store = TemplateStore::new(DataDir::open(&cli.data_dir)?);
             println!("{:<12} {:<73} {:<24} {:>9}  BUILT", "NAME", "DIGEST", "KERNEL", "SIZE");
             for m in store.list() {
-                println!(
-                    "{:<12} {:<73} {:<24} {:>6}MiB  {}",
-                    m.name,
-                    m.digest,
-                    m.kernel_version,
-                    m.size_bytes >> 20,
-                    m.built_at
-                );
+                println!("{:<12} {:<73} {:<24} {:>6}MiB  {}", m.name, m.digest, m.kernel_version, m.size_bytes >> 20, m.built_at);
             }
+        }
+        Command::Sandbox { command } => {
+            let c = client()?;
+            match command {
+                SandboxCommand::Create { template, vcpu, memory_mib, disk_mib, timeout, metadata, no_wait } => {
+                    let mut meta = serde_json::Map::new();
+                    for kv in &metadata {
+                        let (k, v) = kv.split_once('=').with_context(|| format!("--metadata takes KEY=VALUE, got {kv:?}"))?;
+                        meta.insert(k.into(), json!(v));
+                    }
+                    let mut body = json!({ "template": template, "metadata": meta,
+                        "resources": { "vcpu": vcpu, "memory_mib": memory_mib, "disk_mib": disk_mib } });
+                    if let Some(t) = timeout {
+                        body["timeout"] = json!(t);
+                    }
+                    let id = blocking(move || c.create_sandbox(body, !no_wait)).await?;
+                    println!("{id}");
+                }
+                SandboxCommand::Ls { state } => {
+                    let path = match state {
+                        Some(s) => format!("/v1/sandboxes?state={s}"),
+                        None => "/v1/sandboxes".into(),
+                    };
+                    let list = blocking(move || c.json("GET", &path, None)).await?;
+                    println!("{:<22} {:<9} {:<8} {:<5} {:>5} {:>7}  {:<25} EXPIRES", "ID", "STATE", "TEMPLATE", "ACCEL", "VCPU", "MEM", "CREATED");
+                    for s in list["sandboxes"].as_array().into_iter().flatten() {
+                        println!(
+                            "{:<22} {:<9} {:<8} {:<5} {:>5} {:>6}M  {:<25} {}",
+                            s["id"].as_str().unwrap_or(""),
+                            s["state"].as_str().unwrap_or(""),
+                            s["template"].as_str().unwrap_or(""),
+                            s["accel"].as_str().unwrap_or(""),
+                            s["resources"]["vcpu"],
+                            s["resources"]["memory_mib"],
+                            s["created_at"].as_str().unwrap_or(""),
+                            s["expires_at"].as_str().unwrap_or("")
+                        );
+                    }
+                }
+                SandboxCommand::Get { id } => print_json(&blocking(move || c.json("GET", &format!("/v1/sandboxes/{id}"), None)).await?),
+                SandboxCommand::Rm { id } => {
+                    blocking(move || c.delete_sandbox(&id, true)).await?;
+                }
+            }
+        }
+        Command::Exec { id, opts, argv } => {
+            let c = client()?;
+            let body = client::session_body(&argv, opts.user.as_deref(), opts.cwd.as_deref(), &opts.env, opts.timeout.as_deref())?;
+            let code = blocking(move || c.exec(&id, body)).await?;
+            return Ok(code.clamp(0, 255) as u8);
+        }
+        Command::Run { template, opts, argv } => {
+            let c = client()?;
+            let body = client::session_body(&argv, opts.user.as_deref(), opts.cwd.as_deref(), &opts.env, opts.timeout.as_deref())?;
+            let code = blocking(move || {
+                let id = c.create_sandbox(json!({ "template": template }), true)?;
+                let result = c.exec(&id, body);
+                let deleted = c.delete_sandbox(&id, true);
+                let code = result?;
+                deleted?;
+                Ok(code)
+            })
+            .await?;
+            return Ok(code.clamp(0, 255) as u8);
+        }
+        Command::Ops { command: OpsCommand::Get { id } } => {
+            let c = client()?;
+            print_json(&blocking(move || c.json("GET", &format!("/v1/operations/{id}"), None)).await?);
+        }
+        Command::Key { command: KeyCommand::Create { tenant } } => {
+            let data = DataDir::open(&cli.data_dir)?;
+            let store = airlock_server::store::SqliteStore::open(&data.root().join("airlock.db")).await?;
+            use airlock_server::store::Store;
+            println!("{}", store.create_key(&tenant).await?);
         }
         Command::Doctor => {
             let rt = Runtime::open(RuntimeOptions::new(&cli.data_dir)).await?;
@@ -103,5 +320,5 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
             }
         }
     }
-    Ok(())
+    Ok(0)
 }

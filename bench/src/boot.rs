@@ -143,7 +143,7 @@ async fn main() {
         let spec = raw_spec.clone();
         raw.push(tokio::task::spawn_blocking(move || raw_boot(&q, &spec)).await.unwrap());
         let t = Instant::now();
-        let sb = rt.create(CreateSandbox { template: "seed".into(), resources }).await.unwrap();
+        let sb = rt.create(CreateSandbox { id: None, template: "seed".into(), resources }).await.unwrap();
         airlock.push(ms(t.elapsed()));
         let pid = sb.vm.pid;
         rt.delete(sb.id()).await.unwrap();
@@ -151,7 +151,7 @@ async fn main() {
         eprintln!("run {}/{}: raw {:.0} ms, airlock {:.0} ms", i + 1, args.runs, raw[i], airlock[i]);
     }
 
-    let sb = rt.create(CreateSandbox { template: "seed".into(), resources }).await.unwrap();
+    let sb = rt.create(CreateSandbox { id: None, template: "seed".into(), resources }).await.unwrap();
     let agent = sb.agent().await.unwrap();
     let (mut exec, mut health) = (Vec::new(), Vec::new());
     for _ in 0..args.execs {

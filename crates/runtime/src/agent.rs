@@ -11,7 +11,7 @@ use airlock_proto::{
 use bytes::Bytes;
 use futures_util::{Stream, StreamExt};
 use http::{Method, Request, StatusCode};
-use http_body_util::{combinators::BoxBody, BodyExt, Full, StreamBody};
+use http_body_util::{combinators::UnsyncBoxBody, BodyExt, Full, StreamBody};
 use hyper::body::{Frame, Incoming};
 use std::path::Path;
 use std::time::Duration;
@@ -38,7 +38,7 @@ impl AgentError {
     }
 }
 
-type ReqBody = BoxBody<Bytes, std::io::Error>;
+type ReqBody = UnsyncBoxBody<Bytes, std::io::Error>;
 
 /// How long to wait for `READY` before saying `HELLO` again (the guest may still be booting, or
 /// may have swallowed the first hello into a dying session).
@@ -88,11 +88,11 @@ pub struct AgentClient {
 }
 
 fn empty() -> ReqBody {
-    Full::new(Bytes::new()).map_err(|n| match n {}).boxed()
+    Full::new(Bytes::new()).map_err(|n| match n {}).boxed_unsync()
 }
 
 fn bytes_body(b: impl Into<Bytes>) -> ReqBody {
-    Full::new(b.into()).map_err(|n| match n {}).boxed()
+    Full::new(b.into()).map_err(|n| match n {}).boxed_unsync()
 }
 
 fn q(value: &str) -> String {
@@ -280,13 +280,13 @@ impl AgentClient {
     /// Write a file from a stream of chunks, creating parent directories.
     pub async fn write_file_stream<S>(&self, path: &str, user: Option<&str>, data: S) -> Result<FileStat, AgentError>
     where
-        S: Stream<Item = Result<Bytes, std::io::Error>> + Send + Sync + 'static,
+        S: Stream<Item = Result<Bytes, std::io::Error>> + Send + 'static,
     {
         let mut uri = format!("/files?path={}", q(path));
         if let Some(u) = user {
             uri.push_str(&format!("&user={}", q(u)));
         }
-        let body = BodyExt::boxed(StreamBody::new(data.map(|r| r.map(Frame::data))));
+        let body = BodyExt::boxed_unsync(StreamBody::new(data.map(|r| r.map(Frame::data))));
         self.call_json(Method::PUT, &uri, body).await
     }
 

@@ -169,8 +169,15 @@ pub struct Runtime {
 
 #[derive(Debug, Clone)]
 pub struct CreateSandbox {
+    /// Id to give the sandbox (the API assigns it before the boot starts); random when absent.
+    pub id: Option<String>,
     pub template: String,
     pub resources: Resources,
+}
+
+/// Sandbox ids are lowercase hex/alphanumerics: they end up in paths and host names.
+pub fn valid_sandbox_id(id: &str) -> bool {
+    (8..=40).contains(&id.len()) && id.chars().all(|c| c.is_ascii_lowercase() || c.is_ascii_digit())
 }
 
 impl Runtime {
@@ -309,7 +316,7 @@ impl Runtime {
             return cached;
         }
         let started = Instant::now();
-        let verdict = match self.boot(&template, Resources { vcpu: 1, memory_mib: 256, disk_mib: 0 }, Accel::Kvm, Duration::from_secs(10)).await {
+        let verdict = match self.boot(random_hex(10), &template, Resources { vcpu: 1, memory_mib: 256, disk_mib: 0 }, Accel::Kvm, Duration::from_secs(10)).await {
             Ok(sb) => {
                 let _ = self.delete(sb.id()).await;
                 Accel::Kvm
@@ -327,12 +334,16 @@ impl Runtime {
     pub async fn create(&self, req: CreateSandbox) -> Result<Arc<Sandbox>> {
         let template = self.inner.templates.resolve(&req.template)?;
         req.resources.validate(&template)?;
+        let id = match req.id {
+            Some(id) if valid_sandbox_id(&id) && self.get(&id).is_err() => id,
+            Some(id) => return Err(RuntimeError::Vmm(format!("sandbox id {id:?} is invalid or taken"))),
+            None => random_hex(10),
+        };
         let accel = self.accel().await;
-        self.boot(&template, req.resources, accel, self.inner.boot_timeout).await
+        self.boot(id, &template, req.resources, accel, self.inner.boot_timeout).await
     }
 
-    async fn boot(&self, template: &Template, resources: Resources, accel: Accel, limit: Duration) -> Result<Arc<Sandbox>> {
-        let id = random_hex(10);
+    async fn boot(&self, id: String, template: &Template, resources: Resources, accel: Accel, limit: Duration) -> Result<Arc<Sandbox>> {
         let dir = self.inner.data.sandboxes().join(&id);
         std::fs::create_dir_all(&dir).map_err(|e| RuntimeError::io(&dir, e))?;
         let min_disk = template.manifest.rootfs_bytes.div_ceil(1 << 20) as u32;

@@ -51,7 +51,7 @@ pub fn small() -> Resources {
 
 pub fn create() -> Arc<Sandbox> {
     let rt = runtime();
-    block_on(rt.create(CreateSandbox { template: "seed".into(), resources: small() })).expect("sandbox boots")
+    block_on(rt.create(CreateSandbox { id: None, template: "seed".into(), resources: small() })).expect("sandbox boots")
 }
 
 /// The sandbox tests share; it lives for the whole test process.

@@ -18,7 +18,7 @@ fn child_creates_sandbox_and_exits() {
     }
     block_on(async {
         let rt = Runtime::open(RuntimeOptions::new(test_data_dir())).await.unwrap();
-        let sb = rt.create(CreateSandbox { template: "seed".into(), resources: small() }).await.unwrap();
+        let sb = rt.create(CreateSandbox { id: None, template: "seed".into(), resources: small() }).await.unwrap();
         sb.agent().await.unwrap().write_file("/home/user/note.txt", None, &b"written before the restart"[..]).await.unwrap();
         println!("SANDBOX_ID={} PID={}", sb.id(), sb.vm.pid);
     });

@@ -388,7 +388,7 @@ fn resources_are_honoured_and_validated() {
     assert!(v[2] > 2700 && v[2] <= 3000, "{text}");
     block_on(rt.delete(sb.id())).unwrap();
 
-    let bad = |r: Resources| match block_on(rt.create(CreateSandbox { template: "seed".into(), resources: r })) {
+    let bad = |r: Resources| match block_on(rt.create(CreateSandbox { id: None, template: "seed".into(), resources: r })) {
         Err(RuntimeError::InvalidResources(m)) => m,
         Err(e) => panic!("wrong error {e}"),
         Ok(_) => panic!("accepted {r:?}"),

@@ -1,0 +1,110 @@
+//! airlock's HTTP server: the native `/v1` API over one runtime, one store, one operation engine.
+
+pub mod api;
+pub mod error;
+pub mod model;
+pub mod ops;
+pub mod store;
+
+use api::AppState;
+use axum::routing::{get, post};
+use axum::Router;
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::sync::Arc;
+use utoipa::OpenApi;
+
+#[derive(OpenApi)]
+#[openapi(
+    info(title = "airlock", description = "Self-hosted microVM sandboxes for AI agents: native API (milestone 1)"),
+    paths(
+        api::create_sandbox, api::list_sandboxes, api::get_sandbox, api::delete_sandbox, api::get_operation,
+        api::create_session, api::list_sessions, api::get_session, api::stream_session, api::session_stdin,
+        api::session_signal, api::session_resize, api::read_file, api::write_file, api::delete_file, api::list_files,
+        api::list_templates, api::get_template, api::system,
+    ),
+    components(schemas(model::OutputEvent, model::ExitedEvent)),
+    modifiers(&BearerAuth),
+)]
+pub struct ApiDoc;
+
+struct BearerAuth;
+
+impl utoipa::Modify for BearerAuth {
+    fn modify(&self, openapi: &mut utoipa::openapi::OpenApi) {
+        use utoipa::openapi::security::{HttpAuthScheme, HttpBuilder, SecurityScheme};
+        let components = openapi.components.get_or_insert_with(Default::default);
+        components.add_security_scheme("bearer", SecurityScheme::Http(HttpBuilder::new().scheme(HttpAuthScheme::Bearer).build()));
+    }
+}
+
+pub fn openapi_json() -> String {
+    ApiDoc::openapi().to_pretty_json().expect("OpenAPI document serializes")
+}
+
+pub fn router(state: AppState) -> Router {
+    let v1 = Router::new()
+        .route("/sandboxes", post(api::create_sandbox).get(api::list_sandboxes))
+        .route("/sandboxes/{id}", get(api::get_sandbox).delete(api::delete_sandbox))
+        .route("/operations/{id}", get(api::get_operation))
+        .route("/sandboxes/{id}/sessions", post(api::create_session).get(api::list_sessions))
+        .route("/sandboxes/{id}/sessions/{sid}", get(api::get_session))
+        .route("/sandboxes/{id}/sessions/{sid}/stream", get(api::stream_session))
+        .route("/sandboxes/{id}/sessions/{sid}/stdin", post(api::session_stdin))
+        .route("/sandboxes/{id}/sessions/{sid}/signal", post(api::session_signal))
+        .route("/sandboxes/{id}/sessions/{sid}/resize", post(api::session_resize))
+        .route("/sandboxes/{id}/files", get(api::read_file).put(api::write_file).delete(api::delete_file))
+        .route("/sandboxes/{id}/files/list", get(api::list_files))
+        .route("/templates", get(api::list_templates))
+        .route("/templates/{name}", get(api::get_template))
+        .route("/system", get(api::system))
+        .fallback(api::not_found)
+        .route_layer(axum::middleware::from_fn_with_state(state.clone(), api::auth));
+    let doc = openapi_json();
+    Router::new()
+        .nest("/v1", v1)
+        .route("/openapi-m1.json", get(move || async move { ([("content-type", "application/json")], doc.clone()) }))
+        .fallback(api::not_found)
+        // Uploads stream to the guest; the cap only bounds a single request.
+        .layer(axum::extract::DefaultBodyLimit::max(1 << 30))
+        .with_state(state)
+}
+
+pub struct ServeOptions {
+    pub listen: SocketAddr,
+    pub data_dir: PathBuf,
+}
+
+/// Open everything, recover from the last run, and serve until the process is stopped.
+pub async fn serve(opts: ServeOptions) -> anyhow::Result<()> {
+    let runtime = airlock_runtime::Runtime::open(airlock_runtime::RuntimeOptions::new(&opts.data_dir)).await?;
+    let store: Arc<dyn store::Store> = Arc::new(store::SqliteStore::open(&runtime.data_dir().root().join("airlock.db")).await?);
+    if let Some(key) = store.bootstrap().await? {
+        write_credentials(runtime.data_dir().root(), &key, &opts.listen)?;
+        tracing::info!("created tenant `default` and its admin key in {}", runtime.data_dir().root().join("credentials").display());
+    }
+    let accel = runtime.accel().await;
+    tracing::info!("runtime {} with accel {accel}", runtime.runtime_name());
+    let engine = ops::Engine::new(store.clone(), runtime.clone());
+    engine.recover().await?;
+    engine.spawn_reaper();
+    let state = AppState { store, runtime, engine };
+    let listener = tokio::net::TcpListener::bind(opts.listen)
+        .await
+        .map_err(|e| anyhow::anyhow!("listen on {}: {e}", opts.listen))?;
+    tracing::info!("serving on http://{}", opts.listen);
+    Ok(axum::serve(listener, router(state)).await?)
+}
+
+/// `<data-dir>/credentials`, mode 0600: the admin key where the CLI and examples find it.
+pub fn write_credentials(data_dir: &std::path::Path, key: &str, listen: &SocketAddr) -> std::io::Result<()> {
+    use std::io::Write;
+    use std::os::unix::fs::OpenOptionsExt;
+    let path = data_dir.join("credentials");
+    let mut f = std::fs::OpenOptions::new().create(true).truncate(true).write(true).mode(0o600).open(&path)?;
+    writeln!(f, "# airlock admin key of tenant `default` (only its hash is stored in airlock.db)")?;
+    writeln!(f, "AIRLOCK_URL=http://{listen}")?;
+    writeln!(f, "AIRLOCK_API_KEY={key}")?;
+    Ok(())
+}
+

@@ -1,0 +1,323 @@
+//! Types of the native `/v1` API. The OpenAPI document is generated from these.
+
+use serde::{Deserialize, Serialize};
+use std::collections::BTreeMap;
+use utoipa::ToSchema;
+
+use crate::error::ErrorBody;
+
+#[derive(Debug, Clone, Copy, Serialize, Deserialize, ToSchema, PartialEq, Eq)]
+#[serde(rename_all = "snake_case")]
+pub enum SandboxState {
+    Creating,
+    Running,
+    Deleting,
+    Deleted,
+    Failed,
+}
+
+impl SandboxState {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            SandboxState::Creating => "creating",
+            SandboxState::Running => "running",
+            SandboxState::Deleting => "deleting",
+            SandboxState::Deleted => "deleted",
+            SandboxState::Failed => "failed",
+        }
+    }
+    pub fn parse(s: &str) -> Option<Self> {
+        Some(match s {
+            "creating" => SandboxState::Creating,
+            "running" => SandboxState::Running,
+            "deleting" => SandboxState::Deleting,
+            "deleted" => SandboxState::Deleted,
+            "failed" => SandboxState::Failed,
+            _ => return None,
+        })
+    }
+}
+
+#[derive(Debug, Clone, Copy, Serialize, Deserialize, ToSchema, PartialEq, Eq)]
+#[serde(rename_all = "snake_case")]
+pub enum OperationKind {
+    Create,
+    Delete,
+    Pause,
+    Resume,
+    Suspend,
+}
+
+impl OperationKind {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            OperationKind::Create => "create",
+            OperationKind::Delete => "delete",
+            OperationKind::Pause => "pause",
+            OperationKind::Resume => "resume",
+            OperationKind::Suspend => "suspend",
+        }
+    }
+    pub fn parse(s: &str) -> Option<Self> {
+        Some(match s {
+            "create" => OperationKind::Create,
+            "delete" => OperationKind::Delete,
+            "pause" => OperationKind::Pause,
+            "resume" => OperationKind::Resume,
+            "suspend" => OperationKind::Suspend,
+            _ => return None,
+        })
+    }
+}
+
+#[derive(Debug, Clone, Copy, Serialize, Deserialize, ToSchema, PartialEq, Eq)]
+#[serde(rename_all = "snake_case")]
+pub enum OperationState {
+    Pending,
+    Running,
+    Succeeded,
+    Failed,
+}
+
+impl OperationState {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            OperationState::Pending => "pending",
+            OperationState::Running => "running",
+            OperationState::Succeeded => "succeeded",
+            OperationState::Failed => "failed",
+        }
+    }
+    pub fn parse(s: &str) -> Option<Self> {
+        Some(match s {
+            "pending" => OperationState::Pending,
+            "running" => OperationState::Running,
+            "succeeded" => OperationState::Succeeded,
+            "failed" => OperationState::Failed,
+            _ => return None,
+        })
+    }
+    pub fn is_final(self) -> bool {
+        matches!(self, OperationState::Succeeded | OperationState::Failed)
+    }
+}
+
+/// A record of one slow lifecycle change. Poll it until `state` is final.
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema, PartialEq)]
+pub struct Operation {
+    pub id: String,
+    pub kind: OperationKind,
+    pub state: OperationState,
+    pub sandbox_id: String,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub error: Option<ErrorBody>,
+    /// RFC 3339.
+    pub created_at: String,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub finished_at: Option<String>,
+}
+
+#[derive(Debug, Clone, Copy, Serialize, Deserialize, ToSchema, PartialEq, Eq)]
+#[serde(deny_unknown_fields)]
+pub struct ResourcesSpec {
+    /// Virtual CPUs (1 to the host's CPU count). Default 1.
+    #[schema(minimum = 1)]
+    pub vcpu: Option<u32>,
+    /// Guest memory in MiB (at least 128). Default 512.
+    #[schema(minimum = 128)]
+    pub memory_mib: Option<u32>,
+    /// Root disk in MiB (at least the template image). Default 2048.
+    #[schema(minimum = 1)]
+    pub disk_mib: Option<u32>,
+}
+
+#[derive(Debug, Clone, Copy, Serialize, Deserialize, ToSchema, PartialEq, Eq)]
+pub struct Resources {
+    pub vcpu: u32,
+    pub memory_mib: u32,
+    pub disk_mib: u32,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct CreateSandboxRequest {
+    /// Template name (`seed`, `seed:latest`) or digest (`sha256:...`).
+    pub template: String,
+    /// VMM: `qemu` (default) or `fc` (Firecracker, where installed).
+    pub runtime: Option<String>,
+    pub resources: Option<ResourcesSpec>,
+    /// Lifetime, e.g. `"10m"`, `"90s"`, `"2h"` (1s to 24h). Default 5m. The server deletes the
+    /// sandbox when it passes.
+    pub timeout: Option<String>,
+    /// Environment variables for every command session.
+    pub env: Option<BTreeMap<String, String>>,
+    /// Free-form labels, filterable in the list.
+    pub metadata: Option<BTreeMap<String, String>>,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
+pub struct OperationAccepted {
+    pub operation: Operation,
+    pub sandbox_id: String,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema, PartialEq)]
+pub struct Sandbox {
+    pub id: String,
+    pub state: SandboxState,
+    pub template: String,
+    /// Resolved template digest (`sha256:...`).
+    pub template_digest: String,
+    pub runtime: String,
+    /// `kvm` or `tcg`.
+    pub accel: String,
+    pub resources: Resources,
+    pub metadata: BTreeMap<String, String>,
+    pub created_at: String,
+    pub expires_at: String,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
+pub struct SandboxList {
+    pub sandboxes: Vec<Sandbox>,
+    /// Pass as `page_token` to get the next page; absent on the last page.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub next_page_token: Option<String>,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema, PartialEq, Eq)]
+pub struct PtySpec {
+    #[schema(minimum = 1)]
+    pub cols: u16,
+    #[schema(minimum = 1)]
+    pub rows: u16,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct CreateSessionRequest {
+    /// Program and arguments; no shell is involved unless you run one.
+    pub argv: Vec<String>,
+    /// Working directory (default: the user's home).
+    pub cwd: Option<String>,
+    pub env: Option<BTreeMap<String, String>>,
+    /// `user` (default) or `root`, or any account in the template.
+    pub user: Option<String>,
+    /// Kill the process after this long, e.g. `"30s"`.
+    pub timeout: Option<String>,
+    /// Keep stdin open for `POST .../stdin`.
+    pub stdin: Option<bool>,
+    /// Run on a terminal of this size.
+    pub pty: Option<PtySpec>,
+}
+
+#[derive(Debug, Clone, Copy, Serialize, Deserialize, ToSchema, PartialEq, Eq)]
+#[serde(rename_all = "snake_case")]
+pub enum SessionState {
+    Running,
+    Exited,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema, PartialEq)]
+pub struct Session {
+    pub id: String,
+    pub sandbox_id: String,
+    pub state: SessionState,
+    pub argv: Vec<String>,
+    pub cwd: String,
+    pub user: String,
+    pub pty: bool,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub exit_code: Option<i32>,
+    /// Terminating signal, e.g. `SIGKILL`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub signal: Option<String>,
+    pub timed_out: bool,
+    pub started_at: String,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub ended_at: Option<String>,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct StdinRequest {
+    /// Base64 bytes to write.
+    pub data: Option<String>,
+    /// Close stdin after writing (EOF).
+    pub eof: Option<bool>,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct SignalRequest {
+    /// `SIGTERM`, `TERM`, or a number as a string (`"15"`).
+    pub signal: String,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
+pub struct FileInfo {
+    pub path: String,
+    pub name: String,
+    /// `file`, `dir`, `symlink` or `other`.
+    pub kind: String,
+    pub size: u64,
+    /// Permission bits, octal string like `"0644"`.
+    pub mode: String,
+    pub owner: String,
+    pub group: String,
+    pub modified_at: String,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub symlink_target: Option<String>,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
+pub struct FileList {
+    pub entries: Vec<FileInfo>,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
+pub struct Template {
+    pub name: String,
+    pub digest: String,
+    pub kernel_version: String,
+    pub size_bytes: u64,
+    pub built_at: String,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
+pub struct TemplateList {
+    pub templates: Vec<Template>,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
+pub struct SystemInfo {
+    pub version: String,
+    /// Accelerator sandboxes boot with: `kvm` or `tcg`.
+    pub accel: String,
+    pub runtimes: Vec<String>,
+    pub capacity: Capacity,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
+pub struct Capacity {
+    pub cpus: u32,
+    pub memory_mib: u64,
+    pub sandboxes_running: u32,
+}
+
+/// Event payloads on a session's SSE stream (`event:` names in parentheses).
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
+pub struct OutputEvent {
+    /// Base64 bytes (`stdout`, `stderr`).
+    pub data: String,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
+pub struct ExitedEvent {
+    /// (`process_exited`)
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub exit_code: Option<i32>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub signal: Option<String>,
+    pub timed_out: bool,
+}

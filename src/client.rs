@@ -1,0 +1,179 @@
+//! The CLI's HTTP client for a running `airlock serve`: the same API any other client uses.
+
+use anyhow::{anyhow, bail, Context, Result};
+use base64::Engine as _;
+use serde_json::{json, Value};
+use std::io::{BufRead, Write};
+use std::path::Path;
+use std::time::{Duration, Instant};
+
+pub struct Client {
+    base: String,
+    key: String,
+    agent: ureq::Agent,
+}
+
+impl Client {
+    /// URL and key from `AIRLOCK_URL` / `AIRLOCK_API_KEY`, else `<data-dir>/credentials`.
+    pub fn from_env(data_dir: &Path) -> Result<Self> {
+        let creds = std::fs::read_to_string(data_dir.join("credentials")).unwrap_or_default();
+        let from_file = |name: &str| {
+            creds.lines().find_map(|l| l.strip_prefix(&format!("{name}=")).map(|v| v.trim().to_string()))
+        };
+        let base = std::env::var("AIRLOCK_URL").ok().or_else(|| from_file("AIRLOCK_URL")).unwrap_or_else(|| "http://127.0.0.1:7420".into());
+        let key = std::env::var("AIRLOCK_API_KEY").ok().or_else(|| from_file("AIRLOCK_API_KEY")).ok_or_else(|| {
+            anyhow!(
+                "no API key: set AIRLOCK_API_KEY or start `airlock serve` once so it writes {}",
+                data_dir.join("credentials").display()
+            )
+        })?;
+        let agent = ureq::AgentBuilder::new().timeout_connect(Duration::from_secs(5)).build();
+        Ok(Self { base: base.trim_end_matches('/').to_string(), key, agent })
+    }
+
+    fn call(&self, method: &str, path: &str, body: Option<Value>) -> Result<ureq::Response> {
+        let req = self.agent.request(method, &format!("{}{}", self.base, path)).set("Authorization", &format!("Bearer {}", self.key));
+        let res = match body {
+            Some(b) => req.send_json(b),
+            None => req.call(),
+        };
+        match res {
+            Ok(r) => Ok(r),
+            Err(ureq::Error::Status(code, r)) => {
+                let body: Value = r.into_json().unwrap_or(Value::Null);
+                let msg = body["message"].as_str().unwrap_or("request failed");
+                let code_name = body["code"].as_str().unwrap_or("error");
+                bail!("{msg} ({code_name}, HTTP {code})")
+            }
+            Err(e) => Err(anyhow!("cannot reach airlock at {}: {e}; is `airlock serve` running?", self.base)),
+        }
+    }
+
+    pub fn json(&self, method: &str, path: &str, body: Option<Value>) -> Result<Value> {
+        let r = self.call(method, path, body)?;
+        if r.status() == 204 {
+            return Ok(Value::Null);
+        }
+        r.into_json().context("response is not JSON")
+    }
+
+    /// Wait for an operation to finish; an error if it failed.
+    pub fn wait_operation(&self, op_id: &str) -> Result<Value> {
+        let started = Instant::now();
+        loop {
+            let op = self.json("GET", &format!("/v1/operations/{op_id}"), None)?;
+            match op["state"].as_str() {
+                Some("succeeded") => return Ok(op),
+                Some("failed") => bail!("{} failed: {}", op["kind"].as_str().unwrap_or("operation"), op["error"]["message"].as_str().unwrap_or("unknown error")),
+                _ if started.elapsed() > Duration::from_secs(300) => bail!("operation {op_id} did not finish in 5 minutes"),
+                _ => std::thread::sleep(Duration::from_millis(100)),
+            }
+        }
+    }
+
+    /// Stream a session to this terminal; returns the exit code to exit with.
+    pub fn stream(&self, sandbox: &str, session: &str) -> Result<i32> {
+        let mut last_id: Option<String> = None;
+        for _attempt in 0..5 {
+            let path = format!("/v1/sandboxes/{sandbox}/sessions/{session}/stream");
+            let mut req = self.agent.get(&format!("{}{}", self.base, path)).set("Authorization", &format!("Bearer {}", self.key));
+            if let Some(id) = &last_id {
+                req = req.set("Last-Event-ID", id);
+            }
+            let resp = match req.call() {
+                Ok(r) => r,
+                Err(ureq::Error::Status(code, r)) => {
+                    let body: Value = r.into_json().unwrap_or(Value::Null);
+                    bail!("{} (HTTP {code})", body["message"].as_str().unwrap_or("stream failed"));
+                }
+                Err(e) => return Err(anyhow!("stream: {e}")),
+            };
+            let reader = std::io::BufReader::new(resp.into_reader());
+            let (mut event, mut data, mut id) = (String::new(), String::new(), None::<String>);
+            for line in reader.lines() {
+                let Ok(line) = line else { break };
+                if line.is_empty() {
+                    if let Some(i) = id.take() {
+                        last_id = Some(i);
+                    }
+                    let payload: Value = serde_json::from_str(&data).unwrap_or(Value::Null);
+                    match event.as_str() {
+                        "stdout" | "stderr" => {
+                            let bytes = base64::engine::general_purpose::STANDARD.decode(payload["data"].as_str().unwrap_or("")).unwrap_or_default();
+                            if event == "stdout" {
+                                std::io::stdout().write_all(&bytes)?;
+                                std::io::stdout().flush()?;
+                            } else {
+                                std::io::stderr().write_all(&bytes)?;
+                            }
+                        }
+                        "process_exited" => {
+                            return Ok(match (payload["exit_code"].as_i64(), payload["signal"].as_str()) {
+                                (Some(c), _) => c as i32,
+                                (None, Some(sig)) => {
+                                    eprintln!("airlock: process terminated by {sig}");
+                                    128 + super::signal_number(sig)
+                                }
+                                _ => 1,
+                            });
+                        }
+                        "error" => bail!("{}", payload["message"].as_str().unwrap_or("stream error")),
+                        _ => {}
+                    }
+                    event.clear();
+                    data.clear();
+                } else if let Some(v) = line.strip_prefix("event:") {
+                    event = v.trim().to_string();
+                } else if let Some(v) = line.strip_prefix("data:") {
+                    data.push_str(v.trim_start());
+                } else if let Some(v) = line.strip_prefix("id:") {
+                    id = Some(v.trim().to_string());
+                }
+            }
+            // The connection dropped before the exit: resume after the last event seen.
+        }
+        bail!("the output stream kept dropping")
+    }
+
+    pub fn create_sandbox(&self, body: Value, wait: bool) -> Result<String> {
+        let r = self.json("POST", "/v1/sandboxes", Some(body))?;
+        let id = r["sandbox_id"].as_str().ok_or_else(|| anyhow!("no sandbox_id in the answer"))?.to_string();
+        if wait {
+            self.wait_operation(r["operation"]["id"].as_str().unwrap_or_default())?;
+        }
+        Ok(id)
+    }
+
+    pub fn exec(&self, sandbox: &str, body: Value) -> Result<i32> {
+        let s = self.json("POST", &format!("/v1/sandboxes/{sandbox}/sessions"), Some(body))?;
+        let sid = s["id"].as_str().ok_or_else(|| anyhow!("no session id in the answer"))?;
+        self.stream(sandbox, sid)
+    }
+
+    pub fn delete_sandbox(&self, id: &str, wait: bool) -> Result<()> {
+        let r = self.json("DELETE", &format!("/v1/sandboxes/{id}"), None)?;
+        if wait {
+            self.wait_operation(r["operation"]["id"].as_str().unwrap_or_default())?;
+        }
+        Ok(())
+    }
+}
+
+pub fn session_body(argv: &[String], user: Option<&str>, cwd: Option<&str>, env: &[String], timeout: Option<&str>) -> Result<Value> {
+    let mut envs = serde_json::Map::new();
+    for kv in env {
+        let (k, v) = kv.split_once('=').ok_or_else(|| anyhow!("--env takes KEY=VALUE, got {kv:?}"))?;
+        envs.insert(k.into(), json!(v));
+    }
+    let mut body = json!({ "argv": argv, "env": envs });
+    if let Some(u) = user {
+        body["user"] = json!(u);
+    }
+    if let Some(c) = cwd {
+        body["cwd"] = json!(c);
+    }
+    if let Some(t) = timeout {
+        body["timeout"] = json!(t);
+    }
+    Ok(body)
+}
