@@ -1,0 +1,527 @@
+//! The native API over HTTP, against a real `airlock serve` process with real VMs.
+
+use base64::Engine as _;
+use libtest_mimic::{Failed, Trial};
+use serde_json::{json, Value};
+use std::io::BufRead;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::OnceLock;
+use std::time::{Duration, Instant};
+
+const BIN: &str = env!("CARGO_BIN_EXE_airlock");
+
+fn test_data_dir() -> PathBuf {
+    std::env::var_os("AIRLOCK_TEST_DATA_DIR").map(PathBuf::from).unwrap_or_else(|| "/var/lib/airlock-test".into())
+}
+
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
+}
+
+struct Server {
+    child: Child,
+    url: String,
+    key: String,
+    data: PathBuf,
+}
+
+impl Server {
+    fn start(data: &Path) -> Server {
+        let port = free_port();
+        let log = std::fs::File::create(data.join(format!("serve-{port}.log"))).unwrap();
+        let child = Command::new(BIN)
+            .args(["--data-dir"])
+            .arg(data)
+            .args(["serve", "--listen", &format!("127.0.0.1:{port}")])
+            .stdin(Stdio::null())
+            .stdout(log.try_clone().unwrap())
+            .stderr(log)
+            .spawn()
+            .unwrap();
+        let url = format!("http://127.0.0.1:{port}");
+        let deadline = Instant::now() + Duration::from_secs(120);
+        while ureq::get(&format!("{url}/openapi-m1.json")).call().is_err() {
+            assert!(Instant::now() < deadline, "server did not come up; see {}", data.display());
+            std::thread::sleep(Duration::from_millis(100));
+        }
+        let creds = std::fs::read_to_string(data.join("credentials")).unwrap();
+        let key = creds.lines().find_map(|l| l.strip_prefix("AIRLOCK_API_KEY=")).unwrap().to_string();
+        Server { child, url, key, data: data.to_path_buf() }
+    }
+
+    fn kill9(&mut self) {
+        unsafe { libc::kill(self.child.id() as i32, libc::SIGKILL) };
+        let _ = self.child.wait();
+    }
+
+    fn stop(&mut self) {
+        unsafe { libc::kill(self.child.id() as i32, libc::SIGTERM) };
+        let _ = self.child.wait();
+    }
+
+    /// (status, JSON body) of a request with the admin key.
+    fn call(&self, method: &str, path: &str, body: Option<Value>) -> (u16, Value) {
+        self.call_with(method, path, body, Some(&self.key), &[])
+    }
+
+    fn call_with(&self, method: &str, path: &str, body: Option<Value>, key: Option<&str>, headers: &[(&str, &str)]) -> (u16, Value) {
+        let mut req = ureq::request(method, &format!("{}{path}", self.url)).timeout(Duration::from_secs(60));
+        if let Some(k) = key {
+            req = req.set("Authorization", &format!("Bearer {k}"));
+        }
+        for (h, v) in headers {
+            req = req.set(h, v);
+        }
+        let res = match body {
+            Some(b) => req.send_json(b),
+            None => req.call(),
+        };
+        let resp = match res {
+            Ok(r) => r,
+            Err(ureq::Error::Status(_, r)) => r,
+            Err(e) => panic!("{method} {path}: {e}"),
+        };
+        let status = resp.status();
+        let text = resp.into_string().unwrap_or_default();
+        (status, serde_json::from_str(&text).unwrap_or(Value::String(text)))
+    }
+
+    fn raw_post(&self, path: &str, body: &str) -> (u16, Value) {
+        let res = ureq::post(&format!("{}{path}", self.url))
+            .set("Authorization", &format!("Bearer {}", self.key))
+            .set("Content-Type", "application/json")
+            .send_string(body);
+        let resp = match res {
+            Ok(r) => r,
+            Err(ureq::Error::Status(_, r)) => r,
+            Err(e) => panic!("POST {path}: {e}"),
+        };
+        (resp.status(), resp.into_json().unwrap_or(Value::Null))
+    }
+
+    fn wait_op(&self, op_id: &str) -> Value {
+        let deadline = Instant::now() + Duration::from_secs(180);
+        loop {
+            let (status, op) = self.call("GET", &format!("/v1/operations/{op_id}"), None);
+            assert_eq!(status, 200, "{op}");
+            if op["state"] == "succeeded" || op["state"] == "failed" {
+                return op;
+            }
+            assert!(Instant::now() < deadline, "operation {op_id} never finished: {op}");
+            std::thread::sleep(Duration::from_millis(100));
+        }
+    }
+
+    fn create(&self, body: Value) -> String {
+        let (status, r) = self.call("POST", "/v1/sandboxes", Some(body));
+        assert_eq!(status, 202, "{r}");
+        let op = self.wait_op(r["operation"]["id"].as_str().unwrap());
+        assert_eq!(op["state"], "succeeded", "{op}");
+        r["sandbox_id"].as_str().unwrap().to_string()
+    }
+
+    fn delete(&self, id: &str) {
+        let (status, r) = self.call("DELETE", &format!("/v1/sandboxes/{id}"), None);
+        assert_eq!(status, 202, "{r}");
+        assert_eq!(self.wait_op(r["operation"]["id"].as_str().unwrap())["state"], "succeeded");
+    }
+
+    fn session(&self, sandbox: &str, body: Value) -> String {
+        let (status, s) = self.call("POST", &format!("/v1/sandboxes/{sandbox}/sessions"), Some(body));
+        assert_eq!(status, 201, "{s}");
+        s["id"].as_str().unwrap().to_string()
+    }
+
+    /// Read SSE events (event, id, data) until `process_exited` or `stop_after` events.
+    fn events(&self, sandbox: &str, session: &str, last_id: Option<&str>, stop_after: Option<usize>) -> Vec<(String, Option<String>, Value)> {
+        let mut req = ureq::get(&format!("{}/v1/sandboxes/{sandbox}/sessions/{session}/stream", self.url))
+            .set("Authorization", &format!("Bearer {}", self.key))
+            .timeout(Duration::from_secs(120));
+        if let Some(id) = last_id {
+            req = req.set("Last-Event-ID", id);
+        }
+        let resp = req.call().unwrap();
+        assert_eq!(resp.header("content-type"), Some("text/event-stream"));
+        let reader = std::io::BufReader::new(resp.into_reader());
+        let (mut out, mut event, mut id, mut data) = (Vec::new(), String::new(), None, String::new());
+        for line in reader.lines() {
+            let line = line.unwrap();
+            if line.is_empty() {
+                if !event.is_empty() {
+                    let done = event == "process_exited";
+                    out.push((std::mem::take(&mut event), id.take(), serde_json::from_str(&data).unwrap_or(Value::Null)));
+                    data.clear();
+                    if done || stop_after.is_some_and(|n| out.len() >= n) {
+                        break;
+                    }
+                }
+            } else if let Some(v) = line.strip_prefix("event:") {
+                event = v.trim().into();
+            } else if let Some(v) = line.strip_prefix("id:") {
+                id = Some(v.trim().to_string());
+            } else if let Some(v) = line.strip_prefix("data:") {
+                data.push_str(v.trim_start());
+            }
+        }
+        out
+    }
+}
+
+fn decode(events: &[(String, Option<String>, Value)], kind: &str) -> String {
+    events
+        .iter()
+        .filter(|(e, _, _)| e == kind)
+        .map(|(_, _, d)| String::from_utf8(base64::engine::general_purpose::STANDARD.decode(d["data"].as_str().unwrap()).unwrap()).unwrap())
+        .collect()
+}
+
+static SERVER: OnceLock<Server> = OnceLock::new();
+
+fn server() -> &'static Server {
+    SERVER.get_or_init(|| {
+        let data = test_data_dir();
+        std::fs::create_dir_all(&data).unwrap();
+        let built = Command::new(BIN).arg("--data-dir").arg(&data).args(["template", "build", "seed"]).status().unwrap();
+        assert!(built.success(), "template build failed");
+        Server::start(&data)
+    })
+}
+
+/// One sandbox the read-only tests share.
+fn shared() -> &'static str {
+    static ID: OnceLock<String> = OnceLock::new();
+    ID.get_or_init(|| server().create(json!({ "template": "seed", "timeout": "30m", "metadata": { "suite": "api" } })))
+}
+
+fn walkthrough_create_session_stream_delete() {
+    let s = server();
+    let (status, created) = s.call("POST", "/v1/sandboxes", Some(json!({ "template": "seed", "timeout": "10m", "metadata": { "who": "walkthrough" } })));
+    assert_eq!(status, 202, "{created}");
+    let id = created["sandbox_id"].as_str().unwrap().to_string();
+    assert_eq!(created["operation"]["kind"], "create");
+    assert!(["pending", "running"].contains(&created["operation"]["state"].as_str().unwrap()));
+    let op = s.wait_op(created["operation"]["id"].as_str().unwrap());
+    assert_eq!(op["state"], "succeeded");
+    assert!(op["finished_at"].is_string());
+
+    let (_, sb) = s.call("GET", &format!("/v1/sandboxes/{id}"), None);
+    assert_eq!(sb["state"], "running");
+    assert!(sb["template_digest"].as_str().unwrap().starts_with("sha256:"));
+    assert_eq!(sb["runtime"], "qemu");
+    assert_eq!(sb["metadata"]["who"], "walkthrough");
+
+    let sid = s.session(&id, json!({ "argv": ["python3", "-c", "import os; print('hello from airlock'); print(os.getcwd())"], "cwd": "/tmp", "timeout": "30s" }));
+    let events = s.events(&id, &sid, None, None);
+    assert_eq!(decode(&events, "stdout"), "hello from airlock\n/tmp\n");
+    assert!(events.iter().all(|(e, _, _)| e != "error"), "{events:?}");
+    let (last, _, exit) = events.last().unwrap();
+    assert_eq!(last, "process_exited");
+    assert_eq!(exit["exit_code"], 0);
+    let (_, sess) = s.call("GET", &format!("/v1/sandboxes/{id}/sessions/{sid}"), None);
+    assert_eq!((sess["state"].as_str(), sess["exit_code"].as_i64()), (Some("exited"), Some(0)));
+    let (_, list) = s.call("GET", &format!("/v1/sandboxes/{id}/sessions"), None);
+    assert!(list.as_array().unwrap().iter().any(|x| x["id"] == sid.as_str()));
+
+    s.delete(&id);
+    let (_, gone) = s.call("GET", &format!("/v1/sandboxes/{id}"), None);
+    assert_eq!(gone["state"], "deleted");
+    assert!(!s.data.join("sandboxes").join(&id).exists());
+    let (status, err) = s.call("DELETE", &format!("/v1/sandboxes/{id}"), None);
+    assert_eq!((status, err["code"].as_str()), (404, Some("not_found")));
+}
+
+fn failing_command_reports_its_exit_code_and_stderr() {
+    let s = server();
+    let id = shared();
+    let sid = s.session(id, json!({ "argv": ["sh", "-c", "echo oops >&2; exit 3"], "user": "root" }));
+    let events = s.events(id, &sid, None, None);
+    assert_eq!(decode(&events, "stderr"), "oops\n");
+    assert_eq!(events.last().unwrap().2["exit_code"], 3);
+    let sid = s.session(id, json!({ "argv": ["sleep", "30"], "timeout": "1s" }));
+    let events = s.events(id, &sid, None, None);
+    let exit = &events.last().unwrap().2;
+    assert_eq!((exit["signal"].as_str(), exit["timed_out"].as_bool()), (Some("SIGKILL"), Some(true)));
+}
+
+fn sse_resumes_with_last_event_id_without_loss_or_duplicates() {
+    let s = server();
+    let id = shared();
+    let sid = s.session(id, json!({ "argv": ["sh", "-c", "for i in 1 2 3 4 5 6; do echo line$i; sleep 0.3; done"] }));
+    let first = s.events(id, &sid, None, Some(2));
+    assert_eq!(first.len(), 2);
+    let last_id = first[1].1.clone().expect("events carry ids");
+    let rest = s.events(id, &sid, Some(&last_id), None);
+    let mut all = first.clone();
+    all.extend(rest.clone());
+    assert_eq!(decode(&all, "stdout"), "line1\nline2\nline3\nline4\nline5\nline6\n");
+    let ids: Vec<u64> = all.iter().map(|(_, i, _)| i.as_ref().unwrap().parse().unwrap()).collect();
+    assert!(ids.windows(2).all(|w| w[1] > w[0]), "ids strictly increase: {ids:?}");
+    // A late attach from the start replays everything, too.
+    assert_eq!(decode(&s.events(id, &sid, None, None), "stdout"), decode(&all, "stdout"));
+}
+
+fn stdin_signal_and_files() {
+    let s = server();
+    let id = shared();
+    let sid = s.session(id, json!({ "argv": ["cat"], "stdin": true }));
+    let b64 = base64::engine::general_purpose::STANDARD.encode(b"round trip\n");
+    let (status, _) = s.call("POST", &format!("/v1/sandboxes/{id}/sessions/{sid}/stdin"), Some(json!({ "data": b64, "eof": true })));
+    assert_eq!(status, 204);
+    assert_eq!(decode(&s.events(id, &sid, None, None), "stdout"), "round trip\n");
+
+    let sid = s.session(id, json!({ "argv": ["sleep", "300"] }));
+    let (status, _) = s.call("POST", &format!("/v1/sandboxes/{id}/sessions/{sid}/signal"), Some(json!({ "signal": "SIGTERM" })));
+    assert_eq!(status, 204);
+    assert_eq!(s.events(id, &sid, None, None).last().unwrap().2["signal"], "SIGTERM");
+    let (status, err) = s.call("POST", &format!("/v1/sandboxes/{id}/sessions/{sid}/signal"), Some(json!({ "signal": "SIGNOPE" })));
+    assert_eq!((status, err["code"].as_str()), (422, Some("invalid_argument")));
+
+    let put = ureq::put(&format!("{}/v1/sandboxes/{id}/files?path=/home/user/dir/hello.bin", s.url))
+        .set("Authorization", &format!("Bearer {}", s.key))
+        .send_bytes(&[0u8, 1, 2, 255, 10])
+        .unwrap()
+        .into_json::<Value>()
+        .unwrap();
+    assert_eq!((put["size"].as_u64(), put["owner"].as_str()), (Some(5), Some("user")));
+    let mut back = Vec::new();
+    std::io::Read::read_to_end(
+        &mut ureq::get(&format!("{}/v1/sandboxes/{id}/files?path=/home/user/dir/hello.bin", s.url))
+            .set("Authorization", &format!("Bearer {}", s.key))
+            .call()
+            .unwrap()
+            .into_reader(),
+        &mut back,
+    )
+    .unwrap();
+    assert_eq!(back, vec![0u8, 1, 2, 255, 10]);
+    let (_, list) = s.call("GET", &format!("/v1/sandboxes/{id}/files/list?path=/home/user&depth=2"), None);
+    assert!(list["entries"].as_array().unwrap().iter().any(|e| e["path"] == "/home/user/dir/hello.bin"), "{list}");
+    let (status, _) = s.call("DELETE", &format!("/v1/sandboxes/{id}/files?path=/home/user/dir"), None);
+    assert_eq!(status, 204);
+    let (status, err) = s.call("GET", &format!("/v1/sandboxes/{id}/files?path=/home/user/dir/hello.bin"), None);
+    assert_eq!((status, err["code"].as_str()), (404, Some("not_found")));
+    let (status, _) = s.call("GET", &format!("/v1/sandboxes/{id}/files/list?path=/etc&depth=0"), None);
+    assert_eq!(status, 422);
+}
+
+fn idempotent_create_returns_the_same_operation() {
+    let s = server();
+    let body = json!({ "template": "seed", "timeout": "5m" });
+    let key = format!("idem-{}", free_port());
+    let (st1, a) = s.call_with("POST", "/v1/sandboxes", Some(body.clone()), Some(&s.key), &[("Idempotency-Key", &key)]);
+    let (st2, b) = s.call_with("POST", "/v1/sandboxes", Some(body), Some(&s.key), &[("Idempotency-Key", &key)]);
+    assert_eq!((st1, st2), (202, 202));
+    assert_eq!(a["operation"]["id"], b["operation"]["id"]);
+    assert_eq!(a["sandbox_id"], b["sandbox_id"]);
+    s.wait_op(a["operation"]["id"].as_str().unwrap());
+    s.delete(a["sandbox_id"].as_str().unwrap());
+}
+
+fn timeout_expiry_deletes_the_sandbox() {
+    let s = server();
+    let id = s.create(json!({ "template": "seed", "timeout": "2s" }));
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        let (_, sb) = s.call("GET", &format!("/v1/sandboxes/{id}"), None);
+        if sb["state"] == "deleted" {
+            break;
+        }
+        assert!(Instant::now() < deadline, "sandbox outlived its timeout: {sb}");
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    assert!(!s.data.join("sandboxes").join(&id).exists());
+}
+
+fn list_filters_by_state_and_metadata_with_paging() {
+    let s = server();
+    let id = shared();
+    let (_, all) = s.call("GET", "/v1/sandboxes?metadata.suite=api", None);
+    let ids: Vec<&str> = all["sandboxes"].as_array().unwrap().iter().map(|x| x["id"].as_str().unwrap()).collect();
+    assert!(ids.contains(&id), "{all}");
+    let (_, none) = s.call("GET", "/v1/sandboxes?metadata.suite=nothing-matches", None);
+    assert_eq!(none["sandboxes"].as_array().unwrap().len(), 0);
+    let (_, page) = s.call("GET", "/v1/sandboxes?state=deleted&limit=1", None);
+    assert!(page["sandboxes"].as_array().unwrap().len() <= 1);
+    if let Some(token) = page["next_page_token"].as_str() {
+        let (status, next) = s.call("GET", &format!("/v1/sandboxes?state=deleted&limit=1&page_token={token}"), None);
+        assert_eq!(status, 200);
+        assert_ne!(next["sandboxes"][0]["id"], page["sandboxes"][0]["id"]);
+    }
+    let (status, err) = s.call("GET", "/v1/sandboxes?state=sideways", None);
+    assert_eq!((status, err["code"].as_str()), (422, Some("invalid_argument")));
+}
+
+fn bad_input_gets_clear_4xx_errors() {
+    let s = server();
+    let cases: Vec<(Value, u16, &str, &str)> = vec![
+        (json!({ "template": "nope" }), 404, "template_not_found", "nope"),
+        (json!({ "template": 7 }), 422, "invalid_argument", "template"),
+        (json!({ "template": "seed", "resources": { "vcpu": -1 } }), 422, "invalid_argument", "vcpu"),
+        (json!({ "template": "seed", "resources": { "vcpu": 0 } }), 422, "invalid_resources", "vcpu"),
+        (json!({ "template": "seed", "resources": { "memory_mib": 16 } }), 422, "invalid_resources", "memory_mib"),
+        (json!({ "template": "seed", "resources": { "disk_mib": 1 } }), 422, "invalid_resources", "disk_mib"),
+        (json!({ "template": "seed", "timeout": "soon" }), 422, "invalid_argument", "timeout"),
+        (json!({ "template": "seed", "timeout": "48h" }), 422, "invalid_argument", "timeout"),
+        (json!({ "template": "seed", "runtime": "fc" }), 422, "invalid_argument", "fc"),
+        (json!({ "template": "seed", "colour": "red" }), 422, "invalid_argument", "colour"),
+        (json!({ "template": "team/name" }), 404, "template_not_found", "team/name"),
+    ];
+    for (body, status, code, needle) in cases {
+        let (got, err) = s.call("POST", "/v1/sandboxes", Some(body.clone()));
+        assert_eq!((got, err["code"].as_str()), (status, Some(code)), "{body} -> {err}");
+        assert!(err["message"].as_str().unwrap().contains(needle), "{body} -> {err}");
+    }
+    let (status, err) = s.raw_post("/v1/sandboxes", "{\"template\": ");
+    assert_eq!((status, err["code"].as_str()), (400, Some("bad_request")));
+    let (status, err) = s.raw_post("/v1/sandboxes", "[1, 2]");
+    assert_eq!(status, 422, "{err}");
+    let id = shared();
+    let (status, err) = s.call("POST", &format!("/v1/sandboxes/{id}/sessions"), Some(json!({ "argv": [] })));
+    assert_eq!((status, err["code"].as_str()), (422, Some("invalid_argument")));
+    let (status, err) = s.call("POST", &format!("/v1/sandboxes/{id}/sessions"), Some(json!({ "argv": ["/no/such/program"] })));
+    assert_eq!((status, err["code"].as_str()), (400, Some("invalid_argument")), "{err}");
+    let (status, err) = s.call("POST", &format!("/v1/sandboxes/{id}/sessions"), Some(json!({ "argv": ["true"], "user": "ghost" })));
+    assert_eq!(status, 400, "{err}");
+}
+
+fn unknown_ids_are_404_and_keys_are_checked() {
+    let s = server();
+    for path in ["/v1/sandboxes/0000000000000000dead", "/v1/operations/op_nope", "/v1/templates/nope", "/v1/nothing-here"] {
+        let (status, err) = s.call("GET", path, None);
+        assert_eq!(status, 404, "{path}: {err}");
+        assert!(err["message"].is_string());
+    }
+    let id = shared();
+    let (status, _) = s.call("GET", &format!("/v1/sandboxes/{id}/sessions/ses_nope"), None);
+    assert_eq!(status, 404);
+    let (status, err) = s.call_with("GET", "/v1/sandboxes", None, None, &[]);
+    assert_eq!((status, err["code"].as_str()), (401, Some("unauthorized")));
+    let (status, _) = s.call_with("GET", "/v1/sandboxes", None, Some("ak_wrong"), &[]);
+    assert_eq!(status, 401);
+    let (status, sys) = s.call("GET", "/v1/system", None);
+    assert_eq!(status, 200);
+    assert!(["kvm", "tcg"].contains(&sys["accel"].as_str().unwrap()));
+    let (_, t) = s.call("GET", "/v1/templates/seed", None);
+    assert!(t["digest"].as_str().unwrap().starts_with("sha256:"));
+    let (_, doc) = s.call_with("GET", "/openapi-m1.json", None, None, &[]);
+    assert!(doc["openapi"].as_str().unwrap().starts_with("3.1"));
+    assert!(doc["paths"]["/v1/sandboxes/{id}/sessions/{sid}/stream"].is_object());
+}
+
+fn cli_run_exec_and_python_example() {
+    let s = server();
+    let env = [("AIRLOCK_URL", s.url.as_str()), ("AIRLOCK_API_KEY", s.key.as_str())];
+    let out = Command::new(BIN).args(["run", "--", "sh", "-c", "echo from-cli; exit 4"]).envs(env).output().unwrap();
+    assert_eq!(String::from_utf8_lossy(&out.stdout), "from-cli\n");
+    assert_eq!(out.status.code(), Some(4));
+    let out = Command::new(BIN).args(["exec", shared(), "--user", "root", "--", "id", "-un"]).envs(env).output().unwrap();
+    assert_eq!((String::from_utf8_lossy(&out.stdout).as_ref(), out.status.code()), ("root\n", Some(0)));
+    let out = Command::new(BIN).args(["sandbox", "get", "0000000000000000dead"]).envs(env).output().unwrap();
+    assert_eq!(out.status.code(), Some(1));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("HTTP 404"));
+    let example = concat!(env!("CARGO_MANIFEST_DIR"), "/examples/first_sandbox.py");
+    let out = Command::new("python3").arg(example).envs(env).output().unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{stdout}\n{}", String::from_utf8_lossy(&out.stderr));
+    assert!(stdout.contains("hello from airlock") && stdout.trim_end().ends_with("ok"), "{stdout}");
+}
+
+/// Restart safety on a data dir of its own (the blobs are hard links: templates are immutable).
+fn server_killed_mid_create_recovers_and_reattaches() {
+    let data = PathBuf::from(format!("{}-restart", test_data_dir().display()));
+    let _ = std::fs::remove_dir_all(&data);
+    std::fs::create_dir_all(&data).unwrap();
+    server(); // the shared data dir has the template built
+    let src = test_data_dir();
+    let ok = Command::new("cp").arg("-al").arg(src.join("blobs")).arg(src.join("templates")).arg(&data).status().unwrap();
+    assert!(ok.success());
+    let _ = std::fs::copy(src.join("accel.json"), data.join("accel.json"));
+
+    let mut s1 = Server::start(&data);
+    let running = s1.create(json!({ "template": "seed", "timeout": "30m" }));
+    let (_, r) = s1.call("POST", "/v1/sandboxes", Some(json!({ "template": "seed", "timeout": "30m" })));
+    let op_id = r["operation"]["id"].as_str().unwrap().to_string();
+    std::thread::sleep(Duration::from_millis(1200));
+    s1.kill9();
+
+    let mut s2 = Server::start(&data);
+    let op = s2.wait_op(&op_id);
+    assert!(op["state"] == "succeeded" || op["state"] == "failed", "{op}");
+    if op["state"] == "failed" {
+        assert_eq!(op["error"]["code"], "interrupted");
+    }
+    // The list matches the VMs that really exist.
+    let (_, list) = s2.call("GET", "/v1/sandboxes?state=running", None);
+    let mut listed: Vec<String> = list["sandboxes"].as_array().unwrap().iter().map(|x| x["id"].as_str().unwrap().to_string()).collect();
+    let mut vms: Vec<String> = std::fs::read_dir(data.join("sandboxes"))
+        .unwrap()
+        .flatten()
+        .filter(|e| {
+            let vm: Value = serde_json::from_slice(&std::fs::read(e.path().join("vm.json")).unwrap_or_default()).unwrap_or(Value::Null);
+            vm["pid"].as_u64().is_some_and(|pid| Path::new(&format!("/proc/{pid}/cmdline")).exists())
+        })
+        .map(|e| e.file_name().to_string_lossy().to_string())
+        .collect();
+    listed.sort();
+    vms.sort();
+    assert_eq!(listed, vms);
+    assert!(listed.contains(&running), "the running sandbox survived the crash");
+
+    // The VM that ran before the crash is re-attached and usable.
+    let sid = s2.session(&running, json!({ "argv": ["echo", "after restart"] }));
+    assert_eq!(decode(&s2.events(&running, &sid, None, None), "stdout"), "after restart\n");
+    for id in listed {
+        s2.delete(&id);
+    }
+    s2.stop();
+    let _ = std::fs::remove_dir_all(&data);
+}
+
+/// QEMUs whose server was killed re-parent to this process (a subreaper): collect them.
+fn reap_orphans() {
+    let me = std::process::id();
+    for entry in std::fs::read_dir("/proc").unwrap().flatten() {
+        let Ok(pid) = entry.file_name().to_string_lossy().parse::<i32>() else { continue };
+        let stat = std::fs::read_to_string(entry.path().join("stat")).unwrap_or_default();
+        let fields: Vec<&str> = stat.rsplit_once(')').map(|(_, r)| r.split_whitespace().collect()).unwrap_or_default();
+        if fields.len() > 2 && fields[0] == "Z" && fields[1] == me.to_string() {
+            unsafe { libc::waitpid(pid, std::ptr::null_mut(), libc::WNOHANG) };
+        }
+    }
+}
+
+fn main() {
+    unsafe { libc::prctl(libc::PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) };
+    let args = libtest_mimic::Arguments::from_args();
+    let t = |name: &'static str, f: fn()| Trial::test(name, move || -> Result<(), Failed> { f(); Ok(()) });
+    let tests = vec![
+        t("walkthrough_create_session_stream_delete", walkthrough_create_session_stream_delete),
+        t("failing_command_reports_its_exit_code_and_stderr", failing_command_reports_its_exit_code_and_stderr),
+        t("sse_resumes_with_last_event_id_without_loss_or_duplicates", sse_resumes_with_last_event_id_without_loss_or_duplicates),
+        t("stdin_signal_and_files", stdin_signal_and_files),
+        t("idempotent_create_returns_the_same_operation", idempotent_create_returns_the_same_operation),
+        t("timeout_expiry_deletes_the_sandbox", timeout_expiry_deletes_the_sandbox),
+        t("list_filters_by_state_and_metadata_with_paging", list_filters_by_state_and_metadata_with_paging),
+        t("bad_input_gets_clear_4xx_errors", bad_input_gets_clear_4xx_errors),
+        t("unknown_ids_are_404_and_keys_are_checked", unknown_ids_are_404_and_keys_are_checked),
+        t("cli_run_exec_and_python_example", cli_run_exec_and_python_example),
+        t("server_killed_mid_create_recovers_and_reattaches", server_killed_mid_create_recovers_and_reattaches),
+    ];
+    let conclusion = libtest_mimic::run(&args, tests);
+    cleanup();
+    reap_orphans();
+    conclusion.exit();
+}
+
+/// Delete every sandbox the shared server knows, then stop it: VMs outlive servers by design.
+fn cleanup() {
+    let Some(s) = SERVER.get() else { return };
+    let (_, list) = s.call("GET", "/v1/sandboxes?limit=100", None);
+    for sb in list["sandboxes"].as_array().into_iter().flatten() {
+        s.delete(sb["id"].as_str().unwrap());
+    }
+    unsafe { libc::kill(s.child.id() as i32, libc::SIGTERM) };
+    std::thread::sleep(Duration::from_millis(300));
+    reap_orphans();
+}
