@@ -30,6 +30,9 @@ enum Command {
     Serve {
         #[arg(long, env = "AIRLOCK_LISTEN", default_value = "127.0.0.1:7420")]
         listen: SocketAddr,
+        /// Live sandboxes one tenant may have at once (429 `quota_exceeded` past it).
+        #[arg(long, env = "AIRLOCK_MAX_SANDBOXES", default_value_t = 20)]
+        max_sandboxes: u32,
     },
     /// Build and list templates.
     Template {
@@ -214,13 +217,13 @@ async fn run(cli: Cli) -> anyhow::Result<u8> {
     let data_dir = cli.data_dir.clone();
     let client = || client::Client::from_env(&data_dir);
     match cli.command {
-        Command::Serve { listen } => {
+        Command::Serve { listen, max_sandboxes } => {
             let store = TemplateStore::new(DataDir::open(&cli.data_dir)?);
             if !store.exists(SEED) {
                 eprintln!("airlock: template `seed` is missing; building it first");
                 build_seed(&cli.data_dir, BuildOptions { progress: std::io::stderr().is_terminal(), ..Default::default() }).await?;
             }
-            airlock_server::serve(airlock_server::ServeOptions { listen, data_dir: cli.data_dir }).await?;
+            airlock_server::serve(airlock_server::ServeOptions { listen, data_dir: cli.data_dir, max_sandboxes_per_tenant: max_sandboxes }).await?;
         }
         Command::Template { command: TemplateCommand::Build { name, mirror, agent, force } } => {
             if name != SEED {

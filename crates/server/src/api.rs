@@ -27,6 +27,8 @@ pub struct AppState {
     pub store: Arc<dyn Store>,
     pub runtime: Runtime,
     pub engine: Engine,
+    /// Live sandboxes (creating, running, deleting) one tenant may have at once.
+    pub max_sandboxes_per_tenant: u32,
 }
 
 /// JSON body whose rejections use the API's error format (400 malformed, 422 wrong shape).
@@ -79,6 +81,33 @@ pub async fn auth(State(state): State<AppState>, mut req: Request, next: axum::m
     }
 }
 
+/// The error responses every route may give, each with an `ErrorBody`.
+pub struct ApiErrors;
+
+impl utoipa::IntoResponses for ApiErrors {
+    fn responses() -> std::collections::BTreeMap<String, utoipa::openapi::RefOr<utoipa::openapi::response::Response>> {
+        use utoipa::openapi::{ContentBuilder, Ref, RefOr, ResponseBuilder};
+        [
+            ("400", "malformed request or a path the guest rejects"),
+            ("401", "missing or wrong API key"),
+            ("403", "the guest refused (permissions)"),
+            ("404", "no such sandbox, session, operation, template or file"),
+            ("409", "the sandbox is not running"),
+            ("422", "a field has an invalid value"),
+            ("429", "quota exceeded"),
+            ("500", "internal error"),
+            ("502", "the sandbox's agent is unreachable"),
+            ("503", "temporarily unavailable"),
+        ]
+        .into_iter()
+        .map(|(code, desc)| {
+            let content = ContentBuilder::new().schema(Some(Ref::from_schema_name("ErrorBody"))).build();
+            (code.to_string(), RefOr::T(ResponseBuilder::new().description(desc).content("application/json", content).build()))
+        })
+        .collect()
+    }
+}
+
 pub const MAX_SANDBOX_TIMEOUT: Duration = Duration::from_secs(24 * 3600);
 pub const DEFAULT_SANDBOX_TIMEOUT: Duration = Duration::from_secs(300);
 
@@ -122,8 +151,7 @@ async fn running_sandbox(state: &AppState, tenant: &Tenant, id: &str) -> ApiResu
 
 #[utoipa::path(post, path = "/v1/sandboxes", tag = "sandboxes", request_body = CreateSandboxRequest,
     params(("Idempotency-Key" = Option<String>, Header, description = "retries with the same key return the same operation")),
-    responses((status = 202, body = OperationAccepted), (status = 400, body = ErrorBody), (status = 401, body = ErrorBody),
-              (status = 404, body = ErrorBody), (status = 422, body = ErrorBody)),
+    responses((status = 202, body = OperationAccepted), ApiErrors),
     security(("bearer" = [])))]
 pub async fn create_sandbox(
     State(state): State<AppState>,
@@ -155,6 +183,19 @@ pub async fn create_sandbox(
     if idem.as_ref().is_some_and(|k| k.is_empty() || k.len() > 200) {
         return Err(ApiError::BadRequest("Idempotency-Key must be 1 to 200 characters".into()));
     }
+    if let Some(key) = &idem {
+        if let Some(prior) = state.store.operation_by_idempotency_key(&tenant.id, key).await? {
+            let sandbox_id = prior.sandbox_id.clone();
+            return Ok((StatusCode::ACCEPTED, Json(OperationAccepted { operation: prior, sandbox_id })));
+        }
+    }
+    let live = state.store.count_live_sandboxes(&tenant.id).await?;
+    if live >= state.max_sandboxes_per_tenant as i64 {
+        return Err(ApiError::QuotaExceeded(format!(
+            "tenant {} has {live} live sandboxes, the limit of this server (--max-sandboxes {}); delete one first",
+            tenant.name, state.max_sandboxes_per_tenant
+        )));
+    }
     let id = airlock_runtime::datadir::random_hex(10);
     let now = now_ms();
     let row = SandboxRow {
@@ -183,7 +224,7 @@ pub async fn create_sandbox(
 
 #[utoipa::path(get, path = "/v1/operations/{id}", tag = "operations",
     params(("id" = String, Path)),
-    responses((status = 200, body = Operation), (status = 404, body = ErrorBody), (status = 401, body = ErrorBody)),
+    responses((status = 200, body = Operation), ApiErrors),
     security(("bearer" = [])))]
 pub async fn get_operation(
     State(state): State<AppState>,
@@ -194,10 +235,12 @@ pub async fn get_operation(
 }
 
 #[derive(Debug, Deserialize, utoipa::IntoParams)]
+#[into_params(parameter_in = Query)]
 pub struct ListQuery {
     /// Only sandboxes in this state (default: creating, running and deleting).
     pub state: Option<String>,
     /// Page size, 1..=100 (default 50).
+    #[param(minimum = 1, maximum = 100)]
     pub limit: Option<u32>,
     pub page_token: Option<String>,
     /// `metadata.<key>=<value>` filters are also accepted.
@@ -207,7 +250,7 @@ pub struct ListQuery {
 }
 
 #[utoipa::path(get, path = "/v1/sandboxes", tag = "sandboxes", params(ListQuery),
-    responses((status = 200, body = SandboxList), (status = 422, body = ErrorBody), (status = 401, body = ErrorBody)),
+    responses((status = 200, body = SandboxList), ApiErrors),
     security(("bearer" = [])))]
 pub async fn list_sandboxes(
     State(state): State<AppState>,
@@ -254,7 +297,7 @@ pub async fn list_sandboxes(
 }
 
 #[utoipa::path(get, path = "/v1/sandboxes/{id}", tag = "sandboxes", params(("id" = String, Path)),
-    responses((status = 200, body = Sandbox), (status = 404, body = ErrorBody), (status = 401, body = ErrorBody)),
+    responses((status = 200, body = Sandbox), ApiErrors),
     security(("bearer" = [])))]
 pub async fn get_sandbox(
     State(state): State<AppState>,
@@ -265,7 +308,7 @@ pub async fn get_sandbox(
 }
 
 #[utoipa::path(delete, path = "/v1/sandboxes/{id}", tag = "sandboxes", params(("id" = String, Path)),
-    responses((status = 202, body = OperationAccepted), (status = 404, body = ErrorBody), (status = 401, body = ErrorBody)),
+    responses((status = 202, body = OperationAccepted), ApiErrors),
     security(("bearer" = [])))]
 pub async fn delete_sandbox(
     State(state): State<AppState>,
@@ -354,8 +397,7 @@ async fn refresh_session(state: &AppState, mut row: SessionRow) -> ApiResult<Ses
 
 #[utoipa::path(post, path = "/v1/sandboxes/{id}/sessions", tag = "sessions", params(("id" = String, Path)),
     request_body = CreateSessionRequest,
-    responses((status = 201, body = Session), (status = 400, body = ErrorBody), (status = 404, body = ErrorBody),
-              (status = 409, body = ErrorBody), (status = 422, body = ErrorBody), (status = 401, body = ErrorBody)),
+    responses((status = 201, body = Session), ApiErrors),
     security(("bearer" = [])))]
 pub async fn create_session(
     State(state): State<AppState>,
@@ -424,7 +466,7 @@ async fn session_row(state: &AppState, tenant: &Tenant, id: &str, sid: &str) -> 
 }
 
 #[utoipa::path(get, path = "/v1/sandboxes/{id}/sessions", tag = "sessions", params(("id" = String, Path)),
-    responses((status = 200, body = Vec<Session>), (status = 404, body = ErrorBody), (status = 401, body = ErrorBody)),
+    responses((status = 200, body = Vec<Session>), ApiErrors),
     security(("bearer" = [])))]
 pub async fn list_sessions(
     State(state): State<AppState>,
@@ -441,7 +483,7 @@ pub async fn list_sessions(
 
 #[utoipa::path(get, path = "/v1/sandboxes/{id}/sessions/{sid}", tag = "sessions",
     params(("id" = String, Path), ("sid" = String, Path)),
-    responses((status = 200, body = Session), (status = 404, body = ErrorBody), (status = 401, body = ErrorBody)),
+    responses((status = 200, body = Session), ApiErrors),
     security(("bearer" = [])))]
 pub async fn get_session(
     State(state): State<AppState>,
@@ -453,6 +495,7 @@ pub async fn get_session(
 }
 
 #[derive(Debug, Deserialize, utoipa::IntoParams)]
+#[into_params(parameter_in = Query)]
 pub struct StreamQuery {
     /// Resume after this event id (same as the `Last-Event-ID` header).
     pub last_event_id: Option<u64>,
@@ -461,8 +504,7 @@ pub struct StreamQuery {
 #[utoipa::path(get, path = "/v1/sandboxes/{id}/sessions/{sid}/stream", tag = "sessions",
     params(("id" = String, Path), ("sid" = String, Path), StreamQuery,
            ("Last-Event-ID" = Option<String>, Header, description = "resume after this event id")),
-    responses((status = 200, description = "text/event-stream: events `stdout`, `stderr` (OutputEvent), `process_exited` (ExitedEvent), `error` (ErrorBody); each with an `id`", content_type = "text/event-stream", body = String),
-              (status = 404, body = ErrorBody), (status = 401, body = ErrorBody)),
+    responses((status = 200, description = "text/event-stream: events `stdout`, `stderr` (OutputEvent), `process_exited` (ExitedEvent), `error` (ErrorBody); each with an `id`", content_type = "text/event-stream", body = String), ApiErrors),
     security(("bearer" = [])))]
 pub async fn stream_session(
     State(state): State<AppState>,
@@ -534,7 +576,7 @@ pub async fn stream_session(
 
 #[utoipa::path(post, path = "/v1/sandboxes/{id}/sessions/{sid}/stdin", tag = "sessions",
     params(("id" = String, Path), ("sid" = String, Path)), request_body = StdinRequest,
-    responses((status = 204), (status = 400, body = ErrorBody), (status = 404, body = ErrorBody), (status = 401, body = ErrorBody)),
+    responses((status = 204), ApiErrors),
     security(("bearer" = [])))]
 pub async fn session_stdin(
     State(state): State<AppState>,
@@ -559,7 +601,7 @@ pub async fn session_stdin(
 
 #[utoipa::path(post, path = "/v1/sandboxes/{id}/sessions/{sid}/signal", tag = "sessions",
     params(("id" = String, Path), ("sid" = String, Path)), request_body = SignalRequest,
-    responses((status = 204), (status = 400, body = ErrorBody), (status = 404, body = ErrorBody), (status = 422, body = ErrorBody), (status = 401, body = ErrorBody)),
+    responses((status = 204), ApiErrors),
     security(("bearer" = [])))]
 pub async fn session_signal(
     State(state): State<AppState>,
@@ -575,7 +617,7 @@ pub async fn session_signal(
 
 #[utoipa::path(post, path = "/v1/sandboxes/{id}/sessions/{sid}/resize", tag = "sessions",
     params(("id" = String, Path), ("sid" = String, Path)), request_body = PtySpec,
-    responses((status = 204), (status = 400, body = ErrorBody), (status = 404, body = ErrorBody), (status = 422, body = ErrorBody), (status = 401, body = ErrorBody)),
+    responses((status = 204), ApiErrors),
     security(("bearer" = [])))]
 pub async fn session_resize(
     State(state): State<AppState>,
@@ -593,16 +635,19 @@ pub async fn session_resize(
 }
 
 #[derive(Debug, Deserialize, utoipa::IntoParams)]
+#[into_params(parameter_in = Query)]
 pub struct PathQuery {
     /// Absolute path in the sandbox.
     pub path: String,
 }
 
 #[derive(Debug, Deserialize, utoipa::IntoParams)]
+#[into_params(parameter_in = Query)]
 pub struct ListFilesQuery {
     /// Absolute directory path in the sandbox.
     pub path: String,
     /// Levels to descend, 1..=32 (default 1).
+    #[param(minimum = 1, maximum = 32)]
     pub depth: Option<u32>,
 }
 
@@ -627,8 +672,7 @@ fn file_info(s: airlock_proto::FileStat) -> FileInfo {
 }
 
 #[utoipa::path(get, path = "/v1/sandboxes/{id}/files", tag = "files", params(("id" = String, Path), PathQuery),
-    responses((status = 200, description = "file content", content_type = "application/octet-stream", body = Vec<u8>),
-              (status = 400, body = ErrorBody), (status = 404, body = ErrorBody), (status = 401, body = ErrorBody)),
+    responses((status = 200, description = "file content", content_type = "application/octet-stream", body = Vec<u8>), ApiErrors),
     security(("bearer" = [])))]
 pub async fn read_file(
     State(state): State<AppState>,
@@ -644,7 +688,7 @@ pub async fn read_file(
 
 #[utoipa::path(put, path = "/v1/sandboxes/{id}/files", tag = "files", params(("id" = String, Path), PathQuery),
     request_body(content = Vec<u8>, content_type = "application/octet-stream"),
-    responses((status = 200, body = FileInfo), (status = 400, body = ErrorBody), (status = 404, body = ErrorBody), (status = 401, body = ErrorBody)),
+    responses((status = 200, body = FileInfo), ApiErrors),
     security(("bearer" = [])))]
 pub async fn write_file(
     State(state): State<AppState>,
@@ -659,7 +703,7 @@ pub async fn write_file(
 }
 
 #[utoipa::path(delete, path = "/v1/sandboxes/{id}/files", tag = "files", params(("id" = String, Path), PathQuery),
-    responses((status = 204), (status = 400, body = ErrorBody), (status = 404, body = ErrorBody), (status = 401, body = ErrorBody)),
+    responses((status = 204), ApiErrors),
     security(("bearer" = [])))]
 pub async fn delete_file(
     State(state): State<AppState>,
@@ -672,7 +716,7 @@ pub async fn delete_file(
 }
 
 #[utoipa::path(get, path = "/v1/sandboxes/{id}/files/list", tag = "files", params(("id" = String, Path), ListFilesQuery),
-    responses((status = 200, body = FileList), (status = 400, body = ErrorBody), (status = 404, body = ErrorBody), (status = 422, body = ErrorBody), (status = 401, body = ErrorBody)),
+    responses((status = 200, body = FileList), ApiErrors),
     security(("bearer" = [])))]
 pub async fn list_files(
     State(state): State<AppState>,
@@ -694,20 +738,20 @@ fn template_view(m: airlock_runtime::template::TemplateManifest) -> Template {
 }
 
 #[utoipa::path(get, path = "/v1/templates", tag = "templates",
-    responses((status = 200, body = TemplateList), (status = 401, body = ErrorBody)), security(("bearer" = [])))]
+    responses((status = 200, body = TemplateList), ApiErrors), security(("bearer" = [])))]
 pub async fn list_templates(State(state): State<AppState>) -> Json<TemplateList> {
     Json(TemplateList { templates: state.runtime.templates().list().into_iter().map(template_view).collect() })
 }
 
 #[utoipa::path(get, path = "/v1/templates/{name}", tag = "templates", params(("name" = String, Path)),
-    responses((status = 200, body = Template), (status = 404, body = ErrorBody), (status = 401, body = ErrorBody)),
+    responses((status = 200, body = Template), ApiErrors),
     security(("bearer" = [])))]
 pub async fn get_template(State(state): State<AppState>, Path(name): Path<String>) -> ApiResult<Json<Template>> {
     Ok(Json(template_view(state.runtime.templates().resolve(&name)?.manifest)))
 }
 
 #[utoipa::path(get, path = "/v1/system", tag = "system",
-    responses((status = 200, body = SystemInfo), (status = 401, body = ErrorBody)), security(("bearer" = [])))]
+    responses((status = 200, body = SystemInfo), ApiErrors), security(("bearer" = [])))]
 pub async fn system(State(state): State<AppState>) -> Json<SystemInfo> {
     let mem = std::fs::read_to_string("/proc/meminfo")
         .unwrap_or_default()

@@ -30,6 +30,8 @@ pub enum ApiError {
     Conflict(String),
     #[error("{0}")]
     Unavailable(String),
+    #[error("{0}")]
+    QuotaExceeded(String),
     #[error(transparent)]
     Runtime(#[from] RuntimeError),
     #[error("guest agent: {0}")]
@@ -49,6 +51,7 @@ impl ApiError {
             ApiError::NotFound(_) => (StatusCode::NOT_FOUND, "not_found"),
             ApiError::Conflict(_) => (StatusCode::CONFLICT, "conflict"),
             ApiError::Unavailable(_) => (StatusCode::SERVICE_UNAVAILABLE, "unavailable"),
+            ApiError::QuotaExceeded(_) => (StatusCode::TOO_MANY_REQUESTS, "quota_exceeded"),
             ApiError::Runtime(e) => match e {
                 RuntimeError::UnknownTemplate(_) => (StatusCode::NOT_FOUND, "template_not_found"),
                 RuntimeError::UnknownSandbox(_) => (StatusCode::NOT_FOUND, "sandbox_not_found"),

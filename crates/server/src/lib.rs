@@ -73,6 +73,7 @@ pub fn router(state: AppState) -> Router {
 pub struct ServeOptions {
     pub listen: SocketAddr,
     pub data_dir: PathBuf,
+    pub max_sandboxes_per_tenant: u32,
 }
 
 /// Open everything, recover from the last run, and serve until the process is stopped.
@@ -88,7 +89,7 @@ pub async fn serve(opts: ServeOptions) -> anyhow::Result<()> {
     let engine = ops::Engine::new(store.clone(), runtime.clone());
     engine.recover().await?;
     engine.spawn_reaper();
-    let state = AppState { store, runtime, engine };
+    let state = AppState { store, runtime, engine, max_sandboxes_per_tenant: opts.max_sandboxes_per_tenant };
     let listener = tokio::net::TcpListener::bind(opts.listen)
         .await
         .map_err(|e| anyhow::anyhow!("listen on {}: {e}", opts.listen))?;

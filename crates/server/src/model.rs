@@ -142,6 +142,7 @@ pub struct Resources {
 #[serde(deny_unknown_fields)]
 pub struct CreateSandboxRequest {
     /// Template name (`seed`, `seed:latest`) or digest (`sha256:...`).
+    #[schema(min_length = 1)]
     pub template: String,
     /// VMM: `qemu` (default) or `fc` (Firecracker, where installed).
     pub runtime: Option<String>,
@@ -187,9 +188,9 @@ pub struct SandboxList {
 
 #[derive(Debug, Clone, Serialize, Deserialize, ToSchema, PartialEq, Eq)]
 pub struct PtySpec {
-    #[schema(minimum = 1)]
+    #[schema(minimum = 1, maximum = 65535)]
     pub cols: u16,
-    #[schema(minimum = 1)]
+    #[schema(minimum = 1, maximum = 65535)]
     pub rows: u16,
 }
 
@@ -197,6 +198,7 @@ pub struct PtySpec {
 #[serde(deny_unknown_fields)]
 pub struct CreateSessionRequest {
     /// Program and arguments; no shell is involved unless you run one.
+    #[schema(min_items = 1)]
     pub argv: Vec<String>,
     /// Working directory (default: the user's home).
     pub cwd: Option<String>,

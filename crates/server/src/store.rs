@@ -97,12 +97,14 @@ pub trait Store: Send + Sync {
     async fn sandbox_by_id(&self, id: &str) -> Result<Option<SandboxRow>, sqlx::Error>;
     async fn list_sandboxes(&self, tenant_id: &str, filter: &SandboxFilter) -> Result<Vec<SandboxRow>, sqlx::Error>;
     async fn live_sandboxes(&self) -> Result<Vec<SandboxRow>, sqlx::Error>;
+    async fn count_live_sandboxes(&self, tenant_id: &str) -> Result<i64, sqlx::Error>;
     async fn set_sandbox_state(&self, id: &str, state: SandboxState) -> Result<(), sqlx::Error>;
     async fn set_sandbox_boot(&self, id: &str, template_digest: &str, accel: &str) -> Result<(), sqlx::Error>;
     async fn expired_sandboxes(&self, now_ms: i64) -> Result<Vec<SandboxRow>, sqlx::Error>;
 
     async fn insert_operation(&self, tenant_id: &str, op: &Operation) -> Result<(), sqlx::Error>;
     async fn get_operation(&self, tenant_id: &str, id: &str) -> Result<Option<Operation>, sqlx::Error>;
+    async fn operation_by_idempotency_key(&self, tenant_id: &str, key: &str) -> Result<Option<Operation>, sqlx::Error>;
     async fn finish_operation(&self, id: &str, state: OperationState, error: Option<&ErrorBody>) -> Result<(), sqlx::Error>;
     async fn set_operation_state(&self, id: &str, state: OperationState) -> Result<(), sqlx::Error>;
     async fn unfinished_operations(&self) -> Result<Vec<Operation>, sqlx::Error>;
@@ -354,6 +356,14 @@ impl Store for SqliteStore {
         Ok(rows.iter().map(sandbox_from_row).collect())
     }
 
+    async fn count_live_sandboxes(&self, tenant_id: &str) -> Result<i64, sqlx::Error> {
+        let n: (i64,) = sqlx::query_as("SELECT COUNT(*) FROM sandboxes WHERE tenant_id = ? AND state IN ('creating', 'running', 'deleting')")
+            .bind(tenant_id)
+            .fetch_one(&self.pool)
+            .await?;
+        Ok(n.0)
+    }
+
     async fn set_sandbox_state(&self, id: &str, state: SandboxState) -> Result<(), sqlx::Error> {
         sqlx::query("UPDATE sandboxes SET state = ? WHERE id = ?").bind(state.as_str()).bind(id).execute(&self.pool).await?;
         Ok(())
@@ -389,6 +399,15 @@ impl Store for SqliteStore {
 
     async fn get_operation(&self, tenant_id: &str, id: &str) -> Result<Option<Operation>, sqlx::Error> {
         let r = sqlx::query("SELECT * FROM operations WHERE tenant_id = ? AND id = ?").bind(tenant_id).bind(id).fetch_optional(&self.pool).await?;
+        Ok(r.as_ref().map(op_from_row))
+    }
+
+    async fn operation_by_idempotency_key(&self, tenant_id: &str, key: &str) -> Result<Option<Operation>, sqlx::Error> {
+        let r = sqlx::query("SELECT * FROM operations WHERE tenant_id = ? AND idempotency_key = ?")
+            .bind(tenant_id)
+            .bind(key)
+            .fetch_optional(&self.pool)
+            .await?;
         Ok(r.as_ref().map(op_from_row))
     }
 
