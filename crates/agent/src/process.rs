@@ -23,6 +23,9 @@ use tokio::sync::{oneshot, watch};
 const RETAINED_OUTPUT: usize = 32 << 20;
 /// Finished processes remembered for reconnects before the oldest are forgotten.
 const FINISHED_KEPT: usize = 256;
+/// Output all finished processes may keep together: the agent is PID 1 in a small guest, and
+/// running out of memory there would take the whole VM down.
+const FINISHED_OUTPUT_BUDGET: usize = 48 << 20;
 /// After the process exits, how long to wait for its pipes to drain (a background grandchild may
 /// hold them open forever).
 const DRAIN_GRACE: Duration = Duration::from_millis(300);
@@ -360,7 +363,10 @@ impl Processes {
     fn forget_old(&self, id: u64) {
         let mut t = self.table.lock().unwrap();
         t.finished.push_back(id);
-        while t.finished.len() > FINISHED_KEPT {
+        let retained = |t: &Table| -> usize {
+            t.finished.iter().filter_map(|id| t.procs.get(id)).map(|p| p.log.lock().unwrap().bytes).sum()
+        };
+        while t.finished.len() > FINISHED_KEPT || (t.finished.len() > 1 && retained(&t) > FINISHED_OUTPUT_BUDGET) {
             if let Some(old) = t.finished.pop_front() {
                 t.procs.remove(&old);
             }

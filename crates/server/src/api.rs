@@ -29,6 +29,8 @@ pub struct AppState {
     pub engine: Engine,
     /// Live sandboxes (creating, running, deleting) one tenant may have at once.
     pub max_sandboxes_per_tenant: u32,
+    /// The E2B door's polling file watchers.
+    pub watchers: Arc<crate::e2b::envd::Watchers>,
 }
 
 /// JSON body whose rejections use the API's error format (400 malformed, 422 wrong shape).

@@ -1,6 +1,7 @@
 //! airlock's HTTP server: the native `/v1` API over one runtime, one store, one operation engine.
 
 pub mod api;
+pub mod e2b;
 pub mod error;
 pub mod model;
 pub mod ops;
@@ -60,9 +61,26 @@ pub fn router(state: AppState) -> Router {
         .route("/system", get(api::system))
         .fallback(api::not_found)
         .route_layer(axum::middleware::from_fn_with_state(state.clone(), api::auth));
+    // The E2B door on the same listener: its control plane (X-API-KEY) and envd (per-sandbox
+    // access token); paths do not collide with /v1 or with each other.
+    let e2b_api = Router::new()
+        .route("/sandboxes", post(e2b::control::create))
+        .route("/sandboxes/{id}", get(e2b::control::get).delete(e2b::control::kill))
+        .route("/sandboxes/{id}/timeout", post(e2b::control::set_timeout))
+        .route("/sandboxes/{id}/connect", post(e2b::control::connect))
+        .route("/sandboxes/{id}/metrics", get(e2b::control::metrics))
+        .route("/v2/sandboxes", get(e2b::control::list_v2))
+        .route_layer(axum::middleware::from_fn_with_state(state.clone(), e2b::control::auth));
+    let envd = Router::new()
+        .route("/process.Process/{method}", post(e2b::envd::process_rpc))
+        .route("/filesystem.Filesystem/{method}", post(e2b::envd::filesystem_rpc))
+        .route("/files", get(e2b::envd::files_get).post(e2b::envd::files_post))
+        .route("/health", get(e2b::envd::health));
     let doc = openapi_json();
     Router::new()
         .nest("/v1", v1)
+        .merge(e2b_api)
+        .merge(envd)
         .route("/openapi-m1.json", get(move || async move { ([("content-type", "application/json")], doc.clone()) }))
         .fallback(api::not_found)
         // Uploads stream to the guest; the cap only bounds a single request.
@@ -89,7 +107,7 @@ pub async fn serve(opts: ServeOptions) -> anyhow::Result<()> {
     let engine = ops::Engine::new(store.clone(), runtime.clone());
     engine.recover().await?;
     engine.spawn_reaper();
-    let state = AppState { store, runtime, engine, max_sandboxes_per_tenant: opts.max_sandboxes_per_tenant };
+    let state = AppState { store, runtime, engine, max_sandboxes_per_tenant: opts.max_sandboxes_per_tenant, watchers: Default::default() };
     let listener = tokio::net::TcpListener::bind(opts.listen)
         .await
         .map_err(|e| anyhow::anyhow!("listen on {}: {e}", opts.listen))?;

@@ -40,9 +40,10 @@ impl Engine {
         self.locks.lock().unwrap().entry(id.to_string()).or_default().clone()
     }
 
-    pub fn start_create(&self, op: Operation, row: SandboxRow) {
+    /// Carry out a recorded create; the handle lets a synchronous door (E2B) wait for it.
+    pub fn start_create(&self, op: Operation, row: SandboxRow) -> tokio::task::JoinHandle<()> {
         let engine = self.clone();
-        tokio::spawn(async move { engine.run_create(op, row).await });
+        tokio::spawn(async move { engine.run_create(op, row).await })
     }
 
     async fn run_create(&self, op: Operation, row: SandboxRow) {
@@ -86,6 +87,20 @@ impl Engine {
         let (op2, id) = (op.clone(), row.id.clone());
         tokio::spawn(async move { engine.run_delete(op2, id).await });
         Ok(op)
+    }
+
+    /// Delete and wait until it is done (the E2B door answers kill synchronously).
+    pub async fn delete_and_wait(&self, row: &SandboxRow) -> Result<(), ApiError> {
+        let op = self.request_delete(row).await?;
+        let lock = self.lock_for(&row.id);
+        loop {
+            // The delete holds the sandbox's lock while it runs; taking it means it has finished.
+            drop(lock.lock().await);
+            match self.store.get_operation(&row.tenant_id, &op.id).await? {
+                Some(o) if o.state.is_final() => return Ok(()),
+                _ => tokio::time::sleep(Duration::from_millis(20)).await,
+            }
+        }
     }
 
     async fn run_delete(&self, op: Operation, id: String) {

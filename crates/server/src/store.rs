@@ -110,6 +110,12 @@ pub trait Store: Send + Sync {
     async fn unfinished_operations(&self) -> Result<Vec<Operation>, sqlx::Error>;
     async fn open_delete_operation(&self, sandbox_id: &str) -> Result<Option<Operation>, sqlx::Error>;
 
+    async fn set_sandbox_expiry(&self, id: &str, expires_at_ms: i64) -> Result<(), sqlx::Error>;
+    /// The per-sandbox access token of the E2B door (envd's `X-Access-Token`).
+    async fn set_sandbox_token(&self, id: &str, token: &str) -> Result<(), sqlx::Error>;
+    async fn sandbox_token(&self, id: &str) -> Result<Option<String>, sqlx::Error>;
+    async fn sandbox_by_token(&self, token: &str) -> Result<Option<SandboxRow>, sqlx::Error>;
+
     async fn insert_session(&self, s: &SessionRow) -> Result<(), sqlx::Error>;
     async fn get_session(&self, sandbox_id: &str, id: &str) -> Result<Option<SessionRow>, sqlx::Error>;
     async fn list_sessions(&self, sandbox_id: &str) -> Result<Vec<SessionRow>, sqlx::Error>;
@@ -147,6 +153,7 @@ CREATE TABLE IF NOT EXISTS sessions (
   user TEXT NOT NULL, pty INTEGER NOT NULL, exit_code INTEGER, signal INTEGER, timed_out INTEGER NOT NULL,
   exited INTEGER NOT NULL, started_at_ms INTEGER NOT NULL, ended_at_ms INTEGER);
 CREATE INDEX IF NOT EXISTS sessions_sandbox ON sessions(sandbox_id, started_at_ms);
+CREATE TABLE IF NOT EXISTS sandbox_tokens (sandbox_id TEXT PRIMARY KEY, token TEXT NOT NULL UNIQUE);
 "#;
 
 impl SqliteStore {
@@ -439,6 +446,29 @@ impl Store for SqliteStore {
             .fetch_optional(&self.pool)
             .await?;
         Ok(r.as_ref().map(op_from_row))
+    }
+
+    async fn set_sandbox_expiry(&self, id: &str, expires_at_ms: i64) -> Result<(), sqlx::Error> {
+        sqlx::query("UPDATE sandboxes SET expires_at_ms = ? WHERE id = ?").bind(expires_at_ms).bind(id).execute(&self.pool).await?;
+        Ok(())
+    }
+
+    async fn set_sandbox_token(&self, id: &str, token: &str) -> Result<(), sqlx::Error> {
+        sqlx::query("INSERT OR REPLACE INTO sandbox_tokens (sandbox_id, token) VALUES (?, ?)").bind(id).bind(token).execute(&self.pool).await?;
+        Ok(())
+    }
+
+    async fn sandbox_token(&self, id: &str) -> Result<Option<String>, sqlx::Error> {
+        let r: Option<(String,)> = sqlx::query_as("SELECT token FROM sandbox_tokens WHERE sandbox_id = ?").bind(id).fetch_optional(&self.pool).await?;
+        Ok(r.map(|r| r.0))
+    }
+
+    async fn sandbox_by_token(&self, token: &str) -> Result<Option<SandboxRow>, sqlx::Error> {
+        let r = sqlx::query("SELECT s.* FROM sandbox_tokens t JOIN sandboxes s ON s.id = t.sandbox_id WHERE t.token = ?")
+            .bind(token)
+            .fetch_optional(&self.pool)
+            .await?;
+        Ok(r.as_ref().map(sandbox_from_row))
     }
 
     async fn insert_session(&self, s: &SessionRow) -> Result<(), sqlx::Error> {
