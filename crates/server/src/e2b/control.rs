@@ -74,12 +74,15 @@ fn refuse_unsupported(req: &NewSandbox) -> Result<()> {
         return Err(E2bError::bad_request("option `autoPause` (lifecycle on_timeout=pause) is not supported by airlock yet"));
     }
     if let Some(n) = &req.network {
-        if n.allow_public_traffic == Some(true) {
-            return Err(E2bError::bad_request("option `network.allowPublicTraffic=true` is not supported: airlock sandboxes are never public"));
-        }
         if n.allow_out.as_ref().is_some_and(|v| !v.is_empty()) {
             return Err(E2bError::bad_request(
                 "option `network.allowOut` is not supported yet: sandboxes have no egress until airlock's egress policy lands",
+            ));
+        }
+        // Note: e2b 2.21.1 sends allowPublicTraffic=true with any `network=` unless told otherwise.
+        if n.allow_public_traffic == Some(true) {
+            return Err(E2bError::bad_request(
+                "option `network.allowPublicTraffic=true` is not supported: airlock sandbox URLs always need the access token; pass allow_public_traffic=False",
             ));
         }
         if n.mask_request_host.is_some() {

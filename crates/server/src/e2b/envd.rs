@@ -159,6 +159,14 @@ fn keepalive_every(h: &HeaderMap) -> Duration {
     Duration::from_secs(secs.min(3600))
 }
 
+/// When a stream must end: `connect-timeout-ms` less a margin, so our `deadline_exceeded`
+/// reaches the client before its own read timeout (set to the same value) fires.
+fn stream_deadline(h: &HeaderMap) -> Option<tokio::time::Instant> {
+    let ms = header(h, "connect-timeout-ms").and_then(|v| v.parse::<u64>().ok()).filter(|t| *t > 0)?;
+    let margin = (ms / 10).min(500);
+    Some(tokio::time::Instant::now() + Duration::from_millis(ms - margin))
+}
+
 /// Find a process by selector `{pid}` or `{tag}`; the newest wins when a pid was reused.
 async fn select(agent: &AgentClient, selector: Option<&Value>) -> Result<ProcessInfo, RpcError> {
     let sel = selector.ok_or_else(|| RpcError::invalid("process selector is required"))?;
@@ -198,7 +206,16 @@ fn end_event(exit: &airlock_proto::ExitStatus) -> Value {
 
 /// Stream a process's events as `StartResponse`/`ConnectResponse` messages: `start` first,
 /// then output, keepalives while idle, `end`, and the end-of-stream envelope.
-fn process_stream(agent: AgentClient, info: ProcessInfo, keepalive: Duration) -> impl Stream<Item = Bytes> + Send + 'static {
+/// `deadline` (from `connect-timeout-ms`) ends the stream with `deadline_exceeded` a little
+/// before the client's own read timeout fires; with `kill_at_deadline` (Start) the process is
+/// killed then too, as envd bounds a started process's life by that deadline.
+fn process_stream(
+    agent: AgentClient,
+    info: ProcessInfo,
+    keepalive: Duration,
+    deadline: Option<tokio::time::Instant>,
+    kill_at_deadline: bool,
+) -> impl Stream<Item = Bytes> + Send + 'static {
     let start = connect::message(&json!({ "event": { "start": { "pid": info.pid } } }));
     let pty = info.pty;
     let rest = async_stream(move |tx| async move {
@@ -211,9 +228,25 @@ fn process_stream(agent: AgentClient, info: ProcessInfo, keepalive: Duration) ->
         };
         let mut events = Box::pin(events);
         loop {
-            let next = tokio::time::timeout(keepalive, events.next()).await;
+            let now = tokio::time::Instant::now();
+            let wait = match deadline {
+                Some(d) if d <= now => {
+                    if kill_at_deadline {
+                        let _ = agent.signal(info.id, 9).await;
+                    }
+                    let err = RpcError::new("deadline_exceeded", "the command ran past its timeout and was killed");
+                    let _ = tx.send(connect::end_of_stream(Some(&err))).await;
+                    return;
+                }
+                Some(d) => keepalive.min(d - now),
+                None => keepalive,
+            };
+            let next = tokio::time::timeout(wait, events.next()).await;
             let ev = match next {
                 Err(_) => {
+                    if deadline.is_some_and(|d| d <= tokio::time::Instant::now()) {
+                        continue;
+                    }
                     if tx.send(connect::message(&json!({ "event": { "keepalive": {} } }))).await.is_err() {
                         return;
                     }
@@ -295,12 +328,12 @@ pub async fn process_rpc(State(state): State<AppState>, Path(method): Path<Strin
                 tag: field(&req, "tag", "tag").and_then(Value::as_str).map(String::from),
             };
             match agent.spawn(&spec).await {
-                Ok(info) => stream_response(process_stream(agent, info, keepalive_every(&headers))),
+                Ok(info) => stream_response(process_stream(agent, info, keepalive_every(&headers), stream_deadline(&headers), true)),
                 Err(e) => RpcError::from(e).into_response(),
             }
         }
         "Connect" => match select(&agent, field(&req, "process", "process")).await {
-            Ok(info) => stream_response(process_stream(agent, info, keepalive_every(&headers))),
+            Ok(info) => stream_response(process_stream(agent, info, keepalive_every(&headers), stream_deadline(&headers), false)),
             Err(e) => e.into_response(),
         },
         "List" => rpc_result(async {

@@ -1,0 +1,71 @@
+"""Fixtures for the E2B SDK suite: one real `airlock serve` with real VMs, and the SDK's two
+environment variables pointing at it. Nothing of airlock is mocked; the SDK is the PyPI package."""
+import json
+import os
+import socket
+import subprocess
+import time
+import urllib.request
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+BIN = os.environ.get("AIRLOCK_BIN", os.path.join(ROOT, "target", "release", "airlock"))
+DATA = os.environ.get("AIRLOCK_TEST_DATA_DIR", "/var/lib/airlock-test")
+
+
+def _free_port():
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()
+    return port
+
+
+def _native(url, key, method, path):
+    req = urllib.request.Request(url + path, method=method, headers={"Authorization": "Bearer " + key})
+    with urllib.request.urlopen(req, timeout=60) as r:
+        raw = r.read()
+        return json.loads(raw) if raw else None
+
+
+@pytest.fixture(scope="session", autouse=True)
+def airlock_server():
+    os.makedirs(DATA, exist_ok=True)
+    subprocess.run([BIN, "--data-dir", DATA, "template", "build", "seed"], check=True, stdout=subprocess.DEVNULL)
+    port = _free_port()
+    url = f"http://127.0.0.1:{port}"
+    log = open(os.path.join(DATA, f"e2b-serve-{port}.log"), "w")
+    proc = subprocess.Popen([BIN, "--data-dir", DATA, "serve", "--listen", f"127.0.0.1:{port}"], stdout=log, stderr=log)
+    deadline = time.time() + 120
+    while True:
+        try:
+            urllib.request.urlopen(url + "/openapi-m1.json", timeout=2)
+            break
+        except Exception:
+            if time.time() > deadline or proc.poll() is not None:
+                raise RuntimeError(f"airlock serve did not come up; see {log.name}")
+            time.sleep(0.2)
+    key = subprocess.run([BIN, "--data-dir", DATA, "key", "create"], check=True, capture_output=True, text=True).stdout.strip()
+    # The two settings the README tells E2B users to set (API and envd share one port).
+    os.environ["E2B_API_KEY"] = key
+    os.environ["E2B_API_URL"] = url
+    os.environ["E2B_SANDBOX_URL"] = url
+    yield {"url": url, "key": key}
+    # VMs outlive the server by design: delete what the tests left, then stop it.
+    for sb in _native(url, key, "GET", "/v1/sandboxes?limit=100")["sandboxes"]:
+        _native(url, key, "DELETE", f"/v1/sandboxes/{sb['id']}")
+    deadline = time.time() + 60
+    while _native(url, key, "GET", "/v1/sandboxes?limit=100")["sandboxes"] and time.time() < deadline:
+        time.sleep(0.2)
+    proc.terminate()
+    proc.wait(timeout=30)
+
+
+@pytest.fixture(scope="session")
+def sbx(airlock_server):
+    from e2b import Sandbox
+
+    s = Sandbox.create(timeout=1800, metadata={"suite": "e2b-shared"})
+    yield s
+    s.kill()

@@ -1,0 +1,176 @@
+"""Unmodified e2b SDK calls against airlock (real server, real VMs)."""
+import time
+import uuid
+
+import pytest
+from e2b import CommandExitException, Sandbox, SandboxQuery
+from e2b.exceptions import InvalidArgumentException, NotFoundException, SandboxException, TimeoutException
+
+
+def test_create_kill_and_context_manager():
+    with Sandbox.create(timeout=120) as s:
+        assert s.is_running()
+        info = s.get_info()
+        assert info.sandbox_id == s.sandbox_id and info.template_id == "base"
+        sid = s.sandbox_id
+    assert not Sandbox.connect_if_exists(sid) if hasattr(Sandbox, "connect_if_exists") else True
+    assert Sandbox.kill(sid) is False  # already gone
+
+
+def test_commands_run_output_exit_codes_env_cwd_user(sbx):
+    r = sbx.commands.run("echo out; echo err >&2")
+    assert (r.stdout, r.stderr, r.exit_code) == ("out\n", "err\n", 0)
+    with pytest.raises(CommandExitException) as e:
+        sbx.commands.run("echo partial; exit 7")
+    assert e.value.exit_code == 7 and e.value.stdout == "partial\n"
+    assert sbx.commands.run("echo $GREETING", envs={"GREETING": "hi there"}).stdout == "hi there\n"
+    assert sbx.commands.run("pwd", cwd="/tmp").stdout == "/tmp\n"
+    assert sbx.commands.run("id -un").stdout == "user\n"
+    assert sbx.commands.run("id -un", user="root").stdout == "root\n"
+    assert sbx.commands.run("echo $HOME", user="root").stdout == "/root\n"
+
+
+def test_command_timeout_kills_the_process(sbx):
+    started = time.time()
+    with pytest.raises((TimeoutException, CommandExitException)):
+        sbx.commands.run("sleep 60", timeout=2)
+    assert time.time() - started < 30
+    assert not any(p.cmd == "/bin/bash" and "sleep 60" in " ".join(p.args) for p in sbx.commands.list())
+
+
+def test_background_connect_list_stdin_kill(sbx):
+    h = sbx.commands.run("read line; echo got:$line; sleep 600", background=True, stdin=True)
+    assert h.pid > 0
+    assert any(p.pid == h.pid for p in sbx.commands.list())
+    sbx.commands.send_stdin(h.pid, "hello\n")
+    deadline = time.time() + 30
+    again = sbx.commands.connect(h.pid)
+    seen = ""
+    for stdout, _stderr, _pty in again:
+        seen += stdout or ""
+        if "got:hello" in seen or time.time() > deadline:
+            break
+    assert "got:hello" in seen
+    assert sbx.commands.kill(h.pid) is True
+    with pytest.raises(CommandExitException):
+        h.wait()
+    assert sbx.commands.kill(h.pid) is False
+    assert all(p.pid != h.pid for p in sbx.commands.list())
+
+
+def test_pty_create_send_resize(sbx):
+    import threading
+
+    from e2b import PtySize
+
+    out = bytearray()
+    h = sbx.pty.create(PtySize(rows=24, cols=80), envs={"PS1": "READY> "})
+    result = {}
+
+    def wait():
+        try:
+            result["r"] = h.wait(on_pty=out.extend)
+        except CommandExitException as e:
+            result["r"] = e
+
+    t = threading.Thread(target=wait)
+    t.start()
+    deadline = time.time() + 30
+    while b"READY> " not in out and time.time() < deadline:
+        time.sleep(0.1)
+    sbx.pty.resize(h.pid, PtySize(rows=50, cols=132))
+    sbx.pty.send_stdin(h.pid, b"stty size; exit 5\n")
+    t.join(30)
+    text = out.decode(errors="replace")
+    assert "50 132" in text, text
+    assert result["r"].exit_code == 5
+
+
+def test_files_text_bytes_large_and_many(sbx):
+    info = sbx.files.write("/home/user/e2b/hello.txt", "hello from e2b")
+    assert (info.name, info.path) == ("hello.txt", "/home/user/e2b/hello.txt")
+    assert sbx.files.read("/home/user/e2b/hello.txt") == "hello from e2b"
+    blob = bytes(range(256)) * 4096 * 10  # 10 MiB
+    sbx.files.write("/home/user/e2b/big.bin", blob)
+    assert bytes(sbx.files.read("/home/user/e2b/big.bin", format="bytes")) == blob
+    from e2b.sandbox.filesystem.filesystem import WriteEntry
+
+    sbx.files.write_files([WriteEntry(path="/home/user/e2b/m/a.txt", data="A"), WriteEntry(path="/home/user/e2b/m/b.txt", data=b"B")])
+    assert sbx.files.read("/home/user/e2b/m/a.txt") == "A" and sbx.files.read("/home/user/e2b/m/b.txt") == "B"
+    assert sbx.commands.run("stat -c %U /home/user/e2b/hello.txt").stdout == "user\n"
+    with pytest.raises(NotFoundException):
+        sbx.files.read("/home/user/e2b/missing.txt")
+
+
+def test_files_list_exists_info_mkdir_remove_rename(sbx):
+    base = f"/home/user/fs-{uuid.uuid4().hex[:6]}"
+    assert sbx.files.make_dir(base + "/sub") is True
+    assert sbx.files.make_dir(base + "/sub") is False
+    sbx.files.write(base + "/sub/f.txt", "x")
+    names = sorted(e.name for e in sbx.files.list(base, depth=2))
+    assert names == ["f.txt", "sub"]
+    info = sbx.files.get_info(base + "/sub/f.txt")
+    assert info.size == 1 and info.type.value == "file"
+    assert sbx.files.exists(base + "/sub/f.txt") and not sbx.files.exists(base + "/nope")
+    moved = sbx.files.rename(base + "/sub/f.txt", base + "/g.txt")
+    assert moved.path == base + "/g.txt"
+    sbx.files.remove(base)
+    assert not sbx.files.exists(base)
+
+
+def test_watch_dir_reports_changes(sbx):
+    d = f"/home/user/watch-{uuid.uuid4().hex[:6]}"
+    sbx.files.make_dir(d)
+    handle = sbx.files.watch_dir(d, recursive=True)
+    sbx.files.write(d + "/new.txt", "1")
+    sbx.commands.run(f"mkdir -p {d}/inner && echo 2 > {d}/inner/deep.txt && rm {d}/new.txt")
+    events = []
+    deadline = time.time() + 20
+    while time.time() < deadline:
+        events += handle.get_new_events()
+        names = {(e.name, e.type.name) for e in events}
+        if ("inner/deep.txt", "CREATE") in names and ("new.txt", "REMOVE") in names:
+            break
+        time.sleep(0.3)
+    handle.stop()
+    names = {(e.name, e.type.name) for e in events}
+    assert ("new.txt", "CREATE") in names, names
+    assert ("inner/deep.txt", "CREATE") in names, names
+    assert ("new.txt", "REMOVE") in names, names
+
+
+def test_lifecycle_timeout_info_list_connect(sbx):
+    tag = uuid.uuid4().hex[:8]
+    s = Sandbox.create(timeout=120, metadata={"run": tag})
+    try:
+        before = s.get_info().end_at
+        s.set_timeout(600)
+        assert s.get_info().end_at > before
+        found = Sandbox.list(query=SandboxQuery(metadata={"run": tag})).next_items()
+        assert [x.sandbox_id for x in found] == [s.sandbox_id]
+        assert Sandbox.list(query=SandboxQuery(metadata={"run": "nobody"})).next_items() == []
+        other = Sandbox.connect(s.sandbox_id)
+        assert other.commands.run("echo connected").stdout == "connected\n"
+        assert other.files.write("/tmp/c.txt", "via connect").path == "/tmp/c.txt"
+        assert s.files.read("/tmp/c.txt") == "via connect"
+        assert other.is_running()
+        metrics = s.get_metrics()
+        assert metrics and metrics[-1].mem_total > 0
+    finally:
+        s.kill()
+    assert not s.is_running()
+
+
+def test_unsupported_options_fail_loudly():
+    cases = [
+        (dict(template="team/name"), "team/name"),
+        (dict(mcp={"exa": {"apiKey": "x"}}), "mcp"),
+        (dict(network={"allow_public_traffic": True}), "allowPublicTraffic"),
+        (dict(network={"allow_out": ["1.1.1.1"], "allow_public_traffic": False}), "allowOut"),
+        (dict(network={"deny_out": ["0.0.0.0/0"]}), "allowPublicTraffic"),
+        (dict(template="no-such-template"), "not found"),
+    ]
+    for kwargs, needle in cases:
+        with pytest.raises(SandboxException) as e:
+            Sandbox.create(timeout=60, **kwargs)
+        assert needle in str(e.value), (kwargs, str(e.value))
