@@ -167,10 +167,26 @@ def test_unsupported_options_fail_loudly():
         (dict(mcp={"exa": {"apiKey": "x"}}), "mcp"),
         (dict(network={"allow_public_traffic": True}), "allowPublicTraffic"),
         (dict(network={"allow_out": ["1.1.1.1"], "allow_public_traffic": False}), "allowOut"),
-        (dict(network={"deny_out": ["0.0.0.0/0"]}), "allowPublicTraffic"),
         (dict(template="no-such-template"), "not found"),
     ]
     for kwargs, needle in cases:
         with pytest.raises(SandboxException) as e:
             Sandbox.create(timeout=60, **kwargs)
         assert needle in str(e.value), (kwargs, str(e.value))
+
+
+def test_network_deny_out_alone():
+    """denyOut narrows egress that is already none. Older SDKs (2.21.1) add allowPublicTraffic=true
+    to any `network=`, which airlock refuses loudly; newer ones leave it unset and the create works."""
+    from e2b.api.client.models.sandbox_network_config import SandboxNetworkConfig
+
+    if SandboxNetworkConfig().allow_public_traffic is True:
+        with pytest.raises(SandboxException) as e:
+            Sandbox.create(timeout=60, network={"deny_out": ["0.0.0.0/0"]})
+        assert "allowPublicTraffic" in str(e.value)
+    else:
+        s = Sandbox.create(timeout=60, network={"deny_out": ["0.0.0.0/0"]})
+        try:
+            assert s.commands.run("echo ok").stdout == "ok\n"
+        finally:
+            s.kill()

@@ -69,7 +69,9 @@ pub fn router(state: AppState) -> Router {
         .route("/sandboxes/{id}/timeout", post(e2b::control::set_timeout))
         .route("/sandboxes/{id}/connect", post(e2b::control::connect))
         .route("/sandboxes/{id}/metrics", get(e2b::control::metrics))
-        .route("/v2/sandboxes", get(e2b::control::list_v2))
+        // Newer SDKs (e.g. 2.63) create and connect through the v2 paths; same semantics.
+        .route("/v2/sandboxes", get(e2b::control::list_v2).post(e2b::control::create))
+        .route("/v2/sandboxes/{id}/connect", post(e2b::control::connect))
         .route_layer(axum::middleware::from_fn_with_state(state.clone(), e2b::control::auth));
     let envd = Router::new()
         .route("/process.Process/{method}", post(e2b::envd::process_rpc))

@@ -36,6 +36,8 @@ pub struct NewSandbox {
     pub template_id: String,
     pub timeout: Option<i64>,
     pub auto_pause: Option<bool>,
+    /// v2 only: what an auto-pause keeps; irrelevant while auto-pause is refused.
+    pub auto_pause_memory: Option<bool>,
     pub auto_resume: Option<Value>,
     pub env_vars: Option<BTreeMap<String, String>>,
     pub metadata: Option<BTreeMap<String, String>>,
