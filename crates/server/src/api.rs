@@ -135,6 +135,40 @@ fn check_env(env: &BTreeMap<String, String>) -> ApiResult<()> {
     Ok(())
 }
 
+/// Admit a new sandbox for `tenant` (quota) and describe it; both doors create through this.
+pub async fn new_sandbox_row(
+    state: &AppState,
+    tenant: &Tenant,
+    template: &airlock_runtime::template::Template,
+    resources: airlock_runtime::Resources,
+    timeout: Duration,
+    env: BTreeMap<String, String>,
+    metadata: BTreeMap<String, String>,
+) -> ApiResult<SandboxRow> {
+    let live = state.store.count_live_sandboxes(&tenant.id).await?;
+    if live >= state.max_sandboxes_per_tenant as i64 {
+        return Err(ApiError::QuotaExceeded(format!(
+            "tenant {} has {live} live sandboxes, the limit of this server (--max-sandboxes {}); delete one first",
+            tenant.name, state.max_sandboxes_per_tenant
+        )));
+    }
+    let now = now_ms();
+    Ok(SandboxRow {
+        id: airlock_runtime::datadir::random_hex(10),
+        tenant_id: tenant.id.clone(),
+        state: SandboxState::Creating,
+        template: template.manifest.name.clone(),
+        template_digest: template.manifest.digest.clone(),
+        runtime: state.runtime.runtime_name().into(),
+        accel: state.runtime.accel().await.to_string(),
+        resources: Resources { vcpu: resources.vcpu, memory_mib: resources.memory_mib, disk_mib: resources.disk_mib },
+        env,
+        metadata,
+        created_at_ms: now,
+        expires_at_ms: now + timeout.as_millis() as i64,
+    })
+}
+
 async fn sandbox_row(state: &AppState, tenant: &Tenant, id: &str) -> ApiResult<SandboxRow> {
     state
         .store
@@ -191,29 +225,9 @@ pub async fn create_sandbox(
             return Ok((StatusCode::ACCEPTED, Json(OperationAccepted { operation: prior, sandbox_id })));
         }
     }
-    let live = state.store.count_live_sandboxes(&tenant.id).await?;
-    if live >= state.max_sandboxes_per_tenant as i64 {
-        return Err(ApiError::QuotaExceeded(format!(
-            "tenant {} has {live} live sandboxes, the limit of this server (--max-sandboxes {}); delete one first",
-            tenant.name, state.max_sandboxes_per_tenant
-        )));
-    }
-    let id = airlock_runtime::datadir::random_hex(10);
-    let now = now_ms();
-    let row = SandboxRow {
-        id: id.clone(),
-        tenant_id: tenant.id.clone(),
-        state: SandboxState::Creating,
-        template: template.manifest.name.clone(),
-        template_digest: template.manifest.digest.clone(),
-        runtime: state.runtime.runtime_name().into(),
-        accel: state.runtime.accel().await.to_string(),
-        resources: Resources { vcpu: resources.vcpu, memory_mib: resources.memory_mib, disk_mib: resources.disk_mib },
-        env,
-        metadata: req.metadata.unwrap_or_default(),
-        created_at_ms: now,
-        expires_at_ms: now + timeout.as_millis() as i64,
-    };
+    let metadata = req.metadata.unwrap_or_default();
+    let row = new_sandbox_row(&state, &tenant, &template, resources, timeout, env, metadata).await?;
+    let id = row.id.clone();
     let op = new_operation(OperationKind::Create, &id);
     let recorded = state.store.insert_create(&row, &op, idem.as_deref()).await?;
     if recorded.id == op.id {

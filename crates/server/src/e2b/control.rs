@@ -2,7 +2,8 @@
 
 use super::{template_alias, E2bError, ENVD_VERSION};
 use crate::api::{AppState, MAX_SANDBOX_TIMEOUT};
-use crate::model::{OperationKind, OperationState, Resources, SandboxState};
+use crate::error::ApiError;
+use crate::model::{OperationKind, OperationState, SandboxState};
 use crate::ops::new_operation;
 use crate::store::{now_ms, rfc3339, SandboxFilter, SandboxRow, Tenant};
 use axum::extract::{Path, Query, Request, State};
@@ -167,31 +168,15 @@ pub async fn create(State(state): State<AppState>, Extension(tenant): Extension<
         E2bError::not_found(format!("template {:?} not found; airlock has: {}", req.template_id, known_templates(&state)))
     })?;
     let ttl = timeout_ms(req.timeout)?;
-    let live = state.store.count_live_sandboxes(&tenant.id).await?;
-    if live >= state.max_sandboxes_per_tenant as i64 {
-        return Err(E2bError::new(StatusCode::TOO_MANY_REQUESTS, format!("tenant {} has {live} live sandboxes, the limit of this server", tenant.name)));
-    }
     // E2B defaults: 2 vCPU would double TCG cost here, so the node's default resources apply.
     let res = airlock_runtime::Resources::default();
-    res.validate(&template).map_err(|e| E2bError::from(crate::error::ApiError::from(e)))?;
+    res.validate(&template).map_err(ApiError::from)?;
     let mut metadata = req.metadata.unwrap_or_default();
     metadata.insert("_e2b_template".into(), req.template_id.clone());
-    let id = airlock_runtime::datadir::random_hex(10);
-    let now = now_ms();
-    let row = SandboxRow {
-        id: id.clone(),
-        tenant_id: tenant.id.clone(),
-        state: SandboxState::Creating,
-        template: template.manifest.name.clone(),
-        template_digest: template.manifest.digest.clone(),
-        runtime: state.runtime.runtime_name().into(),
-        accel: state.runtime.accel().await.to_string(),
-        resources: Resources { vcpu: res.vcpu, memory_mib: res.memory_mib, disk_mib: res.disk_mib },
-        env: req.env_vars.unwrap_or_default(),
-        metadata,
-        created_at_ms: now,
-        expires_at_ms: now + ttl,
-    };
+    let env = req.env_vars.unwrap_or_default();
+    let ttl = std::time::Duration::from_millis(ttl as u64);
+    let row = crate::api::new_sandbox_row(&state, &tenant, &template, res, ttl, env, metadata).await?;
+    let id = row.id.clone();
     let token = airlock_runtime::datadir::random_hex(16);
     let op = new_operation(OperationKind::Create, &id);
     state.store.insert_create(&row, &op, None).await?;

@@ -286,17 +286,19 @@ where
     tokio_stream::wrappers::ReceiverStream::new(rx)
 }
 
+/// What every RPC needs: its sandbox and agent, the calling user, and the request message.
+async fn rpc_call(state: &AppState, headers: &HeaderMap, body: &[u8], streaming: bool) -> Result<(SandboxRow, AgentClient, String, Value), Response> {
+    let (row, agent) = resolve(state, headers, false).await?;
+    let req = if streaming { connect::stream_request(body) } else { connect::unary_request(body) };
+    let req = req.map_err(IntoResponse::into_response)?;
+    Ok((row, agent, rpc_user(headers), req))
+}
+
 pub async fn process_rpc(State(state): State<AppState>, Path(method): Path<String>, headers: HeaderMap, body: Bytes) -> Response {
     let streaming = matches!(method.as_str(), "Start" | "Connect");
-    let (row, agent) = match resolve(&state, &headers, false).await {
+    let (row, agent, user, req) = match rpc_call(&state, &headers, &body, streaming).await {
         Ok(x) => x,
         Err(r) => return r,
-    };
-    let user = rpc_user(&headers);
-    let req = if streaming { connect::stream_request(&body) } else { connect::unary_request(&body) };
-    let req = match req {
-        Ok(r) => r,
-        Err(e) => return e.into_response(),
     };
     match method.as_str() {
         "Start" => {
@@ -407,15 +409,9 @@ fn watch_event(kind: WatchEventKind, path: &str, root: &str) -> Value {
 
 pub async fn filesystem_rpc(State(state): State<AppState>, Path(method): Path<String>, headers: HeaderMap, body: Bytes) -> Response {
     let streaming = method == "WatchDir";
-    let (row, agent) = match resolve(&state, &headers, false).await {
+    let (row, agent, user, req) = match rpc_call(&state, &headers, &body, streaming).await {
         Ok(x) => x,
         Err(r) => return r,
-    };
-    let user = rpc_user(&headers);
-    let req = if streaming { connect::stream_request(&body) } else { connect::unary_request(&body) };
-    let req = match req {
-        Ok(r) => r,
-        Err(e) => return e.into_response(),
     };
     let path = || abs_path(req.get("path").and_then(Value::as_str).unwrap_or(""), &user);
     match method.as_str() {
