@@ -18,21 +18,38 @@ impl Client {
     pub fn from_env(data_dir: &Path) -> Result<Self> {
         let creds = std::fs::read_to_string(data_dir.join("credentials")).unwrap_or_default();
         let from_file = |name: &str| {
-            creds.lines().find_map(|l| l.strip_prefix(&format!("{name}=")).map(|v| v.trim().to_string()))
+            creds
+                .lines()
+                .find_map(|l| l.strip_prefix(&format!("{name}=")).map(|v| v.trim().to_string()))
         };
-        let base = std::env::var("AIRLOCK_URL").ok().or_else(|| from_file("AIRLOCK_URL")).unwrap_or_else(|| "http://127.0.0.1:7420".into());
-        let key = std::env::var("AIRLOCK_API_KEY").ok().or_else(|| from_file("AIRLOCK_API_KEY")).ok_or_else(|| {
-            anyhow!(
-                "no API key: set AIRLOCK_API_KEY or start `airlock serve` once so it writes {}",
-                data_dir.join("credentials").display()
-            )
-        })?;
-        let agent = ureq::AgentBuilder::new().timeout_connect(Duration::from_secs(5)).build();
-        Ok(Self { base: base.trim_end_matches('/').to_string(), key, agent })
+        let base = std::env::var("AIRLOCK_URL")
+            .ok()
+            .or_else(|| from_file("AIRLOCK_URL"))
+            .unwrap_or_else(|| "http://127.0.0.1:7420".into());
+        let key = std::env::var("AIRLOCK_API_KEY")
+            .ok()
+            .or_else(|| from_file("AIRLOCK_API_KEY"))
+            .ok_or_else(|| {
+                anyhow!(
+                    "no API key: set AIRLOCK_API_KEY or start `airlock serve` once so it writes {}",
+                    data_dir.join("credentials").display()
+                )
+            })?;
+        let agent = ureq::AgentBuilder::new()
+            .timeout_connect(Duration::from_secs(5))
+            .build();
+        Ok(Self {
+            base: base.trim_end_matches('/').to_string(),
+            key,
+            agent,
+        })
     }
 
     fn call(&self, method: &str, path: &str, body: Option<Value>) -> Result<ureq::Response> {
-        let req = self.agent.request(method, &format!("{}{}", self.base, path)).set("Authorization", &format!("Bearer {}", self.key));
+        let req = self
+            .agent
+            .request(method, &format!("{}{}", self.base, path))
+            .set("Authorization", &format!("Bearer {}", self.key));
         let res = match body {
             Some(b) => req.send_json(b),
             None => req.call(),
@@ -45,7 +62,10 @@ impl Client {
                 let code_name = body["code"].as_str().unwrap_or("error");
                 bail!("{msg} ({code_name}, HTTP {code})")
             }
-            Err(e) => Err(anyhow!("cannot reach airlock at {}: {e}; is `airlock serve` running?", self.base)),
+            Err(e) => Err(anyhow!(
+                "cannot reach airlock at {}: {e}; is `airlock serve` running?",
+                self.base
+            )),
         }
     }
 
@@ -64,8 +84,14 @@ impl Client {
             let op = self.json("GET", &format!("/v1/operations/{op_id}"), None)?;
             match op["state"].as_str() {
                 Some("succeeded") => return Ok(op),
-                Some("failed") => bail!("{} failed: {}", op["kind"].as_str().unwrap_or("operation"), op["error"]["message"].as_str().unwrap_or("unknown error")),
-                _ if started.elapsed() > Duration::from_secs(300) => bail!("operation {op_id} did not finish in 5 minutes"),
+                Some("failed") => bail!(
+                    "{} failed: {}",
+                    op["kind"].as_str().unwrap_or("operation"),
+                    op["error"]["message"].as_str().unwrap_or("unknown error")
+                ),
+                _ if started.elapsed() > Duration::from_secs(300) => {
+                    bail!("operation {op_id} did not finish in 5 minutes")
+                }
                 _ => std::thread::sleep(Duration::from_millis(100)),
             }
         }
@@ -76,7 +102,10 @@ impl Client {
         let mut last_id: Option<String> = None;
         for _attempt in 0..5 {
             let path = format!("/v1/sandboxes/{sandbox}/sessions/{session}/stream");
-            let mut req = self.agent.get(&format!("{}{}", self.base, path)).set("Authorization", &format!("Bearer {}", self.key));
+            let mut req = self
+                .agent
+                .get(&format!("{}{}", self.base, path))
+                .set("Authorization", &format!("Bearer {}", self.key));
             if let Some(id) = &last_id {
                 req = req.set("Last-Event-ID", id);
             }
@@ -99,7 +128,9 @@ impl Client {
                     let payload: Value = serde_json::from_str(&data).unwrap_or(Value::Null);
                     match event.as_str() {
                         "stdout" | "stderr" => {
-                            let bytes = base64::engine::general_purpose::STANDARD.decode(payload["data"].as_str().unwrap_or("")).unwrap_or_default();
+                            let bytes = base64::engine::general_purpose::STANDARD
+                                .decode(payload["data"].as_str().unwrap_or(""))
+                                .unwrap_or_default();
                             if event == "stdout" {
                                 std::io::stdout().write_all(&bytes)?;
                                 std::io::stdout().flush()?;
@@ -137,7 +168,10 @@ impl Client {
 
     pub fn create_sandbox(&self, body: Value, wait: bool) -> Result<String> {
         let r = self.json("POST", "/v1/sandboxes", Some(body))?;
-        let id = r["sandbox_id"].as_str().ok_or_else(|| anyhow!("no sandbox_id in the answer"))?.to_string();
+        let id = r["sandbox_id"]
+            .as_str()
+            .ok_or_else(|| anyhow!("no sandbox_id in the answer"))?
+            .to_string();
         if wait {
             self.wait_operation(r["operation"]["id"].as_str().unwrap_or_default())?;
         }
@@ -159,10 +193,18 @@ impl Client {
     }
 }
 
-pub fn session_body(argv: &[String], user: Option<&str>, cwd: Option<&str>, env: &[String], timeout: Option<&str>) -> Result<Value> {
+pub fn session_body(
+    argv: &[String],
+    user: Option<&str>,
+    cwd: Option<&str>,
+    env: &[String],
+    timeout: Option<&str>,
+) -> Result<Value> {
     let mut envs = serde_json::Map::new();
     for kv in env {
-        let (k, v) = kv.split_once('=').ok_or_else(|| anyhow!("--env takes KEY=VALUE, got {kv:?}"))?;
+        let (k, v) = kv
+            .split_once('=')
+            .ok_or_else(|| anyhow!("--env takes KEY=VALUE, got {kv:?}"))?;
         envs.insert(k.into(), json!(v));
     }
     let mut body = json!({ "argv": argv, "env": envs });

@@ -199,7 +199,9 @@ fn print_json(v: &serde_json::Value) {
     println!("{}", serde_json::to_string_pretty(v).unwrap_or_default());
 }
 
-fn blocking<T: Send + 'static>(f: impl FnOnce() -> anyhow::Result<T> + Send + 'static) -> impl std::future::Future<Output = anyhow::Result<T>> {
+fn blocking<T: Send + 'static>(
+    f: impl FnOnce() -> anyhow::Result<T> + Send + 'static,
+) -> impl std::future::Future<Output = anyhow::Result<T>> {
     async move { tokio::task::spawn_blocking(f).await? }
 }
 
@@ -221,31 +223,75 @@ async fn run(cli: Cli) -> anyhow::Result<u8> {
             let store = TemplateStore::new(DataDir::open(&cli.data_dir)?);
             if !store.exists(SEED) {
                 eprintln!("airlock: template `seed` is missing; building it first");
-                build_seed(&cli.data_dir, BuildOptions { progress: std::io::stderr().is_terminal(), ..Default::default() }).await?;
+                build_seed(
+                    &cli.data_dir,
+                    BuildOptions {
+                        progress: std::io::stderr().is_terminal(),
+                        ..Default::default()
+                    },
+                )
+                .await?;
             }
-            airlock_server::serve(airlock_server::ServeOptions { listen, data_dir: cli.data_dir, max_sandboxes_per_tenant: max_sandboxes }).await?;
+            airlock_server::serve(airlock_server::ServeOptions {
+                listen,
+                data_dir: cli.data_dir,
+                max_sandboxes_per_tenant: max_sandboxes,
+            })
+            .await?;
         }
-        Command::Template { command: TemplateCommand::Build { name, mirror, agent, force } } => {
+        Command::Template {
+            command:
+                TemplateCommand::Build {
+                    name,
+                    mirror,
+                    agent,
+                    force,
+                },
+        } => {
             if name != SEED {
                 anyhow::bail!("only the `seed` template can be built today (got {name:?})");
             }
-            let opts = BuildOptions { mirror, agent, progress: std::io::stderr().is_terminal(), force };
+            let opts = BuildOptions {
+                mirror,
+                agent,
+                progress: std::io::stderr().is_terminal(),
+                force,
+            };
             build_seed(&cli.data_dir, opts).await?;
         }
-        Command::Template { command: TemplateCommand::Ls } => {
+        Command::Template {
+            command: TemplateCommand::Ls,
+        } => {
             let store = TemplateStore::new(DataDir::open(&cli.data_dir)?);
             println!("{:<12} {:<73} {:<24} {:>9}  BUILT", "NAME", "DIGEST", "KERNEL", "SIZE");
             for m in store.list() {
-                println!("{:<12} {:<73} {:<24} {:>6}MiB  {}", m.name, m.digest, m.kernel_version, m.size_bytes >> 20, m.built_at);
+                println!(
+                    "{:<12} {:<73} {:<24} {:>6}MiB  {}",
+                    m.name,
+                    m.digest,
+                    m.kernel_version,
+                    m.size_bytes >> 20,
+                    m.built_at
+                );
             }
         }
         Command::Sandbox { command } => {
             let c = client()?;
             match command {
-                SandboxCommand::Create { template, vcpu, memory_mib, disk_mib, timeout, metadata, no_wait } => {
+                SandboxCommand::Create {
+                    template,
+                    vcpu,
+                    memory_mib,
+                    disk_mib,
+                    timeout,
+                    metadata,
+                    no_wait,
+                } => {
                     let mut meta = serde_json::Map::new();
                     for kv in &metadata {
-                        let (k, v) = kv.split_once('=').with_context(|| format!("--metadata takes KEY=VALUE, got {kv:?}"))?;
+                        let (k, v) = kv
+                            .split_once('=')
+                            .with_context(|| format!("--metadata takes KEY=VALUE, got {kv:?}"))?;
                         meta.insert(k.into(), json!(v));
                     }
                     let mut body = json!({ "template": template, "metadata": meta,
@@ -262,7 +308,10 @@ async fn run(cli: Cli) -> anyhow::Result<u8> {
                         None => "/v1/sandboxes".into(),
                     };
                     let list = blocking(move || c.json("GET", &path, None)).await?;
-                    println!("{:<22} {:<9} {:<8} {:<5} {:>5} {:>7}  {:<25} EXPIRES", "ID", "STATE", "TEMPLATE", "ACCEL", "VCPU", "MEM", "CREATED");
+                    println!(
+                        "{:<22} {:<9} {:<8} {:<5} {:>5} {:>7}  {:<25} EXPIRES",
+                        "ID", "STATE", "TEMPLATE", "ACCEL", "VCPU", "MEM", "CREATED"
+                    );
                     for s in list["sandboxes"].as_array().into_iter().flatten() {
                         println!(
                             "{:<22} {:<9} {:<8} {:<5} {:>5} {:>6}M  {:<25} {}",
@@ -277,7 +326,9 @@ async fn run(cli: Cli) -> anyhow::Result<u8> {
                         );
                     }
                 }
-                SandboxCommand::Get { id } => print_json(&blocking(move || c.json("GET", &format!("/v1/sandboxes/{id}"), None)).await?),
+                SandboxCommand::Get { id } => {
+                    print_json(&blocking(move || c.json("GET", &format!("/v1/sandboxes/{id}"), None)).await?)
+                }
                 SandboxCommand::Rm { id } => {
                     blocking(move || c.delete_sandbox(&id, true)).await?;
                 }
@@ -285,13 +336,25 @@ async fn run(cli: Cli) -> anyhow::Result<u8> {
         }
         Command::Exec { id, opts, argv } => {
             let c = client()?;
-            let body = client::session_body(&argv, opts.user.as_deref(), opts.cwd.as_deref(), &opts.env, opts.timeout.as_deref())?;
+            let body = client::session_body(
+                &argv,
+                opts.user.as_deref(),
+                opts.cwd.as_deref(),
+                &opts.env,
+                opts.timeout.as_deref(),
+            )?;
             let code = blocking(move || c.exec(&id, body)).await?;
             return Ok(code.clamp(0, 255) as u8);
         }
         Command::Run { template, opts, argv } => {
             let c = client()?;
-            let body = client::session_body(&argv, opts.user.as_deref(), opts.cwd.as_deref(), &opts.env, opts.timeout.as_deref())?;
+            let body = client::session_body(
+                &argv,
+                opts.user.as_deref(),
+                opts.cwd.as_deref(),
+                &opts.env,
+                opts.timeout.as_deref(),
+            )?;
             let code = blocking(move || {
                 let id = c.create_sandbox(json!({ "template": template }), true)?;
                 let result = c.exec(&id, body);
@@ -303,11 +366,15 @@ async fn run(cli: Cli) -> anyhow::Result<u8> {
             .await?;
             return Ok(code.clamp(0, 255) as u8);
         }
-        Command::Ops { command: OpsCommand::Get { id } } => {
+        Command::Ops {
+            command: OpsCommand::Get { id },
+        } => {
             let c = client()?;
             print_json(&blocking(move || c.json("GET", &format!("/v1/operations/{id}"), None)).await?);
         }
-        Command::Key { command: KeyCommand::Create { tenant } } => {
+        Command::Key {
+            command: KeyCommand::Create { tenant },
+        } => {
             let data = DataDir::open(&cli.data_dir)?;
             let store = airlock_server::store::SqliteStore::open(&data.root().join("airlock.db")).await?;
             use airlock_server::store::Store;

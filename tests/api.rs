@@ -12,11 +12,17 @@ use std::time::{Duration, Instant};
 const BIN: &str = env!("CARGO_BIN_EXE_airlock");
 
 fn test_data_dir() -> PathBuf {
-    std::env::var_os("AIRLOCK_TEST_DATA_DIR").map(PathBuf::from).unwrap_or_else(|| "/var/lib/airlock-test".into())
+    std::env::var_os("AIRLOCK_TEST_DATA_DIR")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| "/var/lib/airlock-test".into())
 }
 
 fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
 }
 
 struct Server {
@@ -42,12 +48,25 @@ impl Server {
         let url = format!("http://127.0.0.1:{port}");
         let deadline = Instant::now() + Duration::from_secs(120);
         while ureq::get(&format!("{url}/openapi-m1.json")).call().is_err() {
-            assert!(Instant::now() < deadline, "server did not come up; see {}", data.display());
+            assert!(
+                Instant::now() < deadline,
+                "server did not come up; see {}",
+                data.display()
+            );
             std::thread::sleep(Duration::from_millis(100));
         }
         let creds = std::fs::read_to_string(data.join("credentials")).unwrap();
-        let key = creds.lines().find_map(|l| l.strip_prefix("AIRLOCK_API_KEY=")).unwrap().to_string();
-        Server { child, url, key, data: data.to_path_buf() }
+        let key = creds
+            .lines()
+            .find_map(|l| l.strip_prefix("AIRLOCK_API_KEY="))
+            .unwrap()
+            .to_string();
+        Server {
+            child,
+            url,
+            key,
+            data: data.to_path_buf(),
+        }
     }
 
     fn kill9(&mut self) {
@@ -65,7 +84,14 @@ impl Server {
         self.call_with(method, path, body, Some(&self.key), &[])
     }
 
-    fn call_with(&self, method: &str, path: &str, body: Option<Value>, key: Option<&str>, headers: &[(&str, &str)]) -> (u16, Value) {
+    fn call_with(
+        &self,
+        method: &str,
+        path: &str,
+        body: Option<Value>,
+        key: Option<&str>,
+        headers: &[(&str, &str)],
+    ) -> (u16, Value) {
         let mut req = ureq::request(method, &format!("{}{path}", self.url)).timeout(Duration::from_secs(60));
         if let Some(k) = key {
             req = req.set("Authorization", &format!("Bearer {k}"));
@@ -124,7 +150,10 @@ impl Server {
     fn delete(&self, id: &str) {
         let (status, r) = self.call("DELETE", &format!("/v1/sandboxes/{id}"), None);
         assert_eq!(status, 202, "{r}");
-        assert_eq!(self.wait_op(r["operation"]["id"].as_str().unwrap())["state"], "succeeded");
+        assert_eq!(
+            self.wait_op(r["operation"]["id"].as_str().unwrap())["state"],
+            "succeeded"
+        );
     }
 
     fn session(&self, sandbox: &str, body: Value) -> String {
@@ -134,10 +163,19 @@ impl Server {
     }
 
     /// Read SSE events (event, id, data) until `process_exited` or `stop_after` events.
-    fn events(&self, sandbox: &str, session: &str, last_id: Option<&str>, stop_after: Option<usize>) -> Vec<(String, Option<String>, Value)> {
-        let mut req = ureq::get(&format!("{}/v1/sandboxes/{sandbox}/sessions/{session}/stream", self.url))
-            .set("Authorization", &format!("Bearer {}", self.key))
-            .timeout(Duration::from_secs(120));
+    fn events(
+        &self,
+        sandbox: &str,
+        session: &str,
+        last_id: Option<&str>,
+        stop_after: Option<usize>,
+    ) -> Vec<(String, Option<String>, Value)> {
+        let mut req = ureq::get(&format!(
+            "{}/v1/sandboxes/{sandbox}/sessions/{session}/stream",
+            self.url
+        ))
+        .set("Authorization", &format!("Bearer {}", self.key))
+        .timeout(Duration::from_secs(120));
         if let Some(id) = last_id {
             req = req.set("Last-Event-ID", id);
         }
@@ -150,7 +188,11 @@ impl Server {
             if line.is_empty() {
                 if !event.is_empty() {
                     let done = event == "process_exited";
-                    out.push((std::mem::take(&mut event), id.take(), serde_json::from_str(&data).unwrap_or(Value::Null)));
+                    out.push((
+                        std::mem::take(&mut event),
+                        id.take(),
+                        serde_json::from_str(&data).unwrap_or(Value::Null),
+                    ));
                     data.clear();
                     if done || stop_after.is_some_and(|n| out.len() >= n) {
                         break;
@@ -172,7 +214,14 @@ fn decode(events: &[(String, Option<String>, Value)], kind: &str) -> String {
     events
         .iter()
         .filter(|(e, _, _)| e == kind)
-        .map(|(_, _, d)| String::from_utf8(base64::engine::general_purpose::STANDARD.decode(d["data"].as_str().unwrap()).unwrap()).unwrap())
+        .map(|(_, _, d)| {
+            String::from_utf8(
+                base64::engine::general_purpose::STANDARD
+                    .decode(d["data"].as_str().unwrap())
+                    .unwrap(),
+            )
+            .unwrap()
+        })
         .collect()
 }
 
@@ -182,7 +231,12 @@ fn server() -> &'static Server {
     SERVER.get_or_init(|| {
         let data = test_data_dir();
         std::fs::create_dir_all(&data).unwrap();
-        let built = Command::new(BIN).arg("--data-dir").arg(&data).args(["template", "build", "seed"]).status().unwrap();
+        let built = Command::new(BIN)
+            .arg("--data-dir")
+            .arg(&data)
+            .args(["template", "build", "seed"])
+            .status()
+            .unwrap();
         assert!(built.success(), "template build failed");
         Server::start(&data)
     })
@@ -196,7 +250,11 @@ fn shared() -> &'static str {
 
 fn walkthrough_create_session_stream_delete() {
     let s = server();
-    let (status, created) = s.call("POST", "/v1/sandboxes", Some(json!({ "template": "seed", "timeout": "10m", "metadata": { "who": "walkthrough" } })));
+    let (status, created) = s.call(
+        "POST",
+        "/v1/sandboxes",
+        Some(json!({ "template": "seed", "timeout": "10m", "metadata": { "who": "walkthrough" } })),
+    );
     assert_eq!(status, 202, "{created}");
     let id = created["sandbox_id"].as_str().unwrap().to_string();
     assert_eq!(created["operation"]["kind"], "create");
@@ -219,7 +277,10 @@ fn walkthrough_create_session_stream_delete() {
     assert_eq!(last, "process_exited");
     assert_eq!(exit["exit_code"], 0);
     let (_, sess) = s.call("GET", &format!("/v1/sandboxes/{id}/sessions/{sid}"), None);
-    assert_eq!((sess["state"].as_str(), sess["exit_code"].as_i64()), (Some("exited"), Some(0)));
+    assert_eq!(
+        (sess["state"].as_str(), sess["exit_code"].as_i64()),
+        (Some("exited"), Some(0))
+    );
     let (_, list) = s.call("GET", &format!("/v1/sandboxes/{id}/sessions"), None);
     assert!(list.as_array().unwrap().iter().any(|x| x["id"] == sid.as_str()));
 
@@ -234,20 +295,29 @@ fn walkthrough_create_session_stream_delete() {
 fn failing_command_reports_its_exit_code_and_stderr() {
     let s = server();
     let id = shared();
-    let sid = s.session(id, json!({ "argv": ["sh", "-c", "echo oops >&2; exit 3"], "user": "root" }));
+    let sid = s.session(
+        id,
+        json!({ "argv": ["sh", "-c", "echo oops >&2; exit 3"], "user": "root" }),
+    );
     let events = s.events(id, &sid, None, None);
     assert_eq!(decode(&events, "stderr"), "oops\n");
     assert_eq!(events.last().unwrap().2["exit_code"], 3);
     let sid = s.session(id, json!({ "argv": ["sleep", "30"], "timeout": "1s" }));
     let events = s.events(id, &sid, None, None);
     let exit = &events.last().unwrap().2;
-    assert_eq!((exit["signal"].as_str(), exit["timed_out"].as_bool()), (Some("SIGKILL"), Some(true)));
+    assert_eq!(
+        (exit["signal"].as_str(), exit["timed_out"].as_bool()),
+        (Some("SIGKILL"), Some(true))
+    );
 }
 
 fn sse_resumes_with_last_event_id_without_loss_or_duplicates() {
     let s = server();
     let id = shared();
-    let sid = s.session(id, json!({ "argv": ["sh", "-c", "for i in 1 2 3 4 5 6; do echo line$i; sleep 0.3; done"] }));
+    let sid = s.session(
+        id,
+        json!({ "argv": ["sh", "-c", "for i in 1 2 3 4 5 6; do echo line$i; sleep 0.3; done"] }),
+    );
     let first = s.events(id, &sid, None, Some(2));
     assert_eq!(first.len(), 2);
     let last_id = first[1].1.clone().expect("events carry ids");
@@ -255,10 +325,16 @@ fn sse_resumes_with_last_event_id_without_loss_or_duplicates() {
     let mut all = first.clone();
     all.extend(rest.clone());
     assert_eq!(decode(&all, "stdout"), "line1\nline2\nline3\nline4\nline5\nline6\n");
-    let ids: Vec<u64> = all.iter().map(|(_, i, _)| i.as_ref().unwrap().parse().unwrap()).collect();
+    let ids: Vec<u64> = all
+        .iter()
+        .map(|(_, i, _)| i.as_ref().unwrap().parse().unwrap())
+        .collect();
     assert!(ids.windows(2).all(|w| w[1] > w[0]), "ids strictly increase: {ids:?}");
     // A late attach from the start replays everything, too.
-    assert_eq!(decode(&s.events(id, &sid, None, None), "stdout"), decode(&all, "stdout"));
+    assert_eq!(
+        decode(&s.events(id, &sid, None, None), "stdout"),
+        decode(&all, "stdout")
+    );
 }
 
 fn stdin_signal_and_files() {
@@ -266,40 +342,73 @@ fn stdin_signal_and_files() {
     let id = shared();
     let sid = s.session(id, json!({ "argv": ["cat"], "stdin": true }));
     let b64 = base64::engine::general_purpose::STANDARD.encode(b"round trip\n");
-    let (status, _) = s.call("POST", &format!("/v1/sandboxes/{id}/sessions/{sid}/stdin"), Some(json!({ "data": b64, "eof": true })));
+    let (status, _) = s.call(
+        "POST",
+        &format!("/v1/sandboxes/{id}/sessions/{sid}/stdin"),
+        Some(json!({ "data": b64, "eof": true })),
+    );
     assert_eq!(status, 204);
     assert_eq!(decode(&s.events(id, &sid, None, None), "stdout"), "round trip\n");
 
     let sid = s.session(id, json!({ "argv": ["sleep", "300"] }));
-    let (status, _) = s.call("POST", &format!("/v1/sandboxes/{id}/sessions/{sid}/signal"), Some(json!({ "signal": "SIGTERM" })));
+    let (status, _) = s.call(
+        "POST",
+        &format!("/v1/sandboxes/{id}/sessions/{sid}/signal"),
+        Some(json!({ "signal": "SIGTERM" })),
+    );
     assert_eq!(status, 204);
     assert_eq!(s.events(id, &sid, None, None).last().unwrap().2["signal"], "SIGTERM");
-    let (status, err) = s.call("POST", &format!("/v1/sandboxes/{id}/sessions/{sid}/signal"), Some(json!({ "signal": "SIGNOPE" })));
+    let (status, err) = s.call(
+        "POST",
+        &format!("/v1/sandboxes/{id}/sessions/{sid}/signal"),
+        Some(json!({ "signal": "SIGNOPE" })),
+    );
     assert_eq!((status, err["code"].as_str()), (422, Some("invalid_argument")));
 
-    let put = ureq::put(&format!("{}/v1/sandboxes/{id}/files?path=/home/user/dir/hello.bin", s.url))
-        .set("Authorization", &format!("Bearer {}", s.key))
-        .send_bytes(&[0u8, 1, 2, 255, 10])
-        .unwrap()
-        .into_json::<Value>()
-        .unwrap();
+    let put = ureq::put(&format!(
+        "{}/v1/sandboxes/{id}/files?path=/home/user/dir/hello.bin",
+        s.url
+    ))
+    .set("Authorization", &format!("Bearer {}", s.key))
+    .send_bytes(&[0u8, 1, 2, 255, 10])
+    .unwrap()
+    .into_json::<Value>()
+    .unwrap();
     assert_eq!((put["size"].as_u64(), put["owner"].as_str()), (Some(5), Some("user")));
     let mut back = Vec::new();
     std::io::Read::read_to_end(
-        &mut ureq::get(&format!("{}/v1/sandboxes/{id}/files?path=/home/user/dir/hello.bin", s.url))
-            .set("Authorization", &format!("Bearer {}", s.key))
-            .call()
-            .unwrap()
-            .into_reader(),
+        &mut ureq::get(&format!(
+            "{}/v1/sandboxes/{id}/files?path=/home/user/dir/hello.bin",
+            s.url
+        ))
+        .set("Authorization", &format!("Bearer {}", s.key))
+        .call()
+        .unwrap()
+        .into_reader(),
         &mut back,
     )
     .unwrap();
     assert_eq!(back, vec![0u8, 1, 2, 255, 10]);
-    let (_, list) = s.call("GET", &format!("/v1/sandboxes/{id}/files/list?path=/home/user&depth=2"), None);
-    assert!(list["entries"].as_array().unwrap().iter().any(|e| e["path"] == "/home/user/dir/hello.bin"), "{list}");
+    let (_, list) = s.call(
+        "GET",
+        &format!("/v1/sandboxes/{id}/files/list?path=/home/user&depth=2"),
+        None,
+    );
+    assert!(
+        list["entries"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .any(|e| e["path"] == "/home/user/dir/hello.bin"),
+        "{list}"
+    );
     let (status, _) = s.call("DELETE", &format!("/v1/sandboxes/{id}/files?path=/home/user/dir"), None);
     assert_eq!(status, 204);
-    let (status, err) = s.call("GET", &format!("/v1/sandboxes/{id}/files?path=/home/user/dir/hello.bin"), None);
+    let (status, err) = s.call(
+        "GET",
+        &format!("/v1/sandboxes/{id}/files?path=/home/user/dir/hello.bin"),
+        None,
+    );
     assert_eq!((status, err["code"].as_str()), (404, Some("not_found")));
     let (status, _) = s.call("GET", &format!("/v1/sandboxes/{id}/files/list?path=/etc&depth=0"), None);
     assert_eq!(status, 422);
@@ -309,8 +418,20 @@ fn idempotent_create_returns_the_same_operation() {
     let s = server();
     let body = json!({ "template": "seed", "timeout": "5m" });
     let key = format!("idem-{}", free_port());
-    let (st1, a) = s.call_with("POST", "/v1/sandboxes", Some(body.clone()), Some(&s.key), &[("Idempotency-Key", &key)]);
-    let (st2, b) = s.call_with("POST", "/v1/sandboxes", Some(body), Some(&s.key), &[("Idempotency-Key", &key)]);
+    let (st1, a) = s.call_with(
+        "POST",
+        "/v1/sandboxes",
+        Some(body.clone()),
+        Some(&s.key),
+        &[("Idempotency-Key", &key)],
+    );
+    let (st2, b) = s.call_with(
+        "POST",
+        "/v1/sandboxes",
+        Some(body),
+        Some(&s.key),
+        &[("Idempotency-Key", &key)],
+    );
     assert_eq!((st1, st2), (202, 202));
     assert_eq!(a["operation"]["id"], b["operation"]["id"]);
     assert_eq!(a["sandbox_id"], b["sandbox_id"]);
@@ -337,14 +458,23 @@ fn list_filters_by_state_and_metadata_with_paging() {
     let s = server();
     let id = shared();
     let (_, all) = s.call("GET", "/v1/sandboxes?metadata.suite=api", None);
-    let ids: Vec<&str> = all["sandboxes"].as_array().unwrap().iter().map(|x| x["id"].as_str().unwrap()).collect();
+    let ids: Vec<&str> = all["sandboxes"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|x| x["id"].as_str().unwrap())
+        .collect();
     assert!(ids.contains(&id), "{all}");
     let (_, none) = s.call("GET", "/v1/sandboxes?metadata.suite=nothing-matches", None);
     assert_eq!(none["sandboxes"].as_array().unwrap().len(), 0);
     let (_, page) = s.call("GET", "/v1/sandboxes?state=deleted&limit=1", None);
     assert!(page["sandboxes"].as_array().unwrap().len() <= 1);
     if let Some(token) = page["next_page_token"].as_str() {
-        let (status, next) = s.call("GET", &format!("/v1/sandboxes?state=deleted&limit=1&page_token={token}"), None);
+        let (status, next) = s.call(
+            "GET",
+            &format!("/v1/sandboxes?state=deleted&limit=1&page_token={token}"),
+            None,
+        );
         assert_eq!(status, 200);
         assert_ne!(next["sandboxes"][0]["id"], page["sandboxes"][0]["id"]);
     }
@@ -357,15 +487,60 @@ fn bad_input_gets_clear_4xx_errors() {
     let cases: Vec<(Value, u16, &str, &str)> = vec![
         (json!({ "template": "nope" }), 404, "template_not_found", "nope"),
         (json!({ "template": 7 }), 422, "invalid_argument", "template"),
-        (json!({ "template": "seed", "resources": { "vcpu": -1 } }), 422, "invalid_argument", "vcpu"),
-        (json!({ "template": "seed", "resources": { "vcpu": 0 } }), 422, "invalid_resources", "vcpu"),
-        (json!({ "template": "seed", "resources": { "memory_mib": 16 } }), 422, "invalid_resources", "memory_mib"),
-        (json!({ "template": "seed", "resources": { "disk_mib": 1 } }), 422, "invalid_resources", "disk_mib"),
-        (json!({ "template": "seed", "timeout": "soon" }), 422, "invalid_argument", "timeout"),
-        (json!({ "template": "seed", "timeout": "48h" }), 422, "invalid_argument", "timeout"),
-        (json!({ "template": "seed", "runtime": "fc" }), 422, "invalid_argument", "fc"),
-        (json!({ "template": "seed", "colour": "red" }), 422, "invalid_argument", "colour"),
-        (json!({ "template": "team/name" }), 404, "template_not_found", "team/name"),
+        (
+            json!({ "template": "seed", "resources": { "vcpu": -1 } }),
+            422,
+            "invalid_argument",
+            "vcpu",
+        ),
+        (
+            json!({ "template": "seed", "resources": { "vcpu": 0 } }),
+            422,
+            "invalid_resources",
+            "vcpu",
+        ),
+        (
+            json!({ "template": "seed", "resources": { "memory_mib": 16 } }),
+            422,
+            "invalid_resources",
+            "memory_mib",
+        ),
+        (
+            json!({ "template": "seed", "resources": { "disk_mib": 1 } }),
+            422,
+            "invalid_resources",
+            "disk_mib",
+        ),
+        (
+            json!({ "template": "seed", "timeout": "soon" }),
+            422,
+            "invalid_argument",
+            "timeout",
+        ),
+        (
+            json!({ "template": "seed", "timeout": "48h" }),
+            422,
+            "invalid_argument",
+            "timeout",
+        ),
+        (
+            json!({ "template": "seed", "runtime": "fc" }),
+            422,
+            "invalid_argument",
+            "fc",
+        ),
+        (
+            json!({ "template": "seed", "colour": "red" }),
+            422,
+            "invalid_argument",
+            "colour",
+        ),
+        (
+            json!({ "template": "team/name" }),
+            404,
+            "template_not_found",
+            "team/name",
+        ),
     ];
     for (body, status, code, needle) in cases {
         let (got, err) = s.call("POST", "/v1/sandboxes", Some(body.clone()));
@@ -377,17 +552,34 @@ fn bad_input_gets_clear_4xx_errors() {
     let (status, err) = s.raw_post("/v1/sandboxes", "[1, 2]");
     assert_eq!(status, 422, "{err}");
     let id = shared();
-    let (status, err) = s.call("POST", &format!("/v1/sandboxes/{id}/sessions"), Some(json!({ "argv": [] })));
+    let (status, err) = s.call(
+        "POST",
+        &format!("/v1/sandboxes/{id}/sessions"),
+        Some(json!({ "argv": [] })),
+    );
     assert_eq!((status, err["code"].as_str()), (422, Some("invalid_argument")));
-    let (status, err) = s.call("POST", &format!("/v1/sandboxes/{id}/sessions"), Some(json!({ "argv": ["/no/such/program"] })));
+    let (status, err) = s.call(
+        "POST",
+        &format!("/v1/sandboxes/{id}/sessions"),
+        Some(json!({ "argv": ["/no/such/program"] })),
+    );
     assert_eq!((status, err["code"].as_str()), (400, Some("invalid_argument")), "{err}");
-    let (status, err) = s.call("POST", &format!("/v1/sandboxes/{id}/sessions"), Some(json!({ "argv": ["true"], "user": "ghost" })));
+    let (status, err) = s.call(
+        "POST",
+        &format!("/v1/sandboxes/{id}/sessions"),
+        Some(json!({ "argv": ["true"], "user": "ghost" })),
+    );
     assert_eq!(status, 400, "{err}");
 }
 
 fn unknown_ids_are_404_and_keys_are_checked() {
     let s = server();
-    for path in ["/v1/sandboxes/0000000000000000dead", "/v1/operations/op_nope", "/v1/templates/nope", "/v1/nothing-here"] {
+    for path in [
+        "/v1/sandboxes/0000000000000000dead",
+        "/v1/operations/op_nope",
+        "/v1/templates/nope",
+        "/v1/nothing-here",
+    ] {
         let (status, err) = s.call("GET", path, None);
         assert_eq!(status, 404, "{path}: {err}");
         assert!(err["message"].is_string());
@@ -412,19 +604,41 @@ fn unknown_ids_are_404_and_keys_are_checked() {
 fn cli_run_exec_and_python_example() {
     let s = server();
     let env = [("AIRLOCK_URL", s.url.as_str()), ("AIRLOCK_API_KEY", s.key.as_str())];
-    let out = Command::new(BIN).args(["run", "--", "sh", "-c", "echo from-cli; exit 4"]).envs(env).output().unwrap();
+    let out = Command::new(BIN)
+        .args(["run", "--", "sh", "-c", "echo from-cli; exit 4"])
+        .envs(env)
+        .output()
+        .unwrap();
     assert_eq!(String::from_utf8_lossy(&out.stdout), "from-cli\n");
     assert_eq!(out.status.code(), Some(4));
-    let out = Command::new(BIN).args(["exec", shared(), "--user", "root", "--", "id", "-un"]).envs(env).output().unwrap();
-    assert_eq!((String::from_utf8_lossy(&out.stdout).as_ref(), out.status.code()), ("root\n", Some(0)));
-    let out = Command::new(BIN).args(["sandbox", "get", "0000000000000000dead"]).envs(env).output().unwrap();
+    let out = Command::new(BIN)
+        .args(["exec", shared(), "--user", "root", "--", "id", "-un"])
+        .envs(env)
+        .output()
+        .unwrap();
+    assert_eq!(
+        (String::from_utf8_lossy(&out.stdout).as_ref(), out.status.code()),
+        ("root\n", Some(0))
+    );
+    let out = Command::new(BIN)
+        .args(["sandbox", "get", "0000000000000000dead"])
+        .envs(env)
+        .output()
+        .unwrap();
     assert_eq!(out.status.code(), Some(1));
     assert!(String::from_utf8_lossy(&out.stderr).contains("HTTP 404"));
     let example = concat!(env!("CARGO_MANIFEST_DIR"), "/examples/first_sandbox.py");
     let out = Command::new("python3").arg(example).envs(env).output().unwrap();
     let stdout = String::from_utf8_lossy(&out.stdout);
-    assert!(out.status.success(), "{stdout}\n{}", String::from_utf8_lossy(&out.stderr));
-    assert!(stdout.contains("hello from airlock") && stdout.trim_end().ends_with("ok"), "{stdout}");
+    assert!(
+        out.status.success(),
+        "{stdout}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(
+        stdout.contains("hello from airlock") && stdout.trim_end().ends_with("ok"),
+        "{stdout}"
+    );
 }
 
 /// Restart safety on a data dir of its own (the blobs are hard links: templates are immutable).
@@ -434,13 +648,23 @@ fn server_killed_mid_create_recovers_and_reattaches() {
     std::fs::create_dir_all(&data).unwrap();
     server(); // the shared data dir has the template built
     let src = test_data_dir();
-    let ok = Command::new("cp").arg("-al").arg(src.join("blobs")).arg(src.join("templates")).arg(&data).status().unwrap();
+    let ok = Command::new("cp")
+        .arg("-al")
+        .arg(src.join("blobs"))
+        .arg(src.join("templates"))
+        .arg(&data)
+        .status()
+        .unwrap();
     assert!(ok.success());
     let _ = std::fs::copy(src.join("accel.json"), data.join("accel.json"));
 
     let mut s1 = Server::start(&data);
     let running = s1.create(json!({ "template": "seed", "timeout": "30m" }));
-    let (_, r) = s1.call("POST", "/v1/sandboxes", Some(json!({ "template": "seed", "timeout": "30m" })));
+    let (_, r) = s1.call(
+        "POST",
+        "/v1/sandboxes",
+        Some(json!({ "template": "seed", "timeout": "30m" })),
+    );
     let op_id = r["operation"]["id"].as_str().unwrap().to_string();
     std::thread::sleep(Duration::from_millis(1200));
     s1.kill9();
@@ -453,13 +677,21 @@ fn server_killed_mid_create_recovers_and_reattaches() {
     }
     // The list matches the VMs that really exist.
     let (_, list) = s2.call("GET", "/v1/sandboxes?state=running", None);
-    let mut listed: Vec<String> = list["sandboxes"].as_array().unwrap().iter().map(|x| x["id"].as_str().unwrap().to_string()).collect();
+    let mut listed: Vec<String> = list["sandboxes"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|x| x["id"].as_str().unwrap().to_string())
+        .collect();
     let mut vms: Vec<String> = std::fs::read_dir(data.join("sandboxes"))
         .unwrap()
         .flatten()
         .filter(|e| {
-            let vm: Value = serde_json::from_slice(&std::fs::read(e.path().join("vm.json")).unwrap_or_default()).unwrap_or(Value::Null);
-            vm["pid"].as_u64().is_some_and(|pid| Path::new(&format!("/proc/{pid}/cmdline")).exists())
+            let vm: Value = serde_json::from_slice(&std::fs::read(e.path().join("vm.json")).unwrap_or_default())
+                .unwrap_or(Value::Null);
+            vm["pid"]
+                .as_u64()
+                .is_some_and(|pid| Path::new(&format!("/proc/{pid}/cmdline")).exists())
         })
         .map(|e| e.file_name().to_string_lossy().to_string())
         .collect();
@@ -470,7 +702,10 @@ fn server_killed_mid_create_recovers_and_reattaches() {
 
     // The VM that ran before the crash is re-attached and usable.
     let sid = s2.session(&running, json!({ "argv": ["echo", "after restart"] }));
-    assert_eq!(decode(&s2.events(&running, &sid, None, None), "stdout"), "after restart\n");
+    assert_eq!(
+        decode(&s2.events(&running, &sid, None, None), "stdout"),
+        "after restart\n"
+    );
     for id in listed {
         s2.delete(&id);
     }
@@ -482,9 +717,14 @@ fn server_killed_mid_create_recovers_and_reattaches() {
 fn reap_orphans() {
     let me = std::process::id();
     for entry in std::fs::read_dir("/proc").unwrap().flatten() {
-        let Ok(pid) = entry.file_name().to_string_lossy().parse::<i32>() else { continue };
+        let Ok(pid) = entry.file_name().to_string_lossy().parse::<i32>() else {
+            continue;
+        };
         let stat = std::fs::read_to_string(entry.path().join("stat")).unwrap_or_default();
-        let fields: Vec<&str> = stat.rsplit_once(')').map(|(_, r)| r.split_whitespace().collect()).unwrap_or_default();
+        let fields: Vec<&str> = stat
+            .rsplit_once(')')
+            .map(|(_, r)| r.split_whitespace().collect())
+            .unwrap_or_default();
         if fields.len() > 2 && fields[0] == "Z" && fields[1] == me.to_string() {
             unsafe { libc::waitpid(pid, std::ptr::null_mut(), libc::WNOHANG) };
         }
@@ -494,19 +734,45 @@ fn reap_orphans() {
 fn main() {
     unsafe { libc::prctl(libc::PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) };
     let args = libtest_mimic::Arguments::from_args();
-    let t = |name: &'static str, f: fn()| Trial::test(name, move || -> Result<(), Failed> { f(); Ok(()) });
+    let t = |name: &'static str, f: fn()| {
+        Trial::test(name, move || -> Result<(), Failed> {
+            f();
+            Ok(())
+        })
+    };
     let tests = vec![
-        t("walkthrough_create_session_stream_delete", walkthrough_create_session_stream_delete),
-        t("failing_command_reports_its_exit_code_and_stderr", failing_command_reports_its_exit_code_and_stderr),
-        t("sse_resumes_with_last_event_id_without_loss_or_duplicates", sse_resumes_with_last_event_id_without_loss_or_duplicates),
+        t(
+            "walkthrough_create_session_stream_delete",
+            walkthrough_create_session_stream_delete,
+        ),
+        t(
+            "failing_command_reports_its_exit_code_and_stderr",
+            failing_command_reports_its_exit_code_and_stderr,
+        ),
+        t(
+            "sse_resumes_with_last_event_id_without_loss_or_duplicates",
+            sse_resumes_with_last_event_id_without_loss_or_duplicates,
+        ),
         t("stdin_signal_and_files", stdin_signal_and_files),
-        t("idempotent_create_returns_the_same_operation", idempotent_create_returns_the_same_operation),
+        t(
+            "idempotent_create_returns_the_same_operation",
+            idempotent_create_returns_the_same_operation,
+        ),
         t("timeout_expiry_deletes_the_sandbox", timeout_expiry_deletes_the_sandbox),
-        t("list_filters_by_state_and_metadata_with_paging", list_filters_by_state_and_metadata_with_paging),
+        t(
+            "list_filters_by_state_and_metadata_with_paging",
+            list_filters_by_state_and_metadata_with_paging,
+        ),
         t("bad_input_gets_clear_4xx_errors", bad_input_gets_clear_4xx_errors),
-        t("unknown_ids_are_404_and_keys_are_checked", unknown_ids_are_404_and_keys_are_checked),
+        t(
+            "unknown_ids_are_404_and_keys_are_checked",
+            unknown_ids_are_404_and_keys_are_checked,
+        ),
         t("cli_run_exec_and_python_example", cli_run_exec_and_python_example),
-        t("server_killed_mid_create_recovers_and_reattaches", server_killed_mid_create_recovers_and_reattaches),
+        t(
+            "server_killed_mid_create_recovers_and_reattaches",
+            server_killed_mid_create_recovers_and_reattaches,
+        ),
     ];
     let conclusion = libtest_mimic::run(&args, tests);
     cleanup();

@@ -48,7 +48,11 @@ fn raw_boot(qemu: &Path, spec: &VmSpec) -> f64 {
     let _ = std::fs::remove_dir_all(&spec.dir);
     std::fs::create_dir_all(&spec.dir).unwrap();
     let overlay = spec.dir.join("disk.qcow2");
-    let (agent, qmp, console) = (spec.dir.join("agent.sock"), spec.dir.join("qmp.sock"), spec.dir.join("console.log"));
+    let (agent, qmp, console) = (
+        spec.dir.join("agent.sock"),
+        spec.dir.join("qmp.sock"),
+        spec.dir.join("console.log"),
+    );
     let started = Instant::now();
     let ok = std::process::Command::new("qemu-img")
         .args(["create", "-q", "-f", "qcow2", "-F", "raw", "-b"])
@@ -106,7 +110,10 @@ fn machine() -> serde_json::Value {
         .find(|l| l.starts_with("MemTotal"))
         .and_then(|l| l.split_whitespace().nth(1)?.parse::<u64>().ok())
         .unwrap_or(0);
-    let qemu = std::process::Command::new("qemu-system-x86_64").arg("--version").output().ok();
+    let qemu = std::process::Command::new("qemu-system-x86_64")
+        .arg("--version")
+        .output()
+        .ok();
     serde_json::json!({
         "cpu": cpu,
         "cpus": std::thread::available_parallelism().map(|n| n.get()).unwrap_or(0),
@@ -119,12 +126,20 @@ fn machine() -> serde_json::Value {
 #[tokio::main]
 async fn main() {
     let args = Args::parse();
-    let store = airlock_runtime::template::TemplateStore::new(airlock_runtime::datadir::DataDir::open(&args.data_dir).unwrap());
-    let (template, _) = tokio::task::spawn_blocking(move || store.build_seed(&Default::default())).await.unwrap().unwrap();
+    let store =
+        airlock_runtime::template::TemplateStore::new(airlock_runtime::datadir::DataDir::open(&args.data_dir).unwrap());
+    let (template, _) = tokio::task::spawn_blocking(move || store.build_seed(&Default::default()))
+        .await
+        .unwrap()
+        .unwrap();
     let rt = Runtime::open(RuntimeOptions::new(&args.data_dir)).await.unwrap();
     let accel = rt.accel().await;
     let qemu = QemuVmm::locate(None).unwrap();
-    let resources = Resources { vcpu: 1, memory_mib: 256, disk_mib: 1024 };
+    let resources = Resources {
+        vcpu: 1,
+        memory_mib: 256,
+        disk_mib: 1024,
+    };
     let raw_spec = VmSpec {
         id: "rawbench".into(),
         dir: args.data_dir.join("raw-bench"),
@@ -143,20 +158,46 @@ async fn main() {
         let spec = raw_spec.clone();
         raw.push(tokio::task::spawn_blocking(move || raw_boot(&q, &spec)).await.unwrap());
         let t = Instant::now();
-        let sb = rt.create(CreateSandbox { id: None, template: "seed".into(), resources }).await.unwrap();
+        let sb = rt
+            .create(CreateSandbox {
+                id: None,
+                template: "seed".into(),
+                resources,
+            })
+            .await
+            .unwrap();
         airlock.push(ms(t.elapsed()));
         let pid = sb.vm.pid;
         rt.delete(sb.id()).await.unwrap();
         wait_exit(pid, Duration::from_secs(5)).await;
-        eprintln!("run {}/{}: raw {:.0} ms, airlock {:.0} ms", i + 1, args.runs, raw[i], airlock[i]);
+        eprintln!(
+            "run {}/{}: raw {:.0} ms, airlock {:.0} ms",
+            i + 1,
+            args.runs,
+            raw[i],
+            airlock[i]
+        );
     }
 
-    let sb = rt.create(CreateSandbox { id: None, template: "seed".into(), resources }).await.unwrap();
+    let sb = rt
+        .create(CreateSandbox {
+            id: None,
+            template: "seed".into(),
+            resources,
+        })
+        .await
+        .unwrap();
     let agent = sb.agent().await.unwrap();
     let (mut exec, mut health) = (Vec::new(), Vec::new());
     for _ in 0..args.execs {
         let t = Instant::now();
-        let out = sb.run(ProcessSpec { argv: vec!["true".into()], ..Default::default() }).await.unwrap();
+        let out = sb
+            .run(ProcessSpec {
+                argv: vec!["true".into()],
+                ..Default::default()
+            })
+            .await
+            .unwrap();
         exec.push(ms(t.elapsed()));
         assert_eq!(out.exit.exit_code, Some(0));
         let t = Instant::now();
@@ -189,7 +230,11 @@ async fn main() {
         ("airlock: exec `true` round trip", &report["exec_true_round_trip"]),
         ("agent /health round trip", &report["agent_health_round_trip"]),
     ] {
-        println!("{name:<34} {:>10.1} {:>10.1}", s["median_ms"].as_f64().unwrap(), s["p95_ms"].as_f64().unwrap());
+        println!(
+            "{name:<34} {:>10.1} {:>10.1}",
+            s["median_ms"].as_f64().unwrap(),
+            s["p95_ms"].as_f64().unwrap()
+        );
     }
     println!("boot ratio airlock/raw (median): {ratio:.3}");
     std::fs::create_dir_all(&args.out).unwrap();

@@ -41,8 +41,20 @@ fn mount_fs(src: &str, target: &str, fstype: &str, flags: MsFlags, data: Option<
 
 pub fn initramfs_stage() -> ! {
     mount_fs("devtmpfs", "/dev", "devtmpfs", MsFlags::MS_NOSUID, None);
-    mount_fs("proc", "/proc", "proc", MsFlags::MS_NOSUID | MsFlags::MS_NODEV | MsFlags::MS_NOEXEC, None);
-    mount_fs("sysfs", "/sys", "sysfs", MsFlags::MS_NOSUID | MsFlags::MS_NODEV | MsFlags::MS_NOEXEC, None);
+    mount_fs(
+        "proc",
+        "/proc",
+        "proc",
+        MsFlags::MS_NOSUID | MsFlags::MS_NODEV | MsFlags::MS_NOEXEC,
+        None,
+    );
+    mount_fs(
+        "sysfs",
+        "/sys",
+        "sysfs",
+        MsFlags::MS_NOSUID | MsFlags::MS_NODEV | MsFlags::MS_NOEXEC,
+        None,
+    );
 
     let list = fs::read_to_string(MODULE_LIST).unwrap_or_default();
     for module in list.lines().map(str::trim).filter(|l| !l.is_empty()) {
@@ -56,9 +68,21 @@ pub fn initramfs_stage() -> ! {
         }
         std::thread::sleep(Duration::from_millis(5));
     }
-    if let Err(e) = mount(Some(ROOT_DEVICE), "/newroot", Some("ext4"), MsFlags::empty(), None::<&str>) {
+    if let Err(e) = mount(
+        Some(ROOT_DEVICE),
+        "/newroot",
+        Some("ext4"),
+        MsFlags::empty(),
+        None::<&str>,
+    ) {
         let _ = fs::create_dir_all("/newroot");
-        if let Err(e2) = mount(Some(ROOT_DEVICE), "/newroot", Some("ext4"), MsFlags::empty(), None::<&str>) {
+        if let Err(e2) = mount(
+            Some(ROOT_DEVICE),
+            "/newroot",
+            Some("ext4"),
+            MsFlags::empty(),
+            None::<&str>,
+        ) {
             fatal(&format!("mount root: {e} / {e2}"));
         }
     }
@@ -110,7 +134,13 @@ pub fn rootfs_stage() {
     mount_fs("devtmpfs", "/dev", "devtmpfs", MsFlags::MS_NOSUID, None);
     mount_fs("proc", "/proc", "proc", nosuid_nodev | MsFlags::MS_NOEXEC, None);
     mount_fs("sysfs", "/sys", "sysfs", nosuid_nodev | MsFlags::MS_NOEXEC, None);
-    mount_fs("devpts", "/dev/pts", "devpts", MsFlags::MS_NOSUID | MsFlags::MS_NOEXEC, Some("gid=5,mode=620,ptmxmode=666"));
+    mount_fs(
+        "devpts",
+        "/dev/pts",
+        "devpts",
+        MsFlags::MS_NOSUID | MsFlags::MS_NOEXEC,
+        Some("gid=5,mode=620,ptmxmode=666"),
+    );
     mount_fs("tmpfs", "/dev/shm", "tmpfs", nosuid_nodev, Some("mode=1777"));
     mount_fs("tmpfs", "/run", "tmpfs", nosuid_nodev, Some("mode=755"));
     let _ = fs::create_dir_all("/run/lock");
@@ -129,7 +159,9 @@ pub fn rootfs_stage() {
 }
 
 pub fn cmdline_value<'a>(cmdline: &'a str, key: &str) -> Option<&'a str> {
-    cmdline.split_whitespace().find_map(|kv| kv.strip_prefix(key)?.strip_prefix('='))
+    cmdline
+        .split_whitespace()
+        .find_map(|kv| kv.strip_prefix(key)?.strip_prefix('='))
 }
 
 fn loopback_up() -> std::io::Result<()> {

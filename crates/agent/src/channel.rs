@@ -35,7 +35,11 @@ pub fn open(path: &std::path::Path) -> std::io::Result<OwnedFd> {
 
 /// True while the host side of the port is connected.
 pub fn host_connected(fd: &OwnedFd) -> bool {
-    let mut p = libc::pollfd { fd: fd.as_raw_fd(), events: libc::POLLIN | libc::POLLOUT, revents: 0 };
+    let mut p = libc::pollfd {
+        fd: fd.as_raw_fd(),
+        events: libc::POLLIN | libc::POLLOUT,
+        revents: 0,
+    };
     let n = unsafe { libc::poll(&mut p, 1, 0) };
     n >= 0 && p.revents & libc::POLLHUP == 0
 }
@@ -59,12 +63,15 @@ pub async fn await_hello(io: &mut PortStream) -> std::io::Result<()> {
         }
         let text = String::from_utf8_lossy(&line).to_string();
         line.clear();
-        let Some(pos) = text.find(airlock_proto::SESSION_HELLO) else { continue };
+        let Some(pos) = text.find(airlock_proto::SESSION_HELLO) else {
+            continue;
+        };
         let nonce = &text[pos + airlock_proto::SESSION_HELLO.len()..];
         if nonce.is_empty() || !nonce.chars().all(|c| c.is_ascii_alphanumeric()) {
             continue;
         }
-        io.write_all(format!("{}{nonce}\n", airlock_proto::SESSION_READY).as_bytes()).await?;
+        io.write_all(format!("{}{nonce}\n", airlock_proto::SESSION_READY).as_bytes())
+            .await?;
         return Ok(());
     }
 }
@@ -91,7 +98,13 @@ impl AsyncRead for PortStream {
             let hung_up = guard.ready().is_read_closed();
             let unfilled = buf.initialize_unfilled();
             match guard.try_io(|inner| {
-                let n = unsafe { libc::read(inner.get_ref().as_raw_fd(), unfilled.as_mut_ptr().cast(), unfilled.len()) };
+                let n = unsafe {
+                    libc::read(
+                        inner.get_ref().as_raw_fd(),
+                        unfilled.as_mut_ptr().cast(),
+                        unfilled.len(),
+                    )
+                };
                 if n < 0 {
                     Err(std::io::Error::last_os_error())
                 } else {

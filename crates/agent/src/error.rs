@@ -9,7 +9,10 @@ pub struct AgentError {
 
 impl AgentError {
     pub fn new(code: ErrorCode, message: impl Into<String>) -> Self {
-        Self { code, message: message.into() }
+        Self {
+            code,
+            message: message.into(),
+        }
     }
     pub fn invalid(m: impl Into<String>) -> Self {
         Self::new(ErrorCode::InvalidArgument, m)
@@ -37,7 +40,10 @@ impl AgentError {
         Self::new(code, format!("{path}: {e}"))
     }
     pub fn body(&self) -> ErrorBody {
-        ErrorBody { code: self.code, message: self.message.clone() }
+        ErrorBody {
+            code: self.code,
+            message: self.message.clone(),
+        }
     }
 }
 

@@ -46,7 +46,10 @@ pub fn stat(path: &Path) -> Result<FileStat, AgentError> {
         .map(|d| d.as_millis() as u64)
         .unwrap_or(0);
     Ok(FileStat {
-        name: path.file_name().map(|n| n.to_string_lossy().to_string()).unwrap_or_else(|| "/".into()),
+        name: path
+            .file_name()
+            .map(|n| n.to_string_lossy().to_string())
+            .unwrap_or_else(|| "/".into()),
         path: shown,
         kind,
         size: meta.len(),
@@ -71,7 +74,10 @@ pub fn list(dir: &Path, depth: u32) -> Result<Vec<FileStat>, AgentError> {
     let shown = dir.to_string_lossy().to_string();
     let meta = std::fs::metadata(dir).map_err(|e| AgentError::io(&shown, e))?;
     if !meta.is_dir() {
-        return Err(AgentError::new(airlock_proto::ErrorCode::NotADirectory, format!("{shown} is not a directory")));
+        return Err(AgentError::new(
+            airlock_proto::ErrorCode::NotADirectory,
+            format!("{shown} is not a directory"),
+        ));
     }
     let mut out = Vec::new();
     walk(dir, depth, &mut out)?;
@@ -101,7 +107,10 @@ pub fn mkdir_all(path: &Path, owner: Option<&users::User>) -> Result<bool, Agent
         return Ok(false);
     }
     if path.exists() {
-        return Err(AgentError::new(airlock_proto::ErrorCode::AlreadyExists, format!("{shown} exists and is not a directory")));
+        return Err(AgentError::new(
+            airlock_proto::ErrorCode::AlreadyExists,
+            format!("{shown} exists and is not a directory"),
+        ));
     }
     let mut missing = Vec::new();
     let mut cur = Some(path);
@@ -160,7 +169,10 @@ pub fn translate(event: &notify::Event) -> Vec<WatchEvent> {
     event
         .paths
         .iter()
-        .map(|p| WatchEvent { kind, path: p.to_string_lossy().to_string() })
+        .map(|p| WatchEvent {
+            kind,
+            path: p.to_string_lossy().to_string(),
+        })
         .collect()
 }
 

@@ -52,7 +52,10 @@ async fn serve() {
 
     let port_path = std::env::var_os("AIRLOCK_AGENT_PORT").map(std::path::PathBuf::from);
     let path = loop {
-        if let Some(p) = port_path.clone().or_else(|| channel::find_port(airlock_proto::AGENT_PORT_NAME)) {
+        if let Some(p) = port_path
+            .clone()
+            .or_else(|| channel::find_port(airlock_proto::AGENT_PORT_NAME))
+        {
             break p;
         }
         tokio::time::sleep(Duration::from_millis(10)).await;

@@ -25,7 +25,11 @@ pub fn parse_proc_stat(text: &str) -> Option<(u64, u64)> {
 pub fn parse_meminfo(text: &str) -> Option<(u64, u64)> {
     let field = |name: &str| -> Option<u64> {
         let line = text.lines().find(|l| l.starts_with(name))?;
-        line.split_whitespace().nth(1)?.parse::<u64>().ok().map(|kib| kib * 1024)
+        line.split_whitespace()
+            .nth(1)?
+            .parse::<u64>()
+            .ok()
+            .map(|kib| kib * 1024)
     };
     let total = field("MemTotal:")?;
     let avail = field("MemAvailable:")?;
@@ -34,8 +38,12 @@ pub fn parse_meminfo(text: &str) -> Option<(u64, u64)> {
 
 impl CpuSampler {
     pub fn sample(&self) -> Metrics {
-        let cpu_count = std::thread::available_parallelism().map(|n| n.get() as u32).unwrap_or(1);
-        let now = std::fs::read_to_string("/proc/stat").ok().and_then(|t| parse_proc_stat(&t));
+        let cpu_count = std::thread::available_parallelism()
+            .map(|n| n.get() as u32)
+            .unwrap_or(1);
+        let now = std::fs::read_to_string("/proc/stat")
+            .ok()
+            .and_then(|t| parse_proc_stat(&t));
         let mut prev = self.prev.lock().unwrap();
         let cpu_used_pct = match (*prev, now) {
             (Some((b0, t0)), Some((b1, t1))) if t1 > t0 => (b1 - b0) as f64 * 100.0 / (t1 - t0) as f64,
@@ -43,8 +51,10 @@ impl CpuSampler {
             _ => 0.0,
         };
         *prev = now.or(*prev);
-        let (mem_total_bytes, mem_used_bytes) =
-            std::fs::read_to_string("/proc/meminfo").ok().and_then(|t| parse_meminfo(&t)).unwrap_or((0, 0));
+        let (mem_total_bytes, mem_used_bytes) = std::fs::read_to_string("/proc/meminfo")
+            .ok()
+            .and_then(|t| parse_meminfo(&t))
+            .unwrap_or((0, 0));
         let (disk_total_bytes, disk_used_bytes) = match nix::sys::statvfs::statvfs("/") {
             Ok(s) => {
                 let frag = s.fragment_size() as u64;
@@ -53,7 +63,14 @@ impl CpuSampler {
             }
             Err(_) => (0, 0),
         };
-        Metrics { cpu_count, cpu_used_pct, mem_total_bytes, mem_used_bytes, disk_total_bytes, disk_used_bytes }
+        Metrics {
+            cpu_count,
+            cpu_used_pct,
+            mem_total_bytes,
+            mem_used_bytes,
+            disk_total_bytes,
+            disk_used_bytes,
+        }
     }
 }
 

@@ -32,7 +32,10 @@ const DRAIN_GRACE: Duration = Duration::from_millis(300);
 const READ_CHUNK: usize = 64 << 10;
 
 pub fn now_ms() -> u64 {
-    SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_millis() as u64).unwrap_or(0)
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_millis() as u64)
+        .unwrap_or(0)
 }
 
 /// Ordered event log of one process.
@@ -47,7 +50,10 @@ struct Log {
 impl Log {
     fn push(&mut self, kind: EventKind) -> u64 {
         self.next_seq += 1;
-        let ev = Event { seq: self.next_seq, kind };
+        let ev = Event {
+            seq: self.next_seq,
+            kind,
+        };
         self.bytes += ev.wire_len();
         self.events.push_back(ev);
         while self.bytes > RETAINED_OUTPUT && self.events.len() > 1 {
@@ -112,7 +118,9 @@ impl Proc {
     pub async fn write_stdin(&self, data: &[u8]) -> Result<(), AgentError> {
         let mut guard = self.stdin.lock().await;
         match guard.as_mut() {
-            None => Err(AgentError::invalid("stdin of this process is closed or was not requested")),
+            None => Err(AgentError::invalid(
+                "stdin of this process is closed or was not requested",
+            )),
             Some(Stdin::Pipe(tx)) => tx.write_all(data).await.map_err(AgentError::from),
             Some(Stdin::Pty(master)) => write_fd(master, data).await.map_err(AgentError::from),
         }
@@ -136,7 +144,10 @@ impl Proc {
     }
 
     pub fn resize(&self, size: &PtySize) -> Result<(), AgentError> {
-        let master = self.pty.as_ref().ok_or_else(|| AgentError::invalid("process has no pty"))?;
+        let master = self
+            .pty
+            .as_ref()
+            .ok_or_else(|| AgentError::invalid("process has no pty"))?;
         set_winsize(master.get_ref().as_raw_fd(), size).map_err(AgentError::from)
     }
 }
@@ -161,7 +172,12 @@ async fn write_fd(fd: &AsyncFd<OwnedFd>, mut data: &[u8]) -> std::io::Result<()>
 }
 
 fn set_winsize(fd: i32, size: &PtySize) -> std::io::Result<()> {
-    let ws = libc::winsize { ws_row: size.rows, ws_col: size.cols, ws_xpixel: 0, ws_ypixel: 0 };
+    let ws = libc::winsize {
+        ws_row: size.rows,
+        ws_col: size.cols,
+        ws_xpixel: 0,
+        ws_ypixel: 0,
+    };
     if unsafe { libc::ioctl(fd, libc::TIOCSWINSZ, &ws) } < 0 {
         return Err(std::io::Error::last_os_error());
     }
@@ -250,7 +266,12 @@ impl Processes {
         let want_pty = spec.pty.clone();
         let mut pty_master: Option<OwnedFd> = None;
         if let Some(size) = &want_pty {
-            let ws = libc::winsize { ws_row: size.rows, ws_col: size.cols, ws_xpixel: 0, ws_ypixel: 0 };
+            let ws = libc::winsize {
+                ws_row: size.rows,
+                ws_col: size.cols,
+                ws_xpixel: 0,
+                ws_ypixel: 0,
+            };
             let pty = nix::pty::openpty(Some(&ws), None).map_err(|e| AgentError::internal(format!("openpty: {e}")))?;
             let slave = pty.slave;
             cmd.stdin(Stdio::from(slave.try_clone()?))
@@ -274,9 +295,7 @@ impl Processes {
                     return Err(std::io::Error::last_os_error());
                 }
                 // Groups, then gid, then uid: after setuid there is no privilege left to drop.
-                if libc::setgroups(groups.len(), groups.as_ptr()) < 0
-                    || libc::setgid(gid) < 0
-                    || libc::setuid(uid) < 0
+                if libc::setgroups(groups.len(), groups.as_ptr()) < 0 || libc::setgid(gid) < 0 || libc::setuid(uid) < 0
                 {
                     return Err(std::io::Error::last_os_error());
                 }
@@ -312,7 +331,9 @@ impl Processes {
             Some(Stdin::Pty(master.clone()))
         } else {
             match child.stdin.take() {
-                Some(s) => Some(Stdin::Pipe(tokio::net::unix::pipe::Sender::from_owned_fd(OwnedFd::from(s))?)),
+                Some(s) => Some(Stdin::Pipe(tokio::net::unix::pipe::Sender::from_owned_fd(
+                    OwnedFd::from(s),
+                )?)),
                 None => None,
             }
         };
@@ -356,7 +377,13 @@ impl Processes {
             }
         }
         let table = self.clone();
-        tokio::spawn(supervise(table, proc, exit_rx, spec.timeout_ms.map(Duration::from_millis), pumps));
+        tokio::spawn(supervise(
+            table,
+            proc,
+            exit_rx,
+            spec.timeout_ms.map(Duration::from_millis),
+            pumps,
+        ));
         Ok(info)
     }
 
@@ -364,7 +391,11 @@ impl Processes {
         let mut t = self.table.lock().unwrap();
         t.finished.push_back(id);
         let retained = |t: &Table| -> usize {
-            t.finished.iter().filter_map(|id| t.procs.get(id)).map(|p| p.log.lock().unwrap().bytes).sum()
+            t.finished
+                .iter()
+                .filter_map(|id| t.procs.get(id))
+                .map(|p| p.log.lock().unwrap().bytes)
+                .sum()
         };
         while t.finished.len() > FINISHED_KEPT || (t.finished.len() > 1 && retained(&t) > FINISHED_OUTPUT_BUDGET) {
             if let Some(old) = t.finished.pop_front() {
@@ -389,7 +420,11 @@ async fn pump_pipe(proc: Arc<Proc>, mut rx: tokio::net::unix::pipe::Receiver, is
             Ok(0) | Err(_) => return,
             Ok(n) => {
                 let data = Bytes::copy_from_slice(&buf[..n]);
-                proc.append(if is_stderr { EventKind::Stderr(data) } else { EventKind::Stdout(data) });
+                proc.append(if is_stderr {
+                    EventKind::Stderr(data)
+                } else {
+                    EventKind::Stdout(data)
+                });
             }
         }
     }
@@ -442,9 +477,21 @@ async fn supervise(
         // A descendant still holds the output open; what it writes later is not this process's.
     }
     let exit = match status {
-        Some(WaitStatus::Exited(_, code)) => ExitStatus { exit_code: Some(code), signal: None, timed_out },
-        Some(WaitStatus::Signaled(_, sig, _)) => ExitStatus { exit_code: None, signal: Some(sig as i32), timed_out },
-        _ => ExitStatus { exit_code: None, signal: None, timed_out },
+        Some(WaitStatus::Exited(_, code)) => ExitStatus {
+            exit_code: Some(code),
+            signal: None,
+            timed_out,
+        },
+        Some(WaitStatus::Signaled(_, sig, _)) => ExitStatus {
+            exit_code: None,
+            signal: Some(sig as i32),
+            timed_out,
+        },
+        _ => ExitStatus {
+            exit_code: None,
+            signal: None,
+            timed_out,
+        },
     };
     *proc.stdin.lock().await = None;
     {
@@ -462,4 +509,3 @@ async fn supervise(
     }
     table.forget_old(proc.id);
 }
-

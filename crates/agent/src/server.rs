@@ -33,7 +33,12 @@ impl Agent {
         let boot_id = std::fs::read_to_string("/proc/sys/kernel/random/boot_id")
             .map(|s| s.trim().to_string())
             .unwrap_or_else(|_| format!("{:x}", crate::process::now_ms()));
-        Self { processes: Processes::default(), cpu: CpuSampler::default(), boot_id, started: Instant::now() }
+        Self {
+            processes: Processes::default(),
+            cpu: CpuSampler::default(),
+            boot_id,
+            started: Instant::now(),
+        }
     }
 }
 
@@ -46,7 +51,11 @@ fn full(status: StatusCode, body: Bytes, content_type: &str) -> Response<Body> {
 }
 
 fn json<T: serde::Serialize>(status: StatusCode, value: &T) -> Response<Body> {
-    full(status, Bytes::from(serde_json::to_vec(value).expect("serializable")), "application/json")
+    full(
+        status,
+        Bytes::from(serde_json::to_vec(value).expect("serializable")),
+        "application/json",
+    )
 }
 
 fn error(e: AgentError) -> Response<Body> {
@@ -62,11 +71,18 @@ fn query(req: &Request<Incoming>) -> HashMap<String, String> {
 }
 
 fn required<'a>(q: &'a HashMap<String, String>, key: &str) -> Result<&'a str, AgentError> {
-    q.get(key).map(String::as_str).ok_or_else(|| AgentError::invalid(format!("query parameter {key:?} is required")))
+    q.get(key)
+        .map(String::as_str)
+        .ok_or_else(|| AgentError::invalid(format!("query parameter {key:?} is required")))
 }
 
 async fn read_json<T: DeserializeOwned>(req: Request<Incoming>) -> Result<T, AgentError> {
-    let body = req.into_body().collect().await.map_err(|e| AgentError::invalid(format!("body: {e}")))?.to_bytes();
+    let body = req
+        .into_body()
+        .collect()
+        .await
+        .map_err(|e| AgentError::invalid(format!("body: {e}")))?
+        .to_bytes();
     serde_json::from_slice(&body).map_err(|e| AgentError::invalid(format!("bad JSON body: {e}")))
 }
 
@@ -108,7 +124,9 @@ async fn route(agent: Arc<Agent>, req: Request<Incoming>) -> Result<Response<Bod
         }
         (&Method::GET, ["processes"]) => Ok(json(StatusCode::OK, &agent.processes.list())),
         (_, ["processes", id, rest @ ..]) => {
-            let id: u64 = id.parse().map_err(|_| AgentError::invalid(format!("bad process id {id:?}")))?;
+            let id: u64 = id
+                .parse()
+                .map_err(|_| AgentError::invalid(format!("bad process id {id:?}")))?;
             let proc = agent.processes.get(id)?;
             match (&method, rest) {
                 (&Method::GET, []) => Ok(json(StatusCode::OK, &proc.info())),
@@ -171,7 +189,13 @@ async fn route(agent: Arc<Agent>, req: Request<Incoming>) -> Result<Response<Bod
             let p = files::clean_path(&r.path)?;
             let owner = user_or_err(r.user.as_deref())?;
             let created = files::mkdir_all(&p, owner.as_ref())?;
-            Ok(json(StatusCode::OK, &MkdirResponse { created, stat: files::stat(&p)? }))
+            Ok(json(
+                StatusCode::OK,
+                &MkdirResponse {
+                    created,
+                    stat: files::stat(&p)?,
+                },
+            ))
         }
         (&Method::POST, ["files", "rename"]) => {
             let r: RenameRequest = read_json(req).await?;
@@ -192,7 +216,9 @@ async fn route(agent: Arc<Agent>, req: Request<Incoming>) -> Result<Response<Bod
 fn user_or_err(name: Option<&str>) -> Result<Option<users::User>, AgentError> {
     match name {
         None => Ok(None),
-        Some(n) => users::lookup(n).map(Some).ok_or_else(|| AgentError::invalid(format!("no user named {n:?}"))),
+        Some(n) => users::lookup(n)
+            .map(Some)
+            .ok_or_else(|| AgentError::invalid(format!("no user named {n:?}"))),
     }
 }
 
@@ -216,10 +242,15 @@ fn event_stream(proc: Arc<crate::process::Proc>, after: u64) -> Response<Body> {
 
 async fn read_file(path: &std::path::Path) -> Result<Response<Body>, AgentError> {
     let shown = path.to_string_lossy().to_string();
-    let file = tokio::fs::File::open(path).await.map_err(|e| AgentError::io(&shown, e))?;
+    let file = tokio::fs::File::open(path)
+        .await
+        .map_err(|e| AgentError::io(&shown, e))?;
     let meta = file.metadata().await.map_err(|e| AgentError::io(&shown, e))?;
     if meta.is_dir() {
-        return Err(AgentError::new(airlock_proto::ErrorCode::IsADirectory, format!("{shown} is a directory")));
+        return Err(AgentError::new(
+            airlock_proto::ErrorCode::IsADirectory,
+            format!("{shown} is a directory"),
+        ));
     }
     let stream = tokio_util::io::ReaderStream::with_capacity(file, 256 << 10).map(|r| r.map(Frame::data));
     Ok(Response::builder()
@@ -239,9 +270,14 @@ async fn write_file(req: Request<Incoming>) -> Result<Response<Body>, AgentError
         files::mkdir_all(parent, owner.as_ref())?;
     }
     if path.is_dir() {
-        return Err(AgentError::new(airlock_proto::ErrorCode::IsADirectory, format!("{shown} is a directory")));
+        return Err(AgentError::new(
+            airlock_proto::ErrorCode::IsADirectory,
+            format!("{shown} is a directory"),
+        ));
     }
-    let mut file = tokio::fs::File::create(&path).await.map_err(|e| AgentError::io(&shown, e))?;
+    let mut file = tokio::fs::File::create(&path)
+        .await
+        .map_err(|e| AgentError::io(&shown, e))?;
     let mut body = req.into_body();
     while let Some(frame) = body.frame().await {
         let frame = frame.map_err(|e| AgentError::invalid(format!("upload interrupted: {e}")))?;
@@ -267,7 +303,10 @@ fn watch(path: &std::path::Path, recursive: bool) -> Result<Response<Body>, Agen
     let shown = path.to_string_lossy().to_string();
     if !path.is_dir() {
         return Err(if path.exists() {
-            AgentError::new(airlock_proto::ErrorCode::NotADirectory, format!("{shown} is not a directory"))
+            AgentError::new(
+                airlock_proto::ErrorCode::NotADirectory,
+                format!("{shown} is not a directory"),
+            )
         } else {
             AgentError::not_found(format!("{shown}: no such directory"))
         });
@@ -281,8 +320,14 @@ fn watch(path: &std::path::Path, recursive: bool) -> Result<Response<Body>, Agen
         }
     })
     .map_err(|e| AgentError::internal(format!("watch: {e}")))?;
-    let mode = if recursive { notify::RecursiveMode::Recursive } else { notify::RecursiveMode::NonRecursive };
-    watcher.watch(path, mode).map_err(|e| AgentError::internal(format!("watch {shown}: {e}")))?;
+    let mode = if recursive {
+        notify::RecursiveMode::Recursive
+    } else {
+        notify::RecursiveMode::NonRecursive
+    };
+    watcher
+        .watch(path, mode)
+        .map_err(|e| AgentError::internal(format!("watch {shown}: {e}")))?;
     // The watcher lives in the stream's state: it stops when the host drops the response.
     let stream = futures_util::stream::unfold((rx, watcher), |(mut rx, watcher)| async move {
         let ev = rx.recv().await?;

@@ -89,7 +89,11 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let p = dir.path().join("passwd");
         let g = dir.path().join("group");
-        std::fs::write(&p, "root:x:0:0:root:/root:/bin/bash\nuser:x:1000:1000::/home/user:/bin/bash\n").unwrap();
+        std::fs::write(
+            &p,
+            "root:x:0:0:root:/root:/bin/bash\nuser:x:1000:1000::/home/user:/bin/bash\n",
+        )
+        .unwrap();
         std::fs::write(&g, "root:x:0:\nsudo:x:27:user\nuser:x:1000:\naudio:x:29:bob,user\n").unwrap();
         let u = lookup_in("user", &p, &g).unwrap();
         assert_eq!((u.uid, u.gid, u.home.as_str()), (1000, 1000, "/home/user"));

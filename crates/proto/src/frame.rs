@@ -96,9 +96,9 @@ impl Decoder {
         let kind = match tag {
             TAG_STDOUT => EventKind::Stdout(payload),
             TAG_STDERR => EventKind::Stderr(payload),
-            TAG_EXIT => EventKind::Exit(
-                serde_json::from_slice(&payload).map_err(|e| FrameError::BadExit(e.to_string()))?,
-            ),
+            TAG_EXIT => {
+                EventKind::Exit(serde_json::from_slice(&payload).map_err(|e| FrameError::BadExit(e.to_string()))?)
+            }
             other => return Err(FrameError::UnknownTag(other)),
         };
         Ok(Some(Event { seq, kind }))
@@ -135,12 +135,25 @@ mod tests {
     #[test]
     fn frames_roundtrip_across_arbitrary_splits() {
         let events = vec![
-            Event { seq: 1, kind: EventKind::Stdout(Bytes::from_static(b"hello\n")) },
-            Event { seq: 2, kind: EventKind::Stderr(Bytes::from_static(b"\x00\xffbinary")) },
-            Event { seq: 3, kind: EventKind::Stdout(Bytes::new()) },
+            Event {
+                seq: 1,
+                kind: EventKind::Stdout(Bytes::from_static(b"hello\n")),
+            },
+            Event {
+                seq: 2,
+                kind: EventKind::Stderr(Bytes::from_static(b"\x00\xffbinary")),
+            },
+            Event {
+                seq: 3,
+                kind: EventKind::Stdout(Bytes::new()),
+            },
             Event {
                 seq: 4,
-                kind: EventKind::Exit(ExitStatus { exit_code: None, signal: Some(9), timed_out: true }),
+                kind: EventKind::Exit(ExitStatus {
+                    exit_code: None,
+                    signal: Some(9),
+                    timed_out: true,
+                }),
             },
         ];
         assert_eq!(roundtrip(&events), events);

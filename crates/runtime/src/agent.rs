@@ -24,7 +24,11 @@ pub enum AgentError {
     Transport(String),
     /// The agent answered with an error.
     #[error("{message}")]
-    Api { status: u16, code: ErrorCode, message: String },
+    Api {
+        status: u16,
+        code: ErrorCode,
+        message: String,
+    },
     #[error("bad response from agent: {0}")]
     Protocol(String),
 }
@@ -50,7 +54,10 @@ async fn start_session(stream: &mut UnixStream) -> Result<(), AgentError> {
     let io_err = |e: std::io::Error| AgentError::Transport(format!("session start: {e}"));
     loop {
         let nonce = crate::datadir::random_hex(8);
-        stream.write_all(format!("{}{nonce}\n", airlock_proto::SESSION_HELLO).as_bytes()).await.map_err(io_err)?;
+        stream
+            .write_all(format!("{}{nonce}\n", airlock_proto::SESSION_HELLO).as_bytes())
+            .await
+            .map_err(io_err)?;
         let want = format!("{}{nonce}", airlock_proto::SESSION_READY);
         let wait_ready = async {
             let mut line = Vec::with_capacity(64);
@@ -147,17 +154,33 @@ impl AgentClient {
     }
 
     async fn call(&self, method: Method, uri: &str, body: ReqBody) -> Result<hyper::Response<Incoming>, AgentError> {
-        let req = Request::builder().method(method).uri(format!("http://agent{uri}")).body(body).expect("valid request");
+        let req = Request::builder()
+            .method(method)
+            .uri(format!("http://agent{uri}"))
+            .body(body)
+            .expect("valid request");
         let mut send = self.send.clone();
         send.ready().await.map_err(|e| AgentError::Transport(e.to_string()))?;
-        let resp = send.send_request(req).await.map_err(|e| AgentError::Transport(e.to_string()))?;
+        let resp = send
+            .send_request(req)
+            .await
+            .map_err(|e| AgentError::Transport(e.to_string()))?;
         if resp.status().is_success() {
             return Ok(resp);
         }
         let status = resp.status();
-        let body = resp.into_body().collect().await.map_err(|e| AgentError::Transport(e.to_string()))?.to_bytes();
+        let body = resp
+            .into_body()
+            .collect()
+            .await
+            .map_err(|e| AgentError::Transport(e.to_string()))?
+            .to_bytes();
         Err(match serde_json::from_slice::<ErrorBody>(&body) {
-            Ok(e) => AgentError::Api { status: status.as_u16(), code: e.code, message: e.message },
+            Ok(e) => AgentError::Api {
+                status: status.as_u16(),
+                code: e.code,
+                message: e.message,
+            },
             Err(_) => AgentError::Protocol(format!("{status}: {}", String::from_utf8_lossy(&body))),
         })
     }
@@ -169,7 +192,12 @@ impl AgentClient {
         body: ReqBody,
     ) -> Result<T, AgentError> {
         let resp = self.call(method, uri, body).await?;
-        let bytes = resp.into_body().collect().await.map_err(|e| AgentError::Transport(e.to_string()))?.to_bytes();
+        let bytes = resp
+            .into_body()
+            .collect()
+            .await
+            .map_err(|e| AgentError::Transport(e.to_string()))?
+            .to_bytes();
         serde_json::from_slice(&bytes).map_err(|e| AgentError::Protocol(format!("{uri}: {e}")))
     }
 
@@ -213,7 +241,9 @@ impl AgentClient {
         id: u64,
         after: u64,
     ) -> Result<impl Stream<Item = Result<Event, AgentError>> + Send + 'static, AgentError> {
-        let resp = self.call(Method::GET, &format!("/processes/{id}/events?after={after}"), empty()).await?;
+        let resp = self
+            .call(Method::GET, &format!("/processes/{id}/events?after={after}"), empty())
+            .await?;
         let body = resp.into_body();
         Ok(futures_util::stream::unfold(
             (body, Decoder::default(), false),
@@ -246,20 +276,28 @@ impl AgentClient {
     }
 
     pub async fn write_stdin(&self, id: u64, data: impl Into<Bytes>) -> Result<(), AgentError> {
-        self.call(Method::POST, &format!("/processes/{id}/stdin"), bytes_body(data)).await.map(drop)
+        self.call(Method::POST, &format!("/processes/{id}/stdin"), bytes_body(data))
+            .await
+            .map(drop)
     }
 
     pub async fn close_stdin(&self, id: u64) -> Result<(), AgentError> {
-        self.call(Method::POST, &format!("/processes/{id}/stdin/close"), empty()).await.map(drop)
+        self.call(Method::POST, &format!("/processes/{id}/stdin/close"), empty())
+            .await
+            .map(drop)
     }
 
     pub async fn signal(&self, id: u64, signal: i32) -> Result<(), AgentError> {
         let body = Self::json_body(&SignalRequest { signal });
-        self.call(Method::POST, &format!("/processes/{id}/signal"), body).await.map(drop)
+        self.call(Method::POST, &format!("/processes/{id}/signal"), body)
+            .await
+            .map(drop)
     }
 
     pub async fn resize(&self, id: u64, size: PtySize) -> Result<(), AgentError> {
-        self.call(Method::POST, &format!("/processes/{id}/resize"), Self::json_body(&size)).await.map(drop)
+        self.call(Method::POST, &format!("/processes/{id}/resize"), Self::json_body(&size))
+            .await
+            .map(drop)
     }
 
     /// File content as a stream of chunks.
@@ -267,14 +305,25 @@ impl AgentClient {
         &self,
         path: &str,
     ) -> Result<impl Stream<Item = Result<Bytes, AgentError>> + Send + 'static, AgentError> {
-        let resp = self.call(Method::GET, &format!("/files?path={}", q(path)), empty()).await?;
+        let resp = self
+            .call(Method::GET, &format!("/files?path={}", q(path)), empty())
+            .await?;
         let body = resp.into_body();
-        Ok(body.into_data_stream().map(|r| r.map_err(|e| AgentError::Transport(e.to_string()))))
+        Ok(body
+            .into_data_stream()
+            .map(|r| r.map_err(|e| AgentError::Transport(e.to_string()))))
     }
 
     pub async fn read_file(&self, path: &str) -> Result<Bytes, AgentError> {
-        let resp = self.call(Method::GET, &format!("/files?path={}", q(path)), empty()).await?;
-        Ok(resp.into_body().collect().await.map_err(|e| AgentError::Transport(e.to_string()))?.to_bytes())
+        let resp = self
+            .call(Method::GET, &format!("/files?path={}", q(path)), empty())
+            .await?;
+        Ok(resp
+            .into_body()
+            .collect()
+            .await
+            .map_err(|e| AgentError::Transport(e.to_string()))?
+            .to_bytes())
     }
 
     /// Write a file from a stream of chunks, creating parent directories.
@@ -290,33 +339,55 @@ impl AgentClient {
         self.call_json(Method::PUT, &uri, body).await
     }
 
-    pub async fn write_file(&self, path: &str, user: Option<&str>, data: impl Into<Bytes>) -> Result<FileStat, AgentError> {
+    pub async fn write_file(
+        &self,
+        path: &str,
+        user: Option<&str>,
+        data: impl Into<Bytes>,
+    ) -> Result<FileStat, AgentError> {
         let data: Bytes = data.into();
         // Chunked so a large file does not sit in one HTTP/2 DATA frame buffer.
-        let chunks: Vec<Result<Bytes, std::io::Error>> =
-            (0..data.len()).step_by(256 << 10).map(|i| Ok(data.slice(i..(i + (256 << 10)).min(data.len())))).collect();
-        self.write_file_stream(path, user, futures_util::stream::iter(chunks)).await
+        let chunks: Vec<Result<Bytes, std::io::Error>> = (0..data.len())
+            .step_by(256 << 10)
+            .map(|i| Ok(data.slice(i..(i + (256 << 10)).min(data.len()))))
+            .collect();
+        self.write_file_stream(path, user, futures_util::stream::iter(chunks))
+            .await
     }
 
     pub async fn stat(&self, path: &str) -> Result<FileStat, AgentError> {
-        self.call_json(Method::GET, &format!("/files/stat?path={}", q(path)), empty()).await
+        self.call_json(Method::GET, &format!("/files/stat?path={}", q(path)), empty())
+            .await
     }
 
     pub async fn list(&self, path: &str, depth: u32) -> Result<Vec<FileStat>, AgentError> {
-        self.call_json(Method::GET, &format!("/files/list?path={}&depth={depth}", q(path)), empty()).await
+        self.call_json(
+            Method::GET,
+            &format!("/files/list?path={}&depth={depth}", q(path)),
+            empty(),
+        )
+        .await
     }
 
     pub async fn mkdir(&self, path: &str, user: Option<&str>) -> Result<MkdirResponse, AgentError> {
-        let body = Self::json_body(&MkdirRequest { path: path.into(), user: user.map(Into::into) });
+        let body = Self::json_body(&MkdirRequest {
+            path: path.into(),
+            user: user.map(Into::into),
+        });
         self.call_json(Method::POST, "/files/mkdir", body).await
     }
 
     pub async fn remove(&self, path: &str) -> Result<(), AgentError> {
-        self.call(Method::DELETE, &format!("/files?path={}", q(path)), empty()).await.map(drop)
+        self.call(Method::DELETE, &format!("/files?path={}", q(path)), empty())
+            .await
+            .map(drop)
     }
 
     pub async fn rename(&self, from: &str, to: &str) -> Result<FileStat, AgentError> {
-        let body = Self::json_body(&RenameRequest { from: from.into(), to: to.into() });
+        let body = Self::json_body(&RenameRequest {
+            from: from.into(),
+            to: to.into(),
+        });
         self.call_json(Method::POST, "/files/rename", body).await
     }
 
@@ -326,25 +397,34 @@ impl AgentClient {
         path: &str,
         recursive: bool,
     ) -> Result<impl Stream<Item = Result<WatchEvent, AgentError>> + Send + 'static, AgentError> {
-        let resp = self.call(Method::GET, &format!("/files/watch?path={}&recursive={recursive}", q(path)), empty()).await?;
+        let resp = self
+            .call(
+                Method::GET,
+                &format!("/files/watch?path={}&recursive={recursive}", q(path)),
+                empty(),
+            )
+            .await?;
         let body = resp.into_body();
-        Ok(futures_util::stream::unfold((body, Vec::<u8>::new()), |(mut body, mut buf)| async move {
-            loop {
-                if let Some(nl) = buf.iter().position(|b| *b == b'\n') {
-                    let line: Vec<u8> = buf.drain(..=nl).collect();
-                    let ev = serde_json::from_slice(&line[..nl]).map_err(|e| AgentError::Protocol(e.to_string()));
-                    return Some((ev, (body, buf)));
-                }
-                match body.frame().await? {
-                    Err(e) => return Some((Err(AgentError::Transport(e.to_string())), (body, buf))),
-                    Ok(frame) => {
-                        if let Ok(data) = frame.into_data() {
-                            buf.extend_from_slice(&data);
+        Ok(futures_util::stream::unfold(
+            (body, Vec::<u8>::new()),
+            |(mut body, mut buf)| async move {
+                loop {
+                    if let Some(nl) = buf.iter().position(|b| *b == b'\n') {
+                        let line: Vec<u8> = buf.drain(..=nl).collect();
+                        let ev = serde_json::from_slice(&line[..nl]).map_err(|e| AgentError::Protocol(e.to_string()));
+                        return Some((ev, (body, buf)));
+                    }
+                    match body.frame().await? {
+                        Err(e) => return Some((Err(AgentError::Transport(e.to_string())), (body, buf))),
+                        Ok(frame) => {
+                            if let Ok(data) = frame.into_data() {
+                                buf.extend_from_slice(&data);
+                            }
                         }
                     }
                 }
-            }
-        }))
+            },
+        ))
     }
 }
 

@@ -25,7 +25,9 @@ impl DataDir {
         let root = if root.is_absolute() {
             root
         } else {
-            std::env::current_dir().map_err(|e| RuntimeError::io(&root, e))?.join(root)
+            std::env::current_dir()
+                .map_err(|e| RuntimeError::io(&root, e))?
+                .join(root)
         };
         let not_writable = |e: std::io::Error| RuntimeError::DataDirNotWritable {
             path: root.display().to_string(),
@@ -84,7 +86,12 @@ pub struct FileLock {
 
 impl FileLock {
     fn open(path: &Path) -> Result<std::fs::File> {
-        std::fs::OpenOptions::new().create(true).truncate(false).write(true).open(path).map_err(|e| RuntimeError::io(path, e))
+        std::fs::OpenOptions::new()
+            .create(true)
+            .truncate(false)
+            .write(true)
+            .open(path)
+            .map_err(|e| RuntimeError::io(path, e))
     }
 
     /// Wait for the lock.

@@ -11,7 +11,9 @@ pub enum RuntimeError {
     InvalidResources(String),
     #[error("QEMU is not installed ({0} not found); run scripts/install-host-deps as root")]
     QemuMissing(String),
-    #[error("data dir {path} is not writable: {reason}; pass --data-dir (or AIRLOCK_DATA_DIR) with a writable directory")]
+    #[error(
+        "data dir {path} is not writable: {reason}; pass --data-dir (or AIRLOCK_DATA_DIR) with a writable directory"
+    )]
     DataDirNotWritable { path: String, reason: String },
     #[error("data dir {0} is in use by another airlock process; stop it or pass another --data-dir")]
     DataDirInUse(String),
@@ -31,7 +33,10 @@ pub enum RuntimeError {
 
 impl RuntimeError {
     pub fn io(path: impl AsRef<std::path::Path>, source: std::io::Error) -> Self {
-        Self::Io { path: path.as_ref().display().to_string(), source }
+        Self::Io {
+            path: path.as_ref().display().to_string(),
+            source,
+        }
     }
 }
 

@@ -33,10 +33,16 @@ impl QemuVmm {
             Some(PathBuf::from(&name)).filter(|p| p.is_file())
         } else {
             std::env::var_os("PATH")
-                .map(|paths| std::env::split_paths(&paths).map(|d| d.join(&name)).find(|p| p.is_file()))
+                .map(|paths| {
+                    std::env::split_paths(&paths)
+                        .map(|d| d.join(&name))
+                        .find(|p| p.is_file())
+                })
                 .unwrap_or_default()
         };
-        binary.map(|binary| Self { binary }).ok_or(RuntimeError::QemuMissing(name))
+        binary
+            .map(|binary| Self { binary })
+            .ok_or(RuntimeError::QemuMissing(name))
     }
 
     pub fn binary(&self) -> &Path {
@@ -109,7 +115,14 @@ pub fn kernel_cmdline(hostname: &str) -> String {
 
 fn host_tsc_khz() -> Option<u64> {
     let info = std::fs::read_to_string("/proc/cpuinfo").ok()?;
-    let mhz: f64 = info.lines().find(|l| l.starts_with("cpu MHz"))?.split(':').nth(1)?.trim().parse().ok()?;
+    let mhz: f64 = info
+        .lines()
+        .find(|l| l.starts_with("cpu MHz"))?
+        .split(':')
+        .nth(1)?
+        .trim()
+        .parse()
+        .ok()?;
     Some((mhz * 1000.0) as u64)
 }
 
@@ -142,14 +155,20 @@ impl Vmm for QemuVmm {
             .await
             .map_err(|e| RuntimeError::QemuMissing(format!("qemu-img ({e})")))?;
         if !out.status.success() {
-            return Err(RuntimeError::Vmm(format!("qemu-img create: {}", String::from_utf8_lossy(&out.stderr).trim())));
+            return Err(RuntimeError::Vmm(format!(
+                "qemu-img create: {}",
+                String::from_utf8_lossy(&out.stderr).trim()
+            )));
         }
 
         let args = Self::args(spec, &overlay, &agent_socket, &qmp_socket, &console);
         let log = std::fs::File::create(dir.join("qemu.log")).map_err(|e| RuntimeError::io(dir, e))?;
         let log_err = log.try_clone().map_err(|e| RuntimeError::io(dir, e))?;
         let mut cmd = std::process::Command::new(&self.binary);
-        cmd.args(&args).stdin(std::process::Stdio::null()).stdout(log).stderr(log_err);
+        cmd.args(&args)
+            .stdin(std::process::Stdio::null())
+            .stdout(log)
+            .stderr(log_err);
         // Own session: the VM outlives this process (a restarted server re-attaches to it).
         // Not `-daemonize`: its intermediate processes would be left as zombies, and a direct
         // child can be reaped by pid when it exits.
@@ -161,7 +180,9 @@ impl Vmm for QemuVmm {
                 Ok(())
             });
         }
-        let child = cmd.spawn().map_err(|e| RuntimeError::QemuMissing(format!("{} ({e})", self.binary.display())))?;
+        let child = cmd
+            .spawn()
+            .map_err(|e| RuntimeError::QemuMissing(format!("{} ({e})", self.binary.display())))?;
         let pid = child.id();
         drop(child); // std does not wait on drop; `wait_exit` reaps it
         let handle = VmHandle {
@@ -173,7 +194,10 @@ impl Vmm for QemuVmm {
             control_socket: qmp_socket,
             console_log: console,
         };
-        crate::datadir::write_atomic(&VmHandle::record_path(dir), &serde_json::to_vec_pretty(&handle).expect("serializable"))?;
+        crate::datadir::write_atomic(
+            &VmHandle::record_path(dir),
+            &serde_json::to_vec_pretty(&handle).expect("serializable"),
+        )?;
         Ok(handle)
     }
 
@@ -192,7 +216,10 @@ impl Vmm for QemuVmm {
             return Ok(());
         }
         tracing::warn!(pid = vm.pid, "QEMU did not quit within {grace:?}; killing it");
-        let _ = nix::sys::signal::kill(nix::unistd::Pid::from_raw(vm.pid as i32), nix::sys::signal::Signal::SIGKILL);
+        let _ = nix::sys::signal::kill(
+            nix::unistd::Pid::from_raw(vm.pid as i32),
+            nix::sys::signal::Signal::SIGKILL,
+        );
         if wait_exit(vm.pid, Duration::from_secs(5)).await {
             Ok(())
         } else {

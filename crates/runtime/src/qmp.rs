@@ -13,7 +13,10 @@ pub struct Qmp {
 impl Qmp {
     pub async fn connect(path: &Path) -> std::io::Result<Self> {
         let (r, w) = UnixStream::connect(path).await?.into_split();
-        let mut qmp = Self { reader: BufReader::new(r), writer: w };
+        let mut qmp = Self {
+            reader: BufReader::new(r),
+            writer: w,
+        };
         qmp.read_message().await?; // greeting
         qmp.execute("qmp_capabilities", None).await?;
         Ok(qmp)

@@ -29,19 +29,28 @@ pub struct Resources {
 
 impl Default for Resources {
     fn default() -> Self {
-        Self { vcpu: 1, memory_mib: 512, disk_mib: 2048 }
+        Self {
+            vcpu: 1,
+            memory_mib: 512,
+            disk_mib: 2048,
+        }
     }
 }
 
 impl Resources {
     /// Check against the host and the template; the message names the field and the bound.
     pub fn validate(&self, template: &Template) -> Result<()> {
-        let host_cpus = std::thread::available_parallelism().map(|n| n.get() as u32).unwrap_or(1);
+        let host_cpus = std::thread::available_parallelism()
+            .map(|n| n.get() as u32)
+            .unwrap_or(1);
         let host_mem_mib = host_memory_mib();
         let min_disk = template.manifest.rootfs_bytes.div_ceil(1 << 20) as u32;
         let bad = |m: String| Err(RuntimeError::InvalidResources(m));
         if self.vcpu == 0 || self.vcpu > host_cpus {
-            return bad(format!("vcpu must be between 1 and {host_cpus} (this host's CPUs), got {}", self.vcpu));
+            return bad(format!(
+                "vcpu must be between 1 and {host_cpus} (this host's CPUs), got {}",
+                self.vcpu
+            ));
         }
         if self.memory_mib < MIN_MEMORY_MIB {
             return bad(format!(
@@ -50,7 +59,10 @@ impl Resources {
             ));
         }
         if self.memory_mib > host_mem_mib {
-            return bad(format!("memory_mib must be at most {host_mem_mib} (this host's memory), got {}", self.memory_mib));
+            return bad(format!(
+                "memory_mib must be at most {host_mem_mib} (this host's memory), got {}",
+                self.memory_mib
+            ));
         }
         if self.disk_mib < min_disk {
             return bad(format!(
@@ -59,7 +71,10 @@ impl Resources {
             ));
         }
         if self.disk_mib > MAX_DISK_MIB {
-            return bad(format!("disk_mib must be at most {MAX_DISK_MIB}, got {}", self.disk_mib));
+            return bad(format!(
+                "disk_mib must be at most {MAX_DISK_MIB}, got {}",
+                self.disk_mib
+            ));
         }
         Ok(())
     }
@@ -130,7 +145,9 @@ impl Sandbox {
                 EventKind::Exit(exit) => return Ok(Output { stdout, stderr, exit }),
             }
         }
-        Err(RuntimeError::Agent(crate::agent::AgentError::Protocol("event stream ended before the exit".into())))
+        Err(RuntimeError::Agent(crate::agent::AgentError::Protocol(
+            "event stream ended before the exit".into(),
+        )))
     }
 }
 
@@ -146,7 +163,12 @@ pub struct RuntimeOptions {
 
 impl RuntimeOptions {
     pub fn new(data_dir: impl Into<PathBuf>) -> Self {
-        Self { data_dir: data_dir.into(), accel: None, boot_timeout: Duration::from_secs(90), qemu: None }
+        Self {
+            data_dir: data_dir.into(),
+            accel: None,
+            boot_timeout: Duration::from_secs(90),
+            qemu: None,
+        }
     }
 }
 
@@ -186,9 +208,8 @@ impl Runtime {
         let data = DataDir::open(&opts.data_dir)?;
         let vmm: Arc<dyn Vmm> = Arc::new(QemuVmm::locate(opts.qemu.as_deref())?);
         // One runtime per data dir: a second one would adopt (and fight over) the same VMs.
-        let lock = FileLock::try_acquire(&data.root().join("runtime.lock"))?.ok_or_else(|| {
-            RuntimeError::DataDirInUse(data.root().display().to_string())
-        })?;
+        let lock = FileLock::try_acquire(&data.root().join("runtime.lock"))?
+            .ok_or_else(|| RuntimeError::DataDirInUse(data.root().display().to_string()))?;
         let forced_accel = opts.accel.or_else(|| match std::env::var("AIRLOCK_ACCEL").as_deref() {
             Ok("kvm") => Some(Accel::Kvm),
             Ok("tcg") => Some(Accel::Tcg),
@@ -224,11 +245,16 @@ impl Runtime {
 
     /// Sandbox dirs left from an earlier process: re-attach live VMs, remove the rest.
     async fn reconcile(&self) {
-        let entries: Vec<_> = std::fs::read_dir(self.inner.data.sandboxes()).into_iter().flatten().flatten().collect();
+        let entries: Vec<_> = std::fs::read_dir(self.inner.data.sandboxes())
+            .into_iter()
+            .flatten()
+            .flatten()
+            .collect();
         for entry in entries {
             let dir = entry.path();
-            let record: Option<SandboxRecord> =
-                std::fs::read(dir.join("sandbox.json")).ok().and_then(|b| serde_json::from_slice(&b).ok());
+            let record: Option<SandboxRecord> = std::fs::read(dir.join("sandbox.json"))
+                .ok()
+                .and_then(|b| serde_json::from_slice(&b).ok());
             let vm = VmHandle::load(&dir);
             match (record, vm) {
                 (Some(record), Some(vm)) if self.inner.vmm.is_running(&vm) => {
@@ -262,7 +288,11 @@ impl Runtime {
             agent: tokio::sync::Mutex::new(client),
             deleting: AtomicBool::new(false),
         });
-        self.inner.sandboxes.lock().unwrap().insert(sb.id().to_string(), sb.clone());
+        self.inner
+            .sandboxes
+            .lock()
+            .unwrap()
+            .insert(sb.id().to_string(), sb.clone());
         self.watch_vmm(sb.clone());
         sb
     }
@@ -290,7 +320,11 @@ impl Runtime {
     }
 
     async fn detect_accel(&self) -> Accel {
-        let kvm_usable = std::fs::OpenOptions::new().read(true).write(true).open("/dev/kvm").is_ok();
+        let kvm_usable = std::fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .open("/dev/kvm")
+            .is_ok();
         if !kvm_usable {
             tracing::info!("accel: tcg (no usable /dev/kvm)");
             return Accel::Tcg;
@@ -301,7 +335,9 @@ impl Runtime {
         };
         let key = format!(
             "{}|{}|{}",
-            std::fs::read_to_string("/proc/sys/kernel/osrelease").unwrap_or_default().trim(),
+            std::fs::read_to_string("/proc/sys/kernel/osrelease")
+                .unwrap_or_default()
+                .trim(),
             template.manifest.kernel_version,
             self.inner.vmm.name()
         );
@@ -316,7 +352,20 @@ impl Runtime {
             return cached;
         }
         let started = Instant::now();
-        let verdict = match self.boot(random_hex(10), &template, Resources { vcpu: 1, memory_mib: 256, disk_mib: 0 }, Accel::Kvm, Duration::from_secs(10)).await {
+        let verdict = match self
+            .boot(
+                random_hex(10),
+                &template,
+                Resources {
+                    vcpu: 1,
+                    memory_mib: 256,
+                    disk_mib: 0,
+                },
+                Accel::Kvm,
+                Duration::from_secs(10),
+            )
+            .await
+        {
             Ok(sb) => {
                 let _ = self.delete(sb.id()).await;
                 Accel::Kvm
@@ -327,7 +376,12 @@ impl Runtime {
             }
         };
         tracing::info!("accel: {verdict} (probed in {:.1}s)", started.elapsed().as_secs_f64());
-        let _ = write_atomic(&cache, serde_json::json!({ "key": key, "accel": verdict }).to_string().as_bytes());
+        let _ = write_atomic(
+            &cache,
+            serde_json::json!({ "key": key, "accel": verdict })
+                .to_string()
+                .as_bytes(),
+        );
         verdict
     }
 
@@ -340,14 +394,25 @@ impl Runtime {
             None => random_hex(10),
         };
         let accel = self.accel().await;
-        self.boot(id, &template, req.resources, accel, self.inner.boot_timeout).await
+        self.boot(id, &template, req.resources, accel, self.inner.boot_timeout)
+            .await
     }
 
-    async fn boot(&self, id: String, template: &Template, resources: Resources, accel: Accel, limit: Duration) -> Result<Arc<Sandbox>> {
+    async fn boot(
+        &self,
+        id: String,
+        template: &Template,
+        resources: Resources,
+        accel: Accel,
+        limit: Duration,
+    ) -> Result<Arc<Sandbox>> {
         let dir = self.inner.data.sandboxes().join(&id);
         std::fs::create_dir_all(&dir).map_err(|e| RuntimeError::io(&dir, e))?;
         let min_disk = template.manifest.rootfs_bytes.div_ceil(1 << 20) as u32;
-        let resources = Resources { disk_mib: resources.disk_mib.max(min_disk), ..resources };
+        let resources = Resources {
+            disk_mib: resources.disk_mib.max(min_disk),
+            ..resources
+        };
         let record = SandboxRecord {
             id: id.clone(),
             template: template.manifest.name.clone(),
@@ -358,7 +423,10 @@ impl Runtime {
             created_at: humantime::format_rfc3339_millis(SystemTime::now()).to_string(),
         };
         let result = async {
-            write_atomic(&dir.join("sandbox.json"), &serde_json::to_vec_pretty(&record).expect("serializable"))?;
+            write_atomic(
+                &dir.join("sandbox.json"),
+                &serde_json::to_vec_pretty(&record).expect("serializable"),
+            )?;
             let spec = VmSpec {
                 id: id.clone(),
                 dir: dir.clone(),
@@ -395,7 +463,13 @@ impl Runtime {
     }
 
     pub fn get(&self, id: &str) -> Result<Arc<Sandbox>> {
-        self.inner.sandboxes.lock().unwrap().get(id).cloned().ok_or_else(|| RuntimeError::UnknownSandbox(id.into()))
+        self.inner
+            .sandboxes
+            .lock()
+            .unwrap()
+            .get(id)
+            .cloned()
+            .ok_or_else(|| RuntimeError::UnknownSandbox(id.into()))
     }
 
     pub fn list(&self) -> Vec<Arc<Sandbox>> {

@@ -20,8 +20,14 @@ pub const SEED: &str = "seed";
 const BUILDER_VERSION: u32 = 1;
 const KERNEL_META_PACKAGE: &str = "linux-image-cloud-amd64";
 /// Guest kernel modules the initramfs loads (Debian builds them as modules; ext4 is built in).
-const GUEST_MODULES: &[&str] =
-    &["virtio_mmio", "virtio_blk", "virtio_console", "virtio_rng", "virtio_net", "virtio_balloon"];
+const GUEST_MODULES: &[&str] = &[
+    "virtio_mmio",
+    "virtio_blk",
+    "virtio_console",
+    "virtio_rng",
+    "virtio_net",
+    "virtio_balloon",
+];
 const SEED_PACKAGES: &[&str] = &["python3", "procps", "sudo", "ca-certificates", "less"];
 const KERNEL_FILE: &str = "vmlinuz";
 const INITRD_FILE: &str = "initrd.img";
@@ -133,7 +139,9 @@ pub fn parse_reference(reference: &str) -> Result<(String, Option<String>)> {
     let (name, tag) = reference.split_once(':').unwrap_or((reference, "latest"));
     let valid = !name.is_empty()
         && name.len() <= 64
-        && name.chars().all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '-' || c == '_' || c == '.');
+        && name
+            .chars()
+            .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '-' || c == '_' || c == '.');
     if !valid || tag != "latest" {
         return Err(bad());
     }
@@ -229,7 +237,16 @@ impl TemplateStore {
         let base = self.debootstrap_base(&recipe, &progress)?;
 
         let work = self.data.cache().join(format!("assemble-{}", random_hex(6)));
-        let result = self.assemble(&recipe, &recipe_digest, &agent, &kernel_dir, &kernel_version, &base, &work, &progress);
+        let result = self.assemble(
+            &recipe,
+            &recipe_digest,
+            &agent,
+            &kernel_dir,
+            &kernel_version,
+            &base,
+            &work,
+            &progress,
+        );
         let _ = std::fs::remove_dir_all(&work);
         let t = result?;
         progress.finish(&format!(
@@ -249,7 +266,10 @@ impl TemplateStore {
         let dl = self.data.cache().join(format!("kernel-dl-{}", random_hex(4)));
         std::fs::create_dir_all(&dl).map_err(|e| RuntimeError::io(&dl, e))?;
         let res = (|| {
-            run(Command::new("apt-get").arg("download").arg(package).current_dir(&dl), "apt-get download")?;
+            run(
+                Command::new("apt-get").arg("download").arg(package).current_dir(&dl),
+                "apt-get download",
+            )?;
             let deb = std::fs::read_dir(&dl)
                 .map_err(|e| RuntimeError::io(&dl, e))?
                 .flatten()
@@ -360,19 +380,29 @@ impl TemplateStore {
             recipe: recipe.clone(),
         };
         let old = self.load(SEED);
-        write_atomic(&self.manifest_path(SEED), &serde_json::to_vec_pretty(&manifest).expect("serializable"))?;
+        write_atomic(
+            &self.manifest_path(SEED),
+            &serde_json::to_vec_pretty(&manifest).expect("serializable"),
+        )?;
         // The previous image stays while sandboxes may use it; unreferenced blobs are pruned
         // when no sandbox dir mentions them (see `prune_blobs`).
         if let Some(old) = old.filter(|o| o.dir != dir) {
-            tracing::info!("seed replaced {} -> {}", short(&old.manifest.digest), short(&manifest.digest));
+            tracing::info!(
+                "seed replaced {} -> {}",
+                short(&old.manifest.digest),
+                short(&manifest.digest)
+            );
         }
         Ok(Template { manifest, dir })
     }
 
     /// Remove template blobs that no manifest names and no sandbox uses.
     pub fn prune_blobs(&self, in_use: &BTreeSet<String>) {
-        let named: BTreeSet<String> =
-            self.list().into_iter().map(|m| m.digest.trim_start_matches("sha256:").to_string()).collect();
+        let named: BTreeSet<String> = self
+            .list()
+            .into_iter()
+            .map(|m| m.digest.trim_start_matches("sha256:").to_string())
+            .collect();
         for entry in std::fs::read_dir(self.data.blobs()).into_iter().flatten().flatten() {
             let name = entry.file_name().to_string_lossy().to_string();
             if !named.contains(&name) && !in_use.contains(&name) {
@@ -389,7 +419,9 @@ fn short(digest: &str) -> String {
 /// Extra steps on the fresh debootstrap: the `user` account, hosts, and slimming.
 fn customize_base(root: &Path) -> Result<()> {
     run(
-        Command::new("chroot").arg(root).args(["useradd", "-m", "-s", "/bin/bash", "-G", "sudo", "user"]),
+        Command::new("chroot")
+            .arg(root)
+            .args(["useradd", "-m", "-s", "/bin/bash", "-G", "sudo", "user"]),
         "useradd user",
     )?;
     let w = |rel: &str, text: &str| {
@@ -397,9 +429,18 @@ fn customize_base(root: &Path) -> Result<()> {
         std::fs::write(&p, text).map_err(|e| RuntimeError::io(&p, e))
     };
     w("etc/sudoers.d/user", "user ALL=(ALL) NOPASSWD:ALL\n")?;
-    w("etc/hosts", "127.0.0.1 localhost\n::1 localhost ip6-localhost ip6-loopback\n")?;
+    w(
+        "etc/hosts",
+        "127.0.0.1 localhost\n::1 localhost ip6-localhost ip6-loopback\n",
+    )?;
     w("etc/resolv.conf", "")?;
-    for dir in ["usr/share/doc", "usr/share/man", "usr/share/info", "var/cache/apt/archives", "var/lib/apt/lists"] {
+    for dir in [
+        "usr/share/doc",
+        "usr/share/man",
+        "usr/share/info",
+        "var/cache/apt/archives",
+        "var/lib/apt/lists",
+    ] {
         let p = root.join(dir);
         for e in std::fs::read_dir(&p).into_iter().flatten().flatten() {
             if e.path().is_dir() {
@@ -425,7 +466,11 @@ fn install_file(src: &Path, dst: &Path, mode: u32) -> Result<()> {
 }
 
 fn dir_bytes(dir: &Path) -> Result<u64> {
-    let out = Command::new("du").arg("-sb").arg(dir).output().map_err(|e| RuntimeError::io("du", e))?;
+    let out = Command::new("du")
+        .arg("-sb")
+        .arg(dir)
+        .output()
+        .map_err(|e| RuntimeError::io("du", e))?;
     String::from_utf8_lossy(&out.stdout)
         .split_whitespace()
         .next()
@@ -467,12 +512,17 @@ fn run_logged(cmd: &mut Command, log: &Path, what: &str, progress: &Progress) ->
         progress.detail(&line);
         lines.push(line);
     }
-    let status = child.wait().map_err(|e| RuntimeError::TemplateBuild(format!("{what}: {e}")))?;
+    let status = child
+        .wait()
+        .map_err(|e| RuntimeError::TemplateBuild(format!("{what}: {e}")))?;
     if !status.success() {
         let errs = std::fs::read_to_string(log).unwrap_or_default();
         let tail: Vec<&str> = lines.iter().map(String::as_str).chain(errs.lines()).collect();
         let tail = tail[tail.len().saturating_sub(6)..].join(" | ");
-        return Err(RuntimeError::TemplateBuild(format!("{what} failed ({status}): {tail} (log: {})", log.display())));
+        return Err(RuntimeError::TemplateBuild(format!(
+            "{what} failed ({status}): {tail} (log: {})",
+            log.display()
+        )));
     }
     Ok(())
 }
@@ -486,16 +536,24 @@ pub fn host_mirror() -> Result<String> {
     let legacy = std::fs::read_to_string("/etc/apt/sources.list").unwrap_or_default();
     mirror_from_sources(&deb822, &legacy).ok_or_else(|| {
         RuntimeError::TemplateBuild(
-            "no Debian mirror in /etc/apt/sources.list.d/debian.sources; pass --mirror or set AIRLOCK_DEBIAN_MIRROR".into(),
+            "no Debian mirror in /etc/apt/sources.list.d/debian.sources; pass --mirror or set AIRLOCK_DEBIAN_MIRROR"
+                .into(),
         )
     })
 }
 
 pub fn mirror_from_sources(deb822: &str, legacy: &str) -> Option<String> {
-    let from_deb822 = deb822.lines().filter_map(|l| l.strip_prefix("URIs:")).flat_map(str::split_whitespace).find(|u| !u.contains("security"));
+    let from_deb822 = deb822
+        .lines()
+        .filter_map(|l| l.strip_prefix("URIs:"))
+        .flat_map(str::split_whitespace)
+        .find(|u| !u.contains("security"));
     let from_legacy = || {
         legacy.lines().map(str::split_whitespace).find_map(|mut f| {
-            (f.next() == Some("deb")).then(|| f.find(|w| w.contains("://"))).flatten().filter(|u| !u.contains("security"))
+            (f.next() == Some("deb"))
+                .then(|| f.find(|w| w.contains("://")))
+                .flatten()
+                .filter(|u| !u.contains("security"))
         })
     };
     from_deb822.or_else(from_legacy).map(String::from)
@@ -518,7 +576,10 @@ fn resolve_kernel_package() -> Result<String> {
                 "apt knows no {KERNEL_META_PACKAGE}; run `apt-get update` (scripts/install-host-deps does)"
             ))
         })?;
-    let policy = Command::new("apt-cache").args(["policy", name]).output().map_err(|e| RuntimeError::io("apt-cache", e))?;
+    let policy = Command::new("apt-cache")
+        .args(["policy", name])
+        .output()
+        .map_err(|e| RuntimeError::io("apt-cache", e))?;
     let version = String::from_utf8_lossy(&policy.stdout)
         .lines()
         .find_map(|l| l.trim().strip_prefix("Candidate: ").map(str::to_string))
@@ -539,7 +600,10 @@ fn kernel_version_of(kernel_dir: &Path) -> Result<String> {
 
 fn check_static(agent: &Path) -> Result<()> {
     let bytes = std::fs::read(agent).map_err(|e| {
-        RuntimeError::TemplateBuild(format!("guest agent {}: {e}; build it with scripts/build", agent.display()))
+        RuntimeError::TemplateBuild(format!(
+            "guest agent {}: {e}; build it with scripts/build",
+            agent.display()
+        ))
     })?;
     let head = &bytes[..bytes.len().min(4096)];
     if head.windows(14).any(|w| w == b"/lib64/ld-linu") {
@@ -564,11 +628,14 @@ pub fn locate_agent() -> Result<PathBuf> {
         candidates.push(dir.join("x86_64-unknown-linux-gnu/release/airlock-agent"));
     }
     candidates.push(PathBuf::from("/usr/lib/airlock/airlock-agent"));
-    candidates.into_iter().find(|p| p.is_file() && check_static(p).is_ok()).ok_or_else(|| {
-        RuntimeError::TemplateBuild(
-            "guest agent binary not found; build it with scripts/build or set AIRLOCK_AGENT_BIN".into(),
-        )
-    })
+    candidates
+        .into_iter()
+        .find(|p| p.is_file() && check_static(p).is_ok())
+        .ok_or_else(|| {
+            RuntimeError::TemplateBuild(
+                "guest agent binary not found; build it with scripts/build or set AIRLOCK_AGENT_BIN".into(),
+            )
+        })
 }
 
 /// Module files for `wanted` and their dependencies, in load order (dependencies first).
@@ -576,11 +643,18 @@ pub fn resolve_modules(modules_root: &Path, wanted: &[String]) -> Result<Vec<Pat
     let mut by_name: BTreeMap<String, PathBuf> = BTreeMap::new();
     let mut stack = vec![modules_root.join("kernel")];
     while let Some(dir) = stack.pop() {
-        for e in std::fs::read_dir(&dir).map_err(|e| RuntimeError::io(&dir, e))?.flatten() {
+        for e in std::fs::read_dir(&dir)
+            .map_err(|e| RuntimeError::io(&dir, e))?
+            .flatten()
+        {
             let p = e.path();
             if p.is_dir() {
                 stack.push(p);
-            } else if let Some(stem) = p.file_name().and_then(|n| n.to_str()).and_then(|n| n.strip_suffix(".ko")) {
+            } else if let Some(stem) = p
+                .file_name()
+                .and_then(|n| n.to_str())
+                .and_then(|n| n.strip_suffix(".ko"))
+            {
                 by_name.insert(stem.replace('-', "_"), p);
             }
         }
@@ -627,10 +701,16 @@ pub fn resolve_modules(modules_root: &Path, wanted: &[String]) -> Result<Vec<Pat
 /// The `depends=` entry of a module's `.modinfo` section.
 pub fn module_depends(ko: &[u8]) -> Vec<String> {
     let key = b"depends=";
-    let Some(pos) = ko.windows(key.len()).position(|w| w == key) else { return Vec::new() };
+    let Some(pos) = ko.windows(key.len()).position(|w| w == key) else {
+        return Vec::new();
+    };
     let rest = &ko[pos + key.len()..];
     let end = rest.iter().position(|b| *b == 0).unwrap_or(rest.len());
-    String::from_utf8_lossy(&rest[..end]).split(',').filter(|s| !s.is_empty()).map(String::from).collect()
+    String::from_utf8_lossy(&rest[..end])
+        .split(',')
+        .filter(|s| !s.is_empty())
+        .map(String::from)
+        .collect()
 }
 
 fn build_initramfs(agent: &Path, modules: &[PathBuf], staging: &Path, out: &Path) -> Result<()> {
@@ -672,7 +752,10 @@ impl Progress {
             b.enable_steady_tick(std::time::Duration::from_millis(120));
             b
         });
-        Self { bar, started: Instant::now() }
+        Self {
+            bar,
+            started: Instant::now(),
+        }
     }
     fn step(&self, what: &str) {
         tracing::info!("template: {what}");
@@ -704,7 +787,10 @@ mod tests {
     fn parses_references() {
         assert_eq!(parse_reference("seed").unwrap(), ("seed".into(), None));
         assert_eq!(parse_reference("seed:latest").unwrap(), ("seed".into(), None));
-        assert_eq!(parse_reference("sha256:ABCDEF012345").unwrap(), (String::new(), Some("abcdef012345".into())));
+        assert_eq!(
+            parse_reference("sha256:ABCDEF012345").unwrap(),
+            (String::new(), Some("abcdef012345".into()))
+        );
         for bad in ["", "seed:v2", "team/name", "sha256:xyz", "Seed", "../etc"] {
             assert!(parse_reference(bad).is_err(), "{bad}");
         }
@@ -713,9 +799,15 @@ mod tests {
     #[test]
     fn finds_mirror_in_sources() {
         let deb822 = "Types: deb\nURIs: http://mirror.example/debian\nSuites: bookworm\n\nURIs: http://mirror.example/debian-security\n";
-        assert_eq!(mirror_from_sources(deb822, "").as_deref(), Some("http://mirror.example/debian"));
+        assert_eq!(
+            mirror_from_sources(deb822, "").as_deref(),
+            Some("http://mirror.example/debian")
+        );
         let legacy = "deb http://sec.example/debian-security bookworm-security main\ndeb [arch=amd64] http://m.example/debian bookworm main\n";
-        assert_eq!(mirror_from_sources("", legacy).as_deref(), Some("http://m.example/debian"));
+        assert_eq!(
+            mirror_from_sources("", legacy).as_deref(),
+            Some("http://m.example/debian")
+        );
         assert_eq!(mirror_from_sources("", ""), None);
     }
 
@@ -737,8 +829,14 @@ mod tests {
         std::fs::write(k.join("virtio-rng.ko"), b"\0depends=virtio,virtio_ring,ext4\0").unwrap();
         std::fs::write(d.path().join("modules.builtin"), "kernel/fs/ext4/ext4.ko\n").unwrap();
         let order = resolve_modules(d.path(), &["virtio_blk".into(), "virtio_rng".into()]).unwrap();
-        let names: Vec<_> = order.iter().map(|p| p.file_name().unwrap().to_string_lossy().to_string()).collect();
-        assert_eq!(names, vec!["virtio_ring.ko", "virtio.ko", "virtio_blk.ko", "virtio-rng.ko"]);
+        let names: Vec<_> = order
+            .iter()
+            .map(|p| p.file_name().unwrap().to_string_lossy().to_string())
+            .collect();
+        assert_eq!(
+            names,
+            vec!["virtio_ring.ko", "virtio.ko", "virtio_blk.ko", "virtio-rng.ko"]
+        );
         assert!(resolve_modules(d.path(), &["nope".into()]).is_err());
     }
 }

@@ -97,14 +97,20 @@ pub trait Vmm: Send + Sync {
 pub fn pid_alive(pid: u32) -> bool {
     match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
         // state is the field after the parenthesised command name
-        Ok(stat) => stat.rsplit_once(')').and_then(|(_, rest)| rest.split_whitespace().next()).is_some_and(|s| s != "Z" && s != "X"),
+        Ok(stat) => stat
+            .rsplit_once(')')
+            .and_then(|(_, rest)| rest.split_whitespace().next())
+            .is_some_and(|s| s != "Z" && s != "X"),
         Err(_) => false,
     }
 }
 
 /// Collect the exit status of `pid` if it is our (zombie) child; harmless otherwise.
 pub fn reap(pid: u32) {
-    let _ = nix::sys::wait::waitpid(nix::unistd::Pid::from_raw(pid as i32), Some(nix::sys::wait::WaitPidFlag::WNOHANG));
+    let _ = nix::sys::wait::waitpid(
+        nix::unistd::Pid::from_raw(pid as i32),
+        Some(nix::sys::wait::WaitPidFlag::WNOHANG),
+    );
 }
 
 /// Wait until `pid` exits (pidfd, so it works for processes that are not our children).
@@ -115,7 +121,9 @@ pub async fn wait_exit(pid: u32, limit: Duration) -> bool {
         use std::os::fd::FromRawFd;
         let owned = unsafe { std::os::fd::OwnedFd::from_raw_fd(fd as i32) };
         // SAFETY: the AsyncFd owns the pidfd for its whole life.
-        if let Ok(afd) = unsafe { tokio::io::unix::AsyncFd::register_with_interest(owned, tokio::io::Interest::READABLE) } {
+        if let Ok(afd) =
+            unsafe { tokio::io::unix::AsyncFd::register_with_interest(owned, tokio::io::Interest::READABLE) }
+        {
             let exited = tokio::time::timeout_at(deadline, afd.readable()).await.is_ok();
             reap(pid);
             return exited || !pid_alive(pid);

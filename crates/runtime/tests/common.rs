@@ -11,7 +11,9 @@ use std::path::PathBuf;
 use std::sync::{Arc, OnceLock};
 
 pub fn test_data_dir() -> PathBuf {
-    std::env::var_os("AIRLOCK_TEST_DATA_DIR").map(PathBuf::from).unwrap_or_else(|| "/var/lib/airlock-test".into())
+    std::env::var_os("AIRLOCK_TEST_DATA_DIR")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| "/var/lib/airlock-test".into())
 }
 
 /// All tests run on one tokio runtime: agent connections and VMM monitors live on it.
@@ -21,14 +23,21 @@ pub fn block_on<F: std::future::Future>(f: F) -> F::Output {
         // VMs whose launching process exited re-parent to us, so we can reap them.
         unsafe { libc::prctl(libc::PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) };
         let _ = tracing_subscriber_init();
-        tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap()
+        tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(2)
+            .enable_all()
+            .build()
+            .unwrap()
     });
     rt.block_on(f)
 }
 
 fn tracing_subscriber_init() {
     let filter = std::env::var("AIRLOCK_LOG").unwrap_or_else(|_| "airlock_runtime=info".into());
-    let _ = tracing_subscriber::fmt().with_env_filter(filter).with_test_writer().try_init();
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_test_writer()
+        .try_init();
 }
 
 pub fn runtime() -> Runtime {
@@ -37,8 +46,13 @@ pub fn runtime() -> Runtime {
         .get_or_init(|| {
             block_on(async {
                 let data = test_data_dir();
-                let store = airlock_runtime::template::TemplateStore::new(airlock_runtime::datadir::DataDir::open(&data).unwrap());
-                tokio::task::spawn_blocking(move || store.build_seed(&BuildOptions::default())).await.unwrap().expect("seed template builds");
+                let store = airlock_runtime::template::TemplateStore::new(
+                    airlock_runtime::datadir::DataDir::open(&data).unwrap(),
+                );
+                tokio::task::spawn_blocking(move || store.build_seed(&BuildOptions::default()))
+                    .await
+                    .unwrap()
+                    .expect("seed template builds");
                 Runtime::open(RuntimeOptions::new(data)).await.expect("runtime opens")
             })
         })
@@ -46,12 +60,21 @@ pub fn runtime() -> Runtime {
 }
 
 pub fn small() -> Resources {
-    Resources { vcpu: 1, memory_mib: 256, disk_mib: 1024 }
+    Resources {
+        vcpu: 1,
+        memory_mib: 256,
+        disk_mib: 1024,
+    }
 }
 
 pub fn create() -> Arc<Sandbox> {
     let rt = runtime();
-    block_on(rt.create(CreateSandbox { id: None, template: "seed".into(), resources: small() })).expect("sandbox boots")
+    block_on(rt.create(CreateSandbox {
+        id: None,
+        template: "seed".into(),
+        resources: small(),
+    }))
+    .expect("sandbox boots")
 }
 
 /// The sandbox tests share; it lives for the whole test process.
@@ -61,7 +84,10 @@ pub fn shared() -> Arc<Sandbox> {
 }
 
 pub fn argv(args: &[&str]) -> ProcessSpec {
-    ProcessSpec { argv: args.iter().map(|s| s.to_string()).collect(), ..Default::default() }
+    ProcessSpec {
+        argv: args.iter().map(|s| s.to_string()).collect(),
+        ..Default::default()
+    }
 }
 
 pub fn sh(script: &str) -> ProcessSpec {

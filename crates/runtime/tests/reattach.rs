@@ -18,8 +18,20 @@ fn child_creates_sandbox_and_exits() {
     }
     block_on(async {
         let rt = Runtime::open(RuntimeOptions::new(test_data_dir())).await.unwrap();
-        let sb = rt.create(CreateSandbox { id: None, template: "seed".into(), resources: small() }).await.unwrap();
-        sb.agent().await.unwrap().write_file("/home/user/note.txt", None, &b"written before the restart"[..]).await.unwrap();
+        let sb = rt
+            .create(CreateSandbox {
+                id: None,
+                template: "seed".into(),
+                resources: small(),
+            })
+            .await
+            .unwrap();
+        sb.agent()
+            .await
+            .unwrap()
+            .write_file("/home/user/note.txt", None, &b"written before the restart"[..])
+            .await
+            .unwrap();
         println!("SANDBOX_ID={} PID={}", sb.id(), sb.vm.pid);
     });
 }
@@ -29,12 +41,21 @@ fn vm_survives_its_creator_and_is_reattached() {
     // Make sure the template exists (built or found up to date) before the child needs it.
     build_template();
     let out = std::process::Command::new(std::env::current_exe().unwrap())
-        .args(["--exact", "child_creates_sandbox_and_exits", "--nocapture", "--test-threads=1"])
+        .args([
+            "--exact",
+            "child_creates_sandbox_and_exits",
+            "--nocapture",
+            "--test-threads=1",
+        ])
         .env(CHILD_ENV, "1")
         .output()
         .unwrap();
     let stdout = String::from_utf8_lossy(&out.stdout);
-    assert!(out.status.success(), "child failed: {stdout}\n{}", String::from_utf8_lossy(&out.stderr));
+    assert!(
+        out.status.success(),
+        "child failed: {stdout}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     let line = stdout.split("SANDBOX_ID=").nth(1).expect("child printed the id");
     let mut parts = line.split_whitespace();
     let id = parts.next().unwrap().to_string();
@@ -45,7 +66,13 @@ fn vm_survives_its_creator_and_is_reattached() {
         let rt = Runtime::open(RuntimeOptions::new(test_data_dir())).await.unwrap();
         let sb = rt.get(&id).expect("re-attached after restart");
         assert_eq!(sb.vm.pid, pid);
-        let note = sb.agent().await.unwrap().read_file("/home/user/note.txt").await.unwrap();
+        let note = sb
+            .agent()
+            .await
+            .unwrap()
+            .read_file("/home/user/note.txt")
+            .await
+            .unwrap();
         assert_eq!(&note[..], b"written before the restart");
         let out = sb.run(sh("echo still here")).await.unwrap();
         assert_eq!(String::from_utf8_lossy(&out.stdout), "still here\n");
@@ -61,6 +88,9 @@ fn build_template() {
     block_on(async {
         let data = airlock_runtime::datadir::DataDir::open(test_data_dir()).unwrap();
         let store = airlock_runtime::template::TemplateStore::new(data);
-        tokio::task::spawn_blocking(move || store.build_seed(&Default::default())).await.unwrap().unwrap();
+        tokio::task::spawn_blocking(move || store.build_seed(&Default::default()))
+            .await
+            .unwrap()
+            .unwrap();
     });
 }

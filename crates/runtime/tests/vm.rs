@@ -11,8 +11,8 @@ use airlock_proto::{ErrorCode, ProcessSpec, PtySize, WatchEventKind};
 use airlock_runtime::vmm::pid_alive;
 use airlock_runtime::{CreateSandbox, Resources, RuntimeError};
 use common::*;
-use libtest_mimic::Trial;
 use futures_util::StreamExt;
+use libtest_mimic::Trial;
 use std::collections::BTreeMap;
 use std::time::Duration;
 
@@ -47,14 +47,23 @@ fn five_mib_of_stdout_arrives_complete_and_in_order() {
     assert_eq!(out.exit.exit_code, Some(0));
     assert_eq!(out.stdout.len(), 5 << 20);
     let expected: String = (0..655360).map(|i| format!("{i:07}\n")).collect();
-    assert!(out.stdout == expected.as_bytes(), "stream differs from the expected sequence");
+    assert!(
+        out.stdout == expected.as_bytes(),
+        "stream differs from the expected sequence"
+    );
 }
 
 fn stdin_round_trips_through_cat() {
     let sb = shared();
     block_on(async {
         let agent = sb.agent().await.unwrap();
-        let info = agent.spawn(&ProcessSpec { stdin: true, ..argv(&["cat"]) }).await.unwrap();
+        let info = agent
+            .spawn(&ProcessSpec {
+                stdin: true,
+                ..argv(&["cat"])
+            })
+            .await
+            .unwrap();
         let payload: Vec<u8> = (0..200_000u32).map(|i| (i % 251) as u8).collect();
         agent.write_stdin(info.id, payload.clone()).await.unwrap();
         agent.write_stdin(info.id, &b"tail"[..]).await.unwrap();
@@ -80,7 +89,10 @@ fn stdin_round_trips_through_cat() {
 
 fn timeout_kills_the_process_and_says_so() {
     let sb = shared();
-    let spec = ProcessSpec { timeout_ms: Some(1500), ..sh("echo started; sleep 60; echo never") };
+    let spec = ProcessSpec {
+        timeout_ms: Some(1500),
+        ..sh("echo started; sleep 60; echo never")
+    };
     let out = block_on(sb.run(spec)).unwrap();
     assert!(out.exit.timed_out);
     assert_eq!(out.exit.signal, Some(9));
@@ -129,24 +141,52 @@ fn sigterm_and_sigkill_reach_the_process() {
 
 fn cwd_env_and_user_are_honoured() {
     let sb = shared();
-    let as_user = block_on(sb.run(ProcessSpec { user: Some("user".into()), ..argv(&["id", "-un"]) })).unwrap();
+    let as_user = block_on(sb.run(ProcessSpec {
+        user: Some("user".into()),
+        ..argv(&["id", "-un"])
+    }))
+    .unwrap();
     assert_eq!(String::from_utf8_lossy(&as_user.stdout), "user\n");
-    let as_root = block_on(sb.run(ProcessSpec { user: Some("root".into()), ..argv(&["id", "-un"]) })).unwrap();
+    let as_root = block_on(sb.run(ProcessSpec {
+        user: Some("root".into()),
+        ..argv(&["id", "-un"])
+    }))
+    .unwrap();
     assert_eq!(String::from_utf8_lossy(&as_root.stdout), "root\n");
-    let home = block_on(sb.run(ProcessSpec { user: Some("user".into()), ..sh("pwd; echo $HOME") })).unwrap();
+    let home = block_on(sb.run(ProcessSpec {
+        user: Some("user".into()),
+        ..sh("pwd; echo $HOME")
+    }))
+    .unwrap();
     assert_eq!(String::from_utf8_lossy(&home.stdout), "/home/user\n/home/user\n");
 
     let mut env = BTreeMap::new();
     env.insert("GREETING".to_string(), "hi there".to_string());
-    let spec = ProcessSpec { cwd: Some("/tmp".into()), env, ..sh("pwd; echo \"$GREETING\"") };
+    let spec = ProcessSpec {
+        cwd: Some("/tmp".into()),
+        env,
+        ..sh("pwd; echo \"$GREETING\"")
+    };
     let out = block_on(sb.run(spec)).unwrap();
     assert_eq!(String::from_utf8_lossy(&out.stdout), "/tmp\nhi there\n");
 
     // Bad input is a clear error, not a hang.
     let agent = block_on(sb.agent()).unwrap();
     for (spec, needle) in [
-        (ProcessSpec { user: Some("nobody-here".into()), ..argv(&["true"]) }, "no user named"),
-        (ProcessSpec { cwd: Some("/does/not/exist".into()), ..argv(&["true"]) }, "does not exist"),
+        (
+            ProcessSpec {
+                user: Some("nobody-here".into()),
+                ..argv(&["true"])
+            },
+            "no user named",
+        ),
+        (
+            ProcessSpec {
+                cwd: Some("/does/not/exist".into()),
+                ..argv(&["true"])
+            },
+            "does not exist",
+        ),
         (argv(&["/no/such/program"]), "not found"),
         (argv(&[]), "argv"),
     ] {
@@ -160,8 +200,13 @@ fn host_written_binary_file_reads_back_exactly() {
     let sb = shared();
     block_on(async {
         let agent = sb.agent().await.unwrap();
-        let data: Vec<u8> = (0..(10u32 << 20)).map(|i| (i.wrapping_mul(2654435761) >> 13) as u8).collect();
-        let stat = agent.write_file("/home/user/data/blob.bin", Some("user"), data.clone()).await.unwrap();
+        let data: Vec<u8> = (0..(10u32 << 20))
+            .map(|i| (i.wrapping_mul(2654435761) >> 13) as u8)
+            .collect();
+        let stat = agent
+            .write_file("/home/user/data/blob.bin", Some("user"), data.clone())
+            .await
+            .unwrap();
         assert_eq!(stat.size, 10 << 20);
         assert_eq!(stat.owner, "user");
         let back = agent.read_file("/home/user/data/blob.bin").await.unwrap();
@@ -179,7 +224,10 @@ fn guest_written_file_is_read_by_the_host() {
     let out = block_on(sb.run(sh("printf 'line1\\nline2\\n' > /tmp/from-guest.txt; head -c 3000 /dev/urandom > /tmp/rand.bin; sha256sum /tmp/rand.bin"))).unwrap();
     assert_eq!(out.exit.exit_code, Some(0));
     let agent = block_on(sb.agent()).unwrap();
-    assert_eq!(&block_on(agent.read_file("/tmp/from-guest.txt")).unwrap()[..], b"line1\nline2\n");
+    assert_eq!(
+        &block_on(agent.read_file("/tmp/from-guest.txt")).unwrap()[..],
+        b"line1\nline2\n"
+    );
     let rand = block_on(agent.read_file("/tmp/rand.bin")).unwrap();
     use sha2::Digest;
     assert!(String::from_utf8_lossy(&out.stdout).starts_with(&hex::encode(sha2::Sha256::digest(&rand))));
@@ -198,16 +246,36 @@ fn file_operations_stat_list_mkdir_rename_remove() {
         assert_eq!(names(a.list("/srv/tree", 1).await.unwrap()), vec!["/srv/tree/a"]);
         assert_eq!(
             names(a.list("/srv/tree", 3).await.unwrap()),
-            vec!["/srv/tree/a", "/srv/tree/a/b", "/srv/tree/a/b/two.txt", "/srv/tree/a/one.txt"]
+            vec![
+                "/srv/tree/a",
+                "/srv/tree/a/b",
+                "/srv/tree/a/b/two.txt",
+                "/srv/tree/a/one.txt"
+            ]
         );
-        let st = a.rename("/srv/tree/a/one.txt", "/srv/tree/moved/one.txt").await.unwrap();
+        let st = a
+            .rename("/srv/tree/a/one.txt", "/srv/tree/moved/one.txt")
+            .await
+            .unwrap();
         assert_eq!((st.size, st.kind), (1, airlock_proto::FileKind::File));
-        assert_eq!(a.stat("/srv/tree/a/one.txt").await.unwrap_err().code(), Some(ErrorCode::NotFound));
+        assert_eq!(
+            a.stat("/srv/tree/a/one.txt").await.unwrap_err().code(),
+            Some(ErrorCode::NotFound)
+        );
         a.remove("/srv/tree").await.unwrap();
         assert_eq!(a.stat("/srv/tree").await.unwrap_err().code(), Some(ErrorCode::NotFound));
-        assert_eq!(a.read_file("/nope").await.unwrap_err().code(), Some(ErrorCode::NotFound));
-        assert_eq!(a.read_file("relative").await.unwrap_err().code(), Some(ErrorCode::InvalidArgument));
-        assert_eq!(a.list("/etc/hostname", 1).await.unwrap_err().code(), Some(ErrorCode::NotADirectory));
+        assert_eq!(
+            a.read_file("/nope").await.unwrap_err().code(),
+            Some(ErrorCode::NotFound)
+        );
+        assert_eq!(
+            a.read_file("relative").await.unwrap_err().code(),
+            Some(ErrorCode::InvalidArgument)
+        );
+        assert_eq!(
+            a.list("/etc/hostname", 1).await.unwrap_err().code(),
+            Some(ErrorCode::NotADirectory)
+        );
     });
 }
 
@@ -222,16 +290,29 @@ fn watch_reports_create_write_rename_remove_recursively() {
             .unwrap();
         let mut seen = Vec::new();
         let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
-        while !seen.iter().any(|(k, p): &(WatchEventKind, String)| *k == WatchEventKind::Create && p.ends_with("sub/deep.txt")) {
-            let ev = tokio::time::timeout_at(deadline, events.next()).await.expect("watch events arrive").unwrap().unwrap();
+        while !seen
+            .iter()
+            .any(|(k, p): &(WatchEventKind, String)| *k == WatchEventKind::Create && p.ends_with("sub/deep.txt"))
+        {
+            let ev = tokio::time::timeout_at(deadline, events.next())
+                .await
+                .expect("watch events arrive")
+                .unwrap()
+                .unwrap();
             seen.push((ev.kind, ev.path));
         }
         let has = |k: WatchEventKind, suffix: &str| seen.iter().any(|(kk, p)| *kk == k && p.ends_with(suffix));
         assert!(has(WatchEventKind::Create, "/watched/f.txt"), "{seen:?}");
         assert!(has(WatchEventKind::Write, "/watched/f.txt"), "{seen:?}");
-        assert!(has(WatchEventKind::Rename, "/watched/g.txt") || has(WatchEventKind::Rename, "/watched/f.txt"), "{seen:?}");
+        assert!(
+            has(WatchEventKind::Rename, "/watched/g.txt") || has(WatchEventKind::Rename, "/watched/f.txt"),
+            "{seen:?}"
+        );
         assert!(has(WatchEventKind::Remove, "/watched/g.txt"), "{seen:?}");
-        assert_eq!(a.watch("/no/such/dir", false).await.err().unwrap().code(), Some(ErrorCode::NotFound));
+        assert_eq!(
+            a.watch("/no/such/dir", false).await.err().unwrap().code(),
+            Some(ErrorCode::NotFound)
+        );
     });
 }
 
@@ -254,7 +335,10 @@ fn pty_runs_a_shell_and_resizes() {
         // Type only at a prompt, the way a person would.
         let mut prompts_seen = 0;
         let script: [&[u8]; 2] = [b"stty size; echo tty=$(tty)\n", b"stty size; exit 3\n"];
-        while let Some(ev) = tokio::time::timeout(Duration::from_secs(30), events.next()).await.unwrap() {
+        while let Some(ev) = tokio::time::timeout(Duration::from_secs(30), events.next())
+            .await
+            .unwrap()
+        {
             match ev.unwrap().kind {
                 EventKind::Stdout(b) => out.extend_from_slice(&b),
                 EventKind::Stderr(_) => panic!("a pty merges stderr into stdout"),
@@ -281,7 +365,10 @@ fn processes_can_be_listed_and_reconnected_by_id() {
     let sb = shared();
     block_on(async {
         let a = sb.agent().await.unwrap();
-        let info = a.spawn(&sh("for i in 1 2 3 4 5; do echo line$i; sleep 0.2; done")).await.unwrap();
+        let info = a
+            .spawn(&sh("for i in 1 2 3 4 5; do echo line$i; sleep 0.2; done"))
+            .await
+            .unwrap();
         assert!(a.processes().await.unwrap().iter().any(|p| p.id == info.id));
         // First reader takes two events and goes away.
         let mut first = Box::pin(a.events(info.id, 0).await.unwrap());
@@ -329,12 +416,20 @@ fn sandboxes_from_one_template_are_isolated() {
     let (a, b) = (create(), shared());
     block_on(async {
         let aa = a.agent().await.unwrap();
-        aa.write_file("/home/user/secret.txt", None, &b"only in a"[..]).await.unwrap();
+        aa.write_file("/home/user/secret.txt", None, &b"only in a"[..])
+            .await
+            .unwrap();
         let out = a.run(sh("echo a-was-here > /etc/marker")).await.unwrap();
         assert_eq!(out.exit.exit_code, Some(0));
         let bb = b.agent().await.unwrap();
-        assert_eq!(bb.stat("/home/user/secret.txt").await.unwrap_err().code(), Some(ErrorCode::NotFound));
-        assert_eq!(bb.stat("/etc/marker").await.unwrap_err().code(), Some(ErrorCode::NotFound));
+        assert_eq!(
+            bb.stat("/home/user/secret.txt").await.unwrap_err().code(),
+            Some(ErrorCode::NotFound)
+        );
+        assert_eq!(
+            bb.stat("/etc/marker").await.unwrap_err().code(),
+            Some(ErrorCode::NotFound)
+        );
         assert_ne!(aa.health().await.unwrap().boot_id, bb.health().await.unwrap().boot_id);
         let host_a = a.run(argv(&["hostname"])).await.unwrap();
         assert_eq!(String::from_utf8_lossy(&host_a.stdout).trim(), a.id());
@@ -351,7 +446,10 @@ fn delete_leaves_nothing_behind() {
     assert!(!pid_alive(pid), "QEMU {pid} still runs");
     assert!(!dir.exists(), "{} still exists", dir.display());
     assert!(matches!(rt.get(sb.id()), Err(RuntimeError::UnknownSandbox(_))));
-    assert!(matches!(block_on(rt.delete(sb.id())), Err(RuntimeError::UnknownSandbox(_))));
+    assert!(matches!(
+        block_on(rt.delete(sb.id())),
+        Err(RuntimeError::UnknownSandbox(_))
+    ));
 }
 
 fn killed_vmm_is_cleaned_up() {
@@ -359,7 +457,11 @@ fn killed_vmm_is_cleaned_up() {
     let sb = create();
     let (pid, dir, id) = (sb.vm.pid, sb.vm.dir.clone(), sb.id().to_string());
     drop(sb);
-    nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid as i32), nix::sys::signal::Signal::SIGKILL).unwrap();
+    nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(pid as i32),
+        nix::sys::signal::Signal::SIGKILL,
+    )
+    .unwrap();
     let gone = block_on(async {
         for _ in 0..100 {
             if !dir.exists() && rt.get(&id).is_err() && !pid_alive(pid) {
@@ -369,18 +471,34 @@ fn killed_vmm_is_cleaned_up() {
         }
         false
     });
-    assert!(gone, "after kill -9: dir exists={} pid alive={}", dir.exists(), pid_alive(pid));
-    assert!(!std::path::Path::new(&format!("/proc/{pid}")).exists(), "QEMU {pid} left as a zombie");
+    assert!(
+        gone,
+        "after kill -9: dir exists={} pid alive={}",
+        dir.exists(),
+        pid_alive(pid)
+    );
+    assert!(
+        !std::path::Path::new(&format!("/proc/{pid}")).exists(),
+        "QEMU {pid} left as a zombie"
+    );
 }
 
 fn resources_are_honoured_and_validated() {
     let rt = runtime();
     let sb = block_on(rt.create(CreateSandbox {
+        id: None,
         template: "seed".into(),
-        resources: Resources { vcpu: 2, memory_mib: 384, disk_mib: 3000 },
+        resources: Resources {
+            vcpu: 2,
+            memory_mib: 384,
+            disk_mib: 3000,
+        },
     }))
     .unwrap();
-    let out = block_on(sb.run(sh("nproc; awk '/MemTotal/ {print $2}' /proc/meminfo; df -m / | awk 'NR==2 {print $2}'"))).unwrap();
+    let out = block_on(sb.run(sh(
+        "nproc; awk '/MemTotal/ {print $2}' /proc/meminfo; df -m / | awk 'NR==2 {print $2}'",
+    )))
+    .unwrap();
     let text = String::from_utf8_lossy(&out.stdout).to_string();
     let v: Vec<u64> = text.lines().map(|l| l.trim().parse().unwrap()).collect();
     assert_eq!(v[0], 2, "{text}");
@@ -388,16 +506,32 @@ fn resources_are_honoured_and_validated() {
     assert!(v[2] > 2700 && v[2] <= 3000, "{text}");
     block_on(rt.delete(sb.id())).unwrap();
 
-    let bad = |r: Resources| match block_on(rt.create(CreateSandbox { id: None, template: "seed".into(), resources: r })) {
+    let bad = |r: Resources| match block_on(rt.create(CreateSandbox {
+        id: None,
+        template: "seed".into(),
+        resources: r,
+    })) {
         Err(RuntimeError::InvalidResources(m)) => m,
         Err(e) => panic!("wrong error {e}"),
         Ok(_) => panic!("accepted {r:?}"),
     };
     assert!(bad(Resources { vcpu: 0, ..small() }).contains("vcpu must be between 1"));
     assert!(bad(Resources { vcpu: 4096, ..small() }).contains("vcpu"));
-    assert!(bad(Resources { memory_mib: 32, ..small() }).contains("memory_mib must be at least 128"));
-    assert!(bad(Resources { disk_mib: 16, ..small() }).contains("disk_mib must be at least"));
-    match block_on(rt.create(CreateSandbox { template: "nonexistent".into(), resources: small() })) {
+    assert!(bad(Resources {
+        memory_mib: 32,
+        ..small()
+    })
+    .contains("memory_mib must be at least 128"));
+    assert!(bad(Resources {
+        disk_mib: 16,
+        ..small()
+    })
+    .contains("disk_mib must be at least"));
+    match block_on(rt.create(CreateSandbox {
+        id: None,
+        template: "nonexistent".into(),
+        resources: small(),
+    })) {
         Err(e @ RuntimeError::UnknownTemplate(_)) => assert!(e.to_string().contains("airlock template ls")),
         other => panic!("expected unknown template, got {:?}", other.err()),
     }
@@ -412,26 +546,55 @@ fn main() {
     let args = libtest_mimic::Arguments::from_args();
     let tests = vec![
         Trial::test("echo_prints_and_exits_zero", || catch(echo_prints_and_exits_zero)),
-        Trial::test("nonzero_exit_codes_are_reported", || catch(nonzero_exit_codes_are_reported)),
-        Trial::test("stderr_is_separate_from_stdout", || catch(stderr_is_separate_from_stdout)),
-        Trial::test("five_mib_of_stdout_arrives_complete_and_in_order", || catch(five_mib_of_stdout_arrives_complete_and_in_order)),
+        Trial::test("nonzero_exit_codes_are_reported", || {
+            catch(nonzero_exit_codes_are_reported)
+        }),
+        Trial::test("stderr_is_separate_from_stdout", || {
+            catch(stderr_is_separate_from_stdout)
+        }),
+        Trial::test("five_mib_of_stdout_arrives_complete_and_in_order", || {
+            catch(five_mib_of_stdout_arrives_complete_and_in_order)
+        }),
         Trial::test("stdin_round_trips_through_cat", || catch(stdin_round_trips_through_cat)),
-        Trial::test("timeout_kills_the_process_and_says_so", || catch(timeout_kills_the_process_and_says_so)),
-        Trial::test("sigterm_and_sigkill_reach_the_process", || catch(sigterm_and_sigkill_reach_the_process)),
+        Trial::test("timeout_kills_the_process_and_says_so", || {
+            catch(timeout_kills_the_process_and_says_so)
+        }),
+        Trial::test("sigterm_and_sigkill_reach_the_process", || {
+            catch(sigterm_and_sigkill_reach_the_process)
+        }),
         Trial::test("cwd_env_and_user_are_honoured", || catch(cwd_env_and_user_are_honoured)),
-        Trial::test("host_written_binary_file_reads_back_exactly", || catch(host_written_binary_file_reads_back_exactly)),
-        Trial::test("guest_written_file_is_read_by_the_host", || catch(guest_written_file_is_read_by_the_host)),
-        Trial::test("file_operations_stat_list_mkdir_rename_remove", || catch(file_operations_stat_list_mkdir_rename_remove)),
-        Trial::test("watch_reports_create_write_rename_remove_recursively", || catch(watch_reports_create_write_rename_remove_recursively)),
+        Trial::test("host_written_binary_file_reads_back_exactly", || {
+            catch(host_written_binary_file_reads_back_exactly)
+        }),
+        Trial::test("guest_written_file_is_read_by_the_host", || {
+            catch(guest_written_file_is_read_by_the_host)
+        }),
+        Trial::test("file_operations_stat_list_mkdir_rename_remove", || {
+            catch(file_operations_stat_list_mkdir_rename_remove)
+        }),
+        Trial::test("watch_reports_create_write_rename_remove_recursively", || {
+            catch(watch_reports_create_write_rename_remove_recursively)
+        }),
         Trial::test("pty_runs_a_shell_and_resizes", || catch(pty_runs_a_shell_and_resizes)),
-        Trial::test("processes_can_be_listed_and_reconnected_by_id", || catch(processes_can_be_listed_and_reconnected_by_id)),
-        Trial::test("metrics_and_health_report_the_guest", || catch(metrics_and_health_report_the_guest)),
-        Trial::test("sandboxes_from_one_template_are_isolated", || catch(sandboxes_from_one_template_are_isolated)),
+        Trial::test("processes_can_be_listed_and_reconnected_by_id", || {
+            catch(processes_can_be_listed_and_reconnected_by_id)
+        }),
+        Trial::test("metrics_and_health_report_the_guest", || {
+            catch(metrics_and_health_report_the_guest)
+        }),
+        Trial::test("sandboxes_from_one_template_are_isolated", || {
+            catch(sandboxes_from_one_template_are_isolated)
+        }),
         Trial::test("delete_leaves_nothing_behind", || catch(delete_leaves_nothing_behind)),
         Trial::test("killed_vmm_is_cleaned_up", || catch(killed_vmm_is_cleaned_up)),
-        Trial::test("resources_are_honoured_and_validated", || catch(resources_are_honoured_and_validated)),
+        Trial::test("resources_are_honoured_and_validated", || {
+            catch(resources_are_honoured_and_validated)
+        }),
     ];
-    let booting = !args.list && tests.iter().any(|t| args.skip.iter().all(|s| !t.name().contains(s.as_str())));
+    let booting = !args.list
+        && tests
+            .iter()
+            .any(|t| args.skip.iter().all(|s| !t.name().contains(s.as_str())));
     if booting {
         // Sandboxes a crashed earlier run left behind are adopted by the runtime: remove them.
         remove_all_sandboxes();

@@ -41,11 +41,15 @@ impl<T: DeserializeOwned, S: Send + Sync> FromRequest<S> for ApiJson<T> {
     async fn from_request(req: Request, state: &S) -> Result<Self, Self::Rejection> {
         match Json::<T>::from_request(req, state).await {
             Ok(Json(v)) => Ok(ApiJson(v)),
-            Err(JsonRejection::JsonDataError(e)) => Err(ApiError::Validation(format!("invalid request body: {}", e.body_text()))),
-            Err(JsonRejection::JsonSyntaxError(e)) => Err(ApiError::BadRequest(format!("malformed JSON: {}", e.body_text()))),
-            Err(JsonRejection::MissingJsonContentType(_)) => {
-                Err(ApiError::BadRequest("send the body as JSON with `Content-Type: application/json`".into()))
+            Err(JsonRejection::JsonDataError(e)) => {
+                Err(ApiError::Validation(format!("invalid request body: {}", e.body_text())))
             }
+            Err(JsonRejection::JsonSyntaxError(e)) => {
+                Err(ApiError::BadRequest(format!("malformed JSON: {}", e.body_text())))
+            }
+            Err(JsonRejection::MissingJsonContentType(_)) => Err(ApiError::BadRequest(
+                "send the body as JSON with `Content-Type: application/json`".into(),
+            )),
             Err(e) => Err(ApiError::BadRequest(e.body_text())),
         }
     }
@@ -72,7 +76,9 @@ pub async fn auth(State(state): State<AppState>, mut req: Request, next: axum::m
         .and_then(|v| v.to_str().ok())
         .and_then(|v| v.strip_prefix("Bearer ").or_else(|| v.strip_prefix("bearer ")))
         .map(str::trim);
-    let Some(key) = key.filter(|k| !k.is_empty()) else { return ApiError::Unauthorized.into_response() };
+    let Some(key) = key.filter(|k| !k.is_empty()) else {
+        return ApiError::Unauthorized.into_response();
+    };
     match state.store.tenant_by_key(key).await {
         Ok(Some(tenant)) => {
             req.extensions_mut().insert(tenant);
@@ -103,8 +109,18 @@ impl utoipa::IntoResponses for ApiErrors {
         ]
         .into_iter()
         .map(|(code, desc)| {
-            let content = ContentBuilder::new().schema(Some(Ref::from_schema_name("ErrorBody"))).build();
-            (code.to_string(), RefOr::T(ResponseBuilder::new().description(desc).content("application/json", content).build()))
+            let content = ContentBuilder::new()
+                .schema(Some(Ref::from_schema_name("ErrorBody")))
+                .build();
+            (
+                code.to_string(),
+                RefOr::T(
+                    ResponseBuilder::new()
+                        .description(desc)
+                        .content("application/json", content)
+                        .build(),
+                ),
+            )
         })
         .collect()
     }
@@ -114,8 +130,11 @@ pub const MAX_SANDBOX_TIMEOUT: Duration = Duration::from_secs(24 * 3600);
 pub const DEFAULT_SANDBOX_TIMEOUT: Duration = Duration::from_secs(300);
 
 pub fn parse_duration(field: &str, v: &str, max: Duration) -> ApiResult<Duration> {
-    let d = humantime::parse_duration(v.trim())
-        .map_err(|_| ApiError::Validation(format!("{field} {v:?} is not a duration; use forms like \"30s\", \"10m\", \"2h\"")))?;
+    let d = humantime::parse_duration(v.trim()).map_err(|_| {
+        ApiError::Validation(format!(
+            "{field} {v:?} is not a duration; use forms like \"30s\", \"10m\", \"2h\""
+        ))
+    })?;
     if d < Duration::from_secs(1) || d > max {
         return Err(ApiError::Validation(format!(
             "{field} must be between 1s and {}, got {v:?}",
@@ -127,9 +146,14 @@ pub fn parse_duration(field: &str, v: &str, max: Duration) -> ApiResult<Duration
 
 fn check_env(env: &BTreeMap<String, String>) -> ApiResult<()> {
     for k in env.keys() {
-        let ok = !k.is_empty() && !k.contains('=') && !k.contains('\0') && !k.chars().next().is_some_and(|c| c.is_ascii_digit());
+        let ok = !k.is_empty()
+            && !k.contains('=')
+            && !k.contains('\0')
+            && !k.chars().next().is_some_and(|c| c.is_ascii_digit());
         if !ok {
-            return Err(ApiError::Validation(format!("environment variable name {k:?} is invalid")));
+            return Err(ApiError::Validation(format!(
+                "environment variable name {k:?} is invalid"
+            )));
         }
     }
     Ok(())
@@ -161,7 +185,11 @@ pub async fn new_sandbox_row(
         template_digest: template.manifest.digest.clone(),
         runtime: state.runtime.runtime_name().into(),
         accel: state.runtime.accel().await.to_string(),
-        resources: Resources { vcpu: resources.vcpu, memory_mib: resources.memory_mib, disk_mib: resources.disk_mib },
+        resources: Resources {
+            vcpu: resources.vcpu,
+            memory_mib: resources.memory_mib,
+            disk_mib: resources.disk_mib,
+        },
         env,
         metadata,
         created_at_ms: now,
@@ -180,9 +208,15 @@ async fn sandbox_row(state: &AppState, tenant: &Tenant, id: &str) -> ApiResult<S
 async fn running_sandbox(state: &AppState, tenant: &Tenant, id: &str) -> ApiResult<Arc<airlock_runtime::Sandbox>> {
     let row = sandbox_row(state, tenant, id).await?;
     if row.state != SandboxState::Running {
-        return Err(ApiError::Conflict(format!("sandbox {id} is {}, not running", row.state.as_str())));
+        return Err(ApiError::Conflict(format!(
+            "sandbox {id} is {}, not running",
+            row.state.as_str()
+        )));
     }
-    state.runtime.get(id).map_err(|_| ApiError::Conflict(format!("sandbox {id} is not running")))
+    state
+        .runtime
+        .get(id)
+        .map_err(|_| ApiError::Conflict(format!("sandbox {id} is not running")))
 }
 
 #[utoipa::path(post, path = "/v1/sandboxes", tag = "sandboxes", request_body = CreateSandboxRequest,
@@ -197,12 +231,20 @@ pub async fn create_sandbox(
 ) -> ApiResult<(StatusCode, Json<OperationAccepted>)> {
     match req.runtime.as_deref() {
         None | Some("qemu") => {}
-        Some("fc") => return Err(ApiError::Validation("runtime \"fc\" (Firecracker) is not available on this node".into())),
+        Some("fc") => {
+            return Err(ApiError::Validation(
+                "runtime \"fc\" (Firecracker) is not available on this node".into(),
+            ))
+        }
         Some(other) => return Err(ApiError::Validation(format!("unknown runtime {other:?}; use \"qemu\""))),
     }
     let template = state.runtime.templates().resolve(&req.template)?;
     let defaults = airlock_runtime::Resources::default();
-    let spec = req.resources.unwrap_or(ResourcesSpec { vcpu: None, memory_mib: None, disk_mib: None });
+    let spec = req.resources.unwrap_or(ResourcesSpec {
+        vcpu: None,
+        memory_mib: None,
+        disk_mib: None,
+    });
     let resources = airlock_runtime::Resources {
         vcpu: spec.vcpu.unwrap_or(defaults.vcpu),
         memory_mib: spec.memory_mib.unwrap_or(defaults.memory_mib),
@@ -215,14 +257,25 @@ pub async fn create_sandbox(
     };
     let env = req.env.unwrap_or_default();
     check_env(&env)?;
-    let idem = headers.get("idempotency-key").and_then(|v| v.to_str().ok()).map(str::to_string);
+    let idem = headers
+        .get("idempotency-key")
+        .and_then(|v| v.to_str().ok())
+        .map(str::to_string);
     if idem.as_ref().is_some_and(|k| k.is_empty() || k.len() > 200) {
-        return Err(ApiError::BadRequest("Idempotency-Key must be 1 to 200 characters".into()));
+        return Err(ApiError::BadRequest(
+            "Idempotency-Key must be 1 to 200 characters".into(),
+        ));
     }
     if let Some(key) = &idem {
         if let Some(prior) = state.store.operation_by_idempotency_key(&tenant.id, key).await? {
             let sandbox_id = prior.sandbox_id.clone();
-            return Ok((StatusCode::ACCEPTED, Json(OperationAccepted { operation: prior, sandbox_id })));
+            return Ok((
+                StatusCode::ACCEPTED,
+                Json(OperationAccepted {
+                    operation: prior,
+                    sandbox_id,
+                }),
+            ));
         }
     }
     let metadata = req.metadata.unwrap_or_default();
@@ -233,9 +286,19 @@ pub async fn create_sandbox(
     if recorded.id == op.id {
         state.engine.start_create(op, row);
     }
-    let current = state.store.get_operation(&tenant.id, &recorded.id).await?.unwrap_or(recorded);
+    let current = state
+        .store
+        .get_operation(&tenant.id, &recorded.id)
+        .await?
+        .unwrap_or(recorded);
     let sandbox_id = current.sandbox_id.clone();
-    Ok((StatusCode::ACCEPTED, Json(OperationAccepted { operation: current, sandbox_id })))
+    Ok((
+        StatusCode::ACCEPTED,
+        Json(OperationAccepted {
+            operation: current,
+            sandbox_id,
+        }),
+    ))
 }
 
 #[utoipa::path(get, path = "/v1/operations/{id}", tag = "operations",
@@ -247,7 +310,12 @@ pub async fn get_operation(
     Extension(tenant): Extension<Tenant>,
     Path(id): Path<String>,
 ) -> ApiResult<Json<Operation>> {
-    state.store.get_operation(&tenant.id, &id).await?.map(Json).ok_or_else(|| ApiError::NotFound(format!("no operation with id {id:?}")))
+    state
+        .store
+        .get_operation(&tenant.id, &id)
+        .await?
+        .map(Json)
+        .ok_or_else(|| ApiError::NotFound(format!("no operation with id {id:?}")))
 }
 
 #[derive(Debug, Deserialize, utoipa::IntoParams)]
@@ -276,18 +344,28 @@ pub async fn list_sandboxes(
     let wanted = match q.state.as_deref() {
         None => None,
         Some(s) => Some(SandboxState::parse(s).ok_or_else(|| {
-            ApiError::Validation(format!("unknown state {s:?}; one of creating, running, deleting, deleted, failed"))
+            ApiError::Validation(format!(
+                "unknown state {s:?}; one of creating, running, deleting, deleted, failed"
+            ))
         })?),
     };
     let limit = q.limit.unwrap_or(50);
     if !(1..=100).contains(&limit) {
-        return Err(ApiError::Validation(format!("limit must be between 1 and 100, got {limit}")));
+        return Err(ApiError::Validation(format!(
+            "limit must be between 1 and 100, got {limit}"
+        )));
     }
     let after = match &q.page_token {
         None => None,
         Some(t) => {
-            let (ms, id) = t.split_once('.').ok_or_else(|| ApiError::Validation("bad page_token".into()))?;
-            Some((ms.parse::<i64>().map_err(|_| ApiError::Validation("bad page_token".into()))?, id.to_string()))
+            let (ms, id) = t
+                .split_once('.')
+                .ok_or_else(|| ApiError::Validation("bad page_token".into()))?;
+            Some((
+                ms.parse::<i64>()
+                    .map_err(|_| ApiError::Validation("bad page_token".into()))?,
+                id.to_string(),
+            ))
         }
     };
     let mut metadata = BTreeMap::new();
@@ -299,7 +377,12 @@ pub async fn list_sandboxes(
             _ => return Err(ApiError::Validation(format!("unknown query parameter {k:?}"))),
         }
     }
-    let filter = SandboxFilter { state: wanted, metadata, after, limit };
+    let filter = SandboxFilter {
+        state: wanted,
+        metadata,
+        after,
+        limit,
+    };
     let mut rows = state.store.list_sandboxes(&tenant.id, &filter).await?;
     if wanted.is_none() {
         rows.retain(|r| r.state != SandboxState::Failed);
@@ -309,7 +392,10 @@ pub async fn list_sandboxes(
         format!("{}.{}", last.created_at_ms, last.id)
     });
     rows.truncate(limit as usize);
-    Ok(Json(SandboxList { sandboxes: rows.iter().map(SandboxRow::view).collect(), next_page_token: next }))
+    Ok(Json(SandboxList {
+        sandboxes: rows.iter().map(SandboxRow::view).collect(),
+        next_page_token: next,
+    }))
 }
 
 #[utoipa::path(get, path = "/v1/sandboxes/{id}", tag = "sandboxes", params(("id" = String, Path)),
@@ -336,7 +422,13 @@ pub async fn delete_sandbox(
         return Err(ApiError::NotFound(format!("sandbox {id} was already deleted")));
     }
     let op = state.engine.request_delete(&row).await?;
-    Ok((StatusCode::ACCEPTED, Json(OperationAccepted { operation: op, sandbox_id: id })))
+    Ok((
+        StatusCode::ACCEPTED,
+        Json(OperationAccepted {
+            operation: op,
+            sandbox_id: id,
+        }),
+    ))
 }
 
 fn signal_name(n: i32) -> String {
@@ -358,7 +450,11 @@ fn signal_name(n: i32) -> String {
 
 pub fn parse_signal(s: &str) -> ApiResult<i32> {
     if let Ok(n) = s.parse::<i32>() {
-        return if (1..=64).contains(&n) { Ok(n) } else { Err(ApiError::Validation(format!("signal {n} is out of range"))) };
+        return if (1..=64).contains(&n) {
+            Ok(n)
+        } else {
+            Err(ApiError::Validation(format!("signal {n} is out of range")))
+        };
     }
     let name = s.trim().to_ascii_uppercase();
     let name = name.strip_prefix("SIG").unwrap_or(&name);
@@ -378,7 +474,11 @@ fn session_view(s: &SessionRow) -> Session {
     Session {
         id: s.id.clone(),
         sandbox_id: s.sandbox_id.clone(),
-        state: if s.exited { SessionState::Exited } else { SessionState::Running },
+        state: if s.exited {
+            SessionState::Exited
+        } else {
+            SessionState::Running
+        },
         argv: s.argv.clone(),
         cwd: s.cwd.clone(),
         user: s.user.clone(),
@@ -396,7 +496,9 @@ async fn refresh_session(state: &AppState, mut row: SessionRow) -> ApiResult<Ses
     if row.exited {
         return Ok(row);
     }
-    let Ok(sb) = state.runtime.get(&row.sandbox_id) else { return Ok(row) };
+    let Ok(sb) = state.runtime.get(&row.sandbox_id) else {
+        return Ok(row);
+    };
     let Ok(agent) = sb.agent().await else { return Ok(row) };
     if let Ok(info) = agent.process(row.process_id).await {
         if let Some(exit) = info.exit {
@@ -422,7 +524,9 @@ pub async fn create_session(
     ApiJson(req): ApiJson<CreateSessionRequest>,
 ) -> ApiResult<(StatusCode, Json<Session>)> {
     if req.argv.is_empty() || req.argv[0].is_empty() {
-        return Err(ApiError::Validation("argv must name a program, e.g. [\"python3\", \"-c\", \"print(1)\"]".into()));
+        return Err(ApiError::Validation(
+            "argv must name a program, e.g. [\"python3\", \"-c\", \"print(1)\"]".into(),
+        ));
     }
     if req.argv.iter().any(|a| a.contains('\0')) {
         return Err(ApiError::Validation("argv must not contain NUL bytes".into()));
@@ -449,7 +553,10 @@ pub async fn create_session(
         user: Some(req.user.clone().unwrap_or_else(|| "user".into())),
         timeout_ms: timeout.map(|t| t.as_millis() as u64),
         stdin: req.stdin.unwrap_or(false),
-        pty: req.pty.as_ref().map(|p| airlock_proto::PtySize { cols: p.cols, rows: p.rows }),
+        pty: req.pty.as_ref().map(|p| airlock_proto::PtySize {
+            cols: p.cols,
+            rows: p.rows,
+        }),
         tag: Some(session_id.clone()),
     };
     let info = sb.agent().await?.spawn(&spec).await?;
@@ -531,12 +638,19 @@ pub async fn stream_session(
 ) -> ApiResult<Sse<impl Stream<Item = Result<Event, Infallible>>>> {
     let row = session_row(&state, &tenant, &id, &sid).await?;
     let after = match headers.get("last-event-id").and_then(|v| v.to_str().ok()) {
-        Some(v) => v.trim().parse::<u64>().map_err(|_| ApiError::BadRequest(format!("Last-Event-ID {v:?} is not an event id")))?,
+        Some(v) => v
+            .trim()
+            .parse::<u64>()
+            .map_err(|_| ApiError::BadRequest(format!("Last-Event-ID {v:?} is not an event id")))?,
         None => q.last_event_id.unwrap_or(0),
     };
     let events = match state.runtime.get(&id) {
         Ok(sb) => match sb.agent().await {
-            Ok(agent) => agent.events(row.process_id, after).await.map(|s| s.boxed()).map_err(ApiError::from),
+            Ok(agent) => agent
+                .events(row.process_id, after)
+                .await
+                .map(|s| s.boxed())
+                .map_err(ApiError::from),
             Err(e) => Err(ApiError::from(e)),
         },
         Err(_) => Err(ApiError::Conflict(format!("sandbox {id} is not running"))),
@@ -551,22 +665,52 @@ pub async fn stream_session(
                         Ok(ev) => ev,
                         Err(e) => {
                             let body = ApiError::from(e).body();
-                            return (Event::default().event("error").json_data(body).expect("serializable"), None);
+                            return (
+                                Event::default().event("error").json_data(body).expect("serializable"),
+                                None,
+                            );
                         }
                     };
                     let id = ev.seq.to_string();
-                    let b64 = |d: &[u8]| OutputEvent { data: base64::engine::general_purpose::STANDARD.encode(d) };
+                    let b64 = |d: &[u8]| OutputEvent {
+                        data: base64::engine::general_purpose::STANDARD.encode(d),
+                    };
                     match ev.kind {
-                        EventKind::Stdout(d) => (Event::default().id(id).event("stdout").json_data(b64(&d)).expect("json"), None),
-                        EventKind::Stderr(d) => (Event::default().id(id).event("stderr").json_data(b64(&d)).expect("json"), None),
+                        EventKind::Stdout(d) => (
+                            Event::default()
+                                .id(id)
+                                .event("stdout")
+                                .json_data(b64(&d))
+                                .expect("json"),
+                            None,
+                        ),
+                        EventKind::Stderr(d) => (
+                            Event::default()
+                                .id(id)
+                                .event("stderr")
+                                .json_data(b64(&d))
+                                .expect("json"),
+                            None,
+                        ),
                         EventKind::Exit(exit) => {
                             row.exited = true;
                             row.exit_code = exit.exit_code;
                             row.signal = exit.signal;
                             row.timed_out = exit.timed_out;
                             row.ended_at_ms = Some(now_ms());
-                            let body = ExitedEvent { exit_code: exit.exit_code, signal: exit.signal.map(signal_name), timed_out: exit.timed_out };
-                            (Event::default().id(id).event("process_exited").json_data(body).expect("json"), Some(row.clone()))
+                            let body = ExitedEvent {
+                                exit_code: exit.exit_code,
+                                signal: exit.signal.map(signal_name),
+                                timed_out: exit.timed_out,
+                            };
+                            (
+                                Event::default()
+                                    .id(id)
+                                    .event("process_exited")
+                                    .json_data(body)
+                                    .expect("json"),
+                                Some(row.clone()),
+                            )
                         }
                     }
                 })
@@ -584,7 +728,10 @@ pub async fn stream_session(
         Err(e) => {
             // Headers are already promised as an event stream: report the failure in-band.
             let body = e.body();
-            futures_util::stream::once(async move { Ok(Event::default().event("error").json_data(body).expect("json")) }).boxed()
+            futures_util::stream::once(
+                async move { Ok(Event::default().event("error").json_data(body).expect("json")) },
+            )
+            .boxed()
         }
     };
     Ok(Sse::new(stream).keep_alive(KeepAlive::new().interval(Duration::from_secs(15))))
@@ -602,7 +749,9 @@ pub async fn session_stdin(
 ) -> ApiResult<StatusCode> {
     let row = session_row(&state, &tenant, &id, &sid).await?;
     let data = match &req.data {
-        Some(d) => base64::engine::general_purpose::STANDARD.decode(d).map_err(|e| ApiError::Validation(format!("data is not base64: {e}")))?,
+        Some(d) => base64::engine::general_purpose::STANDARD
+            .decode(d)
+            .map_err(|e| ApiError::Validation(format!("data is not base64: {e}")))?,
         None => Vec::new(),
     };
     let agent = running_sandbox(&state, &tenant, &id).await?.agent().await?;
@@ -627,7 +776,12 @@ pub async fn session_signal(
 ) -> ApiResult<StatusCode> {
     let row = session_row(&state, &tenant, &id, &sid).await?;
     let sig = parse_signal(&req.signal)?;
-    running_sandbox(&state, &tenant, &id).await?.agent().await?.signal(row.process_id, sig).await?;
+    running_sandbox(&state, &tenant, &id)
+        .await?
+        .agent()
+        .await?
+        .signal(row.process_id, sig)
+        .await?;
     Ok(StatusCode::NO_CONTENT)
 }
 
@@ -645,8 +799,16 @@ pub async fn session_resize(
     if req.cols == 0 || req.rows == 0 {
         return Err(ApiError::Validation("cols and rows must be at least 1".into()));
     }
-    let size = airlock_proto::PtySize { cols: req.cols, rows: req.rows };
-    running_sandbox(&state, &tenant, &id).await?.agent().await?.resize(row.process_id, size).await?;
+    let size = airlock_proto::PtySize {
+        cols: req.cols,
+        rows: req.rows,
+    };
+    running_sandbox(&state, &tenant, &id)
+        .await?
+        .agent()
+        .await?
+        .resize(row.process_id, size)
+        .await?;
     Ok(StatusCode::NO_CONTENT)
 }
 
@@ -715,7 +877,9 @@ pub async fn write_file(
 ) -> ApiResult<Json<FileInfo>> {
     let agent = running_sandbox(&state, &tenant, &id).await?.agent().await?;
     let data = body.into_data_stream().map(|r| r.map_err(std::io::Error::other));
-    Ok(Json(file_info(agent.write_file_stream(&q.path, Some("user"), data).await?)))
+    Ok(Json(file_info(
+        agent.write_file_stream(&q.path, Some("user"), data).await?,
+    )))
 }
 
 #[utoipa::path(delete, path = "/v1/sandboxes/{id}/files", tag = "files", params(("id" = String, Path), PathQuery),
@@ -727,7 +891,12 @@ pub async fn delete_file(
     Path(id): Path<String>,
     ApiQuery(q): ApiQuery<PathQuery>,
 ) -> ApiResult<StatusCode> {
-    running_sandbox(&state, &tenant, &id).await?.agent().await?.remove(&q.path).await?;
+    running_sandbox(&state, &tenant, &id)
+        .await?
+        .agent()
+        .await?
+        .remove(&q.path)
+        .await?;
     Ok(StatusCode::NO_CONTENT)
 }
 
@@ -742,7 +911,9 @@ pub async fn list_files(
 ) -> ApiResult<Json<FileList>> {
     let depth = q.depth.unwrap_or(1);
     if !(1..=32).contains(&depth) {
-        return Err(ApiError::Validation(format!("depth must be between 1 and 32, got {depth}")));
+        return Err(ApiError::Validation(format!(
+            "depth must be between 1 and 32, got {depth}"
+        )));
     }
     let agent = running_sandbox(&state, &tenant, &id).await?.agent().await?;
     let entries = agent.list(&q.path, depth).await?.into_iter().map(file_info).collect();
@@ -750,13 +921,27 @@ pub async fn list_files(
 }
 
 fn template_view(m: airlock_runtime::template::TemplateManifest) -> Template {
-    Template { name: m.name, digest: m.digest, kernel_version: m.kernel_version, size_bytes: m.size_bytes, built_at: m.built_at }
+    Template {
+        name: m.name,
+        digest: m.digest,
+        kernel_version: m.kernel_version,
+        size_bytes: m.size_bytes,
+        built_at: m.built_at,
+    }
 }
 
 #[utoipa::path(get, path = "/v1/templates", tag = "templates",
     responses((status = 200, body = TemplateList), ApiErrors), security(("bearer" = [])))]
 pub async fn list_templates(State(state): State<AppState>) -> Json<TemplateList> {
-    Json(TemplateList { templates: state.runtime.templates().list().into_iter().map(template_view).collect() })
+    Json(TemplateList {
+        templates: state
+            .runtime
+            .templates()
+            .list()
+            .into_iter()
+            .map(template_view)
+            .collect(),
+    })
 }
 
 #[utoipa::path(get, path = "/v1/templates/{name}", tag = "templates", params(("name" = String, Path)),
@@ -781,7 +966,9 @@ pub async fn system(State(state): State<AppState>) -> Json<SystemInfo> {
         accel: state.runtime.accel().await.to_string(),
         runtimes: vec![state.runtime.runtime_name().into()],
         capacity: Capacity {
-            cpus: std::thread::available_parallelism().map(|n| n.get() as u32).unwrap_or(1),
+            cpus: std::thread::available_parallelism()
+                .map(|n| n.get() as u32)
+                .unwrap_or(1),
             memory_mib: mem,
             sandboxes_running: state.runtime.list().len() as u32,
         },

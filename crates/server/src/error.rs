@@ -67,7 +67,10 @@ impl ApiError {
     }
 
     pub fn body(&self) -> ErrorBody {
-        ErrorBody { code: self.status_and_code().1.into(), message: self.to_string() }
+        ErrorBody {
+            code: self.status_and_code().1.into(),
+            message: self.to_string(),
+        }
     }
 }
 

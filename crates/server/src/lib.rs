@@ -35,7 +35,10 @@ impl utoipa::Modify for BearerAuth {
     fn modify(&self, openapi: &mut utoipa::openapi::OpenApi) {
         use utoipa::openapi::security::{HttpAuthScheme, HttpBuilder, SecurityScheme};
         let components = openapi.components.get_or_insert_with(Default::default);
-        components.add_security_scheme("bearer", SecurityScheme::Http(HttpBuilder::new().scheme(HttpAuthScheme::Bearer).build()));
+        components.add_security_scheme(
+            "bearer",
+            SecurityScheme::Http(HttpBuilder::new().scheme(HttpAuthScheme::Bearer).build()),
+        );
     }
 }
 
@@ -48,13 +51,19 @@ pub fn router(state: AppState) -> Router {
         .route("/sandboxes", post(api::create_sandbox).get(api::list_sandboxes))
         .route("/sandboxes/{id}", get(api::get_sandbox).delete(api::delete_sandbox))
         .route("/operations/{id}", get(api::get_operation))
-        .route("/sandboxes/{id}/sessions", post(api::create_session).get(api::list_sessions))
+        .route(
+            "/sandboxes/{id}/sessions",
+            post(api::create_session).get(api::list_sessions),
+        )
         .route("/sandboxes/{id}/sessions/{sid}", get(api::get_session))
         .route("/sandboxes/{id}/sessions/{sid}/stream", get(api::stream_session))
         .route("/sandboxes/{id}/sessions/{sid}/stdin", post(api::session_stdin))
         .route("/sandboxes/{id}/sessions/{sid}/signal", post(api::session_signal))
         .route("/sandboxes/{id}/sessions/{sid}/resize", post(api::session_resize))
-        .route("/sandboxes/{id}/files", get(api::read_file).put(api::write_file).delete(api::delete_file))
+        .route(
+            "/sandboxes/{id}/files",
+            get(api::read_file).put(api::write_file).delete(api::delete_file),
+        )
         .route("/sandboxes/{id}/files/list", get(api::list_files))
         .route("/templates", get(api::list_templates))
         .route("/templates/{name}", get(api::get_template))
@@ -83,7 +92,10 @@ pub fn router(state: AppState) -> Router {
         .nest("/v1", v1)
         .merge(e2b_api)
         .merge(envd)
-        .route("/openapi-m1.json", get(move || async move { ([("content-type", "application/json")], doc.clone()) }))
+        .route(
+            "/openapi-m1.json",
+            get(move || async move { ([("content-type", "application/json")], doc.clone()) }),
+        )
         .fallback(api::not_found)
         // Uploads stream to the guest; the cap only bounds a single request.
         .layer(axum::extract::DefaultBodyLimit::max(1 << 30))
@@ -99,17 +111,27 @@ pub struct ServeOptions {
 /// Open everything, recover from the last run, and serve until the process is stopped.
 pub async fn serve(opts: ServeOptions) -> anyhow::Result<()> {
     let runtime = airlock_runtime::Runtime::open(airlock_runtime::RuntimeOptions::new(&opts.data_dir)).await?;
-    let store: Arc<dyn store::Store> = Arc::new(store::SqliteStore::open(&runtime.data_dir().root().join("airlock.db")).await?);
+    let store: Arc<dyn store::Store> =
+        Arc::new(store::SqliteStore::open(&runtime.data_dir().root().join("airlock.db")).await?);
     if let Some(key) = store.bootstrap().await? {
         write_credentials(runtime.data_dir().root(), &key, &opts.listen)?;
-        tracing::info!("created tenant `default` and its admin key in {}", runtime.data_dir().root().join("credentials").display());
+        tracing::info!(
+            "created tenant `default` and its admin key in {}",
+            runtime.data_dir().root().join("credentials").display()
+        );
     }
     let accel = runtime.accel().await;
     tracing::info!("runtime {} with accel {accel}", runtime.runtime_name());
     let engine = ops::Engine::new(store.clone(), runtime.clone());
     engine.recover().await?;
     engine.spawn_reaper();
-    let state = AppState { store, runtime, engine, max_sandboxes_per_tenant: opts.max_sandboxes_per_tenant, watchers: Default::default() };
+    let state = AppState {
+        store,
+        runtime,
+        engine,
+        max_sandboxes_per_tenant: opts.max_sandboxes_per_tenant,
+        watchers: Default::default(),
+    };
     let listener = tokio::net::TcpListener::bind(opts.listen)
         .await
         .map_err(|e| anyhow::anyhow!("listen on {}: {e}", opts.listen))?;
@@ -122,10 +144,17 @@ pub fn write_credentials(data_dir: &std::path::Path, key: &str, listen: &SocketA
     use std::io::Write;
     use std::os::unix::fs::OpenOptionsExt;
     let path = data_dir.join("credentials");
-    let mut f = std::fs::OpenOptions::new().create(true).truncate(true).write(true).mode(0o600).open(&path)?;
-    writeln!(f, "# airlock admin key of tenant `default` (only its hash is stored in airlock.db)")?;
+    let mut f = std::fs::OpenOptions::new()
+        .create(true)
+        .truncate(true)
+        .write(true)
+        .mode(0o600)
+        .open(&path)?;
+    writeln!(
+        f,
+        "# airlock admin key of tenant `default` (only its hash is stored in airlock.db)"
+    )?;
     writeln!(f, "AIRLOCK_URL=http://{listen}")?;
     writeln!(f, "AIRLOCK_API_KEY={key}")?;
     Ok(())
 }
-

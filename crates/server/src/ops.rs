@@ -33,7 +33,11 @@ pub fn new_operation(kind: OperationKind, sandbox_id: &str) -> Operation {
 
 impl Engine {
     pub fn new(store: Arc<dyn Store>, runtime: Runtime) -> Self {
-        Self { store, runtime, locks: Arc::default() }
+        Self {
+            store,
+            runtime,
+            locks: Arc::default(),
+        }
     }
 
     fn lock_for(&self, id: &str) -> Arc<tokio::sync::Mutex<()>> {
@@ -61,23 +65,37 @@ impl Engine {
         };
         match self.runtime.create(req).await {
             Ok(sb) => {
-                let _ = self.store.set_sandbox_boot(&row.id, &sb.record.template_digest, &sb.record.accel.to_string()).await;
+                let _ = self
+                    .store
+                    .set_sandbox_boot(&row.id, &sb.record.template_digest, &sb.record.accel.to_string())
+                    .await;
                 let _ = self.store.set_sandbox_state(&row.id, SandboxState::Running).await;
-                let _ = self.store.finish_operation(&op.id, OperationState::Succeeded, None).await;
+                let _ = self
+                    .store
+                    .finish_operation(&op.id, OperationState::Succeeded, None)
+                    .await;
                 tracing::info!(sandbox = %row.id, "created");
             }
             Err(e) => {
                 tracing::warn!(sandbox = %row.id, "create failed: {e}");
                 let body = ApiError::from(e).body();
                 let _ = self.store.set_sandbox_state(&row.id, SandboxState::Failed).await;
-                let _ = self.store.finish_operation(&op.id, OperationState::Failed, Some(&body)).await;
+                let _ = self
+                    .store
+                    .finish_operation(&op.id, OperationState::Failed, Some(&body))
+                    .await;
             }
         }
     }
 
     /// Record a delete (or return the one already under way) and carry it out.
     pub async fn request_delete(&self, row: &SandboxRow) -> Result<Operation, ApiError> {
-        if let Some(open) = self.store.open_delete_operation(&row.id).await?.filter(|o| !o.state.is_final()) {
+        if let Some(open) = self
+            .store
+            .open_delete_operation(&row.id)
+            .await?
+            .filter(|o| !o.state.is_final())
+        {
             return Ok(open);
         }
         let op = new_operation(OperationKind::Delete, &row.id);
@@ -115,13 +133,19 @@ impl Engine {
         match result {
             Ok(()) => {
                 let _ = self.store.set_sandbox_state(&id, SandboxState::Deleted).await;
-                let _ = self.store.finish_operation(&op.id, OperationState::Succeeded, None).await;
+                let _ = self
+                    .store
+                    .finish_operation(&op.id, OperationState::Succeeded, None)
+                    .await;
                 tracing::info!(sandbox = %id, "deleted");
             }
             Err(e) => {
                 let body = ApiError::from(e).body();
                 let _ = self.store.set_sandbox_state(&id, SandboxState::Failed).await;
-                let _ = self.store.finish_operation(&op.id, OperationState::Failed, Some(&body)).await;
+                let _ = self
+                    .store
+                    .finish_operation(&op.id, OperationState::Failed, Some(&body))
+                    .await;
             }
         }
         self.locks.lock().unwrap().remove(&id);
@@ -133,9 +157,15 @@ impl Engine {
             match op.kind {
                 OperationKind::Create if self.runtime.get(&op.sandbox_id).is_ok() => {
                     let sb = self.runtime.get(&op.sandbox_id)?;
-                    self.store.set_sandbox_boot(&op.sandbox_id, &sb.record.template_digest, &sb.record.accel.to_string()).await?;
-                    self.store.set_sandbox_state(&op.sandbox_id, SandboxState::Running).await?;
-                    self.store.finish_operation(&op.id, OperationState::Succeeded, None).await?;
+                    self.store
+                        .set_sandbox_boot(&op.sandbox_id, &sb.record.template_digest, &sb.record.accel.to_string())
+                        .await?;
+                    self.store
+                        .set_sandbox_state(&op.sandbox_id, SandboxState::Running)
+                        .await?;
+                    self.store
+                        .finish_operation(&op.id, OperationState::Succeeded, None)
+                        .await?;
                     tracing::info!(op = %op.id, "create finished before the restart: succeeded");
                 }
                 OperationKind::Delete => {
@@ -147,8 +177,12 @@ impl Engine {
                         code: "interrupted".into(),
                         message: "the server stopped while this operation ran; nothing of it is left running".into(),
                     };
-                    self.store.set_sandbox_state(&op.sandbox_id, SandboxState::Failed).await?;
-                    self.store.finish_operation(&op.id, OperationState::Failed, Some(&body)).await?;
+                    self.store
+                        .set_sandbox_state(&op.sandbox_id, SandboxState::Failed)
+                        .await?;
+                    self.store
+                        .finish_operation(&op.id, OperationState::Failed, Some(&body))
+                        .await?;
                     tracing::warn!(op = %op.id, "interrupted by a restart: failed");
                 }
             }
@@ -163,7 +197,12 @@ impl Engine {
         // VMs the store does not know as live are not anyone's: remove them.
         for sb in self.runtime.list() {
             let known = self.store.sandbox_by_id(sb.id()).await?;
-            if !known.is_some_and(|r| matches!(r.state, SandboxState::Running | SandboxState::Creating | SandboxState::Deleting)) {
+            if !known.is_some_and(|r| {
+                matches!(
+                    r.state,
+                    SandboxState::Running | SandboxState::Creating | SandboxState::Deleting
+                )
+            }) {
                 tracing::warn!(sandbox = %sb.id(), "VM without a live record; deleting it");
                 let _ = self.runtime.delete(sb.id()).await;
             }

@@ -1,7 +1,7 @@
 //! The control-plane store. SQLite is the embedded default; the trait keeps room for Postgres.
 
-use crate::model::{Operation, OperationKind, OperationState, Resources, Sandbox, SandboxState};
 use crate::error::ErrorBody;
+use crate::model::{Operation, OperationKind, OperationState, Resources, Sandbox, SandboxState};
 use async_trait::async_trait;
 use sqlx::sqlite::{SqliteConnectOptions, SqliteJournalMode, SqlitePool, SqlitePoolOptions};
 use sqlx::Row;
@@ -10,7 +10,10 @@ use std::path::Path;
 use std::str::FromStr;
 
 pub fn now_ms() -> i64 {
-    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_millis() as i64).unwrap_or(0)
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_millis() as i64)
+        .unwrap_or(0)
 }
 
 pub fn rfc3339(ms: i64) -> String {
@@ -92,7 +95,12 @@ pub trait Store: Send + Sync {
 
     /// Record a new sandbox and its create operation; with an idempotency key already used by
     /// this tenant, return the earlier operation instead.
-    async fn insert_create(&self, sb: &SandboxRow, op: &Operation, idempotency_key: Option<&str>) -> Result<Operation, sqlx::Error>;
+    async fn insert_create(
+        &self,
+        sb: &SandboxRow,
+        op: &Operation,
+        idempotency_key: Option<&str>,
+    ) -> Result<Operation, sqlx::Error>;
     async fn get_sandbox(&self, tenant_id: &str, id: &str) -> Result<Option<SandboxRow>, sqlx::Error>;
     async fn sandbox_by_id(&self, id: &str) -> Result<Option<SandboxRow>, sqlx::Error>;
     async fn list_sandboxes(&self, tenant_id: &str, filter: &SandboxFilter) -> Result<Vec<SandboxRow>, sqlx::Error>;
@@ -105,7 +113,12 @@ pub trait Store: Send + Sync {
     async fn insert_operation(&self, tenant_id: &str, op: &Operation) -> Result<(), sqlx::Error>;
     async fn get_operation(&self, tenant_id: &str, id: &str) -> Result<Option<Operation>, sqlx::Error>;
     async fn operation_by_idempotency_key(&self, tenant_id: &str, key: &str) -> Result<Option<Operation>, sqlx::Error>;
-    async fn finish_operation(&self, id: &str, state: OperationState, error: Option<&ErrorBody>) -> Result<(), sqlx::Error>;
+    async fn finish_operation(
+        &self,
+        id: &str,
+        state: OperationState,
+        error: Option<&ErrorBody>,
+    ) -> Result<(), sqlx::Error>;
     async fn set_operation_state(&self, id: &str, state: OperationState) -> Result<(), sqlx::Error>;
     async fn unfinished_operations(&self) -> Result<Vec<Operation>, sqlx::Error>;
     async fn open_delete_operation(&self, sandbox_id: &str) -> Result<Option<Operation>, sqlx::Error>;
@@ -177,7 +190,10 @@ fn op_from_row(r: &sqlx::sqlite::SqliteRow) -> Operation {
         kind: OperationKind::parse(r.get::<&str, _>("kind")).unwrap_or(OperationKind::Create),
         state: OperationState::parse(r.get::<&str, _>("state")).unwrap_or(OperationState::Failed),
         sandbox_id: r.get("sandbox_id"),
-        error: code.map(|code| ErrorBody { code, message: message.unwrap_or_default() }),
+        error: code.map(|code| ErrorBody {
+            code,
+            message: message.unwrap_or_default(),
+        }),
         created_at: rfc3339(r.get("created_at_ms")),
         finished_at: finished.map(rfc3339),
     }
@@ -233,9 +249,11 @@ fn op_created_ms(op: &Operation) -> i64 {
 #[async_trait]
 impl Store for SqliteStore {
     async fn bootstrap(&self) -> Result<Option<String>, sqlx::Error> {
-        let keys: (i64,) = sqlx::query_as("SELECT COUNT(*) FROM api_keys k JOIN tenants t ON t.id = k.tenant_id WHERE t.name = 'default'")
-            .fetch_one(&self.pool)
-            .await?;
+        let keys: (i64,) = sqlx::query_as(
+            "SELECT COUNT(*) FROM api_keys k JOIN tenants t ON t.id = k.tenant_id WHERE t.name = 'default'",
+        )
+        .fetch_one(&self.pool)
+        .await?;
         if keys.0 > 0 {
             return Ok(None);
         }
@@ -243,7 +261,10 @@ impl Store for SqliteStore {
     }
 
     async fn create_key(&self, tenant: &str) -> Result<String, sqlx::Error> {
-        let row: Option<(String,)> = sqlx::query_as("SELECT id FROM tenants WHERE name = ?").bind(tenant).fetch_optional(&self.pool).await?;
+        let row: Option<(String,)> = sqlx::query_as("SELECT id FROM tenants WHERE name = ?")
+            .bind(tenant)
+            .fetch_optional(&self.pool)
+            .await?;
         let tenant_id = match row {
             Some((id,)) => id,
             None => {
@@ -268,16 +289,20 @@ impl Store for SqliteStore {
     }
 
     async fn tenant_by_key(&self, key: &str) -> Result<Option<Tenant>, sqlx::Error> {
-        let row: Option<(String, String)> = sqlx::query_as(
-            "SELECT t.id, t.name FROM api_keys k JOIN tenants t ON t.id = k.tenant_id WHERE k.hash = ?",
-        )
-        .bind(key_hash(key))
-        .fetch_optional(&self.pool)
-        .await?;
+        let row: Option<(String, String)> =
+            sqlx::query_as("SELECT t.id, t.name FROM api_keys k JOIN tenants t ON t.id = k.tenant_id WHERE k.hash = ?")
+                .bind(key_hash(key))
+                .fetch_optional(&self.pool)
+                .await?;
         Ok(row.map(|(id, name)| Tenant { id, name }))
     }
 
-    async fn insert_create(&self, sb: &SandboxRow, op: &Operation, idem: Option<&str>) -> Result<Operation, sqlx::Error> {
+    async fn insert_create(
+        &self,
+        sb: &SandboxRow,
+        op: &Operation,
+        idem: Option<&str>,
+    ) -> Result<Operation, sqlx::Error> {
         let mut tx = self.pool.begin().await?;
         if let Some(key) = idem {
             let prior = sqlx::query("SELECT * FROM operations WHERE tenant_id = ? AND idempotency_key = ?")
@@ -326,12 +351,19 @@ impl Store for SqliteStore {
     }
 
     async fn get_sandbox(&self, tenant_id: &str, id: &str) -> Result<Option<SandboxRow>, sqlx::Error> {
-        let r = sqlx::query("SELECT * FROM sandboxes WHERE tenant_id = ? AND id = ?").bind(tenant_id).bind(id).fetch_optional(&self.pool).await?;
+        let r = sqlx::query("SELECT * FROM sandboxes WHERE tenant_id = ? AND id = ?")
+            .bind(tenant_id)
+            .bind(id)
+            .fetch_optional(&self.pool)
+            .await?;
         Ok(r.as_ref().map(sandbox_from_row))
     }
 
     async fn sandbox_by_id(&self, id: &str) -> Result<Option<SandboxRow>, sqlx::Error> {
-        let r = sqlx::query("SELECT * FROM sandboxes WHERE id = ?").bind(id).fetch_optional(&self.pool).await?;
+        let r = sqlx::query("SELECT * FROM sandboxes WHERE id = ?")
+            .bind(id)
+            .fetch_optional(&self.pool)
+            .await?;
         Ok(r.as_ref().map(sandbox_from_row))
     }
 
@@ -359,20 +391,28 @@ impl Store for SqliteStore {
     }
 
     async fn live_sandboxes(&self) -> Result<Vec<SandboxRow>, sqlx::Error> {
-        let rows = sqlx::query("SELECT * FROM sandboxes WHERE state IN ('creating', 'running', 'deleting')").fetch_all(&self.pool).await?;
+        let rows = sqlx::query("SELECT * FROM sandboxes WHERE state IN ('creating', 'running', 'deleting')")
+            .fetch_all(&self.pool)
+            .await?;
         Ok(rows.iter().map(sandbox_from_row).collect())
     }
 
     async fn count_live_sandboxes(&self, tenant_id: &str) -> Result<i64, sqlx::Error> {
-        let n: (i64,) = sqlx::query_as("SELECT COUNT(*) FROM sandboxes WHERE tenant_id = ? AND state IN ('creating', 'running', 'deleting')")
-            .bind(tenant_id)
-            .fetch_one(&self.pool)
-            .await?;
+        let n: (i64,) = sqlx::query_as(
+            "SELECT COUNT(*) FROM sandboxes WHERE tenant_id = ? AND state IN ('creating', 'running', 'deleting')",
+        )
+        .bind(tenant_id)
+        .fetch_one(&self.pool)
+        .await?;
         Ok(n.0)
     }
 
     async fn set_sandbox_state(&self, id: &str, state: SandboxState) -> Result<(), sqlx::Error> {
-        sqlx::query("UPDATE sandboxes SET state = ? WHERE id = ?").bind(state.as_str()).bind(id).execute(&self.pool).await?;
+        sqlx::query("UPDATE sandboxes SET state = ? WHERE id = ?")
+            .bind(state.as_str())
+            .bind(id)
+            .execute(&self.pool)
+            .await?;
         Ok(())
     }
 
@@ -387,25 +427,34 @@ impl Store for SqliteStore {
     }
 
     async fn expired_sandboxes(&self, now: i64) -> Result<Vec<SandboxRow>, sqlx::Error> {
-        let rows = sqlx::query("SELECT * FROM sandboxes WHERE state = 'running' AND expires_at_ms <= ?").bind(now).fetch_all(&self.pool).await?;
+        let rows = sqlx::query("SELECT * FROM sandboxes WHERE state = 'running' AND expires_at_ms <= ?")
+            .bind(now)
+            .fetch_all(&self.pool)
+            .await?;
         Ok(rows.iter().map(sandbox_from_row).collect())
     }
 
     async fn insert_operation(&self, tenant_id: &str, op: &Operation) -> Result<(), sqlx::Error> {
-        sqlx::query("INSERT INTO operations (id, tenant_id, kind, state, sandbox_id, created_at_ms) VALUES (?, ?, ?, ?, ?, ?)")
-            .bind(&op.id)
-            .bind(tenant_id)
-            .bind(op.kind.as_str())
-            .bind(op.state.as_str())
-            .bind(&op.sandbox_id)
-            .bind(op_created_ms(op))
-            .execute(&self.pool)
-            .await?;
+        sqlx::query(
+            "INSERT INTO operations (id, tenant_id, kind, state, sandbox_id, created_at_ms) VALUES (?, ?, ?, ?, ?, ?)",
+        )
+        .bind(&op.id)
+        .bind(tenant_id)
+        .bind(op.kind.as_str())
+        .bind(op.state.as_str())
+        .bind(&op.sandbox_id)
+        .bind(op_created_ms(op))
+        .execute(&self.pool)
+        .await?;
         Ok(())
     }
 
     async fn get_operation(&self, tenant_id: &str, id: &str) -> Result<Option<Operation>, sqlx::Error> {
-        let r = sqlx::query("SELECT * FROM operations WHERE tenant_id = ? AND id = ?").bind(tenant_id).bind(id).fetch_optional(&self.pool).await?;
+        let r = sqlx::query("SELECT * FROM operations WHERE tenant_id = ? AND id = ?")
+            .bind(tenant_id)
+            .bind(id)
+            .fetch_optional(&self.pool)
+            .await?;
         Ok(r.as_ref().map(op_from_row))
     }
 
@@ -418,56 +467,83 @@ impl Store for SqliteStore {
         Ok(r.as_ref().map(op_from_row))
     }
 
-    async fn finish_operation(&self, id: &str, state: OperationState, error: Option<&ErrorBody>) -> Result<(), sqlx::Error> {
-        sqlx::query("UPDATE operations SET state = ?, error_code = ?, error_message = ?, finished_at_ms = ? WHERE id = ?")
+    async fn finish_operation(
+        &self,
+        id: &str,
+        state: OperationState,
+        error: Option<&ErrorBody>,
+    ) -> Result<(), sqlx::Error> {
+        sqlx::query(
+            "UPDATE operations SET state = ?, error_code = ?, error_message = ?, finished_at_ms = ? WHERE id = ?",
+        )
+        .bind(state.as_str())
+        .bind(error.map(|e| e.code.clone()))
+        .bind(error.map(|e| e.message.clone()))
+        .bind(now_ms())
+        .bind(id)
+        .execute(&self.pool)
+        .await?;
+        Ok(())
+    }
+
+    async fn set_operation_state(&self, id: &str, state: OperationState) -> Result<(), sqlx::Error> {
+        sqlx::query("UPDATE operations SET state = ? WHERE id = ?")
             .bind(state.as_str())
-            .bind(error.map(|e| e.code.clone()))
-            .bind(error.map(|e| e.message.clone()))
-            .bind(now_ms())
             .bind(id)
             .execute(&self.pool)
             .await?;
         Ok(())
     }
 
-    async fn set_operation_state(&self, id: &str, state: OperationState) -> Result<(), sqlx::Error> {
-        sqlx::query("UPDATE operations SET state = ? WHERE id = ?").bind(state.as_str()).bind(id).execute(&self.pool).await?;
-        Ok(())
-    }
-
     async fn unfinished_operations(&self) -> Result<Vec<Operation>, sqlx::Error> {
-        let rows = sqlx::query("SELECT * FROM operations WHERE state IN ('pending', 'running') ORDER BY created_at_ms").fetch_all(&self.pool).await?;
+        let rows = sqlx::query("SELECT * FROM operations WHERE state IN ('pending', 'running') ORDER BY created_at_ms")
+            .fetch_all(&self.pool)
+            .await?;
         Ok(rows.iter().map(op_from_row).collect())
     }
 
     async fn open_delete_operation(&self, sandbox_id: &str) -> Result<Option<Operation>, sqlx::Error> {
-        let r = sqlx::query("SELECT * FROM operations WHERE sandbox_id = ? AND kind = 'delete' ORDER BY created_at_ms DESC LIMIT 1")
-            .bind(sandbox_id)
-            .fetch_optional(&self.pool)
-            .await?;
+        let r = sqlx::query(
+            "SELECT * FROM operations WHERE sandbox_id = ? AND kind = 'delete' ORDER BY created_at_ms DESC LIMIT 1",
+        )
+        .bind(sandbox_id)
+        .fetch_optional(&self.pool)
+        .await?;
         Ok(r.as_ref().map(op_from_row))
     }
 
     async fn set_sandbox_expiry(&self, id: &str, expires_at_ms: i64) -> Result<(), sqlx::Error> {
-        sqlx::query("UPDATE sandboxes SET expires_at_ms = ? WHERE id = ?").bind(expires_at_ms).bind(id).execute(&self.pool).await?;
+        sqlx::query("UPDATE sandboxes SET expires_at_ms = ? WHERE id = ?")
+            .bind(expires_at_ms)
+            .bind(id)
+            .execute(&self.pool)
+            .await?;
         Ok(())
     }
 
     async fn set_sandbox_token(&self, id: &str, token: &str) -> Result<(), sqlx::Error> {
-        sqlx::query("INSERT OR REPLACE INTO sandbox_tokens (sandbox_id, token) VALUES (?, ?)").bind(id).bind(token).execute(&self.pool).await?;
+        sqlx::query("INSERT OR REPLACE INTO sandbox_tokens (sandbox_id, token) VALUES (?, ?)")
+            .bind(id)
+            .bind(token)
+            .execute(&self.pool)
+            .await?;
         Ok(())
     }
 
     async fn sandbox_token(&self, id: &str) -> Result<Option<String>, sqlx::Error> {
-        let r: Option<(String,)> = sqlx::query_as("SELECT token FROM sandbox_tokens WHERE sandbox_id = ?").bind(id).fetch_optional(&self.pool).await?;
+        let r: Option<(String,)> = sqlx::query_as("SELECT token FROM sandbox_tokens WHERE sandbox_id = ?")
+            .bind(id)
+            .fetch_optional(&self.pool)
+            .await?;
         Ok(r.map(|r| r.0))
     }
 
     async fn sandbox_by_token(&self, token: &str) -> Result<Option<SandboxRow>, sqlx::Error> {
-        let r = sqlx::query("SELECT s.* FROM sandbox_tokens t JOIN sandboxes s ON s.id = t.sandbox_id WHERE t.token = ?")
-            .bind(token)
-            .fetch_optional(&self.pool)
-            .await?;
+        let r =
+            sqlx::query("SELECT s.* FROM sandbox_tokens t JOIN sandboxes s ON s.id = t.sandbox_id WHERE t.token = ?")
+                .bind(token)
+                .fetch_optional(&self.pool)
+                .await?;
         Ok(r.as_ref().map(sandbox_from_row))
     }
 
@@ -495,24 +571,33 @@ impl Store for SqliteStore {
     }
 
     async fn get_session(&self, sandbox_id: &str, id: &str) -> Result<Option<SessionRow>, sqlx::Error> {
-        let r = sqlx::query("SELECT * FROM sessions WHERE sandbox_id = ? AND id = ?").bind(sandbox_id).bind(id).fetch_optional(&self.pool).await?;
+        let r = sqlx::query("SELECT * FROM sessions WHERE sandbox_id = ? AND id = ?")
+            .bind(sandbox_id)
+            .bind(id)
+            .fetch_optional(&self.pool)
+            .await?;
         Ok(r.as_ref().map(session_from_row))
     }
 
     async fn list_sessions(&self, sandbox_id: &str) -> Result<Vec<SessionRow>, sqlx::Error> {
-        let rows = sqlx::query("SELECT * FROM sessions WHERE sandbox_id = ? ORDER BY started_at_ms, id").bind(sandbox_id).fetch_all(&self.pool).await?;
+        let rows = sqlx::query("SELECT * FROM sessions WHERE sandbox_id = ? ORDER BY started_at_ms, id")
+            .bind(sandbox_id)
+            .fetch_all(&self.pool)
+            .await?;
         Ok(rows.iter().map(session_from_row).collect())
     }
 
     async fn finish_session(&self, s: &SessionRow) -> Result<(), sqlx::Error> {
-        sqlx::query("UPDATE sessions SET exit_code = ?, signal = ?, timed_out = ?, exited = 1, ended_at_ms = ? WHERE id = ?")
-            .bind(s.exit_code)
-            .bind(s.signal)
-            .bind(s.timed_out as i64)
-            .bind(s.ended_at_ms)
-            .bind(&s.id)
-            .execute(&self.pool)
-            .await?;
+        sqlx::query(
+            "UPDATE sessions SET exit_code = ?, signal = ?, timed_out = ?, exited = 1, ended_at_ms = ? WHERE id = ?",
+        )
+        .bind(s.exit_code)
+        .bind(s.signal)
+        .bind(s.timed_out as i64)
+        .bind(s.ended_at_ms)
+        .bind(&s.id)
+        .execute(&self.pool)
+        .await?;
         Ok(())
     }
 }

@@ -20,7 +20,10 @@ pub struct RpcError {
 
 impl RpcError {
     pub fn new(code: &'static str, message: impl Into<String>) -> Self {
-        Self { code, message: message.into() }
+        Self {
+            code,
+            message: message.into(),
+        }
     }
     pub fn invalid(m: impl Into<String>) -> Self {
         Self::new("invalid_argument", m)
@@ -115,7 +118,9 @@ pub fn stream_request(body: &[u8]) -> Result<Value, RpcError> {
         return Err(RpcError::new("unimplemented", "compressed messages are not supported"));
     }
     let len = u32::from_be_bytes([body[1], body[2], body[3], body[4]]) as usize;
-    let payload = body.get(5..5 + len).ok_or_else(|| RpcError::invalid("truncated envelope"))?;
+    let payload = body
+        .get(5..5 + len)
+        .ok_or_else(|| RpcError::invalid("truncated envelope"))?;
     serde_json::from_slice(payload).map_err(|e| RpcError::invalid(format!("bad JSON message: {e}")))
 }
 
@@ -143,7 +148,9 @@ pub fn as_u64(v: Option<&Value>) -> Option<u64> {
 /// Bytes fields are base64, standard or URL-safe.
 pub fn as_bytes(v: Option<&Value>) -> Result<Vec<u8>, RpcError> {
     use base64::Engine as _;
-    let Some(s) = v.and_then(Value::as_str) else { return Ok(Vec::new()) };
+    let Some(s) = v.and_then(Value::as_str) else {
+        return Ok(Vec::new());
+    };
     base64::engine::general_purpose::STANDARD
         .decode(s)
         .or_else(|_| base64::engine::general_purpose::URL_SAFE.decode(s))

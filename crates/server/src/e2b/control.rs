@@ -18,13 +18,22 @@ type Result<T> = std::result::Result<T, E2bError>;
 
 /// `X-API-KEY: <airlock key>` identifies the tenant.
 pub async fn auth(State(state): State<AppState>, mut req: Request, next: axum::middleware::Next) -> Response {
-    let key = req.headers().get("x-api-key").and_then(|v| v.to_str().ok()).map(str::trim).unwrap_or("");
+    let key = req
+        .headers()
+        .get("x-api-key")
+        .and_then(|v| v.to_str().ok())
+        .map(str::trim)
+        .unwrap_or("");
     match state.store.tenant_by_key(key).await {
         Ok(Some(t)) if !key.is_empty() => {
             req.extensions_mut().insert(t);
             next.run(req).await
         }
-        Ok(_) => E2bError::new(StatusCode::UNAUTHORIZED, "invalid API key; use an airlock key (`airlock key create`)").into_response(),
+        Ok(_) => E2bError::new(
+            StatusCode::UNAUTHORIZED,
+            "invalid API key; use an airlock key (`airlock key create`)",
+        )
+        .into_response(),
         Err(e) => E2bError::from(e).into_response(),
     }
 }
@@ -67,14 +76,22 @@ fn refuse_unsupported(req: &NewSandbox) -> Result<()> {
     if req.mcp.as_ref().is_some_and(|v| !v.is_null()) {
         return Err(E2bError::bad_request("option `mcp` is not supported by airlock"));
     }
-    if req.volume_mounts.as_ref().is_some_and(|v| v.as_array().map(|a| !a.is_empty()).unwrap_or(!v.is_null())) {
-        return Err(E2bError::bad_request("option `volumeMounts` is not supported by airlock"));
+    if req
+        .volume_mounts
+        .as_ref()
+        .is_some_and(|v| v.as_array().map(|a| !a.is_empty()).unwrap_or(!v.is_null()))
+    {
+        return Err(E2bError::bad_request(
+            "option `volumeMounts` is not supported by airlock",
+        ));
     }
     if req.iam.as_ref().is_some_and(|v| !v.is_null()) {
         return Err(E2bError::bad_request("option `iam` is not supported by airlock"));
     }
     if req.auto_pause == Some(true) {
-        return Err(E2bError::bad_request("option `autoPause` (lifecycle on_timeout=pause) is not supported by airlock yet"));
+        return Err(E2bError::bad_request(
+            "option `autoPause` (lifecycle on_timeout=pause) is not supported by airlock yet",
+        ));
     }
     if let Some(n) = &req.network {
         if n.allow_out.as_ref().is_some_and(|v| !v.is_empty()) {
@@ -89,13 +106,17 @@ fn refuse_unsupported(req: &NewSandbox) -> Result<()> {
             ));
         }
         if n.mask_request_host.is_some() {
-            return Err(E2bError::bad_request("option `network.maskRequestHost` is not supported by airlock"));
+            return Err(E2bError::bad_request(
+                "option `network.maskRequestHost` is not supported by airlock",
+            ));
         }
         // denyOut narrows what is already nothing: accepted.
         let _ = &n.deny_out;
     }
     if let Some(k) = req.other.keys().next() {
-        return Err(E2bError::bad_request(format!("option `{k}` is not supported by airlock")));
+        return Err(E2bError::bad_request(format!(
+            "option `{k}` is not supported by airlock"
+        )));
     }
     Ok(())
 }
@@ -124,7 +145,13 @@ fn sandbox_json(row: &SandboxRow, token: &str, alias: &str) -> Value {
 
 /// The name the SDK created the sandbox with, for echoing back.
 fn e2b_alias(row: &SandboxRow) -> String {
-    row.metadata.get("_e2b_template").cloned().unwrap_or_else(|| if row.template == "seed" { "base".into() } else { row.template.clone() })
+    row.metadata.get("_e2b_template").cloned().unwrap_or_else(|| {
+        if row.template == "seed" {
+            "base".into()
+        } else {
+            row.template.clone()
+        }
+    })
 }
 
 fn detail_json(row: &SandboxRow, token: Option<&str>) -> Value {
@@ -155,17 +182,29 @@ fn detail_json(row: &SandboxRow, token: Option<&str>) -> Value {
 fn timeout_ms(seconds: Option<i64>) -> Result<i64> {
     let secs = seconds.unwrap_or(300);
     if secs <= 0 || secs as u64 > MAX_SANDBOX_TIMEOUT.as_secs() {
-        return Err(E2bError::bad_request(format!("timeout must be between 1 and {} seconds, got {secs}", MAX_SANDBOX_TIMEOUT.as_secs())));
+        return Err(E2bError::bad_request(format!(
+            "timeout must be between 1 and {} seconds, got {secs}",
+            MAX_SANDBOX_TIMEOUT.as_secs()
+        )));
     }
     Ok(secs * 1000)
 }
 
-pub async fn create(State(state): State<AppState>, Extension(tenant): Extension<Tenant>, body: axum::body::Bytes) -> Result<(StatusCode, Json<Value>)> {
-    let req: NewSandbox = serde_json::from_slice(&body).map_err(|e| E2bError::bad_request(format!("invalid body: {e}")))?;
+pub async fn create(
+    State(state): State<AppState>,
+    Extension(tenant): Extension<Tenant>,
+    body: axum::body::Bytes,
+) -> Result<(StatusCode, Json<Value>)> {
+    let req: NewSandbox =
+        serde_json::from_slice(&body).map_err(|e| E2bError::bad_request(format!("invalid body: {e}")))?;
     refuse_unsupported(&req)?;
     let name = template_name(&req.template_id)?;
     let template = state.runtime.templates().resolve(&name).map_err(|_| {
-        E2bError::not_found(format!("template {:?} not found; airlock has: {}", req.template_id, known_templates(&state)))
+        E2bError::not_found(format!(
+            "template {:?} not found; airlock has: {}",
+            req.template_id,
+            known_templates(&state)
+        ))
     })?;
     let ttl = timeout_ms(req.timeout)?;
     // E2B defaults: 2 vCPU would double TCG cost here, so the node's default resources apply.
@@ -183,9 +222,16 @@ pub async fn create(State(state): State<AppState>, Extension(tenant): Extension<
     state.store.set_sandbox_token(&id, &token).await?;
     // The E2B API answers once the sandbox runs; the engine does the work, we wait for it.
     let _ = state.engine.start_create(op.clone(), row.clone()).await;
-    let done = state.store.get_operation(&tenant.id, &op.id).await?.ok_or_else(|| E2bError::new(StatusCode::INTERNAL_SERVER_ERROR, "operation vanished"))?;
+    let done = state
+        .store
+        .get_operation(&tenant.id, &op.id)
+        .await?
+        .ok_or_else(|| E2bError::new(StatusCode::INTERNAL_SERVER_ERROR, "operation vanished"))?;
     if done.state != OperationState::Succeeded {
-        let msg = done.error.map(|e| e.message).unwrap_or_else(|| "sandbox failed to start".into());
+        let msg = done
+            .error
+            .map(|e| e.message)
+            .unwrap_or_else(|| "sandbox failed to start".into());
         return Err(E2bError::new(StatusCode::INTERNAL_SERVER_ERROR, msg));
     }
     let row = state.store.get_sandbox(&tenant.id, &id).await?.unwrap_or(row);
@@ -207,13 +253,21 @@ async fn live_row(state: &AppState, tenant: &Tenant, id: &str) -> Result<Sandbox
     }
 }
 
-pub async fn get(State(state): State<AppState>, Extension(tenant): Extension<Tenant>, Path(id): Path<String>) -> Result<Json<Value>> {
+pub async fn get(
+    State(state): State<AppState>,
+    Extension(tenant): Extension<Tenant>,
+    Path(id): Path<String>,
+) -> Result<Json<Value>> {
     let row = live_row(&state, &tenant, &id).await?;
     let token = state.store.sandbox_token(&id).await?;
     Ok(Json(detail_json(&row, token.as_deref())))
 }
 
-pub async fn kill(State(state): State<AppState>, Extension(tenant): Extension<Tenant>, Path(id): Path<String>) -> Result<StatusCode> {
+pub async fn kill(
+    State(state): State<AppState>,
+    Extension(tenant): Extension<Tenant>,
+    Path(id): Path<String>,
+) -> Result<StatusCode> {
     let row = live_row(&state, &tenant, &id).await?;
     state.engine.delete_and_wait(&row).await?;
     Ok(StatusCode::NO_CONTENT)
@@ -230,9 +284,13 @@ pub async fn set_timeout(
     Path(id): Path<String>,
     body: axum::body::Bytes,
 ) -> Result<StatusCode> {
-    let b: TimeoutBody = serde_json::from_slice(&body).map_err(|e| E2bError::bad_request(format!("invalid body: {e}")))?;
+    let b: TimeoutBody =
+        serde_json::from_slice(&body).map_err(|e| E2bError::bad_request(format!("invalid body: {e}")))?;
     let row = live_row(&state, &tenant, &id).await?;
-    state.store.set_sandbox_expiry(&row.id, now_ms() + timeout_ms(b.timeout)?).await?;
+    state
+        .store
+        .set_sandbox_expiry(&row.id, now_ms() + timeout_ms(b.timeout)?)
+        .await?;
     Ok(StatusCode::NO_CONTENT)
 }
 
@@ -242,7 +300,9 @@ pub async fn connect(
     Path(id): Path<String>,
     body: axum::body::Bytes,
 ) -> Result<(StatusCode, Json<Value>)> {
-    let b: TimeoutBody = if body.is_empty() { TimeoutBody { timeout: None } } else {
+    let b: TimeoutBody = if body.is_empty() {
+        TimeoutBody { timeout: None }
+    } else {
         serde_json::from_slice(&body).map_err(|e| E2bError::bad_request(format!("invalid body: {e}")))?
     };
     let row = live_row(&state, &tenant, &id).await?;
@@ -283,7 +343,9 @@ pub fn parse_metadata_filter(raw: &str) -> BTreeMap<String, String> {
 }
 
 fn url_unescape(s: &str) -> String {
-    percent_encoding::percent_decode_str(&s.replace('+', " ")).decode_utf8_lossy().into_owned()
+    percent_encoding::percent_decode_str(&s.replace('+', " "))
+        .decode_utf8_lossy()
+        .into_owned()
 }
 
 pub async fn list_v2(
@@ -291,26 +353,46 @@ pub async fn list_v2(
     Extension(tenant): Extension<Tenant>,
     Query(q): Query<ListQuery>,
 ) -> Result<Response> {
-    let states: Vec<String> = q.state.as_deref().unwrap_or("running,paused").split(',').map(|s| s.trim().to_string()).collect();
+    let states: Vec<String> = q
+        .state
+        .as_deref()
+        .unwrap_or("running,paused")
+        .split(',')
+        .map(|s| s.trim().to_string())
+        .collect();
     for s in &states {
         if s != "running" && s != "paused" {
-            return Err(E2bError::bad_request(format!("unknown state {s:?}; use running or paused")));
+            return Err(E2bError::bad_request(format!(
+                "unknown state {s:?}; use running or paused"
+            )));
         }
     }
     let limit = q.limit.unwrap_or(100);
     if !(1..=100).contains(&limit) {
-        return Err(E2bError::bad_request(format!("limit must be between 1 and 100, got {limit}")));
+        return Err(E2bError::bad_request(format!(
+            "limit must be between 1 and 100, got {limit}"
+        )));
     }
     let after = match &q.next_token {
         None => None,
         Some(t) => {
-            let (ms, id) = t.split_once('.').ok_or_else(|| E2bError::bad_request("bad nextToken"))?;
-            Some((ms.parse::<i64>().map_err(|_| E2bError::bad_request("bad nextToken"))?, id.to_string()))
+            let (ms, id) = t
+                .split_once('.')
+                .ok_or_else(|| E2bError::bad_request("bad nextToken"))?;
+            Some((
+                ms.parse::<i64>().map_err(|_| E2bError::bad_request("bad nextToken"))?,
+                id.to_string(),
+            ))
         }
     };
     let metadata = q.metadata.as_deref().map(parse_metadata_filter).unwrap_or_default();
     let rows = if states.iter().any(|s| s == "running") {
-        let filter = SandboxFilter { state: Some(SandboxState::Running), metadata, after, limit };
+        let filter = SandboxFilter {
+            state: Some(SandboxState::Running),
+            metadata,
+            after,
+            limit,
+        };
         state.store.list_sandboxes(&tenant.id, &filter).await?
     } else {
         Vec::new() // nothing is ever paused yet
@@ -322,17 +404,34 @@ pub async fn list_v2(
     let items: Vec<Value> = rows.iter().take(limit as usize).map(|r| detail_json(r, None)).collect();
     let mut resp = Json(items).into_response();
     if let Some(n) = next {
-        resp.headers_mut().insert("x-next-token", n.parse().expect("ascii token"));
+        resp.headers_mut()
+            .insert("x-next-token", n.parse().expect("ascii token"));
     }
     Ok(resp)
 }
 
-pub async fn metrics(State(state): State<AppState>, Extension(tenant): Extension<Tenant>, Path(id): Path<String>) -> Result<Json<Value>> {
+pub async fn metrics(
+    State(state): State<AppState>,
+    Extension(tenant): Extension<Tenant>,
+    Path(id): Path<String>,
+) -> Result<Json<Value>> {
     live_row(&state, &tenant, &id).await?;
-    let sb = state.runtime.get(&id).map_err(|_| E2bError::not_found(format!("sandbox {id:?} not found")))?;
-    let m = sb.agent().await.map_err(crate::error::ApiError::from)?.metrics().await.map_err(crate::error::ApiError::from)?;
+    let sb = state
+        .runtime
+        .get(&id)
+        .map_err(|_| E2bError::not_found(format!("sandbox {id:?} not found")))?;
+    let m = sb
+        .agent()
+        .await
+        .map_err(crate::error::ApiError::from)?
+        .metrics()
+        .await
+        .map_err(crate::error::ApiError::from)?;
     let now = std::time::SystemTime::now();
-    let unix = now.duration_since(std::time::UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0);
+    let unix = now
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_secs())
+        .unwrap_or(0);
     Ok(Json(json!([{
         "timestamp": humantime::format_rfc3339_seconds(now).to_string(),
         "timestampUnix": unix,
@@ -348,7 +447,10 @@ pub async fn metrics(State(state): State<AppState>, Extension(tenant): Extension
 
 pub async fn not_supported(headers: HeaderMap) -> E2bError {
     let _ = headers;
-    E2bError::new(StatusCode::NOT_IMPLEMENTED, "this E2B endpoint is not supported by airlock yet")
+    E2bError::new(
+        StatusCode::NOT_IMPLEMENTED,
+        "this E2B endpoint is not supported by airlock yet",
+    )
 }
 
 #[cfg(test)]

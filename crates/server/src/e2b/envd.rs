@@ -35,16 +35,27 @@ struct Watcher {
 
 /// 502 the way E2B's proxy answers for a sandbox that is gone (the SDK maps it to "not running").
 fn sandbox_gone(id: &str) -> Response {
-    (StatusCode::BAD_GATEWAY, axum::Json(json!({ "sandboxId": id, "message": "The sandbox was not found", "code": 502 }))).into_response()
+    (
+        StatusCode::BAD_GATEWAY,
+        axum::Json(json!({ "sandboxId": id, "message": "The sandbox was not found", "code": 502 })),
+    )
+        .into_response()
 }
 
 fn header<'a>(h: &'a HeaderMap, name: &str) -> Option<&'a str> {
-    h.get(name).and_then(|v| v.to_str().ok()).map(str::trim).filter(|v| !v.is_empty())
+    h.get(name)
+        .and_then(|v| v.to_str().ok())
+        .map(str::trim)
+        .filter(|v| !v.is_empty())
 }
 
 /// The sandbox a request is for: `E2b-Sandbox-Id`, else the `X-Access-Token`. A token, when
 /// sent, must be the sandbox's own.
-async fn resolve(state: &AppState, h: &HeaderMap, allow_without_token: bool) -> Result<(SandboxRow, AgentClient), Response> {
+async fn resolve(
+    state: &AppState,
+    h: &HeaderMap,
+    allow_without_token: bool,
+) -> Result<(SandboxRow, AgentClient), Response> {
     let token = header(h, "x-access-token");
     let row = match (header(h, "e2b-sandbox-id"), token) {
         (Some(id), _) => state.store.sandbox_by_id(id).await.ok().flatten(),
@@ -56,13 +67,17 @@ async fn resolve(state: &AppState, h: &HeaderMap, allow_without_token: bool) -> 
     };
     let expected = state.store.sandbox_token(&row.id).await.ok().flatten();
     match (expected, token) {
-        (Some(e), Some(t)) if e != t => return Err(RpcError::new("unauthenticated", "X-Access-Token does not match the sandbox").into_response()),
+        (Some(e), Some(t)) if e != t => {
+            return Err(RpcError::new("unauthenticated", "X-Access-Token does not match the sandbox").into_response())
+        }
         (Some(_), None) if !allow_without_token => {
             return Err(RpcError::new("unauthenticated", "X-Access-Token is required for this sandbox").into_response())
         }
         _ => {}
     }
-    let Ok(sb) = state.runtime.get(&row.id) else { return Err(sandbox_gone(&row.id)) };
+    let Ok(sb) = state.runtime.get(&row.id) else {
+        return Err(sandbox_gone(&row.id));
+    };
     match sb.agent().await {
         Ok(agent) => Ok((row, agent)),
         Err(_) => Err(sandbox_gone(&row.id)),
@@ -81,7 +96,11 @@ fn rpc_user(h: &HeaderMap) -> String {
 }
 
 fn home_of(user: &str) -> String {
-    if user == "root" { "/root".into() } else { format!("/home/{user}") }
+    if user == "root" {
+        "/root".into()
+    } else {
+        format!("/home/{user}")
+    }
 }
 
 /// Relative paths resolve against the user's home, as envd does.
@@ -135,7 +154,12 @@ fn entry_info(s: &FileStat) -> Value {
 }
 
 fn ok(v: Value) -> Response {
-    (StatusCode::OK, [("content-type", "application/json")], serde_json::to_vec(&v).expect("json")).into_response()
+    (
+        StatusCode::OK,
+        [("content-type", "application/json")],
+        serde_json::to_vec(&v).expect("json"),
+    )
+        .into_response()
 }
 
 fn rpc_result(r: Result<Value, RpcError>) -> Response {
@@ -155,14 +179,19 @@ fn stream_response(s: impl Stream<Item = Bytes> + Send + 'static) -> Response {
 
 /// Keepalive period from `Keepalive-Ping-Interval` (seconds), as envd reads it.
 fn keepalive_every(h: &HeaderMap) -> Duration {
-    let secs = header(h, "keepalive-ping-interval").and_then(|v| v.parse::<u64>().ok()).filter(|s| *s > 0).unwrap_or(50);
+    let secs = header(h, "keepalive-ping-interval")
+        .and_then(|v| v.parse::<u64>().ok())
+        .filter(|s| *s > 0)
+        .unwrap_or(50);
     Duration::from_secs(secs.min(3600))
 }
 
 /// When a stream must end: `connect-timeout-ms` less a margin, so our `deadline_exceeded`
 /// reaches the client before its own read timeout (set to the same value) fires.
 fn stream_deadline(h: &HeaderMap) -> Option<tokio::time::Instant> {
-    let ms = header(h, "connect-timeout-ms").and_then(|v| v.parse::<u64>().ok()).filter(|t| *t > 0)?;
+    let ms = header(h, "connect-timeout-ms")
+        .and_then(|v| v.parse::<u64>().ok())
+        .filter(|t| *t > 0)?;
     let margin = (ms / 10).min(500);
     Some(tokio::time::Instant::now() + Duration::from_millis(ms - margin))
 }
@@ -174,7 +203,10 @@ async fn select(agent: &AgentClient, selector: Option<&Value>) -> Result<Process
     let found = if let Some(pid) = as_u64(sel.get("pid")) {
         procs.into_iter().filter(|p| p.pid as u64 == pid).max_by_key(|p| p.id)
     } else if let Some(tag) = sel.get("tag").and_then(Value::as_str) {
-        procs.into_iter().filter(|p| p.tag.as_deref() == Some(tag)).max_by_key(|p| p.id)
+        procs
+            .into_iter()
+            .filter(|p| p.tag.as_deref() == Some(tag))
+            .max_by_key(|p| p.id)
     } else {
         return Err(RpcError::invalid("process selector needs pid or tag"));
     };
@@ -247,7 +279,11 @@ fn process_stream(
                     if deadline.is_some_and(|d| d <= tokio::time::Instant::now()) {
                         continue;
                     }
-                    if tx.send(connect::message(&json!({ "event": { "keepalive": {} } }))).await.is_err() {
+                    if tx
+                        .send(connect::message(&json!({ "event": { "keepalive": {} } })))
+                        .await
+                        .is_err()
+                    {
                         return;
                     }
                     continue;
@@ -287,14 +323,28 @@ where
 }
 
 /// What every RPC needs: its sandbox and agent, the calling user, and the request message.
-async fn rpc_call(state: &AppState, headers: &HeaderMap, body: &[u8], streaming: bool) -> Result<(SandboxRow, AgentClient, String, Value), Response> {
+async fn rpc_call(
+    state: &AppState,
+    headers: &HeaderMap,
+    body: &[u8],
+    streaming: bool,
+) -> Result<(SandboxRow, AgentClient, String, Value), Response> {
     let (row, agent) = resolve(state, headers, false).await?;
-    let req = if streaming { connect::stream_request(body) } else { connect::unary_request(body) };
+    let req = if streaming {
+        connect::stream_request(body)
+    } else {
+        connect::unary_request(body)
+    };
     let req = req.map_err(IntoResponse::into_response)?;
     Ok((row, agent, rpc_user(headers), req))
 }
 
-pub async fn process_rpc(State(state): State<AppState>, Path(method): Path<String>, headers: HeaderMap, body: Bytes) -> Response {
+pub async fn process_rpc(
+    State(state): State<AppState>,
+    Path(method): Path<String>,
+    headers: HeaderMap,
+    body: Bytes,
+) -> Response {
     let streaming = matches!(method.as_str(), "Start" | "Connect");
     let (row, agent, user, req) = match rpc_call(&state, &headers, &body, streaming).await {
         Ok(x) => x,
@@ -308,17 +358,30 @@ pub async fn process_rpc(State(state): State<AppState>, Path(method): Path<Strin
                 return RpcError::invalid("process.cmd is required").into_response();
             }
             let mut argv = vec![cmd];
-            argv.extend(p.get("args").and_then(Value::as_array).into_iter().flatten().filter_map(|a| a.as_str().map(String::from)));
+            argv.extend(
+                p.get("args")
+                    .and_then(Value::as_array)
+                    .into_iter()
+                    .flatten()
+                    .filter_map(|a| a.as_str().map(String::from)),
+            );
             let mut env = row.env.clone();
             if let Some(envs) = p.get("envs").and_then(Value::as_object) {
-                env.extend(envs.iter().filter_map(|(k, v)| v.as_str().map(|v| (k.clone(), v.to_string()))));
+                env.extend(
+                    envs.iter()
+                        .filter_map(|(k, v)| v.as_str().map(|v| (k.clone(), v.to_string()))),
+                );
             }
-            let pty = field(&req, "pty", "pty").and_then(|p| p.get("size")).map(|s| airlock_proto::PtySize {
-                cols: as_u64(s.get("cols")).unwrap_or(80).clamp(1, u16::MAX as u64) as u16,
-                rows: as_u64(s.get("rows")).unwrap_or(24).clamp(1, u16::MAX as u64) as u16,
-            });
+            let pty = field(&req, "pty", "pty")
+                .and_then(|p| p.get("size"))
+                .map(|s| airlock_proto::PtySize {
+                    cols: as_u64(s.get("cols")).unwrap_or(80).clamp(1, u16::MAX as u64) as u16,
+                    rows: as_u64(s.get("rows")).unwrap_or(24).clamp(1, u16::MAX as u64) as u16,
+                });
             // envd bounds the process's life by the stream's deadline.
-            let timeout_ms = header(&headers, "connect-timeout-ms").and_then(|v| v.parse::<u64>().ok()).filter(|t| *t > 0);
+            let timeout_ms = header(&headers, "connect-timeout-ms")
+                .and_then(|v| v.parse::<u64>().ok())
+                .filter(|t| *t > 0);
             let spec = ProcessSpec {
                 argv,
                 cwd: p.get("cwd").and_then(Value::as_str).map(|c| abs_path(c, &user)),
@@ -330,67 +393,96 @@ pub async fn process_rpc(State(state): State<AppState>, Path(method): Path<Strin
                 tag: field(&req, "tag", "tag").and_then(Value::as_str).map(String::from),
             };
             match agent.spawn(&spec).await {
-                Ok(info) => stream_response(process_stream(agent, info, keepalive_every(&headers), stream_deadline(&headers), true)),
+                Ok(info) => stream_response(process_stream(
+                    agent,
+                    info,
+                    keepalive_every(&headers),
+                    stream_deadline(&headers),
+                    true,
+                )),
                 Err(e) => RpcError::from(e).into_response(),
             }
         }
         "Connect" => match select(&agent, field(&req, "process", "process")).await {
-            Ok(info) => stream_response(process_stream(agent, info, keepalive_every(&headers), stream_deadline(&headers), false)),
+            Ok(info) => stream_response(process_stream(
+                agent,
+                info,
+                keepalive_every(&headers),
+                stream_deadline(&headers),
+                false,
+            )),
             Err(e) => e.into_response(),
         },
-        "List" => rpc_result(async {
-            let procs = agent.processes().await?;
-            let list: Vec<Value> = procs
-                .into_iter()
-                .filter(|p| p.state == ProcessState::Running)
-                .map(|p| {
-                    let mut v = json!({ "config": { "cmd": p.argv.first().cloned().unwrap_or_default(),
+        "List" => rpc_result(
+            async {
+                let procs = agent.processes().await?;
+                let list: Vec<Value> = procs
+                    .into_iter()
+                    .filter(|p| p.state == ProcessState::Running)
+                    .map(|p| {
+                        let mut v = json!({ "config": { "cmd": p.argv.first().cloned().unwrap_or_default(),
                         "args": p.argv.iter().skip(1).collect::<Vec<_>>(), "envs": {}, "cwd": p.cwd }, "pid": p.pid });
-                    if let Some(t) = p.tag {
-                        v["tag"] = json!(t);
+                        if let Some(t) = p.tag {
+                            v["tag"] = json!(t);
+                        }
+                        v
+                    })
+                    .collect();
+                Ok(json!({ "processes": list }))
+            }
+            .await,
+        ),
+        "SendInput" => rpc_result(
+            async {
+                let p = select(&agent, field(&req, "process", "process")).await?;
+                let input = field(&req, "input", "input").cloned().unwrap_or(json!({}));
+                let data = as_bytes(input.get("stdin").or_else(|| input.get("pty")))?;
+                agent.write_stdin(p.id, data).await?;
+                Ok(json!({}))
+            }
+            .await,
+        ),
+        "SendSignal" => rpc_result(
+            async {
+                let p = select(&agent, field(&req, "process", "process")).await?;
+                let sig = match field(&req, "signal", "signal") {
+                    Some(Value::String(s)) if s == "SIGNAL_SIGKILL" => 9,
+                    Some(Value::String(s)) if s == "SIGNAL_SIGTERM" => 15,
+                    Some(Value::Number(n)) if n.as_i64() == Some(9) || n.as_i64() == Some(15) => {
+                        n.as_i64().unwrap_or(9) as i32
                     }
-                    v
-                })
-                .collect();
-            Ok(json!({ "processes": list }))
-        }.await),
-        "SendInput" => rpc_result(async {
-            let p = select(&agent, field(&req, "process", "process")).await?;
-            let input = field(&req, "input", "input").cloned().unwrap_or(json!({}));
-            let data = as_bytes(input.get("stdin").or_else(|| input.get("pty")))?;
-            agent.write_stdin(p.id, data).await?;
-            Ok(json!({}))
-        }.await),
-        "SendSignal" => rpc_result(async {
-            let p = select(&agent, field(&req, "process", "process")).await?;
-            let sig = match field(&req, "signal", "signal") {
-                Some(Value::String(s)) if s == "SIGNAL_SIGKILL" => 9,
-                Some(Value::String(s)) if s == "SIGNAL_SIGTERM" => 15,
-                Some(Value::Number(n)) if n.as_i64() == Some(9) || n.as_i64() == Some(15) => n.as_i64().unwrap_or(9) as i32,
-                other => return Err(RpcError::invalid(format!("unsupported signal {other:?}"))),
-            };
-            if p.state == ProcessState::Exited {
-                return Err(RpcError::not_found("process has already exited"));
-            }
-            agent.signal(p.id, sig).await?;
-            Ok(json!({}))
-        }.await),
-        "Update" => rpc_result(async {
-            let p = select(&agent, field(&req, "process", "process")).await?;
-            if let Some(size) = field(&req, "pty", "pty").and_then(|p| p.get("size")) {
-                let size = airlock_proto::PtySize {
-                    cols: as_u64(size.get("cols")).unwrap_or(80).clamp(1, u16::MAX as u64) as u16,
-                    rows: as_u64(size.get("rows")).unwrap_or(24).clamp(1, u16::MAX as u64) as u16,
+                    other => return Err(RpcError::invalid(format!("unsupported signal {other:?}"))),
                 };
-                agent.resize(p.id, size).await?;
+                if p.state == ProcessState::Exited {
+                    return Err(RpcError::not_found("process has already exited"));
+                }
+                agent.signal(p.id, sig).await?;
+                Ok(json!({}))
             }
-            Ok(json!({}))
-        }.await),
-        "CloseStdin" => rpc_result(async {
-            let p = select(&agent, field(&req, "process", "process")).await?;
-            agent.close_stdin(p.id).await?;
-            Ok(json!({}))
-        }.await),
+            .await,
+        ),
+        "Update" => rpc_result(
+            async {
+                let p = select(&agent, field(&req, "process", "process")).await?;
+                if let Some(size) = field(&req, "pty", "pty").and_then(|p| p.get("size")) {
+                    let size = airlock_proto::PtySize {
+                        cols: as_u64(size.get("cols")).unwrap_or(80).clamp(1, u16::MAX as u64) as u16,
+                        rows: as_u64(size.get("rows")).unwrap_or(24).clamp(1, u16::MAX as u64) as u16,
+                    };
+                    agent.resize(p.id, size).await?;
+                }
+                Ok(json!({}))
+            }
+            .await,
+        ),
+        "CloseStdin" => rpc_result(
+            async {
+                let p = select(&agent, field(&req, "process", "process")).await?;
+                agent.close_stdin(p.id).await?;
+                Ok(json!({}))
+            }
+            .await,
+        ),
         other => RpcError::new("unimplemented", format!("process.Process/{other} is not supported")).into_response(),
     }
 }
@@ -407,7 +499,12 @@ fn watch_event(kind: WatchEventKind, path: &str, root: &str) -> Value {
     json!({ "name": name, "type": ty })
 }
 
-pub async fn filesystem_rpc(State(state): State<AppState>, Path(method): Path<String>, headers: HeaderMap, body: Bytes) -> Response {
+pub async fn filesystem_rpc(
+    State(state): State<AppState>,
+    Path(method): Path<String>,
+    headers: HeaderMap,
+    body: Bytes,
+) -> Response {
     let streaming = method == "WatchDir";
     let (row, agent, user, req) = match rpc_call(&state, &headers, &body, streaming).await {
         Ok(x) => x,
@@ -416,27 +513,47 @@ pub async fn filesystem_rpc(State(state): State<AppState>, Path(method): Path<St
     let path = || abs_path(req.get("path").and_then(Value::as_str).unwrap_or(""), &user);
     match method.as_str() {
         "Stat" => rpc_result(async { Ok(json!({ "entry": entry_info(&agent.stat(&path()).await?) })) }.await),
-        "MakeDir" => rpc_result(async {
-            let made = agent.mkdir(&path(), Some(&user)).await?;
-            if !made.created {
-                return Err(RpcError::new("already_exists", format!("{} already exists", path())));
+        "MakeDir" => rpc_result(
+            async {
+                let made = agent.mkdir(&path(), Some(&user)).await?;
+                if !made.created {
+                    return Err(RpcError::new("already_exists", format!("{} already exists", path())));
+                }
+                Ok(json!({ "entry": entry_info(&made.stat) }))
             }
-            Ok(json!({ "entry": entry_info(&made.stat) }))
-        }.await),
-        "Move" => rpc_result(async {
-            let src = abs_path(field(&req, "source", "source").and_then(Value::as_str).unwrap_or(""), &user);
-            let dst = abs_path(field(&req, "destination", "destination").and_then(Value::as_str).unwrap_or(""), &user);
-            Ok(json!({ "entry": entry_info(&agent.rename(&src, &dst).await?) }))
-        }.await),
-        "ListDir" => rpc_result(async {
-            let depth = as_u64(req.get("depth")).unwrap_or(1).clamp(1, 32) as u32;
-            let entries: Vec<Value> = agent.list(&path(), depth).await?.iter().map(entry_info).collect();
-            Ok(json!({ "entries": entries }))
-        }.await),
-        "Remove" => rpc_result(async {
-            agent.remove(&path()).await?;
-            Ok(json!({}))
-        }.await),
+            .await,
+        ),
+        "Move" => rpc_result(
+            async {
+                let src = abs_path(
+                    field(&req, "source", "source").and_then(Value::as_str).unwrap_or(""),
+                    &user,
+                );
+                let dst = abs_path(
+                    field(&req, "destination", "destination")
+                        .and_then(Value::as_str)
+                        .unwrap_or(""),
+                    &user,
+                );
+                Ok(json!({ "entry": entry_info(&agent.rename(&src, &dst).await?) }))
+            }
+            .await,
+        ),
+        "ListDir" => rpc_result(
+            async {
+                let depth = as_u64(req.get("depth")).unwrap_or(1).clamp(1, 32) as u32;
+                let entries: Vec<Value> = agent.list(&path(), depth).await?.iter().map(entry_info).collect();
+                Ok(json!({ "entries": entries }))
+            }
+            .await,
+        ),
+        "Remove" => rpc_result(
+            async {
+                agent.remove(&path()).await?;
+                Ok(json!({}))
+            }
+            .await,
+        ),
         "WatchDir" => {
             let root = path();
             let recursive = req.get("recursive").and_then(Value::as_bool).unwrap_or(false);
@@ -474,35 +591,58 @@ pub async fn filesystem_rpc(State(state): State<AppState>, Path(method): Path<St
             });
             stream_response(body)
         }
-        "CreateWatcher" => rpc_result(async {
-            let root = path();
-            let recursive = req.get("recursive").and_then(Value::as_bool).unwrap_or(false);
-            let events = agent.watch(&root, recursive).await?;
-            let buf = Arc::new(Mutex::new(Vec::new()));
-            let sink = buf.clone();
-            let task = tokio::spawn(async move {
-                let mut events = Box::pin(events);
-                while let Some(Ok(ev)) = events.next().await {
-                    sink.lock().unwrap().push(watch_event(ev.kind, &ev.path, &root));
-                }
-            });
-            let id = format!("w{}", airlock_runtime::datadir::random_hex(8));
-            state.watchers.map.lock().unwrap().insert(id.clone(), Watcher { sandbox_id: row.id.clone(), events: buf, task });
-            Ok(json!({ "watcherId": id }))
-        }.await),
-        "GetWatcherEvents" | "RemoveWatcher" => rpc_result(async {
-            let id = field(&req, "watcherId", "watcher_id").and_then(Value::as_str).unwrap_or("").to_string();
-            let mut map = state.watchers.map.lock().unwrap();
-            let w = map.get(&id).filter(|w| w.sandbox_id == row.id).ok_or_else(|| RpcError::not_found(format!("watcher {id:?} not found")))?;
-            if method == "RemoveWatcher" {
-                w.task.abort();
-                map.remove(&id);
-                return Ok(json!({}));
+        "CreateWatcher" => rpc_result(
+            async {
+                let root = path();
+                let recursive = req.get("recursive").and_then(Value::as_bool).unwrap_or(false);
+                let events = agent.watch(&root, recursive).await?;
+                let buf = Arc::new(Mutex::new(Vec::new()));
+                let sink = buf.clone();
+                let task = tokio::spawn(async move {
+                    let mut events = Box::pin(events);
+                    while let Some(Ok(ev)) = events.next().await {
+                        sink.lock().unwrap().push(watch_event(ev.kind, &ev.path, &root));
+                    }
+                });
+                let id = format!("w{}", airlock_runtime::datadir::random_hex(8));
+                state.watchers.map.lock().unwrap().insert(
+                    id.clone(),
+                    Watcher {
+                        sandbox_id: row.id.clone(),
+                        events: buf,
+                        task,
+                    },
+                );
+                Ok(json!({ "watcherId": id }))
             }
-            let events: Vec<Value> = std::mem::take(&mut *w.events.lock().unwrap());
-            Ok(json!({ "events": events }))
-        }.await),
-        other => RpcError::new("unimplemented", format!("filesystem.Filesystem/{other} is not supported")).into_response(),
+            .await,
+        ),
+        "GetWatcherEvents" | "RemoveWatcher" => rpc_result(
+            async {
+                let id = field(&req, "watcherId", "watcher_id")
+                    .and_then(Value::as_str)
+                    .unwrap_or("")
+                    .to_string();
+                let mut map = state.watchers.map.lock().unwrap();
+                let w = map
+                    .get(&id)
+                    .filter(|w| w.sandbox_id == row.id)
+                    .ok_or_else(|| RpcError::not_found(format!("watcher {id:?} not found")))?;
+                if method == "RemoveWatcher" {
+                    w.task.abort();
+                    map.remove(&id);
+                    return Ok(json!({}));
+                }
+                let events: Vec<Value> = std::mem::take(&mut *w.events.lock().unwrap());
+                Ok(json!({ "events": events }))
+            }
+            .await,
+        ),
+        other => RpcError::new(
+            "unimplemented",
+            format!("filesystem.Filesystem/{other} is not supported"),
+        )
+        .into_response(),
     }
 }
 
@@ -522,7 +662,11 @@ pub struct FilesQuery {
 }
 
 fn files_error(status: StatusCode, message: impl Into<String>) -> Response {
-    (status, axum::Json(json!({ "code": status.as_u16(), "message": message.into() }))).into_response()
+    (
+        status,
+        axum::Json(json!({ "code": status.as_u16(), "message": message.into() })),
+    )
+        .into_response()
 }
 
 fn agent_files_error(e: airlock_runtime::agent::AgentError) -> Response {
@@ -543,15 +687,29 @@ pub fn signature(path: &str, op: &str, user: &str, token: &str, exp: Option<i64>
     if let Some(e) = exp {
         s.push_str(&format!(":{e}"));
     }
-    format!("v1_{}", base64::engine::general_purpose::STANDARD_NO_PAD.encode(sha2::Sha256::digest(s.as_bytes())))
+    format!(
+        "v1_{}",
+        base64::engine::general_purpose::STANDARD_NO_PAD.encode(sha2::Sha256::digest(s.as_bytes()))
+    )
 }
 
 /// `/files` accepts the access token, or a valid signed-URL signature instead.
-async fn files_target(state: &AppState, h: &HeaderMap, q: &FilesQuery, op: &str) -> Result<(SandboxRow, AgentClient), Response> {
+async fn files_target(
+    state: &AppState,
+    h: &HeaderMap,
+    q: &FilesQuery,
+    op: &str,
+) -> Result<(SandboxRow, AgentClient), Response> {
     let signed = q.signature.is_some() && header(h, "x-access-token").is_none();
     let (row, agent) = resolve(state, h, signed).await?;
     if signed {
-        let token = state.store.sandbox_token(&row.id).await.ok().flatten().unwrap_or_default();
+        let token = state
+            .store
+            .sandbox_token(&row.id)
+            .await
+            .ok()
+            .flatten()
+            .unwrap_or_default();
         let path = q.path.clone().unwrap_or_default();
         let user = q.username.clone().unwrap_or_default();
         let want = signature(&path, op, &user, &token, q.signature_expiration);
@@ -559,7 +717,9 @@ async fn files_target(state: &AppState, h: &HeaderMap, q: &FilesQuery, op: &str)
         if got.trim_end_matches('=') != want {
             return Err(files_error(StatusCode::UNAUTHORIZED, "invalid signature"));
         }
-        if q.signature_expiration.is_some_and(|e| e < crate::store::now_ms() / 1000) {
+        if q.signature_expiration
+            .is_some_and(|e| e < crate::store::now_ms() / 1000)
+        {
             return Err(files_error(StatusCode::UNAUTHORIZED, "signature expired"));
         }
     }
@@ -585,7 +745,12 @@ pub async fn files_get(State(state): State<AppState>, headers: HeaderMap, Query(
     }
 }
 
-pub async fn files_post(State(state): State<AppState>, headers: HeaderMap, Query(q): Query<FilesQuery>, req: axum::extract::Request) -> Response {
+pub async fn files_post(
+    State(state): State<AppState>,
+    headers: HeaderMap,
+    Query(q): Query<FilesQuery>,
+    req: axum::extract::Request,
+) -> Response {
     let (_row, agent) = match files_target(&state, &headers, &q, "write").await {
         Ok(x) => x,
         Err(r) => return r,
@@ -606,9 +771,16 @@ pub async fn files_post(State(state): State<AppState>, headers: HeaderMap, Query
                 Err(e) => return files_error(StatusCode::BAD_REQUEST, format!("bad multipart body: {e}")),
             };
             // One file: `?path=`; several: each part's filename is its destination.
-            let dest = q.path.clone().filter(|_| written.is_empty()).or_else(|| field.file_name().map(String::from));
+            let dest = q
+                .path
+                .clone()
+                .filter(|_| written.is_empty())
+                .or_else(|| field.file_name().map(String::from));
             let Some(dest) = dest.map(|d| abs_path(&d, &user)) else {
-                return files_error(StatusCode::BAD_REQUEST, "each file part needs a filename or the query needs `path`");
+                return files_error(
+                    StatusCode::BAD_REQUEST,
+                    "each file part needs a filename or the query needs `path`",
+                );
             };
             let data = field.map(|r| r.map_err(std::io::Error::other));
             // Multipart fields borrow the body; collect each into memory-bounded chunks first.
@@ -616,7 +788,10 @@ pub async fn files_post(State(state): State<AppState>, headers: HeaderMap, Query
             if let Some(Err(e)) = chunks.iter().find(|c| c.is_err()) {
                 return files_error(StatusCode::BAD_REQUEST, format!("upload interrupted: {e}"));
             }
-            if let Err(e) = agent.write_file_stream(&dest, Some(&user), futures_util::stream::iter(chunks)).await {
+            if let Err(e) = agent
+                .write_file_stream(&dest, Some(&user), futures_util::stream::iter(chunks))
+                .await
+            {
                 return agent_files_error(e);
             }
             written.push(info(&dest));
@@ -627,9 +802,15 @@ pub async fn files_post(State(state): State<AppState>, headers: HeaderMap, Query
         };
         let gzip = header(&headers, "content-encoding").is_some_and(|e| e.eq_ignore_ascii_case("gzip"));
         if gzip {
-            return files_error(StatusCode::BAD_REQUEST, "gzip-encoded uploads are not supported yet; upload without gzip=True");
+            return files_error(
+                StatusCode::BAD_REQUEST,
+                "gzip-encoded uploads are not supported yet; upload without gzip=True",
+            );
         }
-        let data = req.into_body().into_data_stream().map(|r| r.map_err(std::io::Error::other));
+        let data = req
+            .into_body()
+            .into_data_stream()
+            .map(|r| r.map_err(std::io::Error::other));
         if let Err(e) = agent.write_file_stream(&dest, Some(&user), data).await {
             return agent_files_error(e);
         }

@@ -29,7 +29,10 @@ pub struct E2bError {
 
 impl E2bError {
     pub fn new(status: StatusCode, message: impl Into<String>) -> Self {
-        Self { status, message: message.into() }
+        Self {
+            status,
+            message: message.into(),
+        }
     }
     pub fn bad_request(m: impl Into<String>) -> Self {
         Self::new(StatusCode::BAD_REQUEST, m)
@@ -43,7 +46,11 @@ impl From<ApiError> for E2bError {
     fn from(e: ApiError) -> Self {
         let (status, _) = e.status_and_code();
         // The SDK only knows standard codes; 422 is reported as the 400 it expects.
-        let status = if status == StatusCode::UNPROCESSABLE_ENTITY { StatusCode::BAD_REQUEST } else { status };
+        let status = if status == StatusCode::UNPROCESSABLE_ENTITY {
+            StatusCode::BAD_REQUEST
+        } else {
+            status
+        };
         Self::new(status, e.to_string())
     }
 }
