@@ -414,6 +414,38 @@ fn stdin_signal_and_files() {
     assert_eq!(status, 422);
 }
 
+fn pause_freezes_in_memory_and_resume_continues() {
+    let s = server();
+    let id = s.create(json!({ "template": "seed", "timeout": "10m" }));
+    let sid = s.session(&id, json!({ "argv": ["sh", "-c", "sleep 1; echo after-resume"] }));
+    let (status, r) = s.call("POST", &format!("/v1/sandboxes/{id}/pause"), None);
+    assert_eq!(status, 202, "{r}");
+    assert_eq!(s.wait_op(r["operation"]["id"].as_str().unwrap())["state"], "succeeded");
+    let (_, sb) = s.call("GET", &format!("/v1/sandboxes/{id}"), None);
+    assert_eq!(sb["state"], "paused");
+    let (status, err) = s.call(
+        "POST",
+        &format!("/v1/sandboxes/{id}/sessions"),
+        Some(json!({ "argv": ["true"] })),
+    );
+    assert_eq!((status, err["code"].as_str()), (409, Some("conflict")), "{err}");
+    let (status, _) = s.call("POST", &format!("/v1/sandboxes/{id}/pause"), None);
+    assert_eq!(status, 409, "pausing twice is a conflict");
+    let (_, listed) = s.call("GET", "/v1/sandboxes?state=paused", None);
+    assert!(listed["sandboxes"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .any(|x| x["id"] == id.as_str()));
+    let (status, r) = s.call("POST", &format!("/v1/sandboxes/{id}/resume"), None);
+    assert_eq!(status, 202, "{r}");
+    assert_eq!(s.wait_op(r["operation"]["id"].as_str().unwrap())["state"], "succeeded");
+    // The command started before the pause finishes after it.
+    let events = s.events(&id, &sid, None, None);
+    assert_eq!(decode(&events, "stdout"), "after-resume\n");
+    s.delete(&id);
+}
+
 fn idempotent_create_returns_the_same_operation() {
     let s = server();
     let body = json!({ "template": "seed", "timeout": "5m" });
@@ -757,6 +789,10 @@ fn main() {
         t(
             "idempotent_create_returns_the_same_operation",
             idempotent_create_returns_the_same_operation,
+        ),
+        t(
+            "pause_freezes_in_memory_and_resume_continues",
+            pause_freezes_in_memory_and_resume_continues,
         ),
         t("timeout_expiry_deletes_the_sandbox", timeout_expiry_deletes_the_sandbox),
         t(

@@ -190,3 +190,23 @@ def test_network_deny_out_alone():
             assert s.commands.run("echo ok").stdout == "ok\n"
         finally:
             s.kill()
+
+
+def test_pause_in_memory_and_resume_by_connect():
+    from e2b import SandboxState
+
+    s = Sandbox.create(timeout=300)
+    try:
+        s.files.write("/home/user/keep.txt", "still here")
+        h = s.commands.run("sleep 600", background=True)
+        s.pause()
+        assert s.get_info().state == SandboxState.PAUSED
+        paused = Sandbox.list(query=SandboxQuery(state=[SandboxState.PAUSED])).next_items()
+        assert s.sandbox_id in [x.sandbox_id for x in paused]
+        assert not s.is_running()
+        back = Sandbox.connect(s.sandbox_id)
+        assert back.get_info().state == SandboxState.RUNNING
+        assert back.files.read("/home/user/keep.txt") == "still here"
+        assert any(p.pid == h.pid for p in back.commands.list()), "processes survive an in-memory pause"
+    finally:
+        Sandbox.kill(s.sandbox_id)

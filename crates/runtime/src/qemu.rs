@@ -102,6 +102,19 @@ impl QemuVmm {
     }
 }
 
+impl QemuVmm {
+    async fn qmp(&self, vm: &VmHandle, cmd: &str) -> Result<serde_json::Value> {
+        let run = async {
+            let mut qmp = Qmp::connect(&vm.control_socket).await?;
+            qmp.execute(cmd, None).await
+        };
+        tokio::time::timeout(Duration::from_secs(10), run)
+            .await
+            .map_err(|_| RuntimeError::Vmm(format!("QMP {cmd}: no answer in 10s")))?
+            .map_err(|e| RuntimeError::Vmm(format!("QMP {cmd}: {e}")))
+    }
+}
+
 /// Guest kernel command line. Under TCG, ~45% of boots hang in TSC calibration unless the
 /// frequency is given (`tsc_early_khz`) and trusted (`tsc=reliable`).
 pub fn kernel_cmdline(hostname: &str) -> String {
@@ -225,6 +238,19 @@ impl Vmm for QemuVmm {
         } else {
             Err(RuntimeError::Vmm(format!("QEMU pid {} survived SIGKILL", vm.pid)))
         }
+    }
+
+    async fn pause(&self, vm: &VmHandle) -> Result<()> {
+        self.qmp(vm, "stop").await.map(drop)
+    }
+
+    async fn resume(&self, vm: &VmHandle) -> Result<()> {
+        self.qmp(vm, "cont").await.map(drop)
+    }
+
+    async fn is_paused(&self, vm: &VmHandle) -> Result<bool> {
+        let status = self.qmp(vm, "query-status").await?;
+        Ok(status["running"] == serde_json::Value::Bool(false))
     }
 
     fn is_running(&self, vm: &VmHandle) -> bool {

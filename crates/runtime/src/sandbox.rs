@@ -105,8 +105,10 @@ pub struct SandboxRecord {
 pub struct Sandbox {
     pub record: SandboxRecord,
     pub vm: VmHandle,
-    agent: tokio::sync::Mutex<AgentClient>,
+    /// Connected lazily: a VM found paused after a restart has no session until it resumes.
+    agent: tokio::sync::Mutex<Option<AgentClient>>,
     deleting: AtomicBool,
+    paused: AtomicBool,
 }
 
 /// Collected result of a command run to completion.
@@ -123,13 +125,24 @@ impl Sandbox {
     }
 
     /// The agent session, reconnected if the channel dropped (e.g. after a server restart).
+    /// A paused sandbox has none: its guest cannot answer until it resumes.
     pub async fn agent(&self) -> Result<AgentClient> {
-        let mut guard = self.agent.lock().await;
-        if guard.is_closed() {
-            let (client, _) = AgentClient::connect_ready(&self.vm.agent_socket, Duration::from_secs(10)).await?;
-            *guard = client;
+        if self.is_paused() {
+            return Err(RuntimeError::NotRunning(format!("{} (paused)", self.id())));
         }
-        Ok(guard.clone())
+        let mut guard = self.agent.lock().await;
+        match guard.as_ref() {
+            Some(c) if !c.is_closed() => Ok(c.clone()),
+            _ => {
+                let (client, _) = AgentClient::connect_ready(&self.vm.agent_socket, Duration::from_secs(10)).await?;
+                *guard = Some(client.clone());
+                Ok(client)
+            }
+        }
+    }
+
+    pub fn is_paused(&self) -> bool {
+        self.paused.load(Ordering::SeqCst)
     }
 
     /// Run a command to completion and collect its output (tests, CLI, benchmarks).
@@ -258,10 +271,15 @@ impl Runtime {
             let vm = VmHandle::load(&dir);
             match (record, vm) {
                 (Some(record), Some(vm)) if self.inner.vmm.is_running(&vm) => {
+                    if self.inner.vmm.is_paused(&vm).await.unwrap_or(false) {
+                        tracing::info!(id = %record.id, pid = vm.pid, "re-attached to paused sandbox");
+                        self.adopt(record, vm, None, true);
+                        continue;
+                    }
                     match AgentClient::connect_ready(&vm.agent_socket, Duration::from_secs(10)).await {
                         Ok((client, _)) => {
                             tracing::info!(id = %record.id, pid = vm.pid, "re-attached to running sandbox");
-                            self.adopt(record, vm, client);
+                            self.adopt(record, vm, Some(client), false);
                         }
                         Err(e) => {
                             tracing::warn!(id = %record.id, "running VM's agent does not answer ({e}); removing it");
@@ -281,12 +299,13 @@ impl Runtime {
         }
     }
 
-    fn adopt(&self, record: SandboxRecord, vm: VmHandle, client: AgentClient) -> Arc<Sandbox> {
+    fn adopt(&self, record: SandboxRecord, vm: VmHandle, client: Option<AgentClient>, paused: bool) -> Arc<Sandbox> {
         let sb = Arc::new(Sandbox {
             record,
             vm,
             agent: tokio::sync::Mutex::new(client),
             deleting: AtomicBool::new(false),
+            paused: AtomicBool::new(paused),
         });
         self.inner
             .sandboxes
@@ -451,7 +470,7 @@ impl Runtime {
         }
         .await;
         match result {
-            Ok((vm, client)) => Ok(self.adopt(record, vm, client)),
+            Ok((vm, client)) => Ok(self.adopt(record, vm, Some(client), false)),
             Err(e) => {
                 if let Some(vm) = VmHandle::load(&dir) {
                     let _ = self.inner.vmm.stop(&vm, Duration::from_secs(2)).await;
@@ -476,6 +495,26 @@ impl Runtime {
         let mut v: Vec<_> = self.inner.sandboxes.lock().unwrap().values().cloned().collect();
         v.sort_by(|a, b| a.record.created_at.cmp(&b.record.created_at));
         v
+    }
+
+    /// Freeze a sandbox in memory: its vCPUs stop, its RAM and disk stay. Idempotent.
+    pub async fn pause(&self, id: &str) -> Result<()> {
+        let sb = self.get(id)?;
+        if !sb.is_paused() {
+            self.inner.vmm.pause(&sb.vm).await?;
+            sb.paused.store(true, Ordering::SeqCst);
+        }
+        Ok(())
+    }
+
+    /// Let a paused sandbox run again. Idempotent.
+    pub async fn resume(&self, id: &str) -> Result<()> {
+        let sb = self.get(id)?;
+        if sb.is_paused() {
+            self.inner.vmm.resume(&sb.vm).await?;
+            sb.paused.store(false, Ordering::SeqCst);
+        }
+        Ok(())
     }
 
     /// Stop the VM and remove its dir (overlay, sockets, logs). Unknown ids are an error.

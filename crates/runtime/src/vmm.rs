@@ -91,6 +91,11 @@ pub trait Vmm: Send + Sync {
     async fn stop(&self, vm: &VmHandle, grace: Duration) -> Result<()>;
     /// Whether this VM's VMM process still runs (and is really ours, not a reused pid).
     fn is_running(&self, vm: &VmHandle) -> bool;
+    /// Freeze the guest's vCPUs in memory (the VM keeps its RAM; nothing runs).
+    async fn pause(&self, vm: &VmHandle) -> Result<()>;
+    async fn resume(&self, vm: &VmHandle) -> Result<()>;
+    /// Whether the guest's vCPUs are frozen.
+    async fn is_paused(&self, vm: &VmHandle) -> Result<bool>;
 }
 
 /// True when `pid` is alive and not a zombie.

@@ -345,7 +345,7 @@ pub async fn list_sandboxes(
         None => None,
         Some(s) => Some(SandboxState::parse(s).ok_or_else(|| {
             ApiError::Validation(format!(
-                "unknown state {s:?}; one of creating, running, deleting, deleted, failed"
+                "unknown state {s:?}; one of creating, running, paused, deleting, deleted, failed"
             ))
         })?),
     };
@@ -378,7 +378,7 @@ pub async fn list_sandboxes(
         }
     }
     let filter = SandboxFilter {
-        state: wanted,
+        states: wanted.into_iter().collect(),
         metadata,
         after,
         limit,
@@ -422,6 +422,58 @@ pub async fn delete_sandbox(
         return Err(ApiError::NotFound(format!("sandbox {id} was already deleted")));
     }
     let op = state.engine.request_delete(&row).await?;
+    Ok((
+        StatusCode::ACCEPTED,
+        Json(OperationAccepted {
+            operation: op,
+            sandbox_id: id,
+        }),
+    ))
+}
+
+#[utoipa::path(post, path = "/v1/sandboxes/{id}/pause", tag = "sandboxes", params(("id" = String, Path)),
+    responses((status = 202, body = OperationAccepted), ApiErrors),
+    security(("bearer" = [])))]
+pub async fn pause_sandbox(
+    State(state): State<AppState>,
+    Extension(tenant): Extension<Tenant>,
+    Path(id): Path<String>,
+) -> ApiResult<(StatusCode, Json<OperationAccepted>)> {
+    pause_or_resume(state, tenant, id, true).await
+}
+
+#[utoipa::path(post, path = "/v1/sandboxes/{id}/resume", tag = "sandboxes", params(("id" = String, Path)),
+    responses((status = 202, body = OperationAccepted), ApiErrors),
+    security(("bearer" = [])))]
+pub async fn resume_sandbox(
+    State(state): State<AppState>,
+    Extension(tenant): Extension<Tenant>,
+    Path(id): Path<String>,
+) -> ApiResult<(StatusCode, Json<OperationAccepted>)> {
+    pause_or_resume(state, tenant, id, false).await
+}
+
+async fn pause_or_resume(
+    state: AppState,
+    tenant: Tenant,
+    id: String,
+    pause: bool,
+) -> ApiResult<(StatusCode, Json<OperationAccepted>)> {
+    let row = sandbox_row(&state, &tenant, &id).await?;
+    let from = if pause {
+        SandboxState::Running
+    } else {
+        SandboxState::Paused
+    };
+    if row.state != from {
+        return Err(ApiError::Conflict(format!(
+            "sandbox {id} is {}; only a {} sandbox can be {}",
+            row.state.as_str(),
+            from.as_str(),
+            if pause { "paused" } else { "resumed" }
+        )));
+    }
+    let op = state.engine.pause_or_resume(&row, pause).await?;
     Ok((
         StatusCode::ACCEPTED,
         Json(OperationAccepted {

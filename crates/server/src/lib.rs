@@ -19,7 +19,7 @@ use utoipa::OpenApi;
 #[openapi(
     info(title = "airlock", description = "Self-hosted microVM sandboxes for AI agents: native API (milestone 1)"),
     paths(
-        api::create_sandbox, api::list_sandboxes, api::get_sandbox, api::delete_sandbox, api::get_operation,
+        api::create_sandbox, api::list_sandboxes, api::get_sandbox, api::delete_sandbox, api::pause_sandbox, api::resume_sandbox, api::get_operation,
         api::create_session, api::list_sessions, api::get_session, api::stream_session, api::session_stdin,
         api::session_signal, api::session_resize, api::read_file, api::write_file, api::delete_file, api::list_files,
         api::list_templates, api::get_template, api::system,
@@ -50,6 +50,8 @@ pub fn router(state: AppState) -> Router {
     let v1 = Router::new()
         .route("/sandboxes", post(api::create_sandbox).get(api::list_sandboxes))
         .route("/sandboxes/{id}", get(api::get_sandbox).delete(api::delete_sandbox))
+        .route("/sandboxes/{id}/pause", post(api::pause_sandbox))
+        .route("/sandboxes/{id}/resume", post(api::resume_sandbox))
         .route("/operations/{id}", get(api::get_operation))
         .route(
             "/sandboxes/{id}/sessions",
@@ -78,6 +80,7 @@ pub fn router(state: AppState) -> Router {
         .route("/sandboxes/{id}/timeout", post(e2b::control::set_timeout))
         .route("/sandboxes/{id}/connect", post(e2b::control::connect))
         .route("/sandboxes/{id}/metrics", get(e2b::control::metrics))
+        .route("/sandboxes/{id}/pause", post(e2b::control::pause))
         // Newer SDKs (e.g. 2.63) create and connect through the v2 paths; same semantics.
         .route("/v2/sandboxes", get(e2b::control::list_v2).post(e2b::control::create))
         .route("/v2/sandboxes/{id}/connect", post(e2b::control::connect))

@@ -11,6 +11,8 @@ use crate::error::ErrorBody;
 pub enum SandboxState {
     Creating,
     Running,
+    /// Frozen in memory (vCPUs stopped); resume to run again. Its timeout keeps running.
+    Paused,
     Deleting,
     Deleted,
     Failed,
@@ -21,6 +23,7 @@ impl SandboxState {
         match self {
             SandboxState::Creating => "creating",
             SandboxState::Running => "running",
+            SandboxState::Paused => "paused",
             SandboxState::Deleting => "deleting",
             SandboxState::Deleted => "deleted",
             SandboxState::Failed => "failed",
@@ -30,6 +33,7 @@ impl SandboxState {
         Some(match s {
             "creating" => SandboxState::Creating,
             "running" => SandboxState::Running,
+            "paused" => SandboxState::Paused,
             "deleting" => SandboxState::Deleting,
             "deleted" => SandboxState::Deleted,
             "failed" => SandboxState::Failed,

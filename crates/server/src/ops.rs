@@ -107,6 +107,52 @@ impl Engine {
         Ok(op)
     }
 
+    /// Pause (freeze in memory) or resume a sandbox; waits for the change, as both are quick.
+    pub async fn pause_or_resume(&self, row: &SandboxRow, pause: bool) -> Result<Operation, ApiError> {
+        let kind = if pause {
+            OperationKind::Pause
+        } else {
+            OperationKind::Resume
+        };
+        let op = new_operation(kind, &row.id);
+        self.store.insert_operation(&row.tenant_id, &op).await?;
+        let engine = self.clone();
+        let (op2, id) = (op.clone(), row.id.clone());
+        let done = tokio::spawn(async move {
+            let lock = engine.lock_for(&id);
+            let _guard = lock.lock().await;
+            let _ = engine.store.set_operation_state(&op2.id, OperationState::Running).await;
+            let result = if pause {
+                engine.runtime.pause(&id).await
+            } else {
+                engine.runtime.resume(&id).await
+            };
+            match result {
+                Ok(()) => {
+                    let state = if pause {
+                        SandboxState::Paused
+                    } else {
+                        SandboxState::Running
+                    };
+                    let _ = engine.store.set_sandbox_state(&id, state).await;
+                    let _ = engine
+                        .store
+                        .finish_operation(&op2.id, OperationState::Succeeded, None)
+                        .await;
+                }
+                Err(e) => {
+                    let body = ApiError::from(e).body();
+                    let _ = engine
+                        .store
+                        .finish_operation(&op2.id, OperationState::Failed, Some(&body))
+                        .await;
+                }
+            }
+        });
+        let _ = done.await;
+        Ok(self.store.get_operation(&row.tenant_id, &op.id).await?.unwrap_or(op))
+    }
+
     /// Delete and wait until it is done (the E2B door answers kill synchronously).
     pub async fn delete_and_wait(&self, row: &SandboxRow) -> Result<(), ApiError> {
         let op = self.request_delete(row).await?;
@@ -189,7 +235,7 @@ impl Engine {
         }
         let live = self.store.live_sandboxes().await?;
         for row in &live {
-            if row.state == SandboxState::Running && self.runtime.get(&row.id).is_err() {
+            if matches!(row.state, SandboxState::Running | SandboxState::Paused) && self.runtime.get(&row.id).is_err() {
                 tracing::warn!(sandbox = %row.id, "its VM is gone; marking it failed");
                 self.store.set_sandbox_state(&row.id, SandboxState::Failed).await?;
             }
@@ -200,7 +246,7 @@ impl Engine {
             if !known.is_some_and(|r| {
                 matches!(
                     r.state,
-                    SandboxState::Running | SandboxState::Creating | SandboxState::Deleting
+                    SandboxState::Running | SandboxState::Paused | SandboxState::Creating | SandboxState::Deleting
                 )
             }) {
                 tracing::warn!(sandbox = %sb.id(), "VM without a live record; deleting it");
@@ -223,7 +269,10 @@ impl Engine {
                     }
                 }
                 if let Ok(live) = engine.store.live_sandboxes().await {
-                    for row in live.iter().filter(|r| r.state == SandboxState::Running) {
+                    for row in live
+                        .iter()
+                        .filter(|r| matches!(r.state, SandboxState::Running | SandboxState::Paused))
+                    {
                         let locked = engine.locks.lock().unwrap().contains_key(&row.id);
                         if !locked && engine.runtime.get(&row.id).is_err() {
                             tracing::warn!(sandbox = %row.id, "VM exited on its own; marking it failed");

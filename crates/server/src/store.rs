@@ -79,7 +79,8 @@ pub struct SessionRow {
 }
 
 pub struct SandboxFilter {
-    pub state: Option<SandboxState>,
+    /// Only these states; empty means every state but `deleted`.
+    pub states: Vec<SandboxState>,
     pub metadata: BTreeMap<String, String>,
     /// Return rows after this (created_at_ms, id) cursor.
     pub after: Option<(i64, String)>,
@@ -368,15 +369,13 @@ impl Store for SqliteStore {
     }
 
     async fn list_sandboxes(&self, tenant_id: &str, f: &SandboxFilter) -> Result<Vec<SandboxRow>, sqlx::Error> {
-        // Metadata is filtered here after the SQL page, so fetch generously and trim.
+        // State and metadata are filtered here, after the SQL cursor; the page is trimmed after.
         let (after_ms, after_id) = f.after.clone().unwrap_or((i64::MIN, String::new()));
         let rows = sqlx::query(
-            "SELECT * FROM sandboxes WHERE tenant_id = ? AND (? IS NULL OR state = ?) AND state != 'deleted'
+            "SELECT * FROM sandboxes WHERE tenant_id = ? AND state != 'deleted'
              AND (created_at_ms > ? OR (created_at_ms = ? AND id > ?)) ORDER BY created_at_ms, id",
         )
         .bind(tenant_id)
-        .bind(f.state.map(|s| s.as_str()))
-        .bind(f.state.map(|s| s.as_str()))
         .bind(after_ms)
         .bind(after_ms)
         .bind(after_id)
@@ -385,13 +384,14 @@ impl Store for SqliteStore {
         Ok(rows
             .iter()
             .map(sandbox_from_row)
+            .filter(|s| f.states.is_empty() || f.states.contains(&s.state))
             .filter(|s| f.metadata.iter().all(|(k, v)| s.metadata.get(k) == Some(v)))
             .take(f.limit as usize + 1)
             .collect())
     }
 
     async fn live_sandboxes(&self) -> Result<Vec<SandboxRow>, sqlx::Error> {
-        let rows = sqlx::query("SELECT * FROM sandboxes WHERE state IN ('creating', 'running', 'deleting')")
+        let rows = sqlx::query("SELECT * FROM sandboxes WHERE state IN ('creating', 'running', 'paused', 'deleting')")
             .fetch_all(&self.pool)
             .await?;
         Ok(rows.iter().map(sandbox_from_row).collect())
@@ -399,7 +399,7 @@ impl Store for SqliteStore {
 
     async fn count_live_sandboxes(&self, tenant_id: &str) -> Result<i64, sqlx::Error> {
         let n: (i64,) = sqlx::query_as(
-            "SELECT COUNT(*) FROM sandboxes WHERE tenant_id = ? AND state IN ('creating', 'running', 'deleting')",
+            "SELECT COUNT(*) FROM sandboxes WHERE tenant_id = ? AND state IN ('creating', 'running', 'paused', 'deleting')",
         )
         .bind(tenant_id)
         .fetch_one(&self.pool)
@@ -427,7 +427,7 @@ impl Store for SqliteStore {
     }
 
     async fn expired_sandboxes(&self, now: i64) -> Result<Vec<SandboxRow>, sqlx::Error> {
-        let rows = sqlx::query("SELECT * FROM sandboxes WHERE state = 'running' AND expires_at_ms <= ?")
+        let rows = sqlx::query("SELECT * FROM sandboxes WHERE state IN ('running', 'paused') AND expires_at_ms <= ?")
             .bind(now)
             .fetch_all(&self.pool)
             .await?;

@@ -167,7 +167,7 @@ fn detail_json(row: &SandboxRow, token: Option<&str>) -> Value {
         "cpuCount": row.resources.vcpu,
         "memoryMB": row.resources.memory_mib,
         "diskSizeMB": row.resources.disk_mib,
-        "state": "running",
+        "state": if row.state == SandboxState::Paused { "paused" } else { "running" },
         "envdVersion": ENVD_VERSION,
         "metadata": metadata,
         "domain": Value::Null,
@@ -246,10 +246,31 @@ fn known_templates(state: &AppState) -> String {
     names.join(", ")
 }
 
+/// A sandbox the E2B door can see: running or paused.
 async fn live_row(state: &AppState, tenant: &Tenant, id: &str) -> Result<SandboxRow> {
     match state.store.get_sandbox(&tenant.id, id).await? {
-        Some(row) if row.state == SandboxState::Running => Ok(row),
+        Some(row) if matches!(row.state, SandboxState::Running | SandboxState::Paused) => Ok(row),
         _ => Err(E2bError::not_found(format!("sandbox {id:?} not found"))),
+    }
+}
+
+/// `POST /sandboxes/{id}/pause`: airlock pauses in memory (no suspend to disk yet).
+pub async fn pause(
+    State(state): State<AppState>,
+    Extension(tenant): Extension<Tenant>,
+    Path(id): Path<String>,
+) -> Result<StatusCode> {
+    let row = live_row(&state, &tenant, &id).await?;
+    if row.state == SandboxState::Paused {
+        return Err(E2bError::new(
+            StatusCode::CONFLICT,
+            format!("sandbox {id} is already paused"),
+        ));
+    }
+    let op = state.engine.pause_or_resume(&row, true).await?;
+    match op.error {
+        None => Ok(StatusCode::NO_CONTENT),
+        Some(e) => Err(E2bError::new(StatusCode::INTERNAL_SERVER_ERROR, e.message)),
     }
 }
 
@@ -305,7 +326,16 @@ pub async fn connect(
     } else {
         serde_json::from_slice(&body).map_err(|e| E2bError::bad_request(format!("invalid body: {e}")))?
     };
-    let row = live_row(&state, &tenant, &id).await?;
+    let mut row = live_row(&state, &tenant, &id).await?;
+    // Connecting to a paused sandbox resumes it (201), as E2B does.
+    let resumed = row.state == SandboxState::Paused;
+    if resumed {
+        let op = state.engine.pause_or_resume(&row, false).await?;
+        if let Some(e) = op.error {
+            return Err(E2bError::new(StatusCode::INTERNAL_SERVER_ERROR, e.message));
+        }
+        row.state = SandboxState::Running;
+    }
     // Connecting extends the life to at least `timeout` from now, as E2B does.
     let want = now_ms() + timeout_ms(b.timeout)?;
     if want > row.expires_at_ms {
@@ -319,7 +349,8 @@ pub async fn connect(
             t
         }
     };
-    Ok((StatusCode::OK, Json(sandbox_json(&row, &token, &e2b_alias(&row)))))
+    let status = if resumed { StatusCode::CREATED } else { StatusCode::OK };
+    Ok((status, Json(sandbox_json(&row, &token, &e2b_alias(&row)))))
 }
 
 #[derive(Debug, Deserialize)]
@@ -386,17 +417,17 @@ pub async fn list_v2(
         }
     };
     let metadata = q.metadata.as_deref().map(parse_metadata_filter).unwrap_or_default();
-    let rows = if states.iter().any(|s| s == "running") {
-        let filter = SandboxFilter {
-            state: Some(SandboxState::Running),
-            metadata,
-            after,
-            limit,
-        };
-        state.store.list_sandboxes(&tenant.id, &filter).await?
-    } else {
-        Vec::new() // nothing is ever paused yet
+    let states = states
+        .iter()
+        .map(|s| SandboxState::parse(s).expect("checked above"))
+        .collect();
+    let filter = SandboxFilter {
+        states,
+        metadata,
+        after,
+        limit,
     };
+    let rows = state.store.list_sandboxes(&tenant.id, &filter).await?;
     let next = (rows.len() > limit as usize).then(|| {
         let last = &rows[limit as usize - 1];
         format!("{}.{}", last.created_at_ms, last.id)
