@@ -446,6 +446,79 @@ fn pause_freezes_in_memory_and_resume_continues() {
     s.delete(&id);
 }
 
+/// A raw HTTP/1.1 GET with our own Host header (as wildcard DNS would deliver it).
+fn get_with_host(s: &Server, host: &str, path: &str, headers: &[(&str, &str)]) -> (u16, String) {
+    use std::io::{Read, Write};
+    let addr = s.url.trim_start_matches("http://");
+    let mut conn = std::net::TcpStream::connect(addr).unwrap();
+    conn.set_read_timeout(Some(Duration::from_secs(60))).unwrap();
+    let mut req = format!("GET {path} HTTP/1.1\r\nHost: {host}\r\nConnection: close\r\n");
+    for (k, v) in headers {
+        req.push_str(&format!("{k}: {v}\r\n"));
+    }
+    req.push_str("\r\n");
+    conn.write_all(req.as_bytes()).unwrap();
+    let mut raw = Vec::new();
+    let _ = conn.read_to_end(&mut raw);
+    let text = String::from_utf8_lossy(&raw).to_string();
+    let status = text.split_whitespace().nth(1).and_then(|c| c.parse().ok()).unwrap_or(0);
+    let body = text
+        .split_once("\r\n\r\n")
+        .map(|(_, b)| b.to_string())
+        .unwrap_or_default();
+    (status, body)
+}
+
+fn ports_and_envd_are_reachable_by_host_name() {
+    let s = server();
+    let id = shared();
+    let script = "mkdir -p /tmp/www && echo served-from-sandbox > /tmp/www/hello.txt && exec python3 -m http.server 8000 --bind 127.0.0.1 --directory /tmp/www";
+    s.session(id, json!({ "argv": ["sh", "-c", script] }));
+    let host = format!("8000-{id}.sandbox.test");
+    let bearer = format!("Bearer {}", s.key);
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        let (status, body) = get_with_host(s, &host, "/hello.txt", &[("Authorization", &bearer)]);
+        if status == 200 {
+            assert!(body.contains("served-from-sandbox"), "{body}");
+            break;
+        }
+        assert!(Instant::now() < deadline, "port 8000 never answered: {status} {body}");
+        std::thread::sleep(Duration::from_millis(300));
+    }
+    let (status, _) = get_with_host(s, &host, "/hello.txt", &[]);
+    assert_eq!(status, 401, "sandbox ports are never public");
+    let (status, body) = get_with_host(
+        s,
+        &format!("8001-{id}.sandbox.test"),
+        "/",
+        &[("Authorization", &bearer)],
+    );
+    assert_eq!(status, 502, "{body}");
+    assert!(body.contains("nothing listens on port 8001"), "{body}");
+
+    // envd by host name (E2B_DOMAIN setups): closed until the E2B API hands out a token.
+    let envd_host = format!("49983-{id}.sandbox.test");
+    assert_eq!(get_with_host(s, &envd_host, "/health", &[]).0, 401);
+    let (status, sb) = s.call_with(
+        "POST",
+        &format!("/sandboxes/{id}/connect"),
+        Some(json!({ "timeout": 1800 })),
+        None,
+        &[("X-API-KEY", &s.key)],
+    );
+    assert_eq!(status, 200, "{sb}");
+    let token = sb["envdAccessToken"].as_str().unwrap().to_string();
+    assert_eq!(
+        get_with_host(s, &envd_host, "/health", &[("X-Access-Token", &token)]).0,
+        204
+    );
+    assert_eq!(
+        get_with_host(s, &envd_host, "/health", &[("X-Access-Token", "wrong")]).0,
+        401
+    );
+}
+
 fn idempotent_create_returns_the_same_operation() {
     let s = server();
     let body = json!({ "template": "seed", "timeout": "5m" });
@@ -793,6 +866,10 @@ fn main() {
         t(
             "pause_freezes_in_memory_and_resume_continues",
             pause_freezes_in_memory_and_resume_continues,
+        ),
+        t(
+            "ports_and_envd_are_reachable_by_host_name",
+            ports_and_envd_are_reachable_by_host_name,
         ),
         t("timeout_expiry_deletes_the_sandbox", timeout_expiry_deletes_the_sandbox),
         t(

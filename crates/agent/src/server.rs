@@ -203,6 +203,12 @@ async fn route(agent: Arc<Agent>, req: Request<Incoming>) -> Result<Response<Bod
             files::rename(&from, &to)?;
             Ok(json(StatusCode::OK, &files::stat(&to)?))
         }
+        (&Method::POST, ["tcp", port]) => {
+            let port: u16 = port
+                .parse()
+                .map_err(|_| AgentError::invalid(format!("bad port {port:?}")))?;
+            tunnel(port, req).await
+        }
         (&Method::GET, ["files", "watch"]) => {
             let q = query(&req);
             let p = files::clean_path(required(&q, "path")?)?;
@@ -340,5 +346,59 @@ fn watch(path: &std::path::Path, recursive: bool) -> Result<Response<Body>, Agen
         .status(StatusCode::OK)
         .header("content-type", "application/x-ndjson")
         .body(BodyExt::boxed(StreamBody::new(stream)))
+        .expect("valid response"))
+}
+
+/// A byte tunnel to `127.0.0.1:<port>` inside the guest: the request body flows to the socket,
+/// the socket's output is the response body (HTTP/2 carries both directions at once).
+async fn tunnel(port: u16, req: Request<Incoming>) -> Result<Response<Body>, AgentError> {
+    use tokio::io::AsyncReadExt;
+    let sock = tokio::net::TcpStream::connect(("127.0.0.1", port)).await.map_err(|e| {
+        AgentError::new(
+            airlock_proto::ErrorCode::NotFound,
+            format!("nothing listens on port {port} in the sandbox: {e}"),
+        )
+    })?;
+    let (mut rd, mut wr) = sock.into_split();
+    let mut body = req.into_body();
+    tokio::spawn(async move {
+        while let Some(Ok(frame)) = body.frame().await {
+            if let Ok(data) = frame.into_data() {
+                if wr.write_all(&data).await.is_err() {
+                    return;
+                }
+            }
+        }
+        let _ = wr.shutdown().await;
+    });
+    let (tx, rx) = tokio::sync::mpsc::channel::<Result<Frame<Bytes>, std::io::Error>>(8);
+    tokio::spawn(async move {
+        let mut buf = vec![0u8; 64 << 10];
+        loop {
+            match rd.read(&mut buf).await {
+                Ok(0) => return,
+                Ok(n) => {
+                    if tx
+                        .send(Ok(Frame::data(Bytes::copy_from_slice(&buf[..n]))))
+                        .await
+                        .is_err()
+                    {
+                        return;
+                    }
+                }
+                Err(e) => {
+                    let _ = tx.send(Err(e)).await;
+                    return;
+                }
+            }
+        }
+    });
+    let body = StreamBody::new(futures_util::stream::unfold(rx, |mut rx| async move {
+        rx.recv().await.map(|item| (item, rx))
+    }));
+    Ok(Response::builder()
+        .status(StatusCode::OK)
+        .header("content-type", "application/octet-stream")
+        .body(BodyExt::boxed(body))
         .expect("valid response"))
 }

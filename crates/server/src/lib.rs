@@ -3,6 +3,7 @@
 pub mod api;
 pub mod e2b;
 pub mod error;
+pub mod forward;
 pub mod model;
 pub mod ops;
 pub mod store;
@@ -100,6 +101,10 @@ pub fn router(state: AppState) -> Router {
             get(move || async move { ([("content-type", "application/json")], doc.clone()) }),
         )
         .fallback(api::not_found)
+        .layer(axum::middleware::from_fn_with_state(
+            state.clone(),
+            forward::host_routing,
+        ))
         // Uploads stream to the guest; the cap only bounds a single request.
         .layer(axum::extract::DefaultBodyLimit::max(1 << 30))
         .with_state(state)

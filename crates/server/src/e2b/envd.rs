@@ -67,6 +67,14 @@ async fn resolve(
     };
     let expected = state.store.sandbox_token(&row.id).await.ok().flatten();
     match (expected, token) {
+        // A sandbox without a token never came through the E2B door: envd is closed to it.
+        (None, _) => {
+            return Err(RpcError::new(
+                "unauthenticated",
+                "this sandbox has no envd access token; connect to it through the E2B API first",
+            )
+            .into_response())
+        }
         (Some(e), Some(t)) if e != t => {
             return Err(RpcError::new("unauthenticated", "X-Access-Token does not match the sandbox").into_response())
         }

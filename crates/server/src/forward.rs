@@ -1,0 +1,160 @@
+//! Port exposure: `<port>-<sandbox id>.<domain>` reaches `<port>` inside that sandbox over the
+//! agent's byte tunnel, as HTTP/1.1 (WebSocket and other upgrades included). Port 49983 is envd
+//! itself, served by this server: the host only selects the sandbox.
+
+use crate::api::AppState;
+use crate::model::SandboxState;
+use axum::body::Body;
+use axum::extract::{Request, State};
+use axum::http::{HeaderValue, StatusCode};
+use axum::middleware::Next;
+use axum::response::{IntoResponse, Response};
+use serde_json::json;
+
+pub const ENVD_PORT: u16 = 49983;
+
+/// `49999-abc123.example.com:443` -> (49999, "abc123").
+pub fn parse_sandbox_host(host: &str) -> Option<(u16, String)> {
+    let first = host.split('.').next()?;
+    if first.len() == host.len() {
+        return None; // a bare name is never a sandbox host
+    }
+    let (port, id) = first.split_once('-')?;
+    let port: u16 = port.parse().ok()?;
+    airlock_runtime::sandbox::valid_sandbox_id(id).then(|| (port, id.to_string()))
+}
+
+fn error(status: StatusCode, message: String) -> Response {
+    (
+        status,
+        axum::Json(json!({ "code": status.as_u16(), "message": message })),
+    )
+        .into_response()
+}
+
+/// Route by Host before path routing: sandbox hosts go to envd or to the sandbox's port.
+pub async fn host_routing(State(state): State<AppState>, mut req: Request, next: Next) -> Response {
+    let host = req
+        .headers()
+        .get("host")
+        .and_then(|v| v.to_str().ok())
+        .unwrap_or("")
+        .to_string();
+    let Some((port, id)) = parse_sandbox_host(&host) else {
+        return next.run(req).await;
+    };
+    if port == ENVD_PORT {
+        if let Ok(v) = HeaderValue::from_str(&id) {
+            req.headers_mut().insert("e2b-sandbox-id", v);
+        }
+        return next.run(req).await;
+    }
+    forward(state, id, port, req).await
+}
+
+/// The sandbox's access token (E2B's `X-Access-Token` / traffic token) or an API key of the
+/// tenant that owns it: sandbox ports are never public.
+async fn authorized(state: &AppState, headers: &axum::http::HeaderMap, sandbox_tenant: &str, sandbox_id: &str) -> bool {
+    let h = |name: &str| {
+        headers
+            .get(name)
+            .and_then(|v| v.to_str().ok())
+            .map(str::trim)
+            .map(String::from)
+    };
+    let token = state.store.sandbox_token(sandbox_id).await.ok().flatten();
+    for t in [h("x-access-token"), h("e2b-traffic-access-token")]
+        .into_iter()
+        .flatten()
+    {
+        if token.as_deref() == Some(t.as_str()) {
+            return true;
+        }
+    }
+    if let Some(key) = h("authorization").and_then(|v| v.strip_prefix("Bearer ").map(String::from)) {
+        if let Ok(Some(t)) = state.store.tenant_by_key(&key).await {
+            return t.id == sandbox_tenant;
+        }
+    }
+    false
+}
+
+pub async fn forward(state: AppState, id: String, port: u16, mut req: Request) -> Response {
+    let row = match state.store.sandbox_by_id(&id).await {
+        Ok(Some(r)) if r.state == SandboxState::Running => r,
+        _ => return error(StatusCode::BAD_GATEWAY, format!("sandbox {id} is not running")),
+    };
+    let headers = req.headers().clone();
+    if !authorized(&state, &headers, &row.tenant_id, &id).await {
+        return error(
+            StatusCode::UNAUTHORIZED,
+            "sandbox ports need X-Access-Token or the owner's API key".into(),
+        );
+    }
+    let agent = match state.runtime.get(&id) {
+        Ok(sb) => match sb.agent().await {
+            Ok(a) => a,
+            Err(e) => return error(StatusCode::BAD_GATEWAY, e.to_string()),
+        },
+        Err(_) => return error(StatusCode::BAD_GATEWAY, format!("sandbox {id} is not running")),
+    };
+    let tunnel = match agent.tunnel(port).await {
+        Ok(t) => t,
+        Err(e) => return error(StatusCode::BAD_GATEWAY, e.to_string()),
+    };
+    let (mut sender, conn) = match hyper::client::conn::http1::handshake(hyper_util::rt::TokioIo::new(tunnel)).await {
+        Ok(x) => x,
+        Err(e) => return error(StatusCode::BAD_GATEWAY, format!("port {port}: {e}")),
+    };
+    tokio::spawn(async move {
+        let _ = conn.with_upgrades().await;
+    });
+    let client_upgrade = hyper::upgrade::on(&mut req);
+    let (parts, body) = req.into_parts();
+    let mut out = hyper::Request::from_parts(parts, body);
+    // Only the path goes upstream; the Host stays as the client sent it.
+    let pq = out
+        .uri()
+        .path_and_query()
+        .map(|p| p.as_str().to_string())
+        .unwrap_or_else(|| "/".into());
+    *out.uri_mut() = pq.parse().unwrap_or_else(|_| "/".parse().expect("valid"));
+    let mut resp = match sender.send_request(out).await {
+        Ok(r) => r,
+        Err(e) => return error(StatusCode::BAD_GATEWAY, format!("port {port}: {e}")),
+    };
+    if resp.status() == StatusCode::SWITCHING_PROTOCOLS {
+        let server_upgrade = hyper::upgrade::on(&mut resp);
+        tokio::spawn(async move {
+            if let (Ok(client), Ok(server)) = (client_upgrade.await, server_upgrade.await) {
+                let mut client = hyper_util::rt::TokioIo::new(client);
+                let mut server = hyper_util::rt::TokioIo::new(server);
+                let _ = tokio::io::copy_bidirectional(&mut client, &mut server).await;
+            }
+        });
+    }
+    let (parts, body) = resp.into_parts();
+    Response::from_parts(parts, Body::new(body))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parses_sandbox_hosts() {
+        assert_eq!(
+            parse_sandbox_host("8000-0123456789abcdef0123.sbx.example:443"),
+            Some((8000, "0123456789abcdef0123".into()))
+        );
+        assert_eq!(
+            parse_sandbox_host("49983-abcdef12.localhost"),
+            Some((49983, "abcdef12".into()))
+        );
+        assert_eq!(parse_sandbox_host("api.example.com"), None);
+        assert_eq!(parse_sandbox_host("127.0.0.1:7420"), None);
+        assert_eq!(parse_sandbox_host("8000-abcdef12"), None);
+        assert_eq!(parse_sandbox_host("99999-abcdef12.x"), None);
+        assert_eq!(parse_sandbox_host("8000-ABC.x"), None);
+    }
+}
