@@ -30,6 +30,10 @@ enum Command {
     Serve {
         #[arg(long, env = "AIRLOCK_LISTEN", default_value = "127.0.0.1:7420")]
         listen: SocketAddr,
+        /// Also serve E2B's code-interpreter port here (for `E2B_DEBUG=true` setups, where the
+        /// SDK calls `localhost:49999`); requests are routed by `X-Access-Token`.
+        #[arg(long, env = "AIRLOCK_E2B_DEBUG_LISTEN")]
+        e2b_debug_listen: Option<SocketAddr>,
         /// Live sandboxes one tenant may have at once (429 `quota_exceeded` past it).
         #[arg(long, env = "AIRLOCK_MAX_SANDBOXES", default_value_t = 20)]
         max_sandboxes: u32,
@@ -92,7 +96,7 @@ struct ExecOpts {
 
 #[derive(Subcommand)]
 enum TemplateCommand {
-    /// Build a template (only `seed` today); skipped when its recipe is unchanged.
+    /// Build a template (`seed` or `code-interpreter-v1`); skipped when its recipe is unchanged.
     Build {
         #[arg(default_value = SEED)]
         name: String,
@@ -205,11 +209,15 @@ fn blocking<T: Send + 'static>(
     async move { tokio::task::spawn_blocking(f).await? }
 }
 
-fn build_seed(data_dir: &std::path::Path, opts: BuildOptions) -> impl std::future::Future<Output = anyhow::Result<()>> {
+fn build_template(
+    data_dir: &std::path::Path,
+    name: String,
+    opts: BuildOptions,
+) -> impl std::future::Future<Output = anyhow::Result<()>> {
     let data_dir = data_dir.to_path_buf();
     blocking(move || {
         let store = TemplateStore::new(DataDir::open(&data_dir)?);
-        let (t, _) = store.build_seed(&opts)?;
+        let (t, _) = store.build(&name, &opts)?;
         println!("{} {}", t.manifest.name, t.manifest.digest);
         Ok(())
     })
@@ -219,12 +227,17 @@ async fn run(cli: Cli) -> anyhow::Result<u8> {
     let data_dir = cli.data_dir.clone();
     let client = || client::Client::from_env(&data_dir);
     match cli.command {
-        Command::Serve { listen, max_sandboxes } => {
+        Command::Serve {
+            listen,
+            max_sandboxes,
+            e2b_debug_listen,
+        } => {
             let store = TemplateStore::new(DataDir::open(&cli.data_dir)?);
             if !store.exists(SEED) {
                 eprintln!("airlock: template `seed` is missing; building it first");
-                build_seed(
+                build_template(
                     &cli.data_dir,
+                    SEED.into(),
                     BuildOptions {
                         progress: std::io::stderr().is_terminal(),
                         ..Default::default()
@@ -236,6 +249,7 @@ async fn run(cli: Cli) -> anyhow::Result<u8> {
                 listen,
                 data_dir: cli.data_dir,
                 max_sandboxes_per_tenant: max_sandboxes,
+                e2b_debug_listen,
             })
             .await?;
         }
@@ -248,16 +262,13 @@ async fn run(cli: Cli) -> anyhow::Result<u8> {
                     force,
                 },
         } => {
-            if name != SEED {
-                anyhow::bail!("only the `seed` template can be built today (got {name:?})");
-            }
             let opts = BuildOptions {
                 mirror,
                 agent,
                 progress: std::io::stderr().is_terminal(),
                 force,
             };
-            build_seed(&cli.data_dir, opts).await?;
+            build_template(&cli.data_dir, name, opts).await?;
         }
         Command::Template {
             command: TemplateCommand::Ls,

@@ -32,11 +32,14 @@ def _native(url, key, method, path):
 @pytest.fixture(scope="session", autouse=True)
 def airlock_server():
     os.makedirs(DATA, exist_ok=True)
-    subprocess.run([BIN, "--data-dir", DATA, "template", "build", "seed"], check=True, stdout=subprocess.DEVNULL)
+    for template in ("seed", "code-interpreter-v1"):
+        subprocess.run([BIN, "--data-dir", DATA, "template", "build", template], check=True, stdout=subprocess.DEVNULL)
     port = _free_port()
     url = f"http://127.0.0.1:{port}"
     log = open(os.path.join(DATA, f"e2b-serve-{port}.log"), "w")
-    proc = subprocess.Popen([BIN, "--data-dir", DATA, "serve", "--listen", f"127.0.0.1:{port}"], stdout=log, stderr=log)
+    # E2B_DEBUG clients reach the code interpreter at localhost:49999: airlock serves that port too.
+    serve = [BIN, "--data-dir", DATA, "serve", "--listen", f"127.0.0.1:{port}", "--e2b-debug-listen", "127.0.0.1:49999"]
+    proc = subprocess.Popen(serve, stdout=log, stderr=log)
     deadline = time.time() + 120
     while True:
         try:
@@ -60,6 +63,11 @@ def airlock_server():
         time.sleep(0.2)
     proc.terminate()
     proc.wait(timeout=30)
+
+
+def delete_sandbox(server, sandbox_id):
+    """Through the native API: in E2B_DEBUG mode the SDK's kill() sends nothing."""
+    _native(server["url"], server["key"], "DELETE", f"/v1/sandboxes/{sandbox_id}")
 
 
 @pytest.fixture(scope="session")

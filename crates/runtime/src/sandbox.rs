@@ -164,6 +164,49 @@ impl Sandbox {
     }
 }
 
+/// Run a template's start process and wait until its port accepts connections.
+async fn start_template_process(
+    client: &AgentClient,
+    start: &crate::template::StartSpec,
+    limit: Duration,
+) -> Result<()> {
+    let spec = ProcessSpec {
+        argv: start.argv.clone(),
+        user: Some(start.user.clone()),
+        tag: Some("airlock-template-start".into()),
+        ..Default::default()
+    };
+    let info = client.spawn(&spec).await?;
+    let deadline = Instant::now() + limit;
+    loop {
+        if client.tunnel(start.ready_port).await.is_ok() {
+            return Ok(());
+        }
+        let p = client.process(info.id).await?;
+        if p.state == airlock_proto::ProcessState::Exited {
+            let mut out = Vec::new();
+            let mut events = Box::pin(client.events(info.id, 0).await?);
+            while let Some(Ok(ev)) = events.next().await {
+                if let EventKind::Stdout(b) | EventKind::Stderr(b) = ev.kind {
+                    out.extend_from_slice(&b);
+                }
+            }
+            let tail = String::from_utf8_lossy(&out[out.len().saturating_sub(2000)..]).to_string();
+            return Err(RuntimeError::Vmm(format!(
+                "template start process {:?} exited: {tail}",
+                start.argv
+            )));
+        }
+        if Instant::now() > deadline {
+            return Err(RuntimeError::Vmm(format!(
+                "port {} did not open within {limit:?}",
+                start.ready_port
+            )));
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
 pub struct RuntimeOptions {
     pub data_dir: PathBuf,
     /// Force an accelerator instead of probing (`AIRLOCK_ACCEL=kvm|tcg` does the same).
@@ -458,12 +501,19 @@ impl Runtime {
                 accel,
             };
             let vm = self.inner.vmm.start(&spec).await?;
-            let ready = AgentClient::connect_ready(&vm.agent_socket, limit);
+            let start = template.manifest.start.clone();
+            let ready = async {
+                let (client, _health) = AgentClient::connect_ready(&vm.agent_socket, limit).await?;
+                if let Some(start) = &start {
+                    start_template_process(&client, start, limit).await?;
+                }
+                Ok::<_, RuntimeError>(client)
+            };
             let died = async { while !wait_exit(vm.pid, Duration::from_secs(3600)).await {} };
             let failed = |reason: String| RuntimeError::BootFailed { id: id.clone(), reason };
             tokio::select! {
                 r = ready => r
-                    .map(|(client, _health)| (vm.clone(), client))
+                    .map(|client| (vm.clone(), client))
                     .map_err(|e| failed(format!("{e}; console:\n{}", vm.console_tail(12)))),
                 _ = died => Err(failed(format!("the VMM exited during boot; console:\n{}", vm.console_tail(12)))),
             }

@@ -16,6 +16,12 @@ use std::process::Command;
 use std::time::{Instant, SystemTime};
 
 pub const SEED: &str = "seed";
+/// `seed` + matplotlib + airlock's code interpreter on port 49999 (E2B's `code-interpreter-v1`).
+pub const CODE_INTERPRETER: &str = "code-interpreter-v1";
+/// Port the code interpreter listens on inside the sandbox (E2B's Jupyter port).
+pub const CODE_INTERPRETER_PORT: u16 = 49999;
+const CODE_INTERPRETER_PY: &str = include_str!("../guest/code_interpreter.py");
+const CODE_INTERPRETER_PATH: &str = "usr/lib/airlock/code_interpreter.py";
 /// Bumped when the assembly steps change in a way the recipe fields do not show.
 const BUILDER_VERSION: u32 = 1;
 const KERNEL_META_PACKAGE: &str = "linux-image-cloud-amd64";
@@ -47,11 +53,25 @@ pub struct TemplateManifest {
     pub rootfs_bytes: u64,
     pub recipe_digest: String,
     pub recipe: SeedRecipe,
+    /// Started after boot; the sandbox is ready once its port answers.
+    #[serde(default)]
+    pub start: Option<StartSpec>,
 }
 
-/// Everything that decides what the seed image contains.
+/// A process a template runs once the guest is up, and the port that says it is ready.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
+pub struct StartSpec {
+    pub argv: Vec<String>,
+    pub user: String,
+    pub ready_port: u16,
+}
+
+/// Everything that decides what a template image contains.
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
 pub struct SeedRecipe {
+    /// Template name (`seed`, `code-interpreter-v1`).
+    #[serde(default = "seed_name")]
+    pub name: String,
     pub suite: String,
     pub variant: String,
     pub packages: Vec<String>,
@@ -59,8 +79,53 @@ pub struct SeedRecipe {
     pub kernel_package: String,
     pub modules: Vec<String>,
     pub agent_sha256: String,
+    /// Digest of the extra files the template adds (e.g. the code interpreter).
+    #[serde(default)]
+    pub files_sha256: String,
+    #[serde(default)]
+    pub start: Option<StartSpec>,
     pub builder_version: u32,
 }
+
+fn seed_name() -> String {
+    SEED.into()
+}
+
+/// What a buildable template adds to the Debian base.
+struct TemplateDef {
+    packages: Vec<&'static str>,
+    /// (path in the guest, content, mode)
+    files: Vec<(&'static str, &'static str, u32)>,
+    start: Option<StartSpec>,
+}
+
+fn definition(name: &str) -> Option<TemplateDef> {
+    match name {
+        SEED => Some(TemplateDef {
+            packages: SEED_PACKAGES.to_vec(),
+            files: Vec::new(),
+            start: None,
+        }),
+        CODE_INTERPRETER => Some(TemplateDef {
+            packages: SEED_PACKAGES.iter().copied().chain(["python3-matplotlib"]).collect(),
+            files: vec![(CODE_INTERPRETER_PATH, CODE_INTERPRETER_PY, 0o755)],
+            start: Some(StartSpec {
+                argv: vec![
+                    "python3".into(),
+                    format!("/{CODE_INTERPRETER_PATH}"),
+                    "--port".into(),
+                    CODE_INTERPRETER_PORT.to_string(),
+                ],
+                user: "user".into(),
+                ready_port: CODE_INTERPRETER_PORT,
+            }),
+        }),
+        _ => None,
+    }
+}
+
+/// Templates `airlock template build` knows how to make.
+pub const BUILDABLE: &[&str] = &[SEED, CODE_INTERPRETER];
 
 impl SeedRecipe {
     fn digest(&self) -> String {
@@ -197,6 +262,17 @@ impl TemplateStore {
 
     /// Build `seed` unless its recipe is unchanged. Returns the template and whether it was built.
     pub fn build_seed(&self, opts: &BuildOptions) -> Result<(Template, bool)> {
+        self.build(SEED, opts)
+    }
+
+    /// Build a template from its definition unless its recipe is unchanged.
+    pub fn build(&self, name: &str, opts: &BuildOptions) -> Result<(Template, bool)> {
+        let def = definition(name).ok_or_else(|| {
+            RuntimeError::TemplateBuild(format!(
+                "no recipe for template {name:?}; buildable: {}",
+                BUILDABLE.join(", ")
+            ))
+        })?;
         let progress = Progress::new(opts.progress);
         let _lock = FileLock::acquire(&self.data.templates().join(".build.lock"))?;
 
@@ -211,20 +287,32 @@ impl TemplateStore {
             None => host_mirror()?,
         };
         let kernel_package = resolve_kernel_package()?;
+        let mut files = Sha256::new();
+        for (path, content, mode) in &def.files {
+            files.update(format!("{path}:{mode:o}:").as_bytes());
+            files.update(content.as_bytes());
+        }
         let recipe = SeedRecipe {
+            name: name.to_string(),
             suite: "bookworm".into(),
             variant: "minbase".into(),
-            packages: SEED_PACKAGES.iter().map(|s| s.to_string()).collect(),
+            packages: def.packages.iter().map(|s| s.to_string()).collect(),
             mirror,
             kernel_package,
             modules: GUEST_MODULES.iter().map(|s| s.to_string()).collect(),
             agent_sha256: sha256_file(&agent)?,
+            files_sha256: if def.files.is_empty() {
+                String::new()
+            } else {
+                hex::encode(files.finalize())
+            },
+            start: def.start.clone(),
             builder_version: BUILDER_VERSION,
         };
         let recipe_digest = recipe.digest();
         if !opts.force {
-            if let Some(t) = self.load(SEED).filter(|t| t.manifest.recipe_digest == recipe_digest) {
-                progress.finish(&format!("seed is up to date ({})", short(&t.manifest.digest)));
+            if let Some(t) = self.load(name).filter(|t| t.manifest.recipe_digest == recipe_digest) {
+                progress.finish(&format!("{name} is up to date ({})", short(&t.manifest.digest)));
                 return Ok((t, false));
             }
         }
@@ -238,6 +326,7 @@ impl TemplateStore {
 
         let work = self.data.cache().join(format!("assemble-{}", random_hex(6)));
         let result = self.assemble(
+            &def,
             &recipe,
             &recipe_digest,
             &agent,
@@ -250,7 +339,7 @@ impl TemplateStore {
         let _ = std::fs::remove_dir_all(&work);
         let t = result?;
         progress.finish(&format!(
-            "built seed {} ({} MiB, kernel {})",
+            "built {name} {} ({} MiB, kernel {})",
             short(&t.manifest.digest),
             t.manifest.size_bytes >> 20,
             t.manifest.kernel_version
@@ -304,6 +393,24 @@ impl TemplateStore {
             run_logged(&mut cmd, &log, "debootstrap", progress)?;
             tracing::info!("debootstrap took {:.1}s", started.elapsed().as_secs_f64());
             customize_base(&tmp)?;
+            if recipe.packages.iter().any(|p| p == "python3-matplotlib") {
+                // Build matplotlib's font cache now, not on a user's first plot under TCG.
+                run(
+                    Command::new("chroot").arg(&tmp).args([
+                        "runuser",
+                        "-u",
+                        "user",
+                        "--",
+                        "env",
+                        "HOME=/home/user",
+                        "MPLBACKEND=Agg",
+                        "python3",
+                        "-c",
+                        "import matplotlib.pyplot",
+                    ]),
+                    "matplotlib font cache",
+                )?;
+            }
             std::fs::write(tmp.join(".complete"), b"").map_err(|e| RuntimeError::io(&tmp, e))?;
             std::fs::rename(&tmp, &base).map_err(|e| RuntimeError::io(&base, e))
         })();
@@ -316,6 +423,7 @@ impl TemplateStore {
     #[allow(clippy::too_many_arguments)]
     fn assemble(
         &self,
+        def: &TemplateDef,
         recipe: &SeedRecipe,
         recipe_digest: &str,
         agent: &Path,
@@ -332,8 +440,19 @@ impl TemplateStore {
         run(Command::new("cp").arg("-a").arg(base).arg(&rootfs), "cp -a base")?;
         let _ = std::fs::remove_file(rootfs.join(".complete"));
         install_file(agent, &rootfs.join("usr/sbin/airlock-agent"), 0o755)?;
-        std::fs::write(rootfs.join("etc/airlock-template"), format!("seed {recipe_digest}\n"))
-            .map_err(|e| RuntimeError::io(&rootfs, e))?;
+        for (path, content, mode) in &def.files {
+            use std::os::unix::fs::PermissionsExt;
+            let dst = rootfs.join(path);
+            std::fs::create_dir_all(dst.parent().expect("has parent")).map_err(|e| RuntimeError::io(&dst, e))?;
+            std::fs::write(&dst, content).map_err(|e| RuntimeError::io(&dst, e))?;
+            std::fs::set_permissions(&dst, std::fs::Permissions::from_mode(*mode))
+                .map_err(|e| RuntimeError::io(&dst, e))?;
+        }
+        std::fs::write(
+            rootfs.join("etc/airlock-template"),
+            format!("{} {recipe_digest}\n", recipe.name),
+        )
+        .map_err(|e| RuntimeError::io(&rootfs, e))?;
 
         progress.step("writing the ext4 image");
         let used = dir_bytes(&rootfs)?;
@@ -370,7 +489,7 @@ impl TemplateStore {
             std::fs::rename(&out, &dir).map_err(|e| RuntimeError::io(&dir, e))?;
         }
         let manifest = TemplateManifest {
-            name: SEED.into(),
+            name: recipe.name.clone(),
             digest: format!("sha256:{hex}"),
             kernel_version: kernel_version.into(),
             built_at: humantime::format_rfc3339_seconds(SystemTime::now()).to_string(),
@@ -378,17 +497,19 @@ impl TemplateStore {
             rootfs_bytes: std::fs::metadata(dir.join(ROOTFS_FILE)).map(|m| m.len()).unwrap_or(0),
             recipe_digest: recipe_digest.into(),
             recipe: recipe.clone(),
+            start: def.start.clone(),
         };
-        let old = self.load(SEED);
+        let old = self.load(&recipe.name);
         write_atomic(
-            &self.manifest_path(SEED),
+            &self.manifest_path(&recipe.name),
             &serde_json::to_vec_pretty(&manifest).expect("serializable"),
         )?;
         // The previous image stays while sandboxes may use it; unreferenced blobs are pruned
         // when no sandbox dir mentions them (see `prune_blobs`).
         if let Some(old) = old.filter(|o| o.dir != dir) {
             tracing::info!(
-                "seed replaced {} -> {}",
+                "{} replaced {} -> {}",
+                recipe.name,
                 short(&old.manifest.digest),
                 short(&manifest.digest)
             );

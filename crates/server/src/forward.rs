@@ -34,12 +34,24 @@ fn error(status: StatusCode, message: String) -> Response {
 
 /// Route by Host before path routing: sandbox hosts go to envd or to the sandbox's port.
 pub async fn host_routing(State(state): State<AppState>, mut req: Request, next: Next) -> Response {
-    let host = req
-        .headers()
-        .get("host")
-        .and_then(|v| v.to_str().ok())
-        .unwrap_or("")
-        .to_string();
+    // Owned copies: nothing borrowed from the request may live across an await.
+    let (by_header, host) = {
+        let header = |name: &str| {
+            req.headers()
+                .get(name)
+                .and_then(|v| v.to_str().ok())
+                .map(str::to_string)
+        };
+        let port = header("e2b-sandbox-port").and_then(|p| p.parse::<u16>().ok());
+        ((header("e2b-sandbox-id"), port), header("host").unwrap_or_default())
+    };
+    // E2B's header routing (used when the host is an IP or localhost, as with E2B_SANDBOX_URL):
+    // `E2b-Sandbox-Id` + `E2b-Sandbox-Port` pick the sandbox and the port; 49983 is envd here.
+    if let (Some(id), Some(port)) = by_header {
+        if port != ENVD_PORT {
+            return forward(state, id, port, req).await;
+        }
+    }
     let Some((port, id)) = parse_sandbox_host(&host) else {
         return next.run(req).await;
     };
@@ -77,6 +89,23 @@ async fn authorized(state: &AppState, headers: &axum::http::HeaderMap, sandbox_t
         }
     }
     false
+}
+
+/// `localhost:49999` for `E2B_DEBUG=true` clients: every sandbox shares the host, so the
+/// sandbox is the one whose access token the request carries.
+pub async fn code_interpreter_by_token(State(state): State<AppState>, req: Request) -> Response {
+    let token = req
+        .headers()
+        .get("x-access-token")
+        .and_then(|v| v.to_str().ok())
+        .unwrap_or("")
+        .to_string();
+    match state.store.sandbox_by_token(&token).await {
+        Ok(Some(row)) if !token.is_empty() => {
+            forward(state, row.id, airlock_runtime::template::CODE_INTERPRETER_PORT, req).await
+        }
+        _ => error(StatusCode::BAD_GATEWAY, "no sandbox has this X-Access-Token".into()),
+    }
 }
 
 pub async fn forward(state: AppState, id: String, port: u16, mut req: Request) -> Response {

@@ -114,6 +114,8 @@ pub struct ServeOptions {
     pub listen: SocketAddr,
     pub data_dir: PathBuf,
     pub max_sandboxes_per_tenant: u32,
+    /// Second listener for E2B's code-interpreter port (`E2B_DEBUG=true` clients).
+    pub e2b_debug_listen: Option<SocketAddr>,
 }
 
 /// Open everything, recover from the last run, and serve until the process is stopped.
@@ -144,6 +146,20 @@ pub async fn serve(opts: ServeOptions) -> anyhow::Result<()> {
         .await
         .map_err(|e| anyhow::anyhow!("listen on {}: {e}", opts.listen))?;
     tracing::info!("serving on http://{}", opts.listen);
+    if let Some(addr) = opts.e2b_debug_listen {
+        let jupyter = tokio::net::TcpListener::bind(addr)
+            .await
+            .map_err(|e| anyhow::anyhow!("listen on {addr}: {e}"))?;
+        let app = Router::new()
+            .fallback(forward::code_interpreter_by_token)
+            .with_state(state.clone());
+        tracing::info!("serving the code-interpreter port on http://{addr}");
+        tokio::spawn(async move {
+            if let Err(e) = axum::serve(jupyter, app).await {
+                tracing::error!("code-interpreter listener: {e}");
+            }
+        });
+    }
     Ok(axum::serve(listener, router(state)).await?)
 }
 

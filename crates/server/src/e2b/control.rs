@@ -138,7 +138,8 @@ fn sandbox_json(row: &SandboxRow, token: &str, alias: &str) -> Value {
         "alias": alias,
         "envdVersion": ENVD_VERSION,
         "envdAccessToken": token,
-        "trafficAccessToken": Value::Null,
+        // Sandbox ports are never public: the same token opens them (E2B-Traffic-Access-Token).
+        "trafficAccessToken": token,
         "domain": Value::Null,
     })
 }
