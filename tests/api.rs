@@ -519,6 +519,43 @@ fn ports_and_envd_are_reachable_by_host_name() {
     );
 }
 
+fn e2b_unsupported_create_options_are_refused_by_name() {
+    let s = server();
+    let key = [("X-API-KEY", s.key.as_str())];
+    let cases = [
+        (
+            json!({ "templateID": "base", "volumeMounts": [{ "name": "v", "path": "/mnt" }] }),
+            "volumeMounts",
+        ),
+        (json!({ "templateID": "base", "iam": { "tokens": {} } }), "iam"),
+        (json!({ "templateID": "base", "mcp": { "exa": {} } }), "mcp"),
+        (json!({ "templateID": "base", "autoPause": true }), "autoPause"),
+        (
+            json!({ "templateID": "base", "network": { "allowPublicTraffic": true } }),
+            "allowPublicTraffic",
+        ),
+        (
+            json!({ "templateID": "base", "network": { "allowOut": ["198.51.100.7"] } }),
+            "allowOut",
+        ),
+        (json!({ "templateID": "base", "colour": "red" }), "colour"),
+        (json!({ "templateID": "team/name" }), "team/name"),
+    ];
+    for (body, needle) in cases {
+        let (status, err) = s.call_with("POST", "/sandboxes", Some(body.clone()), None, &key);
+        assert_eq!((status, err["code"].as_i64()), (400, Some(400)), "{body} -> {err}");
+        assert!(err["message"].as_str().unwrap().contains(needle), "{body} -> {err}");
+    }
+    let (status, err) = s.call_with(
+        "POST",
+        "/sandboxes",
+        Some(json!({ "templateID": "base" })),
+        None,
+        &[("X-API-KEY", "nope")],
+    );
+    assert_eq!((status, err["code"].as_i64()), (401, Some(401)), "{err}");
+}
+
 fn idempotent_create_returns_the_same_operation() {
     let s = server();
     let body = json!({ "template": "seed", "timeout": "5m" });
@@ -870,6 +907,10 @@ fn main() {
         t(
             "ports_and_envd_are_reachable_by_host_name",
             ports_and_envd_are_reachable_by_host_name,
+        ),
+        t(
+            "e2b_unsupported_create_options_are_refused_by_name",
+            e2b_unsupported_create_options_are_refused_by_name,
         ),
         t("timeout_expiry_deletes_the_sandbox", timeout_expiry_deletes_the_sandbox),
         t(
