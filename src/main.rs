@@ -94,6 +94,18 @@ struct ExecOpts {
     timeout: Option<String>,
 }
 
+impl ExecOpts {
+    fn session_body(&self, argv: &[String]) -> anyhow::Result<serde_json::Value> {
+        client::session_body(
+            argv,
+            self.user.as_deref(),
+            self.cwd.as_deref(),
+            &self.env,
+            self.timeout.as_deref(),
+        )
+    }
+}
+
 #[derive(Subcommand)]
 enum TemplateCommand {
     /// Build a template (`seed` or `code-interpreter-v1`); skipped when its recipe is unchanged.
@@ -347,25 +359,13 @@ async fn run(cli: Cli) -> anyhow::Result<u8> {
         }
         Command::Exec { id, opts, argv } => {
             let c = client()?;
-            let body = client::session_body(
-                &argv,
-                opts.user.as_deref(),
-                opts.cwd.as_deref(),
-                &opts.env,
-                opts.timeout.as_deref(),
-            )?;
+            let body = opts.session_body(&argv)?;
             let code = blocking(move || c.exec(&id, body)).await?;
             return Ok(code.clamp(0, 255) as u8);
         }
         Command::Run { template, opts, argv } => {
             let c = client()?;
-            let body = client::session_body(
-                &argv,
-                opts.user.as_deref(),
-                opts.cwd.as_deref(),
-                &opts.env,
-                opts.timeout.as_deref(),
-            )?;
+            let body = opts.session_body(&argv)?;
             let code = blocking(move || {
                 let id = c.create_sandbox(json!({ "template": template }), true)?;
                 let result = c.exec(&id, body);

@@ -358,14 +358,7 @@ pub async fn list_sandboxes(
     let after = match &q.page_token {
         None => None,
         Some(t) => {
-            let (ms, id) = t
-                .split_once('.')
-                .ok_or_else(|| ApiError::Validation("bad page_token".into()))?;
-            Some((
-                ms.parse::<i64>()
-                    .map_err(|_| ApiError::Validation("bad page_token".into()))?,
-                id.to_string(),
-            ))
+            Some(crate::store::parse_page_token(t).ok_or_else(|| ApiError::Validation("bad page_token".into()))?)
         }
     };
     let mut metadata = BTreeMap::new();
@@ -387,10 +380,7 @@ pub async fn list_sandboxes(
     if wanted.is_none() {
         rows.retain(|r| r.state != SandboxState::Failed);
     }
-    let next = (rows.len() > limit as usize).then(|| {
-        let last = &rows[limit as usize - 1];
-        format!("{}.{}", last.created_at_ms, last.id)
-    });
+    let next = crate::store::next_page_token(&rows, limit);
     rows.truncate(limit as usize);
     Ok(Json(SandboxList {
         sandboxes: rows.iter().map(SandboxRow::view).collect(),

@@ -78,6 +78,20 @@ pub struct SessionRow {
     pub ended_at_ms: Option<i64>,
 }
 
+/// Opaque cursor of a sandbox list page: `<created_at_ms>.<id>` of the last row shown.
+pub fn parse_page_token(token: &str) -> Option<(i64, String)> {
+    let (ms, id) = token.split_once('.')?;
+    Some((ms.parse().ok()?, id.to_string()))
+}
+
+/// The token for the page after `rows` (fetched with one row more than `limit`), if any.
+pub fn next_page_token(rows: &[SandboxRow], limit: u32) -> Option<String> {
+    (rows.len() > limit as usize).then(|| {
+        let last = &rows[limit as usize - 1];
+        format!("{}.{}", last.created_at_ms, last.id)
+    })
+}
+
 pub struct SandboxFilter {
     /// Only these states; empty means every state but `deleted`.
     pub states: Vec<SandboxState>,

@@ -407,15 +407,7 @@ pub async fn list_v2(
     }
     let after = match &q.next_token {
         None => None,
-        Some(t) => {
-            let (ms, id) = t
-                .split_once('.')
-                .ok_or_else(|| E2bError::bad_request("bad nextToken"))?;
-            Some((
-                ms.parse::<i64>().map_err(|_| E2bError::bad_request("bad nextToken"))?,
-                id.to_string(),
-            ))
-        }
+        Some(t) => Some(crate::store::parse_page_token(t).ok_or_else(|| E2bError::bad_request("bad nextToken"))?),
     };
     let metadata = q.metadata.as_deref().map(parse_metadata_filter).unwrap_or_default();
     let states = states
@@ -429,10 +421,7 @@ pub async fn list_v2(
         limit,
     };
     let rows = state.store.list_sandboxes(&tenant.id, &filter).await?;
-    let next = (rows.len() > limit as usize).then(|| {
-        let last = &rows[limit as usize - 1];
-        format!("{}.{}", last.created_at_ms, last.id)
-    });
+    let next = crate::store::next_page_token(&rows, limit);
     let items: Vec<Value> = rows.iter().take(limit as usize).map(|r| detail_json(r, None)).collect();
     let mut resp = Json(items).into_response();
     if let Some(n) = next {
