@@ -32,6 +32,14 @@ struct Args {
     out: PathBuf,
 }
 
+fn seed(resources: Resources) -> CreateSandbox {
+    CreateSandbox {
+        id: None,
+        template: "seed".into(),
+        resources,
+    }
+}
+
 fn stats(v: &[f64]) -> serde_json::Value {
     let mut s = v.to_vec();
     s.sort_by(|a, b| a.partial_cmp(b).unwrap());
@@ -140,17 +148,7 @@ async fn main() {
         memory_mib: 256,
         disk_mib: 1024,
     };
-    let raw_spec = VmSpec {
-        id: "rawbench".into(),
-        dir: args.data_dir.join("raw-bench"),
-        kernel: template.kernel(),
-        initrd: template.initrd(),
-        rootfs: template.rootfs(),
-        vcpu: resources.vcpu,
-        memory_mib: resources.memory_mib,
-        disk_mib: resources.disk_mib,
-        accel,
-    };
+    let raw_spec = VmSpec::for_template("rawbench", args.data_dir.join("raw-bench"), &template, resources, accel);
 
     let (mut raw, mut airlock) = (Vec::new(), Vec::new());
     for i in 0..args.runs {
@@ -158,14 +156,7 @@ async fn main() {
         let spec = raw_spec.clone();
         raw.push(tokio::task::spawn_blocking(move || raw_boot(&q, &spec)).await.unwrap());
         let t = Instant::now();
-        let sb = rt
-            .create(CreateSandbox {
-                id: None,
-                template: "seed".into(),
-                resources,
-            })
-            .await
-            .unwrap();
+        let sb = rt.create(seed(resources)).await.unwrap();
         airlock.push(ms(t.elapsed()));
         let pid = sb.vm.pid;
         rt.delete(sb.id()).await.unwrap();
@@ -179,14 +170,7 @@ async fn main() {
         );
     }
 
-    let sb = rt
-        .create(CreateSandbox {
-            id: None,
-            template: "seed".into(),
-            resources,
-        })
-        .await
-        .unwrap();
+    let sb = rt.create(seed(resources)).await.unwrap();
     let agent = sb.agent().await.unwrap();
     let (mut exec, mut health) = (Vec::new(), Vec::new());
     for _ in 0..args.execs {

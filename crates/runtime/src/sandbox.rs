@@ -489,17 +489,7 @@ impl Runtime {
                 &dir.join("sandbox.json"),
                 &serde_json::to_vec_pretty(&record).expect("serializable"),
             )?;
-            let spec = VmSpec {
-                id: id.clone(),
-                dir: dir.clone(),
-                kernel: template.kernel(),
-                initrd: template.initrd(),
-                rootfs: template.rootfs(),
-                vcpu: resources.vcpu,
-                memory_mib: resources.memory_mib,
-                disk_mib: resources.disk_mib,
-                accel,
-            };
+            let spec = VmSpec::for_template(&id, dir.clone(), template, resources, accel);
             let vm = self.inner.vmm.start(&spec).await?;
             let start = template.manifest.start.clone();
             let ready = async {

@@ -42,6 +42,29 @@ pub struct VmSpec {
     pub accel: Accel,
 }
 
+impl VmSpec {
+    /// Boot `template` with `resources` in `dir`.
+    pub fn for_template(
+        id: &str,
+        dir: PathBuf,
+        template: &crate::template::Template,
+        resources: crate::sandbox::Resources,
+        accel: Accel,
+    ) -> Self {
+        Self {
+            id: id.to_string(),
+            dir,
+            kernel: template.kernel(),
+            initrd: template.initrd(),
+            rootfs: template.rootfs(),
+            vcpu: resources.vcpu,
+            memory_mib: resources.memory_mib,
+            disk_mib: resources.disk_mib,
+            accel,
+        }
+    }
+}
+
 /// A started VM, as recorded in `<dir>/vm.json`.
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
 pub struct VmHandle {
