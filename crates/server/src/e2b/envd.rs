@@ -194,6 +194,16 @@ fn keepalive_every(h: &HeaderMap) -> Duration {
     Duration::from_secs(secs.min(3600))
 }
 
+/// The `pty.size` of a Start or Update request (80x24 where a side is missing).
+fn pty_size(req: &Value) -> Option<airlock_proto::PtySize> {
+    let size = field(req, "pty", "pty")?.get("size")?;
+    let side = |key: &str, default: u64| as_u64(size.get(key)).unwrap_or(default).clamp(1, u16::MAX as u64) as u16;
+    Some(airlock_proto::PtySize {
+        cols: side("cols", 80),
+        rows: side("rows", 24),
+    })
+}
+
 /// When a stream must end: `connect-timeout-ms` less a margin, so our `deadline_exceeded`
 /// reaches the client before its own read timeout (set to the same value) fires.
 fn stream_deadline(h: &HeaderMap) -> Option<tokio::time::Instant> {
@@ -380,12 +390,7 @@ pub async fn process_rpc(
                         .filter_map(|(k, v)| v.as_str().map(|v| (k.clone(), v.to_string()))),
                 );
             }
-            let pty = field(&req, "pty", "pty")
-                .and_then(|p| p.get("size"))
-                .map(|s| airlock_proto::PtySize {
-                    cols: as_u64(s.get("cols")).unwrap_or(80).clamp(1, u16::MAX as u64) as u16,
-                    rows: as_u64(s.get("rows")).unwrap_or(24).clamp(1, u16::MAX as u64) as u16,
-                });
+            let pty = pty_size(&req);
             // envd bounds the process's life by the stream's deadline.
             let timeout_ms = header(&headers, "connect-timeout-ms")
                 .and_then(|v| v.parse::<u64>().ok())
@@ -472,11 +477,7 @@ pub async fn process_rpc(
         "Update" => rpc_result(
             async {
                 let p = select(&agent, field(&req, "process", "process")).await?;
-                if let Some(size) = field(&req, "pty", "pty").and_then(|p| p.get("size")) {
-                    let size = airlock_proto::PtySize {
-                        cols: as_u64(size.get("cols")).unwrap_or(80).clamp(1, u16::MAX as u64) as u16,
-                        rows: as_u64(size.get("rows")).unwrap_or(24).clamp(1, u16::MAX as u64) as u16,
-                    };
+                if let Some(size) = pty_size(&req) {
                     agent.resize(p.id, size).await?;
                 }
                 Ok(json!({}))
