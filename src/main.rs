@@ -34,6 +34,19 @@ enum Command {
         /// SDK calls `localhost:49999`); requests are routed by `X-Access-Token`.
         #[arg(long, env = "AIRLOCK_E2B_DEBUG_LISTEN")]
         e2b_debug_listen: Option<SocketAddr>,
+        /// The E2B domain, for `E2B_DOMAIN=<domain>` setups: the API answers as `api.<domain>`,
+        /// sandbox ports as `<port>-<sandbox id>.<domain>` (point wildcard DNS at this host).
+        #[arg(long, env = "AIRLOCK_E2B_DOMAIN")]
+        e2b_domain: Option<String>,
+        /// Also serve HTTPS here (same routes); needs --tls-cert and --tls-key.
+        #[arg(long, env = "AIRLOCK_TLS_LISTEN", requires_all = ["tls_cert", "tls_key"])]
+        tls_listen: Option<SocketAddr>,
+        /// PEM certificate chain for --tls-listen (e.g. for `*.<domain>` and `<domain>`).
+        #[arg(long, env = "AIRLOCK_TLS_CERT", requires = "tls_listen")]
+        tls_cert: Option<PathBuf>,
+        /// PEM private key for --tls-listen.
+        #[arg(long, env = "AIRLOCK_TLS_KEY", requires = "tls_listen")]
+        tls_key: Option<PathBuf>,
         /// Live sandboxes one tenant may have at once (429 `quota_exceeded` past it).
         #[arg(long, env = "AIRLOCK_MAX_SANDBOXES", default_value_t = 20)]
         max_sandboxes: u32,
@@ -243,6 +256,10 @@ async fn run(cli: Cli) -> anyhow::Result<u8> {
             listen,
             max_sandboxes,
             e2b_debug_listen,
+            e2b_domain,
+            tls_listen,
+            tls_cert,
+            tls_key,
         } => {
             let store = TemplateStore::new(DataDir::open(&cli.data_dir)?);
             if !store.exists(SEED) {
@@ -262,6 +279,11 @@ async fn run(cli: Cli) -> anyhow::Result<u8> {
                 data_dir: cli.data_dir,
                 max_sandboxes_per_tenant: max_sandboxes,
                 e2b_debug_listen,
+                e2b_domain,
+                tls: match (tls_listen, tls_cert, tls_key) {
+                    (Some(listen), Some(cert), Some(key)) => Some(airlock_server::TlsOptions { listen, cert, key }),
+                    _ => None,
+                },
             })
             .await?;
         }

@@ -783,6 +783,54 @@ fn cli_run_exec_and_python_example() {
     );
 }
 
+/// `serve` with TLS files it cannot use stops at once, naming the files; half a flag set is a
+/// usage error naming the missing flag.
+fn serve_refuses_unusable_tls_files() {
+    let dir = tempfile::tempdir().unwrap();
+    let (cert, key) = (dir.path().join("cert.pem"), dir.path().join("key.pem"));
+    std::fs::write(
+        &cert,
+        "-----BEGIN CERTIFICATE-----\nnot base64 at all\n-----END CERTIFICATE-----\n",
+    )
+    .unwrap();
+    std::fs::write(&key, "").unwrap();
+    let data = test_data_dir();
+    let run = |args: &[&str]| {
+        let mut child = Command::new(BIN)
+            .args(["--data-dir", data.to_str().unwrap(), "serve", "--listen"])
+            .arg(format!("127.0.0.1:{}", free_port()))
+            .args(args)
+            .stderr(std::process::Stdio::piped())
+            .stdout(std::process::Stdio::null())
+            .spawn()
+            .unwrap();
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+        while child.try_wait().unwrap().is_none() {
+            if std::time::Instant::now() > deadline {
+                let _ = child.kill();
+                panic!("serve kept running with {args:?}");
+            }
+            std::thread::sleep(std::time::Duration::from_millis(50));
+        }
+        let out = child.wait_with_output().unwrap();
+        (out.status.code(), String::from_utf8_lossy(&out.stderr).to_string())
+    };
+    let tls_listen = format!("127.0.0.1:{}", free_port());
+    let (code, stderr) = run(&[
+        "--tls-listen",
+        &tls_listen,
+        "--tls-cert",
+        cert.to_str().unwrap(),
+        "--tls-key",
+        key.to_str().unwrap(),
+    ]);
+    assert_ne!(code, Some(0));
+    assert!(stderr.contains(&format!("--tls-cert {}", cert.display())), "{stderr}");
+    let (code, stderr) = run(&["--tls-listen", &tls_listen, "--tls-cert", cert.to_str().unwrap()]);
+    assert_eq!(code, Some(2), "{stderr}");
+    assert!(stderr.contains("--tls-key"), "{stderr}");
+}
+
 /// Restart safety on a data dir of its own (the blobs are hard links: templates are immutable).
 fn server_killed_mid_create_recovers_and_reattaches() {
     let data = PathBuf::from(format!("{}-restart", test_data_dir().display()));
@@ -923,6 +971,7 @@ fn main() {
             unknown_ids_are_404_and_keys_are_checked,
         ),
         t("cli_run_exec_and_python_example", cli_run_exec_and_python_example),
+        t("serve_refuses_unusable_tls_files", serve_refuses_unusable_tls_files),
         t(
             "server_killed_mid_create_recovers_and_reattaches",
             server_killed_mid_create_recovers_and_reattaches,

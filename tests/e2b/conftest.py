@@ -2,12 +2,18 @@
 environment variables pointing at it. Nothing of airlock is mocked; the SDK is the PyPI package."""
 import json
 import os
+import shutil
 import socket
 import subprocess
 import time
 import urllib.request
 
 import pytest
+
+import wildcard_dns
+
+# Before pytest or an SDK starts a thread: this process's own resolv.conf and trust store.
+DNS_WORKDIR, TEST_CA, TLS_CERT, TLS_KEY = wildcard_dns.setup()
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 BIN = os.environ.get("AIRLOCK_BIN", os.path.join(ROOT, "target", "release", "airlock"))
@@ -38,7 +44,11 @@ def airlock_server():
     url = f"http://127.0.0.1:{port}"
     log = open(os.path.join(DATA, f"e2b-serve-{port}.log"), "w")
     # E2B_DEBUG clients reach the code interpreter at localhost:49999: airlock serves that port too.
-    serve = [BIN, "--data-dir", DATA, "serve", "--listen", f"127.0.0.1:{port}", "--e2b-debug-listen", "127.0.0.1:49999"]
+    serve = [BIN, "--data-dir", DATA, "serve", "--listen", f"127.0.0.1:{port}", "--e2b-debug-listen", "127.0.0.1:49999",
+             # E2B_DOMAIN clients: HTTPS on :443 of the address the suite's wildcard DNS answers.
+             "--e2b-domain", wildcard_dns.DOMAIN, "--tls-listen", f"{wildcard_dns.TLS_ADDR}:443",
+             "--tls-cert", TLS_CERT, "--tls-key", TLS_KEY]
+    dns = wildcard_dns.start_dns_server()
     proc = subprocess.Popen(serve, stdout=log, stderr=log)
     deadline = time.time() + 120
     while True:
@@ -63,6 +73,9 @@ def airlock_server():
         time.sleep(0.2)
     proc.terminate()
     proc.wait(timeout=30)
+    for server in dns:
+        server.stop()
+    shutil.rmtree(DNS_WORKDIR, ignore_errors=True)
 
 
 def delete_sandbox(server, sandbox_id):

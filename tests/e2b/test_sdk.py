@@ -1,4 +1,5 @@
 """Unmodified e2b SDK calls against airlock (real server, real VMs)."""
+import os
 import time
 import uuid
 
@@ -102,6 +103,39 @@ def test_files_text_bytes_large_and_many(sbx):
         sbx.files.read("/home/user/e2b/missing.txt")
 
 
+def test_files_gzip_uploads(sbx, airlock_server):
+    blob = os.urandom(1 << 20) + b"tail" * 100000  # 1.4 MiB, partly compressible
+    sbx.files.write("/home/user/e2b/gz.bin", blob, gzip=True, use_octet_stream=True)
+    assert bytes(sbx.files.read("/home/user/e2b/gz.bin", format="bytes")) == blob
+    # What the SDK sent, by hand: a broken gzip stream and an unknown coding are 400s, never a
+    # half-written success.
+    import gzip
+    import httpx
+
+    url = airlock_server["url"] + "/files"
+    headers = {"E2b-Sandbox-Id": sbx.sandbox_id, "X-Access-Token": sbx.traffic_access_token,
+               "Content-Type": "application/octet-stream"}
+    ok = httpx.post(url, params={"path": "/tmp/gz.txt"}, content=gzip.compress(b"plain"),
+                    headers={**headers, "Content-Encoding": "gzip"})
+    assert ok.status_code == 200 and sbx.files.read("/tmp/gz.txt") == "plain"
+    # A gzip stream that breaks off midway: 400, and the file it was replacing is untouched.
+    sbx.files.write("/tmp/keep.txt", "keep me")
+    broken = httpx.post(url, params={"path": "/tmp/keep.txt"}, content=gzip.compress(os.urandom(300000))[:200000] + b"garbage!",
+                        headers={**headers, "Content-Encoding": "gzip"})
+    assert broken.status_code == 400, broken.text
+    assert "upload body" in broken.json()["message"]
+    assert sbx.files.read("/tmp/keep.txt") == "keep me"
+    # The agent drops the partial upload once it sees the stream end (it may lag the 400 a little).
+    for _ in range(50):
+        leftovers = [e.name for e in sbx.files.list("/tmp") if "keep" in e.name]
+        if leftovers == ["keep.txt"]:
+            break
+        time.sleep(0.1)
+    assert leftovers == ["keep.txt"]
+    br = httpx.post(url, params={"path": "/tmp/br.txt"}, content=b"x", headers={**headers, "Content-Encoding": "br"})
+    assert br.status_code == 400 and '"br" is not supported' in br.json()["message"]
+
+
 def test_files_list_exists_info_mkdir_remove_rename(sbx):
     base = f"/home/user/fs-{uuid.uuid4().hex[:6]}"
     assert sbx.files.make_dir(base + "/sub") is True
@@ -173,6 +207,13 @@ def test_unsupported_options_fail_loudly():
         with pytest.raises(SandboxException) as e:
             Sandbox.create(timeout=60, **kwargs)
         assert needle in str(e.value), (kwargs, str(e.value))
+
+
+def test_snapshots_are_refused_not_mistaken_for_missing_sandboxes(sbx):
+    with pytest.raises(SandboxException) as e:
+        sbx.create_snapshot()
+    assert "snapshots are not supported" in str(e.value)
+    assert list(Sandbox.list_snapshots().next_items()) == []
 
 
 def test_network_deny_out_alone():

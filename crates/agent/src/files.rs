@@ -144,6 +144,63 @@ pub fn remove(path: &Path) -> Result<(), AgentError> {
     .map_err(|e| AgentError::io(&shown, e))
 }
 
+const STAGING_MARK: &str = ".airlock-upload-";
+
+/// A hidden file beside an upload's target while the upload is in progress: same directory, so
+/// the final rename is atomic; unique per upload, so concurrent uploads to one path do not mix.
+/// Removed on drop (a failed upload, or one whose request was dropped midway); after a successful
+/// rename there is nothing left to remove.
+pub struct Staging(PathBuf);
+
+impl Staging {
+    pub fn beside(target: &Path) -> Staging {
+        use std::sync::atomic::{AtomicU64, Ordering};
+        static NEXT: AtomicU64 = AtomicU64::new(0);
+        let name = target
+            .file_name()
+            .map(|n| n.to_string_lossy().into_owned())
+            .unwrap_or_default();
+        let n = NEXT.fetch_add(1, Ordering::Relaxed);
+        Staging(target.with_file_name(format!(".{name}{STAGING_MARK}{n}")))
+    }
+
+    pub fn path(&self) -> &Path {
+        &self.0
+    }
+}
+
+impl Drop for Staging {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_file(&self.0);
+    }
+}
+
+fn is_staging(path: &Path) -> bool {
+    path.file_name()
+        .is_some_and(|n| n.to_string_lossy().contains(STAGING_MARK))
+}
+
+/// Targets an upload just renamed into place, and whether each existed before, so watchers report
+/// the upload as the create/write a user expects rather than as a rename of a hidden file. Every
+/// watcher sees the rename, so entries expire by age instead of being taken by the first.
+static LANDED_UPLOADS: std::sync::Mutex<Vec<(PathBuf, bool, std::time::Instant)>> = std::sync::Mutex::new(Vec::new());
+
+/// Record an upload about to land on `target` (call right before the rename).
+pub fn note_upload_landing(target: &Path, existed: bool) {
+    let mut landed = LANDED_UPLOADS.lock().unwrap_or_else(|e| e.into_inner());
+    landed.retain(|(_, _, at)| at.elapsed() < std::time::Duration::from_secs(30));
+    landed.push((target.to_path_buf(), existed, std::time::Instant::now()));
+}
+
+fn landed_upload(target: &Path) -> Option<bool> {
+    let landed = LANDED_UPLOADS.lock().unwrap_or_else(|e| e.into_inner());
+    landed
+        .iter()
+        .rev()
+        .find(|(p, _, _)| p == target)
+        .map(|(_, existed, _)| *existed)
+}
+
 pub fn rename(from: &Path, to: &Path) -> Result<(), AgentError> {
     let shown = from.to_string_lossy().to_string();
     if !from.exists() && std::fs::symlink_metadata(from).is_err() {
@@ -157,8 +214,26 @@ pub fn rename(from: &Path, to: &Path) -> Result<(), AgentError> {
 
 /// Translate one notify event into the watch events the host sees.
 pub fn translate(event: &notify::Event) -> Vec<WatchEvent> {
-    use notify::event::{EventKind as K, ModifyKind};
+    use notify::event::{EventKind as K, ModifyKind, RenameMode};
+    let event_at = |kind, p: &Path| WatchEvent {
+        kind,
+        path: p.to_string_lossy().to_string(),
+    };
+    // An upload landing (staging file renamed onto its target): a write, and a create if new.
+    if let K::Modify(ModifyKind::Name(RenameMode::To)) = event.kind {
+        if let Some(existed) = event.paths.first().and_then(|p| landed_upload(p)) {
+            let p = &event.paths[0];
+            return match existed {
+                true => vec![event_at(WatchEventKind::Write, p)],
+                false => vec![event_at(WatchEventKind::Create, p), event_at(WatchEventKind::Write, p)],
+            };
+        }
+    }
     let kind = match event.kind {
+        // The paired from+to report of a landing upload repeats the `To` event handled above.
+        K::Modify(ModifyKind::Name(RenameMode::Both)) if event.paths.first().is_some_and(|p| is_staging(p)) => {
+            return Vec::new()
+        }
         K::Create(_) => WatchEventKind::Create,
         K::Modify(ModifyKind::Name(_)) => WatchEventKind::Rename,
         K::Modify(ModifyKind::Metadata(_)) => WatchEventKind::Chmod,
@@ -169,10 +244,8 @@ pub fn translate(event: &notify::Event) -> Vec<WatchEvent> {
     event
         .paths
         .iter()
-        .map(|p| WatchEvent {
-            kind,
-            path: p.to_string_lossy().to_string(),
-        })
+        .filter(|p| !is_staging(p)) // uploads in progress are not the user's files
+        .map(|p| event_at(kind, p))
         .collect()
 }
 

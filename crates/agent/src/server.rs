@@ -281,27 +281,62 @@ async fn write_file(req: Request<Incoming>) -> Result<Response<Body>, AgentError
             format!("{shown} is a directory"),
         ));
     }
-    let mut file = tokio::fs::File::create(&path)
+    // Write beside the target and rename over it at the end, so an upload that breaks off
+    // (client gone, corrupt gzip) leaves the old file, not a truncated one. A symlink is written
+    // through, as an in-place write would.
+    let target = if path.is_symlink() {
+        std::fs::canonicalize(&path).map_err(|e| AgentError::io(&shown, e))?
+    } else {
+        path.clone()
+    };
+    let staging = files::Staging::beside(&target);
+    receive_upload(
+        req.into_body(),
+        staging.path(),
+        &target,
+        &shown,
+        owner.as_ref(),
+        q.get("mode"),
+    )
+    .await?;
+    Ok(json(StatusCode::OK, &files::stat(&path)?))
+}
+
+/// The body into `staging`, owner and mode settled, then renamed onto `target`.
+async fn receive_upload(
+    mut body: Incoming,
+    staging: &std::path::Path,
+    target: &std::path::Path,
+    shown: &str,
+    owner: Option<&users::User>,
+    mode: Option<&String>,
+) -> Result<(), AgentError> {
+    use std::os::unix::fs::PermissionsExt;
+    let mut file = tokio::fs::File::create(staging)
         .await
-        .map_err(|e| AgentError::io(&shown, e))?;
-    let mut body = req.into_body();
+        .map_err(|e| AgentError::io(shown, e))?;
     while let Some(frame) = body.frame().await {
         let frame = frame.map_err(|e| AgentError::invalid(format!("upload interrupted: {e}")))?;
         if let Ok(data) = frame.into_data() {
-            file.write_all(&data).await.map_err(|e| AgentError::io(&shown, e))?;
+            file.write_all(&data).await.map_err(|e| AgentError::io(shown, e))?;
         }
     }
-    file.flush().await.map_err(|e| AgentError::io(&shown, e))?;
+    file.flush().await.map_err(|e| AgentError::io(shown, e))?;
     drop(file);
-    if let Some(u) = &owner {
-        let _ = std::os::unix::fs::chown(&path, Some(u.uid), Some(u.gid));
+    if let Some(u) = owner {
+        let _ = std::os::unix::fs::chown(staging, Some(u.uid), Some(u.gid));
     }
-    if let Some(mode) = q.get("mode") {
-        let mode = u32::from_str_radix(mode, 8).map_err(|_| AgentError::invalid(format!("bad octal mode {mode:?}")))?;
-        std::fs::set_permissions(&path, std::os::unix::fs::PermissionsExt::from_mode(mode))
-            .map_err(|e| AgentError::io(&shown, e))?;
+    // An explicit mode wins; otherwise an overwritten file keeps its mode (e.g. stays executable).
+    let mode = match mode {
+        Some(m) => Some(u32::from_str_radix(m, 8).map_err(|_| AgentError::invalid(format!("bad octal mode {m:?}")))?),
+        None => std::fs::metadata(target).ok().map(|m| m.permissions().mode() & 0o7777),
+    };
+    if let Some(mode) = mode {
+        std::fs::set_permissions(staging, std::fs::Permissions::from_mode(mode))
+            .map_err(|e| AgentError::io(shown, e))?;
     }
-    Ok(json(StatusCode::OK, &files::stat(&path)?))
+    files::note_upload_landing(target, std::fs::symlink_metadata(target).is_ok());
+    std::fs::rename(staging, target).map_err(|e| AgentError::io(shown, e))
 }
 
 fn watch(path: &std::path::Path, recursive: bool) -> Result<Response<Body>, AgentError> {

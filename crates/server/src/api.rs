@@ -31,6 +31,8 @@ pub struct AppState {
     pub max_sandboxes_per_tenant: u32,
     /// The E2B door's polling file watchers.
     pub watchers: Arc<crate::e2b::envd::Watchers>,
+    /// The E2B domain (`api.<domain>`, `<port>-<id>.<domain>`) returned to SDKs, if configured.
+    pub e2b_domain: Option<Arc<str>>,
 }
 
 /// JSON body whose rejections use the API's error format (400 malformed, 422 wrong shape).

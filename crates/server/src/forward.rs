@@ -43,7 +43,9 @@ pub async fn host_routing(State(state): State<AppState>, mut req: Request, next:
                 .map(str::to_string)
         };
         let port = header("e2b-sandbox-port").and_then(|p| p.parse::<u16>().ok());
-        ((header("e2b-sandbox-id"), port), header("host").unwrap_or_default())
+        // HTTP/2 clients (E2B SDKs over TLS) send `:authority` instead of a Host header.
+        let host = header("host").or_else(|| req.uri().authority().map(|a| a.to_string()));
+        ((header("e2b-sandbox-id"), port), host.unwrap_or_default())
     };
     // E2B's header routing (used when the host is an IP or localhost, as with E2B_SANDBOX_URL):
     // `E2b-Sandbox-Id` + `E2b-Sandbox-Port` pick the sandbox and the port; 49983 is envd here.
@@ -147,6 +149,17 @@ pub async fn forward(state: AppState, id: String, port: u16, mut req: Request) -
         .path_and_query()
         .map(|p| p.as_str().to_string())
         .unwrap_or_else(|| "/".into());
+    // An HTTP/2 client's request leaves as HTTP/1.1: its `:authority` becomes the Host header.
+    if !out.headers().contains_key(hyper::header::HOST) {
+        if let Some(v) = out
+            .uri()
+            .authority()
+            .and_then(|a| HeaderValue::from_str(a.as_str()).ok())
+        {
+            out.headers_mut().insert(hyper::header::HOST, v);
+        }
+    }
+    *out.version_mut() = hyper::Version::HTTP_11;
     *out.uri_mut() = pq.parse().unwrap_or_else(|_| "/".parse().expect("valid"));
     let mut resp = match sender.send_request(out).await {
         Ok(r) => r,

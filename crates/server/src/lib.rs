@@ -82,6 +82,8 @@ pub fn router(state: AppState) -> Router {
         .route("/sandboxes/{id}/connect", post(e2b::control::connect))
         .route("/sandboxes/{id}/metrics", get(e2b::control::metrics))
         .route("/sandboxes/{id}/pause", post(e2b::control::pause))
+        .route("/sandboxes/{id}/snapshots", post(e2b::control::create_snapshot))
+        .route("/snapshots", get(e2b::control::list_snapshots))
         // Newer SDKs (e.g. 2.63) create and connect through the v2 paths; same semantics.
         .route("/v2/sandboxes", get(e2b::control::list_v2).post(e2b::control::create))
         .route("/v2/sandboxes/{id}/connect", post(e2b::control::connect))
@@ -89,7 +91,14 @@ pub fn router(state: AppState) -> Router {
     let envd = Router::new()
         .route("/process.Process/{method}", post(e2b::envd::process_rpc))
         .route("/filesystem.Filesystem/{method}", post(e2b::envd::filesystem_rpc))
-        .route("/files", get(e2b::envd::files_get).post(e2b::envd::files_post))
+        .route(
+            "/files",
+            get(e2b::envd::files_get)
+                .post(e2b::envd::files_post)
+                // `files.write(..., gzip=True)`: decoded while streaming; other codings reach the
+                // handler still encoded and get its 400.
+                .layer(tower_http::decompression::RequestDecompressionLayer::new().pass_through_unaccepted(true)),
+        )
         .route("/health", get(e2b::envd::health));
     let doc = openapi_json();
     Router::new()
@@ -116,10 +125,42 @@ pub struct ServeOptions {
     pub max_sandboxes_per_tenant: u32,
     /// Second listener for E2B's code-interpreter port (`E2B_DEBUG=true` clients).
     pub e2b_debug_listen: Option<SocketAddr>,
+    /// E2B domain for `E2B_DOMAIN` setups: returned to SDKs as the sandbox domain.
+    pub e2b_domain: Option<String>,
+    /// An HTTPS listener serving the same routes (for `E2B_DOMAIN` behind wildcard DNS).
+    pub tls: Option<TlsOptions>,
+}
+
+pub struct TlsOptions {
+    pub listen: SocketAddr,
+    /// PEM certificate chain, leaf first (a wildcard `*.<domain>` plus `<domain>` covers E2B).
+    pub cert: PathBuf,
+    /// PEM private key (PKCS#8, PKCS#1 or SEC1).
+    pub key: PathBuf,
+}
+
+/// Read and check the certificate and key before anything else starts, so a bad file is a clear
+/// startup error naming the file rather than a failed handshake later.
+async fn load_tls(tls: &TlsOptions) -> anyhow::Result<axum_server::tls_rustls::RustlsConfig> {
+    // One process-wide provider; `ring` builds with the C compiler the agent build already needs.
+    let _ = rustls::crypto::ring::default_provider().install_default();
+    axum_server::tls_rustls::RustlsConfig::from_pem_file(&tls.cert, &tls.key)
+        .await
+        .map_err(|e| {
+            anyhow::anyhow!(
+                "TLS: cannot use --tls-cert {} with --tls-key {}: {e}",
+                tls.cert.display(),
+                tls.key.display()
+            )
+        })
 }
 
 /// Open everything, recover from the last run, and serve until the process is stopped.
 pub async fn serve(opts: ServeOptions) -> anyhow::Result<()> {
+    let tls = match &opts.tls {
+        Some(t) => Some((t.listen, load_tls(t).await?)),
+        None => None,
+    };
     let runtime = airlock_runtime::Runtime::open(airlock_runtime::RuntimeOptions::new(&opts.data_dir)).await?;
     let store: Arc<dyn store::Store> =
         Arc::new(store::SqliteStore::open(&runtime.data_dir().root().join("airlock.db")).await?);
@@ -141,6 +182,7 @@ pub async fn serve(opts: ServeOptions) -> anyhow::Result<()> {
         engine,
         max_sandboxes_per_tenant: opts.max_sandboxes_per_tenant,
         watchers: Default::default(),
+        e2b_domain: opts.e2b_domain.map(Into::into),
     };
     let listener = tokio::net::TcpListener::bind(opts.listen)
         .await
@@ -160,7 +202,20 @@ pub async fn serve(opts: ServeOptions) -> anyhow::Result<()> {
             }
         });
     }
-    Ok(axum::serve(listener, router(state)).await?)
+    let app = router(state);
+    if let Some((addr, config)) = tls {
+        let std_listener = std::net::TcpListener::bind(addr).map_err(|e| anyhow::anyhow!("listen on {addr}: {e}"))?;
+        std_listener.set_nonblocking(true)?;
+        let server = axum_server::from_tcp_rustls(std_listener, config)?;
+        let app = app.clone();
+        tracing::info!("serving on https://{addr}");
+        tokio::spawn(async move {
+            if let Err(e) = server.serve(app.into_make_service()).await {
+                tracing::error!("TLS listener: {e}");
+            }
+        });
+    }
+    Ok(axum::serve(listener, app).await?)
 }
 
 /// `<data-dir>/credentials`, mode 0600: the admin key where the CLI and examples find it.

@@ -130,7 +130,7 @@ fn template_name(template_id: &str) -> Result<String> {
     Ok(template_alias(template_id).to_string())
 }
 
-fn sandbox_json(row: &SandboxRow, token: &str, alias: &str) -> Value {
+fn sandbox_json(state: &AppState, row: &SandboxRow, token: &str, alias: &str) -> Value {
     json!({
         "templateID": alias,
         "sandboxID": row.id,
@@ -140,7 +140,7 @@ fn sandbox_json(row: &SandboxRow, token: &str, alias: &str) -> Value {
         "envdAccessToken": token,
         // Sandbox ports are never public: the same token opens them (E2B-Traffic-Access-Token).
         "trafficAccessToken": token,
-        "domain": Value::Null,
+        "domain": state.e2b_domain.as_deref(),
     })
 }
 
@@ -155,7 +155,7 @@ fn e2b_alias(row: &SandboxRow) -> String {
     })
 }
 
-fn detail_json(row: &SandboxRow, token: Option<&str>) -> Value {
+fn detail_json(state: &AppState, row: &SandboxRow, token: Option<&str>) -> Value {
     let alias = e2b_alias(row);
     let metadata: BTreeMap<_, _> = row.metadata.iter().filter(|(k, _)| !k.starts_with("_e2b_")).collect();
     let mut v = json!({
@@ -171,7 +171,7 @@ fn detail_json(row: &SandboxRow, token: Option<&str>) -> Value {
         "state": if row.state == SandboxState::Paused { "paused" } else { "running" },
         "envdVersion": ENVD_VERSION,
         "metadata": metadata,
-        "domain": Value::Null,
+        "domain": state.e2b_domain.as_deref(),
         "allowInternetAccess": false,
     });
     if let Some(t) = token {
@@ -236,7 +236,10 @@ pub async fn create(
         return Err(E2bError::new(StatusCode::INTERNAL_SERVER_ERROR, msg));
     }
     let row = state.store.get_sandbox(&tenant.id, &id).await?.unwrap_or(row);
-    Ok((StatusCode::CREATED, Json(sandbox_json(&row, &token, &req.template_id))))
+    Ok((
+        StatusCode::CREATED,
+        Json(sandbox_json(&state, &row, &token, &req.template_id)),
+    ))
 }
 
 fn known_templates(state: &AppState) -> String {
@@ -275,6 +278,25 @@ pub async fn pause(
     }
 }
 
+/// `POST /sandboxes/{id}/snapshots`: snapshots need suspend-to-disk, which airlock does not have
+/// yet; say so (501) instead of a 404 the SDK would report as a missing sandbox.
+pub async fn create_snapshot(
+    State(state): State<AppState>,
+    Extension(tenant): Extension<Tenant>,
+    Path(id): Path<String>,
+) -> Result<StatusCode> {
+    live_row(&state, &tenant, &id).await?;
+    Err(E2bError::new(
+        StatusCode::NOT_IMPLEMENTED,
+        "snapshots are not supported by airlock yet (no suspend-to-disk); pause() keeps a sandbox in memory",
+    ))
+}
+
+/// `GET /snapshots`: there are none (see `create_snapshot`).
+pub async fn list_snapshots() -> Json<Value> {
+    Json(json!([]))
+}
+
 pub async fn get(
     State(state): State<AppState>,
     Extension(tenant): Extension<Tenant>,
@@ -282,7 +304,7 @@ pub async fn get(
 ) -> Result<Json<Value>> {
     let row = live_row(&state, &tenant, &id).await?;
     let token = state.store.sandbox_token(&id).await?;
-    Ok(Json(detail_json(&row, token.as_deref())))
+    Ok(Json(detail_json(&state, &row, token.as_deref())))
 }
 
 pub async fn kill(
@@ -351,7 +373,7 @@ pub async fn connect(
         }
     };
     let status = if resumed { StatusCode::CREATED } else { StatusCode::OK };
-    Ok((status, Json(sandbox_json(&row, &token, &e2b_alias(&row)))))
+    Ok((status, Json(sandbox_json(&state, &row, &token, &e2b_alias(&row)))))
 }
 
 #[derive(Debug, Deserialize)]
@@ -422,7 +444,11 @@ pub async fn list_v2(
     };
     let rows = state.store.list_sandboxes(&tenant.id, &filter).await?;
     let next = crate::store::next_page_token(&rows, limit);
-    let items: Vec<Value> = rows.iter().take(limit as usize).map(|r| detail_json(r, None)).collect();
+    let items: Vec<Value> = rows
+        .iter()
+        .take(limit as usize)
+        .map(|r| detail_json(&state, r, None))
+        .collect();
     let mut resp = Json(items).into_response();
     if let Some(n) = next {
         resp.headers_mut()

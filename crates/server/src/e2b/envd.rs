@@ -765,6 +765,13 @@ pub async fn files_post(
         Err(r) => return r,
     };
     let user = q.username.clone().unwrap_or_else(|| "user".into());
+    // gzip was decoded by the route's layer; anything still encoded is a coding we lack.
+    if let Some(coding) = header(&headers, "content-encoding").filter(|c| !c.eq_ignore_ascii_case("identity")) {
+        return files_error(
+            StatusCode::BAD_REQUEST,
+            format!("Content-Encoding {coding:?} is not supported; send the bytes as they are or gzip them"),
+        );
+    }
     let content_type = header(&headers, "content-type").unwrap_or("").to_ascii_lowercase();
     let mut written = Vec::new();
     let info = |path: &str| json!({ "name": path.rsplit('/').next().unwrap_or(path), "type": "file", "path": path });
@@ -809,18 +816,24 @@ pub async fn files_post(
         let Some(dest) = q.path.as_deref().map(|p| abs_path(p, &user)) else {
             return files_error(StatusCode::BAD_REQUEST, "query parameter `path` is required");
         };
-        let gzip = header(&headers, "content-encoding").is_some_and(|e| e.eq_ignore_ascii_case("gzip"));
-        if gzip {
-            return files_error(
-                StatusCode::BAD_REQUEST,
-                "gzip-encoded uploads are not supported yet; upload without gzip=True",
-            );
-        }
-        let data = req
-            .into_body()
-            .into_data_stream()
-            .map(|r| r.map_err(std::io::Error::other));
+        // A body that breaks off (a corrupt gzip stream, a dropped client) is the upload's fault:
+        // remember why, so the reply is a 400 naming it rather than a 502 about the agent. The
+        // agent keeps the old file in that case.
+        let body_error = Arc::new(std::sync::Mutex::new(None::<String>));
+        let seen = body_error.clone();
+        let data = req.into_body().into_data_stream().map(move |r| {
+            r.map_err(|e| {
+                *seen.lock().unwrap_or_else(|p| p.into_inner()) = Some(e.to_string());
+                std::io::Error::other(e)
+            })
+        });
         if let Err(e) = agent.write_file_stream(&dest, Some(&user), data).await {
+            if let Some(why) = body_error.lock().unwrap_or_else(|p| p.into_inner()).take() {
+                return files_error(
+                    StatusCode::BAD_REQUEST,
+                    format!("could not read the upload body: {why}"),
+                );
+            }
             return agent_files_error(e);
         }
         written.push(info(&dest));
