@@ -36,7 +36,7 @@ def enter_private_resolv_conf(workdir):
 def start_dns_server():
     """Answer A queries for the domain and its subdomains with TLS_ADDR, nothing else."""
     from dnslib import QTYPE, RCODE, RR, A
-    from dnslib.server import BaseResolver, DNSServer
+    from dnslib.server import BaseResolver, DNSLogger, DNSServer
 
     class Wildcard(BaseResolver):
         def resolve(self, request, handler):
@@ -49,7 +49,8 @@ def start_dns_server():
             # AAAA and the rest: NOERROR with no answer (the name exists, IPv4 only).
             return reply
 
-    servers = [DNSServer(Wildcard(), address=DNS_ADDR, port=53, tcp=tcp) for tcp in (False, True)]
+    quiet = DNSLogger("-request,-reply,-truncated,-recv,-send,-data")  # errors only
+    servers = [DNSServer(Wildcard(), address=DNS_ADDR, port=53, tcp=tcp, logger=quiet) for tcp in (False, True)]
     for s in servers:
         s.start_thread()
     return servers
