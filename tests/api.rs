@@ -139,6 +139,19 @@ impl Server {
         }
     }
 
+    /// Wait (up to a minute) for the server to delete the sandbox on its own, e.g. at its timeout.
+    fn wait_expired(&self, id: &str) {
+        let deadline = Instant::now() + Duration::from_secs(60);
+        loop {
+            let (_, sb) = self.call("GET", &format!("/v1/sandboxes/{id}"), None);
+            if sb["state"] == "deleted" {
+                return;
+            }
+            assert!(Instant::now() < deadline, "sandbox outlived its timeout: {sb}");
+            std::thread::sleep(Duration::from_millis(200));
+        }
+    }
+
     fn create(&self, body: Value) -> String {
         let (status, r) = self.call("POST", "/v1/sandboxes", Some(body));
         assert_eq!(status, 202, "{r}");
@@ -416,7 +429,7 @@ fn stdin_signal_and_files() {
 
 fn pause_freezes_in_memory_and_resume_continues() {
     let s = server();
-    let id = s.create(json!({ "template": "seed", "timeout": "10m" }));
+    let id = s.create(json!({ "template": "seed", "timeout": "15s" }));
     let sid = s.session(&id, json!({ "argv": ["sh", "-c", "sleep 1; echo after-resume"] }));
     let (status, r) = s.call("POST", &format!("/v1/sandboxes/{id}/pause"), None);
     assert_eq!(status, 202, "{r}");
@@ -437,13 +450,19 @@ fn pause_freezes_in_memory_and_resume_continues() {
         .unwrap()
         .iter()
         .any(|x| x["id"] == id.as_str()));
+    // A paused sandbox does not spend its timeout: well past the 15 s it was created with, it
+    // is still there.
+    std::thread::sleep(Duration::from_secs(16));
+    let (_, sb) = s.call("GET", &format!("/v1/sandboxes/{id}"), None);
+    assert_eq!(sb["state"], "paused", "{sb}");
     let (status, r) = s.call("POST", &format!("/v1/sandboxes/{id}/resume"), None);
     assert_eq!(status, 202, "{r}");
     assert_eq!(s.wait_op(r["operation"]["id"].as_str().unwrap())["state"], "succeeded");
     // The command started before the pause finishes after it.
     let events = s.events(&id, &sid, None, None);
     assert_eq!(decode(&events, "stdout"), "after-resume\n");
-    s.delete(&id);
+    // Resumed, its clock runs again with what was left at the pause, and it expires.
+    s.wait_expired(&id);
 }
 
 /// A raw HTTP/1.1 GET with our own Host header (as wildcard DNS would deliver it).
@@ -584,15 +603,7 @@ fn idempotent_create_returns_the_same_operation() {
 fn timeout_expiry_deletes_the_sandbox() {
     let s = server();
     let id = s.create(json!({ "template": "seed", "timeout": "2s" }));
-    let deadline = Instant::now() + Duration::from_secs(60);
-    loop {
-        let (_, sb) = s.call("GET", &format!("/v1/sandboxes/{id}"), None);
-        if sb["state"] == "deleted" {
-            break;
-        }
-        assert!(Instant::now() < deadline, "sandbox outlived its timeout: {sb}");
-        std::thread::sleep(Duration::from_millis(200));
-    }
+    s.wait_expired(&id);
     assert!(!s.data.join("sandboxes").join(&id).exists());
 }
 

@@ -423,6 +423,8 @@ pub async fn delete_sandbox(
     ))
 }
 
+/// Freeze the sandbox in memory (processes, files and memory kept). Its timeout stops running
+/// until resume, which restores the time that was left; a pause lasts at most 24 h.
 #[utoipa::path(post, path = "/v1/sandboxes/{id}/pause", tag = "sandboxes", params(("id" = String, Path)),
     responses((status = 202, body = OperationAccepted), ApiErrors),
     security(("bearer" = [])))]

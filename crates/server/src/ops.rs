@@ -11,6 +11,9 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+/// How long a sandbox may stay paused in memory before it is deleted like an expired one.
+pub const MAX_PAUSE: Duration = Duration::from_secs(24 * 3600);
+
 #[derive(Clone)]
 pub struct Engine {
     store: Arc<dyn Store>,
@@ -135,6 +138,7 @@ impl Engine {
                         SandboxState::Running
                     };
                     let _ = engine.store.set_sandbox_state(&id, state).await;
+                    let _ = engine.stop_or_restart_clock(&id, pause).await;
                     let _ = engine
                         .store
                         .finish_operation(&op2.id, OperationState::Succeeded, None)
@@ -151,6 +155,28 @@ impl Engine {
         });
         let _ = done.await;
         Ok(self.store.get_operation(&row.tenant_id, &op.id).await?.unwrap_or(op))
+    }
+
+    /// A paused sandbox does not spend its timeout: pausing keeps what is left and sets the
+    /// expiry to the pause limit (an in-memory pause holds the VM's RAM, so it cannot last
+    /// forever); resuming restores what was left.
+    async fn stop_or_restart_clock(&self, id: &str, pause: bool) -> Result<(), sqlx::Error> {
+        let now = now_ms();
+        if pause {
+            let Some(row) = self.store.sandbox_by_id(id).await? else {
+                return Ok(());
+            };
+            let remaining = (row.expires_at_ms - now).max(0);
+            self.store.set_paused_remaining(id, Some(remaining)).await?;
+            self.store
+                .set_sandbox_expiry(id, now + MAX_PAUSE.as_millis() as i64)
+                .await
+        } else if let Some(remaining) = self.store.paused_remaining(id).await? {
+            self.store.set_sandbox_expiry(id, now + remaining).await?;
+            self.store.set_paused_remaining(id, None).await
+        } else {
+            Ok(())
+        }
     }
 
     /// Delete and wait until it is done (the E2B door answers kill synchronously).

@@ -139,6 +139,9 @@ pub trait Store: Send + Sync {
     async fn open_delete_operation(&self, sandbox_id: &str) -> Result<Option<Operation>, sqlx::Error>;
 
     async fn set_sandbox_expiry(&self, id: &str, expires_at_ms: i64) -> Result<(), sqlx::Error>;
+    /// The lifetime a paused sandbox has left: its clock stops while paused and resume restores it.
+    async fn set_paused_remaining(&self, id: &str, remaining_ms: Option<i64>) -> Result<(), sqlx::Error>;
+    async fn paused_remaining(&self, id: &str) -> Result<Option<i64>, sqlx::Error>;
     /// The per-sandbox access token of the E2B door (envd's `X-Access-Token`).
     async fn set_sandbox_token(&self, id: &str, token: &str) -> Result<(), sqlx::Error>;
     async fn sandbox_token(&self, id: &str) -> Result<Option<String>, sqlx::Error>;
@@ -182,6 +185,7 @@ CREATE TABLE IF NOT EXISTS sessions (
   exited INTEGER NOT NULL, started_at_ms INTEGER NOT NULL, ended_at_ms INTEGER);
 CREATE INDEX IF NOT EXISTS sessions_sandbox ON sessions(sandbox_id, started_at_ms);
 CREATE TABLE IF NOT EXISTS sandbox_tokens (sandbox_id TEXT PRIMARY KEY, token TEXT NOT NULL UNIQUE);
+CREATE TABLE IF NOT EXISTS paused_lifetimes (sandbox_id TEXT PRIMARY KEY, remaining_ms INTEGER NOT NULL);
 "#;
 
 impl SqliteStore {
@@ -533,6 +537,25 @@ impl Store for SqliteStore {
             .execute(&self.pool)
             .await?;
         Ok(())
+    }
+
+    async fn set_paused_remaining(&self, id: &str, remaining_ms: Option<i64>) -> Result<(), sqlx::Error> {
+        let q = match remaining_ms {
+            Some(ms) => sqlx::query("INSERT OR REPLACE INTO paused_lifetimes (sandbox_id, remaining_ms) VALUES (?, ?)")
+                .bind(id)
+                .bind(ms),
+            None => sqlx::query("DELETE FROM paused_lifetimes WHERE sandbox_id = ?").bind(id),
+        };
+        q.execute(&self.pool).await?;
+        Ok(())
+    }
+
+    async fn paused_remaining(&self, id: &str) -> Result<Option<i64>, sqlx::Error> {
+        let r: Option<(i64,)> = sqlx::query_as("SELECT remaining_ms FROM paused_lifetimes WHERE sandbox_id = ?")
+            .bind(id)
+            .fetch_optional(&self.pool)
+            .await?;
+        Ok(r.map(|r| r.0))
     }
 
     async fn set_sandbox_token(&self, id: &str, token: &str) -> Result<(), sqlx::Error> {

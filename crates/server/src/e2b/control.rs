@@ -331,10 +331,13 @@ pub async fn set_timeout(
     let b: TimeoutBody =
         serde_json::from_slice(&body).map_err(|e| E2bError::bad_request(format!("invalid body: {e}")))?;
     let row = live_row(&state, &tenant, &id).await?;
-    state
-        .store
-        .set_sandbox_expiry(&row.id, now_ms() + timeout_ms(b.timeout)?)
-        .await?;
+    let timeout = timeout_ms(b.timeout)?;
+    if row.state == SandboxState::Paused {
+        // Its clock is stopped: the new timeout is what it will have once resumed.
+        state.store.set_paused_remaining(&row.id, Some(timeout)).await?;
+    } else {
+        state.store.set_sandbox_expiry(&row.id, now_ms() + timeout).await?;
+    }
     Ok(StatusCode::NO_CONTENT)
 }
 
@@ -357,7 +360,8 @@ pub async fn connect(
         if let Some(e) = op.error {
             return Err(E2bError::new(StatusCode::INTERNAL_SERVER_ERROR, e.message));
         }
-        row.state = SandboxState::Running;
+        // Resuming restored the lifetime left at pause; the extension below starts from there.
+        row = live_row(&state, &tenant, &id).await?;
     }
     // Connecting extends the life to at least `timeout` from now, as E2B does.
     let want = now_ms() + timeout_ms(b.timeout)?;
