@@ -184,6 +184,9 @@ enum KeyCommand {
     Create {
         #[arg(long, default_value = "default")]
         tenant: String,
+        /// Spell it `e2b_<hex>`, the shape e2b SDKs 2.26 to 2.5x require of E2B_API_KEY.
+        #[arg(long)]
+        e2b: bool,
     },
 }
 
@@ -406,12 +409,13 @@ async fn run(cli: Cli) -> anyhow::Result<u8> {
             print_json(&blocking(move || c.json("GET", &format!("/v1/operations/{id}"), None)).await?);
         }
         Command::Key {
-            command: KeyCommand::Create { tenant },
+            command: KeyCommand::Create { tenant, e2b },
         } => {
             let data = DataDir::open(&cli.data_dir)?;
             let store = airlock_server::store::SqliteStore::open(&data.root().join("airlock.db")).await?;
-            use airlock_server::store::Store;
-            println!("{}", store.create_key(&tenant).await?);
+            use airlock_server::store::{KeyFormat, Store};
+            let format = if e2b { KeyFormat::E2b } else { KeyFormat::Airlock };
+            println!("{}", store.create_key(&tenant, format).await?);
         }
         Command::Doctor => {
             let rt = Runtime::open(RuntimeOptions::new(&cli.data_dir)).await?;

@@ -1,5 +1,7 @@
 """Fixtures for the E2B SDK suite: one real `airlock serve` with real VMs, and the SDK's two
 environment variables pointing at it. Nothing of airlock is mocked; the SDK is the PyPI package."""
+import contextlib
+import importlib.metadata
 import json
 import os
 import shutil
@@ -59,7 +61,9 @@ def airlock_server():
             if time.time() > deadline or proc.poll() is not None:
                 raise RuntimeError(f"airlock serve did not come up; see {log.name}")
             time.sleep(0.2)
-    key = subprocess.run([BIN, "--data-dir", DATA, "key", "create"], check=True, capture_output=True, text=True).stdout.strip()
+    # `--e2b`: the `e2b_<hex>` shape, which e2b 2.26 to 2.5x insist on; the others take any key.
+    key = subprocess.run([BIN, "--data-dir", DATA, "key", "create", "--e2b"], check=True, capture_output=True,
+                         text=True).stdout.strip()
     # The two settings the README tells E2B users to set (API and envd share one port).
     os.environ["E2B_API_KEY"] = key
     os.environ["E2B_API_URL"] = url
@@ -76,6 +80,27 @@ def airlock_server():
     for server in dns:
         server.stop()
     shutil.rmtree(DNS_WORKDIR, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def domain_env():
+    """What a user of a wildcard-DNS deployment sets: the domain and the key, nothing else."""
+    names = ("E2B_API_URL", "E2B_SANDBOX_URL", "E2B_DEBUG", "E2B_DOMAIN")
+    saved = {n: os.environ.pop(n, None) for n in names}
+    os.environ["E2B_DOMAIN"] = wildcard_dns.DOMAIN
+    try:
+        yield
+    finally:
+        for n, v in saved.items():
+            os.environ.pop(n, None)
+            if v is not None:
+                os.environ[n] = v
+
+
+def skip_unless_sdk_has(present, what):
+    """Older SDKs lack some calls; the matrix in the README says which version has what."""
+    if not present:
+        pytest.skip(f"e2b {importlib.metadata.version('e2b')} has no {what}")
 
 
 def delete_sandbox(server, sandbox_id):

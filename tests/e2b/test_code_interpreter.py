@@ -1,31 +1,54 @@
 """Unmodified e2b-code-interpreter calls against airlock's `code-interpreter-v1` template.
 
-e2b-code-interpreter 2.6.2 reaches the interpreter only at localhost:49999 with E2B_DEBUG=true
-(E2B_SANDBOX_URL does not apply to it): airlock serves that port and routes by access token.
-Newer versions send it to E2B_SANDBOX_URL with `E2b-Sandbox-Id`/`E2b-Sandbox-Port: 49999` headers,
-and there E2B_DEBUG would skip the API altogether, so it is set only for the old ones."""
-import inspect
+Newer e2b-code-interpreter versions send `/execute` to E2B_SANDBOX_URL with
+`E2b-Sandbox-Id`/`E2b-Sandbox-Port: 49999` headers. Older ones (2.6.2 among them) only know
+`https://49999-<id>.<domain>`, so with them these tests take the E2B_DOMAIN route; their
+`E2B_DEBUG=true` route to localhost:49999 (airlock's `--e2b-debug-listen`) has its own test."""
 import base64
+import contextlib
+import inspect
 import os
 
 import pytest
 
-from conftest import delete_sandbox
+from conftest import delete_sandbox, domain_env
+
+
+def header_routed():
+    from e2b_code_interpreter import Sandbox
+
+    return "get_sandbox_url" in inspect.getsource(Sandbox)
 
 
 @pytest.fixture(scope="module")
 def ci(airlock_server):
     from e2b_code_interpreter import Sandbox
 
-    header_routed = "get_sandbox_url" in inspect.getsource(Sandbox)
-    if not header_routed:
-        os.environ["E2B_DEBUG"] = "true"
-    try:
+    # The sandbox keeps the connection settings it was created with.
+    with contextlib.nullcontext() if header_routed() else domain_env():
         s = Sandbox.create(timeout=900)
-        yield s
-        delete_sandbox(airlock_server, s.sandbox_id)
+    yield s
+    delete_sandbox(airlock_server, s.sandbox_id)
+
+
+def test_debug_listener_for_old_interpreters(airlock_server):
+    from e2b_code_interpreter import Sandbox
+
+    if header_routed():
+        pytest.skip("this e2b-code-interpreter routes by header; --e2b-debug-listen is for older ones")
+    os.environ["E2B_DEBUG"] = "true"
+    try:
+        s = Sandbox.create(timeout=300)
     finally:
         os.environ.pop("E2B_DEBUG", None)
+    if s.sandbox_id == "debug_sandbox_id":
+        pytest.skip("this e2b skips the API in debug mode (no sandbox is created): use E2B_DOMAIN with it")
+    try:
+        ex = s.run_code("print('via localhost:49999'); 6 * 7")
+        assert ex.error is None, ex.error
+        assert (ex.logs.stdout, ex.text) == (["via localhost:49999\n"], "42")
+    finally:
+        delete_sandbox(airlock_server, s.sandbox_id)
 
 
 def test_state_persists_across_calls(ci):

@@ -12,8 +12,9 @@ import time
 import httpx
 import pytest
 
+import conftest
 import wildcard_dns
-from conftest import delete_sandbox
+from conftest import delete_sandbox, skip_unless_sdk_has
 
 # A WebSocket echo server on 8765 inside the sandbox, standard library only (RFC 6455 handshake,
 # one unfragmented masked client frame at a time, echoed back unmasked).
@@ -47,11 +48,9 @@ while True:
 
 
 @pytest.fixture
-def domain_env(monkeypatch):
-    """What a user of a wildcard-DNS deployment sets: the domain and a key, nothing else."""
-    for var in ("E2B_API_URL", "E2B_SANDBOX_URL", "E2B_DEBUG"):
-        monkeypatch.delenv(var, raising=False)
-    monkeypatch.setenv("E2B_DOMAIN", wildcard_dns.DOMAIN)
+def domain_env():
+    with conftest.domain_env():
+        yield
 
 
 @pytest.fixture
@@ -88,6 +87,7 @@ def test_port_forward_http_and_websocket(domain_sbx):
     domain_sbx.commands.run("python3 -m http.server 8000 --directory /home/user/www", background=True)
     domain_sbx.files.write("/tmp/ws_echo.py", WS_ECHO)
     domain_sbx.commands.run("python3 /tmp/ws_echo.py", background=True)
+    skip_unless_sdk_has(hasattr(domain_sbx, "traffic_access_token"), "Sandbox.traffic_access_token")
     token = domain_sbx.traffic_access_token
     assert token
     url = f"https://{domain_sbx.get_host(8000)}/hello.txt"

@@ -105,7 +105,7 @@ pub struct SandboxFilter {
 pub trait Store: Send + Sync {
     /// Make sure tenant `default` exists; returns a new admin key the first time.
     async fn bootstrap(&self) -> Result<Option<String>, sqlx::Error>;
-    async fn create_key(&self, tenant: &str) -> Result<String, sqlx::Error>;
+    async fn create_key(&self, tenant: &str, format: KeyFormat) -> Result<String, sqlx::Error>;
     async fn tenant_by_key(&self, key: &str) -> Result<Option<Tenant>, sqlx::Error>;
 
     /// Record a new sandbox and its create operation; with an idempotency key already used by
@@ -162,8 +162,22 @@ fn key_hash(key: &str) -> String {
     hex::encode(sha2::Sha256::digest(key.as_bytes()))
 }
 
-pub fn new_key() -> String {
-    format!("ak_{}", airlock_runtime::datadir::random_hex(20))
+/// How a minted key is spelled; both are 160 random bits and work on both doors.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum KeyFormat {
+    /// `ak_<40 hex>`.
+    Airlock,
+    /// `e2b_<40 hex>`: E2B's own shape, which e2b SDKs 2.26 to 2.5x insist on client-side
+    /// (`Invalid API key format: expected "e2b_" followed by hex characters`).
+    E2b,
+}
+
+pub fn new_key(format: KeyFormat) -> String {
+    let prefix = match format {
+        KeyFormat::Airlock => "ak_",
+        KeyFormat::E2b => "e2b_",
+    };
+    format!("{prefix}{}", airlock_runtime::datadir::random_hex(20))
 }
 
 const SCHEMA: &str = r#"
@@ -276,10 +290,10 @@ impl Store for SqliteStore {
         if keys.0 > 0 {
             return Ok(None);
         }
-        self.create_key("default").await.map(Some)
+        self.create_key("default", KeyFormat::Airlock).await.map(Some)
     }
 
-    async fn create_key(&self, tenant: &str) -> Result<String, sqlx::Error> {
+    async fn create_key(&self, tenant: &str, format: KeyFormat) -> Result<String, sqlx::Error> {
         let row: Option<(String,)> = sqlx::query_as("SELECT id FROM tenants WHERE name = ?")
             .bind(tenant)
             .fetch_optional(&self.pool)
@@ -296,7 +310,7 @@ impl Store for SqliteStore {
                 tenant.to_string()
             }
         };
-        let key = new_key();
+        let key = new_key(format);
         sqlx::query("INSERT INTO api_keys (hash, tenant_id, prefix, created_at_ms) VALUES (?, ?, ?, ?)")
             .bind(key_hash(&key))
             .bind(tenant_id)
