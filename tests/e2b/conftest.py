@@ -64,10 +64,14 @@ def airlock_server():
     # `--e2b`: the `e2b_<hex>` shape, which e2b 2.26 to 2.5x insist on; the others take any key.
     key = subprocess.run([BIN, "--data-dir", DATA, "key", "create", "--e2b"], check=True, capture_output=True,
                          text=True).stdout.strip()
-    # The two settings the README tells E2B users to set (API and envd share one port).
     os.environ["E2B_API_KEY"] = key
-    os.environ["E2B_API_URL"] = url
-    os.environ["E2B_SANDBOX_URL"] = url
+    if os.environ.get("E2B_SUITE_ROUTE") == "domain":
+        # The whole suite over E2B_DOMAIN + TLS (SDKs older than E2B_SANDBOX_URL need this).
+        os.environ["E2B_DOMAIN"] = wildcard_dns.DOMAIN
+    else:
+        # The settings the README tells E2B users to set (API and envd share one port).
+        os.environ["E2B_API_URL"] = url
+        os.environ["E2B_SANDBOX_URL"] = url
     yield {"url": url, "key": key}
     # VMs outlive the server by design: delete what the tests left, then stop it.
     for sb in _native(url, key, "GET", "/v1/sandboxes?limit=100")["sandboxes"]:

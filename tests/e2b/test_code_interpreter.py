@@ -11,7 +11,7 @@ import os
 
 import pytest
 
-from conftest import delete_sandbox, domain_env
+from conftest import delete_sandbox, domain_env, skip_unless_sdk_has
 
 
 def header_routed():
@@ -36,11 +36,22 @@ def test_debug_listener_for_old_interpreters(airlock_server):
 
     if header_routed():
         pytest.skip("this e2b-code-interpreter routes by header; --e2b-debug-listen is for older ones")
-    os.environ["E2B_DEBUG"] = "true"
+    # The debug listener belongs to E2B_API_URL setups: the API is airlock's plain listener.
+    saved = {n: os.environ.get(n) for n in ("E2B_API_URL", "E2B_SANDBOX_URL", "E2B_DOMAIN")}
+    os.environ.pop("E2B_DOMAIN", None)
+    os.environ.update(E2B_DEBUG="true", E2B_API_URL=airlock_server["url"], E2B_SANDBOX_URL=airlock_server["url"])
     try:
+        from e2b import ConnectionConfig
+
+        if ConnectionConfig().api_url != airlock_server["url"]:
+            pytest.skip(f"this e2b in debug mode calls {ConnectionConfig().api_url}, not E2B_API_URL")
         s = Sandbox.create(timeout=300)
     finally:
         os.environ.pop("E2B_DEBUG", None)
+        for n, v in saved.items():
+            os.environ.pop(n, None)
+            if v is not None:
+                os.environ[n] = v
     if s.sandbox_id == "debug_sandbox_id":
         pytest.skip("this e2b skips the API in debug mode (no sandbox is created): use E2B_DOMAIN with it")
     try:
@@ -87,6 +98,7 @@ def test_matplotlib_png(ci):
 
 
 def test_contexts_are_isolated(ci):
+    skip_unless_sdk_has(hasattr(ci, "list_code_contexts"), "Sandbox.list_code_contexts")
     ctx = ci.create_code_context()
     assert ctx.language == "python" and ctx.cwd == "/home/user"
     assert ci.run_code("y = 5", context=ctx).error is None

@@ -43,7 +43,9 @@ def test_command_timeout_kills_the_process(sbx):
 
 
 def test_background_connect_list_stdin_kill(sbx):
-    h = sbx.commands.run("read line; echo got:$line; sleep 600", background=True, stdin=True)
+    # `stdin=True` keeps stdin open on SDKs that have the option; older ones always did.
+    keep_stdin = {"stdin": True} if "stdin" in inspect.signature(sbx.commands.run).parameters else {}
+    h = sbx.commands.run("read line; echo got:$line; sleep 600", background=True, **keep_stdin)
     assert h.pid > 0
     assert any(p.pid == h.pid for p in sbx.commands.list())
     sbx.commands.send_stdin(h.pid, "hello\n")

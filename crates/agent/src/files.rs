@@ -249,6 +249,59 @@ pub fn translate(event: &notify::Event) -> Vec<WatchEvent> {
         .collect()
 }
 
+/// Recursive watches miss what lands in a new directory before its own inotify watch exists
+/// (`mkdir -p d/inner && echo x > d/inner/f` is one such race). When a directory appears, report
+/// what is already inside it as created too; a real event arriving later for one of those paths is
+/// then a duplicate and is dropped.
+#[derive(Default)]
+pub struct RecursiveCatchUp {
+    reported: std::collections::HashMap<PathBuf, std::time::Instant>,
+}
+
+impl RecursiveCatchUp {
+    const REMEMBER: std::time::Duration = std::time::Duration::from_secs(10);
+    /// Bounds the scan of one new directory (a huge tree copied in at once).
+    const MAX_SCAN: usize = 10_000;
+
+    pub fn process(&mut self, ev: WatchEvent, emit: &mut impl FnMut(WatchEvent)) {
+        if ev.kind != WatchEventKind::Create {
+            return emit(ev);
+        }
+        let path = PathBuf::from(&ev.path);
+        self.reported.retain(|_, at| at.elapsed() < Self::REMEMBER);
+        if self.reported.remove(&path).is_some() {
+            return; // a scan already reported it
+        }
+        emit(ev);
+        if !path.is_dir() {
+            return;
+        }
+        let mut pending = vec![path];
+        let mut scanned = 0;
+        while let Some(dir) = pending.pop() {
+            let Ok(entries) = std::fs::read_dir(&dir) else { continue };
+            for entry in entries.flatten() {
+                scanned += 1;
+                if scanned > Self::MAX_SCAN {
+                    return;
+                }
+                let p = entry.path();
+                if is_staging(&p) {
+                    continue;
+                }
+                if entry.file_type().is_ok_and(|t| t.is_dir()) {
+                    pending.push(p.clone());
+                }
+                emit(WatchEvent {
+                    kind: WatchEventKind::Create,
+                    path: p.to_string_lossy().to_string(),
+                });
+                self.reported.insert(p, std::time::Instant::now());
+            }
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -259,6 +312,34 @@ mod tests {
         assert!(clean_path("/a/../etc/passwd").is_err());
         assert!(clean_path("").is_err());
         assert_eq!(clean_path("/a//b/./c").unwrap(), PathBuf::from("/a/b/c"));
+    }
+
+    #[test]
+    fn new_directories_report_what_is_already_inside_once() {
+        let d = tempfile::tempdir().unwrap();
+        std::fs::create_dir_all(d.path().join("inner/deeper")).unwrap();
+        std::fs::write(d.path().join("inner/deeper/f.txt"), b"x").unwrap();
+        let create = |p: &Path| WatchEvent {
+            kind: WatchEventKind::Create,
+            path: p.to_string_lossy().to_string(),
+        };
+        let mut seen = Vec::new();
+        let mut catch_up = RecursiveCatchUp::default();
+        catch_up.process(create(&d.path().join("inner")), &mut |e| seen.push(e.path));
+        // The watch on `inner` was armed late: its own events for the same files are duplicates.
+        catch_up.process(create(&d.path().join("inner/deeper")), &mut |e| seen.push(e.path));
+        catch_up.process(create(&d.path().join("inner/deeper/f.txt")), &mut |e| seen.push(e.path));
+        let rel: Vec<_> = seen
+            .iter()
+            .map(|p| {
+                Path::new(p)
+                    .strip_prefix(d.path())
+                    .unwrap()
+                    .to_string_lossy()
+                    .to_string()
+            })
+            .collect();
+        assert_eq!(rel, vec!["inner", "inner/deeper", "inner/deeper/f.txt"]);
     }
 
     #[test]

@@ -353,10 +353,17 @@ fn watch(path: &std::path::Path, recursive: bool) -> Result<Response<Body>, Agen
         });
     }
     let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
+    let mut catch_up = files::RecursiveCatchUp::default();
     let mut watcher = notify::recommended_watcher(move |res: notify::Result<notify::Event>| {
         if let Ok(ev) = res {
             for w in files::translate(&ev) {
-                let _ = tx.send(w);
+                if recursive {
+                    catch_up.process(w, &mut |w| {
+                        let _ = tx.send(w);
+                    });
+                } else {
+                    let _ = tx.send(w);
+                }
             }
         }
     })
