@@ -250,33 +250,52 @@ pub fn translate(event: &notify::Event) -> Vec<WatchEvent> {
 }
 
 /// Recursive watches miss what lands in a new directory before its own inotify watch exists
-/// (`mkdir -p d/inner && echo x > d/inner/f` is one such race). When a directory appears, report
-/// what is already inside it as created too; a real event arriving later for one of those paths is
-/// then a duplicate and is dropped.
+/// (`mkdir -p d/inner && echo x > d/inner/f`): notify arms the watch on `inner` only after it has
+/// handed out the batch holding `inner`'s CREATE. So a new directory is scanned twice, right away
+/// and again once its watch is armed ([`RESCAN_AFTER`] later), and what the scans find is reported
+/// as created. A real event arriving afterwards for a path a scan reported is a duplicate and is
+/// dropped; a scan skips what real events already reported.
 #[derive(Default)]
 pub struct RecursiveCatchUp {
-    reported: std::collections::HashMap<PathBuf, std::time::Instant>,
+    /// Reported by a scan: the real CREATE, if it comes, is dropped (once).
+    synthesized: std::collections::HashMap<PathBuf, std::time::Instant>,
+    /// Reported by a real CREATE: later scans skip it.
+    real: std::collections::HashMap<PathBuf, std::time::Instant>,
 }
+
+/// When the second scan of a new directory runs; notify arms its watch right after the batch.
+pub const RESCAN_AFTER: std::time::Duration = std::time::Duration::from_millis(200);
 
 impl RecursiveCatchUp {
     const REMEMBER: std::time::Duration = std::time::Duration::from_secs(10);
     /// Bounds the scan of one new directory (a huge tree copied in at once).
     const MAX_SCAN: usize = 10_000;
 
-    pub fn process(&mut self, ev: WatchEvent, emit: &mut impl FnMut(WatchEvent)) {
+    /// Pass one translated event on; returns a new directory to [`Self::scan`] again later.
+    #[must_use]
+    pub fn process(&mut self, ev: WatchEvent, emit: &mut impl FnMut(WatchEvent)) -> Option<PathBuf> {
         if ev.kind != WatchEventKind::Create {
-            return emit(ev);
+            emit(ev);
+            return None;
         }
         let path = PathBuf::from(&ev.path);
-        self.reported.retain(|_, at| at.elapsed() < Self::REMEMBER);
-        if self.reported.remove(&path).is_some() {
-            return; // a scan already reported it
+        self.synthesized.retain(|_, at| at.elapsed() < Self::REMEMBER);
+        self.real.retain(|_, at| at.elapsed() < Self::REMEMBER);
+        if self.synthesized.remove(&path).is_some() {
+            return None;
         }
+        self.real.insert(path.clone(), std::time::Instant::now());
         emit(ev);
         if !path.is_dir() {
-            return;
+            return None;
         }
-        let mut pending = vec![path];
+        self.scan(&path, emit);
+        Some(path)
+    }
+
+    /// Report everything under `dir` that no event has reported yet.
+    pub fn scan(&mut self, dir: &Path, emit: &mut impl FnMut(WatchEvent)) {
+        let mut pending = vec![dir.to_path_buf()];
         let mut scanned = 0;
         while let Some(dir) = pending.pop() {
             let Ok(entries) = std::fs::read_dir(&dir) else { continue };
@@ -292,11 +311,14 @@ impl RecursiveCatchUp {
                 if entry.file_type().is_ok_and(|t| t.is_dir()) {
                     pending.push(p.clone());
                 }
+                if self.real.contains_key(&p) || self.synthesized.contains_key(&p) {
+                    continue;
+                }
                 emit(WatchEvent {
                     kind: WatchEventKind::Create,
                     path: p.to_string_lossy().to_string(),
                 });
-                self.reported.insert(p, std::time::Instant::now());
+                self.synthesized.insert(p, std::time::Instant::now());
             }
         }
     }
@@ -325,10 +347,14 @@ mod tests {
         };
         let mut seen = Vec::new();
         let mut catch_up = RecursiveCatchUp::default();
-        catch_up.process(create(&d.path().join("inner")), &mut |e| seen.push(e.path));
+        let rescan = catch_up.process(create(&d.path().join("inner")), &mut |e| seen.push(e.path));
+        assert_eq!(rescan.as_deref(), Some(d.path().join("inner").as_path()));
+        // Landed after the first scan, before the watch: the rescan finds it, and only it.
+        std::fs::write(d.path().join("inner/late.txt"), b"y").unwrap();
+        catch_up.scan(&d.path().join("inner"), &mut |e| seen.push(e.path));
         // The watch on `inner` was armed late: its own events for the same files are duplicates.
-        catch_up.process(create(&d.path().join("inner/deeper")), &mut |e| seen.push(e.path));
-        catch_up.process(create(&d.path().join("inner/deeper/f.txt")), &mut |e| seen.push(e.path));
+        let _ = catch_up.process(create(&d.path().join("inner/deeper")), &mut |e| seen.push(e.path));
+        let _ = catch_up.process(create(&d.path().join("inner/deeper/f.txt")), &mut |e| seen.push(e.path));
         let rel: Vec<_> = seen
             .iter()
             .map(|p| {
@@ -339,7 +365,10 @@ mod tests {
                     .to_string()
             })
             .collect();
-        assert_eq!(rel, vec!["inner", "inner/deeper", "inner/deeper/f.txt"]);
+        assert_eq!(
+            rel,
+            vec!["inner", "inner/deeper", "inner/deeper/f.txt", "inner/late.txt"]
+        );
     }
 
     #[test]

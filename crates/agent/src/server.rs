@@ -353,14 +353,32 @@ fn watch(path: &std::path::Path, recursive: bool) -> Result<Response<Body>, Agen
         });
     }
     let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
-    let mut catch_up = files::RecursiveCatchUp::default();
+    // Recursive watches rescan each new directory once notify has armed its watch (see
+    // RecursiveCatchUp): a helper thread does that, and ends when the watcher is dropped.
+    let catch_up = Arc::new(std::sync::Mutex::new(files::RecursiveCatchUp::default()));
+    let (rescan_tx, rescan_rx) = std::sync::mpsc::channel::<(std::path::PathBuf, Instant)>();
+    if recursive {
+        let (catch_up, tx) = (catch_up.clone(), tx.clone());
+        std::thread::spawn(move || {
+            while let Ok((dir, seen_at)) = rescan_rx.recv() {
+                std::thread::sleep(files::RESCAN_AFTER.saturating_sub(seen_at.elapsed()));
+                let mut catch_up = catch_up.lock().unwrap_or_else(|e| e.into_inner());
+                catch_up.scan(&dir, &mut |w| {
+                    let _ = tx.send(w);
+                });
+            }
+        });
+    }
     let mut watcher = notify::recommended_watcher(move |res: notify::Result<notify::Event>| {
         if let Ok(ev) = res {
             for w in files::translate(&ev) {
                 if recursive {
-                    catch_up.process(w, &mut |w| {
+                    let mut catch_up = catch_up.lock().unwrap_or_else(|e| e.into_inner());
+                    if let Some(dir) = catch_up.process(w, &mut |w| {
                         let _ = tx.send(w);
-                    });
+                    }) {
+                        let _ = rescan_tx.send((dir, Instant::now()));
+                    }
                 } else {
                     let _ = tx.send(w);
                 }
