@@ -4,7 +4,6 @@ import contextlib
 import importlib.metadata
 import json
 import os
-import shutil
 import socket
 import subprocess
 import time
@@ -83,7 +82,6 @@ def airlock_server():
     proc.wait(timeout=30)
     for server in dns:
         server.stop()
-    shutil.rmtree(DNS_WORKDIR, ignore_errors=True)
 
 
 @contextlib.contextmanager

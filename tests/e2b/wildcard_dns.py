@@ -3,8 +3,10 @@ a test CA the SDKs trust. Nothing in the SDKs is patched: this process gets its 
 namespace whose /etc/resolv.conf names a DNS server that this module runs, so both glibc (httpx in
 older SDKs) and hickory (pyqwest in newer ones) resolve `*.airlock.test` to airlock's TLS listener
 on port 443 of a private loopback address, exactly as wildcard DNS would in production."""
+import atexit
 import ctypes
 import os
+import shutil
 import subprocess
 import tempfile
 import threading
@@ -72,6 +74,8 @@ def make_test_ca(workdir):
 def setup():
     """Everything above, in order; returns the CA, certificate and key paths."""
     workdir = tempfile.mkdtemp(prefix="airlock-e2b-dns-")
+    # Removed however the process ends (also when pytest stops before any fixture ran).
+    atexit.register(shutil.rmtree, workdir, True)
     enter_private_resolv_conf(workdir)
     ca, cert, key = make_test_ca(workdir)
     # Both SDK transports read the trust store from here (httpx's and pyqwest's); only the test CA
