@@ -326,16 +326,17 @@ async fn receive_upload(
     if let Some(u) = owner {
         let _ = std::os::unix::fs::chown(staging, Some(u.uid), Some(u.gid));
     }
+    let existing = std::fs::metadata(target).ok();
     // An explicit mode wins; otherwise an overwritten file keeps its mode (e.g. stays executable).
     let mode = match mode {
         Some(m) => Some(u32::from_str_radix(m, 8).map_err(|_| AgentError::invalid(format!("bad octal mode {m:?}")))?),
-        None => std::fs::metadata(target).ok().map(|m| m.permissions().mode() & 0o7777),
+        None => existing.as_ref().map(|m| m.permissions().mode() & 0o7777),
     };
     if let Some(mode) = mode {
         std::fs::set_permissions(staging, std::fs::Permissions::from_mode(mode))
             .map_err(|e| AgentError::io(shown, e))?;
     }
-    files::note_upload_landing(target, std::fs::symlink_metadata(target).is_ok());
+    files::note_upload_landing(target, existing.is_some());
     std::fs::rename(staging, target).map_err(|e| AgentError::io(shown, e))
 }
 
@@ -412,53 +413,25 @@ fn watch(path: &std::path::Path, recursive: bool) -> Result<Response<Body>, Agen
 /// A byte tunnel to `127.0.0.1:<port>` inside the guest: the request body flows to the socket,
 /// the socket's output is the response body (HTTP/2 carries both directions at once).
 async fn tunnel(port: u16, req: Request<Incoming>) -> Result<Response<Body>, AgentError> {
-    use tokio::io::AsyncReadExt;
     let sock = tokio::net::TcpStream::connect(("127.0.0.1", port)).await.map_err(|e| {
         AgentError::new(
             airlock_proto::ErrorCode::NotFound,
             format!("nothing listens on port {port} in the sandbox: {e}"),
         )
     })?;
-    let (mut rd, mut wr) = sock.into_split();
-    let mut body = req.into_body();
-    tokio::spawn(async move {
-        while let Some(Ok(frame)) = body.frame().await {
-            if let Ok(data) = frame.into_data() {
-                if wr.write_all(&data).await.is_err() {
-                    return;
-                }
-            }
-        }
-        let _ = wr.shutdown().await;
-    });
-    let (tx, rx) = tokio::sync::mpsc::channel::<Result<Frame<Bytes>, std::io::Error>>(8);
-    tokio::spawn(async move {
-        let mut buf = vec![0u8; 64 << 10];
-        loop {
-            match rd.read(&mut buf).await {
-                Ok(0) => return,
-                Ok(n) => {
-                    if tx
-                        .send(Ok(Frame::data(Bytes::copy_from_slice(&buf[..n]))))
-                        .await
-                        .is_err()
-                    {
-                        return;
-                    }
-                }
-                Err(e) => {
-                    let _ = tx.send(Err(e)).await;
-                    return;
-                }
-            }
-        }
-    });
-    let body = StreamBody::new(futures_util::stream::unfold(rx, |mut rx| async move {
-        rx.recv().await.map(|item| (item, rx))
-    }));
+    let (rd, wr) = sock.into_split();
+    tokio::spawn(body_into_writer(req.into_body(), wr));
+    let out = tokio_util::io::ReaderStream::with_capacity(rd, 64 << 10).map(|r| r.map(Frame::data));
     Ok(Response::builder()
         .status(StatusCode::OK)
         .header("content-type", "application/octet-stream")
-        .body(BodyExt::boxed(body))
+        .body(BodyExt::boxed(StreamBody::new(out)))
         .expect("valid response"))
+}
+
+/// Copy an HTTP body into `w`, then shut `w` down (EOF for the reader on the other side).
+async fn body_into_writer(body: Incoming, mut w: impl tokio::io::AsyncWrite + Unpin) {
+    let data = body.into_data_stream().map(|r| r.map_err(std::io::Error::other));
+    let _ = tokio::io::copy(&mut tokio_util::io::StreamReader::new(data), &mut w).await;
+    let _ = w.shutdown().await;
 }

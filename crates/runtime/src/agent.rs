@@ -394,35 +394,19 @@ impl AgentClient {
     /// A byte stream to `127.0.0.1:<port>` inside the guest (port forwarding). Closing the write
     /// side ends the guest socket's input; the read side ends when the guest closes.
     pub async fn tunnel(&self, port: u16) -> Result<tokio::io::DuplexStream, AgentError> {
-        use tokio::io::{AsyncReadExt, AsyncWriteExt};
-        let (tx, rx) = tokio::sync::mpsc::channel::<Result<Bytes, std::io::Error>>(8);
-        let upstream = futures_util::stream::unfold(rx, |mut rx| async move { rx.recv().await.map(|item| (item, rx)) });
+        let (ours, theirs) = tokio::io::duplex(256 << 10);
+        let (from_client, mut to_client) = tokio::io::split(theirs);
+        // The client's EOF ends the request body: EOF in the guest.
+        let upstream = tokio_util::io::ReaderStream::with_capacity(from_client, 64 << 10);
         let body = BodyExt::boxed_unsync(StreamBody::new(upstream.map(|r| r.map(Frame::data))));
         let resp = self.call(Method::POST, &format!("/tcp/{port}"), body).await?;
-        let (ours, theirs) = tokio::io::duplex(256 << 10);
-        let (mut from_client, mut to_client) = tokio::io::split(theirs);
+        let downstream = resp
+            .into_body()
+            .into_data_stream()
+            .map(|r| r.map_err(std::io::Error::other));
         tokio::spawn(async move {
-            let mut buf = vec![0u8; 64 << 10];
-            loop {
-                match from_client.read(&mut buf).await {
-                    Ok(0) | Err(_) => return, // dropping tx ends the request body: EOF in the guest
-                    Ok(n) => {
-                        if tx.send(Ok(Bytes::copy_from_slice(&buf[..n]))).await.is_err() {
-                            return;
-                        }
-                    }
-                }
-            }
-        });
-        let mut body = resp.into_body();
-        tokio::spawn(async move {
-            while let Some(Ok(frame)) = body.frame().await {
-                if let Ok(data) = frame.into_data() {
-                    if to_client.write_all(&data).await.is_err() {
-                        return;
-                    }
-                }
-            }
+            use tokio::io::AsyncWriteExt;
+            let _ = tokio::io::copy(&mut tokio_util::io::StreamReader::new(downstream), &mut to_client).await;
             let _ = to_client.shutdown().await;
         });
         Ok(ours)
