@@ -1,14 +1,24 @@
-//! airlock's HTTP server: the native `/v1` API over one runtime, one store, one operation engine.
+//! airlock's HTTP server: two doors (the native `/v1` API and the E2B door) over one core.
+//! ARCHITECTURE.md at the repository root shows the layers and where new code goes.
+//!
+//! - `native`, `e2b`: the doors (routes, wire formats, one error mapping each)
+//! - `proxy`: host routing and port forwarding into sandboxes
+//! - `core`: principal, sandbox/session/file/template services, `CoreError`
+//! - `engine`: operations (create, delete, pause, resume), recovery, the reaper
+//! - `store`: the control-plane database (SQLite; versioned migrations)
+//! - `nodes`: the seam to the hosts that run VMs (`LocalNode` wraps the runtime)
 
-pub mod api;
+pub mod core;
 pub mod e2b;
+pub mod engine;
 pub mod error;
-pub mod forward;
 pub mod model;
-pub mod ops;
+pub mod native;
+pub mod nodes;
+pub mod proxy;
 pub mod store;
 
-use api::AppState;
+use native::AppState;
 use axum::routing::{get, post};
 use axum::Router;
 use std::net::SocketAddr;
@@ -20,10 +30,10 @@ use utoipa::OpenApi;
 #[openapi(
     info(title = "airlock", description = "Self-hosted microVM sandboxes for AI agents: native API (milestone 1)"),
     paths(
-        api::create_sandbox, api::list_sandboxes, api::get_sandbox, api::delete_sandbox, api::pause_sandbox, api::resume_sandbox, api::get_operation,
-        api::create_session, api::list_sessions, api::get_session, api::stream_session, api::session_stdin,
-        api::session_signal, api::session_resize, api::read_file, api::write_file, api::delete_file, api::list_files,
-        api::list_templates, api::get_template, api::system,
+        native::create_sandbox, native::list_sandboxes, native::get_sandbox, native::delete_sandbox, native::pause_sandbox, native::resume_sandbox, native::get_operation,
+        native::create_session, native::list_sessions, native::get_session, native::stream_session, native::session_stdin,
+        native::session_signal, native::session_resize, native::read_file, native::write_file, native::delete_file, native::list_files,
+        native::list_templates, native::get_template, native::system,
     ),
     components(schemas(model::OutputEvent, model::ExitedEvent)),
     modifiers(&BearerAuth),
@@ -49,30 +59,30 @@ pub fn openapi_json() -> String {
 
 pub fn router(state: AppState) -> Router {
     let v1 = Router::new()
-        .route("/sandboxes", post(api::create_sandbox).get(api::list_sandboxes))
-        .route("/sandboxes/{id}", get(api::get_sandbox).delete(api::delete_sandbox))
-        .route("/sandboxes/{id}/pause", post(api::pause_sandbox))
-        .route("/sandboxes/{id}/resume", post(api::resume_sandbox))
-        .route("/operations/{id}", get(api::get_operation))
+        .route("/sandboxes", post(native::create_sandbox).get(native::list_sandboxes))
+        .route("/sandboxes/{id}", get(native::get_sandbox).delete(native::delete_sandbox))
+        .route("/sandboxes/{id}/pause", post(native::pause_sandbox))
+        .route("/sandboxes/{id}/resume", post(native::resume_sandbox))
+        .route("/operations/{id}", get(native::get_operation))
         .route(
             "/sandboxes/{id}/sessions",
-            post(api::create_session).get(api::list_sessions),
+            post(native::create_session).get(native::list_sessions),
         )
-        .route("/sandboxes/{id}/sessions/{sid}", get(api::get_session))
-        .route("/sandboxes/{id}/sessions/{sid}/stream", get(api::stream_session))
-        .route("/sandboxes/{id}/sessions/{sid}/stdin", post(api::session_stdin))
-        .route("/sandboxes/{id}/sessions/{sid}/signal", post(api::session_signal))
-        .route("/sandboxes/{id}/sessions/{sid}/resize", post(api::session_resize))
+        .route("/sandboxes/{id}/sessions/{sid}", get(native::get_session))
+        .route("/sandboxes/{id}/sessions/{sid}/stream", get(native::stream_session))
+        .route("/sandboxes/{id}/sessions/{sid}/stdin", post(native::session_stdin))
+        .route("/sandboxes/{id}/sessions/{sid}/signal", post(native::session_signal))
+        .route("/sandboxes/{id}/sessions/{sid}/resize", post(native::session_resize))
         .route(
             "/sandboxes/{id}/files",
-            get(api::read_file).put(api::write_file).delete(api::delete_file),
+            get(native::read_file).put(native::write_file).delete(native::delete_file),
         )
-        .route("/sandboxes/{id}/files/list", get(api::list_files))
-        .route("/templates", get(api::list_templates))
-        .route("/templates/{name}", get(api::get_template))
-        .route("/system", get(api::system))
-        .fallback(api::not_found)
-        .route_layer(axum::middleware::from_fn_with_state(state.clone(), api::auth));
+        .route("/sandboxes/{id}/files/list", get(native::list_files))
+        .route("/templates", get(native::list_templates))
+        .route("/templates/{name}", get(native::get_template))
+        .route("/system", get(native::system))
+        .fallback(native::not_found)
+        .route_layer(axum::middleware::from_fn_with_state(state.clone(), native::require_tenant));
     // The E2B door on the same listener: its control plane (X-API-KEY) and envd (per-sandbox
     // access token); paths do not collide with /v1 or with each other.
     let e2b_api = Router::new()
@@ -87,7 +97,7 @@ pub fn router(state: AppState) -> Router {
         // Newer SDKs (e.g. 2.63) create and connect through the v2 paths; same semantics.
         .route("/v2/sandboxes", get(e2b::control::list_v2).post(e2b::control::create))
         .route("/v2/sandboxes/{id}/connect", post(e2b::control::connect))
-        .route_layer(axum::middleware::from_fn_with_state(state.clone(), e2b::control::auth));
+        .route_layer(axum::middleware::from_fn_with_state(state.clone(), e2b::control::require_tenant));
     let envd = Router::new()
         .route("/process.Process/{method}", post(e2b::envd::process_rpc))
         .route("/filesystem.Filesystem/{method}", post(e2b::envd::filesystem_rpc))
@@ -109,10 +119,10 @@ pub fn router(state: AppState) -> Router {
             "/openapi-m1.json",
             get(move || async move { ([("content-type", "application/json")], doc.clone()) }),
         )
-        .fallback(api::not_found)
+        .fallback(native::not_found)
         .layer(axum::middleware::from_fn_with_state(
             state.clone(),
-            forward::host_routing,
+            proxy::host_routing,
         ))
         // Uploads stream to the guest; the cap only bounds a single request.
         .layer(axum::extract::DefaultBodyLimit::max(1 << 30))
@@ -162,25 +172,27 @@ pub async fn serve(opts: ServeOptions) -> anyhow::Result<()> {
         None => None,
     };
     let runtime = airlock_runtime::Runtime::open(airlock_runtime::RuntimeOptions::new(&opts.data_dir)).await?;
-    let store: Arc<dyn store::Store> =
-        Arc::new(store::SqliteStore::open(&runtime.data_dir().root().join("airlock.db")).await?);
+    let root = runtime.data_dir().root().to_path_buf();
+    let store: Arc<dyn store::Store> = Arc::new(store::SqliteStore::open(&root.join("airlock.db")).await?);
     if let Some(key) = store.bootstrap().await? {
-        write_credentials(runtime.data_dir().root(), &key, &opts.listen)?;
+        write_credentials(&root, &key, &opts.listen)?;
         tracing::info!(
             "created tenant `default` and its admin key in {}",
-            runtime.data_dir().root().join("credentials").display()
+            root.join("credentials").display()
         );
     }
     let accel = runtime.accel().await;
     tracing::info!("runtime {} with accel {accel}", runtime.runtime_name());
-    let engine = ops::Engine::new(store.clone(), runtime.clone());
-    engine.recover().await?;
-    engine.spawn_reaper();
-    let state = AppState {
-        store,
-        runtime,
-        engine,
+    let secret = core::load_or_create_secret(&root).map_err(|e| anyhow::anyhow!("{}: {e}", root.join("server.secret").display()))?;
+    let nodes: Arc<dyn nodes::Nodes> = Arc::new(nodes::LocalNode::new(runtime));
+    let config = core::Config {
         max_sandboxes_per_tenant: opts.max_sandboxes_per_tenant,
+    };
+    let core = core::Core::new(store, nodes, config, secret);
+    core.engine.recover().await?;
+    core.engine.spawn_reaper();
+    let state = AppState {
+        core,
         watchers: Default::default(),
         e2b_domain: opts.e2b_domain.map(Into::into),
     };
@@ -193,7 +205,7 @@ pub async fn serve(opts: ServeOptions) -> anyhow::Result<()> {
             .await
             .map_err(|e| anyhow::anyhow!("listen on {addr}: {e}"))?;
         let app = Router::new()
-            .fallback(forward::code_interpreter_by_token)
+            .fallback(proxy::code_interpreter_by_token)
             .with_state(state.clone());
         tracing::info!("serving the code-interpreter port on http://{addr}");
         tokio::spawn(async move {

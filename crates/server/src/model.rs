@@ -1,4 +1,6 @@
-//! Types of the native `/v1` API. The OpenAPI document is generated from these.
+//! The domain's records (sandbox, operation, session states) as the native `/v1` API shows them;
+//! the OpenAPI document is generated from these types. The store keeps them, the core and the
+//! engine change them, the E2B door translates them.
 
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
@@ -11,7 +13,8 @@ use crate::error::ErrorBody;
 pub enum SandboxState {
     Creating,
     Running,
-    /// Frozen in memory (vCPUs stopped); resume to run again. Its timeout keeps running.
+    /// Frozen in memory (vCPUs stopped); resume to run again. Its timeout is stopped meanwhile
+    /// (for at most 24 h).
     Paused,
     Deleting,
     Deleted,
@@ -49,7 +52,6 @@ pub enum OperationKind {
     Delete,
     Pause,
     Resume,
-    Suspend,
 }
 
 impl OperationKind {
@@ -59,7 +61,6 @@ impl OperationKind {
             OperationKind::Delete => "delete",
             OperationKind::Pause => "pause",
             OperationKind::Resume => "resume",
-            OperationKind::Suspend => "suspend",
         }
     }
     pub fn parse(s: &str) -> Option<Self> {
@@ -68,7 +69,6 @@ impl OperationKind {
             "delete" => OperationKind::Delete,
             "pause" => OperationKind::Pause,
             "resume" => OperationKind::Resume,
-            "suspend" => OperationKind::Suspend,
             _ => return None,
         })
     }
@@ -233,6 +233,9 @@ pub struct Session {
     pub cwd: String,
     pub user: String,
     pub pty: bool,
+    /// The label the caller gave the process (E2B's process tag), if any.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub tag: Option<String>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub exit_code: Option<i32>,
     /// Terminating signal, e.g. `SIGKILL`.

@@ -2,8 +2,7 @@
 //! server streams are 5-byte envelopes (`flags: u8`, `len: u32 BE`) closed by an end-stream
 //! envelope (flags 0x02) that carries `{}` or `{"error": {...}}`. Nothing is ever compressed.
 
-use crate::error::ApiError;
-use airlock_runtime::agent::AgentError;
+use crate::core::CoreError;
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 use bytes::{BufMut, Bytes, BytesMut};
@@ -50,29 +49,16 @@ impl RpcError {
     }
 }
 
-impl From<AgentError> for RpcError {
-    fn from(e: AgentError) -> Self {
-        use airlock_proto::ErrorCode as C;
-        let code = match e.code() {
-            Some(C::NotFound) => "not_found",
-            Some(C::AlreadyExists) => "already_exists",
-            Some(C::InvalidArgument) | Some(C::NotADirectory) | Some(C::IsADirectory) => "invalid_argument",
-            Some(C::PermissionDenied) => "permission_denied",
-            Some(C::Internal) => "internal",
-            None => "unavailable",
-        };
-        RpcError::new(code, e.to_string())
-    }
-}
-
-impl From<ApiError> for RpcError {
-    fn from(e: ApiError) -> Self {
-        let (status, _) = e.status_and_code();
-        let code = match status.as_u16() {
+/// The one mapping of core errors onto Connect codes (the SDK turns each into its exception).
+impl From<CoreError> for RpcError {
+    fn from(e: CoreError) -> Self {
+        let c = e.code();
+        let code = match c.status {
             400 | 422 => "invalid_argument",
             401 => "unauthenticated",
             403 => "permission_denied",
             404 => "not_found",
+            409 if c.code == "already_exists" => "already_exists",
             409 => "failed_precondition",
             429 => "resource_exhausted",
             502 | 503 => "unavailable",

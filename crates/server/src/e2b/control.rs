@@ -1,11 +1,12 @@
-//! E2B control plane: `/sandboxes`, `/v2/sandboxes`, timeouts, metrics, connect.
+//! E2B control plane: `/sandboxes`, `/v2/sandboxes`, timeouts, metrics, connect; each a
+//! translation onto the core's sandbox services.
 
-use super::{template_alias, E2bError, ENVD_VERSION};
-use crate::api::{AppState, MAX_SANDBOX_TIMEOUT};
-use crate::error::ApiError;
-use crate::model::{OperationKind, OperationState, SandboxState};
-use crate::ops::new_operation;
-use crate::store::{now_ms, rfc3339, SandboxFilter, SandboxRow, Tenant};
+use super::{E2bError, ENVD_VERSION};
+use crate::core::sandboxes::{CreateSandbox, ListSandboxes, DEFAULT_TIMEOUT};
+use crate::core::{templates, CoreError, Credentials};
+use crate::model::{OperationState, SandboxState};
+use crate::native::AppState;
+use crate::store::{rfc3339, SandboxRow, Tenant};
 use axum::extract::{Path, Query, Request, State};
 use axum::http::{HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
@@ -13,27 +14,17 @@ use axum::{Extension, Json};
 use serde::Deserialize;
 use serde_json::{json, Value};
 use std::collections::{BTreeMap, HashMap};
+use std::time::Duration;
 
 type Result<T> = std::result::Result<T, E2bError>;
 
-/// `X-API-KEY: <airlock key>` identifies the tenant.
-pub async fn auth(State(state): State<AppState>, mut req: Request, next: axum::middleware::Next) -> Response {
-    let key = req
-        .headers()
-        .get("x-api-key")
-        .and_then(|v| v.to_str().ok())
-        .map(str::trim)
-        .unwrap_or("");
-    match state.store.tenant_by_key(key).await {
-        Ok(Some(t)) if !key.is_empty() => {
-            req.extensions_mut().insert(t);
+/// The control plane accepts a tenant API key (`X-API-KEY`), and only that.
+pub async fn require_tenant(State(state): State<AppState>, mut req: Request, next: axum::middleware::Next) -> Response {
+    match state.core.tenant(&Credentials::from_headers(req.headers())).await {
+        Ok(tenant) => {
+            req.extensions_mut().insert(tenant);
             next.run(req).await
         }
-        Ok(_) => E2bError::new(
-            StatusCode::UNAUTHORIZED,
-            "invalid API key; use an airlock key (`airlock key create`)",
-        )
-        .into_response(),
         Err(e) => E2bError::from(e).into_response(),
     }
 }
@@ -72,62 +63,66 @@ pub struct Network {
 }
 
 /// Options airlock cannot honour yet fail loudly, naming the option.
-fn refuse_unsupported(req: &NewSandbox) -> Result<()> {
+fn refuse_unsupported(req: &NewSandbox) -> std::result::Result<(), CoreError> {
+    let no = |option: &str, why: &str| Err(CoreError::unsupported(option, why));
     if req.mcp.as_ref().is_some_and(|v| !v.is_null()) {
-        return Err(E2bError::bad_request("option `mcp` is not supported by airlock"));
+        return no("mcp", "");
     }
     if req
         .volume_mounts
         .as_ref()
         .is_some_and(|v| v.as_array().map(|a| !a.is_empty()).unwrap_or(!v.is_null()))
     {
-        return Err(E2bError::bad_request(
-            "option `volumeMounts` is not supported by airlock",
-        ));
+        return no("volumeMounts", "");
     }
     if req.iam.as_ref().is_some_and(|v| !v.is_null()) {
-        return Err(E2bError::bad_request("option `iam` is not supported by airlock"));
+        return no("iam", "");
     }
     if req.auto_pause == Some(true) {
-        return Err(E2bError::bad_request(
-            "option `autoPause` (lifecycle on_timeout=pause) is not supported by airlock yet",
-        ));
+        return no("autoPause", "lifecycle on_timeout=pause is not supported yet");
     }
     if let Some(n) = &req.network {
         if n.allow_out.as_ref().is_some_and(|v| !v.is_empty()) {
-            return Err(E2bError::bad_request(
-                "option `network.allowOut` is not supported yet: sandboxes have no egress until airlock's egress policy lands",
-            ));
+            return no(
+                "network.allowOut",
+                "sandboxes have no egress until airlock's egress policy lands",
+            );
         }
         // Note: e2b 2.21.1 sends allowPublicTraffic=true with any `network=` unless told otherwise.
         if n.allow_public_traffic == Some(true) {
-            return Err(E2bError::bad_request(
-                "option `network.allowPublicTraffic=true` is not supported: airlock sandbox URLs always need the access token; pass allow_public_traffic=False",
-            ));
+            return no(
+                "network.allowPublicTraffic=true",
+                "airlock sandbox URLs always need the access token; pass allow_public_traffic=False",
+            );
         }
         if n.mask_request_host.is_some() {
-            return Err(E2bError::bad_request(
-                "option `network.maskRequestHost` is not supported by airlock",
-            ));
+            return no("network.maskRequestHost", "");
         }
         // denyOut narrows what is already nothing: accepted.
         let _ = &n.deny_out;
     }
     if let Some(k) = req.other.keys().next() {
-        return Err(E2bError::bad_request(format!(
-            "option `{k}` is not supported by airlock"
-        )));
+        return no(k, "");
     }
     Ok(())
 }
 
-fn template_name(template_id: &str) -> Result<String> {
+/// E2B's team-scoped template names have no airlock equivalent.
+fn check_template_id(template_id: &str) -> Result<()> {
     if template_id.contains('/') {
         return Err(E2bError::bad_request(format!(
             "template {template_id:?}: team-scoped names (`team/name`) are not supported; use a flat alias like `base`"
         )));
     }
-    Ok(template_alias(template_id).to_string())
+    Ok(())
+}
+
+/// E2B timeouts are whole seconds; anything not positive fails the core's range check.
+fn timeout_secs(seconds: Option<i64>) -> Duration {
+    match seconds {
+        None => DEFAULT_TIMEOUT,
+        Some(s) => Duration::from_secs(s.max(0) as u64),
+    }
 }
 
 fn sandbox_json(state: &AppState, row: &SandboxRow, token: &str, alias: &str) -> Value {
@@ -144,20 +139,16 @@ fn sandbox_json(state: &AppState, row: &SandboxRow, token: &str, alias: &str) ->
     })
 }
 
-/// The name the SDK created the sandbox with, for echoing back.
-fn e2b_alias(row: &SandboxRow) -> String {
-    row.metadata.get("_e2b_template").cloned().unwrap_or_else(|| {
-        if row.template == "seed" {
-            "base".into()
-        } else {
-            row.template.clone()
-        }
-    })
+/// The name the SDK created the sandbox with (or the alias of its template), for echoing back.
+async fn e2b_alias(state: &AppState, row: &SandboxRow) -> Result<String> {
+    let recorded = state.core.store.e2b_alias(&row.id).await.map_err(CoreError::from)?;
+    Ok(recorded
+        .or_else(|| templates::alias_of(&row.template).map(String::from))
+        .unwrap_or_else(|| row.template.clone()))
 }
 
-fn detail_json(state: &AppState, row: &SandboxRow, token: Option<&str>) -> Value {
-    let alias = e2b_alias(row);
-    let metadata: BTreeMap<_, _> = row.metadata.iter().filter(|(k, _)| !k.starts_with("_e2b_")).collect();
+async fn detail_json(state: &AppState, row: &SandboxRow, token: Option<&str>) -> Result<Value> {
+    let alias = e2b_alias(state, row).await?;
     let mut v = json!({
         "templateID": alias,
         "alias": alias,
@@ -170,92 +161,72 @@ fn detail_json(state: &AppState, row: &SandboxRow, token: Option<&str>) -> Value
         "diskSizeMB": row.resources.disk_mib,
         "state": if row.state == SandboxState::Paused { "paused" } else { "running" },
         "envdVersion": ENVD_VERSION,
-        "metadata": metadata,
+        "metadata": row.metadata,
         "domain": state.e2b_domain.as_deref(),
         "allowInternetAccess": false,
     });
     if let Some(t) = token {
         v["envdAccessToken"] = json!(t);
     }
-    v
+    Ok(v)
 }
 
-fn timeout_ms(seconds: Option<i64>) -> Result<i64> {
-    let secs = seconds.unwrap_or(300);
-    if secs <= 0 || secs as u64 > MAX_SANDBOX_TIMEOUT.as_secs() {
-        return Err(E2bError::bad_request(format!(
-            "timeout must be between 1 and {} seconds, got {secs}",
-            MAX_SANDBOX_TIMEOUT.as_secs()
-        )));
-    }
-    Ok(secs * 1000)
+fn parse_body<T: serde::de::DeserializeOwned>(body: &[u8]) -> Result<T> {
+    serde_json::from_slice(body).map_err(|e| E2bError::bad_request(format!("invalid body: {e}")))
+}
+
+/// An operation that ended badly, as the SDK reports it.
+fn failed(op: &crate::model::Operation, what: &str) -> E2bError {
+    let msg = op
+        .error
+        .as_ref()
+        .map(|e| e.message.clone())
+        .unwrap_or_else(|| format!("the sandbox failed to {what}"));
+    E2bError::new(StatusCode::INTERNAL_SERVER_ERROR, msg)
 }
 
 pub async fn create(
     State(state): State<AppState>,
     Extension(tenant): Extension<Tenant>,
+    headers: HeaderMap,
     body: axum::body::Bytes,
 ) -> Result<(StatusCode, Json<Value>)> {
-    let req: NewSandbox =
-        serde_json::from_slice(&body).map_err(|e| E2bError::bad_request(format!("invalid body: {e}")))?;
+    let req: NewSandbox = parse_body(&body)?;
     refuse_unsupported(&req)?;
-    let name = template_name(&req.template_id)?;
-    let template = state.runtime.templates().resolve(&name).map_err(|_| {
-        E2bError::not_found(format!(
-            "template {:?} not found; airlock has: {}",
-            req.template_id,
-            known_templates(&state)
-        ))
-    })?;
-    let ttl = timeout_ms(req.timeout)?;
-    // E2B defaults: 2 vCPU would double TCG cost here, so the node's default resources apply.
-    let res = airlock_runtime::Resources::default();
-    res.validate(&template).map_err(ApiError::from)?;
-    let mut metadata = req.metadata.unwrap_or_default();
-    metadata.insert("_e2b_template".into(), req.template_id.clone());
-    let env = req.env_vars.unwrap_or_default();
-    let ttl = std::time::Duration::from_millis(ttl as u64);
-    let row = crate::api::new_sandbox_row(&state, &tenant, &template, res, ttl, env, metadata).await?;
-    let id = row.id.clone();
-    let token = airlock_runtime::datadir::random_hex(16);
-    let op = new_operation(OperationKind::Create, &id);
-    state.store.insert_create(&row, &op, None).await?;
-    state.store.set_sandbox_token(&id, &token).await?;
-    // The E2B API answers once the sandbox runs; the engine does the work, we wait for it.
-    let _ = state.engine.start_create(op.clone(), row.clone()).await;
-    let done = state
-        .store
-        .get_operation(&tenant.id, &op.id)
-        .await?
-        .ok_or_else(|| E2bError::new(StatusCode::INTERNAL_SERVER_ERROR, "operation vanished"))?;
+    check_template_id(&req.template_id)?;
+    let created = state
+        .core
+        .create_sandbox(
+            &tenant,
+            CreateSandbox {
+                template: req.template_id.clone(),
+                // E2B defaults to 2 vCPU; that would double TCG cost here, so the node's default
+                // resources apply.
+                timeout: Some(timeout_secs(req.timeout)),
+                env: req.env_vars.unwrap_or_default(),
+                metadata: req.metadata.unwrap_or_default(),
+                idempotency_key: headers
+                    .get("idempotency-key")
+                    .and_then(|v| v.to_str().ok())
+                    .map(String::from),
+                ..Default::default()
+            },
+        )
+        .await?;
+    let id = created.sandbox_id.clone();
+    let store_err = |e| E2bError::from(CoreError::from(e));
+    state.core.store.set_e2b_alias(&id, &req.template_id).await.map_err(store_err)?;
+    let token = state.core.issue_access_token(&id).await?;
+    // The E2B API answers once the sandbox runs: the engine does the work, we wait for it.
+    let done = state.core.engine.wait(&created.operation).await?;
     if done.state != OperationState::Succeeded {
-        let msg = done
-            .error
-            .map(|e| e.message)
-            .unwrap_or_else(|| "sandbox failed to start".into());
-        return Err(E2bError::new(StatusCode::INTERNAL_SERVER_ERROR, msg));
+        return Err(failed(&done, "start"));
     }
-    let row = state.store.get_sandbox(&tenant.id, &id).await?.unwrap_or(row);
+    let row = state.core.sandbox(&tenant, &id).await?;
     Ok((
         StatusCode::CREATED,
         Json(sandbox_json(&state, &row, &token, &req.template_id)),
     ))
-}
-
-fn known_templates(state: &AppState) -> String {
-    let mut names: Vec<String> = state.runtime.templates().list().into_iter().map(|m| m.name).collect();
-    if names.iter().any(|n| n == "seed") {
-        names.push("base (= seed)".into());
-    }
-    names.join(", ")
-}
-
-/// A sandbox the E2B door can see: running or paused.
-async fn live_row(state: &AppState, tenant: &Tenant, id: &str) -> Result<SandboxRow> {
-    match state.store.get_sandbox(&tenant.id, id).await? {
-        Some(row) if matches!(row.state, SandboxState::Running | SandboxState::Paused) => Ok(row),
-        _ => Err(E2bError::not_found(format!("sandbox {id:?} not found"))),
-    }
 }
 
 /// `POST /sandboxes/{id}/pause`: airlock pauses in memory (no suspend to disk yet).
@@ -264,17 +235,17 @@ pub async fn pause(
     Extension(tenant): Extension<Tenant>,
     Path(id): Path<String>,
 ) -> Result<StatusCode> {
-    let row = live_row(&state, &tenant, &id).await?;
+    let row = state.core.live_sandbox(&tenant, &id).await?;
     if row.state == SandboxState::Paused {
         return Err(E2bError::new(
             StatusCode::CONFLICT,
             format!("sandbox {id} is already paused"),
         ));
     }
-    let op = state.engine.pause_or_resume(&row, true).await?;
+    let op = state.core.pause_or_resume(&tenant, &id, true).await?;
     match op.error {
         None => Ok(StatusCode::NO_CONTENT),
-        Some(e) => Err(E2bError::new(StatusCode::INTERNAL_SERVER_ERROR, e.message)),
+        Some(_) => Err(failed(&op, "pause")),
     }
 }
 
@@ -285,7 +256,7 @@ pub async fn create_snapshot(
     Extension(tenant): Extension<Tenant>,
     Path(id): Path<String>,
 ) -> Result<StatusCode> {
-    live_row(&state, &tenant, &id).await?;
+    state.core.live_sandbox(&tenant, &id).await?;
     Err(E2bError::new(
         StatusCode::NOT_IMPLEMENTED,
         "snapshots are not supported by airlock yet (no suspend-to-disk); pause() keeps a sandbox in memory",
@@ -302,9 +273,13 @@ pub async fn get(
     Extension(tenant): Extension<Tenant>,
     Path(id): Path<String>,
 ) -> Result<Json<Value>> {
-    let row = live_row(&state, &tenant, &id).await?;
-    let token = state.store.sandbox_token(&id).await?;
-    Ok(Json(detail_json(&state, &row, token.as_deref())))
+    let row = state.core.live_sandbox(&tenant, &id).await?;
+    let token = if state.core.has_access_token(&id).await? {
+        Some(state.core.access_token(&id))
+    } else {
+        None
+    };
+    Ok(Json(detail_json(&state, &row, token.as_deref()).await?))
 }
 
 pub async fn kill(
@@ -312,8 +287,9 @@ pub async fn kill(
     Extension(tenant): Extension<Tenant>,
     Path(id): Path<String>,
 ) -> Result<StatusCode> {
-    let row = live_row(&state, &tenant, &id).await?;
-    state.engine.delete_and_wait(&row).await?;
+    state.core.live_sandbox(&tenant, &id).await?;
+    let op = state.core.delete_sandbox(&tenant, &id).await?;
+    state.core.engine.wait(&op).await?;
     Ok(StatusCode::NO_CONTENT)
 }
 
@@ -328,16 +304,9 @@ pub async fn set_timeout(
     Path(id): Path<String>,
     body: axum::body::Bytes,
 ) -> Result<StatusCode> {
-    let b: TimeoutBody =
-        serde_json::from_slice(&body).map_err(|e| E2bError::bad_request(format!("invalid body: {e}")))?;
-    let row = live_row(&state, &tenant, &id).await?;
-    let timeout = timeout_ms(b.timeout)?;
-    if row.state == SandboxState::Paused {
-        // Its clock is stopped: the new timeout is what it will have once resumed.
-        state.store.set_paused_remaining(&row.id, Some(timeout)).await?;
-    } else {
-        state.store.set_sandbox_expiry(&row.id, now_ms() + timeout).await?;
-    }
+    let b: TimeoutBody = parse_body(&body)?;
+    let row = state.core.live_sandbox(&tenant, &id).await?;
+    state.core.set_sandbox_timeout(&row, timeout_secs(b.timeout)).await?;
     Ok(StatusCode::NO_CONTENT)
 }
 
@@ -350,34 +319,26 @@ pub async fn connect(
     let b: TimeoutBody = if body.is_empty() {
         TimeoutBody { timeout: None }
     } else {
-        serde_json::from_slice(&body).map_err(|e| E2bError::bad_request(format!("invalid body: {e}")))?
+        parse_body(&body)?
     };
-    let mut row = live_row(&state, &tenant, &id).await?;
+    let timeout = timeout_secs(b.timeout);
+    let mut row = state.core.live_sandbox(&tenant, &id).await?;
     // Connecting to a paused sandbox resumes it (201), as E2B does.
     let resumed = row.state == SandboxState::Paused;
     if resumed {
-        let op = state.engine.pause_or_resume(&row, false).await?;
-        if let Some(e) = op.error {
-            return Err(E2bError::new(StatusCode::INTERNAL_SERVER_ERROR, e.message));
+        let op = state.core.pause_or_resume(&tenant, &id, false).await?;
+        if op.error.is_some() {
+            return Err(failed(&op, "resume"));
         }
         // Resuming restored the lifetime left at pause; the extension below starts from there.
-        row = live_row(&state, &tenant, &id).await?;
+        row = state.core.live_sandbox(&tenant, &id).await?;
     }
     // Connecting extends the life to at least `timeout` from now, as E2B does.
-    let want = now_ms() + timeout_ms(b.timeout)?;
-    if want > row.expires_at_ms {
-        state.store.set_sandbox_expiry(&row.id, want).await?;
-    }
-    let token = match state.store.sandbox_token(&id).await? {
-        Some(t) => t,
-        None => {
-            let t = airlock_runtime::datadir::random_hex(16);
-            state.store.set_sandbox_token(&id, &t).await?;
-            t
-        }
-    };
+    state.core.extend_sandbox_timeout(&row, timeout).await?;
+    let token = state.core.issue_access_token(&id).await?;
     let status = if resumed { StatusCode::CREATED } else { StatusCode::OK };
-    Ok((status, Json(sandbox_json(&state, &row, &token, &e2b_alias(&row)))))
+    let alias = e2b_alias(&state, &row).await?;
+    Ok((status, Json(sandbox_json(&state, &row, &token, &alias))))
 }
 
 #[derive(Debug, Deserialize)]
@@ -411,50 +372,36 @@ pub async fn list_v2(
     Extension(tenant): Extension<Tenant>,
     Query(q): Query<ListQuery>,
 ) -> Result<Response> {
-    let states: Vec<String> = q
-        .state
-        .as_deref()
-        .unwrap_or("running,paused")
-        .split(',')
-        .map(|s| s.trim().to_string())
-        .collect();
-    for s in &states {
-        if s != "running" && s != "paused" {
-            return Err(E2bError::bad_request(format!(
-                "unknown state {s:?}; use running or paused"
-            )));
+    let mut states = Vec::new();
+    for s in q.state.as_deref().unwrap_or("running,paused").split(',').map(str::trim) {
+        match s {
+            "running" => states.push(SandboxState::Running),
+            "paused" => states.push(SandboxState::Paused),
+            other => {
+                return Err(E2bError::bad_request(format!(
+                    "unknown state {other:?}; use running or paused"
+                )))
+            }
         }
     }
-    let limit = q.limit.unwrap_or(100);
-    if !(1..=100).contains(&limit) {
-        return Err(E2bError::bad_request(format!(
-            "limit must be between 1 and 100, got {limit}"
-        )));
+    let page = state
+        .core
+        .list_sandboxes(
+            &tenant,
+            ListSandboxes {
+                states,
+                metadata: q.metadata.as_deref().map(parse_metadata_filter).unwrap_or_default(),
+                page_token: q.next_token,
+                limit: q.limit.unwrap_or(100),
+            },
+        )
+        .await?;
+    let mut items = Vec::with_capacity(page.sandboxes.len());
+    for row in &page.sandboxes {
+        items.push(detail_json(&state, row, None).await?);
     }
-    let after = match &q.next_token {
-        None => None,
-        Some(t) => Some(crate::store::parse_page_token(t).ok_or_else(|| E2bError::bad_request("bad nextToken"))?),
-    };
-    let metadata = q.metadata.as_deref().map(parse_metadata_filter).unwrap_or_default();
-    let states = states
-        .iter()
-        .map(|s| SandboxState::parse(s).expect("checked above"))
-        .collect();
-    let filter = SandboxFilter {
-        states,
-        metadata,
-        after,
-        limit,
-    };
-    let rows = state.store.list_sandboxes(&tenant.id, &filter).await?;
-    let next = crate::store::next_page_token(&rows, limit);
-    let items: Vec<Value> = rows
-        .iter()
-        .take(limit as usize)
-        .map(|r| detail_json(&state, r, None))
-        .collect();
     let mut resp = Json(items).into_response();
-    if let Some(n) = next {
+    if let Some(n) = page.next_page_token {
         resp.headers_mut()
             .insert("x-next-token", n.parse().expect("ascii token"));
     }
@@ -466,18 +413,12 @@ pub async fn metrics(
     Extension(tenant): Extension<Tenant>,
     Path(id): Path<String>,
 ) -> Result<Json<Value>> {
-    live_row(&state, &tenant, &id).await?;
-    let sb = state
-        .runtime
-        .get(&id)
-        .map_err(|_| E2bError::not_found(format!("sandbox {id:?} not found")))?;
-    let m = sb
-        .agent()
-        .await
-        .map_err(crate::error::ApiError::from)?
+    let row = state.core.live_sandbox(&tenant, &id).await?;
+    let agent = state.core.agent_for(&row).await?;
+    let m = agent
         .metrics()
         .await
-        .map_err(crate::error::ApiError::from)?;
+        .map_err(|e| CoreError::agent(crate::core::Kind::Sandbox, &id, e))?;
     let now = std::time::SystemTime::now();
     let unix = now
         .duration_since(std::time::UNIX_EPOCH)
@@ -494,14 +435,6 @@ pub async fn metrics(
         "diskUsed": m.disk_used_bytes,
         "diskTotal": m.disk_total_bytes,
     }])))
-}
-
-pub async fn not_supported(headers: HeaderMap) -> E2bError {
-    let _ = headers;
-    E2bError::new(
-        StatusCode::NOT_IMPLEMENTED,
-        "this E2B endpoint is not supported by airlock yet",
-    )
 }
 
 #[cfg(test)]

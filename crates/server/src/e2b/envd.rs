@@ -1,13 +1,18 @@
 //! envd on the airlock listener: process and filesystem Connect RPC, `/files`, `/health`.
-//! Everything here is a translation onto the guest agent client; no process or file logic.
+//! Everything here is a translation onto the core's sessions and files; no process or file logic.
 
 use super::connect::{self, as_bytes, as_u64, field, RpcError};
-use crate::api::AppState;
+use super::E2bError;
+use crate::core::files::Files;
+use crate::core::principal::SignedUrl;
+use crate::core::sandboxes::MAX_TIMEOUT;
+use crate::core::sessions::{signal_description, Running, Selector, StartSession};
+use crate::core::{Accept, CoreError, Credentials, Kind, Principal};
 use crate::model::SandboxState;
-use crate::store::SandboxRow;
+use crate::native::AppState;
+use crate::store::{SandboxRow, SessionRow};
 use airlock_proto::frame::EventKind;
-use airlock_proto::{FileKind, FileStat, ProcessInfo, ProcessSpec, ProcessState, WatchEventKind};
-use airlock_runtime::AgentClient;
+use airlock_proto::{FileKind, FileStat, ProcessState, WatchEventKind};
 use axum::body::Body;
 use axum::extract::{Path, Query, State};
 use axum::http::{HeaderMap, StatusCode};
@@ -49,47 +54,28 @@ fn header<'a>(h: &'a HeaderMap, name: &str) -> Option<&'a str> {
         .filter(|v| !v.is_empty())
 }
 
-/// The sandbox a request is for: `E2b-Sandbox-Id`, else the `X-Access-Token`. A token, when
-/// sent, must be the sandbox's own.
-async fn resolve(
-    state: &AppState,
-    h: &HeaderMap,
-    allow_without_token: bool,
-) -> Result<(SandboxRow, AgentClient), Response> {
-    let token = header(h, "x-access-token");
-    let row = match (header(h, "e2b-sandbox-id"), token) {
-        (Some(id), _) => state.store.sandbox_by_id(id).await.ok().flatten(),
-        (None, Some(t)) => state.store.sandbox_by_token(t).await.ok().flatten(),
-        (None, None) => None,
+/// The running sandbox a request is for (`E2b-Sandbox-Id`, else the one whose `X-Access-Token`
+/// it carries) and the principal that may use it. envd accepts only the sandbox's access token;
+/// `no_token` lets `/health` and signed `/files` URLs through to their own checks.
+async fn resolve(state: &AppState, h: &HeaderMap, no_token: bool) -> Result<SandboxRow, Response> {
+    let id = header(h, "e2b-sandbox-id");
+    let accept = Accept {
+        owner_key: false,
+        no_token,
     };
-    let Some(row) = row.filter(|r| r.state == SandboxState::Running) else {
-        return Err(sandbox_gone(header(h, "e2b-sandbox-id").unwrap_or("")));
+    let sandbox = match state
+        .core
+        .sandbox_principal(&Credentials::from_headers(h), id, accept)
+        .await
+    {
+        Ok(Principal::Sandbox { sandbox, .. }) => sandbox,
+        Ok(Principal::Tenant(_)) | Err(CoreError::NotFound { .. }) => return Err(sandbox_gone(id.unwrap_or(""))),
+        Err(e) => return Err(RpcError::from(e).into_response()),
     };
-    let expected = state.store.sandbox_token(&row.id).await.ok().flatten();
-    match (expected, token) {
-        // A sandbox without a token never came through the E2B door: envd is closed to it.
-        (None, _) => {
-            return Err(RpcError::new(
-                "unauthenticated",
-                "this sandbox has no envd access token; connect to it through the E2B API first",
-            )
-            .into_response())
-        }
-        (Some(e), Some(t)) if e != t => {
-            return Err(RpcError::new("unauthenticated", "X-Access-Token does not match the sandbox").into_response())
-        }
-        (Some(_), None) if !allow_without_token => {
-            return Err(RpcError::new("unauthenticated", "X-Access-Token is required for this sandbox").into_response())
-        }
-        _ => {}
+    if sandbox.state != SandboxState::Running {
+        return Err(sandbox_gone(&sandbox.id));
     }
-    let Ok(sb) = state.runtime.get(&row.id) else {
-        return Err(sandbox_gone(&row.id));
-    };
-    match sb.agent().await {
-        Ok(agent) => Ok((row, agent)),
-        Err(_) => Err(sandbox_gone(&row.id)),
-    }
+    Ok(sandbox)
 }
 
 /// `Authorization: Basic base64("<user>:")`; the default user is `user`.
@@ -214,21 +200,18 @@ fn stream_deadline(h: &HeaderMap) -> Option<tokio::time::Instant> {
     Some(tokio::time::Instant::now() + Duration::from_millis(ms - margin))
 }
 
-/// Find a process by selector `{pid}` or `{tag}`; the newest wins when a pid was reused.
-async fn select(agent: &AgentClient, selector: Option<&Value>) -> Result<ProcessInfo, RpcError> {
-    let sel = selector.ok_or_else(|| RpcError::invalid("process selector is required"))?;
-    let procs = agent.processes().await?;
-    let found = if let Some(pid) = as_u64(sel.get("pid")) {
-        procs.into_iter().filter(|p| p.pid as u64 == pid).max_by_key(|p| p.id)
-    } else if let Some(tag) = sel.get("tag").and_then(Value::as_str) {
-        procs
-            .into_iter()
-            .filter(|p| p.tag.as_deref() == Some(tag))
-            .max_by_key(|p| p.id)
-    } else {
-        return Err(RpcError::invalid("process selector needs pid or tag"));
-    };
-    found.ok_or_else(|| RpcError::not_found("process not found"))
+/// A process selector `{pid}` or `{tag}`, as the core takes it.
+fn selector(sel: Option<&Value>) -> Result<Selector, RpcError> {
+    let sel = sel.ok_or_else(|| RpcError::invalid("process selector is required"))?;
+    if let Some(pid) = as_u64(sel.get("pid")) {
+        return u32::try_from(pid)
+            .map(Selector::Pid)
+            .map_err(|_| RpcError::invalid(format!("pid {pid} is out of range")));
+    }
+    match sel.get("tag").and_then(Value::as_str) {
+        Some(tag) => Ok(Selector::Tag(tag.into())),
+        None => Err(RpcError::invalid("process selector needs pid or tag")),
+    }
 }
 
 fn end_event(exit: &airlock_proto::ExitStatus) -> Value {
@@ -241,14 +224,8 @@ fn end_event(exit: &airlock_proto::ExitStatus) -> Value {
             json!({ "event": { "end": end } })
         }
         (None, sig) => {
-            let name = match sig {
-                Some(9) => "killed".to_string(),
-                Some(15) => "terminated".to_string(),
-                Some(2) => "interrupt".to_string(),
-                Some(n) => format!("signal {n}"),
-                None => "unknown".into(),
-            };
-            let status = format!("signal: {name}");
+            // Go's wording, which envd reports: `signal: killed`.
+            let status = format!("signal: {}", sig.map(signal_description).unwrap_or_else(|| "unknown".into()));
             json!({ "event": { "end": { "exitCode": -1, "exited": false, "status": status, "error": status } } })
         }
     }
@@ -260,29 +237,31 @@ fn end_event(exit: &airlock_proto::ExitStatus) -> Value {
 /// before the client's own read timeout fires; with `kill_at_deadline` (Start) the process is
 /// killed then too, as envd bounds a started process's life by that deadline.
 fn process_stream(
-    agent: AgentClient,
-    info: ProcessInfo,
+    state: AppState,
+    sandbox: SandboxRow,
+    run: Running,
     keepalive: Duration,
     deadline: Option<tokio::time::Instant>,
     kill_at_deadline: bool,
 ) -> impl Stream<Item = Bytes> + Send + 'static {
-    let start = connect::message(&json!({ "event": { "start": { "pid": info.pid } } }));
-    let pty = info.pty;
+    let start = connect::message(&json!({ "event": { "start": { "pid": run.process.pid } } }));
+    let pty = run.session.pty;
     let rest = async_stream(move |tx| async move {
-        let events = match agent.events(info.id, 0).await {
+        let session = run.session;
+        let events = match state.core.session_events(&sandbox, session.clone(), 0).await {
             Ok(e) => e,
             Err(e) => {
                 let _ = tx.send(connect::end_of_stream(Some(&RpcError::from(e)))).await;
                 return;
             }
         };
-        let mut events = Box::pin(events);
+        let mut events = events;
         loop {
             let now = tokio::time::Instant::now();
             let wait = match deadline {
                 Some(d) if d <= now => {
                     if kill_at_deadline {
-                        let _ = agent.signal(info.id, 9).await;
+                        let _ = state.core.session_signal(&sandbox, &session, 9).await;
                     }
                     let err = RpcError::new("deadline_exceeded", "the command ran past its timeout and was killed");
                     let _ = tx.send(connect::end_of_stream(Some(&err))).await;
@@ -340,21 +319,76 @@ where
     tokio_stream::wrappers::ReceiverStream::new(rx)
 }
 
-/// What every RPC needs: its sandbox and agent, the calling user, and the request message.
+/// What every RPC needs: its sandbox, the calling user, and the request message.
 async fn rpc_call(
     state: &AppState,
     headers: &HeaderMap,
     body: &[u8],
     streaming: bool,
-) -> Result<(SandboxRow, AgentClient, String, Value), Response> {
-    let (row, agent) = resolve(state, headers, false).await?;
+) -> Result<(SandboxRow, String, Value), Response> {
+    let sandbox = resolve(state, headers, false).await?;
     let req = if streaming {
         connect::stream_request(body)
     } else {
         connect::unary_request(body)
     };
     let req = req.map_err(IntoResponse::into_response)?;
-    Ok((row, agent, rpc_user(headers), req))
+    Ok((sandbox, rpc_user(headers), req))
+}
+
+/// E2B's `ProcessInfo` of a session.
+fn process_info(run: &Running) -> Value {
+    let argv = &run.session.argv;
+    json!({
+        "config": {
+            "cmd": argv.first().cloned().unwrap_or_default(),
+            "args": argv.iter().skip(1).collect::<Vec<_>>(),
+            "envs": {},
+            "cwd": run.session.cwd,
+        },
+        "pid": run.process.pid,
+        // Sessions started without a tag (e.g. through /v1) are known by their session id.
+        "tag": run.session.tag.clone().unwrap_or_else(|| run.session.id.clone()),
+    })
+}
+
+/// The `Start` request as the core's `StartSession`.
+fn start_request(req: &Value, headers: &HeaderMap, user: &str) -> Result<StartSession, RpcError> {
+    let p = field(req, "process", "process").cloned().unwrap_or(json!({}));
+    let cmd = p.get("cmd").and_then(Value::as_str).unwrap_or("").to_string();
+    if cmd.is_empty() {
+        return Err(RpcError::invalid("process.cmd is required"));
+    }
+    let mut argv = vec![cmd];
+    argv.extend(
+        p.get("args")
+            .and_then(Value::as_array)
+            .into_iter()
+            .flatten()
+            .filter_map(|a| a.as_str().map(String::from)),
+    );
+    let env = p
+        .get("envs")
+        .and_then(Value::as_object)
+        .into_iter()
+        .flatten()
+        .filter_map(|(k, v)| v.as_str().map(|v| (k.clone(), v.to_string())))
+        .collect();
+    // envd bounds the process's life by the stream's deadline.
+    let timeout = header(headers, "connect-timeout-ms")
+        .and_then(|v| v.parse::<u64>().ok())
+        .filter(|t| *t > 0)
+        .map(|ms| Duration::from_millis(ms).clamp(Duration::from_secs(1), MAX_TIMEOUT));
+    Ok(StartSession {
+        argv,
+        cwd: p.get("cwd").and_then(Value::as_str).map(|c| abs_path(c, user)),
+        env,
+        user: Some(user.to_string()),
+        timeout,
+        stdin: field(req, "stdin", "stdin").and_then(Value::as_bool).unwrap_or(true),
+        pty: pty_size(req),
+        tag: field(req, "tag", "tag").and_then(Value::as_str).map(String::from),
+    })
 }
 
 pub async fn process_rpc(
@@ -364,62 +398,41 @@ pub async fn process_rpc(
     body: Bytes,
 ) -> Response {
     let streaming = matches!(method.as_str(), "Start" | "Connect");
-    let (row, agent, user, req) = match rpc_call(&state, &headers, &body, streaming).await {
+    let (sandbox, user, req) = match rpc_call(&state, &headers, &body, streaming).await {
         Ok(x) => x,
         Err(r) => return r,
     };
+    let core = &state.core;
+    let find = || async { Ok::<_, RpcError>(core.find_session(&sandbox, &selector(field(&req, "process", "process"))?).await?) };
     match method.as_str() {
         "Start" => {
-            let p = field(&req, "process", "process").cloned().unwrap_or(json!({}));
-            let cmd = p.get("cmd").and_then(Value::as_str).unwrap_or("").to_string();
-            if cmd.is_empty() {
-                return RpcError::invalid("process.cmd is required").into_response();
+            let started = async {
+                let start = start_request(&req, &headers, &user)?;
+                let (session, agent) = core.start_session(&sandbox, start).await?;
+                let process = agent
+                    .process(session.process_id)
+                    .await
+                    .map_err(|e| CoreError::agent(Kind::Process, &sandbox.id, e))?;
+                Ok::<_, RpcError>(Running { session, process })
             }
-            let mut argv = vec![cmd];
-            argv.extend(
-                p.get("args")
-                    .and_then(Value::as_array)
-                    .into_iter()
-                    .flatten()
-                    .filter_map(|a| a.as_str().map(String::from)),
-            );
-            let mut env = row.env.clone();
-            if let Some(envs) = p.get("envs").and_then(Value::as_object) {
-                env.extend(
-                    envs.iter()
-                        .filter_map(|(k, v)| v.as_str().map(|v| (k.clone(), v.to_string()))),
-                );
-            }
-            let pty = pty_size(&req);
-            // envd bounds the process's life by the stream's deadline.
-            let timeout_ms = header(&headers, "connect-timeout-ms")
-                .and_then(|v| v.parse::<u64>().ok())
-                .filter(|t| *t > 0);
-            let spec = ProcessSpec {
-                argv,
-                cwd: p.get("cwd").and_then(Value::as_str).map(|c| abs_path(c, &user)),
-                env,
-                user: Some(user),
-                timeout_ms,
-                stdin: field(&req, "stdin", "stdin").and_then(Value::as_bool).unwrap_or(true),
-                pty,
-                tag: field(&req, "tag", "tag").and_then(Value::as_str).map(String::from),
-            };
-            match agent.spawn(&spec).await {
-                Ok(info) => stream_response(process_stream(
-                    agent,
-                    info,
+            .await;
+            match started {
+                Ok(run) => stream_response(process_stream(
+                    state.clone(),
+                    sandbox,
+                    run,
                     keepalive_every(&headers),
                     stream_deadline(&headers),
                     true,
                 )),
-                Err(e) => RpcError::from(e).into_response(),
+                Err(e) => e.into_response(),
             }
         }
-        "Connect" => match select(&agent, field(&req, "process", "process")).await {
-            Ok(info) => stream_response(process_stream(
-                agent,
-                info,
+        "Connect" => match find().await {
+            Ok(run) => stream_response(process_stream(
+                state.clone(),
+                sandbox,
+                run,
                 keepalive_every(&headers),
                 stream_deadline(&headers),
                 false,
@@ -428,36 +441,24 @@ pub async fn process_rpc(
         },
         "List" => rpc_result(
             async {
-                let procs = agent.processes().await?;
-                let list: Vec<Value> = procs
-                    .into_iter()
-                    .filter(|p| p.state == ProcessState::Running)
-                    .map(|p| {
-                        let mut v = json!({ "config": { "cmd": p.argv.first().cloned().unwrap_or_default(),
-                        "args": p.argv.iter().skip(1).collect::<Vec<_>>(), "envs": {}, "cwd": p.cwd }, "pid": p.pid });
-                        if let Some(t) = p.tag {
-                            v["tag"] = json!(t);
-                        }
-                        v
-                    })
-                    .collect();
+                let list: Vec<Value> = core.running_sessions(&sandbox).await?.iter().map(process_info).collect();
                 Ok(json!({ "processes": list }))
             }
             .await,
         ),
         "SendInput" => rpc_result(
             async {
-                let p = select(&agent, field(&req, "process", "process")).await?;
+                let run = find().await?;
                 let input = field(&req, "input", "input").cloned().unwrap_or(json!({}));
                 let data = as_bytes(input.get("stdin").or_else(|| input.get("pty")))?;
-                agent.write_stdin(p.id, data).await?;
+                core.session_stdin(&sandbox, &run.session, data, false).await?;
                 Ok(json!({}))
             }
             .await,
         ),
         "SendSignal" => rpc_result(
             async {
-                let p = select(&agent, field(&req, "process", "process")).await?;
+                let run = find().await?;
                 let sig = match field(&req, "signal", "signal") {
                     Some(Value::String(s)) if s == "SIGNAL_SIGKILL" => 9,
                     Some(Value::String(s)) if s == "SIGNAL_SIGTERM" => 15,
@@ -466,19 +467,19 @@ pub async fn process_rpc(
                     }
                     other => return Err(RpcError::invalid(format!("unsupported signal {other:?}"))),
                 };
-                if p.state == ProcessState::Exited {
+                if run.process.state == ProcessState::Exited {
                     return Err(RpcError::not_found("process has already exited"));
                 }
-                agent.signal(p.id, sig).await?;
+                core.session_signal(&sandbox, &run.session, sig).await?;
                 Ok(json!({}))
             }
             .await,
         ),
         "Update" => rpc_result(
             async {
-                let p = select(&agent, field(&req, "process", "process")).await?;
+                let run = find().await?;
                 if let Some(size) = pty_size(&req) {
-                    agent.resize(p.id, size).await?;
+                    core.session_resize(&sandbox, &run.session, size).await?;
                 }
                 Ok(json!({}))
             }
@@ -486,8 +487,8 @@ pub async fn process_rpc(
         ),
         "CloseStdin" => rpc_result(
             async {
-                let p = select(&agent, field(&req, "process", "process")).await?;
-                agent.close_stdin(p.id).await?;
+                let run = find().await?;
+                core.session_stdin(&sandbox, &run.session, Vec::new(), true).await?;
                 Ok(json!({}))
             }
             .await,
@@ -515,16 +516,20 @@ pub async fn filesystem_rpc(
     body: Bytes,
 ) -> Response {
     let streaming = method == "WatchDir";
-    let (row, agent, user, req) = match rpc_call(&state, &headers, &body, streaming).await {
+    let (sandbox, user, req) = match rpc_call(&state, &headers, &body, streaming).await {
         Ok(x) => x,
         Err(r) => return r,
     };
+    let files = match state.core.files(&sandbox).await {
+        Ok(f) => f,
+        Err(_) => return sandbox_gone(&sandbox.id),
+    };
     let path = || abs_path(req.get("path").and_then(Value::as_str).unwrap_or(""), &user);
     match method.as_str() {
-        "Stat" => rpc_result(async { Ok(json!({ "entry": entry_info(&agent.stat(&path()).await?) })) }.await),
+        "Stat" => rpc_result(async { Ok(json!({ "entry": entry_info(&files.stat(&path()).await?) })) }.await),
         "MakeDir" => rpc_result(
             async {
-                let made = agent.mkdir(&path(), Some(&user)).await?;
+                let made = files.mkdir(&path(), &user).await?;
                 if !made.created {
                     return Err(RpcError::new("already_exists", format!("{} already exists", path())));
                 }
@@ -534,31 +539,23 @@ pub async fn filesystem_rpc(
         ),
         "Move" => rpc_result(
             async {
-                let src = abs_path(
-                    field(&req, "source", "source").and_then(Value::as_str).unwrap_or(""),
-                    &user,
-                );
-                let dst = abs_path(
-                    field(&req, "destination", "destination")
-                        .and_then(Value::as_str)
-                        .unwrap_or(""),
-                    &user,
-                );
-                Ok(json!({ "entry": entry_info(&agent.rename(&src, &dst).await?) }))
+                let arg = |camel, snake| abs_path(field(&req, camel, snake).and_then(Value::as_str).unwrap_or(""), &user);
+                let moved = files.rename(&arg("source", "source"), &arg("destination", "destination")).await?;
+                Ok(json!({ "entry": entry_info(&moved) }))
             }
             .await,
         ),
         "ListDir" => rpc_result(
             async {
                 let depth = as_u64(req.get("depth")).unwrap_or(1).clamp(1, 32) as u32;
-                let entries: Vec<Value> = agent.list(&path(), depth).await?.iter().map(entry_info).collect();
+                let entries: Vec<Value> = files.list(&path(), depth).await?.iter().map(entry_info).collect();
                 Ok(json!({ "entries": entries }))
             }
             .await,
         ),
         "Remove" => rpc_result(
             async {
-                agent.remove(&path()).await?;
+                files.remove(&path()).await?;
                 Ok(json!({}))
             }
             .await,
@@ -566,7 +563,7 @@ pub async fn filesystem_rpc(
         "WatchDir" => {
             let root = path();
             let recursive = req.get("recursive").and_then(Value::as_bool).unwrap_or(false);
-            let events = match agent.watch(&root, recursive).await {
+            let events = match files.watch(&root, recursive).await {
                 Ok(e) => e,
                 Err(e) => return RpcError::from(e).into_response(),
             };
@@ -604,7 +601,7 @@ pub async fn filesystem_rpc(
             async {
                 let root = path();
                 let recursive = req.get("recursive").and_then(Value::as_bool).unwrap_or(false);
-                let events = agent.watch(&root, recursive).await?;
+                let events = files.watch(&root, recursive).await?;
                 let buf = Arc::new(Mutex::new(Vec::new()));
                 let sink = buf.clone();
                 let task = tokio::spawn(async move {
@@ -617,7 +614,7 @@ pub async fn filesystem_rpc(
                 state.watchers.map.lock().unwrap().insert(
                     id.clone(),
                     Watcher {
-                        sandbox_id: row.id.clone(),
+                        sandbox_id: sandbox.id.clone(),
                         events: buf,
                         task,
                     },
@@ -635,8 +632,8 @@ pub async fn filesystem_rpc(
                 let mut map = state.watchers.map.lock().unwrap();
                 let w = map
                     .get(&id)
-                    .filter(|w| w.sandbox_id == row.id)
-                    .ok_or_else(|| RpcError::not_found(format!("watcher {id:?} not found")))?;
+                    .filter(|w| w.sandbox_id == sandbox.id)
+                    .ok_or_else(|| RpcError::from(CoreError::not_found(Kind::Watcher, &id)))?;
                 if method == "RemoveWatcher" {
                     w.task.abort();
                     map.remove(&id);
@@ -670,87 +667,42 @@ pub struct FilesQuery {
     pub signature_expiration: Option<i64>,
 }
 
-fn files_error(status: StatusCode, message: impl Into<String>) -> Response {
-    (
-        status,
-        axum::Json(json!({ "code": status.as_u16(), "message": message.into() })),
-    )
-        .into_response()
-}
-
-fn agent_files_error(e: airlock_runtime::agent::AgentError) -> Response {
-    let status = match e.code() {
-        Some(airlock_proto::ErrorCode::NotFound) => StatusCode::NOT_FOUND,
-        Some(airlock_proto::ErrorCode::Internal) => StatusCode::INTERNAL_SERVER_ERROR,
-        Some(airlock_proto::ErrorCode::PermissionDenied) => StatusCode::UNAUTHORIZED,
-        Some(_) => StatusCode::BAD_REQUEST,
-        None => StatusCode::BAD_GATEWAY,
-    };
-    files_error(status, e.to_string())
-}
-
-/// `v1_` + unpadded base64 of sha256(`path:op:user:token[:exp]`), as the SDK signs URLs.
-pub fn signature(path: &str, op: &str, user: &str, token: &str, exp: Option<i64>) -> String {
-    use sha2::Digest;
-    let mut s = format!("{path}:{op}:{user}:{token}");
-    if let Some(e) = exp {
-        s.push_str(&format!(":{e}"));
-    }
-    format!(
-        "v1_{}",
-        base64::engine::general_purpose::STANDARD_NO_PAD.encode(sha2::Sha256::digest(s.as_bytes()))
-    )
+fn files_error(e: impl Into<E2bError>) -> Response {
+    e.into().into_response()
 }
 
 /// `/files` accepts the access token, or a valid signed-URL signature instead.
-async fn files_target(
-    state: &AppState,
-    h: &HeaderMap,
-    q: &FilesQuery,
-    op: &str,
-) -> Result<(SandboxRow, AgentClient), Response> {
+async fn files_target(state: &AppState, h: &HeaderMap, q: &FilesQuery, op: &str) -> Result<Files, Response> {
     let signed = q.signature.is_some() && header(h, "x-access-token").is_none();
-    let (row, agent) = resolve(state, h, signed).await?;
+    let sandbox = resolve(state, h, signed).await?;
     if signed {
-        let token = state
-            .store
-            .sandbox_token(&row.id)
-            .await
-            .ok()
-            .flatten()
-            .unwrap_or_default();
-        let path = q.path.clone().unwrap_or_default();
-        let user = q.username.clone().unwrap_or_default();
-        let want = signature(&path, op, &user, &token, q.signature_expiration);
-        let got = q.signature.as_deref().unwrap_or("");
-        if got.trim_end_matches('=') != want {
-            return Err(files_error(StatusCode::UNAUTHORIZED, "invalid signature"));
-        }
-        if q.signature_expiration
-            .is_some_and(|e| e < crate::store::now_ms() / 1000)
-        {
-            return Err(files_error(StatusCode::UNAUTHORIZED, "signature expired"));
-        }
+        let url = SignedUrl {
+            path: q.path.as_deref().unwrap_or(""),
+            user: q.username.as_deref().unwrap_or(""),
+            signature: q.signature.as_deref().unwrap_or(""),
+            expiration: q.signature_expiration,
+        };
+        state.core.check_signed_url(&sandbox, &url, op).map_err(files_error)?;
     }
-    Ok((row, agent))
+    state.core.files(&sandbox).await.map_err(|_| sandbox_gone(&sandbox.id))
 }
 
 pub async fn files_get(State(state): State<AppState>, headers: HeaderMap, Query(q): Query<FilesQuery>) -> Response {
-    let (_row, agent) = match files_target(&state, &headers, &q, "read").await {
+    let files = match files_target(&state, &headers, &q, "read").await {
         Ok(x) => x,
         Err(r) => return r,
     };
     let user = q.username.clone().unwrap_or_else(|| "user".into());
     let Some(path) = q.path.as_deref().map(|p| abs_path(p, &user)) else {
-        return files_error(StatusCode::BAD_REQUEST, "query parameter `path` is required");
+        return files_error(E2bError::bad_request("query parameter `path` is required"));
     };
-    match agent.read_file_stream(&path).await {
+    match files.read(&path).await {
         Ok(s) => Response::builder()
             .status(StatusCode::OK)
             .header("content-type", "application/octet-stream")
-            .body(Body::from_stream(s.map(|r| r.map_err(std::io::Error::other))))
+            .body(Body::from_stream(s))
             .expect("valid response"),
-        Err(e) => agent_files_error(e),
+        Err(e) => files_error(e),
     }
 }
 
@@ -760,17 +712,16 @@ pub async fn files_post(
     Query(q): Query<FilesQuery>,
     req: axum::extract::Request,
 ) -> Response {
-    let (_row, agent) = match files_target(&state, &headers, &q, "write").await {
+    let files = match files_target(&state, &headers, &q, "write").await {
         Ok(x) => x,
         Err(r) => return r,
     };
     let user = q.username.clone().unwrap_or_else(|| "user".into());
     // gzip was decoded by the route's layer; anything still encoded is a coding we lack.
     if let Some(coding) = header(&headers, "content-encoding").filter(|c| !c.eq_ignore_ascii_case("identity")) {
-        return files_error(
-            StatusCode::BAD_REQUEST,
-            format!("Content-Encoding {coding:?} is not supported; send the bytes as they are or gzip them"),
-        );
+        return files_error(E2bError::bad_request(format!(
+            "Content-Encoding {coding:?} is not supported; send the bytes as they are or gzip them"
+        )));
     }
     let content_type = header(&headers, "content-type").unwrap_or("").to_ascii_lowercase();
     let mut written = Vec::new();
@@ -778,13 +729,13 @@ pub async fn files_post(
     if content_type.starts_with("multipart/form-data") {
         let mut mp = match axum::extract::Multipart::from_request(req, &()).await {
             Ok(m) => m,
-            Err(e) => return files_error(StatusCode::BAD_REQUEST, format!("bad multipart body: {e}")),
+            Err(e) => return files_error(E2bError::bad_request(format!("bad multipart body: {e}"))),
         };
         loop {
             let field = match mp.next_field().await {
                 Ok(Some(f)) => f,
                 Ok(None) => break,
-                Err(e) => return files_error(StatusCode::BAD_REQUEST, format!("bad multipart body: {e}")),
+                Err(e) => return files_error(E2bError::bad_request(format!("bad multipart body: {e}"))),
             };
             // One file: `?path=`; several: each part's filename is its destination.
             let dest = q
@@ -793,28 +744,24 @@ pub async fn files_post(
                 .filter(|_| written.is_empty())
                 .or_else(|| field.file_name().map(String::from));
             let Some(dest) = dest.map(|d| abs_path(&d, &user)) else {
-                return files_error(
-                    StatusCode::BAD_REQUEST,
+                return files_error(E2bError::bad_request(
                     "each file part needs a filename or the query needs `path`",
-                );
+                ));
             };
             let data = field.map(|r| r.map_err(std::io::Error::other));
             // Multipart fields borrow the body; collect each into memory-bounded chunks first.
             let chunks: Vec<Result<Bytes, std::io::Error>> = data.collect().await;
             if let Some(Err(e)) = chunks.iter().find(|c| c.is_err()) {
-                return files_error(StatusCode::BAD_REQUEST, format!("upload interrupted: {e}"));
+                return files_error(E2bError::bad_request(format!("upload interrupted: {e}")));
             }
-            if let Err(e) = agent
-                .write_file_stream(&dest, Some(&user), futures_util::stream::iter(chunks))
-                .await
-            {
-                return agent_files_error(e);
+            if let Err(e) = files.write(&dest, &user, futures_util::stream::iter(chunks)).await {
+                return files_error(files.write_error(&dest, e));
             }
             written.push(info(&dest));
         }
     } else {
         let Some(dest) = q.path.as_deref().map(|p| abs_path(p, &user)) else {
-            return files_error(StatusCode::BAD_REQUEST, "query parameter `path` is required");
+            return files_error(E2bError::bad_request("query parameter `path` is required"));
         };
         // A body that breaks off (a corrupt gzip stream, a dropped client) is the upload's fault:
         // remember why, so the reply is a 400 naming it rather than a 502 about the agent. The
@@ -827,19 +774,16 @@ pub async fn files_post(
                 std::io::Error::other(e)
             })
         });
-        if let Err(e) = agent.write_file_stream(&dest, Some(&user), data).await {
+        if let Err(e) = files.write(&dest, &user, data).await {
             if let Some(why) = body_error.lock().unwrap_or_else(|p| p.into_inner()).take() {
-                return files_error(
-                    StatusCode::BAD_REQUEST,
-                    format!("could not read the upload body: {why}"),
-                );
+                return files_error(E2bError::bad_request(format!("could not read the upload body: {why}")));
             }
-            return agent_files_error(e);
+            return files_error(files.write_error(&dest, e));
         }
         written.push(info(&dest));
     }
     if written.is_empty() {
-        return files_error(StatusCode::BAD_REQUEST, "no file in the upload");
+        return files_error(E2bError::bad_request("no file in the upload"));
     }
     (StatusCode::OK, axum::Json(Value::Array(written))).into_response()
 }
@@ -851,14 +795,11 @@ mod tests {
     use super::*;
 
     #[test]
-    fn paths_permissions_and_signatures() {
+    fn paths_and_permissions() {
         assert_eq!(abs_path("a.txt", "user"), "/home/user/a.txt");
         assert_eq!(abs_path("/etc/x", "root"), "/etc/x");
         assert_eq!(abs_path("", "root"), "/root");
         assert_eq!(permissions(FileKind::Dir, 0o755), "drwxr-xr-x");
         assert_eq!(permissions(FileKind::File, 0o640), "-rw-r-----");
-        let s = signature("/home/user/a", "read", "user", "tok", None);
-        assert!(s.starts_with("v1_") && !s.ends_with('='));
-        assert_ne!(s, signature("/home/user/a", "write", "user", "tok", None));
     }
 }

@@ -1,26 +1,21 @@
 //! The E2B door: the E2B control-plane API and envd (Connect RPC, `/files`, `/health`) on the
-//! same listener as `/v1`, translated onto the same store, engine, runtime and guest agent.
-//! Wire details: shared/reference/e2b-wire.md.
+//! same listener as `/v1`, translated onto the core's services. Wire details:
+//! shared/reference/e2b-wire.md. Errors: `E2bError` (control plane and `/files`: `{"code": <int>,
+//! "message"}`) and `connect::RpcError` (Connect), each made from a `CoreError` in one place.
 
 pub mod connect;
 pub mod control;
 pub mod envd;
 
-use crate::error::ApiError;
+use crate::core::CoreError;
+use airlock_proto::ErrorCode;
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 
 /// envd version we report; the SDK gates features on it (octet-stream uploads need >= 0.5.7).
 pub const ENVD_VERSION: &str = "0.6.13";
-/// Template names the SDK uses by default, mapped onto airlock templates.
-pub fn template_alias(name: &str) -> &str {
-    match name {
-        "base" => "seed",
-        other => other,
-    }
-}
 
-/// Control-plane error as the SDK parses it: `{"code": <int>, "message": <str>}`.
+/// An error as the SDK parses control-plane and `/files` answers: `{"code": <int>, "message"}`.
 #[derive(Debug)]
 pub struct E2bError {
     pub status: StatusCode,
@@ -37,32 +32,31 @@ impl E2bError {
     pub fn bad_request(m: impl Into<String>) -> Self {
         Self::new(StatusCode::BAD_REQUEST, m)
     }
-    pub fn not_found(m: impl Into<String>) -> Self {
-        Self::new(StatusCode::NOT_FOUND, m)
-    }
 }
 
-impl From<ApiError> for E2bError {
-    fn from(e: ApiError) -> Self {
-        let (status, _) = e.status_and_code();
-        // The SDK only knows standard codes; 422 is reported as the 400 it expects.
-        let status = if status == StatusCode::UNPROCESSABLE_ENTITY {
-            StatusCode::BAD_REQUEST
-        } else {
-            status
+/// The one mapping of core errors onto the E2B statuses its SDKs know. A refused option or value
+/// is the 400 they expect (never 422); envd's `/files` answers permission errors with 401.
+impl From<CoreError> for E2bError {
+    fn from(e: CoreError) -> Self {
+        let status = match &e {
+            CoreError::Guest { source, .. } if source.code() == Some(ErrorCode::PermissionDenied) => 401,
+            _ => match e.code().status {
+                422 => 400,
+                s => s,
+            },
         };
-        Self::new(status, e.to_string())
-    }
-}
-
-impl From<sqlx::Error> for E2bError {
-    fn from(e: sqlx::Error) -> Self {
-        ApiError::from(e).into()
+        Self::new(
+            StatusCode::from_u16(status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR),
+            e.to_string(),
+        )
     }
 }
 
 impl IntoResponse for E2bError {
     fn into_response(self) -> Response {
+        if self.status.is_server_error() {
+            tracing::error!("{}", self.message);
+        }
         let body = serde_json::json!({ "code": self.status.as_u16(), "message": self.message });
         (self.status, axum::Json(body)).into_response()
     }

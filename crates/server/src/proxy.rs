@@ -1,9 +1,11 @@
 //! Port exposure: `<port>-<sandbox id>.<domain>` reaches `<port>` inside that sandbox over the
 //! agent's byte tunnel, as HTTP/1.1 (WebSocket and other upgrades included). Port 49983 is envd
-//! itself, served by this server: the host only selects the sandbox.
+//! itself, served by this server: the host only selects the sandbox. Sandbox ports are never
+//! public: a request needs the sandbox's access token or its owner's API key.
 
-use crate::api::AppState;
+use crate::core::{Accept, Credentials, Principal, Via};
 use crate::model::SandboxState;
+use crate::native::AppState;
 use axum::body::Body;
 use axum::extract::{Request, State};
 use axum::http::{HeaderValue, StatusCode};
@@ -66,68 +68,53 @@ pub async fn host_routing(State(state): State<AppState>, mut req: Request, next:
     forward(state, id, port, req).await
 }
 
-/// The sandbox's access token (E2B's `X-Access-Token` / traffic token) or an API key of the
-/// tenant that owns it: sandbox ports are never public.
-async fn authorized(state: &AppState, headers: &axum::http::HeaderMap, sandbox_tenant: &str, sandbox_id: &str) -> bool {
-    let h = |name: &str| {
-        headers
-            .get(name)
-            .and_then(|v| v.to_str().ok())
-            .map(str::trim)
-            .map(String::from)
-    };
-    let token = state.store.sandbox_token(sandbox_id).await.ok().flatten();
-    for t in [h("x-access-token"), h("e2b-traffic-access-token")]
-        .into_iter()
-        .flatten()
-    {
-        if token.as_deref() == Some(t.as_str()) {
-            return true;
-        }
-    }
-    if let Some(key) = h("authorization").and_then(|v| v.strip_prefix("Bearer ").map(String::from)) {
-        if let Ok(Some(t)) = state.store.tenant_by_key(&key).await {
-            return t.id == sandbox_tenant;
-        }
-    }
-    false
-}
-
 /// `localhost:49999` for `E2B_DEBUG=true` clients: every sandbox shares the host, so the
 /// sandbox is the one whose access token the request carries.
 pub async fn code_interpreter_by_token(State(state): State<AppState>, req: Request) -> Response {
-    let token = req
-        .headers()
-        .get("x-access-token")
-        .and_then(|v| v.to_str().ok())
-        .unwrap_or("")
-        .to_string();
-    match state.store.sandbox_by_token(&token).await {
-        Ok(Some(row)) if !token.is_empty() => {
-            forward(state, row.id, airlock_runtime::template::CODE_INTERPRETER_PORT, req).await
+    let creds = Credentials::from_headers(req.headers());
+    let accept = Accept {
+        owner_key: false,
+        no_token: false,
+    };
+    match state.core.sandbox_principal(&creds, None, accept).await {
+        Ok(Principal::Sandbox { sandbox, .. }) if creds.access_token.is_some() => {
+            forward(state, sandbox.id, airlock_runtime::template::CODE_INTERPRETER_PORT, req).await
         }
         _ => error(StatusCode::BAD_GATEWAY, "no sandbox has this X-Access-Token".into()),
     }
 }
 
-pub async fn forward(state: AppState, id: String, port: u16, mut req: Request) -> Response {
-    let row = match state.store.sandbox_by_id(&id).await {
-        Ok(Some(r)) if r.state == SandboxState::Running => r,
-        _ => return error(StatusCode::BAD_GATEWAY, format!("sandbox {id} is not running")),
-    };
-    let headers = req.headers().clone();
-    if !authorized(&state, &headers, &row.tenant_id, &id).await {
-        return error(
-            StatusCode::UNAUTHORIZED,
-            "sandbox ports need X-Access-Token or the owner's API key".into(),
-        );
+/// Credentials meant for airlock never travel into the sandbox.
+fn strip_credentials(headers: &mut axum::http::HeaderMap, via: Via) {
+    headers.remove("x-access-token");
+    headers.remove("e2b-traffic-access-token");
+    if via == Via::OwnerKey {
+        headers.remove("authorization");
     }
-    let agent = match state.runtime.get(&id) {
-        Ok(sb) => match sb.agent().await {
-            Ok(a) => a,
-            Err(e) => return error(StatusCode::BAD_GATEWAY, e.to_string()),
-        },
-        Err(_) => return error(StatusCode::BAD_GATEWAY, format!("sandbox {id} is not running")),
+}
+
+pub async fn forward(state: AppState, id: String, port: u16, mut req: Request) -> Response {
+    let creds = Credentials::from_headers(req.headers());
+    let accept = Accept {
+        owner_key: true,
+        no_token: false,
+    };
+    let (sandbox, via) = match state.core.sandbox_principal(&creds, Some(&id), accept).await {
+        Ok(Principal::Sandbox { sandbox, via }) if sandbox.state == SandboxState::Running => (sandbox, via),
+        Ok(_) | Err(crate::core::CoreError::NotFound { .. }) => {
+            return error(StatusCode::BAD_GATEWAY, format!("sandbox {id} is not running"))
+        }
+        Err(_) => {
+            return error(
+                StatusCode::UNAUTHORIZED,
+                "sandbox ports need X-Access-Token or the owner's API key".into(),
+            )
+        }
+    };
+    strip_credentials(req.headers_mut(), via);
+    let agent = match state.core.agent_for(&sandbox).await {
+        Ok(a) => a,
+        Err(e) => return error(StatusCode::BAD_GATEWAY, e.to_string()),
     };
     let tunnel = match agent.tunnel(port).await {
         Ok(t) => t,

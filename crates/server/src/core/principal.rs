@@ -1,0 +1,222 @@
+//! Who is calling: credentials are read from a request in one place (`Credentials`), and the
+//! core turns them into a `Principal` for what a route accepts. Secrets are compared as hashes
+//! or in constant time, and never logged.
+
+use super::error::{CoreError, CoreResult, Kind};
+use super::Core;
+use crate::store::{token_hash, SandboxRow, Tenant};
+use axum::http::HeaderMap;
+use base64::Engine as _;
+use subtle::ConstantTimeEq;
+
+/// The secrets a request carries, however its door spells them.
+#[derive(Debug, Clone, Default)]
+pub struct Credentials {
+    /// A tenant API key: `Authorization: Bearer <key>` (native, port forwarding) or
+    /// `X-API-KEY: <key>` (the E2B control plane).
+    pub api_key: Option<String>,
+    /// A sandbox access token: `X-Access-Token` (envd) or `E2B-Traffic-Access-Token` (ports).
+    pub access_token: Option<String>,
+}
+
+fn header<'a>(h: &'a HeaderMap, name: &str) -> Option<&'a str> {
+    h.get(name)
+        .and_then(|v| v.to_str().ok())
+        .map(str::trim)
+        .filter(|v| !v.is_empty())
+}
+
+impl Credentials {
+    pub fn from_headers(h: &HeaderMap) -> Self {
+        let bearer = header(h, "authorization").and_then(|v| {
+            let (scheme, rest) = v.split_once(' ')?;
+            scheme.eq_ignore_ascii_case("bearer").then(|| rest.trim())
+        });
+        Self {
+            api_key: bearer.or_else(|| header(h, "x-api-key")).map(String::from),
+            access_token: header(h, "x-access-token")
+                .or_else(|| header(h, "e2b-traffic-access-token"))
+                .map(String::from),
+        }
+    }
+}
+
+/// How a caller proved it may use one sandbox.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Via {
+    AccessToken,
+    /// An API key of the tenant that owns the sandbox.
+    OwnerKey,
+    /// No token: the route proves access itself (a signed URL, checked by
+    /// `Core::check_signed_url`) or serves nothing secret (envd's `/health`).
+    Unverified,
+}
+
+#[derive(Debug, Clone)]
+pub enum Principal {
+    Tenant(Tenant),
+    Sandbox { sandbox: SandboxRow, via: Via },
+}
+
+/// What a sandbox-scoped route accepts besides the sandbox's own access token.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Accept {
+    pub owner_key: bool,
+    /// A request without any token (envd's `/health`, a signed URL checked afterwards).
+    pub no_token: bool,
+}
+
+impl Core {
+    /// The tenant an API key belongs to.
+    pub async fn tenant(&self, creds: &Credentials) -> CoreResult<Tenant> {
+        let Some(key) = creds.api_key.as_deref() else {
+            return Err(CoreError::Unauthenticated(
+                "missing API key; send `Authorization: Bearer <key>` (see <data-dir>/credentials)".into(),
+            ));
+        };
+        self.store
+            .tenant_by_key(key)
+            .await?
+            .ok_or_else(|| CoreError::Unauthenticated("invalid API key; `airlock key create` mints one".into()))
+    }
+
+    /// A caller of one sandbox: by `sandbox_id`, or (without one) the sandbox whose access token
+    /// the request carries. Missing and foreign sandboxes answer alike.
+    pub async fn sandbox_principal(
+        &self,
+        creds: &Credentials,
+        sandbox_id: Option<&str>,
+        accept: Accept,
+    ) -> CoreResult<Principal> {
+        let presented = creds.access_token.as_deref().map(token_hash);
+        let row = match (sandbox_id, &presented) {
+            (Some(id), _) => self.store.sandbox_by_id(id).await?,
+            (None, Some(hash)) => self.store.sandbox_by_access_hash(hash).await?,
+            (None, None) => None,
+        };
+        let Some(sandbox) = row else {
+            return Err(CoreError::not_found(Kind::Sandbox, sandbox_id.unwrap_or("")));
+        };
+        let issued = self.store.access_hash(&sandbox.id).await?;
+        if let (Some(want), Some(got)) = (&issued, &presented) {
+            if bool::from(want.as_bytes().ct_eq(got.as_bytes())) {
+                return Ok(Principal::Sandbox {
+                    sandbox,
+                    via: Via::AccessToken,
+                });
+            }
+            return Err(CoreError::Unauthenticated("the access token does not match the sandbox".into()));
+        }
+        if accept.owner_key && creds.api_key.is_some() {
+            if let Ok(t) = self.tenant(creds).await {
+                if t.id == sandbox.tenant_id {
+                    return Ok(Principal::Sandbox {
+                        sandbox,
+                        via: Via::OwnerKey,
+                    });
+                }
+            }
+        }
+        match (issued, presented) {
+            // A sandbox without a token never came through the E2B door: envd is closed to it.
+            (None, _) if !accept.owner_key => Err(CoreError::Unauthenticated(
+                "this sandbox has no access token; connect to it through the E2B API first".into(),
+            )),
+            (Some(_), None) if accept.no_token => Ok(Principal::Sandbox {
+                sandbox,
+                via: Via::Unverified,
+            }),
+            _ => Err(CoreError::Unauthenticated(
+                "this sandbox needs its access token (X-Access-Token) or its owner's API key".into(),
+            )),
+        }
+    }
+
+    /// The access token of a sandbox: derived from the server's secret, so it can be handed out
+    /// again on connect while the store keeps only its hash.
+    pub fn access_token(&self, sandbox_id: &str) -> String {
+        use hmac::Mac;
+        let mut mac = hmac::Hmac::<sha2::Sha256>::new_from_slice(&self.secret).expect("any key length");
+        mac.update(b"sandbox-access-token:");
+        mac.update(sandbox_id.as_bytes());
+        hex::encode(&mac.finalize().into_bytes()[..16])
+    }
+
+    /// Issue (or re-issue) a sandbox's access token; returns it.
+    pub async fn issue_access_token(&self, sandbox_id: &str) -> CoreResult<String> {
+        let token = self.access_token(sandbox_id);
+        let hash = token_hash(&token);
+        if self.store.access_hash(sandbox_id).await?.as_deref() != Some(hash.as_str()) {
+            self.store.set_access_hash(sandbox_id, &hash).await?;
+        }
+        Ok(token)
+    }
+
+    /// Whether the sandbox was opened to access tokens (created or connected through E2B).
+    pub async fn has_access_token(&self, sandbox_id: &str) -> CoreResult<bool> {
+        Ok(self.store.access_hash(sandbox_id).await?.is_some())
+    }
+
+    /// Check a signed URL (`/files?signature=...`) for `op` (`read`/`write`) on `sandbox`.
+    pub fn check_signed_url(&self, sandbox: &SandboxRow, url: &SignedUrl<'_>, op: &str) -> CoreResult<()> {
+        let token = self.access_token(&sandbox.id);
+        let want = signature(url.path, op, url.user, &token, url.expiration);
+        let got = url.signature.trim_end_matches('=');
+        if !bool::from(want.as_bytes().ct_eq(got.as_bytes())) {
+            return Err(CoreError::Unauthenticated("invalid signature".into()));
+        }
+        if url.expiration.is_some_and(|e| e < crate::store::now_ms() / 1000) {
+            return Err(CoreError::Unauthenticated("signature expired".into()));
+        }
+        Ok(())
+    }
+}
+
+/// The parts of a signed URL, as the E2B SDK signs them.
+pub struct SignedUrl<'a> {
+    pub path: &'a str,
+    pub user: &'a str,
+    pub signature: &'a str,
+    pub expiration: Option<i64>,
+}
+
+/// `v1_` + unpadded base64 of sha256(`path:op:user:token[:exp]`), as the SDK signs URLs.
+pub fn signature(path: &str, op: &str, user: &str, token: &str, exp: Option<i64>) -> String {
+    use sha2::Digest;
+    let mut s = format!("{path}:{op}:{user}:{token}");
+    if let Some(e) = exp {
+        s.push_str(&format!(":{e}"));
+    }
+    format!(
+        "v1_{}",
+        base64::engine::general_purpose::STANDARD_NO_PAD.encode(sha2::Sha256::digest(s.as_bytes()))
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn credentials_read_every_spelling() {
+        let mut h = HeaderMap::new();
+        h.insert("authorization", "bearer  ak_1 ".parse().unwrap());
+        h.insert("e2b-traffic-access-token", "tok".parse().unwrap());
+        let c = Credentials::from_headers(&h);
+        assert_eq!(c.api_key.as_deref(), Some("ak_1"));
+        assert_eq!(c.access_token.as_deref(), Some("tok"));
+        let mut h = HeaderMap::new();
+        h.insert("x-api-key", "e2b_2".parse().unwrap());
+        h.insert("authorization", "Basic dXNlcjo=".parse().unwrap());
+        let c = Credentials::from_headers(&h);
+        assert_eq!(c.api_key.as_deref(), Some("e2b_2"));
+        assert_eq!(c.access_token, None);
+    }
+
+    #[test]
+    fn signatures_differ_by_operation() {
+        let s = signature("/home/user/a", "read", "user", "tok", None);
+        assert!(s.starts_with("v1_") && !s.ends_with('='));
+        assert_ne!(s, signature("/home/user/a", "write", "user", "tok", None));
+    }
+}

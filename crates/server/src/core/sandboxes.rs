@@ -1,0 +1,319 @@
+//! Sandboxes: admission (template, resources, timeout, env, metadata, idempotency, quota) and
+//! lifecycle requests, which the operation engine carries out.
+
+use super::error::{CoreError, CoreResult, Kind};
+use super::Core;
+use crate::engine::{Action, Submitted};
+use crate::model::{Operation, Resources, SandboxState};
+use crate::store::{now_ms, parse_page_token, SandboxFilter, SandboxRow, Tenant};
+use airlock_runtime::AgentClient;
+use std::collections::BTreeMap;
+use std::time::Duration;
+
+/// A sandbox's lifetime when the caller names none.
+pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(300);
+/// The longest lifetime a sandbox may ask for (and the longest command timeout).
+pub const MAX_TIMEOUT: Duration = Duration::from_secs(24 * 3600);
+/// Longest `Idempotency-Key`.
+const MAX_IDEMPOTENCY_KEY: usize = 200;
+
+/// A request to create a sandbox, from either door.
+#[derive(Debug, Clone, Default)]
+pub struct CreateSandbox {
+    /// Template name, alias (`base`) or digest (`sha256:...`).
+    pub template: String,
+    /// VMM; `None` is this node's.
+    pub runtime: Option<String>,
+    pub vcpu: Option<u32>,
+    pub memory_mib: Option<u32>,
+    pub disk_mib: Option<u32>,
+    /// `None` is `DEFAULT_TIMEOUT`.
+    pub timeout: Option<Duration>,
+    /// Environment of every process started in the sandbox.
+    pub env: BTreeMap<String, String>,
+    pub metadata: BTreeMap<String, String>,
+    /// A retried create with the same key returns the first operation.
+    pub idempotency_key: Option<String>,
+}
+
+#[derive(Debug, Clone)]
+pub struct Created {
+    pub operation: Operation,
+    pub sandbox_id: String,
+}
+
+/// A page of sandboxes.
+#[derive(Debug, Clone)]
+pub struct ListSandboxes {
+    /// Only these states; empty means the live ones (creating, running, paused, deleting).
+    pub states: Vec<SandboxState>,
+    pub metadata: BTreeMap<String, String>,
+    pub page_token: Option<String>,
+    pub limit: u32,
+}
+
+pub struct Page {
+    pub sandboxes: Vec<SandboxRow>,
+    pub next_page_token: Option<String>,
+}
+
+/// A sandbox's lifetime or a command's timeout: 1 s to `MAX_TIMEOUT`.
+pub fn check_timeout(field: &str, d: Duration) -> CoreResult<Duration> {
+    if d < Duration::from_secs(1) || d > MAX_TIMEOUT {
+        return Err(CoreError::invalid(
+            field,
+            format!(
+                "must be between 1s and {}, got {}",
+                humantime::format_duration(MAX_TIMEOUT),
+                humantime::format_duration(d)
+            ),
+        ));
+    }
+    Ok(d)
+}
+
+/// Environment variable names a process can be given: not empty, no `=` or NUL, not starting
+/// with a digit; values without NUL.
+pub fn check_env(env: &BTreeMap<String, String>) -> CoreResult<()> {
+    for (k, v) in env {
+        let ok = !k.is_empty()
+            && !k.contains('=')
+            && !k.contains('\0')
+            && !k.chars().next().is_some_and(|c| c.is_ascii_digit());
+        if !ok {
+            return Err(CoreError::invalid(
+                "env",
+                format!("environment variable name {k:?} is invalid (it must be non-empty, not start with a digit, and contain no '=' or NUL)"),
+            ));
+        }
+        if v.contains('\0') {
+            return Err(CoreError::invalid("env", format!("the value of {k:?} contains a NUL byte")));
+        }
+    }
+    Ok(())
+}
+
+fn check_metadata(m: &BTreeMap<String, String>) -> CoreResult<()> {
+    if let Some(k) = m.keys().find(|k| k.is_empty() || k.len() > 256) {
+        return Err(CoreError::invalid("metadata", format!("key {k:?} must be 1 to 256 bytes")));
+    }
+    Ok(())
+}
+
+impl Core {
+    /// Admit a sandbox and submit its create; with a known idempotency key, the earlier one.
+    pub async fn create_sandbox(&self, tenant: &Tenant, req: CreateSandbox) -> CoreResult<Created> {
+        let runtime = self.nodes.runtime_name();
+        match req.runtime.as_deref() {
+            None => {}
+            Some(r) if r == runtime => {}
+            Some("fc") => {
+                return Err(CoreError::invalid(
+                    "runtime",
+                    "runtime \"fc\" (Firecracker) is not available on this node",
+                ))
+            }
+            Some(other) => {
+                return Err(CoreError::invalid(
+                    "runtime",
+                    format!("unknown runtime {other:?}; use \"{runtime}\""),
+                ))
+            }
+        }
+        if let Some(k) = &req.idempotency_key {
+            if k.is_empty() || k.len() > MAX_IDEMPOTENCY_KEY {
+                return Err(CoreError::invalid(
+                    "Idempotency-Key",
+                    format!("must be 1 to {MAX_IDEMPOTENCY_KEY} characters"),
+                ));
+            }
+            // A retry answers with what the first request started, whatever else changed.
+            if let Some(prior) = self.store.operation_by_idempotency_key(&tenant.id, k).await? {
+                return Ok(Created {
+                    sandbox_id: prior.sandbox_id.clone(),
+                    operation: prior,
+                });
+            }
+        }
+        let template = self.resolve_template(&req.template)?;
+        let defaults = airlock_runtime::Resources::default();
+        let resources = airlock_runtime::Resources {
+            vcpu: req.vcpu.unwrap_or(defaults.vcpu),
+            memory_mib: req.memory_mib.unwrap_or(defaults.memory_mib),
+            disk_mib: req.disk_mib.unwrap_or(defaults.disk_mib),
+        };
+        resources.validate(&template)?;
+        let timeout = check_timeout("timeout", req.timeout.unwrap_or(DEFAULT_TIMEOUT))?;
+        check_env(&req.env)?;
+        check_metadata(&req.metadata)?;
+        let now = now_ms();
+        let row = SandboxRow {
+            id: airlock_runtime::datadir::random_hex(10),
+            tenant_id: tenant.id.clone(),
+            state: SandboxState::Creating,
+            template: template.manifest.name.clone(),
+            template_digest: template.manifest.digest.clone(),
+            runtime: runtime.into(),
+            accel: self.nodes.accel().await,
+            resources: Resources {
+                vcpu: resources.vcpu,
+                memory_mib: resources.memory_mib,
+                disk_mib: resources.disk_mib,
+            },
+            env: req.env,
+            metadata: req.metadata,
+            created_at_ms: now,
+            expires_at_ms: now + timeout.as_millis() as i64,
+        };
+        let submitted = self
+            .engine
+            .submit(Action::Create {
+                sandbox: row,
+                idempotency_key: req.idempotency_key,
+                max_live: self.config.max_sandboxes_per_tenant,
+            })
+            .await
+            .map_err(|e| match e {
+                CoreError::QuotaExceeded { live, limit, .. } => CoreError::QuotaExceeded {
+                    tenant: tenant.name.clone(),
+                    live,
+                    limit,
+                },
+                other => other,
+            })?;
+        let Submitted { operation, .. } = submitted;
+        Ok(Created {
+            sandbox_id: operation.sandbox_id.clone(),
+            operation,
+        })
+    }
+
+    /// A tenant's sandbox in any state; another tenant's answers like a missing one.
+    pub async fn sandbox(&self, tenant: &Tenant, id: &str) -> CoreResult<SandboxRow> {
+        self.store
+            .get_sandbox(&tenant.id, id)
+            .await?
+            .ok_or_else(|| CoreError::not_found(Kind::Sandbox, id))
+    }
+
+    /// A sandbox that is running or paused (what E2B calls a sandbox); others are missing.
+    pub async fn live_sandbox(&self, tenant: &Tenant, id: &str) -> CoreResult<SandboxRow> {
+        match self.sandbox(tenant, id).await? {
+            row if matches!(row.state, SandboxState::Running | SandboxState::Paused) => Ok(row),
+            _ => Err(CoreError::not_found(Kind::Sandbox, id)),
+        }
+    }
+
+    pub async fn list_sandboxes(&self, tenant: &Tenant, q: ListSandboxes) -> CoreResult<Page> {
+        if !(1..=100).contains(&q.limit) {
+            return Err(CoreError::invalid(
+                "limit",
+                format!("must be between 1 and 100, got {}", q.limit),
+            ));
+        }
+        let after = match &q.page_token {
+            None => None,
+            Some(t) => Some(
+                parse_page_token(t).ok_or_else(|| CoreError::invalid("page_token", "not a token this server issued"))?,
+            ),
+        };
+        let states = if q.states.is_empty() {
+            vec![
+                SandboxState::Creating,
+                SandboxState::Running,
+                SandboxState::Paused,
+                SandboxState::Deleting,
+            ]
+        } else {
+            q.states
+        };
+        let filter = SandboxFilter {
+            states,
+            metadata: q.metadata,
+            after,
+            limit: q.limit,
+        };
+        let mut rows = self.store.list_sandboxes(&tenant.id, &filter).await?;
+        let next_page_token = crate::store::next_page_token(&rows, q.limit);
+        rows.truncate(q.limit as usize);
+        Ok(Page {
+            sandboxes: rows,
+            next_page_token,
+        })
+    }
+
+    /// Submit a delete (or return the one under way).
+    pub async fn delete_sandbox(&self, tenant: &Tenant, id: &str) -> CoreResult<Operation> {
+        let row = self.sandbox(tenant, id).await?;
+        if row.state == SandboxState::Deleted {
+            return Err(CoreError::NotFound {
+                kind: Kind::Sandbox,
+                id: id.into(),
+                hint: " (it was deleted)".into(),
+            });
+        }
+        Ok(self.engine.submit(Action::Delete { sandbox: row }).await?.operation)
+    }
+
+    /// Pause (freeze in memory) or resume; returns the finished operation, as both are quick.
+    pub async fn pause_or_resume(&self, tenant: &Tenant, id: &str, pause: bool) -> CoreResult<Operation> {
+        let row = self.sandbox(tenant, id).await?;
+        let (from, verb) = if pause {
+            (SandboxState::Running, "paused")
+        } else {
+            (SandboxState::Paused, "resumed")
+        };
+        if row.state != from {
+            return Err(CoreError::InvalidState {
+                id: id.into(),
+                state: row.state,
+                need: format!("only a {} sandbox can be {verb}", from.as_str()),
+            });
+        }
+        let action = if pause {
+            Action::Pause { sandbox: row }
+        } else {
+            Action::Resume { sandbox: row }
+        };
+        let op = self.engine.submit(action).await?.operation;
+        self.engine.wait(&op).await
+    }
+
+    /// Set the lifetime left to `timeout` from now. A paused sandbox's clock is stopped: it is
+    /// what the sandbox will have once resumed.
+    pub async fn set_sandbox_timeout(&self, row: &SandboxRow, timeout: Duration) -> CoreResult<()> {
+        let timeout = check_timeout("timeout", timeout)?;
+        let ms = timeout.as_millis() as i64;
+        if row.state == SandboxState::Paused {
+            self.store.set_paused_remaining(&row.id, Some(ms)).await?;
+        } else {
+            self.store.set_sandbox_expiry(&row.id, now_ms() + ms).await?;
+        }
+        Ok(())
+    }
+
+    /// Make the sandbox live at least `timeout` from now (never shortens it).
+    pub async fn extend_sandbox_timeout(&self, row: &SandboxRow, timeout: Duration) -> CoreResult<()> {
+        let timeout = check_timeout("timeout", timeout)?;
+        let want = now_ms() + timeout.as_millis() as i64;
+        if want > row.expires_at_ms {
+            self.store.set_sandbox_expiry(&row.id, want).await?;
+        }
+        Ok(())
+    }
+
+    /// The guest agent of a running sandbox.
+    pub async fn agent_for(&self, row: &SandboxRow) -> CoreResult<AgentClient> {
+        if row.state != SandboxState::Running {
+            return Err(CoreError::InvalidState {
+                id: row.id.clone(),
+                state: row.state,
+                need: "it must be running".into(),
+            });
+        }
+        self.nodes.agent(&row.id).await.map_err(|e| CoreError::Unreachable {
+            id: row.id.clone(),
+            reason: e.to_string(),
+        })
+    }
+}

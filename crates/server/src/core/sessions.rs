@@ -1,0 +1,329 @@
+//! Sessions: every process started through either door is a session with an id, recorded in the
+//! store, so each door sees the others' processes. One signal table serves both.
+
+use super::error::{CoreError, CoreResult, Kind};
+use super::sandboxes::{check_env, check_timeout};
+use super::Core;
+use crate::store::{now_ms, SandboxRow, SessionRow};
+use airlock_proto::frame::{Event, EventKind};
+use airlock_proto::{ProcessInfo, ProcessSpec, ProcessState, PtySize};
+use airlock_runtime::AgentClient;
+use futures_util::stream::BoxStream;
+use futures_util::StreamExt;
+use std::collections::BTreeMap;
+use std::time::Duration;
+
+/// A request to start a process, from either door.
+#[derive(Debug, Clone, Default)]
+pub struct StartSession {
+    pub argv: Vec<String>,
+    /// Default: the user's home.
+    pub cwd: Option<String>,
+    /// Added to the sandbox's own environment.
+    pub env: BTreeMap<String, String>,
+    /// Default `user`.
+    pub user: Option<String>,
+    /// Kill the process after this long.
+    pub timeout: Option<Duration>,
+    /// Keep stdin open.
+    pub stdin: bool,
+    pub pty: Option<PtySize>,
+    /// The caller's own label (E2B's process tag).
+    pub tag: Option<String>,
+}
+
+/// How E2B addresses a process: its guest pid or its tag.
+#[derive(Debug, Clone)]
+pub enum Selector {
+    Pid(u32),
+    Tag(String),
+}
+
+/// A session with what the agent knows of its process right now.
+#[derive(Debug, Clone)]
+pub struct Running {
+    pub session: SessionRow,
+    pub process: ProcessInfo,
+}
+
+/// (number, name, description as `strsignal`/Go print it).
+const SIGNALS: &[(i32, &str, &str)] = &[
+    (1, "SIGHUP", "hangup"),
+    (2, "SIGINT", "interrupt"),
+    (3, "SIGQUIT", "quit"),
+    (6, "SIGABRT", "aborted"),
+    (9, "SIGKILL", "killed"),
+    (10, "SIGUSR1", "user defined signal 1"),
+    (12, "SIGUSR2", "user defined signal 2"),
+    (13, "SIGPIPE", "broken pipe"),
+    (14, "SIGALRM", "alarm clock"),
+    (15, "SIGTERM", "terminated"),
+    (18, "SIGCONT", "continued"),
+    (19, "SIGSTOP", "stopped (signal)"),
+    (20, "SIGTSTP", "stopped"),
+    (28, "SIGWINCH", "window changed"),
+];
+
+/// `SIGTERM`, `TERM`, `term` or a number (`"15"`).
+pub fn parse_signal(s: &str) -> CoreResult<i32> {
+    let s = s.trim();
+    if let Ok(n) = s.parse::<i32>() {
+        return if (1..=64).contains(&n) {
+            Ok(n)
+        } else {
+            Err(CoreError::invalid("signal", format!("{n} is out of range (1 to 64)")))
+        };
+    }
+    let upper = s.to_ascii_uppercase();
+    let bare = upper.strip_prefix("SIG").unwrap_or(&upper);
+    SIGNALS
+        .iter()
+        .find(|(_, name, _)| &name[3..] == bare)
+        .map(|(n, _, _)| *n)
+        .ok_or_else(|| CoreError::invalid("signal", format!("unknown signal {s:?}; use a name like SIGTERM or a number")))
+}
+
+/// `SIGKILL` for 9; `SIG<n>` for signals without a name here.
+pub fn signal_name(n: i32) -> String {
+    SIGNALS
+        .iter()
+        .find(|(num, _, _)| *num == n)
+        .map(|(_, name, _)| name.to_string())
+        .unwrap_or_else(|| format!("SIG{n}"))
+}
+
+/// `killed` for 9, as Go and `strsignal` describe it; `signal <n>` otherwise.
+pub fn signal_description(n: i32) -> String {
+    SIGNALS
+        .iter()
+        .find(|(num, _, _)| *num == n)
+        .map(|(_, _, d)| d.to_string())
+        .unwrap_or_else(|| format!("signal {n}"))
+}
+
+fn check_start(req: &StartSession) -> CoreResult<()> {
+    if req.argv.first().is_none_or(|a| a.is_empty()) {
+        return Err(CoreError::invalid(
+            "argv",
+            "must name a program, e.g. [\"python3\", \"-c\", \"print(1)\"]",
+        ));
+    }
+    if req.argv.iter().any(|a| a.contains('\0')) {
+        return Err(CoreError::invalid("argv", "must not contain NUL bytes"));
+    }
+    if let Some(t) = req.timeout {
+        check_timeout("timeout", t)?;
+    }
+    if let Some(p) = &req.pty {
+        if p.cols == 0 || p.rows == 0 {
+            return Err(CoreError::invalid("pty", "cols and rows must be at least 1"));
+        }
+    }
+    check_env(&req.env)
+}
+
+fn guest(sandbox: &SandboxRow) -> impl Fn(airlock_runtime::agent::AgentError) -> CoreError + '_ {
+    move |e| CoreError::agent(Kind::Process, &sandbox.id, e)
+}
+
+impl Core {
+    /// Start a process and record it as a session. Returns the agent too, for a door that
+    /// streams the output at once.
+    pub async fn start_session(&self, sandbox: &SandboxRow, req: StartSession) -> CoreResult<(SessionRow, AgentClient)> {
+        check_start(&req)?;
+        let agent = self.agent_for(sandbox).await?;
+        let id = format!("ses_{}", airlock_runtime::datadir::random_hex(8));
+        let mut env = sandbox.env.clone();
+        env.extend(req.env);
+        let spec = ProcessSpec {
+            argv: req.argv,
+            cwd: req.cwd,
+            env,
+            user: Some(req.user.unwrap_or_else(|| "user".into())),
+            timeout_ms: req.timeout.map(|t| t.as_millis() as u64),
+            stdin: req.stdin,
+            pty: req.pty,
+            // The agent's tag is the session id: it ties a process to its session.
+            tag: Some(id.clone()),
+        };
+        let info = agent.spawn(&spec).await.map_err(guest(sandbox))?;
+        let row = SessionRow {
+            id,
+            sandbox_id: sandbox.id.clone(),
+            process_id: info.id,
+            argv: info.argv,
+            cwd: info.cwd,
+            user: info.user,
+            pty: info.pty,
+            tag: req.tag,
+            exit_code: None,
+            signal: None,
+            timed_out: false,
+            exited: false,
+            started_at_ms: info.started_at_ms as i64,
+            ended_at_ms: None,
+        };
+        self.store.insert_session(&row).await?;
+        Ok((row, agent))
+    }
+
+    /// One session of a sandbox, brought up to date.
+    pub async fn session(&self, sandbox: &SandboxRow, id: &str) -> CoreResult<SessionRow> {
+        let row = self
+            .store
+            .get_session(&sandbox.id, id)
+            .await?
+            .ok_or_else(|| CoreError::not_found(Kind::Session, id))?;
+        self.refresh_session(sandbox, row).await
+    }
+
+    pub async fn sessions(&self, sandbox: &SandboxRow) -> CoreResult<Vec<SessionRow>> {
+        let mut out = Vec::new();
+        for row in self.store.list_sessions(&sandbox.id).await? {
+            out.push(self.refresh_session(sandbox, row).await?);
+        }
+        Ok(out)
+    }
+
+    /// Record an exit the agent knows of but the store does not yet.
+    async fn refresh_session(&self, sandbox: &SandboxRow, mut row: SessionRow) -> CoreResult<SessionRow> {
+        if row.exited || sandbox.state != crate::model::SandboxState::Running {
+            return Ok(row);
+        }
+        let Ok(agent) = self.agent_for(sandbox).await else {
+            return Ok(row);
+        };
+        if let Ok(info) = agent.process(row.process_id).await {
+            if let Some(exit) = info.exit {
+                row.exited = true;
+                row.exit_code = exit.exit_code;
+                row.signal = exit.signal;
+                row.timed_out = exit.timed_out;
+                row.ended_at_ms = info.ended_at_ms.map(|v| v as i64);
+                self.store.finish_session(&row).await?;
+            }
+        }
+        Ok(row)
+    }
+
+    /// The running sessions with their processes (E2B's `List`).
+    pub async fn running_sessions(&self, sandbox: &SandboxRow) -> CoreResult<Vec<Running>> {
+        let agent = self.agent_for(sandbox).await?;
+        let mut out = Vec::new();
+        for p in agent.processes().await.map_err(guest(sandbox))? {
+            if p.state != ProcessState::Running {
+                continue;
+            }
+            // Processes without a session (a template's own start process) are not listed.
+            if let Some(session) = self.store.session_by_process(&sandbox.id, p.id).await? {
+                out.push(Running { session, process: p });
+            }
+        }
+        Ok(out)
+    }
+
+    /// The session of a process chosen by pid or tag; the newest wins when a pid was reused.
+    pub async fn find_session(&self, sandbox: &SandboxRow, sel: &Selector) -> CoreResult<Running> {
+        let agent = self.agent_for(sandbox).await?;
+        let mut procs = agent.processes().await.map_err(guest(sandbox))?;
+        procs.sort_by_key(|p| std::cmp::Reverse(p.id));
+        for p in procs {
+            let Some(session) = self.store.session_by_process(&sandbox.id, p.id).await? else {
+                continue;
+            };
+            let hit = match sel {
+                Selector::Pid(pid) => p.pid == *pid,
+                Selector::Tag(t) => session.tag.as_deref() == Some(t.as_str()) || session.id == *t,
+            };
+            if hit {
+                return Ok(Running { session, process: p });
+            }
+        }
+        let id = match sel {
+            Selector::Pid(p) => format!("pid {p}"),
+            Selector::Tag(t) => format!("tag {t}"),
+        };
+        Err(CoreError::not_found(Kind::Process, id))
+    }
+
+    /// A session's events after `after` (its stdout, stderr and exit); the exit is recorded.
+    pub async fn session_events(
+        &self,
+        sandbox: &SandboxRow,
+        row: SessionRow,
+        after: u64,
+    ) -> CoreResult<BoxStream<'static, CoreResult<Event>>> {
+        let agent = self.agent_for(sandbox).await?;
+        let events = agent.events(row.process_id, after).await.map_err(guest(sandbox))?;
+        let store = self.store.clone();
+        let sandbox_id = sandbox.id.clone();
+        let mut row = row;
+        Ok(events
+            .then(move |ev| {
+                let store = store.clone();
+                let sandbox_id = sandbox_id.clone();
+                let finished = match &ev {
+                    Ok(Event {
+                        kind: EventKind::Exit(exit),
+                        ..
+                    }) if !row.exited => {
+                        row.exited = true;
+                        row.exit_code = exit.exit_code;
+                        row.signal = exit.signal;
+                        row.timed_out = exit.timed_out;
+                        row.ended_at_ms = Some(now_ms());
+                        Some(row.clone())
+                    }
+                    _ => None,
+                };
+                async move {
+                    if let Some(row) = finished {
+                        let _ = store.finish_session(&row).await;
+                    }
+                    ev.map_err(|e| CoreError::agent(Kind::Process, &sandbox_id, e))
+                }
+            })
+            .boxed())
+    }
+
+    pub async fn session_stdin(&self, sandbox: &SandboxRow, row: &SessionRow, data: Vec<u8>, eof: bool) -> CoreResult<()> {
+        let agent = self.agent_for(sandbox).await?;
+        if !data.is_empty() {
+            agent.write_stdin(row.process_id, data).await.map_err(guest(sandbox))?;
+        }
+        if eof {
+            agent.close_stdin(row.process_id).await.map_err(guest(sandbox))?;
+        }
+        Ok(())
+    }
+
+    pub async fn session_signal(&self, sandbox: &SandboxRow, row: &SessionRow, signal: i32) -> CoreResult<()> {
+        let agent = self.agent_for(sandbox).await?;
+        agent.signal(row.process_id, signal).await.map_err(guest(sandbox))
+    }
+
+    pub async fn session_resize(&self, sandbox: &SandboxRow, row: &SessionRow, size: PtySize) -> CoreResult<()> {
+        if size.cols == 0 || size.rows == 0 {
+            return Err(CoreError::invalid("pty", "cols and rows must be at least 1"));
+        }
+        let agent = self.agent_for(sandbox).await?;
+        agent.resize(row.process_id, size).await.map_err(guest(sandbox))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn one_signal_table() {
+        assert_eq!(parse_signal("SIGTERM").unwrap(), 15);
+        assert_eq!(parse_signal("kill").unwrap(), 9);
+        assert_eq!(parse_signal(" 2 ").unwrap(), 2);
+        assert_eq!(parse_signal("winch").unwrap(), 28);
+        assert!(parse_signal("0").is_err() && parse_signal("SIGNOPE").is_err());
+        assert_eq!(signal_name(9), "SIGKILL");
+        assert_eq!(signal_name(40), "SIG40");
+        assert_eq!(signal_description(15), "terminated");
+    }
+}

@@ -1,0 +1,400 @@
+//! The operation engine: every lifecycle change (create, delete, pause, resume) is submitted
+//! here as an `Action`, recorded as an `Operation`, and carried out in the background; callers
+//! `wait` for it when their door answers synchronously. On start, `recover` makes the store
+//! agree with the VMs that really exist; the reaper deletes expired sandboxes and marks those
+//! whose VM exited on its own as failed.
+
+use crate::core::{CoreError, CoreResult};
+use crate::error::ErrorBody;
+use crate::model::{Operation, OperationKind, OperationState, SandboxState};
+use crate::nodes::{Nodes, VmState};
+use crate::store::{now_ms, rfc3339, CreateRecorded, SandboxRow, Store};
+use std::sync::Arc;
+use std::time::Duration;
+
+/// How long a sandbox may stay paused in memory before it is deleted like an expired one.
+pub const MAX_PAUSE: Duration = Duration::from_secs(24 * 3600);
+/// How often the reaper looks for expired sandboxes.
+const REAP_EVERY: Duration = Duration::from_millis(500);
+/// How often it also sweeps for VMs that vanished without an exit notice (missed while busy).
+const SWEEP_EVERY_TICKS: u32 = 4;
+
+/// A lifecycle change to carry out.
+#[derive(Debug, Clone)]
+pub enum Action {
+    /// Record a new sandbox (if the tenant has fewer than `max_live` live ones) and boot it.
+    Create {
+        sandbox: SandboxRow,
+        idempotency_key: Option<String>,
+        max_live: u32,
+    },
+    Delete {
+        sandbox: SandboxRow,
+    },
+    Pause {
+        sandbox: SandboxRow,
+    },
+    Resume {
+        sandbox: SandboxRow,
+    },
+}
+
+#[derive(Debug, Clone)]
+pub struct Submitted {
+    pub operation: Operation,
+    /// False when an earlier operation answered instead (idempotent create, delete under way).
+    pub new: bool,
+}
+
+#[derive(Clone)]
+pub struct Engine {
+    store: Arc<dyn Store>,
+    nodes: Arc<dyn Nodes>,
+    /// Bumped whenever an operation finishes, to wake `wait`ers.
+    finished: Arc<tokio::sync::watch::Sender<u64>>,
+}
+
+fn new_operation(kind: OperationKind, sandbox_id: &str) -> Operation {
+    Operation {
+        id: format!("op_{}", airlock_runtime::datadir::random_hex(10)),
+        kind,
+        state: OperationState::Pending,
+        sandbox_id: sandbox_id.into(),
+        error: None,
+        created_at: rfc3339(now_ms()),
+        finished_at: None,
+    }
+}
+
+impl From<&CoreError> for ErrorBody {
+    fn from(e: &CoreError) -> Self {
+        ErrorBody {
+            code: e.code().code.into(),
+            message: e.to_string(),
+        }
+    }
+}
+
+fn interrupted() -> ErrorBody {
+    ErrorBody {
+        code: "interrupted".into(),
+        message: "the server stopped while this operation ran; nothing of it is left running".into(),
+    }
+}
+
+impl Engine {
+    pub fn new(store: Arc<dyn Store>, nodes: Arc<dyn Nodes>) -> Self {
+        Self {
+            store,
+            nodes,
+            finished: Arc::new(tokio::sync::watch::channel(0).0),
+        }
+    }
+
+    /// Record `action` as an operation and start it.
+    pub async fn submit(&self, action: Action) -> CoreResult<Submitted> {
+        match action {
+            Action::Create {
+                sandbox,
+                idempotency_key,
+                max_live,
+            } => {
+                let op = new_operation(OperationKind::Create, &sandbox.id);
+                match self
+                    .store
+                    .insert_create(&sandbox, &op, idempotency_key.as_deref(), max_live)
+                    .await?
+                {
+                    CreateRecorded::Existing(prior) => Ok(Submitted {
+                        operation: prior,
+                        new: false,
+                    }),
+                    CreateRecorded::New(op) => {
+                        let engine = self.clone();
+                        let run = op.clone();
+                        tokio::spawn(async move { engine.run_create(run, sandbox).await });
+                        Ok(Submitted { operation: op, new: true })
+                    }
+                }
+            }
+            Action::Delete { sandbox } => {
+                if let Some(open) = self
+                    .store
+                    .open_delete_operation(&sandbox.id)
+                    .await?
+                    .filter(|o| !o.state.is_final())
+                {
+                    return Ok(Submitted {
+                        operation: open,
+                        new: false,
+                    });
+                }
+                let op = new_operation(OperationKind::Delete, &sandbox.id);
+                self.store.insert_operation(&sandbox.tenant_id, &op).await?;
+                self.store.set_sandbox_state(&sandbox.id, SandboxState::Deleting).await?;
+                let engine = self.clone();
+                let run = op.clone();
+                tokio::spawn(async move { engine.run_delete(run).await });
+                Ok(Submitted { operation: op, new: true })
+            }
+            Action::Pause { sandbox } => self.submit_pause_or_resume(sandbox, true).await,
+            Action::Resume { sandbox } => self.submit_pause_or_resume(sandbox, false).await,
+        }
+    }
+
+    async fn submit_pause_or_resume(&self, sandbox: SandboxRow, pause: bool) -> CoreResult<Submitted> {
+        let kind = if pause {
+            OperationKind::Pause
+        } else {
+            OperationKind::Resume
+        };
+        let op = new_operation(kind, &sandbox.id);
+        self.store.insert_operation(&sandbox.tenant_id, &op).await?;
+        let engine = self.clone();
+        let run = op.clone();
+        tokio::spawn(async move { engine.run_pause_or_resume(run, pause).await });
+        Ok(Submitted { operation: op, new: true })
+    }
+
+    /// Wait until `op` has finished; returns its final record.
+    pub async fn wait(&self, op: &Operation) -> CoreResult<Operation> {
+        let mut finished = self.finished.subscribe();
+        loop {
+            if let Some(o) = self.store.operation_by_id(&op.id).await? {
+                if o.state.is_final() {
+                    return Ok(o);
+                }
+            }
+            // Woken by any finish; the timeout covers operations another process finishes.
+            let _ = tokio::time::timeout(Duration::from_secs(1), finished.changed()).await;
+        }
+    }
+
+    async fn finish(&self, op: &Operation, error: Option<ErrorBody>) {
+        let state = if error.is_none() {
+            OperationState::Succeeded
+        } else {
+            OperationState::Failed
+        };
+        if let Err(e) = self.store.finish_operation(&op.id, state, error.as_ref()).await {
+            tracing::error!(op = %op.id, "cannot record the end of the operation: {e}");
+        }
+        self.finished.send_modify(|n| *n += 1);
+    }
+
+    async fn set_state(&self, id: &str, state: SandboxState) {
+        if let Err(e) = self.store.set_sandbox_state(id, state).await {
+            tracing::error!(sandbox = %id, "cannot record state {}: {e}", state.as_str());
+        }
+    }
+
+    async fn run_create(&self, op: Operation, row: SandboxRow) {
+        let _ = self.store.set_operation_state(&op.id, OperationState::Running).await;
+        match self.nodes.create(&row).await {
+            Ok(booted) => {
+                let _ = self
+                    .store
+                    .set_sandbox_boot(&row.id, &booted.template_digest, &booted.accel)
+                    .await;
+                // A delete submitted during the boot owns the sandbox's state now.
+                let current = self.store.sandbox_by_id(&row.id).await.ok().flatten();
+                if current.is_some_and(|r| r.state == SandboxState::Creating) {
+                    self.set_state(&row.id, SandboxState::Running).await;
+                }
+                tracing::info!(sandbox = %row.id, "created");
+                self.finish(&op, None).await;
+            }
+            Err(e) => {
+                tracing::warn!(sandbox = %row.id, "create failed: {e}");
+                self.set_state(&row.id, SandboxState::Failed).await;
+                self.finish(&op, Some((&CoreError::from(e)).into())).await;
+            }
+        }
+    }
+
+    async fn run_delete(&self, op: Operation) {
+        let id = op.sandbox_id.clone();
+        let _ = self.store.set_operation_state(&op.id, OperationState::Running).await;
+        match self.nodes.delete(&id).await {
+            Ok(()) => {
+                self.set_state(&id, SandboxState::Deleted).await;
+                let _ = self.store.set_paused_remaining(&id, None).await;
+                tracing::info!(sandbox = %id, "deleted");
+                self.finish(&op, None).await;
+            }
+            Err(e) => {
+                tracing::warn!(sandbox = %id, "delete failed: {e}");
+                self.set_state(&id, SandboxState::Failed).await;
+                self.finish(&op, Some((&CoreError::from(e)).into())).await;
+            }
+        }
+    }
+
+    async fn run_pause_or_resume(&self, op: Operation, pause: bool) {
+        let id = op.sandbox_id.clone();
+        let _ = self.store.set_operation_state(&op.id, OperationState::Running).await;
+        let result = if pause {
+            self.nodes.pause(&id).await
+        } else {
+            self.nodes.resume(&id).await
+        };
+        match result {
+            Ok(()) => {
+                self.settle_paused(&id, pause).await;
+                self.finish(&op, None).await;
+            }
+            Err(e) => self.finish(&op, Some((&CoreError::from(e)).into())).await,
+        }
+    }
+
+    /// Record that the VM is now paused (or running), and stop (or restart) its clock: a paused
+    /// sandbox keeps the lifetime it had left, and expires only after `MAX_PAUSE` (its RAM is
+    /// held meanwhile).
+    async fn settle_paused(&self, id: &str, paused: bool) {
+        let now = now_ms();
+        let result = async {
+            if paused {
+                if self.store.paused_remaining(id).await?.is_none() {
+                    if let Some(row) = self.store.sandbox_by_id(id).await? {
+                        let remaining = (row.expires_at_ms - now).max(0);
+                        self.store.set_paused_remaining(id, Some(remaining)).await?;
+                    }
+                }
+                self.store.set_sandbox_expiry(id, now + MAX_PAUSE.as_millis() as i64).await?;
+                self.store.set_sandbox_state(id, SandboxState::Paused).await
+            } else {
+                if let Some(remaining) = self.store.paused_remaining(id).await? {
+                    self.store.set_sandbox_expiry(id, now + remaining).await?;
+                    self.store.set_paused_remaining(id, None).await?;
+                }
+                self.store.set_sandbox_state(id, SandboxState::Running).await
+            }
+        }
+        .await;
+        if let Err(e) = result {
+            tracing::error!(sandbox = %id, "cannot record the pause state: {e}");
+        }
+    }
+
+    /// After a (possibly unclean) restart: finish or fail every open operation by what the VMs
+    /// really are, fail sandboxes whose VM is gone, and delete VMs no live record claims.
+    pub async fn recover(&self) -> CoreResult<()> {
+        for op in self.store.unfinished_operations().await? {
+            let id = op.sandbox_id.clone();
+            let vm = self.nodes.vm_state(&id);
+            match (op.kind, vm) {
+                (OperationKind::Delete, _) => {
+                    let engine = self.clone();
+                    tokio::spawn(async move { engine.run_delete(op).await });
+                    continue;
+                }
+                (OperationKind::Create, VmState::Running | VmState::Paused) => {
+                    self.set_state(&id, SandboxState::Running).await;
+                    self.finish(&op, None).await;
+                    tracing::info!(op = %op.id, "create finished before the restart: succeeded");
+                }
+                (OperationKind::Pause, VmState::Paused) | (OperationKind::Resume, VmState::Running) => {
+                    self.settle_paused(&id, vm == VmState::Paused).await;
+                    self.finish(&op, None).await;
+                    tracing::info!(op = %op.id, "finished before the restart: succeeded");
+                }
+                (OperationKind::Pause | OperationKind::Resume, VmState::Running | VmState::Paused) => {
+                    // It did not happen: the sandbox stays as its VM is.
+                    self.settle_paused(&id, vm == VmState::Paused).await;
+                    self.finish(&op, Some(interrupted())).await;
+                    tracing::warn!(op = %op.id, "interrupted by a restart before it took effect");
+                }
+                (_, VmState::Gone) => {
+                    self.set_state(&id, SandboxState::Failed).await;
+                    self.finish(&op, Some(interrupted())).await;
+                    tracing::warn!(op = %op.id, "interrupted by a restart: failed");
+                }
+            }
+        }
+        for row in self.store.live_sandboxes().await? {
+            if matches!(row.state, SandboxState::Running | SandboxState::Paused)
+                && self.nodes.vm_state(&row.id) == VmState::Gone
+            {
+                tracing::warn!(sandbox = %row.id, "its VM is gone; marking it failed");
+                self.set_state(&row.id, SandboxState::Failed).await;
+            }
+        }
+        for id in self.nodes.vm_ids() {
+            let live = self
+                .store
+                .sandbox_by_id(&id)
+                .await?
+                .is_some_and(|r| !matches!(r.state, SandboxState::Deleted | SandboxState::Failed));
+            if !live {
+                tracing::warn!(sandbox = %id, "VM without a live record; deleting it");
+                let _ = self.nodes.delete(&id).await;
+            }
+        }
+        Ok(())
+    }
+
+    /// A sandbox whose VM exited on its own is failed (its quota slot is free again).
+    async fn vm_exited(&self, id: &str) {
+        if let Ok(Some(row)) = self.store.sandbox_by_id(id).await {
+            if matches!(row.state, SandboxState::Running | SandboxState::Paused) {
+                tracing::warn!(sandbox = %id, "its VM exited on its own; marking it failed");
+                self.set_state(id, SandboxState::Failed).await;
+                let _ = self.store.set_paused_remaining(id, None).await;
+            }
+        }
+    }
+
+    /// Sandboxes the store thinks run, whose VM is gone, with no operation under way.
+    async fn sweep(&self) -> CoreResult<()> {
+        let busy: std::collections::HashSet<String> = self
+            .store
+            .unfinished_operations()
+            .await?
+            .into_iter()
+            .map(|o| o.sandbox_id)
+            .collect();
+        for row in self.store.live_sandboxes().await? {
+            if matches!(row.state, SandboxState::Running | SandboxState::Paused)
+                && !busy.contains(&row.id)
+                && self.nodes.vm_state(&row.id) == VmState::Gone
+            {
+                self.vm_exited(&row.id).await;
+            }
+        }
+        Ok(())
+    }
+
+    /// Delete sandboxes whose timeout passed; fail those whose VM exited on its own.
+    pub fn spawn_reaper(&self) {
+        let engine = self.clone();
+        let mut exits = self.nodes.exits();
+        tokio::spawn(async move {
+            loop {
+                match exits.recv().await {
+                    Ok(id) => engine.vm_exited(&id).await,
+                    Err(tokio::sync::broadcast::error::RecvError::Lagged(_)) => {
+                        let _ = engine.sweep().await;
+                    }
+                    Err(tokio::sync::broadcast::error::RecvError::Closed) => break,
+                }
+            }
+        });
+        let engine = self.clone();
+        tokio::spawn(async move {
+            let mut tick = 0u32;
+            loop {
+                tokio::time::sleep(REAP_EVERY).await;
+                tick = tick.wrapping_add(1);
+                if let Ok(expired) = engine.store.expired_sandboxes(now_ms()).await {
+                    for row in expired {
+                        tracing::info!(sandbox = %row.id, "timeout passed; deleting");
+                        let _ = engine.submit(Action::Delete { sandbox: row }).await;
+                    }
+                }
+                if tick % SWEEP_EVERY_TICKS == 0 {
+                    let _ = engine.sweep().await;
+                }
+            }
+        });
+    }
+}

@@ -1,0 +1,47 @@
+//! The native door's errors: `{"code","message"}` with an HTTP status, mapped from `CoreError`
+//! in exactly one place (`ApiError::status_and_body`).
+
+use crate::core::CoreError;
+use crate::error::ErrorBody;
+use axum::http::StatusCode;
+use axum::response::{IntoResponse, Response};
+
+#[derive(Debug, thiserror::Error)]
+pub enum ApiError {
+    #[error(transparent)]
+    Core(#[from] CoreError),
+    /// The request could not be read at all (malformed JSON, wrong content type, a bad header).
+    #[error("{0}")]
+    Malformed(String),
+}
+
+impl ApiError {
+    pub fn status_and_body(&self) -> (StatusCode, ErrorBody) {
+        let (status, code) = match self {
+            ApiError::Core(e) => {
+                let c = e.code();
+                (StatusCode::from_u16(c.status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR), c.code)
+            }
+            ApiError::Malformed(_) => (StatusCode::BAD_REQUEST, "bad_request"),
+        };
+        (
+            status,
+            ErrorBody {
+                code: code.into(),
+                message: self.to_string(),
+            },
+        )
+    }
+}
+
+impl IntoResponse for ApiError {
+    fn into_response(self) -> Response {
+        let (status, body) = self.status_and_body();
+        if status.is_server_error() {
+            tracing::error!("{}", body.message);
+        }
+        (status, axum::Json(body)).into_response()
+    }
+}
+
+pub type ApiResult<T> = Result<T, ApiError>;

@@ -1,0 +1,176 @@
+//! The node seam: everything that touches a VM (create, delete, pause, resume, agent calls, port
+//! tunnels) goes through `Nodes`. `LocalNode` runs VMs on this host with the runtime; a remote
+//! implementation (many hosts) will sit behind the same trait.
+
+use crate::store::SandboxRow;
+use airlock_runtime::template::TemplateStore;
+use airlock_runtime::{AgentClient, CreateSandbox, Resources, Runtime, RuntimeError};
+use async_trait::async_trait;
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+use tokio::sync::broadcast;
+
+/// What a node knows of a sandbox's VM right now.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum VmState {
+    Running,
+    Paused,
+    /// No VM (never booted, deleted, or exited on its own).
+    Gone,
+}
+
+/// What a boot settled.
+#[derive(Debug, Clone)]
+pub struct Booted {
+    pub template_digest: String,
+    pub accel: String,
+}
+
+#[derive(Debug, Clone, Copy)]
+pub struct Capacity {
+    pub cpus: u32,
+    pub memory_mib: u64,
+    pub sandboxes_running: u32,
+}
+
+#[async_trait]
+pub trait Nodes: Send + Sync {
+    /// The VMM sandboxes run on (`qemu`).
+    fn runtime_name(&self) -> &'static str;
+    /// `kvm` or `tcg`.
+    async fn accel(&self) -> String;
+    fn templates(&self) -> &TemplateStore;
+    /// Boot the VM of a recorded sandbox; returns once its agent answers.
+    async fn create(&self, sandbox: &SandboxRow) -> Result<Booted, RuntimeError>;
+    /// Stop the VM and remove its disk; a VM that is already gone is not an error.
+    async fn delete(&self, id: &str) -> Result<(), RuntimeError>;
+    async fn pause(&self, id: &str) -> Result<(), RuntimeError>;
+    async fn resume(&self, id: &str) -> Result<(), RuntimeError>;
+    fn vm_state(&self, id: &str) -> VmState;
+    /// Every VM this node has, live or paused.
+    fn vm_ids(&self) -> Vec<String>;
+    /// The guest agent of a running VM (process and file calls, port tunnels).
+    async fn agent(&self, id: &str) -> Result<AgentClient, RuntimeError>;
+    /// Ids of VMs that exited on their own (crash, `kill -9`, powered off inside).
+    fn exits(&self) -> broadcast::Receiver<String>;
+    fn capacity(&self) -> Capacity;
+}
+
+/// This host's VMs, through the runtime. Lifecycle changes of one VM run one at a time (a delete
+/// waits for its create).
+pub struct LocalNode {
+    runtime: Runtime,
+    locks: Mutex<HashMap<String, Arc<tokio::sync::Mutex<()>>>>,
+}
+
+impl LocalNode {
+    pub fn new(runtime: Runtime) -> Self {
+        Self {
+            runtime,
+            locks: Mutex::default(),
+        }
+    }
+
+    pub fn runtime(&self) -> &Runtime {
+        &self.runtime
+    }
+
+    fn lock_for(&self, id: &str) -> Arc<tokio::sync::Mutex<()>> {
+        self.locks.lock().unwrap().entry(id.to_string()).or_default().clone()
+    }
+}
+
+#[async_trait]
+impl Nodes for LocalNode {
+    fn runtime_name(&self) -> &'static str {
+        self.runtime.runtime_name()
+    }
+
+    async fn accel(&self) -> String {
+        self.runtime.accel().await.to_string()
+    }
+
+    fn templates(&self) -> &TemplateStore {
+        self.runtime.templates()
+    }
+
+    async fn create(&self, sandbox: &SandboxRow) -> Result<Booted, RuntimeError> {
+        let lock = self.lock_for(&sandbox.id);
+        let _guard = lock.lock().await;
+        let sb = self
+            .runtime
+            .create(CreateSandbox {
+                id: Some(sandbox.id.clone()),
+                template: sandbox.template.clone(),
+                resources: Resources {
+                    vcpu: sandbox.resources.vcpu,
+                    memory_mib: sandbox.resources.memory_mib,
+                    disk_mib: sandbox.resources.disk_mib,
+                },
+            })
+            .await?;
+        Ok(Booted {
+            template_digest: sb.record.template_digest.clone(),
+            accel: sb.record.accel.to_string(),
+        })
+    }
+
+    async fn delete(&self, id: &str) -> Result<(), RuntimeError> {
+        let lock = self.lock_for(id);
+        let result = {
+            let _guard = lock.lock().await;
+            match self.runtime.delete(id).await {
+                Err(RuntimeError::UnknownSandbox(_)) => Ok(()),
+                other => other,
+            }
+        };
+        self.locks.lock().unwrap().remove(id);
+        result
+    }
+
+    async fn pause(&self, id: &str) -> Result<(), RuntimeError> {
+        let lock = self.lock_for(id);
+        let _guard = lock.lock().await;
+        self.runtime.pause(id).await
+    }
+
+    async fn resume(&self, id: &str) -> Result<(), RuntimeError> {
+        let lock = self.lock_for(id);
+        let _guard = lock.lock().await;
+        self.runtime.resume(id).await
+    }
+
+    fn vm_state(&self, id: &str) -> VmState {
+        match self.runtime.get(id) {
+            Ok(sb) if sb.is_paused() => VmState::Paused,
+            Ok(_) => VmState::Running,
+            Err(_) => VmState::Gone,
+        }
+    }
+
+    fn vm_ids(&self) -> Vec<String> {
+        self.runtime.list().iter().map(|s| s.id().to_string()).collect()
+    }
+
+    async fn agent(&self, id: &str) -> Result<AgentClient, RuntimeError> {
+        self.runtime.get(id)?.agent().await
+    }
+
+    fn exits(&self) -> broadcast::Receiver<String> {
+        self.runtime.exits()
+    }
+
+    fn capacity(&self) -> Capacity {
+        let memory_kib = std::fs::read_to_string("/proc/meminfo")
+            .unwrap_or_default()
+            .lines()
+            .find(|l| l.starts_with("MemTotal:"))
+            .and_then(|l| l.split_whitespace().nth(1)?.parse::<u64>().ok())
+            .unwrap_or(0);
+        Capacity {
+            cpus: std::thread::available_parallelism().map(|n| n.get() as u32).unwrap_or(1),
+            memory_mib: memory_kib / 1024,
+            sandboxes_running: self.runtime.list().len() as u32,
+        }
+    }
+}
