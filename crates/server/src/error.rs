@@ -57,9 +57,21 @@ impl ApiError {
                 RuntimeError::UnknownSandbox(_) => (StatusCode::NOT_FOUND, "sandbox_not_found"),
                 RuntimeError::InvalidResources(_) => (StatusCode::UNPROCESSABLE_ENTITY, "invalid_resources"),
                 RuntimeError::NotRunning(_) => (StatusCode::CONFLICT, "sandbox_not_running"),
-                RuntimeError::BootFailed { .. } => (StatusCode::INTERNAL_SERVER_ERROR, "boot_failed"),
+                RuntimeError::BootFailed { .. }
+                | RuntimeError::TemplateStart { .. }
+                | RuntimeError::PortNotReady { .. } => (StatusCode::INTERNAL_SERVER_ERROR, "boot_failed"),
+                RuntimeError::InvalidSandboxId(_) => (StatusCode::UNPROCESSABLE_ENTITY, "invalid_argument"),
+                RuntimeError::SandboxIdTaken(_) => (StatusCode::CONFLICT, "conflict"),
                 RuntimeError::Agent(a) => agent_status(a),
-                _ => (StatusCode::INTERNAL_SERVER_ERROR, "internal"),
+                // Listed one by one so a new variant has to be placed here.
+                RuntimeError::QemuMissing(_)
+                | RuntimeError::DataDirNotWritable { .. }
+                | RuntimeError::DataDirInUse(_)
+                | RuntimeError::TemplateBuild(_)
+                | RuntimeError::ControlCommand { .. }
+                | RuntimeError::DiskCreate(_)
+                | RuntimeError::StopFailed { .. }
+                | RuntimeError::Io { .. } => (StatusCode::INTERNAL_SERVER_ERROR, "internal"),
             },
             ApiError::Agent(a) => agent_status(a),
             ApiError::Store(_) | ApiError::Internal(_) => (StatusCode::INTERNAL_SERVER_ERROR, "internal"),
