@@ -25,8 +25,25 @@ pub enum RuntimeError {
     NotRunning(String),
     #[error("guest agent: {0}")]
     Agent(#[from] crate::agent::AgentError),
-    #[error("VMM: {0}")]
-    Vmm(String),
+    /// A command on the VMM's control socket (QMP for QEMU) failed or got no answer.
+    #[error("VMM control command {command:?} failed: {reason}")]
+    ControlCommand { command: String, reason: String },
+    /// The sandbox's root disk (the overlay on the template image) could not be made.
+    #[error("creating the sandbox disk failed: {0}")]
+    DiskCreate(String),
+    #[error("invalid sandbox id {0:?}: use 8 to 40 lowercase letters and digits")]
+    InvalidSandboxId(String),
+    #[error("sandbox id {0:?} is already in use on this node")]
+    SandboxIdTaken(String),
+    /// The template's start process exited before its port opened.
+    #[error("template start process {argv:?} exited before its port opened; its output: {output}")]
+    TemplateStart { argv: Vec<String>, output: String },
+    /// The template's start process runs, but its port did not accept connections in time.
+    #[error("port {port} in the sandbox did not accept connections within {waited_ms} ms")]
+    PortNotReady { port: u16, waited_ms: u64 },
+    /// The VMM process is still alive after SIGKILL (stuck in the kernel).
+    #[error("VMM process {pid} survived SIGKILL")]
+    StopFailed { pid: u32 },
     #[error("I/O on {path}: {source}")]
     Io { path: String, source: std::io::Error },
 }

@@ -110,8 +110,14 @@ impl QemuVmm {
         };
         tokio::time::timeout(Duration::from_secs(10), run)
             .await
-            .map_err(|_| RuntimeError::Vmm(format!("QMP {cmd}: no answer in 10s")))?
-            .map_err(|e| RuntimeError::Vmm(format!("QMP {cmd}: {e}")))
+            .map_err(|_| RuntimeError::ControlCommand {
+                command: cmd.into(),
+                reason: "QMP gave no answer in 10s".into(),
+            })?
+            .map_err(|e| RuntimeError::ControlCommand {
+                command: cmd.into(),
+                reason: format!("QMP: {e}"),
+            })
     }
 }
 
@@ -168,7 +174,7 @@ impl Vmm for QemuVmm {
             .await
             .map_err(|e| RuntimeError::QemuMissing(format!("qemu-img ({e})")))?;
         if !out.status.success() {
-            return Err(RuntimeError::Vmm(format!(
+            return Err(RuntimeError::DiskCreate(format!(
                 "qemu-img create: {}",
                 String::from_utf8_lossy(&out.stderr).trim()
             )));
@@ -236,7 +242,7 @@ impl Vmm for QemuVmm {
         if wait_exit(vm.pid, Duration::from_secs(5)).await {
             Ok(())
         } else {
-            Err(RuntimeError::Vmm(format!("QEMU pid {} survived SIGKILL", vm.pid)))
+            Err(RuntimeError::StopFailed { pid: vm.pid })
         }
     }
 

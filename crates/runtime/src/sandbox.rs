@@ -192,16 +192,16 @@ async fn start_template_process(
                 }
             }
             let tail = String::from_utf8_lossy(&out[out.len().saturating_sub(2000)..]).to_string();
-            return Err(RuntimeError::Vmm(format!(
-                "template start process {:?} exited: {tail}",
-                start.argv
-            )));
+            return Err(RuntimeError::TemplateStart {
+                argv: start.argv.clone(),
+                output: tail,
+            });
         }
         if Instant::now() > deadline {
-            return Err(RuntimeError::Vmm(format!(
-                "port {} did not open within {limit:?}",
-                start.ready_port
-            )));
+            return Err(RuntimeError::PortNotReady {
+                port: start.ready_port,
+                waited_ms: limit.as_millis() as u64,
+            });
         }
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
@@ -215,6 +215,8 @@ pub struct RuntimeOptions {
     pub boot_timeout: Duration,
     /// QEMU binary (default: `AIRLOCK_QEMU`, else `qemu-system-x86_64` on PATH).
     pub qemu: Option<PathBuf>,
+    /// The VMM driver to use instead of QEMU (tests inject `fake::FakeVmm`); `qemu` is then unused.
+    pub vmm: Option<Arc<dyn Vmm>>,
 }
 
 impl RuntimeOptions {
@@ -224,6 +226,7 @@ impl RuntimeOptions {
             accel: None,
             boot_timeout: Duration::from_secs(90),
             qemu: None,
+            vmm: None,
         }
     }
 }
@@ -237,6 +240,8 @@ struct Inner {
     accel: tokio::sync::OnceCell<Accel>,
     boot_timeout: Duration,
     sandboxes: Mutex<HashMap<String, Arc<Sandbox>>>,
+    /// Ids of sandboxes whose VMM exited on its own (not through `delete`), after their cleanup.
+    exits: tokio::sync::broadcast::Sender<String>,
 }
 
 /// The node runtime. Cheap to clone.
@@ -262,7 +267,10 @@ impl Runtime {
     /// Open the data dir, find QEMU, and re-attach to (or clean up after) existing sandboxes.
     pub async fn open(opts: RuntimeOptions) -> Result<Self> {
         let data = DataDir::open(&opts.data_dir)?;
-        let vmm: Arc<dyn Vmm> = Arc::new(QemuVmm::locate(opts.qemu.as_deref())?);
+        let vmm: Arc<dyn Vmm> = match opts.vmm {
+            Some(vmm) => vmm,
+            None => Arc::new(QemuVmm::locate(opts.qemu.as_deref())?),
+        };
         // One runtime per data dir: a second one would adopt (and fight over) the same VMs.
         let lock = FileLock::try_acquire(&data.root().join("runtime.lock"))?
             .ok_or_else(|| RuntimeError::DataDirInUse(data.root().display().to_string()))?;
@@ -281,6 +289,7 @@ impl Runtime {
                 accel: tokio::sync::OnceCell::new(),
                 boot_timeout: opts.boot_timeout,
                 sandboxes: Mutex::new(HashMap::new()),
+                exits: tokio::sync::broadcast::channel(256).0,
             }),
         };
         rt.reconcile().await;
@@ -297,6 +306,13 @@ impl Runtime {
 
     pub fn runtime_name(&self) -> &'static str {
         self.inner.vmm.name()
+    }
+
+    /// Ids of sandboxes whose VMM exited on its own (crash, `kill -9`, power-off from inside),
+    /// sent once the sandbox is gone from this runtime and its dir is removed. Deletes are not
+    /// reported. Only exits after this call are seen.
+    pub fn exits(&self) -> tokio::sync::broadcast::Receiver<String> {
+        self.inner.exits.subscribe()
     }
 
     /// Sandbox dirs left from an earlier process: re-attach live VMs, remove the rest.
@@ -359,17 +375,34 @@ impl Runtime {
         sb
     }
 
-    /// When the VMM dies on its own (crash, `kill -9`), remove everything the sandbox had.
+    /// When the VMM dies on its own (crash, `kill -9`), remove everything the sandbox had and
+    /// report it on `exits`. The watcher does not keep the runtime alive: once the runtime is
+    /// dropped (a server restart), its VMs are left for the next one to re-attach.
     fn watch_vmm(&self, sb: Arc<Sandbox>) {
-        let rt = self.clone();
+        let rt = Arc::downgrade(&self.inner);
+        let sb = Arc::downgrade(&sb);
+        let Some((pid, dir)) = sb.upgrade().map(|sb| (sb.vm.pid, sb.vm.dir.clone())) else {
+            return;
+        };
         tokio::spawn(async move {
-            while !wait_exit(sb.vm.pid, Duration::from_secs(3600)).await {}
+            while !wait_exit(pid, Duration::from_secs(3600)).await {}
+            let Some(inner) = rt.upgrade() else { return };
+            let Some(sb) = sb.upgrade() else { return };
             if sb.deleting.load(Ordering::SeqCst) {
                 return;
             }
-            tracing::warn!(id = %sb.id(), pid = sb.vm.pid, "VMM exited on its own; cleaning up the sandbox");
-            rt.inner.sandboxes.lock().unwrap().remove(sb.id());
-            let _ = std::fs::remove_dir_all(&sb.vm.dir);
+            tracing::warn!(id = %sb.id(), pid, "VMM exited on its own; cleaning up the sandbox");
+            let removed = {
+                let mut map = inner.sandboxes.lock().unwrap();
+                match map.get(sb.id()) {
+                    Some(cur) if Arc::ptr_eq(cur, &sb) => map.remove(sb.id()),
+                    _ => None,
+                }
+            };
+            if removed.is_some() {
+                let _ = std::fs::remove_dir_all(&dir);
+                let _ = inner.exits.send(sb.id().to_string());
+            }
         });
     }
 
@@ -451,8 +484,9 @@ impl Runtime {
         let template = self.inner.templates.resolve(&req.template)?;
         req.resources.validate(&template)?;
         let id = match req.id {
-            Some(id) if valid_sandbox_id(&id) && self.get(&id).is_err() => id,
-            Some(id) => return Err(RuntimeError::Vmm(format!("sandbox id {id:?} is invalid or taken"))),
+            Some(id) if !valid_sandbox_id(&id) => return Err(RuntimeError::InvalidSandboxId(id)),
+            Some(id) if self.get(&id).is_ok() => return Err(RuntimeError::SandboxIdTaken(id)),
+            Some(id) => id,
             None => random_hex(10),
         };
         let accel = self.accel().await;
@@ -469,7 +503,11 @@ impl Runtime {
         limit: Duration,
     ) -> Result<Arc<Sandbox>> {
         let dir = self.inner.data.sandboxes().join(&id);
-        std::fs::create_dir_all(&dir).map_err(|e| RuntimeError::io(&dir, e))?;
+        // Not `create_dir_all`: an existing dir is a sandbox with this id still booting.
+        std::fs::create_dir(&dir).map_err(|e| match e.kind() {
+            std::io::ErrorKind::AlreadyExists => RuntimeError::SandboxIdTaken(id.clone()),
+            _ => RuntimeError::io(&dir, e),
+        })?;
         let min_disk = template.manifest.rootfs_bytes.div_ceil(1 << 20) as u32;
         let resources = Resources {
             disk_mib: resources.disk_mib.max(min_disk),
