@@ -3,7 +3,7 @@
 use crate::error::{ApiError, ApiResult, ErrorBody};
 use crate::model::*;
 use crate::ops::{new_operation, Engine};
-use crate::store::{now_ms, rfc3339, SandboxFilter, SandboxRow, SessionRow, Store, Tenant};
+use crate::store::{now_ms, rfc3339, CreateRecorded, SandboxFilter, SandboxRow, SessionRow, Store, Tenant};
 use airlock_proto::frame::EventKind;
 use airlock_proto::ProcessSpec;
 use airlock_runtime::{Runtime, RuntimeError};
@@ -171,8 +171,9 @@ pub async fn new_sandbox_row(
     env: BTreeMap<String, String>,
     metadata: BTreeMap<String, String>,
 ) -> ApiResult<SandboxRow> {
+    // A fast refusal; insert_create checks the limit again, atomically with the insert.
     let live = state.store.count_live_sandboxes(&tenant.id).await?;
-    if live >= state.max_sandboxes_per_tenant as i64 {
+    if live >= state.max_sandboxes_per_tenant {
         return Err(ApiError::QuotaExceeded(format!(
             "tenant {} has {live} live sandboxes, the limit of this server (--max-sandboxes {}); delete one first",
             tenant.name, state.max_sandboxes_per_tenant
@@ -284,10 +285,17 @@ pub async fn create_sandbox(
     let row = new_sandbox_row(&state, &tenant, &template, resources, timeout, env, metadata).await?;
     let id = row.id.clone();
     let op = new_operation(OperationKind::Create, &id);
-    let recorded = state.store.insert_create(&row, &op, idem.as_deref()).await?;
-    if recorded.id == op.id {
-        state.engine.start_create(op, row);
-    }
+    let recorded = match state
+        .store
+        .insert_create(&row, &op, idem.as_deref(), state.max_sandboxes_per_tenant)
+        .await?
+    {
+        CreateRecorded::New(recorded) => {
+            state.engine.start_create(op, row);
+            recorded
+        }
+        CreateRecorded::Existing(prior) => prior,
+    };
     let current = state
         .store
         .get_operation(&tenant.id, &recorded.id)
@@ -620,6 +628,7 @@ pub async fn create_session(
         exited: false,
         started_at_ms: info.started_at_ms as i64,
         ended_at_ms: None,
+        tag: None,
     };
     state.store.insert_session(&row).await?;
     Ok((StatusCode::CREATED, Json(session_view(&row))))

@@ -36,10 +36,21 @@ pub enum ApiError {
     Runtime(#[from] RuntimeError),
     #[error("guest agent: {0}")]
     Agent(#[from] AgentError),
-    #[error("store: {0}")]
-    Store(#[from] sqlx::Error),
+    #[error("{0}")]
+    Store(crate::store::StoreError),
     #[error("{0}")]
     Internal(String),
+}
+
+impl From<crate::store::StoreError> for ApiError {
+    fn from(e: crate::store::StoreError) -> Self {
+        match e {
+            crate::store::StoreError::QuotaExceeded { .. } => {
+                ApiError::QuotaExceeded(format!("{e} (--max-sandboxes); delete one first"))
+            }
+            e => ApiError::Store(e),
+        }
+    }
 }
 
 impl ApiError {

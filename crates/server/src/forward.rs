@@ -76,12 +76,12 @@ async fn authorized(state: &AppState, headers: &axum::http::HeaderMap, sandbox_t
             .map(str::trim)
             .map(String::from)
     };
-    let token = state.store.sandbox_token(sandbox_id).await.ok().flatten();
+    let expected = state.store.access_hash(sandbox_id).await.ok().flatten();
     for t in [h("x-access-token"), h("e2b-traffic-access-token")]
         .into_iter()
         .flatten()
     {
-        if token.as_deref() == Some(t.as_str()) {
+        if expected.as_deref() == Some(crate::store::token_hash(&t).as_str()) {
             return true;
         }
     }
@@ -102,7 +102,11 @@ pub async fn code_interpreter_by_token(State(state): State<AppState>, req: Reque
         .and_then(|v| v.to_str().ok())
         .unwrap_or("")
         .to_string();
-    match state.store.sandbox_by_token(&token).await {
+    match state
+        .store
+        .sandbox_by_access_hash(&crate::store::token_hash(&token))
+        .await
+    {
         Ok(Some(row)) if !token.is_empty() => {
             forward(state, row.id, airlock_runtime::template::CODE_INTERPRETER_PORT, req).await
         }

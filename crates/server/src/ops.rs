@@ -160,7 +160,7 @@ impl Engine {
     /// A paused sandbox does not spend its timeout: pausing keeps what is left and sets the
     /// expiry to the pause limit (an in-memory pause holds the VM's RAM, so it cannot last
     /// forever); resuming restores what was left.
-    async fn stop_or_restart_clock(&self, id: &str, pause: bool) -> Result<(), sqlx::Error> {
+    async fn stop_or_restart_clock(&self, id: &str, pause: bool) -> Result<(), crate::store::StoreError> {
         let now = now_ms();
         if pause {
             let Some(row) = self.store.sandbox_by_id(id).await? else {

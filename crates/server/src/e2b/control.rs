@@ -5,7 +5,7 @@ use crate::api::{AppState, MAX_SANDBOX_TIMEOUT};
 use crate::error::ApiError;
 use crate::model::{OperationKind, OperationState, SandboxState};
 use crate::ops::new_operation;
-use crate::store::{now_ms, rfc3339, SandboxFilter, SandboxRow, Tenant};
+use crate::store::{now_ms, rfc3339, token_hash, SandboxFilter, SandboxRow, Tenant};
 use axum::extract::{Path, Query, Request, State};
 use axum::http::{HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
@@ -145,18 +145,17 @@ fn sandbox_json(state: &AppState, row: &SandboxRow, token: &str, alias: &str) ->
 }
 
 /// The name the SDK created the sandbox with, for echoing back.
-fn e2b_alias(row: &SandboxRow) -> String {
-    row.metadata.get("_e2b_template").cloned().unwrap_or_else(|| {
+async fn e2b_alias(state: &AppState, row: &SandboxRow) -> Result<String> {
+    Ok(state.store.e2b_alias(&row.id).await?.unwrap_or_else(|| {
         if row.template == "seed" {
             "base".into()
         } else {
             row.template.clone()
         }
-    })
+    }))
 }
 
-fn detail_json(state: &AppState, row: &SandboxRow, token: Option<&str>) -> Value {
-    let alias = e2b_alias(row);
+fn detail_json(state: &AppState, row: &SandboxRow, alias: &str, token: Option<&str>) -> Value {
     let metadata: BTreeMap<_, _> = row.metadata.iter().filter(|(k, _)| !k.starts_with("_e2b_")).collect();
     let mut v = json!({
         "templateID": alias,
@@ -211,16 +210,19 @@ pub async fn create(
     // E2B defaults: 2 vCPU would double TCG cost here, so the node's default resources apply.
     let res = airlock_runtime::Resources::default();
     res.validate(&template).map_err(ApiError::from)?;
-    let mut metadata = req.metadata.unwrap_or_default();
-    metadata.insert("_e2b_template".into(), req.template_id.clone());
+    let metadata = req.metadata.unwrap_or_default();
     let env = req.env_vars.unwrap_or_default();
     let ttl = std::time::Duration::from_millis(ttl as u64);
     let row = crate::api::new_sandbox_row(&state, &tenant, &template, res, ttl, env, metadata).await?;
     let id = row.id.clone();
     let token = airlock_runtime::datadir::random_hex(16);
     let op = new_operation(OperationKind::Create, &id);
-    state.store.insert_create(&row, &op, None).await?;
-    state.store.set_sandbox_token(&id, &token).await?;
+    state
+        .store
+        .insert_create(&row, &op, None, state.max_sandboxes_per_tenant)
+        .await?;
+    state.store.set_e2b_alias(&id, &req.template_id).await?;
+    state.store.set_access_hash(&id, &token_hash(&token)).await?;
     // The E2B API answers once the sandbox runs; the engine does the work, we wait for it.
     let _ = state.engine.start_create(op.clone(), row.clone()).await;
     let done = state
@@ -303,8 +305,9 @@ pub async fn get(
     Path(id): Path<String>,
 ) -> Result<Json<Value>> {
     let row = live_row(&state, &tenant, &id).await?;
-    let token = state.store.sandbox_token(&id).await?;
-    Ok(Json(detail_json(&state, &row, token.as_deref())))
+    // Only the token's hash is kept: the detail cannot repeat it (create and connect hand it out).
+    let alias = e2b_alias(&state, &row).await?;
+    Ok(Json(detail_json(&state, &row, &alias, None)))
 }
 
 pub async fn kill(
@@ -368,16 +371,12 @@ pub async fn connect(
     if want > row.expires_at_ms {
         state.store.set_sandbox_expiry(&row.id, want).await?;
     }
-    let token = match state.store.sandbox_token(&id).await? {
-        Some(t) => t,
-        None => {
-            let t = airlock_runtime::datadir::random_hex(16);
-            state.store.set_sandbox_token(&id, &t).await?;
-            t
-        }
-    };
+    // Only the token's hash is kept, so connecting mints a new token (rotating any earlier one).
+    let token = airlock_runtime::datadir::random_hex(16);
+    state.store.set_access_hash(&id, &token_hash(&token)).await?;
     let status = if resumed { StatusCode::CREATED } else { StatusCode::OK };
-    Ok((status, Json(sandbox_json(&state, &row, &token, &e2b_alias(&row)))))
+    let alias = e2b_alias(&state, &row).await?;
+    Ok((status, Json(sandbox_json(&state, &row, &token, &alias))))
 }
 
 #[derive(Debug, Deserialize)]
@@ -448,11 +447,10 @@ pub async fn list_v2(
     };
     let rows = state.store.list_sandboxes(&tenant.id, &filter).await?;
     let next = crate::store::next_page_token(&rows, limit);
-    let items: Vec<Value> = rows
-        .iter()
-        .take(limit as usize)
-        .map(|r| detail_json(&state, r, None))
-        .collect();
+    let mut items: Vec<Value> = Vec::with_capacity(rows.len().min(limit as usize));
+    for r in rows.iter().take(limit as usize) {
+        items.push(detail_json(&state, r, &e2b_alias(&state, r).await?, None));
+    }
     let mut resp = Json(items).into_response();
     if let Some(n) = next {
         resp.headers_mut()

@@ -4,7 +4,7 @@
 use super::connect::{self, as_bytes, as_u64, field, RpcError};
 use crate::api::AppState;
 use crate::model::SandboxState;
-use crate::store::SandboxRow;
+use crate::store::{token_hash, SandboxRow};
 use airlock_proto::frame::EventKind;
 use airlock_proto::{FileKind, FileStat, ProcessInfo, ProcessSpec, ProcessState, WatchEventKind};
 use airlock_runtime::AgentClient;
@@ -59,13 +59,13 @@ async fn resolve(
     let token = header(h, "x-access-token");
     let row = match (header(h, "e2b-sandbox-id"), token) {
         (Some(id), _) => state.store.sandbox_by_id(id).await.ok().flatten(),
-        (None, Some(t)) => state.store.sandbox_by_token(t).await.ok().flatten(),
+        (None, Some(t)) => state.store.sandbox_by_access_hash(&token_hash(t)).await.ok().flatten(),
         (None, None) => None,
     };
     let Some(row) = row.filter(|r| r.state == SandboxState::Running) else {
         return Err(sandbox_gone(header(h, "e2b-sandbox-id").unwrap_or("")));
     };
-    let expected = state.store.sandbox_token(&row.id).await.ok().flatten();
+    let expected = state.store.access_hash(&row.id).await.ok().flatten();
     match (expected, token) {
         // A sandbox without a token never came through the E2B door: envd is closed to it.
         (None, _) => {
@@ -75,7 +75,7 @@ async fn resolve(
             )
             .into_response())
         }
-        (Some(e), Some(t)) if e != t => {
+        (Some(e), Some(t)) if e != token_hash(t) => {
             return Err(RpcError::new("unauthenticated", "X-Access-Token does not match the sandbox").into_response())
         }
         (Some(_), None) if !allow_without_token => {
@@ -702,7 +702,7 @@ pub fn signature(path: &str, op: &str, user: &str, token: &str, exp: Option<i64>
     )
 }
 
-/// `/files` accepts the access token, or a valid signed-URL signature instead.
+/// `/files` needs the access token (signed URLs are refused for now, see below).
 async fn files_target(
     state: &AppState,
     h: &HeaderMap,
@@ -712,25 +712,14 @@ async fn files_target(
     let signed = q.signature.is_some() && header(h, "x-access-token").is_none();
     let (row, agent) = resolve(state, h, signed).await?;
     if signed {
-        let token = state
-            .store
-            .sandbox_token(&row.id)
-            .await
-            .ok()
-            .flatten()
-            .unwrap_or_default();
-        let path = q.path.clone().unwrap_or_default();
-        let user = q.username.clone().unwrap_or_default();
-        let want = signature(&path, op, &user, &token, q.signature_expiration);
-        let got = q.signature.as_deref().unwrap_or("");
-        if got.trim_end_matches('=') != want {
-            return Err(files_error(StatusCode::UNAUTHORIZED, "invalid signature"));
-        }
-        if q.signature_expiration
-            .is_some_and(|e| e < crate::store::now_ms() / 1000)
-        {
-            return Err(files_error(StatusCode::UNAUTHORIZED, "signature expired"));
-        }
+        // TODO(store): the store keeps only the access token's hash and a signature is a hash
+        // over the plain token (see `signature`), so it cannot be checked until the token can be
+        // re-derived (e.g. from a server secret). Refused until then.
+        let _ = op;
+        return Err(files_error(
+            StatusCode::UNAUTHORIZED,
+            "signed URLs are not supported by this server; send X-Access-Token",
+        ));
     }
     Ok((row, agent))
 }

@@ -55,8 +55,8 @@ impl From<ApiError> for E2bError {
     }
 }
 
-impl From<sqlx::Error> for E2bError {
-    fn from(e: sqlx::Error) -> Self {
+impl From<crate::store::StoreError> for E2bError {
+    fn from(e: crate::store::StoreError) -> Self {
         ApiError::from(e).into()
     }
 }
