@@ -413,7 +413,7 @@ async fn run(cli: Cli) -> anyhow::Result<u8> {
         } => {
             let data = DataDir::open(&cli.data_dir)?;
             let store = airlock_server::store::SqliteStore::open(&data.root().join("airlock.db")).await?;
-            use airlock_server::store::{KeyFormat, Store};
+            use airlock_server::store::{KeyFormat, TenantStore};
             let format = if e2b { KeyFormat::E2b } else { KeyFormat::Airlock };
             println!("{}", store.create_key(&tenant, format).await?);
         }

@@ -1,0 +1,272 @@
+//! The control-plane store.
+//!
+//! The traits split it by concern: [`TenantStore`] (tenants and API keys), [`SandboxStore`]
+//! (sandboxes, their access tokens and exec sessions), [`OperationStore`] (long-running
+//! operations) and [`E2bStore`] (state only the E2B door has). [`Store`] is all four, which is
+//! what the server holds (`Arc<dyn Store>`). No signature names a database type, so a Postgres
+//! store can implement them next to [`SqliteStore`], the embedded default.
+//!
+//! Secrets are never stored: API keys and sandbox access tokens are kept as [`token_hash`]es.
+//! The schema is versioned by the SQL files in `crates/server/migrations`, embedded at build
+//! time and applied by [`SqliteStore::open`].
+
+mod sqlite;
+
+pub use sqlite::SqliteStore;
+
+use crate::error::ErrorBody;
+use crate::model::{Operation, OperationState, Resources, Sandbox, SandboxState};
+use async_trait::async_trait;
+use std::collections::BTreeMap;
+
+pub fn now_ms() -> i64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_millis() as i64)
+        .unwrap_or(0)
+}
+
+pub fn rfc3339(ms: i64) -> String {
+    let t = std::time::UNIX_EPOCH + std::time::Duration::from_millis(ms.max(0) as u64);
+    humantime::format_rfc3339_millis(t).to_string()
+}
+
+/// The sha256 hex of a secret (an API key or a sandbox access token): what the store keeps.
+pub fn token_hash(secret: &str) -> String {
+    use sha2::Digest;
+    hex::encode(sha2::Sha256::digest(secret.as_bytes()))
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Tenant {
+    pub id: String,
+    pub name: String,
+}
+
+/// A sandbox row with what the API shows plus what the engine needs.
+#[derive(Debug, Clone)]
+pub struct SandboxRow {
+    pub id: String,
+    pub tenant_id: String,
+    pub state: SandboxState,
+    pub template: String,
+    pub template_digest: String,
+    pub runtime: String,
+    pub accel: String,
+    pub resources: Resources,
+    pub env: BTreeMap<String, String>,
+    pub metadata: BTreeMap<String, String>,
+    pub created_at_ms: i64,
+    pub expires_at_ms: i64,
+}
+
+impl SandboxRow {
+    pub fn view(&self) -> Sandbox {
+        Sandbox {
+            id: self.id.clone(),
+            state: self.state,
+            template: self.template.clone(),
+            template_digest: self.template_digest.clone(),
+            runtime: self.runtime.clone(),
+            accel: self.accel.clone(),
+            resources: self.resources,
+            metadata: self.metadata.clone(),
+            created_at: rfc3339(self.created_at_ms),
+            expires_at: rfc3339(self.expires_at_ms),
+        }
+    }
+}
+
+#[derive(Debug, Clone)]
+pub struct SessionRow {
+    pub id: String,
+    pub sandbox_id: String,
+    pub process_id: u64,
+    pub argv: Vec<String>,
+    pub cwd: String,
+    pub user: String,
+    pub pty: bool,
+    pub exit_code: Option<i32>,
+    pub signal: Option<i32>,
+    pub timed_out: bool,
+    pub exited: bool,
+    pub started_at_ms: i64,
+    pub ended_at_ms: Option<i64>,
+    /// The caller's own label for the process (e.g. an E2B process tag), if it gave one.
+    pub tag: Option<String>,
+}
+
+/// Opaque cursor of a sandbox list page: `<created_at_ms>.<id>` of the last row shown.
+pub fn parse_page_token(token: &str) -> Option<(i64, String)> {
+    let (ms, id) = token.split_once('.')?;
+    Some((ms.parse().ok()?, id.to_string()))
+}
+
+/// The token for the page after `rows` (fetched with one row more than `limit`), if any.
+pub fn next_page_token(rows: &[SandboxRow], limit: u32) -> Option<String> {
+    (rows.len() > limit as usize).then(|| {
+        let last = &rows[limit as usize - 1];
+        format!("{}.{}", last.created_at_ms, last.id)
+    })
+}
+
+#[derive(Debug, Clone, Default)]
+pub struct SandboxFilter {
+    /// Only these states; empty means every state but `deleted`.
+    pub states: Vec<SandboxState>,
+    pub metadata: BTreeMap<String, String>,
+    /// Return rows after this (created_at_ms, id) cursor.
+    pub after: Option<(i64, String)>,
+    pub limit: u32,
+}
+
+/// How a minted key is spelled; both are 160 random bits and work on both doors.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum KeyFormat {
+    /// `ak_<40 hex>`.
+    Airlock,
+    /// `e2b_<40 hex>`: E2B's own shape, which e2b SDKs 2.26 to 2.5x insist on client-side
+    /// (`Invalid API key format: expected "e2b_" followed by hex characters`).
+    E2b,
+}
+
+pub fn new_key(format: KeyFormat) -> String {
+    let prefix = match format {
+        KeyFormat::Airlock => "ak_",
+        KeyFormat::E2b => "e2b_",
+    };
+    format!("{prefix}{}", airlock_runtime::datadir::random_hex(20))
+}
+
+/// The states that count against a tenant's sandbox limit.
+pub const LIVE_STATES: [SandboxState; 4] = [
+    SandboxState::Creating,
+    SandboxState::Running,
+    SandboxState::Paused,
+    SandboxState::Deleting,
+];
+
+#[derive(Debug, thiserror::Error)]
+pub enum StoreError {
+    /// The tenant already has `limit` live sandboxes (checked atomically with the insert).
+    #[error("tenant has {live} live sandboxes, the limit is {limit}")]
+    QuotaExceeded { live: u32, limit: u32 },
+    /// The database failed; nothing a caller can act on but report it.
+    #[error("store: {0}")]
+    Backend(#[source] Box<dyn std::error::Error + Send + Sync>),
+}
+
+impl StoreError {
+    pub fn backend(e: impl Into<Box<dyn std::error::Error + Send + Sync>>) -> Self {
+        Self::Backend(e.into())
+    }
+}
+
+/// What [`SandboxStore::insert_create`] recorded.
+#[derive(Debug, Clone)]
+pub enum CreateRecorded {
+    /// The sandbox and its create operation are new: the caller starts the work.
+    New(Operation),
+    /// The tenant used this idempotency key before: its earlier operation, nothing inserted.
+    Existing(Operation),
+}
+
+impl CreateRecorded {
+    pub fn operation(&self) -> &Operation {
+        match self {
+            CreateRecorded::New(op) | CreateRecorded::Existing(op) => op,
+        }
+    }
+
+    pub fn into_operation(self) -> Operation {
+        match self {
+            CreateRecorded::New(op) | CreateRecorded::Existing(op) => op,
+        }
+    }
+}
+
+#[async_trait]
+pub trait TenantStore: Send + Sync {
+    /// Make sure tenant `default` exists; returns a new admin key the first time.
+    async fn bootstrap(&self) -> Result<Option<String>, StoreError>;
+    /// Mint a key for `tenant` (created if new); only its hash is kept.
+    async fn create_key(&self, tenant: &str, format: KeyFormat) -> Result<String, StoreError>;
+    /// The tenant whose key this is (looked up by `token_hash(key)`).
+    async fn tenant_by_key(&self, key: &str) -> Result<Option<Tenant>, StoreError>;
+}
+
+#[async_trait]
+pub trait SandboxStore: Send + Sync {
+    /// Record a new sandbox and its create operation in one atomic step that also checks the
+    /// tenant has fewer than `max_live` live sandboxes ([`LIVE_STATES`]). With an idempotency key
+    /// this tenant used before, nothing is inserted and the earlier operation comes back as
+    /// [`CreateRecorded::Existing`] (before any quota check). Concurrent calls are serialized:
+    /// each gets `New`, `Existing` or [`StoreError::QuotaExceeded`].
+    async fn insert_create(
+        &self,
+        sb: &SandboxRow,
+        op: &Operation,
+        idempotency_key: Option<&str>,
+        max_live: u32,
+    ) -> Result<CreateRecorded, StoreError>;
+    async fn get_sandbox(&self, tenant_id: &str, id: &str) -> Result<Option<SandboxRow>, StoreError>;
+    async fn sandbox_by_id(&self, id: &str) -> Result<Option<SandboxRow>, StoreError>;
+    /// One page (`limit + 1` rows, see [`next_page_token`]) of the tenant's sandboxes.
+    async fn list_sandboxes(&self, tenant_id: &str, filter: &SandboxFilter) -> Result<Vec<SandboxRow>, StoreError>;
+    /// Every tenant's sandboxes in a [`LIVE_STATES`] state.
+    async fn live_sandboxes(&self) -> Result<Vec<SandboxRow>, StoreError>;
+    async fn count_live_sandboxes(&self, tenant_id: &str) -> Result<u32, StoreError>;
+    async fn set_sandbox_state(&self, id: &str, state: SandboxState) -> Result<(), StoreError>;
+    async fn set_sandbox_boot(&self, id: &str, template_digest: &str, accel: &str) -> Result<(), StoreError>;
+    /// Running or paused sandboxes whose expiry is at or before `now_ms`.
+    async fn expired_sandboxes(&self, now_ms: i64) -> Result<Vec<SandboxRow>, StoreError>;
+    async fn set_sandbox_expiry(&self, id: &str, expires_at_ms: i64) -> Result<(), StoreError>;
+    /// The lifetime a paused sandbox has left: its clock stops while paused and resume restores it.
+    async fn set_paused_remaining(&self, id: &str, remaining_ms: Option<i64>) -> Result<(), StoreError>;
+    async fn paused_remaining(&self, id: &str) -> Result<Option<i64>, StoreError>;
+
+    /// Set (or replace) the sandbox's access token, given as its [`token_hash`].
+    async fn set_access_hash(&self, sandbox_id: &str, token_hash: &str) -> Result<(), StoreError>;
+    async fn access_hash(&self, sandbox_id: &str) -> Result<Option<String>, StoreError>;
+    async fn sandbox_by_access_hash(&self, token_hash: &str) -> Result<Option<SandboxRow>, StoreError>;
+
+    async fn insert_session(&self, s: &SessionRow) -> Result<(), StoreError>;
+    async fn get_session(&self, sandbox_id: &str, id: &str) -> Result<Option<SessionRow>, StoreError>;
+    async fn list_sessions(&self, sandbox_id: &str) -> Result<Vec<SessionRow>, StoreError>;
+    /// Record how the session's process ended (exit code, signal, timed out, end time).
+    async fn finish_session(&self, s: &SessionRow) -> Result<(), StoreError>;
+    /// The session of the agent process `process_id` (the latest, should the agent reuse ids).
+    async fn session_by_process(&self, sandbox_id: &str, process_id: u64) -> Result<Option<SessionRow>, StoreError>;
+}
+
+#[async_trait]
+pub trait OperationStore: Send + Sync {
+    async fn insert_operation(&self, tenant_id: &str, op: &Operation) -> Result<(), StoreError>;
+    async fn get_operation(&self, tenant_id: &str, id: &str) -> Result<Option<Operation>, StoreError>;
+    /// Any tenant's operation: for the engine, which has no tenant in hand.
+    async fn operation_by_id(&self, id: &str) -> Result<Option<Operation>, StoreError>;
+    async fn operation_by_idempotency_key(&self, tenant_id: &str, key: &str) -> Result<Option<Operation>, StoreError>;
+    async fn finish_operation(
+        &self,
+        id: &str,
+        state: OperationState,
+        error: Option<&ErrorBody>,
+    ) -> Result<(), StoreError>;
+    async fn set_operation_state(&self, id: &str, state: OperationState) -> Result<(), StoreError>;
+    /// Pending or running operations, oldest first: what a restart must settle.
+    async fn unfinished_operations(&self) -> Result<Vec<Operation>, StoreError>;
+    /// The sandbox's latest delete operation, whatever its state.
+    async fn open_delete_operation(&self, sandbox_id: &str) -> Result<Option<Operation>, StoreError>;
+}
+
+#[async_trait]
+pub trait E2bStore: Send + Sync {
+    /// The template name the E2B SDK created the sandbox with, echoed back as its `templateID`.
+    async fn set_e2b_alias(&self, sandbox_id: &str, alias: &str) -> Result<(), StoreError>;
+    async fn e2b_alias(&self, sandbox_id: &str) -> Result<Option<String>, StoreError>;
+}
+
+/// The whole store, as the server holds it.
+pub trait Store: TenantStore + SandboxStore + OperationStore + E2bStore {}
+
+impl<T: TenantStore + SandboxStore + OperationStore + E2bStore> Store for T {}

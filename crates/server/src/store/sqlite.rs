@@ -1,0 +1,592 @@
+//! [`SqliteStore`]: the store in one SQLite file (WAL, a small pool), migrated on open.
+
+use super::{
+    new_key, now_ms, rfc3339, token_hash, CreateRecorded, E2bStore, KeyFormat, OperationStore, SandboxFilter,
+    SandboxRow, SandboxStore, SessionRow, StoreError, Tenant, TenantStore,
+};
+use crate::error::ErrorBody;
+use crate::model::{Operation, OperationKind, OperationState, Resources, SandboxState};
+use async_trait::async_trait;
+use sqlx::sqlite::{SqliteConnectOptions, SqliteJournalMode, SqlitePool, SqlitePoolOptions};
+use sqlx::Row;
+use std::path::Path;
+use std::str::FromStr;
+
+/// The schema's versions, `crates/server/migrations/*.sql`, embedded at build time.
+static MIGRATOR: sqlx::migrate::Migrator = sqlx::migrate!();
+
+/// `state IN (...)` of the states that count against a tenant's limit (see `super::LIVE_STATES`).
+const LIVE: &str = "state IN ('creating', 'running', 'paused', 'deleting')";
+
+impl From<sqlx::Error> for StoreError {
+    fn from(e: sqlx::Error) -> Self {
+        StoreError::backend(e)
+    }
+}
+
+impl From<sqlx::migrate::MigrateError> for StoreError {
+    fn from(e: sqlx::migrate::MigrateError) -> Self {
+        StoreError::backend(e)
+    }
+}
+
+pub struct SqliteStore {
+    pool: SqlitePool,
+}
+
+impl SqliteStore {
+    /// Open (or create) the database at `path` and bring its schema up to date: the embedded
+    /// migrations, then the one step SQL cannot do (hashing legacy plain access tokens).
+    pub async fn open(path: &Path) -> Result<Self, StoreError> {
+        let opts = SqliteConnectOptions::from_str(&format!("sqlite://{}", path.display()))?
+            .create_if_missing(true)
+            .journal_mode(SqliteJournalMode::Wal)
+            .busy_timeout(std::time::Duration::from_secs(5));
+        let pool = SqlitePoolOptions::new().max_connections(4).connect_with(opts).await?;
+        MIGRATOR.run(&pool).await?;
+        let store = Self { pool };
+        store.hash_legacy_tokens().await?;
+        Ok(store)
+    }
+
+    /// Move the plain tokens of the pre-migration `sandbox_tokens` table into `sandbox_access`
+    /// as hashes and drop the table, in one transaction; nothing to do once it is gone.
+    async fn hash_legacy_tokens(&self) -> Result<(), StoreError> {
+        let mut tx = self.pool.begin_with("BEGIN IMMEDIATE").await?;
+        let legacy: Option<(String,)> =
+            sqlx::query_as("SELECT name FROM sqlite_master WHERE type = 'table' AND name = 'sandbox_tokens'")
+                .fetch_optional(&mut *tx)
+                .await?;
+        if legacy.is_none() {
+            return Ok(());
+        }
+        let rows: Vec<(String, String)> = sqlx::query_as("SELECT sandbox_id, token FROM sandbox_tokens")
+            .fetch_all(&mut *tx)
+            .await?;
+        for (sandbox_id, token) in &rows {
+            sqlx::query("INSERT OR REPLACE INTO sandbox_access (sandbox_id, token_hash) VALUES (?, ?)")
+                .bind(sandbox_id)
+                .bind(token_hash(token))
+                .execute(&mut *tx)
+                .await?;
+        }
+        sqlx::query("DROP TABLE sandbox_tokens").execute(&mut *tx).await?;
+        tx.commit().await?;
+        if !rows.is_empty() {
+            tracing::info!("hashed {} sandbox access tokens into sandbox_access", rows.len());
+        }
+        Ok(())
+    }
+}
+
+fn op_from_row(r: &sqlx::sqlite::SqliteRow) -> Operation {
+    let code: Option<String> = r.get("error_code");
+    let message: Option<String> = r.get("error_message");
+    let finished: Option<i64> = r.get("finished_at_ms");
+    Operation {
+        id: r.get("id"),
+        kind: OperationKind::parse(r.get::<&str, _>("kind")).unwrap_or(OperationKind::Create),
+        state: OperationState::parse(r.get::<&str, _>("state")).unwrap_or(OperationState::Failed),
+        sandbox_id: r.get("sandbox_id"),
+        error: code.map(|code| ErrorBody {
+            code,
+            message: message.unwrap_or_default(),
+        }),
+        created_at: rfc3339(r.get("created_at_ms")),
+        finished_at: finished.map(rfc3339),
+    }
+}
+
+fn sandbox_from_row(r: &sqlx::sqlite::SqliteRow) -> SandboxRow {
+    SandboxRow {
+        id: r.get("id"),
+        tenant_id: r.get("tenant_id"),
+        state: SandboxState::parse(r.get::<&str, _>("state")).unwrap_or(SandboxState::Failed),
+        template: r.get("template"),
+        template_digest: r.get("template_digest"),
+        runtime: r.get("runtime"),
+        accel: r.get("accel"),
+        resources: Resources {
+            vcpu: r.get::<i64, _>("vcpu") as u32,
+            memory_mib: r.get::<i64, _>("memory_mib") as u32,
+            disk_mib: r.get::<i64, _>("disk_mib") as u32,
+        },
+        env: serde_json::from_str(r.get::<&str, _>("env")).unwrap_or_default(),
+        metadata: serde_json::from_str(r.get::<&str, _>("metadata")).unwrap_or_default(),
+        created_at_ms: r.get("created_at_ms"),
+        expires_at_ms: r.get("expires_at_ms"),
+    }
+}
+
+fn session_from_row(r: &sqlx::sqlite::SqliteRow) -> SessionRow {
+    SessionRow {
+        id: r.get("id"),
+        sandbox_id: r.get("sandbox_id"),
+        process_id: r.get::<i64, _>("process_id") as u64,
+        argv: serde_json::from_str(r.get::<&str, _>("argv")).unwrap_or_default(),
+        cwd: r.get("cwd"),
+        user: r.get("user"),
+        pty: r.get::<i64, _>("pty") != 0,
+        exit_code: r.get::<Option<i64>, _>("exit_code").map(|v| v as i32),
+        signal: r.get::<Option<i64>, _>("signal").map(|v| v as i32),
+        timed_out: r.get::<i64, _>("timed_out") != 0,
+        exited: r.get::<i64, _>("exited") != 0,
+        started_at_ms: r.get("started_at_ms"),
+        ended_at_ms: r.get("ended_at_ms"),
+        tag: r.get("tag"),
+    }
+}
+
+fn op_created_ms(op: &Operation) -> i64 {
+    humantime::parse_rfc3339(&op.created_at)
+        .ok()
+        .and_then(|t| t.duration_since(std::time::UNIX_EPOCH).ok())
+        .map(|d| d.as_millis() as i64)
+        .unwrap_or_else(now_ms)
+}
+
+#[async_trait]
+impl TenantStore for SqliteStore {
+    async fn bootstrap(&self) -> Result<Option<String>, StoreError> {
+        let keys: (i64,) = sqlx::query_as(
+            "SELECT COUNT(*) FROM api_keys k JOIN tenants t ON t.id = k.tenant_id WHERE t.name = 'default'",
+        )
+        .fetch_one(&self.pool)
+        .await?;
+        if keys.0 > 0 {
+            return Ok(None);
+        }
+        self.create_key("default", KeyFormat::Airlock).await.map(Some)
+    }
+
+    async fn create_key(&self, tenant: &str, format: KeyFormat) -> Result<String, StoreError> {
+        let mut tx = self.pool.begin_with("BEGIN IMMEDIATE").await?;
+        let row: Option<(String,)> = sqlx::query_as("SELECT id FROM tenants WHERE name = ?")
+            .bind(tenant)
+            .fetch_optional(&mut *tx)
+            .await?;
+        let tenant_id = match row {
+            Some((id,)) => id,
+            None => {
+                sqlx::query("INSERT INTO tenants (id, name, created_at_ms) VALUES (?, ?, ?)")
+                    .bind(tenant)
+                    .bind(tenant)
+                    .bind(now_ms())
+                    .execute(&mut *tx)
+                    .await?;
+                tenant.to_string()
+            }
+        };
+        let key = new_key(format);
+        sqlx::query("INSERT INTO api_keys (hash, tenant_id, prefix, created_at_ms) VALUES (?, ?, ?, ?)")
+            .bind(token_hash(&key))
+            .bind(tenant_id)
+            .bind(&key[..8])
+            .bind(now_ms())
+            .execute(&mut *tx)
+            .await?;
+        tx.commit().await?;
+        Ok(key)
+    }
+
+    async fn tenant_by_key(&self, key: &str) -> Result<Option<Tenant>, StoreError> {
+        let row: Option<(String, String)> =
+            sqlx::query_as("SELECT t.id, t.name FROM api_keys k JOIN tenants t ON t.id = k.tenant_id WHERE k.hash = ?")
+                .bind(token_hash(key))
+                .fetch_optional(&self.pool)
+                .await?;
+        Ok(row.map(|(id, name)| Tenant { id, name }))
+    }
+}
+
+#[async_trait]
+impl SandboxStore for SqliteStore {
+    async fn insert_create(
+        &self,
+        sb: &SandboxRow,
+        op: &Operation,
+        idem: Option<&str>,
+        max_live: u32,
+    ) -> Result<CreateRecorded, StoreError> {
+        // IMMEDIATE takes the write lock up front (waiting up to busy_timeout for it), so the
+        // idempotency lookup, the live count and the inserts see one state no other writer can
+        // change in between: concurrent creates queue here instead of overshooting the limit
+        // (and a DEFERRED read-then-write would fail with SQLITE_BUSY_SNAPSHOT under WAL).
+        let mut tx = self.pool.begin_with("BEGIN IMMEDIATE").await?;
+        if let Some(key) = idem {
+            let prior = sqlx::query("SELECT * FROM operations WHERE tenant_id = ? AND idempotency_key = ?")
+                .bind(&sb.tenant_id)
+                .bind(key)
+                .fetch_optional(&mut *tx)
+                .await?;
+            if let Some(r) = prior {
+                return Ok(CreateRecorded::Existing(op_from_row(&r)));
+            }
+        }
+        let (live,): (i64,) = sqlx::query_as(&format!(
+            "SELECT COUNT(*) FROM sandboxes WHERE tenant_id = ? AND {LIVE}"
+        ))
+        .bind(&sb.tenant_id)
+        .fetch_one(&mut *tx)
+        .await?;
+        if live >= max_live as i64 {
+            return Err(StoreError::QuotaExceeded {
+                live: live as u32,
+                limit: max_live,
+            });
+        }
+        sqlx::query(
+            "INSERT INTO sandboxes (id, tenant_id, state, template, template_digest, runtime, accel, vcpu, memory_mib, disk_mib, env, metadata, created_at_ms, expires_at_ms)
+             VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+        )
+        .bind(&sb.id)
+        .bind(&sb.tenant_id)
+        .bind(sb.state.as_str())
+        .bind(&sb.template)
+        .bind(&sb.template_digest)
+        .bind(&sb.runtime)
+        .bind(&sb.accel)
+        .bind(sb.resources.vcpu as i64)
+        .bind(sb.resources.memory_mib as i64)
+        .bind(sb.resources.disk_mib as i64)
+        .bind(serde_json::to_string(&sb.env).unwrap_or_default())
+        .bind(serde_json::to_string(&sb.metadata).unwrap_or_default())
+        .bind(sb.created_at_ms)
+        .bind(sb.expires_at_ms)
+        .execute(&mut *tx)
+        .await?;
+        sqlx::query(
+            "INSERT INTO operations (id, tenant_id, kind, state, sandbox_id, idempotency_key, created_at_ms) VALUES (?, ?, ?, ?, ?, ?, ?)",
+        )
+        .bind(&op.id)
+        .bind(&sb.tenant_id)
+        .bind(op.kind.as_str())
+        .bind(op.state.as_str())
+        .bind(&op.sandbox_id)
+        .bind(idem)
+        .bind(op_created_ms(op))
+        .execute(&mut *tx)
+        .await?;
+        tx.commit().await?;
+        Ok(CreateRecorded::New(op.clone()))
+    }
+
+    async fn get_sandbox(&self, tenant_id: &str, id: &str) -> Result<Option<SandboxRow>, StoreError> {
+        let r = sqlx::query("SELECT * FROM sandboxes WHERE tenant_id = ? AND id = ?")
+            .bind(tenant_id)
+            .bind(id)
+            .fetch_optional(&self.pool)
+            .await?;
+        Ok(r.as_ref().map(sandbox_from_row))
+    }
+
+    async fn sandbox_by_id(&self, id: &str) -> Result<Option<SandboxRow>, StoreError> {
+        let r = sqlx::query("SELECT * FROM sandboxes WHERE id = ?")
+            .bind(id)
+            .fetch_optional(&self.pool)
+            .await?;
+        Ok(r.as_ref().map(sandbox_from_row))
+    }
+
+    async fn list_sandboxes(&self, tenant_id: &str, f: &SandboxFilter) -> Result<Vec<SandboxRow>, StoreError> {
+        // State and metadata are filtered here, after the SQL cursor; the page is trimmed after.
+        let (after_ms, after_id) = f.after.clone().unwrap_or((i64::MIN, String::new()));
+        let rows = sqlx::query(
+            "SELECT * FROM sandboxes WHERE tenant_id = ? AND state != 'deleted'
+             AND (created_at_ms > ? OR (created_at_ms = ? AND id > ?)) ORDER BY created_at_ms, id",
+        )
+        .bind(tenant_id)
+        .bind(after_ms)
+        .bind(after_ms)
+        .bind(after_id)
+        .fetch_all(&self.pool)
+        .await?;
+        Ok(rows
+            .iter()
+            .map(sandbox_from_row)
+            .filter(|s| f.states.is_empty() || f.states.contains(&s.state))
+            .filter(|s| f.metadata.iter().all(|(k, v)| s.metadata.get(k) == Some(v)))
+            .take(f.limit as usize + 1)
+            .collect())
+    }
+
+    async fn live_sandboxes(&self) -> Result<Vec<SandboxRow>, StoreError> {
+        let rows = sqlx::query(&format!("SELECT * FROM sandboxes WHERE {LIVE}"))
+            .fetch_all(&self.pool)
+            .await?;
+        Ok(rows.iter().map(sandbox_from_row).collect())
+    }
+
+    async fn count_live_sandboxes(&self, tenant_id: &str) -> Result<u32, StoreError> {
+        let n: (i64,) = sqlx::query_as(&format!(
+            "SELECT COUNT(*) FROM sandboxes WHERE tenant_id = ? AND {LIVE}"
+        ))
+        .bind(tenant_id)
+        .fetch_one(&self.pool)
+        .await?;
+        Ok(n.0 as u32)
+    }
+
+    async fn set_sandbox_state(&self, id: &str, state: SandboxState) -> Result<(), StoreError> {
+        sqlx::query("UPDATE sandboxes SET state = ? WHERE id = ?")
+            .bind(state.as_str())
+            .bind(id)
+            .execute(&self.pool)
+            .await?;
+        Ok(())
+    }
+
+    async fn set_sandbox_boot(&self, id: &str, digest: &str, accel: &str) -> Result<(), StoreError> {
+        sqlx::query("UPDATE sandboxes SET template_digest = ?, accel = ? WHERE id = ?")
+            .bind(digest)
+            .bind(accel)
+            .bind(id)
+            .execute(&self.pool)
+            .await?;
+        Ok(())
+    }
+
+    async fn expired_sandboxes(&self, now: i64) -> Result<Vec<SandboxRow>, StoreError> {
+        let rows = sqlx::query("SELECT * FROM sandboxes WHERE state IN ('running', 'paused') AND expires_at_ms <= ?")
+            .bind(now)
+            .fetch_all(&self.pool)
+            .await?;
+        Ok(rows.iter().map(sandbox_from_row).collect())
+    }
+
+    async fn set_sandbox_expiry(&self, id: &str, expires_at_ms: i64) -> Result<(), StoreError> {
+        sqlx::query("UPDATE sandboxes SET expires_at_ms = ? WHERE id = ?")
+            .bind(expires_at_ms)
+            .bind(id)
+            .execute(&self.pool)
+            .await?;
+        Ok(())
+    }
+
+    async fn set_paused_remaining(&self, id: &str, remaining_ms: Option<i64>) -> Result<(), StoreError> {
+        let q = match remaining_ms {
+            Some(ms) => sqlx::query("INSERT OR REPLACE INTO paused_lifetimes (sandbox_id, remaining_ms) VALUES (?, ?)")
+                .bind(id)
+                .bind(ms),
+            None => sqlx::query("DELETE FROM paused_lifetimes WHERE sandbox_id = ?").bind(id),
+        };
+        q.execute(&self.pool).await?;
+        Ok(())
+    }
+
+    async fn paused_remaining(&self, id: &str) -> Result<Option<i64>, StoreError> {
+        let r: Option<(i64,)> = sqlx::query_as("SELECT remaining_ms FROM paused_lifetimes WHERE sandbox_id = ?")
+            .bind(id)
+            .fetch_optional(&self.pool)
+            .await?;
+        Ok(r.map(|r| r.0))
+    }
+
+    async fn set_access_hash(&self, sandbox_id: &str, token_hash: &str) -> Result<(), StoreError> {
+        sqlx::query(
+            "INSERT INTO sandbox_access (sandbox_id, token_hash) VALUES (?, ?)
+             ON CONFLICT (sandbox_id) DO UPDATE SET token_hash = excluded.token_hash",
+        )
+        .bind(sandbox_id)
+        .bind(token_hash)
+        .execute(&self.pool)
+        .await?;
+        Ok(())
+    }
+
+    async fn access_hash(&self, sandbox_id: &str) -> Result<Option<String>, StoreError> {
+        let r: Option<(String,)> = sqlx::query_as("SELECT token_hash FROM sandbox_access WHERE sandbox_id = ?")
+            .bind(sandbox_id)
+            .fetch_optional(&self.pool)
+            .await?;
+        Ok(r.map(|r| r.0))
+    }
+
+    async fn sandbox_by_access_hash(&self, token_hash: &str) -> Result<Option<SandboxRow>, StoreError> {
+        let r = sqlx::query(
+            "SELECT s.* FROM sandbox_access a JOIN sandboxes s ON s.id = a.sandbox_id WHERE a.token_hash = ?",
+        )
+        .bind(token_hash)
+        .fetch_optional(&self.pool)
+        .await?;
+        Ok(r.as_ref().map(sandbox_from_row))
+    }
+
+    async fn insert_session(&self, s: &SessionRow) -> Result<(), StoreError> {
+        sqlx::query(
+            "INSERT INTO sessions (id, sandbox_id, process_id, argv, cwd, user, pty, exit_code, signal, timed_out, exited, started_at_ms, ended_at_ms, tag)
+             VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+        )
+        .bind(&s.id)
+        .bind(&s.sandbox_id)
+        .bind(s.process_id as i64)
+        .bind(serde_json::to_string(&s.argv).unwrap_or_default())
+        .bind(&s.cwd)
+        .bind(&s.user)
+        .bind(s.pty as i64)
+        .bind(s.exit_code)
+        .bind(s.signal)
+        .bind(s.timed_out as i64)
+        .bind(s.exited as i64)
+        .bind(s.started_at_ms)
+        .bind(s.ended_at_ms)
+        .bind(&s.tag)
+        .execute(&self.pool)
+        .await?;
+        Ok(())
+    }
+
+    async fn get_session(&self, sandbox_id: &str, id: &str) -> Result<Option<SessionRow>, StoreError> {
+        let r = sqlx::query("SELECT * FROM sessions WHERE sandbox_id = ? AND id = ?")
+            .bind(sandbox_id)
+            .bind(id)
+            .fetch_optional(&self.pool)
+            .await?;
+        Ok(r.as_ref().map(session_from_row))
+    }
+
+    async fn list_sessions(&self, sandbox_id: &str) -> Result<Vec<SessionRow>, StoreError> {
+        let rows = sqlx::query("SELECT * FROM sessions WHERE sandbox_id = ? ORDER BY started_at_ms, id")
+            .bind(sandbox_id)
+            .fetch_all(&self.pool)
+            .await?;
+        Ok(rows.iter().map(session_from_row).collect())
+    }
+
+    async fn finish_session(&self, s: &SessionRow) -> Result<(), StoreError> {
+        sqlx::query(
+            "UPDATE sessions SET exit_code = ?, signal = ?, timed_out = ?, exited = 1, ended_at_ms = ? WHERE id = ?",
+        )
+        .bind(s.exit_code)
+        .bind(s.signal)
+        .bind(s.timed_out as i64)
+        .bind(s.ended_at_ms)
+        .bind(&s.id)
+        .execute(&self.pool)
+        .await?;
+        Ok(())
+    }
+
+    async fn session_by_process(&self, sandbox_id: &str, process_id: u64) -> Result<Option<SessionRow>, StoreError> {
+        let r = sqlx::query(
+            "SELECT * FROM sessions WHERE sandbox_id = ? AND process_id = ? ORDER BY started_at_ms DESC, id DESC LIMIT 1",
+        )
+        .bind(sandbox_id)
+        .bind(process_id as i64)
+        .fetch_optional(&self.pool)
+        .await?;
+        Ok(r.as_ref().map(session_from_row))
+    }
+}
+
+#[async_trait]
+impl OperationStore for SqliteStore {
+    async fn insert_operation(&self, tenant_id: &str, op: &Operation) -> Result<(), StoreError> {
+        sqlx::query(
+            "INSERT INTO operations (id, tenant_id, kind, state, sandbox_id, created_at_ms) VALUES (?, ?, ?, ?, ?, ?)",
+        )
+        .bind(&op.id)
+        .bind(tenant_id)
+        .bind(op.kind.as_str())
+        .bind(op.state.as_str())
+        .bind(&op.sandbox_id)
+        .bind(op_created_ms(op))
+        .execute(&self.pool)
+        .await?;
+        Ok(())
+    }
+
+    async fn get_operation(&self, tenant_id: &str, id: &str) -> Result<Option<Operation>, StoreError> {
+        let r = sqlx::query("SELECT * FROM operations WHERE tenant_id = ? AND id = ?")
+            .bind(tenant_id)
+            .bind(id)
+            .fetch_optional(&self.pool)
+            .await?;
+        Ok(r.as_ref().map(op_from_row))
+    }
+
+    async fn operation_by_id(&self, id: &str) -> Result<Option<Operation>, StoreError> {
+        let r = sqlx::query("SELECT * FROM operations WHERE id = ?")
+            .bind(id)
+            .fetch_optional(&self.pool)
+            .await?;
+        Ok(r.as_ref().map(op_from_row))
+    }
+
+    async fn operation_by_idempotency_key(&self, tenant_id: &str, key: &str) -> Result<Option<Operation>, StoreError> {
+        let r = sqlx::query("SELECT * FROM operations WHERE tenant_id = ? AND idempotency_key = ?")
+            .bind(tenant_id)
+            .bind(key)
+            .fetch_optional(&self.pool)
+            .await?;
+        Ok(r.as_ref().map(op_from_row))
+    }
+
+    async fn finish_operation(
+        &self,
+        id: &str,
+        state: OperationState,
+        error: Option<&ErrorBody>,
+    ) -> Result<(), StoreError> {
+        sqlx::query(
+            "UPDATE operations SET state = ?, error_code = ?, error_message = ?, finished_at_ms = ? WHERE id = ?",
+        )
+        .bind(state.as_str())
+        .bind(error.map(|e| e.code.clone()))
+        .bind(error.map(|e| e.message.clone()))
+        .bind(now_ms())
+        .bind(id)
+        .execute(&self.pool)
+        .await?;
+        Ok(())
+    }
+
+    async fn set_operation_state(&self, id: &str, state: OperationState) -> Result<(), StoreError> {
+        sqlx::query("UPDATE operations SET state = ? WHERE id = ?")
+            .bind(state.as_str())
+            .bind(id)
+            .execute(&self.pool)
+            .await?;
+        Ok(())
+    }
+
+    async fn unfinished_operations(&self) -> Result<Vec<Operation>, StoreError> {
+        let rows = sqlx::query("SELECT * FROM operations WHERE state IN ('pending', 'running') ORDER BY created_at_ms")
+            .fetch_all(&self.pool)
+            .await?;
+        Ok(rows.iter().map(op_from_row).collect())
+    }
+
+    async fn open_delete_operation(&self, sandbox_id: &str) -> Result<Option<Operation>, StoreError> {
+        let r = sqlx::query(
+            "SELECT * FROM operations WHERE sandbox_id = ? AND kind = 'delete' ORDER BY created_at_ms DESC LIMIT 1",
+        )
+        .bind(sandbox_id)
+        .fetch_optional(&self.pool)
+        .await?;
+        Ok(r.as_ref().map(op_from_row))
+    }
+}
+
+#[async_trait]
+impl E2bStore for SqliteStore {
+    async fn set_e2b_alias(&self, sandbox_id: &str, alias: &str) -> Result<(), StoreError> {
+        sqlx::query(
+            "INSERT INTO e2b_sandboxes (sandbox_id, template_alias) VALUES (?, ?)
+             ON CONFLICT (sandbox_id) DO UPDATE SET template_alias = excluded.template_alias",
+        )
+        .bind(sandbox_id)
+        .bind(alias)
+        .execute(&self.pool)
+        .await?;
+        Ok(())
+    }
+
+    async fn e2b_alias(&self, sandbox_id: &str) -> Result<Option<String>, StoreError> {
+        let r: Option<(String,)> = sqlx::query_as("SELECT template_alias FROM e2b_sandboxes WHERE sandbox_id = ?")
+            .bind(sandbox_id)
+            .fetch_optional(&self.pool)
+            .await?;
+        Ok(r.map(|r| r.0))
+    }
+}
