@@ -10,7 +10,7 @@ use crate::core::sessions::{signal_description, Running, Selector, StartSession}
 use crate::core::{Accept, CoreError, Credentials, Kind, Principal};
 use crate::model::SandboxState;
 use crate::native::AppState;
-use crate::store::{SandboxRow, SessionRow};
+use crate::store::SandboxRow;
 use airlock_proto::frame::EventKind;
 use airlock_proto::{FileKind, FileStat, ProcessState, WatchEventKind};
 use axum::body::Body;
