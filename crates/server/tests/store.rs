@@ -1,0 +1,368 @@
+//! The SQLite store on real files: the atomic quota, idempotency, and upgrading a database made
+//! before versioned migrations.
+
+use airlock_server::model::{Operation, OperationKind, OperationState, Resources, SandboxState};
+use airlock_server::store::{
+    now_ms, rfc3339, token_hash, CreateRecorded, E2bStore, KeyFormat, OperationStore, SandboxRow, SandboxStore,
+    SessionRow, SqliteStore, StoreError, TenantStore,
+};
+use std::collections::BTreeMap;
+use std::path::Path;
+use std::sync::Arc;
+
+fn sandbox(id: &str, tenant: &str) -> SandboxRow {
+    SandboxRow {
+        id: id.into(),
+        tenant_id: tenant.into(),
+        state: SandboxState::Creating,
+        template: "seed".into(),
+        template_digest: "sha256:abc".into(),
+        runtime: "qemu".into(),
+        accel: "tcg".into(),
+        resources: Resources {
+            vcpu: 1,
+            memory_mib: 512,
+            disk_mib: 1024,
+        },
+        env: BTreeMap::new(),
+        metadata: BTreeMap::new(),
+        created_at_ms: now_ms(),
+        expires_at_ms: now_ms() + 60_000,
+    }
+}
+
+fn create_op(sandbox_id: &str) -> Operation {
+    Operation {
+        id: format!("op_{sandbox_id}"),
+        kind: OperationKind::Create,
+        state: OperationState::Pending,
+        sandbox_id: sandbox_id.into(),
+        error: None,
+        created_at: rfc3339(now_ms()),
+        finished_at: None,
+    }
+}
+
+async fn fresh() -> (tempfile::TempDir, Arc<SqliteStore>) {
+    let dir = tempfile::tempdir().unwrap();
+    let store = SqliteStore::open(&dir.path().join("airlock.db")).await.unwrap();
+    (dir, Arc::new(store))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn concurrent_creates_never_overshoot_the_limit() {
+    let (_dir, store) = fresh().await;
+    let tasks: Vec<_> = (0..10)
+        .map(|i| {
+            let store = store.clone();
+            tokio::spawn(async move {
+                let id = format!("sb{i}");
+                store.insert_create(&sandbox(&id, "t1"), &create_op(&id), None, 2).await
+            })
+        })
+        .collect();
+    let (mut new, mut refused) = (0, 0);
+    for t in tasks {
+        match t.await.unwrap() {
+            Ok(CreateRecorded::New(_)) => new += 1,
+            Err(StoreError::QuotaExceeded { live: 2, limit: 2 }) => refused += 1,
+            other => panic!("unexpected {other:?}"),
+        }
+    }
+    assert_eq!((new, refused), (2, 8));
+    assert_eq!(store.count_live_sandboxes("t1").await.unwrap(), 2);
+    // Another tenant's limit is its own.
+    assert_eq!(store.count_live_sandboxes("t2").await.unwrap(), 0);
+    let r = store
+        .insert_create(&sandbox("other", "t2"), &create_op("other"), None, 2)
+        .await;
+    assert!(matches!(r, Ok(CreateRecorded::New(_))));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn concurrent_creates_with_one_idempotency_key_make_one_sandbox() {
+    let (_dir, store) = fresh().await;
+    let tasks: Vec<_> = (0..10)
+        .map(|i| {
+            let store = store.clone();
+            tokio::spawn(async move {
+                let id = format!("sb{i}");
+                store
+                    .insert_create(&sandbox(&id, "t1"), &create_op(&id), Some("k"), 5)
+                    .await
+            })
+        })
+        .collect();
+    let mut ops = Vec::new();
+    let mut new = 0;
+    for t in tasks {
+        match t.await.unwrap().unwrap() {
+            CreateRecorded::New(op) => {
+                new += 1;
+                ops.push(op.id)
+            }
+            CreateRecorded::Existing(op) => ops.push(op.id),
+        }
+    }
+    assert_eq!(new, 1);
+    ops.dedup();
+    assert_eq!(ops.len(), 1, "every caller sees the one operation");
+    assert_eq!(store.count_live_sandboxes("t1").await.unwrap(), 1);
+}
+
+#[tokio::test]
+async fn idempotency_key_returns_the_first_operation_and_only_live_states_count() {
+    let (_dir, store) = fresh().await;
+    let first = store
+        .insert_create(&sandbox("a", "t1"), &create_op("a"), Some("key-1"), 1)
+        .await
+        .unwrap();
+    let CreateRecorded::New(first) = first else {
+        panic!("first create is new")
+    };
+    // Same key: the earlier operation, even though the tenant is now at its limit.
+    match store
+        .insert_create(&sandbox("b", "t1"), &create_op("b"), Some("key-1"), 1)
+        .await
+    {
+        Ok(CreateRecorded::Existing(op)) => {
+            assert_eq!(op.id, first.id);
+            assert_eq!(op.sandbox_id, "a");
+        }
+        other => panic!("unexpected {other:?}"),
+    }
+    assert!(store.sandbox_by_id("b").await.unwrap().is_none());
+    // Another key: over the limit.
+    match store
+        .insert_create(&sandbox("c", "t1"), &create_op("c"), Some("key-2"), 1)
+        .await
+    {
+        Err(StoreError::QuotaExceeded { live: 1, limit: 1 }) => {}
+        other => panic!("unexpected {other:?}"),
+    }
+    // The same key is another tenant's own.
+    let r = store
+        .insert_create(&sandbox("d", "t2"), &create_op("d"), Some("key-1"), 1)
+        .await;
+    assert!(matches!(r, Ok(CreateRecorded::New(_))));
+
+    // Every live state counts; deleted and failed ones do not.
+    for state in [SandboxState::Running, SandboxState::Paused, SandboxState::Deleting] {
+        store.set_sandbox_state("a", state).await.unwrap();
+        assert_eq!(store.count_live_sandboxes("t1").await.unwrap(), 1, "{state:?}");
+    }
+    for state in [SandboxState::Deleted, SandboxState::Failed] {
+        store.set_sandbox_state("a", state).await.unwrap();
+        assert_eq!(store.count_live_sandboxes("t1").await.unwrap(), 0, "{state:?}");
+    }
+    let r = store
+        .insert_create(&sandbox("e", "t1"), &create_op("e"), Some("key-3"), 1)
+        .await;
+    assert!(matches!(r, Ok(CreateRecorded::New(_))));
+    assert_eq!(
+        store
+            .operation_by_idempotency_key("t1", "key-3")
+            .await
+            .unwrap()
+            .unwrap()
+            .sandbox_id,
+        "e"
+    );
+    assert_eq!(store.operation_by_id(&first.id).await.unwrap().unwrap().sandbox_id, "a");
+    assert!(store.get_operation("t2", &first.id).await.unwrap().is_none());
+}
+
+#[tokio::test]
+async fn keys_access_tokens_sessions_and_aliases() {
+    let (_dir, store) = fresh().await;
+    let key = store.bootstrap().await.unwrap().expect("first bootstrap makes a key");
+    assert!(store.bootstrap().await.unwrap().is_none());
+    assert_eq!(store.tenant_by_key(&key).await.unwrap().unwrap().name, "default");
+    let e2b = store.create_key("acme", KeyFormat::E2b).await.unwrap();
+    assert!(e2b.starts_with("e2b_"));
+    assert_eq!(store.tenant_by_key(&e2b).await.unwrap().unwrap().id, "acme");
+    assert!(store.tenant_by_key("ak_nope").await.unwrap().is_none());
+
+    store
+        .insert_create(&sandbox("s1", "acme"), &create_op("s1"), None, 10)
+        .await
+        .unwrap();
+    assert!(store.access_hash("s1").await.unwrap().is_none());
+    store.set_access_hash("s1", &token_hash("one")).await.unwrap();
+    store.set_access_hash("s1", &token_hash("two")).await.unwrap();
+    assert_eq!(store.access_hash("s1").await.unwrap(), Some(token_hash("two")));
+    assert!(store
+        .sandbox_by_access_hash(&token_hash("one"))
+        .await
+        .unwrap()
+        .is_none());
+    assert_eq!(
+        store
+            .sandbox_by_access_hash(&token_hash("two"))
+            .await
+            .unwrap()
+            .unwrap()
+            .id,
+        "s1"
+    );
+
+    store.set_e2b_alias("s1", "base").await.unwrap();
+    assert_eq!(store.e2b_alias("s1").await.unwrap().as_deref(), Some("base"));
+    assert!(store.e2b_alias("nope").await.unwrap().is_none());
+
+    let mut s = SessionRow {
+        id: "ses1".into(),
+        sandbox_id: "s1".into(),
+        process_id: 7,
+        argv: vec!["sleep".into(), "1".into()],
+        cwd: "/".into(),
+        user: "user".into(),
+        pty: false,
+        exit_code: None,
+        signal: None,
+        timed_out: false,
+        exited: false,
+        started_at_ms: now_ms(),
+        ended_at_ms: None,
+        tag: Some("my-tag".into()),
+    };
+    store.insert_session(&s).await.unwrap();
+    let got = store.session_by_process("s1", 7).await.unwrap().unwrap();
+    assert_eq!((got.id.as_str(), got.tag.as_deref()), ("ses1", Some("my-tag")));
+    assert!(store.session_by_process("s1", 8).await.unwrap().is_none());
+    s.exit_code = Some(0);
+    s.ended_at_ms = Some(now_ms());
+    store.finish_session(&s).await.unwrap();
+    let got = store.get_session("s1", "ses1").await.unwrap().unwrap();
+    assert!(got.exited);
+    assert_eq!(got.exit_code, Some(0));
+    assert_eq!(store.list_sessions("s1").await.unwrap().len(), 1);
+}
+
+/// A database as the code before versioned migrations left it.
+async fn make_v0_database(path: &Path, key: &str, token: &str) {
+    use sqlx::sqlite::{SqliteConnectOptions, SqlitePoolOptions};
+    use std::str::FromStr;
+    let schema = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/tests/fixtures/schema-v0.sql")).unwrap();
+    let opts = SqliteConnectOptions::from_str(&format!("sqlite://{}", path.display()))
+        .unwrap()
+        .create_if_missing(true);
+    let pool = SqlitePoolOptions::new()
+        .max_connections(1)
+        .connect_with(opts)
+        .await
+        .unwrap();
+    sqlx::raw_sql(&schema).execute(&pool).await.unwrap();
+    let now = now_ms();
+    let rows = format!(
+        r#"
+INSERT INTO tenants (id, name, created_at_ms) VALUES ('default', 'default', {now});
+INSERT INTO api_keys (hash, tenant_id, prefix, created_at_ms) VALUES ('{key_hash}', 'default', '{prefix}', {now});
+INSERT INTO sandboxes (id, tenant_id, state, template, template_digest, runtime, accel, vcpu, memory_mib, disk_mib,
+  env, metadata, created_at_ms, expires_at_ms)
+  VALUES ('old1', 'default', 'running', 'seed', 'sha256:abc', 'qemu', 'tcg', 1, 512, 1024, '{{}}',
+  '{{"_e2b_template":"base","team":"x"}}', {now}, {later});
+INSERT INTO sandboxes (id, tenant_id, state, template, template_digest, runtime, accel, vcpu, memory_mib, disk_mib,
+  env, metadata, created_at_ms, expires_at_ms)
+  VALUES ('old2', 'default', 'running', 'seed', 'sha256:abc', 'qemu', 'tcg', 1, 512, 1024, '{{}}',
+  '{{"team":"y"}}', {now}, {later});
+INSERT INTO sandbox_tokens (sandbox_id, token) VALUES ('old1', '{token}');
+INSERT INTO sessions (id, sandbox_id, process_id, argv, cwd, user, pty, exit_code, signal, timed_out, exited,
+  started_at_ms, ended_at_ms) VALUES ('ses1', 'old1', 3, '["sh"]', '/', 'user', 0, NULL, NULL, 0, 0, {now}, NULL);
+INSERT INTO operations (id, tenant_id, kind, state, sandbox_id, error_code, error_message, idempotency_key,
+  created_at_ms, finished_at_ms) VALUES ('op_old', 'default', 'create', 'succeeded', 'old1', NULL, NULL, 'idem-old', {now}, {now});
+"#,
+        key_hash = token_hash(key),
+        prefix = &key[..8],
+        later = now + 60_000,
+    );
+    sqlx::raw_sql(&rows).execute(&pool).await.unwrap();
+    pool.close().await;
+}
+
+async fn table_exists(path: &Path, name: &str) -> bool {
+    use sqlx::Connection;
+    let mut c = sqlx::SqliteConnection::connect(&format!("sqlite://{}", path.display()))
+        .await
+        .unwrap();
+    let r: Option<(String,)> = sqlx::query_as("SELECT name FROM sqlite_master WHERE type = 'table' AND name = ?")
+        .bind(name)
+        .fetch_optional(&mut c)
+        .await
+        .unwrap();
+    r.is_some()
+}
+
+#[tokio::test]
+async fn a_database_from_before_migrations_is_upgraded_in_place() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("airlock.db");
+    let key = "ak_0123456789abcdef0123456789abcdef01234567";
+    let token = "0123456789abcdef0123456789abcdef";
+    make_v0_database(&path, key, token).await;
+    assert!(table_exists(&path, "sandbox_tokens").await);
+
+    for round in 0..2 {
+        // The second open finds everything migrated and changes nothing.
+        let store = SqliteStore::open(&path).await.unwrap();
+        assert_eq!(
+            store.tenant_by_key(key).await.unwrap().unwrap().id,
+            "default",
+            "round {round}"
+        );
+        assert!(store.bootstrap().await.unwrap().is_none(), "the old key still counts");
+
+        let sb = store.sandbox_by_id("old1").await.unwrap().unwrap();
+        assert_eq!(sb.metadata, BTreeMap::from([("team".to_string(), "x".to_string())]));
+        assert_eq!(store.e2b_alias("old1").await.unwrap().as_deref(), Some("base"));
+        let other = store.sandbox_by_id("old2").await.unwrap().unwrap();
+        assert_eq!(other.metadata, BTreeMap::from([("team".to_string(), "y".to_string())]));
+        assert!(store.e2b_alias("old2").await.unwrap().is_none());
+
+        assert_eq!(store.access_hash("old1").await.unwrap(), Some(token_hash(token)));
+        assert_eq!(
+            store
+                .sandbox_by_access_hash(&token_hash(token))
+                .await
+                .unwrap()
+                .unwrap()
+                .id,
+            "old1"
+        );
+        assert!(
+            store.sandbox_by_access_hash(token).await.unwrap().is_none(),
+            "the plain token is gone"
+        );
+
+        let ses = store.get_session("old1", "ses1").await.unwrap().unwrap();
+        assert_eq!((ses.process_id, ses.tag), (3, None));
+
+        let op = store
+            .operation_by_idempotency_key("default", "idem-old")
+            .await
+            .unwrap()
+            .unwrap();
+        assert_eq!((op.id.as_str(), op.state), ("op_old", OperationState::Succeeded));
+        match store
+            .insert_create(&sandbox("new", "default"), &create_op("new"), Some("idem-old"), 10)
+            .await
+        {
+            Ok(CreateRecorded::Existing(op)) => assert_eq!(op.id, "op_old"),
+            other => panic!("unexpected {other:?}"),
+        }
+        assert_eq!(store.count_live_sandboxes("default").await.unwrap(), 2);
+        drop(store);
+        assert!(!table_exists(&path, "sandbox_tokens").await);
+    }
+}
+
+#[tokio::test]
+async fn a_new_database_has_no_legacy_token_table() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("airlock.db");
+    drop(SqliteStore::open(&path).await.unwrap());
+    assert!(!table_exists(&path, "sandbox_tokens").await);
+    assert!(table_exists(&path, "sandbox_access").await);
+    assert!(table_exists(&path, "e2b_sandboxes").await);
+    drop(SqliteStore::open(&path).await.unwrap());
+}
