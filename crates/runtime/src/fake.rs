@@ -7,13 +7,16 @@
 //!   of `is_running` (its command line names the sandbox dir) work as with QEMU. Its stdin is a
 //!   pipe whose write end this process keeps: closing it is a clean power-off from inside (the
 //!   shell exits 0), and when the test process ends, every fake VM it started ends with it.
-//! - Pause is SIGSTOP (resume SIGCONT); `is_paused` reads the process state (`T`) from /proc,
-//!   so a new `FakeVmm` after a simulated restart sees it. A paused VM's agent does not answer.
+//! - Pause is recorded on disk (`<dir>/fake-paused`), so a new `FakeVmm` after a simulated
+//!   restart sees it; a paused VM's agent does not answer (no READY, no responses, no events)
+//!   until it resumes. The process itself is not SIGSTOPped: a stopped process would not see its
+//!   stdin close, and would outlive the test process.
 //! - The fake agent serves the real protocol (HELLO/READY, then HTTP/2) on `<dir>/agent.sock`
 //!   with a scripted process model and an in-memory file system; it never runs host commands.
-//!   Agents live in a process-global registry keyed by socket path, so they outlive a dropped
-//!   `Runtime` (a restarted runtime re-attaches and finds them answering); an agent stops when its
-//!   fake VM process exits.
+//!   Agents live in a process-global registry keyed by socket path and run on their own tokio
+//!   runtime (one background thread), so they outlive a dropped `Runtime` and even the tokio
+//!   runtime of the test that made them (a restarted runtime re-attaches and finds them
+//!   answering); an agent stops when its fake VM process exits.
 //!
 //! Programs the fake agent knows: `echo ARGS..` (prints them, exit 0), `true`, `false`,
 //! `sleep SECS|infinity` (until the time passes or a signal ends it), `cat` (stdin to stdout until
@@ -175,22 +178,8 @@ fn signal(pid: u32, sig: Signal) {
     let _ = kill(Pid::from_raw(pid as i32), sig);
 }
 
-/// Process state letter from /proc/<pid>/stat (`R`, `S`, `T`, `Z`, ...).
-fn proc_state(pid: u32) -> Option<char> {
-    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
-    stat.rsplit_once(')')?.1.split_whitespace().next()?.chars().next()
-}
-
-fn stopped(pid: u32) -> bool {
-    matches!(proc_state(pid), Some('T') | Some('t'))
-}
-
-/// Wait (briefly) until the process's stopped state is `want`: signals are delivered async.
-async fn settle(pid: u32, want: bool) {
-    let deadline = Instant::now() + Duration::from_secs(2);
-    while stopped(pid) != want && pid_alive(pid) && Instant::now() < deadline {
-        tokio::time::sleep(Duration::from_millis(2)).await;
-    }
+fn paused_marker(dir: &Path) -> PathBuf {
+    dir.join("fake-paused")
 }
 
 #[async_trait]
@@ -204,7 +193,12 @@ impl Vmm for FakeVmm {
         let agent_socket = dir.join("agent.sock");
         let console = dir.join("console.log");
         let _ = std::fs::remove_file(&agent_socket);
-        let listener = UnixListener::bind(&agent_socket).map_err(|e| RuntimeError::io(&agent_socket, e))?;
+        // A std listener: the agent runtime adopts it (a tokio one would belong to the caller's).
+        let listener =
+            std::os::unix::net::UnixListener::bind(&agent_socket).map_err(|e| RuntimeError::io(&agent_socket, e))?;
+        listener
+            .set_nonblocking(true)
+            .map_err(|e| RuntimeError::io(&agent_socket, e))?;
         std::fs::write(&console, format!("fake VM {} booting\n", spec.id))
             .map_err(|e| RuntimeError::io(&console, e))?;
 
@@ -255,7 +249,6 @@ impl Vmm for FakeVmm {
             return Ok(());
         }
         signal(vm.pid, Signal::SIGTERM);
-        signal(vm.pid, Signal::SIGCONT); // a paused VM handles the SIGTERM once it runs
         if wait_exit(vm.pid, grace).await {
             return Ok(());
         }
@@ -280,11 +273,11 @@ impl Vmm for FakeVmm {
         if !self.is_running(vm) {
             return Err(control_failed("pause", vm));
         }
+        let marker = paused_marker(&vm.dir);
+        std::fs::write(&marker, b"").map_err(|e| RuntimeError::io(&marker, e))?;
         if let Some(g) = guest(&vm.agent_socket) {
             g.paused.send_replace(true);
         }
-        signal(vm.pid, Signal::SIGSTOP);
-        settle(vm.pid, true).await;
         Ok(())
     }
 
@@ -292,8 +285,11 @@ impl Vmm for FakeVmm {
         if !self.is_running(vm) {
             return Err(control_failed("resume", vm));
         }
-        signal(vm.pid, Signal::SIGCONT);
-        settle(vm.pid, false).await;
+        let marker = paused_marker(&vm.dir);
+        match std::fs::remove_file(&marker) {
+            Err(e) if e.kind() != std::io::ErrorKind::NotFound => return Err(RuntimeError::io(&marker, e)),
+            _ => {}
+        }
         if let Some(g) = guest(&vm.agent_socket) {
             g.paused.send_replace(false);
         }
@@ -304,7 +300,7 @@ impl Vmm for FakeVmm {
         if !self.is_running(vm) {
             return Err(control_failed("query-status", vm));
         }
-        Ok(stopped(vm.pid))
+        Ok(paused_marker(&vm.dir).exists())
     }
 }
 
@@ -325,13 +321,24 @@ struct Registered {
 
 static GUESTS: LazyLock<Mutex<HashMap<PathBuf, Registered>>> = LazyLock::new(Default::default);
 
+/// Where the fake agents and their VM watchers run: not on the caller's tokio runtime, which a
+/// test may shut down to simulate a restart.
+static AGENT_RUNTIME: LazyLock<tokio::runtime::Runtime> = LazyLock::new(|| {
+    tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(1)
+        .thread_name("airlock-fake-agent")
+        .enable_all()
+        .build()
+        .expect("the fake agent runtime starts")
+});
+
 fn guest(socket: &Path) -> Option<Arc<Guest>> {
     GUESTS.lock().unwrap().get(socket).map(|r| r.guest.clone())
 }
 
 /// Serve `guest` on `listener` until its VM process exits.
-fn register(socket: PathBuf, guest: Arc<Guest>, listener: UnixListener) {
-    let server = tokio::spawn(serve(guest.clone(), listener)).abort_handle();
+fn register(socket: PathBuf, guest: Arc<Guest>, listener: std::os::unix::net::UnixListener) {
+    let server = AGENT_RUNTIME.spawn(serve(guest.clone(), listener)).abort_handle();
     let pid = guest.pid;
     let old = GUESTS.lock().unwrap().insert(
         socket.clone(),
@@ -343,7 +350,7 @@ fn register(socket: PathBuf, guest: Arc<Guest>, listener: UnixListener) {
     if let Some(old) = old {
         old.server.abort();
     }
-    tokio::spawn(async move {
+    AGENT_RUNTIME.spawn(async move {
         while !wait_exit(pid, Duration::from_secs(3600)).await {}
         let mut guests = GUESTS.lock().unwrap();
         if guests.get(&socket).is_some_and(|r| Arc::ptr_eq(&r.guest, &guest)) {
@@ -354,7 +361,14 @@ fn register(socket: PathBuf, guest: Arc<Guest>, listener: UnixListener) {
     });
 }
 
-async fn serve(guest: Arc<Guest>, listener: UnixListener) {
+async fn serve(guest: Arc<Guest>, listener: std::os::unix::net::UnixListener) {
+    let listener = match UnixListener::from_std(listener) {
+        Ok(l) => l,
+        Err(e) => {
+            tracing::warn!("fake agent listener: {e}");
+            return;
+        }
+    };
     // Connections live in the set: aborting this task (the VM died) ends them all.
     let mut conns = tokio::task::JoinSet::new();
     loop {

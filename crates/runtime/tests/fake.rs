@@ -258,3 +258,32 @@ async fn typed_errors_for_ids() {
     drop(sb);
     assert_no_vms(tmp.path());
 }
+
+/// A restart that also replaces the tokio runtime (as a real server restart would): the fake
+/// agents do not live on the test's runtime, so they still answer.
+#[test]
+fn restart_with_a_new_tokio_runtime() {
+    let tmp = tempfile::tempdir().unwrap();
+    let tokio_rt = || {
+        tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap()
+    };
+    let (id, pid) = tokio_rt().block_on(async {
+        let rt = node(tmp.path()).await;
+        let sb = rt.create(seed(None)).await.unwrap();
+        (sb.id().to_string(), sb.vm.pid)
+    });
+    tokio_rt().block_on(async {
+        let rt = Runtime::open(fake::options(tmp.path())).await.unwrap();
+        let sb = rt.get(&id).unwrap();
+        assert_eq!(sb.vm.pid, pid);
+        assert_eq!(
+            sb.run(argv(&["echo", "still", "here"])).await.unwrap().stdout,
+            b"still here\n"
+        );
+        rt.delete(&id).await.unwrap();
+    });
+    assert_no_vms(tmp.path());
+}
