@@ -6,6 +6,8 @@
 pub mod agent;
 pub mod datadir;
 pub mod error;
+#[cfg(feature = "fake")]
+pub mod fake;
 pub mod qemu;
 pub mod qmp;
 pub mod sandbox;

@@ -264,7 +264,8 @@ pub fn valid_sandbox_id(id: &str) -> bool {
 }
 
 impl Runtime {
-    /// Open the data dir, find QEMU, and re-attach to (or clean up after) existing sandboxes.
+    /// Open the data dir, find QEMU (unless `opts.vmm` brings a driver), and re-attach to (or
+    /// clean up after) existing sandboxes.
     pub async fn open(opts: RuntimeOptions) -> Result<Self> {
         let data = DataDir::open(&opts.data_dir)?;
         let vmm: Arc<dyn Vmm> = match opts.vmm {

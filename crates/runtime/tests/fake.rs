@@ -1,0 +1,285 @@
+//! The runtime over the fake VMM and fake agent: create/run/delete, VMs that die on their own
+//! (`kill -9`, power-off from inside), re-attach after a restart, pause across a restart.
+//! No VM boots; each test takes milliseconds.
+
+use airlock_proto::frame::EventKind;
+use airlock_proto::ProcessSpec;
+use airlock_runtime::fake;
+use airlock_runtime::vmm::pid_alive;
+use airlock_runtime::{AgentClient, CreateSandbox, Resources, Runtime, RuntimeError};
+use futures_util::StreamExt;
+use std::path::Path;
+use std::time::{Duration, Instant};
+
+async fn node(dir: &Path) -> Runtime {
+    fake::install_template(dir, "seed").unwrap();
+    Runtime::open(fake::options(dir)).await.unwrap()
+}
+
+fn seed(id: Option<&str>) -> CreateSandbox {
+    CreateSandbox {
+        id: id.map(Into::into),
+        template: "seed".into(),
+        resources: Resources::default(),
+    }
+}
+
+fn argv(a: &[&str]) -> ProcessSpec {
+    ProcessSpec {
+        argv: a.iter().map(|s| s.to_string()).collect(),
+        ..Default::default()
+    }
+}
+
+/// No fake VM of this data dir may outlive the test.
+fn assert_no_vms(dir: &Path) {
+    let deadline = Instant::now() + Duration::from_secs(2);
+    while !fake::live_vms(dir).is_empty() && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    assert_eq!(fake::live_vms(dir), Vec::<u32>::new(), "fake VMs left behind");
+}
+
+async fn next_exit(rx: &mut tokio::sync::broadcast::Receiver<String>) -> String {
+    tokio::time::timeout(Duration::from_secs(3), rx.recv())
+        .await
+        .expect("an exit within 3 s")
+        .unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn create_run_delete() {
+    let tmp = tempfile::tempdir().unwrap();
+    let rt = node(tmp.path()).await;
+    assert_eq!(rt.runtime_name(), "fake");
+    let sb = rt.create(seed(None)).await.unwrap();
+    assert!(pid_alive(sb.vm.pid));
+    assert_eq!(fake::live_vms(tmp.path()), vec![sb.vm.pid]);
+
+    let out = sb.run(argv(&["echo", "hello", "world"])).await.unwrap();
+    assert_eq!(out.stdout, b"hello world\n");
+    assert_eq!(out.exit.exit_code, Some(0));
+    let out = sb.run(argv(&["sh", "-c", "exit 3"])).await.unwrap();
+    assert_eq!(out.exit.exit_code, Some(3));
+    let out = sb.run(argv(&["gcc", "x.c"])).await.unwrap();
+    assert_eq!(out.exit.exit_code, Some(127));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("command not found"));
+
+    // A session: a long process, streamed, resumed after a seq, signalled.
+    let agent = sb.agent().await.unwrap();
+    let cat = agent
+        .spawn(&ProcessSpec {
+            stdin: true,
+            ..argv(&["cat"])
+        })
+        .await
+        .unwrap();
+    agent.write_stdin(cat.id, "one\n").await.unwrap();
+    agent.write_stdin(cat.id, "two\n").await.unwrap();
+    agent.close_stdin(cat.id).await.unwrap();
+    let events: Vec<_> = agent.events(cat.id, 1).await.unwrap().collect().await;
+    let kinds: Vec<_> = events.into_iter().map(|e| e.unwrap()).collect();
+    assert_eq!(kinds.len(), 2, "resumed after seq 1: {kinds:?}");
+    assert_eq!(kinds[0].kind, EventKind::Stdout("two\n".into()));
+    assert!(matches!(&kinds[1].kind, EventKind::Exit(e) if e.exit_code == Some(0)));
+
+    let sleep = agent.spawn(&argv(&["sleep", "30"])).await.unwrap();
+    assert_eq!(agent.processes().await.unwrap().len(), 5);
+    agent.signal(sleep.id, 9).await.unwrap();
+    let mut events = Box::pin(agent.events(sleep.id, 0).await.unwrap());
+    let ev = events.next().await.unwrap().unwrap();
+    assert!(matches!(ev.kind, EventKind::Exit(e) if e.signal == Some(9)));
+    let timed = sb
+        .run(ProcessSpec {
+            timeout_ms: Some(50),
+            ..argv(&["sleep", "infinity"])
+        })
+        .await
+        .unwrap();
+    assert!(timed.exit.timed_out);
+
+    // Files.
+    agent
+        .write_file("/home/user/a/b.txt", Some("user"), "data")
+        .await
+        .unwrap();
+    assert_eq!(agent.read_file("/home/user/a/b.txt").await.unwrap(), "data");
+    let listed = agent.list("/home/user", 2).await.unwrap();
+    let paths: Vec<_> = listed.iter().map(|s| s.path.as_str()).collect();
+    assert_eq!(paths, ["/home/user/a", "/home/user/a/b.txt"]);
+    agent.rename("/home/user/a", "/tmp/c").await.unwrap();
+    assert_eq!(agent.stat("/tmp/c/b.txt").await.unwrap().size, 4);
+    agent.remove("/tmp/c").await.unwrap();
+    let gone = agent.stat("/tmp/c/b.txt").await.unwrap_err();
+    assert_eq!(gone.code(), Some(airlock_proto::ErrorCode::NotFound));
+    assert!(agent.metrics().await.unwrap().mem_total_bytes > 0);
+
+    let (pid, dir) = (sb.vm.pid, sb.vm.dir.clone());
+    let mut exits = rt.exits();
+    rt.delete(sb.id()).await.unwrap();
+    assert!(!dir.exists());
+    assert!(!pid_alive(pid));
+    assert!(matches!(rt.get(sb.id()), Err(RuntimeError::UnknownSandbox(_))));
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    assert!(exits.try_recv().is_err(), "a delete is not an exit");
+    assert_no_vms(tmp.path());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn kill_9_is_reported_and_cleaned_up() {
+    let tmp = tempfile::tempdir().unwrap();
+    let rt = node(tmp.path()).await;
+    let sb = rt.create(seed(None)).await.unwrap();
+    let other = rt.create(seed(None)).await.unwrap();
+    let mut exits = rt.exits();
+    let started = Instant::now();
+    fake::kill_vm(sb.vm.pid);
+    assert_eq!(next_exit(&mut exits).await, sb.id());
+    eprintln!("kill -9 reported after {:?}", started.elapsed());
+    assert!(matches!(rt.get(sb.id()), Err(RuntimeError::UnknownSandbox(_))));
+    assert!(!sb.vm.dir.exists());
+    // The other sandbox is untouched.
+    assert_eq!(other.run(argv(&["echo", "ok"])).await.unwrap().stdout, b"ok\n");
+    rt.delete(other.id()).await.unwrap();
+    assert_no_vms(tmp.path());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn poweroff_from_inside_is_reported() {
+    let tmp = tempfile::tempdir().unwrap();
+    let rt = node(tmp.path()).await;
+    let mut exits = rt.exits();
+
+    // The guest powers itself off (`poweroff` in the sandbox).
+    let sb = rt.create(seed(None)).await.unwrap();
+    let agent = sb.agent().await.unwrap();
+    agent.spawn(&argv(&["poweroff"])).await.unwrap();
+    assert_eq!(next_exit(&mut exits).await, sb.id());
+    assert!(matches!(rt.get(sb.id()), Err(RuntimeError::UnknownSandbox(_))));
+    assert!(!sb.vm.dir.exists());
+
+    // The same through the test control.
+    let sb = rt.create(seed(None)).await.unwrap();
+    assert!(fake::power_off(&sb.vm));
+    assert_eq!(next_exit(&mut exits).await, sb.id());
+    assert!(rt.list().is_empty());
+    assert_no_vms(tmp.path());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn restart_reattaches_running_and_paused_vms() {
+    let tmp = tempfile::tempdir().unwrap();
+    let rt = node(tmp.path()).await;
+    let running = rt.create(seed(None)).await.unwrap();
+    let paused = rt.create(seed(None)).await.unwrap();
+    let agent = running.agent().await.unwrap();
+    let sleeper = agent.spawn(&argv(&["sleep", "60"])).await.unwrap();
+    rt.pause(paused.id()).await.unwrap();
+    assert!(paused.is_paused());
+    // A frozen guest does not answer.
+    let frozen = AgentClient::connect_ready(&paused.vm.agent_socket, Duration::from_millis(300)).await;
+    assert!(frozen.is_err(), "a paused VM's agent answered");
+    let (running_id, paused_id) = (running.id().to_string(), paused.id().to_string());
+    let pids = (running.vm.pid, paused.vm.pid);
+
+    // Restart: the old runtime goes away, a new one (with a new FakeVmm) opens the same dir.
+    drop((running, paused, agent, rt));
+    let rt = Runtime::open(fake::options(tmp.path())).await.unwrap();
+    assert_eq!(rt.list().len(), 2);
+    let running = rt.get(&running_id).unwrap();
+    let paused = rt.get(&paused_id).unwrap();
+    assert_eq!((running.vm.pid, paused.vm.pid), pids);
+    // The running VM's agent still answers, and its processes are still there.
+    let agent = running.agent().await.unwrap();
+    let info = agent.process(sleeper.id).await.unwrap();
+    assert_eq!(info.state, airlock_proto::ProcessState::Running);
+    assert_eq!(running.run(argv(&["echo", "again"])).await.unwrap().stdout, b"again\n");
+    // The paused one is re-attached as paused, then resumes.
+    assert!(paused.is_paused());
+    assert!(matches!(paused.agent().await, Err(RuntimeError::NotRunning(_))));
+    rt.resume(&paused_id).await.unwrap();
+    assert!(!paused.is_paused());
+    assert_eq!(paused.run(argv(&["echo", "awake"])).await.unwrap().stdout, b"awake\n");
+
+    // A VM killed after the restart is reported by the new runtime.
+    let mut exits = rt.exits();
+    fake::kill_vm(running.vm.pid);
+    assert_eq!(next_exit(&mut exits).await, running_id);
+
+    // A paused VM can be deleted.
+    rt.pause(&paused_id).await.unwrap();
+    rt.delete(&paused_id).await.unwrap();
+    assert!(rt.list().is_empty());
+    assert_no_vms(tmp.path());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn restart_removes_dead_vms() {
+    let tmp = tempfile::tempdir().unwrap();
+    let rt = node(tmp.path()).await;
+    let sb = rt.create(seed(None)).await.unwrap();
+    let (id, dir, pid) = (sb.id().to_string(), sb.vm.dir.clone(), sb.vm.pid);
+    drop((sb, rt));
+    // Dies while no runtime watches it.
+    fake::kill_vm(pid);
+    let deadline = Instant::now() + Duration::from_secs(2);
+    while pid_alive(pid) && Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    let rt = Runtime::open(fake::options(tmp.path())).await.unwrap();
+    assert!(matches!(rt.get(&id), Err(RuntimeError::UnknownSandbox(_))));
+    assert!(!dir.exists());
+    assert_no_vms(tmp.path());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn typed_errors_for_ids() {
+    let tmp = tempfile::tempdir().unwrap();
+    let rt = node(tmp.path()).await;
+    let bad = rt.create(seed(Some("Not-Valid!"))).await.err().unwrap();
+    assert!(matches!(bad, RuntimeError::InvalidSandboxId(_)), "{bad}");
+    let sb = rt.create(seed(Some("abcdef0123"))).await.unwrap();
+    let taken = rt.create(seed(Some("abcdef0123"))).await.err().unwrap();
+    assert!(matches!(taken, RuntimeError::SandboxIdTaken(_)), "{taken}");
+    let missing = rt
+        .create(CreateSandbox {
+            template: "nope".into(),
+            ..seed(None)
+        })
+        .await
+        .err()
+        .unwrap();
+    assert!(matches!(missing, RuntimeError::UnknownTemplate(_)), "{missing}");
+    rt.delete(sb.id()).await.unwrap();
+    assert!(rt.list().is_empty());
+    assert_no_vms(tmp.path());
+}
+
+/// A restart that also replaces the tokio runtime (as a real server restart would): the fake
+/// agents do not live on the test's runtime, so they still answer.
+#[test]
+fn restart_with_a_new_tokio_runtime() {
+    let tmp = tempfile::tempdir().unwrap();
+    let tokio_rt = || {
+        tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap()
+    };
+    let (id, pid) = tokio_rt().block_on(async {
+        let rt = node(tmp.path()).await;
+        let sb = rt.create(seed(None)).await.unwrap();
+        (sb.id().to_string(), sb.vm.pid)
+    });
+    tokio_rt().block_on(async {
+        let rt = Runtime::open(fake::options(tmp.path())).await.unwrap();
+        let sb = rt.get(&id).unwrap();
+        assert_eq!(sb.vm.pid, pid);
+        assert_eq!(
+            sb.run(argv(&["echo", "still", "here"])).await.unwrap().stdout,
+            b"still here\n"
+        );
+        rt.delete(&id).await.unwrap();
+    });
+    assert_no_vms(tmp.path());
+}
