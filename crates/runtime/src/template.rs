@@ -390,10 +390,32 @@ impl TemplateStore {
                 .arg(&recipe.suite)
                 .arg(&tmp)
                 .arg(&recipe.mirror);
-            run_logged(&mut cmd, &log, "debootstrap", progress)?;
-            tracing::info!("debootstrap took {:.1}s", started.elapsed().as_secs_f64());
+            let mut status = DebootstrapStatus::default();
+            let ran = run_logged(&mut cmd, &log, "debootstrap", progress, |line| {
+                if line.starts_with("W: ") || line.starts_with("E: ") {
+                    progress.warn(&format!("debootstrap: {line}"));
+                }
+                if status.feed(line) {
+                    progress.status(&status.stage_line(), &status.count_line(), &status.display());
+                }
+            });
+            if ran.is_err() {
+                // debootstrap's own full log is inside the target, which is about to be removed.
+                if let Ok(inner) = std::fs::read(tmp.join("debootstrap/debootstrap.log")) {
+                    use std::io::Write;
+                    if let Ok(mut f) = std::fs::OpenOptions::new().append(true).open(&log) {
+                        let _ = f.write_all(b"--- debootstrap/debootstrap.log ---\n");
+                        let _ = f.write_all(&inner);
+                    }
+                }
+            }
+            ran?;
+            tracing::debug!("debootstrap took {:.1}s", started.elapsed().as_secs_f64());
+            progress.status("customizing the base", "customizing the base", "customizing the base");
             customize_base(&tmp)?;
             if recipe.packages.iter().any(|p| p == "python3-matplotlib") {
+                let what = "building matplotlib's font cache";
+                progress.status(what, what, what);
                 // Build matplotlib's font cache now, not on a user's first plot under TCG.
                 run(
                     Command::new("chroot").arg(&tmp).args([
@@ -507,12 +529,12 @@ impl TemplateStore {
         // The previous image stays while sandboxes may use it; unreferenced blobs are pruned
         // when no sandbox dir mentions them (see `prune_blobs`).
         if let Some(old) = old.filter(|o| o.dir != dir) {
-            tracing::info!(
+            progress.log(&format!(
                 "{} replaced {} -> {}",
                 recipe.name,
                 short(&old.manifest.digest),
                 short(&manifest.digest)
-            );
+            ));
         }
         Ok(Template { manifest, dir })
     }
@@ -618,34 +640,155 @@ fn run(cmd: &mut Command, what: &str) -> Result<()> {
     Ok(())
 }
 
-/// Run a long step with its output in a log file, showing the latest line as progress.
-fn run_logged(cmd: &mut Command, log: &Path, what: &str, progress: &Progress) -> Result<()> {
-    use std::io::BufRead;
-    let file = std::fs::File::create(log).map_err(|e| RuntimeError::io(log, e))?;
+/// Run a long step, reading its stdout and stderr line by line while it runs: every line goes to
+/// `log` and to `on_line` (which turns it into progress); a failure reports the last lines.
+fn run_logged(
+    cmd: &mut Command,
+    log: &Path,
+    what: &str,
+    progress: &Progress,
+    mut on_line: impl FnMut(&str),
+) -> Result<()> {
+    use std::io::{BufRead, Write};
+    use std::sync::mpsc::{channel, RecvTimeoutError};
+    const TAIL: usize = 6;
+    let mut file = std::fs::File::create(log).map_err(|e| RuntimeError::io(log, e))?;
     let mut child = cmd
         .stdout(std::process::Stdio::piped())
-        .stderr(file)
+        .stderr(std::process::Stdio::piped())
         .spawn()
         .map_err(|e| RuntimeError::TemplateBuild(format!("{what}: {e}; run scripts/install-host-deps as root")))?;
-    let stdout = child.stdout.take().expect("piped");
-    let mut lines = Vec::new();
-    for line in std::io::BufReader::new(stdout).lines().map_while(|l| l.ok()) {
-        progress.detail(&line);
-        lines.push(line);
+    let (tx, rx) = channel::<String>();
+    let outputs: [Box<dyn std::io::Read + Send>; 2] = [
+        Box::new(child.stdout.take().expect("piped")),
+        Box::new(child.stderr.take().expect("piped")),
+    ];
+    let readers: Vec<_> = outputs
+        .into_iter()
+        .map(|out| {
+            let tx = tx.clone();
+            std::thread::spawn(move || {
+                // Bytes, not `lines()`: a line that is not UTF-8 must not stop the draining.
+                let mut out = std::io::BufReader::new(out);
+                let mut buf = Vec::new();
+                while matches!(out.read_until(b'\n', &mut buf), Ok(n) if n > 0) {
+                    let line = String::from_utf8_lossy(&buf).trim_end().to_string();
+                    buf.clear();
+                    if tx.send(line).is_err() {
+                        break;
+                    }
+                }
+            })
+        })
+        .collect();
+    drop(tx);
+    let mut tail = std::collections::VecDeque::with_capacity(TAIL);
+    loop {
+        match rx.recv_timeout(std::time::Duration::from_secs(1)) {
+            Ok(line) => {
+                let _ = writeln!(file, "{line}");
+                on_line(&line);
+                if tail.len() == TAIL {
+                    tail.pop_front();
+                }
+                tail.push_back(line);
+            }
+            Err(RecvTimeoutError::Timeout) => {}
+            Err(RecvTimeoutError::Disconnected) => break,
+        }
+        progress.heartbeat();
+    }
+    for r in readers {
+        let _ = r.join();
     }
     let status = child
         .wait()
         .map_err(|e| RuntimeError::TemplateBuild(format!("{what}: {e}")))?;
     if !status.success() {
-        let errs = std::fs::read_to_string(log).unwrap_or_default();
-        let tail: Vec<&str> = lines.iter().map(String::as_str).chain(errs.lines()).collect();
-        let tail = tail[tail.len().saturating_sub(6)..].join(" | ");
+        let tail = Vec::from(tail).join(" | ");
         return Err(RuntimeError::TemplateBuild(format!(
             "{what} failed ({status}): {tail} (log: {})",
             log.display()
         )));
     }
     Ok(())
+}
+
+/// What debootstrap is doing, from its `I:` lines (`I: Retrieving libc6 2.36-9`, `I: Extracting
+/// bash...`, `I: Configuring apt...`): a stage, how many packages it has passed, and the current one.
+#[derive(Debug, Default)]
+struct DebootstrapStatus {
+    stage: &'static str,
+    count: usize,
+    item: String,
+}
+
+impl DebootstrapStatus {
+    /// Take one line of output; true when the stage, count or item changed.
+    fn feed(&mut self, line: &str) -> bool {
+        let Some(msg) = line.trim().strip_prefix("I: ") else {
+            return false;
+        };
+        let msg = msg.trim().trim_end_matches("...");
+        let (verb, rest) = msg.split_once(' ').unwrap_or((msg, ""));
+        let rest = rest.trim();
+        // Release and Packages indexes are one word; packages come as `<name> <version>`.
+        let index = !rest.contains(' ');
+        let (stage, counted) = match verb {
+            "Retrieving" | "Validating" if index => ("fetching the package index", false),
+            "Checking" | "Valid" if rest.starts_with("Release") => ("fetching the package index", false),
+            "Resolving" | "Found" | "Checking" => ("resolving dependencies", false),
+            "Retrieving" => ("retrieving packages", true),
+            "Extracting" => ("extracting packages", true),
+            "Installing" => ("installing core packages", false),
+            "Unpacking" | "Configuring" => {
+                let stage = if verb == "Unpacking" {
+                    "unpacking packages"
+                } else {
+                    "configuring packages"
+                };
+                // `Unpacking required packages`, `Configuring the base system` open a round.
+                let round = rest.ends_with(" packages") || rest.ends_with(" system");
+                (stage, !round)
+            }
+            "Base" if rest.starts_with("system installed") => ("base system installed", false),
+            // `Validating <pkg>` follows each download; `Chosen extractor`, `Keyring`, ...
+            _ => return false,
+        };
+        if stage != self.stage {
+            self.stage = stage;
+            self.count = 0;
+            self.item.clear();
+        }
+        if counted {
+            self.count += 1;
+            self.item = rest.to_string();
+        }
+        true
+    }
+
+    /// `debootstrap: retrieving packages`
+    fn stage_line(&self) -> String {
+        format!("debootstrap: {}", self.stage)
+    }
+
+    /// `debootstrap: retrieving packages (37)`
+    fn count_line(&self) -> String {
+        match self.count {
+            0 => self.stage_line(),
+            n => format!("debootstrap: {} ({n})", self.stage),
+        }
+    }
+
+    /// `retrieving packages (37) libc6 2.36-9`, for the spinner (its step already says debootstrap)
+    fn display(&self) -> String {
+        let line = self.count_line();
+        let line = line.trim_start_matches("debootstrap: ");
+        match self.item.as_str() {
+            "" => line.to_string(),
+            item => format!("{line} {item}"),
+        }
+    }
 }
 
 /// The Debian mirror configured on this host (deb822 sources first, then sources.list).
@@ -856,11 +999,25 @@ fn build_initramfs(agent: &Path, modules: &[PathBuf], staging: &Path, out: &Path
     run(Command::new("sh").arg("-c").arg(script), "cpio")
 }
 
-/// Step display for long builds: a spinner on a terminal, log lines otherwise.
+/// Step display for long builds. On a terminal: a spinner showing the step and what it is doing,
+/// with a line per finished step. Otherwise (CI logs): a log line per step and per stage, and one
+/// every `HEARTBEAT` while a step runs quietly, so the log never sits silent.
 struct Progress {
     bar: Option<indicatif::ProgressBar>,
     started: Instant,
+    state: std::sync::Mutex<ProgressState>,
 }
+
+struct ProgressState {
+    step: String,
+    step_started: Instant,
+    /// The stage last logged (plain mode) and its latest count line for heartbeats.
+    stage: String,
+    count_line: String,
+    last_line: Instant,
+}
+
+const HEARTBEAT: std::time::Duration = std::time::Duration::from_secs(10);
 
 impl Progress {
     fn new(enabled: bool) -> Self {
@@ -873,29 +1030,114 @@ impl Progress {
             b.enable_steady_tick(std::time::Duration::from_millis(120));
             b
         });
+        let now = Instant::now();
         Self {
             bar,
-            started: Instant::now(),
+            started: now,
+            state: std::sync::Mutex::new(ProgressState {
+                step: String::new(),
+                step_started: now,
+                stage: String::new(),
+                count_line: String::new(),
+                last_line: now,
+            }),
         }
     }
+
+    fn state(&self) -> std::sync::MutexGuard<'_, ProgressState> {
+        self.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// A new step of the build.
     fn step(&self, what: &str) {
-        tracing::info!("template: {what}");
+        let mut st = self.state();
+        match &self.bar {
+            Some(b) => {
+                if !st.step.is_empty() {
+                    b.println(format!(
+                        "  {}: {:.1}s",
+                        st.step,
+                        st.step_started.elapsed().as_secs_f64()
+                    ));
+                }
+                b.set_prefix(what.to_string());
+                b.set_message("");
+                tracing::debug!("template: {what}");
+            }
+            None => tracing::info!("template: {what}"),
+        }
+        let now = Instant::now();
+        st.step = what.to_string();
+        st.step_started = now;
+        st.stage.clear();
+        st.count_line.clear();
+        st.last_line = now;
+    }
+
+    /// What the current step is doing: `stage` names it (a log line when it changes), `count_line`
+    /// adds a count (heartbeat lines), `display` the current item too (the spinner).
+    fn status(&self, stage: &str, count_line: &str, display: &str) {
         if let Some(b) = &self.bar {
-            b.set_prefix(what.to_string());
-            b.set_message("");
+            b.set_message(display.to_string());
+            return;
+        }
+        let mut st = self.state();
+        if st.stage != stage {
+            tracing::info!("template: {stage}");
+            st.stage = stage.to_string();
+            st.last_line = Instant::now();
+        }
+        st.count_line = count_line.to_string();
+    }
+
+    /// Plain mode: a line when nothing was said for `HEARTBEAT`.
+    fn heartbeat(&self) {
+        if self.bar.is_some() {
+            return;
+        }
+        let mut st = self.state();
+        if st.last_line.elapsed() < HEARTBEAT {
+            return;
+        }
+        let secs = st.step_started.elapsed().as_secs_f64();
+        match st.count_line.as_str() {
+            "" => tracing::info!("template: {}: still running, {secs:.0}s", st.step),
+            c => tracing::info!("template: {c}, {secs:.0}s"),
+        }
+        st.last_line = Instant::now();
+    }
+
+    /// A log line that does not tear the spinner.
+    fn log(&self, msg: &str) {
+        match &self.bar {
+            Some(b) => b.suspend(|| tracing::info!("{msg}")),
+            None => tracing::info!("{msg}"),
         }
     }
-    fn detail(&self, line: &str) {
-        if let Some(b) = &self.bar {
-            b.set_message(line.to_string());
+
+    fn warn(&self, msg: &str) {
+        match &self.bar {
+            Some(b) => b.suspend(|| tracing::warn!("{msg}")),
+            None => tracing::warn!("{msg}"),
         }
     }
+
     fn finish(&self, msg: &str) {
         let msg = format!("{msg} in {:.1}s", self.started.elapsed().as_secs_f64());
-        tracing::info!("template: {msg}");
         match &self.bar {
-            Some(b) => b.finish_with_message(msg),
-            None => eprintln!("{msg}"),
+            Some(b) => {
+                let st = self.state();
+                if !st.step.is_empty() {
+                    b.println(format!(
+                        "  {}: {:.1}s",
+                        st.step,
+                        st.step_started.elapsed().as_secs_f64()
+                    ));
+                }
+                b.finish_and_clear();
+                eprintln!("{msg}");
+            }
+            None => tracing::info!("template: {msg}"),
         }
     }
 }
@@ -959,5 +1201,84 @@ mod tests {
             vec!["virtio_ring.ko", "virtio.ko", "virtio_blk.ko", "virtio-rng.ko"]
         );
         assert!(resolve_modules(d.path(), &["nope".into()]).is_err());
+    }
+
+    /// Lines from a real `debootstrap --variant=minbase bookworm` run (stdout, abridged).
+    const DEBOOTSTRAP_LINES: &str = "\
+I: Retrieving InRelease 
+I: Checking Release signature
+I: Valid Release signature (key id 4D64FEC119C2029067D6E791F8D2585B8783D481)
+I: Retrieving Packages 
+I: Validating Packages 
+I: Resolving dependencies of required packages...
+I: Resolving dependencies of base packages...
+I: Checking component main on http://deb.debian.org/debian...
+I: Retrieving adduser 3.134
+I: Validating adduser 3.134
+I: Retrieving apt 2.6.1
+I: Validating apt 2.6.1
+I: Retrieving base-files 12.4+deb12u15
+I: Validating base-files 12.4+deb12u15
+I: Chosen extractor for .deb packages: dpkg-deb
+I: Extracting adduser...
+I: Extracting apt...
+I: Installing core packages...
+I: Unpacking required packages...
+I: Unpacking base-files...
+I: Unpacking base-passwd...
+I: Configuring required packages...
+I: Configuring base-files...
+I: Unpacking the base system...
+I: Unpacking libproc2-0:amd64...
+I: Configuring the base system...
+I: Configuring libc-bin...
+I: Configuring ca-certificates...
+I: Base system installed successfully.
+";
+
+    #[test]
+    fn follows_debootstrap_stages() {
+        let mut status = DebootstrapStatus::default();
+        let mut shown = Vec::new();
+        for line in DEBOOTSTRAP_LINES.lines() {
+            if status.feed(line) {
+                shown.push(status.display());
+            }
+        }
+        let mut deduped = shown.clone();
+        deduped.dedup();
+        assert_eq!(
+            deduped,
+            vec![
+                "fetching the package index",
+                "resolving dependencies",
+                "retrieving packages (1) adduser 3.134",
+                "retrieving packages (2) apt 2.6.1",
+                "retrieving packages (3) base-files 12.4+deb12u15",
+                "extracting packages (1) adduser",
+                "extracting packages (2) apt",
+                "installing core packages",
+                "unpacking packages",
+                "unpacking packages (1) base-files",
+                "unpacking packages (2) base-passwd",
+                "configuring packages",
+                "configuring packages (1) base-files",
+                "unpacking packages",
+                "unpacking packages (1) libproc2-0:amd64",
+                "configuring packages",
+                "configuring packages (1) libc-bin",
+                "configuring packages (2) ca-certificates",
+                "base system installed",
+            ]
+        );
+        assert_eq!(status.count_line(), "debootstrap: base system installed");
+        // `Validating <pkg>` and other lines change nothing.
+        let mut s = DebootstrapStatus::default();
+        assert!(s.feed("I: Retrieving libc6 2.36-9+deb12u10"));
+        assert!(!s.feed("I: Validating libc6 2.36-9+deb12u10"));
+        assert!(!s.feed("W: Cannot check Release signature; keyring file not available"));
+        assert!(!s.feed("dpkg: warning: something"));
+        assert_eq!(s.count_line(), "debootstrap: retrieving packages (1)");
+        assert_eq!(s.stage_line(), "debootstrap: retrieving packages");
     }
 }
