@@ -113,7 +113,10 @@ impl Engine {
                         let engine = self.clone();
                         let run = op.clone();
                         tokio::spawn(async move { engine.run_create(run, sandbox).await });
-                        Ok(Submitted { operation: op, new: true })
+                        Ok(Submitted {
+                            operation: op,
+                            new: true,
+                        })
                     }
                 }
             }
@@ -131,11 +134,16 @@ impl Engine {
                 }
                 let op = new_operation(OperationKind::Delete, &sandbox.id);
                 self.store.insert_operation(&sandbox.tenant_id, &op).await?;
-                self.store.set_sandbox_state(&sandbox.id, SandboxState::Deleting).await?;
+                self.store
+                    .set_sandbox_state(&sandbox.id, SandboxState::Deleting)
+                    .await?;
                 let engine = self.clone();
                 let run = op.clone();
                 tokio::spawn(async move { engine.run_delete(run).await });
-                Ok(Submitted { operation: op, new: true })
+                Ok(Submitted {
+                    operation: op,
+                    new: true,
+                })
             }
             Action::Pause { sandbox } => self.submit_pause_or_resume(sandbox, true).await,
             Action::Resume { sandbox } => self.submit_pause_or_resume(sandbox, false).await,
@@ -153,7 +161,10 @@ impl Engine {
         let engine = self.clone();
         let run = op.clone();
         tokio::spawn(async move { engine.run_pause_or_resume(run, pause).await });
-        Ok(Submitted { operation: op, new: true })
+        Ok(Submitted {
+            operation: op,
+            new: true,
+        })
     }
 
     /// Wait until `op` has finished; returns its final record.
@@ -260,7 +271,9 @@ impl Engine {
                         self.store.set_paused_remaining(id, Some(remaining)).await?;
                     }
                 }
-                self.store.set_sandbox_expiry(id, now + MAX_PAUSE.as_millis() as i64).await?;
+                self.store
+                    .set_sandbox_expiry(id, now + MAX_PAUSE.as_millis() as i64)
+                    .await?;
                 self.store.set_sandbox_state(id, SandboxState::Paused).await
             } else {
                 if let Some(remaining) = self.store.paused_remaining(id).await? {

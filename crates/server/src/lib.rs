@@ -18,9 +18,9 @@ pub mod nodes;
 pub mod proxy;
 pub mod store;
 
-use native::AppState;
 use axum::routing::{get, post};
 use axum::Router;
+use native::AppState;
 use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -60,7 +60,10 @@ pub fn openapi_json() -> String {
 pub fn router(state: AppState) -> Router {
     let v1 = Router::new()
         .route("/sandboxes", post(native::create_sandbox).get(native::list_sandboxes))
-        .route("/sandboxes/{id}", get(native::get_sandbox).delete(native::delete_sandbox))
+        .route(
+            "/sandboxes/{id}",
+            get(native::get_sandbox).delete(native::delete_sandbox),
+        )
         .route("/sandboxes/{id}/pause", post(native::pause_sandbox))
         .route("/sandboxes/{id}/resume", post(native::resume_sandbox))
         .route("/operations/{id}", get(native::get_operation))
@@ -75,14 +78,19 @@ pub fn router(state: AppState) -> Router {
         .route("/sandboxes/{id}/sessions/{sid}/resize", post(native::session_resize))
         .route(
             "/sandboxes/{id}/files",
-            get(native::read_file).put(native::write_file).delete(native::delete_file),
+            get(native::read_file)
+                .put(native::write_file)
+                .delete(native::delete_file),
         )
         .route("/sandboxes/{id}/files/list", get(native::list_files))
         .route("/templates", get(native::list_templates))
         .route("/templates/{name}", get(native::get_template))
         .route("/system", get(native::system))
         .fallback(native::not_found)
-        .route_layer(axum::middleware::from_fn_with_state(state.clone(), native::require_tenant));
+        .route_layer(axum::middleware::from_fn_with_state(
+            state.clone(),
+            native::require_tenant,
+        ));
     // The E2B door on the same listener: its control plane (X-API-KEY) and envd (per-sandbox
     // access token); paths do not collide with /v1 or with each other.
     let e2b_api = Router::new()
@@ -97,7 +105,10 @@ pub fn router(state: AppState) -> Router {
         // Newer SDKs (e.g. 2.63) create and connect through the v2 paths; same semantics.
         .route("/v2/sandboxes", get(e2b::control::list_v2).post(e2b::control::create))
         .route("/v2/sandboxes/{id}/connect", post(e2b::control::connect))
-        .route_layer(axum::middleware::from_fn_with_state(state.clone(), e2b::control::require_tenant));
+        .route_layer(axum::middleware::from_fn_with_state(
+            state.clone(),
+            e2b::control::require_tenant,
+        ));
     let envd = Router::new()
         .route("/process.Process/{method}", post(e2b::envd::process_rpc))
         .route("/filesystem.Filesystem/{method}", post(e2b::envd::filesystem_rpc))
@@ -120,10 +131,7 @@ pub fn router(state: AppState) -> Router {
             get(move || async move { ([("content-type", "application/json")], doc.clone()) }),
         )
         .fallback(native::not_found)
-        .layer(axum::middleware::from_fn_with_state(
-            state.clone(),
-            proxy::host_routing,
-        ))
+        .layer(axum::middleware::from_fn_with_state(state.clone(), proxy::host_routing))
         // Uploads stream to the guest; the cap only bounds a single request.
         .layer(axum::extract::DefaultBodyLimit::max(1 << 30))
         .with_state(state)
@@ -183,7 +191,8 @@ pub async fn serve(opts: ServeOptions) -> anyhow::Result<()> {
     }
     let accel = runtime.accel().await;
     tracing::info!("runtime {} with accel {accel}", runtime.runtime_name());
-    let secret = core::load_or_create_secret(&root).map_err(|e| anyhow::anyhow!("{}: {e}", root.join("server.secret").display()))?;
+    let secret = core::load_or_create_secret(&root)
+        .map_err(|e| anyhow::anyhow!("{}: {e}", root.join("server.secret").display()))?;
     let nodes: Arc<dyn nodes::Nodes> = Arc::new(nodes::LocalNode::new(runtime));
     let config = core::Config {
         max_sandboxes_per_tenant: opts.max_sandboxes_per_tenant,

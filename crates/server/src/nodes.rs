@@ -168,7 +168,9 @@ impl Nodes for LocalNode {
             .and_then(|l| l.split_whitespace().nth(1)?.parse::<u64>().ok())
             .unwrap_or(0);
         Capacity {
-            cpus: std::thread::available_parallelism().map(|n| n.get() as u32).unwrap_or(1),
+            cpus: std::thread::available_parallelism()
+                .map(|n| n.get() as u32)
+                .unwrap_or(1),
             memory_mib: memory_kib / 1024,
             sandboxes_running: self.runtime.list().len() as u32,
         }

@@ -53,7 +53,11 @@ pub enum CoreError {
     #[error("invalid resources: {0}")]
     InvalidResources(String),
     #[error("sandbox {id} is {}; {need}", state.as_str())]
-    InvalidState { id: String, state: SandboxState, need: String },
+    InvalidState {
+        id: String,
+        state: SandboxState,
+        need: String,
+    },
     #[error("tenant {tenant} has {live} live sandboxes, the limit of this server (--max-sandboxes {limit}); delete one first")]
     QuotaExceeded { tenant: String, live: u32, limit: u32 },
     #[error("option `{option}` is not supported by airlock{reason}")]
@@ -103,7 +107,11 @@ impl CoreError {
         let reason = reason.into();
         CoreError::Unsupported {
             option: option.into(),
-            reason: if reason.is_empty() { reason } else { format!(": {reason}") },
+            reason: if reason.is_empty() {
+                reason
+            } else {
+                format!(": {reason}")
+            },
         }
     }
 
@@ -141,8 +149,25 @@ impl CoreError {
             },
             CoreError::Unreachable { .. } => c("sandbox_unreachable", 502),
             CoreError::Runtime(e) => match e {
-                RuntimeError::BootFailed { .. } => c("boot_failed", 500),
-                _ => c("runtime", 500),
+                RuntimeError::BootFailed { .. }
+                | RuntimeError::TemplateStart { .. }
+                | RuntimeError::PortNotReady { .. } => c("boot_failed", 500),
+                RuntimeError::SandboxIdTaken(_) => c("conflict", 409),
+                RuntimeError::InvalidSandboxId(_) => c("invalid_argument", 422),
+                RuntimeError::NotRunning(_) => c("invalid_state", 409),
+                // Every variant is named: a new one must be placed here deliberately.
+                RuntimeError::UnknownTemplate(_)
+                | RuntimeError::UnknownSandbox(_)
+                | RuntimeError::InvalidResources(_)
+                | RuntimeError::Agent(_)
+                | RuntimeError::QemuMissing(_)
+                | RuntimeError::DataDirNotWritable { .. }
+                | RuntimeError::DataDirInUse(_)
+                | RuntimeError::TemplateBuild(_)
+                | RuntimeError::ControlCommand { .. }
+                | RuntimeError::DiskCreate(_)
+                | RuntimeError::StopFailed { .. }
+                | RuntimeError::Io { .. } => c("runtime", 500),
             },
             CoreError::Unavailable(_) => c("unavailable", 503),
             CoreError::Store(_) => c("internal", 500),

@@ -32,7 +32,10 @@ impl Files {
         move |e| CoreError::agent(Kind::File, &self.sandbox_id, e)
     }
 
-    pub async fn read(&self, path: &str) -> CoreResult<impl Stream<Item = Result<Bytes, std::io::Error>> + Send + 'static> {
+    pub async fn read(
+        &self,
+        path: &str,
+    ) -> CoreResult<impl Stream<Item = Result<Bytes, std::io::Error>> + Send + 'static> {
         let s = self.agent.read_file_stream(path).await.map_err(self.err(path))?;
         Ok(s.map(|r| r.map_err(std::io::Error::other)))
     }
@@ -56,7 +59,10 @@ impl Files {
 
     pub async fn list(&self, path: &str, depth: u32) -> CoreResult<Vec<FileStat>> {
         if !(1..=32).contains(&depth) {
-            return Err(CoreError::invalid("depth", format!("must be between 1 and 32, got {depth}")));
+            return Err(CoreError::invalid(
+                "depth",
+                format!("must be between 1 and 32, got {depth}"),
+            ));
         }
         self.agent.list(path, depth).await.map_err(self.err(path))
     }

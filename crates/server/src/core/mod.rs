@@ -67,8 +67,7 @@ pub fn load_or_create_secret(data_dir: &Path) -> std::io::Result<Vec<u8>> {
         Err(e) => return Err(e),
     }
     let mut secret = vec![0u8; 32];
-    std::fs::File::open("/dev/urandom")
-        .and_then(|mut f| std::io::Read::read_exact(&mut f, &mut secret))?;
+    std::fs::File::open("/dev/urandom").and_then(|mut f| std::io::Read::read_exact(&mut f, &mut secret))?;
     // Written under a temporary name and renamed: a crash never leaves half a secret.
     let tmp = data_dir.join(".server.secret.tmp");
     let mut f = std::fs::OpenOptions::new()

@@ -105,7 +105,9 @@ impl Core {
                     via: Via::AccessToken,
                 });
             }
-            return Err(CoreError::Unauthenticated("the access token does not match the sandbox".into()));
+            return Err(CoreError::Unauthenticated(
+                "the access token does not match the sandbox".into(),
+            ));
         }
         if accept.owner_key && creds.api_key.is_some() {
             if let Ok(t) = self.tenant(creds).await {

@@ -87,7 +87,10 @@ pub fn check_env(env: &BTreeMap<String, String>) -> CoreResult<()> {
             ));
         }
         if v.contains('\0') {
-            return Err(CoreError::invalid("env", format!("the value of {k:?} contains a NUL byte")));
+            return Err(CoreError::invalid(
+                "env",
+                format!("the value of {k:?} contains a NUL byte"),
+            ));
         }
     }
     Ok(())
@@ -95,7 +98,10 @@ pub fn check_env(env: &BTreeMap<String, String>) -> CoreResult<()> {
 
 fn check_metadata(m: &BTreeMap<String, String>) -> CoreResult<()> {
     if let Some(k) = m.keys().find(|k| k.is_empty() || k.len() > 256) {
-        return Err(CoreError::invalid("metadata", format!("key {k:?} must be 1 to 256 bytes")));
+        return Err(CoreError::invalid(
+            "metadata",
+            format!("key {k:?} must be 1 to 256 bytes"),
+        ));
     }
     Ok(())
 }
@@ -214,7 +220,8 @@ impl Core {
         let after = match &q.page_token {
             None => None,
             Some(t) => Some(
-                parse_page_token(t).ok_or_else(|| CoreError::invalid("page_token", "not a token this server issued"))?,
+                parse_page_token(t)
+                    .ok_or_else(|| CoreError::invalid("page_token", "not a token this server issued"))?,
             ),
         };
         let states = if q.states.is_empty() {

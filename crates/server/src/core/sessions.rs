@@ -80,7 +80,12 @@ pub fn parse_signal(s: &str) -> CoreResult<i32> {
         .iter()
         .find(|(_, name, _)| &name[3..] == bare)
         .map(|(n, _, _)| *n)
-        .ok_or_else(|| CoreError::invalid("signal", format!("unknown signal {s:?}; use a name like SIGTERM or a number")))
+        .ok_or_else(|| {
+            CoreError::invalid(
+                "signal",
+                format!("unknown signal {s:?}; use a name like SIGTERM or a number"),
+            )
+        })
 }
 
 /// `SIGKILL` for 9; `SIG<n>` for signals without a name here.
@@ -129,7 +134,11 @@ fn guest(sandbox: &SandboxRow) -> impl Fn(airlock_runtime::agent::AgentError) ->
 impl Core {
     /// Start a process and record it as a session. Returns the agent too, for a door that
     /// streams the output at once.
-    pub async fn start_session(&self, sandbox: &SandboxRow, req: StartSession) -> CoreResult<(SessionRow, AgentClient)> {
+    pub async fn start_session(
+        &self,
+        sandbox: &SandboxRow,
+        req: StartSession,
+    ) -> CoreResult<(SessionRow, AgentClient)> {
         check_start(&req)?;
         let agent = self.agent_for(sandbox).await?;
         let id = format!("ses_{}", airlock_runtime::datadir::random_hex(8));
@@ -286,7 +295,13 @@ impl Core {
             .boxed())
     }
 
-    pub async fn session_stdin(&self, sandbox: &SandboxRow, row: &SessionRow, data: Vec<u8>, eof: bool) -> CoreResult<()> {
+    pub async fn session_stdin(
+        &self,
+        sandbox: &SandboxRow,
+        row: &SessionRow,
+        data: Vec<u8>,
+        eof: bool,
+    ) -> CoreResult<()> {
         let agent = self.agent_for(sandbox).await?;
         if !data.is_empty() {
             agent.write_stdin(row.process_id, data).await.map_err(guest(sandbox))?;

@@ -24,11 +24,14 @@ pub fn alias_of(template: &str) -> Option<&'static str> {
 
 impl Core {
     pub fn resolve_template(&self, name: &str) -> CoreResult<Template> {
-        self.nodes.templates().resolve(canonical(name)).map_err(|_| CoreError::NotFound {
-            kind: Kind::Template,
-            id: name.into(),
-            hint: format!("; this server has: {}", self.template_names().join(", ")),
-        })
+        self.nodes
+            .templates()
+            .resolve(canonical(name))
+            .map_err(|_| CoreError::NotFound {
+                kind: Kind::Template,
+                id: name.into(),
+                hint: format!("; this server has: {}", self.template_names().join(", ")),
+            })
     }
 
     pub fn templates(&self) -> Vec<TemplateManifest> {

@@ -215,7 +215,12 @@ pub async fn create(
         .await?;
     let id = created.sandbox_id.clone();
     let store_err = |e| E2bError::from(CoreError::from(e));
-    state.core.store.set_e2b_alias(&id, &req.template_id).await.map_err(store_err)?;
+    state
+        .core
+        .store
+        .set_e2b_alias(&id, &req.template_id)
+        .await
+        .map_err(store_err)?;
     let token = state.core.issue_access_token(&id).await?;
     // The E2B API answers once the sandbox runs: the engine does the work, we wait for it.
     let done = state.core.engine.wait(&created.operation).await?;

@@ -225,7 +225,10 @@ fn end_event(exit: &airlock_proto::ExitStatus) -> Value {
         }
         (None, sig) => {
             // Go's wording, which envd reports: `signal: killed`.
-            let status = format!("signal: {}", sig.map(signal_description).unwrap_or_else(|| "unknown".into()));
+            let status = format!(
+                "signal: {}",
+                sig.map(signal_description).unwrap_or_else(|| "unknown".into())
+            );
             json!({ "event": { "end": { "exitCode": -1, "exited": false, "status": status, "error": status } } })
         }
     }
@@ -403,7 +406,12 @@ pub async fn process_rpc(
         Err(r) => return r,
     };
     let core = &state.core;
-    let find = || async { Ok::<_, RpcError>(core.find_session(&sandbox, &selector(field(&req, "process", "process"))?).await?) };
+    let find = || async {
+        Ok::<_, RpcError>(
+            core.find_session(&sandbox, &selector(field(&req, "process", "process"))?)
+                .await?,
+        )
+    };
     match method.as_str() {
         "Start" => {
             let started = async {
@@ -441,7 +449,12 @@ pub async fn process_rpc(
         },
         "List" => rpc_result(
             async {
-                let list: Vec<Value> = core.running_sessions(&sandbox).await?.iter().map(process_info).collect();
+                let list: Vec<Value> = core
+                    .running_sessions(&sandbox)
+                    .await?
+                    .iter()
+                    .map(process_info)
+                    .collect();
                 Ok(json!({ "processes": list }))
             }
             .await,
@@ -539,8 +552,11 @@ pub async fn filesystem_rpc(
         ),
         "Move" => rpc_result(
             async {
-                let arg = |camel, snake| abs_path(field(&req, camel, snake).and_then(Value::as_str).unwrap_or(""), &user);
-                let moved = files.rename(&arg("source", "source"), &arg("destination", "destination")).await?;
+                let arg =
+                    |camel, snake| abs_path(field(&req, camel, snake).and_then(Value::as_str).unwrap_or(""), &user);
+                let moved = files
+                    .rename(&arg("source", "source"), &arg("destination", "destination"))
+                    .await?;
                 Ok(json!({ "entry": entry_info(&moved) }))
             }
             .await,

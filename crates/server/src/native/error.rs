@@ -20,7 +20,10 @@ impl ApiError {
         let (status, code) = match self {
             ApiError::Core(e) => {
                 let c = e.code();
-                (StatusCode::from_u16(c.status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR), c.code)
+                (
+                    StatusCode::from_u16(c.status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR),
+                    c.code,
+                )
             }
             ApiError::Malformed(_) => (StatusCode::BAD_REQUEST, "bad_request"),
         };

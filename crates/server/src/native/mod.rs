@@ -43,7 +43,9 @@ impl<T: DeserializeOwned, S: Send + Sync> FromRequest<S> for ApiJson<T> {
         match Json::<T>::from_request(req, state).await {
             Ok(Json(v)) => Ok(ApiJson(v)),
             Err(JsonRejection::JsonDataError(e)) => Err(CoreError::invalid("body", e.body_text()).into()),
-            Err(JsonRejection::JsonSyntaxError(e)) => Err(ApiError::Malformed(format!("malformed JSON: {}", e.body_text()))),
+            Err(JsonRejection::JsonSyntaxError(e)) => {
+                Err(ApiError::Malformed(format!("malformed JSON: {}", e.body_text())))
+            }
             Err(JsonRejection::MissingJsonContentType(_)) => Err(ApiError::Malformed(
                 "send the body as JSON with `Content-Type: application/json`".into(),
             )),
@@ -60,7 +62,9 @@ impl<T: DeserializeOwned, S: Send + Sync> FromRequestParts<S> for ApiQuery<T> {
     async fn from_request_parts(parts: &mut axum::http::request::Parts, state: &S) -> Result<Self, Self::Rejection> {
         match axum::extract::Query::<T>::from_request_parts(parts, state).await {
             Ok(q) => Ok(ApiQuery(q.0)),
-            Err(QueryRejection::FailedToDeserializeQueryString(e)) => Err(CoreError::invalid("query", e.body_text()).into()),
+            Err(QueryRejection::FailedToDeserializeQueryString(e)) => {
+                Err(CoreError::invalid("query", e.body_text()).into())
+            }
             Err(e) => Err(ApiError::Malformed(e.body_text())),
         }
     }
@@ -140,7 +144,11 @@ pub async fn create_sandbox(
     headers: HeaderMap,
     ApiJson(req): ApiJson<CreateSandboxRequest>,
 ) -> ApiResult<(StatusCode, Json<OperationAccepted>)> {
-    let timeout = req.timeout.as_deref().map(|t| parse_duration("timeout", t)).transpose()?;
+    let timeout = req
+        .timeout
+        .as_deref()
+        .map(|t| parse_duration("timeout", t))
+        .transpose()?;
     let idempotency_key = match headers.get("idempotency-key") {
         None => None,
         Some(v) => Some(
@@ -339,7 +347,11 @@ pub async fn create_session(
     ApiJson(req): ApiJson<CreateSessionRequest>,
 ) -> ApiResult<(StatusCode, Json<Session>)> {
     let sandbox = state.core.sandbox(&tenant, &id).await?;
-    let timeout = req.timeout.as_deref().map(|t| parse_duration("timeout", t)).transpose()?;
+    let timeout = req
+        .timeout
+        .as_deref()
+        .map(|t| parse_duration("timeout", t))
+        .transpose()?;
     let (row, _) = state
         .core
         .start_session(
@@ -371,7 +383,9 @@ pub async fn list_sessions(
     Path(id): Path<String>,
 ) -> ApiResult<Json<Vec<Session>>> {
     let sandbox = state.core.sandbox(&tenant, &id).await?;
-    Ok(Json(state.core.sessions(&sandbox).await?.iter().map(session_view).collect()))
+    Ok(Json(
+        state.core.sessions(&sandbox).await?.iter().map(session_view).collect(),
+    ))
 }
 
 /// A tenant's sandbox and one of its sessions.
