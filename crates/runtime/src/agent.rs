@@ -10,7 +10,7 @@ use airlock_proto::{
 };
 use bytes::Bytes;
 use futures_util::{Stream, StreamExt};
-use http::{Method, Request, StatusCode};
+use http::{Method, Request};
 use http_body_util::{combinators::UnsyncBoxBody, BodyExt, Full, StreamBody};
 use hyper::body::{Frame, Incoming};
 use std::path::Path;
@@ -446,13 +446,5 @@ impl AgentClient {
                 }
             },
         ))
-    }
-}
-
-/// Status code an agent error should surface with (for the HTTP layer).
-pub fn status_of(e: &AgentError) -> StatusCode {
-    match e {
-        AgentError::Api { status, .. } => StatusCode::from_u16(*status).unwrap_or(StatusCode::BAD_GATEWAY),
-        _ => StatusCode::BAD_GATEWAY,
     }
 }
