@@ -6,7 +6,7 @@ use super::E2bError;
 use crate::core::files::Files;
 use crate::core::principal::SignedUrl;
 use crate::core::sandboxes::MAX_TIMEOUT;
-use crate::core::sessions::{signal_description, Running, Selector, StartSession};
+use crate::core::sessions::{parse_signal, signal_description, Running, Selector, StartSession};
 use crate::core::{Accept, CoreError, Credentials, Kind, Principal};
 use crate::model::SandboxState;
 use crate::native::AppState;
@@ -472,12 +472,10 @@ pub async fn process_rpc(
         "SendSignal" => rpc_result(
             async {
                 let run = find().await?;
+                // envd's enum spells them `SIGNAL_SIGKILL` (or the number): the core's table reads both.
                 let sig = match field(&req, "signal", "signal") {
-                    Some(Value::String(s)) if s == "SIGNAL_SIGKILL" => 9,
-                    Some(Value::String(s)) if s == "SIGNAL_SIGTERM" => 15,
-                    Some(Value::Number(n)) if n.as_i64() == Some(9) || n.as_i64() == Some(15) => {
-                        n.as_i64().unwrap_or(9) as i32
-                    }
+                    Some(Value::String(s)) => parse_signal(s.strip_prefix("SIGNAL_").unwrap_or(s))?,
+                    Some(Value::Number(n)) => parse_signal(&n.to_string())?,
                     other => return Err(RpcError::invalid(format!("unsupported signal {other:?}"))),
                 };
                 if run.process.state == ProcessState::Exited {
