@@ -4,8 +4,8 @@
 //! agree with the VMs that really exist; the reaper deletes expired sandboxes and marks those
 //! whose VM exited on its own as failed.
 
-use crate::core::{CoreError, CoreResult};
-use crate::error::ErrorBody;
+use crate::error::{CoreError, CoreResult};
+use crate::model::ErrorBody;
 use crate::model::{Operation, OperationKind, OperationState, SandboxState};
 use crate::nodes::{Nodes, VmState};
 use crate::store::{now_ms, rfc3339, CreateRecorded, SandboxRow, Store};

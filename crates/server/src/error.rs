@@ -1,13 +1,223 @@
-//! The error body every door's JSON errors and every failed operation record carry.
+//! `CoreError`: everything the core (and the engine below it) can fail with, as conditions a
+//! caller can act on. Each door turns it into its wire format in exactly one place
+//! (`native::error::ApiError`, `e2b::E2bError`, `e2b::connect::RpcError`).
 
-use serde::{Deserialize, Serialize};
-use utoipa::ToSchema;
+use crate::model::SandboxState;
+use crate::store::StoreError;
+use airlock_proto::ErrorCode;
+use airlock_runtime::agent::AgentError;
+use airlock_runtime::RuntimeError;
 
-/// Error body of every non-2xx response.
-#[derive(Debug, Clone, Serialize, Deserialize, ToSchema, PartialEq, Eq)]
-pub struct ErrorBody {
-    /// snake_case error code, stable across versions.
-    pub code: String,
-    /// Human-readable explanation, naming the field or the fix.
-    pub message: String,
+/// What a `NotFound` or an agent error was about.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Kind {
+    Sandbox,
+    Session,
+    Operation,
+    Template,
+    /// A process inside a sandbox (E2B selects them by pid or tag).
+    Process,
+    /// A file or directory inside a sandbox.
+    File,
+    Watcher,
+    Route,
+}
+
+impl Kind {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Kind::Sandbox => "sandbox",
+            Kind::Session => "session",
+            Kind::Operation => "operation",
+            Kind::Template => "template",
+            Kind::Process => "process",
+            Kind::File => "file",
+            Kind::Watcher => "watcher",
+            Kind::Route => "route",
+        }
+    }
+}
+
+impl std::fmt::Display for Kind {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum CoreError {
+    /// Missing, or owned by another tenant: both answer the same.
+    #[error("no {kind} {id:?}{hint}")]
+    NotFound { kind: Kind, id: String, hint: String },
+    #[error("{field}: {reason}")]
+    InvalidField { field: String, reason: String },
+    #[error("invalid resources: {0}")]
+    InvalidResources(String),
+    #[error("sandbox {id} is {}; {need}", state.as_str())]
+    InvalidState {
+        id: String,
+        state: SandboxState,
+        need: String,
+    },
+    #[error("tenant {tenant} has {live} live sandboxes, the limit of this server (--max-sandboxes {limit}); delete one first")]
+    QuotaExceeded { tenant: String, live: u32, limit: u32 },
+    #[error("option `{option}` is not supported by airlock{reason}")]
+    Unsupported { option: String, reason: String },
+    #[error("{0}")]
+    Unauthenticated(String),
+    /// The guest agent answered with an error about `kind` (a file, a process).
+    #[error("{source}")]
+    Guest { kind: Kind, source: AgentError },
+    /// The guest agent does not answer (VM gone, channel down, hostile agent).
+    #[error("sandbox {id} is unreachable: {reason}")]
+    Unreachable { id: String, reason: String },
+    #[error(transparent)]
+    Runtime(RuntimeError),
+    #[error("{0}")]
+    Unavailable(String),
+    #[error(transparent)]
+    Store(StoreError),
+}
+
+pub type CoreResult<T> = Result<T, CoreError>;
+
+/// Stable snake_case code and the HTTP status class of an error; doors start from this.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Code {
+    pub code: &'static str,
+    pub status: u16,
+}
+
+impl CoreError {
+    pub fn not_found(kind: Kind, id: impl Into<String>) -> Self {
+        CoreError::NotFound {
+            kind,
+            id: id.into(),
+            hint: String::new(),
+        }
+    }
+
+    pub fn invalid(field: impl Into<String>, reason: impl Into<String>) -> Self {
+        CoreError::InvalidField {
+            field: field.into(),
+            reason: reason.into(),
+        }
+    }
+
+    pub fn unsupported(option: impl Into<String>, reason: impl Into<String>) -> Self {
+        let reason = reason.into();
+        CoreError::Unsupported {
+            option: option.into(),
+            reason: if reason.is_empty() {
+                reason
+            } else {
+                format!(": {reason}")
+            },
+        }
+    }
+
+    /// An agent error while addressing `kind`; transport failures mean the sandbox is unreachable.
+    pub fn agent(kind: Kind, sandbox_id: &str, e: AgentError) -> Self {
+        match e {
+            AgentError::Api { .. } => CoreError::Guest { kind, source: e },
+            other => CoreError::Unreachable {
+                id: sandbox_id.into(),
+                reason: other.to_string(),
+            },
+        }
+    }
+
+    /// The code and status every door starts from (the E2B door narrows statuses to what its
+    /// SDKs know).
+    pub fn code(&self) -> Code {
+        let c = |code, status| Code { code, status };
+        match self {
+            CoreError::NotFound { kind, .. } => c(not_found_code(*kind), 404),
+            CoreError::InvalidField { .. } => c("invalid_argument", 422),
+            CoreError::InvalidResources(_) => c("invalid_resources", 422),
+            CoreError::InvalidState { .. } => c("invalid_state", 409),
+            CoreError::QuotaExceeded { .. } => c("quota_exceeded", 429),
+            CoreError::Unsupported { .. } => c("unsupported", 422),
+            CoreError::Unauthenticated(_) => c("unauthorized", 401),
+            CoreError::Guest { kind, source } => match source.code() {
+                Some(ErrorCode::NotFound) => c(not_found_code(*kind), 404),
+                Some(ErrorCode::AlreadyExists) => c("already_exists", 409),
+                Some(ErrorCode::InvalidArgument) => c("invalid_argument", 400),
+                Some(ErrorCode::NotADirectory) => c("not_a_directory", 400),
+                Some(ErrorCode::IsADirectory) => c("is_a_directory", 400),
+                Some(ErrorCode::PermissionDenied) => c("permission_denied", 403),
+                Some(ErrorCode::Internal) | None => c("guest_error", 500),
+            },
+            CoreError::Unreachable { .. } => c("sandbox_unreachable", 502),
+            CoreError::Runtime(e) => match e {
+                RuntimeError::BootFailed { .. }
+                | RuntimeError::TemplateStart { .. }
+                | RuntimeError::PortNotReady { .. } => c("boot_failed", 500),
+                RuntimeError::SandboxIdTaken(_) => c("conflict", 409),
+                RuntimeError::InvalidSandboxId(_) => c("invalid_argument", 422),
+                RuntimeError::NotRunning(_) => c("invalid_state", 409),
+                // Every variant is named: a new one must be placed here deliberately.
+                RuntimeError::UnknownTemplate(_)
+                | RuntimeError::UnknownSandbox(_)
+                | RuntimeError::InvalidResources(_)
+                | RuntimeError::Agent(_)
+                | RuntimeError::QemuMissing(_)
+                | RuntimeError::DataDirNotWritable { .. }
+                | RuntimeError::DataDirInUse(_)
+                | RuntimeError::TemplateBuild(_)
+                | RuntimeError::ControlCommand { .. }
+                | RuntimeError::DiskCreate(_)
+                | RuntimeError::StopFailed { .. }
+                | RuntimeError::Io { .. } => c("runtime", 500),
+            },
+            CoreError::Unavailable(_) => c("unavailable", 503),
+            CoreError::Store(_) => c("internal", 500),
+        }
+    }
+}
+
+fn not_found_code(kind: Kind) -> &'static str {
+    match kind {
+        Kind::Sandbox => "sandbox_not_found",
+        Kind::Session => "session_not_found",
+        Kind::Operation => "operation_not_found",
+        Kind::Template => "template_not_found",
+        Kind::Process => "process_not_found",
+        Kind::File => "file_not_found",
+        Kind::Watcher => "watcher_not_found",
+        Kind::Route => "route_not_found",
+    }
+}
+
+impl From<StoreError> for CoreError {
+    fn from(e: StoreError) -> Self {
+        match e {
+            StoreError::QuotaExceeded { live, limit } => CoreError::QuotaExceeded {
+                tenant: String::new(),
+                live,
+                limit,
+            },
+            other => CoreError::Store(other),
+        }
+    }
+}
+
+/// Runtime conditions a caller can act on become their own variants; the rest stay `Runtime`.
+impl From<RuntimeError> for CoreError {
+    fn from(e: RuntimeError) -> Self {
+        match e {
+            RuntimeError::UnknownTemplate(name) => CoreError::NotFound {
+                kind: Kind::Template,
+                id: name,
+                hint: "; `airlock template ls` lists the templates".into(),
+            },
+            RuntimeError::UnknownSandbox(id) => CoreError::not_found(Kind::Sandbox, id),
+            RuntimeError::InvalidResources(m) => CoreError::InvalidResources(m),
+            RuntimeError::Agent(a) => CoreError::Unreachable {
+                id: String::new(),
+                reason: a.to_string(),
+            },
+            other => CoreError::Runtime(other),
+        }
+    }
 }

@@ -20,7 +20,16 @@ pub mod store;
 
 use axum::routing::{get, post};
 use axum::Router;
-use native::AppState;
+
+/// Everything the server's routes share: the core, and the E2B door's own state.
+#[derive(Clone)]
+pub struct AppState {
+    pub core: core::Core,
+    /// The E2B door's polling file watchers.
+    pub watchers: Arc<e2b::Watchers>,
+    /// The E2B domain (`api.<domain>`, `<port>-<id>.<domain>`) returned to SDKs, if configured.
+    pub e2b_domain: Option<Arc<str>>,
+}
 use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -58,6 +67,12 @@ pub fn openapi_json() -> String {
 }
 
 pub fn router(state: AppState) -> Router {
+    let core = state.core.clone();
+    let e2b_state = e2b::E2bState {
+        core: state.core.clone(),
+        watchers: state.watchers.clone(),
+        domain: state.e2b_domain.clone(),
+    };
     let v1 = Router::new()
         .route("/sandboxes", post(native::create_sandbox).get(native::list_sandboxes))
         .route(
@@ -88,9 +103,10 @@ pub fn router(state: AppState) -> Router {
         .route("/system", get(native::system))
         .fallback(native::not_found)
         .route_layer(axum::middleware::from_fn_with_state(
-            state.clone(),
+            core.clone(),
             native::require_tenant,
-        ));
+        ))
+        .with_state(core.clone());
     // The E2B door on the same listener: its control plane (X-API-KEY) and envd (per-sandbox
     // access token); paths do not collide with /v1 or with each other.
     let e2b_api = Router::new()
@@ -106,9 +122,10 @@ pub fn router(state: AppState) -> Router {
         .route("/v2/sandboxes", get(e2b::control::list_v2).post(e2b::control::create))
         .route("/v2/sandboxes/{id}/connect", post(e2b::control::connect))
         .route_layer(axum::middleware::from_fn_with_state(
-            state.clone(),
+            e2b_state.clone(),
             e2b::control::require_tenant,
-        ));
+        ))
+        .with_state(e2b_state.clone());
     let envd = Router::new()
         .route("/process.Process/{method}", post(e2b::envd::process_rpc))
         .route("/filesystem.Filesystem/{method}", post(e2b::envd::filesystem_rpc))
@@ -120,7 +137,8 @@ pub fn router(state: AppState) -> Router {
                 // handler still encoded and get its 400.
                 .layer(tower_http::decompression::RequestDecompressionLayer::new().pass_through_unaccepted(true)),
         )
-        .route("/health", get(e2b::envd::health));
+        .route("/health", get(e2b::envd::health))
+        .with_state(e2b_state);
     let doc = openapi_json();
     Router::new()
         .nest("/v1", v1)
@@ -131,10 +149,9 @@ pub fn router(state: AppState) -> Router {
             get(move || async move { ([("content-type", "application/json")], doc.clone()) }),
         )
         .fallback(native::not_found)
-        .layer(axum::middleware::from_fn_with_state(state.clone(), proxy::host_routing))
+        .layer(axum::middleware::from_fn_with_state(core.clone(), proxy::host_routing))
         // Uploads stream to the guest; the cap only bounds a single request.
         .layer(axum::extract::DefaultBodyLimit::max(1 << 30))
-        .with_state(state)
 }
 
 pub struct ServeOptions {
@@ -215,7 +232,7 @@ pub async fn serve(opts: ServeOptions) -> anyhow::Result<()> {
             .map_err(|e| anyhow::anyhow!("listen on {addr}: {e}"))?;
         let app = Router::new()
             .fallback(proxy::code_interpreter_by_token)
-            .with_state(state.clone());
+            .with_state(state.core.clone());
         tracing::info!("serving the code-interpreter port on http://{addr}");
         tokio::spawn(async move {
             if let Err(e) = axum::serve(jupyter, app).await {

@@ -6,8 +6,6 @@ use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
 use utoipa::ToSchema;
 
-use crate::error::ErrorBody;
-
 #[derive(Debug, Clone, Copy, Serialize, Deserialize, ToSchema, PartialEq, Eq)]
 #[serde(rename_all = "snake_case")]
 pub enum SandboxState {
@@ -329,4 +327,13 @@ pub struct ExitedEvent {
     #[serde(skip_serializing_if = "Option::is_none")]
     pub signal: Option<String>,
     pub timed_out: bool,
+}
+
+/// Error body of every non-2xx response, and the error a failed operation records.
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema, PartialEq, Eq)]
+pub struct ErrorBody {
+    /// snake_case error code, stable across versions.
+    pub code: String,
+    /// Human-readable explanation, naming the field or the fix.
+    pub message: String,
 }

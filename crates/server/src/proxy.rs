@@ -3,9 +3,8 @@
 //! itself, served by this server: the host only selects the sandbox. Sandbox ports are never
 //! public: a request needs the sandbox's access token or its owner's API key.
 
-use crate::core::{Accept, Credentials, Principal, Via};
+use crate::core::{Accept, Core, Credentials, Principal, Via};
 use crate::model::SandboxState;
-use crate::native::AppState;
 use axum::body::Body;
 use axum::extract::{Request, State};
 use axum::http::{HeaderValue, StatusCode};
@@ -35,7 +34,7 @@ fn error(status: StatusCode, message: String) -> Response {
 }
 
 /// Route by Host before path routing: sandbox hosts go to envd or to the sandbox's port.
-pub async fn host_routing(State(state): State<AppState>, mut req: Request, next: Next) -> Response {
+pub async fn host_routing(State(core): State<Core>, mut req: Request, next: Next) -> Response {
     // Owned copies: nothing borrowed from the request may live across an await.
     let (by_header, host) = {
         let header = |name: &str| {
@@ -53,7 +52,7 @@ pub async fn host_routing(State(state): State<AppState>, mut req: Request, next:
     // `E2b-Sandbox-Id` + `E2b-Sandbox-Port` pick the sandbox and the port; 49983 is envd here.
     if let (Some(id), Some(port)) = by_header {
         if port != ENVD_PORT {
-            return forward(state, id, port, req).await;
+            return forward(core, id, port, req).await;
         }
     }
     let Some((port, id)) = parse_sandbox_host(&host) else {
@@ -65,20 +64,20 @@ pub async fn host_routing(State(state): State<AppState>, mut req: Request, next:
         }
         return next.run(req).await;
     }
-    forward(state, id, port, req).await
+    forward(core, id, port, req).await
 }
 
 /// `localhost:49999` for `E2B_DEBUG=true` clients: every sandbox shares the host, so the
 /// sandbox is the one whose access token the request carries.
-pub async fn code_interpreter_by_token(State(state): State<AppState>, req: Request) -> Response {
+pub async fn code_interpreter_by_token(State(core): State<Core>, req: Request) -> Response {
     let creds = Credentials::from_headers(req.headers());
     let accept = Accept {
         owner_key: false,
         no_token: false,
     };
-    match state.core.sandbox_principal(&creds, None, accept).await {
+    match core.sandbox_principal(&creds, None, accept).await {
         Ok(Principal::Sandbox { sandbox, .. }) if creds.access_token.is_some() => {
-            forward(state, sandbox.id, airlock_runtime::template::CODE_INTERPRETER_PORT, req).await
+            forward(core, sandbox.id, airlock_runtime::template::CODE_INTERPRETER_PORT, req).await
         }
         _ => error(StatusCode::BAD_GATEWAY, "no sandbox has this X-Access-Token".into()),
     }
@@ -93,13 +92,13 @@ fn strip_credentials(headers: &mut axum::http::HeaderMap, via: Via) {
     }
 }
 
-pub async fn forward(state: AppState, id: String, port: u16, mut req: Request) -> Response {
+pub async fn forward(core: Core, id: String, port: u16, mut req: Request) -> Response {
     let creds = Credentials::from_headers(req.headers());
     let accept = Accept {
         owner_key: true,
         no_token: false,
     };
-    let (sandbox, via) = match state.core.sandbox_principal(&creds, Some(&id), accept).await {
+    let (sandbox, via) = match core.sandbox_principal(&creds, Some(&id), accept).await {
         Ok(Principal::Sandbox { sandbox, via }) if sandbox.state == SandboxState::Running => (sandbox, via),
         Ok(_) | Err(crate::core::CoreError::NotFound { .. }) => {
             return error(StatusCode::BAD_GATEWAY, format!("sandbox {id} is not running"))
@@ -112,7 +111,7 @@ pub async fn forward(state: AppState, id: String, port: u16, mut req: Request) -
         }
     };
     strip_credentials(req.headers_mut(), via);
-    let agent = match state.core.agent_for(&sandbox).await {
+    let agent = match core.agent_for(&sandbox).await {
         Ok(a) => a,
         Err(e) => return error(StatusCode::BAD_GATEWAY, e.to_string()),
     };

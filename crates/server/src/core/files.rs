@@ -1,8 +1,8 @@
 //! Files inside a running sandbox. The agent does the work; this maps its answers onto
 //! `CoreError` once, for both doors.
 
-use super::error::{CoreError, CoreResult, Kind};
 use super::Core;
+use crate::error::{CoreError, CoreResult, Kind};
 use crate::store::SandboxRow;
 use airlock_proto::{FileStat, MkdirResponse, WatchEvent};
 use airlock_runtime::agent::AgentError;

@@ -8,14 +8,13 @@
 //! - `files`: file operations inside a running sandbox
 //! - `templates`: template names and aliases
 
-pub mod error;
 pub mod files;
 pub mod principal;
 pub mod sandboxes;
 pub mod sessions;
 pub mod templates;
 
-pub use error::{CoreError, CoreResult, Kind};
+pub use crate::error::{CoreError, CoreResult, Kind};
 pub use principal::{Accept, Credentials, Principal, Via};
 
 use crate::engine::Engine;

@@ -2,8 +2,8 @@
 //! core turns them into a `Principal` for what a route accepts. Secrets are compared as hashes
 //! or in constant time, and never logged.
 
-use super::error::{CoreError, CoreResult, Kind};
 use super::Core;
+use crate::error::{CoreError, CoreResult, Kind};
 use crate::store::{token_hash, SandboxRow, Tenant};
 use axum::http::HeaderMap;
 use base64::Engine as _;

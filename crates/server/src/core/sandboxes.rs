@@ -1,9 +1,9 @@
 //! Sandboxes: admission (template, resources, timeout, env, metadata, idempotency, quota) and
 //! lifecycle requests, which the operation engine carries out.
 
-use super::error::{CoreError, CoreResult, Kind};
 use super::Core;
 use crate::engine::{Action, Submitted};
+use crate::error::{CoreError, CoreResult, Kind};
 use crate::model::{Operation, Resources, SandboxState};
 use crate::store::{now_ms, parse_page_token, SandboxFilter, SandboxRow, Tenant};
 use airlock_runtime::AgentClient;

@@ -1,9 +1,9 @@
 //! Sessions: every process started through either door is a session with an id, recorded in the
 //! store, so each door sees the others' processes. One signal table serves both.
 
-use super::error::{CoreError, CoreResult, Kind};
 use super::sandboxes::{check_env, check_timeout};
 use super::Core;
+use crate::error::{CoreError, CoreResult, Kind};
 use crate::store::{now_ms, SandboxRow, SessionRow};
 use airlock_proto::frame::{Event, EventKind};
 use airlock_proto::{ProcessInfo, ProcessSpec, ProcessState, PtySize};

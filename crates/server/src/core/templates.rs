@@ -1,8 +1,8 @@
 //! Templates as callers name them: airlock names (`seed`, `seed:latest`, `sha256:...`) and the
 //! aliases other platforms' clients use by default (E2B's `base`).
 
-use super::error::{CoreError, CoreResult, Kind};
 use super::Core;
+use crate::error::{CoreError, CoreResult, Kind};
 use airlock_runtime::template::{Template, TemplateManifest};
 
 /// Names other clients use for airlock templates: (alias, template).

@@ -1,11 +1,10 @@
 //! E2B control plane: `/sandboxes`, `/v2/sandboxes`, timeouts, metrics, connect; each a
 //! translation onto the core's sandbox services.
 
-use super::{E2bError, ENVD_VERSION};
+use super::{E2bError, E2bState, ENVD_VERSION};
 use crate::core::sandboxes::{CreateSandbox, ListSandboxes, DEFAULT_TIMEOUT};
 use crate::core::{templates, CoreError, Credentials};
 use crate::model::{OperationState, SandboxState};
-use crate::native::AppState;
 use crate::store::{rfc3339, SandboxRow, Tenant};
 use axum::extract::{Path, Query, Request, State};
 use axum::http::{HeaderMap, StatusCode};
@@ -19,7 +18,7 @@ use std::time::Duration;
 type Result<T> = std::result::Result<T, E2bError>;
 
 /// The control plane accepts a tenant API key (`X-API-KEY`), and only that.
-pub async fn require_tenant(State(state): State<AppState>, mut req: Request, next: axum::middleware::Next) -> Response {
+pub async fn require_tenant(State(state): State<E2bState>, mut req: Request, next: axum::middleware::Next) -> Response {
     match state.core.tenant(&Credentials::from_headers(req.headers())).await {
         Ok(tenant) => {
             req.extensions_mut().insert(tenant);
@@ -125,7 +124,7 @@ fn timeout_secs(seconds: Option<i64>) -> Duration {
     }
 }
 
-fn sandbox_json(state: &AppState, row: &SandboxRow, token: &str, alias: &str) -> Value {
+fn sandbox_json(state: &E2bState, row: &SandboxRow, token: &str, alias: &str) -> Value {
     json!({
         "templateID": alias,
         "sandboxID": row.id,
@@ -135,19 +134,19 @@ fn sandbox_json(state: &AppState, row: &SandboxRow, token: &str, alias: &str) ->
         "envdAccessToken": token,
         // Sandbox ports are never public: the same token opens them (E2B-Traffic-Access-Token).
         "trafficAccessToken": token,
-        "domain": state.e2b_domain.as_deref(),
+        "domain": state.domain.as_deref(),
     })
 }
 
 /// The name the SDK created the sandbox with (or the alias of its template), for echoing back.
-async fn e2b_alias(state: &AppState, row: &SandboxRow) -> Result<String> {
+async fn e2b_alias(state: &E2bState, row: &SandboxRow) -> Result<String> {
     let recorded = state.core.store.e2b_alias(&row.id).await.map_err(CoreError::from)?;
     Ok(recorded
         .or_else(|| templates::alias_of(&row.template).map(String::from))
         .unwrap_or_else(|| row.template.clone()))
 }
 
-async fn detail_json(state: &AppState, row: &SandboxRow, token: Option<&str>) -> Result<Value> {
+async fn detail_json(state: &E2bState, row: &SandboxRow, token: Option<&str>) -> Result<Value> {
     let alias = e2b_alias(state, row).await?;
     let mut v = json!({
         "templateID": alias,
@@ -162,7 +161,7 @@ async fn detail_json(state: &AppState, row: &SandboxRow, token: Option<&str>) ->
         "state": if row.state == SandboxState::Paused { "paused" } else { "running" },
         "envdVersion": ENVD_VERSION,
         "metadata": row.metadata,
-        "domain": state.e2b_domain.as_deref(),
+        "domain": state.domain.as_deref(),
         "allowInternetAccess": false,
     });
     if let Some(t) = token {
@@ -186,7 +185,7 @@ fn failed(op: &crate::model::Operation, what: &str) -> E2bError {
 }
 
 pub async fn create(
-    State(state): State<AppState>,
+    State(state): State<E2bState>,
     Extension(tenant): Extension<Tenant>,
     headers: HeaderMap,
     body: axum::body::Bytes,
@@ -236,7 +235,7 @@ pub async fn create(
 
 /// `POST /sandboxes/{id}/pause`: airlock pauses in memory (no suspend to disk yet).
 pub async fn pause(
-    State(state): State<AppState>,
+    State(state): State<E2bState>,
     Extension(tenant): Extension<Tenant>,
     Path(id): Path<String>,
 ) -> Result<StatusCode> {
@@ -257,7 +256,7 @@ pub async fn pause(
 /// `POST /sandboxes/{id}/snapshots`: snapshots need suspend-to-disk, which airlock does not have
 /// yet; say so (501) instead of a 404 the SDK would report as a missing sandbox.
 pub async fn create_snapshot(
-    State(state): State<AppState>,
+    State(state): State<E2bState>,
     Extension(tenant): Extension<Tenant>,
     Path(id): Path<String>,
 ) -> Result<StatusCode> {
@@ -274,7 +273,7 @@ pub async fn list_snapshots() -> Json<Value> {
 }
 
 pub async fn get(
-    State(state): State<AppState>,
+    State(state): State<E2bState>,
     Extension(tenant): Extension<Tenant>,
     Path(id): Path<String>,
 ) -> Result<Json<Value>> {
@@ -288,7 +287,7 @@ pub async fn get(
 }
 
 pub async fn kill(
-    State(state): State<AppState>,
+    State(state): State<E2bState>,
     Extension(tenant): Extension<Tenant>,
     Path(id): Path<String>,
 ) -> Result<StatusCode> {
@@ -304,7 +303,7 @@ pub struct TimeoutBody {
 }
 
 pub async fn set_timeout(
-    State(state): State<AppState>,
+    State(state): State<E2bState>,
     Extension(tenant): Extension<Tenant>,
     Path(id): Path<String>,
     body: axum::body::Bytes,
@@ -316,7 +315,7 @@ pub async fn set_timeout(
 }
 
 pub async fn connect(
-    State(state): State<AppState>,
+    State(state): State<E2bState>,
     Extension(tenant): Extension<Tenant>,
     Path(id): Path<String>,
     body: axum::body::Bytes,
@@ -373,7 +372,7 @@ fn url_unescape(s: &str) -> String {
 }
 
 pub async fn list_v2(
-    State(state): State<AppState>,
+    State(state): State<E2bState>,
     Extension(tenant): Extension<Tenant>,
     Query(q): Query<ListQuery>,
 ) -> Result<Response> {
@@ -414,7 +413,7 @@ pub async fn list_v2(
 }
 
 pub async fn metrics(
-    State(state): State<AppState>,
+    State(state): State<E2bState>,
     Extension(tenant): Extension<Tenant>,
     Path(id): Path<String>,
 ) -> Result<Json<Value>> {

@@ -2,14 +2,13 @@
 //! Everything here is a translation onto the core's sessions and files; no process or file logic.
 
 use super::connect::{self, as_bytes, as_u64, field, RpcError};
-use super::E2bError;
+use super::{E2bError, E2bState, Watcher};
 use crate::core::files::Files;
 use crate::core::principal::SignedUrl;
 use crate::core::sandboxes::MAX_TIMEOUT;
 use crate::core::sessions::{parse_signal, signal_description, Running, Selector, StartSession};
 use crate::core::{Accept, CoreError, Credentials, Kind, Principal};
 use crate::model::SandboxState;
-use crate::native::AppState;
 use crate::store::SandboxRow;
 use airlock_proto::frame::EventKind;
 use airlock_proto::{FileKind, FileStat, ProcessState, WatchEventKind};
@@ -22,21 +21,8 @@ use bytes::Bytes;
 use futures_util::{Stream, StreamExt};
 use serde::Deserialize;
 use serde_json::{json, Value};
-use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
-
-/// Polling watchers (`CreateWatcher` / `GetWatcherEvents` / `RemoveWatcher`).
-#[derive(Default)]
-pub struct Watchers {
-    map: Mutex<HashMap<String, Watcher>>,
-}
-
-struct Watcher {
-    sandbox_id: String,
-    events: Arc<Mutex<Vec<Value>>>,
-    task: tokio::task::JoinHandle<()>,
-}
 
 /// 502 the way E2B's proxy answers for a sandbox that is gone (the SDK maps it to "not running").
 fn sandbox_gone(id: &str) -> Response {
@@ -57,7 +43,7 @@ fn header<'a>(h: &'a HeaderMap, name: &str) -> Option<&'a str> {
 /// The running sandbox a request is for (`E2b-Sandbox-Id`, else the one whose `X-Access-Token`
 /// it carries) and the principal that may use it. envd accepts only the sandbox's access token;
 /// `no_token` lets `/health` and signed `/files` URLs through to their own checks.
-async fn resolve(state: &AppState, h: &HeaderMap, no_token: bool) -> Result<SandboxRow, Response> {
+async fn resolve(state: &E2bState, h: &HeaderMap, no_token: bool) -> Result<SandboxRow, Response> {
     let id = header(h, "e2b-sandbox-id");
     let accept = Accept {
         owner_key: false,
@@ -240,7 +226,7 @@ fn end_event(exit: &airlock_proto::ExitStatus) -> Value {
 /// before the client's own read timeout fires; with `kill_at_deadline` (Start) the process is
 /// killed then too, as envd bounds a started process's life by that deadline.
 fn process_stream(
-    state: AppState,
+    state: E2bState,
     sandbox: SandboxRow,
     run: Running,
     keepalive: Duration,
@@ -324,7 +310,7 @@ where
 
 /// What every RPC needs: its sandbox, the calling user, and the request message.
 async fn rpc_call(
-    state: &AppState,
+    state: &E2bState,
     headers: &HeaderMap,
     body: &[u8],
     streaming: bool,
@@ -395,7 +381,7 @@ fn start_request(req: &Value, headers: &HeaderMap, user: &str) -> Result<StartSe
 }
 
 pub async fn process_rpc(
-    State(state): State<AppState>,
+    State(state): State<E2bState>,
     Path(method): Path<String>,
     headers: HeaderMap,
     body: Bytes,
@@ -521,7 +507,7 @@ fn watch_event(kind: WatchEventKind, path: &str, root: &str) -> Value {
 }
 
 pub async fn filesystem_rpc(
-    State(state): State<AppState>,
+    State(state): State<E2bState>,
     Path(method): Path<String>,
     headers: HeaderMap,
     body: Bytes,
@@ -666,7 +652,7 @@ pub async fn filesystem_rpc(
     }
 }
 
-pub async fn health(State(state): State<AppState>, headers: HeaderMap) -> Response {
+pub async fn health(State(state): State<E2bState>, headers: HeaderMap) -> Response {
     match resolve(&state, &headers, true).await {
         Ok(_) => StatusCode::NO_CONTENT.into_response(),
         Err(r) => r,
@@ -686,7 +672,7 @@ fn files_error(e: impl Into<E2bError>) -> Response {
 }
 
 /// `/files` accepts the access token, or a valid signed-URL signature instead.
-async fn files_target(state: &AppState, h: &HeaderMap, q: &FilesQuery, op: &str) -> Result<Files, Response> {
+async fn files_target(state: &E2bState, h: &HeaderMap, q: &FilesQuery, op: &str) -> Result<Files, Response> {
     let signed = q.signature.is_some() && header(h, "x-access-token").is_none();
     let sandbox = resolve(state, h, signed).await?;
     if signed {
@@ -701,7 +687,7 @@ async fn files_target(state: &AppState, h: &HeaderMap, q: &FilesQuery, op: &str)
     state.core.files(&sandbox).await.map_err(|_| sandbox_gone(&sandbox.id))
 }
 
-pub async fn files_get(State(state): State<AppState>, headers: HeaderMap, Query(q): Query<FilesQuery>) -> Response {
+pub async fn files_get(State(state): State<E2bState>, headers: HeaderMap, Query(q): Query<FilesQuery>) -> Response {
     let files = match files_target(&state, &headers, &q, "read").await {
         Ok(x) => x,
         Err(r) => return r,
@@ -721,7 +707,7 @@ pub async fn files_get(State(state): State<AppState>, headers: HeaderMap, Query(
 }
 
 pub async fn files_post(
-    State(state): State<AppState>,
+    State(state): State<E2bState>,
     headers: HeaderMap,
     Query(q): Query<FilesQuery>,
     req: axum::extract::Request,

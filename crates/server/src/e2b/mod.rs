@@ -7,13 +7,37 @@ pub mod connect;
 pub mod control;
 pub mod envd;
 
-use crate::core::CoreError;
+use crate::core::{Core, CoreError};
 use airlock_proto::ErrorCode;
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
 
 /// envd version we report; the SDK gates features on it (octet-stream uploads need >= 0.5.7).
 pub const ENVD_VERSION: &str = "0.6.13";
+
+/// What the E2B door's handlers share.
+#[derive(Clone)]
+pub struct E2bState {
+    pub core: Core,
+    /// The polling file watchers of envd's `CreateWatcher`.
+    pub watchers: Arc<Watchers>,
+    /// The E2B domain (`api.<domain>`, `<port>-<id>.<domain>`) returned to SDKs, if configured.
+    pub domain: Option<Arc<str>>,
+}
+
+/// Polling watchers (`CreateWatcher` / `GetWatcherEvents` / `RemoveWatcher`).
+#[derive(Default)]
+pub struct Watchers {
+    pub(crate) map: Mutex<HashMap<String, Watcher>>,
+}
+
+pub(crate) struct Watcher {
+    pub(crate) sandbox_id: String,
+    pub(crate) events: Arc<Mutex<Vec<serde_json::Value>>>,
+    pub(crate) task: tokio::task::JoinHandle<()>,
+}
 
 /// An error as the SDK parses control-plane and `/files` answers: `{"code": <int>, "message"}`.
 #[derive(Debug)]

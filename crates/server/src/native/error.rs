@@ -2,7 +2,7 @@
 //! in exactly one place (`ApiError::status_and_body`).
 
 use crate::core::CoreError;
-use crate::error::ErrorBody;
+use crate::model::ErrorBody;
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 

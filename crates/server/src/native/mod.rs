@@ -22,17 +22,7 @@ use serde::de::DeserializeOwned;
 use serde::Deserialize;
 use std::collections::{BTreeMap, HashMap};
 use std::convert::Infallible;
-use std::sync::Arc;
 use std::time::Duration;
-
-#[derive(Clone)]
-pub struct AppState {
-    pub core: Core,
-    /// The E2B door's polling file watchers.
-    pub watchers: Arc<crate::e2b::envd::Watchers>,
-    /// The E2B domain (`api.<domain>`, `<port>-<id>.<domain>`) returned to SDKs, if configured.
-    pub e2b_domain: Option<Arc<str>>,
-}
 
 /// JSON body whose rejections use the API's error format (400 malformed, 422 wrong shape).
 pub struct ApiJson<T>(pub T);
@@ -71,8 +61,8 @@ impl<T: DeserializeOwned, S: Send + Sync> FromRequestParts<S> for ApiQuery<T> {
 }
 
 /// Every `/v1` route accepts a tenant API key, and only that; checked before a body is read.
-pub async fn require_tenant(State(state): State<AppState>, mut req: Request, next: axum::middleware::Next) -> Response {
-    match state.core.tenant(&Credentials::from_headers(req.headers())).await {
+pub async fn require_tenant(State(core): State<Core>, mut req: Request, next: axum::middleware::Next) -> Response {
+    match core.tenant(&Credentials::from_headers(req.headers())).await {
         Ok(tenant) => {
             req.extensions_mut().insert(tenant);
             next.run(req).await
@@ -139,7 +129,7 @@ fn accepted(operation: Operation) -> (StatusCode, Json<OperationAccepted>) {
     responses((status = 202, body = OperationAccepted), ApiErrors),
     security(("bearer" = [])))]
 pub async fn create_sandbox(
-    State(state): State<AppState>,
+    State(core): State<Core>,
     Extension(tenant): Extension<Tenant>,
     headers: HeaderMap,
     ApiJson(req): ApiJson<CreateSandboxRequest>,
@@ -162,8 +152,7 @@ pub async fn create_sandbox(
         memory_mib: None,
         disk_mib: None,
     });
-    let created = state
-        .core
+    let created = core
         .create_sandbox(
             &tenant,
             CreateSandbox {
@@ -180,8 +169,7 @@ pub async fn create_sandbox(
         )
         .await?;
     // The record as it is now: a replayed create may have finished long ago.
-    let operation = state
-        .core
+    let operation = core
         .store
         .get_operation(&tenant.id, &created.operation.id)
         .await
@@ -195,13 +183,11 @@ pub async fn create_sandbox(
     responses((status = 200, body = Operation), ApiErrors),
     security(("bearer" = [])))]
 pub async fn get_operation(
-    State(state): State<AppState>,
+    State(core): State<Core>,
     Extension(tenant): Extension<Tenant>,
     Path(id): Path<String>,
 ) -> ApiResult<Json<Operation>> {
-    state
-        .core
-        .store
+    core.store
         .get_operation(&tenant.id, &id)
         .await
         .map_err(CoreError::from)?
@@ -228,7 +214,7 @@ pub struct ListQuery {
     responses((status = 200, body = SandboxList), ApiErrors),
     security(("bearer" = [])))]
 pub async fn list_sandboxes(
-    State(state): State<AppState>,
+    State(core): State<Core>,
     Extension(tenant): Extension<Tenant>,
     ApiQuery(q): ApiQuery<ListQuery>,
 ) -> ApiResult<Json<SandboxList>> {
@@ -250,8 +236,7 @@ pub async fn list_sandboxes(
             _ => return Err(CoreError::invalid("query", format!("unknown query parameter {k:?}")).into()),
         }
     }
-    let page = state
-        .core
+    let page = core
         .list_sandboxes(
             &tenant,
             ListSandboxes {
@@ -272,22 +257,22 @@ pub async fn list_sandboxes(
     responses((status = 200, body = Sandbox), ApiErrors),
     security(("bearer" = [])))]
 pub async fn get_sandbox(
-    State(state): State<AppState>,
+    State(core): State<Core>,
     Extension(tenant): Extension<Tenant>,
     Path(id): Path<String>,
 ) -> ApiResult<Json<Sandbox>> {
-    Ok(Json(state.core.sandbox(&tenant, &id).await?.view()))
+    Ok(Json(core.sandbox(&tenant, &id).await?.view()))
 }
 
 #[utoipa::path(delete, path = "/v1/sandboxes/{id}", tag = "sandboxes", params(("id" = String, Path)),
     responses((status = 202, body = OperationAccepted), ApiErrors),
     security(("bearer" = [])))]
 pub async fn delete_sandbox(
-    State(state): State<AppState>,
+    State(core): State<Core>,
     Extension(tenant): Extension<Tenant>,
     Path(id): Path<String>,
 ) -> ApiResult<(StatusCode, Json<OperationAccepted>)> {
-    Ok(accepted(state.core.delete_sandbox(&tenant, &id).await?))
+    Ok(accepted(core.delete_sandbox(&tenant, &id).await?))
 }
 
 /// Freeze the sandbox in memory (processes, files and memory kept). Its timeout stops running
@@ -296,22 +281,22 @@ pub async fn delete_sandbox(
     responses((status = 202, body = OperationAccepted), ApiErrors),
     security(("bearer" = [])))]
 pub async fn pause_sandbox(
-    State(state): State<AppState>,
+    State(core): State<Core>,
     Extension(tenant): Extension<Tenant>,
     Path(id): Path<String>,
 ) -> ApiResult<(StatusCode, Json<OperationAccepted>)> {
-    Ok(accepted(state.core.pause_or_resume(&tenant, &id, true).await?))
+    Ok(accepted(core.pause_or_resume(&tenant, &id, true).await?))
 }
 
 #[utoipa::path(post, path = "/v1/sandboxes/{id}/resume", tag = "sandboxes", params(("id" = String, Path)),
     responses((status = 202, body = OperationAccepted), ApiErrors),
     security(("bearer" = [])))]
 pub async fn resume_sandbox(
-    State(state): State<AppState>,
+    State(core): State<Core>,
     Extension(tenant): Extension<Tenant>,
     Path(id): Path<String>,
 ) -> ApiResult<(StatusCode, Json<OperationAccepted>)> {
-    Ok(accepted(state.core.pause_or_resume(&tenant, &id, false).await?))
+    Ok(accepted(core.pause_or_resume(&tenant, &id, false).await?))
 }
 
 fn session_view(s: &SessionRow) -> Session {
@@ -341,19 +326,18 @@ fn session_view(s: &SessionRow) -> Session {
     responses((status = 201, body = Session), ApiErrors),
     security(("bearer" = [])))]
 pub async fn create_session(
-    State(state): State<AppState>,
+    State(core): State<Core>,
     Extension(tenant): Extension<Tenant>,
     Path(id): Path<String>,
     ApiJson(req): ApiJson<CreateSessionRequest>,
 ) -> ApiResult<(StatusCode, Json<Session>)> {
-    let sandbox = state.core.sandbox(&tenant, &id).await?;
+    let sandbox = core.sandbox(&tenant, &id).await?;
     let timeout = req
         .timeout
         .as_deref()
         .map(|t| parse_duration("timeout", t))
         .transpose()?;
-    let (row, _) = state
-        .core
+    let (row, _) = core
         .start_session(
             &sandbox,
             StartSession {
@@ -378,20 +362,18 @@ pub async fn create_session(
     responses((status = 200, body = Vec<Session>), ApiErrors),
     security(("bearer" = [])))]
 pub async fn list_sessions(
-    State(state): State<AppState>,
+    State(core): State<Core>,
     Extension(tenant): Extension<Tenant>,
     Path(id): Path<String>,
 ) -> ApiResult<Json<Vec<Session>>> {
-    let sandbox = state.core.sandbox(&tenant, &id).await?;
-    Ok(Json(
-        state.core.sessions(&sandbox).await?.iter().map(session_view).collect(),
-    ))
+    let sandbox = core.sandbox(&tenant, &id).await?;
+    Ok(Json(core.sessions(&sandbox).await?.iter().map(session_view).collect()))
 }
 
 /// A tenant's sandbox and one of its sessions.
-async fn session_of(state: &AppState, tenant: &Tenant, id: &str, sid: &str) -> ApiResult<(SandboxRow, SessionRow)> {
-    let sandbox = state.core.sandbox(tenant, id).await?;
-    let session = state.core.session(&sandbox, sid).await?;
+async fn session_of(core: &Core, tenant: &Tenant, id: &str, sid: &str) -> ApiResult<(SandboxRow, SessionRow)> {
+    let sandbox = core.sandbox(tenant, id).await?;
+    let session = core.session(&sandbox, sid).await?;
     Ok((sandbox, session))
 }
 
@@ -400,11 +382,11 @@ async fn session_of(state: &AppState, tenant: &Tenant, id: &str, sid: &str) -> A
     responses((status = 200, body = Session), ApiErrors),
     security(("bearer" = [])))]
 pub async fn get_session(
-    State(state): State<AppState>,
+    State(core): State<Core>,
     Extension(tenant): Extension<Tenant>,
     Path((id, sid)): Path<(String, String)>,
 ) -> ApiResult<Json<Session>> {
-    Ok(Json(session_view(&session_of(&state, &tenant, &id, &sid).await?.1)))
+    Ok(Json(session_view(&session_of(&core, &tenant, &id, &sid).await?.1)))
 }
 
 #[derive(Debug, Deserialize, utoipa::IntoParams)]
@@ -427,13 +409,13 @@ fn error_event(e: ApiError) -> Event {
     responses((status = 200, description = "text/event-stream: events `stdout`, `stderr` (OutputEvent), `process_exited` (ExitedEvent), `error` (ErrorBody); each with an `id`", content_type = "text/event-stream", body = String), ApiErrors),
     security(("bearer" = [])))]
 pub async fn stream_session(
-    State(state): State<AppState>,
+    State(core): State<Core>,
     Extension(tenant): Extension<Tenant>,
     Path((id, sid)): Path<(String, String)>,
     headers: HeaderMap,
     ApiQuery(q): ApiQuery<StreamQuery>,
 ) -> ApiResult<Sse<impl Stream<Item = Result<Event, Infallible>>>> {
-    let (sandbox, row) = session_of(&state, &tenant, &id, &sid).await?;
+    let (sandbox, row) = session_of(&core, &tenant, &id, &sid).await?;
     let after = match headers.get("last-event-id").and_then(|v| v.to_str().ok()) {
         Some(v) => v
             .trim()
@@ -442,7 +424,7 @@ pub async fn stream_session(
         None => q.last_event_id.unwrap_or(0),
     };
     let stream: futures_util::stream::BoxStream<'static, Result<Event, Infallible>> =
-        match state.core.session_events(&sandbox, row, after).await {
+        match core.session_events(&sandbox, row, after).await {
             Ok(events) => events
                 .map(|ev| {
                     let ev = match ev {
@@ -476,21 +458,19 @@ pub async fn stream_session(
     responses((status = 204), ApiErrors),
     security(("bearer" = [])))]
 pub async fn session_stdin(
-    State(state): State<AppState>,
+    State(core): State<Core>,
     Extension(tenant): Extension<Tenant>,
     Path((id, sid)): Path<(String, String)>,
     ApiJson(req): ApiJson<StdinRequest>,
 ) -> ApiResult<StatusCode> {
-    let (sandbox, row) = session_of(&state, &tenant, &id, &sid).await?;
+    let (sandbox, row) = session_of(&core, &tenant, &id, &sid).await?;
     let data = match &req.data {
         Some(d) => base64::engine::general_purpose::STANDARD
             .decode(d)
             .map_err(|e| CoreError::invalid("data", format!("not base64: {e}")))?,
         None => Vec::new(),
     };
-    state
-        .core
-        .session_stdin(&sandbox, &row, data, req.eof.unwrap_or(false))
+    core.session_stdin(&sandbox, &row, data, req.eof.unwrap_or(false))
         .await?;
     Ok(StatusCode::NO_CONTENT)
 }
@@ -500,14 +480,14 @@ pub async fn session_stdin(
     responses((status = 204), ApiErrors),
     security(("bearer" = [])))]
 pub async fn session_signal(
-    State(state): State<AppState>,
+    State(core): State<Core>,
     Extension(tenant): Extension<Tenant>,
     Path((id, sid)): Path<(String, String)>,
     ApiJson(req): ApiJson<SignalRequest>,
 ) -> ApiResult<StatusCode> {
-    let (sandbox, row) = session_of(&state, &tenant, &id, &sid).await?;
+    let (sandbox, row) = session_of(&core, &tenant, &id, &sid).await?;
     let signal = parse_signal(&req.signal)?;
-    state.core.session_signal(&sandbox, &row, signal).await?;
+    core.session_signal(&sandbox, &row, signal).await?;
     Ok(StatusCode::NO_CONTENT)
 }
 
@@ -516,17 +496,17 @@ pub async fn session_signal(
     responses((status = 204), ApiErrors),
     security(("bearer" = [])))]
 pub async fn session_resize(
-    State(state): State<AppState>,
+    State(core): State<Core>,
     Extension(tenant): Extension<Tenant>,
     Path((id, sid)): Path<(String, String)>,
     ApiJson(req): ApiJson<PtySpec>,
 ) -> ApiResult<StatusCode> {
-    let (sandbox, row) = session_of(&state, &tenant, &id, &sid).await?;
+    let (sandbox, row) = session_of(&core, &tenant, &id, &sid).await?;
     let size = airlock_proto::PtySize {
         cols: req.cols,
         rows: req.rows,
     };
-    state.core.session_resize(&sandbox, &row, size).await?;
+    core.session_resize(&sandbox, &row, size).await?;
     Ok(StatusCode::NO_CONTENT)
 }
 
@@ -567,21 +547,21 @@ fn file_info(s: airlock_proto::FileStat) -> FileInfo {
     }
 }
 
-async fn files_of(state: &AppState, tenant: &Tenant, id: &str) -> ApiResult<crate::core::files::Files> {
-    let sandbox = state.core.sandbox(tenant, id).await?;
-    Ok(state.core.files(&sandbox).await?)
+async fn files_of(core: &Core, tenant: &Tenant, id: &str) -> ApiResult<crate::core::files::Files> {
+    let sandbox = core.sandbox(tenant, id).await?;
+    Ok(core.files(&sandbox).await?)
 }
 
 #[utoipa::path(get, path = "/v1/sandboxes/{id}/files", tag = "files", params(("id" = String, Path), PathQuery),
     responses((status = 200, description = "file content", content_type = "application/octet-stream", body = Vec<u8>), ApiErrors),
     security(("bearer" = [])))]
 pub async fn read_file(
-    State(state): State<AppState>,
+    State(core): State<Core>,
     Extension(tenant): Extension<Tenant>,
     Path(id): Path<String>,
     ApiQuery(q): ApiQuery<PathQuery>,
 ) -> ApiResult<Response> {
-    let stream = files_of(&state, &tenant, &id).await?.read(&q.path).await?;
+    let stream = files_of(&core, &tenant, &id).await?.read(&q.path).await?;
     let body = axum::body::Body::from_stream(stream);
     Ok(([("content-type", "application/octet-stream")], body).into_response())
 }
@@ -591,13 +571,13 @@ pub async fn read_file(
     responses((status = 200, body = FileInfo), ApiErrors),
     security(("bearer" = [])))]
 pub async fn write_file(
-    State(state): State<AppState>,
+    State(core): State<Core>,
     Extension(tenant): Extension<Tenant>,
     Path(id): Path<String>,
     ApiQuery(q): ApiQuery<PathQuery>,
     body: axum::body::Body,
 ) -> ApiResult<Json<FileInfo>> {
-    let files = files_of(&state, &tenant, &id).await?;
+    let files = files_of(&core, &tenant, &id).await?;
     let data = body.into_data_stream().map(|r| r.map_err(std::io::Error::other));
     match files.write(&q.path, "user", data).await {
         Ok(stat) => Ok(Json(file_info(stat))),
@@ -609,12 +589,12 @@ pub async fn write_file(
     responses((status = 204), ApiErrors),
     security(("bearer" = [])))]
 pub async fn delete_file(
-    State(state): State<AppState>,
+    State(core): State<Core>,
     Extension(tenant): Extension<Tenant>,
     Path(id): Path<String>,
     ApiQuery(q): ApiQuery<PathQuery>,
 ) -> ApiResult<StatusCode> {
-    files_of(&state, &tenant, &id).await?.remove(&q.path).await?;
+    files_of(&core, &tenant, &id).await?.remove(&q.path).await?;
     Ok(StatusCode::NO_CONTENT)
 }
 
@@ -622,12 +602,12 @@ pub async fn delete_file(
     responses((status = 200, body = FileList), ApiErrors),
     security(("bearer" = [])))]
 pub async fn list_files(
-    State(state): State<AppState>,
+    State(core): State<Core>,
     Extension(tenant): Extension<Tenant>,
     Path(id): Path<String>,
     ApiQuery(q): ApiQuery<ListFilesQuery>,
 ) -> ApiResult<Json<FileList>> {
-    let files = files_of(&state, &tenant, &id).await?;
+    let files = files_of(&core, &tenant, &id).await?;
     let entries = files.list(&q.path, q.depth.unwrap_or(1)).await?;
     Ok(Json(FileList {
         entries: entries.into_iter().map(file_info).collect(),
@@ -646,23 +626,23 @@ fn template_view(m: airlock_runtime::template::TemplateManifest) -> Template {
 
 #[utoipa::path(get, path = "/v1/templates", tag = "templates",
     responses((status = 200, body = TemplateList), ApiErrors), security(("bearer" = [])))]
-pub async fn list_templates(State(state): State<AppState>) -> Json<TemplateList> {
+pub async fn list_templates(State(core): State<Core>) -> Json<TemplateList> {
     Json(TemplateList {
-        templates: state.core.templates().into_iter().map(template_view).collect(),
+        templates: core.templates().into_iter().map(template_view).collect(),
     })
 }
 
 #[utoipa::path(get, path = "/v1/templates/{name}", tag = "templates", params(("name" = String, Path)),
     responses((status = 200, body = Template), ApiErrors),
     security(("bearer" = [])))]
-pub async fn get_template(State(state): State<AppState>, Path(name): Path<String>) -> ApiResult<Json<Template>> {
-    Ok(Json(template_view(state.core.resolve_template(&name)?.manifest)))
+pub async fn get_template(State(core): State<Core>, Path(name): Path<String>) -> ApiResult<Json<Template>> {
+    Ok(Json(template_view(core.resolve_template(&name)?.manifest)))
 }
 
 #[utoipa::path(get, path = "/v1/system", tag = "system",
     responses((status = 200, body = SystemInfo), ApiErrors), security(("bearer" = [])))]
-pub async fn system(State(state): State<AppState>) -> Json<SystemInfo> {
-    let nodes = &state.core.nodes;
+pub async fn system(State(core): State<Core>) -> Json<SystemInfo> {
+    let nodes = &core.nodes;
     let capacity = nodes.capacity();
     Json(SystemInfo {
         version: env!("CARGO_PKG_VERSION").into(),

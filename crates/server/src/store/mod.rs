@@ -14,7 +14,7 @@ mod sqlite;
 
 pub use sqlite::SqliteStore;
 
-use crate::error::ErrorBody;
+use crate::model::ErrorBody;
 use crate::model::{Operation, OperationState, Resources, Sandbox, SandboxState};
 use async_trait::async_trait;
 use std::collections::BTreeMap;

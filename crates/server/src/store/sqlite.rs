@@ -4,7 +4,7 @@ use super::{
     new_key, now_ms, rfc3339, token_hash, CreateRecorded, E2bStore, KeyFormat, OperationStore, SandboxFilter,
     SandboxRow, SandboxStore, SessionRow, StoreError, Tenant, TenantStore,
 };
-use crate::error::ErrorBody;
+use crate::model::ErrorBody;
 use crate::model::{Operation, OperationKind, OperationState, Resources, SandboxState};
 use async_trait::async_trait;
 use sqlx::sqlite::{SqliteConnectOptions, SqliteJournalMode, SqlitePool, SqlitePoolOptions};
