@@ -53,7 +53,7 @@ async fn start_session(stream: &mut UnixStream) -> Result<(), AgentError> {
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
     let io_err = |e: std::io::Error| AgentError::Transport(format!("session start: {e}"));
     loop {
-        let nonce = crate::datadir::random_hex(8);
+        let nonce = crate::random::random_hex(8);
         stream
             .write_all(format!("{}{nonce}\n", airlock_proto::SESSION_HELLO).as_bytes())
             .await

@@ -9,6 +9,8 @@
 //! ```
 
 use crate::error::{Result, RuntimeError};
+/// Kept here too: callers name ids and tokens by this path.
+pub use crate::random::random_hex;
 use std::path::{Path, PathBuf};
 
 pub const DEFAULT_DATA_DIR: &str = "/var/lib/airlock";
@@ -67,16 +69,6 @@ pub fn write_atomic(path: &Path, data: &[u8]) -> Result<()> {
     let tmp = path.with_extension(format!("tmp-{}", std::process::id()));
     std::fs::write(&tmp, data).map_err(|e| RuntimeError::io(&tmp, e))?;
     std::fs::rename(&tmp, path).map_err(|e| RuntimeError::io(path, e))
-}
-
-/// Random lowercase hex, from the kernel's CSPRNG.
-pub fn random_hex(bytes: usize) -> String {
-    use std::io::Read;
-    let mut buf = vec![0u8; bytes];
-    std::fs::File::open("/dev/urandom")
-        .and_then(|mut f| f.read_exact(&mut buf))
-        .expect("/dev/urandom is readable");
-    hex::encode(buf)
 }
 
 /// An exclusive advisory lock held while the guard lives (e.g. one template build at a time).

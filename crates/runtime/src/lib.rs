@@ -10,6 +10,7 @@ pub mod error;
 pub mod fake;
 pub mod qemu;
 pub mod qmp;
+pub mod random;
 pub mod sandbox;
 pub mod template;
 pub mod vmm;

@@ -17,77 +17,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant, SystemTime};
 
-pub const MIN_MEMORY_MIB: u32 = 128;
-pub const MAX_DISK_MIB: u32 = 1 << 20;
-
-#[derive(Debug, Clone, Copy, Serialize, Deserialize, PartialEq, Eq)]
-pub struct Resources {
-    pub vcpu: u32,
-    pub memory_mib: u32,
-    pub disk_mib: u32,
-}
-
-impl Default for Resources {
-    fn default() -> Self {
-        Self {
-            vcpu: 1,
-            memory_mib: 512,
-            disk_mib: 2048,
-        }
-    }
-}
-
-impl Resources {
-    /// Check against the host and the template; the message names the field and the bound.
-    pub fn validate(&self, template: &Template) -> Result<()> {
-        let host_cpus = std::thread::available_parallelism()
-            .map(|n| n.get() as u32)
-            .unwrap_or(1);
-        let host_mem_mib = host_memory_mib();
-        let min_disk = template.manifest.rootfs_bytes.div_ceil(1 << 20) as u32;
-        let bad = |m: String| Err(RuntimeError::InvalidResources(m));
-        if self.vcpu == 0 || self.vcpu > host_cpus {
-            return bad(format!(
-                "vcpu must be between 1 and {host_cpus} (this host's CPUs), got {}",
-                self.vcpu
-            ));
-        }
-        if self.memory_mib < MIN_MEMORY_MIB {
-            return bad(format!(
-                "memory_mib must be at least {MIN_MEMORY_MIB} (the guest kernel needs it), got {}",
-                self.memory_mib
-            ));
-        }
-        if self.memory_mib > host_mem_mib {
-            return bad(format!(
-                "memory_mib must be at most {host_mem_mib} (this host's memory), got {}",
-                self.memory_mib
-            ));
-        }
-        if self.disk_mib < min_disk {
-            return bad(format!(
-                "disk_mib must be at least {min_disk} (the size of template {}'s image), got {}",
-                template.manifest.name, self.disk_mib
-            ));
-        }
-        if self.disk_mib > MAX_DISK_MIB {
-            return bad(format!(
-                "disk_mib must be at most {MAX_DISK_MIB}, got {}",
-                self.disk_mib
-            ));
-        }
-        Ok(())
-    }
-}
-
-fn host_memory_mib() -> u32 {
-    let info = std::fs::read_to_string("/proc/meminfo").unwrap_or_default();
-    info.lines()
-        .find(|l| l.starts_with("MemTotal:"))
-        .and_then(|l| l.split_whitespace().nth(1)?.parse::<u64>().ok())
-        .map(|kib| (kib / 1024) as u32)
-        .unwrap_or(u32::MAX)
-}
+pub use crate::vmm::{Resources, MAX_DISK_MIB, MIN_MEMORY_MIB};
 
 /// What a sandbox is, as recorded in `<dir>/sandbox.json` (so a restarted server can re-attach).
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
