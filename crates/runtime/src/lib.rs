@@ -1,19 +1,24 @@
-//! airlock's node runtime: templates, the VMM driver, the guest agent client, and sandboxes.
+//! airlock's node runtime: one host's sandboxes.
 //!
-//! The server and the CLI are thin layers over this crate; the integration tests drive it
-//! directly against real QEMU VMs.
+//! - `sandbox`: `Runtime` (create, find, re-attach after a restart, pause, delete)
+//! - `vmm`: the `Vmm` trait and its drivers (`qemu`; `fake`, an in-memory one for tests)
+//! - `template`: template builds and the content-addressed store
+//! - `agent`: the client of the guest agent (HTTP/2 over the VM's channel)
+//!
+//! The server reaches it only through its node seam; the integration tests drive it directly
+//! against real QEMU VMs and against the fake VMM.
 
 pub mod agent;
 pub mod datadir;
 pub mod error;
-#[cfg(feature = "fake")]
-pub mod fake;
-pub mod qemu;
-pub mod qmp;
 pub mod random;
 pub mod sandbox;
 pub mod template;
 pub mod vmm;
+
+#[cfg(feature = "fake")]
+pub use vmm::fake;
+pub use vmm::{qemu, qmp};
 
 pub use agent::AgentClient;
 pub use error::{Result, RuntimeError};

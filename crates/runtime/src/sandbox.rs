@@ -4,8 +4,8 @@
 use crate::agent::AgentClient;
 use crate::datadir::{random_hex, write_atomic, DataDir, FileLock};
 use crate::error::{Result, RuntimeError};
-use crate::qemu::QemuVmm;
 use crate::template::{Template, TemplateStore};
+use crate::vmm::qemu::QemuVmm;
 use crate::vmm::{wait_exit, Accel, VmHandle, VmSpec, Vmm};
 use airlock_proto::frame::EventKind;
 use airlock_proto::{ExitStatus, ProcessSpec};

@@ -1,8 +1,13 @@
 //! The VMM driver boundary: what the sandbox layer needs from a hypervisor.
 //!
-//! `qemu` (the `microvm` machine) is the only driver today; Firecracker plugs in behind the same
-//! trait. A driver starts a VM that outlives the airlock process (so a restarted server can
+//! `qemu` (the `microvm` machine) is the driver today and `fake` (feature `fake`) an in-memory
+//! test double; Firecracker plugs in behind the same trait. A driver starts a VM that outlives the airlock process (so a restarted server can
 //! re-attach), and records what it needs to find it again in the sandbox dir.
+
+#[cfg(feature = "fake")]
+pub mod fake;
+pub mod qemu;
+pub mod qmp;
 
 use crate::error::{Result, RuntimeError};
 use crate::template::Template;

@@ -5,8 +5,8 @@
 //! itself through QMP on another socket there. The root disk is a qcow2 overlay on the
 //! template's ext4 image, sized to `disk_mib`.
 
+use super::qmp::Qmp;
 use crate::error::{Result, RuntimeError};
-use crate::qmp::Qmp;
 use crate::vmm::{pid_alive, reap, wait_exit, Accel, VmHandle, VmSpec, Vmm};
 use async_trait::async_trait;
 use std::path::{Path, PathBuf};
