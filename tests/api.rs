@@ -34,12 +34,17 @@ struct Server {
 
 impl Server {
     fn start(data: &Path) -> Server {
+        Server::start_with(data, &[])
+    }
+
+    fn start_with(data: &Path, extra: &[&str]) -> Server {
         let port = free_port();
         let log = std::fs::File::create(data.join(format!("serve-{port}.log"))).unwrap();
         let child = Command::new(BIN)
             .args(["--data-dir"])
             .arg(data)
             .args(["serve", "--listen", &format!("127.0.0.1:{port}")])
+            .args(extra)
             .stdin(Stdio::null())
             .stdout(log.try_clone().unwrap())
             .stderr(log)
@@ -302,7 +307,11 @@ fn walkthrough_create_session_stream_delete() {
     assert_eq!(gone["state"], "deleted");
     assert!(!s.data.join("sandboxes").join(&id).exists());
     let (status, err) = s.call("DELETE", &format!("/v1/sandboxes/{id}"), None);
-    assert_eq!((status, err["code"].as_str()), (404, Some("not_found")));
+    assert_eq!(
+        (status, err["code"].as_str()),
+        (404, Some("sandbox_not_found")),
+        "{err}"
+    );
 }
 
 fn failing_command_reports_its_exit_code_and_stderr() {
@@ -422,7 +431,7 @@ fn stdin_signal_and_files() {
         &format!("/v1/sandboxes/{id}/files?path=/home/user/dir/hello.bin"),
         None,
     );
-    assert_eq!((status, err["code"].as_str()), (404, Some("not_found")));
+    assert_eq!((status, err["code"].as_str()), (404, Some("file_not_found")), "{err}");
     let (status, _) = s.call("GET", &format!("/v1/sandboxes/{id}/files/list?path=/etc&depth=0"), None);
     assert_eq!(status, 422);
 }
@@ -441,9 +450,13 @@ fn pause_freezes_in_memory_and_resume_continues() {
         &format!("/v1/sandboxes/{id}/sessions"),
         Some(json!({ "argv": ["true"] })),
     );
-    assert_eq!((status, err["code"].as_str()), (409, Some("conflict")), "{err}");
-    let (status, _) = s.call("POST", &format!("/v1/sandboxes/{id}/pause"), None);
-    assert_eq!(status, 409, "pausing twice is a conflict");
+    assert_eq!((status, err["code"].as_str()), (409, Some("invalid_state")), "{err}");
+    let (status, err) = s.call("POST", &format!("/v1/sandboxes/{id}/pause"), None);
+    assert_eq!(
+        (status, err["code"].as_str()),
+        (409, Some("invalid_state")),
+        "pausing twice: {err}"
+    );
     let (_, listed) = s.call("GET", "/v1/sandboxes?state=paused", None);
     assert!(listed["sandboxes"]
         .as_array()
@@ -727,19 +740,23 @@ fn bad_input_gets_clear_4xx_errors() {
 
 fn unknown_ids_are_404_and_keys_are_checked() {
     let s = server();
-    for path in [
-        "/v1/sandboxes/0000000000000000dead",
-        "/v1/operations/op_nope",
-        "/v1/templates/nope",
-        "/v1/nothing-here",
+    for (path, code) in [
+        ("/v1/sandboxes/0000000000000000dead", "sandbox_not_found"),
+        ("/v1/operations/op_nope", "operation_not_found"),
+        ("/v1/templates/nope", "template_not_found"),
+        ("/v1/nothing-here", "route_not_found"),
     ] {
         let (status, err) = s.call("GET", path, None);
-        assert_eq!(status, 404, "{path}: {err}");
+        assert_eq!((status, err["code"].as_str()), (404, Some(code)), "{path}: {err}");
         assert!(err["message"].is_string());
     }
     let id = shared();
-    let (status, _) = s.call("GET", &format!("/v1/sandboxes/{id}/sessions/ses_nope"), None);
-    assert_eq!(status, 404);
+    let (status, err) = s.call("GET", &format!("/v1/sandboxes/{id}/sessions/ses_nope"), None);
+    assert_eq!(
+        (status, err["code"].as_str()),
+        (404, Some("session_not_found")),
+        "{err}"
+    );
     let (status, err) = s.call_with("GET", "/v1/sandboxes", None, None, &[]);
     assert_eq!((status, err["code"].as_str()), (401, Some("unauthorized")));
     let (status, _) = s.call_with("GET", "/v1/sandboxes", None, Some("ak_wrong"), &[]);
@@ -914,6 +931,290 @@ fn server_killed_mid_create_recovers_and_reattaches() {
     let _ = std::fs::remove_dir_all(&data);
 }
 
+/// Every `/v1/sandboxes/{id}...` route answers a well-formed but unknown id the same way.
+fn missing_sandbox_has_one_code_on_every_route() {
+    let s = server();
+    let id = "00000000000000c0ffee";
+    let sid = "ses_0000000000000000";
+    let b = |p: &str| format!("/v1/sandboxes/{id}{p}");
+    let routes: Vec<(&str, String, Option<Value>)> = vec![
+        ("GET", b(""), None),
+        ("DELETE", b(""), None),
+        ("POST", b("/pause"), None),
+        ("POST", b("/resume"), None),
+        ("GET", b("/sessions"), None),
+        ("POST", b("/sessions"), Some(json!({ "argv": ["true"] }))),
+        ("GET", b(&format!("/sessions/{sid}")), None),
+        ("GET", b(&format!("/sessions/{sid}/stream")), None),
+        (
+            "POST",
+            b(&format!("/sessions/{sid}/stdin")),
+            Some(json!({ "data": "", "eof": true })),
+        ),
+        (
+            "POST",
+            b(&format!("/sessions/{sid}/signal")),
+            Some(json!({ "signal": "SIGTERM" })),
+        ),
+        (
+            "POST",
+            b(&format!("/sessions/{sid}/resize")),
+            Some(json!({ "cols": 80, "rows": 24 })),
+        ),
+        ("GET", b("/files?path=/tmp/x"), None),
+        ("PUT", b("/files?path=/tmp/x"), Some(json!("bytes"))),
+        ("DELETE", b("/files?path=/tmp/x"), None),
+        ("GET", b("/files/list?path=/tmp"), None),
+    ];
+    let mut wrong = Vec::new();
+    for (method, path, body) in routes {
+        let (status, err) = s.call(method, &path, body);
+        if (status, err["code"].as_str()) != (404, Some("sandbox_not_found")) || !err["message"].is_string() {
+            wrong.push(format!("{method} {path} -> {status} {err}"));
+        }
+    }
+    assert!(wrong.is_empty(), "not 404 sandbox_not_found:\n{}", wrong.join("\n"));
+}
+
+/// One check of environment variable names behind both doors: same refusal, same reason.
+fn env_names_are_refused_alike_by_both_doors() {
+    let s = server();
+    let (status, native) = s.call(
+        "POST",
+        "/v1/sandboxes",
+        Some(json!({ "template": "seed", "env": { "1BAD": "x" } })),
+    );
+    assert_eq!(
+        (status, native["code"].as_str()),
+        (422, Some("invalid_argument")),
+        "{native}"
+    );
+    let message = native["message"].as_str().unwrap();
+    let reason = message
+        .strip_prefix("env: ")
+        .unwrap_or_else(|| panic!("message is not `env: <reason>`: {message}"));
+    assert!(reason.contains("1BAD"), "{message}");
+    let (status, e2b) = s.call_with(
+        "POST",
+        "/sandboxes",
+        Some(json!({ "templateID": "base", "envVars": { "1BAD": "x" } })),
+        None,
+        &[("X-API-KEY", &s.key)],
+    );
+    assert_eq!((status, e2b["code"].as_i64()), (400, Some(400)), "{e2b}");
+    assert!(
+        e2b["message"].as_str().unwrap().contains(reason),
+        "E2B message {e2b} lacks the native reason {reason:?}"
+    );
+}
+
+fn wait_state(s: &Server, id: &str, state: &str, within: Duration) -> Result<Duration, Value> {
+    let start = Instant::now();
+    loop {
+        let (_, sb) = s.call("GET", &format!("/v1/sandboxes/{id}"), None);
+        if sb["state"] == state {
+            return Ok(start.elapsed());
+        }
+        if start.elapsed() > within {
+            return Err(sb);
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}
+
+fn listed_by_default(s: &Server, id: &str) -> bool {
+    let (_, list) = s.call("GET", "/v1/sandboxes?limit=100", None);
+    list["sandboxes"].as_array().unwrap().iter().any(|x| x["id"] == id)
+}
+
+/// A VM that stops on its own (killed from outside, powered off from inside) fails its sandbox.
+fn a_vm_that_dies_is_failed_and_frees_its_slot() {
+    let s = server();
+    // Killed from outside: SIGKILL to this sandbox's QEMU (a child of our server), nothing else.
+    let id = s.create(json!({ "template": "seed", "timeout": "10m" }));
+    let pid = qemu_pid(s, &id);
+    assert_eq!(unsafe { libc::kill(pid, libc::SIGKILL) }, 0);
+    let took = wait_state(s, &id, "failed", Duration::from_secs(10))
+        .unwrap_or_else(|sb| panic!("not failed 10 s after kill -9 of its QEMU: {sb}"));
+    println!("kill -9: failed after {took:?}");
+    assert!(!listed_by_default(s, &id), "a failed sandbox is not live");
+    let (status, err) = s.call(
+        "POST",
+        &format!("/v1/sandboxes/{id}/sessions"),
+        Some(json!({ "argv": ["true"] })),
+    );
+    assert_eq!((status, err["code"].as_str()), (409, Some("invalid_state")), "{err}");
+    s.delete(&id);
+
+    // Powered off from inside, as root.
+    let id = s.create(json!({ "template": "seed", "timeout": "10m" }));
+    let (status, r) = s.call(
+        "POST",
+        &format!("/v1/sandboxes/{id}/sessions"),
+        Some(json!({ "argv": ["poweroff", "-f"], "user": "root" })),
+    );
+    // The VM may vanish before the agent answers; either way it must end up failed.
+    println!("poweroff -f session: {status} {r}");
+    let took = wait_state(s, &id, "failed", Duration::from_secs(10))
+        .unwrap_or_else(|sb| panic!("not failed 10 s after `poweroff -f` ({status} {r}): {sb}"));
+    println!("poweroff -f: failed after {took:?}");
+    assert!(!listed_by_default(s, &id), "a failed sandbox is not live");
+    s.delete(&id);
+}
+
+/// A server on a data dir of its own; dropping it deletes what it holds, stops it, removes the dir.
+struct OwnServer {
+    s: Server,
+    data: PathBuf,
+}
+
+impl OwnServer {
+    /// The templates are hard links to the shared data dir's (templates are immutable).
+    fn start(suffix: &str, extra: &[&str]) -> OwnServer {
+        let data = PathBuf::from(format!("{}-{suffix}", test_data_dir().display()));
+        let _ = std::fs::remove_dir_all(&data);
+        std::fs::create_dir_all(&data).unwrap();
+        server(); // the shared data dir has the template built
+        let src = test_data_dir();
+        let ok = Command::new("cp")
+            .arg("-al")
+            .arg(src.join("blobs"))
+            .arg(src.join("templates"))
+            .arg(&data)
+            .status()
+            .unwrap();
+        assert!(ok.success());
+        let _ = std::fs::copy(src.join("accel.json"), data.join("accel.json"));
+        OwnServer {
+            s: Server::start_with(&data, extra),
+            data,
+        }
+    }
+}
+
+impl Drop for OwnServer {
+    fn drop(&mut self) {
+        let s = &self.s;
+        for q in ["limit=100", "state=failed&limit=100"] {
+            let (_, list) = s.call("GET", &format!("/v1/sandboxes?{q}"), None);
+            for sb in list["sandboxes"].as_array().into_iter().flatten() {
+                let (_, r) = s.call(
+                    "DELETE",
+                    &format!("/v1/sandboxes/{}", sb["id"].as_str().unwrap_or("")),
+                    None,
+                );
+                if let Some(op) = r["operation"]["id"].as_str() {
+                    let deadline = Instant::now() + Duration::from_secs(60);
+                    while Instant::now() < deadline {
+                        let (_, o) = s.call("GET", &format!("/v1/operations/{op}"), None);
+                        if o["state"] == "succeeded" || o["state"] == "failed" {
+                            break;
+                        }
+                        std::thread::sleep(Duration::from_millis(100));
+                    }
+                }
+            }
+        }
+        self.s.stop();
+        let _ = std::fs::remove_dir_all(&self.data);
+    }
+}
+
+fn qemu_pid(s: &Server, id: &str) -> i32 {
+    let vm: Value =
+        serde_json::from_slice(&std::fs::read(s.data.join("sandboxes").join(id).join("vm.json")).unwrap()).unwrap();
+    let pid = vm["pid"].as_u64().expect("vm.json has a pid") as i32;
+    let cmdline = std::fs::read(format!("/proc/{pid}/cmdline")).unwrap_or_default();
+    let cmdline = String::from_utf8_lossy(&cmdline).replace('\0', " ");
+    assert!(
+        cmdline.contains("qemu") && cmdline.contains(id),
+        "pid {pid} is not sandbox {id}'s QEMU: {cmdline}"
+    );
+    pid
+}
+
+/// `--max-sandboxes 2`, ten concurrent creates over both doors: exactly two are admitted; a VM
+/// that dies gives its slot back.
+fn quota_is_exact_under_concurrent_creates_over_both_doors() {
+    let own = OwnServer::start("quota", &["--max-sandboxes", "2"]);
+    let s = &own.s;
+    let barrier = std::sync::Barrier::new(10);
+    let started = Instant::now();
+    let results: Vec<(&str, u16, Value)> = std::thread::scope(|scope| {
+        let handles: Vec<_> = (0..10)
+            .map(|i| {
+                let barrier = &barrier;
+                scope.spawn(move || {
+                    barrier.wait();
+                    if i % 2 == 0 {
+                        let (st, r) = s.call(
+                            "POST",
+                            "/v1/sandboxes",
+                            Some(json!({ "template": "seed", "timeout": "5m" })),
+                        );
+                        ("native", st, r)
+                    } else {
+                        let (st, r) = s.call_with(
+                            "POST",
+                            "/sandboxes",
+                            Some(json!({ "templateID": "base", "timeout": 300 })),
+                            None,
+                            &[("X-API-KEY", &s.key)],
+                        );
+                        ("e2b", st, r)
+                    }
+                })
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    println!("ten concurrent creates answered within {:?}", started.elapsed());
+    let summary: Vec<String> = results.iter().map(|(d, st, r)| format!("{d} {st} {r}")).collect();
+    let summary = summary.join("\n");
+    for (door, st, r) in &results {
+        if *door == "native" && *st == 202 {
+            assert_eq!(
+                s.wait_op(r["operation"]["id"].as_str().unwrap())["state"],
+                "succeeded",
+                "{r}"
+            );
+        }
+    }
+    let admitted = results
+        .iter()
+        .filter(|(door, st, _)| (*door == "native" && *st == 202) || (*door == "e2b" && *st == 201))
+        .count();
+    let refused = results.iter().filter(|(_, st, _)| *st == 429).count();
+    assert_eq!((admitted, refused), (2, 8), "{summary}");
+    for (door, _, r) in results.iter().filter(|(_, st, _)| *st == 429) {
+        let code = if *door == "native" {
+            json!("quota_exceeded")
+        } else {
+            json!(429)
+        };
+        assert_eq!(r["code"], code, "{door}: {r}");
+    }
+    let (_, list) = s.call("GET", "/v1/sandboxes?limit=100", None);
+    let live: Vec<String> = list["sandboxes"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|x| x["id"].as_str().unwrap().to_string())
+        .collect();
+    assert_eq!(live.len(), 2, "live after the burst: {live:?}\n{summary}");
+
+    // At the limit; one VM dies on its own: its slot is free again, and only that one.
+    let pid = qemu_pid(s, &live[0]);
+    assert_eq!(unsafe { libc::kill(pid, libc::SIGKILL) }, 0);
+    let took = wait_state(s, &live[0], "failed", Duration::from_secs(10))
+        .unwrap_or_else(|sb| panic!("not failed 10 s after kill -9 of its QEMU: {sb}"));
+    println!("quota server: failed {took:?} after kill -9");
+    s.create(json!({ "template": "seed", "timeout": "5m" }));
+    let (status, err) = s.call("POST", "/v1/sandboxes", Some(json!({ "template": "seed" })));
+    assert_eq!((status, err["code"].as_str()), (429, Some("quota_exceeded")), "{err}");
+    drop(own);
+}
+
 /// QEMUs whose server was killed re-parent to this process (a subreaper): collect them.
 fn reap_orphans() {
     let me = std::process::id();
@@ -986,6 +1287,22 @@ fn main() {
         t(
             "server_killed_mid_create_recovers_and_reattaches",
             server_killed_mid_create_recovers_and_reattaches,
+        ),
+        t(
+            "missing_sandbox_has_one_code_on_every_route",
+            missing_sandbox_has_one_code_on_every_route,
+        ),
+        t(
+            "env_names_are_refused_alike_by_both_doors",
+            env_names_are_refused_alike_by_both_doors,
+        ),
+        t(
+            "a_vm_that_dies_is_failed_and_frees_its_slot",
+            a_vm_that_dies_is_failed_and_frees_its_slot,
+        ),
+        t(
+            "quota_is_exact_under_concurrent_creates_over_both_doors",
+            quota_is_exact_under_concurrent_creates_over_both_doors,
         ),
     ];
     let conclusion = libtest_mimic::run(&args, tests);

@@ -1,8 +1,9 @@
 //! The VMM driver boundary: what the sandbox layer needs from a hypervisor.
 //!
 //! `qemu` (the `microvm` machine) is the driver today and `fake` (feature `fake`) an in-memory
-//! test double; Firecracker plugs in behind the same trait. A driver starts a VM that outlives the airlock process (so a restarted server can
-//! re-attach), and records what it needs to find it again in the sandbox dir.
+//! test double; Firecracker plugs in behind the same trait. A driver starts a VM that outlives
+//! the airlock process (so a restarted server can re-attach), and records what it needs to find
+//! it again in the sandbox dir.
 
 #[cfg(feature = "fake")]
 pub mod fake;
