@@ -1,0 +1,1009 @@
+//! The whole server in-process over the fake VMM: both doors, the engine's crash recovery, VMs
+//! that die on their own, admission. No VM boots; every test takes a second or two.
+//!
+//! Each server "life" runs on its own tokio runtime and serves on 127.0.0.1:0; the test talks
+//! HTTP to it from the test's runtime. A restart drops the app, the core and the runtime (every
+//! task of that life goes with its tokio runtime) and builds a new server on the same data dir,
+//! with the fake VMs still running, as a real server restart would.
+
+use airlock_runtime::vmm::pid_alive;
+use airlock_runtime::{fake, Runtime, RuntimeError};
+use airlock_server::core::{Config, Core};
+use airlock_server::model::{Operation, OperationKind, OperationState, Resources, SandboxState};
+use airlock_server::nodes::LocalNode;
+use airlock_server::store::{now_ms, rfc3339, KeyFormat, SandboxRow, SqliteStore, TenantStore};
+use airlock_server::AppState;
+use axum::body::{Body, Bytes};
+use axum::http::{Method, Request};
+use futures_util::StreamExt;
+use serde_json::{json, Value};
+use std::collections::BTreeMap;
+use std::future::Future;
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+/// The same secret every life: access tokens issued before a restart stay valid.
+const SECRET: [u8; 32] = [7; 32];
+
+// ---------------------------------------------------------------------------------------------
+// An in-process server
+
+struct Server {
+    dir: PathBuf,
+    max: u32,
+    addr: SocketAddr,
+    /// The admin key of tenant `default`.
+    key: String,
+    core: Option<Core>,
+    /// The runtime the server's `LocalNode` wraps (a clone: the same VMs).
+    runtime: Option<Runtime>,
+    tokio: Option<tokio::runtime::Runtime>,
+}
+
+/// A fresh data dir with the `seed` template.
+fn fresh() -> tempfile::TempDir {
+    let tmp = tempfile::tempdir().unwrap();
+    fake::install_template(tmp.path(), "seed").unwrap();
+    tmp
+}
+
+/// `Runtime::open`, retrying while the previous life's runtime lets go of the data dir.
+async fn open_runtime(dir: &Path) -> Runtime {
+    let deadline = Instant::now() + Duration::from_secs(5);
+    loop {
+        match Runtime::open(fake::options(dir)).await {
+            Ok(rt) => return rt,
+            Err(RuntimeError::DataDirInUse(_)) if Instant::now() < deadline => {
+                tokio::time::sleep(Duration::from_millis(20)).await
+            }
+            Err(e) => panic!("open the runtime: {e}"),
+        }
+    }
+}
+
+impl Server {
+    /// Open everything on `dir` as `airlock_server::serve` does, recover, and serve.
+    async fn start(dir: &Path, max: u32, key: Option<&str>) -> Server {
+        let tokio_rt = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(2)
+            .thread_name("airlock-test-server")
+            .enable_all()
+            .build()
+            .unwrap();
+        let d = dir.to_path_buf();
+        let known_key = key.map(String::from);
+        let (addr, key, core, runtime) = tokio_rt
+            .spawn(async move {
+                let runtime = open_runtime(&d).await;
+                let store = SqliteStore::open(&d.join("airlock.db")).await.unwrap();
+                let minted = store.bootstrap().await.unwrap();
+                let key = known_key.or(minted).expect("an admin key");
+                let core = Core::new(
+                    Arc::new(store),
+                    Arc::new(LocalNode::new(runtime.clone())),
+                    Config {
+                        max_sandboxes_per_tenant: max,
+                    },
+                    SECRET.to_vec(),
+                );
+                core.engine.recover().await.unwrap();
+                core.engine.spawn_reaper();
+                let app = airlock_server::router(AppState {
+                    core: core.clone(),
+                    watchers: Default::default(),
+                    e2b_domain: None,
+                });
+                let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+                let addr = listener.local_addr().unwrap();
+                tokio::spawn(async move { axum::serve(listener, app).await });
+                (addr, key, core, runtime)
+            })
+            .await
+            .unwrap();
+        Server {
+            dir: dir.to_path_buf(),
+            max,
+            addr,
+            key,
+            core: Some(core),
+            runtime: Some(runtime),
+            tokio: Some(tokio_rt),
+        }
+    }
+
+    /// Stop this life: its tasks, app, core and runtime all go; the fake VMs keep running.
+    async fn stop(mut self) {
+        let core = self.core.take();
+        let runtime = self.runtime.take();
+        let rt = self.tokio.take().unwrap();
+        tokio::task::spawn_blocking(move || {
+            rt.block_on(async move { drop((core, runtime)) });
+            drop(rt); // waits for its workers: every task of this life is dropped
+        })
+        .await
+        .unwrap();
+    }
+
+    async fn restart(self) -> Server {
+        let (dir, max, key) = (self.dir.clone(), self.max, self.key.clone());
+        self.stop().await;
+        Server::start(&dir, max, Some(&key)).await
+    }
+
+    fn core(&self) -> &Core {
+        self.core.as_ref().unwrap()
+    }
+
+    fn runtime(&self) -> Runtime {
+        self.runtime.clone().unwrap()
+    }
+
+    /// Run `f` on this server's tokio runtime (runtime calls spawn tasks that belong to it).
+    async fn on_server<T: Send + 'static>(&self, f: impl Future<Output = T> + Send + 'static) -> T {
+        self.tokio.as_ref().unwrap().spawn(f).await.unwrap()
+    }
+
+    async fn tenant_id(&self) -> String {
+        self.core().store.tenant_by_key(&self.key).await.unwrap().unwrap().id
+    }
+
+    fn vm_pid(&self, id: &str) -> u32 {
+        self.runtime().get(id).expect("the sandbox's VM").vm.pid
+    }
+
+    // --- HTTP
+
+    async fn send(&self, method: Method, path: &str, headers: &[(&str, &str)], body: Body) -> Resp {
+        let mut req = Request::builder()
+            .method(method)
+            .uri(path)
+            .header("host", self.addr.to_string());
+        for (k, v) in headers {
+            req = req.header(*k, *v);
+        }
+        let stream = tokio::net::TcpStream::connect(self.addr).await.unwrap();
+        let (mut sender, conn) = hyper::client::conn::http1::handshake(hyper_util::rt::TokioIo::new(stream))
+            .await
+            .unwrap();
+        tokio::spawn(conn);
+        let res = sender.send_request(req.body(body).unwrap()).await.unwrap();
+        let status = res.status().as_u16();
+        Resp {
+            status,
+            body: Body::new(res.into_body()),
+        }
+    }
+
+    /// A `/v1` call with the admin key.
+    async fn v1(&self, method: Method, path: &str, body: Option<Value>) -> (u16, Value) {
+        self.v1_as(&self.key, method, path, body).await
+    }
+
+    async fn v1_as(&self, key: &str, method: Method, path: &str, body: Option<Value>) -> (u16, Value) {
+        let auth = format!("Bearer {key}");
+        let (headers, body) = match body {
+            Some(b) => (
+                vec![("authorization", auth.as_str()), ("content-type", "application/json")],
+                Body::from(b.to_string()),
+            ),
+            None => (vec![("authorization", auth.as_str())], Body::empty()),
+        };
+        self.send(method, &format!("/v1{path}"), &headers, body)
+            .await
+            .json()
+            .await
+    }
+
+    /// An E2B control-plane call (`X-API-KEY`).
+    async fn e2b(&self, method: Method, path: &str, body: Value) -> (u16, Value) {
+        let headers = [("x-api-key", self.key.as_str()), ("content-type", "application/json")];
+        self.send(method, path, &headers, Body::from(body.to_string()))
+            .await
+            .json()
+            .await
+    }
+
+    /// A unary envd Connect RPC (`/process.Process/List`, ...).
+    async fn envd_unary(&self, sb: &E2bSandbox, rpc: &str, req: Value) -> (u16, Value) {
+        let headers = [
+            ("x-access-token", sb.token.as_str()),
+            ("e2b-sandbox-id", sb.id.as_str()),
+            ("content-type", "application/json"),
+            ("connect-protocol-version", "1"),
+        ];
+        self.send(Method::POST, rpc, &headers, Body::from(req.to_string()))
+            .await
+            .json()
+            .await
+    }
+
+    /// A server-streaming envd Connect RPC (`/process.Process/Start`): the request enveloped.
+    async fn envd_stream(&self, sb: &E2bSandbox, rpc: &str, req: Value) -> (u16, ConnectStream) {
+        let headers = [
+            ("x-access-token", sb.token.as_str()),
+            ("e2b-sandbox-id", sb.id.as_str()),
+            ("content-type", "application/connect+json"),
+            ("connect-protocol-version", "1"),
+        ];
+        let resp = self.send(Method::POST, rpc, &headers, Body::from(envelope(&req))).await;
+        (
+            resp.status,
+            ConnectStream {
+                body: resp.body.into_data_stream().boxed(),
+                buf: Vec::new(),
+            },
+        )
+    }
+
+    // --- Common steps
+
+    /// `POST /v1/sandboxes`; the operation is not waited for.
+    async fn create_native(&self) -> (String, String) {
+        let (status, body) = self
+            .v1(Method::POST, "/sandboxes", Some(json!({ "template": "seed" })))
+            .await;
+        assert_eq!(status, 202, "{body}");
+        (
+            body["sandbox_id"].as_str().unwrap().to_string(),
+            body["operation"]["id"].as_str().unwrap().to_string(),
+        )
+    }
+
+    /// A running sandbox made through `/v1`.
+    async fn running_sandbox(&self) -> String {
+        let (id, op) = self.create_native().await;
+        let op = self.wait_op(&op).await;
+        assert_eq!(op["state"], "succeeded", "{op}");
+        assert_eq!(self.sandbox_state(&id).await, "running");
+        id
+    }
+
+    /// A running sandbox made through E2B `POST /sandboxes`, with its envd access token.
+    async fn e2b_sandbox(&self) -> E2bSandbox {
+        let (status, body) = self
+            .e2b(Method::POST, "/sandboxes", json!({ "templateID": "base" }))
+            .await;
+        assert_eq!(status, 201, "{body}");
+        E2bSandbox {
+            id: body["sandboxID"].as_str().unwrap().to_string(),
+            token: body["envdAccessToken"].as_str().unwrap().to_string(),
+        }
+    }
+
+    async fn operation(&self, id: &str) -> Value {
+        let (status, op) = self.v1(Method::GET, &format!("/operations/{id}"), None).await;
+        assert_eq!(status, 200, "{op}");
+        op
+    }
+
+    /// Poll an operation until it is final.
+    async fn wait_op(&self, id: &str) -> Value {
+        let deadline = Instant::now() + Duration::from_secs(10);
+        loop {
+            let op = self.operation(id).await;
+            if op["state"] == "succeeded" || op["state"] == "failed" {
+                return op;
+            }
+            assert!(Instant::now() < deadline, "operation still open after 10 s: {op}");
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+
+    async fn sandbox_state(&self, id: &str) -> String {
+        let (status, sb) = self.v1(Method::GET, &format!("/sandboxes/{id}"), None).await;
+        assert_eq!(status, 200, "{sb}");
+        sb["state"].as_str().unwrap().to_string()
+    }
+
+    /// Poll until the sandbox is in `state`, for at most `within`.
+    async fn await_state(&self, id: &str, state: &str, within: Duration) -> Duration {
+        let started = Instant::now();
+        loop {
+            let now = self.sandbox_state(id).await;
+            if now == state {
+                return started.elapsed();
+            }
+            assert!(
+                started.elapsed() < within,
+                "sandbox {id} is still {now} after {within:?}, expected {state}"
+            );
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+
+    /// Start `argv` as a `/v1` session; returns the session.
+    async fn session(&self, id: &str, argv: &[&str]) -> Value {
+        let (status, s) = self
+            .v1(
+                Method::POST,
+                &format!("/sandboxes/{id}/sessions"),
+                Some(json!({ "argv": argv })),
+            )
+            .await;
+        assert_eq!(status, 201, "{s}");
+        s
+    }
+
+    /// The sandbox answers: `echo alive` runs in it and its output streams back.
+    async fn assert_answers(&self, id: &str) {
+        let s = self.session(id, &["echo", "alive"]).await;
+        let sid = s["id"].as_str().unwrap();
+        let resp = self
+            .send(
+                Method::GET,
+                &format!("/v1/sandboxes/{id}/sessions/{sid}/stream"),
+                &[("authorization", &format!("Bearer {}", self.key))],
+                Body::empty(),
+            )
+            .await;
+        assert_eq!(resp.status, 200);
+        let sse = tokio::time::timeout(Duration::from_secs(5), axum::body::to_bytes(resp.body, 1 << 20))
+            .await
+            .expect("the session's stream ends within 5 s")
+            .unwrap();
+        let sse = String::from_utf8_lossy(&sse);
+        // base64("alive\n")
+        assert!(sse.contains("YWxpdmUK"), "no output in {sse}");
+        assert!(
+            sse.contains("event: process_exited") && sse.contains("\"exit_code\":0"),
+            "no clean exit in {sse}"
+        );
+    }
+
+    /// Delete through `/v1` and wait for it.
+    async fn delete(&self, id: &str) {
+        let (status, body) = self.v1(Method::DELETE, &format!("/sandboxes/{id}"), None).await;
+        assert_eq!(status, 202, "{body}");
+        let op = self.wait_op(body["operation"]["id"].as_str().unwrap()).await;
+        assert_eq!(op["state"], "succeeded", "{op}");
+    }
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        // Only on a panic path (`stop` takes the runtime): do not block in async context.
+        if let Some(rt) = self.tokio.take() {
+            rt.shutdown_background();
+        }
+    }
+}
+
+struct E2bSandbox {
+    id: String,
+    token: String,
+}
+
+struct Resp {
+    status: u16,
+    body: Body,
+}
+
+impl Resp {
+    async fn json(self) -> (u16, Value) {
+        let bytes = tokio::time::timeout(Duration::from_secs(10), axum::body::to_bytes(self.body, 16 << 20))
+            .await
+            .expect("a response body within 10 s")
+            .unwrap();
+        let v = if bytes.is_empty() {
+            Value::Null
+        } else {
+            serde_json::from_slice(&bytes)
+                .unwrap_or_else(|_| Value::String(String::from_utf8_lossy(&bytes).into_owned()))
+        };
+        (self.status, v)
+    }
+}
+
+/// A Connect envelope: flags u8, length u32 BE, JSON.
+fn envelope(v: &Value) -> Vec<u8> {
+    let payload = serde_json::to_vec(v).unwrap();
+    let mut b = vec![0u8];
+    b.extend_from_slice(&(payload.len() as u32).to_be_bytes());
+    b.extend_from_slice(&payload);
+    b
+}
+
+/// The messages of a Connect server stream, as they arrive.
+struct ConnectStream {
+    body: futures_util::stream::BoxStream<'static, Result<Bytes, axum::Error>>,
+    buf: Vec<u8>,
+}
+
+impl ConnectStream {
+    /// The next envelope (flags, JSON); `None` once the stream ends.
+    async fn next(&mut self) -> Option<(u8, Value)> {
+        loop {
+            if self.buf.len() >= 5 {
+                let len = u32::from_be_bytes(self.buf[1..5].try_into().unwrap()) as usize;
+                if self.buf.len() >= 5 + len {
+                    let flags = self.buf[0];
+                    let v = serde_json::from_slice(&self.buf[5..5 + len]).unwrap();
+                    self.buf.drain(..5 + len);
+                    return Some((flags, v));
+                }
+            }
+            let chunk = tokio::time::timeout(Duration::from_secs(5), self.body.next())
+                .await
+                .expect("a stream message within 5 s")?;
+            self.buf.extend_from_slice(&chunk.unwrap());
+        }
+    }
+
+    /// The next message that is not a keepalive.
+    async fn next_event(&mut self) -> Option<(u8, Value)> {
+        loop {
+            let m = self.next().await?;
+            if m.1["event"].get("keepalive").is_none() {
+                return Some(m);
+            }
+        }
+    }
+}
+
+/// No fake VM of this data dir may outlive the test.
+fn assert_no_vms(dir: &Path) {
+    let deadline = Instant::now() + Duration::from_secs(3);
+    while !fake::live_vms(dir).is_empty() && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    assert_eq!(fake::live_vms(dir), Vec::<u32>::new(), "fake VMs left behind");
+}
+
+/// A sandbox record as `Core::create_sandbox` makes it.
+fn sandbox_row(id: &str, tenant_id: &str) -> SandboxRow {
+    let r = airlock_runtime::Resources::default();
+    SandboxRow {
+        id: id.into(),
+        tenant_id: tenant_id.into(),
+        state: SandboxState::Creating,
+        template: "seed".into(),
+        template_digest: String::new(),
+        runtime: fake::NAME.into(),
+        accel: "tcg".into(),
+        resources: Resources {
+            vcpu: r.vcpu,
+            memory_mib: r.memory_mib,
+            disk_mib: r.disk_mib,
+        },
+        env: BTreeMap::new(),
+        metadata: BTreeMap::new(),
+        created_at_ms: now_ms(),
+        expires_at_ms: now_ms() + 300_000,
+    }
+}
+
+fn operation(kind: OperationKind, sandbox_id: &str) -> Operation {
+    Operation {
+        id: format!("op_{}_{sandbox_id}", kind.as_str()),
+        kind,
+        state: OperationState::Pending,
+        sandbox_id: sandbox_id.into(),
+        error: None,
+        created_at: rfc3339(now_ms()),
+        finished_at: None,
+    }
+}
+
+/// What a server that crashed in the middle of `kind` leaves in the store: the operation,
+/// recorded and marked running, never finished.
+async fn unfinished(server: &Server, kind: OperationKind, sandbox_id: &str) -> String {
+    let store = &server.core().store;
+    let op = operation(kind, sandbox_id);
+    store.insert_operation(&server.tenant_id().await, &op).await.unwrap();
+    store
+        .set_operation_state(&op.id, OperationState::Running)
+        .await
+        .unwrap();
+    op.id
+}
+
+/// A sandbox and its create operation recorded, the operation running, as a crash mid-create
+/// leaves them.
+async fn crashed_create(server: &Server, id: &str) -> String {
+    let store = &server.core().store;
+    let row = sandbox_row(id, &server.tenant_id().await);
+    let op = operation(OperationKind::Create, id);
+    store.insert_create(&row, &op, None, server.max).await.unwrap();
+    store
+        .set_operation_state(&op.id, OperationState::Running)
+        .await
+        .unwrap();
+    op.id
+}
+
+// ---------------------------------------------------------------------------------------------
+// 1. Crash in the middle of a create
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn crash_mid_create_without_a_vm_fails_it() {
+    let tmp = fresh();
+    let server = Server::start(tmp.path(), 4, None).await;
+    let id = "crashnovm01";
+    let op = crashed_create(&server, id).await;
+    assert_eq!(server.operation(&op).await["state"], "running");
+    assert_eq!(server.sandbox_state(id).await, "creating");
+
+    let server = server.restart().await;
+    let op = server.operation(&op).await;
+    assert_eq!(op["state"], "failed", "{op}");
+    assert_eq!(op["error"]["code"], "interrupted", "{op}");
+    assert!(op["finished_at"].is_string(), "{op}");
+    assert_eq!(server.sandbox_state(id).await, "failed");
+    // A failed sandbox holds no quota slot and has no VM.
+    assert!(server.runtime().get(id).is_err());
+    server.stop().await;
+    assert_no_vms(tmp.path());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn crash_mid_create_after_the_boot_succeeds_it() {
+    let tmp = fresh();
+    let server = Server::start(tmp.path(), 4, None).await;
+    let id = "crashbooted01";
+    let op = crashed_create(&server, id).await;
+    // The VM booted before the crash, but the server never recorded it.
+    let rt = server.runtime();
+    server
+        .on_server(async move {
+            rt.create(airlock_runtime::CreateSandbox {
+                id: Some(id.into()),
+                template: "seed".into(),
+                resources: Default::default(),
+            })
+            .await
+            .map(|_| ())
+        })
+        .await
+        .unwrap();
+    let pid = server.vm_pid(id);
+
+    let server = server.restart().await;
+    let op = server.operation(&op).await;
+    assert_eq!(op["state"], "succeeded", "{op}");
+    assert!(op.get("error").is_none(), "{op}");
+    assert_eq!(server.sandbox_state(id).await, "running");
+    assert_eq!(server.vm_pid(id), pid, "the VM was re-attached, not replaced");
+    server.assert_answers(id).await;
+
+    server.delete(id).await;
+    assert!(!pid_alive(pid));
+    server.stop().await;
+    assert_no_vms(tmp.path());
+}
+
+// ---------------------------------------------------------------------------------------------
+// 2. Restart during a pause or a resume
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn restart_during_pause() {
+    let tmp = fresh();
+    let server = Server::start(tmp.path(), 4, None).await;
+    // `done`: the VM paused before the crash; `undone`: the pause never took effect.
+    let done = server.running_sandbox().await;
+    let undone = server.running_sandbox().await;
+    let done_op = unfinished(&server, OperationKind::Pause, &done).await;
+    let undone_op = unfinished(&server, OperationKind::Pause, &undone).await;
+    let rt = server.runtime();
+    let d = done.clone();
+    server.on_server(async move { rt.pause(&d).await }).await.unwrap();
+    let pids = (server.vm_pid(&done), server.vm_pid(&undone));
+
+    let server = server.restart().await;
+    // Pause took effect: succeeded, paused, and the VM kept (not killed, not rebooted).
+    let op = server.operation(&done_op).await;
+    assert_eq!(op["state"], "succeeded", "{op}");
+    assert_eq!(server.sandbox_state(&done).await, "paused");
+    assert!(pid_alive(pids.0), "the paused VM was killed");
+    assert_eq!(server.vm_pid(&done), pids.0);
+    // Pause never happened: interrupted, still running, and answering.
+    let op = server.operation(&undone_op).await;
+    assert_eq!(op["state"], "failed", "{op}");
+    assert_eq!(op["error"]["code"], "interrupted", "{op}");
+    assert_eq!(server.sandbox_state(&undone).await, "running");
+    assert!(pid_alive(pids.1));
+    assert_eq!(server.vm_pid(&undone), pids.1);
+    server.assert_answers(&undone).await;
+
+    // The paused one resumes through the API and answers.
+    let (status, body) = server
+        .v1(Method::POST, &format!("/sandboxes/{done}/resume"), None)
+        .await;
+    assert_eq!(status, 202, "{body}");
+    assert_eq!(body["operation"]["state"], "succeeded", "{body}");
+    assert_eq!(server.sandbox_state(&done).await, "running");
+    server.assert_answers(&done).await;
+
+    server.delete(&done).await;
+    server.delete(&undone).await;
+    server.stop().await;
+    assert_no_vms(tmp.path());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn restart_during_resume() {
+    let tmp = fresh();
+    let server = Server::start(tmp.path(), 4, None).await;
+    // Both paused through the API; then a resume starts: `done` resumed before the crash,
+    // `undone` did not.
+    let done = server.running_sandbox().await;
+    let undone = server.running_sandbox().await;
+    for id in [&done, &undone] {
+        let (status, body) = server.v1(Method::POST, &format!("/sandboxes/{id}/pause"), None).await;
+        assert_eq!(status, 202, "{body}");
+        assert_eq!(body["operation"]["state"], "succeeded", "{body}");
+        assert_eq!(server.sandbox_state(id).await, "paused");
+    }
+    let done_op = unfinished(&server, OperationKind::Resume, &done).await;
+    let undone_op = unfinished(&server, OperationKind::Resume, &undone).await;
+    let rt = server.runtime();
+    let d = done.clone();
+    server.on_server(async move { rt.resume(&d).await }).await.unwrap();
+    let pids = (server.vm_pid(&done), server.vm_pid(&undone));
+
+    let server = server.restart().await;
+    let op = server.operation(&done_op).await;
+    assert_eq!(op["state"], "succeeded", "{op}");
+    assert_eq!(server.sandbox_state(&done).await, "running");
+    assert_eq!(server.vm_pid(&done), pids.0);
+    server.assert_answers(&done).await;
+
+    let op = server.operation(&undone_op).await;
+    assert_eq!(op["state"], "failed", "{op}");
+    assert_eq!(op["error"]["code"], "interrupted", "{op}");
+    assert_eq!(server.sandbox_state(&undone).await, "paused");
+    assert!(pid_alive(pids.1), "the paused VM was killed");
+    assert_eq!(server.vm_pid(&undone), pids.1);
+    // It can still be resumed, and answers.
+    let (status, body) = server
+        .v1(Method::POST, &format!("/sandboxes/{undone}/resume"), None)
+        .await;
+    assert_eq!(status, 202, "{body}");
+    assert_eq!(body["operation"]["state"], "succeeded", "{body}");
+    server.assert_answers(&undone).await;
+
+    server.delete(&done).await;
+    server.delete(&undone).await;
+    server.stop().await;
+    assert_no_vms(tmp.path());
+}
+
+/// The other two things a restart settles: a delete under way is carried out, and a sandbox
+/// whose VM died while no server ran is failed (and its slot freed) before the first request.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn restart_finishes_deletes_and_fails_vms_that_died_meanwhile() {
+    let tmp = fresh();
+    let server = Server::start(tmp.path(), 2, None).await;
+    let deleting = server.running_sandbox().await;
+    let dies = server.running_sandbox().await;
+    // A delete recorded as `submit` records it, never carried out.
+    let delete_op = unfinished(&server, OperationKind::Delete, &deleting).await;
+    server
+        .core()
+        .store
+        .set_sandbox_state(&deleting, SandboxState::Deleting)
+        .await
+        .unwrap();
+    let pids = (server.vm_pid(&deleting), server.vm_pid(&dies));
+    let (dir, key) = (server.dir.clone(), server.key.clone());
+    server.stop().await;
+    fake::kill_vm(pids.1);
+    let deadline = Instant::now() + Duration::from_secs(3);
+    while pid_alive(pids.1) {
+        assert!(Instant::now() < deadline, "kill -9 did not end the fake VM");
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+
+    let server = Server::start(&dir, 2, Some(&key)).await;
+    assert_eq!(server.sandbox_state(&dies).await, "failed");
+    let op = server.wait_op(&delete_op).await;
+    assert_eq!(op["state"], "succeeded", "{op}");
+    assert_eq!(server.sandbox_state(&deleting).await, "deleted");
+    assert!(!pid_alive(pids.0));
+    // Both slots are free again.
+    let a = server.running_sandbox().await;
+    let b = server.running_sandbox().await;
+    server.delete(&a).await;
+    server.delete(&b).await;
+    server.stop().await;
+    assert_no_vms(tmp.path());
+}
+
+// ---------------------------------------------------------------------------------------------
+// 3. VMs that die on their own
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn vm_killed_or_powered_off_fails_the_sandbox_and_frees_its_slot() {
+    let tmp = fresh();
+    let server = Server::start(tmp.path(), 1, None).await;
+
+    // kill -9 of the VM.
+    let first = server.running_sandbox().await;
+    let (status, body) = server
+        .v1(Method::POST, "/sandboxes", Some(json!({ "template": "seed" })))
+        .await;
+    assert_eq!(status, 429, "the limit is 1: {body}");
+    assert_eq!(body["code"], "quota_exceeded");
+    fake::kill_vm(server.vm_pid(&first));
+    let took = server.await_state(&first, "failed", Duration::from_secs(3)).await;
+    eprintln!("kill -9: failed after {took:?}");
+
+    // The slot is free again: power off from inside the next one.
+    let second = server.running_sandbox().await;
+    let pid = server.vm_pid(&second);
+    server.session(&second, &["poweroff"]).await;
+    let took = server.await_state(&second, "failed", Duration::from_secs(3)).await;
+    eprintln!("poweroff: failed after {took:?}");
+    assert!(!pid_alive(pid));
+
+    // And again.
+    let third = server.running_sandbox().await;
+    server.assert_answers(&third).await;
+    server.delete(&third).await;
+    server.stop().await;
+    assert_no_vms(tmp.path());
+}
+
+// ---------------------------------------------------------------------------------------------
+// 4. One core through both doors
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn env_names_are_refused_alike_by_both_doors() {
+    let tmp = fresh();
+    let server = Server::start(tmp.path(), 4, None).await;
+    let (status, native) = server
+        .v1(
+            Method::POST,
+            "/sandboxes",
+            Some(json!({ "template": "seed", "env": { "1BAD": "x" } })),
+        )
+        .await;
+    assert_eq!(status, 422, "{native}");
+    assert_eq!(native["code"], "invalid_argument", "{native}");
+    let (status, e2b) = server
+        .e2b(
+            Method::POST,
+            "/sandboxes",
+            json!({ "templateID": "base", "envVars": { "1BAD": "x" } }),
+        )
+        .await;
+    assert_eq!(status, 400, "{e2b}");
+    assert_eq!(e2b["code"], 400, "{e2b}");
+    let reason = native["message"].as_str().unwrap();
+    assert!(reason.contains("\"1BAD\""), "{reason}");
+    assert_eq!(e2b["message"].as_str().unwrap(), reason);
+    // Nothing was created by either.
+    let (_, list) = server.v1(Method::GET, "/sandboxes", None).await;
+    assert_eq!(list["sandboxes"], json!([]), "{list}");
+    server.stop().await;
+    assert_no_vms(tmp.path());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn processes_are_sessions_on_both_doors() {
+    let tmp = fresh();
+    let server = Server::start(tmp.path(), 4, None).await;
+    let sb = server.e2b_sandbox().await;
+    let id = sb.id.clone();
+
+    // Started through E2B, with a tag: a /v1 session with that tag.
+    let (status, mut stream) = server
+        .envd_stream(
+            &sb,
+            "/process.Process/Start",
+            json!({ "process": { "cmd": "sleep", "args": ["infinity"] }, "tag": "e2b-sleeper" }),
+        )
+        .await;
+    assert_eq!(status, 200);
+    let (flags, start) = stream.next_event().await.expect("a start event");
+    assert_eq!(flags, 0, "{start}");
+    let e2b_pid = start["event"]["start"]["pid"].as_u64().expect("a pid");
+    let (status, sessions) = server.v1(Method::GET, &format!("/sandboxes/{id}/sessions"), None).await;
+    assert_eq!(status, 200, "{sessions}");
+    let tagged: Vec<&Value> = sessions
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|s| s["tag"] == "e2b-sleeper")
+        .collect();
+    assert_eq!(tagged.len(), 1, "{sessions}");
+    assert_eq!(tagged[0]["state"], "running", "{sessions}");
+    assert_eq!(tagged[0]["argv"], json!(["sleep", "infinity"]), "{sessions}");
+    let sid = tagged[0]["id"].as_str().unwrap().to_string();
+
+    // Killed through /v1: it ends, on both doors.
+    let (status, body) = server
+        .v1(
+            Method::POST,
+            &format!("/sandboxes/{id}/sessions/{sid}/signal"),
+            Some(json!({ "signal": "SIGKILL" })),
+        )
+        .await;
+    assert_eq!(status, 204, "{body}");
+    let (flags, end) = stream.next_event().await.expect("an end event");
+    assert_eq!(flags, 0, "{end}");
+    assert_eq!(end["event"]["end"]["status"], "signal: killed", "{end}");
+    let (flags, eos) = stream.next().await.expect("the end of the stream");
+    assert_eq!(flags, 0x02);
+    assert_eq!(eos, json!({}));
+    assert!(stream.next().await.is_none());
+    let deadline = Instant::now() + Duration::from_secs(3);
+    loop {
+        let (status, s) = server
+            .v1(Method::GET, &format!("/sandboxes/{id}/sessions/{sid}"), None)
+            .await;
+        assert_eq!(status, 200, "{s}");
+        if s["state"] == "exited" {
+            assert_eq!(s["signal"], "SIGKILL", "{s}");
+            assert_eq!(s["exit_code"], Value::Null, "{s}");
+            break;
+        }
+        assert!(Instant::now() < deadline, "session still running: {s}");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+
+    // Started through /v1: listed by E2B's `List`, with its pid (and its session id as tag).
+    let native = server.session(&id, &["sleep", "infinity"]).await;
+    let native_sid = native["id"].as_str().unwrap().to_string();
+    let (status, list) = server.envd_unary(&sb, "/process.Process/List", json!({})).await;
+    assert_eq!(status, 200, "{list}");
+    let procs = list["processes"].as_array().expect("processes");
+    assert_eq!(procs.len(), 1, "only the running one: {list}");
+    assert_eq!(procs[0]["tag"], native_sid.as_str(), "{list}");
+    assert_eq!(procs[0]["config"]["cmd"], "sleep", "{list}");
+    let listed_pid = procs[0]["pid"].as_u64().expect("a pid");
+    // The pid is the guest's pid of that very process.
+    let rt = server.runtime();
+    let i = id.clone();
+    let guest = server
+        .on_server(async move { rt.get(&i).unwrap().agent().await.unwrap().processes().await.unwrap() })
+        .await;
+    let p = guest
+        .iter()
+        .find(|p| p.tag.as_deref() == Some(native_sid.as_str()))
+        .expect("the agent runs it");
+    assert_eq!(u64::from(p.pid), listed_pid);
+    assert_ne!(listed_pid, e2b_pid);
+
+    // E2B's kill of the sandbox ends it for /v1 too.
+    let (status, body) = server.e2b(Method::DELETE, &format!("/sandboxes/{id}"), json!({})).await;
+    assert!(status == 204 || status == 200, "{status} {body}");
+    server.await_state(&id, "deleted", Duration::from_secs(5)).await;
+    server.stop().await;
+    assert_no_vms(tmp.path());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn quota_is_one_limit_for_both_doors() {
+    let tmp = fresh();
+    let server = Arc::new(Server::start(tmp.path(), 2, None).await);
+    let tasks: Vec<_> = (0..10)
+        .map(|i| {
+            let server = server.clone();
+            tokio::spawn(async move {
+                if i % 2 == 0 {
+                    let (s, b) = server
+                        .v1(Method::POST, "/sandboxes", Some(json!({ "template": "seed" })))
+                        .await;
+                    ("native", s, b)
+                } else {
+                    let (s, b) = server
+                        .e2b(Method::POST, "/sandboxes", json!({ "templateID": "base" }))
+                        .await;
+                    ("e2b", s, b)
+                }
+            })
+        })
+        .collect();
+    let mut admitted = Vec::new();
+    let mut refused = 0;
+    for t in tasks {
+        match t.await.unwrap() {
+            ("native", 202, b) => admitted.push(b["sandbox_id"].as_str().unwrap().to_string()),
+            ("e2b", 201, b) => admitted.push(b["sandboxID"].as_str().unwrap().to_string()),
+            ("native", 429, b) => {
+                assert_eq!(b["code"], "quota_exceeded", "{b}");
+                refused += 1;
+            }
+            ("e2b", 429, b) => {
+                assert_eq!(b["code"], 429, "{b}");
+                assert!(b["message"].as_str().unwrap().contains("--max-sandboxes 2"), "{b}");
+                refused += 1;
+            }
+            (door, s, b) => panic!("{door}: unexpected {s} {b}"),
+        }
+    }
+    assert_eq!(admitted.len(), 2, "admitted {admitted:?}");
+    assert_eq!(refused, 8);
+
+    for id in &admitted {
+        server.await_state(id, "running", Duration::from_secs(10)).await;
+        server.delete(id).await;
+    }
+    let server = Arc::into_inner(server).unwrap();
+    server.stop().await;
+    assert_no_vms(tmp.path());
+}
+
+/// Every `/v1/sandboxes/{id}...` route: (method, path after the id, JSON body).
+const SANDBOX_ROUTES: &[(&str, &str, Option<&str>)] = &[
+    ("GET", "", None),
+    ("DELETE", "", None),
+    ("POST", "/pause", None),
+    ("POST", "/resume", None),
+    ("GET", "/sessions", None),
+    ("POST", "/sessions", Some(r#"{"argv":["true"]}"#)),
+    ("GET", "/sessions/ses_0000000000000000", None),
+    ("GET", "/sessions/ses_0000000000000000/stream", None),
+    (
+        "POST",
+        "/sessions/ses_0000000000000000/stdin",
+        Some(r#"{"data":"aGkK"}"#),
+    ),
+    (
+        "POST",
+        "/sessions/ses_0000000000000000/signal",
+        Some(r#"{"signal":"SIGTERM"}"#),
+    ),
+    (
+        "POST",
+        "/sessions/ses_0000000000000000/resize",
+        Some(r#"{"cols":80,"rows":24}"#),
+    ),
+    ("GET", "/files?path=/tmp/a.txt", None),
+    ("PUT", "/files?path=/tmp/a.txt", Some("data")),
+    ("DELETE", "/files?path=/tmp/a.txt", None),
+    ("GET", "/files/list?path=/tmp", None),
+];
+
+async fn assert_every_route_404(server: &Server, key: &str, id: &str) {
+    for (method, rest, body) in SANDBOX_ROUTES {
+        let path = format!("/v1/sandboxes/{id}{rest}");
+        let auth = format!("Bearer {key}");
+        let mut headers = vec![("authorization", auth.as_str())];
+        let body = match body {
+            Some(b) => {
+                let ct = if rest.starts_with("/files") {
+                    "application/octet-stream"
+                } else {
+                    "application/json"
+                };
+                headers.push(("content-type", ct));
+                Body::from(b.to_string())
+            }
+            None => Body::empty(),
+        };
+        let (status, resp) = server
+            .send(method.parse().unwrap(), &path, &headers, body)
+            .await
+            .json()
+            .await;
+        assert_eq!(
+            (status, resp["code"].as_str()),
+            (404, Some("sandbox_not_found")),
+            "{method} {path}: {resp}"
+        );
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn missing_sandbox_is_404_on_every_route() {
+    let tmp = fresh();
+    let server = Server::start(tmp.path(), 4, None).await;
+    assert_every_route_404(&server, &server.key.clone(), "nosuchsandbox0").await;
+    // Another tenant's sandbox answers exactly like a missing one, and is left untouched.
+    let id = server.running_sandbox().await;
+    let other = server
+        .core()
+        .store
+        .create_key("other", KeyFormat::Airlock)
+        .await
+        .unwrap();
+    assert_every_route_404(&server, &other, &id).await;
+    assert_eq!(server.sandbox_state(&id).await, "running");
+    server.assert_answers(&id).await;
+    server.delete(&id).await;
+    server.stop().await;
+    assert_no_vms(tmp.path());
+}
