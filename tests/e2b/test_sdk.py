@@ -207,7 +207,8 @@ def test_unsupported_options_fail_loudly():
         (dict(mcp={"exa": {"apiKey": "x"}}), "mcp"),
         (dict(network={"allow_public_traffic": True}), "allowPublicTraffic"),
         (dict(network={"allow_out": ["1.1.1.1"], "allow_public_traffic": False}), "allowOut"),
-        (dict(template="no-such-template"), "not found"),
+        # A 404 that names the missing template (and lists the ones there are).
+        (dict(template="no-such-template"), "no-such-template"),
     ]
     # Older SDKs have no `mcp=` / `network=` to send; what they can send is still checked.
     accepted = inspect.signature(Sandbox.create).parameters
