@@ -47,7 +47,7 @@ impl std::fmt::Display for Kind {
 #[derive(Debug, thiserror::Error)]
 pub enum CoreError {
     /// Missing, or owned by another tenant: both answer the same.
-    #[error("no {kind} {id:?}{hint}")]
+    #[error("{kind} {id:?} not found{hint}")]
     NotFound { kind: Kind, id: String, hint: String },
     #[error("{field}: {reason}")]
     InvalidField { field: String, reason: String },
