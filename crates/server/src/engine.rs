@@ -18,6 +18,9 @@ pub const MAX_PAUSE: Duration = Duration::from_secs(24 * 3600);
 const REAP_EVERY: Duration = Duration::from_millis(500);
 /// How often it also sweeps for VMs that vanished without an exit notice (missed while busy).
 const SWEEP_EVERY_TICKS: u32 = 4;
+/// The longest a caller waits for an operation (a boot under TCG takes seconds; a stuck one
+/// must not hold a request forever).
+pub const WAIT_LIMIT: Duration = Duration::from_secs(300);
 
 /// A lifecycle change to carry out.
 #[derive(Debug, Clone)]
@@ -167,10 +170,19 @@ impl Engine {
         })
     }
 
-    /// Wait until `op` has finished; returns its final record.
+    /// Wait until `op` has finished (at most `WAIT_LIMIT`); returns its final record.
     pub async fn wait(&self, op: &Operation) -> CoreResult<Operation> {
         let mut finished = self.finished.subscribe();
+        let deadline = tokio::time::Instant::now() + WAIT_LIMIT;
         loop {
+            if tokio::time::Instant::now() >= deadline {
+                return Err(CoreError::Unavailable(format!(
+                    "operation {} is still running after {}; poll GET /v1/operations/{}",
+                    op.id,
+                    humantime::format_duration(WAIT_LIMIT),
+                    op.id
+                )));
+            }
             if let Some(o) = self.store.operation_by_id(&op.id).await? {
                 if o.state.is_final() {
                     return Ok(o);

@@ -28,7 +28,7 @@ impl Core {
 
 impl Files {
     /// The agent's messages name the path; the kind makes a missing one `file_not_found`.
-    fn err(&self, _path: &str) -> impl Fn(AgentError) -> CoreError + '_ {
+    fn err(&self) -> impl Fn(AgentError) -> CoreError + '_ {
         move |e| CoreError::agent(Kind::File, &self.sandbox_id, e)
     }
 
@@ -36,7 +36,7 @@ impl Files {
         &self,
         path: &str,
     ) -> CoreResult<impl Stream<Item = Result<Bytes, std::io::Error>> + Send + 'static> {
-        let s = self.agent.read_file_stream(path).await.map_err(self.err(path))?;
+        let s = self.agent.read_file_stream(path).await.map_err(self.err())?;
         Ok(s.map(|r| r.map_err(std::io::Error::other)))
     }
 
@@ -49,12 +49,12 @@ impl Files {
     }
 
     /// Map an error of `write` (which callers inspect first: a broken upload is their fault).
-    pub fn write_error(&self, path: &str, e: AgentError) -> CoreError {
-        self.err(path)(e)
+    pub fn write_error(&self, e: AgentError) -> CoreError {
+        self.err()(e)
     }
 
     pub async fn stat(&self, path: &str) -> CoreResult<FileStat> {
-        self.agent.stat(path).await.map_err(self.err(path))
+        self.agent.stat(path).await.map_err(self.err())
     }
 
     pub async fn list(&self, path: &str, depth: u32) -> CoreResult<Vec<FileStat>> {
@@ -64,19 +64,19 @@ impl Files {
                 format!("must be between 1 and 32, got {depth}"),
             ));
         }
-        self.agent.list(path, depth).await.map_err(self.err(path))
+        self.agent.list(path, depth).await.map_err(self.err())
     }
 
     pub async fn mkdir(&self, path: &str, user: &str) -> CoreResult<MkdirResponse> {
-        self.agent.mkdir(path, Some(user)).await.map_err(self.err(path))
+        self.agent.mkdir(path, Some(user)).await.map_err(self.err())
     }
 
     pub async fn remove(&self, path: &str) -> CoreResult<()> {
-        self.agent.remove(path).await.map_err(self.err(path))
+        self.agent.remove(path).await.map_err(self.err())
     }
 
     pub async fn rename(&self, from: &str, to: &str) -> CoreResult<FileStat> {
-        self.agent.rename(from, to).await.map_err(self.err(from))
+        self.agent.rename(from, to).await.map_err(self.err())
     }
 
     pub async fn watch(
@@ -84,7 +84,7 @@ impl Files {
         path: &str,
         recursive: bool,
     ) -> CoreResult<impl Stream<Item = Result<WatchEvent, CoreError>> + Send + 'static> {
-        let events = self.agent.watch(path, recursive).await.map_err(self.err(path))?;
+        let events = self.agent.watch(path, recursive).await.map_err(self.err())?;
         let id = self.sandbox_id.clone();
         Ok(events.map(move |r| r.map_err(|e| CoreError::agent(Kind::File, &id, e))))
     }

@@ -755,7 +755,7 @@ pub async fn files_post(
                 return files_error(E2bError::bad_request(format!("upload interrupted: {e}")));
             }
             if let Err(e) = files.write(&dest, &user, futures_util::stream::iter(chunks)).await {
-                return files_error(files.write_error(&dest, e));
+                return files_error(files.write_error(e));
             }
             written.push(info(&dest));
         }
@@ -778,7 +778,7 @@ pub async fn files_post(
             if let Some(why) = body_error.lock().unwrap_or_else(|p| p.into_inner()).take() {
                 return files_error(E2bError::bad_request(format!("could not read the upload body: {why}")));
             }
-            return files_error(files.write_error(&dest, e));
+            return files_error(files.write_error(e));
         }
         written.push(info(&dest));
     }

@@ -581,7 +581,7 @@ pub async fn write_file(
     let data = body.into_data_stream().map(|r| r.map_err(std::io::Error::other));
     match files.write(&q.path, "user", data).await {
         Ok(stat) => Ok(Json(file_info(stat))),
-        Err(e) => Err(files.write_error(&q.path, e).into()),
+        Err(e) => Err(files.write_error(e).into()),
     }
 }
 
