@@ -211,6 +211,18 @@ impl Engine {
         }
     }
 
+    /// Move a sandbox on only from the states a change may leave; false when something else
+    /// (a delete) got there first.
+    async fn transition(&self, id: &str, from: &[SandboxState], to: SandboxState) -> bool {
+        match self.store.transition_sandbox(id, from, to).await {
+            Ok(moved) => moved,
+            Err(e) => {
+                tracing::error!(sandbox = %id, "cannot record state {}: {e}", to.as_str());
+                false
+            }
+        }
+    }
+
     async fn run_create(&self, op: Operation, row: SandboxRow) {
         let _ = self.store.set_operation_state(&op.id, OperationState::Running).await;
         match self.nodes.create(&row).await {
@@ -219,17 +231,25 @@ impl Engine {
                     .store
                     .set_sandbox_boot(&row.id, &booted.template_digest, &booted.accel)
                     .await;
-                // A delete submitted during the boot owns the sandbox's state now.
-                let current = self.store.sandbox_by_id(&row.id).await.ok().flatten();
-                if current.is_some_and(|r| r.state == SandboxState::Creating) {
-                    self.set_state(&row.id, SandboxState::Running).await;
+                if self
+                    .transition(&row.id, &[SandboxState::Creating], SandboxState::Running)
+                    .await
+                {
+                    tracing::info!(sandbox = %row.id, "created");
+                } else {
+                    // A delete was submitted during the boot, and may have found no VM yet: the
+                    // VM just booted is nobody's, so it goes (deleting twice is harmless).
+                    tracing::info!(sandbox = %row.id, "deleted while it booted; stopping its VM");
+                    if let Err(e) = self.nodes.delete(&row.id).await {
+                        tracing::warn!(sandbox = %row.id, "cannot stop the VM of a deleted sandbox: {e}");
+                    }
                 }
-                tracing::info!(sandbox = %row.id, "created");
                 self.finish(&op, None).await;
             }
             Err(e) => {
                 tracing::warn!(sandbox = %row.id, "create failed: {e}");
-                self.set_state(&row.id, SandboxState::Failed).await;
+                self.transition(&row.id, &[SandboxState::Creating], SandboxState::Failed)
+                    .await;
                 self.finish(&op, Some((&CoreError::from(e)).into())).await;
             }
         }
@@ -272,32 +292,42 @@ impl Engine {
 
     /// Record that the VM is now paused (or running), and stop (or restart) its clock: a paused
     /// sandbox keeps the lifetime it had left, and expires only after `MAX_PAUSE` (its RAM is
-    /// held meanwhile).
+    /// held meanwhile). A sandbox that is being deleted meanwhile stays so.
     async fn settle_paused(&self, id: &str, paused: bool) {
+        let live = [SandboxState::Running, SandboxState::Paused];
+        let to = if paused {
+            SandboxState::Paused
+        } else {
+            SandboxState::Running
+        };
+        let Ok(Some(row)) = self.store.sandbox_by_id(id).await else {
+            return;
+        };
+        if !self.transition(id, &live, to).await {
+            return;
+        }
         let now = now_ms();
         let result = async {
             if paused {
-                if self.store.paused_remaining(id).await?.is_none() {
-                    if let Some(row) = self.store.sandbox_by_id(id).await? {
-                        let remaining = (row.expires_at_ms - now).max(0);
-                        self.store.set_paused_remaining(id, Some(remaining)).await?;
-                    }
+                if row.state != SandboxState::Paused {
+                    let remaining = (row.expires_at_ms - now).max(0);
+                    self.store.set_paused_remaining(id, Some(remaining)).await?;
+                    self.store
+                        .set_sandbox_expiry(id, now + MAX_PAUSE.as_millis() as i64)
+                        .await?;
                 }
-                self.store
-                    .set_sandbox_expiry(id, now + MAX_PAUSE.as_millis() as i64)
-                    .await?;
-                self.store.set_sandbox_state(id, SandboxState::Paused).await
+                Ok(())
             } else {
                 if let Some(remaining) = self.store.paused_remaining(id).await? {
                     self.store.set_sandbox_expiry(id, now + remaining).await?;
                     self.store.set_paused_remaining(id, None).await?;
                 }
-                self.store.set_sandbox_state(id, SandboxState::Running).await
+                Ok::<_, crate::store::StoreError>(())
             }
         }
         .await;
         if let Err(e) = result {
-            tracing::error!(sandbox = %id, "cannot record the pause state: {e}");
+            tracing::error!(sandbox = %id, "cannot record the pause clock: {e}");
         }
     }
 
@@ -314,7 +344,8 @@ impl Engine {
                     continue;
                 }
                 (OperationKind::Create, VmState::Running | VmState::Paused) => {
-                    self.set_state(&id, SandboxState::Running).await;
+                    self.transition(&id, &[SandboxState::Creating], SandboxState::Running)
+                        .await;
                     self.finish(&op, None).await;
                     tracing::info!(op = %op.id, "create finished before the restart: succeeded");
                 }
@@ -360,12 +391,10 @@ impl Engine {
 
     /// A sandbox whose VM exited on its own is failed (its quota slot is free again).
     async fn vm_exited(&self, id: &str) {
-        if let Ok(Some(row)) = self.store.sandbox_by_id(id).await {
-            if matches!(row.state, SandboxState::Running | SandboxState::Paused) {
-                tracing::warn!(sandbox = %id, "its VM exited on its own; marking it failed");
-                self.set_state(id, SandboxState::Failed).await;
-                let _ = self.store.set_paused_remaining(id, None).await;
-            }
+        let live = [SandboxState::Running, SandboxState::Paused];
+        if self.transition(id, &live, SandboxState::Failed).await {
+            tracing::warn!(sandbox = %id, "its VM exited on its own; marking it failed");
+            let _ = self.store.set_paused_remaining(id, None).await;
         }
     }
 

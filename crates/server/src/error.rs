@@ -213,10 +213,6 @@ impl From<RuntimeError> for CoreError {
             },
             RuntimeError::UnknownSandbox(id) => CoreError::not_found(Kind::Sandbox, id),
             RuntimeError::InvalidResources(m) => CoreError::InvalidResources(m),
-            RuntimeError::Agent(a) => CoreError::Unreachable {
-                id: String::new(),
-                reason: a.to_string(),
-            },
             other => CoreError::Runtime(other),
         }
     }

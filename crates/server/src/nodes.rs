@@ -124,7 +124,11 @@ impl Nodes for LocalNode {
                 other => other,
             }
         };
-        self.locks.lock().unwrap().remove(id);
+        // Forget the lock unless another change already waits on it (it must keep excluding).
+        let mut locks = self.locks.lock().unwrap();
+        if locks.get(id).is_some_and(|l| Arc::strong_count(l) <= 2) {
+            locks.remove(id);
+        }
         result
     }
 

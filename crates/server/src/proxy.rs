@@ -76,19 +76,26 @@ pub async fn code_interpreter_by_token(State(core): State<Core>, req: Request) -
         no_token: false,
     };
     match core.sandbox_principal(&creds, None, accept).await {
-        Ok(Principal::Sandbox { sandbox, .. }) if creds.access_token.is_some() => {
+        Ok(Principal::Sandbox { sandbox, .. }) if !creds.access_tokens.is_empty() => {
             forward(core, sandbox.id, airlock_runtime::template::CODE_INTERPRETER_PORT, req).await
         }
         _ => error(StatusCode::BAD_GATEWAY, "no sandbox has this X-Access-Token".into()),
     }
 }
 
-/// Credentials meant for airlock never travel into the sandbox.
+/// The credential that opened the sandbox never travels into it; E2B's traffic token is
+/// airlock's own header, never the app's. Other headers (an app's own `X-Access-Token` or
+/// `Authorization`) pass through.
 fn strip_credentials(headers: &mut axum::http::HeaderMap, via: Via) {
-    headers.remove("x-access-token");
     headers.remove("e2b-traffic-access-token");
-    if via == Via::OwnerKey {
-        headers.remove("authorization");
+    match via {
+        Via::AccessToken(header) => {
+            headers.remove(header);
+        }
+        Via::OwnerKey => {
+            headers.remove("authorization");
+        }
+        Via::Unverified => {}
     }
 }
 
@@ -168,6 +175,33 @@ pub async fn forward(core: Core, id: String, port: u16, mut req: Request) -> Res
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_credential_that_opened_a_sandbox_stays_out_of_it() {
+        let headers = || {
+            let mut h = axum::http::HeaderMap::new();
+            for (k, v) in [
+                ("authorization", "Bearer ak_owner"),
+                ("x-access-token", "app-token"),
+                ("e2b-traffic-access-token", "tok"),
+                ("x-api-key", "app-key"),
+            ] {
+                h.insert(k, v.parse().unwrap());
+            }
+            h
+        };
+        let mut h = headers();
+        strip_credentials(&mut h, Via::AccessToken("e2b-traffic-access-token"));
+        assert!(h.get("e2b-traffic-access-token").is_none());
+        // The app's own headers pass.
+        assert!(h.contains_key("x-access-token") && h.contains_key("authorization") && h.contains_key("x-api-key"));
+        let mut h = headers();
+        strip_credentials(&mut h, Via::AccessToken("x-access-token"));
+        assert!(h.get("x-access-token").is_none() && h.get("e2b-traffic-access-token").is_none());
+        let mut h = headers();
+        strip_credentials(&mut h, Via::OwnerKey);
+        assert!(h.get("authorization").is_none() && h.get("e2b-traffic-access-token").is_none());
+    }
 
     #[test]
     fn parses_sandbox_hosts() {

@@ -10,7 +10,7 @@ use airlock_runtime::vmm::pid_alive;
 use airlock_runtime::{fake, Runtime, RuntimeError};
 use airlock_server::core::{Config, Core};
 use airlock_server::model::{Operation, OperationKind, OperationState, Resources, SandboxState};
-use airlock_server::nodes::LocalNode;
+use airlock_server::nodes::{Booted, Capacity, LocalNode, Nodes, VmState};
 use airlock_server::store::{now_ms, rfc3339, KeyFormat, SandboxRow, SqliteStore, TenantStore};
 use airlock_server::AppState;
 use axum::body::{Body, Bytes};
@@ -66,6 +66,12 @@ async fn open_runtime(dir: &Path) -> Runtime {
 impl Server {
     /// Open everything on `dir` as `airlock_server::serve` does, recover, and serve.
     async fn start(dir: &Path, max: u32, key: Option<&str>) -> Server {
+        Self::start_with(dir, max, key, Duration::ZERO).await
+    }
+
+    /// `start`, with every VM create held back by `create_delay` before it reaches the node
+    /// (to let other operations overtake it).
+    async fn start_with(dir: &Path, max: u32, key: Option<&str>, create_delay: Duration) -> Server {
         let tokio_rt = tokio::runtime::Builder::new_multi_thread()
             .worker_threads(2)
             .thread_name("airlock-test-server")
@@ -80,9 +86,15 @@ impl Server {
                 let store = SqliteStore::open(&d.join("airlock.db")).await.unwrap();
                 let minted = store.bootstrap().await.unwrap();
                 let key = known_key.or(minted).expect("an admin key");
+                let local: Arc<dyn Nodes> = Arc::new(LocalNode::new(runtime.clone()));
+                let nodes: Arc<dyn Nodes> = if create_delay.is_zero() {
+                    local
+                } else {
+                    Arc::new(LateCreate(local, create_delay))
+                };
                 let core = Core::new(
                     Arc::new(store),
-                    Arc::new(LocalNode::new(runtime.clone())),
+                    nodes,
                     Config {
                         max_sandboxes_per_tenant: max,
                     },
@@ -442,6 +454,50 @@ impl ConnectStream {
     }
 }
 
+/// A node whose creates start late: everything else goes straight to the real one.
+struct LateCreate(Arc<dyn Nodes>, Duration);
+
+#[async_trait::async_trait]
+impl Nodes for LateCreate {
+    fn runtime_name(&self) -> &'static str {
+        self.0.runtime_name()
+    }
+    async fn accel(&self) -> String {
+        self.0.accel().await
+    }
+    fn templates(&self) -> &airlock_runtime::template::TemplateStore {
+        self.0.templates()
+    }
+    async fn create(&self, sandbox: &SandboxRow) -> Result<Booted, airlock_runtime::RuntimeError> {
+        tokio::time::sleep(self.1).await;
+        self.0.create(sandbox).await
+    }
+    async fn delete(&self, id: &str) -> Result<(), airlock_runtime::RuntimeError> {
+        self.0.delete(id).await
+    }
+    async fn pause(&self, id: &str) -> Result<(), airlock_runtime::RuntimeError> {
+        self.0.pause(id).await
+    }
+    async fn resume(&self, id: &str) -> Result<(), airlock_runtime::RuntimeError> {
+        self.0.resume(id).await
+    }
+    fn vm_state(&self, id: &str) -> VmState {
+        self.0.vm_state(id)
+    }
+    fn vm_ids(&self) -> Vec<String> {
+        self.0.vm_ids()
+    }
+    async fn agent(&self, id: &str) -> Result<airlock_runtime::AgentClient, airlock_runtime::RuntimeError> {
+        self.0.agent(id).await
+    }
+    fn exits(&self) -> tokio::sync::broadcast::Receiver<String> {
+        self.0.exits()
+    }
+    fn capacity(&self) -> Capacity {
+        self.0.capacity()
+    }
+}
+
 /// No fake VM of this data dir may outlive the test.
 fn assert_no_vms(dir: &Path) {
     let deadline = Instant::now() + Duration::from_secs(3);
@@ -741,6 +797,40 @@ async fn vm_killed_or_powered_off_fails_the_sandbox_and_frees_its_slot() {
     let third = server.running_sandbox().await;
     server.assert_answers(&third).await;
     server.delete(&third).await;
+    server.stop().await;
+    assert_no_vms(tmp.path());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_delete_racing_a_create_or_pause_leaves_no_vm() {
+    let tmp = fresh();
+    // Creates reach the node 300 ms late, so the delete below gets there first.
+    let server = Server::start_with(tmp.path(), 20, None, Duration::from_millis(300)).await;
+    for round in 0..3 {
+        // A delete that overtakes the create finds no VM; the VM booted after it must still go.
+        let (id, create) = server.create_native().await;
+        let (status, body) = server.v1(Method::DELETE, &format!("/sandboxes/{id}"), None).await;
+        assert_eq!(status, 202, "round {round}: {body}");
+        let delete = body["operation"]["id"].as_str().unwrap().to_string();
+        server.wait_op(&create).await;
+        assert_eq!(server.wait_op(&delete).await["state"], "succeeded");
+        assert_eq!(server.sandbox_state(&id).await, "deleted", "round {round}");
+        assert_no_vms(tmp.path());
+    }
+    // A pause racing a delete never brings the sandbox back from deleting.
+    for round in 0..5 {
+        let id = server.running_sandbox().await;
+        let (pause_path, delete_path) = (format!("/sandboxes/{id}/pause"), format!("/sandboxes/{id}"));
+        let (pause, delete) = tokio::join!(
+            server.v1(Method::POST, &pause_path, None),
+            server.v1(Method::DELETE, &delete_path, None),
+        );
+        assert!([202, 409].contains(&pause.0), "round {round}: {pause:?}");
+        assert_eq!(delete.0, 202, "round {round}: {delete:?}");
+        let op = delete.1["operation"]["id"].as_str().unwrap().to_string();
+        assert_eq!(server.wait_op(&op).await["state"], "succeeded");
+        assert_eq!(server.sandbox_state(&id).await, "deleted", "round {round}");
+    }
     server.stop().await;
     assert_no_vms(tmp.path());
 }

@@ -9,14 +9,16 @@ use axum::http::HeaderMap;
 use base64::Engine as _;
 use subtle::ConstantTimeEq;
 
-/// The secrets a request carries, however its door spells them.
+/// The secrets a request carries, as each door spells them.
 #[derive(Debug, Clone, Default)]
 pub struct Credentials {
-    /// A tenant API key: `Authorization: Bearer <key>` (native, port forwarding) or
-    /// `X-API-KEY: <key>` (the E2B control plane).
-    pub api_key: Option<String>,
-    /// A sandbox access token: `X-Access-Token` (envd) or `E2B-Traffic-Access-Token` (ports).
-    pub access_token: Option<String>,
+    /// `Authorization: Bearer <key>`: the native door's API key (and a sandbox owner's on ports).
+    pub bearer: Option<String>,
+    /// `X-API-KEY: <key>`: the E2B control plane's API key.
+    pub x_api_key: Option<String>,
+    /// Sandbox access tokens, each with the header it came in: `X-Access-Token` (envd) and
+    /// `E2B-Traffic-Access-Token` (sandbox ports).
+    pub access_tokens: Vec<(&'static str, String)>,
 }
 
 fn header<'a>(h: &'a HeaderMap, name: &str) -> Option<&'a str> {
@@ -30,13 +32,16 @@ impl Credentials {
     pub fn from_headers(h: &HeaderMap) -> Self {
         let bearer = header(h, "authorization").and_then(|v| {
             let (scheme, rest) = v.split_once(' ')?;
-            scheme.eq_ignore_ascii_case("bearer").then(|| rest.trim())
+            scheme.eq_ignore_ascii_case("bearer").then(|| rest.trim().to_string())
         });
+        let access_tokens = ["x-access-token", "e2b-traffic-access-token"]
+            .into_iter()
+            .filter_map(|name| header(h, name).map(|t| (name, t.to_string())))
+            .collect();
         Self {
-            api_key: bearer.or_else(|| header(h, "x-api-key")).map(String::from),
-            access_token: header(h, "x-access-token")
-                .or_else(|| header(h, "e2b-traffic-access-token"))
-                .map(String::from),
+            bearer,
+            x_api_key: header(h, "x-api-key").map(String::from),
+            access_tokens,
         }
     }
 }
@@ -44,8 +49,9 @@ impl Credentials {
 /// How a caller proved it may use one sandbox.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Via {
-    AccessToken,
-    /// An API key of the tenant that owns the sandbox.
+    /// The sandbox's access token, in this header.
+    AccessToken(&'static str),
+    /// An API key (`Authorization: Bearer`) of the tenant that owns the sandbox.
     OwnerKey,
     /// No token: the route proves access itself (a signed URL, checked by
     /// `Core::check_signed_url`) or serves nothing secret (envd's `/health`).
@@ -67,12 +73,12 @@ pub struct Accept {
 }
 
 impl Core {
-    /// The tenant an API key belongs to.
-    pub async fn tenant(&self, creds: &Credentials) -> CoreResult<Tenant> {
-        let Some(key) = creds.api_key.as_deref() else {
-            return Err(CoreError::Unauthenticated(
-                "missing API key; send `Authorization: Bearer <key>` (see <data-dir>/credentials)".into(),
-            ));
+    /// The tenant an API key belongs to; `header` names where the door expects the key.
+    pub async fn tenant(&self, key: Option<&str>, header: &str) -> CoreResult<Tenant> {
+        let Some(key) = key else {
+            return Err(CoreError::Unauthenticated(format!(
+                "missing API key; send `{header}` (see <data-dir>/credentials)"
+            )));
         };
         self.store
             .tenant_by_key(key)
@@ -88,50 +94,66 @@ impl Core {
         sandbox_id: Option<&str>,
         accept: Accept,
     ) -> CoreResult<Principal> {
-        let presented = creds.access_token.as_deref().map(token_hash);
-        let row = match (sandbox_id, &presented) {
-            (Some(id), _) => self.store.sandbox_by_id(id).await?,
-            (None, Some(hash)) => self.store.sandbox_by_access_hash(hash).await?,
-            (None, None) => None,
+        let presented: Vec<(&'static str, String)> =
+            creds.access_tokens.iter().map(|(h, t)| (*h, token_hash(t))).collect();
+        let row = match sandbox_id {
+            Some(id) => self.store.sandbox_by_id(id).await?,
+            None => {
+                let mut found = None;
+                for (_, hash) in &presented {
+                    found = self.store.sandbox_by_access_hash(hash).await?;
+                    if found.is_some() {
+                        break;
+                    }
+                }
+                found
+            }
         };
         let Some(sandbox) = row else {
             return Err(CoreError::not_found(Kind::Sandbox, sandbox_id.unwrap_or("")));
         };
         let issued = self.store.access_hash(&sandbox.id).await?;
-        if let (Some(want), Some(got)) = (&issued, &presented) {
-            if bool::from(want.as_bytes().ct_eq(got.as_bytes())) {
-                return Ok(Principal::Sandbox {
-                    sandbox,
-                    via: Via::AccessToken,
-                });
-            }
-            return Err(CoreError::Unauthenticated(
-                "the access token does not match the sandbox".into(),
-            ));
-        }
-        if accept.owner_key && creds.api_key.is_some() {
-            if let Ok(t) = self.tenant(creds).await {
-                if t.id == sandbox.tenant_id {
+        if let Some(want) = &issued {
+            for (header, got) in &presented {
+                if bool::from(want.as_bytes().ct_eq(got.as_bytes())) {
                     return Ok(Principal::Sandbox {
                         sandbox,
-                        via: Via::OwnerKey,
+                        via: Via::AccessToken(header),
                     });
                 }
             }
         }
-        match (issued, presented) {
-            // A sandbox without a token never came through the E2B door: envd is closed to it.
-            (None, _) if !accept.owner_key => Err(CoreError::Unauthenticated(
-                "this sandbox has no access token; connect to it through the E2B API first".into(),
-            )),
-            (Some(_), None) if accept.no_token => Ok(Principal::Sandbox {
+        if accept.owner_key {
+            if let Some(key) = creds.bearer.as_deref() {
+                if let Ok(Some(t)) = self.store.tenant_by_key(key).await {
+                    if t.id == sandbox.tenant_id {
+                        return Ok(Principal::Sandbox {
+                            sandbox,
+                            via: Via::OwnerKey,
+                        });
+                    }
+                }
+            }
+        }
+        if presented.is_empty() && issued.is_some() && accept.no_token {
+            return Ok(Principal::Sandbox {
                 sandbox,
                 via: Via::Unverified,
-            }),
-            _ => Err(CoreError::Unauthenticated(
-                "this sandbox needs its access token (X-Access-Token) or its owner's API key".into(),
-            )),
+            });
         }
+        let need = if accept.owner_key {
+            "its access token or its owner's API key"
+        } else {
+            "its access token (X-Access-Token)"
+        };
+        Err(CoreError::Unauthenticated(match (issued, presented.is_empty()) {
+            // A sandbox without a token never came through the E2B door: envd is closed to it.
+            (None, _) if !accept.owner_key => {
+                "this sandbox has no access token; connect to it through the E2B API first".into()
+            }
+            (_, false) => format!("the access token does not match the sandbox; it needs {need}"),
+            _ => format!("this sandbox needs {need}"),
+        }))
     }
 
     /// The access token of a sandbox: derived from the server's secret, so it can be handed out
@@ -205,14 +227,15 @@ mod tests {
         h.insert("authorization", "bearer  ak_1 ".parse().unwrap());
         h.insert("e2b-traffic-access-token", "tok".parse().unwrap());
         let c = Credentials::from_headers(&h);
-        assert_eq!(c.api_key.as_deref(), Some("ak_1"));
-        assert_eq!(c.access_token.as_deref(), Some("tok"));
+        assert_eq!(c.bearer.as_deref(), Some("ak_1"));
+        assert_eq!(c.access_tokens, vec![("e2b-traffic-access-token", "tok".to_string())]);
         let mut h = HeaderMap::new();
         h.insert("x-api-key", "e2b_2".parse().unwrap());
         h.insert("authorization", "Basic dXNlcjo=".parse().unwrap());
+        h.insert("x-access-token", "t1".parse().unwrap());
         let c = Credentials::from_headers(&h);
-        assert_eq!(c.api_key.as_deref(), Some("e2b_2"));
-        assert_eq!(c.access_token, None);
+        assert_eq!((c.bearer, c.x_api_key.as_deref()), (None, Some("e2b_2")));
+        assert_eq!(c.access_tokens, vec![("x-access-token", "t1".to_string())]);
     }
 
     #[test]

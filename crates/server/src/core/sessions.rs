@@ -172,7 +172,11 @@ impl Core {
             started_at_ms: info.started_at_ms as i64,
             ended_at_ms: None,
         };
-        self.store.insert_session(&row).await?;
+        if let Err(e) = self.store.insert_session(&row).await {
+            // A process nobody can see must not run on.
+            let _ = agent.signal(row.process_id, 9).await;
+            return Err(e.into());
+        }
         Ok((row, agent))
     }
 
@@ -234,25 +238,45 @@ impl Core {
     /// The session of a process chosen by pid or tag; the newest wins when a pid was reused.
     pub async fn find_session(&self, sandbox: &SandboxRow, sel: &Selector) -> CoreResult<Running> {
         let agent = self.agent_for(sandbox).await?;
-        let mut procs = agent.processes().await.map_err(guest(sandbox))?;
-        procs.sort_by_key(|p| std::cmp::Reverse(p.id));
-        for p in procs {
-            let Some(session) = self.store.session_by_process(&sandbox.id, p.id).await? else {
-                continue;
+        let missing = || {
+            let id = match sel {
+                Selector::Pid(p) => format!("pid {p}"),
+                Selector::Tag(t) => format!("tag {t}"),
             };
-            let hit = match sel {
-                Selector::Pid(pid) => p.pid == *pid,
-                Selector::Tag(t) => session.tag.as_deref() == Some(t.as_str()) || session.id == *t,
-            };
-            if hit {
-                return Ok(Running { session, process: p });
+            CoreError::not_found(Kind::Process, id)
+        };
+        match sel {
+            Selector::Pid(pid) => {
+                let mut procs: Vec<ProcessInfo> = agent
+                    .processes()
+                    .await
+                    .map_err(guest(sandbox))?
+                    .into_iter()
+                    .filter(|p| p.pid == *pid)
+                    .collect();
+                procs.sort_by_key(|p| std::cmp::Reverse(p.id));
+                // Only the newest process with that pid: an older one is a different process.
+                let process = procs.into_iter().next().ok_or_else(missing)?;
+                let session = self
+                    .store
+                    .session_by_process(&sandbox.id, process.id)
+                    .await?
+                    .ok_or_else(missing)?;
+                Ok(Running { session, process })
+            }
+            Selector::Tag(tag) => {
+                let session = self
+                    .store
+                    .list_sessions(&sandbox.id)
+                    .await?
+                    .into_iter()
+                    .filter(|s| s.tag.as_deref() == Some(tag.as_str()) || s.id == *tag)
+                    .max_by_key(|s| (s.started_at_ms, s.process_id))
+                    .ok_or_else(missing)?;
+                let process = agent.process(session.process_id).await.map_err(guest(sandbox))?;
+                Ok(Running { session, process })
             }
         }
-        let id = match sel {
-            Selector::Pid(p) => format!("pid {p}"),
-            Selector::Tag(t) => format!("tag {t}"),
-        };
-        Err(CoreError::not_found(Kind::Process, id))
     }
 
     /// A session's events after `after` (its stdout, stderr and exit); the exit is recorded.

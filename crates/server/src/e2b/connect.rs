@@ -32,7 +32,7 @@ impl RpcError {
     }
     fn http_status(&self) -> StatusCode {
         match self.code {
-            "invalid_argument" => StatusCode::BAD_REQUEST,
+            "invalid_argument" | "failed_precondition" => StatusCode::BAD_REQUEST,
             "unauthenticated" => StatusCode::UNAUTHORIZED,
             "permission_denied" => StatusCode::FORBIDDEN,
             "not_found" => StatusCode::NOT_FOUND,

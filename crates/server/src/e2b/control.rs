@@ -2,7 +2,7 @@
 //! translation onto the core's sandbox services.
 
 use super::{E2bError, E2bState, ENVD_VERSION};
-use crate::core::sandboxes::{CreateSandbox, ListSandboxes, DEFAULT_TIMEOUT};
+use crate::core::sandboxes::{check_timeout, CreateSandbox, ListSandboxes, DEFAULT_TIMEOUT};
 use crate::core::{templates, CoreError, Credentials};
 use crate::model::{OperationState, SandboxState};
 use crate::store::{rfc3339, SandboxRow, Tenant};
@@ -19,7 +19,8 @@ type Result<T> = std::result::Result<T, E2bError>;
 
 /// The control plane accepts a tenant API key (`X-API-KEY`), and only that.
 pub async fn require_tenant(State(state): State<E2bState>, mut req: Request, next: axum::middleware::Next) -> Response {
-    match state.core.tenant(&Credentials::from_headers(req.headers())).await {
+    let creds = Credentials::from_headers(req.headers());
+    match state.core.tenant(creds.x_api_key.as_deref(), "X-API-KEY: <key>").await {
         Ok(tenant) => {
             req.extensions_mut().insert(tenant);
             next.run(req).await
@@ -278,8 +279,9 @@ pub async fn get(
     Path(id): Path<String>,
 ) -> Result<Json<Value>> {
     let row = state.core.live_sandbox(&tenant, &id).await?;
+    // Re-issued, not just derived: a sandbox from before tokens were derived gets its new one.
     let token = if state.core.has_access_token(&id).await? {
-        Some(state.core.access_token(&id))
+        Some(state.core.issue_access_token(&id).await?)
     } else {
         None
     };
@@ -325,7 +327,8 @@ pub async fn connect(
     } else {
         parse_body(&body)?
     };
-    let timeout = timeout_secs(b.timeout);
+    // Checked before anything changes: a bad timeout must not resume the sandbox.
+    let timeout = check_timeout("timeout", timeout_secs(b.timeout))?;
     let mut row = state.core.live_sandbox(&tenant, &id).await?;
     // Connecting to a paused sandbox resumes it (201), as E2B does.
     let resumed = row.state == SandboxState::Paused;

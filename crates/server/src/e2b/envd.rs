@@ -716,6 +716,7 @@ pub async fn files_post(
         Ok(x) => x,
         Err(r) => return r,
     };
+    let signed = q.signature.is_some() && header(&headers, "x-access-token").is_none();
     let user = q.username.clone().unwrap_or_else(|| "user".into());
     // gzip was decoded by the route's layer; anything still encoded is a coding we lack.
     if let Some(coding) = header(&headers, "content-encoding").filter(|c| !c.eq_ignore_ascii_case("identity")) {
@@ -737,12 +738,21 @@ pub async fn files_post(
                 Ok(None) => break,
                 Err(e) => return files_error(E2bError::bad_request(format!("bad multipart body: {e}"))),
             };
+            // A signed URL covers one path: one part, written there.
+            if signed && !written.is_empty() {
+                return files_error(E2bError::bad_request(
+                    "a signed upload URL writes one file; send one part",
+                ));
+            }
             // One file: `?path=`; several: each part's filename is its destination.
-            let dest = q
-                .path
-                .clone()
-                .filter(|_| written.is_empty())
-                .or_else(|| field.file_name().map(String::from));
+            let dest = if signed {
+                q.path.clone()
+            } else {
+                q.path
+                    .clone()
+                    .filter(|_| written.is_empty())
+                    .or_else(|| field.file_name().map(String::from))
+            };
             let Some(dest) = dest.map(|d| abs_path(&d, &user)) else {
                 return files_error(E2bError::bad_request(
                     "each file part needs a filename or the query needs `path`",

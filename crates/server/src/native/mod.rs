@@ -62,7 +62,11 @@ impl<T: DeserializeOwned, S: Send + Sync> FromRequestParts<S> for ApiQuery<T> {
 
 /// Every `/v1` route accepts a tenant API key, and only that; checked before a body is read.
 pub async fn require_tenant(State(core): State<Core>, mut req: Request, next: axum::middleware::Next) -> Response {
-    match core.tenant(&Credentials::from_headers(req.headers())).await {
+    let creds = Credentials::from_headers(req.headers());
+    match core
+        .tenant(creds.bearer.as_deref(), "Authorization: Bearer <key>")
+        .await
+    {
         Ok(tenant) => {
             req.extensions_mut().insert(tenant);
             next.run(req).await

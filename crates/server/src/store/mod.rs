@@ -217,6 +217,9 @@ pub trait SandboxStore: Send + Sync {
     async fn live_sandboxes(&self) -> Result<Vec<SandboxRow>, StoreError>;
     async fn count_live_sandboxes(&self, tenant_id: &str) -> Result<u32, StoreError>;
     async fn set_sandbox_state(&self, id: &str, state: SandboxState) -> Result<(), StoreError>;
+    /// Move a sandbox to `to` only if it is in one of `from` (compare-and-set); returns whether it
+    /// moved. Concurrent lifecycle changes use it so a late writer never undoes a delete.
+    async fn transition_sandbox(&self, id: &str, from: &[SandboxState], to: SandboxState) -> Result<bool, StoreError>;
     async fn set_sandbox_boot(&self, id: &str, template_digest: &str, accel: &str) -> Result<(), StoreError>;
     /// Running or paused sandboxes whose expiry is at or before `now_ms`.
     async fn expired_sandboxes(&self, now_ms: i64) -> Result<Vec<SandboxRow>, StoreError>;

@@ -336,6 +336,17 @@ impl SandboxStore for SqliteStore {
         Ok(())
     }
 
+    async fn transition_sandbox(&self, id: &str, from: &[SandboxState], to: SandboxState) -> Result<bool, StoreError> {
+        // `from` holds known state names only, so listing them in the SQL is safe.
+        let from: Vec<String> = from.iter().map(|s| format!("'{}'", s.as_str())).collect();
+        let sql = format!(
+            "UPDATE sandboxes SET state = ? WHERE id = ? AND state IN ({})",
+            from.join(", ")
+        );
+        let done = sqlx::query(&sql).bind(to.as_str()).bind(id).execute(&self.pool).await?;
+        Ok(done.rows_affected() == 1)
+    }
+
     async fn set_sandbox_boot(&self, id: &str, digest: &str, accel: &str) -> Result<(), StoreError> {
         sqlx::query("UPDATE sandboxes SET template_digest = ?, accel = ? WHERE id = ?")
             .bind(digest)
