@@ -295,8 +295,11 @@ pub async fn kill(
 ) -> Result<StatusCode> {
     state.core.live_sandbox(&tenant, &id).await?;
     let op = state.core.delete_sandbox(&tenant, &id).await?;
-    state.core.engine.wait(&op).await?;
-    Ok(StatusCode::NO_CONTENT)
+    let done = state.core.engine.wait(&op).await?;
+    match done.error {
+        None => Ok(StatusCode::NO_CONTENT),
+        Some(_) => Err(failed(&done, "stop")),
+    }
 }
 
 #[derive(Debug, Deserialize)]
