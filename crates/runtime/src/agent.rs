@@ -2,6 +2,18 @@
 //!
 //! The transport is any byte stream; today it is the unix socket QEMU exposes for the
 //! virtio-serial port. Each method is one call of `airlock_proto`'s API.
+//!
+//! The guest is not trusted: root inside it can replace the agent and speak this protocol
+//! itself. So everything read from the channel is bounded, and a misbehaving agent can only fail
+//! the calls of its own sandbox:
+//! - in size: every reply body this client collects is read through [`Limited`] (see the
+//!   `*_MAX` constants), a watch line is capped, event frames are capped by
+//!   `airlock_proto::frame::MAX_PAYLOAD` (the decoder refuses a larger length prefix before
+//!   buffering its payload), response headers by hyper's HTTP/2 default (16 KiB), and data the
+//!   host has not read yet by the HTTP/2 flow-control windows set in [`AgentClient::connect`];
+//! - in time: every call that waits for an answer has a deadline ([`Deadlines`]); streams that
+//!   are long-lived by design (events, watches, file reads, tunnels) only have a deadline for
+//!   their response headers.
 
 use airlock_proto::frame::{Decoder, Event};
 use airlock_proto::{
@@ -11,11 +23,61 @@ use airlock_proto::{
 use bytes::Bytes;
 use futures_util::{Stream, StreamExt};
 use http::{Method, Request};
-use http_body_util::{combinators::UnsyncBoxBody, BodyExt, Full, StreamBody};
+use http_body_util::{combinators::UnsyncBoxBody, BodyExt, Full, LengthLimitError, Limited, StreamBody};
 use hyper::body::{Frame, Incoming};
 use std::path::Path;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::task::{Context, Poll};
 use std::time::Duration;
 use tokio::net::UnixStream;
+use tokio::sync::watch;
+use tokio::time::Instant;
+
+/// Largest reply holding one record (health, metrics, a process, a file's stat, mkdir, rename).
+/// The largest such record is a process with its argv, which the guest's `execve` caps at
+/// `ARG_MAX` (2 MiB by default); everything else is a few hundred bytes.
+pub const RECORD_MAX: usize = 4 << 20;
+/// Largest reply holding a list (processes, a directory listing): a deep listing of a big tree
+/// is tens of thousands of entries of ~300 bytes each.
+pub const LIST_MAX: usize = 16 << 20;
+/// Largest error body read (`{"code","message"}`; a message is one line naming a path or two).
+pub const ERROR_BODY_MAX: usize = 64 << 10;
+/// Largest file [`AgentClient::read_file`] collects; larger files are read as a stream
+/// ([`AgentClient::read_file_stream`]), which buffers one chunk at a time.
+pub const READ_FILE_MAX: usize = 64 << 20;
+/// Longest line of a watch stream: one JSON event naming one path (at most `PATH_MAX`, 4 KiB).
+pub const WATCH_LINE_MAX: usize = 64 << 10;
+
+/// How long a call may wait for the agent. A call past its deadline fails with
+/// [`AgentError::Transport`] ("... did not answer within ...").
+///
+/// The clock runs while the agent holds the call up: from the start until the request body is
+/// sent, while the agent is not taking the request body (HTTP/2 flow control), and from the end
+/// of the request body until the reply has been read. It restarts with each chunk of request
+/// body the agent takes, and stops while the body's own source is slow (an upload from a slow
+/// client), so an upload is never cut while data flows.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Deadlines {
+    /// Calls that do a bounded amount of work in the guest (health, spawn, signal, stat, ...),
+    /// and the response headers of streams (events, file reads, tunnels).
+    pub call: Duration,
+    /// Calls whose work grows with the guest's disk: `sync` (flushes the page cache),
+    /// `list` (walks a tree to `depth`), `watch` (arms a recursive watch on every directory).
+    pub slow_call: Duration,
+}
+
+impl Default for Deadlines {
+    /// 30 s for a call: a loaded guest under TCG answers a health check in well under a second,
+    /// so 30 s only ends calls to an agent that is gone or stuck. 5 min for the slow ones: a
+    /// `sync` of a few GiB of dirty pages to a throttled disk.
+    fn default() -> Self {
+        Self {
+            call: Duration::from_secs(30),
+            slow_call: Duration::from_secs(300),
+        }
+    }
+}
 
 #[derive(Debug, Clone, thiserror::Error)]
 pub enum AgentError {
@@ -92,6 +154,7 @@ async fn start_session(stream: &mut UnixStream) -> Result<(), AgentError> {
 #[derive(Clone)]
 pub struct AgentClient {
     send: hyper::client::conn::http2::SendRequest<ReqBody>,
+    deadlines: Deadlines,
 }
 
 fn empty() -> ReqBody {
@@ -106,13 +169,93 @@ fn q(value: &str) -> String {
     url::form_urlencoded::byte_serialize(value.as_bytes()).collect()
 }
 
+/// How a call's deadline runs (see [`Deadlines`]).
+#[derive(Debug, Clone, Copy)]
+enum Clock {
+    /// While the agent holds the call up; the reply body is read by the same deadline.
+    Agent(Duration),
+    /// Response headers within this long of the start, whatever the request body does (a
+    /// tunnel's request body is a long-lived byte stream; the agent answers once connected).
+    Headers(Duration),
+}
+
+/// A request body that tells its call when the agent is the one holding it up: since when the
+/// call has been waiting on the agent (`Some`), or that it waits on the body's source (`None`).
+struct Watched {
+    inner: ReqBody,
+    waiting_since: Arc<watch::Sender<Option<Instant>>>,
+}
+
+impl hyper::body::Body for Watched {
+    type Data = Bytes;
+    type Error = std::io::Error;
+
+    fn poll_frame(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Result<Frame<Bytes>, std::io::Error>>> {
+        let this = self.get_mut();
+        let polled = Pin::new(&mut this.inner).poll_frame(cx);
+        // Pending: the source is slow, not the agent. Ready: hyper asks for the next chunk only
+        // when the agent's flow-control window has room, and after the end the answer is due.
+        this.waiting_since.send_replace(polled.is_ready().then(Instant::now));
+        polled
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.inner.is_end_stream()
+    }
+
+    fn size_hint(&self) -> hyper::body::SizeHint {
+        self.inner.size_hint()
+    }
+}
+
+impl Drop for Watched {
+    fn drop(&mut self) {
+        // Sent (or abandoned by hyper): whatever comes now is up to the agent.
+        self.waiting_since.send_if_modified(|w| {
+            let was_waiting_on_source = w.is_none();
+            if was_waiting_on_source {
+                *w = Some(Instant::now());
+            }
+            was_waiting_on_source
+        });
+    }
+}
+
+/// When a call that got its response headers must have read its reply.
+#[derive(Debug, Clone, Copy)]
+struct Due {
+    at: Instant,
+    limit: Duration,
+}
+
+fn late(what: &str, limit: Duration) -> AgentError {
+    AgentError::Transport(format!("{what}: the agent did not answer within {limit:?}"))
+}
+
+/// A reply body, read whole within `due`, at most `max` bytes.
+async fn collect_limited(body: Incoming, max: usize, what: &str, due: Due) -> Result<Bytes, AgentError> {
+    let collected = tokio::time::timeout_at(due.at, Limited::new(body, max).collect())
+        .await
+        .map_err(|_| late(what, due.limit))?;
+    match collected {
+        Ok(c) => Ok(c.to_bytes()),
+        Err(e) if e.is::<LengthLimitError>() => Err(AgentError::Protocol(format!(
+            "{what}: reply body exceeds the limit of {max} bytes"
+        ))),
+        Err(e) => Err(AgentError::Transport(format!("{what}: {e}"))),
+    }
+}
+
 impl AgentClient {
-    /// Open a session on the channel socket (does not wait for the guest).
+    /// Open a session on the channel socket (does not wait for the guest: without a `READY` it
+    /// keeps saying hello; bound it with a timeout or use [`AgentClient::connect_ready`]).
     pub async fn connect(socket: &Path) -> Result<Self, AgentError> {
         let mut stream = UnixStream::connect(socket)
             .await
             .map_err(|e| AgentError::Transport(format!("connect {}: {e}", socket.display())))?;
         start_session(&mut stream).await?;
+        // The windows bound what the agent can make the host buffer for replies it has not read
+        // yet: 4 MiB per stream, 8 MiB for the connection.
         let (send, conn) = hyper::client::conn::http2::Builder::new(hyper_util::rt::TokioExecutor::new())
             .initial_stream_window_size(4 << 20)
             .initial_connection_window_size(8 << 20)
@@ -125,7 +268,10 @@ impl AgentClient {
                 tracing::debug!("agent connection ended: {e}");
             }
         });
-        Ok(Self { send })
+        Ok(Self {
+            send,
+            deadlines: Deadlines::default(),
+        })
     }
 
     /// Connect and wait until the agent answers `/health`, up to `limit`.
@@ -149,32 +295,82 @@ impl AgentClient {
             .map_err(|_| AgentError::Transport(format!("agent did not answer within {limit:?}")))?
     }
 
+    /// The same session with other deadlines (tests use short ones).
+    pub fn with_deadlines(mut self, deadlines: Deadlines) -> Self {
+        self.deadlines = deadlines;
+        self
+    }
+
+    pub fn deadlines(&self) -> Deadlines {
+        self.deadlines
+    }
+
     pub fn is_closed(&self) -> bool {
         self.send.is_closed()
     }
 
-    async fn call(&self, method: Method, uri: &str, body: ReqBody) -> Result<hyper::Response<Incoming>, AgentError> {
+    /// Send a request; the response once its headers are in, and when its body is due.
+    async fn request(
+        &self,
+        method: Method,
+        uri: &str,
+        body: ReqBody,
+        clock: Clock,
+    ) -> Result<(hyper::Response<Incoming>, Due), AgentError> {
+        let what = format!("{method} {uri}");
+        let start = Instant::now();
+        let (limit, waiting_since, body) = match clock {
+            Clock::Agent(limit) => {
+                let waiting_since = Arc::new(watch::Sender::new(Some(start)));
+                let body = Watched {
+                    inner: body,
+                    waiting_since: waiting_since.clone(),
+                };
+                (limit, Some(waiting_since), BodyExt::boxed_unsync(body))
+            }
+            Clock::Headers(limit) => (limit, None, body),
+        };
         let req = Request::builder()
             .method(method)
             .uri(format!("http://agent{uri}"))
             .body(body)
             .expect("valid request");
         let mut send = self.send.clone();
-        send.ready().await.map_err(|e| AgentError::Transport(e.to_string()))?;
-        let resp = send
-            .send_request(req)
-            .await
-            .map_err(|e| AgentError::Transport(e.to_string()))?;
+        let exchange = async move {
+            send.ready().await?;
+            send.send_request(req).await
+        };
+        let resp = match waiting_since {
+            None => tokio::time::timeout_at(start + limit, exchange)
+                .await
+                .map_err(|_| late(&what, limit))?
+                .map(|r| (r, start + limit)),
+            Some(waiting_since) => {
+                let mut rx = waiting_since.subscribe();
+                let mut exchange = std::pin::pin!(exchange);
+                loop {
+                    let since = *rx.borrow_and_update();
+                    let expired = async {
+                        match since {
+                            Some(t) => tokio::time::sleep_until(t + limit).await,
+                            None => std::future::pending().await,
+                        }
+                    };
+                    tokio::select! {
+                        r = &mut exchange => break r.map(|r| (r, since.unwrap_or_else(Instant::now) + limit)),
+                        _ = rx.changed() => {} // `waiting_since` lives here too: never closed
+                        _ = expired => return Err(late(&what, limit)),
+                    }
+                }
+            }
+        };
+        let (resp, at) = resp.map_err(|e| AgentError::Transport(format!("{what}: {e}")))?;
+        let due = Due { at, limit };
         if resp.status().is_success() {
-            return Ok(resp);
+            return Ok((resp, due));
         }
         let status = resp.status();
-        let body = resp
-            .into_body()
-            .collect()
-            .await
-            .map_err(|e| AgentError::Transport(e.to_string()))?
-            .to_bytes();
+        let body = collect_limited(resp.into_body(), ERROR_BODY_MAX, &what, due).await?;
         Err(match serde_json::from_slice::<ErrorBody>(&body) {
             Ok(e) => AgentError::Api {
                 status: status.as_u16(),
@@ -185,20 +381,45 @@ impl AgentClient {
         })
     }
 
+    /// A call whose answer is only its status (the body, `{}`, is read and dropped).
+    async fn call(&self, method: Method, uri: &str, body: ReqBody) -> Result<(), AgentError> {
+        let what = format!("{method} {uri}");
+        let (resp, due) = self
+            .request(method, uri, body, Clock::Agent(self.deadlines.call))
+            .await?;
+        collect_limited(resp.into_body(), RECORD_MAX, &what, due)
+            .await
+            .map(drop)
+    }
+
+    /// The response headers of a stream (events, file reads): the body is the caller's.
+    async fn open_stream(&self, uri: &str, limit: Duration) -> Result<Incoming, AgentError> {
+        let (resp, _) = self.request(Method::GET, uri, empty(), Clock::Agent(limit)).await?;
+        Ok(resp.into_body())
+    }
+
     async fn call_json<T: serde::de::DeserializeOwned>(
         &self,
         method: Method,
         uri: &str,
         body: ReqBody,
+        max: usize,
+        limit: Duration,
     ) -> Result<T, AgentError> {
-        let resp = self.call(method, uri, body).await?;
-        let bytes = resp
-            .into_body()
-            .collect()
-            .await
-            .map_err(|e| AgentError::Transport(e.to_string()))?
-            .to_bytes();
-        serde_json::from_slice(&bytes).map_err(|e| AgentError::Protocol(format!("{uri}: {e}")))
+        let what = format!("{method} {uri}");
+        let (resp, due) = self.request(method, uri, body, Clock::Agent(limit)).await?;
+        let bytes = collect_limited(resp.into_body(), max, &what, due).await?;
+        serde_json::from_slice(&bytes).map_err(|e| AgentError::Protocol(format!("{what}: {e}")))
+    }
+
+    /// A call answered by one record.
+    async fn call_record<T: serde::de::DeserializeOwned>(
+        &self,
+        method: Method,
+        uri: &str,
+        body: ReqBody,
+    ) -> Result<T, AgentError> {
+        self.call_json(method, uri, body, RECORD_MAX, self.deadlines.call).await
     }
 
     fn json_body<T: serde::Serialize>(v: &T) -> ReqBody {
@@ -206,45 +427,60 @@ impl AgentClient {
     }
 
     pub async fn health(&self) -> Result<Health, AgentError> {
-        self.call_json(Method::GET, "/health", empty()).await
+        self.call_record(Method::GET, "/health", empty()).await
     }
 
     pub async fn metrics(&self) -> Result<Metrics, AgentError> {
-        self.call_json(Method::GET, "/metrics", empty()).await
+        self.call_record(Method::GET, "/metrics", empty()).await
     }
 
     /// Flush the guest's page cache to the disk.
     pub async fn sync(&self) -> Result<(), AgentError> {
-        self.call(Method::POST, "/system/sync", empty()).await.map(drop)
+        let (resp, due) = self
+            .request(
+                Method::POST,
+                "/system/sync",
+                empty(),
+                Clock::Agent(self.deadlines.slow_call),
+            )
+            .await?;
+        collect_limited(resp.into_body(), RECORD_MAX, "POST /system/sync", due)
+            .await
+            .map(drop)
     }
 
     /// Ask the guest to sync and power off.
     pub async fn shutdown(&self) -> Result<(), AgentError> {
-        self.call(Method::POST, "/system/shutdown", empty()).await.map(drop)
+        self.call(Method::POST, "/system/shutdown", empty()).await
     }
 
     pub async fn spawn(&self, spec: &ProcessSpec) -> Result<ProcessInfo, AgentError> {
-        self.call_json(Method::POST, "/processes", Self::json_body(spec)).await
+        self.call_record(Method::POST, "/processes", Self::json_body(spec))
+            .await
     }
 
     pub async fn processes(&self) -> Result<Vec<ProcessInfo>, AgentError> {
-        self.call_json(Method::GET, "/processes", empty()).await
+        self.call_json(Method::GET, "/processes", empty(), LIST_MAX, self.deadlines.call)
+            .await
     }
 
     pub async fn process(&self, id: u64) -> Result<ProcessInfo, AgentError> {
-        self.call_json(Method::GET, &format!("/processes/{id}"), empty()).await
+        self.call_record(Method::GET, &format!("/processes/{id}"), empty())
+            .await
     }
 
-    /// The process's events after `after` (0 = from the start), ending with its exit.
+    /// The process's events after `after` (0 = from the start), ending with its exit. The
+    /// stream is long-lived (as long as the process); each frame is at most
+    /// `airlock_proto::frame::MAX_PAYLOAD` bytes, and a larger length prefix ends it with
+    /// [`AgentError::Protocol`] before its payload is buffered.
     pub async fn events(
         &self,
         id: u64,
         after: u64,
     ) -> Result<impl Stream<Item = Result<Event, AgentError>> + Send + 'static, AgentError> {
-        let resp = self
-            .call(Method::GET, &format!("/processes/{id}/events?after={after}"), empty())
+        let body = self
+            .open_stream(&format!("/processes/{id}/events?after={after}"), self.deadlines.call)
             .await?;
-        let body = resp.into_body();
         Ok(futures_util::stream::unfold(
             (body, Decoder::default(), false),
             |(mut body, mut dec, done)| async move {
@@ -252,6 +488,9 @@ impl AgentClient {
                     return None;
                 }
                 loop {
+                    // The decoder holds at most one frame's header and payload plus one HTTP/2
+                    // DATA frame (`max_frame_size`): a whole frame is taken out before more is
+                    // pushed, and a length prefix over `MAX_PAYLOAD` is an error at once.
                     match dec.next_event() {
                         Ok(Some(ev)) => return Some((Ok(ev), (body, dec, false))),
                         Ok(None) => {}
@@ -278,55 +517,49 @@ impl AgentClient {
     pub async fn write_stdin(&self, id: u64, data: impl Into<Bytes>) -> Result<(), AgentError> {
         self.call(Method::POST, &format!("/processes/{id}/stdin"), bytes_body(data))
             .await
-            .map(drop)
     }
 
     pub async fn close_stdin(&self, id: u64) -> Result<(), AgentError> {
         self.call(Method::POST, &format!("/processes/{id}/stdin/close"), empty())
             .await
-            .map(drop)
     }
 
     pub async fn signal(&self, id: u64, signal: i32) -> Result<(), AgentError> {
         let body = Self::json_body(&SignalRequest { signal });
-        self.call(Method::POST, &format!("/processes/{id}/signal"), body)
-            .await
-            .map(drop)
+        self.call(Method::POST, &format!("/processes/{id}/signal"), body).await
     }
 
     pub async fn resize(&self, id: u64, size: PtySize) -> Result<(), AgentError> {
         self.call(Method::POST, &format!("/processes/{id}/resize"), Self::json_body(&size))
             .await
-            .map(drop)
     }
 
-    /// File content as a stream of chunks.
+    /// File content as a stream of chunks (each at most one HTTP/2 DATA frame). Long-lived by
+    /// design: only the response headers have a deadline.
     pub async fn read_file_stream(
         &self,
         path: &str,
     ) -> Result<impl Stream<Item = Result<Bytes, AgentError>> + Send + 'static, AgentError> {
-        let resp = self
-            .call(Method::GET, &format!("/files?path={}", q(path)), empty())
+        let body = self
+            .open_stream(&format!("/files?path={}", q(path)), self.deadlines.call)
             .await?;
-        let body = resp.into_body();
         Ok(body
             .into_data_stream()
             .map(|r| r.map_err(|e| AgentError::Transport(e.to_string()))))
     }
 
+    /// A whole file, at most [`READ_FILE_MAX`] bytes, within the call deadline.
     pub async fn read_file(&self, path: &str) -> Result<Bytes, AgentError> {
-        let resp = self
-            .call(Method::GET, &format!("/files?path={}", q(path)), empty())
+        let uri = format!("/files?path={}", q(path));
+        let (resp, due) = self
+            .request(Method::GET, &uri, empty(), Clock::Agent(self.deadlines.call))
             .await?;
-        Ok(resp
-            .into_body()
-            .collect()
-            .await
-            .map_err(|e| AgentError::Transport(e.to_string()))?
-            .to_bytes())
+        collect_limited(resp.into_body(), READ_FILE_MAX, &format!("GET {uri}"), due).await
     }
 
-    /// Write a file from a stream of chunks, creating parent directories.
+    /// Write a file from a stream of chunks, creating parent directories. No deadline runs
+    /// while `data` is slow; the agent must take each chunk, and answer after the last, within
+    /// the call deadline.
     pub async fn write_file_stream<S>(&self, path: &str, user: Option<&str>, data: S) -> Result<FileStat, AgentError>
     where
         S: Stream<Item = Result<Bytes, std::io::Error>> + Send + 'static,
@@ -336,7 +569,7 @@ impl AgentClient {
             uri.push_str(&format!("&user={}", q(u)));
         }
         let body = BodyExt::boxed_unsync(StreamBody::new(data.map(|r| r.map(Frame::data))));
-        self.call_json(Method::PUT, &uri, body).await
+        self.call_record(Method::PUT, &uri, body).await
     }
 
     pub async fn write_file(
@@ -356,7 +589,7 @@ impl AgentClient {
     }
 
     pub async fn stat(&self, path: &str) -> Result<FileStat, AgentError> {
-        self.call_json(Method::GET, &format!("/files/stat?path={}", q(path)), empty())
+        self.call_record(Method::GET, &format!("/files/stat?path={}", q(path)), empty())
             .await
     }
 
@@ -365,6 +598,8 @@ impl AgentClient {
             Method::GET,
             &format!("/files/list?path={}&depth={depth}", q(path)),
             empty(),
+            LIST_MAX,
+            self.deadlines.slow_call,
         )
         .await
     }
@@ -374,13 +609,12 @@ impl AgentClient {
             path: path.into(),
             user: user.map(Into::into),
         });
-        self.call_json(Method::POST, "/files/mkdir", body).await
+        self.call_record(Method::POST, "/files/mkdir", body).await
     }
 
     pub async fn remove(&self, path: &str) -> Result<(), AgentError> {
         self.call(Method::DELETE, &format!("/files?path={}", q(path)), empty())
             .await
-            .map(drop)
     }
 
     pub async fn rename(&self, from: &str, to: &str) -> Result<FileStat, AgentError> {
@@ -388,18 +622,26 @@ impl AgentClient {
             from: from.into(),
             to: to.into(),
         });
-        self.call_json(Method::POST, "/files/rename", body).await
+        self.call_record(Method::POST, "/files/rename", body).await
     }
 
     /// A byte stream to `127.0.0.1:<port>` inside the guest (port forwarding). Closing the write
-    /// side ends the guest socket's input; the read side ends when the guest closes.
+    /// side ends the guest socket's input; the read side ends when the guest closes. The agent
+    /// must answer within the call deadline; the stream itself lives as long as its ends do.
     pub async fn tunnel(&self, port: u16) -> Result<tokio::io::DuplexStream, AgentError> {
         let (ours, theirs) = tokio::io::duplex(256 << 10);
         let (from_client, mut to_client) = tokio::io::split(theirs);
         // The client's EOF ends the request body: EOF in the guest.
         let upstream = tokio_util::io::ReaderStream::with_capacity(from_client, 64 << 10);
         let body = BodyExt::boxed_unsync(StreamBody::new(upstream.map(|r| r.map(Frame::data))));
-        let resp = self.call(Method::POST, &format!("/tcp/{port}"), body).await?;
+        let (resp, _) = self
+            .request(
+                Method::POST,
+                &format!("/tcp/{port}"),
+                body,
+                Clock::Headers(self.deadlines.call),
+            )
+            .await?;
         let downstream = resp
             .into_body()
             .into_data_stream()
@@ -413,30 +655,39 @@ impl AgentClient {
     }
 
     /// Watch a directory; the stream is armed when this returns. Dropping it stops the watch.
+    /// Each event is one line of at most [`WATCH_LINE_MAX`] bytes: a longer one ends the stream
+    /// with [`AgentError::Protocol`].
     pub async fn watch(
         &self,
         path: &str,
         recursive: bool,
     ) -> Result<impl Stream<Item = Result<WatchEvent, AgentError>> + Send + 'static, AgentError> {
-        let resp = self
-            .call(
-                Method::GET,
+        let body = self
+            .open_stream(
                 &format!("/files/watch?path={}&recursive={recursive}", q(path)),
-                empty(),
+                self.deadlines.slow_call,
             )
             .await?;
-        let body = resp.into_body();
         Ok(futures_util::stream::unfold(
-            (body, Vec::<u8>::new()),
-            |(mut body, mut buf)| async move {
+            (body, Vec::<u8>::new(), false),
+            |(mut body, mut buf, done)| async move {
+                if done {
+                    return None;
+                }
                 loop {
                     if let Some(nl) = buf.iter().position(|b| *b == b'\n') {
                         let line: Vec<u8> = buf.drain(..=nl).collect();
                         let ev = serde_json::from_slice(&line[..nl]).map_err(|e| AgentError::Protocol(e.to_string()));
-                        return Some((ev, (body, buf)));
+                        return Some((ev, (body, buf, false)));
+                    }
+                    if buf.len() > WATCH_LINE_MAX {
+                        let err = AgentError::Protocol(format!(
+                            "watch event longer than the limit of {WATCH_LINE_MAX} bytes"
+                        ));
+                        return Some((Err(err), (body, Vec::new(), true)));
                     }
                     match body.frame().await? {
-                        Err(e) => return Some((Err(AgentError::Transport(e.to_string())), (body, buf))),
+                        Err(e) => return Some((Err(AgentError::Transport(e.to_string())), (body, buf, true))),
                         Ok(frame) => {
                             if let Ok(data) = frame.into_data() {
                                 buf.extend_from_slice(&data);
