@@ -228,6 +228,17 @@ struct Due {
     limit: Duration,
 }
 
+/// An error with its causes (hyper's own text is terse: "http2 error").
+fn chain(e: &(dyn std::error::Error + 'static)) -> String {
+    let mut text = e.to_string();
+    let mut source = e.source();
+    while let Some(s) = source {
+        text.push_str(&format!(": {s}"));
+        source = s.source();
+    }
+    text
+}
+
 fn late(what: &str, limit: Duration) -> AgentError {
     AgentError::Transport(format!("{what}: the agent did not answer within {limit:?}"))
 }
@@ -242,7 +253,7 @@ async fn collect_limited(body: Incoming, max: usize, what: &str, due: Due) -> Re
         Err(e) if e.is::<LengthLimitError>() => Err(AgentError::Protocol(format!(
             "{what}: reply body exceeds the limit of {max} bytes"
         ))),
-        Err(e) => Err(AgentError::Transport(format!("{what}: {e}"))),
+        Err(e) => Err(AgentError::Transport(format!("{what}: {}", chain(e.as_ref())))),
     }
 }
 
@@ -364,7 +375,7 @@ impl AgentClient {
                 }
             }
         };
-        let (resp, at) = resp.map_err(|e| AgentError::Transport(format!("{what}: {e}")))?;
+        let (resp, at) = resp.map_err(|e| AgentError::Transport(format!("{what}: {}", chain(&e))))?;
         let due = Due { at, limit };
         if resp.status().is_success() {
             return Ok((resp, due));

@@ -22,6 +22,9 @@
 //! `sleep SECS|infinity` (until the time passes or a signal ends it), `cat` (stdin to stdout until
 //! stdin closes), `sh -c 'exit N'` (exit N), `poweroff` (exit 0, then the VM powers off); anything
 //! else exits 127 with `<name>: command not found` on stderr. `timeout_ms` kills with SIGKILL.
+//!
+//! A fake agent can be switched to misbehave as a hostile guest's own agent would
+//! ([`set_hostile`], [`Hostile`]), to test that the host's client bounds what it reads.
 
 use crate::datadir::{random_hex, write_atomic, DataDir};
 use crate::error::{Result, RuntimeError};
@@ -131,6 +134,32 @@ pub fn power_off(vm: &VmHandle) -> bool {
     match guest(&vm.agent_socket) {
         Some(g) => {
             g.power_off();
+            true
+        }
+        None => false,
+    }
+}
+
+/// Ways a fake agent misbehaves, as an agent replaced by root in a hostile guest could.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Hostile {
+    /// Every call is answered with `status` and a body that never ends.
+    EndlessBody { status: u16 },
+    /// Streams send one 100 MiB item: a watch line without a newline, and an event frame whose
+    /// length prefix says 100 MiB (followed by that much payload). Other calls behave.
+    HugeLine,
+    /// Calls are never answered (the connection stays up, the handshake still works).
+    Silent,
+    /// New sessions get `READY`, then garbage instead of HTTP/2.
+    Garbage,
+}
+
+/// Switch the VM's agent to misbehave (`None`: behave again), for new calls and sessions.
+/// False when this process has no fake agent for it.
+pub fn set_hostile(vm: &VmHandle, mode: Option<Hostile>) -> bool {
+    match guest(&vm.agent_socket) {
+        Some(g) => {
+            *g.hostile.lock().unwrap() = mode;
             true
         }
         None => false,
@@ -391,9 +420,17 @@ async fn serve_connection(guest: Arc<Guest>, mut stream: UnixStream) {
     if handshake(&mut stream, guest.paused.subscribe()).await.is_err() {
         return;
     }
+    if guest.hostile() == Some(Hostile::Garbage) {
+        return garbage(stream).await;
+    }
     let svc = hyper::service::service_fn(move |req: Request<Incoming>| {
         let guest = guest.clone();
         async move {
+            if let Some(mode) = guest.hostile() {
+                if let Some(resp) = hostile_reply(mode, req.uri().path()).await {
+                    return Ok(resp);
+                }
+            }
             guest.wait_running().await;
             Ok::<_, std::convert::Infallible>(route(guest, req).await.unwrap_or_else(|e| e.response()))
         }
@@ -402,6 +439,63 @@ async fn serve_connection(guest: Arc<Guest>, mut stream: UnixStream) {
         .serve_connection(hyper_util::rt::TokioIo::new(stream), svc);
     if let Err(e) = conn.await {
         tracing::debug!("fake agent session ended: {e}");
+    }
+}
+
+/// 64 KiB of what a hostile agent sends: not JSON, no newline.
+static JUNK: [u8; 64 << 10] = [b'x'; 64 << 10];
+
+/// Up to 100 MiB of junk where HTTP/2 should be, then read until the host hangs up.
+async fn garbage(mut stream: UnixStream) {
+    for _ in 0..1600 {
+        if stream.write_all(b"HTTP/1.1 200 OK\r\n\r\n").await.is_err() || stream.write_all(&JUNK).await.is_err() {
+            return;
+        }
+    }
+    let mut sink = [0u8; 4096];
+    while matches!(stream.read(&mut sink).await, Ok(n) if n > 0) {}
+}
+
+/// A body of `JUNK` chunks: `total` bytes, or without end.
+fn junk_body(total: Option<usize>, prefix: Bytes) -> Body {
+    use futures_util::StreamExt;
+    let chunks = futures_util::stream::repeat_with(|| Ok(Frame::data(Bytes::from_static(&JUNK))))
+        .take(total.map_or(usize::MAX, |t| t.div_ceil(JUNK.len())));
+    let stream = futures_util::stream::iter([Ok(Frame::data(prefix))]).chain(chunks);
+    BodyExt::boxed_unsync(StreamBody::new(stream))
+}
+
+/// What a hostile agent answers to `req`; `None`: the call is served as usual.
+async fn hostile_reply(mode: Hostile, path: &str) -> Option<Response<Body>> {
+    const HUGE: usize = 100 << 20;
+    let segs: Vec<&str> = path.trim_matches('/').split('/').collect();
+    let stream = |body| {
+        Response::builder()
+            .status(StatusCode::OK)
+            .body(body)
+            .expect("valid response")
+    };
+    match mode {
+        Hostile::EndlessBody { status } => Some(
+            Response::builder()
+                .status(StatusCode::from_u16(status).unwrap_or(StatusCode::OK))
+                .header("content-type", "application/json")
+                .body(junk_body(None, Bytes::from_static(b"[")))
+                .expect("valid response"),
+        ),
+        Hostile::HugeLine => match segs.as_slice() {
+            ["files", "watch"] => Some(stream(junk_body(Some(HUGE), Bytes::new()))),
+            ["processes", _, "events"] => {
+                let mut header = BytesMut::new();
+                header.extend_from_slice(&[1u8]); // stdout
+                header.extend_from_slice(&1u64.to_be_bytes());
+                header.extend_from_slice(&(HUGE as u32).to_be_bytes());
+                Some(stream(junk_body(Some(HUGE), header.freeze())))
+            }
+            _ => None,
+        },
+        Hostile::Silent => std::future::pending().await,
+        Hostile::Garbage => None,
     }
 }
 
@@ -463,6 +557,7 @@ struct Guest {
     power: Mutex<Option<std::io::PipeWriter>>,
     procs: Mutex<Procs>,
     fs: Mutex<BTreeMap<PathBuf, Node>>,
+    hostile: Mutex<Option<Hostile>>,
 }
 
 #[derive(Default)]
@@ -528,7 +623,12 @@ impl Guest {
             power: Mutex::new(Some(power)),
             procs: Mutex::new(Procs::default()),
             fs: Mutex::new(fs),
+            hostile: Mutex::new(None),
         }
+    }
+
+    fn hostile(&self) -> Option<Hostile> {
+        *self.hostile.lock().unwrap()
     }
 
     fn power_off(&self) {
