@@ -397,6 +397,22 @@ fn processes_can_be_listed_and_reconnected_by_id() {
     });
 }
 
+/// QEMU runs under its own seccomp filter (`-sandbox on,...`): mode 2 (filter) in its status.
+fn qemu_runs_under_its_own_seccomp_filter() {
+    let sb = shared();
+    let status = std::fs::read_to_string(format!("/proc/{}/status", sb.vm.pid)).unwrap();
+    assert!(
+        status.contains("\nSeccomp:\t2\n"),
+        "QEMU pid {} is not filtered:\n{status}",
+        sb.vm.pid
+    );
+    let cmdline = std::fs::read(format!("/proc/{}/cmdline", sb.vm.pid)).unwrap();
+    let want = format!("-sandbox\0{}\0", airlock_runtime::qemu::SANDBOX);
+    assert!(cmdline.windows(want.len()).any(|w| w == want.as_bytes()));
+    // The guest still works under it.
+    assert_eq!(block_on(sb.run(argv(&["true"]))).unwrap().exit.exit_code, Some(0));
+}
+
 fn metrics_and_health_report_the_guest() {
     let sb = shared();
     let a = block_on(sb.agent()).unwrap();
@@ -578,6 +594,9 @@ fn main() {
         Trial::test("pty_runs_a_shell_and_resizes", || catch(pty_runs_a_shell_and_resizes)),
         Trial::test("processes_can_be_listed_and_reconnected_by_id", || {
             catch(processes_can_be_listed_and_reconnected_by_id)
+        }),
+        Trial::test("qemu_runs_under_its_own_seccomp_filter", || {
+            catch(qemu_runs_under_its_own_seccomp_filter)
         }),
         Trial::test("metrics_and_health_report_the_guest", || {
             catch(metrics_and_health_report_the_guest)

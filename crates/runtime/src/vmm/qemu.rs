@@ -14,6 +14,10 @@ use std::time::Duration;
 use tokio::process::Command;
 
 pub const QEMU_BINARY: &str = "qemu-system-x86_64";
+/// QEMU's `-sandbox` option: its seccomp filter, with every optional deny on. `spawn=deny`
+/// forbids fork/exec, which is why QEMU is started directly in its own session rather than with
+/// `-daemonize`.
+pub const SANDBOX: &str = "on,obsolete=deny,elevateprivileges=deny,spawn=deny,resourcecontrol=deny";
 /// Longest unix socket path the kernel accepts (sun_path is 108 bytes with the NUL).
 const MAX_SOCKET_PATH: usize = 107;
 
@@ -74,6 +78,11 @@ impl QemuVmm {
             "-display".into(),
             "none".into(),
             "-no-reboot".into(),
+            // QEMU's own seccomp filter (Seccomp: 2 in /proc/<pid>/status): a guest that breaks
+            // out into QEMU cannot use obsolete syscalls, setuid, fork/exec, or change
+            // scheduling/affinity. airlock needs none of them (no `exec:` migration, no helpers).
+            "-sandbox".into(),
+            SANDBOX.into(),
             "-kernel".into(),
             p(&spec.kernel),
             "-initrd".into(),
