@@ -859,4 +859,18 @@ mod tests {
         assert_eq!(permissions(FileKind::Dir, 0o755), "drwxr-xr-x");
         assert_eq!(permissions(FileKind::File, 0o640), "-rw-r-----");
     }
+
+    #[tokio::test]
+    async fn hostile_stream_headers_are_clamped() {
+        let mut h = HeaderMap::new();
+        h.insert("connect-timeout-ms", u64::MAX.to_string().parse().unwrap());
+        h.insert("keepalive-ping-interval", u64::MAX.to_string().parse().unwrap());
+        let deadline = stream_deadline(&h).expect("a deadline");
+        assert!(deadline <= tokio::time::Instant::now() + MAX_TIMEOUT);
+        assert_eq!(keepalive_every(&h), Duration::from_secs(3600));
+        h.insert("connect-timeout-ms", "-1".parse().unwrap());
+        h.insert("keepalive-ping-interval", "0".parse().unwrap());
+        assert!(stream_deadline(&h).is_none());
+        assert_eq!(keepalive_every(&h), Duration::from_secs(50));
+    }
 }
