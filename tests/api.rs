@@ -518,8 +518,10 @@ fn ports_and_envd_are_reachable_by_host_name() {
         assert!(Instant::now() < deadline, "port 8000 never answered: {status} {body}");
         std::thread::sleep(Duration::from_millis(300));
     }
-    let (status, _) = get_with_host(s, &host, "/hello.txt", &[]);
-    assert_eq!(status, 401, "sandbox ports are never public");
+    let (status, body) = get_with_host(s, &host, "/hello.txt", &[]);
+    // Never public, and a caller without credentials learns nothing: the missing-sandbox answer.
+    assert_eq!(status, 502, "sandbox ports are never public: {body}");
+    assert!(body.contains("is not running"), "{body}");
     let (status, body) = get_with_host(
         s,
         &format!("8001-{id}.sandbox.test"),
@@ -529,9 +531,10 @@ fn ports_and_envd_are_reachable_by_host_name() {
     assert_eq!(status, 502, "{body}");
     assert!(body.contains("nothing listens on port 8001"), "{body}");
 
-    // envd by host name (E2B_DOMAIN setups): closed until the E2B API hands out a token.
+    // envd by host name (E2B_DOMAIN setups): closed until the E2B API hands out a token (and
+    // answered as for a missing sandbox).
     let envd_host = format!("49983-{id}.sandbox.test");
-    assert_eq!(get_with_host(s, &envd_host, "/health", &[]).0, 401);
+    assert_eq!(get_with_host(s, &envd_host, "/health", &[]).0, 502);
     let (status, sb) = s.call_with(
         "POST",
         &format!("/sandboxes/{id}/connect"),
@@ -547,7 +550,7 @@ fn ports_and_envd_are_reachable_by_host_name() {
     );
     assert_eq!(
         get_with_host(s, &envd_host, "/health", &[("X-Access-Token", "wrong")]).0,
-        401
+        502
     );
 }
 

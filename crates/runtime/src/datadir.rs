@@ -35,6 +35,18 @@ impl DataDir {
             path: root.display().to_string(),
             reason: e.to_string(),
         };
+        // The data dir holds the store (key hashes, access-token hashes), the server secret,
+        // the admin key and guests' disks and consoles: only the server's user may enter it.
+        // An existing dir is tightened too.
+        {
+            use std::os::unix::fs::{DirBuilderExt, PermissionsExt};
+            std::fs::DirBuilder::new()
+                .recursive(true)
+                .mode(0o700)
+                .create(&root)
+                .map_err(not_writable)?;
+            std::fs::set_permissions(&root, std::fs::Permissions::from_mode(0o700)).map_err(not_writable)?;
+        }
         for sub in ["templates", "blobs/sha256", "cache", "sandboxes"] {
             std::fs::create_dir_all(root.join(sub)).map_err(not_writable)?;
         }
@@ -64,11 +76,67 @@ impl DataDir {
     }
 }
 
-/// Write a file atomically (temp file + rename), so a crash never leaves half a manifest.
+/// Write a file atomically (temp file + fsync + rename, then the dir's fsync, best effort), so
+/// neither a crash nor a power loss leaves half a manifest.
 pub fn write_atomic(path: &Path, data: &[u8]) -> Result<()> {
-    let tmp = path.with_extension(format!("tmp-{}", std::process::id()));
-    std::fs::write(&tmp, data).map_err(|e| RuntimeError::io(&tmp, e))?;
-    std::fs::rename(&tmp, path).map_err(|e| RuntimeError::io(path, e))
+    write_file_atomic(path, data, None).map_err(|(p, e)| RuntimeError::io(&p, e))
+}
+
+/// [`write_atomic`] with the file's mode (set on the temp file before any byte is written, so
+/// a secret is never readable by others, whatever the umask); errors name the path they hit.
+pub fn write_atomic_mode(path: &Path, data: &[u8], mode: u32) -> std::result::Result<(), (PathBuf, std::io::Error)> {
+    write_file_atomic(path, data, Some(mode))
+}
+
+/// `mode`: exactly this mode; `None`: 0666 less the umask, as `std::fs::write`.
+fn write_file_atomic(
+    path: &Path,
+    data: &[u8],
+    mode: Option<u32>,
+) -> std::result::Result<(), (PathBuf, std::io::Error)> {
+    use std::io::Write;
+    use std::os::unix::fs::{OpenOptionsExt, PermissionsExt};
+    let tmp = path.with_extension(format!("tmp-{}-{}", std::process::id(), random_hex(4)));
+    let written = (|| {
+        let mut f = std::fs::OpenOptions::new()
+            .write(true)
+            .create_new(true)
+            .mode(mode.unwrap_or(0o666))
+            .open(&tmp)?;
+        // `mode` above is filtered by the umask; this is not.
+        if let Some(mode) = mode {
+            f.set_permissions(std::fs::Permissions::from_mode(mode))?;
+        }
+        f.write_all(data)?;
+        f.sync_all()
+    })();
+    if let Err(e) = written {
+        let _ = std::fs::remove_file(&tmp);
+        return Err((tmp, e));
+    }
+    if let Err(e) = std::fs::rename(&tmp, path) {
+        let _ = std::fs::remove_file(&tmp);
+        return Err((path.to_path_buf(), e));
+    }
+    if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
+        if let Ok(d) = std::fs::File::open(dir) {
+            let _ = d.sync_all();
+        }
+    }
+    Ok(())
+}
+
+/// Create `path` empty (or truncate it) with mode 0600 whatever the umask, for files a process
+/// then writes that only the server's user may read (a console log).
+pub fn create_private(path: &Path) -> std::io::Result<()> {
+    use std::os::unix::fs::{OpenOptionsExt, PermissionsExt};
+    let f = std::fs::OpenOptions::new()
+        .write(true)
+        .create(true)
+        .truncate(true)
+        .mode(0o600)
+        .open(path)?;
+    f.set_permissions(std::fs::Permissions::from_mode(0o600))
 }
 
 /// An exclusive advisory lock held while the guard lives (e.g. one template build at a time).
@@ -118,5 +186,40 @@ mod tests {
         let err = DataDir::open(file.join("sub")).unwrap_err();
         assert!(matches!(err, RuntimeError::DataDirNotWritable { .. }), "{err}");
         assert!(err.to_string().contains("--data-dir"));
+    }
+
+    #[test]
+    fn the_data_dir_is_private_and_atomic_writes_keep_their_mode() {
+        use std::os::unix::fs::PermissionsExt;
+        let mode = |p: &Path| std::fs::metadata(p).unwrap().permissions().mode() & 0o777;
+        let d = tempfile::tempdir().unwrap();
+        let root = d.path().join("new");
+        DataDir::open(&root).unwrap();
+        assert_eq!(mode(&root), 0o700);
+        // An existing, open dir is tightened.
+        let old = d.path().join("old");
+        std::fs::create_dir(&old).unwrap();
+        std::fs::set_permissions(&old, std::fs::Permissions::from_mode(0o755)).unwrap();
+        DataDir::open(&old).unwrap();
+        assert_eq!(mode(&old), 0o700);
+
+        let f = root.join("secret");
+        write_atomic_mode(&f, b"one", 0o600).unwrap();
+        assert_eq!((std::fs::read(&f).unwrap(), mode(&f)), (b"one".to_vec(), 0o600));
+        write_atomic_mode(&f, b"two", 0o600).unwrap();
+        assert_eq!((std::fs::read(&f).unwrap(), mode(&f)), (b"two".to_vec(), 0o600));
+        write_atomic(&root.join("m.json"), b"{}").unwrap();
+        assert_eq!(std::fs::read(root.join("m.json")).unwrap(), b"{}");
+        // No temp file is left behind.
+        let names: Vec<_> = std::fs::read_dir(&root)
+            .unwrap()
+            .map(|e| e.unwrap().file_name().into_string().unwrap())
+            .filter(|n| n.contains("tmp-"))
+            .collect();
+        assert!(names.is_empty(), "{names:?}");
+        let log = root.join("console.log");
+        std::fs::write(&log, b"old").unwrap();
+        create_private(&log).unwrap();
+        assert_eq!((std::fs::read(&log).unwrap().len(), mode(&log)), (0, 0o600));
     }
 }

@@ -55,6 +55,9 @@ pub struct Engine {
     nodes: Arc<dyn Nodes>,
     /// Bumped whenever an operation finishes, to wake `wait`ers.
     finished: Arc<tokio::sync::watch::Sender<u64>>,
+    /// The id of every sandbox that reached `deleted` or `failed`, for state kept elsewhere
+    /// about a sandbox (a door's watchers) to go with it. See [`Engine::ended`].
+    ended: tokio::sync::broadcast::Sender<String>,
 }
 
 fn new_operation(kind: OperationKind, sandbox_id: &str) -> Operation {
@@ -91,6 +94,19 @@ impl Engine {
             store,
             nodes,
             finished: Arc::new(tokio::sync::watch::channel(0).0),
+            ended: tokio::sync::broadcast::channel(256).0,
+        }
+    }
+
+    /// Sandboxes as they end (deleted or failed). A receiver that lags misses ids: it should
+    /// then check what it holds against the store.
+    pub fn ended(&self) -> tokio::sync::broadcast::Receiver<String> {
+        self.ended.subscribe()
+    }
+
+    fn announce(&self, id: &str, state: SandboxState) {
+        if matches!(state, SandboxState::Deleted | SandboxState::Failed) {
+            let _ = self.ended.send(id.to_string());
         }
     }
 
@@ -209,13 +225,19 @@ impl Engine {
         if let Err(e) = self.store.set_sandbox_state(id, state).await {
             tracing::error!(sandbox = %id, "cannot record state {}: {e}", state.as_str());
         }
+        self.announce(id, state);
     }
 
     /// Move a sandbox on only from the states a change may leave; false when something else
     /// (a delete) got there first.
     async fn transition(&self, id: &str, from: &[SandboxState], to: SandboxState) -> bool {
         match self.store.transition_sandbox(id, from, to).await {
-            Ok(moved) => moved,
+            Ok(moved) => {
+                if moved {
+                    self.announce(id, to);
+                }
+                moved
+            }
             Err(e) => {
                 tracing::error!(sandbox = %id, "cannot record state {}: {e}", to.as_str());
                 false

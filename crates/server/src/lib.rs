@@ -66,6 +66,22 @@ pub fn openapi_json() -> String {
     ApiDoc::openapi().to_pretty_json().expect("OpenAPI document serializes")
 }
 
+/// The largest body a JSON or Connect route reads (native JSON bodies, the E2B control plane,
+/// envd's RPCs): they are buffered whole, so a caller cannot make the server hold more.
+pub const MAX_JSON_BODY: usize = 1 << 20;
+/// The largest upload (`PUT /v1/sandboxes/{id}/files`, envd `POST /files`): uploads stream to
+/// the guest; the cap bounds one request.
+pub const MAX_UPLOAD_BODY: usize = 1 << 30;
+
+/// What an upload route adds: its larger cap, for buffering extractors (multipart) and for the
+/// streamed body itself (a declared length past it is a 413 before anything is read).
+fn upload_limits<S: Clone + Send + Sync + 'static>(
+    r: axum::routing::MethodRouter<S>,
+) -> axum::routing::MethodRouter<S> {
+    r.layer::<_, std::convert::Infallible>(axum::extract::DefaultBodyLimit::max(MAX_UPLOAD_BODY))
+        .layer::<_, std::convert::Infallible>(tower_http::limit::RequestBodyLimitLayer::new(MAX_UPLOAD_BODY))
+}
+
 pub fn router(state: AppState) -> Router {
     let core = state.core.clone();
     let e2b_state = e2b::E2bState {
@@ -93,9 +109,11 @@ pub fn router(state: AppState) -> Router {
         .route("/sandboxes/{id}/sessions/{sid}/resize", post(native::session_resize))
         .route(
             "/sandboxes/{id}/files",
-            get(native::read_file)
-                .put(native::write_file)
-                .delete(native::delete_file),
+            upload_limits(
+                get(native::read_file)
+                    .put(native::write_file)
+                    .delete(native::delete_file),
+            ),
         )
         .route("/sandboxes/{id}/files/list", get(native::list_files))
         .route("/templates", get(native::list_templates))
@@ -131,13 +149,20 @@ pub fn router(state: AppState) -> Router {
         .route("/filesystem.Filesystem/{method}", post(e2b::envd::filesystem_rpc))
         .route(
             "/files",
-            get(e2b::envd::files_get)
-                .post(e2b::envd::files_post)
-                // `files.write(..., gzip=True)`: decoded while streaming; other codings reach the
-                // handler still encoded and get its 400.
-                .layer(tower_http::decompression::RequestDecompressionLayer::new().pass_through_unaccepted(true)),
+            upload_limits(
+                get(e2b::envd::files_get)
+                    .post(e2b::envd::files_post)
+                    // `files.write(..., gzip=True)`: decoded while streaming; other codings reach
+                    // the handler still encoded and get its 400.
+                    .layer(tower_http::decompression::RequestDecompressionLayer::new().pass_through_unaccepted(true)),
+            ),
         )
         .route("/health", get(e2b::envd::health))
+        // The sandbox (and the caller's right to it) is settled before any body is read.
+        .route_layer(axum::middleware::from_fn_with_state(
+            e2b_state.clone(),
+            e2b::envd::require_sandbox,
+        ))
         .with_state(e2b_state);
     let doc = openapi_json();
     Router::new()
@@ -150,8 +175,8 @@ pub fn router(state: AppState) -> Router {
         )
         .fallback(native::not_found)
         .layer(axum::middleware::from_fn_with_state(core.clone(), proxy::host_routing))
-        // Uploads stream to the guest; the cap only bounds a single request.
-        .layer(axum::extract::DefaultBodyLimit::max(1 << 30))
+        // Bodies that are read whole stay small; the upload routes raise their own cap.
+        .layer(axum::extract::DefaultBodyLimit::max(MAX_JSON_BODY))
 }
 
 pub struct ServeOptions {
@@ -257,21 +282,35 @@ pub async fn serve(opts: ServeOptions) -> anyhow::Result<()> {
 }
 
 /// `<data-dir>/credentials`, mode 0600: the admin key where the CLI and examples find it.
+/// Written whole under a temporary name (0600 from its creation, whatever the umask), synced and
+/// renamed: a crash leaves the old file or the new one, never half a key.
 pub fn write_credentials(data_dir: &std::path::Path, key: &str, listen: &SocketAddr) -> std::io::Result<()> {
-    use std::io::Write;
-    use std::os::unix::fs::OpenOptionsExt;
-    let path = data_dir.join("credentials");
-    let mut f = std::fs::OpenOptions::new()
-        .create(true)
-        .truncate(true)
-        .write(true)
-        .mode(0o600)
-        .open(&path)?;
-    writeln!(
-        f,
-        "# airlock admin key of tenant `default` (only its hash is stored in airlock.db)"
-    )?;
-    writeln!(f, "AIRLOCK_URL=http://{listen}")?;
-    writeln!(f, "AIRLOCK_API_KEY={key}")?;
-    Ok(())
+    let text = format!(
+        "# airlock admin key of tenant `default` (only its hash is stored in airlock.db)\n\
+         AIRLOCK_URL=http://{listen}\n\
+         AIRLOCK_API_KEY={key}\n"
+    );
+    airlock_runtime::datadir::write_atomic_mode(&data_dir.join("credentials"), text.as_bytes(), 0o600)
+        .map_err(|(path, e)| std::io::Error::new(e.kind(), format!("{}: {e}", path.display())))
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn credentials_are_private_and_whole() {
+        use std::os::unix::fs::PermissionsExt;
+        let d = tempfile::tempdir().unwrap();
+        let listen = "127.0.0.1:7420".parse().unwrap();
+        super::write_credentials(d.path(), "ak_one", &listen).unwrap();
+        super::write_credentials(d.path(), "ak_two", &listen).unwrap();
+        let path = d.path().join("credentials");
+        let text = std::fs::read_to_string(&path).unwrap();
+        assert!(text.starts_with("# airlock admin key"), "{text}");
+        assert!(
+            text.contains("\nAIRLOCK_URL=http://127.0.0.1:7420\nAIRLOCK_API_KEY=ak_two\n"),
+            "{text}"
+        );
+        assert_eq!(std::fs::metadata(&path).unwrap().permissions().mode() & 0o777, 0o600);
+        assert_eq!(std::fs::read_dir(d.path()).unwrap().count(), 1, "no temp file is left");
+    }
 }

@@ -3,7 +3,7 @@
 //! itself, served by this server: the host only selects the sandbox. Sandbox ports are never
 //! public: a request needs the sandbox's access token or its owner's API key.
 
-use crate::core::{Accept, Core, Credentials, Principal, Via};
+use crate::core::{Accept, Core, CoreError, Credentials, Principal, Via};
 use crate::model::SandboxState;
 use axum::body::Body;
 use axum::extract::{Request, State};
@@ -31,6 +31,12 @@ fn error(status: StatusCode, message: String) -> Response {
         axum::Json(json!({ "code": status.as_u16(), "message": message })),
     )
         .into_response()
+}
+
+/// The one answer for a sandbox port that cannot be reached: missing, not running, or not the
+/// caller's (sandbox ports need its access token or its owner's API key).
+fn not_running(id: &str) -> Response {
+    error(StatusCode::BAD_GATEWAY, format!("sandbox {id} is not running"))
 }
 
 /// Route by Host before path routing: sandbox hosts go to envd or to the sandbox's port.
@@ -107,14 +113,12 @@ pub async fn forward(core: Core, id: String, port: u16, mut req: Request) -> Res
     };
     let (sandbox, via) = match core.sandbox_principal(&creds, Some(&id), accept).await {
         Ok(Principal::Sandbox { sandbox, via }) if sandbox.state == SandboxState::Running => (sandbox, via),
-        Ok(_) | Err(crate::core::CoreError::NotFound { .. }) => {
-            return error(StatusCode::BAD_GATEWAY, format!("sandbox {id} is not running"))
-        }
-        Err(_) => {
-            return error(
-                StatusCode::UNAUTHORIZED,
-                "sandbox ports need X-Access-Token or the owner's API key".into(),
-            )
+        // A caller without the sandbox's token or its owner's key gets the answer for a missing
+        // sandbox: it learns nothing of what exists.
+        Ok(_) | Err(CoreError::NotFound { .. } | CoreError::Unauthenticated(_)) => return not_running(&id),
+        Err(e) => {
+            let status = StatusCode::from_u16(e.code().status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
+            return error(status, e.to_string());
         }
     };
     strip_credentials(req.headers_mut(), via);

@@ -174,6 +174,9 @@ impl Vmm for QemuVmm {
                 });
             }
         }
+        // The guest's console can print secrets: only the server's user reads it (QEMU keeps the
+        // mode of a file that exists).
+        crate::datadir::create_private(&console).map_err(|e| RuntimeError::io(&console, e))?;
         let out = Command::new("qemu-img")
             .args(["create", "-q", "-f", "qcow2", "-F", "raw", "-b"])
             .arg(&spec.rootfs)

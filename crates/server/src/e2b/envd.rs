@@ -2,7 +2,7 @@
 //! Everything here is a translation onto the core's sessions and files; no process or file logic.
 
 use super::connect::{self, as_bytes, as_u64, field, RpcError};
-use super::{E2bError, E2bState, Watcher};
+use super::{E2bError, E2bState};
 use crate::core::files::Files;
 use crate::core::principal::SignedUrl;
 use crate::core::sandboxes::MAX_TIMEOUT;
@@ -21,7 +21,7 @@ use bytes::Bytes;
 use futures_util::{Stream, StreamExt};
 use serde::Deserialize;
 use serde_json::{json, Value};
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::Duration;
 
 /// 502 the way E2B's proxy answers for a sandbox that is gone (the SDK maps it to "not running").
@@ -55,13 +55,62 @@ async fn resolve(state: &E2bState, h: &HeaderMap, no_token: bool) -> Result<Sand
         .await
     {
         Ok(Principal::Sandbox { sandbox, .. }) => sandbox,
-        Ok(Principal::Tenant(_)) | Err(CoreError::NotFound { .. }) => return Err(sandbox_gone(id.unwrap_or(""))),
+        // A caller that proved nothing about the sandbox (no token, a wrong one, a sandbox never
+        // opened to tokens) learns nothing either: exactly the answer for a missing one.
+        Ok(Principal::Tenant(_)) | Err(CoreError::NotFound { .. } | CoreError::Unauthenticated(_)) => {
+            return Err(sandbox_gone(id.unwrap_or("")))
+        }
         Err(e) => return Err(RpcError::from(e).into_response()),
     };
     if sandbox.state != SandboxState::Running {
         return Err(sandbox_gone(&sandbox.id));
     }
     Ok(sandbox)
+}
+
+/// The sandbox an envd request is for, resolved by [`require_sandbox`] before any body is read.
+#[derive(Clone)]
+pub struct EnvdSandbox(pub SandboxRow);
+
+/// Whether a `/files` request proves itself by a signed URL instead of a token.
+fn signed_url(h: &HeaderMap, q: &FilesQuery) -> bool {
+    q.signature.is_some() && header(h, "x-access-token").is_none()
+}
+
+/// Every envd route's gate, run before the handler and so before the body is read: the request
+/// must resolve to a running sandbox (see [`resolve`]), or it is answered as for a missing one.
+/// `/health` and signed `/files` URLs need no token here (the signature is checked next, by the
+/// handler, against the sandbox found here).
+pub async fn require_sandbox(
+    State(state): State<E2bState>,
+    mut req: axum::extract::Request,
+    next: axum::middleware::Next,
+) -> Response {
+    let no_token = match req.uri().path() {
+        "/health" => true,
+        "/files" => Query::<FilesQuery>::try_from_uri(req.uri()).is_ok_and(|q| signed_url(req.headers(), &q)),
+        _ => false,
+    };
+    match resolve(&state, req.headers(), no_token).await {
+        Ok(sandbox) => {
+            req.extensions_mut().insert(EnvdSandbox(sandbox));
+            next.run(req).await
+        }
+        Err(r) => r,
+    }
+}
+
+/// An RPC body within [`crate::MAX_JSON_BODY`]; a larger one is a 413 in Connect's error shape.
+fn rpc_body(body: Result<Bytes, axum::extract::rejection::BytesRejection>) -> Result<Bytes, Response> {
+    body.map_err(|e| {
+        let status = e.status();
+        let code = if status == StatusCode::PAYLOAD_TOO_LARGE {
+            "resource_exhausted"
+        } else {
+            "invalid_argument"
+        };
+        (status, axum::Json(RpcError::new(code, e.body_text()).json())).into_response()
+    })
 }
 
 /// `Authorization: Basic base64("<user>:")`; the default user is `user`.
@@ -179,11 +228,14 @@ fn pty_size(req: &Value) -> Option<airlock_proto::PtySize> {
 /// When a stream must end: `connect-timeout-ms` less a margin, so our `deadline_exceeded`
 /// reaches the client before its own read timeout (set to the same value) fires.
 fn stream_deadline(h: &HeaderMap) -> Option<tokio::time::Instant> {
+    // A stream never outlives the longest sandbox: larger values (up to u64::MAX) are clamped
+    // before any arithmetic, and the addition is checked all the same.
     let ms = header(h, "connect-timeout-ms")
         .and_then(|v| v.parse::<u64>().ok())
-        .filter(|t| *t > 0)?;
+        .filter(|t| *t > 0)?
+        .min(MAX_TIMEOUT.as_millis() as u64);
     let margin = (ms / 10).min(500);
-    Some(tokio::time::Instant::now() + Duration::from_millis(ms - margin))
+    tokio::time::Instant::now().checked_add(Duration::from_millis(ms - margin))
 }
 
 /// A process selector `{pid}` or `{tag}`, as the core takes it.
@@ -308,21 +360,21 @@ where
     tokio_stream::wrappers::ReceiverStream::new(rx)
 }
 
-/// What every RPC needs: its sandbox, the calling user, and the request message.
-async fn rpc_call(
-    state: &E2bState,
+/// What every RPC needs besides its sandbox: the calling user and the request message.
+fn rpc_call(
     headers: &HeaderMap,
-    body: &[u8],
+    body: Result<Bytes, axum::extract::rejection::BytesRejection>,
     streaming: bool,
-) -> Result<(SandboxRow, String, Value), Response> {
-    let sandbox = resolve(state, headers, false).await?;
+) -> Result<(String, Value), Response> {
+    let body = rpc_body(body)?;
+    let body = &body[..];
     let req = if streaming {
         connect::stream_request(body)
     } else {
         connect::unary_request(body)
     };
     let req = req.map_err(IntoResponse::into_response)?;
-    Ok((sandbox, rpc_user(headers), req))
+    Ok((rpc_user(headers), req))
 }
 
 /// E2B's `ProcessInfo` of a session.
@@ -383,11 +435,12 @@ fn start_request(req: &Value, headers: &HeaderMap, user: &str) -> Result<StartSe
 pub async fn process_rpc(
     State(state): State<E2bState>,
     Path(method): Path<String>,
+    axum::Extension(EnvdSandbox(sandbox)): axum::Extension<EnvdSandbox>,
     headers: HeaderMap,
-    body: Bytes,
+    body: Result<Bytes, axum::extract::rejection::BytesRejection>,
 ) -> Response {
     let streaming = matches!(method.as_str(), "Start" | "Connect");
-    let (sandbox, user, req) = match rpc_call(&state, &headers, &body, streaming).await {
+    let (user, req) = match rpc_call(&headers, body, streaming) {
         Ok(x) => x,
         Err(r) => return r,
     };
@@ -509,11 +562,12 @@ fn watch_event(kind: WatchEventKind, path: &str, root: &str) -> Value {
 pub async fn filesystem_rpc(
     State(state): State<E2bState>,
     Path(method): Path<String>,
+    axum::Extension(EnvdSandbox(sandbox)): axum::Extension<EnvdSandbox>,
     headers: HeaderMap,
-    body: Bytes,
+    body: Result<Bytes, axum::extract::rejection::BytesRejection>,
 ) -> Response {
     let streaming = method == "WatchDir";
-    let (sandbox, user, req) = match rpc_call(&state, &headers, &body, streaming).await {
+    let (user, req) = match rpc_call(&headers, body, streaming) {
         Ok(x) => x,
         Err(r) => return r,
     };
@@ -599,26 +653,15 @@ pub async fn filesystem_rpc(
         }
         "CreateWatcher" => rpc_result(
             async {
+                state.watchers.check_room(&sandbox.id)?;
                 let root = path();
                 let recursive = req.get("recursive").and_then(Value::as_bool).unwrap_or(false);
-                let events = files.watch(&root, recursive).await?;
-                let buf = Arc::new(Mutex::new(Vec::new()));
-                let sink = buf.clone();
-                let task = tokio::spawn(async move {
-                    let mut events = Box::pin(events);
-                    while let Some(Ok(ev)) = events.next().await {
-                        sink.lock().unwrap().push(watch_event(ev.kind, &ev.path, &root));
-                    }
-                });
-                let id = format!("w{}", airlock_runtime::datadir::random_hex(8));
-                state.watchers.map.lock().unwrap().insert(
-                    id.clone(),
-                    Watcher {
-                        sandbox_id: sandbox.id.clone(),
-                        events: buf,
-                        task,
-                    },
-                );
+                let events = files
+                    .watch(&root, recursive)
+                    .await?
+                    .take_while(|ev| std::future::ready(ev.is_ok()))
+                    .filter_map(move |ev| std::future::ready(ev.ok().map(|ev| watch_event(ev.kind, &ev.path, &root))));
+                let id = state.watchers.create(&state.core, &sandbox.id, events)?;
                 Ok(json!({ "watcherId": id }))
             }
             .await,
@@ -627,19 +670,15 @@ pub async fn filesystem_rpc(
             async {
                 let id = field(&req, "watcherId", "watcher_id")
                     .and_then(Value::as_str)
-                    .unwrap_or("")
-                    .to_string();
-                let mut map = state.watchers.map.lock().unwrap();
-                let w = map
-                    .get(&id)
-                    .filter(|w| w.sandbox_id == sandbox.id)
-                    .ok_or_else(|| RpcError::from(CoreError::not_found(Kind::Watcher, &id)))?;
+                    .unwrap_or("");
+                let missing = || RpcError::from(CoreError::not_found(Kind::Watcher, id));
                 if method == "RemoveWatcher" {
-                    w.task.abort();
-                    map.remove(&id);
-                    return Ok(json!({}));
+                    return match state.watchers.remove(&sandbox.id, id) {
+                        true => Ok(json!({})),
+                        false => Err(missing()),
+                    };
                 }
-                let events: Vec<Value> = std::mem::take(&mut *w.events.lock().unwrap());
+                let events = state.watchers.take_events(&sandbox.id, id).ok_or_else(missing)?;
                 Ok(json!({ "events": events }))
             }
             .await,
@@ -652,11 +691,9 @@ pub async fn filesystem_rpc(
     }
 }
 
-pub async fn health(State(state): State<E2bState>, headers: HeaderMap) -> Response {
-    match resolve(&state, &headers, true).await {
-        Ok(_) => StatusCode::NO_CONTENT.into_response(),
-        Err(r) => r,
-    }
+/// `require_sandbox` found the sandbox running.
+pub async fn health() -> Response {
+    StatusCode::NO_CONTENT.into_response()
 }
 
 #[derive(Debug, Deserialize)]
@@ -672,10 +709,14 @@ fn files_error(e: impl Into<E2bError>) -> Response {
 }
 
 /// `/files` accepts the access token, or a valid signed-URL signature instead.
-async fn files_target(state: &E2bState, h: &HeaderMap, q: &FilesQuery, op: &str) -> Result<Files, Response> {
-    let signed = q.signature.is_some() && header(h, "x-access-token").is_none();
-    let sandbox = resolve(state, h, signed).await?;
-    if signed {
+async fn files_target(
+    state: &E2bState,
+    sandbox: SandboxRow,
+    h: &HeaderMap,
+    q: &FilesQuery,
+    op: &str,
+) -> Result<Files, Response> {
+    if signed_url(h, q) {
         let url = SignedUrl {
             path: q.path.as_deref().unwrap_or(""),
             user: q.username.as_deref().unwrap_or(""),
@@ -687,8 +728,13 @@ async fn files_target(state: &E2bState, h: &HeaderMap, q: &FilesQuery, op: &str)
     state.core.files(&sandbox).await.map_err(|_| sandbox_gone(&sandbox.id))
 }
 
-pub async fn files_get(State(state): State<E2bState>, headers: HeaderMap, Query(q): Query<FilesQuery>) -> Response {
-    let files = match files_target(&state, &headers, &q, "read").await {
+pub async fn files_get(
+    State(state): State<E2bState>,
+    axum::Extension(EnvdSandbox(sandbox)): axum::Extension<EnvdSandbox>,
+    headers: HeaderMap,
+    Query(q): Query<FilesQuery>,
+) -> Response {
+    let files = match files_target(&state, sandbox, &headers, &q, "read").await {
         Ok(x) => x,
         Err(r) => return r,
     };
@@ -708,15 +754,16 @@ pub async fn files_get(State(state): State<E2bState>, headers: HeaderMap, Query(
 
 pub async fn files_post(
     State(state): State<E2bState>,
+    axum::Extension(EnvdSandbox(sandbox)): axum::Extension<EnvdSandbox>,
     headers: HeaderMap,
     Query(q): Query<FilesQuery>,
     req: axum::extract::Request,
 ) -> Response {
-    let files = match files_target(&state, &headers, &q, "write").await {
+    let files = match files_target(&state, sandbox, &headers, &q, "write").await {
         Ok(x) => x,
         Err(r) => return r,
     };
-    let signed = q.signature.is_some() && header(&headers, "x-access-token").is_none();
+    let signed = signed_url(&headers, &q);
     let user = q.username.clone().unwrap_or_else(|| "user".into());
     // gzip was decoded by the route's layer; anything still encoded is a coding we lack.
     if let Some(coding) = header(&headers, "content-encoding").filter(|c| !c.eq_ignore_ascii_case("identity")) {
@@ -811,5 +858,19 @@ mod tests {
         assert_eq!(abs_path("", "root"), "/root");
         assert_eq!(permissions(FileKind::Dir, 0o755), "drwxr-xr-x");
         assert_eq!(permissions(FileKind::File, 0o640), "-rw-r-----");
+    }
+
+    #[tokio::test]
+    async fn hostile_stream_headers_are_clamped() {
+        let mut h = HeaderMap::new();
+        h.insert("connect-timeout-ms", u64::MAX.to_string().parse().unwrap());
+        h.insert("keepalive-ping-interval", u64::MAX.to_string().parse().unwrap());
+        let deadline = stream_deadline(&h).expect("a deadline");
+        assert!(deadline <= tokio::time::Instant::now() + MAX_TIMEOUT);
+        assert_eq!(keepalive_every(&h), Duration::from_secs(3600));
+        h.insert("connect-timeout-ms", "-1".parse().unwrap());
+        h.insert("keepalive-ping-interval", "0".parse().unwrap());
+        assert!(stream_deadline(&h).is_none());
+        assert_eq!(keepalive_every(&h), Duration::from_secs(50));
     }
 }

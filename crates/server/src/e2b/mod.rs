@@ -8,11 +8,17 @@ pub mod control;
 pub mod envd;
 
 use crate::core::{Core, CoreError};
+use crate::model::SandboxState;
 use airlock_proto::ErrorCode;
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
-use std::collections::HashMap;
+use connect::RpcError;
+use futures_util::{Stream, StreamExt};
+use serde_json::Value;
+use std::collections::{HashMap, HashSet, VecDeque};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
+use std::time::Duration;
 
 /// envd version we report; the SDK gates features on it (octet-stream uploads need >= 0.5.7).
 pub const ENVD_VERSION: &str = "0.6.13";
@@ -27,16 +33,200 @@ pub struct E2bState {
     pub domain: Option<Arc<str>>,
 }
 
-/// Polling watchers (`CreateWatcher` / `GetWatcherEvents` / `RemoveWatcher`).
+/// The events one watcher keeps until `GetWatcherEvents` takes them.
+pub const MAX_WATCH_EVENTS: usize = 10_000;
+/// Watchers one sandbox may hold at once; the next `CreateWatcher` is `resource_exhausted`.
+pub const MAX_WATCHERS_PER_SANDBOX: usize = 64;
+/// How often watchers are checked against the store besides the engine's end-of-sandbox news.
+const WATCHER_SWEEP_EVERY: Duration = Duration::from_secs(60);
+
+/// Polling watchers (`CreateWatcher` / `GetWatcherEvents` / `RemoveWatcher`). Each buffers at
+/// most [`MAX_WATCH_EVENTS`] (the oldest go first), a sandbox holds at most
+/// [`MAX_WATCHERS_PER_SANDBOX`], and a sandbox's watchers go when it ends (the engine's
+/// [`crate::engine::Engine::ended`], and a periodic sweep against the store).
 #[derive(Default)]
 pub struct Watchers {
-    pub(crate) map: Mutex<HashMap<String, Watcher>>,
+    map: Mutex<HashMap<String, Watcher>>,
+    /// Whether the task that removes the watchers of ended sandboxes runs.
+    listening: AtomicBool,
 }
 
-pub(crate) struct Watcher {
-    pub(crate) sandbox_id: String,
-    pub(crate) events: Arc<Mutex<Vec<serde_json::Value>>>,
-    pub(crate) task: tokio::task::JoinHandle<()>,
+struct Watcher {
+    sandbox_id: String,
+    queue: Arc<Mutex<WatchQueue>>,
+    task: tokio::task::JoinHandle<()>,
+}
+
+/// A watcher's events, bounded: on overflow the oldest go, and are counted. envd's polling API
+/// has no way to say events were lost, so the count is only logged.
+#[derive(Default)]
+struct WatchQueue {
+    events: VecDeque<Value>,
+    lost: u64,
+}
+
+impl WatchQueue {
+    fn push(&mut self, ev: Value, watcher: &str) {
+        if self.events.len() >= MAX_WATCH_EVENTS {
+            self.events.pop_front();
+            if self.lost == 0 {
+                tracing::warn!(watcher, "watcher not polled; dropping its oldest events");
+            }
+            self.lost += 1;
+        }
+        self.events.push_back(ev);
+    }
+}
+
+fn no_room() -> RpcError {
+    RpcError::new(
+        "resource_exhausted",
+        format!("a sandbox holds at most {MAX_WATCHERS_PER_SANDBOX} watchers; remove one first"),
+    )
+}
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+impl Watchers {
+    /// A new watcher of `sandbox_id` fed by `events` (already in envd's JSON); its id. Starts
+    /// the cleanup of ended sandboxes' watchers on first use.
+    pub fn create<S>(self: &Arc<Self>, core: &Core, sandbox_id: &str, events: S) -> Result<String, RpcError>
+    where
+        S: Stream<Item = Value> + Send + 'static,
+    {
+        self.listen(core);
+        self.insert(sandbox_id, events)
+    }
+
+    /// Whether `sandbox_id` may have another watcher (checked again by `create`).
+    pub fn check_room(&self, sandbox_id: &str) -> Result<(), RpcError> {
+        if self.count(sandbox_id) >= MAX_WATCHERS_PER_SANDBOX {
+            return Err(no_room());
+        }
+        Ok(())
+    }
+
+    fn insert<S>(&self, sandbox_id: &str, events: S) -> Result<String, RpcError>
+    where
+        S: Stream<Item = Value> + Send + 'static,
+    {
+        let mut map = lock(&self.map);
+        if map.values().filter(|w| w.sandbox_id == sandbox_id).count() >= MAX_WATCHERS_PER_SANDBOX {
+            return Err(no_room());
+        }
+        let id = format!("w{}", airlock_runtime::datadir::random_hex(8));
+        let queue = Arc::new(Mutex::new(WatchQueue::default()));
+        let sink = queue.clone();
+        let name = id.clone();
+        let task = tokio::spawn(async move {
+            let mut events = std::pin::pin!(events);
+            while let Some(ev) = events.next().await {
+                lock(&sink).push(ev, &name);
+            }
+        });
+        map.insert(
+            id.clone(),
+            Watcher {
+                sandbox_id: sandbox_id.to_string(),
+                queue,
+                task,
+            },
+        );
+        Ok(id)
+    }
+
+    /// Take the events of `sandbox_id`'s watcher `id`; `None` when it has no such watcher.
+    pub fn take_events(&self, sandbox_id: &str, id: &str) -> Option<Vec<Value>> {
+        let map = lock(&self.map);
+        let w = map.get(id).filter(|w| w.sandbox_id == sandbox_id)?;
+        let events = std::mem::take(&mut lock(&w.queue).events);
+        Some(events.into())
+    }
+
+    /// Stop and forget `sandbox_id`'s watcher `id`; false when it has no such watcher.
+    pub fn remove(&self, sandbox_id: &str, id: &str) -> bool {
+        let mut map = lock(&self.map);
+        if !map.get(id).is_some_and(|w| w.sandbox_id == sandbox_id) {
+            return false;
+        }
+        if let Some(w) = map.remove(id) {
+            w.task.abort();
+        }
+        true
+    }
+
+    /// Stop and forget every watcher of `sandbox_id`; how many there were.
+    pub fn remove_sandbox(&self, sandbox_id: &str) -> usize {
+        let mut map = lock(&self.map);
+        let before = map.len();
+        map.retain(|_, w| {
+            let keep = w.sandbox_id != sandbox_id;
+            if !keep {
+                w.task.abort();
+            }
+            keep
+        });
+        before - map.len()
+    }
+
+    /// The watchers `sandbox_id` holds.
+    pub fn count(&self, sandbox_id: &str) -> usize {
+        lock(&self.map).values().filter(|w| w.sandbox_id == sandbox_id).count()
+    }
+
+    /// Remove the watchers of every sandbox that is no longer running or paused.
+    async fn sweep(&self, core: &Core) {
+        let ids: HashSet<String> = lock(&self.map).values().map(|w| w.sandbox_id.clone()).collect();
+        for id in ids {
+            let live = match core.store.sandbox_by_id(&id).await {
+                Ok(row) => row.is_some_and(|r| matches!(r.state, SandboxState::Running | SandboxState::Paused)),
+                Err(_) => continue, // the store will answer next time
+            };
+            if !live {
+                self.remove_sandbox(&id);
+            }
+        }
+    }
+
+    /// Once: follow the engine's ended sandboxes (and sweep now and then) for as long as these
+    /// watchers exist.
+    fn listen(self: &Arc<Self>, core: &Core) {
+        if self.listening.swap(true, Ordering::AcqRel) {
+            return;
+        }
+        let me = Arc::downgrade(self);
+        let core = core.clone();
+        let mut ended = core.engine.ended();
+        tokio::spawn(async move {
+            let mut tick = tokio::time::interval(WATCHER_SWEEP_EVERY);
+            loop {
+                let news = tokio::select! {
+                    r = ended.recv() => Some(r),
+                    _ = tick.tick() => None,
+                };
+                let Some(watchers) = me.upgrade() else { return };
+                match news {
+                    Some(Ok(id)) => {
+                        watchers.remove_sandbox(&id);
+                    }
+                    Some(Err(tokio::sync::broadcast::error::RecvError::Closed)) => return,
+                    Some(Err(tokio::sync::broadcast::error::RecvError::Lagged(_))) | None => {
+                        watchers.sweep(&core).await
+                    }
+                }
+            }
+        });
+    }
+}
+
+impl Drop for Watchers {
+    fn drop(&mut self) {
+        for w in lock(&self.map).values() {
+            w.task.abort();
+        }
+    }
 }
 
 /// An error as the SDK parses control-plane and `/files` answers: `{"code": <int>, "message"}`.
@@ -83,5 +273,62 @@ impl IntoResponse for E2bError {
         }
         let body = serde_json::json!({ "code": self.status.as_u16(), "message": self.message });
         (self.status, axum::Json(body)).into_response()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    #[test]
+    fn a_watchers_queue_keeps_the_newest_events() {
+        let mut q = WatchQueue::default();
+        for i in 0..MAX_WATCH_EVENTS + 5 {
+            q.push(json!(i), "w1");
+        }
+        assert_eq!(q.events.len(), MAX_WATCH_EVENTS);
+        assert_eq!(q.lost, 5);
+        assert_eq!(q.events.front(), Some(&json!(5)));
+        assert_eq!(q.events.back(), Some(&json!(MAX_WATCH_EVENTS + 4)));
+    }
+
+    #[tokio::test]
+    async fn watchers_are_capped_per_sandbox_and_go_with_it() {
+        let w = Watchers::default();
+        let mut ids = Vec::new();
+        for _ in 0..MAX_WATCHERS_PER_SANDBOX {
+            ids.push(w.insert("sb1", futures_util::stream::pending()).unwrap());
+        }
+        let err = w.insert("sb1", futures_util::stream::pending()).unwrap_err();
+        assert_eq!(err.code, "resource_exhausted");
+        assert_eq!(w.check_room("sb1").unwrap_err().code, "resource_exhausted");
+        // Another sandbox has its own room.
+        let other = w
+            .insert("sb2", futures_util::stream::iter([json!({"name": "a"})]))
+            .unwrap();
+        // A watcher is only its own sandbox's.
+        assert!(w.take_events("sb1", &other).is_none());
+        assert!(!w.remove("sb1", &other));
+        tokio::task::yield_now().await;
+        tokio::time::sleep(Duration::from_millis(20)).await;
+        assert_eq!(w.take_events("sb2", &other), Some(vec![json!({"name": "a"})]));
+        assert_eq!(w.take_events("sb2", &other), Some(vec![]));
+        // Removing one makes room again.
+        assert!(w.remove("sb1", &ids[0]));
+        w.insert("sb1", futures_util::stream::pending()).unwrap();
+        // The sandbox's end takes all of its watchers and stops their tasks.
+        let tasks: Vec<_> = {
+            let map = lock(&w.map);
+            map.values()
+                .filter(|x| x.sandbox_id == "sb1")
+                .map(|x| x.task.abort_handle())
+                .collect()
+        };
+        assert_eq!(w.remove_sandbox("sb1"), MAX_WATCHERS_PER_SANDBOX);
+        assert_eq!(w.count("sb1"), 0);
+        assert_eq!(w.count("sb2"), 1);
+        tokio::time::sleep(Duration::from_millis(20)).await;
+        assert!(tasks.iter().all(|t| t.is_finished()));
     }
 }

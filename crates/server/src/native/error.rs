@@ -13,6 +13,9 @@ pub enum ApiError {
     /// The request could not be read at all (malformed JSON, wrong content type, a bad header).
     #[error("{0}")]
     Malformed(String),
+    /// The body is larger than the route reads.
+    #[error("{0}")]
+    TooLarge(String),
 }
 
 impl ApiError {
@@ -26,6 +29,7 @@ impl ApiError {
                 )
             }
             ApiError::Malformed(_) => (StatusCode::BAD_REQUEST, "bad_request"),
+            ApiError::TooLarge(_) => (StatusCode::PAYLOAD_TOO_LARGE, "payload_too_large"),
         };
         (
             status,

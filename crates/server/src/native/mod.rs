@@ -39,6 +39,10 @@ impl<T: DeserializeOwned, S: Send + Sync> FromRequest<S> for ApiJson<T> {
             Err(JsonRejection::MissingJsonContentType(_)) => Err(ApiError::Malformed(
                 "send the body as JSON with `Content-Type: application/json`".into(),
             )),
+            Err(e) if e.status() == StatusCode::PAYLOAD_TOO_LARGE => Err(ApiError::TooLarge(format!(
+                "the body is larger than {} bytes",
+                crate::MAX_JSON_BODY
+            ))),
             Err(e) => Err(ApiError::Malformed(e.body_text())),
         }
     }
@@ -87,6 +91,7 @@ impl utoipa::IntoResponses for ApiErrors {
             ("403", "the guest refused (permissions)"),
             ("404", "no such sandbox, session, operation, template or file"),
             ("409", "the sandbox is not running"),
+            ("413", "the body is larger than the route reads"),
             ("422", "a field has an invalid value"),
             ("429", "quota exceeded"),
             ("500", "internal error"),

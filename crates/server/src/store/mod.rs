@@ -26,8 +26,15 @@ pub fn now_ms() -> i64 {
         .unwrap_or(0)
 }
 
+/// Milliseconds since the epoch as RFC 3339 (`2024-01-02T03:04:05.678Z`).
+///
+/// Total: times before 1970 read as the epoch, and times past the last millisecond of year 9999
+/// (which RFC 3339 cannot spell, and humantime's formatter refuses with an error that would panic
+/// `to_string`) as that millisecond. A guest sets file times, so they are never trusted.
 pub fn rfc3339(ms: i64) -> String {
-    let t = std::time::UNIX_EPOCH + std::time::Duration::from_millis(ms.max(0) as u64);
+    /// 9999-12-31T23:59:59.999Z
+    const MAX_MS: i64 = 253_402_300_799_999;
+    let t = std::time::UNIX_EPOCH + std::time::Duration::from_millis(ms.clamp(0, MAX_MS) as u64);
     humantime::format_rfc3339_millis(t).to_string()
 }
 
@@ -273,3 +280,26 @@ pub trait E2bStore: Send + Sync {
 pub trait Store: TenantStore + SandboxStore + OperationStore + E2bStore {}
 
 impl<T: TenantStore + SandboxStore + OperationStore + E2bStore> Store for T {}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn rfc3339_is_total() {
+        assert_eq!(rfc3339(0), "1970-01-01T00:00:00.000Z");
+        assert_eq!(rfc3339(1_700_000_000_123), "2023-11-14T22:13:20.123Z");
+        for past in [-1, -86_400_000, i64::MIN] {
+            assert_eq!(rfc3339(past), "1970-01-01T00:00:00.000Z", "{past}");
+        }
+        // A guest's file mtime past year 9999 (u64::MAX read as i64 is -1: the epoch).
+        for future in [253_402_300_800_000, i64::MAX, u64::MAX as i64, (u64::MAX >> 1) as i64] {
+            let s = rfc3339(future);
+            assert!(
+                s == "9999-12-31T23:59:59.999Z" || s == "1970-01-01T00:00:00.000Z",
+                "{future}: {s}"
+            );
+        }
+        assert_eq!(rfc3339(i64::MAX), "9999-12-31T23:59:59.999Z");
+    }
+}

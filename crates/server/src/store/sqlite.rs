@@ -38,6 +38,10 @@ impl SqliteStore {
     /// Open (or create) the database at `path` and bring its schema up to date: the embedded
     /// migrations, then the one step SQL cannot do (hashing legacy plain access tokens).
     pub async fn open(path: &Path) -> Result<Self, StoreError> {
+        // The store holds key and token hashes: only the server's user reads it. Created 0600
+        // before SQLite opens it (SQLite gives its -wal and -shm files the database's mode), and
+        // an existing file (and its -wal/-shm) is tightened.
+        private_files(path)?;
         let opts = SqliteConnectOptions::from_str(&format!("sqlite://{}", path.display()))?
             .create_if_missing(true)
             .journal_mode(SqliteJournalMode::Wal)
@@ -46,6 +50,7 @@ impl SqliteStore {
         MIGRATOR.run(&pool).await?;
         let store = Self { pool };
         store.hash_legacy_tokens().await?;
+        private_files(path)?;
         Ok(store)
     }
 
@@ -143,6 +148,32 @@ fn op_created_ms(op: &Operation) -> i64 {
         .and_then(|t| t.duration_since(std::time::UNIX_EPOCH).ok())
         .map(|d| d.as_millis() as i64)
         .unwrap_or_else(now_ms)
+}
+
+/// Make the database file (creating it empty if missing) and its -wal and -shm files 0600.
+fn private_files(path: &Path) -> Result<(), StoreError> {
+    use std::os::unix::fs::{OpenOptionsExt, PermissionsExt};
+    let io = |p: &Path, e: std::io::Error| {
+        StoreError::backend(std::io::Error::new(e.kind(), format!("{}: {e}", p.display())))
+    };
+    std::fs::OpenOptions::new()
+        .write(true)
+        .create(true)
+        .truncate(false)
+        .mode(0o600)
+        .open(path)
+        .map_err(|e| io(path, e))?;
+    for suffix in ["", "-wal", "-shm"] {
+        let mut p = path.as_os_str().to_owned();
+        p.push(suffix);
+        let p = std::path::PathBuf::from(p);
+        match std::fs::set_permissions(&p, std::fs::Permissions::from_mode(0o600)) {
+            Ok(()) => {}
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+            Err(e) => return Err(io(&p, e)),
+        }
+    }
+    Ok(())
 }
 
 #[async_trait]

@@ -1,0 +1,507 @@
+//! Hostile callers against the whole server in-process (fake VMM + fake agent, as `core.rs`):
+//! values that must not panic a handler, bodies refused before they are read, the same answer
+//! for missing and foreign sandboxes, watchers that go with their sandbox, private files.
+
+use airlock_runtime::{fake, Runtime};
+use airlock_server::core::{Config, Core};
+use airlock_server::e2b::Watchers;
+use airlock_server::nodes::{LocalNode, Nodes};
+use airlock_server::store::{KeyFormat, SqliteStore, TenantStore};
+use airlock_server::AppState;
+use axum::body::{Body, Bytes};
+use axum::http::{Method, Request};
+use futures_util::StreamExt;
+use serde_json::{json, Value};
+use std::net::SocketAddr;
+use std::os::unix::fs::PermissionsExt;
+use std::path::Path;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+/// The server on its own tokio runtime, talked to over HTTP from the test's.
+struct Server {
+    addr: SocketAddr,
+    key: String,
+    core: Core,
+    watchers: Arc<Watchers>,
+    tokio: Option<tokio::runtime::Runtime>,
+    _runtime: Runtime,
+    _dir: tempfile::TempDir,
+}
+
+impl Server {
+    async fn start() -> Server {
+        let dir = tempfile::tempdir().unwrap();
+        fake::install_template(dir.path(), "seed").unwrap();
+        let tokio_rt = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(2)
+            .enable_all()
+            .build()
+            .unwrap();
+        let d = dir.path().to_path_buf();
+        let watchers: Arc<Watchers> = Default::default();
+        let w = watchers.clone();
+        let (addr, key, core, runtime) = tokio_rt
+            .spawn(async move {
+                let runtime = Runtime::open(fake::options(&d)).await.unwrap();
+                let store = SqliteStore::open(&d.join("airlock.db")).await.unwrap();
+                let key = store.bootstrap().await.unwrap().unwrap();
+                let nodes: Arc<dyn Nodes> = Arc::new(LocalNode::new(runtime.clone()));
+                let core = Core::new(
+                    Arc::new(store),
+                    nodes,
+                    Config {
+                        max_sandboxes_per_tenant: 8,
+                    },
+                    vec![7; 32],
+                );
+                core.engine.recover().await.unwrap();
+                core.engine.spawn_reaper();
+                let app = airlock_server::router(AppState {
+                    core: core.clone(),
+                    watchers: w,
+                    e2b_domain: None,
+                });
+                let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+                let addr = listener.local_addr().unwrap();
+                tokio::spawn(async move { axum::serve(listener, app).await });
+                (addr, key, core, runtime)
+            })
+            .await
+            .unwrap();
+        Server {
+            addr,
+            key,
+            core,
+            watchers,
+            tokio: Some(tokio_rt),
+            _runtime: runtime,
+            _dir: dir,
+        }
+    }
+
+    async fn send(&self, method: Method, path: &str, headers: &[(&str, &str)], body: Body) -> (u16, Body) {
+        let mut req = Request::builder().method(method).uri(path);
+        if !headers.iter().any(|(k, _)| k.eq_ignore_ascii_case("host")) {
+            req = req.header("host", self.addr.to_string());
+        }
+        for (k, v) in headers {
+            req = req.header(*k, *v);
+        }
+        let stream = tokio::net::TcpStream::connect(self.addr).await.unwrap();
+        let (mut sender, conn) = hyper::client::conn::http1::handshake(hyper_util::rt::TokioIo::new(stream))
+            .await
+            .unwrap();
+        tokio::spawn(conn);
+        let res = sender.send_request(req.body(body).unwrap()).await.unwrap();
+        (res.status().as_u16(), Body::new(res.into_body()))
+    }
+
+    async fn json(&self, method: Method, path: &str, headers: &[(&str, &str)], body: Body) -> (u16, Value) {
+        let (status, body) = self.send(method, path, headers, body).await;
+        let bytes = tokio::time::timeout(Duration::from_secs(10), axum::body::to_bytes(body, 16 << 20))
+            .await
+            .expect("a body within 10 s")
+            .unwrap();
+        let v =
+            serde_json::from_slice(&bytes).unwrap_or_else(|_| Value::String(String::from_utf8_lossy(&bytes).into()));
+        (status, v)
+    }
+
+    /// A running sandbox made through E2B, and its access token.
+    async fn e2b_sandbox(&self) -> (String, String) {
+        let headers = [("x-api-key", self.key.as_str()), ("content-type", "application/json")];
+        let body = Body::from(json!({ "templateID": "base" }).to_string());
+        let (status, sb) = self.json(Method::POST, "/sandboxes", &headers, body).await;
+        assert_eq!(status, 201, "{sb}");
+        (
+            sb["sandboxID"].as_str().unwrap().to_string(),
+            sb["envdAccessToken"].as_str().unwrap().to_string(),
+        )
+    }
+
+    async fn v1(&self, method: Method, path: &str, body: Option<Value>) -> (u16, Value) {
+        let auth = format!("Bearer {}", self.key);
+        let mut headers = vec![("authorization", auth.as_str())];
+        let body = match body {
+            Some(b) => {
+                headers.push(("content-type", "application/json"));
+                Body::from(b.to_string())
+            }
+            None => Body::empty(),
+        };
+        self.json(method, &format!("/v1{path}"), &headers, body).await
+    }
+
+    /// A running sandbox made through `/v1` (no access token issued).
+    async fn native_sandbox(&self) -> String {
+        let (status, body) = self
+            .v1(Method::POST, "/sandboxes", Some(json!({ "template": "seed" })))
+            .await;
+        assert_eq!(status, 202, "{body}");
+        let id = body["sandbox_id"].as_str().unwrap().to_string();
+        self.await_state(&id, "running").await;
+        id
+    }
+
+    async fn await_state(&self, id: &str, want: &str) {
+        let deadline = Instant::now() + Duration::from_secs(10);
+        loop {
+            let (_, sb) = self.v1(Method::GET, &format!("/sandboxes/{id}"), None).await;
+            if sb["state"] == want {
+                return;
+            }
+            assert!(Instant::now() < deadline, "sandbox {id} is {sb}, not {want}");
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+
+    async fn delete(&self, id: &str) {
+        let (status, body) = self.v1(Method::DELETE, &format!("/sandboxes/{id}"), None).await;
+        assert_eq!(status, 202, "{body}");
+        self.await_state(id, "deleted").await;
+    }
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        if let Some(rt) = self.tokio.take() {
+            rt.shutdown_background();
+        }
+    }
+}
+
+/// A Connect envelope: flags u8, length u32 BE, JSON.
+fn envelope(v: &Value) -> Vec<u8> {
+    let payload = serde_json::to_vec(v).unwrap();
+    let mut b = vec![0u8];
+    b.extend_from_slice(&(payload.len() as u32).to_be_bytes());
+    b.extend_from_slice(&payload);
+    b
+}
+
+fn envd_headers<'a>(id: &'a str, token: &'a str, content_type: &'a str) -> Vec<(&'a str, &'a str)> {
+    vec![
+        ("x-access-token", token),
+        ("e2b-sandbox-id", id),
+        ("content-type", content_type),
+        ("connect-protocol-version", "1"),
+    ]
+}
+
+fn vm_rss_kib() -> u64 {
+    let status = std::fs::read_to_string("/proc/self/status").unwrap();
+    let line = status.lines().find(|l| l.starts_with("VmRSS:")).unwrap();
+    line.split_whitespace().nth(1).unwrap().parse().unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn hostile_stream_headers_get_a_normal_answer() {
+    let server = Server::start().await;
+    let (id, token) = server.e2b_sandbox().await;
+    let mut headers = envd_headers(&id, &token, "application/connect+json");
+    headers.push(("connect-timeout-ms", "18446744073709551615"));
+    headers.push(("keepalive-ping-interval", "18446744073709551615"));
+    let req = json!({ "process": { "cmd": "echo", "args": ["hi"] } });
+    let (status, body) = server
+        .send(
+            Method::POST,
+            "/process.Process/Start",
+            &headers,
+            Body::from(envelope(&req)),
+        )
+        .await;
+    assert_eq!(status, 200);
+    let bytes = tokio::time::timeout(Duration::from_secs(10), axum::body::to_bytes(body, 1 << 20))
+        .await
+        .expect("the stream ends")
+        .expect("the stream is whole (no dropped connection)");
+    let text = String::from_utf8_lossy(&bytes);
+    assert!(text.contains("\"start\"") && text.contains("\"end\""), "{text}");
+    assert!(!text.contains("\"error\""), "{text}");
+    server.delete(&id).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bodies_are_refused_before_they_are_read() {
+    let server = Server::start().await;
+    let (id, token) = server.e2b_sandbox().await;
+
+    // Anonymous, 256 MiB, streamed from a generator: answered before the body is read.
+    static CHUNK: [u8; 64 << 10] = [0; 64 << 10];
+    const TOTAL: usize = 256 << 20;
+    for who in [id.as_str(), "nosuchsandbox0"] {
+        let rss_before = vm_rss_kib();
+        let started = Instant::now();
+        let chunks = futures_util::stream::iter(0..TOTAL / CHUNK.len())
+            .map(|_| Ok::<_, std::io::Error>(Bytes::from_static(&CHUNK)));
+        let headers = [
+            ("e2b-sandbox-id", who),
+            ("content-type", "application/connect+json"),
+            ("content-length", "268435456"),
+        ];
+        let (status, body) = server
+            .send(
+                Method::POST,
+                "/process.Process/Start",
+                &headers,
+                Body::from_stream(chunks),
+            )
+            .await;
+        let elapsed = started.elapsed();
+        let body = axum::body::to_bytes(body, 1 << 20).await.unwrap_or_default();
+        let grown_mib = vm_rss_kib().saturating_sub(rss_before) / 1024;
+        println!("anonymous 256 MiB POST for {who}: {status} in {elapsed:?}, VmRSS grew {grown_mib} MiB");
+        assert!(
+            status == 401 || status == 502,
+            "{status} {}",
+            String::from_utf8_lossy(&body)
+        );
+        assert!(elapsed < Duration::from_secs(5), "{elapsed:?}");
+        assert!(grown_mib < 32, "VmRSS grew {grown_mib} MiB");
+    }
+
+    // Authenticated, but larger than an RPC reads: 413.
+    let big = json!({ "path": "x".repeat(2 << 20) }).to_string();
+    let headers = envd_headers(&id, &token, "application/json");
+    let (status, err) = server
+        .json(
+            Method::POST,
+            "/filesystem.Filesystem/Stat",
+            &headers,
+            Body::from(big.clone()),
+        )
+        .await;
+    assert_eq!(status, 413, "{err}");
+    assert_eq!(err["code"], "resource_exhausted", "{err}");
+    let (status, err) = server
+        .json(Method::POST, "/process.Process/List", &headers, Body::from(big.clone()))
+        .await;
+    assert_eq!(status, 413, "{err}");
+    // The same on the native door and the E2B control plane.
+    let auth = format!("Bearer {}", server.key);
+    let v1 = [("authorization", auth.as_str()), ("content-type", "application/json")];
+    let (status, err) = server
+        .json(Method::POST, "/v1/sandboxes", &v1, Body::from(big.clone()))
+        .await;
+    assert_eq!(
+        (status, err["code"].as_str()),
+        (413, Some("payload_too_large")),
+        "{err}"
+    );
+    let e2b = [("x-api-key", server.key.as_str()), ("content-type", "application/json")];
+    let (status, _) = server.json(Method::POST, "/sandboxes", &e2b, Body::from(big)).await;
+    assert_eq!(status, 413);
+
+    // Uploads still take more than that, streamed.
+    let data = vec![b'a'; 3 << 20];
+    let (status, info) = server
+        .json(
+            Method::POST,
+            "/files?path=/tmp/big.bin",
+            &envd_headers(&id, &token, "application/octet-stream"),
+            Body::from(data.clone()),
+        )
+        .await;
+    assert_eq!(status, 200, "{info}");
+    let (status, info) = server
+        .json(
+            Method::PUT,
+            &format!("/v1/sandboxes/{id}/files?path=/tmp/big2.bin"),
+            &[
+                ("authorization", auth.as_str()),
+                ("content-type", "application/octet-stream"),
+            ],
+            Body::from(data),
+        )
+        .await;
+    assert_eq!(status, 200, "{info}");
+    assert_eq!(info["size"], 3 << 20, "{info}");
+    server.delete(&id).await;
+}
+
+/// The answer with the requested id blanked out (it is the caller's own input).
+fn shape(status: u16, mut body: Value, id: &str) -> (u16, String) {
+    let text = body.to_string().replace(id, "<id>");
+    body = serde_json::from_str(&text).unwrap();
+    (status, body.to_string())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn missing_and_foreign_sandboxes_answer_alike() {
+    let server = Server::start().await;
+    let (id, token) = server.e2b_sandbox().await;
+    let native = server.native_sandbox().await;
+    let other_key = server.core.store.create_key("other", KeyFormat::Airlock).await.unwrap();
+    let other_bearer = format!("Bearer {other_key}");
+    let own_bearer = format!("Bearer {}", server.key);
+    let missing = "nosuchsandbox0";
+
+    // envd: every route, by header and by host.
+    let routes = [
+        ("/process.Process/List", "application/json", "{}".to_string()),
+        (
+            "/filesystem.Filesystem/Stat",
+            "application/json",
+            r#"{"path":"/tmp"}"#.into(),
+        ),
+        ("/files?path=/tmp/a", "application/octet-stream", "data".into()),
+        ("/health", "", String::new()),
+    ];
+    for (path, ct, body) in &routes {
+        let method = if *path == "/health" { Method::GET } else { Method::POST };
+        let mut answers = Vec::new();
+        for (target, creds) in [
+            (missing, vec![]),
+            (missing, vec![("x-access-token", token.as_str())]),
+            (id.as_str(), vec![("x-access-token", "wrong")]),
+            (native.as_str(), vec![]),
+            (native.as_str(), vec![("authorization", own_bearer.as_str())]),
+            (native.as_str(), vec![("x-access-token", token.as_str())]),
+        ]
+        .into_iter()
+        .chain(
+            // No token at all: only routes that need one (health and signed URLs need none).
+            (*path != "/health").then(|| (id.as_str(), vec![])),
+        ) {
+            for by_host in [false, true] {
+                let host = format!("49983-{target}.localhost");
+                let mut headers = creds.clone();
+                if by_host {
+                    headers.push(("host", host.as_str()));
+                } else {
+                    headers.push(("e2b-sandbox-id", target));
+                }
+                if !ct.is_empty() {
+                    headers.push(("content-type", ct));
+                }
+                let (status, resp) = server
+                    .json(method.clone(), path, &headers, Body::from(body.clone()))
+                    .await;
+                answers.push((target, shape(status, resp, target)));
+            }
+        }
+        let first = answers[0].1.clone();
+        assert_eq!(first.0, 502, "{path}: {first:?}");
+        for (target, a) in &answers {
+            assert_eq!(a, &first, "{path} for {target}");
+        }
+        println!("envd {path}: every caller without proof gets {first:?}");
+    }
+    // A correct token still works.
+    let (status, _) = server
+        .json(
+            Method::GET,
+            "/health",
+            &[("e2b-sandbox-id", id.as_str()), ("x-access-token", token.as_str())],
+            Body::empty(),
+        )
+        .await;
+    assert_eq!(status, 204);
+    let (status, list) = server
+        .json(
+            Method::POST,
+            "/process.Process/List",
+            &envd_headers(&id, &token, "application/json"),
+            Body::from("{}"),
+        )
+        .await;
+    assert_eq!(status, 200, "{list}");
+
+    // Ports: unknown, no credentials, a wrong token, another tenant's key.
+    let mut answers = Vec::new();
+    for (target, creds) in [
+        (missing, vec![]),
+        (missing, vec![("authorization", own_bearer.as_str())]),
+        (id.as_str(), vec![]),
+        (id.as_str(), vec![("e2b-traffic-access-token", "wrong")]),
+        (id.as_str(), vec![("authorization", other_bearer.as_str())]),
+        (native.as_str(), vec![("authorization", other_bearer.as_str())]),
+        (native.as_str(), vec![("e2b-traffic-access-token", token.as_str())]),
+    ] {
+        let host = format!("8000-{target}.localhost");
+        let mut headers = creds.clone();
+        headers.push(("host", host.as_str()));
+        let (status, resp) = server.json(Method::GET, "/index.html", &headers, Body::empty()).await;
+        answers.push((target, shape(status, resp, target)));
+    }
+    let first = answers[0].1.clone();
+    assert_eq!(first.0, 502, "{first:?}");
+    for (target, a) in &answers {
+        assert_eq!(a, &first, "port 8000 of {target}");
+    }
+    println!("ports: every caller without proof gets {first:?}");
+    // The right token gets past the check (to the fake agent's tunnel, whatever it answers).
+    let host = format!("8000-{id}.localhost");
+    let (status, resp) = server
+        .json(
+            Method::GET,
+            "/index.html",
+            &[("host", host.as_str()), ("e2b-traffic-access-token", token.as_str())],
+            Body::empty(),
+        )
+        .await;
+    assert_ne!(shape(status, resp, &id), first, "a correct token is not refused");
+
+    server.delete(&id).await;
+    server.delete(&native).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_sandboxs_watchers_go_with_it() {
+    let server = Server::start().await;
+    let (id, _token) = server.e2b_sandbox().await;
+    let (keep, _) = server.e2b_sandbox().await;
+    let (core, watchers) = (server.core.clone(), server.watchers.clone());
+    let (i, k) = (id.clone(), keep.clone());
+    server
+        .tokio
+        .as_ref()
+        .unwrap()
+        .spawn(async move {
+            for _ in 0..3 {
+                watchers.create(&core, &i, futures_util::stream::pending()).unwrap();
+            }
+            watchers.create(&core, &k, futures_util::stream::pending()).unwrap();
+        })
+        .await
+        .unwrap();
+    assert_eq!((server.watchers.count(&id), server.watchers.count(&keep)), (3, 1));
+    server.delete(&id).await;
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while server.watchers.count(&id) > 0 {
+        assert!(
+            Instant::now() < deadline,
+            "the deleted sandbox's watchers are still there"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert_eq!(server.watchers.count(&keep), 1, "another sandbox's watchers stay");
+    server.delete(&keep).await;
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while server.watchers.count(&keep) > 0 {
+        assert!(Instant::now() < deadline);
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+#[tokio::test]
+async fn the_store_is_private() {
+    let mode = |p: &Path| std::fs::metadata(p).unwrap().permissions().mode() & 0o777;
+    let dir = tempfile::tempdir().unwrap();
+    let db = dir.path().join("airlock.db");
+    let store = SqliteStore::open(&db).await.unwrap();
+    store.bootstrap().await.unwrap().unwrap();
+    for f in ["airlock.db", "airlock.db-wal", "airlock.db-shm"] {
+        let p = dir.path().join(f);
+        assert!(p.exists(), "{f}");
+        assert_eq!(mode(&p), 0o600, "{f}");
+    }
+    drop(store);
+    // A store from before is tightened.
+    let old = dir.path().join("old.db");
+    std::fs::write(&old, b"").unwrap();
+    std::fs::set_permissions(&old, std::fs::Permissions::from_mode(0o644)).unwrap();
+    let _store = SqliteStore::open(&old).await.unwrap();
+    assert_eq!(mode(&old), 0o600);
+}
