@@ -224,8 +224,7 @@ pub async fn serve(opts: ServeOptions) -> anyhow::Result<()> {
     let runtime = airlock_runtime::Runtime::open(airlock_runtime::RuntimeOptions::new(&opts.data_dir)).await?;
     let root = runtime.data_dir().root().to_path_buf();
     let store: Arc<dyn store::Store> = Arc::new(store::SqliteStore::open(&root.join("airlock.db")).await?);
-    if let Some(key) = store.bootstrap().await? {
-        write_credentials(&root, &key, &opts.listen)?;
+    if bootstrap_admin_key(&*store, &root, &opts.listen).await?.is_some() {
         tracing::info!(
             "created tenant `default` and its admin key in {}",
             root.join("credentials").display()
@@ -279,6 +278,60 @@ pub async fn serve(opts: ServeOptions) -> anyhow::Result<()> {
         });
     }
     Ok(axum::serve(listener, app).await?)
+}
+
+/// Give tenant `default` its admin key, the credentials file first: the key is minted, written
+/// whole to `<data-dir>/credentials` (`write_credentials`), and only then its hash is committed,
+/// so a crash in between leaves a file whose key the store lacks, never a key nobody has. A start
+/// that finds such a file (the store still without a key) commits the file's key. Returns the key
+/// it committed, if it committed one.
+pub async fn bootstrap_admin_key<S: store::TenantStore + ?Sized>(
+    store: &S,
+    data_dir: &std::path::Path,
+    listen: &SocketAddr,
+) -> anyhow::Result<Option<String>> {
+    let path = data_dir.join("credentials");
+    if let Some(key) = read_credentials_key(data_dir)? {
+        if store.bootstrap(&key).await? {
+            tracing::info!(
+                "committed the admin key in {} (the last start stopped before it)",
+                path.display()
+            );
+            return Ok(Some(key));
+        }
+        if store.tenant_by_key(&key).await?.is_none() {
+            tracing::warn!(
+                "{} holds a key the store does not know (tenant `default` has other keys)",
+                path.display()
+            );
+        }
+        return Ok(None);
+    }
+    if !store.needs_bootstrap().await? {
+        return Ok(None);
+    }
+    let key = store::new_key(store::KeyFormat::Airlock);
+    write_credentials(data_dir, &key, listen).map_err(|e| anyhow::anyhow!("writing the admin key: {e}"))?;
+    if !store.bootstrap(&key).await? {
+        // Another process bootstrapped in between; the file now names a key the store lacks.
+        anyhow::bail!("tenant `default` got a key while {} was written", path.display());
+    }
+    Ok(Some(key))
+}
+
+/// The `AIRLOCK_API_KEY=` of `<data-dir>/credentials`, if the file exists and has one.
+pub fn read_credentials_key(data_dir: &std::path::Path) -> anyhow::Result<Option<String>> {
+    let path = data_dir.join("credentials");
+    let text = match std::fs::read_to_string(&path) {
+        Ok(t) => t,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
+        Err(e) => anyhow::bail!("{}: {e}", path.display()),
+    };
+    Ok(text
+        .lines()
+        .find_map(|l| l.trim().strip_prefix("AIRLOCK_API_KEY="))
+        .map(|k| k.trim().to_string())
+        .filter(|k| !k.is_empty()))
 }
 
 /// `<data-dir>/credentials`, mode 0600: the admin key where the CLI and examples find it.

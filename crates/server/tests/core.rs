@@ -11,7 +11,7 @@ use airlock_runtime::{fake, Runtime, RuntimeError};
 use airlock_server::core::{Config, Core};
 use airlock_server::model::{Operation, OperationKind, OperationState, Resources, SandboxState};
 use airlock_server::nodes::{Booted, Capacity, LocalNode, Nodes, VmState};
-use airlock_server::store::{now_ms, rfc3339, KeyFormat, SandboxRow, SqliteStore, TenantStore};
+use airlock_server::store::{now_ms, rfc3339, KeyFormat, SandboxRow, SqliteStore};
 use airlock_server::AppState;
 use axum::body::{Body, Bytes};
 use axum::http::{Method, Request};
@@ -84,7 +84,9 @@ impl Server {
             .spawn(async move {
                 let runtime = open_runtime(&d).await;
                 let store = SqliteStore::open(&d.join("airlock.db")).await.unwrap();
-                let minted = store.bootstrap().await.unwrap();
+                let minted = airlock_server::bootstrap_admin_key(&store, &d, &"127.0.0.1:0".parse().unwrap())
+                    .await
+                    .unwrap();
                 let key = known_key.or(minted).expect("an admin key");
                 let local: Arc<dyn Nodes> = Arc::new(LocalNode::new(runtime.clone()));
                 let nodes: Arc<dyn Nodes> = if create_delay.is_zero() {

@@ -45,7 +45,10 @@ impl Server {
             .spawn(async move {
                 let runtime = Runtime::open(fake::options(&d)).await.unwrap();
                 let store = SqliteStore::open(&d.join("airlock.db")).await.unwrap();
-                let key = store.bootstrap().await.unwrap().unwrap();
+                let key = airlock_server::bootstrap_admin_key(&store, &d, &"127.0.0.1:0".parse().unwrap())
+                    .await
+                    .unwrap()
+                    .unwrap();
                 let nodes: Arc<dyn Nodes> = Arc::new(LocalNode::new(runtime.clone()));
                 let core = Core::new(
                     Arc::new(store),
@@ -517,7 +520,10 @@ async fn the_store_is_private() {
     let dir = tempfile::tempdir().unwrap();
     let db = dir.path().join("airlock.db");
     let store = SqliteStore::open(&db).await.unwrap();
-    store.bootstrap().await.unwrap().unwrap();
+    assert!(store
+        .bootstrap(&airlock_server::store::new_key(KeyFormat::Airlock))
+        .await
+        .unwrap());
     for f in ["airlock.db", "airlock.db-wal", "airlock.db-shm"] {
         let p = dir.path().join(f);
         assert!(p.exists(), "{f}");

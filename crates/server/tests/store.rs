@@ -3,8 +3,8 @@
 
 use airlock_server::model::{Operation, OperationKind, OperationState, Resources, SandboxState};
 use airlock_server::store::{
-    now_ms, rfc3339, token_hash, CreateRecorded, E2bStore, KeyFormat, OperationStore, SandboxRow, SandboxStore,
-    SessionRow, SqliteStore, StoreError, TenantStore,
+    new_key, now_ms, rfc3339, token_hash, CreateRecorded, E2bStore, KeyFormat, OperationStore, SandboxRow,
+    SandboxStore, SessionRow, SqliteStore, StoreError, Tenant, TenantStore,
 };
 use std::collections::BTreeMap;
 use std::path::Path;
@@ -175,8 +175,14 @@ async fn idempotency_key_returns_the_first_operation_and_only_live_states_count(
 #[tokio::test]
 async fn keys_access_tokens_sessions_and_aliases() {
     let (_dir, store) = fresh().await;
-    let key = store.bootstrap().await.unwrap().expect("first bootstrap makes a key");
-    assert!(store.bootstrap().await.unwrap().is_none());
+    assert!(store.needs_bootstrap().await.unwrap());
+    let key = new_key(KeyFormat::Airlock);
+    assert!(
+        store.bootstrap(&key).await.unwrap(),
+        "the first bootstrap takes the key"
+    );
+    assert!(!store.needs_bootstrap().await.unwrap());
+    assert!(!store.bootstrap(&new_key(KeyFormat::Airlock)).await.unwrap());
     assert_eq!(store.tenant_by_key(&key).await.unwrap().unwrap().name, "default");
     let e2b = store.create_key("acme", KeyFormat::E2b).await.unwrap();
     assert!(e2b.starts_with("e2b_"));
@@ -310,7 +316,10 @@ async fn a_database_from_before_migrations_is_upgraded_in_place() {
             "default",
             "round {round}"
         );
-        assert!(store.bootstrap().await.unwrap().is_none(), "the old key still counts");
+        assert!(
+            !store.bootstrap(&new_key(KeyFormat::Airlock)).await.unwrap(),
+            "the old key still counts"
+        );
 
         let sb = store.sandbox_by_id("old1").await.unwrap().unwrap();
         assert_eq!(sb.metadata, BTreeMap::from([("team".to_string(), "x".to_string())]));
@@ -365,4 +374,90 @@ async fn a_new_database_has_no_legacy_token_table() {
     assert!(table_exists(&path, "sandbox_access").await);
     assert!(table_exists(&path, "e2b_sandboxes").await);
     drop(SqliteStore::open(&path).await.unwrap());
+}
+
+/// A `TenantStore` that checks, at the moment a key is committed, that the credentials file
+/// already holds it.
+struct FileFirst<'a> {
+    inner: &'a SqliteStore,
+    dir: &'a Path,
+    commits: std::sync::atomic::AtomicUsize,
+}
+
+#[async_trait::async_trait]
+impl TenantStore for FileFirst<'_> {
+    async fn needs_bootstrap(&self) -> Result<bool, StoreError> {
+        self.inner.needs_bootstrap().await
+    }
+    async fn bootstrap(&self, key: &str) -> Result<bool, StoreError> {
+        let on_disk = airlock_server::read_credentials_key(self.dir).unwrap();
+        assert_eq!(
+            on_disk.as_deref(),
+            Some(key),
+            "the file holds the key before it is committed"
+        );
+        self.commits.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        self.inner.bootstrap(key).await
+    }
+    async fn create_key(&self, tenant: &str, format: KeyFormat) -> Result<String, StoreError> {
+        self.inner.create_key(tenant, format).await
+    }
+    async fn tenant_by_key(&self, key: &str) -> Result<Option<Tenant>, StoreError> {
+        self.inner.tenant_by_key(key).await
+    }
+}
+
+#[tokio::test]
+async fn the_admin_key_is_written_before_it_is_committed() {
+    let listen = "127.0.0.1:7420".parse().unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let store = SqliteStore::open(&dir.path().join("airlock.db")).await.unwrap();
+    let checked = FileFirst {
+        inner: &store,
+        dir: dir.path(),
+        commits: Default::default(),
+    };
+    let key = airlock_server::bootstrap_admin_key(&checked, dir.path(), &listen)
+        .await
+        .unwrap()
+        .expect("a new store gets a key");
+    assert_eq!(checked.commits.load(std::sync::atomic::Ordering::SeqCst), 1);
+    assert_eq!(store.tenant_by_key(&key).await.unwrap().unwrap().id, "default");
+    let file = std::fs::read_to_string(dir.path().join("credentials")).unwrap();
+    // A restart changes nothing.
+    assert!(airlock_server::bootstrap_admin_key(&checked, dir.path(), &listen)
+        .await
+        .unwrap()
+        .is_none());
+    assert_eq!(std::fs::read_to_string(dir.path().join("credentials")).unwrap(), file);
+
+    // A crash after the file was written and before the commit: the next start commits the
+    // file's key instead of minting another.
+    let dir = tempfile::tempdir().unwrap();
+    let store = SqliteStore::open(&dir.path().join("airlock.db")).await.unwrap();
+    let orphan = new_key(KeyFormat::Airlock);
+    airlock_server::write_credentials(dir.path(), &orphan, &listen).unwrap();
+    assert!(store.tenant_by_key(&orphan).await.unwrap().is_none());
+    let got = airlock_server::bootstrap_admin_key(&store, dir.path(), &listen)
+        .await
+        .unwrap();
+    assert_eq!(got.as_deref(), Some(orphan.as_str()));
+    assert_eq!(store.tenant_by_key(&orphan).await.unwrap().unwrap().id, "default");
+    assert_eq!(
+        airlock_server::read_credentials_key(dir.path()).unwrap().as_deref(),
+        Some(orphan.as_str()),
+        "the file is left as it was"
+    );
+    assert!(airlock_server::bootstrap_admin_key(&store, dir.path(), &listen)
+        .await
+        .unwrap()
+        .is_none());
+
+    // A deleted credentials file with keys in the store: nothing new is minted or written.
+    std::fs::remove_file(dir.path().join("credentials")).unwrap();
+    assert!(airlock_server::bootstrap_admin_key(&store, dir.path(), &listen)
+        .await
+        .unwrap()
+        .is_none());
+    assert!(!dir.path().join("credentials").exists());
 }

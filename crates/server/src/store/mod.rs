@@ -194,8 +194,12 @@ impl CreateRecorded {
 
 #[async_trait]
 pub trait TenantStore: Send + Sync {
-    /// Make sure tenant `default` exists; returns a new admin key the first time.
-    async fn bootstrap(&self) -> Result<Option<String>, StoreError>;
+    /// Whether tenant `default` has no key yet (a new store).
+    async fn needs_bootstrap(&self) -> Result<bool, StoreError>;
+    /// If tenant `default` has no key yet, create it with `key` as its admin key (only the hash
+    /// is kept) and return true; otherwise change nothing and return false. The caller writes the
+    /// key where its user finds it *before* this commits it (`crate::bootstrap_admin_key`).
+    async fn bootstrap(&self, key: &str) -> Result<bool, StoreError>;
     /// Mint a key for `tenant` (created if new); only its hash is kept.
     async fn create_key(&self, tenant: &str, format: KeyFormat) -> Result<String, StoreError>;
     /// The tenant whose key this is (looked up by `token_hash(key)`).

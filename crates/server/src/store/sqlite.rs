@@ -176,46 +176,65 @@ fn private_files(path: &Path) -> Result<(), StoreError> {
     Ok(())
 }
 
+/// Record `key`'s hash for `tenant` (created if new), inside the caller's transaction.
+async fn insert_key(tx: &mut sqlx::Transaction<'_, sqlx::Sqlite>, tenant: &str, key: &str) -> Result<(), StoreError> {
+    let row: Option<(String,)> = sqlx::query_as("SELECT id FROM tenants WHERE name = ?")
+        .bind(tenant)
+        .fetch_optional(&mut **tx)
+        .await?;
+    let tenant_id = match row {
+        Some((id,)) => id,
+        None => {
+            sqlx::query("INSERT INTO tenants (id, name, created_at_ms) VALUES (?, ?, ?)")
+                .bind(tenant)
+                .bind(tenant)
+                .bind(now_ms())
+                .execute(&mut **tx)
+                .await?;
+            tenant.to_string()
+        }
+    };
+    sqlx::query("INSERT INTO api_keys (hash, tenant_id, prefix, created_at_ms) VALUES (?, ?, ?, ?)")
+        .bind(token_hash(key))
+        .bind(tenant_id)
+        .bind(key.get(..8).unwrap_or(key))
+        .bind(now_ms())
+        .execute(&mut **tx)
+        .await?;
+    Ok(())
+}
+
 #[async_trait]
 impl TenantStore for SqliteStore {
-    async fn bootstrap(&self) -> Result<Option<String>, StoreError> {
+    async fn needs_bootstrap(&self) -> Result<bool, StoreError> {
         let keys: (i64,) = sqlx::query_as(
             "SELECT COUNT(*) FROM api_keys k JOIN tenants t ON t.id = k.tenant_id WHERE t.name = 'default'",
         )
         .fetch_one(&self.pool)
         .await?;
+        Ok(keys.0 == 0)
+    }
+
+    async fn bootstrap(&self, key: &str) -> Result<bool, StoreError> {
+        // One immediate transaction: the count and the insert cannot interleave with another.
+        let mut tx = self.pool.begin_with("BEGIN IMMEDIATE").await?;
+        let keys: (i64,) = sqlx::query_as(
+            "SELECT COUNT(*) FROM api_keys k JOIN tenants t ON t.id = k.tenant_id WHERE t.name = 'default'",
+        )
+        .fetch_one(&mut *tx)
+        .await?;
         if keys.0 > 0 {
-            return Ok(None);
+            return Ok(false);
         }
-        self.create_key("default", KeyFormat::Airlock).await.map(Some)
+        insert_key(&mut tx, "default", key).await?;
+        tx.commit().await?;
+        Ok(true)
     }
 
     async fn create_key(&self, tenant: &str, format: KeyFormat) -> Result<String, StoreError> {
         let mut tx = self.pool.begin_with("BEGIN IMMEDIATE").await?;
-        let row: Option<(String,)> = sqlx::query_as("SELECT id FROM tenants WHERE name = ?")
-            .bind(tenant)
-            .fetch_optional(&mut *tx)
-            .await?;
-        let tenant_id = match row {
-            Some((id,)) => id,
-            None => {
-                sqlx::query("INSERT INTO tenants (id, name, created_at_ms) VALUES (?, ?, ?)")
-                    .bind(tenant)
-                    .bind(tenant)
-                    .bind(now_ms())
-                    .execute(&mut *tx)
-                    .await?;
-                tenant.to_string()
-            }
-        };
         let key = new_key(format);
-        sqlx::query("INSERT INTO api_keys (hash, tenant_id, prefix, created_at_ms) VALUES (?, ?, ?, ?)")
-            .bind(token_hash(&key))
-            .bind(tenant_id)
-            .bind(&key[..8])
-            .bind(now_ms())
-            .execute(&mut *tx)
-            .await?;
+        insert_key(&mut tx, tenant, &key).await?;
         tx.commit().await?;
         Ok(key)
     }
