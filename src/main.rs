@@ -50,6 +50,9 @@ enum Command {
         /// Live sandboxes one tenant may have at once (429 `quota_exceeded` past it).
         #[arg(long, env = "AIRLOCK_MAX_SANDBOXES", default_value_t = 20)]
         max_sandboxes: u32,
+        /// Open connections per listener; past it new ones wait in the listen backlog.
+        #[arg(long, env = "AIRLOCK_MAX_CONNECTIONS", default_value_t = airlock_server::listen::MAX_CONNECTIONS)]
+        max_connections: usize,
     },
     /// Build and list templates.
     Template {
@@ -263,6 +266,7 @@ async fn run(cli: Cli) -> anyhow::Result<u8> {
             tls_listen,
             tls_cert,
             tls_key,
+            max_connections,
         } => {
             let store = TemplateStore::new(DataDir::open(&cli.data_dir)?);
             if !store.exists(SEED) {
@@ -286,6 +290,10 @@ async fn run(cli: Cli) -> anyhow::Result<u8> {
                 tls: match (tls_listen, tls_cert, tls_key) {
                     (Some(listen), Some(cert), Some(key)) => Some(airlock_server::TlsOptions { listen, cert, key }),
                     _ => None,
+                },
+                limits: airlock_server::listen::Limits {
+                    max_connections,
+                    ..Default::default()
                 },
             })
             .await?;

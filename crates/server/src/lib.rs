@@ -12,6 +12,7 @@ pub mod core;
 pub mod e2b;
 pub mod engine;
 pub mod error;
+pub mod listen;
 pub mod model;
 pub mod native;
 pub mod nodes;
@@ -189,6 +190,8 @@ pub struct ServeOptions {
     pub e2b_domain: Option<String>,
     /// An HTTPS listener serving the same routes (for `E2B_DOMAIN` behind wildcard DNS).
     pub tls: Option<TlsOptions>,
+    /// Timeouts and the connection cap of every listener.
+    pub limits: listen::Limits,
 }
 
 pub struct TlsOptions {
@@ -258,26 +261,28 @@ pub async fn serve(opts: ServeOptions) -> anyhow::Result<()> {
             .fallback(proxy::code_interpreter_by_token)
             .with_state(state.core.clone());
         tracing::info!("serving the code-interpreter port on http://{addr}");
+        let limits = opts.limits;
         tokio::spawn(async move {
-            if let Err(e) = axum::serve(jupyter, app).await {
+            if let Err(e) = listen::serve(jupyter, app, None, limits).await {
                 tracing::error!("code-interpreter listener: {e}");
             }
         });
     }
     let app = router(state);
     if let Some((addr, config)) = tls {
-        let std_listener = std::net::TcpListener::bind(addr).map_err(|e| anyhow::anyhow!("listen on {addr}: {e}"))?;
-        std_listener.set_nonblocking(true)?;
-        let server = axum_server::from_tcp_rustls(std_listener, config)?;
+        let tls_listener = tokio::net::TcpListener::bind(addr)
+            .await
+            .map_err(|e| anyhow::anyhow!("listen on {addr}: {e}"))?;
         let app = app.clone();
+        let limits = opts.limits;
         tracing::info!("serving on https://{addr}");
         tokio::spawn(async move {
-            if let Err(e) = server.serve(app.into_make_service()).await {
+            if let Err(e) = listen::serve(tls_listener, app, Some(config.get_inner()), limits).await {
                 tracing::error!("TLS listener: {e}");
             }
         });
     }
-    Ok(axum::serve(listener, app).await?)
+    Ok(listen::serve(listener, app, None, opts.limits).await?)
 }
 
 /// Give tenant `default` its admin key, the credentials file first: the key is minted, written

@@ -5,6 +5,7 @@
 use airlock_runtime::{fake, Runtime};
 use airlock_server::core::{Config, Core};
 use airlock_server::e2b::Watchers;
+use airlock_server::listen::Limits;
 use airlock_server::nodes::{LocalNode, Nodes};
 use airlock_server::store::{KeyFormat, SqliteStore, TenantStore};
 use airlock_server::AppState;
@@ -31,6 +32,10 @@ struct Server {
 
 impl Server {
     async fn start() -> Server {
+        Server::start_with(Limits::default()).await
+    }
+
+    async fn start_with(limits: Limits) -> Server {
         let dir = tempfile::tempdir().unwrap();
         fake::install_template(dir.path(), "seed").unwrap();
         let tokio_rt = tokio::runtime::Builder::new_multi_thread()
@@ -67,7 +72,7 @@ impl Server {
                 });
                 let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
                 let addr = listener.local_addr().unwrap();
-                tokio::spawn(async move { axum::serve(listener, app).await });
+                tokio::spawn(airlock_server::listen::serve(listener, app, None, limits));
                 (addr, key, core, runtime)
             })
             .await
@@ -536,4 +541,115 @@ async fn the_store_is_private() {
     std::fs::set_permissions(&old, std::fs::Permissions::from_mode(0o644)).unwrap();
     let _store = SqliteStore::open(&old).await.unwrap();
     assert_eq!(mode(&old), 0o600);
+}
+
+/// Raise the soft fd limit to at least `want` (up to the hard limit).
+fn raise_fd_limit(want: u64) -> u64 {
+    let mut lim = libc::rlimit {
+        rlim_cur: 0,
+        rlim_max: 0,
+    };
+    unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut lim) };
+    if (lim.rlim_cur as u64) < want {
+        lim.rlim_cur = (want as libc::rlim_t).min(lim.rlim_max);
+        unsafe { libc::setrlimit(libc::RLIMIT_NOFILE, &lim) };
+    }
+    lim.rlim_cur as u64
+}
+
+/// Open `n` connections that each send a partial request head and then nothing.
+async fn slow_heads(addr: SocketAddr, n: usize) -> Vec<tokio::net::TcpStream> {
+    use tokio::io::AsyncWriteExt;
+    let mut slow = Vec::with_capacity(n);
+    for _ in 0..n {
+        let mut s = tokio::net::TcpStream::connect(addr).await.unwrap();
+        s.write_all(b"GET / HTTP/1.1\r\nHost: x\r\n").await.unwrap();
+        slow.push(s);
+    }
+    slow
+}
+
+/// When each connection was closed by the server (None: still open after `wait`).
+async fn closed_at(slow: Vec<tokio::net::TcpStream>, wait: Duration) -> Vec<Option<Instant>> {
+    use tokio::io::AsyncReadExt;
+    futures_util::future::join_all(slow.into_iter().map(|mut s| async move {
+        let mut buf = [0u8; 256];
+        loop {
+            match tokio::time::timeout(wait, s.read(&mut buf)).await {
+                Ok(Ok(0)) | Ok(Err(_)) => return Some(Instant::now()),
+                Ok(Ok(_)) => continue,
+                Err(_) => return None,
+            }
+        }
+    }))
+    .await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn slow_request_heads_are_cut_off_while_others_are_served() {
+    const SLOW: usize = 1000;
+    let fds = raise_fd_limit(4 * SLOW as u64);
+    assert!(fds >= 3 * SLOW as u64, "RLIMIT_NOFILE is {fds}");
+    let header_read = Duration::from_secs(2);
+    let server = Server::start_with(Limits {
+        header_read,
+        ..Limits::default()
+    })
+    .await;
+    let started = Instant::now();
+    let slow = slow_heads(server.addr, SLOW).await;
+    let opened = started.elapsed();
+    // Normal requests while all of them hang.
+    let mut latencies = Vec::new();
+    while started.elapsed() < header_read / 2 || latencies.len() < 3 {
+        let t = Instant::now();
+        let (status, doc) = server.json(Method::GET, "/openapi-m1.json", &[], Body::empty()).await;
+        latencies.push(t.elapsed());
+        assert_eq!(status, 200, "{doc}");
+        assert!(doc["paths"].is_object());
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let closed = closed_at(slow, header_read * 3).await;
+    let open = closed.iter().filter(|c| c.is_none()).count();
+    let last = closed.iter().flatten().max().unwrap().duration_since(started);
+    let first = closed.iter().flatten().min().unwrap().duration_since(started);
+    let worst = latencies.iter().max().unwrap();
+    println!(
+        "{SLOW} slow heads opened in {opened:?}; {} normal requests during the attack, worst {worst:?} \
+         (all: {latencies:?}); slow ones closed from {first:?} to {last:?} after the attack began \
+         (header timeout {header_read:?}), {open} left open",
+        latencies.len()
+    );
+    assert_eq!(open, 0, "every slow connection is closed");
+    assert!(
+        first >= header_read - Duration::from_millis(100),
+        "{first:?}: closed too early"
+    );
+    assert!(last < opened + header_read + Duration::from_secs(2), "{last:?}");
+    assert!(*worst < Duration::from_secs(1), "{worst:?}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn past_the_connection_cap_new_connections_wait_their_turn() {
+    let header_read = Duration::from_secs(1);
+    let server = Server::start_with(Limits {
+        header_read,
+        max_connections: 4,
+        ..Limits::default()
+    })
+    .await;
+    let slow = slow_heads(server.addr, 4).await;
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    // The fifth connection waits in the backlog until the slow ones are cut off.
+    let t = Instant::now();
+    let (status, _) = server.json(Method::GET, "/openapi-m1.json", &[], Body::empty()).await;
+    let waited = t.elapsed();
+    println!("with 4 of 4 connections held by slow heads, a request took {waited:?}");
+    assert_eq!(status, 200);
+    assert!(waited >= header_read - Duration::from_millis(300), "{waited:?}");
+    assert!(waited < header_read + Duration::from_secs(2), "{waited:?}");
+    assert!(closed_at(slow, Duration::from_secs(1))
+        .await
+        .iter()
+        .all(Option::is_some));
 }

@@ -1,0 +1,347 @@
+//! The listeners' connections (the plain one, the TLS one, the code-interpreter port): every
+//! listener faces the network, so each connection is bounded in time and their number is capped.
+//!
+//! - **Header read** (`Limits::header_read`): a request head must arrive whole within this time
+//!   of its first byte, and the first request within this time of the connection's accept (of the
+//!   end of the TLS handshake, which has the same bound). Past it the socket is closed at once: a
+//!   client that trickles a head, or connects and says nothing, holds a connection no longer.
+//! - **Idle** (`Limits::idle`): a connection with no request in flight (no request being handled,
+//!   no response body still being sent) for this long is shut down gracefully (HTTP/1: closed;
+//!   HTTP/2: GOAWAY). A long SSE response or a streamed download is a request in flight, never
+//!   idle; an upgraded connection (WebSocket, the port proxy) leaves HTTP and these timers.
+//! - **Connections** (`Limits::max_connections`): each open socket holds a permit of one
+//!   semaphore (upgraded sockets too, until they close). At the cap the listener stops accepting:
+//!   further connections wait in the kernel's listen backlog and are taken as permits come back.
+//!   They cost no file descriptor and no task while they wait, and they are served (not refused)
+//!   once slow connections time out, which happens within the header-read bound; a connection
+//!   accepted only to be closed would cost an fd and tell the client nothing it can act on.
+//!
+//! HTTP/1 keeps hyper's own header timer off: it starts when hyper waits for a head, so it would
+//! also be the idle time between requests. Here the idle wait ends at a request's first byte, and
+//! only then the header clock starts (as Go's `IdleTimeout` / `ReadHeaderTimeout`). On HTTP/2
+//! the header clock covers only the first request; hyper's pings (every `idle`, answered within
+//! `header_read`) find peers that vanished under a long stream.
+
+use axum::body::Body;
+use axum::Router;
+use hyper::body::{Frame, Incoming, SizeHint};
+use hyper::service::Service as _;
+use hyper::{Request, Version};
+use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
+use hyper_util::server::conn::auto;
+use hyper_util::service::TowerToHyperService;
+use std::convert::Infallible;
+use std::io;
+use std::pin::Pin;
+use std::sync::{Arc, Mutex};
+use std::task::{Context, Poll};
+use std::time::{Duration, Instant};
+use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
+use tokio::net::TcpListener;
+use tokio::sync::{Notify, OwnedSemaphorePermit, Semaphore};
+
+/// How long a request head may take from its first byte (and a new connection, to its first
+/// request).
+pub const HEADER_READ_TIMEOUT: Duration = Duration::from_secs(10);
+/// How long a connection may sit with no request in flight.
+pub const IDLE_TIMEOUT: Duration = Duration::from_secs(60);
+/// Open connections per listener.
+pub const MAX_CONNECTIONS: usize = 4096;
+
+#[derive(Debug, Clone, Copy)]
+pub struct Limits {
+    pub header_read: Duration,
+    pub idle: Duration,
+    pub max_connections: usize,
+}
+
+impl Default for Limits {
+    fn default() -> Self {
+        Limits {
+            header_read: HEADER_READ_TIMEOUT,
+            idle: IDLE_TIMEOUT,
+            max_connections: MAX_CONNECTIONS,
+        }
+    }
+}
+
+/// Serve `app` on `listener` (over TLS when `tls` is given) until the listener fails for good.
+pub async fn serve(
+    listener: TcpListener,
+    app: Router,
+    tls: Option<Arc<rustls::ServerConfig>>,
+    limits: Limits,
+) -> io::Result<()> {
+    let permits = Arc::new(Semaphore::new(limits.max_connections.max(1)));
+    let tls = tls.map(tokio_rustls::TlsAcceptor::from);
+    let mut builder = auto::Builder::new(TokioExecutor::new());
+    builder
+        .http1()
+        .timer(TokioTimer::new())
+        // Our own header clock (see the module doc), not hyper's.
+        .header_read_timeout(None)
+        .keep_alive(true);
+    builder
+        .http2()
+        .timer(TokioTimer::new())
+        .keep_alive_interval(Some(limits.idle))
+        .keep_alive_timeout(limits.header_read);
+    let builder = Arc::new(builder);
+    loop {
+        // At the cap, wait here: further connections stay in the backlog (see the module doc).
+        let permit = permits
+            .clone()
+            .acquire_owned()
+            .await
+            .expect("the semaphore is never closed");
+        let stream = match listener.accept().await {
+            Ok((stream, _peer)) => stream,
+            Err(e) if is_connection_error(&e) => continue,
+            Err(e) => {
+                // EMFILE and the like: wait for descriptors to come back rather than spin.
+                tracing::warn!("accept on {:?}: {e}", listener.local_addr().ok());
+                tokio::time::sleep(Duration::from_millis(200)).await;
+                continue;
+            }
+        };
+        let _ = stream.set_nodelay(true);
+        let (app, tls, builder) = (app.clone(), tls.clone(), builder.clone());
+        tokio::spawn(async move {
+            let conn = Arc::new(Conn::new());
+            match tls {
+                None => drive(stream, permit, conn, app, &builder, limits).await,
+                Some(acceptor) => {
+                    match tokio::time::timeout(limits.header_read, acceptor.accept(stream)).await {
+                        Ok(Ok(stream)) => {
+                            // The first request's clock starts after the handshake.
+                            conn.state.lock().unwrap().head_since = Some(Instant::now());
+                            drive(stream, permit, conn, app, &builder, limits).await
+                        }
+                        Ok(Err(e)) => tracing::debug!("TLS handshake: {e}"),
+                        Err(_) => tracing::debug!("TLS handshake timed out"),
+                    }
+                }
+            }
+        });
+    }
+}
+
+fn is_connection_error(e: &io::Error) -> bool {
+    matches!(
+        e.kind(),
+        io::ErrorKind::ConnectionRefused | io::ErrorKind::ConnectionAborted | io::ErrorKind::ConnectionReset
+    )
+}
+
+/// One connection: hyper serves it while the watchdog below enforces the limits.
+async fn drive<S>(
+    io: S,
+    permit: OwnedSemaphorePermit,
+    conn: Arc<Conn>,
+    app: Router,
+    builder: &auto::Builder<TokioExecutor>,
+    limits: Limits,
+) where
+    S: AsyncRead + AsyncWrite + Unpin + Send + 'static,
+{
+    let io = TokioIo::new(Watched {
+        io,
+        conn: conn.clone(),
+        _permit: permit,
+    });
+    let app = TowerToHyperService::new(app);
+    let c = conn.clone();
+    let service = hyper::service::service_fn(move |req: Request<Incoming>| {
+        let guard = InFlight::begin(c.clone(), req.version() == Version::HTTP_2);
+        let response = app.call(req);
+        async move {
+            let response = response.await?;
+            Ok::<_, Infallible>(response.map(|body| Body::new(Tracked { body, _guard: guard })))
+        }
+    });
+    let serving = builder.serve_connection_with_upgrades(io, service);
+    tokio::pin!(serving);
+    loop {
+        let (deadline, why) = conn.deadline(&limits);
+        let changed = conn.changed.notified();
+        tokio::select! {
+            _ = serving.as_mut() => return,
+            _ = changed => continue,
+            _ = tokio::time::sleep_until(tokio::time::Instant::from_std(deadline)) => {
+                if conn.deadline(&limits).0 > Instant::now() {
+                    continue;
+                }
+                match why {
+                    // Closed at once: the socket goes with the connection.
+                    Expiry::Head => return,
+                    Expiry::Idle => {
+                        serving.as_mut().graceful_shutdown();
+                        let _ = tokio::time::timeout(limits.header_read, serving.as_mut()).await;
+                        return;
+                    }
+                    Expiry::None => continue,
+                }
+            }
+        }
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Expiry {
+    Head,
+    Idle,
+    None,
+}
+
+/// What the watchdog knows of a connection.
+struct Conn {
+    state: Mutex<Activity>,
+    /// Signalled on every change that moves the deadline.
+    changed: Notify,
+}
+
+struct Activity {
+    /// Requests being handled or still sending their response body.
+    in_flight: usize,
+    /// Since when nothing has been in flight.
+    idle_since: Instant,
+    /// Since when a request head has been arriving (or the connection waited for its first).
+    head_since: Option<Instant>,
+    /// An HTTP/2 connection: bytes between requests are frames, not a head.
+    h2: bool,
+}
+
+impl Conn {
+    fn new() -> Conn {
+        let now = Instant::now();
+        Conn {
+            state: Mutex::new(Activity {
+                in_flight: 0,
+                idle_since: now,
+                head_since: Some(now),
+                h2: false,
+            }),
+            changed: Notify::new(),
+        }
+    }
+
+    fn deadline(&self, limits: &Limits) -> (Instant, Expiry) {
+        let s = self.state.lock().unwrap();
+        if s.in_flight > 0 {
+            // Woken by `changed` when the last request ends.
+            return (Instant::now() + Duration::from_secs(24 * 3600), Expiry::None);
+        }
+        match s.head_since {
+            Some(t) => (t + limits.header_read, Expiry::Head),
+            None => (s.idle_since + limits.idle, Expiry::Idle),
+        }
+    }
+
+    /// Bytes came in: between requests on HTTP/1 they start a head, and its clock.
+    fn read(&self) {
+        let mut s = self.state.lock().unwrap();
+        if s.in_flight == 0 && !s.h2 && s.head_since.is_none() {
+            s.head_since = Some(Instant::now());
+            drop(s);
+            self.changed.notify_one();
+        }
+    }
+}
+
+/// A request from its dispatch until its response body is sent (or dropped).
+struct InFlight(Arc<Conn>);
+
+impl InFlight {
+    fn begin(conn: Arc<Conn>, h2: bool) -> InFlight {
+        {
+            let mut s = conn.state.lock().unwrap();
+            s.in_flight += 1;
+            s.head_since = None;
+            s.h2 |= h2;
+        }
+        conn.changed.notify_one();
+        InFlight(conn)
+    }
+}
+
+impl Drop for InFlight {
+    fn drop(&mut self) {
+        {
+            let mut s = self.0.state.lock().unwrap();
+            s.in_flight -= 1;
+            if s.in_flight == 0 {
+                s.idle_since = Instant::now();
+            }
+        }
+        self.0.changed.notify_one();
+    }
+}
+
+/// A response body that keeps its request in flight until hyper is done with it.
+struct Tracked {
+    body: Body,
+    _guard: InFlight,
+}
+
+impl hyper::body::Body for Tracked {
+    type Data = <Body as hyper::body::Body>::Data;
+    type Error = <Body as hyper::body::Body>::Error;
+
+    fn poll_frame(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Result<Frame<Self::Data>, Self::Error>>> {
+        Pin::new(&mut self.get_mut().body).poll_frame(cx)
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.body.is_end_stream()
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        self.body.size_hint()
+    }
+}
+
+/// The socket (plaintext, above TLS): reports reads to the watchdog and holds the connection's
+/// permit for as long as it is open, upgraded or not.
+struct Watched<S> {
+    io: S,
+    conn: Arc<Conn>,
+    _permit: OwnedSemaphorePermit,
+}
+
+impl<S: AsyncRead + Unpin> AsyncRead for Watched<S> {
+    fn poll_read(self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &mut ReadBuf<'_>) -> Poll<io::Result<()>> {
+        let me = self.get_mut();
+        let before = buf.filled().len();
+        let r = Pin::new(&mut me.io).poll_read(cx, buf);
+        if matches!(r, Poll::Ready(Ok(()))) && buf.filled().len() > before {
+            me.conn.read();
+        }
+        r
+    }
+}
+
+impl<S: AsyncWrite + Unpin> AsyncWrite for Watched<S> {
+    fn poll_write(self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &[u8]) -> Poll<io::Result<usize>> {
+        Pin::new(&mut self.get_mut().io).poll_write(cx, buf)
+    }
+
+    fn poll_write_vectored(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        bufs: &[io::IoSlice<'_>],
+    ) -> Poll<io::Result<usize>> {
+        Pin::new(&mut self.get_mut().io).poll_write_vectored(cx, bufs)
+    }
+
+    fn is_write_vectored(&self) -> bool {
+        self.io.is_write_vectored()
+    }
+
+    fn poll_flush(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.get_mut().io).poll_flush(cx)
+    }
+
+    fn poll_shutdown(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.get_mut().io).poll_shutdown(cx)
+    }
+}
