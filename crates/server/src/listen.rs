@@ -345,3 +345,149 @@ impl<S: AsyncWrite + Unpin> AsyncWrite for Watched<S> {
         Pin::new(&mut self.get_mut().io).poll_shutdown(cx)
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use axum::routing::get;
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+    const HEADER: Duration = Duration::from_millis(300);
+    const IDLE: Duration = Duration::from_millis(800);
+
+    async fn start(app: Router) -> std::net::SocketAddr {
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let limits = Limits {
+            header_read: HEADER,
+            idle: IDLE,
+            max_connections: 16,
+        };
+        tokio::spawn(serve(listener, app, None, limits));
+        addr
+    }
+
+    /// Read until `needle` shows up; false if the connection ends first.
+    async fn read_until(s: &mut tokio::net::TcpStream, needle: &str) -> bool {
+        let mut seen = Vec::new();
+        let mut buf = [0u8; 1024];
+        while !String::from_utf8_lossy(&seen).contains(needle) {
+            match tokio::time::timeout(Duration::from_secs(5), s.read(&mut buf)).await {
+                Ok(Ok(n)) if n > 0 => seen.extend_from_slice(&buf[..n]),
+                _ => return false,
+            }
+        }
+        true
+    }
+
+    fn app() -> Router {
+        Router::new()
+            .route("/", get(|| async { "ok" }))
+            // A stream quiet for three idle periods between its events.
+            .route(
+                "/slow",
+                get(|| async {
+                    let events = futures_util::stream::unfold(0, |i| async move {
+                        if i == 2 {
+                            return None;
+                        }
+                        if i == 1 {
+                            tokio::time::sleep(IDLE * 3).await;
+                        }
+                        Some((Ok::<_, Infallible>(format!("event{i}\n")), i + 1))
+                    });
+                    Body::from_stream(events)
+                }),
+            )
+            // An upgrade to a byte echo.
+            .route(
+                "/echo",
+                get(|mut req: axum::extract::Request| async move {
+                    let upgrade = hyper::upgrade::on(&mut req);
+                    tokio::spawn(async move {
+                        let mut io = TokioIo::new(upgrade.await.unwrap());
+                        let mut buf = [0u8; 64];
+                        while let Ok(n) = io.read(&mut buf).await {
+                            if n == 0 || io.write_all(&buf[..n]).await.is_err() {
+                                break;
+                            }
+                        }
+                    });
+                    axum::response::Response::builder()
+                        .status(101)
+                        .header("connection", "upgrade")
+                        .header("upgrade", "echo")
+                        .body(Body::empty())
+                        .unwrap()
+                }),
+            )
+    }
+
+    #[tokio::test]
+    async fn a_quiet_stream_is_not_idle() {
+        let addr = start(app()).await;
+        let mut s = tokio::net::TcpStream::connect(addr).await.unwrap();
+        s.write_all(b"GET /slow HTTP/1.1\r\nhost: x\r\n\r\n").await.unwrap();
+        assert!(read_until(&mut s, "event0").await);
+        assert!(
+            read_until(&mut s, "event1").await,
+            "the stream outlives the idle timeout"
+        );
+    }
+
+    #[tokio::test]
+    async fn an_upgraded_connection_leaves_the_timers() {
+        let addr = start(app()).await;
+        let mut s = tokio::net::TcpStream::connect(addr).await.unwrap();
+        s.write_all(b"GET /echo HTTP/1.1\r\nhost: x\r\nconnection: upgrade\r\nupgrade: echo\r\n\r\n")
+            .await
+            .unwrap();
+        assert!(read_until(&mut s, "\r\n\r\n").await);
+        tokio::time::sleep(IDLE * 2).await;
+        s.write_all(b"ping").await.unwrap();
+        assert!(read_until(&mut s, "ping").await, "the upgraded socket is still open");
+    }
+
+    #[tokio::test]
+    async fn between_requests_the_idle_timeout_applies_then_the_header_one() {
+        let addr = start(app()).await;
+        let mut s = tokio::net::TcpStream::connect(addr).await.unwrap();
+        s.write_all(b"GET / HTTP/1.1\r\nhost: x\r\n\r\n").await.unwrap();
+        assert!(read_until(&mut s, "ok").await);
+        // Longer than the header timeout, shorter than the idle one: still open.
+        tokio::time::sleep(HEADER * 2).await;
+        s.write_all(b"GET / HTTP/1.1\r\nhost: x\r\n\r\n").await.unwrap();
+        assert!(
+            read_until(&mut s, "ok").await,
+            "a keep-alive connection waits the idle time"
+        );
+        // A head that starts and stalls is cut at the header timeout.
+        s.write_all(b"GET / HTTP/1.1\r\n").await.unwrap();
+        let t = Instant::now();
+        assert!(!read_until(&mut s, "ok").await);
+        let cut = t.elapsed();
+        assert!(cut >= HEADER - Duration::from_millis(50) && cut < IDLE, "{cut:?}");
+        // And an idle one is closed after the idle timeout.
+        let mut s = tokio::net::TcpStream::connect(addr).await.unwrap();
+        s.write_all(b"GET / HTTP/1.1\r\nhost: x\r\n\r\n").await.unwrap();
+        assert!(read_until(&mut s, "ok").await);
+        let t = Instant::now();
+        assert!(!read_until(&mut s, "never").await);
+        let closed = t.elapsed();
+        assert!(closed >= IDLE - Duration::from_millis(50), "{closed:?}");
+        assert!(closed < IDLE + HEADER * 2, "{closed:?}");
+    }
+
+    #[tokio::test]
+    async fn a_silent_connection_is_closed_at_the_header_timeout() {
+        let addr = start(app()).await;
+        let mut s = tokio::net::TcpStream::connect(addr).await.unwrap();
+        let t = Instant::now();
+        assert!(!read_until(&mut s, "never").await);
+        let closed = t.elapsed();
+        assert!(
+            closed >= HEADER - Duration::from_millis(50) && closed < IDLE,
+            "{closed:?}"
+        );
+    }
+}
