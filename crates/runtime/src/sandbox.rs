@@ -500,6 +500,26 @@ impl Runtime {
             .ok_or_else(|| RuntimeError::UnknownSandbox(id.into()))
     }
 
+    /// The data dir filesystem's space: what is free (for an unprivileged writer, as statvfs
+    /// reports it) and what this runtime's sandboxes already hold in it (allocated blocks of
+    /// their dirs: overlays, console logs). A node's disk budget is the sum of both, since the
+    /// sandboxes' own growth comes out of what they hold plus what is free.
+    pub fn disk_space(&self) -> DiskSpace {
+        let free_bytes = nix::sys::statvfs::statvfs(self.inner.data.root())
+            .map(|s| s.blocks_available() as u64 * s.fragment_size() as u64)
+            .unwrap_or(0);
+        let root = self.inner.data.sandboxes();
+        let held_bytes = self
+            .list()
+            .iter()
+            .map(|sb| allocated_bytes(&root.join(sb.id())))
+            .sum::<u64>();
+        DiskSpace {
+            free_mib: free_bytes >> 20,
+            held_by_sandboxes_mib: held_bytes >> 20,
+        }
+    }
+
     pub fn list(&self) -> Vec<Arc<Sandbox>> {
         let mut v: Vec<_> = self.inner.sandboxes.lock().unwrap().values().cloned().collect();
         v.sort_by(|a, b| a.record.created_at.cmp(&b.record.created_at));
@@ -535,4 +555,25 @@ impl Runtime {
         std::fs::remove_dir_all(&sb.vm.dir).map_err(|e| RuntimeError::io(&sb.vm.dir, e))?;
         stopped
     }
+}
+
+/// See [`Runtime::disk_space`].
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct DiskSpace {
+    pub free_mib: u64,
+    pub held_by_sandboxes_mib: u64,
+}
+
+/// Blocks allocated to the files directly in `dir` (a sandbox dir is flat), in bytes.
+fn allocated_bytes(dir: &std::path::Path) -> u64 {
+    use std::os::unix::fs::MetadataExt;
+    let Ok(entries) = std::fs::read_dir(dir) else {
+        return 0;
+    };
+    entries
+        .flatten()
+        .filter_map(|e| e.metadata().ok())
+        .filter(|m| m.is_file())
+        .map(|m| m.blocks() * 512)
+        .sum()
 }
