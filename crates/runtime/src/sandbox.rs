@@ -193,6 +193,10 @@ pub fn valid_sandbox_id(id: &str) -> bool {
     (8..=40).contains(&id.len()) && id.chars().all(|c| c.is_ascii_lowercase() || c.is_ascii_digit())
 }
 
+/// How often console logs are checked against their cap: a log holds at most the cap plus what
+/// its guest writes in this long (an emulated UART exits to QEMU for every byte).
+const CONSOLE_TRIM_EVERY: Duration = Duration::from_millis(250);
+
 impl Runtime {
     /// Open the data dir, find QEMU (unless `opts.vmm` brings a driver), and re-attach to (or
     /// clean up after) existing sandboxes.
@@ -223,8 +227,36 @@ impl Runtime {
                 exits: tokio::sync::broadcast::channel(256).0,
             }),
         };
+        rt.spawn_console_trimmer();
         rt.reconcile().await;
         Ok(rt)
+    }
+
+    /// Keep every sandbox's `console.log` under [`crate::vmm::CONSOLE_CAP`] (see
+    /// [`crate::vmm::trim_console`]): a guest flooding its serial port fills the host's disk
+    /// otherwise. One task for the whole data dir, walking the sandbox dirs on disk, so VMs
+    /// still booting and VMs re-attached after a restart are covered alike (while no server
+    /// runs, nothing trims; the next start does). It ends with the runtime.
+    fn spawn_console_trimmer(&self) {
+        let alive = Arc::downgrade(&self.inner);
+        let root = self.inner.data.sandboxes();
+        tokio::spawn(async move {
+            while alive.strong_count() > 0 {
+                let root = root.clone();
+                let _ = tokio::task::spawn_blocking(move || {
+                    for entry in std::fs::read_dir(&root).into_iter().flatten().flatten() {
+                        let log = entry.path().join("console.log");
+                        match crate::vmm::trim_console(&log) {
+                            Ok(true) => tracing::debug!("trimmed {}", log.display()),
+                            Ok(false) => {}
+                            Err(e) => tracing::warn!("cannot trim {}: {e}", log.display()),
+                        }
+                    }
+                })
+                .await;
+                tokio::time::sleep(CONSOLE_TRIM_EVERY).await;
+            }
+        });
     }
 
     pub fn data_dir(&self) -> &DataDir {
