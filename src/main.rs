@@ -53,6 +53,17 @@ enum Command {
         /// Open connections per listener; past it new ones wait in the listen backlog.
         #[arg(long, env = "AIRLOCK_MAX_CONNECTIONS", default_value_t = airlock_server::listen::MAX_CONNECTIONS)]
         max_connections: usize,
+        /// The node's vCPU budget is its CPUs times this; past it creates get 503
+        /// `node_budget_exceeded`.
+        #[arg(long, env = "AIRLOCK_VCPU_OVERCOMMIT", default_value_t = airlock_server::core::DEFAULT_VCPU_OVERCOMMIT, value_parser = parse_overcommit)]
+        vcpu_overcommit: f64,
+        /// Memory kept for the host; live sandboxes' memory sums to at most the rest.
+        #[arg(long, env = "AIRLOCK_MEMORY_RESERVE_MIB", default_value_t = airlock_server::core::DEFAULT_MEMORY_RESERVE_MIB)]
+        memory_reserve_mib: u64,
+        /// Disk kept free in the data dir's filesystem; live sandboxes' disks (at full size) sum
+        /// to at most the rest, and no create is admitted below it.
+        #[arg(long, env = "AIRLOCK_DISK_RESERVE_MIB", default_value_t = airlock_server::core::DEFAULT_DISK_RESERVE_MIB)]
+        disk_reserve_mib: u64,
     },
     /// Build and list templates.
     Template {
@@ -93,6 +104,13 @@ enum Command {
     },
     /// Check the host and report what sandboxes would run with (QEMU, accelerator, templates).
     Doctor,
+}
+
+fn parse_overcommit(s: &str) -> Result<f64, String> {
+    match s.parse::<f64>() {
+        Ok(f) if f.is_finite() && f > 0.0 && f <= 64.0 => Ok(f),
+        _ => Err(format!("{s:?} is not a factor between 0 and 64 (e.g. 4 or 1.5)")),
+    }
 }
 
 #[derive(clap::Args)]
@@ -261,6 +279,9 @@ async fn run(cli: Cli) -> anyhow::Result<u8> {
         Command::Serve {
             listen,
             max_sandboxes,
+            vcpu_overcommit,
+            memory_reserve_mib,
+            disk_reserve_mib,
             e2b_debug_listen,
             e2b_domain,
             tls_listen,
@@ -285,6 +306,9 @@ async fn run(cli: Cli) -> anyhow::Result<u8> {
                 listen,
                 data_dir: cli.data_dir,
                 max_sandboxes_per_tenant: max_sandboxes,
+                vcpu_overcommit,
+                memory_reserve_mib,
+                disk_reserve_mib,
                 e2b_debug_listen,
                 e2b_domain,
                 tls: match (tls_listen, tls_cert, tls_key) {

@@ -22,5 +22,5 @@ pub use vmm::{qemu, qmp};
 
 pub use agent::AgentClient;
 pub use error::{Result, RuntimeError};
-pub use sandbox::{CreateSandbox, Output, Resources, Runtime, RuntimeOptions, Sandbox};
+pub use sandbox::{CreateSandbox, DiskSpace, Output, Resources, Runtime, RuntimeOptions, Sandbox};
 pub use vmm::Accel;

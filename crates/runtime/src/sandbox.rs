@@ -193,6 +193,10 @@ pub fn valid_sandbox_id(id: &str) -> bool {
     (8..=40).contains(&id.len()) && id.chars().all(|c| c.is_ascii_lowercase() || c.is_ascii_digit())
 }
 
+/// How often console logs are checked against their cap: a log holds at most the cap plus what
+/// its guest writes in this long (an emulated UART exits to QEMU for every byte).
+const CONSOLE_TRIM_EVERY: Duration = Duration::from_millis(250);
+
 impl Runtime {
     /// Open the data dir, find QEMU (unless `opts.vmm` brings a driver), and re-attach to (or
     /// clean up after) existing sandboxes.
@@ -223,8 +227,36 @@ impl Runtime {
                 exits: tokio::sync::broadcast::channel(256).0,
             }),
         };
+        rt.spawn_console_trimmer();
         rt.reconcile().await;
         Ok(rt)
+    }
+
+    /// Keep every sandbox's `console.log` under [`crate::vmm::CONSOLE_CAP`] (see
+    /// [`crate::vmm::trim_console`]): a guest flooding its serial port fills the host's disk
+    /// otherwise. One task for the whole data dir, walking the sandbox dirs on disk, so VMs
+    /// still booting and VMs re-attached after a restart are covered alike (while no server
+    /// runs, nothing trims; the next start does). It ends with the runtime.
+    fn spawn_console_trimmer(&self) {
+        let alive = Arc::downgrade(&self.inner);
+        let root = self.inner.data.sandboxes();
+        tokio::spawn(async move {
+            while alive.strong_count() > 0 {
+                let root = root.clone();
+                let _ = tokio::task::spawn_blocking(move || {
+                    for entry in std::fs::read_dir(&root).into_iter().flatten().flatten() {
+                        let log = entry.path().join("console.log");
+                        match crate::vmm::trim_console(&log) {
+                            Ok(true) => tracing::debug!("trimmed {}", log.display()),
+                            Ok(false) => {}
+                            Err(e) => tracing::warn!("cannot trim {}: {e}", log.display()),
+                        }
+                    }
+                })
+                .await;
+                tokio::time::sleep(CONSOLE_TRIM_EVERY).await;
+            }
+        });
     }
 
     pub fn data_dir(&self) -> &DataDir {
@@ -500,6 +532,26 @@ impl Runtime {
             .ok_or_else(|| RuntimeError::UnknownSandbox(id.into()))
     }
 
+    /// The data dir filesystem's space: what is free (for an unprivileged writer, as statvfs
+    /// reports it) and what this runtime's sandboxes already hold in it (allocated blocks of
+    /// their dirs: overlays, console logs). A node's disk budget is the sum of both, since the
+    /// sandboxes' own growth comes out of what they hold plus what is free.
+    pub fn disk_space(&self) -> DiskSpace {
+        let free_bytes = nix::sys::statvfs::statvfs(self.inner.data.root())
+            .map(|s| s.blocks_available() as u64 * s.fragment_size() as u64)
+            .unwrap_or(0);
+        let root = self.inner.data.sandboxes();
+        let held_bytes = self
+            .list()
+            .iter()
+            .map(|sb| allocated_bytes(&root.join(sb.id())))
+            .sum::<u64>();
+        DiskSpace {
+            free_mib: free_bytes >> 20,
+            held_by_sandboxes_mib: held_bytes >> 20,
+        }
+    }
+
     pub fn list(&self) -> Vec<Arc<Sandbox>> {
         let mut v: Vec<_> = self.inner.sandboxes.lock().unwrap().values().cloned().collect();
         v.sort_by(|a, b| a.record.created_at.cmp(&b.record.created_at));
@@ -535,4 +587,25 @@ impl Runtime {
         std::fs::remove_dir_all(&sb.vm.dir).map_err(|e| RuntimeError::io(&sb.vm.dir, e))?;
         stopped
     }
+}
+
+/// See [`Runtime::disk_space`].
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct DiskSpace {
+    pub free_mib: u64,
+    pub held_by_sandboxes_mib: u64,
+}
+
+/// Blocks allocated to the files directly in `dir` (a sandbox dir is flat), in bytes.
+fn allocated_bytes(dir: &std::path::Path) -> u64 {
+    use std::os::unix::fs::MetadataExt;
+    let Ok(entries) = std::fs::read_dir(dir) else {
+        return 0;
+    };
+    entries
+        .flatten()
+        .filter_map(|e| e.metadata().ok())
+        .filter(|m| m.is_file())
+        .map(|m| m.blocks() * 512)
+        .sum()
 }

@@ -213,6 +213,50 @@ async fn restart_reattaches_running_and_paused_vms() {
     assert_no_vms(tmp.path());
 }
 
+/// Wait until the runtime's trimmer has cut `log` back under the cap.
+async fn await_trimmed(log: &Path) {
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while std::fs::metadata(log).unwrap().len() > airlock_runtime::vmm::CONSOLE_CAP {
+        assert!(Instant::now() < deadline, "{} was not trimmed in 5 s", log.display());
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn console_logs_are_trimmed_before_and_after_a_restart() {
+    use std::io::Write;
+    let tmp = tempfile::tempdir().unwrap();
+    let rt = node(tmp.path()).await;
+    let sb = rt.create(seed(None)).await.unwrap();
+    let log = sb.vm.console_log.clone();
+    let flood = |last: &str| {
+        let mut f = std::fs::OpenOptions::new().append(true).open(&log).unwrap();
+        let line = "a guest printing to its console forever\n".repeat(1024);
+        while f.metadata().unwrap().len() <= 2 * airlock_runtime::vmm::CONSOLE_CAP {
+            f.write_all(line.as_bytes()).unwrap();
+        }
+        f.write_all(last.as_bytes()).unwrap();
+    };
+    flood("first flood ends\n");
+    await_trimmed(&log).await;
+    assert!(
+        sb.vm.console_tail(1).contains("first flood ends"),
+        "{}",
+        sb.vm.console_tail(1)
+    );
+
+    // The VM outlives the runtime; the next one trims its log too.
+    let id = sb.id().to_string();
+    drop((sb, rt));
+    let rt = Runtime::open(fake::options(tmp.path())).await.unwrap();
+    flood("second flood ends\n");
+    await_trimmed(&log).await;
+    let sb = rt.get(&id).unwrap();
+    assert!(sb.vm.console_tail(1).contains("second flood ends"));
+    rt.delete(&id).await.unwrap();
+    assert_no_vms(tmp.path());
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn restart_removes_dead_vms() {
     let tmp = tempfile::tempdir().unwrap();

@@ -8,7 +8,7 @@ use crate::error::{CoreError, CoreResult};
 use crate::model::ErrorBody;
 use crate::model::{Operation, OperationKind, OperationState, SandboxState};
 use crate::nodes::{Nodes, VmState};
-use crate::store::{now_ms, rfc3339, CreateRecorded, SandboxRow, Store};
+use crate::store::{now_ms, rfc3339, CreateRecorded, NodeBudget, SandboxRow, Store};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -25,11 +25,13 @@ pub const WAIT_LIMIT: Duration = Duration::from_secs(300);
 /// A lifecycle change to carry out.
 #[derive(Debug, Clone)]
 pub enum Action {
-    /// Record a new sandbox (if the tenant has fewer than `max_live` live ones) and boot it.
+    /// Record a new sandbox (if the tenant has fewer than `max_live` live ones and the node's
+    /// live sandboxes plus this one fit in `budget`) and boot it.
     Create {
         sandbox: SandboxRow,
         idempotency_key: Option<String>,
         max_live: u32,
+        budget: NodeBudget,
     },
     Delete {
         sandbox: SandboxRow,
@@ -117,11 +119,12 @@ impl Engine {
                 sandbox,
                 idempotency_key,
                 max_live,
+                budget,
             } => {
                 let op = new_operation(OperationKind::Create, &sandbox.id);
                 match self
                     .store
-                    .insert_create(&sandbox, &op, idempotency_key.as_deref(), max_live)
+                    .insert_create_within(&sandbox, &op, idempotency_key.as_deref(), max_live, &budget)
                     .await?
                 {
                     CreateRecorded::Existing(prior) => Ok(Submitted {

@@ -61,6 +61,18 @@ pub enum CoreError {
     },
     #[error("tenant {tenant} has {live} live sandboxes, the limit of this server (--max-sandboxes {limit}); delete one first")]
     QuotaExceeded { tenant: String, live: u32, limit: u32 },
+    /// This node has no room left for the sandbox in one of its budgets (`vcpu`, `memory`,
+    /// `disk`), whoever holds the rest: it comes back as sandboxes are deleted.
+    #[error("this node's {budget} budget is exhausted: the sandbox asks for {asked} {unit}, {left} {unit} of {total} {unit} are left{hint}")]
+    NodeBudgetExceeded {
+        budget: &'static str,
+        unit: &'static str,
+        asked: u64,
+        left: u64,
+        total: u64,
+        /// What the operator can change (` (--vcpu-overcommit)`), or empty.
+        hint: String,
+    },
     #[error("option `{option}` is not supported by airlock{reason}")]
     Unsupported { option: String, reason: String },
     #[error("{0}")]
@@ -104,6 +116,26 @@ impl CoreError {
         }
     }
 
+    /// `budget` is `vcpu`, `memory` or `disk` (as the store names them).
+    pub fn node_budget(budget: &'static str, asked: u64, used: u64, total: u64) -> Self {
+        let (unit, hint) = match budget {
+            "vcpu" => ("vCPUs", " (the host's CPUs times --vcpu-overcommit)"),
+            "memory" => ("MiB", " (the host's memory less --memory-reserve-mib)"),
+            _ => (
+                "MiB",
+                " (the data dir's free space less --disk-reserve-mib, counting every sandbox's disk at its full size)",
+            ),
+        };
+        CoreError::NodeBudgetExceeded {
+            budget,
+            unit,
+            asked,
+            left: total.saturating_sub(used),
+            total,
+            hint: hint.into(),
+        }
+    }
+
     pub fn unsupported(option: impl Into<String>, reason: impl Into<String>) -> Self {
         let reason = reason.into();
         CoreError::Unsupported {
@@ -137,6 +169,9 @@ impl CoreError {
             CoreError::InvalidResources(_) => c("invalid_resources", 422),
             CoreError::InvalidState { .. } => c("invalid_state", 409),
             CoreError::QuotaExceeded { .. } => c("quota_exceeded", 429),
+            // 503, not 429: the caller is within its own quota; the node is full (for everyone)
+            // until sandboxes go, and a client or balancer retries later or elsewhere.
+            CoreError::NodeBudgetExceeded { .. } => c("node_budget_exceeded", 503),
             CoreError::Unsupported { .. } => c("unsupported", 422),
             CoreError::Unauthenticated(_) => c("unauthorized", 401),
             CoreError::Guest { kind, source } => match source.code() {
@@ -197,6 +232,12 @@ impl From<StoreError> for CoreError {
                 live,
                 limit,
             },
+            StoreError::NodeBudgetExceeded {
+                budget,
+                asked,
+                used,
+                total,
+            } => CoreError::node_budget(budget, asked, used, total),
             other => CoreError::Store(other),
         }
     }

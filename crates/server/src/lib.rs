@@ -184,6 +184,10 @@ pub struct ServeOptions {
     pub listen: SocketAddr,
     pub data_dir: PathBuf,
     pub max_sandboxes_per_tenant: u32,
+    /// Node budgets (see `core::Config`).
+    pub vcpu_overcommit: f64,
+    pub memory_reserve_mib: u64,
+    pub disk_reserve_mib: u64,
     /// Second listener for E2B's code-interpreter port (`E2B_DEBUG=true` clients).
     pub e2b_debug_listen: Option<SocketAddr>,
     /// E2B domain for `E2B_DOMAIN` setups: returned to SDKs as the sandbox domain.
@@ -240,7 +244,21 @@ pub async fn serve(opts: ServeOptions) -> anyhow::Result<()> {
     let nodes: Arc<dyn nodes::Nodes> = Arc::new(nodes::LocalNode::new(runtime));
     let config = core::Config {
         max_sandboxes_per_tenant: opts.max_sandboxes_per_tenant,
+        vcpu_overcommit: opts.vcpu_overcommit,
+        memory_reserve_mib: opts.memory_reserve_mib,
+        disk_reserve_mib: opts.disk_reserve_mib,
     };
+    let capacity = nodes.capacity();
+    let budget = config.budget(&capacity);
+    tracing::info!(
+        "node budget: {} vCPUs ({} CPUs x {}), {} MiB memory, {} MiB disk ({} MiB free)",
+        budget.vcpu,
+        capacity.cpus,
+        config.vcpu_overcommit,
+        budget.memory_mib,
+        budget.disk_mib,
+        capacity.disk_free_mib
+    );
     let core = core::Core::new(store, nodes, config, secret);
     core.engine.recover().await?;
     core.engine.spawn_reaper();

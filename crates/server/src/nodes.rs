@@ -26,11 +26,16 @@ pub struct Booted {
     pub accel: String,
 }
 
+/// What a node has, before the operator's overcommit and reserves (`core::Config::budget`).
 #[derive(Debug, Clone, Copy)]
 pub struct Capacity {
     pub cpus: u32,
     pub memory_mib: u64,
     pub sandboxes_running: u32,
+    /// Free space of the filesystem sandbox disks live on (statvfs, unprivileged).
+    pub disk_free_mib: u64,
+    /// Space the node's sandboxes already hold on it (their overlays grow into the rest).
+    pub disk_held_mib: u64,
 }
 
 #[async_trait]
@@ -53,6 +58,7 @@ pub trait Nodes: Send + Sync {
     async fn agent(&self, id: &str) -> Result<AgentClient, RuntimeError>;
     /// Ids of VMs that exited on their own (crash, `kill -9`, powered off inside).
     fn exits(&self) -> broadcast::Receiver<String>;
+    /// What this node has (admission derives its budgets from it, see `core::Config::budget`).
     fn capacity(&self) -> Capacity;
 }
 
@@ -171,12 +177,15 @@ impl Nodes for LocalNode {
             .find(|l| l.starts_with("MemTotal:"))
             .and_then(|l| l.split_whitespace().nth(1)?.parse::<u64>().ok())
             .unwrap_or(0);
+        let disk = self.runtime.disk_space();
         Capacity {
             cpus: std::thread::available_parallelism()
                 .map(|n| n.get() as u32)
                 .unwrap_or(1),
             memory_mib: memory_kib / 1024,
             sandboxes_running: self.runtime.list().len() as u32,
+            disk_free_mib: disk.free_mib,
+            disk_held_mib: disk.held_by_sandboxes_mib,
         }
     }
 }

@@ -72,6 +72,22 @@ impl Server {
     /// `start`, with every VM create held back by `create_delay` before it reaches the node
     /// (to let other operations overtake it).
     async fn start_with(dir: &Path, max: u32, key: Option<&str>, create_delay: Duration) -> Server {
+        Self::start_full(dir, max, key, create_delay, ROOMY, Config::default()).await
+    }
+
+    /// `start` on a node that has `capacity` (budgets derived from it by `config`).
+    async fn start_sized(dir: &Path, max: u32, capacity: Capacity, config: Config) -> Server {
+        Self::start_full(dir, max, None, Duration::ZERO, capacity, config).await
+    }
+
+    async fn start_full(
+        dir: &Path,
+        max: u32,
+        key: Option<&str>,
+        create_delay: Duration,
+        capacity: Capacity,
+        config: Config,
+    ) -> Server {
         let tokio_rt = tokio::runtime::Builder::new_multi_thread()
             .worker_threads(2)
             .thread_name("airlock-test-server")
@@ -89,16 +105,17 @@ impl Server {
                     .unwrap();
                 let key = known_key.or(minted).expect("an admin key");
                 let local: Arc<dyn Nodes> = Arc::new(LocalNode::new(runtime.clone()));
-                let nodes: Arc<dyn Nodes> = if create_delay.is_zero() {
-                    local
-                } else {
-                    Arc::new(LateCreate(local, create_delay))
-                };
+                let nodes: Arc<dyn Nodes> = Arc::new(TestNode {
+                    inner: local,
+                    create_delay,
+                    capacity,
+                });
                 let core = Core::new(
                     Arc::new(store),
                     nodes,
                     Config {
                         max_sandboxes_per_tenant: max,
+                        ..config
                     },
                     SECRET.to_vec(),
                 );
@@ -456,47 +473,64 @@ impl ConnectStream {
     }
 }
 
-/// A node whose creates start late: everything else goes straight to the real one.
-struct LateCreate(Arc<dyn Nodes>, Duration);
+/// A node as large as no test fills: only what a test sets limits it.
+const ROOMY: Capacity = Capacity {
+    cpus: 1024,
+    memory_mib: 1 << 30,
+    sandboxes_running: 0,
+    disk_free_mib: 1 << 40,
+    disk_held_mib: 0,
+};
+
+/// A node that has `capacity` and whose creates start `create_delay` late; everything else
+/// goes straight to the real one.
+struct TestNode {
+    inner: Arc<dyn Nodes>,
+    create_delay: Duration,
+    capacity: Capacity,
+}
 
 #[async_trait::async_trait]
-impl Nodes for LateCreate {
+impl Nodes for TestNode {
     fn runtime_name(&self) -> &'static str {
-        self.0.runtime_name()
+        self.inner.runtime_name()
     }
     async fn accel(&self) -> String {
-        self.0.accel().await
+        self.inner.accel().await
     }
     fn templates(&self) -> &airlock_runtime::template::TemplateStore {
-        self.0.templates()
+        self.inner.templates()
     }
     async fn create(&self, sandbox: &SandboxRow) -> Result<Booted, airlock_runtime::RuntimeError> {
-        tokio::time::sleep(self.1).await;
-        self.0.create(sandbox).await
+        tokio::time::sleep(self.create_delay).await;
+        self.inner.create(sandbox).await
     }
     async fn delete(&self, id: &str) -> Result<(), airlock_runtime::RuntimeError> {
-        self.0.delete(id).await
+        self.inner.delete(id).await
     }
     async fn pause(&self, id: &str) -> Result<(), airlock_runtime::RuntimeError> {
-        self.0.pause(id).await
+        self.inner.pause(id).await
     }
     async fn resume(&self, id: &str) -> Result<(), airlock_runtime::RuntimeError> {
-        self.0.resume(id).await
+        self.inner.resume(id).await
     }
     fn vm_state(&self, id: &str) -> VmState {
-        self.0.vm_state(id)
+        self.inner.vm_state(id)
     }
     fn vm_ids(&self) -> Vec<String> {
-        self.0.vm_ids()
+        self.inner.vm_ids()
     }
     async fn agent(&self, id: &str) -> Result<airlock_runtime::AgentClient, airlock_runtime::RuntimeError> {
-        self.0.agent(id).await
+        self.inner.agent(id).await
     }
     fn exits(&self) -> tokio::sync::broadcast::Receiver<String> {
-        self.0.exits()
+        self.inner.exits()
     }
     fn capacity(&self) -> Capacity {
-        self.0.capacity()
+        Capacity {
+            sandboxes_running: self.inner.capacity().sandboxes_running,
+            ..self.capacity
+        }
     }
 }
 
@@ -1096,6 +1130,177 @@ async fn missing_sandbox_is_404_on_every_route() {
     assert_eq!(server.sandbox_state(&id).await, "running");
     server.assert_answers(&id).await;
     server.delete(&id).await;
+    server.stop().await;
+    assert_no_vms(tmp.path());
+}
+
+// ---------------------------------------------------------------------------------------------
+// 5. Node budgets
+
+/// A node of `cpus`, `memory_mib` and free disk, nothing held yet.
+fn node(cpus: u32, memory_mib: u64, disk_free_mib: u64) -> Capacity {
+    Capacity {
+        cpus,
+        memory_mib,
+        sandboxes_running: 0,
+        disk_free_mib,
+        disk_held_mib: 0,
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn memory_budget_admits_two_refuses_the_third_and_frees_on_delete() {
+    let tmp = fresh();
+    // 2048 MiB less a 1024 MiB reserve: room for two 512 MiB sandboxes.
+    let config = Config {
+        memory_reserve_mib: 1024,
+        ..Config::default()
+    };
+    let server = Server::start_sized(tmp.path(), 20, node(64, 2048, 1 << 30), config).await;
+    let a = server.running_sandbox().await;
+    let b = server.e2b_sandbox().await;
+
+    let (status, body) = server
+        .v1(Method::POST, "/sandboxes", Some(json!({ "template": "seed" })))
+        .await;
+    assert_eq!(status, 503, "{body}");
+    assert_eq!(body["code"], "node_budget_exceeded", "{body}");
+    let m = body["message"].as_str().unwrap();
+    for part in [
+        "memory budget",
+        "asks for 512 MiB",
+        "0 MiB of 1024 MiB are left",
+        "--memory-reserve-mib",
+    ] {
+        assert!(m.contains(part), "{part:?} not in {m:?}");
+    }
+    let (status, body) = server
+        .e2b(Method::POST, "/sandboxes", json!({ "templateID": "base" }))
+        .await;
+    assert_eq!((status, &body["code"]), (503, &json!(503)), "{body}");
+    assert!(body["message"].as_str().unwrap().contains("memory budget"), "{body}");
+    // Nothing was recorded for the refused creates.
+    let (_, list) = server.v1(Method::GET, "/sandboxes", None).await;
+    assert_eq!(list["sandboxes"].as_array().unwrap().len(), 2, "{list}");
+
+    // More than the whole budget never fits: a bad request, not a wait.
+    let (status, body) = server
+        .v1(
+            Method::POST,
+            "/sandboxes",
+            Some(json!({ "template": "seed", "resources": { "memory_mib": 1536 } })),
+        )
+        .await;
+    assert_eq!(
+        (status, body["code"].as_str()),
+        (422, Some("invalid_resources")),
+        "{body}"
+    );
+
+    // A deleted sandbox gives its memory back.
+    server.delete(&a).await;
+    let c = server.running_sandbox().await;
+    let (status, body) = server
+        .v1(
+            Method::POST,
+            "/sandboxes",
+            Some(json!({ "template": "seed", "resources": { "memory_mib": 128 } })),
+        )
+        .await;
+    assert_eq!(status, 503, "full again: {body}");
+    server.delete(&b.id).await;
+    server.delete(&c).await;
+    server.stop().await;
+    assert_no_vms(tmp.path());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn concurrent_creates_never_overshoot_the_vcpu_budget() {
+    let tmp = fresh();
+    // 3 CPUs, no overcommit: three 1-vCPU sandboxes, whoever asks.
+    let config = Config {
+        vcpu_overcommit: 1.0,
+        ..Config::default()
+    };
+    let server = Arc::new(Server::start_sized(tmp.path(), 20, node(3, 1 << 20, 1 << 30), config).await);
+    let tasks: Vec<_> = (0..10)
+        .map(|i| {
+            let server = server.clone();
+            tokio::spawn(async move {
+                if i % 2 == 0 {
+                    let (s, b) = server
+                        .v1(Method::POST, "/sandboxes", Some(json!({ "template": "seed" })))
+                        .await;
+                    (s, b["sandbox_id"].as_str().map(String::from), b)
+                } else {
+                    let (s, b) = server
+                        .e2b(Method::POST, "/sandboxes", json!({ "templateID": "base" }))
+                        .await;
+                    (s, b["sandboxID"].as_str().map(String::from), b)
+                }
+            })
+        })
+        .collect();
+    let mut admitted = Vec::new();
+    for t in tasks {
+        match t.await.unwrap() {
+            (202 | 201, Some(id), _) => admitted.push(id),
+            (503, _, b) => {
+                let m = b["message"].as_str().unwrap();
+                assert!(m.contains("vcpu budget") && m.contains("of 3 vCPUs"), "{b}");
+            }
+            (s, _, b) => panic!("unexpected {s} {b}"),
+        }
+    }
+    assert_eq!(admitted.len(), 3, "admitted {admitted:?}");
+    for id in &admitted {
+        server.await_state(id, "running", Duration::from_secs(10)).await;
+        server.delete(id).await;
+    }
+    let server = Arc::into_inner(server).unwrap();
+    server.stop().await;
+    assert_no_vms(tmp.path());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn disk_budget_counts_disks_at_full_size_and_keeps_the_reserve() {
+    let tmp = fresh();
+    let config = Config {
+        disk_reserve_mib: 2048,
+        ..Config::default()
+    };
+    // 5000 MiB free less the reserve: one 2048 MiB disk fits, a second does not.
+    let server = Server::start_sized(tmp.path(), 20, node(64, 1 << 20, 5000), config.clone()).await;
+    let a = server.running_sandbox().await;
+    let (status, body) = server
+        .v1(Method::POST, "/sandboxes", Some(json!({ "template": "seed" })))
+        .await;
+    assert_eq!(
+        (status, body["code"].as_str()),
+        (503, Some("node_budget_exceeded")),
+        "{body}"
+    );
+    let m = body["message"].as_str().unwrap();
+    assert!(
+        m.contains("disk budget") && m.contains("asks for 2048 MiB") && m.contains("904 MiB of 2952 MiB"),
+        "{m}"
+    );
+    server.delete(&a).await;
+    server.stop().await;
+    assert_no_vms(tmp.path());
+
+    // Free space below the reserve: nothing is admitted.
+    let tmp = fresh();
+    let server = Server::start_sized(tmp.path(), 20, node(64, 1 << 20, 1000), config).await;
+    let (status, body) = server
+        .v1(Method::POST, "/sandboxes", Some(json!({ "template": "seed" })))
+        .await;
+    assert_eq!(
+        (status, body["code"].as_str()),
+        (503, Some("node_budget_exceeded")),
+        "{body}"
+    );
+    assert!(body["message"].as_str().unwrap().contains("0 MiB of 0 MiB"), "{body}");
     server.stop().await;
     assert_no_vms(tmp.path());
 }

@@ -59,6 +59,10 @@ impl Server {
                     nodes,
                     Config {
                         max_sandboxes_per_tenant: 8,
+                        // Only the tenant quota here, whatever host runs the test.
+                        vcpu_overcommit: 64.0,
+                        memory_reserve_mib: 0,
+                        disk_reserve_mib: 0,
                     },
                     vec![7; 32],
                 );

@@ -159,15 +159,17 @@ impl VmHandle {
     pub fn load(dir: &Path) -> Option<Self> {
         serde_json::from_slice(&std::fs::read(Self::record_path(dir)).ok()?).ok()
     }
-    /// Last lines of the guest console and of the VMM's own output, for boot failure reports.
+    /// Last lines of the guest console (its kept tail, `console.log.1`, then `console.log`, see
+    /// [`trim_console`]) and of the VMM's own output, for boot failure reports.
     pub fn console_tail(&self, lines: usize) -> String {
-        let tail = |p: &Path| {
-            let text = std::fs::read_to_string(p).unwrap_or_default();
+        let last = |text: String| {
             let v: Vec<&str> = text.lines().collect();
             v[v.len().saturating_sub(lines)..].join("\n")
         };
-        let vmm_log = tail(&self.dir.join("qemu.log"));
-        let console = tail(&self.console_log);
+        let vmm_log = last(read_tail(&self.dir.join("qemu.log"), CONSOLE_KEEP));
+        let mut console = read_tail(&rotated(&self.console_log), CONSOLE_KEEP);
+        console.push_str(&read_tail(&self.console_log, CONSOLE_KEEP));
+        let console = last(console);
         match (vmm_log.is_empty(), console.is_empty()) {
             (true, true) => "(no output)".into(),
             (false, true) => vmm_log,
@@ -175,6 +177,64 @@ impl VmHandle {
             (false, false) => format!("{console}\n{vmm_log}"),
         }
     }
+}
+
+/// The most a guest console log may hold on the host: a guest writing to its serial port forever
+/// must not fill the host's disk.
+pub const CONSOLE_CAP: u64 = 1 << 20;
+/// What of a console log past its cap is kept (in `console.log.1`).
+pub const CONSOLE_KEEP: u64 = 64 << 10;
+
+/// `<path>.1`: where [`trim_console`] keeps the tail of a console log.
+pub fn rotated(path: &Path) -> PathBuf {
+    let mut p = path.as_os_str().to_owned();
+    p.push(".1");
+    PathBuf::from(p)
+}
+
+/// Keep a console log under [`CONSOLE_CAP`] while the VMM writes it: once past the cap, its last
+/// [`CONSOLE_KEEP`] bytes replace `<path>.1` and the log is truncated to nothing. The VMM opens
+/// it with `O_APPEND` (QEMU's `append=on`), so its next write lands at the new end, offset 0; a
+/// writer without `O_APPEND` would go on at its old offset, leaving a sparse file whose hole holds
+/// no disk blocks (bounded too, only `ls -l` lies). Bytes written between the copy and the
+/// truncation are lost: a guest flooding its console loses most of it anyway. Returns whether
+/// it trimmed.
+pub fn trim_console(path: &Path) -> std::io::Result<bool> {
+    let len = match std::fs::metadata(path) {
+        Ok(m) => m.len(),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(false),
+        Err(e) => return Err(e),
+    };
+    if len <= CONSOLE_CAP {
+        return Ok(false);
+    }
+    let tail = read_tail(path, CONSOLE_KEEP);
+    crate::datadir::write_atomic_mode(&rotated(path), tail.as_bytes(), 0o600).map_err(|(_, e)| e)?;
+    std::fs::OpenOptions::new().write(true).open(path)?.set_len(0)?;
+    Ok(true)
+}
+
+/// The last `max` bytes of a file as text (lossy; the NULs of a sparse hole dropped), starting
+/// at a line boundary when there is one; empty if it cannot be read.
+fn read_tail(path: &Path, max: u64) -> String {
+    use std::io::{Read, Seek, SeekFrom};
+    let Ok(mut f) = std::fs::File::open(path) else {
+        return String::new();
+    };
+    let len = f.metadata().map(|m| m.len()).unwrap_or(0);
+    let start = len.saturating_sub(max);
+    let mut buf = Vec::new();
+    if f.seek(SeekFrom::Start(start)).is_err() || f.take(max).read_to_end(&mut buf).is_err() {
+        return String::new();
+    }
+    buf.retain(|&b| b != 0);
+    let mut text = String::from_utf8_lossy(&buf).into_owned();
+    if start > 0 {
+        if let Some(i) = text.find('\n') {
+            text.drain(..=i);
+        }
+    }
+    text
 }
 
 #[async_trait]
@@ -238,4 +298,129 @@ pub async fn wait_exit(pid: u32, limit: Duration) -> bool {
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
     !pid_alive(pid)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::os::unix::fs::MetadataExt;
+
+    /// Disk actually allocated to a file (`du`), as opposed to its length (`ls -l`).
+    fn allocated(p: &Path) -> u64 {
+        std::fs::metadata(p).map(|m| m.blocks() * 512).unwrap_or(0)
+    }
+
+    /// A shell writing to `log` forever, as a guest flooding its console makes QEMU do;
+    /// `append` is QEMU's `append=on` (`>>` opens with O_APPEND).
+    fn flood(log: &Path, append: bool) -> std::process::Child {
+        let redirect = if append { ">>" } else { ">" };
+        std::process::Command::new("sh")
+            .arg("-c")
+            .arg(format!(
+                "while :; do echo 'console line, the same again and again, as a looping guest prints it'; done {redirect} '{}'",
+                log.display()
+            ))
+            .spawn()
+            .unwrap()
+    }
+
+    /// Trim `log` every 20 ms while it is flooded, until `total` bytes went through it (or 20 s
+    /// passed); returns the most disk the log held (`du`), its greatest length (`ls
+    /// -l`) and how many trims there were.
+    fn trim_while_flooded(log: &Path, append: bool, total: u64) -> (u64, u64, u32) {
+        let mut child = flood(log, append);
+        let (mut written, mut worst, mut longest, mut trims) = (0u64, 0u64, 0u64, 0u32);
+        let deadline = std::time::Instant::now() + Duration::from_secs(20);
+        while written < total && std::time::Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(20));
+            let before = allocated(log);
+            longest = longest.max(std::fs::metadata(log).map(|m| m.len()).unwrap_or(0));
+            if trim_console(log).unwrap() {
+                written += before;
+                trims += 1;
+            }
+            worst = worst.max(before).max(allocated(log));
+        }
+        child.kill().unwrap();
+        child.wait().unwrap();
+        assert!(written >= total, "the writer wrote only {written} bytes in 20 s");
+        eprintln!(
+            "append={append}: {written} bytes written, {trims} trims, at most {worst} bytes held, longest {longest}"
+        );
+        (worst, longest, trims)
+    }
+
+    #[test]
+    fn a_flooded_console_log_stays_under_its_cap() {
+        let tmp = tempfile::tempdir().unwrap();
+        let log = tmp.path().join("console.log");
+        crate::datadir::create_private(&log).unwrap();
+        let (worst, _, trims) = trim_while_flooded(&log, true, 8 * CONSOLE_CAP);
+        // Past the cap, the log starts over: it holds at most the cap plus what one period of
+        // writing adds (slack for a loaded machine).
+        assert!(trims >= 2, "trimmed {trims} times");
+        assert!(worst <= CONSOLE_CAP + (8 << 20), "held {worst} bytes");
+        trim_console(&log).unwrap();
+        assert!(allocated(&log) <= CONSOLE_CAP + (64 << 10));
+        assert!(std::fs::metadata(&log).unwrap().len() <= CONSOLE_CAP);
+        // What was kept: whole lines of the end, private like the log.
+        let kept = std::fs::read_to_string(rotated(&log)).unwrap();
+        assert!(kept.len() as u64 <= CONSOLE_KEEP && kept.len() > 1000, "{}", kept.len());
+        assert!(kept.starts_with("console line") && kept.ends_with("prints it\n"));
+        let mode = std::fs::metadata(rotated(&log)).unwrap().mode() & 0o777;
+        assert_eq!(mode, 0o600);
+    }
+
+    #[test]
+    fn a_writer_without_append_leaves_a_sparse_log_that_holds_no_more() {
+        let tmp = tempfile::tempdir().unwrap();
+        let log = tmp.path().join("console.log");
+        let (worst, longest, _) = trim_while_flooded(&log, false, 8 * CONSOLE_CAP);
+        // `ls -l` says the file grew past the cap many times over; `du` says its hole holds
+        // nothing, only what was written since the last trim.
+        assert!(longest > 4 * CONSOLE_CAP, "length {longest}");
+        assert!(worst <= CONSOLE_CAP + (8 << 20), "held {worst} bytes");
+        // The tail of a sparse log reads past the hole.
+        std::fs::write(&log, b"").unwrap();
+        let f = std::fs::OpenOptions::new().write(true).open(&log).unwrap();
+        f.set_len(4 * CONSOLE_CAP).unwrap();
+        drop(f);
+        let mut f = std::fs::OpenOptions::new().append(true).open(&log).unwrap();
+        std::io::Write::write_all(&mut f, b"console line\nthe end\n").unwrap();
+        assert!(allocated(&log) < CONSOLE_CAP);
+        assert_eq!(read_tail(&log, CONSOLE_KEEP), "the end\n");
+    }
+
+    #[test]
+    fn console_tail_reads_the_kept_tail_and_the_new_log() {
+        let tmp = tempfile::tempdir().unwrap();
+        let log = tmp.path().join("console.log");
+        let mut text = String::new();
+        let mut n = 0;
+        while text.len() as u64 <= CONSOLE_CAP {
+            text.push_str(&format!("line {n}\n"));
+            n += 1;
+        }
+        std::fs::write(&log, &text).unwrap();
+        assert!(trim_console(&log).unwrap());
+        assert_eq!(std::fs::metadata(&log).unwrap().len(), 0);
+        std::fs::write(&log, "after 1\nafter 2\n").unwrap();
+        let vm = VmHandle {
+            runtime: "qemu".into(),
+            pid: 0,
+            accel: Accel::Tcg,
+            dir: tmp.path().into(),
+            agent_socket: tmp.path().join("agent.sock"),
+            control_socket: tmp.path().join("qmp.sock"),
+            console_log: log,
+        };
+        let last = n - 1;
+        assert_eq!(
+            vm.console_tail(3),
+            format!("line {last}\nafter 1\nafter 2"),
+            "the kept tail comes first"
+        );
+        // Nothing past the cap: a log under it is left alone.
+        assert!(!trim_console(&vm.console_log).unwrap());
+    }
 }

@@ -102,7 +102,9 @@ impl QemuVmm {
             "-device".into(),
             "virtio-rng-device".into(),
             "-chardev".into(),
-            format!("file,id=console,path={}", p(console)),
+            // append=on (O_APPEND): the runtime keeps the log under its cap by truncating it
+            // (`vmm::trim_console`), and QEMU's next write then starts the file over.
+            format!("file,id=console,path={},append=on", p(console)),
             "-serial".into(),
             "chardev:console".into(),
             "-qmp".into(),

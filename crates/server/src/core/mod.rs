@@ -18,8 +18,8 @@ pub use crate::error::{CoreError, CoreResult, Kind};
 pub use principal::{Accept, Credentials, Principal, Via};
 
 use crate::engine::Engine;
-use crate::nodes::Nodes;
-use crate::store::Store;
+use crate::nodes::{Capacity, Nodes};
+use crate::store::{NodeBudget, Store};
 use std::path::Path;
 use std::sync::Arc;
 
@@ -28,6 +28,49 @@ use std::sync::Arc;
 pub struct Config {
     /// Live sandboxes (creating, running, paused, deleting) one tenant may have at once.
     pub max_sandboxes_per_tenant: u32,
+    /// The node's vCPU budget is its CPUs times this (idle sandboxes use little CPU).
+    pub vcpu_overcommit: f64,
+    /// Memory kept for the host: the sandboxes' memory sums to at most the rest (no overcommit:
+    /// a guest touching all its RAM must not push the host into the OOM killer).
+    pub memory_reserve_mib: u64,
+    /// Disk space kept free on the data dir's filesystem; no create is admitted below it.
+    pub disk_reserve_mib: u64,
+}
+
+impl Default for Config {
+    fn default() -> Self {
+        Self {
+            max_sandboxes_per_tenant: 20,
+            vcpu_overcommit: DEFAULT_VCPU_OVERCOMMIT,
+            memory_reserve_mib: DEFAULT_MEMORY_RESERVE_MIB,
+            disk_reserve_mib: DEFAULT_DISK_RESERVE_MIB,
+        }
+    }
+}
+
+/// vCPUs are shared in time and idle sandboxes barely use theirs, so the vCPU budget is
+/// generous (a 2-core host holds 32 one-vCPU sandboxes); memory and disk are the hard budgets.
+pub const DEFAULT_VCPU_OVERCOMMIT: f64 = 16.0;
+pub const DEFAULT_MEMORY_RESERVE_MIB: u64 = 1024;
+pub const DEFAULT_DISK_RESERVE_MIB: u64 = 2048;
+
+impl Config {
+    /// The node's budgets for its live sandboxes together: vCPUs are `cpus x vcpu_overcommit`;
+    /// memory is the host's less the reserve; disk (every sandbox's disk counted at its full
+    /// size) is what the sandboxes already hold plus what is free, less the reserve, and none at
+    /// all once free space is below the reserve.
+    pub fn budget(&self, c: &Capacity) -> NodeBudget {
+        let disk_mib = if c.disk_free_mib < self.disk_reserve_mib {
+            0
+        } else {
+            c.disk_free_mib - self.disk_reserve_mib + c.disk_held_mib
+        };
+        NodeBudget {
+            vcpu: (c.cpus as f64 * self.vcpu_overcommit).floor().max(0.0) as u64,
+            memory_mib: c.memory_mib.saturating_sub(self.memory_reserve_mib),
+            disk_mib,
+        }
+    }
 }
 
 /// The core's handle: cheap to clone, shared by every door.
@@ -79,4 +122,52 @@ pub fn load_or_create_secret(data_dir: &Path) -> std::io::Result<Vec<u8>> {
     f.sync_all()?;
     std::fs::rename(&tmp, &path)?;
     Ok(secret)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn capacity(cpus: u32, memory_mib: u64, disk_free_mib: u64, disk_held_mib: u64) -> Capacity {
+        Capacity {
+            cpus,
+            memory_mib,
+            sandboxes_running: 0,
+            disk_free_mib,
+            disk_held_mib,
+        }
+    }
+
+    #[test]
+    fn budgets_come_from_capacity_overcommit_and_reserves() {
+        let config = Config::default();
+        let b = config.budget(&capacity(8, 16384, 100_000, 0));
+        assert_eq!(b.vcpu, 128, "16x the CPUs by default");
+        assert_eq!(b.memory_mib, 16384 - 1024);
+        assert_eq!(b.disk_mib, 100_000 - 2048);
+
+        let config = Config {
+            vcpu_overcommit: 1.5,
+            memory_reserve_mib: 0,
+            ..Config::default()
+        };
+        let b = config.budget(&capacity(3, 512, 100_000, 0));
+        assert_eq!((b.vcpu, b.memory_mib), (4, 512));
+        // A reserve larger than the host leaves nothing, without wrapping.
+        let b = Config::default().budget(&capacity(1, 512, 0, 0));
+        assert_eq!((b.memory_mib, b.disk_mib), (0, 0));
+    }
+
+    #[test]
+    fn disk_budget_counts_what_sandboxes_hold_and_none_below_the_reserve() {
+        let config = Config::default();
+        // Sandboxes already wrote 3000 MiB: that is theirs to keep, on top of what is free.
+        assert_eq!(
+            config.budget(&capacity(1, 0, 10_000, 3000)).disk_mib,
+            10_000 - 2048 + 3000
+        );
+        // Below the reserve nothing is admitted, whatever sandboxes hold.
+        assert_eq!(config.budget(&capacity(1, 0, 2047, 50_000)).disk_mib, 0);
+        assert_eq!(config.budget(&capacity(1, 0, 2048, 10)).disk_mib, 10);
+    }
 }

@@ -149,6 +149,28 @@ impl Core {
             disk_mib: req.disk_mib.unwrap_or(defaults.disk_mib),
         };
         resources.validate(&template)?;
+        let budget = self.config.budget(&self.nodes.capacity());
+        for (field, asked, total, what) in [
+            (
+                "vcpu",
+                resources.vcpu as u64,
+                budget.vcpu,
+                "the host's CPUs times --vcpu-overcommit",
+            ),
+            (
+                "memory_mib",
+                resources.memory_mib as u64,
+                budget.memory_mib,
+                "the host's memory less --memory-reserve-mib",
+            ),
+        ] {
+            // More than the whole budget never fits, however many sandboxes go: a bad request.
+            if asked > total {
+                return Err(CoreError::InvalidResources(format!(
+                    "{field} must be at most {total} on this node ({what}), got {asked}"
+                )));
+            }
+        }
         let timeout = check_timeout("timeout", req.timeout.unwrap_or(DEFAULT_TIMEOUT))?;
         check_env(&req.env)?;
         check_metadata(&req.metadata)?;
@@ -177,6 +199,7 @@ impl Core {
                 sandbox: row,
                 idempotency_key: req.idempotency_key,
                 max_live: self.config.max_sandboxes_per_tenant,
+                budget,
             })
             .await
             .map_err(|e| match e {

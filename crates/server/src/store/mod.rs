@@ -158,6 +158,15 @@ pub enum StoreError {
     /// The tenant already has `limit` live sandboxes (checked atomically with the insert).
     #[error("tenant has {live} live sandboxes, the limit is {limit}")]
     QuotaExceeded { live: u32, limit: u32 },
+    /// The node's `budget` (`vcpu`, `memory`, `disk`) has `total`, live sandboxes hold `used`
+    /// of it, and the create asked for `asked` more (checked atomically with the insert).
+    #[error("node {budget} budget: asked {asked}, {} left of {total}", total.saturating_sub(*used))]
+    NodeBudgetExceeded {
+        budget: &'static str,
+        asked: u64,
+        used: u64,
+        total: u64,
+    },
     /// The database failed; nothing a caller can act on but report it.
     #[error("store: {0}")]
     Backend(#[source] Box<dyn std::error::Error + Send + Sync>),
@@ -167,6 +176,23 @@ impl StoreError {
     pub fn backend(e: impl Into<Box<dyn std::error::Error + Send + Sync>>) -> Self {
         Self::Backend(e.into())
     }
+}
+
+/// What one node can give its live sandboxes in total: the sums of their `vcpu`, `memory_mib`
+/// and `disk_mib` (counted at their maximum size) must stay within these.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct NodeBudget {
+    pub vcpu: u64,
+    pub memory_mib: u64,
+    pub disk_mib: u64,
+}
+
+impl NodeBudget {
+    pub const UNLIMITED: NodeBudget = NodeBudget {
+        vcpu: u64::MAX,
+        memory_mib: u64::MAX,
+        disk_mib: u64::MAX,
+    };
 }
 
 /// What [`SandboxStore::insert_create`] recorded.
@@ -219,6 +245,20 @@ pub trait SandboxStore: Send + Sync {
         op: &Operation,
         idempotency_key: Option<&str>,
         max_live: u32,
+    ) -> Result<CreateRecorded, StoreError> {
+        self.insert_create_within(sb, op, idempotency_key, max_live, &NodeBudget::UNLIMITED)
+            .await
+    }
+    /// [`SandboxStore::insert_create`] that also checks, in the same atomic step, that the live
+    /// sandboxes of every tenant plus this one fit in the node's `budget` (one node per store
+    /// today); past it, [`StoreError::NodeBudgetExceeded`] names the first budget exceeded.
+    async fn insert_create_within(
+        &self,
+        sb: &SandboxRow,
+        op: &Operation,
+        idempotency_key: Option<&str>,
+        max_live: u32,
+        budget: &NodeBudget,
     ) -> Result<CreateRecorded, StoreError>;
     async fn get_sandbox(&self, tenant_id: &str, id: &str) -> Result<Option<SandboxRow>, StoreError>;
     async fn sandbox_by_id(&self, id: &str) -> Result<Option<SandboxRow>, StoreError>;

@@ -1,8 +1,8 @@
 //! [`SqliteStore`]: the store in one SQLite file (WAL, a small pool), migrated on open.
 
 use super::{
-    new_key, now_ms, rfc3339, token_hash, CreateRecorded, E2bStore, KeyFormat, OperationStore, SandboxFilter,
-    SandboxRow, SandboxStore, SessionRow, StoreError, Tenant, TenantStore,
+    new_key, now_ms, rfc3339, token_hash, CreateRecorded, E2bStore, KeyFormat, NodeBudget, OperationStore,
+    SandboxFilter, SandboxRow, SandboxStore, SessionRow, StoreError, Tenant, TenantStore,
 };
 use crate::model::ErrorBody;
 use crate::model::{Operation, OperationKind, OperationState, Resources, SandboxState};
@@ -251,12 +251,13 @@ impl TenantStore for SqliteStore {
 
 #[async_trait]
 impl SandboxStore for SqliteStore {
-    async fn insert_create(
+    async fn insert_create_within(
         &self,
         sb: &SandboxRow,
         op: &Operation,
         idem: Option<&str>,
         max_live: u32,
+        budget: &NodeBudget,
     ) -> Result<CreateRecorded, StoreError> {
         // IMMEDIATE takes the write lock up front (waiting up to busy_timeout for it), so the
         // idempotency lookup, the live count and the inserts see one state no other writer can
@@ -284,6 +285,29 @@ impl SandboxStore for SqliteStore {
                 live: live as u32,
                 limit: max_live,
             });
+        }
+        // The node's budgets, summed over every tenant's live sandboxes under the same lock.
+        let (vcpu, memory, disk): (i64, i64, i64) = sqlx::query_as(&format!(
+            "SELECT COALESCE(SUM(vcpu), 0), COALESCE(SUM(memory_mib), 0), COALESCE(SUM(disk_mib), 0)
+             FROM sandboxes WHERE {LIVE}"
+        ))
+        .fetch_one(&mut *tx)
+        .await?;
+        let r = &sb.resources;
+        for (name, used, asked, total) in [
+            ("vcpu", vcpu, r.vcpu, budget.vcpu),
+            ("memory", memory, r.memory_mib, budget.memory_mib),
+            ("disk", disk, r.disk_mib, budget.disk_mib),
+        ] {
+            let (used, asked) = (used.max(0) as u64, asked as u64);
+            if used.saturating_add(asked) > total {
+                return Err(StoreError::NodeBudgetExceeded {
+                    budget: name,
+                    asked,
+                    used,
+                    total,
+                });
+            }
         }
         sqlx::query(
             "INSERT INTO sandboxes (id, tenant_id, state, template, template_digest, runtime, accel, vcpu, memory_mib, disk_mib, env, metadata, created_at_ms, expires_at_ms)
