@@ -461,3 +461,29 @@ async fn the_admin_key_is_written_before_it_is_committed() {
         .is_none());
     assert!(!dir.path().join("credentials").exists());
 }
+
+/// Another process (the CLI's `key create`, here Python's sqlite3) that opens and closes the
+/// database while a server's store has it open must not take the server's WAL away: the store
+/// keeps its POSIX locks, so the other process never believes it is the last connection.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn another_process_closing_the_database_leaves_the_store_working() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("airlock.db");
+    let store = SqliteStore::open(&path).await.unwrap();
+    let op = create_op("aaaaaaaaaaaaaaaaaaaa");
+    store.insert_operation("t1", &op).await.unwrap();
+    let script = "import sqlite3, sys\nc = sqlite3.connect(sys.argv[1])\nc.execute('select count(*) from operations').fetchall()\nc.close()\n";
+    for round in 0..3 {
+        let out = std::process::Command::new("python3")
+            .args(["-c", script])
+            .arg(&path)
+            .output()
+            .expect("python3 runs");
+        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+        let wal = Path::new(&format!("{}-wal", path.display())).exists();
+        assert!(wal, "round {round}: the -wal file was deleted under an open store");
+        let op = create_op(&format!("aaaaaaaaaaaaaaaaaaa{round}"));
+        store.insert_operation("t1", &op).await.unwrap();
+        assert!(store.operation_by_id(&op.id).await.unwrap().is_some());
+    }
+}

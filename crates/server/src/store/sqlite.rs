@@ -50,7 +50,10 @@ impl SqliteStore {
         MIGRATOR.run(&pool).await?;
         let store = Self { pool };
         store.hash_legacy_tokens().await?;
-        private_files(path)?;
+        // Only chmod now: opening (and closing) the file outside SQLite while the pool has it
+        // open would drop this process's POSIX locks on it, and another process closing its
+        // connection would then think it is the last and delete the -wal and -shm under us.
+        tighten(path)?;
         Ok(store)
     }
 
@@ -151,18 +154,26 @@ fn op_created_ms(op: &Operation) -> i64 {
 }
 
 /// Make the database file (creating it empty if missing) and its -wal and -shm files 0600.
+/// Only before SQLite opens the file (see `open`).
 fn private_files(path: &Path) -> Result<(), StoreError> {
-    use std::os::unix::fs::{OpenOptionsExt, PermissionsExt};
-    let io = |p: &Path, e: std::io::Error| {
-        StoreError::backend(std::io::Error::new(e.kind(), format!("{}: {e}", p.display())))
-    };
+    use std::os::unix::fs::OpenOptionsExt;
     std::fs::OpenOptions::new()
         .write(true)
         .create(true)
         .truncate(false)
         .mode(0o600)
         .open(path)
-        .map_err(|e| io(path, e))?;
+        .map_err(|e| io_error(path, e))?;
+    tighten(path)
+}
+
+fn io_error(p: &Path, e: std::io::Error) -> StoreError {
+    StoreError::backend(std::io::Error::new(e.kind(), format!("{}: {e}", p.display())))
+}
+
+/// chmod 0600 the database and its -wal and -shm files; never opens them.
+fn tighten(path: &Path) -> Result<(), StoreError> {
+    use std::os::unix::fs::PermissionsExt;
     for suffix in ["", "-wal", "-shm"] {
         let mut p = path.as_os_str().to_owned();
         p.push(suffix);
@@ -170,7 +181,7 @@ fn private_files(path: &Path) -> Result<(), StoreError> {
         match std::fs::set_permissions(&p, std::fs::Permissions::from_mode(0o600)) {
             Ok(()) => {}
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
-            Err(e) => return Err(io(&p, e)),
+            Err(e) => return Err(io_error(&p, e)),
         }
     }
     Ok(())
