@@ -71,17 +71,21 @@ def airlock_server():
         # The settings the README tells E2B users to set (API and envd share one port).
         os.environ["E2B_API_URL"] = url
         os.environ["E2B_SANDBOX_URL"] = url
-    yield {"url": url, "key": key}
-    # VMs outlive the server by design: delete what the tests left, then stop it.
-    for sb in _native(url, key, "GET", "/v1/sandboxes?limit=100")["sandboxes"]:
-        _native(url, key, "DELETE", f"/v1/sandboxes/{sb['id']}")
-    deadline = time.time() + 60
-    while _native(url, key, "GET", "/v1/sandboxes?limit=100")["sandboxes"] and time.time() < deadline:
-        time.sleep(0.2)
-    proc.terminate()
-    proc.wait(timeout=30)
-    for server in dns:
-        server.stop()
+    try:
+        yield {"url": url, "key": key}
+        # VMs outlive the server by design: delete what the tests left, then stop it.
+        for sb in _native(url, key, "GET", "/v1/sandboxes?limit=100")["sandboxes"]:
+            _native(url, key, "DELETE", f"/v1/sandboxes/{sb['id']}")
+        deadline = time.time() + 60
+        while _native(url, key, "GET", "/v1/sandboxes?limit=100")["sandboxes"] and time.time() < deadline:
+            time.sleep(0.2)
+    finally:
+        # Even when the cleanup above fails, the server stops (the next one would find the
+        # data dir locked); VMs it leaves are removed by the next server's start.
+        proc.terminate()
+        proc.wait(timeout=30)
+        for server in dns:
+            server.stop()
 
 
 @contextlib.contextmanager
