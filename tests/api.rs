@@ -554,6 +554,72 @@ fn ports_and_envd_are_reachable_by_host_name() {
     );
 }
 
+/// A header-echo server inside a sandbox: the credential that opened the sandbox never reaches
+/// it (the owner's API key, the access token), while the app's own headers do.
+fn credentials_never_reach_a_sandbox_port() {
+    let s = server();
+    let id = shared();
+    // (Lines joined explicitly: a `\` line continuation would eat Python's indentation.)
+    let echo = [
+        "import http.server",
+        "class H(http.server.BaseHTTPRequestHandler):",
+        "    def do_GET(self):",
+        "        b = ''.join(k.lower() + ': ' + v + '\\n' for k, v in self.headers.items()).encode()",
+        "        self.send_response(200)",
+        "        self.send_header('content-length', str(len(b)))",
+        "        self.end_headers()",
+        "        self.wfile.write(b)",
+        "    def log_message(self, *a):",
+        "        pass",
+        "http.server.HTTPServer(('127.0.0.1', 8002), H).serve_forever()",
+    ]
+    .join("\n");
+    s.session(id, json!({ "argv": ["python3", "-c", echo] }));
+    let host = format!("8002-{id}.sandbox.test");
+    let bearer = format!("Bearer {}", s.key);
+    // Opened by the owner's key: the key stays out, the app's own header goes in.
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let seen = loop {
+        let (status, body) = get_with_host(s, &host, "/", &[("Authorization", &bearer), ("X-App", "keep-me")]);
+        if status == 200 {
+            break body;
+        }
+        assert!(Instant::now() < deadline, "port 8002 never answered: {status} {body}");
+        std::thread::sleep(Duration::from_millis(300));
+    };
+    assert!(seen.contains("x-app: keep-me"), "{seen}");
+    assert!(
+        !seen.contains(&s.key) && !seen.contains("authorization"),
+        "the API key reached the sandbox: {seen}"
+    );
+    // Opened by the access token (E2B's traffic token): that token stays out, while the app's
+    // own Authorization passes.
+    let (status, sb) = s.call_with(
+        "POST",
+        &format!("/sandboxes/{id}/connect"),
+        Some(json!({ "timeout": 1800 })),
+        None,
+        &[("X-API-KEY", &s.key)],
+    );
+    assert_eq!(status, 200, "{sb}");
+    let token = sb["envdAccessToken"].as_str().unwrap().to_string();
+    let (status, seen) = get_with_host(
+        s,
+        &host,
+        "/",
+        &[
+            ("E2B-Traffic-Access-Token", &token),
+            ("Authorization", "Bearer app-secret"),
+        ],
+    );
+    assert_eq!(status, 200, "{seen}");
+    assert!(!seen.contains(&token), "the access token reached the sandbox: {seen}");
+    assert!(seen.contains("authorization: Bearer app-secret"), "{seen}");
+    let (status, seen) = get_with_host(s, &host, "/", &[("X-Access-Token", &token)]);
+    assert_eq!(status, 200, "{seen}");
+    assert!(!seen.contains(&token), "the access token reached the sandbox: {seen}");
+}
+
 fn e2b_unsupported_create_options_are_refused_by_name() {
     let s = server();
     let key = [("X-API-KEY", s.key.as_str())];
@@ -1272,6 +1338,10 @@ fn main() {
         t(
             "ports_and_envd_are_reachable_by_host_name",
             ports_and_envd_are_reachable_by_host_name,
+        ),
+        t(
+            "credentials_never_reach_a_sandbox_port",
+            credentials_never_reach_a_sandbox_port,
         ),
         t(
             "e2b_unsupported_create_options_are_refused_by_name",
