@@ -363,10 +363,14 @@ mod tests {
         trim_console(&log).unwrap();
         assert!(allocated(&log) <= CONSOLE_CAP + (64 << 10));
         assert!(std::fs::metadata(&log).unwrap().len() <= CONSOLE_CAP);
-        // What was kept: whole lines of the end, private like the log.
+        // What was kept: the end, from a line's start, private like the log. (Its last line may be
+        // cut: the copy can read a line the killed writer was still appending.)
         let kept = std::fs::read_to_string(rotated(&log)).unwrap();
         assert!(kept.len() as u64 <= CONSOLE_KEEP && kept.len() > 1000, "{}", kept.len());
-        assert!(kept.starts_with("console line") && kept.ends_with("prints it\n"));
+        assert!(
+            kept.starts_with("console line") && kept.contains("prints it\n"),
+            "{kept:.200}"
+        );
         let mode = std::fs::metadata(rotated(&log)).unwrap().mode() & 0o777;
         assert_eq!(mode, 0o600);
     }
