@@ -171,18 +171,12 @@ impl Nodes for LocalNode {
     }
 
     fn capacity(&self) -> Capacity {
-        let memory_kib = std::fs::read_to_string("/proc/meminfo")
-            .unwrap_or_default()
-            .lines()
-            .find(|l| l.starts_with("MemTotal:"))
-            .and_then(|l| l.split_whitespace().nth(1)?.parse::<u64>().ok())
-            .unwrap_or(0);
         let disk = self.runtime.disk_space();
         Capacity {
             cpus: std::thread::available_parallelism()
                 .map(|n| n.get() as u32)
                 .unwrap_or(1),
-            memory_mib: memory_kib / 1024,
+            memory_mib: airlock_runtime::vmm::host_memory_mib().unwrap_or(0),
             sandboxes_running: self.runtime.list().len() as u32,
             disk_free_mib: disk.free_mib,
             disk_held_mib: disk.held_by_sandboxes_mib,

@@ -30,7 +30,7 @@ use crate::datadir::{random_hex, write_atomic, DataDir};
 use crate::error::{Result, RuntimeError};
 use crate::sandbox::RuntimeOptions;
 use crate::template::{SeedRecipe, TemplateManifest};
-use crate::vmm::{pid_alive, reap, wait_exit, Accel, VmHandle, VmSpec, Vmm};
+use crate::vmm::{kill_and_wait, pid_alive, reap, wait_exit, Accel, VmHandle, VmSpec, Vmm};
 use airlock_proto::frame::{Event, EventKind, MAX_PAYLOAD};
 use airlock_proto::{
     ErrorBody, ErrorCode, ExitStatus, FileKind, FileStat, Health, Metrics, MkdirRequest, MkdirResponse, ProcessInfo,
@@ -281,12 +281,7 @@ impl Vmm for FakeVmm {
         if wait_exit(vm.pid, grace).await {
             return Ok(());
         }
-        signal(vm.pid, Signal::SIGKILL);
-        if wait_exit(vm.pid, Duration::from_secs(5)).await {
-            Ok(())
-        } else {
-            Err(RuntimeError::StopFailed { pid: vm.pid })
-        }
+        kill_and_wait(vm.pid).await
     }
 
     fn is_running(&self, vm: &VmHandle) -> bool {

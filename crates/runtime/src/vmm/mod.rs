@@ -59,7 +59,7 @@ impl Resources {
         let host_cpus = std::thread::available_parallelism()
             .map(|n| n.get() as u32)
             .unwrap_or(1);
-        let host_mem_mib = host_memory_mib();
+        let host_mem_mib = host_memory_mib().map_or(u32::MAX, |m| m as u32);
         let min_disk = template.manifest.rootfs_bytes.div_ceil(1 << 20) as u32;
         let bad = |m: String| Err(RuntimeError::InvalidResources(m));
         if self.vcpu == 0 || self.vcpu > host_cpus {
@@ -96,13 +96,13 @@ impl Resources {
     }
 }
 
-fn host_memory_mib() -> u32 {
-    let info = std::fs::read_to_string("/proc/meminfo").unwrap_or_default();
+/// The host's memory (`MemTotal`), if /proc tells it.
+pub fn host_memory_mib() -> Option<u64> {
+    let info = std::fs::read_to_string("/proc/meminfo").ok()?;
     info.lines()
         .find(|l| l.starts_with("MemTotal:"))
         .and_then(|l| l.split_whitespace().nth(1)?.parse::<u64>().ok())
-        .map(|kib| (kib / 1024) as u32)
-        .unwrap_or(u32::MAX)
+        .map(|kib| kib / 1024)
 }
 
 /// What to boot.
@@ -252,6 +252,19 @@ pub trait Vmm: Send + Sync {
     async fn resume(&self, vm: &VmHandle) -> Result<()>;
     /// Whether the guest's vCPUs are frozen.
     async fn is_paused(&self, vm: &VmHandle) -> Result<bool>;
+}
+
+/// The last step of every driver's `stop`: SIGKILL, then wait for the exit.
+pub async fn kill_and_wait(pid: u32) -> Result<()> {
+    let _ = nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(pid as i32),
+        nix::sys::signal::Signal::SIGKILL,
+    );
+    if wait_exit(pid, Duration::from_secs(5)).await {
+        Ok(())
+    } else {
+        Err(RuntimeError::StopFailed { pid })
+    }
 }
 
 /// True when `pid` is alive and not a zombie.

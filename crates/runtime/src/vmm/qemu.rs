@@ -7,7 +7,7 @@
 
 use super::qmp::Qmp;
 use crate::error::{Result, RuntimeError};
-use crate::vmm::{pid_alive, reap, wait_exit, Accel, VmHandle, VmSpec, Vmm};
+use crate::vmm::{kill_and_wait, pid_alive, reap, wait_exit, Accel, VmHandle, VmSpec, Vmm};
 use async_trait::async_trait;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
@@ -249,15 +249,7 @@ impl Vmm for QemuVmm {
             return Ok(());
         }
         tracing::warn!(pid = vm.pid, "QEMU did not quit within {grace:?}; killing it");
-        let _ = nix::sys::signal::kill(
-            nix::unistd::Pid::from_raw(vm.pid as i32),
-            nix::sys::signal::Signal::SIGKILL,
-        );
-        if wait_exit(vm.pid, Duration::from_secs(5)).await {
-            Ok(())
-        } else {
-            Err(RuntimeError::StopFailed { pid: vm.pid })
-        }
+        kill_and_wait(vm.pid).await
     }
 
     async fn pause(&self, vm: &VmHandle) -> Result<()> {
