@@ -455,27 +455,19 @@ async fn run(cli: Cli) -> anyhow::Result<u8> {
             println!("data dir:  {}", rt.data_dir().root().display());
             println!("runtime:   {}", rt.runtime_name());
             println!("accel:     {}", rt.accel().await);
-            // The isolation in force, and what is not there yet (issue: the VMM jail).
+            // The isolation in force.
             println!(
                 "seccomp:   QEMU's own filter (-sandbox {})",
                 airlock_runtime::qemu::SANDBOX
             );
-            // QEMU runs as the server's user; /proc/self belongs to this process's uid.
-            let uid = std::os::unix::fs::MetadataExt::uid(&std::fs::metadata("/proc/self")?);
-            println!(
-                "vmm user:  uid {uid}{}",
-                if uid == 0 {
-                    " (root: QEMU is not jailed yet)"
-                } else {
-                    ""
+            match rt.isolation() {
+                Some(iso) => {
+                    println!("vmm user:  {}", iso.user);
+                    println!("vmm files: {}", iso.filesystem);
+                    println!("cgroups:   {}", iso.cgroups);
                 }
-            );
-            let cgroup = if std::path::Path::new("/sys/fs/cgroup/cgroup.controllers").exists() {
-                "v2"
-            } else {
-                "v1"
-            };
-            println!("cgroups:   {cgroup} (no per-VM cgroup yet)");
+                None => println!("vmm jail:  none ({} driver)", rt.runtime_name()),
+            }
             let mode = std::os::unix::fs::PermissionsExt::mode(&std::fs::metadata(rt.data_dir().root())?.permissions());
             println!("data dir mode: {:04o}", mode & 0o7777);
             for m in rt.templates().list() {

@@ -8,7 +8,7 @@
 //!     cargo run --release -p airlock-bench -- --runs 10
 
 use airlock_proto::ProcessSpec;
-use airlock_runtime::qemu::QemuVmm;
+use airlock_runtime::qemu::{Attach, QemuVmm};
 use airlock_runtime::vmm::{wait_exit, VmSpec};
 use airlock_runtime::{CreateSandbox, Resources, Runtime, RuntimeOptions};
 use clap::Parser;
@@ -71,7 +71,7 @@ fn raw_boot(qemu: &Path, spec: &VmSpec) -> f64 {
         .unwrap();
     assert!(ok.success());
     let mut child = std::process::Command::new(qemu)
-        .args(QemuVmm::args(spec, &overlay, &agent, &qmp, &console))
+        .args(QemuVmm::args(spec, &Attach::paths(&overlay, &agent, &qmp, &console, spec)))
         .stdin(std::process::Stdio::null())
         .spawn()
         .unwrap();

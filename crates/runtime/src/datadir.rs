@@ -128,7 +128,7 @@ fn write_file_atomic(
 
 /// Create `path` empty (or truncate it) with mode 0600 whatever the umask, for files a process
 /// then writes that only the server's user may read (a console log).
-pub fn create_private(path: &Path) -> std::io::Result<()> {
+pub fn create_private(path: &Path) -> std::io::Result<std::fs::File> {
     use std::os::unix::fs::{OpenOptionsExt, PermissionsExt};
     let f = std::fs::OpenOptions::new()
         .write(true)
@@ -136,7 +136,8 @@ pub fn create_private(path: &Path) -> std::io::Result<()> {
         .truncate(true)
         .mode(0o600)
         .open(path)?;
-    f.set_permissions(std::fs::Permissions::from_mode(0o600))
+    f.set_permissions(std::fs::Permissions::from_mode(0o600))?;
+    Ok(f)
 }
 
 /// An exclusive advisory lock held while the guard lives (e.g. one template build at a time).

@@ -44,6 +44,9 @@ pub enum RuntimeError {
     /// The VMM process is still alive after SIGKILL (stuck in the kernel).
     #[error("VMM process {pid} survived SIGKILL")]
     StopFailed { pid: u32 },
+    /// The VMM's jail (uid, mount namespace, cgroups) could not be set up.
+    #[error("VMM jail: {0}")]
+    Jail(String),
     #[error("I/O on {path}: {source}")]
     Io { path: String, source: std::io::Error },
 }

@@ -3,6 +3,7 @@
 //! - `sandbox`: `Runtime` (create, find, re-attach after a restart, pause, delete)
 //! - `vmm`: the `Vmm` trait and its drivers (`qemu`; `fake`, an in-memory one for tests)
 //! - `template`: template builds and the content-addressed store
+//! - `jail`: what every VMM process runs in (its own uid, read-only mounts, cgroups)
 //! - `agent`: the client of the guest agent (HTTP/2 over the VM's channel)
 //!
 //! The server reaches it only through its node seam; the integration tests drive it directly
@@ -11,6 +12,7 @@
 pub mod agent;
 pub mod datadir;
 pub mod error;
+pub mod jail;
 pub mod random;
 pub mod sandbox;
 pub mod template;

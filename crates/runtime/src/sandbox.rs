@@ -174,6 +174,17 @@ struct Inner {
     exits: tokio::sync::broadcast::Sender<String>,
 }
 
+impl Inner {
+    /// Remove a sandbox whose VMM is gone: its dir, and what the driver held for it outside.
+    fn discard(&self, dir: &std::path::Path) -> std::io::Result<()> {
+        self.vmm.release(dir);
+        match std::fs::remove_dir_all(dir) {
+            Err(e) if e.kind() != std::io::ErrorKind::NotFound => Err(e),
+            _ => Ok(()),
+        }
+    }
+}
+
 /// The node runtime. Cheap to clone.
 #[derive(Clone)]
 pub struct Runtime {
@@ -204,7 +215,10 @@ impl Runtime {
         let data = DataDir::open(&opts.data_dir)?;
         let vmm: Arc<dyn Vmm> = match opts.vmm {
             Some(vmm) => vmm,
-            None => Arc::new(QemuVmm::locate(opts.qemu.as_deref())?),
+            None => {
+                let jailer = crate::jail::Jailer::new(crate::jail::JailConfig::from_env()?, data.root());
+                Arc::new(QemuVmm::locate(opts.qemu.as_deref())?.with_jailer(Arc::new(jailer)))
+            }
         };
         // One runtime per data dir: a second one would adopt (and fight over) the same VMs.
         let lock = FileLock::try_acquire(&data.root().join("runtime.lock"))?
@@ -271,6 +285,11 @@ impl Runtime {
         self.inner.vmm.name()
     }
 
+    /// The isolation VMs run in (uid, filesystem, cgroups), where the driver jails them.
+    pub fn isolation(&self) -> Option<crate::jail::Isolation> {
+        self.inner.vmm.isolation()
+    }
+
     /// Ids of sandboxes whose VMM exited on its own (crash, `kill -9`, power-off from inside),
     /// sent once the sandbox is gone from this runtime and its dir is removed. Deletes are not
     /// reported. Only exits after this call are seen.
@@ -306,19 +325,24 @@ impl Runtime {
                         Err(e) => {
                             tracing::warn!(id = %record.id, "running VM's agent does not answer ({e}); removing it");
                             let _ = self.inner.vmm.stop(&vm, Duration::from_secs(2)).await;
-                            let _ = std::fs::remove_dir_all(&dir);
+                            let _ = self.inner.discard(&dir);
                         }
                     }
                 }
                 (_, vm) => {
+                    // No VM record but a pid file: the server died between spawning the VMM
+                    // and recording it; the pid (checked against the sandbox dir) finds it.
+                    let vm = vm.or_else(|| VmHandle::orphan(&dir, self.inner.vmm.name()));
                     if let Some(vm) = vm.filter(|vm| self.inner.vmm.is_running(vm)) {
                         let _ = self.inner.vmm.stop(&vm, Duration::from_secs(2)).await;
                     }
                     tracing::info!("removing leftovers of sandbox {}", dir.display());
-                    let _ = std::fs::remove_dir_all(&dir);
+                    let _ = self.inner.discard(&dir);
                 }
             }
         }
+        let live = self.inner.sandboxes.lock().unwrap().keys().cloned().collect();
+        self.inner.vmm.sweep(&live);
     }
 
     fn adopt(&self, record: SandboxRecord, vm: VmHandle, client: Option<AgentClient>, paused: bool) -> Arc<Sandbox> {
@@ -363,7 +387,7 @@ impl Runtime {
                 }
             };
             if removed.is_some() {
-                let _ = std::fs::remove_dir_all(&dir);
+                let _ = inner.discard(&dir);
                 let _ = inner.exits.send(sb.id().to_string());
             }
         });
@@ -516,7 +540,7 @@ impl Runtime {
                 if let Some(vm) = VmHandle::load(&dir) {
                     let _ = self.inner.vmm.stop(&vm, Duration::from_secs(2)).await;
                 }
-                let _ = std::fs::remove_dir_all(&dir);
+                let _ = self.inner.discard(&dir);
                 Err(e)
             }
         }
@@ -584,7 +608,7 @@ impl Runtime {
         sb.deleting.store(true, Ordering::SeqCst);
         let stopped = self.inner.vmm.stop(&sb.vm, Duration::from_secs(5)).await;
         self.inner.sandboxes.lock().unwrap().remove(id);
-        std::fs::remove_dir_all(&sb.vm.dir).map_err(|e| RuntimeError::io(&sb.vm.dir, e))?;
+        self.inner.discard(&sb.vm.dir).map_err(|e| RuntimeError::io(&sb.vm.dir, e))?;
         stopped
     }
 }

@@ -18,14 +18,12 @@ fn child_creates_sandbox_and_exits() {
     }
     block_on(async {
         let rt = Runtime::open(RuntimeOptions::new(test_data_dir())).await.unwrap();
-        let sb = rt
-            .create(CreateSandbox {
-                id: None,
-                template: "seed".into(),
-                resources: small(),
-            })
-            .await
-            .unwrap();
+        let seed = || CreateSandbox {
+            id: None,
+            template: "seed".into(),
+            resources: small(),
+        };
+        let sb = rt.create(seed()).await.unwrap();
         sb.agent()
             .await
             .unwrap()
@@ -33,6 +31,11 @@ fn child_creates_sandbox_and_exits() {
             .await
             .unwrap();
         println!("SANDBOX_ID={} PID={}", sb.id(), sb.vm.pid);
+        // A second VM, as a crash between spawning the VMM and writing its record leaves it:
+        // only the pid file its jailed child wrote before exec.
+        let orphan = rt.create(seed()).await.unwrap();
+        std::fs::remove_file(airlock_runtime::vmm::VmHandle::record_path(&orphan.vm.dir)).unwrap();
+        println!("ORPHAN_PID={} ORPHAN_DIR={}", orphan.vm.pid, orphan.vm.dir.display());
     });
 }
 
@@ -61,9 +64,23 @@ fn vm_survives_its_creator_and_is_reattached() {
     let id = parts.next().unwrap().to_string();
     let pid: u32 = parts.next().unwrap().trim_start_matches("PID=").parse().unwrap();
     assert!(pid_alive(pid), "the VM died with the process that started it");
+    let orphan = stdout.split("ORPHAN_PID=").nth(1).expect("child printed the orphan");
+    let mut parts = orphan.split_whitespace();
+    let orphan_pid: u32 = parts.next().unwrap().parse().unwrap();
+    let orphan_dir = std::path::PathBuf::from(parts.next().unwrap().trim_start_matches("ORPHAN_DIR="));
+    assert!(pid_alive(orphan_pid));
 
     block_on(async {
         let rt = Runtime::open(RuntimeOptions::new(test_data_dir())).await.unwrap();
+        // The unrecorded VM was found by its pid file, stopped and removed with its cgroups.
+        assert!(!pid_alive(orphan_pid), "the unrecorded VM {orphan_pid} still runs");
+        assert!(!orphan_dir.exists());
+        let orphan_id = orphan_dir.file_name().unwrap().to_string_lossy().into_owned();
+        let cgroups = std::fs::read_dir("/sys/fs/cgroup").unwrap().flatten().map(|c| c.path());
+        for c in cgroups {
+            let leftover = c.join("airlock").read_dir().into_iter().flatten().flatten().any(|tag| tag.path().join(&orphan_id).exists());
+            assert!(!leftover, "a cgroup of the unrecorded VM is left in {}", c.display());
+        }
         let sb = rt.get(&id).expect("re-attached after restart");
         assert_eq!(sb.vm.pid, pid);
         let note = sb

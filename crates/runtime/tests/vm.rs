@@ -397,19 +397,97 @@ fn processes_can_be_listed_and_reconnected_by_id() {
     });
 }
 
-/// QEMU runs under its own seccomp filter (`-sandbox on,...`): mode 2 (filter) in its status.
-fn qemu_runs_under_its_own_seccomp_filter() {
+/// The cgroups a process is in that airlock made (`/proc/<pid>/cgroup`), as directories:
+/// one per v1 controller, or the one v2 cgroup.
+fn airlock_cgroups(pid: u32) -> Vec<std::path::PathBuf> {
+    let text = std::fs::read_to_string(format!("/proc/{pid}/cgroup")).unwrap_or_default();
+    text.lines()
+        .filter_map(|l| {
+            let mut f = l.splitn(3, ':');
+            let (_, controllers, path) = (f.next()?, f.next()?, f.next()?);
+            if !path.starts_with("/airlock/") {
+                return None;
+            }
+            let root = std::path::Path::new("/sys/fs/cgroup");
+            Some(if controllers.is_empty() {
+                root.join(&path[1..])
+            } else {
+                root.join(controllers).join(&path[1..])
+            })
+        })
+        .collect()
+}
+
+/// QEMU runs jailed (see the runtime's `jail.rs`): its own uid, no groups, `no_new_privs`, its
+/// own seccomp filter (`-sandbox on,...`: mode 2), a mount namespace where every mount is
+/// read-only, only the fds it was handed, and cgroups holding the VM's limits.
+fn qemu_runs_jailed() {
     let sb = shared();
-    let status = std::fs::read_to_string(format!("/proc/{}/status", sb.vm.pid)).unwrap();
-    assert!(
-        status.contains("\nSeccomp:\t2\n"),
-        "QEMU pid {} is not filtered:\n{status}",
-        sb.vm.pid
-    );
-    let cmdline = std::fs::read(format!("/proc/{}/cmdline", sb.vm.pid)).unwrap();
+    let pid = sb.vm.pid;
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
+    let field = |name: &str| {
+        status
+            .lines()
+            .find_map(|l| l.strip_prefix(&format!("{name}:")))
+            .unwrap_or_else(|| panic!("no {name} in QEMU's status"))
+            .split_whitespace()
+            .map(str::to_string)
+            .collect::<Vec<_>>()
+    };
+    let uid = field("Uid");
+    assert!(uid.iter().all(|u| u == &uid[0]) && uid[0] != "0", "QEMU runs as uid {uid:?}");
+    assert!(field("Gid").iter().all(|g| g == &uid[0]), "QEMU's gids {:?}", field("Gid"));
+    assert!(field("Groups").is_empty(), "QEMU keeps groups {:?}", field("Groups"));
+    assert_eq!(field("Seccomp"), ["2"], "QEMU is not under its seccomp filter");
+    assert_eq!(field("NoNewPrivs"), ["1"]);
+    let cmdline = std::fs::read(format!("/proc/{pid}/cmdline")).unwrap();
     let want = format!("-sandbox\0{}\0", airlock_runtime::qemu::SANDBOX);
     assert!(cmdline.windows(want.len()).any(|w| w == want.as_bytes()));
-    // The guest still works under it.
+
+    // Its own mount namespace, every mount read-only.
+    let ns = |p: &str| std::fs::read_link(p).unwrap();
+    assert_ne!(ns(&format!("/proc/{pid}/ns/mnt")), ns("/proc/self/ns/mnt"));
+    let mountinfo = std::fs::read_to_string(format!("/proc/{pid}/mountinfo")).unwrap();
+    for line in mountinfo.lines() {
+        let options = line.split(' ').nth(5).unwrap();
+        assert!(options.split(',').any(|o| o == "ro"), "a writable mount in QEMU's view: {line}");
+    }
+
+    // Only what it was handed: its sandbox's files, the template's blobs, /dev/null (stdin),
+    // sockets and its own anonymous inodes.
+    let data = test_data_dir();
+    for fd in std::fs::read_dir(format!("/proc/{pid}/fd")).unwrap().flatten() {
+        let target = std::fs::read_link(fd.path()).unwrap();
+        let t = target.display().to_string();
+        let ok = target.starts_with(&sb.vm.dir)
+            || target.starts_with(data.join("blobs"))
+            || t == "/dev/null"
+            || t.starts_with("socket:")
+            || t.starts_with("anon_inode:");
+        assert!(ok, "QEMU holds fd {:?} -> {t}", fd.file_name());
+    }
+
+    // Its cgroups hold the VM's limits: memory = 256 MiB + the VMM's overhead, pids.
+    let cgroups = airlock_cgroups(pid);
+    assert!(!cgroups.is_empty(), "QEMU is in no airlock cgroup");
+    let memory = (256 + airlock_runtime::jail::VMM_OVERHEAD_MIB) << 20;
+    let pids = 1 + airlock_runtime::jail::VMM_EXTRA_PIDS;
+    let read = |dir: &std::path::Path, f: &str| std::fs::read_to_string(dir.join(f)).ok().map(|s| s.trim().to_string());
+    let mut seen = (false, false);
+    for dir in &cgroups {
+        assert!(dir.ends_with(sb.id()), "QEMU's cgroup {} is not its sandbox's", dir.display());
+        if let Some(m) = read(dir, "memory.max").or_else(|| read(dir, "memory.limit_in_bytes")) {
+            assert_eq!(m, memory.to_string(), "memory limit in {}", dir.display());
+            seen.0 = true;
+        }
+        if let Some(p) = read(dir, "pids.max") {
+            assert_eq!(p, pids.to_string());
+            seen.1 = true;
+        }
+    }
+    assert_eq!(seen, (true, true), "no memory or pids limit in {cgroups:?}");
+
+    // The guest still works in it.
     assert_eq!(block_on(sb.run(argv(&["true"]))).unwrap().exit.exit_code, Some(0));
 }
 
@@ -458,9 +536,14 @@ fn delete_leaves_nothing_behind() {
     let sb = create();
     let (pid, dir) = (sb.vm.pid, sb.vm.dir.clone());
     assert!(pid_alive(pid) && dir.join("disk.qcow2").exists() && sb.vm.agent_socket.exists());
+    let cgroups = airlock_cgroups(pid);
+    assert!(!cgroups.is_empty());
     block_on(rt.delete(sb.id())).unwrap();
     assert!(!pid_alive(pid), "QEMU {pid} still runs");
     assert!(!dir.exists(), "{} still exists", dir.display());
+    for c in cgroups {
+        assert!(!c.exists(), "cgroup {} still exists", c.display());
+    }
     assert!(matches!(rt.get(sb.id()), Err(RuntimeError::UnknownSandbox(_))));
     assert!(matches!(
         block_on(rt.delete(sb.id())),
@@ -472,6 +555,7 @@ fn killed_vmm_is_cleaned_up() {
     let rt = runtime();
     let sb = create();
     let (pid, dir, id) = (sb.vm.pid, sb.vm.dir.clone(), sb.id().to_string());
+    let cgroups = airlock_cgroups(pid);
     drop(sb);
     nix::sys::signal::kill(
         nix::unistd::Pid::from_raw(pid as i32),
@@ -497,6 +581,9 @@ fn killed_vmm_is_cleaned_up() {
         !std::path::Path::new(&format!("/proc/{pid}")).exists(),
         "QEMU {pid} left as a zombie"
     );
+    for c in cgroups {
+        assert!(!c.exists(), "cgroup {} still exists", c.display());
+    }
 }
 
 fn resources_are_honoured_and_validated() {
@@ -595,9 +682,7 @@ fn main() {
         Trial::test("processes_can_be_listed_and_reconnected_by_id", || {
             catch(processes_can_be_listed_and_reconnected_by_id)
         }),
-        Trial::test("qemu_runs_under_its_own_seccomp_filter", || {
-            catch(qemu_runs_under_its_own_seccomp_filter)
-        }),
+        Trial::test("qemu_runs_jailed", || catch(qemu_runs_jailed)),
         Trial::test("metrics_and_health_report_the_guest", || {
             catch(metrics_and_health_report_the_guest)
         }),

@@ -203,6 +203,7 @@ impl CoreError {
                 | RuntimeError::ControlCommand { .. }
                 | RuntimeError::DiskCreate(_)
                 | RuntimeError::StopFailed { .. }
+                | RuntimeError::Jail(_)
                 | RuntimeError::Io { .. } => c("runtime", 500),
             },
             CoreError::Unavailable(_) => c("unavailable", 503),

@@ -159,6 +159,20 @@ impl VmHandle {
     pub fn load(dir: &Path) -> Option<Self> {
         serde_json::from_slice(&std::fs::read(Self::record_path(dir)).ok()?).ok()
     }
+    /// A handle good enough to find and stop a VMM whose record was never written: from the
+    /// pid its jailed child wrote before exec ([`crate::jail::PID_FILE`]).
+    pub fn orphan(dir: &Path, runtime: &str) -> Option<Self> {
+        let pid = std::fs::read_to_string(dir.join(crate::jail::PID_FILE)).ok()?.trim().parse().ok()?;
+        Some(Self {
+            runtime: runtime.into(),
+            pid,
+            accel: Accel::Tcg,
+            dir: dir.to_path_buf(),
+            agent_socket: dir.join("agent.sock"),
+            control_socket: dir.join("qmp.sock"),
+            console_log: dir.join("console.log"),
+        })
+    }
     /// Last lines of the guest console (its kept tail, `console.log.1`, then `console.log`, see
     /// [`trim_console`]) and of the VMM's own output, for boot failure reports.
     pub fn console_tail(&self, lines: usize) -> String {
@@ -252,6 +266,15 @@ pub trait Vmm: Send + Sync {
     async fn resume(&self, vm: &VmHandle) -> Result<()>;
     /// Whether the guest's vCPUs are frozen.
     async fn is_paused(&self, vm: &VmHandle) -> Result<bool>;
+    /// Free what the driver holds for a VM outside its dir (the jail's cgroups), once its VMM
+    /// process is gone.
+    fn release(&self, _vm_dir: &Path) {}
+    /// Free such leftovers of VMs not in `live` (after a crash), at start-up.
+    fn sweep(&self, _live: &std::collections::HashSet<String>) {}
+    /// The isolation its VMs run in, where the driver jails them.
+    fn isolation(&self) -> Option<crate::jail::Isolation> {
+        None
+    }
 }
 
 /// The last step of every driver's `stop`: SIGKILL, then wait for the exit.

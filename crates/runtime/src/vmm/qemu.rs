@@ -9,7 +9,9 @@ use super::qmp::Qmp;
 use crate::error::{Result, RuntimeError};
 use crate::vmm::{kill_and_wait, pid_alive, reap, wait_exit, Accel, VmHandle, VmSpec, Vmm};
 use async_trait::async_trait;
+use crate::jail::{Jailer, Limits};
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 use std::time::Duration;
 use tokio::process::Command;
 
@@ -24,6 +26,9 @@ const MAX_SOCKET_PATH: usize = 107;
 #[derive(Debug, Clone)]
 pub struct QemuVmm {
     binary: PathBuf,
+    /// Every VM's QEMU runs in a jail from here (see `jail.rs`); set by the runtime, which
+    /// knows the data dir.
+    jailer: Option<Arc<Jailer>>,
 }
 
 impl QemuVmm {
@@ -45,28 +50,35 @@ impl QemuVmm {
                 .unwrap_or_default()
         };
         binary
-            .map(|binary| Self { binary })
+            .map(|binary| Self { binary, jailer: None })
             .ok_or(RuntimeError::QemuMissing(name))
+    }
+
+    /// Run every VM this driver starts in `jailer`'s jails.
+    pub fn with_jailer(self, jailer: Arc<Jailer>) -> Self {
+        Self {
+            jailer: Some(jailer),
+            ..self
+        }
     }
 
     pub fn binary(&self) -> &Path {
         &self.binary
     }
 
-    /// The full QEMU argument list for `spec` (without daemonizing), shared with the benchmark
-    /// so "raw QEMU" boots exactly the same machine.
-    pub fn args(spec: &VmSpec, overlay: &Path, agent_socket: &Path, qmp_socket: &Path, console: &Path) -> Vec<String> {
-        let cpu = match spec.accel {
-            Accel::Kvm => "host",
-            Accel::Tcg => "max",
+    /// The full QEMU argument list for `spec`, its files reached as `attach` says; shared with
+    /// the benchmark so "raw QEMU" boots exactly the same machine.
+    pub fn args(spec: &VmSpec, attach: &Attach) -> Vec<String> {
+        let (accel, cpu) = match spec.accel {
+            Accel::Kvm => ("kvm".to_string(), "host"),
+            Accel::Tcg => (format!("tcg,tb-size={}", crate::jail::TCG_TB_MIB), "max"),
         };
         let cmdline = kernel_cmdline(&spec.id);
-        let p = |p: &Path| p.display().to_string();
-        vec![
+        let mut args: Vec<String> = vec![
             "-M".into(),
             "microvm,rtc=on".into(),
             "-accel".into(),
-            spec.accel.to_string(),
+            accel,
             "-cpu".into(),
             cpu.into(),
             "-smp".into(),
@@ -78,25 +90,31 @@ impl QemuVmm {
             "-display".into(),
             "none".into(),
             "-no-reboot".into(),
+            // Names the sandbox dir, so `is_running` can tell this VM from a reused pid.
+            "-name".into(),
+            vm_name(&spec.dir),
             // QEMU's own seccomp filter (Seccomp: 2 in /proc/<pid>/status): a guest that breaks
             // out into QEMU cannot use obsolete syscalls, setuid, fork/exec, or change
             // scheduling/affinity. airlock needs none of them (no `exec:` migration, no helpers).
             "-sandbox".into(),
             SANDBOX.into(),
+        ];
+        args.extend(attach.fd_sets.iter().cloned());
+        args.extend([
             "-kernel".into(),
-            p(&spec.kernel),
+            attach.kernel.clone(),
             "-initrd".into(),
-            p(&spec.initrd),
+            attach.initrd.clone(),
             "-append".into(),
             cmdline,
             "-drive".into(),
-            format!("id=root,file={},format=qcow2,if=none,discard=unmap", p(overlay)),
+            format!("id=root,{},format=qcow2,if=none,discard=unmap", attach.disk),
             "-device".into(),
             "virtio-blk-device,drive=root".into(),
             "-device".into(),
             "virtio-serial-device".into(),
             "-chardev".into(),
-            format!("socket,id=agent,path={},server=on,wait=off", p(agent_socket)),
+            format!("socket,id=agent,{},server=on,wait=off", attach.agent),
             "-device".into(),
             format!("virtserialport,chardev=agent,name={}", airlock_proto::AGENT_PORT_NAME),
             "-device".into(),
@@ -104,13 +122,109 @@ impl QemuVmm {
             "-chardev".into(),
             // append=on (O_APPEND): the runtime keeps the log under its cap by truncating it
             // (`vmm::trim_console`), and QEMU's next write then starts the file over.
-            format!("file,id=console,path={},append=on", p(console)),
+            format!("file,id=console,path={},append=on", attach.console),
             "-serial".into(),
             "chardev:console".into(),
-            "-qmp".into(),
-            format!("unix:{},server=on,wait=off", p(qmp_socket)),
-        ]
+            "-chardev".into(),
+            format!("socket,id=qmp,{},server=on,wait=off", attach.qmp),
+            "-mon".into(),
+            "chardev=qmp,mode=control".into(),
+        ]);
+        args
     }
+}
+
+/// How QEMU reaches a VM's files. Jailed, it opens nothing by path that the server has not
+/// handed it as an fd ([`Attach::handed`]); the benchmark's raw QEMU uses paths.
+#[derive(Debug, Clone)]
+pub struct Attach {
+    kernel: String,
+    initrd: String,
+    /// `-drive` options naming the overlay (and its backing image).
+    disk: String,
+    /// `-chardev socket` options of the agent's channel and of QMP.
+    agent: String,
+    qmp: String,
+    console: String,
+    /// `-add-fd` arguments.
+    fd_sets: Vec<String>,
+}
+
+impl Attach {
+    /// Every file by its path.
+    pub fn paths(overlay: &Path, agent: &Path, qmp: &Path, console: &Path, spec: &VmSpec) -> Self {
+        let p = |p: &Path| opt_value(&p.display().to_string());
+        Self {
+            kernel: p(&spec.kernel),
+            initrd: p(&spec.initrd),
+            disk: format!("file={}", p(overlay)),
+            agent: format!("path={}", p(agent)),
+            qmp: format!("path={}", p(qmp)),
+            console: p(console),
+            fd_sets: vec![],
+        }
+    }
+
+    /// Every file through an fd the jail hands QEMU: the kernel and initramfs read through
+    /// `/proc/self/fd` (world-readable blobs), the disks and console as QEMU fd sets (the
+    /// overlay is the server's, 0600), the sockets already bound and listening.
+    fn handed(spec: &VmSpec, files: &VmFiles, jail: &mut crate::jail::Prepared) -> Result<Self> {
+        let open = |path: &Path, opts: &mut std::fs::OpenOptions| -> Result<std::os::fd::OwnedFd> {
+            opts.open(path).map(Into::into).map_err(|e| RuntimeError::io(path, e))
+        };
+        let ro = || {
+            let mut o = std::fs::OpenOptions::new();
+            o.read(true);
+            o
+        };
+        let mut rw = std::fs::OpenOptions::new();
+        rw.read(true).write(true);
+        let mut append = std::fs::OpenOptions::new();
+        append.append(true);
+        let kernel = jail.pass(open(&spec.kernel, &mut ro())?)?;
+        let initrd = jail.pass(open(&spec.initrd, &mut ro())?)?;
+        let backing = jail.pass(open(&spec.rootfs, &mut ro())?)?;
+        // QEMU opens an image read-only before it reopens it for writing: the set holds both.
+        let disk_rw = jail.pass(open(&files.overlay, &mut rw)?)?;
+        let disk_ro = jail.pass(open(&files.overlay, &mut ro())?)?;
+        let console = jail.pass(open(&files.console, &mut append)?)?;
+        let listen = |path: &Path| -> Result<std::os::fd::OwnedFd> {
+            std::os::unix::net::UnixListener::bind(path)
+                .map(Into::into)
+                .map_err(|e| RuntimeError::io(path, e))
+        };
+        let agent = jail.pass(listen(&files.agent_socket)?)?;
+        let qmp = jail.pass(listen(&files.qmp_socket)?)?;
+        let set = |fd: i32, set: u32| vec!["-add-fd".to_string(), format!("fd={fd},set={set}")];
+        Ok(Self {
+            kernel: format!("/proc/self/fd/{kernel}"),
+            initrd: format!("/proc/self/fd/{initrd}"),
+            // The overlay's header names the template image by its path, which the jailed QEMU
+            // cannot reach: its backing is given here instead.
+            disk: "file=/dev/fdset/2,backing.driver=raw,backing.file.filename=/dev/fdset/1".into(),
+            agent: format!("fd={agent}"),
+            qmp: format!("fd={qmp}"),
+            console: "/dev/fdset/3".into(),
+            fd_sets: [set(backing, 1), set(disk_rw, 2), set(disk_ro, 2), set(console, 3)].concat(),
+        })
+    }
+}
+
+/// A value inside QEMU's comma-separated options (`,` is written `,,`).
+fn opt_value(s: &str) -> String {
+    s.replace(',', ",,")
+}
+
+fn vm_name(dir: &Path) -> String {
+    opt_value(&format!("airlock:{}", dir.display()))
+}
+
+/// The files of one VM in its sandbox dir.
+struct VmFiles {
+    overlay: PathBuf,
+    agent_socket: PathBuf,
+    qmp_socket: PathBuf,
+    console: PathBuf,
 }
 
 impl QemuVmm {
@@ -129,6 +243,17 @@ impl QemuVmm {
                 command: cmd.into(),
                 reason: format!("QMP: {e}"),
             })
+    }
+}
+
+/// Supplementary groups the VMM keeps: the accelerator device's (`/dev/kvm` is usually
+/// `root:kvm 0660`).
+fn device_groups(accel: Accel) -> Vec<u32> {
+    match accel {
+        Accel::Kvm => std::fs::metadata("/dev/kvm")
+            .map(|m| vec![std::os::unix::fs::MetadataExt::gid(&m)])
+            .unwrap_or_default(),
+        Accel::Tcg => vec![],
     }
 }
 
@@ -163,12 +288,18 @@ impl Vmm for QemuVmm {
     }
 
     async fn start(&self, spec: &VmSpec) -> Result<VmHandle> {
+        let jailer = self
+            .jailer
+            .as_ref()
+            .ok_or_else(|| RuntimeError::Jail("the QEMU driver has no jailer; open it through Runtime".into()))?;
         let dir = &spec.dir;
-        let overlay = dir.join("disk.qcow2");
-        let agent_socket = dir.join("agent.sock");
-        let qmp_socket = dir.join("qmp.sock");
-        let console = dir.join("console.log");
-        for s in [&agent_socket, &qmp_socket] {
+        let files = VmFiles {
+            overlay: dir.join("disk.qcow2"),
+            agent_socket: dir.join("agent.sock"),
+            qmp_socket: dir.join("qmp.sock"),
+            console: dir.join("console.log"),
+        };
+        for s in [&files.agent_socket, &files.qmp_socket] {
             if s.as_os_str().len() > MAX_SOCKET_PATH {
                 return Err(RuntimeError::DataDirNotWritable {
                     path: dir.display().to_string(),
@@ -176,13 +307,12 @@ impl Vmm for QemuVmm {
                 });
             }
         }
-        // The guest's console can print secrets: only the server's user reads it (QEMU keeps the
-        // mode of a file that exists).
-        crate::datadir::create_private(&console).map_err(|e| RuntimeError::io(&console, e))?;
+        // The guest's console can print secrets: only the server's user reads it.
+        crate::datadir::create_private(&files.console).map_err(|e| RuntimeError::io(&files.console, e))?;
         let out = Command::new("qemu-img")
             .args(["create", "-q", "-f", "qcow2", "-F", "raw", "-b"])
             .arg(&spec.rootfs)
-            .arg(&overlay)
+            .arg(&files.overlay)
             .arg(format!("{}M", spec.disk_mib))
             .output()
             .await
@@ -194,28 +324,25 @@ impl Vmm for QemuVmm {
             )));
         }
 
-        let args = Self::args(spec, &overlay, &agent_socket, &qmp_socket, &console);
-        let log = std::fs::File::create(dir.join("qemu.log")).map_err(|e| RuntimeError::io(dir, e))?;
+        let limits = Limits {
+            memory_mib: spec.memory_mib as u64,
+            vcpu: spec.vcpu,
+        };
+        let mut jail = jailer.prepare(&spec.id, dir, limits, device_groups(spec.accel))?;
+        let attach = Attach::handed(spec, &files, &mut jail)?;
+        let args = Self::args(spec, &attach);
+        let log = crate::datadir::create_private(&dir.join("qemu.log")).map_err(|e| RuntimeError::io(dir, e))?;
         let log_err = log.try_clone().map_err(|e| RuntimeError::io(dir, e))?;
         let mut cmd = std::process::Command::new(&self.binary);
         cmd.args(&args)
             .stdin(std::process::Stdio::null())
             .stdout(log)
             .stderr(log_err);
-        // Own session: the VM outlives this process (a restarted server re-attaches to it).
         // Not `-daemonize`: its intermediate processes would be left as zombies, and a direct
-        // child can be reaped by pid when it exits.
-        unsafe {
-            std::os::unix::process::CommandExt::pre_exec(&mut cmd, || {
-                if libc::setsid() < 0 {
-                    return Err(std::io::Error::last_os_error());
-                }
-                Ok(())
-            });
-        }
-        let child = cmd
-            .spawn()
-            .map_err(|e| RuntimeError::QemuMissing(format!("{} ({e})", self.binary.display())))?;
+        // child can be reaped by pid when it exits. The jail puts it in its own session.
+        let child = jail
+            .spawn(cmd)
+            .map_err(|e| RuntimeError::Jail(format!("starting {} in its jail: {e}", self.binary.display())))?;
         let pid = child.id();
         drop(child); // std does not wait on drop; `wait_exit` reaps it
         let handle = VmHandle {
@@ -223,9 +350,9 @@ impl Vmm for QemuVmm {
             pid,
             accel: spec.accel,
             dir: dir.clone(),
-            agent_socket,
-            control_socket: qmp_socket,
-            console_log: console,
+            agent_socket: files.agent_socket,
+            control_socket: files.qmp_socket,
+            console_log: files.console,
         };
         crate::datadir::write_atomic(
             &VmHandle::record_path(dir),
@@ -269,9 +396,25 @@ impl Vmm for QemuVmm {
         if !pid_alive(vm.pid) {
             return false;
         }
-        // Guard against pid reuse: the process must be QEMU running this sandbox's disk.
+        // Guard against pid reuse: the process must be QEMU running this sandbox.
         let cmdline = std::fs::read(format!("/proc/{}/cmdline", vm.pid)).unwrap_or_default();
-        let needle = vm.dir.join("disk.qcow2").display().to_string();
-        cmdline.windows(needle.len()).any(|w| w == needle.as_bytes())
+        let name = vm_name(&vm.dir);
+        cmdline.split(|b| *b == 0).any(|arg| arg == name.as_bytes())
+    }
+
+    fn release(&self, vm_dir: &Path) {
+        if let (Some(jailer), Some(id)) = (&self.jailer, vm_dir.file_name()) {
+            jailer.release(&id.to_string_lossy());
+        }
+    }
+
+    fn sweep(&self, live: &std::collections::HashSet<String>) {
+        if let Some(jailer) = &self.jailer {
+            jailer.sweep(live);
+        }
+    }
+
+    fn isolation(&self) -> Option<crate::jail::Isolation> {
+        self.jailer.as_ref().map(|j| j.isolation())
     }
 }
