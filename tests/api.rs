@@ -558,7 +558,10 @@ fn ports_and_envd_are_reachable_by_host_name() {
 /// it (the owner's API key, the access token), while the app's own headers do.
 fn credentials_never_reach_a_sandbox_port() {
     let s = server();
-    let id = shared();
+    // Its own sandbox: the E2B access token it has issued would open the shared sandbox's envd,
+    // which `ports_and_envd_are_reachable_by_host_name` expects closed.
+    let own = s.create(json!({ "template": "seed", "timeout": "10m" }));
+    let id = own.as_str();
     // (Lines joined explicitly: a `\` line continuation would eat Python's indentation.)
     let echo = [
         "import http.server",
@@ -618,6 +621,7 @@ fn credentials_never_reach_a_sandbox_port() {
     let (status, seen) = get_with_host(s, &host, "/", &[("X-Access-Token", &token)]);
     assert_eq!(status, 200, "{seen}");
     assert!(!seen.contains(&token), "the access token reached the sandbox: {seen}");
+    s.delete(id);
 }
 
 fn e2b_unsupported_create_options_are_refused_by_name() {

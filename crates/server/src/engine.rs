@@ -256,6 +256,11 @@ impl Engine {
                     .store
                     .set_sandbox_boot(&row.id, &booted.template_digest, &booted.accel)
                     .await;
+                // The lifetime asked for starts when the sandbox runs: a slow boot (a loaded
+                // host, TCG) is not charged to it. Set while still `creating`, which the
+                // reaper leaves alone.
+                let lifetime = row.expires_at_ms - row.created_at_ms;
+                let _ = self.store.set_sandbox_expiry(&row.id, now_ms() + lifetime).await;
                 if self
                     .transition(&row.id, &[SandboxState::Creating], SandboxState::Running)
                     .await
