@@ -358,7 +358,7 @@ async fn splice(client: TcpStream, mut upstream: TcpStream, head: Vec<u8>, idle:
     let down = pump(ur, cw, last.clone(), start);
     let watchdog = async {
         loop {
-            let since = start.elapsed().as_millis() as u64 - last.load(Ordering::Relaxed);
+            let since = (start.elapsed().as_millis() as u64).saturating_sub(last.load(Ordering::Relaxed));
             let since = Duration::from_millis(since);
             if since >= idle {
                 return;

@@ -6,6 +6,7 @@
 //!  sandbox ns                host ns ("the uplink": proxy + DNS responder run here)      internet ns
 //!  eth0 192.0.2.2/26 <-veth-> gw0 192.0.2.1/26 (gateway)  up0 198.51.100.1/24 <-veth-> eth0 198.51.100.2/24
 //!  default via .1            nft: tcp in on gw0 -> DNAT 192.0.2.1:PROXY_PORT              lo: 203.0.113.x/32
+//!                            (except DNS over TCP to the gateway)
 //!                            203.0.113.0/24 via 198.51.100.2
 //!  direct ns (optional, for the bench's baseline): eth0 192.0.2.66/26 <-> dir0 192.0.2.65/26, forwarded
 //! ```
@@ -191,6 +192,7 @@ impl TestNet {
         // Every TCP connection from the sandbox goes to the proxy, as the plumbing does it.
         let rules = format!(
             "table ip egress_test {{ chain pre {{ type nat hook prerouting priority dstnat; \
+             iifname \"gw0\" ip daddr {GATEWAY} tcp dport 53 accept; \
              iifname \"gw0\" meta l4proto tcp dnat to {GATEWAY}:{PROXY_PORT}; }}; }}"
         );
         h.exec(&["nft", &rules])?;
@@ -320,17 +322,23 @@ impl TestWeb {
                     Ok(l) => l,
                     Err(e) => return tx.send(Err(e)).unwrap(),
                 };
-                l.set_nonblocking(true).unwrap();
                 tx.send(Ok(())).unwrap();
                 while !stop2.load(Ordering::Relaxed) {
-                    match l.accept() {
-                        Ok((s, _)) => {
-                            let hits3 = hits2.clone();
-                            std::thread::spawn(move || {
-                                let _ = serve_one(s, &hits3);
-                            });
-                        }
-                        Err(_) => std::thread::sleep(Duration::from_millis(5)),
+                    // Wait for a connection at most 50 ms, so a stop is seen soon.
+                    let mut pfd = libc::pollfd {
+                        fd: l.as_raw_fd(),
+                        events: libc::POLLIN,
+                        revents: 0,
+                    };
+                    // SAFETY: one valid pollfd.
+                    if unsafe { libc::poll(&mut pfd, 1, 50) } <= 0 {
+                        continue;
+                    }
+                    if let Ok((s, _)) = l.accept() {
+                        let hits3 = hits2.clone();
+                        std::thread::spawn(move || {
+                            let _ = serve_one(s, &hits3);
+                        });
                     }
                 }
             }));
@@ -341,7 +349,6 @@ impl TestWeb {
 }
 
 fn serve_one(mut s: TcpStream, hits: &Mutex<Vec<SocketAddr>>) -> io::Result<()> {
-    s.set_nonblocking(false)?;
     s.set_nodelay(true)?;
     let local = s.local_addr()?;
     hits.lock().unwrap().push(local);

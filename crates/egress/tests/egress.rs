@@ -88,10 +88,12 @@ fn world(profiles: &str, tenant: &str, selected: &[&str], limits: SandboxLimits)
                 },
             );
             let udp = tokio::net::UdpSocket::bind((GATEWAY, 53)).await.unwrap();
+            let dns_tcp = tokio::net::TcpListener::bind((GATEWAY, 53)).await.unwrap();
             let tcp = tokio::net::TcpListener::bind((GATEWAY, PROXY_PORT)).await.unwrap();
             ready_tx.send(()).unwrap();
             tokio::select! {
                 r = dns.serve_udp(udp, sb.clone()) => panic!("dns stopped: {r:?}"),
+                r = dns.serve_tcp(dns_tcp, sb.clone()) => panic!("dns over tcp stopped: {r:?}"),
                 r = proxy.serve(tcp, sb) => panic!("proxy stopped: {r:?}"),
                 _ = stopped => {}
             }
@@ -165,6 +167,43 @@ impl World {
                     })
                     .collect();
                 (r.metadata.response_code, ips)
+            })
+            .join()
+            .unwrap()
+    }
+
+    /// The same over TCP (two queries on one connection).
+    fn dns_tcp(&self, names: [&'static str; 2]) -> Vec<(ResponseCode, Vec<Ipv4Addr>)> {
+        self.net
+            .sandbox
+            .spawn(move || {
+                let mut s =
+                    TcpStream::connect_timeout(&SocketAddr::new(GATEWAY.into(), 53), Duration::from_secs(5)).unwrap();
+                s.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+                names
+                    .iter()
+                    .map(|name| {
+                        let mut q = Message::query();
+                        q.add_query(Query::query(Name::from_ascii(name).unwrap(), RecordType::A));
+                        let bytes = q.to_vec().unwrap();
+                        s.write_all(&(bytes.len() as u16).to_be_bytes()).unwrap();
+                        s.write_all(&bytes).unwrap();
+                        let mut len = [0u8; 2];
+                        s.read_exact(&mut len).unwrap();
+                        let mut buf = vec![0u8; u16::from_be_bytes(len) as usize];
+                        s.read_exact(&mut buf).unwrap();
+                        let r = Message::from_vec(&buf).unwrap();
+                        let ips = r
+                            .answers
+                            .iter()
+                            .filter_map(|a| match &a.data {
+                                RData::A(a) => Some(a.0),
+                                _ => None,
+                            })
+                            .collect();
+                        (r.metadata.response_code, ips)
+                    })
+                    .collect()
             })
             .join()
             .unwrap()
@@ -351,6 +390,54 @@ fn dns_refuses_other_names_without_asking_upstream() {
     let snap = w.sandbox.snapshot();
     assert_eq!(snap.counters.dns_denied, 3);
     assert_eq!(snap.counters.dns_allowed, 3);
+}
+
+#[test]
+fn dns_over_tcp_follows_the_same_rules() {
+    let w = world(WEB, NO_TENANT, &[], SandboxLimits::default());
+    assert_eq!(
+        w.dns_tcp(["other.test", "allowed.test"]),
+        [(ResponseCode::Refused, vec![]), (ResponseCode::NoError, vec![ALLOWED])]
+    );
+    assert_eq!(w.dns.asked(), ["allowed.test A"]);
+}
+
+#[test]
+fn platform_denies_beat_a_tenant_allow_all() {
+    let w = world(
+        WEB,
+        r#"{"allow": {"cidrs": ["0.0.0.0/0"]}}"#,
+        &[],
+        SandboxLimits::default(),
+    );
+    // The always-denied ranges (and the host's own addresses) hold against an allow-everything.
+    for (to, rule) in [
+        ((Ipv4Addr::new(10, 0, 0, 1), 80), "platform deny 10.0.0.0/8 (private)"),
+        (
+            (Ipv4Addr::new(169, 254, 169, 254), 80),
+            "platform deny 169.254.0.0/16 (link-local/metadata)",
+        ),
+        (
+            (Ipv4Addr::new(100, 100, 100, 200), 80),
+            "platform deny 100.64.0.0/10 (cgnat)",
+        ),
+        ((GATEWAY, 80), "platform deny host address"),
+    ] {
+        let r = w.tcp(to, b"GET / HTTP/1.1\r\n\r\n");
+        assert!(r.starts_with("HTTP/1.1 403") && r.contains(rule), "{to:?}: {r}");
+    }
+    assert_eq!(w.tcp((UPLINK, 22), b"SSH-2.0-x\r\n"), "");
+    // Anything else public is allowed by the CIDR, by address.
+    let r = w.tcp((OTHER, 8080), b"GET / HTTP/1.1\r\n\r\n");
+    assert!(served_by(&r, OTHER, 8080), "{r}");
+    let denied: Vec<_> = w
+        .sandbox
+        .snapshot()
+        .recent_denials
+        .into_iter()
+        .map(|d| d.rule)
+        .collect();
+    assert_eq!(denied.len(), 5, "{denied:?}");
 }
 
 #[test]
