@@ -7,8 +7,7 @@
 //! Wiring one sandbox (see the crate's tests for a running example):
 //!
 //! ```no_run
-//! # async fn wire(host_addrs: Vec<std::net::IpAddr>, tenant_json: &str, header: &str,
-//! #               dns_sock: tokio::net::UdpSocket, proxy_listener: tokio::net::TcpListener)
+//! # async fn wire(host_addrs: Vec<std::net::IpAddr>, tenant_json: &str, header: &str)
 //! #               -> Result<(), Box<dyn std::error::Error>> {
 //! use std::sync::Arc;
 //! use airlock_egress::*;
@@ -18,15 +17,16 @@
 //! let dns = DnsServer::new(resolver.clone(), DnsConfig::default());
 //! let proxy = Proxy::new(resolver, ProxyConfig::default());
 //! println!("egress digest {}", config.digest());
-//! // per sandbox
-//! let names = config.profiles.select_header(header)?; // or select(&[]) for the defaults
+//! // per sandbox: its profiles are chosen once and recorded
+//! let names = config.profiles.select_header(header)?; // or .select(&[] as &[&str]) for the defaults
 //! let policy = Policy::new(&config, TenantPolicy::from_json(tenant_json)?, &names)?;
 //! let sandbox = SandboxEgress::new("sb-1", policy, SandboxLimits::default());
-//! let (d, p) = (dns.clone(), proxy.clone());
-//! let (s1, s2) = (sandbox.clone(), sandbox.clone());
-//! let dns_task = tokio::spawn(async move { d.serve_udp(dns_sock, s1).await });
-//! let proxy_task = tokio::spawn(async move { p.serve(proxy_listener, s2).await });
-//! // on delete: dns_task.abort(); proxy_task.abort(); (closes every proxied connection)
+//! // the plumbing's namespace, with `tcp -> dnat to 10.0.0.1:15001` (except tcp 53) in it
+//! let gateway = "10.0.0.1".parse()?;
+//! let sockets = SandboxSockets::bind_in_netns("/run/netns/sb-1".as_ref(), gateway, 15001)?;
+//! let tasks = serve_sandbox(&dns, &proxy, sockets, sandbox.clone())?;
+//! // GET .../egress: sandbox.policy().effective(), sandbox.snapshot()
+//! drop(tasks); // on delete: closes every proxied connection
 //! # Ok(()) }
 //! ```
 
@@ -36,6 +36,7 @@ mod policy;
 mod proxy;
 mod resolve;
 mod sandbox;
+mod serve;
 pub mod sniff;
 #[doc(hidden)]
 pub mod testnet;
@@ -49,3 +50,4 @@ pub use policy::{
 pub use proxy::{OriginalDst, Proxy, ProxyConfig};
 pub use resolve::{Lookup, Resolver};
 pub use sandbox::{Denial, EgressCounters, EgressSnapshot, Path, SandboxEgress, SandboxLimits};
+pub use serve::{enter_netns, serve_sandbox, EgressTasks, SandboxSockets};

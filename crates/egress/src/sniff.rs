@@ -18,8 +18,8 @@ pub enum Sniffed {
     Ambiguous(&'static str),
 }
 
-/// Host of an HTTP/1 request head. Absolute-form targets (`GET http://x/`) name the host the
-/// request is for, so they must agree with Host.
+/// Host of an HTTP/1 request head. Absolute-form targets (`GET http://x/`) and CONNECT's
+/// authority name the host the request is for, so they must agree with Host.
 pub fn http_host(buf: &[u8]) -> Sniffed {
     let mut headers = [httparse::EMPTY_HEADER; 64];
     let mut req = httparse::Request::new(&mut headers);
@@ -40,7 +40,12 @@ pub fn http_host(buf: &[u8]) -> Sniffed {
                     }
                 }
             }
-            let target_host = req.path.and_then(absolute_form_host);
+            let target_host = if req.method.is_some_and(|m| m.eq_ignore_ascii_case("CONNECT")) {
+                // authority-form: `CONNECT host:port`
+                req.path.map(|p| strip_port(p).to_string())
+            } else {
+                req.path.and_then(absolute_form_host)
+            };
             match (host, target_host) {
                 (Some(h), Some(t)) if !h.eq_ignore_ascii_case(&t) => {
                     Sniffed::Ambiguous("Host disagrees with the request target")
@@ -253,6 +258,14 @@ mod tests {
             Sniffed::Name("allowed.test".into())
         );
         assert!(matches!(http_host(b"\x16\x03\x01\x00\x05hello"), Sniffed::Invalid(_)));
+        assert!(matches!(
+            http_host(b"CONNECT other.test:443 HTTP/1.1\r\nHost: allowed.test\r\n\r\n"),
+            Sniffed::Ambiguous(_)
+        ));
+        assert_eq!(
+            http_host(b"CONNECT allowed.test:443 HTTP/1.1\r\nHost: allowed.test:443\r\n\r\n"),
+            Sniffed::Name("allowed.test".into())
+        );
     }
 
     #[test]

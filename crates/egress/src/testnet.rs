@@ -61,6 +61,10 @@ impl Netns {
         &self.name
     }
 
+    pub fn path(&self) -> std::path::PathBuf {
+        std::path::PathBuf::from(format!("/run/netns/{}", self.name))
+    }
+
     /// `ip -n <ns> ...`
     pub fn ip(&self, args: &[&str]) -> io::Result<()> {
         let mut a = vec!["ip", "-n", &self.name];
@@ -88,12 +92,7 @@ impl Netns {
 
 /// Moves the calling thread into the namespace at `path`.
 pub fn enter(path: &str) -> io::Result<()> {
-    let f = std::fs::File::open(path)?;
-    // SAFETY: a valid fd to a namespace file; affects only the calling thread.
-    if unsafe { libc::setns(f.as_raw_fd(), libc::CLONE_NEWNET) } != 0 {
-        return Err(io::Error::last_os_error());
-    }
-    Ok(())
+    crate::serve::enter_netns(std::path::Path::new(path))
 }
 
 impl Drop for Netns {

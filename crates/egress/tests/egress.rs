@@ -71,6 +71,8 @@ fn world(profiles: &str, tenant: &str, selected: &[&str], limits: SandboxLimits)
     let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
     let (ready_tx, ready_rx) = std::sync::mpsc::channel();
     let sb = sandbox.clone();
+    // The gateway's sockets, bound inside the host namespace by the same call the plumbing uses.
+    let sockets = SandboxSockets::bind_in_netns(&net.host.path(), GATEWAY.into(), PROXY_PORT).unwrap();
     let runner = net.host.spawn(move || {
         let rt = tokio::runtime::Builder::new_current_thread()
             .enable_all()
@@ -87,16 +89,10 @@ fn world(profiles: &str, tenant: &str, selected: &[&str], limits: SandboxLimits)
                     ..ProxyConfig::default()
                 },
             );
-            let udp = tokio::net::UdpSocket::bind((GATEWAY, 53)).await.unwrap();
-            let dns_tcp = tokio::net::TcpListener::bind((GATEWAY, 53)).await.unwrap();
-            let tcp = tokio::net::TcpListener::bind((GATEWAY, PROXY_PORT)).await.unwrap();
+            let tasks = serve_sandbox(&dns, &proxy, sockets, sb).unwrap();
             ready_tx.send(()).unwrap();
-            tokio::select! {
-                r = dns.serve_udp(udp, sb.clone()) => panic!("dns stopped: {r:?}"),
-                r = dns.serve_tcp(dns_tcp, sb.clone()) => panic!("dns over tcp stopped: {r:?}"),
-                r = proxy.serve(tcp, sb) => panic!("proxy stopped: {r:?}"),
-                _ = stopped => {}
-            }
+            let _ = stopped.await;
+            assert!(tasks.is_running(), "a listener failed");
         });
     });
     ready_rx.recv_timeout(Duration::from_secs(10)).expect("proxy up");
@@ -234,6 +230,11 @@ fn allowed_name_by_host_reaches_the_allowed_site() {
     assert_eq!(snap.profiles, ["web"]);
     assert_eq!(snap.counters.tcp_allowed, 1);
     assert_eq!(snap.counters.by_rule["allow profile web domain allowed.test"], 1);
+    // A bigger body comes through the splice whole.
+    let r = w.tcp((ALLOWED, 80), b"GET /bytes/8388608 HTTP/1.1\r\nHost: allowed.test\r\n\r\n");
+    let body = r.split_once("\r\n\r\n").map(|(_, b)| b).unwrap_or("");
+    assert_eq!(body.len(), 8 << 20);
+    assert!(body.bytes().all(|b| b == b'x'));
 }
 
 #[test]
