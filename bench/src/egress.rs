@@ -116,14 +116,23 @@ fn main() {
         PlatformDenies::new([IpAddr::from(GATEWAY), IpAddr::from(UPLINK)]),
         Profiles::from_json(r#"{"bench": {"domains": ["allowed.test"], "default": true}}"#).unwrap(),
     );
-    let policy = Policy::new(&config, TenantPolicy::sealed(), &config.profiles.select::<&str>(&[]).unwrap()).unwrap();
+    let policy = Policy::new(
+        &config,
+        TenantPolicy::sealed(),
+        &config.profiles.select::<&str>(&[]).unwrap(),
+    )
+    .unwrap();
     let sandbox = SandboxEgress::new("bench", policy, SandboxLimits::default());
     let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
     let (ready_tx, ready_rx) = std::sync::mpsc::channel();
     let sb = sandbox.clone();
     let runner = net.host.spawn(move || {
         // Built on a thread inside the host namespace: its workers inherit it.
-        let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap();
+        let rt = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(2)
+            .enable_all()
+            .build()
+            .unwrap();
         rt.block_on(async move {
             let resolver = Arc::new(Resolver::new(SocketAddr::new(DNS.into(), 53), Duration::from_secs(2)));
             let dns = DnsServer::new(resolver.clone(), DnsConfig::default());
@@ -183,7 +192,12 @@ fn main() {
         "proxy_decisions": snap.counters,
         "upstream_dns_questions": dns.asked().len(),
     });
-    println!("{} requests, {} downloads of {} MiB per side", args.requests, args.downloads, args.download_bytes >> 20);
+    println!(
+        "{} requests, {} downloads of {} MiB per side",
+        args.requests,
+        args.downloads,
+        args.download_bytes >> 20
+    );
     println!("{:<28} {:>10} {:>10}", "", "median", "p95");
     for (name, s) in [
         ("request via proxy (ms)", &p),
