@@ -18,6 +18,8 @@ use hickory_proto::rr::{Name, RData, RecordType};
 const ALLOWED: Ipv4Addr = Ipv4Addr::new(203, 0, 113, 10);
 const OTHER: Ipv4Addr = Ipv4Addr::new(203, 0, 113, 20);
 const DNS: Ipv4Addr = Ipv4Addr::new(203, 0, 113, 53);
+/// A resolver that takes queries and never answers.
+const SILENT_DNS: Ipv4Addr = Ipv4Addr::new(203, 0, 113, 54);
 
 /// One test's world: namespaces, test DNS + web servers, and the proxy + DNS responder for one
 /// sandbox running in the host namespace until drop.
@@ -53,8 +55,19 @@ fn zone() -> HashMap<String, Vec<Ipv4Addr>> {
 }
 
 fn world(profiles: &str, tenant: &str, selected: &[&str], limits: SandboxLimits) -> World {
+    world_with_upstream(profiles, tenant, selected, limits, DNS)
+}
+
+/// `upstream`: the resolver the proxy and DNS responder use (a host in the internet namespace).
+fn world_with_upstream(
+    profiles: &str,
+    tenant: &str,
+    selected: &[&str],
+    limits: SandboxLimits,
+    upstream: Ipv4Addr,
+) -> World {
     let net = TestNet::new(false).expect("test namespaces");
-    for ip in [ALLOWED, OTHER, DNS] {
+    for ip in [ALLOWED, OTHER, DNS, SILENT_DNS] {
         net.add_internet_host(ip).unwrap();
     }
     let dns = TestDns::start(&net.internet, SocketAddr::new(DNS.into(), 53), zone()).unwrap();
@@ -79,7 +92,10 @@ fn world(profiles: &str, tenant: &str, selected: &[&str], limits: SandboxLimits)
             .build()
             .unwrap();
         rt.block_on(async move {
-            let resolver = Arc::new(Resolver::new(SocketAddr::new(DNS.into(), 53), Duration::from_secs(2)));
+            let resolver = Arc::new(Resolver::new(
+                SocketAddr::new(upstream.into(), 53),
+                Duration::from_secs(2),
+            ));
             let dns = DnsServer::new(resolver.clone(), DnsConfig::default());
             let proxy = Proxy::new(
                 resolver,
@@ -507,6 +523,33 @@ fn connection_cap_closes_connections_past_it() {
         std::thread::sleep(Duration::from_millis(100));
     }
     assert!(served_by(&r, OTHER, 8080), "the slot is free again: {r}");
+}
+
+#[test]
+fn a_silent_upstream_or_client_costs_bounded_time() {
+    let w = world_with_upstream(WEB, NO_TENANT, &[], SandboxLimits::default(), SILENT_DNS);
+    // The upstream reads queries and never answers (the resolver's timeout here is 2 s).
+    let sock = w
+        .net
+        .internet
+        .spawn(|| std::net::UdpSocket::bind((SILENT_DNS, 53)).unwrap())
+        .join()
+        .unwrap();
+    let started = std::time::Instant::now();
+    assert_eq!(w.dns("allowed.test", RecordType::A), (ResponseCode::ServFail, vec![]));
+    let r = w.http((ALLOWED, 80), "allowed.test");
+    assert!(
+        r.starts_with("HTTP/1.1 403") && r.contains("name does not resolve"),
+        "{r}"
+    );
+    assert!(started.elapsed() < Duration::from_secs(10), "{:?}", started.elapsed());
+    drop(sock);
+    // A client that connects to port 80 and says nothing is judged by address after the sniff
+    // timeout (2 s here): no rule allows it, so it is closed (before the client's own 8 s).
+    let started = std::time::Instant::now();
+    assert_eq!(w.tcp((ALLOWED, 80), b""), "");
+    assert!(started.elapsed() < Duration::from_secs(7), "{:?}", started.elapsed());
+    assert!(w.hits().is_empty(), "{:?}", w.hits());
 }
 
 #[test]
