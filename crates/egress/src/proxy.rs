@@ -1,0 +1,395 @@
+//! The egress proxy: every TCP connection a guest opens is redirected here (the plumbing DNATs
+//! it to a per-sandbox listener; [`OriginalDst::Netfilter`] reads where the guest meant to go
+//! with `SO_ORIGINAL_DST`, or [`OriginalDst::LocalAddr`] under TPROXY).
+//!
+//! - Port 80: the HTTP/1 request head's Host; 443: the TLS ClientHello's SNI (read within
+//!   [`ProxyConfig::sniff_timeout`] and [`ProxyConfig::sniff_max`], never decrypted).
+//! - A name a domain rule allows is resolved here, through the upstream resolver, and the proxy
+//!   dials what it resolved, after checking every address against the always-denied ranges and
+//!   the tenant's IP denies (dial by name: the address the guest chose is ignored). The bytes
+//!   already read are replayed, then both directions are spliced.
+//! - No name (other ports, or no Host/SNI): only IP/CIDR rules, against the original destination.
+//!   A name no rule mentions also falls back to those (an allowed address is allowed whatever
+//!   the bytes say); a name the tenant denies is refused.
+//! - Connects, the first read, and idle splices are bounded in time; open connections per
+//!   sandbox are capped.
+//!
+//! Dials are made by the runtime's threads, in the process's own network namespace (the uplink),
+//! optionally from a given source address.
+
+use std::net::{IpAddr, SocketAddr};
+use std::os::fd::AsRawFd;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::{TcpListener, TcpSocket, TcpStream};
+use tokio::task::JoinSet;
+use tokio::time::{timeout, Instant};
+
+use crate::policy::Decision;
+use crate::resolve::Resolver;
+use crate::sandbox::{Path, SandboxEgress};
+use crate::sniff::{self, Sniffed};
+
+/// How the proxy learns where a redirected connection was going.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum OriginalDst {
+    /// `SO_ORIGINAL_DST` (nftables/iptables DNAT or `redirect`): conntrack of the namespace the
+    /// listener was made in, so the DNAT must happen in that same namespace.
+    Netfilter,
+    /// The accepted socket's local address (TPROXY keeps the original destination there).
+    LocalAddr,
+}
+
+#[derive(Debug, Clone)]
+pub struct ProxyConfig {
+    pub original_dst: OriginalDst,
+    /// Reading the request head / ClientHello.
+    pub sniff_timeout: Duration,
+    /// Most bytes read looking for a name.
+    pub sniff_max: usize,
+    /// Each outbound connect.
+    pub connect_timeout: Duration,
+    /// A spliced connection with no byte in either direction for this long is closed.
+    pub idle_timeout: Duration,
+    /// Source address for dials (None: the kernel picks, in the process's namespace).
+    pub uplink_bind: Option<IpAddr>,
+}
+
+impl Default for ProxyConfig {
+    fn default() -> Self {
+        ProxyConfig {
+            original_dst: OriginalDst::Netfilter,
+            sniff_timeout: Duration::from_secs(5),
+            sniff_max: 16 * 1024,
+            connect_timeout: Duration::from_secs(10),
+            idle_timeout: Duration::from_secs(300),
+            uplink_bind: None,
+        }
+    }
+}
+
+#[derive(Debug, Clone)]
+pub struct Proxy {
+    resolver: Arc<Resolver>,
+    config: Arc<ProxyConfig>,
+}
+
+/// Where a connection will go, once decided.
+enum Target {
+    /// Dial these (already checked), in order, on `port`.
+    Resolved(Vec<IpAddr>, u16),
+    Direct(SocketAddr),
+}
+
+impl Proxy {
+    pub fn new(resolver: Arc<Resolver>, config: ProxyConfig) -> Self {
+        Proxy {
+            resolver,
+            config: Arc::new(config),
+        }
+    }
+
+    /// Serves the sandbox's redirected connections from `listener` until the future is dropped,
+    /// which also closes every connection it opened (they live in its task set).
+    pub async fn serve(&self, listener: TcpListener, sandbox: Arc<SandboxEgress>) -> std::io::Result<()> {
+        let mut tasks = JoinSet::new();
+        loop {
+            tokio::select! {
+                Some(_) = tasks.join_next(), if !tasks.is_empty() => {}
+                r = listener.accept() => match r {
+                    Ok((stream, _)) => {
+                        let Some(permit) = sandbox.try_connection() else {
+                            sandbox.record(Path::Tcp, "(any)", &Decision::deny("connection cap"));
+                            drop(stream);
+                            continue;
+                        };
+                        let (this, sandbox) = (self.clone(), sandbox.clone());
+                        tasks.spawn(async move {
+                            this.handle(stream, &sandbox).await;
+                            drop(permit);
+                        });
+                    }
+                    Err(e) => {
+                        // EMFILE and friends: back off rather than spin or give up.
+                        tracing::warn!(sandbox = %sandbox.id(), error = %e, "egress proxy accept failed");
+                        tokio::time::sleep(Duration::from_millis(100)).await;
+                    }
+                }
+            }
+        }
+    }
+
+    async fn handle(&self, mut client: TcpStream, sandbox: &SandboxEgress) {
+        let _ = client.set_nodelay(true);
+        let original = match self.original_destination(&client) {
+            Ok(a) => a,
+            Err(e) => {
+                sandbox.record(Path::Tcp, "(unknown)", &Decision::deny("no original destination"));
+                tracing::debug!(sandbox = %sandbox.id(), error = %e, "no original destination");
+                return;
+            }
+        };
+        if client.local_addr().ok() == Some(original) && self.config.original_dst == OriginalDst::Netfilter {
+            sandbox.record(Path::Tcp, &original.to_string(), &Decision::deny("not redirected"));
+            return;
+        }
+        let port = original.port();
+        let (head, sniffed) = match port {
+            80 => self.sniff(&mut client, sniff::http_host).await,
+            443 => self.sniff(&mut client, sniff::tls_sni).await,
+            _ => (Vec::new(), Sniffed::NoName),
+        };
+        let is_http_head = port == 80 && !matches!(sniffed, Sniffed::Invalid(_) | Sniffed::NeedMore);
+        let (destination, decision, target) = self.decide(sandbox, original, sniffed).await;
+        sandbox.record(Path::Tcp, &destination, &decision);
+        let Some(target) = target.filter(|_| decision.allowed) else {
+            if is_http_head {
+                let body = format!("airlock egress denied: {destination} ({})\n", decision.rule);
+                let reply = format!(
+                    "HTTP/1.1 403 Forbidden\r\nContent-Type: text/plain\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
+                    body.len()
+                );
+                let _ = timeout(Duration::from_secs(2), client.write_all(reply.as_bytes())).await;
+            }
+            return;
+        };
+        let upstream = match self.dial(&target).await {
+            Ok(s) => s,
+            Err(e) => {
+                tracing::info!(sandbox = %sandbox.id(), destination, error = %e, "egress dial failed");
+                return;
+            }
+        };
+        let _ = upstream.set_nodelay(true);
+        splice(client, upstream, head, self.config.idle_timeout).await;
+    }
+
+    fn original_destination(&self, s: &TcpStream) -> std::io::Result<SocketAddr> {
+        match self.config.original_dst {
+            OriginalDst::LocalAddr => s.local_addr(),
+            OriginalDst::Netfilter => so_original_dst(s),
+        }
+    }
+
+    /// Reads until `parse` finds an answer, the limit, EOF, or the timeout.
+    async fn sniff(&self, client: &mut TcpStream, parse: fn(&[u8]) -> Sniffed) -> (Vec<u8>, Sniffed) {
+        let deadline = Instant::now() + self.config.sniff_timeout;
+        let mut buf = Vec::with_capacity(2048);
+        let mut chunk = [0u8; 4096];
+        loop {
+            let want = chunk.len().min(self.config.sniff_max - buf.len());
+            match tokio::time::timeout_at(deadline, client.read(&mut chunk[..want])).await {
+                Ok(Ok(n)) if n > 0 => {
+                    buf.extend_from_slice(&chunk[..n]);
+                    match parse(&buf) {
+                        Sniffed::NeedMore if buf.len() < self.config.sniff_max => continue,
+                        Sniffed::NeedMore => return (buf, Sniffed::Invalid("no name within the read limit")),
+                        other => return (buf, other),
+                    }
+                }
+                // EOF, error or timeout: judge what there is (no name).
+                _ => return (buf, Sniffed::NeedMore),
+            }
+        }
+    }
+
+    async fn decide(
+        &self,
+        sandbox: &SandboxEgress,
+        original: SocketAddr,
+        sniffed: Sniffed,
+    ) -> (String, Decision, Option<Target>) {
+        let policy = sandbox.policy();
+        let port = original.port();
+        let by_ip = || {
+            let d = policy.decide_ip(original.ip());
+            (original.to_string(), d, Some(Target::Direct(original)))
+        };
+        let name = match sniffed {
+            Sniffed::Name(n) => n,
+            Sniffed::Ambiguous(why) => {
+                return (
+                    original.to_string(),
+                    Decision::deny(format!("ambiguous request: {why}")),
+                    None,
+                );
+            }
+            Sniffed::NoName | Sniffed::NeedMore | Sniffed::Invalid(_) => return by_ip(),
+        };
+        let bare = name.trim_start_matches('[').trim_end_matches(']');
+        if bare.parse::<IpAddr>().is_ok() {
+            // An IP literal as Host: the connection is judged by where it really goes.
+            return by_ip();
+        }
+        let Ok(normalized) = crate::policy::normalize_domain(&name) else {
+            return (original.to_string(), Decision::deny("malformed name"), None);
+        };
+        let destination = format!("{normalized}:{port}");
+        let d = policy.decide_domain(&normalized);
+        if !d.allowed {
+            if d.rule.starts_with("tenant deny") {
+                return (destination, d, None);
+            }
+            // No rule names it: an IP/CIDR rule for the real destination may still allow it.
+            let ip_d = policy.decide_ip(original.ip());
+            if ip_d.allowed {
+                return (original.to_string(), ip_d, Some(Target::Direct(original)));
+            }
+            return (destination, d, None);
+        }
+        match self.resolver.lookup_a(&normalized).await {
+            Ok(lookup) => {
+                let mut ok = Vec::new();
+                let mut first_deny = None;
+                for ip in lookup.addrs {
+                    match policy.deny_for_address(ip.into()) {
+                        Some(deny) => {
+                            first_deny.get_or_insert(deny);
+                        }
+                        None => ok.push(IpAddr::from(ip)),
+                    }
+                }
+                if ok.is_empty() {
+                    let rule = match first_deny {
+                        Some(deny) => format!("answer {}", deny.rule),
+                        None => "name has no address".into(),
+                    };
+                    return (destination, Decision::deny(rule), None);
+                }
+                (destination, d, Some(Target::Resolved(ok, port)))
+            }
+            Err(e) => {
+                tracing::debug!(sandbox = %sandbox.id(), destination, error = %e, "egress lookup failed");
+                (destination, Decision::deny("name does not resolve"), None)
+            }
+        }
+    }
+
+    async fn dial(&self, target: &Target) -> std::io::Result<TcpStream> {
+        let addrs: Vec<SocketAddr> = match target {
+            Target::Resolved(ips, port) => ips.iter().map(|ip| SocketAddr::new(*ip, *port)).collect(),
+            Target::Direct(a) => vec![*a],
+        };
+        let mut last = std::io::Error::new(std::io::ErrorKind::NotFound, "no address");
+        for addr in addrs {
+            let socket = if addr.is_ipv4() {
+                TcpSocket::new_v4()?
+            } else {
+                TcpSocket::new_v6()?
+            };
+            if let Some(src) = self.config.uplink_bind {
+                socket.bind(SocketAddr::new(src, 0))?;
+            }
+            match timeout(self.config.connect_timeout, socket.connect(addr)).await {
+                Ok(Ok(s)) => return Ok(s),
+                Ok(Err(e)) => last = e,
+                Err(_) => {
+                    last = std::io::Error::new(std::io::ErrorKind::TimedOut, format!("connect to {addr} timed out"))
+                }
+            }
+        }
+        Err(last)
+    }
+}
+
+const SO_ORIGINAL_DST: libc::c_int = 80; // linux/netfilter_ipv4.h
+const IP6T_SO_ORIGINAL_DST: libc::c_int = 80; // linux/netfilter_ipv6/ip6_tables.h
+
+fn so_original_dst(s: &TcpStream) -> std::io::Result<SocketAddr> {
+    let fd = s.as_raw_fd();
+    if s.local_addr()?.is_ipv4() {
+        let mut addr: libc::sockaddr_in = unsafe { std::mem::zeroed() };
+        let mut len = std::mem::size_of::<libc::sockaddr_in>() as libc::socklen_t;
+        // SAFETY: fd is a live socket; addr/len describe a writable sockaddr_in.
+        let rc = unsafe {
+            libc::getsockopt(
+                fd,
+                libc::SOL_IP,
+                SO_ORIGINAL_DST,
+                (&mut addr as *mut libc::sockaddr_in).cast(),
+                &mut len,
+            )
+        };
+        if rc != 0 {
+            return Err(std::io::Error::last_os_error());
+        }
+        let ip = std::net::Ipv4Addr::from(u32::from_be(addr.sin_addr.s_addr));
+        Ok(SocketAddr::new(ip.into(), u16::from_be(addr.sin_port)))
+    } else {
+        let mut addr: libc::sockaddr_in6 = unsafe { std::mem::zeroed() };
+        let mut len = std::mem::size_of::<libc::sockaddr_in6>() as libc::socklen_t;
+        // SAFETY: as above, for sockaddr_in6.
+        let rc = unsafe {
+            libc::getsockopt(
+                fd,
+                libc::SOL_IPV6,
+                IP6T_SO_ORIGINAL_DST,
+                (&mut addr as *mut libc::sockaddr_in6).cast(),
+                &mut len,
+            )
+        };
+        if rc != 0 {
+            return Err(std::io::Error::last_os_error());
+        }
+        let ip = std::net::Ipv6Addr::from(addr.sin6_addr.s6_addr);
+        Ok(SocketAddr::new(ip.into(), u16::from_be(addr.sin6_port)))
+    }
+}
+
+/// Writes `head` (what was read while sniffing) to `upstream`, then copies both ways until both
+/// sides are done or nothing moved for `idle`. Each side's EOF is passed on as a half-close.
+async fn splice(client: TcpStream, mut upstream: TcpStream, head: Vec<u8>, idle: Duration) {
+    if !head.is_empty()
+        && timeout(idle, upstream.write_all(&head))
+            .await
+            .map(|r| r.is_err())
+            .unwrap_or(true)
+    {
+        return;
+    }
+    let start = Instant::now();
+    let last = Arc::new(AtomicU64::new(0));
+    let (cr, cw) = client.into_split();
+    let (ur, uw) = upstream.into_split();
+    let up = pump(cr, uw, last.clone(), start);
+    let down = pump(ur, cw, last.clone(), start);
+    let watchdog = async {
+        loop {
+            let since = (start.elapsed().as_millis() as u64).saturating_sub(last.load(Ordering::Relaxed));
+            let since = Duration::from_millis(since);
+            if since >= idle {
+                return;
+            }
+            tokio::time::sleep(idle - since).await;
+        }
+    };
+    tokio::select! {
+        _ = async { tokio::join!(up, down) } => {}
+        _ = watchdog => {}
+    }
+}
+
+async fn pump(
+    mut from: tokio::net::tcp::OwnedReadHalf,
+    mut to: tokio::net::tcp::OwnedWriteHalf,
+    last: Arc<AtomicU64>,
+    start: Instant,
+) {
+    let mut buf = vec![0u8; 64 * 1024];
+    loop {
+        match from.read(&mut buf).await {
+            Ok(0) | Err(_) => break,
+            Ok(n) => {
+                last.store(start.elapsed().as_millis() as u64, Ordering::Relaxed);
+                if to.write_all(&buf[..n]).await.is_err() {
+                    break;
+                }
+                last.store(start.elapsed().as_millis() as u64, Ordering::Relaxed);
+            }
+        }
+    }
+    let _ = to.shutdown().await;
+}

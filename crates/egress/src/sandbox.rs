@@ -1,0 +1,215 @@
+//! One sandbox's egress state: its fixed policy, its counters, its recent denials, its cap of
+//! open proxied connections. Every decision goes through [`SandboxEgress::record`], which counts
+//! it and logs it (sandbox, destination, verdict, rule: never payload, headers or paths).
+
+use std::collections::{BTreeMap, VecDeque};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{SystemTime, UNIX_EPOCH};
+
+use serde::Serialize;
+use tokio::sync::{OwnedSemaphorePermit, Semaphore};
+
+use crate::policy::{Decision, Policy};
+
+/// Per-sandbox bounds.
+#[derive(Debug, Clone)]
+pub struct SandboxLimits {
+    /// Open proxied TCP connections at once; past it new ones are closed (and counted).
+    pub max_connections: usize,
+    /// DNS queries being answered at once; past it queries are dropped.
+    pub max_dns_in_flight: usize,
+    /// How many recent denials are kept.
+    pub recent_denials: usize,
+}
+
+impl Default for SandboxLimits {
+    fn default() -> Self {
+        SandboxLimits {
+            max_connections: 256,
+            max_dns_in_flight: 64,
+            recent_denials: 64,
+        }
+    }
+}
+
+/// Which door a decision came through.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Path {
+    Dns,
+    Tcp,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct Denial {
+    pub at_unix_ms: u64,
+    pub path: Path,
+    /// `name:port`, `ip:port`, or for DNS the name and type (`allowed.test A`).
+    pub destination: String,
+    pub rule: String,
+}
+
+#[derive(Debug, Clone, Default, Serialize)]
+pub struct EgressCounters {
+    pub tcp_allowed: u64,
+    pub tcp_denied: u64,
+    pub dns_allowed: u64,
+    pub dns_denied: u64,
+    /// `"allow <rule>"` / `"deny <rule>"` -> count.
+    pub by_rule: BTreeMap<String, u64>,
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct EgressSnapshot {
+    pub sandbox: String,
+    pub profiles: Vec<String>,
+    pub counters: EgressCounters,
+    /// Oldest first.
+    pub recent_denials: Vec<Denial>,
+}
+
+/// Rule keys are bounded by the configuration, but a cap keeps a bug from growing this forever.
+const MAX_RULE_KEYS: usize = 4096;
+
+pub struct SandboxEgress {
+    id: String,
+    policy: Policy,
+    limits: SandboxLimits,
+    tcp_allowed: AtomicU64,
+    tcp_denied: AtomicU64,
+    dns_allowed: AtomicU64,
+    dns_denied: AtomicU64,
+    by_rule: Mutex<BTreeMap<String, u64>>,
+    recent: Mutex<VecDeque<Denial>>,
+    connections: Arc<Semaphore>,
+    pub(crate) dns_in_flight: Arc<Semaphore>,
+}
+
+impl std::fmt::Debug for SandboxEgress {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("SandboxEgress")
+            .field("id", &self.id)
+            .finish_non_exhaustive()
+    }
+}
+
+impl SandboxEgress {
+    pub fn new(id: impl Into<String>, policy: Policy, limits: SandboxLimits) -> Arc<Self> {
+        Arc::new(SandboxEgress {
+            id: id.into(),
+            policy,
+            connections: Arc::new(Semaphore::new(limits.max_connections)),
+            dns_in_flight: Arc::new(Semaphore::new(limits.max_dns_in_flight)),
+            limits,
+            tcp_allowed: AtomicU64::new(0),
+            tcp_denied: AtomicU64::new(0),
+            dns_allowed: AtomicU64::new(0),
+            dns_denied: AtomicU64::new(0),
+            by_rule: Mutex::new(BTreeMap::new()),
+            recent: Mutex::new(VecDeque::new()),
+        })
+    }
+
+    pub fn id(&self) -> &str {
+        &self.id
+    }
+
+    pub fn policy(&self) -> &Policy {
+        &self.policy
+    }
+
+    pub(crate) fn try_connection(&self) -> Option<OwnedSemaphorePermit> {
+        self.connections.clone().try_acquire_owned().ok()
+    }
+
+    /// Counts and logs one decision.
+    pub fn record(&self, path: Path, destination: &str, decision: &Decision) {
+        let counter = match (path, decision.allowed) {
+            (Path::Tcp, true) => &self.tcp_allowed,
+            (Path::Tcp, false) => &self.tcp_denied,
+            (Path::Dns, true) => &self.dns_allowed,
+            (Path::Dns, false) => &self.dns_denied,
+        };
+        counter.fetch_add(1, Ordering::Relaxed);
+        let verdict = if decision.allowed { "allow" } else { "deny" };
+        {
+            let mut by_rule = self.by_rule.lock().unwrap();
+            let key = format!("{verdict} {}", decision.rule);
+            if by_rule.len() < MAX_RULE_KEYS || by_rule.contains_key(&key) {
+                *by_rule.entry(key).or_default() += 1;
+            } else {
+                *by_rule.entry(format!("{verdict} (other)")).or_default() += 1;
+            }
+        }
+        let path_name = match path {
+            Path::Dns => "dns",
+            Path::Tcp => "tcp",
+        };
+        tracing::info!(
+            target: "airlock_egress::decision",
+            sandbox = %self.id, path = path_name, destination, verdict, rule = %decision.rule,
+            "egress decision"
+        );
+        if !decision.allowed && self.limits.recent_denials > 0 {
+            let at_unix_ms = SystemTime::now()
+                .duration_since(UNIX_EPOCH)
+                .map(|d| d.as_millis() as u64)
+                .unwrap_or(0);
+            let mut recent = self.recent.lock().unwrap();
+            if recent.len() >= self.limits.recent_denials {
+                recent.pop_front();
+            }
+            recent.push_back(Denial {
+                at_unix_ms,
+                path,
+                destination: destination.to_string(),
+                rule: decision.rule.clone(),
+            });
+        }
+    }
+
+    pub fn snapshot(&self) -> EgressSnapshot {
+        EgressSnapshot {
+            sandbox: self.id.clone(),
+            profiles: self.policy.profile_names().into_iter().map(String::from).collect(),
+            counters: EgressCounters {
+                tcp_allowed: self.tcp_allowed.load(Ordering::Relaxed),
+                tcp_denied: self.tcp_denied.load(Ordering::Relaxed),
+                dns_allowed: self.dns_allowed.load(Ordering::Relaxed),
+                dns_denied: self.dns_denied.load(Ordering::Relaxed),
+                by_rule: self.by_rule.lock().unwrap().clone(),
+            },
+            recent_denials: self.recent.lock().unwrap().iter().cloned().collect(),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::policy::{EgressConfig, PlatformDenies, Profiles, TenantPolicy};
+
+    #[test]
+    fn ring_is_bounded_and_counts_by_rule() {
+        let c = EgressConfig::new(PlatformDenies::new([]), Profiles::default());
+        let s = SandboxEgress::new(
+            "sb1",
+            Policy::new::<&str>(&c, TenantPolicy::sealed(), &[]).unwrap(),
+            SandboxLimits {
+                recent_denials: 3,
+                ..Default::default()
+            },
+        );
+        for i in 0..5 {
+            s.record(Path::Tcp, &format!("203.0.113.{i}:80"), &Decision::deny("default deny"));
+        }
+        s.record(Path::Dns, "a.test A", &Decision::allow("tenant allow domain a.test"));
+        let snap = s.snapshot();
+        assert_eq!(snap.recent_denials.len(), 3);
+        assert_eq!(snap.recent_denials[0].destination, "203.0.113.2:80");
+        assert_eq!(snap.counters.tcp_denied, 5);
+        assert_eq!(snap.counters.dns_allowed, 1);
+        assert_eq!(snap.counters.by_rule["deny default deny"], 5);
+    }
+}
