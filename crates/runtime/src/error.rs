@@ -44,6 +44,9 @@ pub enum RuntimeError {
     /// The VMM process is still alive after SIGKILL (stuck in the kernel).
     #[error("VMM process {pid} survived SIGKILL")]
     StopFailed { pid: u32 },
+    /// The sandbox's network (namespace, tap, veth, nftables, egress hook) could not be made.
+    #[error("sandbox network: {0}")]
+    Network(#[from] crate::net::NetError),
     #[error("I/O on {path}: {source}")]
     Io { path: String, source: std::io::Error },
 }

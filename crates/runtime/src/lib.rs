@@ -4,6 +4,7 @@
 //! - `vmm`: the `Vmm` trait and its drivers (`qemu`; `fake`, an in-memory one for tests)
 //! - `template`: template builds and the content-addressed store
 //! - `agent`: the client of the guest agent (HTTP/2 over the VM's channel)
+//! - `net`: each sandbox's network namespace, tap, veth and nftables, and the egress hook
 //!
 //! The server reaches it only through its node seam; the integration tests drive it directly
 //! against real QEMU VMs and against the fake VMM.
@@ -11,6 +12,7 @@
 pub mod agent;
 pub mod datadir;
 pub mod error;
+pub mod net;
 pub mod random;
 pub mod sandbox;
 pub mod template;

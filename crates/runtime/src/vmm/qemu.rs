@@ -62,7 +62,7 @@ impl QemuVmm {
         };
         let cmdline = kernel_cmdline(&spec.id);
         let p = |p: &Path| p.display().to_string();
-        vec![
+        let mut args: Vec<String> = vec![
             "-M".into(),
             "microvm,rtc=on".into(),
             "-accel".into(),
@@ -109,7 +109,9 @@ impl QemuVmm {
             "chardev:console".into(),
             "-qmp".into(),
             format!("unix:{},server=on,wait=off", p(qmp_socket)),
-        ]
+        ];
+        args.extend(net_args(spec));
+        args
     }
 }
 
@@ -130,6 +132,18 @@ impl QemuVmm {
                 reason: format!("QMP: {e}"),
             })
     }
+}
+
+/// The NIC: virtio-net on the tap the runtime opened (`fd=`, inherited; no vhost-net here).
+fn net_args(spec: &VmSpec) -> Vec<String> {
+    use std::os::fd::AsRawFd;
+    let Some(net) = &spec.network else { return Vec::new() };
+    vec![
+        "-netdev".into(),
+        format!("tap,id=net0,fd={},vhost=off", net.tap.as_raw_fd()),
+        "-device".into(),
+        format!("virtio-net-device,netdev=net0,mac={}", net.mac),
+    ]
 }
 
 /// Guest kernel command line. Under TCG, ~45% of boots hang in TSC calibration unless the
@@ -212,6 +226,18 @@ impl Vmm for QemuVmm {
                 }
                 Ok(())
             });
+        }
+        // The tap's fd is close-on-exec in this process (no other child may inherit it); only
+        // QEMU's copy of the fd table keeps it across exec.
+        if let Some(fd) = spec.network.as_ref().map(|n| std::os::fd::AsRawFd::as_raw_fd(&*n.tap)) {
+            unsafe {
+                std::os::unix::process::CommandExt::pre_exec(&mut cmd, move || {
+                    if libc::fcntl(fd, libc::F_SETFD, 0) < 0 {
+                        return Err(std::io::Error::last_os_error());
+                    }
+                    Ok(())
+                });
+            }
         }
         let child = cmd
             .spawn()
