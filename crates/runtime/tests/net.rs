@@ -545,6 +545,29 @@ print(d.recv(100).decode())
     assert!(!hook().bound.lock().unwrap().contains_key(&link.id));
 }
 
+/// A VMM that dies on its own (kill -9) takes its sandbox's network with it.
+fn a_vmm_that_dies_takes_its_network_with_it() {
+    let sb = create(&id("killed"), Plan::Wired).expect("sandbox boots");
+    let (pid, link, dir) = (sb.vm.pid, sb.net.clone().unwrap(), sb.vm.dir.clone());
+    drop(sb);
+    assert!(exists_netns(&link.netns) && exists_link(&link.host_if) && exists_host_table(&link.netns));
+    nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(pid as i32),
+        nix::sys::signal::Signal::SIGKILL,
+    )
+    .unwrap();
+    let deadline = Instant::now() + Duration::from_secs(20);
+    // The dir goes last, after the network.
+    while dir.exists() && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    assert!(runtime().get(&link.id).is_err(), "the sandbox is still listed");
+    assert!(!exists_netns(&link.netns), "namespace left");
+    assert!(!exists_link(&link.host_if), "host veth left");
+    assert!(!exists_host_table(&link.netns), "host table left");
+    assert!(hook().detached.lock().unwrap().contains(&link.id));
+}
+
 fn a_failing_hook_leaves_nothing_behind() {
     let id = id("refused");
     let err = create(&id, Plan::Fail).err().expect("the create fails");
@@ -614,6 +637,9 @@ fn main() {
             "egress_hooks_get_all_guest_tcp_and_dns_then_delete_removes_everything",
             || catch(egress_hooks_get_all_guest_tcp_and_dns_then_delete_removes_everything),
         ),
+        Trial::test("a_vmm_that_dies_takes_its_network_with_it", || {
+            catch(a_vmm_that_dies_takes_its_network_with_it)
+        }),
         Trial::test("a_failing_hook_leaves_nothing_behind", || {
             catch(a_failing_hook_leaves_nothing_behind)
         }),
