@@ -305,8 +305,17 @@ impl Network {
             index,
             ports: EgressPorts::default(),
         };
+        let started = std::time::Instant::now();
         match self.build(&mut link).await {
-            Ok(tap) => Ok((link, tap)),
+            Ok(tap) => {
+                tracing::debug!(
+                    id,
+                    netns = %link.netns,
+                    "network made in {} ms",
+                    started.elapsed().as_millis()
+                );
+                Ok((link, tap))
+            }
             Err(e) => {
                 self.remove(&link).await;
                 Err(e)
