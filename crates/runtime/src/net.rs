@@ -145,7 +145,17 @@ impl SandboxLink {
     }
 }
 
-/// What the egress side (DNS responder, proxy) plugs into.
+/// What the egress side (DNS responder, proxy) plugs into, through
+/// `RuntimeOptions::network.egress` (so it must exist before `Runtime::open`, which re-attaches).
+///
+/// A typical `attach`: bind a TCP listener and a UDP + TCP socket on `(link.host_addr, port)`
+/// (plain `bind` in the host's namespace: the address is on the host end of the veth), remember
+/// `link.id` for them, and return their ports. The proxy then reads where each accepted
+/// connection was aimed with `getsockopt(SOL_IP, SO_ORIGINAL_DST)` (the DNAT happens in the
+/// host's namespace, where the socket lives); every peer is `link.peer_addr`. The DNS responder
+/// gets the queries the guest sent to the gateway's port 53, from `link.peer_addr`; over TCP
+/// too, if it listens on TCP. Nothing reaches the host from a sandbox but these ports on its
+/// own `H`. Policy lives only here: the kernel side only seals and redirects.
 #[async_trait]
 pub trait EgressHook: Send + Sync {
     /// The sandbox's link exists and `link.host_addr` is assigned on the host, so a listener can
@@ -154,7 +164,8 @@ pub trait EgressHook: Send + Sync {
     /// before the VM boots and for every sandbox re-attached at start-up. An error fails the
     /// create.
     async fn attach(&self, link: &SandboxLink) -> Result<EgressPorts, Box<dyn std::error::Error + Send + Sync>>;
-    /// The sandbox is gone (deleted, exited, failed to boot): stop serving it.
+    /// The sandbox is gone (deleted, exited, failed to boot, or its `attach` failed): stop
+    /// serving it. May come for a link `attach` never accepted.
     async fn detach(&self, link: &SandboxLink);
 }
 
