@@ -1,6 +1,7 @@
 //! Boot duties of PID 1: the initramfs stage (load virtio modules, mount the root disk, switch
 //! root) and the root filesystem stage (mounts, hostname, loopback, growing the root fs).
 
+use airlock_proto::net;
 use nix::mount::{mount, MsFlags};
 use std::ffi::CString;
 use std::fs;
@@ -153,6 +154,11 @@ pub fn rootfs_stage() {
     if let Err(e) = loopback_up() {
         log(&format!("loopback: {e}"));
     }
+    if Path::new(&format!("/sys/class/net/{}", net::GUEST_IF)).exists() {
+        if let Err(e) = network_up() {
+            log(&format!("network: {e}"));
+        }
+    }
     if let Err(e) = grow_root_fs() {
         log(&format!("grow root fs: {e}"));
     }
@@ -165,29 +171,120 @@ pub fn cmdline_value<'a>(cmdline: &'a str, key: &str) -> Option<&'a str> {
 }
 
 fn loopback_up() -> std::io::Result<()> {
-    let sock = unsafe { libc::socket(libc::AF_INET, libc::SOCK_DGRAM | libc::SOCK_CLOEXEC, 0) };
-    if sock < 0 {
-        return Err(std::io::Error::last_os_error());
-    }
-    let mut req: libc::ifreq = unsafe { std::mem::zeroed() };
-    for (dst, src) in req.ifr_name.iter_mut().zip(b"lo\0") {
-        *dst = *src as libc::c_char;
-    }
-    let rc = unsafe {
-        if libc::ioctl(sock, libc::SIOCGIFFLAGS, &mut req) < 0 {
-            -1
-        } else {
-            req.ifr_ifru.ifru_flags |= (libc::IFF_UP | libc::IFF_RUNNING) as libc::c_short;
-            libc::ioctl(sock, libc::SIOCSIFFLAGS, &req)
+    let sock = Socket::inet()?;
+    sock.set_up("lo")
+}
+
+/// The guest's side of the sandbox network, the same in every sandbox (`airlock_proto::net`):
+/// IPv6 off on the NIC (the host drops it anyway; loopback keeps `::1`), the fixed address, a
+/// default route through the gateway, and the gateway as the only resolver.
+fn network_up() -> std::io::Result<()> {
+    let nic = net::GUEST_IF;
+    for conf in ["default", nic] {
+        let p = format!("/proc/sys/net/ipv6/conf/{conf}/disable_ipv6");
+        if Path::new(&p).exists() {
+            fs::write(&p, "1")?;
         }
-    };
-    let err = std::io::Error::last_os_error();
-    unsafe { libc::close(sock) };
-    if rc < 0 {
-        Err(err)
-    } else {
+    }
+    let sock = Socket::inet()?;
+    sock.set_addr(nic, libc::SIOCSIFADDR, net::GUEST_ADDR)?;
+    let mask = u32::MAX << (32 - u32::from(net::PREFIX_LEN));
+    sock.set_addr(nic, SIOCSIFNETMASK, mask.to_be_bytes())?;
+    sock.set_up(nic)?;
+    sock.default_route(net::GATEWAY)?;
+    let [a, b, c, d] = net::GATEWAY;
+    // A symlink (systemd's, or a user's) must not redirect this write: replace it.
+    let _ = fs::remove_file("/etc/resolv.conf");
+    fs::write("/etc/resolv.conf", format!("nameserver {a}.{b}.{c}.{d}\n"))
+}
+
+const SIOCSIFNETMASK: libc::c_ulong = 0x891c;
+const SIOCADDRT: libc::c_ulong = 0x890b;
+
+/// `struct rtentry` (net/route.h) for SIOCADDRT.
+#[repr(C)]
+struct RtEntry {
+    rt_pad1: libc::c_ulong,
+    rt_dst: libc::sockaddr,
+    rt_gateway: libc::sockaddr,
+    rt_genmask: libc::sockaddr,
+    rt_flags: libc::c_ushort,
+    rt_pad2: libc::c_short,
+    rt_pad3: libc::c_ulong,
+    rt_tos: libc::c_uchar,
+    rt_class: libc::c_uchar,
+    rt_pad4: [libc::c_short; 3],
+    rt_metric: libc::c_short,
+    rt_dev: *mut libc::c_char,
+    rt_mtu: libc::c_ulong,
+    rt_window: libc::c_ulong,
+    rt_irtt: libc::c_ushort,
+}
+
+/// An AF_INET datagram socket for the interface ioctls.
+struct Socket(std::os::fd::OwnedFd);
+
+impl Socket {
+    fn inet() -> std::io::Result<Self> {
+        let fd = unsafe { libc::socket(libc::AF_INET, libc::SOCK_DGRAM | libc::SOCK_CLOEXEC, 0) };
+        if fd < 0 {
+            return Err(std::io::Error::last_os_error());
+        }
+        Ok(Self(unsafe { std::os::fd::FromRawFd::from_raw_fd(fd) }))
+    }
+
+    fn ifreq(name: &str) -> libc::ifreq {
+        let mut req: libc::ifreq = unsafe { std::mem::zeroed() };
+        for (dst, src) in req.ifr_name.iter_mut().zip(name.bytes().take(libc::IFNAMSIZ - 1)) {
+            *dst = src as libc::c_char;
+        }
+        req
+    }
+
+    fn ioctl<T>(&self, what: &str, request: libc::c_ulong, arg: &mut T) -> std::io::Result<()> {
+        if unsafe { libc::ioctl(self.0.as_raw_fd(), request as _, arg as *mut T) } < 0 {
+            let e = std::io::Error::last_os_error();
+            return Err(std::io::Error::new(e.kind(), format!("{what}: {e}")));
+        }
         Ok(())
     }
+
+    fn set_up(&self, name: &str) -> std::io::Result<()> {
+        let mut req = Self::ifreq(name);
+        self.ioctl(&format!("get flags of {name}"), libc::SIOCGIFFLAGS as _, &mut req)?;
+        unsafe { req.ifr_ifru.ifru_flags |= (libc::IFF_UP | libc::IFF_RUNNING) as libc::c_short };
+        self.ioctl(&format!("bring {name} up"), libc::SIOCSIFFLAGS as _, &mut req)
+    }
+
+    fn set_addr(&self, name: &str, request: libc::c_ulong, addr: [u8; 4]) -> std::io::Result<()> {
+        let mut req = Self::ifreq(name);
+        req.ifr_ifru.ifru_addr = sockaddr_in(addr);
+        self.ioctl(&format!("set address {addr:?} on {name}"), request, &mut req)
+    }
+
+    fn default_route(&self, gateway: [u8; 4]) -> std::io::Result<()> {
+        let mut rt: RtEntry = unsafe { std::mem::zeroed() };
+        rt.rt_dst = sockaddr_in([0; 4]);
+        rt.rt_genmask = sockaddr_in([0; 4]);
+        rt.rt_gateway = sockaddr_in(gateway);
+        rt.rt_flags = (libc::RTF_UP | libc::RTF_GATEWAY) as libc::c_ushort;
+        match self.ioctl("add the default route", SIOCADDRT, &mut rt) {
+            Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => Ok(()),
+            r => r,
+        }
+    }
+}
+
+fn sockaddr_in(addr: [u8; 4]) -> libc::sockaddr {
+    let sin = libc::sockaddr_in {
+        sin_family: libc::AF_INET as libc::sa_family_t,
+        sin_port: 0,
+        sin_addr: libc::in_addr {
+            s_addr: u32::from_ne_bytes(addr),
+        },
+        sin_zero: [0; 8],
+    };
+    unsafe { std::mem::transmute::<libc::sockaddr_in, libc::sockaddr>(sin) }
 }
 
 /// The per-sandbox overlay may be larger than the template image (`disk_mib`): grow ext4 online.

@@ -22,6 +22,25 @@ pub const SESSION_READY: &str = "AIRLOCK-READY ";
 /// Longest line either side scans for before giving up on it.
 pub const SESSION_LINE_MAX: usize = 256;
 
+/// The guest's network: the same in every sandbox (each sandbox has its own network namespace on
+/// the host, so the same addresses never meet; a snapshot restores anywhere). The host configures
+/// the other end (the tap in the sandbox's namespace); the agent configures the guest's side.
+pub mod net {
+    /// The guest's NIC (virtio-net), as the guest kernel names it.
+    pub const GUEST_IF: &str = "eth0";
+    /// The guest's address: carrier-grade NAT space (RFC 6598), which no sandbox may reach
+    /// anyway, so the four addresses of the link hide no destination a policy could allow.
+    pub const GUEST_ADDR: [u8; 4] = [100, 96, 0, 2];
+    /// The gateway: the tap's address in the sandbox's namespace; also the guest's only DNS server.
+    pub const GATEWAY: [u8; 4] = [100, 96, 0, 1];
+    /// Prefix length of the guest link (a /30: the guest and the gateway).
+    pub const PREFIX_LEN: u8 = 30;
+    /// The guest NIC's MAC (locally administered), fixed so a snapshot's ARP cache stays right.
+    pub const GUEST_MAC: &str = "02:a1:00:00:00:02";
+    /// The gateway side's MAC (the tap), fixed for the same reason.
+    pub const GATEWAY_MAC: &str = "02:a1:00:00:00:01";
+}
+
 /// Agent protocol version, bumped on incompatible changes.
 pub const PROTOCOL_VERSION: u32 = 1;
 

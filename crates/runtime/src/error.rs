@@ -47,6 +47,9 @@ pub enum RuntimeError {
     /// The VMM's jail (uid, mount namespace, cgroups) could not be set up.
     #[error("VMM jail: {0}")]
     Jail(String),
+    /// The sandbox's network (namespace, tap, veth, nftables, egress hook) could not be made.
+    #[error("sandbox network: {0}")]
+    Network(#[from] crate::net::NetError),
     #[error("I/O on {path}: {source}")]
     Io { path: String, source: std::io::Error },
 }

@@ -5,6 +5,7 @@
 //! - `template`: template builds and the content-addressed store
 //! - `jail`: what every VMM process runs in (its own uid, read-only mounts, cgroups)
 //! - `agent`: the client of the guest agent (HTTP/2 over the VM's channel)
+//! - `net`: each sandbox's network namespace, tap, veth and nftables, and the egress hook
 //!
 //! The server reaches it only through its node seam; the integration tests drive it directly
 //! against real QEMU VMs and against the fake VMM.
@@ -13,6 +14,7 @@ pub mod agent;
 pub mod datadir;
 pub mod error;
 pub mod jail;
+pub mod net;
 pub mod random;
 pub mod sandbox;
 pub mod template;

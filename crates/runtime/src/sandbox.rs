@@ -4,9 +4,10 @@
 use crate::agent::AgentClient;
 use crate::datadir::{random_hex, write_atomic, DataDir, FileLock};
 use crate::error::{Result, RuntimeError};
+use crate::net::{Network, NetworkOptions, SandboxLink};
 use crate::template::{Template, TemplateStore};
 use crate::vmm::qemu::QemuVmm;
-use crate::vmm::{wait_exit, Accel, VmHandle, VmSpec, Vmm};
+use crate::vmm::{wait_exit, Accel, NetAttach, VmHandle, VmSpec, Vmm};
 use airlock_proto::frame::EventKind;
 use airlock_proto::{ExitStatus, ProcessSpec};
 use futures_util::StreamExt;
@@ -35,6 +36,8 @@ pub struct SandboxRecord {
 pub struct Sandbox {
     pub record: SandboxRecord,
     pub vm: VmHandle,
+    /// Its network (namespace, veth, tables), when the runtime makes networks.
+    pub net: Option<SandboxLink>,
     /// Connected lazily: a VM found paused after a restart has no session until it resumes.
     agent: tokio::sync::Mutex<Option<AgentClient>>,
     deleting: AtomicBool,
@@ -147,6 +150,9 @@ pub struct RuntimeOptions {
     pub qemu: Option<PathBuf>,
     /// The VMM driver to use instead of QEMU (tests inject `fake::FakeVmm`); `qemu` is then unused.
     pub vmm: Option<Arc<dyn Vmm>>,
+    /// Give every sandbox a network namespace and a NIC (see [`crate::net`]); `None`: no NIC.
+    /// On by default; `AIRLOCK_SANDBOX_NETWORK=off` turns it off.
+    pub network: Option<NetworkOptions>,
 }
 
 impl RuntimeOptions {
@@ -157,6 +163,10 @@ impl RuntimeOptions {
             boot_timeout: Duration::from_secs(90),
             qemu: None,
             vmm: None,
+            network: match std::env::var("AIRLOCK_SANDBOX_NETWORK").as_deref() {
+                Ok("off") => None,
+                _ => Some(NetworkOptions::default()),
+            },
         }
     }
 }
@@ -166,6 +176,7 @@ struct Inner {
     data: DataDir,
     templates: TemplateStore,
     vmm: Arc<dyn Vmm>,
+    net: Option<Network>,
     forced_accel: Option<Accel>,
     accel: tokio::sync::OnceCell<Accel>,
     boot_timeout: Duration,
@@ -228,12 +239,21 @@ impl Runtime {
             Ok("tcg") => Some(Accel::Tcg),
             _ => None,
         });
+        let net = match opts.network {
+            Some(o) => {
+                let net = Network::new(data.root(), o)?;
+                net.check_tools().await?;
+                Some(net)
+            }
+            None => None,
+        };
         let rt = Self {
             inner: Arc::new(Inner {
                 _lock: lock,
                 templates: TemplateStore::new(data.clone()),
                 data,
                 vmm,
+                net,
                 forced_accel,
                 accel: tokio::sync::OnceCell::new(),
                 boot_timeout: opts.boot_timeout,
@@ -281,6 +301,11 @@ impl Runtime {
         &self.inner.templates
     }
 
+    /// The sandboxes' networks, when the runtime makes them.
+    pub fn network(&self) -> Option<&Network> {
+        self.inner.net.as_ref()
+    }
+
     pub fn runtime_name(&self) -> &'static str {
         self.inner.vmm.name()
     }
@@ -310,21 +335,33 @@ impl Runtime {
                 .ok()
                 .and_then(|b| serde_json::from_slice(&b).ok());
             let vm = VmHandle::load(&dir);
+            let link = SandboxLink::load(&dir);
             match (record, vm) {
                 (Some(record), Some(vm)) if self.inner.vmm.is_running(&vm) => {
+                    let net = match self.reattach_network(link, &dir).await {
+                        Ok(net) => net,
+                        Err(e) => {
+                            tracing::warn!(id = %record.id, "its network cannot be restored ({e}); removing it");
+                            let _ = self.inner.vmm.stop(&vm, Duration::from_secs(2)).await;
+                            self.remove_network(SandboxLink::load(&dir).as_ref()).await;
+                            let _ = self.inner.discard(&dir);
+                            continue;
+                        }
+                    };
                     if self.inner.vmm.is_paused(&vm).await.unwrap_or(false) {
                         tracing::info!(id = %record.id, pid = vm.pid, "re-attached to paused sandbox");
-                        self.adopt(record, vm, None, true);
+                        self.adopt(record, vm, net, None, true);
                         continue;
                     }
                     match AgentClient::connect_ready(&vm.agent_socket, Duration::from_secs(10)).await {
                         Ok((client, _)) => {
                             tracing::info!(id = %record.id, pid = vm.pid, "re-attached to running sandbox");
-                            self.adopt(record, vm, Some(client), false);
+                            self.adopt(record, vm, net, Some(client), false);
                         }
                         Err(e) => {
                             tracing::warn!(id = %record.id, "running VM's agent does not answer ({e}); removing it");
                             let _ = self.inner.vmm.stop(&vm, Duration::from_secs(2)).await;
+                            self.remove_network(net.as_ref()).await;
                             let _ = self.inner.discard(&dir);
                         }
                     }
@@ -337,18 +374,52 @@ impl Runtime {
                         let _ = self.inner.vmm.stop(&vm, Duration::from_secs(2)).await;
                     }
                     tracing::info!("removing leftovers of sandbox {}", dir.display());
+                    self.remove_network(link.as_ref()).await;
                     let _ = self.inner.discard(&dir);
                 }
             }
         }
-        let live = self.inner.sandboxes.lock().unwrap().keys().cloned().collect();
+        // Networks and jails a crash left without a sandbox (or whose dir is gone).
+        let live: std::collections::HashSet<String> =
+            self.inner.sandboxes.lock().unwrap().keys().cloned().collect();
+        if let Some(net) = &self.inner.net {
+            net.sweep(&live).await;
+        }
         self.inner.vmm.sweep(&live);
     }
 
-    fn adopt(&self, record: SandboxRecord, vm: VmHandle, client: Option<AgentClient>, paused: bool) -> Arc<Sandbox> {
+    /// The network of a sandbox found running: its recorded link, served again. A sandbox
+    /// without a record when the runtime makes networks was started without one: it keeps none.
+    async fn reattach_network(&self, link: Option<SandboxLink>, dir: &std::path::Path) -> Result<Option<SandboxLink>> {
+        let (Some(net), Some(mut link)) = (&self.inner.net, link) else {
+            return Ok(None);
+        };
+        net.reattach(&mut link).await?;
+        write_atomic(
+            &SandboxLink::record_path(dir),
+            &serde_json::to_vec_pretty(&link).expect("serializable"),
+        )?;
+        Ok(Some(link))
+    }
+
+    async fn remove_network(&self, link: Option<&SandboxLink>) {
+        if let (Some(net), Some(link)) = (&self.inner.net, link) {
+            net.remove(link).await;
+        }
+    }
+
+    fn adopt(
+        &self,
+        record: SandboxRecord,
+        vm: VmHandle,
+        net: Option<SandboxLink>,
+        client: Option<AgentClient>,
+        paused: bool,
+    ) -> Arc<Sandbox> {
         let sb = Arc::new(Sandbox {
             record,
             vm,
+            net,
             agent: tokio::sync::Mutex::new(client),
             deleting: AtomicBool::new(false),
             paused: AtomicBool::new(paused),
@@ -387,6 +458,9 @@ impl Runtime {
                 }
             };
             if removed.is_some() {
+                if let (Some(net), Some(link)) = (&inner.net, &sb.net) {
+                    net.remove(link).await;
+                }
                 let _ = inner.discard(&dir);
                 let _ = inner.exits.send(sb.id().to_string());
             }
@@ -509,13 +583,28 @@ impl Runtime {
             resources,
             created_at: humantime::format_rfc3339_millis(SystemTime::now()).to_string(),
         };
+        let mut link = None;
         let result = async {
             write_atomic(
                 &dir.join("sandbox.json"),
                 &serde_json::to_vec_pretty(&record).expect("serializable"),
             )?;
-            let spec = VmSpec::for_template(&id, dir.clone(), template, resources, accel);
+            let mut spec = VmSpec::for_template(&id, dir.clone(), template, resources, accel);
+            if let Some(net) = &self.inner.net {
+                let (made, tap) = net.create(&id).await?;
+                write_atomic(
+                    &SandboxLink::record_path(&dir),
+                    &serde_json::to_vec_pretty(&made).expect("serializable"),
+                )?;
+                link = Some(made);
+                spec.network = Some(NetAttach {
+                    tap: Arc::new(tap),
+                    mac: airlock_proto::net::GUEST_MAC.into(),
+                });
+            }
             let vm = self.inner.vmm.start(&spec).await?;
+            // QEMU holds its own copy of the tap now: when it exits, the tap goes.
+            drop(spec);
             let start = template.manifest.start.clone();
             let ready = async {
                 let (client, _health) = AgentClient::connect_ready(&vm.agent_socket, limit).await?;
@@ -535,11 +624,12 @@ impl Runtime {
         }
         .await;
         match result {
-            Ok((vm, client)) => Ok(self.adopt(record, vm, Some(client), false)),
+            Ok((vm, client)) => Ok(self.adopt(record, vm, link, Some(client), false)),
             Err(e) => {
                 if let Some(vm) = VmHandle::load(&dir) {
                     let _ = self.inner.vmm.stop(&vm, Duration::from_secs(2)).await;
                 }
+                self.remove_network(link.as_ref()).await;
                 let _ = self.inner.discard(&dir);
                 Err(e)
             }
@@ -608,6 +698,7 @@ impl Runtime {
         sb.deleting.store(true, Ordering::SeqCst);
         let stopped = self.inner.vmm.stop(&sb.vm, Duration::from_secs(5)).await;
         self.inner.sandboxes.lock().unwrap().remove(id);
+        self.remove_network(sb.net.as_ref()).await;
         self.inner.discard(&sb.vm.dir).map_err(|e| RuntimeError::io(&sb.vm.dir, e))?;
         stopped
     }

@@ -93,10 +93,19 @@ fn vm_survives_its_creator_and_is_reattached() {
         assert_eq!(&note[..], b"written before the restart");
         let out = sb.run(sh("echo still here")).await.unwrap();
         assert_eq!(String::from_utf8_lossy(&out.stdout), "still here\n");
+        // Its network came back with it (rules reloaded, nothing swept), and goes with it.
+        let link = sb.net.clone().expect("the network is re-attached too");
+        let netns = std::path::Path::new(airlock_runtime::net::NETNS_DIR).join(&link.netns);
+        assert!(netns.exists());
+        let counters = rt.network().unwrap().counters(&link).await.unwrap();
+        assert!(counters.contains_key("spoofed"), "{counters:?}");
+        let eth0 = sb.run(sh("cat /sys/class/net/eth0/operstate")).await.unwrap();
+        assert_eq!(String::from_utf8_lossy(&eth0.stdout), "up\n");
         let dir = sb.vm.dir.clone();
         drop(sb);
         rt.delete(&id).await.unwrap();
         assert!(!pid_alive(pid) && !dir.exists());
+        assert!(!netns.exists(), "{} left", netns.display());
     });
 }
 

@@ -191,6 +191,9 @@ impl CoreError {
                 RuntimeError::SandboxIdTaken(_) => c("conflict", 409),
                 RuntimeError::InvalidSandboxId(_) => c("invalid_argument", 422),
                 RuntimeError::NotRunning(_) => c("invalid_state", 409),
+                // The node has no sandbox link left: retry later or elsewhere, as for budgets.
+                RuntimeError::Network(airlock_runtime::net::NetError::PoolExhausted(_)) => c("unavailable", 503),
+                RuntimeError::Network(_) => c("network", 500),
                 // Every variant is named: a new one must be placed here deliberately.
                 RuntimeError::UnknownTemplate(_)
                 | RuntimeError::UnknownSandbox(_)

@@ -116,6 +116,8 @@ pub fn options(data_dir: impl Into<PathBuf>) -> RuntimeOptions {
         accel: Some(Accel::Tcg),
         boot_timeout: Duration::from_secs(10),
         vmm: Some(Arc::new(FakeVmm::new())),
+        // The fake VM has no NIC.
+        network: None,
         ..RuntimeOptions::new(data_dir)
     }
 }

@@ -119,6 +119,18 @@ pub struct VmSpec {
     pub memory_mib: u32,
     pub disk_mib: u32,
     pub accel: Accel,
+    /// The VM's NIC, if it has one.
+    pub network: Option<NetAttach>,
+}
+
+/// A VM's NIC: a tap the runtime opened in the sandbox's network namespace, handed to the VMM
+/// as an open fd (inherited at the same number), so the VMM needs neither the namespace nor
+/// the privilege to open it.
+#[derive(Debug, Clone)]
+pub struct NetAttach {
+    pub tap: std::sync::Arc<std::os::fd::OwnedFd>,
+    /// The guest NIC's MAC.
+    pub mac: String,
 }
 
 impl VmSpec {
@@ -134,6 +146,7 @@ impl VmSpec {
             memory_mib: resources.memory_mib,
             disk_mib: resources.disk_mib,
             accel,
+            network: None,
         }
     }
 }

@@ -130,6 +130,15 @@ impl QemuVmm {
             "-mon".into(),
             "chardev=qmp,mode=control".into(),
         ]);
+        if let Some(tap) = &attach.tap {
+            // The NIC: virtio-net on the tap the runtime opened (no vhost-net here).
+            args.extend([
+                "-netdev".into(),
+                format!("tap,id=net0,{tap},vhost=off"),
+                "-device".into(),
+                format!("virtio-net-device,netdev=net0,mac={}", spec.network.as_ref().map_or("", |n| n.mac.as_str())),
+            ]);
+        }
         args
     }
 }
@@ -148,6 +157,8 @@ pub struct Attach {
     console: String,
     /// `-add-fd` arguments.
     fd_sets: Vec<String>,
+    /// `-netdev tap` option naming the tap (made by the runtime in the sandbox's namespace).
+    tap: Option<String>,
 }
 
 impl Attach {
@@ -162,6 +173,7 @@ impl Attach {
             qmp: format!("path={}", p(qmp)),
             console: p(console),
             fd_sets: vec![],
+            tap: None,
         }
     }
 
@@ -195,6 +207,13 @@ impl Attach {
         };
         let agent = jail.pass(listen(&files.agent_socket)?)?;
         let qmp = jail.pass(listen(&files.qmp_socket)?)?;
+        let tap = match &spec.network {
+            Some(net) => {
+                let own = net.tap.try_clone().map_err(|e| RuntimeError::io("tap", e))?;
+                Some(format!("fd={}", jail.pass(own)?))
+            }
+            None => None,
+        };
         let set = |fd: i32, set: u32| vec!["-add-fd".to_string(), format!("fd={fd},set={set}")];
         Ok(Self {
             kernel: format!("/proc/self/fd/{kernel}"),
@@ -206,6 +225,7 @@ impl Attach {
             qmp: format!("fd={qmp}"),
             console: "/dev/fdset/3".into(),
             fd_sets: [set(backing, 1), set(disk_rw, 2), set(disk_ro, 2), set(console, 3)].concat(),
+            tap,
         })
     }
 }
