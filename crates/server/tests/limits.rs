@@ -3,6 +3,7 @@
 //! for missing and foreign sandboxes, watchers that go with their sandbox, private files.
 
 use airlock_runtime::{fake, Runtime};
+use airlock_server::core::principal::signature;
 use airlock_server::core::{Config, Core};
 use airlock_server::e2b::Watchers;
 use airlock_server::listen::Limits;
@@ -165,6 +166,60 @@ impl Server {
             assert!(Instant::now() < deadline, "sandbox {id} is {sb}, not {want}");
             tokio::time::sleep(Duration::from_millis(20)).await;
         }
+    }
+
+    /// The whole answer to a request about sandbox `id`: status, content type and body, with
+    /// `id` (the caller's own input, echoed) blanked out.
+    async fn answer(
+        &self,
+        method: Method,
+        path: &str,
+        headers: &[(&str, &str)],
+        body: Body,
+        id: &str,
+    ) -> (u16, String, String) {
+        let mut req = Request::builder().method(method).uri(path);
+        if !headers.iter().any(|(k, _)| k.eq_ignore_ascii_case("host")) {
+            req = req.header("host", self.addr.to_string());
+        }
+        for (k, v) in headers {
+            req = req.header(*k, *v);
+        }
+        let stream = tokio::net::TcpStream::connect(self.addr).await.unwrap();
+        let (mut sender, conn) = hyper::client::conn::http1::handshake(hyper_util::rt::TokioIo::new(stream))
+            .await
+            .unwrap();
+        tokio::spawn(conn);
+        let res = sender.send_request(req.body(body).unwrap()).await.unwrap();
+        let status = res.status().as_u16();
+        let content_type = res
+            .headers()
+            .get("content-type")
+            .map(|v| v.to_str().unwrap().to_string())
+            .unwrap_or_default();
+        let bytes = tokio::time::timeout(Duration::from_secs(10), axum::body::to_bytes(Body::new(res.into_body()), 1 << 20))
+            .await
+            .expect("a body within 10 s")
+            .unwrap();
+        let text = String::from_utf8_lossy(&bytes).replace(id, "<id>");
+        (status, content_type, text)
+    }
+
+    /// A running E2B sandbox of the tenant whose key is `key`.
+    async fn foreign_e2b_sandbox(&self, key: &str) -> String {
+        let headers = [("x-api-key", key), ("content-type", "application/json")];
+        let body = Body::from(json!({ "templateID": "base" }).to_string());
+        let (status, sb) = self.json(Method::POST, "/sandboxes", &headers, body).await;
+        assert_eq!(status, 201, "{sb}");
+        sb["sandboxID"].as_str().unwrap().to_string()
+    }
+
+    async fn delete_as(&self, key: &str, id: &str) {
+        let auth = format!("Bearer {key}");
+        let (status, body) = self
+            .json(Method::DELETE, &format!("/v1/sandboxes/{id}"), &[("authorization", &auth)], Body::empty())
+            .await;
+        assert_eq!(status, 202, "{body}");
     }
 
     async fn delete(&self, id: &str) {
@@ -357,13 +412,6 @@ async fn bodies_are_refused_before_they_are_read() {
     server.delete(&id).await;
 }
 
-/// The answer with the requested id blanked out (it is the caller's own input).
-fn shape(status: u16, mut body: Value, id: &str) -> (u16, String) {
-    let text = body.to_string().replace(id, "<id>");
-    body = serde_json::from_str(&text).unwrap();
-    (status, body.to_string())
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn missing_and_foreign_sandboxes_answer_alike() {
     let server = Server::start().await;
@@ -373,6 +421,8 @@ async fn missing_and_foreign_sandboxes_answer_alike() {
     let other_bearer = format!("Bearer {other_key}");
     let own_bearer = format!("Bearer {}", server.key);
     let missing = "nosuchsandbox0";
+    // Another tenant's sandbox, opened to E2B (it has a token: just not one this caller holds).
+    let foreign = server.foreign_e2b_sandbox(&other_key).await;
 
     // envd: every route, by header and by host.
     let routes = [
@@ -397,10 +447,14 @@ async fn missing_and_foreign_sandboxes_answer_alike() {
             (native.as_str(), vec![("x-access-token", token.as_str())]),
         ]
         .into_iter()
-        .chain(
-            // No token at all: only routes that need one (health and signed URLs need none).
-            (*path != "/health").then(|| (id.as_str(), vec![])),
-        ) {
+        .chain([
+            // No token at all, on a sandbox that has one: `/health` too (it would otherwise tell
+            // which ids exist).
+            (id.as_str(), vec![]),
+            // Another tenant's sandbox, with this tenant's token and key.
+            (foreign.as_str(), vec![("x-access-token", token.as_str())]),
+            (foreign.as_str(), vec![("authorization", own_bearer.as_str())]),
+        ]) {
             for by_host in [false, true] {
                 let host = format!("49983-{target}.localhost");
                 let mut headers = creds.clone();
@@ -412,10 +466,10 @@ async fn missing_and_foreign_sandboxes_answer_alike() {
                 if !ct.is_empty() {
                     headers.push(("content-type", ct));
                 }
-                let (status, resp) = server
-                    .json(method.clone(), path, &headers, Body::from(body.clone()))
+                let answer = server
+                    .answer(method.clone(), path, &headers, Body::from(body.clone()), target)
                     .await;
-                answers.push((target, shape(status, resp, target)));
+                answers.push((target, answer));
             }
         }
         let first = answers[0].1.clone();
@@ -445,7 +499,8 @@ async fn missing_and_foreign_sandboxes_answer_alike() {
         .await;
     assert_eq!(status, 200, "{list}");
 
-    // Ports: unknown, no credentials, a wrong token, another tenant's key.
+    // Ports, by host and by E2B's headers: unknown, no credentials, a wrong token, another
+    // tenant's key, another tenant's sandbox.
     let mut answers = Vec::new();
     for (target, creds) in [
         (missing, vec![]),
@@ -455,12 +510,22 @@ async fn missing_and_foreign_sandboxes_answer_alike() {
         (id.as_str(), vec![("authorization", other_bearer.as_str())]),
         (native.as_str(), vec![("authorization", other_bearer.as_str())]),
         (native.as_str(), vec![("e2b-traffic-access-token", token.as_str())]),
+        (foreign.as_str(), vec![("authorization", own_bearer.as_str())]),
+        (foreign.as_str(), vec![("e2b-traffic-access-token", token.as_str())]),
     ] {
-        let host = format!("8000-{target}.localhost");
-        let mut headers = creds.clone();
-        headers.push(("host", host.as_str()));
-        let (status, resp) = server.json(Method::GET, "/index.html", &headers, Body::empty()).await;
-        answers.push((target, shape(status, resp, target)));
+        for by_host in [false, true] {
+            let host = format!("8000-{target}.localhost");
+            let mut headers = creds.clone();
+            if by_host {
+                headers.push(("host", host.as_str()));
+            } else {
+                headers.extend([("e2b-sandbox-id", target), ("e2b-sandbox-port", "8000")]);
+            }
+            let answer = server
+                .answer(Method::GET, "/index.html", &headers, Body::empty(), target)
+                .await;
+            answers.push((target, answer));
+        }
     }
     let first = answers[0].1.clone();
     assert_eq!(first.0, 502, "{first:?}");
@@ -470,18 +535,76 @@ async fn missing_and_foreign_sandboxes_answer_alike() {
     println!("ports: every caller without proof gets {first:?}");
     // The right token gets past the check (to the fake agent's tunnel, whatever it answers).
     let host = format!("8000-{id}.localhost");
-    let (status, resp) = server
-        .json(
+    let answer = server
+        .answer(
             Method::GET,
             "/index.html",
             &[("host", host.as_str()), ("e2b-traffic-access-token", token.as_str())],
             Body::empty(),
+            &id,
         )
         .await;
-    assert_ne!(shape(status, resp, &id), first, "a correct token is not refused");
+    assert_ne!(answer, first, "a correct token is not refused");
+
+    // Signed `/files` URLs: a bad signature, a signature for another operation or path, one
+    // made with another sandbox's token, and a sandbox never opened to tokens all answer as an
+    // unknown sandbox does.
+    // As a URL carries it (base64 has `+` and `/`).
+    let enc = |sig: String| sig.replace('+', "%2B").replace('/', "%2F");
+    let sign = |path: &str, op: &str, token: &str| enc(signature(path, op, "user", token, None));
+    let foreign_token = server.core.access_token(&foreign);
+    let native_token = server.core.access_token(&native);
+    // Write first: the read below then finds the file.
+    for (method, op) in [(Method::POST, "write"), (Method::GET, "read")] {
+        let other_op = if op == "read" { "write" } else { "read" };
+        let mut answers = Vec::new();
+        for (target, sig) in [
+            (missing, sign("/tmp/a", op, &token)),
+            (missing, "v1_bad".to_string()),
+            (id.as_str(), "v1_bad".to_string()),
+            (id.as_str(), String::new()),
+            (id.as_str(), sign("/tmp/a", other_op, &token)),
+            (id.as_str(), sign("/tmp/b", op, &token)),
+            (id.as_str(), sign("/tmp/a", op, &foreign_token)),
+            (foreign.as_str(), sign("/tmp/a", op, &token)),
+            (native.as_str(), sign("/tmp/a", op, &native_token)),
+        ] {
+            let url = format!("/files?path=/tmp/a&username=user&signature={sig}");
+            for by_host in [false, true] {
+                let host = format!("49983-{target}.localhost");
+                let mut headers = vec![("content-type", "application/octet-stream")];
+                if by_host {
+                    headers.push(("host", host.as_str()));
+                } else {
+                    headers.push(("e2b-sandbox-id", target));
+                }
+                let answer = server
+                    .answer(method.clone(), &url, &headers, Body::from("data"), target)
+                    .await;
+                answers.push((target, sig.clone(), answer));
+            }
+        }
+        let first = answers[0].2.clone();
+        assert_eq!(first.0, 502, "signed {op}: {first:?}");
+        for (target, sig, a) in &answers {
+            assert_eq!(a, &first, "signed {op} of {target} with {sig:?}");
+        }
+        println!("signed {op} URLs: every bad or foreign signature gets {first:?}");
+        // The right signature works; an expired right one says so (only the token makes one).
+        let url = format!("/files?path=/tmp/a&username=user&signature={}", sign("/tmp/a", op, &token));
+        let headers = [("e2b-sandbox-id", id.as_str()), ("content-type", "application/octet-stream")];
+        let (status, body) = server.json(method.clone(), &url, &headers, Body::from("data")).await;
+        assert_eq!(status, 200, "signed {op}: {body}");
+        let past = 1_000_000_000;
+        let sig = enc(signature("/tmp/a", op, "user", &token, Some(past)));
+        let url = format!("/files?path=/tmp/a&username=user&signature={sig}&signature_expiration={past}");
+        let (status, body) = server.json(method.clone(), &url, &headers, Body::from("data")).await;
+        assert_eq!(status, 401, "expired signed {op}: {body}");
+    }
 
     server.delete(&id).await;
     server.delete(&native).await;
+    server.delete_as(&other_key, &foreign).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -42,7 +42,7 @@ fn header<'a>(h: &'a HeaderMap, name: &str) -> Option<&'a str> {
 
 /// The running sandbox a request is for (`E2b-Sandbox-Id`, else the one whose `X-Access-Token`
 /// it carries) and the principal that may use it. envd accepts only the sandbox's access token;
-/// `no_token` lets `/health` and signed `/files` URLs through to their own checks.
+/// `no_token` lets signed `/files` URLs through to their own check.
 async fn resolve(state: &E2bState, h: &HeaderMap, no_token: bool) -> Result<SandboxRow, Response> {
     let id = header(h, "e2b-sandbox-id");
     let accept = Accept {
@@ -79,15 +79,16 @@ fn signed_url(h: &HeaderMap, q: &FilesQuery) -> bool {
 
 /// Every envd route's gate, run before the handler and so before the body is read: the request
 /// must resolve to a running sandbox (see [`resolve`]), or it is answered as for a missing one.
-/// `/health` and signed `/files` URLs need no token here (the signature is checked next, by the
-/// handler, against the sandbox found here).
+/// Only signed `/files` URLs need no token here (the signature is checked next, by the handler,
+/// against the sandbox found here, and a bad one gets the same missing-sandbox answer).
+/// `/health` needs the token like every other route (the SDK always sends it): answering it
+/// without one would tell anyone which sandbox ids exist.
 pub async fn require_sandbox(
     State(state): State<E2bState>,
     mut req: axum::extract::Request,
     next: axum::middleware::Next,
 ) -> Response {
     let no_token = match req.uri().path() {
-        "/health" => true,
         "/files" => Query::<FilesQuery>::try_from_uri(req.uri()).is_ok_and(|q| signed_url(req.headers(), &q)),
         _ => false,
     };
@@ -723,7 +724,11 @@ async fn files_target(
             signature: q.signature.as_deref().unwrap_or(""),
             expiration: q.signature_expiration,
         };
-        state.core.check_signed_url(&sandbox, &url, op).map_err(files_error)?;
+        // A signature that does not match proves nothing: the answer for a missing sandbox.
+        state.core.check_signed_url(&sandbox, &url, op).map_err(|e| match e {
+            CoreError::NotFound { kind: Kind::Sandbox, .. } => sandbox_gone(&sandbox.id),
+            e => files_error(e),
+        })?;
     }
     state.core.files(&sandbox).await.map_err(|_| sandbox_gone(&sandbox.id))
 }
