@@ -184,6 +184,8 @@ pub struct ServeOptions {
     pub listen: SocketAddr,
     pub data_dir: PathBuf,
     pub max_sandboxes_per_tenant: u32,
+    /// Sessions one sandbox may run at once (see `core::Config`).
+    pub max_sessions_per_sandbox: u32,
     /// Node budgets (see `core::Config`).
     pub vcpu_overcommit: f64,
     pub memory_reserve_mib: u64,
@@ -247,6 +249,8 @@ pub async fn serve(opts: ServeOptions) -> anyhow::Result<()> {
         vcpu_overcommit: opts.vcpu_overcommit,
         memory_reserve_mib: opts.memory_reserve_mib,
         disk_reserve_mib: opts.disk_reserve_mib,
+        max_sessions_per_sandbox: opts.max_sessions_per_sandbox,
+        ..core::Config::default()
     };
     let capacity = nodes.capacity();
     let budget = config.budget(&capacity);

@@ -1000,6 +1000,130 @@ async fn processes_are_sessions_on_both_doors() {
     assert_no_vms(tmp.path());
 }
 
+/// Start `argv` through E2B's `Process/Start`: the HTTP status and, for a refused start, its
+/// Connect error (`None` when the stream started).
+async fn e2b_start(server: &Server, sb: &E2bSandbox, argv: &[&str]) -> (u16, Option<Value>, Option<ConnectStream>) {
+    let req = json!({ "process": { "cmd": argv[0], "args": &argv[1..] } });
+    let (status, mut stream) = server.envd_stream(sb, "/process.Process/Start", req.clone()).await;
+    if status != 200 {
+        let headers = [
+            ("x-access-token", sb.token.as_str()),
+            ("e2b-sandbox-id", sb.id.as_str()),
+            ("content-type", "application/connect+json"),
+            ("connect-protocol-version", "1"),
+        ];
+        // The same request again, to read the error body whole.
+        let (status, body) = server
+            .send(Method::POST, "/process.Process/Start", &headers, Body::from(envelope(&req)))
+            .await
+            .json()
+            .await;
+        return (status, Some(body), None);
+    }
+    let (flags, start) = stream.next_event().await.expect("a start event");
+    assert_eq!(flags, 0, "{start}");
+    assert!(start["event"]["start"]["pid"].is_u64(), "{start}");
+    (status, None, Some(stream))
+}
+
+/// A sandbox runs at most `max_sessions_per_sandbox` sessions at once, counted across both
+/// doors; past it both refuse with `quota_exceeded` naming the limit, concurrent starts never
+/// overshoot it, and a session that ended (even unrecorded) gives its place back. The store
+/// keeps only the newest `max_finished_sessions_per_sandbox` exited sessions.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sessions_are_capped_per_sandbox_on_both_doors() {
+    let tmp = fresh();
+    let config = Config {
+        max_sessions_per_sandbox: 3,
+        max_finished_sessions_per_sandbox: 4,
+        ..Config::default()
+    };
+    let server = Arc::new(Server::start_full(tmp.path(), 4, None, Duration::ZERO, ROOMY, config).await);
+    let sb = server.e2b_sandbox().await;
+    let id = sb.id.clone();
+
+    // Exited sessions: 8 in a row, each seen exited; only the newest 4 are kept.
+    let mut sids = Vec::new();
+    for n in 0..8 {
+        let s = server.session(&id, &["echo", &n.to_string()]).await;
+        let sid = s["id"].as_str().unwrap().to_string();
+        let deadline = Instant::now() + Duration::from_secs(3);
+        loop {
+            let (status, s) = server.v1(Method::GET, &format!("/sandboxes/{id}/sessions/{sid}"), None).await;
+            assert_eq!(status, 200, "{s}");
+            if s["state"] == "exited" {
+                break;
+            }
+            assert!(Instant::now() < deadline, "echo still running: {s}");
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        sids.push(sid);
+    }
+    let (status, list) = server.v1(Method::GET, &format!("/sandboxes/{id}/sessions"), None).await;
+    assert_eq!(status, 200, "{list}");
+    let kept: Vec<&str> = list.as_array().unwrap().iter().map(|s| s["id"].as_str().unwrap()).collect();
+    assert_eq!(kept, sids[4..].iter().map(String::as_str).collect::<Vec<_>>(), "{list}");
+    let (status, gone) = server.v1(Method::GET, &format!("/sandboxes/{id}/sessions/{}", sids[0]), None).await;
+    assert_eq!((status, gone["code"].as_str()), (404, Some("session_not_found")), "{gone}");
+
+    // Running sessions: two through /v1, one through E2B fill the sandbox.
+    let a = server.session(&id, &["sleep", "infinity"]).await;
+    server.session(&id, &["sleep", "infinity"]).await;
+    let (status, err, _e2b_stream) = e2b_start(&server, &sb, &["sleep", "infinity"]).await;
+    assert_eq!(status, 200, "{err:?}");
+    // The fourth is refused by both doors, naming the limit.
+    let (status, body) = server
+        .v1(Method::POST, &format!("/sandboxes/{id}/sessions"), Some(json!({ "argv": ["true"] })))
+        .await;
+    assert_eq!(status, 429, "{body}");
+    assert_eq!(body["code"], "quota_exceeded", "{body}");
+    let message = body["message"].as_str().unwrap();
+    assert!(message.contains("max_sessions_per_sandbox 3") && message.contains(&id), "{body}");
+    let (status, err, _) = e2b_start(&server, &sb, &["true"]).await;
+    let err = err.expect("a refusal");
+    assert_eq!(status, 429, "{err}");
+    assert_eq!(err["code"], "resource_exhausted", "{err}");
+    assert_eq!(err["message"], message, "{err}");
+
+    // One ends (killed; its exit not yet recorded by anyone): its place is free again, for
+    // exactly one of several concurrent starts.
+    let sid = a["id"].as_str().unwrap();
+    let (status, body) = server
+        .v1(
+            Method::POST,
+            &format!("/sandboxes/{id}/sessions/{sid}/signal"),
+            Some(json!({ "signal": "SIGKILL" })),
+        )
+        .await;
+    assert_eq!(status, 204, "{body}");
+    let tasks: Vec<_> = (0..5)
+        .map(|_| {
+            let (server, id) = (server.clone(), id.clone());
+            tokio::spawn(async move {
+                server
+                    .v1(Method::POST, &format!("/sandboxes/{id}/sessions"), Some(json!({ "argv": ["sleep", "infinity"] })))
+                    .await
+            })
+        })
+        .collect();
+    let mut statuses = Vec::new();
+    for t in tasks {
+        let (status, body) = t.await.unwrap();
+        assert!(status == 201 || (status == 429 && body["code"] == "quota_exceeded"), "{status} {body}");
+        statuses.push(status);
+    }
+    statuses.sort();
+    assert_eq!(statuses, vec![201, 429, 429, 429, 429]);
+    let (status, list) = server.envd_unary(&sb, "/process.Process/List", json!({})).await;
+    assert_eq!(status, 200, "{list}");
+    assert_eq!(list["processes"].as_array().unwrap().len(), 3, "{list}");
+
+    server.delete(&id).await;
+    let server = Arc::into_inner(server).expect("no other holder");
+    server.stop().await;
+    assert_no_vms(tmp.path());
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn quota_is_one_limit_for_both_doors() {
     let tmp = fresh();

@@ -35,6 +35,11 @@ pub struct Config {
     pub memory_reserve_mib: u64,
     /// Disk space kept free on the data dir's filesystem; no create is admitted below it.
     pub disk_reserve_mib: u64,
+    /// Sessions (processes started through either door) one sandbox may run at once; the next
+    /// start is refused (`quota_exceeded`) until one exits.
+    pub max_sessions_per_sandbox: u32,
+    /// Exited sessions the store keeps per sandbox (for their exit status); the oldest go first.
+    pub max_finished_sessions_per_sandbox: u32,
 }
 
 impl Default for Config {
@@ -44,9 +49,17 @@ impl Default for Config {
             vcpu_overcommit: DEFAULT_VCPU_OVERCOMMIT,
             memory_reserve_mib: DEFAULT_MEMORY_RESERVE_MIB,
             disk_reserve_mib: DEFAULT_DISK_RESERVE_MIB,
+            max_sessions_per_sandbox: DEFAULT_MAX_SESSIONS_PER_SANDBOX,
+            max_finished_sessions_per_sandbox: DEFAULT_MAX_FINISHED_SESSIONS_PER_SANDBOX,
         }
     }
 }
+
+/// Concurrent sessions per sandbox by default (the guest agent keeps up to 32 MiB of output for
+/// each running process).
+pub const DEFAULT_MAX_SESSIONS_PER_SANDBOX: u32 = 64;
+/// Exited sessions kept per sandbox by default (as many as the guest agent remembers).
+pub const DEFAULT_MAX_FINISHED_SESSIONS_PER_SANDBOX: u32 = 256;
 
 /// vCPUs are shared in time and idle sandboxes barely use theirs, so the vCPU budget is
 /// generous (a 2-core host holds 32 one-vCPU sandboxes); memory and disk are the hard budgets.
@@ -82,6 +95,8 @@ pub struct Core {
     pub config: Arc<Config>,
     /// Derives sandbox access tokens (see `principal`).
     secret: Arc<[u8]>,
+    /// Session starts under way, per sandbox (see `sessions`).
+    starts: Arc<sessions::Starts>,
 }
 
 impl Core {
@@ -93,6 +108,7 @@ impl Core {
             engine,
             config: Arc::new(config),
             secret: secret.into(),
+            starts: Default::default(),
         }
     }
 }
