@@ -230,7 +230,13 @@ pub async fn serve(opts: ServeOptions) -> anyhow::Result<()> {
         Some(t) => Some((t.listen, load_tls(t).await?)),
         None => None,
     };
-    let runtime = airlock_runtime::Runtime::open(airlock_runtime::RuntimeOptions::new(&opts.data_dir)).await?;
+    // The VMs of the last run are re-attached in the background (`recover` below waits for
+    // each before settling its sandbox), so the listener binds at once however many there are.
+    let runtime = airlock_runtime::Runtime::open(airlock_runtime::RuntimeOptions {
+        reconcile_in_background: true,
+        ..airlock_runtime::RuntimeOptions::new(&opts.data_dir)
+    })
+    .await?;
     let root = runtime.data_dir().root().to_path_buf();
     let store: Arc<dyn store::Store> = Arc::new(store::SqliteStore::open(&root.join("airlock.db")).await?);
     if bootstrap_admin_key(&*store, &root, &opts.listen).await?.is_some() {
@@ -264,7 +270,8 @@ pub async fn serve(opts: ServeOptions) -> anyhow::Result<()> {
         capacity.disk_free_mib
     );
     let core = core::Core::new(store, nodes, config, secret);
-    core.engine.recover().await?;
+    // Requests about a sandbox the recovery has yet to settle wait for it (`Core::current`).
+    core.engine.start_recovery().await?;
     core.engine.spawn_reaper();
     let state = AppState {
         core,

@@ -50,10 +50,14 @@ fn fresh() -> tempfile::TempDir {
 }
 
 /// `Runtime::open`, retrying while the previous life's runtime lets go of the data dir.
-async fn open_runtime(dir: &Path) -> Runtime {
+async fn open_runtime(dir: &Path, reconcile_in_background: bool) -> Runtime {
     let deadline = Instant::now() + Duration::from_secs(5);
     loop {
-        match Runtime::open(fake::options(dir)).await {
+        let opts = airlock_runtime::RuntimeOptions {
+            reconcile_in_background,
+            ..fake::options(dir)
+        };
+        match Runtime::open(opts).await {
             Ok(rt) => return rt,
             Err(RuntimeError::DataDirInUse(_)) if Instant::now() < deadline => {
                 tokio::time::sleep(Duration::from_millis(20)).await
@@ -88,6 +92,25 @@ impl Server {
         capacity: Capacity,
         config: Config,
     ) -> Server {
+        Self::start_life(dir, max, key, create_delay, capacity, config, None).await
+    }
+
+    /// A life that starts as `airlock_server::serve` does: the runtime re-attaches VMs in the
+    /// background, the recovery runs while the listener serves, and the node reports a VM in
+    /// `hold` settled only once the test releases it (a slow re-attach).
+    async fn start_recovering(dir: &Path, key: &str, config: Config, hold: Arc<Hold>) -> Server {
+        Self::start_life(dir, 4, Some(key), Duration::ZERO, ROOMY, config, Some(hold)).await
+    }
+
+    async fn start_life(
+        dir: &Path,
+        max: u32,
+        key: Option<&str>,
+        create_delay: Duration,
+        capacity: Capacity,
+        config: Config,
+        hold: Option<Arc<Hold>>,
+    ) -> Server {
         let tokio_rt = tokio::runtime::Builder::new_multi_thread()
             .worker_threads(2)
             .thread_name("airlock-test-server")
@@ -98,7 +121,8 @@ impl Server {
         let known_key = key.map(String::from);
         let (addr, key, core, runtime) = tokio_rt
             .spawn(async move {
-                let runtime = open_runtime(&d).await;
+                let background = hold.is_some();
+                let runtime = open_runtime(&d, background).await;
                 let store = SqliteStore::open(&d.join("airlock.db")).await.unwrap();
                 let minted = airlock_server::bootstrap_admin_key(&store, &d, &"127.0.0.1:0".parse().unwrap())
                     .await
@@ -109,6 +133,7 @@ impl Server {
                     inner: local,
                     create_delay,
                     capacity,
+                    hold: hold.unwrap_or_default(),
                 });
                 let core = Core::new(
                     Arc::new(store),
@@ -119,7 +144,11 @@ impl Server {
                     },
                     SECRET.to_vec(),
                 );
-                core.engine.recover().await.unwrap();
+                if background {
+                    core.engine.start_recovery().await.unwrap();
+                } else {
+                    core.engine.recover().await.unwrap();
+                }
                 core.engine.spawn_reaper();
                 let app = airlock_server::router(AppState {
                     core: core.clone(),
@@ -201,8 +230,10 @@ impl Server {
         tokio::spawn(conn);
         let res = sender.send_request(req.body(body).unwrap()).await.unwrap();
         let status = res.status().as_u16();
+        let headers = res.headers().clone();
         Resp {
             status,
+            headers,
             body: Body::new(res.into_body()),
         }
     }
@@ -408,6 +439,7 @@ struct E2bSandbox {
 
 struct Resp {
     status: u16,
+    headers: axum::http::HeaderMap,
     body: Body,
 }
 
@@ -482,12 +514,45 @@ const ROOMY: Capacity = Capacity {
     disk_held_mib: 0,
 };
 
-/// A node that has `capacity` and whose creates start `create_delay` late; everything else
-/// goes straight to the real one.
+/// A node that has `capacity`, whose creates start `create_delay` late, and which reports the
+/// VMs in `hold` settled only once they are released; everything else goes straight to the
+/// real one.
 struct TestNode {
     inner: Arc<dyn Nodes>,
     create_delay: Duration,
     capacity: Capacity,
+    hold: Arc<Hold>,
+}
+
+/// Sandboxes whose VM a node has not yet re-attached after a restart, as long as a test holds
+/// them.
+#[derive(Default)]
+struct Hold {
+    held: std::sync::Mutex<std::collections::HashSet<String>>,
+    released: tokio::sync::Notify,
+}
+
+impl Hold {
+    fn of(ids: &[&str]) -> Arc<Hold> {
+        let hold = Hold::default();
+        hold.held.lock().unwrap().extend(ids.iter().map(|s| s.to_string()));
+        Arc::new(hold)
+    }
+
+    fn release(&self, id: &str) {
+        self.held.lock().unwrap().remove(id);
+        self.released.notify_waiters();
+    }
+
+    async fn settled(&self, id: &str) {
+        loop {
+            let released = self.released.notified();
+            if !self.held.lock().unwrap().contains(id) {
+                return;
+            }
+            released.await;
+        }
+    }
 }
 
 #[async_trait::async_trait]
@@ -516,6 +581,17 @@ impl Nodes for TestNode {
     }
     fn vm_state(&self, id: &str) -> VmState {
         self.inner.vm_state(id)
+    }
+    async fn settled(&self, id: &str) {
+        self.inner.settled(id).await;
+        self.hold.settled(id).await
+    }
+    async fn settled_all(&self) {
+        self.inner.settled_all().await;
+        let held: Vec<String> = self.hold.held.lock().unwrap().iter().cloned().collect();
+        for id in held {
+            self.hold.settled(&id).await;
+        }
     }
     fn vm_ids(&self) -> Vec<String> {
         self.inner.vm_ids()
@@ -798,6 +874,218 @@ async fn restart_finishes_deletes_and_fails_vms_that_died_meanwhile() {
     let b = server.running_sandbox().await;
     server.delete(&a).await;
     server.delete(&b).await;
+    server.stop().await;
+    assert_no_vms(tmp.path());
+}
+
+/// envd's `Process/List` of sandbox `id` with `token`.
+async fn envd_list(server: &Server, id: &str, token: &str) -> (u16, Value) {
+    let headers = [
+        ("x-access-token", token),
+        ("e2b-sandbox-id", id),
+        ("content-type", "application/json"),
+    ];
+    server
+        .send(Method::POST, "/process.Process/List", &headers, Body::from("{}"))
+        .await
+        .json()
+        .await
+}
+
+/// A restart serves at once, while sandboxes are still being recovered: a settled sandbox
+/// answers straight away, a request about one not yet settled waits for it and then gets the
+/// truth (here: `failed`, its VM died while no server ran, where the record still says
+/// `running`), or `unavailable` past `recovery_wait`, through both doors. A caller without
+/// the right to the sandbox never waits (its answer is the missing one's at once).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_restart_serves_at_once_and_requests_wait_for_their_sandbox() {
+    let tmp = fresh();
+    let server = Server::start(tmp.path(), 4, None).await;
+    let dead = server.running_sandbox().await;
+    let alive = server.e2b_sandbox().await;
+    let quick = server.running_sandbox().await;
+    let other_key = server
+        .core()
+        .store
+        .create_key("other", KeyFormat::Airlock)
+        .await
+        .unwrap();
+    let pids = (server.vm_pid(&dead), server.vm_pid(&alive.id));
+    let (dir, key) = (server.dir.clone(), server.key.clone());
+    server.stop().await;
+    fake::kill_vm(pids.0);
+    let deadline = Instant::now() + Duration::from_secs(3);
+    while pid_alive(pids.0) {
+        assert!(Instant::now() < deadline, "kill -9 did not end the fake VM");
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+
+    // Life 2: the node re-attaches `dead` and `alive` only when the test says so.
+    let config = Config {
+        recovery_wait: Duration::from_secs(10),
+        ..Config::default()
+    };
+    let hold = Hold::of(&[&dead, &alive.id]);
+    let server = Server::start_recovering(&dir, &key, config, hold.clone()).await;
+    let started = Instant::now();
+    assert_eq!(server.sandbox_state(&quick).await, "running");
+    server.assert_answers(&quick).await;
+    assert!(started.elapsed() < Duration::from_secs(3), "a settled sandbox waited");
+    assert!(server.core().engine.recovering(&dead) && server.core().engine.recovering(&alive.id));
+    // Another tenant learns nothing, at once.
+    let asked = Instant::now();
+    let (status, body) = server
+        .v1_as(&other_key, Method::GET, &format!("/sandboxes/{dead}"), None)
+        .await;
+    assert_eq!((status, body["code"].as_str()), (404, Some("sandbox_not_found")), "{body}");
+    assert!(asked.elapsed() < Duration::from_secs(1), "a foreign caller waited");
+    let asked = Instant::now();
+    let (status, body) = envd_list(&server, &alive.id, "not-the-token").await;
+    assert_eq!(status, 502, "{body}");
+    assert!(asked.elapsed() < Duration::from_secs(1), "a caller without the token waited");
+
+    // The owner waits for the sandbox, then gets what its VM really is.
+    let asked = Instant::now();
+    let release = async {
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        assert!(server.core().engine.recovering(&dead));
+        hold.release(&dead);
+    };
+    let path = format!("/sandboxes/{dead}");
+    let ((status, sb), ()) = tokio::join!(server.v1(Method::GET, &path, None), release);
+    assert_eq!(status, 200, "{sb}");
+    assert_eq!(sb["state"], "failed", "{sb}");
+    assert!(asked.elapsed() >= Duration::from_millis(500));
+    // Listing waits for the tenant's sandboxes too (and then lists the live ones right).
+    let release = async {
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        hold.release(&alive.id);
+    };
+    let ((status, list), ()) = tokio::join!(server.v1(Method::GET, "/sandboxes", None), release);
+    assert_eq!(status, 200, "{list}");
+    let mut live: Vec<&str> = list["sandboxes"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|s| s["id"].as_str().unwrap())
+        .collect();
+    live.sort();
+    let mut want = vec![quick.as_str(), alive.id.as_str()];
+    want.sort();
+    assert_eq!(live, want, "{list}");
+    let (status, body) = envd_list(&server, &alive.id, &alive.token).await;
+    assert_eq!(status, 200, "{body}");
+    assert_eq!(server.vm_pid(&alive.id), pids.1, "re-attached, not replaced");
+    let (dir, key) = (server.dir.clone(), server.key.clone());
+    server.stop().await;
+
+    // Life 3: a sandbox not settled within `recovery_wait` is `unavailable` on both doors,
+    // then answers once it is.
+    let config = Config {
+        recovery_wait: Duration::from_millis(300),
+        ..Config::default()
+    };
+    let hold = Hold::of(&[&alive.id]);
+    let server = Server::start_recovering(&dir, &key, config, hold.clone()).await;
+    let (status, body) = server.v1(Method::GET, &format!("/sandboxes/{}", alive.id), None).await;
+    assert_eq!((status, body["code"].as_str()), (503, Some("unavailable")), "{body}");
+    assert!(body["message"].as_str().unwrap().contains("restart"), "{body}");
+    let (status, body) = server.e2b(Method::GET, &format!("/sandboxes/{}", alive.id), json!({})).await;
+    assert_eq!(status, 503, "{body}");
+    let (status, body) = envd_list(&server, &alive.id, &alive.token).await;
+    assert_eq!((status, body["code"].as_str()), (503, Some("unavailable")), "{body}");
+    hold.release(&alive.id);
+    let (status, body) = envd_list(&server, &alive.id, &alive.token).await;
+    assert_eq!(status, 200, "{body}");
+    assert_eq!(server.sandbox_state(&alive.id).await, "running");
+    assert_eq!(server.vm_pid(&alive.id), pids.1);
+
+    server.delete(&alive.id).await;
+    server.delete(&quick).await;
+    server.stop().await;
+    assert_no_vms(tmp.path());
+}
+
+/// Listing pages through live sandboxes with failed ones between them (failed after a restart
+/// found their VMs gone, and by the reaper): every live sandbox is on exactly one page, on
+/// both doors and at every page size, and no failed one is.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn pages_skip_failed_sandboxes_without_losing_live_ones() {
+    let tmp = fresh();
+    let server = Server::start(tmp.path(), 10, None).await;
+    let mut ids = Vec::new();
+    for _ in 0..7 {
+        ids.push(server.running_sandbox().await);
+        // Distinct creation times: pages are ordered by them.
+        tokio::time::sleep(Duration::from_millis(3)).await;
+    }
+    // Fail every other one: two while no server runs, two while it does.
+    let failed: Vec<String> = [0, 2, 4, 6].iter().map(|i| ids[*i].clone()).collect();
+    let live: Vec<String> = [1, 3, 5].iter().map(|i| ids[*i].clone()).collect();
+    let pids: Vec<u32> = failed.iter().map(|id| server.vm_pid(id)).collect();
+    let server = {
+        let (dir, key) = (server.dir.clone(), server.key.clone());
+        server.stop().await;
+        for pid in &pids[..2] {
+            fake::kill_vm(*pid);
+            while pid_alive(*pid) {
+                tokio::time::sleep(Duration::from_millis(5)).await;
+            }
+        }
+        Server::start(&dir, 10, Some(&key)).await
+    };
+    for (id, pid) in failed.iter().zip(&pids).skip(2) {
+        fake::kill_vm(*pid);
+        server.await_state(id, "failed", Duration::from_secs(3)).await;
+    }
+    for id in &failed[..2] {
+        assert_eq!(server.sandbox_state(id).await, "failed");
+    }
+
+    for limit in 1..=4 {
+        // /v1: `page_token`.
+        let mut seen = Vec::new();
+        let mut token: Option<String> = None;
+        for _ in 0..10 {
+            let mut path = format!("/sandboxes?limit={limit}");
+            if let Some(t) = &token {
+                path.push_str(&format!("&page_token={t}"));
+            }
+            let (status, page) = server.v1(Method::GET, &path, None).await;
+            assert_eq!(status, 200, "{page}");
+            seen.extend(page["sandboxes"].as_array().unwrap().iter().map(|s| s["id"].as_str().unwrap().to_string()));
+            token = page["next_page_token"].as_str().map(String::from);
+            if token.is_none() {
+                break;
+            }
+        }
+        assert_eq!(seen, live, "/v1 pages of {limit}");
+        // E2B: `nextToken`, answered in `x-next-token`.
+        let mut seen = Vec::new();
+        let mut token: Option<String> = None;
+        for _ in 0..10 {
+            let mut path = format!("/v2/sandboxes?limit={limit}");
+            if let Some(t) = &token {
+                path.push_str(&format!("&nextToken={t}"));
+            }
+            let headers = [("x-api-key", server.key.as_str())];
+            let resp = server.send(Method::GET, &path, &headers, Body::empty()).await;
+            token = resp
+                .headers
+                .get("x-next-token")
+                .map(|v| v.to_str().unwrap().to_string());
+            let (status, page) = resp.json().await;
+            assert_eq!(status, 200, "{page}");
+            seen.extend(page.as_array().unwrap().iter().map(|s| s["sandboxID"].as_str().unwrap().to_string()));
+            if token.is_none() {
+                break;
+            }
+        }
+        assert_eq!(seen, live, "E2B pages of {limit}");
+    }
+    for id in &live {
+        server.delete(id).await;
+    }
     server.stop().await;
     assert_no_vms(tmp.path());
 }

@@ -40,6 +40,9 @@ pub struct Config {
     pub max_sessions_per_sandbox: u32,
     /// Exited sessions the store keeps per sandbox (for their exit status); the oldest go first.
     pub max_finished_sessions_per_sandbox: u32,
+    /// After a restart, how long a request about a sandbox the recovery has not yet settled
+    /// waits for it before it is answered `unavailable` (503).
+    pub recovery_wait: std::time::Duration,
 }
 
 impl Default for Config {
@@ -51,6 +54,7 @@ impl Default for Config {
             disk_reserve_mib: DEFAULT_DISK_RESERVE_MIB,
             max_sessions_per_sandbox: DEFAULT_MAX_SESSIONS_PER_SANDBOX,
             max_finished_sessions_per_sandbox: DEFAULT_MAX_FINISHED_SESSIONS_PER_SANDBOX,
+            recovery_wait: crate::engine::RECOVERY_WAIT,
         }
     }
 }
@@ -101,7 +105,7 @@ pub struct Core {
 
 impl Core {
     pub fn new(store: Arc<dyn Store>, nodes: Arc<dyn Nodes>, config: Config, secret: Vec<u8>) -> Self {
-        let engine = Engine::new(store.clone(), nodes.clone());
+        let engine = Engine::new(store.clone(), nodes.clone()).with_recovery_wait(config.recovery_wait);
         Self {
             store,
             nodes,

@@ -117,7 +117,7 @@ impl Core {
             for (header, got) in &presented {
                 if bool::from(want.as_bytes().ct_eq(got.as_bytes())) {
                     return Ok(Principal::Sandbox {
-                        sandbox,
+                        sandbox: self.current(sandbox).await?,
                         via: Via::AccessToken(header),
                     });
                 }
@@ -128,13 +128,14 @@ impl Core {
                 if let Ok(Some(t)) = self.store.tenant_by_key(key).await {
                     if t.id == sandbox.tenant_id {
                         return Ok(Principal::Sandbox {
-                            sandbox,
+                            sandbox: self.current(sandbox).await?,
                             via: Via::OwnerKey,
                         });
                     }
                 }
             }
         }
+        // Not settled by a restart's recovery yet (`Core::current`): that waits for the proof.
         if presented.is_empty() && issued.is_some() && accept.no_token {
             return Ok(Principal::Sandbox {
                 sandbox,

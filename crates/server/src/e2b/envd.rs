@@ -7,7 +7,7 @@ use crate::core::files::Files;
 use crate::core::principal::SignedUrl;
 use crate::core::sandboxes::MAX_TIMEOUT;
 use crate::core::sessions::{parse_signal, signal_description, Running, Selector, StartSession};
-use crate::core::{Accept, CoreError, Credentials, Kind, Principal};
+use crate::core::{Accept, CoreError, Credentials, Kind, Principal, Via};
 use crate::model::SandboxState;
 use crate::store::SandboxRow;
 use airlock_proto::frame::EventKind;
@@ -54,6 +54,11 @@ async fn resolve(state: &E2bState, h: &HeaderMap, no_token: bool) -> Result<Sand
         .sandbox_principal(&Credentials::from_headers(h), id, accept)
         .await
     {
+        // A signed URL's sandbox is settled after its signature is checked (`files_target`).
+        Ok(Principal::Sandbox {
+            sandbox,
+            via: Via::Unverified,
+        }) if state.core.engine.recovering(&sandbox.id) => return Ok(sandbox),
         Ok(Principal::Sandbox { sandbox, .. }) => sandbox,
         // A caller that proved nothing about the sandbox (no token, a wrong one, a sandbox never
         // opened to tokens) learns nothing either: exactly the answer for a missing one.
@@ -730,6 +735,12 @@ async fn files_target(
             e => files_error(e),
         })?;
     }
+    let id = sandbox.id.clone();
+    let sandbox = match state.core.current(sandbox).await {
+        Ok(row) if row.state == SandboxState::Running => row,
+        Ok(_) | Err(CoreError::NotFound { .. }) => return Err(sandbox_gone(&id)),
+        Err(e) => return Err(files_error(e)),
+    };
     state.core.files(&sandbox).await.map_err(|_| sandbox_gone(&sandbox.id))
 }
 

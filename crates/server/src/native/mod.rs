@@ -196,12 +196,7 @@ pub async fn get_operation(
     Extension(tenant): Extension<Tenant>,
     Path(id): Path<String>,
 ) -> ApiResult<Json<Operation>> {
-    core.store
-        .get_operation(&tenant.id, &id)
-        .await
-        .map_err(CoreError::from)?
-        .map(Json)
-        .ok_or_else(|| CoreError::not_found(Kind::Operation, id).into())
+    Ok(Json(core.operation(&tenant, &id).await?))
 }
 
 #[derive(Debug, Deserialize, utoipa::IntoParams)]
