@@ -45,7 +45,7 @@ use utoipa::OpenApi;
         native::session_signal, native::session_resize, native::read_file, native::write_file, native::delete_file, native::list_files,
         native::list_templates, native::get_template, native::system,
     ),
-    components(schemas(model::OutputEvent, model::ExitedEvent)),
+    components(schemas(model::OutputEvent, model::ExitedEvent, model::TruncatedEvent)),
     modifiers(&BearerAuth),
 )]
 pub struct ApiDoc;

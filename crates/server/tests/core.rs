@@ -1412,6 +1412,106 @@ async fn sessions_are_capped_per_sandbox_on_both_doors() {
     assert_no_vms(tmp.path());
 }
 
+/// The SSE events of a finished session's stream, read from after `after`: (event, id, data).
+async fn sse_events(server: &Server, id: &str, sid: &str, after: u64) -> Vec<(String, String, Value)> {
+    let resp = server
+        .send(
+            Method::GET,
+            &format!("/v1/sandboxes/{id}/sessions/{sid}/stream?last_event_id={after}"),
+            &[("authorization", &format!("Bearer {}", server.key))],
+            Body::empty(),
+        )
+        .await;
+    assert_eq!(resp.status, 200);
+    let sse = tokio::time::timeout(Duration::from_secs(10), axum::body::to_bytes(resp.body, 64 << 20))
+        .await
+        .expect("the stream ends within 10 s")
+        .unwrap();
+    let mut out = Vec::new();
+    for block in String::from_utf8(sse.to_vec()).unwrap().split("\n\n") {
+        let (mut event, mut eid, mut data) = (String::new(), String::new(), Value::Null);
+        for line in block.lines() {
+            if let Some(v) = line.strip_prefix("event:") {
+                event = v.trim().into();
+            } else if let Some(v) = line.strip_prefix("id:") {
+                eid = v.trim().into();
+            } else if let Some(v) = line.strip_prefix("data:") {
+                data = serde_json::from_str(v.trim()).unwrap();
+            }
+        }
+        if !event.is_empty() {
+            out.push((event, eid, data));
+        }
+    }
+    out
+}
+
+/// The server holds no output of its own (it streams what the guest agent keeps); the agent
+/// keeps a bounded tail of each process's output, and a reader that comes after older output
+/// was dropped is told so, with an `output_truncated` event where it is missing, before the
+/// tail that is still there.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn dropped_output_is_announced_where_it_is_missing() {
+    use base64::Engine as _;
+    let tmp = fresh();
+    let server = Server::start(tmp.path(), 4, None).await;
+    let id = server.running_sandbox().await;
+    let (status, s) = server
+        .v1(
+            Method::POST,
+            &format!("/sandboxes/{id}/sessions"),
+            Some(json!({ "argv": ["cat"], "stdin": true })),
+        )
+        .await;
+    assert_eq!(status, 201, "{s}");
+    let sid = s["id"].as_str().unwrap().to_string();
+    // 3 x 512 KiB through `cat`: more than the (fake) agent keeps.
+    let chunk = 512 << 10;
+    let mut written = Vec::new();
+    for n in 0..3u8 {
+        let data: Vec<u8> = (0..chunk).map(|i| b'a' + n + (i % 7) as u8).collect();
+        written.extend_from_slice(&data);
+        let b64 = base64::engine::general_purpose::STANDARD.encode(&data);
+        let (status, body) = server
+            .v1(
+                Method::POST,
+                &format!("/sandboxes/{id}/sessions/{sid}/stdin"),
+                Some(json!({ "data": b64, "eof": n == 2 })),
+            )
+            .await;
+        assert_eq!(status, 204, "{body}");
+    }
+    let events = sse_events(&server, &id, &sid, 0).await;
+    let (event, eid, data) = &events[0];
+    assert_eq!(event, "output_truncated", "{events:?}");
+    assert_eq!(data["first_seq"], 1, "{data}");
+    let last = data["last_seq"].as_u64().unwrap();
+    assert_eq!(eid, &last.to_string());
+    assert!(data["message"].as_str().unwrap().contains("no longer kept"), "{data}");
+    // Then the tail, contiguous from the event after the gap, and the exit.
+    let mut tail = Vec::new();
+    let mut next = last + 1;
+    for (event, eid, data) in &events[1..events.len() - 1] {
+        assert_eq!(event, "stdout", "{event} {data}");
+        assert_eq!(eid, &next.to_string());
+        next += 1;
+        tail.extend(base64::engine::general_purpose::STANDARD.decode(data["data"].as_str().unwrap()).unwrap());
+    }
+    assert_eq!(events.last().unwrap().0, "process_exited");
+    assert!(!tail.is_empty() && tail.len() <= airlock_runtime::fake::RETAINED_OUTPUT);
+    assert!(written.ends_with(&tail), "the kept output is the newest");
+    // A reader that resumes after the gap is told nothing more; one inside it is told the rest.
+    let resumed = sse_events(&server, &id, &sid, last).await;
+    assert_eq!(resumed[0].0, "stdout", "{resumed:?}");
+    let inside = sse_events(&server, &id, &sid, last - 1).await;
+    assert_eq!(inside[0].0, "output_truncated");
+    assert_eq!((inside[0].2["first_seq"].as_u64(), inside[0].2["last_seq"].as_u64()), (Some(last), Some(last)));
+
+    server.delete(&id).await;
+    server.stop().await;
+    assert_no_vms(tmp.path());
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn quota_is_one_limit_for_both_doors() {
     let tmp = fresh();

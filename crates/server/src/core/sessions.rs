@@ -40,6 +40,16 @@ pub enum Selector {
     Tag(String),
 }
 
+/// What a session's stream carries.
+#[derive(Debug, Clone)]
+pub enum SessionEvent {
+    /// Output or the exit, as the agent logged it.
+    Event(Event),
+    /// Events `first..=last` are gone: the agent keeps a bounded tail of each process's output
+    /// (32 MiB) and dropped them before this reader got there.
+    Truncated { first: u64, last: u64 },
+}
+
 /// A session with what the agent knows of its process right now.
 #[derive(Debug, Clone)]
 pub struct Running {
@@ -428,12 +438,13 @@ impl Core {
     }
 
     /// A session's events after `after` (its stdout, stderr and exit); the exit is recorded.
+    /// Output the agent no longer kept is announced where it is missing ([`SessionEvent::Truncated`]).
     pub async fn session_events(
         &self,
         sandbox: &SandboxRow,
         row: SessionRow,
         after: u64,
-    ) -> CoreResult<BoxStream<'static, CoreResult<Event>>> {
+    ) -> CoreResult<BoxStream<'static, CoreResult<SessionEvent>>> {
         let agent = self.agent_for(sandbox).await?;
         let events = agent.events(row.process_id, after).await.map_err(guest(sandbox))?;
         let store = self.store.clone();
@@ -465,6 +476,25 @@ impl Core {
                     ev.map_err(|e| CoreError::agent(Kind::Process, &sandbox_id, e))
                 }
             })
+            .scan(after, |last, ev| {
+                let out = match ev {
+                    Ok(ev) => {
+                        let mut out = Vec::with_capacity(2);
+                        if ev.seq > *last + 1 {
+                            out.push(Ok(SessionEvent::Truncated {
+                                first: *last + 1,
+                                last: ev.seq - 1,
+                            }));
+                        }
+                        *last = (*last).max(ev.seq);
+                        out.push(Ok(SessionEvent::Event(ev)));
+                        out
+                    }
+                    Err(e) => vec![Err(e)],
+                };
+                futures_util::future::ready(Some(futures_util::stream::iter(out)))
+            })
+            .flatten()
             .boxed())
     }
 

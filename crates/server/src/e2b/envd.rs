@@ -6,7 +6,7 @@ use super::{E2bError, E2bState};
 use crate::core::files::Files;
 use crate::core::principal::SignedUrl;
 use crate::core::sandboxes::MAX_TIMEOUT;
-use crate::core::sessions::{parse_signal, signal_description, Running, Selector, StartSession};
+use crate::core::sessions::{parse_signal, signal_description, Running, Selector, SessionEvent, StartSession};
 use crate::core::{Accept, CoreError, Credentials, Kind, Principal, Via};
 use crate::model::SandboxState;
 use crate::store::SandboxRow;
@@ -337,7 +337,13 @@ fn process_stream(
                     let _ = tx.send(connect::end_of_stream(Some(&RpcError::from(e)))).await;
                     return;
                 }
-                Ok(Some(Ok(ev))) => ev,
+                Ok(Some(Ok(SessionEvent::Event(ev)))) => ev,
+                // envd's stream has no way to say output was dropped (and real envd replays
+                // nothing at all): the reader gets what is still kept.
+                Ok(Some(Ok(SessionEvent::Truncated { first, last }))) => {
+                    tracing::debug!(sandbox = %sandbox.id, first, last, "output no longer kept");
+                    continue;
+                }
             };
             let b64 = |d: &[u8]| base64::engine::general_purpose::STANDARD.encode(d);
             let msg = match ev.kind {
