@@ -149,7 +149,10 @@ impl Client {
                             });
                         }
                         "output_truncated" => {
-                            eprintln!("airlock: {}", payload["message"].as_str().unwrap_or("output was dropped"))
+                            eprintln!(
+                                "airlock: {}",
+                                payload["message"].as_str().unwrap_or("output was dropped")
+                            )
                         }
                         "error" => bail!("{}", payload["message"].as_str().unwrap_or("stream error")),
                         _ => {}

@@ -268,7 +268,12 @@ async fn background_reconcile_settles_each_sandbox() {
     assert_eq!(rt.list().len(), ids.len() - dead.len());
     let alive = &ids[3];
     assert_eq!(
-        rt.get(alive).unwrap().run(argv(&["echo", "back"])).await.unwrap().stdout,
+        rt.get(alive)
+            .unwrap()
+            .run(argv(&["echo", "back"]))
+            .await
+            .unwrap()
+            .stdout,
         b"back\n"
     );
     for (i, id) in ids.iter().enumerate() {

@@ -427,9 +427,7 @@ impl Engine {
         }
         let ids: Vec<String> = pending.keys().cloned().collect();
         self.recovery.pending.lock().unwrap().extend(pending);
-        self.recovery
-            .under_way
-            .store(true, std::sync::atomic::Ordering::SeqCst);
+        self.recovery.under_way.store(true, std::sync::atomic::Ordering::SeqCst);
         let engine = self.clone();
         tokio::spawn(async move {
             use futures_util::StreamExt;
@@ -505,7 +503,8 @@ impl Engine {
 
     /// Wait for the recovery of every sandbox of `tenant_id`.
     pub async fn tenant_recovered(&self, tenant_id: &str) -> CoreResult<()> {
-        self.await_recovered(|_, t| t == tenant_id, "a sandbox of this tenant").await
+        self.await_recovered(|_, t| t == tenant_id, "a sandbox of this tenant")
+            .await
     }
 
     /// Wait for the recovery of every sandbox (node-wide budgets count them all).

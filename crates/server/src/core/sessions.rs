@@ -298,7 +298,12 @@ impl Core {
         Ok((started?, agent))
     }
 
-    async fn spawn_session(&self, sandbox: &SandboxRow, agent: &AgentClient, req: StartSession) -> CoreResult<SessionRow> {
+    async fn spawn_session(
+        &self,
+        sandbox: &SandboxRow,
+        agent: &AgentClient,
+        req: StartSession,
+    ) -> CoreResult<SessionRow> {
         let id = format!("ses_{}", airlock_runtime::datadir::random_hex(8));
         let mut env = sandbox.env.clone();
         env.extend(req.env);

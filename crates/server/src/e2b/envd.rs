@@ -737,7 +737,9 @@ async fn files_target(
         };
         // A signature that does not match proves nothing: the answer for a missing sandbox.
         state.core.check_signed_url(&sandbox, &url, op).map_err(|e| match e {
-            CoreError::NotFound { kind: Kind::Sandbox, .. } => sandbox_gone(&sandbox.id),
+            CoreError::NotFound {
+                kind: Kind::Sandbox, ..
+            } => sandbox_gone(&sandbox.id),
             e => files_error(e),
         })?;
     }
