@@ -1,174 +1,24 @@
 //! Hostile callers against the whole server in-process (fake VMM + fake agent, as `core.rs`):
 //! values that must not panic a handler, bodies refused before they are read, the same answer
 //! for missing and foreign sandboxes, watchers that go with their sandbox, private files.
+//! The server is `common::Server` (shared with `core.rs`).
 
-use airlock_runtime::{fake, Runtime};
+mod common;
+
 use airlock_server::core::principal::signature;
-use airlock_server::core::{Config, Core};
-use airlock_server::e2b::Watchers;
 use airlock_server::listen::Limits;
-use airlock_server::nodes::{LocalNode, Nodes};
 use airlock_server::store::{KeyFormat, SqliteStore, TenantStore};
-use airlock_server::AppState;
 use axum::body::Body;
 use axum::http::{Method, Request};
-use serde_json::{json, Value};
+use common::*;
+use serde_json::json;
 use std::net::SocketAddr;
 use std::os::unix::fs::PermissionsExt;
 use std::path::Path;
-use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-/// The server on its own tokio runtime, talked to over HTTP from the test's.
-struct Server {
-    addr: SocketAddr,
-    key: String,
-    core: Core,
-    watchers: Arc<Watchers>,
-    tokio: Option<tokio::runtime::Runtime>,
-    _runtime: Runtime,
-    _dir: tempfile::TempDir,
-}
-
+/// What only these tests ask of the shared server.
 impl Server {
-    async fn start() -> Server {
-        Server::start_with(Limits::default()).await
-    }
-
-    async fn start_with(limits: Limits) -> Server {
-        let dir = tempfile::tempdir().unwrap();
-        fake::install_template(dir.path(), "seed").unwrap();
-        let tokio_rt = tokio::runtime::Builder::new_multi_thread()
-            .worker_threads(2)
-            .enable_all()
-            .build()
-            .unwrap();
-        let d = dir.path().to_path_buf();
-        let watchers: Arc<Watchers> = Default::default();
-        let w = watchers.clone();
-        let (addr, key, core, runtime) = tokio_rt
-            .spawn(async move {
-                let runtime = Runtime::open(fake::options(&d)).await.unwrap();
-                let store = SqliteStore::open(&d.join("airlock.db")).await.unwrap();
-                let key = airlock_server::bootstrap_admin_key(&store, &d, &"127.0.0.1:0".parse().unwrap())
-                    .await
-                    .unwrap()
-                    .unwrap();
-                let nodes: Arc<dyn Nodes> = Arc::new(LocalNode::new(runtime.clone()));
-                let core = Core::new(
-                    Arc::new(store),
-                    nodes,
-                    Config {
-                        max_sandboxes_per_tenant: 8,
-                        // Only the tenant quota here, whatever host runs the test.
-                        vcpu_overcommit: 64.0,
-                        memory_reserve_mib: 0,
-                        disk_reserve_mib: 0,
-                        ..Config::default()
-                    },
-                    vec![7; 32],
-                );
-                core.engine.recover().await.unwrap();
-                core.engine.spawn_reaper();
-                let app = airlock_server::router(AppState {
-                    core: core.clone(),
-                    watchers: w,
-                    e2b_domain: None,
-                });
-                let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-                let addr = listener.local_addr().unwrap();
-                tokio::spawn(airlock_server::listen::serve(listener, app, None, limits));
-                (addr, key, core, runtime)
-            })
-            .await
-            .unwrap();
-        Server {
-            addr,
-            key,
-            core,
-            watchers,
-            tokio: Some(tokio_rt),
-            _runtime: runtime,
-            _dir: dir,
-        }
-    }
-
-    async fn send(&self, method: Method, path: &str, headers: &[(&str, &str)], body: Body) -> (u16, Body) {
-        let mut req = Request::builder().method(method).uri(path);
-        if !headers.iter().any(|(k, _)| k.eq_ignore_ascii_case("host")) {
-            req = req.header("host", self.addr.to_string());
-        }
-        for (k, v) in headers {
-            req = req.header(*k, *v);
-        }
-        let stream = tokio::net::TcpStream::connect(self.addr).await.unwrap();
-        let (mut sender, conn) = hyper::client::conn::http1::handshake(hyper_util::rt::TokioIo::new(stream))
-            .await
-            .unwrap();
-        tokio::spawn(conn);
-        let res = sender.send_request(req.body(body).unwrap()).await.unwrap();
-        (res.status().as_u16(), Body::new(res.into_body()))
-    }
-
-    async fn json(&self, method: Method, path: &str, headers: &[(&str, &str)], body: Body) -> (u16, Value) {
-        let (status, body) = self.send(method, path, headers, body).await;
-        let bytes = tokio::time::timeout(Duration::from_secs(10), axum::body::to_bytes(body, 16 << 20))
-            .await
-            .expect("a body within 10 s")
-            .unwrap();
-        let v =
-            serde_json::from_slice(&bytes).unwrap_or_else(|_| Value::String(String::from_utf8_lossy(&bytes).into()));
-        (status, v)
-    }
-
-    /// A running sandbox made through E2B, and its access token.
-    async fn e2b_sandbox(&self) -> (String, String) {
-        let headers = [("x-api-key", self.key.as_str()), ("content-type", "application/json")];
-        let body = Body::from(json!({ "templateID": "base" }).to_string());
-        let (status, sb) = self.json(Method::POST, "/sandboxes", &headers, body).await;
-        assert_eq!(status, 201, "{sb}");
-        (
-            sb["sandboxID"].as_str().unwrap().to_string(),
-            sb["envdAccessToken"].as_str().unwrap().to_string(),
-        )
-    }
-
-    async fn v1(&self, method: Method, path: &str, body: Option<Value>) -> (u16, Value) {
-        let auth = format!("Bearer {}", self.key);
-        let mut headers = vec![("authorization", auth.as_str())];
-        let body = match body {
-            Some(b) => {
-                headers.push(("content-type", "application/json"));
-                Body::from(b.to_string())
-            }
-            None => Body::empty(),
-        };
-        self.json(method, &format!("/v1{path}"), &headers, body).await
-    }
-
-    /// A running sandbox made through `/v1` (no access token issued).
-    async fn native_sandbox(&self) -> String {
-        let (status, body) = self
-            .v1(Method::POST, "/sandboxes", Some(json!({ "template": "seed" })))
-            .await;
-        assert_eq!(status, 202, "{body}");
-        let id = body["sandbox_id"].as_str().unwrap().to_string();
-        self.await_state(&id, "running").await;
-        id
-    }
-
-    async fn await_state(&self, id: &str, want: &str) {
-        let deadline = Instant::now() + Duration::from_secs(10);
-        loop {
-            let (_, sb) = self.v1(Method::GET, &format!("/sandboxes/{id}"), None).await;
-            if sb["state"] == want {
-                return;
-            }
-            assert!(Instant::now() < deadline, "sandbox {id} is {sb}, not {want}");
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        }
-    }
-
     /// The whole answer to a request about sandbox `id`: status, content type and body, with
     /// `id` (the caller's own input, echoed) blanked out.
     async fn answer(
@@ -198,10 +48,13 @@ impl Server {
             .get("content-type")
             .map(|v| v.to_str().unwrap().to_string())
             .unwrap_or_default();
-        let bytes = tokio::time::timeout(Duration::from_secs(10), axum::body::to_bytes(Body::new(res.into_body()), 1 << 20))
-            .await
-            .expect("a body within 10 s")
-            .unwrap();
+        let bytes = tokio::time::timeout(
+            Duration::from_secs(10),
+            axum::body::to_bytes(Body::new(res.into_body()), 1 << 20),
+        )
+        .await
+        .expect("a body within 10 s")
+        .unwrap();
         let text = String::from_utf8_lossy(&bytes).replace(id, "<id>");
         (status, content_type, text)
     }
@@ -218,33 +71,15 @@ impl Server {
     async fn delete_as(&self, key: &str, id: &str) {
         let auth = format!("Bearer {key}");
         let (status, body) = self
-            .json(Method::DELETE, &format!("/v1/sandboxes/{id}"), &[("authorization", &auth)], Body::empty())
+            .json(
+                Method::DELETE,
+                &format!("/v1/sandboxes/{id}"),
+                &[("authorization", &auth)],
+                Body::empty(),
+            )
             .await;
         assert_eq!(status, 202, "{body}");
     }
-
-    async fn delete(&self, id: &str) {
-        let (status, body) = self.v1(Method::DELETE, &format!("/sandboxes/{id}"), None).await;
-        assert_eq!(status, 202, "{body}");
-        self.await_state(id, "deleted").await;
-    }
-}
-
-impl Drop for Server {
-    fn drop(&mut self) {
-        if let Some(rt) = self.tokio.take() {
-            rt.shutdown_background();
-        }
-    }
-}
-
-/// A Connect envelope: flags u8, length u32 BE, JSON.
-fn envelope(v: &Value) -> Vec<u8> {
-    let payload = serde_json::to_vec(v).unwrap();
-    let mut b = vec![0u8];
-    b.extend_from_slice(&(payload.len() as u32).to_be_bytes());
-    b.extend_from_slice(&payload);
-    b
 }
 
 fn envd_headers<'a>(id: &'a str, token: &'a str, content_type: &'a str) -> Vec<(&'a str, &'a str)> {
@@ -264,13 +99,13 @@ fn vm_rss_kib() -> u64 {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn hostile_stream_headers_get_a_normal_answer() {
-    let server = Server::start().await;
-    let (id, token) = server.e2b_sandbox().await;
+    let server = Server::start_fresh(Limits::default()).await;
+    let E2bSandbox { id, token } = server.e2b_sandbox().await;
     let mut headers = envd_headers(&id, &token, "application/connect+json");
     headers.push(("connect-timeout-ms", "18446744073709551615"));
     headers.push(("keepalive-ping-interval", "18446744073709551615"));
     let req = json!({ "process": { "cmd": "echo", "args": ["hi"] } });
-    let (status, body) = server
+    let Resp { status, body, .. } = server
         .send(
             Method::POST,
             "/process.Process/Start",
@@ -318,8 +153,8 @@ async fn raw_post(addr: SocketAddr, head: &str, body: usize) -> (Option<u16>, us
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn bodies_are_refused_before_they_are_read() {
-    let server = Server::start().await;
-    let (id, token) = server.e2b_sandbox().await;
+    let server = Server::start_fresh(Limits::default()).await;
+    let E2bSandbox { id, token } = server.e2b_sandbox().await;
 
     // Anonymous, 256 MiB. With `Expect: 100-continue` the server must answer without ever
     // asking for the body; without it, the client writes until the server, having answered,
@@ -415,10 +250,15 @@ async fn bodies_are_refused_before_they_are_read() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn missing_and_foreign_sandboxes_answer_alike() {
-    let server = Server::start().await;
-    let (id, token) = server.e2b_sandbox().await;
-    let native = server.native_sandbox().await;
-    let other_key = server.core.store.create_key("other", KeyFormat::Airlock).await.unwrap();
+    let server = Server::start_fresh(Limits::default()).await;
+    let E2bSandbox { id, token } = server.e2b_sandbox().await;
+    let native = server.running_sandbox().await;
+    let other_key = server
+        .core()
+        .store
+        .create_key("other", KeyFormat::Airlock)
+        .await
+        .unwrap();
     let other_bearer = format!("Bearer {other_key}");
     let own_bearer = format!("Bearer {}", server.key);
     let missing = "nosuchsandbox0";
@@ -553,8 +393,8 @@ async fn missing_and_foreign_sandboxes_answer_alike() {
     // As a URL carries it (base64 has `+` and `/`).
     let enc = |sig: String| sig.replace('+', "%2B").replace('/', "%2F");
     let sign = |path: &str, op: &str, token: &str| enc(signature(path, op, "user", token, None));
-    let foreign_token = server.core.access_token(&foreign);
-    let native_token = server.core.access_token(&native);
+    let foreign_token = server.core().access_token(&foreign);
+    let native_token = server.core().access_token(&native);
     // Write first: the read below then finds the file.
     for (method, op) in [(Method::POST, "write"), (Method::GET, "read")] {
         let other_op = if op == "read" { "write" } else { "read" };
@@ -592,8 +432,14 @@ async fn missing_and_foreign_sandboxes_answer_alike() {
         }
         println!("signed {op} URLs: every bad or foreign signature gets {first:?}");
         // The right signature works; an expired right one says so (only the token makes one).
-        let url = format!("/files?path=/tmp/a&username=user&signature={}", sign("/tmp/a", op, &token));
-        let headers = [("e2b-sandbox-id", id.as_str()), ("content-type", "application/octet-stream")];
+        let url = format!(
+            "/files?path=/tmp/a&username=user&signature={}",
+            sign("/tmp/a", op, &token)
+        );
+        let headers = [
+            ("e2b-sandbox-id", id.as_str()),
+            ("content-type", "application/octet-stream"),
+        ];
         let (status, body) = server.json(method.clone(), &url, &headers, Body::from("data")).await;
         assert_eq!(status, 200, "signed {op}: {body}");
         let past = 1_000_000_000;
@@ -610,10 +456,10 @@ async fn missing_and_foreign_sandboxes_answer_alike() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_sandboxs_watchers_go_with_it() {
-    let server = Server::start().await;
-    let (id, _token) = server.e2b_sandbox().await;
-    let (keep, _) = server.e2b_sandbox().await;
-    let (core, watchers) = (server.core.clone(), server.watchers.clone());
+    let server = Server::start_fresh(Limits::default()).await;
+    let E2bSandbox { id, .. } = server.e2b_sandbox().await;
+    let E2bSandbox { id: keep, .. } = server.e2b_sandbox().await;
+    let (core, watchers) = (server.core().clone(), server.watchers.clone());
     let (i, k) = (id.clone(), keep.clone());
     server
         .tokio
@@ -718,7 +564,7 @@ async fn slow_request_heads_are_cut_off_while_others_are_served() {
     let fds = raise_fd_limit(4 * SLOW as u64);
     assert!(fds >= 3 * SLOW as u64, "RLIMIT_NOFILE is {fds}");
     let header_read = Duration::from_secs(2);
-    let server = Server::start_with(Limits {
+    let server = Server::start_fresh(Limits {
         header_read,
         ..Limits::default()
     })
@@ -759,7 +605,7 @@ async fn slow_request_heads_are_cut_off_while_others_are_served() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn past_the_connection_cap_new_connections_wait_their_turn() {
     let header_read = Duration::from_secs(1);
-    let server = Server::start_with(Limits {
+    let server = Server::start_fresh(Limits {
         header_read,
         max_connections: 4,
         ..Limits::default()
