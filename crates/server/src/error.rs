@@ -63,7 +63,7 @@ pub enum CoreError {
     QuotaExceeded { tenant: String, live: u32, limit: u32 },
     /// A sandbox already runs as many sessions (processes started through either door) as the
     /// server allows at once.
-    #[error("sandbox {sandbox} has {running} running sessions, the limit of this server (max_sessions_per_sandbox {limit}); wait for one to exit or kill one first")]
+    #[error("sandbox {sandbox} has {running} running sessions, the limit of this server (--max-sessions {limit}); wait for one to exit or kill one first")]
     SessionLimit { sandbox: String, running: u32, limit: u32 },
     /// This node has no room left for the sandbox in one of its budgets (`vcpu`, `memory`,
     /// `disk`), whoever holds the rest: it comes back as sandboxes are deleted.

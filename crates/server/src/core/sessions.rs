@@ -199,9 +199,13 @@ impl Admitted {
 impl Drop for Admitted {
     /// A start dropped half-way (its request went away) still gives its place back.
     fn drop(&mut self) {
+        // Without a runtime (it is shutting down) there is nobody left to count for.
+        let Ok(rt) = tokio::runtime::Handle::try_current() else {
+            return;
+        };
         if let Some(gate) = self.gate.take() {
             let (starts, id) = (self.starts.clone(), self.sandbox_id.clone());
-            tokio::spawn(async move {
+            rt.spawn(async move {
                 *gate.lock().await -= 1;
                 starts.forget_if_idle(&id, gate);
             });
