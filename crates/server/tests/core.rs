@@ -808,10 +808,7 @@ async fn sessions_are_capped_per_sandbox_on_both_doors() {
     assert_eq!(status, 429, "{body}");
     assert_eq!(body["code"], "quota_exceeded", "{body}");
     let message = body["message"].as_str().unwrap();
-    assert!(
-        message.contains("--max-sessions 3") && message.contains(&id),
-        "{body}"
-    );
+    assert!(message.contains("--max-sessions 3") && message.contains(&id), "{body}");
     let (status, err, _) = e2b_start(&server, &sb, &["true"]).await;
     let err = err.expect("a refusal");
     assert_eq!(status, 429, "{err}");
