@@ -148,6 +148,12 @@ impl Client {
                                 _ => 1,
                             });
                         }
+                        "output_truncated" => {
+                            eprintln!(
+                                "airlock: {}",
+                                payload["message"].as_str().unwrap_or("output was dropped")
+                            )
+                        }
                         "error" => bail!("{}", payload["message"].as_str().unwrap_or("stream error")),
                         _ => {}
                     }

@@ -50,6 +50,9 @@ enum Command {
         /// Live sandboxes one tenant may have at once (429 `quota_exceeded` past it).
         #[arg(long, env = "AIRLOCK_MAX_SANDBOXES", default_value_t = 20)]
         max_sandboxes: u32,
+        /// Processes (sessions) one sandbox may run at once (429 `quota_exceeded` past it).
+        #[arg(long, env = "AIRLOCK_MAX_SESSIONS", default_value_t = airlock_server::core::DEFAULT_MAX_SESSIONS_PER_SANDBOX)]
+        max_sessions: u32,
         /// Open connections per listener; past it new ones wait in the listen backlog.
         #[arg(long, env = "AIRLOCK_MAX_CONNECTIONS", default_value_t = airlock_server::listen::MAX_CONNECTIONS)]
         max_connections: usize,
@@ -280,6 +283,7 @@ async fn run(cli: Cli) -> anyhow::Result<u8> {
         Command::Serve {
             listen,
             max_sandboxes,
+            max_sessions,
             vcpu_overcommit,
             memory_reserve_mib,
             disk_reserve_mib,
@@ -307,6 +311,7 @@ async fn run(cli: Cli) -> anyhow::Result<u8> {
                 listen,
                 data_dir: cli.data_dir,
                 max_sandboxes_per_tenant: max_sandboxes,
+                max_sessions_per_sandbox: max_sessions,
                 vcpu_overcommit,
                 memory_reserve_mib,
                 disk_reserve_mib,

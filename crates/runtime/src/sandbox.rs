@@ -153,6 +153,10 @@ pub struct RuntimeOptions {
     /// Give every sandbox a network namespace and a NIC (see [`crate::net`]); `None`: no NIC.
     /// On by default; `AIRLOCK_SANDBOX_NETWORK=off` turns it off.
     pub network: Option<NetworkOptions>,
+    /// Re-attach to an earlier process's VMs in the background (several at a time) instead of
+    /// before `open` returns: a server can listen at once. Until a sandbox is settled it is not
+    /// in `get`/`list`; [`Runtime::settled`] waits for one, [`Runtime::settled_all`] for all.
+    pub reconcile_in_background: bool,
 }
 
 impl RuntimeOptions {
@@ -167,6 +171,7 @@ impl RuntimeOptions {
                 Ok("off") => None,
                 _ => Some(NetworkOptions::default()),
             },
+            reconcile_in_background: false,
         }
     }
 }
@@ -183,6 +188,10 @@ struct Inner {
     sandboxes: Mutex<HashMap<String, Arc<Sandbox>>>,
     /// Ids of sandboxes whose VMM exited on its own (not through `delete`), after their cleanup.
     exits: tokio::sync::broadcast::Sender<String>,
+    /// Sandbox dirs of an earlier process not yet reconciled (re-attached or removed).
+    unsettled: Mutex<std::collections::HashSet<String>>,
+    /// Bumped whenever one of them is settled.
+    settled: tokio::sync::watch::Sender<u64>,
 }
 
 impl Inner {
@@ -214,6 +223,9 @@ pub struct CreateSandbox {
 pub fn valid_sandbox_id(id: &str) -> bool {
     (8..=40).contains(&id.len()) && id.chars().all(|c| c.is_ascii_lowercase() || c.is_ascii_digit())
 }
+
+/// Sandboxes of an earlier process reconciled at once after a restart.
+pub const RECONCILE_AT_ONCE: usize = 8;
 
 /// How often console logs are checked against their cap: a log holds at most the cap plus what
 /// its guest writes in this long (an emulated UART exits to QEMU for every byte).
@@ -259,11 +271,61 @@ impl Runtime {
                 boot_timeout: opts.boot_timeout,
                 sandboxes: Mutex::new(HashMap::new()),
                 exits: tokio::sync::broadcast::channel(256).0,
+                unsettled: Mutex::default(),
+                settled: tokio::sync::watch::channel(0).0,
             }),
         };
         rt.spawn_console_trimmer();
-        rt.reconcile().await;
+        if opts.reconcile_in_background {
+            let entries = rt.unsettled_entries();
+            let weak = Arc::downgrade(&rt.inner);
+            tokio::spawn(async move { Self::reconcile(weak, entries).await });
+        } else {
+            let entries = rt.unsettled_entries();
+            Self::reconcile(Arc::downgrade(&rt.inner), entries).await;
+        }
         Ok(rt)
+    }
+
+    /// The sandbox dirs an earlier process left, each recorded as not yet settled.
+    fn unsettled_entries(&self) -> Vec<std::fs::DirEntry> {
+        let entries: Vec<_> = std::fs::read_dir(self.inner.data.sandboxes())
+            .into_iter()
+            .flatten()
+            .flatten()
+            .collect();
+        self.inner
+            .unsettled
+            .lock()
+            .unwrap()
+            .extend(entries.iter().map(|e| e.file_name().to_string_lossy().into_owned()));
+        entries
+    }
+
+    /// Whether this runtime knows what became of sandbox `id` after a restart (re-attached or
+    /// removed); always true for sandboxes it created itself.
+    pub fn is_settled(&self, id: &str) -> bool {
+        !self.inner.unsettled.lock().unwrap().contains(id)
+    }
+
+    /// Wait until sandbox `id` is settled (see [`RuntimeOptions::reconcile_in_background`]).
+    pub async fn settled(&self, id: &str) {
+        let mut news = self.inner.settled.subscribe();
+        while !self.is_settled(id) {
+            if news.changed().await.is_err() {
+                return;
+            }
+        }
+    }
+
+    /// Wait until every sandbox of the earlier process is settled.
+    pub async fn settled_all(&self) {
+        let mut news = self.inner.settled.subscribe();
+        while !self.inner.unsettled.lock().unwrap().is_empty() {
+            if news.changed().await.is_err() {
+                return;
+            }
+        }
     }
 
     /// Keep every sandbox's `console.log` under [`crate::vmm::CONSOLE_CAP`] (see
@@ -322,14 +384,44 @@ impl Runtime {
         self.inner.exits.subscribe()
     }
 
-    /// Sandbox dirs left from an earlier process: re-attach live VMs, remove the rest.
-    async fn reconcile(&self) {
-        let entries: Vec<_> = std::fs::read_dir(self.inner.data.sandboxes())
-            .into_iter()
-            .flatten()
-            .flatten()
-            .collect();
-        for entry in entries {
+    /// Sandbox dirs left from an earlier process: re-attach live VMs, remove the rest, up to
+    /// [`RECONCILE_AT_ONCE`] at a time (an agent that does not answer costs its 10 s only to
+    /// its own sandbox). Each is marked settled when done. Stops early if the runtime goes.
+    async fn reconcile(inner: std::sync::Weak<Inner>, entries: Vec<std::fs::DirEntry>) {
+        futures_util::stream::iter(entries)
+            .for_each_concurrent(RECONCILE_AT_ONCE, |entry| {
+                let inner = inner.clone();
+                async move {
+                    let Some(inner) = inner.upgrade() else { return };
+                    let rt = Runtime { inner };
+                    rt.reconcile_dir(&entry).await;
+                    let id = entry.file_name().to_string_lossy().into_owned();
+                    rt.inner.unsettled.lock().unwrap().remove(&id);
+                    rt.inner.settled.send_modify(|n| *n += 1);
+                }
+            })
+            .await;
+        // Networks and jails a crash left without a sandbox (or whose dir is gone), once every
+        // dir is settled. A sandbox dir still there is live or booting (a create may already
+        // run): its network and jail stay.
+        let Some(inner) = inner.upgrade() else { return };
+        let mut live: std::collections::HashSet<String> = inner.sandboxes.lock().unwrap().keys().cloned().collect();
+        live.extend(
+            std::fs::read_dir(inner.data.sandboxes())
+                .into_iter()
+                .flatten()
+                .flatten()
+                .map(|e| e.file_name().to_string_lossy().into_owned()),
+        );
+        if let Some(net) = &inner.net {
+            net.sweep(&live).await;
+        }
+        inner.vmm.sweep(&live);
+    }
+
+    /// One sandbox dir left from an earlier process: re-attach its live VM, or remove it.
+    async fn reconcile_dir(&self, entry: &std::fs::DirEntry) {
+        {
             let dir = entry.path();
             let record: Option<SandboxRecord> = std::fs::read(dir.join("sandbox.json"))
                 .ok()
@@ -345,13 +437,13 @@ impl Runtime {
                             let _ = self.inner.vmm.stop(&vm, Duration::from_secs(2)).await;
                             self.remove_network(SandboxLink::load(&dir).as_ref()).await;
                             let _ = self.inner.discard(&dir);
-                            continue;
+                            return;
                         }
                     };
                     if self.inner.vmm.is_paused(&vm).await.unwrap_or(false) {
                         tracing::info!(id = %record.id, pid = vm.pid, "re-attached to paused sandbox");
                         self.adopt(record, vm, net, None, true);
-                        continue;
+                        return;
                     }
                     match AgentClient::connect_ready(&vm.agent_socket, Duration::from_secs(10)).await {
                         Ok((client, _)) => {
@@ -379,13 +471,6 @@ impl Runtime {
                 }
             }
         }
-        // Networks and jails a crash left without a sandbox (or whose dir is gone).
-        let live: std::collections::HashSet<String> =
-            self.inner.sandboxes.lock().unwrap().keys().cloned().collect();
-        if let Some(net) = &self.inner.net {
-            net.sweep(&live).await;
-        }
-        self.inner.vmm.sweep(&live);
     }
 
     /// The network of a sandbox found running: its recorded link, served again. A sandbox

@@ -213,6 +213,77 @@ async fn restart_reattaches_running_and_paused_vms() {
     assert_no_vms(tmp.path());
 }
 
+/// With `reconcile_in_background` (what the server uses), `open` returns before the VMs of the
+/// last life are re-attached, several at a time: each sandbox is reported settled once it is
+/// re-attached (running or paused) or removed (its VM died), never before.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn background_reconcile_settles_each_sandbox() {
+    let tmp = tempfile::tempdir().unwrap();
+    let rt = node(tmp.path()).await;
+    let mut sandboxes = Vec::new();
+    // More than are reconciled at once.
+    for _ in 0..airlock_runtime::sandbox::RECONCILE_AT_ONCE + 4 {
+        sandboxes.push(rt.create(seed(None)).await.unwrap());
+    }
+    rt.pause(sandboxes[0].id()).await.unwrap();
+    let ids: Vec<String> = sandboxes.iter().map(|s| s.id().to_string()).collect();
+    let pids: Vec<u32> = sandboxes.iter().map(|s| s.vm.pid).collect();
+    let dead = [1, 2];
+    drop((sandboxes, rt));
+    for i in dead {
+        fake::kill_vm(pids[i]);
+    }
+    let deadline = Instant::now() + Duration::from_secs(2);
+    while dead.iter().any(|i| pid_alive(pids[*i])) && Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+
+    let opts = airlock_runtime::RuntimeOptions {
+        reconcile_in_background: true,
+        ..fake::options(tmp.path())
+    };
+    let rt = Runtime::open(opts).await.unwrap();
+    assert!(rt.is_settled("neverexisted0"), "an unknown id is settled");
+    for (i, id) in ids.iter().enumerate() {
+        // Unsettled means unknown to `get`, whatever the VM is; settled means decided.
+        if !rt.is_settled(id) {
+            assert!(rt.get(id).is_err());
+        }
+        tokio::time::timeout(Duration::from_secs(5), rt.settled(id))
+            .await
+            .expect("settled within 5 s");
+        assert!(rt.is_settled(id));
+        if dead.contains(&i) {
+            assert!(matches!(rt.get(id), Err(RuntimeError::UnknownSandbox(_))), "{i}");
+            assert!(!tmp.path().join("sandboxes").join(id).exists(), "{i}");
+        } else {
+            let sb = rt.get(id).unwrap();
+            assert_eq!(sb.vm.pid, pids[i], "re-attached, not replaced");
+            assert_eq!(sb.is_paused(), i == 0);
+        }
+    }
+    tokio::time::timeout(Duration::from_secs(5), rt.settled_all())
+        .await
+        .expect("all settled");
+    assert_eq!(rt.list().len(), ids.len() - dead.len());
+    let alive = &ids[3];
+    assert_eq!(
+        rt.get(alive)
+            .unwrap()
+            .run(argv(&["echo", "back"]))
+            .await
+            .unwrap()
+            .stdout,
+        b"back\n"
+    );
+    for (i, id) in ids.iter().enumerate() {
+        if !dead.contains(&i) {
+            rt.delete(id).await.unwrap();
+        }
+    }
+    assert_no_vms(tmp.path());
+}
+
 /// Wait until the runtime's trimmer has cut `log` back under the cap.
 async fn await_trimmed(log: &Path) {
     let deadline = Instant::now() + Duration::from_secs(5);

@@ -51,10 +51,30 @@ pub struct Submitted {
     pub new: bool,
 }
 
+/// Sandboxes recovered at once after a restart.
+const RECOVER_AT_ONCE: usize = 8;
+/// The longest a request waits for its sandbox's recovery after a restart before it is
+/// answered `unavailable` (a node re-attaches a VM within its agent's 10 s connect timeout).
+pub const RECOVERY_WAIT: Duration = Duration::from_secs(20);
+
+/// What a restart still has to settle: the sandboxes whose record and VM are not yet checked
+/// against each other. Requests about one of them wait for it (see [`Engine::recovered`]).
+struct Recovery {
+    /// How long a request waits for its sandbox (`RECOVERY_WAIT` unless a test says otherwise).
+    wait: Duration,
+    /// Sandbox id -> its tenant's id.
+    pending: std::sync::Mutex<std::collections::HashMap<String, String>>,
+    /// Whether anything is left at all (the VMs no record claims are swept last).
+    under_way: std::sync::atomic::AtomicBool,
+}
+
 #[derive(Clone)]
 pub struct Engine {
     store: Arc<dyn Store>,
     nodes: Arc<dyn Nodes>,
+    recovery: Arc<Recovery>,
+    /// Bumped whenever a sandbox's recovery (or the whole recovery) finishes.
+    recovered: Arc<tokio::sync::watch::Sender<u64>>,
     /// Bumped whenever an operation finishes, to wake `wait`ers.
     finished: Arc<tokio::sync::watch::Sender<u64>>,
     /// The id of every sandbox that reached `deleted` or `failed`, for state kept elsewhere
@@ -95,9 +115,24 @@ impl Engine {
         Self {
             store,
             nodes,
+            recovery: Arc::new(Recovery {
+                wait: RECOVERY_WAIT,
+                pending: Default::default(),
+                under_way: Default::default(),
+            }),
+            recovered: Arc::new(tokio::sync::watch::channel(0).0),
             finished: Arc::new(tokio::sync::watch::channel(0).0),
             ended: tokio::sync::broadcast::channel(256).0,
         }
+    }
+
+    /// The same engine, whose requests wait at most `wait` for a sandbox's recovery (before
+    /// any clone is taken).
+    pub fn with_recovery_wait(mut self, wait: Duration) -> Self {
+        if let Some(r) = Arc::get_mut(&mut self.recovery) {
+            r.wait = wait;
+        }
+        self
     }
 
     /// Sandboxes as they end (deleted or failed). A receiver that lags misses ids: it should
@@ -362,11 +397,131 @@ impl Engine {
     }
 
     /// After a (possibly unclean) restart: finish or fail every open operation by what the VMs
-    /// really are, fail sandboxes whose VM is gone, and delete VMs no live record claims.
+    /// really are, fail sandboxes whose VM is gone, and delete VMs no live record claims. Returns
+    /// when all of it is done; see [`Engine::start_recovery`] for a server that listens first.
     pub async fn recover(&self) -> CoreResult<()> {
+        self.start_recovery().await?;
+        let mut news = self.recovered.subscribe();
+        while self.recovery.under_way.load(std::sync::atomic::Ordering::SeqCst) {
+            if news.changed().await.is_err() {
+                break;
+            }
+        }
+        Ok(())
+    }
+
+    /// Start the recovery (see [`Engine::recover`]) and return once every sandbox it must settle
+    /// is recorded as pending: requests about those wait for theirs ([`Engine::recovered`]),
+    /// others are served at once. Sandboxes are recovered several at a time, each as soon as the
+    /// node has re-attached (or lost) its VM; the VMs no live record claims go last.
+    pub async fn start_recovery(&self) -> CoreResult<()> {
+        let mut ops: std::collections::HashMap<String, Vec<Operation>> = Default::default();
         for op in self.store.unfinished_operations().await? {
-            let id = op.sandbox_id.clone();
-            let vm = self.nodes.vm_state(&id);
+            ops.entry(op.sandbox_id.clone()).or_default().push(op);
+        }
+        let mut pending = std::collections::HashMap::new();
+        for row in self.store.live_sandboxes().await? {
+            pending.insert(row.id.clone(), row.tenant_id.clone());
+        }
+        for id in ops.keys() {
+            if !pending.contains_key(id) {
+                if let Some(row) = self.store.sandbox_by_id(id).await? {
+                    pending.insert(id.clone(), row.tenant_id);
+                }
+            }
+        }
+        let ids: Vec<String> = pending.keys().cloned().collect();
+        self.recovery.pending.lock().unwrap().extend(pending);
+        self.recovery.under_way.store(true, std::sync::atomic::Ordering::SeqCst);
+        let engine = self.clone();
+        tokio::spawn(async move {
+            use futures_util::StreamExt;
+            futures_util::stream::iter(ids)
+                .for_each_concurrent(RECOVER_AT_ONCE, |id| {
+                    let engine = engine.clone();
+                    let ops = ops.remove(&id).unwrap_or_default();
+                    async move {
+                        engine.nodes.settled(&id).await;
+                        if let Err(e) = engine.recover_sandbox(&id, ops).await {
+                            tracing::error!(sandbox = %id, "cannot recover: {e}");
+                        }
+                        engine.recovery.pending.lock().unwrap().remove(&id);
+                        engine.recovered.send_modify(|n| *n += 1);
+                    }
+                })
+                .await;
+            engine.nodes.settled_all().await;
+            if let Err(e) = engine.sweep_unclaimed_vms().await {
+                tracing::error!("cannot sweep VMs without a record: {e}");
+            }
+            engine
+                .recovery
+                .under_way
+                .store(false, std::sync::atomic::Ordering::SeqCst);
+            engine.recovered.send_modify(|n| *n += 1);
+            tracing::info!("recovery after the restart finished");
+        });
+        Ok(())
+    }
+
+    /// Whether sandbox `id` is still being recovered after a restart.
+    pub fn recovering(&self, id: &str) -> bool {
+        self.recovery.pending.lock().unwrap().contains_key(id)
+    }
+
+    /// Wait (at most [`RECOVERY_WAIT`], or what `Config::recovery_wait` says) until the restart's recovery has settled every sandbox
+    /// `which` selects (by id and tenant id); `unavailable` if it has not by then. Immediate
+    /// when none is pending, which is always so once the recovery is over.
+    async fn await_recovered(&self, which: impl Fn(&str, &str) -> bool, what: &str) -> CoreResult<()> {
+        let mut news = self.recovered.subscribe();
+        let deadline = tokio::time::Instant::now() + self.recovery.wait;
+        loop {
+            let left = self
+                .recovery
+                .pending
+                .lock()
+                .unwrap()
+                .iter()
+                .any(|(id, tenant)| which(id, tenant));
+            if !left {
+                return Ok(());
+            }
+            match tokio::time::timeout_at(deadline, news.changed()).await {
+                Ok(Ok(())) => {}
+                Ok(Err(_)) => return Ok(()),
+                Err(_) => {
+                    return Err(CoreError::Unavailable(format!(
+                        "{what} is still being recovered after a server restart; retry in a few seconds"
+                    )))
+                }
+            }
+        }
+    }
+
+    /// Wait for sandbox `id`'s recovery (see [`Engine::await_recovered`]).
+    pub async fn recovered(&self, id: &str) -> CoreResult<()> {
+        if !self.recovering(id) {
+            return Ok(());
+        }
+        self.await_recovered(|s, _| s == id, &format!("sandbox {id}")).await
+    }
+
+    /// Wait for the recovery of every sandbox of `tenant_id`.
+    pub async fn tenant_recovered(&self, tenant_id: &str) -> CoreResult<()> {
+        self.await_recovered(|_, t| t == tenant_id, "a sandbox of this tenant")
+            .await
+    }
+
+    /// Wait for the recovery of every sandbox (node-wide budgets count them all).
+    pub async fn all_recovered(&self) -> CoreResult<()> {
+        self.await_recovered(|_, _| true, "a sandbox on this node").await
+    }
+
+    /// One sandbox after a restart, once its node knows whether its VM is there: its open
+    /// operations finished or failed by what the VM is, and the sandbox failed if its VM is gone.
+    async fn recover_sandbox(&self, id: &str, ops: Vec<Operation>) -> CoreResult<()> {
+        for op in ops {
+            let vm = self.nodes.vm_state(id);
             match (op.kind, vm) {
                 (OperationKind::Delete, _) => {
                     let engine = self.clone();
@@ -374,37 +529,42 @@ impl Engine {
                     continue;
                 }
                 (OperationKind::Create, VmState::Running | VmState::Paused) => {
-                    self.transition(&id, &[SandboxState::Creating], SandboxState::Running)
+                    self.transition(id, &[SandboxState::Creating], SandboxState::Running)
                         .await;
                     self.finish(&op, None).await;
                     tracing::info!(op = %op.id, "create finished before the restart: succeeded");
                 }
                 (OperationKind::Pause, VmState::Paused) | (OperationKind::Resume, VmState::Running) => {
-                    self.settle_paused(&id, vm == VmState::Paused).await;
+                    self.settle_paused(id, vm == VmState::Paused).await;
                     self.finish(&op, None).await;
                     tracing::info!(op = %op.id, "finished before the restart: succeeded");
                 }
                 (OperationKind::Pause | OperationKind::Resume, VmState::Running | VmState::Paused) => {
                     // It did not happen: the sandbox stays as its VM is.
-                    self.settle_paused(&id, vm == VmState::Paused).await;
+                    self.settle_paused(id, vm == VmState::Paused).await;
                     self.finish(&op, Some(interrupted())).await;
                     tracing::warn!(op = %op.id, "interrupted by a restart before it took effect");
                 }
                 (_, VmState::Gone) => {
-                    self.set_state(&id, SandboxState::Failed).await;
+                    self.set_state(id, SandboxState::Failed).await;
                     self.finish(&op, Some(interrupted())).await;
                     tracing::warn!(op = %op.id, "interrupted by a restart: failed");
                 }
             }
         }
-        for row in self.store.live_sandboxes().await? {
+        if let Some(row) = self.store.sandbox_by_id(id).await? {
             if matches!(row.state, SandboxState::Running | SandboxState::Paused)
-                && self.nodes.vm_state(&row.id) == VmState::Gone
+                && self.nodes.vm_state(id) == VmState::Gone
             {
-                tracing::warn!(sandbox = %row.id, "its VM is gone; marking it failed");
-                self.set_state(&row.id, SandboxState::Failed).await;
+                tracing::warn!(sandbox = %id, "its VM is gone; marking it failed");
+                self.set_state(id, SandboxState::Failed).await;
             }
         }
+        Ok(())
+    }
+
+    /// VMs that no live record claims (left by a crash) are deleted.
+    async fn sweep_unclaimed_vms(&self) -> CoreResult<()> {
         for id in self.nodes.vm_ids() {
             let live = self
                 .store
@@ -440,6 +600,7 @@ impl Engine {
         for row in self.store.live_sandboxes().await? {
             if matches!(row.state, SandboxState::Running | SandboxState::Paused)
                 && !busy.contains(&row.id)
+                && !self.recovering(&row.id)
                 && self.nodes.vm_state(&row.id) == VmState::Gone
             {
                 self.vm_exited(&row.id).await;
@@ -470,7 +631,8 @@ impl Engine {
                 tokio::time::sleep(REAP_EVERY).await;
                 tick = tick.wrapping_add(1);
                 if let Ok(expired) = engine.store.expired_sandboxes(now_ms()).await {
-                    for row in expired {
+                    // A sandbox the restart's recovery has yet to settle waits for it.
+                    for row in expired.into_iter().filter(|r| !engine.recovering(&r.id)) {
                         tracing::info!(sandbox = %row.id, "timeout passed; deleting");
                         let _ = engine.submit(Action::Delete { sandbox: row }).await;
                     }

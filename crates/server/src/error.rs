@@ -61,6 +61,10 @@ pub enum CoreError {
     },
     #[error("tenant {tenant} has {live} live sandboxes, the limit of this server (--max-sandboxes {limit}); delete one first")]
     QuotaExceeded { tenant: String, live: u32, limit: u32 },
+    /// A sandbox already runs as many sessions (processes started through either door) as the
+    /// server allows at once.
+    #[error("sandbox {sandbox} has {running} running sessions, the limit of this server (--max-sessions {limit}); wait for one to exit or kill one first")]
+    SessionLimit { sandbox: String, running: u32, limit: u32 },
     /// This node has no room left for the sandbox in one of its budgets (`vcpu`, `memory`,
     /// `disk`), whoever holds the rest: it comes back as sandboxes are deleted.
     #[error("this node's {budget} budget is exhausted: the sandbox asks for {asked} {unit}, {left} {unit} of {total} {unit} are left{hint}")]
@@ -168,7 +172,7 @@ impl CoreError {
             CoreError::InvalidField { .. } => c("invalid_argument", 422),
             CoreError::InvalidResources(_) => c("invalid_resources", 422),
             CoreError::InvalidState { .. } => c("invalid_state", 409),
-            CoreError::QuotaExceeded { .. } => c("quota_exceeded", 429),
+            CoreError::QuotaExceeded { .. } | CoreError::SessionLimit { .. } => c("quota_exceeded", 429),
             // 503, not 429: the caller is within its own quota; the node is full (for everyone)
             // until sandboxes go, and a client or balancer retries later or elsewhere.
             CoreError::NodeBudgetExceeded { .. } => c("node_budget_exceeded", 503),

@@ -45,7 +45,7 @@ use utoipa::OpenApi;
         native::session_signal, native::session_resize, native::read_file, native::write_file, native::delete_file, native::list_files,
         native::list_templates, native::get_template, native::system,
     ),
-    components(schemas(model::OutputEvent, model::ExitedEvent)),
+    components(schemas(model::OutputEvent, model::ExitedEvent, model::TruncatedEvent)),
     modifiers(&BearerAuth),
 )]
 pub struct ApiDoc;
@@ -184,6 +184,8 @@ pub struct ServeOptions {
     pub listen: SocketAddr,
     pub data_dir: PathBuf,
     pub max_sandboxes_per_tenant: u32,
+    /// Sessions one sandbox may run at once (see `core::Config`).
+    pub max_sessions_per_sandbox: u32,
     /// Node budgets (see `core::Config`).
     pub vcpu_overcommit: f64,
     pub memory_reserve_mib: u64,
@@ -228,7 +230,13 @@ pub async fn serve(opts: ServeOptions) -> anyhow::Result<()> {
         Some(t) => Some((t.listen, load_tls(t).await?)),
         None => None,
     };
-    let runtime = airlock_runtime::Runtime::open(airlock_runtime::RuntimeOptions::new(&opts.data_dir)).await?;
+    // The VMs of the last run are re-attached in the background (`recover` below waits for
+    // each before settling its sandbox), so the listener binds at once however many there are.
+    let runtime = airlock_runtime::Runtime::open(airlock_runtime::RuntimeOptions {
+        reconcile_in_background: true,
+        ..airlock_runtime::RuntimeOptions::new(&opts.data_dir)
+    })
+    .await?;
     let root = runtime.data_dir().root().to_path_buf();
     let store: Arc<dyn store::Store> = Arc::new(store::SqliteStore::open(&root.join("airlock.db")).await?);
     if bootstrap_admin_key(&*store, &root, &opts.listen).await?.is_some() {
@@ -247,6 +255,8 @@ pub async fn serve(opts: ServeOptions) -> anyhow::Result<()> {
         vcpu_overcommit: opts.vcpu_overcommit,
         memory_reserve_mib: opts.memory_reserve_mib,
         disk_reserve_mib: opts.disk_reserve_mib,
+        max_sessions_per_sandbox: opts.max_sessions_per_sandbox,
+        ..core::Config::default()
     };
     let capacity = nodes.capacity();
     let budget = config.budget(&capacity);
@@ -260,7 +270,8 @@ pub async fn serve(opts: ServeOptions) -> anyhow::Result<()> {
         capacity.disk_free_mib
     );
     let core = core::Core::new(store, nodes, config, secret);
-    core.engine.recover().await?;
+    // Requests about a sandbox the recovery has yet to settle wait for it (`Core::current`).
+    core.engine.start_recovery().await?;
     core.engine.spawn_reaper();
     let state = AppState {
         core,

@@ -319,6 +319,15 @@ pub struct OutputEvent {
     pub data: String,
 }
 
+/// (`output_truncated`) Events `first_seq..=last_seq` are gone: the guest keeps a bounded
+/// tail of each process's output (32 MiB), and this reader came after they were dropped.
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
+pub struct TruncatedEvent {
+    pub first_seq: u64,
+    pub last_seq: u64,
+    pub message: String,
+}
+
 #[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
 pub struct ExitedEvent {
     /// (`process_exited`)

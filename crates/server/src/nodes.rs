@@ -52,6 +52,11 @@ pub trait Nodes: Send + Sync {
     async fn pause(&self, id: &str) -> Result<(), RuntimeError>;
     async fn resume(&self, id: &str) -> Result<(), RuntimeError>;
     fn vm_state(&self, id: &str) -> VmState;
+    /// Wait until this node knows whether `id` has a VM: after a restart a node re-attaches
+    /// its VMs in the background, and until then `vm_state` says `Gone` for one it will adopt.
+    async fn settled(&self, id: &str);
+    /// Wait until every VM of the node's earlier life is re-attached or removed.
+    async fn settled_all(&self);
     /// Every VM this node has, live or paused.
     fn vm_ids(&self) -> Vec<String>;
     /// The guest agent of a running VM (process and file calls, port tunnels).
@@ -122,6 +127,8 @@ impl Nodes for LocalNode {
     }
 
     async fn delete(&self, id: &str) -> Result<(), RuntimeError> {
+        // A VM not yet re-attached would look gone, and stay behind.
+        self.runtime.settled(id).await;
         let lock = self.lock_for(id);
         let result = {
             let _guard = lock.lock().await;
@@ -139,12 +146,14 @@ impl Nodes for LocalNode {
     }
 
     async fn pause(&self, id: &str) -> Result<(), RuntimeError> {
+        self.runtime.settled(id).await;
         let lock = self.lock_for(id);
         let _guard = lock.lock().await;
         self.runtime.pause(id).await
     }
 
     async fn resume(&self, id: &str) -> Result<(), RuntimeError> {
+        self.runtime.settled(id).await;
         let lock = self.lock_for(id);
         let _guard = lock.lock().await;
         self.runtime.resume(id).await
@@ -158,11 +167,20 @@ impl Nodes for LocalNode {
         }
     }
 
+    async fn settled(&self, id: &str) {
+        self.runtime.settled(id).await
+    }
+
+    async fn settled_all(&self) {
+        self.runtime.settled_all().await
+    }
+
     fn vm_ids(&self) -> Vec<String> {
         self.runtime.list().iter().map(|s| s.id().to_string()).collect()
     }
 
     async fn agent(&self, id: &str) -> Result<AgentClient, RuntimeError> {
+        self.runtime.settled(id).await;
         self.runtime.get(id)?.agent().await
     }
 

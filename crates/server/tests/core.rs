@@ -1,547 +1,23 @@
 //! The whole server in-process over the fake VMM: both doors, the engine's crash recovery, VMs
 //! that die on their own, admission. No VM boots; every test takes a second or two.
 //!
-//! Each server "life" runs on its own tokio runtime and serves on 127.0.0.1:0; the test talks
-//! HTTP to it from the test's runtime. A restart drops the app, the core and the runtime (every
-//! task of that life goes with its tokio runtime) and builds a new server on the same data dir,
-//! with the fake VMs still running, as a real server restart would.
+//! The harness (`Server`, one per server life, restartable) is `common/`, shared with `limits.rs`.
 
+mod common;
+
+use airlock_runtime::fake;
 use airlock_runtime::vmm::pid_alive;
-use airlock_runtime::{fake, Runtime, RuntimeError};
-use airlock_server::core::{Config, Core};
+use airlock_server::core::Config;
 use airlock_server::model::{Operation, OperationKind, OperationState, Resources, SandboxState};
-use airlock_server::nodes::{Booted, Capacity, LocalNode, Nodes, VmState};
-use airlock_server::store::{now_ms, rfc3339, KeyFormat, SandboxRow, SqliteStore};
-use airlock_server::AppState;
-use axum::body::{Body, Bytes};
-use axum::http::{Method, Request};
-use futures_util::StreamExt;
+use airlock_server::nodes::Capacity;
+use airlock_server::store::{now_ms, rfc3339, KeyFormat, SandboxRow};
+use axum::body::Body;
+use axum::http::Method;
+use common::*;
 use serde_json::{json, Value};
 use std::collections::BTreeMap;
-use std::future::Future;
-use std::net::SocketAddr;
-use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
-
-/// The same secret every life: access tokens issued before a restart stay valid.
-const SECRET: [u8; 32] = [7; 32];
-
-// ---------------------------------------------------------------------------------------------
-// An in-process server
-
-struct Server {
-    dir: PathBuf,
-    max: u32,
-    addr: SocketAddr,
-    /// The admin key of tenant `default`.
-    key: String,
-    core: Option<Core>,
-    /// The runtime the server's `LocalNode` wraps (a clone: the same VMs).
-    runtime: Option<Runtime>,
-    tokio: Option<tokio::runtime::Runtime>,
-}
-
-/// A fresh data dir with the `seed` template.
-fn fresh() -> tempfile::TempDir {
-    let tmp = tempfile::tempdir().unwrap();
-    fake::install_template(tmp.path(), "seed").unwrap();
-    tmp
-}
-
-/// `Runtime::open`, retrying while the previous life's runtime lets go of the data dir.
-async fn open_runtime(dir: &Path) -> Runtime {
-    let deadline = Instant::now() + Duration::from_secs(5);
-    loop {
-        match Runtime::open(fake::options(dir)).await {
-            Ok(rt) => return rt,
-            Err(RuntimeError::DataDirInUse(_)) if Instant::now() < deadline => {
-                tokio::time::sleep(Duration::from_millis(20)).await
-            }
-            Err(e) => panic!("open the runtime: {e}"),
-        }
-    }
-}
-
-impl Server {
-    /// Open everything on `dir` as `airlock_server::serve` does, recover, and serve.
-    async fn start(dir: &Path, max: u32, key: Option<&str>) -> Server {
-        Self::start_with(dir, max, key, Duration::ZERO).await
-    }
-
-    /// `start`, with every VM create held back by `create_delay` before it reaches the node
-    /// (to let other operations overtake it).
-    async fn start_with(dir: &Path, max: u32, key: Option<&str>, create_delay: Duration) -> Server {
-        Self::start_full(dir, max, key, create_delay, ROOMY, Config::default()).await
-    }
-
-    /// `start` on a node that has `capacity` (budgets derived from it by `config`).
-    async fn start_sized(dir: &Path, max: u32, capacity: Capacity, config: Config) -> Server {
-        Self::start_full(dir, max, None, Duration::ZERO, capacity, config).await
-    }
-
-    async fn start_full(
-        dir: &Path,
-        max: u32,
-        key: Option<&str>,
-        create_delay: Duration,
-        capacity: Capacity,
-        config: Config,
-    ) -> Server {
-        let tokio_rt = tokio::runtime::Builder::new_multi_thread()
-            .worker_threads(2)
-            .thread_name("airlock-test-server")
-            .enable_all()
-            .build()
-            .unwrap();
-        let d = dir.to_path_buf();
-        let known_key = key.map(String::from);
-        let (addr, key, core, runtime) = tokio_rt
-            .spawn(async move {
-                let runtime = open_runtime(&d).await;
-                let store = SqliteStore::open(&d.join("airlock.db")).await.unwrap();
-                let minted = airlock_server::bootstrap_admin_key(&store, &d, &"127.0.0.1:0".parse().unwrap())
-                    .await
-                    .unwrap();
-                let key = known_key.or(minted).expect("an admin key");
-                let local: Arc<dyn Nodes> = Arc::new(LocalNode::new(runtime.clone()));
-                let nodes: Arc<dyn Nodes> = Arc::new(TestNode {
-                    inner: local,
-                    create_delay,
-                    capacity,
-                });
-                let core = Core::new(
-                    Arc::new(store),
-                    nodes,
-                    Config {
-                        max_sandboxes_per_tenant: max,
-                        ..config
-                    },
-                    SECRET.to_vec(),
-                );
-                core.engine.recover().await.unwrap();
-                core.engine.spawn_reaper();
-                let app = airlock_server::router(AppState {
-                    core: core.clone(),
-                    watchers: Default::default(),
-                    e2b_domain: None,
-                });
-                let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-                let addr = listener.local_addr().unwrap();
-                tokio::spawn(async move { axum::serve(listener, app).await });
-                (addr, key, core, runtime)
-            })
-            .await
-            .unwrap();
-        Server {
-            dir: dir.to_path_buf(),
-            max,
-            addr,
-            key,
-            core: Some(core),
-            runtime: Some(runtime),
-            tokio: Some(tokio_rt),
-        }
-    }
-
-    /// Stop this life: its tasks, app, core and runtime all go; the fake VMs keep running.
-    async fn stop(mut self) {
-        let core = self.core.take();
-        let runtime = self.runtime.take();
-        let rt = self.tokio.take().unwrap();
-        tokio::task::spawn_blocking(move || {
-            rt.block_on(async move { drop((core, runtime)) });
-            drop(rt); // waits for its workers: every task of this life is dropped
-        })
-        .await
-        .unwrap();
-    }
-
-    async fn restart(self) -> Server {
-        let (dir, max, key) = (self.dir.clone(), self.max, self.key.clone());
-        self.stop().await;
-        Server::start(&dir, max, Some(&key)).await
-    }
-
-    fn core(&self) -> &Core {
-        self.core.as_ref().unwrap()
-    }
-
-    fn runtime(&self) -> Runtime {
-        self.runtime.clone().unwrap()
-    }
-
-    /// Run `f` on this server's tokio runtime (runtime calls spawn tasks that belong to it).
-    async fn on_server<T: Send + 'static>(&self, f: impl Future<Output = T> + Send + 'static) -> T {
-        self.tokio.as_ref().unwrap().spawn(f).await.unwrap()
-    }
-
-    async fn tenant_id(&self) -> String {
-        self.core().store.tenant_by_key(&self.key).await.unwrap().unwrap().id
-    }
-
-    fn vm_pid(&self, id: &str) -> u32 {
-        self.runtime().get(id).expect("the sandbox's VM").vm.pid
-    }
-
-    // --- HTTP
-
-    async fn send(&self, method: Method, path: &str, headers: &[(&str, &str)], body: Body) -> Resp {
-        let mut req = Request::builder()
-            .method(method)
-            .uri(path)
-            .header("host", self.addr.to_string());
-        for (k, v) in headers {
-            req = req.header(*k, *v);
-        }
-        let stream = tokio::net::TcpStream::connect(self.addr).await.unwrap();
-        let (mut sender, conn) = hyper::client::conn::http1::handshake(hyper_util::rt::TokioIo::new(stream))
-            .await
-            .unwrap();
-        tokio::spawn(conn);
-        let res = sender.send_request(req.body(body).unwrap()).await.unwrap();
-        let status = res.status().as_u16();
-        Resp {
-            status,
-            body: Body::new(res.into_body()),
-        }
-    }
-
-    /// A `/v1` call with the admin key.
-    async fn v1(&self, method: Method, path: &str, body: Option<Value>) -> (u16, Value) {
-        self.v1_as(&self.key, method, path, body).await
-    }
-
-    async fn v1_as(&self, key: &str, method: Method, path: &str, body: Option<Value>) -> (u16, Value) {
-        let auth = format!("Bearer {key}");
-        let (headers, body) = match body {
-            Some(b) => (
-                vec![("authorization", auth.as_str()), ("content-type", "application/json")],
-                Body::from(b.to_string()),
-            ),
-            None => (vec![("authorization", auth.as_str())], Body::empty()),
-        };
-        self.send(method, &format!("/v1{path}"), &headers, body)
-            .await
-            .json()
-            .await
-    }
-
-    /// An E2B control-plane call (`X-API-KEY`).
-    async fn e2b(&self, method: Method, path: &str, body: Value) -> (u16, Value) {
-        let headers = [("x-api-key", self.key.as_str()), ("content-type", "application/json")];
-        self.send(method, path, &headers, Body::from(body.to_string()))
-            .await
-            .json()
-            .await
-    }
-
-    /// A unary envd Connect RPC (`/process.Process/List`, ...).
-    async fn envd_unary(&self, sb: &E2bSandbox, rpc: &str, req: Value) -> (u16, Value) {
-        let headers = [
-            ("x-access-token", sb.token.as_str()),
-            ("e2b-sandbox-id", sb.id.as_str()),
-            ("content-type", "application/json"),
-            ("connect-protocol-version", "1"),
-        ];
-        self.send(Method::POST, rpc, &headers, Body::from(req.to_string()))
-            .await
-            .json()
-            .await
-    }
-
-    /// A server-streaming envd Connect RPC (`/process.Process/Start`): the request enveloped.
-    async fn envd_stream(&self, sb: &E2bSandbox, rpc: &str, req: Value) -> (u16, ConnectStream) {
-        let headers = [
-            ("x-access-token", sb.token.as_str()),
-            ("e2b-sandbox-id", sb.id.as_str()),
-            ("content-type", "application/connect+json"),
-            ("connect-protocol-version", "1"),
-        ];
-        let resp = self.send(Method::POST, rpc, &headers, Body::from(envelope(&req))).await;
-        (
-            resp.status,
-            ConnectStream {
-                body: resp.body.into_data_stream().boxed(),
-                buf: Vec::new(),
-            },
-        )
-    }
-
-    // --- Common steps
-
-    /// `POST /v1/sandboxes`; the operation is not waited for.
-    async fn create_native(&self) -> (String, String) {
-        let (status, body) = self
-            .v1(Method::POST, "/sandboxes", Some(json!({ "template": "seed" })))
-            .await;
-        assert_eq!(status, 202, "{body}");
-        (
-            body["sandbox_id"].as_str().unwrap().to_string(),
-            body["operation"]["id"].as_str().unwrap().to_string(),
-        )
-    }
-
-    /// A running sandbox made through `/v1`.
-    async fn running_sandbox(&self) -> String {
-        let (id, op) = self.create_native().await;
-        let op = self.wait_op(&op).await;
-        assert_eq!(op["state"], "succeeded", "{op}");
-        assert_eq!(self.sandbox_state(&id).await, "running");
-        id
-    }
-
-    /// A running sandbox made through E2B `POST /sandboxes`, with its envd access token.
-    async fn e2b_sandbox(&self) -> E2bSandbox {
-        let (status, body) = self
-            .e2b(Method::POST, "/sandboxes", json!({ "templateID": "base" }))
-            .await;
-        assert_eq!(status, 201, "{body}");
-        E2bSandbox {
-            id: body["sandboxID"].as_str().unwrap().to_string(),
-            token: body["envdAccessToken"].as_str().unwrap().to_string(),
-        }
-    }
-
-    async fn operation(&self, id: &str) -> Value {
-        let (status, op) = self.v1(Method::GET, &format!("/operations/{id}"), None).await;
-        assert_eq!(status, 200, "{op}");
-        op
-    }
-
-    /// Poll an operation until it is final.
-    async fn wait_op(&self, id: &str) -> Value {
-        let deadline = Instant::now() + Duration::from_secs(10);
-        loop {
-            let op = self.operation(id).await;
-            if op["state"] == "succeeded" || op["state"] == "failed" {
-                return op;
-            }
-            assert!(Instant::now() < deadline, "operation still open after 10 s: {op}");
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        }
-    }
-
-    async fn sandbox_state(&self, id: &str) -> String {
-        let (status, sb) = self.v1(Method::GET, &format!("/sandboxes/{id}"), None).await;
-        assert_eq!(status, 200, "{sb}");
-        sb["state"].as_str().unwrap().to_string()
-    }
-
-    /// Poll until the sandbox is in `state`, for at most `within`.
-    async fn await_state(&self, id: &str, state: &str, within: Duration) -> Duration {
-        let started = Instant::now();
-        loop {
-            let now = self.sandbox_state(id).await;
-            if now == state {
-                return started.elapsed();
-            }
-            assert!(
-                started.elapsed() < within,
-                "sandbox {id} is still {now} after {within:?}, expected {state}"
-            );
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        }
-    }
-
-    /// Start `argv` as a `/v1` session; returns the session.
-    async fn session(&self, id: &str, argv: &[&str]) -> Value {
-        let (status, s) = self
-            .v1(
-                Method::POST,
-                &format!("/sandboxes/{id}/sessions"),
-                Some(json!({ "argv": argv })),
-            )
-            .await;
-        assert_eq!(status, 201, "{s}");
-        s
-    }
-
-    /// The sandbox answers: `echo alive` runs in it and its output streams back.
-    async fn assert_answers(&self, id: &str) {
-        let s = self.session(id, &["echo", "alive"]).await;
-        let sid = s["id"].as_str().unwrap();
-        let resp = self
-            .send(
-                Method::GET,
-                &format!("/v1/sandboxes/{id}/sessions/{sid}/stream"),
-                &[("authorization", &format!("Bearer {}", self.key))],
-                Body::empty(),
-            )
-            .await;
-        assert_eq!(resp.status, 200);
-        let sse = tokio::time::timeout(Duration::from_secs(5), axum::body::to_bytes(resp.body, 1 << 20))
-            .await
-            .expect("the session's stream ends within 5 s")
-            .unwrap();
-        let sse = String::from_utf8_lossy(&sse);
-        // base64("alive\n")
-        assert!(sse.contains("YWxpdmUK"), "no output in {sse}");
-        assert!(
-            sse.contains("event: process_exited") && sse.contains("\"exit_code\":0"),
-            "no clean exit in {sse}"
-        );
-    }
-
-    /// Delete through `/v1` and wait for it.
-    async fn delete(&self, id: &str) {
-        let (status, body) = self.v1(Method::DELETE, &format!("/sandboxes/{id}"), None).await;
-        assert_eq!(status, 202, "{body}");
-        let op = self.wait_op(body["operation"]["id"].as_str().unwrap()).await;
-        assert_eq!(op["state"], "succeeded", "{op}");
-    }
-}
-
-impl Drop for Server {
-    fn drop(&mut self) {
-        // Only on a panic path (`stop` takes the runtime): do not block in async context.
-        if let Some(rt) = self.tokio.take() {
-            rt.shutdown_background();
-        }
-    }
-}
-
-struct E2bSandbox {
-    id: String,
-    token: String,
-}
-
-struct Resp {
-    status: u16,
-    body: Body,
-}
-
-impl Resp {
-    async fn json(self) -> (u16, Value) {
-        let bytes = tokio::time::timeout(Duration::from_secs(10), axum::body::to_bytes(self.body, 16 << 20))
-            .await
-            .expect("a response body within 10 s")
-            .unwrap();
-        let v = if bytes.is_empty() {
-            Value::Null
-        } else {
-            serde_json::from_slice(&bytes)
-                .unwrap_or_else(|_| Value::String(String::from_utf8_lossy(&bytes).into_owned()))
-        };
-        (self.status, v)
-    }
-}
-
-/// A Connect envelope: flags u8, length u32 BE, JSON.
-fn envelope(v: &Value) -> Vec<u8> {
-    let payload = serde_json::to_vec(v).unwrap();
-    let mut b = vec![0u8];
-    b.extend_from_slice(&(payload.len() as u32).to_be_bytes());
-    b.extend_from_slice(&payload);
-    b
-}
-
-/// The messages of a Connect server stream, as they arrive.
-struct ConnectStream {
-    body: futures_util::stream::BoxStream<'static, Result<Bytes, axum::Error>>,
-    buf: Vec<u8>,
-}
-
-impl ConnectStream {
-    /// The next envelope (flags, JSON); `None` once the stream ends.
-    async fn next(&mut self) -> Option<(u8, Value)> {
-        loop {
-            if self.buf.len() >= 5 {
-                let len = u32::from_be_bytes(self.buf[1..5].try_into().unwrap()) as usize;
-                if self.buf.len() >= 5 + len {
-                    let flags = self.buf[0];
-                    let v = serde_json::from_slice(&self.buf[5..5 + len]).unwrap();
-                    self.buf.drain(..5 + len);
-                    return Some((flags, v));
-                }
-            }
-            let chunk = tokio::time::timeout(Duration::from_secs(5), self.body.next())
-                .await
-                .expect("a stream message within 5 s")?;
-            self.buf.extend_from_slice(&chunk.unwrap());
-        }
-    }
-
-    /// The next message that is not a keepalive.
-    async fn next_event(&mut self) -> Option<(u8, Value)> {
-        loop {
-            let m = self.next().await?;
-            if m.1["event"].get("keepalive").is_none() {
-                return Some(m);
-            }
-        }
-    }
-}
-
-/// A node as large as no test fills: only what a test sets limits it.
-const ROOMY: Capacity = Capacity {
-    cpus: 1024,
-    memory_mib: 1 << 30,
-    sandboxes_running: 0,
-    disk_free_mib: 1 << 40,
-    disk_held_mib: 0,
-};
-
-/// A node that has `capacity` and whose creates start `create_delay` late; everything else
-/// goes straight to the real one.
-struct TestNode {
-    inner: Arc<dyn Nodes>,
-    create_delay: Duration,
-    capacity: Capacity,
-}
-
-#[async_trait::async_trait]
-impl Nodes for TestNode {
-    fn runtime_name(&self) -> &'static str {
-        self.inner.runtime_name()
-    }
-    async fn accel(&self) -> String {
-        self.inner.accel().await
-    }
-    fn templates(&self) -> &airlock_runtime::template::TemplateStore {
-        self.inner.templates()
-    }
-    async fn create(&self, sandbox: &SandboxRow) -> Result<Booted, airlock_runtime::RuntimeError> {
-        tokio::time::sleep(self.create_delay).await;
-        self.inner.create(sandbox).await
-    }
-    async fn delete(&self, id: &str) -> Result<(), airlock_runtime::RuntimeError> {
-        self.inner.delete(id).await
-    }
-    async fn pause(&self, id: &str) -> Result<(), airlock_runtime::RuntimeError> {
-        self.inner.pause(id).await
-    }
-    async fn resume(&self, id: &str) -> Result<(), airlock_runtime::RuntimeError> {
-        self.inner.resume(id).await
-    }
-    fn vm_state(&self, id: &str) -> VmState {
-        self.inner.vm_state(id)
-    }
-    fn vm_ids(&self) -> Vec<String> {
-        self.inner.vm_ids()
-    }
-    async fn agent(&self, id: &str) -> Result<airlock_runtime::AgentClient, airlock_runtime::RuntimeError> {
-        self.inner.agent(id).await
-    }
-    fn exits(&self) -> tokio::sync::broadcast::Receiver<String> {
-        self.inner.exits()
-    }
-    fn capacity(&self) -> Capacity {
-        Capacity {
-            sandboxes_running: self.inner.capacity().sandboxes_running,
-            ..self.capacity
-        }
-    }
-}
-
-/// No fake VM of this data dir may outlive the test.
-fn assert_no_vms(dir: &Path) {
-    let deadline = Instant::now() + Duration::from_secs(3);
-    while !fake::live_vms(dir).is_empty() && Instant::now() < deadline {
-        std::thread::sleep(Duration::from_millis(10));
-    }
-    assert_eq!(fake::live_vms(dir), Vec::<u32>::new(), "fake VMs left behind");
-}
 
 /// A sandbox record as `Core::create_sandbox` makes it.
 fn sandbox_row(id: &str, tenant_id: &str) -> SandboxRow {
@@ -802,6 +278,238 @@ async fn restart_finishes_deletes_and_fails_vms_that_died_meanwhile() {
     assert_no_vms(tmp.path());
 }
 
+/// envd's `Process/List` of sandbox `id` with `token`.
+async fn envd_list(server: &Server, id: &str, token: &str) -> (u16, Value) {
+    let headers = [
+        ("x-access-token", token),
+        ("e2b-sandbox-id", id),
+        ("content-type", "application/json"),
+    ];
+    server
+        .send(Method::POST, "/process.Process/List", &headers, Body::from("{}"))
+        .await
+        .json()
+        .await
+}
+
+/// A restart serves at once, while sandboxes are still being recovered: a settled sandbox
+/// answers straight away, a request about one not yet settled waits for it and then gets the
+/// truth (here: `failed`, its VM died while no server ran, where the record still says
+/// `running`), or `unavailable` past `recovery_wait`, through both doors. A caller without
+/// the right to the sandbox never waits (its answer is the missing one's at once).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_restart_serves_at_once_and_requests_wait_for_their_sandbox() {
+    let tmp = fresh();
+    let server = Server::start(tmp.path(), 4, None).await;
+    let dead = server.running_sandbox().await;
+    let alive = server.e2b_sandbox().await;
+    let quick = server.running_sandbox().await;
+    let other_key = server
+        .core()
+        .store
+        .create_key("other", KeyFormat::Airlock)
+        .await
+        .unwrap();
+    let pids = (server.vm_pid(&dead), server.vm_pid(&alive.id));
+    let (dir, key) = (server.dir.clone(), server.key.clone());
+    server.stop().await;
+    fake::kill_vm(pids.0);
+    let deadline = Instant::now() + Duration::from_secs(3);
+    while pid_alive(pids.0) {
+        assert!(Instant::now() < deadline, "kill -9 did not end the fake VM");
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+
+    // Life 2: the node re-attaches `dead` and `alive` only when the test says so.
+    let config = Config {
+        recovery_wait: Duration::from_secs(10),
+        ..Config::default()
+    };
+    let hold = Hold::of(&[&dead, &alive.id]);
+    let server = Server::start_recovering(&dir, &key, config, hold.clone()).await;
+    let started = Instant::now();
+    assert_eq!(server.sandbox_state(&quick).await, "running");
+    server.assert_answers(&quick).await;
+    assert!(started.elapsed() < Duration::from_secs(3), "a settled sandbox waited");
+    assert!(server.core().engine.recovering(&dead) && server.core().engine.recovering(&alive.id));
+    // Another tenant learns nothing, at once.
+    let asked = Instant::now();
+    let (status, body) = server
+        .v1_as(&other_key, Method::GET, &format!("/sandboxes/{dead}"), None)
+        .await;
+    assert_eq!(
+        (status, body["code"].as_str()),
+        (404, Some("sandbox_not_found")),
+        "{body}"
+    );
+    assert!(asked.elapsed() < Duration::from_secs(1), "a foreign caller waited");
+    let asked = Instant::now();
+    let (status, body) = envd_list(&server, &alive.id, "not-the-token").await;
+    assert_eq!(status, 502, "{body}");
+    assert!(
+        asked.elapsed() < Duration::from_secs(1),
+        "a caller without the token waited"
+    );
+
+    // The owner waits for the sandbox, then gets what its VM really is.
+    let asked = Instant::now();
+    let release = async {
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        assert!(server.core().engine.recovering(&dead));
+        hold.release(&dead);
+    };
+    let path = format!("/sandboxes/{dead}");
+    let ((status, sb), ()) = tokio::join!(server.v1(Method::GET, &path, None), release);
+    assert_eq!(status, 200, "{sb}");
+    assert_eq!(sb["state"], "failed", "{sb}");
+    assert!(asked.elapsed() >= Duration::from_millis(500));
+    // Listing waits for the tenant's sandboxes too (and then lists the live ones right).
+    let release = async {
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        hold.release(&alive.id);
+    };
+    let ((status, list), ()) = tokio::join!(server.v1(Method::GET, "/sandboxes", None), release);
+    assert_eq!(status, 200, "{list}");
+    let mut live: Vec<&str> = list["sandboxes"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|s| s["id"].as_str().unwrap())
+        .collect();
+    live.sort();
+    let mut want = vec![quick.as_str(), alive.id.as_str()];
+    want.sort();
+    assert_eq!(live, want, "{list}");
+    let (status, body) = envd_list(&server, &alive.id, &alive.token).await;
+    assert_eq!(status, 200, "{body}");
+    assert_eq!(server.vm_pid(&alive.id), pids.1, "re-attached, not replaced");
+    let (dir, key) = (server.dir.clone(), server.key.clone());
+    server.stop().await;
+
+    // Life 3: a sandbox not settled within `recovery_wait` is `unavailable` on both doors,
+    // then answers once it is.
+    let config = Config {
+        recovery_wait: Duration::from_millis(300),
+        ..Config::default()
+    };
+    let hold = Hold::of(&[&alive.id]);
+    let server = Server::start_recovering(&dir, &key, config, hold.clone()).await;
+    let (status, body) = server.v1(Method::GET, &format!("/sandboxes/{}", alive.id), None).await;
+    assert_eq!((status, body["code"].as_str()), (503, Some("unavailable")), "{body}");
+    assert!(body["message"].as_str().unwrap().contains("restart"), "{body}");
+    let (status, body) = server
+        .e2b(Method::GET, &format!("/sandboxes/{}", alive.id), json!({}))
+        .await;
+    assert_eq!(status, 503, "{body}");
+    let (status, body) = envd_list(&server, &alive.id, &alive.token).await;
+    assert_eq!((status, body["code"].as_str()), (503, Some("unavailable")), "{body}");
+    hold.release(&alive.id);
+    let (status, body) = envd_list(&server, &alive.id, &alive.token).await;
+    assert_eq!(status, 200, "{body}");
+    assert_eq!(server.sandbox_state(&alive.id).await, "running");
+    assert_eq!(server.vm_pid(&alive.id), pids.1);
+
+    server.delete(&alive.id).await;
+    server.delete(&quick).await;
+    server.stop().await;
+    assert_no_vms(tmp.path());
+}
+
+/// Listing pages through live sandboxes with failed ones between them (failed after a restart
+/// found their VMs gone, and by the reaper): every live sandbox is on exactly one page, on
+/// both doors and at every page size, and no failed one is.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn pages_skip_failed_sandboxes_without_losing_live_ones() {
+    let tmp = fresh();
+    let server = Server::start(tmp.path(), 10, None).await;
+    let mut ids = Vec::new();
+    for _ in 0..7 {
+        ids.push(server.running_sandbox().await);
+        // Distinct creation times: pages are ordered by them.
+        tokio::time::sleep(Duration::from_millis(3)).await;
+    }
+    // Fail every other one: two while no server runs, two while it does.
+    let failed: Vec<String> = [0, 2, 4, 6].iter().map(|i| ids[*i].clone()).collect();
+    let live: Vec<String> = [1, 3, 5].iter().map(|i| ids[*i].clone()).collect();
+    let pids: Vec<u32> = failed.iter().map(|id| server.vm_pid(id)).collect();
+    let server = {
+        let (dir, key) = (server.dir.clone(), server.key.clone());
+        server.stop().await;
+        for pid in &pids[..2] {
+            fake::kill_vm(*pid);
+            while pid_alive(*pid) {
+                tokio::time::sleep(Duration::from_millis(5)).await;
+            }
+        }
+        Server::start(&dir, 10, Some(&key)).await
+    };
+    for (id, pid) in failed.iter().zip(&pids).skip(2) {
+        fake::kill_vm(*pid);
+        server.await_state(id, "failed", Duration::from_secs(3)).await;
+    }
+    for id in &failed[..2] {
+        assert_eq!(server.sandbox_state(id).await, "failed");
+    }
+
+    for limit in 1..=4 {
+        // /v1: `page_token`.
+        let mut seen = Vec::new();
+        let mut token: Option<String> = None;
+        for _ in 0..10 {
+            let mut path = format!("/sandboxes?limit={limit}");
+            if let Some(t) = &token {
+                path.push_str(&format!("&page_token={t}"));
+            }
+            let (status, page) = server.v1(Method::GET, &path, None).await;
+            assert_eq!(status, 200, "{page}");
+            seen.extend(
+                page["sandboxes"]
+                    .as_array()
+                    .unwrap()
+                    .iter()
+                    .map(|s| s["id"].as_str().unwrap().to_string()),
+            );
+            token = page["next_page_token"].as_str().map(String::from);
+            if token.is_none() {
+                break;
+            }
+        }
+        assert_eq!(seen, live, "/v1 pages of {limit}");
+        // E2B: `nextToken`, answered in `x-next-token`.
+        let mut seen = Vec::new();
+        let mut token: Option<String> = None;
+        for _ in 0..10 {
+            let mut path = format!("/v2/sandboxes?limit={limit}");
+            if let Some(t) = &token {
+                path.push_str(&format!("&nextToken={t}"));
+            }
+            let headers = [("x-api-key", server.key.as_str())];
+            let resp = server.send(Method::GET, &path, &headers, Body::empty()).await;
+            token = resp
+                .headers
+                .get("x-next-token")
+                .map(|v| v.to_str().unwrap().to_string());
+            let (status, page) = resp.json().await;
+            assert_eq!(status, 200, "{page}");
+            seen.extend(
+                page.as_array()
+                    .unwrap()
+                    .iter()
+                    .map(|s| s["sandboxID"].as_str().unwrap().to_string()),
+            );
+            if token.is_none() {
+                break;
+            }
+        }
+        assert_eq!(seen, live, "E2B pages of {limit}");
+    }
+    for id in &live {
+        server.delete(id).await;
+    }
+    server.stop().await;
+    assert_no_vms(tmp.path());
+}
+
 // ---------------------------------------------------------------------------------------------
 // 3. VMs that die on their own
 
@@ -996,6 +704,264 @@ async fn processes_are_sessions_on_both_doors() {
     let (status, body) = server.e2b(Method::DELETE, &format!("/sandboxes/{id}"), json!({})).await;
     assert!(status == 204 || status == 200, "{status} {body}");
     server.await_state(&id, "deleted", Duration::from_secs(5)).await;
+    server.stop().await;
+    assert_no_vms(tmp.path());
+}
+
+/// Start `argv` through E2B's `Process/Start`: the HTTP status and, for a refused start, its
+/// Connect error (`None` when the stream started).
+async fn e2b_start(server: &Server, sb: &E2bSandbox, argv: &[&str]) -> (u16, Option<Value>, Option<ConnectStream>) {
+    let req = json!({ "process": { "cmd": argv[0], "args": &argv[1..] } });
+    let (status, mut stream) = server.envd_stream(sb, "/process.Process/Start", req.clone()).await;
+    if status != 200 {
+        let headers = [
+            ("x-access-token", sb.token.as_str()),
+            ("e2b-sandbox-id", sb.id.as_str()),
+            ("content-type", "application/connect+json"),
+            ("connect-protocol-version", "1"),
+        ];
+        // The same request again, to read the error body whole.
+        let (status, body) = server
+            .send(
+                Method::POST,
+                "/process.Process/Start",
+                &headers,
+                Body::from(envelope(&req)),
+            )
+            .await
+            .json()
+            .await;
+        return (status, Some(body), None);
+    }
+    let (flags, start) = stream.next_event().await.expect("a start event");
+    assert_eq!(flags, 0, "{start}");
+    assert!(start["event"]["start"]["pid"].is_u64(), "{start}");
+    (status, None, Some(stream))
+}
+
+/// A sandbox runs at most `max_sessions_per_sandbox` sessions at once, counted across both
+/// doors; past it both refuse with `quota_exceeded` naming the limit, concurrent starts never
+/// overshoot it, and a session that ended (even unrecorded) gives its place back. The store
+/// keeps only the newest `max_finished_sessions_per_sandbox` exited sessions.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sessions_are_capped_per_sandbox_on_both_doors() {
+    let tmp = fresh();
+    let config = Config {
+        max_sessions_per_sandbox: 3,
+        max_finished_sessions_per_sandbox: 4,
+        ..Config::default()
+    };
+    let server = Arc::new(Server::start_full(tmp.path(), 4, None, Duration::ZERO, ROOMY, config).await);
+    let sb = server.e2b_sandbox().await;
+    let id = sb.id.clone();
+
+    // Exited sessions: 8 in a row, each seen exited; only the newest 4 are kept.
+    let mut sids = Vec::new();
+    for n in 0..8 {
+        let s = server.session(&id, &["echo", &n.to_string()]).await;
+        let sid = s["id"].as_str().unwrap().to_string();
+        let deadline = Instant::now() + Duration::from_secs(3);
+        loop {
+            let (status, s) = server
+                .v1(Method::GET, &format!("/sandboxes/{id}/sessions/{sid}"), None)
+                .await;
+            assert_eq!(status, 200, "{s}");
+            if s["state"] == "exited" {
+                break;
+            }
+            assert!(Instant::now() < deadline, "echo still running: {s}");
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        sids.push(sid);
+    }
+    let (status, list) = server.v1(Method::GET, &format!("/sandboxes/{id}/sessions"), None).await;
+    assert_eq!(status, 200, "{list}");
+    let kept: Vec<&str> = list
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|s| s["id"].as_str().unwrap())
+        .collect();
+    assert_eq!(kept, sids[4..].iter().map(String::as_str).collect::<Vec<_>>(), "{list}");
+    let (status, gone) = server
+        .v1(Method::GET, &format!("/sandboxes/{id}/sessions/{}", sids[0]), None)
+        .await;
+    assert_eq!(
+        (status, gone["code"].as_str()),
+        (404, Some("session_not_found")),
+        "{gone}"
+    );
+
+    // Running sessions: two through /v1, one through E2B fill the sandbox.
+    let a = server.session(&id, &["sleep", "infinity"]).await;
+    server.session(&id, &["sleep", "infinity"]).await;
+    let (status, err, _e2b_stream) = e2b_start(&server, &sb, &["sleep", "infinity"]).await;
+    assert_eq!(status, 200, "{err:?}");
+    // The fourth is refused by both doors, naming the limit.
+    let (status, body) = server
+        .v1(
+            Method::POST,
+            &format!("/sandboxes/{id}/sessions"),
+            Some(json!({ "argv": ["true"] })),
+        )
+        .await;
+    assert_eq!(status, 429, "{body}");
+    assert_eq!(body["code"], "quota_exceeded", "{body}");
+    let message = body["message"].as_str().unwrap();
+    assert!(message.contains("--max-sessions 3") && message.contains(&id), "{body}");
+    let (status, err, _) = e2b_start(&server, &sb, &["true"]).await;
+    let err = err.expect("a refusal");
+    assert_eq!(status, 429, "{err}");
+    assert_eq!(err["code"], "resource_exhausted", "{err}");
+    assert_eq!(err["message"], message, "{err}");
+
+    // One ends (killed; its exit not yet recorded by anyone): its place is free again, for
+    // exactly one of several concurrent starts.
+    let sid = a["id"].as_str().unwrap();
+    let (status, body) = server
+        .v1(
+            Method::POST,
+            &format!("/sandboxes/{id}/sessions/{sid}/signal"),
+            Some(json!({ "signal": "SIGKILL" })),
+        )
+        .await;
+    assert_eq!(status, 204, "{body}");
+    let tasks: Vec<_> = (0..5)
+        .map(|_| {
+            let (server, id) = (server.clone(), id.clone());
+            tokio::spawn(async move {
+                server
+                    .v1(
+                        Method::POST,
+                        &format!("/sandboxes/{id}/sessions"),
+                        Some(json!({ "argv": ["sleep", "infinity"] })),
+                    )
+                    .await
+            })
+        })
+        .collect();
+    let mut statuses = Vec::new();
+    for t in tasks {
+        let (status, body) = t.await.unwrap();
+        assert!(
+            status == 201 || (status == 429 && body["code"] == "quota_exceeded"),
+            "{status} {body}"
+        );
+        statuses.push(status);
+    }
+    statuses.sort();
+    assert_eq!(statuses, vec![201, 429, 429, 429, 429]);
+    let (status, list) = server.envd_unary(&sb, "/process.Process/List", json!({})).await;
+    assert_eq!(status, 200, "{list}");
+    assert_eq!(list["processes"].as_array().unwrap().len(), 3, "{list}");
+
+    server.delete(&id).await;
+    let server = Arc::into_inner(server).expect("no other holder");
+    server.stop().await;
+    assert_no_vms(tmp.path());
+}
+
+/// The SSE events of a finished session's stream, read from after `after`: (event, id, data).
+async fn sse_events(server: &Server, id: &str, sid: &str, after: u64) -> Vec<(String, String, Value)> {
+    let resp = server
+        .send(
+            Method::GET,
+            &format!("/v1/sandboxes/{id}/sessions/{sid}/stream?last_event_id={after}"),
+            &[("authorization", &format!("Bearer {}", server.key))],
+            Body::empty(),
+        )
+        .await;
+    assert_eq!(resp.status, 200);
+    let sse = tokio::time::timeout(Duration::from_secs(10), axum::body::to_bytes(resp.body, 64 << 20))
+        .await
+        .expect("the stream ends within 10 s")
+        .unwrap();
+    let mut out = Vec::new();
+    for block in String::from_utf8(sse.to_vec()).unwrap().split("\n\n") {
+        let (mut event, mut eid, mut data) = (String::new(), String::new(), Value::Null);
+        for line in block.lines() {
+            if let Some(v) = line.strip_prefix("event:") {
+                event = v.trim().into();
+            } else if let Some(v) = line.strip_prefix("id:") {
+                eid = v.trim().into();
+            } else if let Some(v) = line.strip_prefix("data:") {
+                data = serde_json::from_str(v.trim()).unwrap();
+            }
+        }
+        if !event.is_empty() {
+            out.push((event, eid, data));
+        }
+    }
+    out
+}
+
+/// The server holds no output of its own (it streams what the guest agent keeps); the agent
+/// keeps a bounded tail of each process's output, and a reader that comes after older output
+/// was dropped is told so, with an `output_truncated` event where it is missing, before the
+/// tail that is still there.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn dropped_output_is_announced_where_it_is_missing() {
+    use base64::Engine as _;
+    let tmp = fresh();
+    let server = Server::start(tmp.path(), 4, None).await;
+    let id = server.running_sandbox().await;
+    let (status, s) = server
+        .v1(
+            Method::POST,
+            &format!("/sandboxes/{id}/sessions"),
+            Some(json!({ "argv": ["cat"], "stdin": true })),
+        )
+        .await;
+    assert_eq!(status, 201, "{s}");
+    let sid = s["id"].as_str().unwrap().to_string();
+    // 3 x 512 KiB through `cat`: more than the (fake) agent keeps.
+    let chunk = 512 << 10;
+    let mut written = Vec::new();
+    for n in 0..3u8 {
+        let data: Vec<u8> = (0..chunk).map(|i| b'a' + n + (i % 7) as u8).collect();
+        written.extend_from_slice(&data);
+        let b64 = base64::engine::general_purpose::STANDARD.encode(&data);
+        let (status, body) = server
+            .v1(
+                Method::POST,
+                &format!("/sandboxes/{id}/sessions/{sid}/stdin"),
+                Some(json!({ "data": b64, "eof": n == 2 })),
+            )
+            .await;
+        assert_eq!(status, 204, "{body}");
+    }
+    let events = sse_events(&server, &id, &sid, 0).await;
+    let (event, eid, data) = &events[0];
+    assert_eq!(event, "output_truncated", "{events:?}");
+    assert_eq!(data["first_seq"], 1, "{data}");
+    let last = data["last_seq"].as_u64().unwrap();
+    assert_eq!(eid, &last.to_string());
+    assert!(data["message"].as_str().unwrap().contains("no longer kept"), "{data}");
+    // Then the tail, contiguous from the event after the gap, and the exit.
+    let mut tail = Vec::new();
+    for (next, (event, eid, data)) in (last + 1..).zip(&events[1..events.len() - 1]) {
+        assert_eq!(event, "stdout", "{event} {data}");
+        assert_eq!(eid, &next.to_string());
+        tail.extend(
+            base64::engine::general_purpose::STANDARD
+                .decode(data["data"].as_str().unwrap())
+                .unwrap(),
+        );
+    }
+    assert_eq!(events.last().unwrap().0, "process_exited");
+    assert!(!tail.is_empty() && tail.len() <= airlock_runtime::fake::RETAINED_OUTPUT);
+    assert!(written.ends_with(&tail), "the kept output is the newest");
+    // A reader that resumes after the gap is told nothing more; one inside it is told the rest.
+    let resumed = sse_events(&server, &id, &sid, last).await;
+    assert_eq!(resumed[0].0, "stdout", "{resumed:?}");
+    let inside = sse_events(&server, &id, &sid, last - 1).await;
+    assert_eq!(inside[0].0, "output_truncated");
+    assert_eq!(
+        (inside[0].2["first_seq"].as_u64(), inside[0].2["last_seq"].as_u64()),
+        (Some(last), Some(last))
+    );
+
+    server.delete(&id).await;
     server.stop().await;
     assert_no_vms(tmp.path());
 }

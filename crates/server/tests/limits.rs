@@ -1,97 +1,34 @@
 //! Hostile callers against the whole server in-process (fake VMM + fake agent, as `core.rs`):
 //! values that must not panic a handler, bodies refused before they are read, the same answer
 //! for missing and foreign sandboxes, watchers that go with their sandbox, private files.
+//! The server is `common::Server` (shared with `core.rs`).
 
-use airlock_runtime::{fake, Runtime};
-use airlock_server::core::{Config, Core};
-use airlock_server::e2b::Watchers;
+mod common;
+
+use airlock_server::core::principal::signature;
 use airlock_server::listen::Limits;
-use airlock_server::nodes::{LocalNode, Nodes};
 use airlock_server::store::{KeyFormat, SqliteStore, TenantStore};
-use airlock_server::AppState;
 use axum::body::Body;
 use axum::http::{Method, Request};
-use serde_json::{json, Value};
+use common::*;
+use serde_json::json;
 use std::net::SocketAddr;
 use std::os::unix::fs::PermissionsExt;
 use std::path::Path;
-use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-/// The server on its own tokio runtime, talked to over HTTP from the test's.
-struct Server {
-    addr: SocketAddr,
-    key: String,
-    core: Core,
-    watchers: Arc<Watchers>,
-    tokio: Option<tokio::runtime::Runtime>,
-    _runtime: Runtime,
-    _dir: tempfile::TempDir,
-}
-
+/// What only these tests ask of the shared server.
 impl Server {
-    async fn start() -> Server {
-        Server::start_with(Limits::default()).await
-    }
-
-    async fn start_with(limits: Limits) -> Server {
-        let dir = tempfile::tempdir().unwrap();
-        fake::install_template(dir.path(), "seed").unwrap();
-        let tokio_rt = tokio::runtime::Builder::new_multi_thread()
-            .worker_threads(2)
-            .enable_all()
-            .build()
-            .unwrap();
-        let d = dir.path().to_path_buf();
-        let watchers: Arc<Watchers> = Default::default();
-        let w = watchers.clone();
-        let (addr, key, core, runtime) = tokio_rt
-            .spawn(async move {
-                let runtime = Runtime::open(fake::options(&d)).await.unwrap();
-                let store = SqliteStore::open(&d.join("airlock.db")).await.unwrap();
-                let key = airlock_server::bootstrap_admin_key(&store, &d, &"127.0.0.1:0".parse().unwrap())
-                    .await
-                    .unwrap()
-                    .unwrap();
-                let nodes: Arc<dyn Nodes> = Arc::new(LocalNode::new(runtime.clone()));
-                let core = Core::new(
-                    Arc::new(store),
-                    nodes,
-                    Config {
-                        max_sandboxes_per_tenant: 8,
-                        // Only the tenant quota here, whatever host runs the test.
-                        vcpu_overcommit: 64.0,
-                        memory_reserve_mib: 0,
-                        disk_reserve_mib: 0,
-                    },
-                    vec![7; 32],
-                );
-                core.engine.recover().await.unwrap();
-                core.engine.spawn_reaper();
-                let app = airlock_server::router(AppState {
-                    core: core.clone(),
-                    watchers: w,
-                    e2b_domain: None,
-                });
-                let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-                let addr = listener.local_addr().unwrap();
-                tokio::spawn(airlock_server::listen::serve(listener, app, None, limits));
-                (addr, key, core, runtime)
-            })
-            .await
-            .unwrap();
-        Server {
-            addr,
-            key,
-            core,
-            watchers,
-            tokio: Some(tokio_rt),
-            _runtime: runtime,
-            _dir: dir,
-        }
-    }
-
-    async fn send(&self, method: Method, path: &str, headers: &[(&str, &str)], body: Body) -> (u16, Body) {
+    /// The whole answer to a request about sandbox `id`: status, content type and body, with
+    /// `id` (the caller's own input, echoed) blanked out.
+    async fn answer(
+        &self,
+        method: Method,
+        path: &str,
+        headers: &[(&str, &str)],
+        body: Body,
+        id: &str,
+    ) -> (u16, String, String) {
         let mut req = Request::builder().method(method).uri(path);
         if !headers.iter().any(|(k, _)| k.eq_ignore_ascii_case("host")) {
             req = req.header("host", self.addr.to_string());
@@ -105,90 +42,44 @@ impl Server {
             .unwrap();
         tokio::spawn(conn);
         let res = sender.send_request(req.body(body).unwrap()).await.unwrap();
-        (res.status().as_u16(), Body::new(res.into_body()))
+        let status = res.status().as_u16();
+        let content_type = res
+            .headers()
+            .get("content-type")
+            .map(|v| v.to_str().unwrap().to_string())
+            .unwrap_or_default();
+        let bytes = tokio::time::timeout(
+            Duration::from_secs(10),
+            axum::body::to_bytes(Body::new(res.into_body()), 1 << 20),
+        )
+        .await
+        .expect("a body within 10 s")
+        .unwrap();
+        let text = String::from_utf8_lossy(&bytes).replace(id, "<id>");
+        (status, content_type, text)
     }
 
-    async fn json(&self, method: Method, path: &str, headers: &[(&str, &str)], body: Body) -> (u16, Value) {
-        let (status, body) = self.send(method, path, headers, body).await;
-        let bytes = tokio::time::timeout(Duration::from_secs(10), axum::body::to_bytes(body, 16 << 20))
-            .await
-            .expect("a body within 10 s")
-            .unwrap();
-        let v =
-            serde_json::from_slice(&bytes).unwrap_or_else(|_| Value::String(String::from_utf8_lossy(&bytes).into()));
-        (status, v)
-    }
-
-    /// A running sandbox made through E2B, and its access token.
-    async fn e2b_sandbox(&self) -> (String, String) {
-        let headers = [("x-api-key", self.key.as_str()), ("content-type", "application/json")];
+    /// A running E2B sandbox of the tenant whose key is `key`.
+    async fn foreign_e2b_sandbox(&self, key: &str) -> String {
+        let headers = [("x-api-key", key), ("content-type", "application/json")];
         let body = Body::from(json!({ "templateID": "base" }).to_string());
         let (status, sb) = self.json(Method::POST, "/sandboxes", &headers, body).await;
         assert_eq!(status, 201, "{sb}");
-        (
-            sb["sandboxID"].as_str().unwrap().to_string(),
-            sb["envdAccessToken"].as_str().unwrap().to_string(),
-        )
+        sb["sandboxID"].as_str().unwrap().to_string()
     }
 
-    async fn v1(&self, method: Method, path: &str, body: Option<Value>) -> (u16, Value) {
-        let auth = format!("Bearer {}", self.key);
-        let mut headers = vec![("authorization", auth.as_str())];
-        let body = match body {
-            Some(b) => {
-                headers.push(("content-type", "application/json"));
-                Body::from(b.to_string())
-            }
-            None => Body::empty(),
-        };
-        self.json(method, &format!("/v1{path}"), &headers, body).await
-    }
-
-    /// A running sandbox made through `/v1` (no access token issued).
-    async fn native_sandbox(&self) -> String {
+    async fn delete_as(&self, key: &str, id: &str) {
+        let auth = format!("Bearer {key}");
         let (status, body) = self
-            .v1(Method::POST, "/sandboxes", Some(json!({ "template": "seed" })))
+            .json(
+                Method::DELETE,
+                &format!("/v1/sandboxes/{id}"),
+                &[("authorization", &auth)],
+                Body::empty(),
+            )
             .await;
         assert_eq!(status, 202, "{body}");
-        let id = body["sandbox_id"].as_str().unwrap().to_string();
-        self.await_state(&id, "running").await;
-        id
     }
-
-    async fn await_state(&self, id: &str, want: &str) {
-        let deadline = Instant::now() + Duration::from_secs(10);
-        loop {
-            let (_, sb) = self.v1(Method::GET, &format!("/sandboxes/{id}"), None).await;
-            if sb["state"] == want {
-                return;
-            }
-            assert!(Instant::now() < deadline, "sandbox {id} is {sb}, not {want}");
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        }
-    }
-
-    async fn delete(&self, id: &str) {
-        let (status, body) = self.v1(Method::DELETE, &format!("/sandboxes/{id}"), None).await;
-        assert_eq!(status, 202, "{body}");
-        self.await_state(id, "deleted").await;
-    }
-}
-
-impl Drop for Server {
-    fn drop(&mut self) {
-        if let Some(rt) = self.tokio.take() {
-            rt.shutdown_background();
-        }
-    }
-}
-
-/// A Connect envelope: flags u8, length u32 BE, JSON.
-fn envelope(v: &Value) -> Vec<u8> {
-    let payload = serde_json::to_vec(v).unwrap();
-    let mut b = vec![0u8];
-    b.extend_from_slice(&(payload.len() as u32).to_be_bytes());
-    b.extend_from_slice(&payload);
-    b
 }
 
 fn envd_headers<'a>(id: &'a str, token: &'a str, content_type: &'a str) -> Vec<(&'a str, &'a str)> {
@@ -208,13 +99,13 @@ fn vm_rss_kib() -> u64 {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn hostile_stream_headers_get_a_normal_answer() {
-    let server = Server::start().await;
-    let (id, token) = server.e2b_sandbox().await;
+    let server = Server::start_fresh(Limits::default()).await;
+    let E2bSandbox { id, token } = server.e2b_sandbox().await;
     let mut headers = envd_headers(&id, &token, "application/connect+json");
     headers.push(("connect-timeout-ms", "18446744073709551615"));
     headers.push(("keepalive-ping-interval", "18446744073709551615"));
     let req = json!({ "process": { "cmd": "echo", "args": ["hi"] } });
-    let (status, body) = server
+    let Resp { status, body, .. } = server
         .send(
             Method::POST,
             "/process.Process/Start",
@@ -262,8 +153,8 @@ async fn raw_post(addr: SocketAddr, head: &str, body: usize) -> (Option<u16>, us
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn bodies_are_refused_before_they_are_read() {
-    let server = Server::start().await;
-    let (id, token) = server.e2b_sandbox().await;
+    let server = Server::start_fresh(Limits::default()).await;
+    let E2bSandbox { id, token } = server.e2b_sandbox().await;
 
     // Anonymous, 256 MiB. With `Expect: 100-continue` the server must answer without ever
     // asking for the body; without it, the client writes until the server, having answered,
@@ -357,22 +248,22 @@ async fn bodies_are_refused_before_they_are_read() {
     server.delete(&id).await;
 }
 
-/// The answer with the requested id blanked out (it is the caller's own input).
-fn shape(status: u16, mut body: Value, id: &str) -> (u16, String) {
-    let text = body.to_string().replace(id, "<id>");
-    body = serde_json::from_str(&text).unwrap();
-    (status, body.to_string())
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn missing_and_foreign_sandboxes_answer_alike() {
-    let server = Server::start().await;
-    let (id, token) = server.e2b_sandbox().await;
-    let native = server.native_sandbox().await;
-    let other_key = server.core.store.create_key("other", KeyFormat::Airlock).await.unwrap();
+    let server = Server::start_fresh(Limits::default()).await;
+    let E2bSandbox { id, token } = server.e2b_sandbox().await;
+    let native = server.running_sandbox().await;
+    let other_key = server
+        .core()
+        .store
+        .create_key("other", KeyFormat::Airlock)
+        .await
+        .unwrap();
     let other_bearer = format!("Bearer {other_key}");
     let own_bearer = format!("Bearer {}", server.key);
     let missing = "nosuchsandbox0";
+    // Another tenant's sandbox, opened to E2B (it has a token: just not one this caller holds).
+    let foreign = server.foreign_e2b_sandbox(&other_key).await;
 
     // envd: every route, by header and by host.
     let routes = [
@@ -397,10 +288,14 @@ async fn missing_and_foreign_sandboxes_answer_alike() {
             (native.as_str(), vec![("x-access-token", token.as_str())]),
         ]
         .into_iter()
-        .chain(
-            // No token at all: only routes that need one (health and signed URLs need none).
-            (*path != "/health").then(|| (id.as_str(), vec![])),
-        ) {
+        .chain([
+            // No token at all, on a sandbox that has one: `/health` too (it would otherwise tell
+            // which ids exist).
+            (id.as_str(), vec![]),
+            // Another tenant's sandbox, with this tenant's token and key.
+            (foreign.as_str(), vec![("x-access-token", token.as_str())]),
+            (foreign.as_str(), vec![("authorization", own_bearer.as_str())]),
+        ]) {
             for by_host in [false, true] {
                 let host = format!("49983-{target}.localhost");
                 let mut headers = creds.clone();
@@ -412,10 +307,10 @@ async fn missing_and_foreign_sandboxes_answer_alike() {
                 if !ct.is_empty() {
                     headers.push(("content-type", ct));
                 }
-                let (status, resp) = server
-                    .json(method.clone(), path, &headers, Body::from(body.clone()))
+                let answer = server
+                    .answer(method.clone(), path, &headers, Body::from(body.clone()), target)
                     .await;
-                answers.push((target, shape(status, resp, target)));
+                answers.push((target, answer));
             }
         }
         let first = answers[0].1.clone();
@@ -445,7 +340,8 @@ async fn missing_and_foreign_sandboxes_answer_alike() {
         .await;
     assert_eq!(status, 200, "{list}");
 
-    // Ports: unknown, no credentials, a wrong token, another tenant's key.
+    // Ports, by host and by E2B's headers: unknown, no credentials, a wrong token, another
+    // tenant's key, another tenant's sandbox.
     let mut answers = Vec::new();
     for (target, creds) in [
         (missing, vec![]),
@@ -455,12 +351,22 @@ async fn missing_and_foreign_sandboxes_answer_alike() {
         (id.as_str(), vec![("authorization", other_bearer.as_str())]),
         (native.as_str(), vec![("authorization", other_bearer.as_str())]),
         (native.as_str(), vec![("e2b-traffic-access-token", token.as_str())]),
+        (foreign.as_str(), vec![("authorization", own_bearer.as_str())]),
+        (foreign.as_str(), vec![("e2b-traffic-access-token", token.as_str())]),
     ] {
-        let host = format!("8000-{target}.localhost");
-        let mut headers = creds.clone();
-        headers.push(("host", host.as_str()));
-        let (status, resp) = server.json(Method::GET, "/index.html", &headers, Body::empty()).await;
-        answers.push((target, shape(status, resp, target)));
+        for by_host in [false, true] {
+            let host = format!("8000-{target}.localhost");
+            let mut headers = creds.clone();
+            if by_host {
+                headers.push(("host", host.as_str()));
+            } else {
+                headers.extend([("e2b-sandbox-id", target), ("e2b-sandbox-port", "8000")]);
+            }
+            let answer = server
+                .answer(Method::GET, "/index.html", &headers, Body::empty(), target)
+                .await;
+            answers.push((target, answer));
+        }
     }
     let first = answers[0].1.clone();
     assert_eq!(first.0, 502, "{first:?}");
@@ -470,26 +376,90 @@ async fn missing_and_foreign_sandboxes_answer_alike() {
     println!("ports: every caller without proof gets {first:?}");
     // The right token gets past the check (to the fake agent's tunnel, whatever it answers).
     let host = format!("8000-{id}.localhost");
-    let (status, resp) = server
-        .json(
+    let answer = server
+        .answer(
             Method::GET,
             "/index.html",
             &[("host", host.as_str()), ("e2b-traffic-access-token", token.as_str())],
             Body::empty(),
+            &id,
         )
         .await;
-    assert_ne!(shape(status, resp, &id), first, "a correct token is not refused");
+    assert_ne!(answer, first, "a correct token is not refused");
+
+    // Signed `/files` URLs: a bad signature, a signature for another operation or path, one
+    // made with another sandbox's token, and a sandbox never opened to tokens all answer as an
+    // unknown sandbox does.
+    // As a URL carries it (base64 has `+` and `/`).
+    let enc = |sig: String| sig.replace('+', "%2B").replace('/', "%2F");
+    let sign = |path: &str, op: &str, token: &str| enc(signature(path, op, "user", token, None));
+    let foreign_token = server.core().access_token(&foreign);
+    let native_token = server.core().access_token(&native);
+    // Write first: the read below then finds the file.
+    for (method, op) in [(Method::POST, "write"), (Method::GET, "read")] {
+        let other_op = if op == "read" { "write" } else { "read" };
+        let mut answers = Vec::new();
+        for (target, sig) in [
+            (missing, sign("/tmp/a", op, &token)),
+            (missing, "v1_bad".to_string()),
+            (id.as_str(), "v1_bad".to_string()),
+            (id.as_str(), String::new()),
+            (id.as_str(), sign("/tmp/a", other_op, &token)),
+            (id.as_str(), sign("/tmp/b", op, &token)),
+            (id.as_str(), sign("/tmp/a", op, &foreign_token)),
+            (foreign.as_str(), sign("/tmp/a", op, &token)),
+            (native.as_str(), sign("/tmp/a", op, &native_token)),
+        ] {
+            let url = format!("/files?path=/tmp/a&username=user&signature={sig}");
+            for by_host in [false, true] {
+                let host = format!("49983-{target}.localhost");
+                let mut headers = vec![("content-type", "application/octet-stream")];
+                if by_host {
+                    headers.push(("host", host.as_str()));
+                } else {
+                    headers.push(("e2b-sandbox-id", target));
+                }
+                let answer = server
+                    .answer(method.clone(), &url, &headers, Body::from("data"), target)
+                    .await;
+                answers.push((target, sig.clone(), answer));
+            }
+        }
+        let first = answers[0].2.clone();
+        assert_eq!(first.0, 502, "signed {op}: {first:?}");
+        for (target, sig, a) in &answers {
+            assert_eq!(a, &first, "signed {op} of {target} with {sig:?}");
+        }
+        println!("signed {op} URLs: every bad or foreign signature gets {first:?}");
+        // The right signature works; an expired right one says so (only the token makes one).
+        let url = format!(
+            "/files?path=/tmp/a&username=user&signature={}",
+            sign("/tmp/a", op, &token)
+        );
+        let headers = [
+            ("e2b-sandbox-id", id.as_str()),
+            ("content-type", "application/octet-stream"),
+        ];
+        let (status, body) = server.json(method.clone(), &url, &headers, Body::from("data")).await;
+        assert_eq!(status, 200, "signed {op}: {body}");
+        let past = 1_000_000_000;
+        let sig = enc(signature("/tmp/a", op, "user", &token, Some(past)));
+        let url = format!("/files?path=/tmp/a&username=user&signature={sig}&signature_expiration={past}");
+        let (status, body) = server.json(method.clone(), &url, &headers, Body::from("data")).await;
+        assert_eq!(status, 401, "expired signed {op}: {body}");
+    }
 
     server.delete(&id).await;
     server.delete(&native).await;
+    server.delete_as(&other_key, &foreign).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_sandboxs_watchers_go_with_it() {
-    let server = Server::start().await;
-    let (id, _token) = server.e2b_sandbox().await;
-    let (keep, _) = server.e2b_sandbox().await;
-    let (core, watchers) = (server.core.clone(), server.watchers.clone());
+    let server = Server::start_fresh(Limits::default()).await;
+    let E2bSandbox { id, .. } = server.e2b_sandbox().await;
+    let E2bSandbox { id: keep, .. } = server.e2b_sandbox().await;
+    let (core, watchers) = (server.core().clone(), server.watchers.clone());
     let (i, k) = (id.clone(), keep.clone());
     server
         .tokio
@@ -594,7 +564,7 @@ async fn slow_request_heads_are_cut_off_while_others_are_served() {
     let fds = raise_fd_limit(4 * SLOW as u64);
     assert!(fds >= 3 * SLOW as u64, "RLIMIT_NOFILE is {fds}");
     let header_read = Duration::from_secs(2);
-    let server = Server::start_with(Limits {
+    let server = Server::start_fresh(Limits {
         header_read,
         ..Limits::default()
     })
@@ -635,7 +605,7 @@ async fn slow_request_heads_are_cut_off_while_others_are_served() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn past_the_connection_cap_new_connections_wait_their_turn() {
     let header_read = Duration::from_secs(1);
-    let server = Server::start_with(Limits {
+    let server = Server::start_fresh(Limits {
         header_read,
         max_connections: 4,
         ..Limits::default()

@@ -54,6 +54,9 @@ use tokio::sync::{mpsc, watch};
 
 /// `VmHandle::runtime` and `Vmm::name` of fake VMs.
 pub const NAME: &str = "fake";
+/// Output a fake process keeps for late readers (the real agent keeps 32 MiB); older events are
+/// dropped first, and their sequence numbers are skipped, as the real agent does.
+pub const RETAINED_OUTPUT: usize = 1 << 20;
 /// `argv[0]` of every fake VM process (`pgrep -f airlock-fake-vm` finds them).
 pub const PROCESS_MARKER: &str = "airlock-fake-vm";
 /// What the fake VM process runs: it ends cleanly once its stdin reaches EOF or a line.
@@ -1034,8 +1037,13 @@ impl FakeProc {
 
     fn push(&self, kind: EventKind) {
         let mut log = self.log.lock().unwrap();
-        let seq = log.0.len() as u64 + 1;
+        let seq = log.0.last().map_or(0, |e| e.seq) + 1;
         log.0.push(Event { seq, kind });
+        // As the real agent: the oldest events go past the cap (the newest always stays).
+        let mut bytes: usize = log.0.iter().map(Event::wire_len).sum();
+        while bytes > RETAINED_OUTPUT && log.0.len() > 1 {
+            bytes -= log.0.remove(0).wire_len();
+        }
         self.seq.send_replace(seq);
     }
 

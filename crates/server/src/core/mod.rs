@@ -35,6 +35,14 @@ pub struct Config {
     pub memory_reserve_mib: u64,
     /// Disk space kept free on the data dir's filesystem; no create is admitted below it.
     pub disk_reserve_mib: u64,
+    /// Sessions (processes started through either door) one sandbox may run at once; the next
+    /// start is refused (`quota_exceeded`) until one exits.
+    pub max_sessions_per_sandbox: u32,
+    /// Exited sessions the store keeps per sandbox (for their exit status); the oldest go first.
+    pub max_finished_sessions_per_sandbox: u32,
+    /// After a restart, how long a request about a sandbox the recovery has not yet settled
+    /// waits for it before it is answered `unavailable` (503).
+    pub recovery_wait: std::time::Duration,
 }
 
 impl Default for Config {
@@ -44,9 +52,18 @@ impl Default for Config {
             vcpu_overcommit: DEFAULT_VCPU_OVERCOMMIT,
             memory_reserve_mib: DEFAULT_MEMORY_RESERVE_MIB,
             disk_reserve_mib: DEFAULT_DISK_RESERVE_MIB,
+            max_sessions_per_sandbox: DEFAULT_MAX_SESSIONS_PER_SANDBOX,
+            max_finished_sessions_per_sandbox: DEFAULT_MAX_FINISHED_SESSIONS_PER_SANDBOX,
+            recovery_wait: crate::engine::RECOVERY_WAIT,
         }
     }
 }
+
+/// Concurrent sessions per sandbox by default (the guest agent keeps up to 32 MiB of output for
+/// each running process).
+pub const DEFAULT_MAX_SESSIONS_PER_SANDBOX: u32 = 64;
+/// Exited sessions kept per sandbox by default (as many as the guest agent remembers).
+pub const DEFAULT_MAX_FINISHED_SESSIONS_PER_SANDBOX: u32 = 256;
 
 /// vCPUs are shared in time and idle sandboxes barely use theirs, so the vCPU budget is
 /// generous (a 2-core host holds 32 one-vCPU sandboxes); memory and disk are the hard budgets.
@@ -82,17 +99,20 @@ pub struct Core {
     pub config: Arc<Config>,
     /// Derives sandbox access tokens (see `principal`).
     secret: Arc<[u8]>,
+    /// Session starts under way, per sandbox (see `sessions`).
+    starts: Arc<sessions::Starts>,
 }
 
 impl Core {
     pub fn new(store: Arc<dyn Store>, nodes: Arc<dyn Nodes>, config: Config, secret: Vec<u8>) -> Self {
-        let engine = Engine::new(store.clone(), nodes.clone());
+        let engine = Engine::new(store.clone(), nodes.clone()).with_recovery_wait(config.recovery_wait);
         Self {
             store,
             nodes,
             engine,
             config: Arc::new(config),
             secret: secret.into(),
+            starts: Default::default(),
         }
     }
 }

@@ -54,7 +54,7 @@ pub enum Via {
     /// An API key (`Authorization: Bearer`) of the tenant that owns the sandbox.
     OwnerKey,
     /// No token: the route proves access itself (a signed URL, checked by
-    /// `Core::check_signed_url`) or serves nothing secret (envd's `/health`).
+    /// `Core::check_signed_url`).
     Unverified,
 }
 
@@ -68,7 +68,7 @@ pub enum Principal {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Accept {
     pub owner_key: bool,
-    /// A request without any token (envd's `/health`, a signed URL checked afterwards).
+    /// A request without any token (a signed URL, checked afterwards).
     pub no_token: bool,
 }
 
@@ -117,7 +117,7 @@ impl Core {
             for (header, got) in &presented {
                 if bool::from(want.as_bytes().ct_eq(got.as_bytes())) {
                     return Ok(Principal::Sandbox {
-                        sandbox,
+                        sandbox: self.current(sandbox).await?,
                         via: Via::AccessToken(header),
                     });
                 }
@@ -128,13 +128,14 @@ impl Core {
                 if let Ok(Some(t)) = self.store.tenant_by_key(key).await {
                     if t.id == sandbox.tenant_id {
                         return Ok(Principal::Sandbox {
-                            sandbox,
+                            sandbox: self.current(sandbox).await?,
                             via: Via::OwnerKey,
                         });
                     }
                 }
             }
         }
+        // Not settled by a restart's recovery yet (`Core::current`): that waits for the proof.
         if presented.is_empty() && issued.is_some() && accept.no_token {
             return Ok(Principal::Sandbox {
                 sandbox,
@@ -170,7 +171,8 @@ impl Core {
     pub async fn issue_access_token(&self, sandbox_id: &str) -> CoreResult<String> {
         let token = self.access_token(sandbox_id);
         let hash = token_hash(&token);
-        if self.store.access_hash(sandbox_id).await?.as_deref() != Some(hash.as_str()) {
+        let stored = self.store.access_hash(sandbox_id).await?;
+        if !stored.is_some_and(|h| bool::from(h.as_bytes().ct_eq(hash.as_bytes()))) {
             self.store.set_access_hash(sandbox_id, &hash).await?;
         }
         Ok(token)
@@ -187,7 +189,9 @@ impl Core {
         let want = signature(url.path, op, url.user, &token, url.expiration);
         let got = url.signature.trim_end_matches('=');
         if !bool::from(want.as_bytes().ct_eq(got.as_bytes())) {
-            return Err(CoreError::Unauthenticated("invalid signature".into()));
+            // A wrong signature proves nothing about the sandbox: it answers as a missing one
+            // (an expired but genuine one was made with the token, so it may say so).
+            return Err(CoreError::not_found(Kind::Sandbox, &sandbox.id));
         }
         if url.expiration.is_some_and(|e| e < crate::store::now_ms() / 1000) {
             return Err(CoreError::Unauthenticated("signature expired".into()));

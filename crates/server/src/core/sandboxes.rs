@@ -174,6 +174,9 @@ impl Core {
         let timeout = check_timeout("timeout", req.timeout.unwrap_or(DEFAULT_TIMEOUT))?;
         check_env(&req.env)?;
         check_metadata(&req.metadata)?;
+        // The quota and the node's budgets count live sandboxes: not before the restart's
+        // recovery has failed those whose VM is gone.
+        self.engine.all_recovered().await?;
         let now = now_ms();
         let row = SandboxRow {
             id: airlock_runtime::datadir::random_hex(10),
@@ -219,10 +222,39 @@ impl Core {
 
     /// A tenant's sandbox in any state; another tenant's answers like a missing one.
     pub async fn sandbox(&self, tenant: &Tenant, id: &str) -> CoreResult<SandboxRow> {
-        self.store
+        let row = self
+            .store
             .get_sandbox(&tenant.id, id)
             .await?
-            .ok_or_else(|| CoreError::not_found(Kind::Sandbox, id))
+            .ok_or_else(|| CoreError::not_found(Kind::Sandbox, id))?;
+        self.current(row).await
+    }
+
+    /// `row` as it is once the restart's recovery has settled it (at once when it is not
+    /// pending): a record the recovery has yet to check against its VM may say `running` for a
+    /// VM that is gone. Call only for a caller that proved its right to the sandbox (the wait,
+    /// or its `unavailable`, would tell others that it exists).
+    pub async fn current(&self, row: SandboxRow) -> CoreResult<SandboxRow> {
+        if !self.engine.recovering(&row.id) {
+            return Ok(row);
+        }
+        self.engine.recovered(&row.id).await?;
+        self.store
+            .sandbox_by_id(&row.id)
+            .await?
+            .ok_or_else(|| CoreError::not_found(Kind::Sandbox, &row.id))
+    }
+
+    /// An operation of the tenant's, as it is once the restart's recovery has settled its
+    /// sandbox (an operation the restart interrupted is still open in the record until then).
+    pub async fn operation(&self, tenant: &Tenant, id: &str) -> CoreResult<Operation> {
+        let missing = || CoreError::not_found(Kind::Operation, id);
+        let op = self.store.get_operation(&tenant.id, id).await?.ok_or_else(missing)?;
+        if !self.engine.recovering(&op.sandbox_id) {
+            return Ok(op);
+        }
+        self.engine.recovered(&op.sandbox_id).await?;
+        self.store.get_operation(&tenant.id, id).await?.ok_or_else(missing)
     }
 
     /// A sandbox that is running or paused (what E2B calls a sandbox); others are missing.
@@ -263,6 +295,8 @@ impl Core {
             after,
             limit: q.limit,
         };
+        // States the restart's recovery has yet to check are not listed as if they were true.
+        self.engine.tenant_recovered(&tenant.id).await?;
         let mut rows = self.store.list_sandboxes(&tenant.id, &filter).await?;
         let next_page_token = crate::store::next_page_token(&rows, q.limit);
         rows.truncate(q.limit as usize);

@@ -4,13 +4,14 @@
 use super::sandboxes::{check_env, check_timeout};
 use super::Core;
 use crate::error::{CoreError, CoreResult, Kind};
-use crate::store::{now_ms, SandboxRow, SessionRow};
+use crate::store::{now_ms, SandboxRow, SessionRow, Store};
 use airlock_proto::frame::{Event, EventKind};
 use airlock_proto::{ProcessInfo, ProcessSpec, ProcessState, PtySize};
 use airlock_runtime::AgentClient;
 use futures_util::stream::BoxStream;
 use futures_util::StreamExt;
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashMap};
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 /// A request to start a process, from either door.
@@ -37,6 +38,16 @@ pub struct StartSession {
 pub enum Selector {
     Pid(u32),
     Tag(String),
+}
+
+/// What a session's stream carries.
+#[derive(Debug, Clone)]
+pub enum SessionEvent {
+    /// Output or the exit, as the agent logged it.
+    Event(Event),
+    /// Events `first..=last` are gone: the agent keeps a bounded tail of each process's output
+    /// (32 MiB) and dropped them before this reader got there.
+    Truncated { first: u64, last: u64 },
 }
 
 /// A session with what the agent knows of its process right now.
@@ -131,9 +142,153 @@ fn guest(sandbox: &SandboxRow) -> impl Fn(airlock_runtime::agent::AgentError) ->
     move |e| CoreError::agent(Kind::Process, &sandbox.id, e)
 }
 
+/// Record a session's exit, then keep only the newest `keep` exited sessions of its sandbox:
+/// what the store holds per sandbox stays bounded however many processes run.
+async fn record_exit(store: &dyn Store, row: &SessionRow, keep: u32) -> CoreResult<()> {
+    store.finish_session(row).await?;
+    if let Err(e) = store.prune_finished_sessions(&row.sandbox_id, keep).await {
+        tracing::warn!(sandbox = %row.sandbox_id, "cannot prune exited sessions: {e}");
+    }
+    Ok(())
+}
+
+/// Session starts under way, per sandbox: with the sessions the store has not seen exit, they
+/// are what `Config::max_sessions_per_sandbox` bounds. A sandbox's entry holds the number of
+/// its starts between admission and the session's record; it goes when that is zero.
+#[derive(Default)]
+pub struct Starts {
+    map: Mutex<HashMap<String, Arc<tokio::sync::Mutex<u32>>>>,
+}
+
+impl Starts {
+    fn gate(&self, sandbox_id: &str) -> Arc<tokio::sync::Mutex<u32>> {
+        self.map
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .entry(sandbox_id.to_string())
+            .or_default()
+            .clone()
+    }
+
+    /// Forget a sandbox's entry once no start holds or waits for it.
+    fn forget_if_idle(&self, sandbox_id: &str, gate: Arc<tokio::sync::Mutex<u32>>) {
+        let mut map = self.map.lock().unwrap_or_else(|p| p.into_inner());
+        // Ours and the map's: nobody else can reach it (clones are taken under this lock).
+        if Arc::strong_count(&gate) == 2 && gate.try_lock().is_ok_and(|n| *n == 0) {
+            map.remove(sandbox_id);
+        }
+    }
+}
+
+/// One admitted start: counted until its session is recorded (or it failed).
+struct Admitted {
+    starts: Arc<Starts>,
+    sandbox_id: String,
+    gate: Option<Arc<tokio::sync::Mutex<u32>>>,
+}
+
+impl Admitted {
+    async fn release(mut self) {
+        if let Some(gate) = self.gate.take() {
+            *gate.lock().await -= 1;
+            self.starts.forget_if_idle(&self.sandbox_id, gate);
+        }
+    }
+}
+
+impl Drop for Admitted {
+    /// A start dropped half-way (its request went away) still gives its place back.
+    fn drop(&mut self) {
+        // Without a runtime (it is shutting down) there is nobody left to count for.
+        let Ok(rt) = tokio::runtime::Handle::try_current() else {
+            return;
+        };
+        if let Some(gate) = self.gate.take() {
+            let (starts, id) = (self.starts.clone(), self.sandbox_id.clone());
+            rt.spawn(async move {
+                *gate.lock().await -= 1;
+                starts.forget_if_idle(&id, gate);
+            });
+        }
+    }
+}
+
 impl Core {
+    /// Admit one more session of `sandbox`, or refuse it with `SessionLimit`. Sessions the store
+    /// still counts as running are checked against the agent first (their exits may not be
+    /// recorded yet). Admission and the count of starts under way are one step per sandbox, so
+    /// concurrent starts never overshoot the limit.
+    async fn admit_session(&self, sandbox: &SandboxRow, agent: &AgentClient) -> CoreResult<Admitted> {
+        let limit = self.config.max_sessions_per_sandbox;
+        let gate = self.starts.gate(&sandbox.id);
+        let admitted = async {
+            let mut starting = gate.lock().await;
+            let mut running = self.store.count_running_sessions(&sandbox.id).await? + *starting;
+            if running >= limit {
+                self.record_exits(sandbox, agent).await?;
+                running = self.store.count_running_sessions(&sandbox.id).await? + *starting;
+            }
+            if running >= limit {
+                return Err(CoreError::SessionLimit {
+                    sandbox: sandbox.id.clone(),
+                    running,
+                    limit,
+                });
+            }
+            *starting += 1;
+            Ok(())
+        }
+        .await;
+        match admitted {
+            Ok(()) => Ok(Admitted {
+                starts: self.starts.clone(),
+                sandbox_id: sandbox.id.clone(),
+                gate: Some(gate),
+            }),
+            Err(e) => {
+                self.starts.forget_if_idle(&sandbox.id, gate);
+                Err(e)
+            }
+        }
+    }
+
+    /// Record the exit of every session the store thinks runs whose process the agent reports
+    /// ended, or no longer knows.
+    async fn record_exits(&self, sandbox: &SandboxRow, agent: &AgentClient) -> CoreResult<()> {
+        let procs: HashMap<u64, ProcessInfo> = agent
+            .processes()
+            .await
+            .map_err(guest(sandbox))?
+            .into_iter()
+            .map(|p| (p.id, p))
+            .collect();
+        for mut row in self.store.list_sessions(&sandbox.id).await? {
+            if row.exited {
+                continue;
+            }
+            match procs.get(&row.process_id) {
+                Some(p) if p.state == ProcessState::Running => continue,
+                Some(p) => {
+                    if let Some(exit) = &p.exit {
+                        row.exit_code = exit.exit_code;
+                        row.signal = exit.signal;
+                        row.timed_out = exit.timed_out;
+                    }
+                    row.ended_at_ms = Some(p.ended_at_ms.map(|v| v as i64).unwrap_or_else(now_ms));
+                }
+                // Forgotten by the agent: long over (it remembers the newest exits).
+                None => row.ended_at_ms = Some(now_ms()),
+            }
+            row.exited = true;
+            record_exit(&*self.store, &row, self.config.max_finished_sessions_per_sandbox).await?;
+        }
+        Ok(())
+    }
+
     /// Start a process and record it as a session. Returns the agent too, for a door that
-    /// streams the output at once.
+    /// streams the output at once. Past `Config::max_sessions_per_sandbox` running sessions
+    /// it is refused (exits are recorded with `record_exit`, which keeps only the newest
+    /// `max_finished_sessions_per_sandbox` exited ones).
     pub async fn start_session(
         &self,
         sandbox: &SandboxRow,
@@ -141,6 +296,18 @@ impl Core {
     ) -> CoreResult<(SessionRow, AgentClient)> {
         check_start(&req)?;
         let agent = self.agent_for(sandbox).await?;
+        let admitted = self.admit_session(sandbox, &agent).await?;
+        let started = self.spawn_session(sandbox, &agent, req).await;
+        admitted.release().await;
+        Ok((started?, agent))
+    }
+
+    async fn spawn_session(
+        &self,
+        sandbox: &SandboxRow,
+        agent: &AgentClient,
+        req: StartSession,
+    ) -> CoreResult<SessionRow> {
         let id = format!("ses_{}", airlock_runtime::datadir::random_hex(8));
         let mut env = sandbox.env.clone();
         env.extend(req.env);
@@ -177,7 +344,7 @@ impl Core {
             let _ = agent.signal(row.process_id, 9).await;
             return Err(e.into());
         }
-        Ok((row, agent))
+        Ok(row)
     }
 
     /// One session of a sandbox, brought up to date.
@@ -213,7 +380,7 @@ impl Core {
                 row.signal = exit.signal;
                 row.timed_out = exit.timed_out;
                 row.ended_at_ms = info.ended_at_ms.map(|v| v as i64);
-                self.store.finish_session(&row).await?;
+                record_exit(&*self.store, &row, self.config.max_finished_sessions_per_sandbox).await?;
             }
         }
         Ok(row)
@@ -280,15 +447,17 @@ impl Core {
     }
 
     /// A session's events after `after` (its stdout, stderr and exit); the exit is recorded.
+    /// Output the agent no longer kept is announced where it is missing ([`SessionEvent::Truncated`]).
     pub async fn session_events(
         &self,
         sandbox: &SandboxRow,
         row: SessionRow,
         after: u64,
-    ) -> CoreResult<BoxStream<'static, CoreResult<Event>>> {
+    ) -> CoreResult<BoxStream<'static, CoreResult<SessionEvent>>> {
         let agent = self.agent_for(sandbox).await?;
         let events = agent.events(row.process_id, after).await.map_err(guest(sandbox))?;
         let store = self.store.clone();
+        let keep = self.config.max_finished_sessions_per_sandbox;
         let sandbox_id = sandbox.id.clone();
         let mut row = row;
         Ok(events
@@ -311,11 +480,30 @@ impl Core {
                 };
                 async move {
                     if let Some(row) = finished {
-                        let _ = store.finish_session(&row).await;
+                        let _ = record_exit(&*store, &row, keep).await;
                     }
                     ev.map_err(|e| CoreError::agent(Kind::Process, &sandbox_id, e))
                 }
             })
+            .scan(after, |last, ev| {
+                let out = match ev {
+                    Ok(ev) => {
+                        let mut out = Vec::with_capacity(2);
+                        if ev.seq > *last + 1 {
+                            out.push(Ok(SessionEvent::Truncated {
+                                first: *last + 1,
+                                last: ev.seq - 1,
+                            }));
+                        }
+                        *last = (*last).max(ev.seq);
+                        out.push(Ok(SessionEvent::Event(ev)));
+                        out
+                    }
+                    Err(e) => vec![Err(e)],
+                };
+                futures_util::future::ready(Some(futures_util::stream::iter(out)))
+            })
+            .flatten()
             .boxed())
     }
 

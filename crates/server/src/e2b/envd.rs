@@ -6,8 +6,8 @@ use super::{E2bError, E2bState};
 use crate::core::files::Files;
 use crate::core::principal::SignedUrl;
 use crate::core::sandboxes::MAX_TIMEOUT;
-use crate::core::sessions::{parse_signal, signal_description, Running, Selector, StartSession};
-use crate::core::{Accept, CoreError, Credentials, Kind, Principal};
+use crate::core::sessions::{parse_signal, signal_description, Running, Selector, SessionEvent, StartSession};
+use crate::core::{Accept, CoreError, Credentials, Kind, Principal, Via};
 use crate::model::SandboxState;
 use crate::store::SandboxRow;
 use airlock_proto::frame::EventKind;
@@ -42,7 +42,7 @@ fn header<'a>(h: &'a HeaderMap, name: &str) -> Option<&'a str> {
 
 /// The running sandbox a request is for (`E2b-Sandbox-Id`, else the one whose `X-Access-Token`
 /// it carries) and the principal that may use it. envd accepts only the sandbox's access token;
-/// `no_token` lets `/health` and signed `/files` URLs through to their own checks.
+/// `no_token` lets signed `/files` URLs through to their own check.
 async fn resolve(state: &E2bState, h: &HeaderMap, no_token: bool) -> Result<SandboxRow, Response> {
     let id = header(h, "e2b-sandbox-id");
     let accept = Accept {
@@ -54,6 +54,11 @@ async fn resolve(state: &E2bState, h: &HeaderMap, no_token: bool) -> Result<Sand
         .sandbox_principal(&Credentials::from_headers(h), id, accept)
         .await
     {
+        // A signed URL's sandbox is settled after its signature is checked (`files_target`).
+        Ok(Principal::Sandbox {
+            sandbox,
+            via: Via::Unverified,
+        }) if state.core.engine.recovering(&sandbox.id) => return Ok(sandbox),
         Ok(Principal::Sandbox { sandbox, .. }) => sandbox,
         // A caller that proved nothing about the sandbox (no token, a wrong one, a sandbox never
         // opened to tokens) learns nothing either: exactly the answer for a missing one.
@@ -79,15 +84,16 @@ fn signed_url(h: &HeaderMap, q: &FilesQuery) -> bool {
 
 /// Every envd route's gate, run before the handler and so before the body is read: the request
 /// must resolve to a running sandbox (see [`resolve`]), or it is answered as for a missing one.
-/// `/health` and signed `/files` URLs need no token here (the signature is checked next, by the
-/// handler, against the sandbox found here).
+/// Only signed `/files` URLs need no token here (the signature is checked next, by the handler,
+/// against the sandbox found here, and a bad one gets the same missing-sandbox answer).
+/// `/health` needs the token like every other route (the SDK always sends it): answering it
+/// without one would tell anyone which sandbox ids exist.
 pub async fn require_sandbox(
     State(state): State<E2bState>,
     mut req: axum::extract::Request,
     next: axum::middleware::Next,
 ) -> Response {
     let no_token = match req.uri().path() {
-        "/health" => true,
         "/files" => Query::<FilesQuery>::try_from_uri(req.uri()).is_ok_and(|q| signed_url(req.headers(), &q)),
         _ => false,
     };
@@ -331,7 +337,13 @@ fn process_stream(
                     let _ = tx.send(connect::end_of_stream(Some(&RpcError::from(e)))).await;
                     return;
                 }
-                Ok(Some(Ok(ev))) => ev,
+                Ok(Some(Ok(SessionEvent::Event(ev)))) => ev,
+                // envd's stream has no way to say output was dropped (and real envd replays
+                // nothing at all): the reader gets what is still kept.
+                Ok(Some(Ok(SessionEvent::Truncated { first, last }))) => {
+                    tracing::debug!(sandbox = %sandbox.id, first, last, "output no longer kept");
+                    continue;
+                }
             };
             let b64 = |d: &[u8]| base64::engine::general_purpose::STANDARD.encode(d);
             let msg = match ev.kind {
@@ -723,8 +735,20 @@ async fn files_target(
             signature: q.signature.as_deref().unwrap_or(""),
             expiration: q.signature_expiration,
         };
-        state.core.check_signed_url(&sandbox, &url, op).map_err(files_error)?;
+        // A signature that does not match proves nothing: the answer for a missing sandbox.
+        state.core.check_signed_url(&sandbox, &url, op).map_err(|e| match e {
+            CoreError::NotFound {
+                kind: Kind::Sandbox, ..
+            } => sandbox_gone(&sandbox.id),
+            e => files_error(e),
+        })?;
     }
+    let id = sandbox.id.clone();
+    let sandbox = match state.core.current(sandbox).await {
+        Ok(row) if row.state == SandboxState::Running => row,
+        Ok(_) | Err(CoreError::NotFound { .. }) => return Err(sandbox_gone(&id)),
+        Err(e) => return Err(files_error(e)),
+    };
     state.core.files(&sandbox).await.map_err(|_| sandbox_gone(&sandbox.id))
 }
 

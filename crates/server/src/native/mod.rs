@@ -4,7 +4,7 @@
 pub mod error;
 
 use crate::core::sandboxes::{CreateSandbox, ListSandboxes};
-use crate::core::sessions::{parse_signal, signal_name, StartSession};
+use crate::core::sessions::{parse_signal, signal_name, SessionEvent, StartSession};
 use crate::core::{Core, CoreError, Credentials, Kind};
 use crate::model::*;
 use crate::store::{rfc3339, SandboxRow, SessionRow, Tenant};
@@ -196,12 +196,7 @@ pub async fn get_operation(
     Extension(tenant): Extension<Tenant>,
     Path(id): Path<String>,
 ) -> ApiResult<Json<Operation>> {
-    core.store
-        .get_operation(&tenant.id, &id)
-        .await
-        .map_err(CoreError::from)?
-        .map(Json)
-        .ok_or_else(|| CoreError::not_found(Kind::Operation, id).into())
+    Ok(Json(core.operation(&tenant, &id).await?))
 }
 
 #[derive(Debug, Deserialize, utoipa::IntoParams)]
@@ -437,7 +432,22 @@ pub async fn stream_session(
             Ok(events) => events
                 .map(|ev| {
                     let ev = match ev {
-                        Ok(ev) => ev,
+                        Ok(SessionEvent::Event(ev)) => ev,
+                        // Its id is the last missing event's: a reconnect resumes after it.
+                        Ok(SessionEvent::Truncated { first, last }) => {
+                            let body = TruncatedEvent {
+                                first_seq: first,
+                                last_seq: last,
+                                message: format!(
+                                    "output events {first} to {last} are no longer kept (the sandbox keeps the last 32 MiB of a process's output)"
+                                ),
+                            };
+                            return Ok(Event::default()
+                                .id(last.to_string())
+                                .event("output_truncated")
+                                .json_data(body)
+                                .expect("serializable"));
+                        }
                         Err(e) => return Ok(error_event(e.into())),
                     };
                     let b64 = |d: &[u8]| OutputEvent {
