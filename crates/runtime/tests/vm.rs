@@ -454,7 +454,7 @@ fn qemu_runs_jailed() {
     }
 
     // Only what it was handed: its sandbox's files, the template's blobs, /dev/null (stdin),
-    // sockets and its own anonymous inodes.
+    // the tap of its NIC, sockets and its own anonymous inodes.
     let data = test_data_dir();
     for fd in std::fs::read_dir(format!("/proc/{pid}/fd")).unwrap().flatten() {
         let target = std::fs::read_link(fd.path()).unwrap();
@@ -462,6 +462,7 @@ fn qemu_runs_jailed() {
         let ok = target.starts_with(&sb.vm.dir)
             || target.starts_with(data.join("blobs"))
             || t == "/dev/null"
+            || t == "/dev/net/tun"
             || t.starts_with("socket:")
             || t.starts_with("anon_inode:");
         assert!(ok, "QEMU holds fd {:?} -> {t}", fd.file_name());
