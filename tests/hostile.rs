@@ -14,8 +14,8 @@
 //!
 //! Cases run one at a time in this order (one attacked VM is reused until a case ends it); each
 //! prints a `hostile: ...` summary line. The server runs on a data dir of its own
-//! (`$AIRLOCK_TEST_DATA_DIR-hostile`, templates hard-linked from the shared one); every sandbox
-//! is deleted at the end and no QEMU is left behind.
+//! (`$AIRLOCK_TEST_DATA_DIR-hostile-<pid>`, templates hard-linked from the shared one); every
+//! sandbox is deleted at the end and no QEMU is left behind.
 
 mod common;
 
@@ -64,6 +64,8 @@ struct Suite {
 }
 
 static SUITE: OnceLock<Suite> = OnceLock::new();
+/// The server's pid and data dir, as soon as it runs (cleanup stops it even if the setup failed).
+static STARTED: OnceLock<(u32, PathBuf)> = OnceLock::new();
 
 fn suite() -> &'static Suite {
     SUITE.get_or_init(|| {
@@ -76,7 +78,21 @@ fn suite() -> &'static Suite {
             .status()
             .unwrap();
         assert!(built.success(), "template build failed");
-        let data = PathBuf::from(format!("{}-hostile", shared.display()));
+        // A data dir per run (two runs at once must not share a store), and away with those of
+        // runs that are gone.
+        let prefix = format!("{}-hostile-", shared.display());
+        let parent = shared.parent().unwrap();
+        for entry in std::fs::read_dir(parent).unwrap().flatten() {
+            let path = entry.path();
+            let pid = path
+                .to_str()
+                .and_then(|p| p.strip_prefix(&prefix))
+                .and_then(|p| p.parse::<u32>().ok());
+            if pid.is_some_and(|pid| !Path::new(&format!("/proc/{pid}")).exists()) {
+                let _ = std::fs::remove_dir_all(&path);
+            }
+        }
+        let data = PathBuf::from(format!("{prefix}{}", std::process::id()));
         let _ = std::fs::remove_dir_all(&data);
         std::fs::create_dir_all(&data).unwrap();
         let linked = Command::new("cp")
@@ -89,6 +105,7 @@ fn suite() -> &'static Suite {
         assert!(linked.success());
         let _ = std::fs::copy(shared.join("accel.json"), data.join("accel.json"));
         let s = Server::start(&data);
+        let _ = STARTED.set((s.child.id(), data.clone()));
 
         let neighbour = s.create(json!({
             "template": "seed", "timeout": "30m", "resources": { "memory_mib": 256 },
@@ -416,6 +433,21 @@ fn answers_again(s: &Server, id: &str, within: Duration) -> Result<Duration, Str
     Err(last)
 }
 
+/// Wait for a line holding `needle` in a sandbox's console log (the guest writes /dev/ttyS0).
+fn wait_console(dir: &Path, needle: &str, within: Duration) -> String {
+    let started = Instant::now();
+    loop {
+        for log in ["console.log", "console.log.1"] {
+            let text = std::fs::read(dir.join(log)).unwrap_or_default();
+            if let Some(line) = String::from_utf8_lossy(&text).lines().find(|l| l.contains(needle)) {
+                return line.to_string();
+            }
+        }
+        assert!(started.elapsed() < within, "no {needle:?} on the console in {within:?}");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
 fn put_file(s: &Server, id: &str, path: &str, body: &[u8]) {
     let r = ureq::put(&format!("{}/v1/sandboxes/{id}/files?path={path}", s.url))
         .set("Authorization", &format!("Bearer {}", s.key))
@@ -692,8 +724,10 @@ fn agent_channel_takeover() {
         &id,
         &format!("setsid python3 /tmp/hostile.py takeover {FLOOD_SECS} > /tmp/takeover.log 2>&1 < /dev/null &"),
     );
+    // The attacker says on the console when the agent is frozen and the flood starts.
+    let frozen = wait_console(&suite.sandbox_dir(&id), "frozen_threads", Duration::from_secs(60));
     let flood_start = Instant::now();
-    std::thread::sleep(Duration::from_secs(4)); // python starts and freezes the agent
+    println!("takeover: {}", frozen.trim());
     let (refusals, during) = std::thread::scope(|scope| {
         let neighbour = scope.spawn(|| latency(s, &suite.neighbour, 5));
         let mut refusals = Vec::new();
@@ -849,22 +883,28 @@ fn main() {
 /// Delete every sandbox the suite made, stop the server, check no QEMU of its data dir is left
 /// (killing any by PID: they are this suite's own), remove the data dir.
 fn cleanup() {
-    let Some(suite) = SUITE.get() else { return };
-    let s = &suite.s;
-    for q in ["limit=100", "state=failed&limit=100"] {
-        let (_, list) = s.call("GET", &format!("/v1/sandboxes?{q}"), None);
-        for sb in list["sandboxes"].as_array().into_iter().flatten() {
-            s.delete(sb["id"].as_str().unwrap());
+    let Some((server, data)) = STARTED.get() else { return };
+    if let Some(suite) = SUITE.get() {
+        let s = &suite.s;
+        for q in ["limit=100", "state=failed&limit=100"] {
+            let (_, list) = s.call("GET", &format!("/v1/sandboxes?{q}"), None);
+            for sb in list["sandboxes"].as_array().into_iter().flatten() {
+                let id = sb["id"].as_str().unwrap_or_default();
+                let (_, r) = s.call("DELETE", &format!("/v1/sandboxes/{id}"), None);
+                let done = r["operation"]["id"].as_str().map(|op| s.wait_op(op));
+                if done.as_ref().map_or(true, |op| op["state"] != "succeeded") {
+                    println!("cleanup: deleting {id}: {r} {done:?}");
+                }
+            }
         }
     }
-    unsafe { libc::kill(s.child.id() as i32, libc::SIGTERM) };
+    unsafe { libc::kill(*server as i32, libc::SIGTERM) };
     let deadline = Instant::now() + Duration::from_secs(10);
-    while Path::new(&format!("/proc/{}", s.child.id())).exists() && Instant::now() < deadline {
-        reap_orphans();
-        unsafe { libc::waitpid(s.child.id() as i32, std::ptr::null_mut(), libc::WNOHANG) };
+    while Path::new(&format!("/proc/{server}")).exists() && Instant::now() < deadline {
+        unsafe { libc::waitpid(*server as i32, std::ptr::null_mut(), libc::WNOHANG) };
         std::thread::sleep(Duration::from_millis(100));
     }
-    let needle = suite.data.join("sandboxes").display().to_string();
+    let needle = data.join("sandboxes").display().to_string();
     let mut leaked = Vec::new();
     for entry in std::fs::read_dir("/proc").unwrap().flatten() {
         let Ok(pid) = entry.file_name().to_string_lossy().parse::<i32>() else {
@@ -878,6 +918,6 @@ fn cleanup() {
     }
     std::thread::sleep(Duration::from_millis(300));
     reap_orphans();
-    let _ = std::fs::remove_dir_all(&suite.data);
+    let _ = std::fs::remove_dir_all(data);
     assert!(leaked.is_empty(), "QEMUs left running after cleanup: {leaked:?}");
 }

@@ -61,6 +61,17 @@ def freeze(pid=1):
             seized.append(t)
 
 
+def announce(what):
+    """Say it on stdout and on the console, where the host reads it while the agent is frozen."""
+    line = json.dumps(what)
+    print(line, flush=True)
+    try:
+        with open("/dev/ttyS0", "w") as console:
+            console.write("hostile.py: %s\n" % line)
+    except OSError:
+        pass
+
+
 def agent_port_fd(pid=1):
     for fd in os.listdir("/proc/%d/fd" % pid):
         try:
@@ -78,7 +89,7 @@ def takeover(seconds):
     fd = libc.syscall(SYS_PIDFD_GETFD, pidfd, target, 0)
     if fd < 0:
         sys.exit("pidfd_getfd: %s" % os.strerror(ctypes.get_errno()))
-    print(json.dumps({"frozen_threads": len(threads), "port_fd": target}), flush=True)
+    announce({"frozen_threads": len(threads), "port_fd": target})
     junk = os.urandom(1 << 16)
     sent = swallowed = 0
     end = time.time() + seconds
@@ -97,7 +108,7 @@ def takeover(seconds):
                 sent += os.write(fd, junk)
             except OSError:
                 time.sleep(0.01)
-    print(json.dumps({"sent": sent, "swallowed": swallowed}), flush=True)
+    announce({"sent": sent, "swallowed": swallowed})
     for t in threads:
         try:
             ptrace(PTRACE_DETACH, t, None, None)
