@@ -787,7 +787,8 @@ fn agent_channel_takeover() {
 
 /// Case 6: root kills the agent. `kill -KILL 1` does nothing (the kernel drops signals to init
 /// that it has no handler for); making PID 1 call exit_group (ptrace) panics the guest kernel and
-/// the VM stops: the sandbox ends `failed`, and nothing else is touched.
+/// the VM stops: the sandbox ends `failed`, and nothing else is touched. (The attack is over in a
+/// moment: the neighbour's "during" is measured right after the VM died.)
 fn agent_killed() {
     let suite = suite();
     let s = &suite.s;
