@@ -896,7 +896,7 @@ fn main() {
     ];
     let started = Instant::now();
     let conclusion = libtest_mimic::run(&args, tests);
-    cleanup();
+    cleanup(conclusion.has_failed());
     reap_orphans();
     if SUITE.get().is_some() {
         println!("hostile: suite took {:?}", started.elapsed());
@@ -905,9 +905,22 @@ fn main() {
 }
 
 /// Delete every sandbox the suite made, stop the server, check no QEMU of its data dir is left
-/// (killing any by PID: they are this suite's own), remove the data dir.
-fn cleanup() {
+/// (killing any by PID: they are this suite's own), remove the data dir. After a failure, the
+/// end of the server's log is shown first (it goes with the data dir).
+fn cleanup(failed: bool) {
     let Some((server, data)) = STARTED.get() else { return };
+    if failed {
+        for entry in std::fs::read_dir(data).into_iter().flatten().flatten() {
+            if entry.file_name().to_string_lossy().starts_with("serve-") {
+                let log = std::fs::read_to_string(entry.path()).unwrap_or_default();
+                let tail: Vec<&str> = log.lines().rev().take(60).collect();
+                println!("hostile: the server's log ends:");
+                for line in tail.iter().rev() {
+                    println!("  {line}");
+                }
+            }
+        }
+    }
     if let Some(suite) = SUITE.get() {
         let s = &suite.s;
         for q in ["limit=100", "state=failed&limit=100"] {
