@@ -30,6 +30,7 @@ use std::pin::Pin;
 use std::sync::Arc;
 use std::task::{Context, Poll};
 use std::time::Duration;
+use tokio::io::BufReader;
 use tokio::net::UnixStream;
 use tokio::sync::watch;
 use tokio::time::Instant;
@@ -110,9 +111,12 @@ type ReqBody = UnsyncBoxBody<Bytes, std::io::Error>;
 /// may have swallowed the first hello into a dying session).
 const HELLO_RETRY: Duration = Duration::from_millis(1000);
 
-/// Resynchronize the channel: say hello with a fresh nonce until the agent answers it.
-async fn start_session(stream: &mut UnixStream) -> Result<(), AgentError> {
-    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+/// Resynchronize the channel: say hello with a fresh nonce until the agent answers it. The
+/// channel is read a buffer at a time (a guest flooding it must not cost the host a syscall per
+/// byte for as long as the hello lasts); what follows `READY` stays in the buffer for the
+/// HTTP/2 session.
+async fn start_session(stream: &mut BufReader<UnixStream>) -> Result<(), AgentError> {
+    use tokio::io::{AsyncBufReadExt, AsyncWriteExt};
     let io_err = |e: std::io::Error| AgentError::Transport(format!("session start: {e}"));
     loop {
         let nonce = crate::random::random_hex(8);
@@ -122,24 +126,27 @@ async fn start_session(stream: &mut UnixStream) -> Result<(), AgentError> {
             .map_err(io_err)?;
         let want = format!("{}{nonce}", airlock_proto::SESSION_READY);
         let wait_ready = async {
-            let mut line = Vec::with_capacity(64);
+            // The end of the current line: its last SESSION_LINE_MAX bytes at most.
+            let mut line = Vec::with_capacity(2 * airlock_proto::SESSION_LINE_MAX);
             loop {
-                let mut b = [0u8; 1];
-                if stream.read(&mut b).await? == 0 {
+                let buf = stream.fill_buf().await?;
+                if buf.is_empty() {
                     return Err(std::io::Error::from(std::io::ErrorKind::UnexpectedEof));
                 }
-                if b[0] != b'\n' {
-                    line.push(b[0]);
-                    if line.len() > airlock_proto::SESSION_LINE_MAX {
-                        line.clear();
+                let newline = buf.iter().position(|&b| b == b'\n');
+                let taken = newline.map_or(buf.len(), |i| i + 1);
+                line.extend_from_slice(&buf[..newline.unwrap_or(buf.len())]);
+                stream.consume(taken);
+                if line.len() > airlock_proto::SESSION_LINE_MAX {
+                    line.drain(..line.len() - airlock_proto::SESSION_LINE_MAX);
+                }
+                if newline.is_some() {
+                    // Bytes of an older session may precede our line: match its end.
+                    if line.ends_with(want.as_bytes()) {
+                        return Ok(());
                     }
-                    continue;
+                    line.clear();
                 }
-                // Bytes of an older session may precede our line: match its end.
-                if line.ends_with(want.as_bytes()) {
-                    return Ok(());
-                }
-                line.clear();
             }
         };
         match tokio::time::timeout(HELLO_RETRY, wait_ready).await {
@@ -261,9 +268,11 @@ impl AgentClient {
     /// Open a session on the channel socket (does not wait for the guest: without a `READY` it
     /// keeps saying hello; bound it with a timeout or use [`AgentClient::connect_ready`]).
     pub async fn connect(socket: &Path) -> Result<Self, AgentError> {
-        let mut stream = UnixStream::connect(socket)
-            .await
-            .map_err(|e| AgentError::Transport(format!("connect {}: {e}", socket.display())))?;
+        let mut stream = BufReader::new(
+            UnixStream::connect(socket)
+                .await
+                .map_err(|e| AgentError::Transport(format!("connect {}: {e}", socket.display())))?,
+        );
         start_session(&mut stream).await?;
         // The windows bound what the agent can make the host buffer for replies it has not read
         // yet: 4 MiB per stream, 8 MiB for the connection.
@@ -708,5 +717,42 @@ impl AgentClient {
                 }
             },
         ))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt};
+
+    /// Garbage (a line far past the limit, lines of an older session) before `READY`, and the
+    /// first bytes of the session right behind it in the same write: the session starts, and
+    /// those bytes are still there for HTTP/2.
+    #[tokio::test]
+    async fn hello_skips_garbage_and_keeps_what_follows_ready() {
+        let (host, mut guest) = UnixStream::pair().unwrap();
+        let guest = tokio::spawn(async move {
+            let mut guest = BufReader::new(&mut guest);
+            let mut hello = String::new();
+            guest.read_line(&mut hello).await.unwrap();
+            let nonce = hello
+                .trim_end()
+                .strip_prefix(airlock_proto::SESSION_HELLO)
+                .unwrap()
+                .to_string();
+            let mut out = vec![b'x'; 1 << 20];
+            out.extend_from_slice(format!("\n{}stale\n", airlock_proto::SESSION_READY).as_bytes());
+            out.extend_from_slice(format!("junk{}{nonce}\nSESSION", airlock_proto::SESSION_READY).as_bytes());
+            guest.get_mut().write_all(&out).await.unwrap();
+        });
+        let mut host = BufReader::new(host);
+        tokio::time::timeout(Duration::from_secs(10), start_session(&mut host))
+            .await
+            .expect("in time")
+            .expect("the session starts");
+        guest.await.unwrap();
+        let mut rest = [0u8; 7];
+        host.read_exact(&mut rest).await.unwrap();
+        assert_eq!(&rest, b"SESSION");
     }
 }

@@ -1,0 +1,294 @@
+//! What the real-VM suites share: an `airlock serve` process on a data dir, its API with the
+//! admin key, and host-side checks on its VMs (`tests/api.rs`, `tests/hostile.rs`).
+#![allow(dead_code)] // each suite uses its own part
+
+use base64::Engine as _;
+use serde_json::Value;
+use std::io::BufRead;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+pub const BIN: &str = env!("CARGO_BIN_EXE_airlock");
+
+pub fn test_data_dir() -> PathBuf {
+    std::env::var_os("AIRLOCK_TEST_DATA_DIR")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| "/var/lib/airlock-test".into())
+}
+
+pub fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+pub struct Server {
+    pub child: Child,
+    pub url: String,
+    pub key: String,
+    pub data: PathBuf,
+}
+
+impl Server {
+    pub fn start(data: &Path) -> Server {
+        Server::start_with(data, &[])
+    }
+
+    pub fn start_with(data: &Path, extra: &[&str]) -> Server {
+        let port = free_port();
+        let log = std::fs::File::create(data.join(format!("serve-{port}.log"))).unwrap();
+        let child = Command::new(BIN)
+            .args(["--data-dir"])
+            .arg(data)
+            .args(["serve", "--listen", &format!("127.0.0.1:{port}")])
+            .args(extra)
+            .stdin(Stdio::null())
+            .stdout(log.try_clone().unwrap())
+            .stderr(log)
+            .spawn()
+            .unwrap();
+        let url = format!("http://127.0.0.1:{port}");
+        let deadline = Instant::now() + Duration::from_secs(120);
+        while ureq::get(&format!("{url}/openapi-m1.json")).call().is_err() {
+            assert!(
+                Instant::now() < deadline,
+                "server did not come up; see {}",
+                data.display()
+            );
+            std::thread::sleep(Duration::from_millis(100));
+        }
+        let creds = std::fs::read_to_string(data.join("credentials")).unwrap();
+        let key = creds
+            .lines()
+            .find_map(|l| l.strip_prefix("AIRLOCK_API_KEY="))
+            .unwrap()
+            .to_string();
+        Server {
+            child,
+            url,
+            key,
+            data: data.to_path_buf(),
+        }
+    }
+
+    pub fn kill9(&mut self) {
+        unsafe { libc::kill(self.child.id() as i32, libc::SIGKILL) };
+        let _ = self.child.wait();
+    }
+
+    pub fn stop(&mut self) {
+        unsafe { libc::kill(self.child.id() as i32, libc::SIGTERM) };
+        let _ = self.child.wait();
+    }
+
+    /// (status, JSON body) of a request with the admin key.
+    pub fn call(&self, method: &str, path: &str, body: Option<Value>) -> (u16, Value) {
+        self.call_with(method, path, body, Some(&self.key), &[])
+    }
+
+    pub fn call_with(
+        &self,
+        method: &str,
+        path: &str,
+        body: Option<Value>,
+        key: Option<&str>,
+        headers: &[(&str, &str)],
+    ) -> (u16, Value) {
+        let mut req = ureq::request(method, &format!("{}{path}", self.url)).timeout(Duration::from_secs(60));
+        if let Some(k) = key {
+            req = req.set("Authorization", &format!("Bearer {k}"));
+        }
+        for (h, v) in headers {
+            req = req.set(h, v);
+        }
+        let res = match body {
+            Some(b) => req.send_json(b),
+            None => req.call(),
+        };
+        let resp = match res {
+            Ok(r) => r,
+            Err(ureq::Error::Status(_, r)) => r,
+            Err(e) => panic!("{method} {path}: {e}"),
+        };
+        let status = resp.status();
+        let text = resp.into_string().unwrap_or_default();
+        (status, serde_json::from_str(&text).unwrap_or(Value::String(text)))
+    }
+
+    pub fn raw_post(&self, path: &str, body: &str) -> (u16, Value) {
+        let res = ureq::post(&format!("{}{path}", self.url))
+            .set("Authorization", &format!("Bearer {}", self.key))
+            .set("Content-Type", "application/json")
+            .send_string(body);
+        let resp = match res {
+            Ok(r) => r,
+            Err(ureq::Error::Status(_, r)) => r,
+            Err(e) => panic!("POST {path}: {e}"),
+        };
+        (resp.status(), resp.into_json().unwrap_or(Value::Null))
+    }
+
+    pub fn wait_op(&self, op_id: &str) -> Value {
+        let deadline = Instant::now() + Duration::from_secs(180);
+        loop {
+            let (status, op) = self.call("GET", &format!("/v1/operations/{op_id}"), None);
+            assert_eq!(status, 200, "{op}");
+            if op["state"] == "succeeded" || op["state"] == "failed" {
+                return op;
+            }
+            assert!(Instant::now() < deadline, "operation {op_id} never finished: {op}");
+            std::thread::sleep(Duration::from_millis(100));
+        }
+    }
+
+    /// Wait (up to a minute) for the server to delete the sandbox on its own, e.g. at its timeout.
+    pub fn wait_expired(&self, id: &str) {
+        let deadline = Instant::now() + Duration::from_secs(60);
+        loop {
+            let (_, sb) = self.call("GET", &format!("/v1/sandboxes/{id}"), None);
+            if sb["state"] == "deleted" {
+                return;
+            }
+            assert!(Instant::now() < deadline, "sandbox outlived its timeout: {sb}");
+            std::thread::sleep(Duration::from_millis(200));
+        }
+    }
+
+    pub fn create(&self, body: Value) -> String {
+        let (status, r) = self.call("POST", "/v1/sandboxes", Some(body));
+        assert_eq!(status, 202, "{r}");
+        let op = self.wait_op(r["operation"]["id"].as_str().unwrap());
+        assert_eq!(op["state"], "succeeded", "{op}");
+        r["sandbox_id"].as_str().unwrap().to_string()
+    }
+
+    pub fn delete(&self, id: &str) {
+        let (status, r) = self.call("DELETE", &format!("/v1/sandboxes/{id}"), None);
+        assert_eq!(status, 202, "{r}");
+        assert_eq!(
+            self.wait_op(r["operation"]["id"].as_str().unwrap())["state"],
+            "succeeded"
+        );
+    }
+
+    pub fn session(&self, sandbox: &str, body: Value) -> String {
+        let (status, s) = self.call("POST", &format!("/v1/sandboxes/{sandbox}/sessions"), Some(body));
+        assert_eq!(status, 201, "{s}");
+        s["id"].as_str().unwrap().to_string()
+    }
+
+    /// Read SSE events (event, id, data) until `process_exited` or `stop_after` events.
+    pub fn events(
+        &self,
+        sandbox: &str,
+        session: &str,
+        last_id: Option<&str>,
+        stop_after: Option<usize>,
+    ) -> Vec<(String, Option<String>, Value)> {
+        let mut req = ureq::get(&format!(
+            "{}/v1/sandboxes/{sandbox}/sessions/{session}/stream",
+            self.url
+        ))
+        .set("Authorization", &format!("Bearer {}", self.key))
+        .timeout(Duration::from_secs(120));
+        if let Some(id) = last_id {
+            req = req.set("Last-Event-ID", id);
+        }
+        let resp = req.call().unwrap();
+        assert_eq!(resp.header("content-type"), Some("text/event-stream"));
+        let reader = std::io::BufReader::new(resp.into_reader());
+        let (mut out, mut event, mut id, mut data) = (Vec::new(), String::new(), None, String::new());
+        for line in reader.lines() {
+            let line = line.unwrap();
+            if line.is_empty() {
+                if !event.is_empty() {
+                    let done = event == "process_exited";
+                    out.push((
+                        std::mem::take(&mut event),
+                        id.take(),
+                        serde_json::from_str(&data).unwrap_or(Value::Null),
+                    ));
+                    data.clear();
+                    if done || stop_after.is_some_and(|n| out.len() >= n) {
+                        break;
+                    }
+                }
+            } else if let Some(v) = line.strip_prefix("event:") {
+                event = v.trim().into();
+            } else if let Some(v) = line.strip_prefix("id:") {
+                id = Some(v.trim().to_string());
+            } else if let Some(v) = line.strip_prefix("data:") {
+                data.push_str(v.trim_start());
+            }
+        }
+        out
+    }
+}
+
+pub fn decode(events: &[(String, Option<String>, Value)], kind: &str) -> String {
+    events
+        .iter()
+        .filter(|(e, _, _)| e == kind)
+        .map(|(_, _, d)| {
+            String::from_utf8(
+                base64::engine::general_purpose::STANDARD
+                    .decode(d["data"].as_str().unwrap())
+                    .unwrap(),
+            )
+            .unwrap()
+        })
+        .collect()
+}
+
+pub fn wait_state(s: &Server, id: &str, state: &str, within: Duration) -> Result<Duration, Value> {
+    let start = Instant::now();
+    loop {
+        let (_, sb) = s.call("GET", &format!("/v1/sandboxes/{id}"), None);
+        if sb["state"] == state {
+            return Ok(start.elapsed());
+        }
+        if start.elapsed() > within {
+            return Err(sb);
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}
+
+pub fn listed_by_default(s: &Server, id: &str) -> bool {
+    let (_, list) = s.call("GET", "/v1/sandboxes?limit=100", None);
+    list["sandboxes"].as_array().unwrap().iter().any(|x| x["id"] == id)
+}
+
+pub fn qemu_pid(s: &Server, id: &str) -> i32 {
+    let vm: Value =
+        serde_json::from_slice(&std::fs::read(s.data.join("sandboxes").join(id).join("vm.json")).unwrap()).unwrap();
+    let pid = vm["pid"].as_u64().expect("vm.json has a pid") as i32;
+    let cmdline = std::fs::read(format!("/proc/{pid}/cmdline")).unwrap_or_default();
+    let cmdline = String::from_utf8_lossy(&cmdline).replace('\0', " ");
+    assert!(
+        cmdline.contains("qemu") && cmdline.contains(id),
+        "pid {pid} is not sandbox {id}'s QEMU: {cmdline}"
+    );
+    pid
+}
+
+/// QEMUs whose server was killed re-parent to this process (a subreaper): collect them.
+pub fn reap_orphans() {
+    let me = std::process::id();
+    for entry in std::fs::read_dir("/proc").unwrap().flatten() {
+        let Ok(pid) = entry.file_name().to_string_lossy().parse::<i32>() else {
+            continue;
+        };
+        let stat = std::fs::read_to_string(entry.path().join("stat")).unwrap_or_default();
+        let fields: Vec<&str> = stat
+            .rsplit_once(')')
+            .map(|(_, r)| r.split_whitespace().collect())
+            .unwrap_or_default();
+        if fields.len() > 2 && fields[0] == "Z" && fields[1] == me.to_string() {
+            unsafe { libc::waitpid(pid, std::ptr::null_mut(), libc::WNOHANG) };
+        }
+    }
+}
