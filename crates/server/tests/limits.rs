@@ -63,6 +63,7 @@ impl Server {
                         vcpu_overcommit: 64.0,
                         memory_reserve_mib: 0,
                         disk_reserve_mib: 0,
+                        ..Config::default()
                     },
                     vec![7; 32],
                 );

@@ -7,7 +7,10 @@
 //! - `sessions`: every process started through either door, with an id
 //! - `files`: file operations inside a running sandbox
 //! - `templates`: template names and aliases
+//! - `egress`: a new sandbox's egress (profiles, the tenant policy, narrowing), the registry of
+//!   live sandboxes' egress state, the report
 
+pub mod egress;
 pub mod files;
 pub mod principal;
 pub mod sandboxes;
@@ -35,6 +38,8 @@ pub struct Config {
     pub memory_reserve_mib: u64,
     /// Disk space kept free on the data dir's filesystem; no create is admitted below it.
     pub disk_reserve_mib: u64,
+    /// The platform's always-denied ranges and the egress profiles (`AIRLOCK_EGRESS_PROFILES`).
+    pub egress: airlock_egress::EgressConfig,
 }
 
 impl Default for Config {
@@ -44,6 +49,10 @@ impl Default for Config {
             vcpu_overcommit: DEFAULT_VCPU_OVERCOMMIT,
             memory_reserve_mib: DEFAULT_MEMORY_RESERVE_MIB,
             disk_reserve_mib: DEFAULT_DISK_RESERVE_MIB,
+            egress: airlock_egress::EgressConfig::new(
+                airlock_egress::PlatformDenies::new(Vec::new()),
+                airlock_egress::Profiles::default(),
+            ),
         }
     }
 }
@@ -82,6 +91,8 @@ pub struct Core {
     pub config: Arc<Config>,
     /// Derives sandbox access tokens (see `principal`).
     secret: Arc<[u8]>,
+    /// Every live sandbox's egress state (see `egress`).
+    pub egress: Arc<egress::EgressRegistry>,
 }
 
 impl Core {
@@ -93,6 +104,7 @@ impl Core {
             engine,
             config: Arc::new(config),
             secret: secret.into(),
+            egress: Default::default(),
         }
     }
 }
