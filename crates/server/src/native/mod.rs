@@ -87,7 +87,7 @@ impl utoipa::IntoResponses for ApiErrors {
     fn responses() -> std::collections::BTreeMap<String, utoipa::openapi::RefOr<utoipa::openapi::response::Response>> {
         use utoipa::openapi::{ContentBuilder, Ref, RefOr, ResponseBuilder};
         [
-            ("400", "malformed request or a path the guest rejects"),
+            ("400", "malformed request, a path the guest rejects, or a refused egress entry"),
             ("401", "missing or wrong API key"),
             ("403", "the guest refused (permissions)"),
             ("404", "no such sandbox, session, operation, template or file"),
