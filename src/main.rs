@@ -105,6 +105,11 @@ enum Command {
         #[command(subcommand)]
         command: KeyCommand,
     },
+    /// Manage tenants (directly on the store in the data dir).
+    Tenant {
+        #[command(subcommand)]
+        command: TenantCommand,
+    },
     /// Check the host and report what sandboxes would run with (QEMU, accelerator, isolation,
     /// templates).
     Doctor,
@@ -215,6 +220,43 @@ enum KeyCommand {
     },
 }
 
+#[derive(Subcommand)]
+enum TenantCommand {
+    /// A tenant's base egress policy: what every sandbox of the tenant may reach (with the
+    /// sandbox's profiles), and what none may (over any profile).
+    Policy {
+        #[command(subcommand)]
+        command: PolicyCommand,
+    },
+}
+
+#[derive(Subcommand)]
+enum PolicyCommand {
+    /// Print the tenant's base egress policy (JSON).
+    Show {
+        #[arg(long, default_value = "default")]
+        tenant: String,
+    },
+    /// Replace the tenant's base egress policy with exactly the entries given (none: allow
+    /// nothing). Exact domains only (no wildcards). New sandboxes get it; live ones keep theirs.
+    Set {
+        #[arg(long, default_value = "default")]
+        tenant: String,
+        /// An exact domain to allow, repeatable.
+        #[arg(long = "allow-domain")]
+        allow_domain: Vec<String>,
+        /// An exact domain to deny (beats any profile), repeatable.
+        #[arg(long = "deny-domain")]
+        deny_domain: Vec<String>,
+        /// An IP address or CIDR to allow, repeatable.
+        #[arg(long = "allow-cidr")]
+        allow_cidr: Vec<String>,
+        /// An IP address or CIDR to deny, repeatable.
+        #[arg(long = "deny-cidr")]
+        deny_cidr: Vec<String>,
+    },
+}
+
 fn main() -> ExitCode {
     tracing_subscriber::fmt()
         .with_env_filter(
@@ -294,6 +336,8 @@ async fn run(cli: Cli) -> anyhow::Result<u8> {
             tls_key,
             max_connections,
         } => {
+            // First: a bad AIRLOCK_EGRESS_PROFILES stops the server before anything is built.
+            let egress = airlock_server::egress_config_from_env()?;
             let store = TemplateStore::new(DataDir::open(&cli.data_dir)?);
             if !store.exists(SEED) {
                 eprintln!("airlock: template `seed` is missing; building it first");
@@ -325,6 +369,7 @@ async fn run(cli: Cli) -> anyhow::Result<u8> {
                     max_connections,
                     ..Default::default()
                 },
+                egress,
             })
             .await?;
         }
@@ -454,6 +499,34 @@ async fn run(cli: Cli) -> anyhow::Result<u8> {
             use airlock_server::store::{KeyFormat, TenantStore};
             let format = if e2b { KeyFormat::E2b } else { KeyFormat::Airlock };
             println!("{}", store.create_key(&tenant, format).await?);
+        }
+        Command::Tenant {
+            command: TenantCommand::Policy { command },
+        } => {
+            let data = DataDir::open(&cli.data_dir)?;
+            let store = airlock_server::store::SqliteStore::open(&data.root().join("airlock.db")).await?;
+            use airlock_server::store::TenantStore;
+            let name = match &command {
+                PolicyCommand::Show { tenant } | PolicyCommand::Set { tenant, .. } => tenant.clone(),
+            };
+            let tenant = store.tenant_by_name(&name).await?.with_context(|| {
+                format!("no tenant named {name:?} (`airlock key create --tenant {name}` makes one)")
+            })?;
+            if let PolicyCommand::Set {
+                allow_domain,
+                deny_domain,
+                allow_cidr,
+                deny_cidr,
+                ..
+            } = command
+            {
+                let policy =
+                    airlock_server::core::egress::tenant_policy(&allow_domain, &allow_cidr, &deny_domain, &deny_cidr)?;
+                store.set_egress_policy(&tenant.id, &policy).await?;
+            }
+            let policy = store.egress_policy(&tenant.id).await?;
+            let v: serde_json::Value = serde_json::from_str(&policy.to_json())?;
+            print_json(&json!({"tenant": tenant.name, "policy": v}));
         }
         Command::Doctor => {
             let rt = Runtime::open(RuntimeOptions::new(&cli.data_dir)).await?;

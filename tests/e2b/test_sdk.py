@@ -227,7 +227,7 @@ def test_snapshots_are_refused_not_mistaken_for_missing_sandboxes(sbx):
 
 
 def test_network_deny_out_alone():
-    """denyOut narrows egress that is already none. Older SDKs (2.21.1) add allowPublicTraffic=true
+    """denyOut only adds denies to the tenant's policy. Older SDKs (2.21.1) add allowPublicTraffic=true
     to any `network=`, which airlock refuses loudly; newer ones leave it unset and the create works."""
     try:
         from e2b.api.client.models.sandbox_network_config import SandboxNetworkConfig

@@ -77,6 +77,15 @@ pub enum CoreError {
         /// What the operator can change (` (--vcpu-overcommit)`), or empty.
         hint: String,
     },
+    /// An egress rule, profile name or network option that is refused (a wildcard, a malformed
+    /// entry, an unknown profile); the message names the entry.
+    #[error("egress: {0}")]
+    Egress(#[from] airlock_egress::ConfigError),
+    /// A create asked to allow what its tenant's policy does not (egress may only be narrowed).
+    #[error(
+        "{field}: \"{entry}\" is not allowed by the tenant's egress policy; a sandbox's egress can only be narrowed"
+    )]
+    EgressNotAllowed { field: String, entry: String },
     #[error("option `{option}` is not supported by airlock{reason}")]
     Unsupported { option: String, reason: String },
     #[error("{0}")]
@@ -177,6 +186,8 @@ impl CoreError {
             // until sandboxes go, and a client or balancer retries later or elsewhere.
             CoreError::NodeBudgetExceeded { .. } => c("node_budget_exceeded", 503),
             CoreError::Unsupported { .. } => c("unsupported", 422),
+            CoreError::Egress(_) => c("invalid_egress", 400),
+            CoreError::EgressNotAllowed { .. } => c("egress_not_allowed", 400),
             CoreError::Unauthenticated(_) => c("unauthorized", 401),
             CoreError::Guest { kind, source } => match source.code() {
                 Some(ErrorCode::NotFound) => c(not_found_code(*kind), 404),

@@ -40,7 +40,7 @@ use utoipa::OpenApi;
 #[openapi(
     info(title = "airlock", description = "Self-hosted microVM sandboxes for AI agents: native API (milestone 1)"),
     paths(
-        native::create_sandbox, native::list_sandboxes, native::get_sandbox, native::delete_sandbox, native::pause_sandbox, native::resume_sandbox, native::get_operation,
+        native::create_sandbox, native::list_sandboxes, native::get_sandbox, native::get_egress, native::delete_sandbox, native::pause_sandbox, native::resume_sandbox, native::get_operation,
         native::create_session, native::list_sessions, native::get_session, native::stream_session, native::session_stdin,
         native::session_signal, native::session_resize, native::read_file, native::write_file, native::delete_file, native::list_files,
         native::list_templates, native::get_template, native::system,
@@ -96,6 +96,7 @@ pub fn router(state: AppState) -> Router {
             "/sandboxes/{id}",
             get(native::get_sandbox).delete(native::delete_sandbox),
         )
+        .route("/sandboxes/{id}/egress", get(native::get_egress))
         .route("/sandboxes/{id}/pause", post(native::pause_sandbox))
         .route("/sandboxes/{id}/resume", post(native::resume_sandbox))
         .route("/operations/{id}", get(native::get_operation))
@@ -198,6 +199,21 @@ pub struct ServeOptions {
     pub tls: Option<TlsOptions>,
     /// Timeouts and the connection cap of every listener.
     pub limits: listen::Limits,
+    /// Egress profiles and the always-denied ranges ([`egress_config_from_env`]).
+    pub egress: airlock_egress::EgressConfig,
+}
+
+/// The egress configuration: profiles from `AIRLOCK_EGRESS_PROFILES` (a wildcard or malformed
+/// entry is an error naming the entry, which stops the server before anything starts).
+pub fn egress_config_from_env() -> anyhow::Result<airlock_egress::EgressConfig> {
+    let profiles =
+        airlock_egress::Profiles::from_env().map_err(|e| anyhow::anyhow!("{}: {e}", airlock_egress::PROFILES_ENV))?;
+    // The host's own addresses join the platform's denies when the egress plumbing lands (it
+    // knows the uplink); the digest leaves them out either way.
+    Ok(airlock_egress::EgressConfig::new(
+        airlock_egress::PlatformDenies::new(Vec::new()),
+        profiles,
+    ))
 }
 
 pub struct TlsOptions {
@@ -256,6 +272,7 @@ pub async fn serve(opts: ServeOptions) -> anyhow::Result<()> {
         memory_reserve_mib: opts.memory_reserve_mib,
         disk_reserve_mib: opts.disk_reserve_mib,
         max_sessions_per_sandbox: opts.max_sessions_per_sandbox,
+        egress: opts.egress,
         ..core::Config::default()
     };
     let capacity = nodes.capacity();
@@ -268,6 +285,12 @@ pub async fn serve(opts: ServeOptions) -> anyhow::Result<()> {
         budget.memory_mib,
         budget.disk_mib,
         capacity.disk_free_mib
+    );
+    tracing::info!(
+        "egress: digest {}, profiles [{}], defaults [{}]",
+        config.egress.digest(),
+        config.egress.profiles.names().collect::<Vec<_>>().join(", "),
+        config.egress.profiles.defaults().join(", ")
     );
     let core = core::Core::new(store, nodes, config, secret);
     // Requests about a sandbox the recovery has yet to settle wait for it (`Core::current`).

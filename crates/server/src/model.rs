@@ -178,6 +178,71 @@ pub struct Sandbox {
     pub metadata: BTreeMap<String, String>,
     pub created_at: String,
     pub expires_at: String,
+    pub egress: SandboxEgress,
+}
+
+/// A sandbox's egress, chosen at create and fixed for its life (`GET .../egress` shows the whole
+/// effective policy).
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema, PartialEq, Eq)]
+pub struct SandboxEgress {
+    /// The egress profiles it runs with (the server's default profiles unless a signed-in create
+    /// chose others with `X-Airlock-Egress-Profiles`).
+    pub profiles: Vec<String>,
+    /// No egress at all (E2B `allow_internet_access=False`).
+    pub sealed: bool,
+}
+
+/// Exact domains, addresses and networks.
+#[derive(Debug, Clone, Default, Serialize, Deserialize, ToSchema, PartialEq, Eq)]
+pub struct EgressRules {
+    pub domains: Vec<String>,
+    pub ips: Vec<String>,
+    pub cidrs: Vec<String>,
+}
+
+/// What decides a sandbox's egress, in order: the platform's denies (always), the tenant's
+/// denies, then the tenant's allows and the profiles' (anything else is denied).
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema, PartialEq, Eq)]
+pub struct EffectiveEgressPolicy {
+    pub sealed: bool,
+    /// Ranges no rule opens (`127.0.0.0/8 (loopback)`), and the host's own addresses.
+    pub platform_deny: Vec<String>,
+    pub tenant_deny: EgressRules,
+    pub tenant_allow: EgressRules,
+    /// Profile name -> what it allows.
+    pub profiles: BTreeMap<String, EgressRules>,
+}
+
+#[derive(Debug, Clone, Default, Serialize, Deserialize, ToSchema, PartialEq, Eq)]
+pub struct EgressCounters {
+    pub tcp_allowed: u64,
+    pub tcp_denied: u64,
+    pub dns_allowed: u64,
+    pub dns_denied: u64,
+    /// `"allow <rule>"` / `"deny <rule>"` -> decisions.
+    pub by_rule: BTreeMap<String, u64>,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema, PartialEq, Eq)]
+pub struct EgressDenial {
+    /// RFC 3339.
+    pub at: String,
+    /// `dns` or `tcp`.
+    pub path: String,
+    /// `name:port`, `ip:port`, or for DNS the name and type (`example.com A`).
+    pub destination: String,
+    /// The rule that denied it (`default deny`, `tenant deny domain x`, `platform deny ...`).
+    pub rule: String,
+}
+
+/// `GET /v1/sandboxes/{id}/egress`: why a sandbox can reach what it can.
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema, PartialEq, Eq)]
+pub struct EgressReport {
+    pub sandbox_id: String,
+    pub policy: EffectiveEgressPolicy,
+    pub counters: EgressCounters,
+    /// Oldest first; the most recent few only.
+    pub recent_denials: Vec<EgressDenial>,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
@@ -303,6 +368,23 @@ pub struct SystemInfo {
     pub accel: String,
     pub runtimes: Vec<String>,
     pub capacity: Capacity,
+    pub egress: EgressInfo,
+}
+
+/// The server's egress configuration (from `AIRLOCK_EGRESS_PROFILES` at startup).
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
+pub struct EgressInfo {
+    /// sha256 of the canonical configuration (always-denied ranges and every profile): equal on
+    /// every replica that runs the same one.
+    pub digest: String,
+    pub profiles: Vec<EgressProfileInfo>,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
+pub struct EgressProfileInfo {
+    pub name: String,
+    /// Applied to every create that selects no profiles.
+    pub default: bool,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]

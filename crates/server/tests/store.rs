@@ -28,6 +28,7 @@ fn sandbox(id: &str, tenant: &str) -> SandboxRow {
         metadata: BTreeMap::new(),
         created_at_ms: now_ms(),
         expires_at_ms: now_ms() + 60_000,
+        egress: Default::default(),
     }
 }
 
@@ -323,6 +324,9 @@ async fn a_database_from_before_migrations_is_upgraded_in_place() {
 
         let sb = store.sandbox_by_id("old1").await.unwrap().unwrap();
         assert_eq!(sb.metadata, BTreeMap::from([("team".to_string(), "x".to_string())]));
+        // Sandboxes from before egress had no NIC: they read as sealed.
+        assert_eq!(sb.egress, airlock_server::store::EgressSpec::default());
+        assert!(sb.egress.sealed && sb.egress.profiles.is_empty());
         assert_eq!(store.e2b_alias("old1").await.unwrap().as_deref(), Some("base"));
         let other = store.sandbox_by_id("old2").await.unwrap().unwrap();
         assert_eq!(other.metadata, BTreeMap::from([("team".to_string(), "y".to_string())]));
@@ -405,6 +409,19 @@ impl TenantStore for FileFirst<'_> {
     async fn tenant_by_key(&self, key: &str) -> Result<Option<Tenant>, StoreError> {
         self.inner.tenant_by_key(key).await
     }
+    async fn tenant_by_name(&self, name: &str) -> Result<Option<Tenant>, StoreError> {
+        self.inner.tenant_by_name(name).await
+    }
+    async fn egress_policy(&self, tenant_id: &str) -> Result<airlock_egress::TenantPolicy, StoreError> {
+        self.inner.egress_policy(tenant_id).await
+    }
+    async fn set_egress_policy(
+        &self,
+        tenant_id: &str,
+        policy: &airlock_egress::TenantPolicy,
+    ) -> Result<(), StoreError> {
+        self.inner.set_egress_policy(tenant_id, policy).await
+    }
 }
 
 #[tokio::test]
@@ -486,4 +503,44 @@ async fn another_process_closing_the_database_leaves_the_store_working() {
         store.insert_operation("t1", &op).await.unwrap();
         assert!(store.operation_by_id(&op.id).await.unwrap().is_some());
     }
+}
+
+#[tokio::test]
+async fn tenant_egress_policies_and_sandbox_egress_records_round_trip() {
+    use airlock_egress::TenantPolicy;
+    use airlock_server::store::EgressSpec;
+    let (_dir, store) = fresh().await;
+    store.create_key("acme", KeyFormat::Airlock).await.unwrap();
+    let acme = store.tenant_by_name("acme").await.unwrap().unwrap();
+    assert_eq!(acme.name, "acme");
+    assert!(store.tenant_by_name("nobody").await.unwrap().is_none());
+    // A tenant that set nothing allows nothing.
+    assert_eq!(store.egress_policy(&acme.id).await.unwrap(), TenantPolicy::sealed());
+    let policy = TenantPolicy::from_json(
+        r#"{"allow": {"domains": ["Pypi.org."], "ips": ["198.51.100.7"], "cidrs": ["203.0.113.0/24"]},
+            "deny": {"domains": ["evil.test"]}}"#,
+    )
+    .unwrap();
+    store.set_egress_policy(&acme.id, &policy).await.unwrap();
+    assert_eq!(store.egress_policy(&acme.id).await.unwrap(), policy);
+    let replaced = TenantPolicy::from_json(r#"{"allow": {"domains": ["a.test"]}}"#).unwrap();
+    store.set_egress_policy(&acme.id, &replaced).await.unwrap();
+    assert_eq!(store.egress_policy(&acme.id).await.unwrap(), replaced);
+    // The egress parser refuses a wildcard before anything reaches the store.
+    let e = TenantPolicy::from_json(r#"{"allow": {"domains": ["*.a.test"]}}"#).unwrap_err();
+    assert!(e.to_string().contains("*.a.test"), "{e}");
+
+    // A sandbox's egress is recorded with it.
+    let mut sb = sandbox("eg1", &acme.id);
+    sb.egress = EgressSpec {
+        profiles: vec!["pypi".into(), "gh".into()],
+        sealed: false,
+        tenant: policy.clone(),
+    };
+    store.insert_create(&sb, &create_op("eg1"), None, 10).await.unwrap();
+    assert_eq!(store.sandbox_by_id("eg1").await.unwrap().unwrap().egress, sb.egress);
+    let mut sealed = sandbox("eg2", &acme.id);
+    sealed.egress = EgressSpec::default();
+    store.insert_create(&sealed, &create_op("eg2"), None, 10).await.unwrap();
+    assert!(store.get_sandbox(&acme.id, "eg2").await.unwrap().unwrap().egress.sealed);
 }

@@ -7,7 +7,10 @@
 //! - `sessions`: every process started through either door, with an id
 //! - `files`: file operations inside a running sandbox
 //! - `templates`: template names and aliases
+//! - `egress`: a new sandbox's egress (profiles, the tenant policy, narrowing), the registry of
+//!   live sandboxes' egress state, the report
 
+pub mod egress;
 pub mod files;
 pub mod principal;
 pub mod sandboxes;
@@ -43,6 +46,8 @@ pub struct Config {
     /// After a restart, how long a request about a sandbox the recovery has not yet settled
     /// waits for it before it is answered `unavailable` (503).
     pub recovery_wait: std::time::Duration,
+    /// The platform's always-denied ranges and the egress profiles (`AIRLOCK_EGRESS_PROFILES`).
+    pub egress: airlock_egress::EgressConfig,
 }
 
 impl Default for Config {
@@ -55,6 +60,10 @@ impl Default for Config {
             max_sessions_per_sandbox: DEFAULT_MAX_SESSIONS_PER_SANDBOX,
             max_finished_sessions_per_sandbox: DEFAULT_MAX_FINISHED_SESSIONS_PER_SANDBOX,
             recovery_wait: crate::engine::RECOVERY_WAIT,
+            egress: airlock_egress::EgressConfig::new(
+                airlock_egress::PlatformDenies::new(Vec::new()),
+                airlock_egress::Profiles::default(),
+            ),
         }
     }
 }
@@ -101,6 +110,8 @@ pub struct Core {
     secret: Arc<[u8]>,
     /// Session starts under way, per sandbox (see `sessions`).
     starts: Arc<sessions::Starts>,
+    /// Every live sandbox's egress state (see `egress`).
+    pub egress: Arc<egress::EgressRegistry>,
 }
 
 impl Core {
@@ -113,6 +124,7 @@ impl Core {
             config: Arc::new(config),
             secret: secret.into(),
             starts: Default::default(),
+            egress: Default::default(),
         }
     }
 }

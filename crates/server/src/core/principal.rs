@@ -59,9 +59,22 @@ pub enum Via {
 }
 
 #[derive(Debug, Clone)]
+#[allow(clippy::large_enum_variant)] // one per request, never stored in bulk
 pub enum Principal {
     Tenant(Tenant),
     Sandbox { sandbox: SandboxRow, via: Via },
+}
+
+impl Principal {
+    /// Whether the caller signed in (a federated identity, from the tenancy issue) rather than
+    /// presenting an API key or a sandbox token. Rules that only trust a signed-in caller (egress
+    /// profiles chosen by `X-Airlock-Egress-Profiles`) ask this, and nothing else. No credential
+    /// signs in yet.
+    pub fn federated(&self) -> bool {
+        match self {
+            Principal::Tenant(_) | Principal::Sandbox { .. } => false,
+        }
+    }
 }
 
 /// What a sandbox-scoped route accepts besides the sandbox's own access token.

@@ -1,7 +1,8 @@
 //! Sandboxes: admission (template, resources, timeout, env, metadata, idempotency, quota) and
 //! lifecycle requests, which the operation engine carries out.
 
-use super::Core;
+use super::egress::EgressRequest;
+use super::{Core, Principal};
 use crate::engine::{Action, Submitted};
 use crate::error::{CoreError, CoreResult, Kind};
 use crate::model::{Operation, Resources, SandboxState};
@@ -34,6 +35,8 @@ pub struct CreateSandbox {
     pub metadata: BTreeMap<String, String>,
     /// A retried create with the same key returns the first operation.
     pub idempotency_key: Option<String>,
+    /// What the sandbox may reach (see `core::egress`).
+    pub egress: EgressRequest,
 }
 
 #[derive(Debug, Clone)]
@@ -177,6 +180,9 @@ impl Core {
         // The quota and the node's budgets count live sandboxes: not before the restart's
         // recovery has failed those whose VM is gone.
         self.engine.all_recovered().await?;
+        // An API key's tenant; the tenancy issue hands a signed-in principal in here instead.
+        let principal = Principal::Tenant(tenant.clone());
+        let egress = self.egress_for_create(&principal, tenant, &req.egress).await?;
         let now = now_ms();
         let row = SandboxRow {
             id: airlock_runtime::datadir::random_hex(10),
@@ -195,7 +201,11 @@ impl Core {
             metadata: req.metadata,
             created_at_ms: now,
             expires_at_ms: now + timeout.as_millis() as i64,
+            egress,
         };
+        // Registered before the create runs, so the end of a quick failure finds it.
+        let id = row.id.clone();
+        self.register_egress(&row);
         let submitted = self
             .engine
             .submit(Action::Create {
@@ -212,8 +222,12 @@ impl Core {
                     limit,
                 },
                 other => other,
-            })?;
-        let Submitted { operation, .. } = submitted;
+            });
+        let Submitted { operation, new } = submitted.inspect_err(|_| self.unregister_egress(&id))?;
+        if !new {
+            // An earlier create answered: this row was never recorded.
+            self.unregister_egress(&id);
+        }
         Ok(Created {
             sandbox_id: operation.sandbox_id.clone(),
             operation,

@@ -2,6 +2,7 @@
 //! translation onto the core's sandbox services.
 
 use super::{E2bError, E2bState, ENVD_VERSION};
+use crate::core::egress::EgressRequest;
 use crate::core::sandboxes::{check_timeout, CreateSandbox, ListSandboxes, DEFAULT_TIMEOUT};
 use crate::core::{templates, CoreError, Credentials};
 use crate::model::{OperationState, SandboxState};
@@ -82,13 +83,7 @@ fn refuse_unsupported(req: &NewSandbox) -> std::result::Result<(), CoreError> {
         return no("autoPause", "lifecycle on_timeout=pause is not supported yet");
     }
     if let Some(n) = &req.network {
-        if n.allow_out.as_ref().is_some_and(|v| !v.is_empty()) {
-            return no(
-                "network.allowOut",
-                "sandboxes have no egress until airlock's egress policy lands",
-            );
-        }
-        // Note: e2b 2.21.1 sends allowPublicTraffic=true with any `network=` unless told otherwise.
+        // allowOut/denyOut become the create's egress request (`egress_request`). Note: e2b 2.21.1 sends allowPublicTraffic=true with any `network=` unless told otherwise.
         if n.allow_public_traffic == Some(true) {
             return no(
                 "network.allowPublicTraffic=true",
@@ -98,13 +93,30 @@ fn refuse_unsupported(req: &NewSandbox) -> std::result::Result<(), CoreError> {
         if n.mask_request_host.is_some() {
             return no("network.maskRequestHost", "");
         }
-        // denyOut narrows what is already nothing: accepted.
-        let _ = &n.deny_out;
     }
     if let Some(k) = req.other.keys().next() {
         return no(k, "");
     }
     Ok(())
+}
+
+/// The create's egress, as the core takes it: `allow_internet_access=False` is sealed (absent or
+/// true: the tenant's default policy); `network.allowOut` narrows to its entries and
+/// `network.denyOut` adds denies (the core checks that they only narrow); the profiles header
+/// passes through (the core decides whether it counts).
+fn egress_request(req: &NewSandbox, headers: &HeaderMap) -> EgressRequest {
+    let network = req.network.as_ref();
+    EgressRequest {
+        profiles: headers
+            .get(crate::core::egress::PROFILES_HEADER)
+            .and_then(|v| v.to_str().ok())
+            .map(String::from),
+        sealed: req.allow_internet_access == Some(false),
+        allow_only: network.and_then(|n| n.allow_out.clone()).unwrap_or_default(),
+        deny: network.and_then(|n| n.deny_out.clone()).unwrap_or_default(),
+        allow_field: "network.allowOut",
+        deny_field: "network.denyOut",
+    }
 }
 
 /// E2B's team-scoped template names have no airlock equivalent.
@@ -163,7 +175,7 @@ async fn detail_json(state: &E2bState, row: &SandboxRow, token: Option<&str>) ->
         "envdVersion": ENVD_VERSION,
         "metadata": row.metadata,
         "domain": state.domain.as_deref(),
-        "allowInternetAccess": false,
+        "allowInternetAccess": !row.egress.sealed,
     });
     if let Some(t) = token {
         v["envdAccessToken"] = json!(t);
@@ -194,6 +206,7 @@ pub async fn create(
     let req: NewSandbox = parse_body(&body)?;
     refuse_unsupported(&req)?;
     check_template_id(&req.template_id)?;
+    let egress = egress_request(&req, &headers);
     let created = state
         .core
         .create_sandbox(
@@ -209,6 +222,7 @@ pub async fn create(
                     .get("idempotency-key")
                     .and_then(|v| v.to_str().ok())
                     .map(String::from),
+                egress,
                 ..Default::default()
             },
         )

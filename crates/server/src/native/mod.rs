@@ -3,6 +3,7 @@
 
 pub mod error;
 
+use crate::core::egress::EgressRequest;
 use crate::core::sandboxes::{CreateSandbox, ListSandboxes};
 use crate::core::sessions::{parse_signal, signal_name, SessionEvent, StartSession};
 use crate::core::{Core, CoreError, Credentials, Kind};
@@ -86,7 +87,7 @@ impl utoipa::IntoResponses for ApiErrors {
     fn responses() -> std::collections::BTreeMap<String, utoipa::openapi::RefOr<utoipa::openapi::response::Response>> {
         use utoipa::openapi::{ContentBuilder, Ref, RefOr, ResponseBuilder};
         [
-            ("400", "malformed request or a path the guest rejects"),
+            ("400", "malformed request, a path the guest rejects, or a refused egress entry"),
             ("401", "missing or wrong API key"),
             ("403", "the guest refused (permissions)"),
             ("404", "no such sandbox, session, operation, template or file"),
@@ -134,7 +135,8 @@ fn accepted(operation: Operation) -> (StatusCode, Json<OperationAccepted>) {
 }
 
 #[utoipa::path(post, path = "/v1/sandboxes", tag = "sandboxes", request_body = CreateSandboxRequest,
-    params(("Idempotency-Key" = Option<String>, Header, description = "retries with the same key return the same operation")),
+    params(("Idempotency-Key" = Option<String>, Header, description = "retries with the same key return the same operation"),
+        ("X-Airlock-Egress-Profiles" = Option<String>, Header, description = "egress profiles (`a,b`) instead of the server's defaults; honoured only for a signed-in caller (ignored for API keys)")),
     responses((status = 202, body = OperationAccepted), ApiErrors),
     security(("bearer" = [])))]
 pub async fn create_sandbox(
@@ -156,6 +158,14 @@ pub async fn create_sandbox(
                 .to_string(),
         ),
     };
+    let profiles = match headers.get(crate::core::egress::PROFILES_HEADER) {
+        None => None,
+        Some(v) => Some(
+            v.to_str()
+                .map_err(|_| CoreError::invalid("X-Airlock-Egress-Profiles", "must be visible ASCII"))?
+                .to_string(),
+        ),
+    };
     let resources = req.resources.unwrap_or(ResourcesSpec {
         vcpu: None,
         memory_mib: None,
@@ -174,6 +184,10 @@ pub async fn create_sandbox(
                 env: req.env.unwrap_or_default(),
                 metadata: req.metadata.unwrap_or_default(),
                 idempotency_key,
+                egress: EgressRequest {
+                    profiles,
+                    ..Default::default()
+                },
             },
         )
         .await?;
@@ -266,6 +280,19 @@ pub async fn get_sandbox(
     Path(id): Path<String>,
 ) -> ApiResult<Json<Sandbox>> {
     Ok(Json(core.sandbox(&tenant, &id).await?.view()))
+}
+
+/// What the sandbox may reach and why: the platform's denies, its tenant's denies and allows, its
+/// profiles; and the decisions counted so far with the most recent denials.
+#[utoipa::path(get, path = "/v1/sandboxes/{id}/egress", tag = "sandboxes", params(("id" = String, Path)),
+    responses((status = 200, body = EgressReport), ApiErrors),
+    security(("bearer" = [])))]
+pub async fn get_egress(
+    State(core): State<Core>,
+    Extension(tenant): Extension<Tenant>,
+    Path(id): Path<String>,
+) -> ApiResult<Json<EgressReport>> {
+    Ok(Json(core.egress_report(&tenant, &id).await?))
 }
 
 #[utoipa::path(delete, path = "/v1/sandboxes/{id}", tag = "sandboxes", params(("id" = String, Path)),
@@ -672,6 +699,7 @@ pub async fn system(State(core): State<Core>) -> Json<SystemInfo> {
             memory_mib: capacity.memory_mib,
             sandboxes_running: capacity.sandboxes_running,
         },
+        egress: core.egress_info(),
     })
 }
 

@@ -65,6 +65,29 @@ pub struct SandboxRow {
     pub metadata: BTreeMap<String, String>,
     pub created_at_ms: i64,
     pub expires_at_ms: i64,
+    /// Its egress, fixed at create.
+    pub egress: EgressSpec,
+}
+
+/// A sandbox's egress as recorded at create and fixed for its life: the profiles chosen, whether
+/// it is sealed (no egress at all), and the tenant base policy it runs under (the tenant's as it
+/// was at create, narrowed by the create; later changes to the tenant's policy don't reach it).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct EgressSpec {
+    pub profiles: Vec<String>,
+    pub sealed: bool,
+    pub tenant: airlock_egress::TenantPolicy,
+}
+
+impl Default for EgressSpec {
+    /// Sealed: nothing allowed (and what a sandbox from before egress reads as).
+    fn default() -> Self {
+        EgressSpec {
+            profiles: Vec::new(),
+            sealed: true,
+            tenant: airlock_egress::TenantPolicy::sealed(),
+        }
+    }
 }
 
 impl SandboxRow {
@@ -80,6 +103,10 @@ impl SandboxRow {
             metadata: self.metadata.clone(),
             created_at: rfc3339(self.created_at_ms),
             expires_at: rfc3339(self.expires_at_ms),
+            egress: crate::model::SandboxEgress {
+                profiles: self.egress.profiles.clone(),
+                sealed: self.egress.sealed,
+            },
         }
     }
 }
@@ -230,6 +257,12 @@ pub trait TenantStore: Send + Sync {
     async fn create_key(&self, tenant: &str, format: KeyFormat) -> Result<String, StoreError>;
     /// The tenant whose key this is (looked up by `token_hash(key)`).
     async fn tenant_by_key(&self, key: &str) -> Result<Option<Tenant>, StoreError>;
+    async fn tenant_by_name(&self, name: &str) -> Result<Option<Tenant>, StoreError>;
+    /// The tenant's base egress policy; a tenant that has set none allows nothing.
+    async fn egress_policy(&self, tenant_id: &str) -> Result<airlock_egress::TenantPolicy, StoreError>;
+    /// Replace the tenant's base egress policy (already validated: it is a parsed policy).
+    async fn set_egress_policy(&self, tenant_id: &str, policy: &airlock_egress::TenantPolicy)
+        -> Result<(), StoreError>;
 }
 
 #[async_trait]

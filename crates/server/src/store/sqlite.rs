@@ -1,7 +1,7 @@
 //! [`SqliteStore`]: the store in one SQLite file (WAL, a small pool), migrated on open.
 
 use super::{
-    new_key, now_ms, rfc3339, token_hash, CreateRecorded, E2bStore, KeyFormat, NodeBudget, OperationStore,
+    new_key, now_ms, rfc3339, token_hash, CreateRecorded, E2bStore, EgressSpec, KeyFormat, NodeBudget, OperationStore,
     SandboxFilter, SandboxRow, SandboxStore, SessionRow, StoreError, Tenant, TenantStore,
 };
 use crate::model::ErrorBody;
@@ -123,6 +123,25 @@ fn sandbox_from_row(r: &sqlx::sqlite::SqliteRow) -> SandboxRow {
         metadata: serde_json::from_str(r.get::<&str, _>("metadata")).unwrap_or_default(),
         created_at_ms: r.get("created_at_ms"),
         expires_at_ms: r.get("expires_at_ms"),
+        egress: egress_from_row(r),
+    }
+}
+
+/// A sandbox's recorded egress; a record that no longer parses reads as sealed (fails closed).
+fn egress_from_row(r: &sqlx::sqlite::SqliteRow) -> EgressSpec {
+    let id: &str = r.get("id");
+    let profiles = serde_json::from_str(r.get::<&str, _>("egress_profiles"));
+    let tenant = airlock_egress::TenantPolicy::from_json(r.get::<&str, _>("egress_policy"));
+    match (profiles, tenant) {
+        (Ok(profiles), Ok(tenant)) => EgressSpec {
+            profiles,
+            sealed: r.get::<i64, _>("egress_sealed") != 0,
+            tenant,
+        },
+        (p, t) => {
+            tracing::error!(sandbox = %id, "its egress record does not parse ({:?}, {:?}); treating it as sealed", p.err(), t.err());
+            EgressSpec::default()
+        }
     }
 }
 
@@ -258,6 +277,46 @@ impl TenantStore for SqliteStore {
                 .await?;
         Ok(row.map(|(id, name)| Tenant { id, name }))
     }
+
+    async fn tenant_by_name(&self, name: &str) -> Result<Option<Tenant>, StoreError> {
+        let row: Option<(String, String)> = sqlx::query_as("SELECT id, name FROM tenants WHERE name = ?")
+            .bind(name)
+            .fetch_optional(&self.pool)
+            .await?;
+        Ok(row.map(|(id, name)| Tenant { id, name }))
+    }
+
+    async fn egress_policy(&self, tenant_id: &str) -> Result<airlock_egress::TenantPolicy, StoreError> {
+        let row: Option<(String,)> = sqlx::query_as("SELECT policy FROM tenant_egress WHERE tenant_id = ?")
+            .bind(tenant_id)
+            .fetch_optional(&self.pool)
+            .await?;
+        match row {
+            None => Ok(airlock_egress::TenantPolicy::sealed()),
+            Some((json,)) => airlock_egress::TenantPolicy::from_json(&json).map_err(|e| {
+                StoreError::backend(format!(
+                    "tenant {tenant_id}: the stored egress policy does not parse: {e}"
+                ))
+            }),
+        }
+    }
+
+    async fn set_egress_policy(
+        &self,
+        tenant_id: &str,
+        policy: &airlock_egress::TenantPolicy,
+    ) -> Result<(), StoreError> {
+        sqlx::query(
+            "INSERT INTO tenant_egress (tenant_id, policy, updated_at_ms) VALUES (?, ?, ?)
+             ON CONFLICT (tenant_id) DO UPDATE SET policy = excluded.policy, updated_at_ms = excluded.updated_at_ms",
+        )
+        .bind(tenant_id)
+        .bind(policy.to_json())
+        .bind(now_ms())
+        .execute(&self.pool)
+        .await?;
+        Ok(())
+    }
 }
 
 #[async_trait]
@@ -321,8 +380,8 @@ impl SandboxStore for SqliteStore {
             }
         }
         sqlx::query(
-            "INSERT INTO sandboxes (id, tenant_id, state, template, template_digest, runtime, accel, vcpu, memory_mib, disk_mib, env, metadata, created_at_ms, expires_at_ms)
-             VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+            "INSERT INTO sandboxes (id, tenant_id, state, template, template_digest, runtime, accel, vcpu, memory_mib, disk_mib, env, metadata, created_at_ms, expires_at_ms, egress_profiles, egress_sealed, egress_policy)
+             VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
         )
         .bind(&sb.id)
         .bind(&sb.tenant_id)
@@ -338,6 +397,9 @@ impl SandboxStore for SqliteStore {
         .bind(serde_json::to_string(&sb.metadata).unwrap_or_default())
         .bind(sb.created_at_ms)
         .bind(sb.expires_at_ms)
+        .bind(serde_json::to_string(&sb.egress.profiles).unwrap_or_else(|_| "[]".into()))
+        .bind(sb.egress.sealed as i64)
+        .bind(sb.egress.tenant.to_json())
         .execute(&mut *tx)
         .await?;
         sqlx::query(

@@ -1,0 +1,477 @@
+//! Egress, the server side (issue 10): what a new sandbox may reach (its profiles and the tenant
+//! policy it runs under, decided here once for both doors), the registry of live sandboxes'
+//! [`SandboxEgress`] (counters, recent denials; what the egress plumbing will serve), and the
+//! report `GET /v1/sandboxes/{id}/egress` shows.
+//!
+//! The rules:
+//! - A create gets the server's default profiles. `X-Airlock-Egress-Profiles: a,b` selects others
+//!   only when the caller is signed in ([`Principal::federated`]); no caller is yet, so today the
+//!   header is ignored on every create. An unknown name in an honoured header is a 400.
+//! - A sealed create (E2B `allow_internet_access=False`) gets no egress at all.
+//! - A create may only narrow its tenant's policy: `allow_only` entries (E2B `allowOut`) must each
+//!   be allowed by the tenant's default policy (base + default profiles), and the sandbox then
+//!   allows exactly them; `deny` entries (E2B `denyOut`) add denies. With `allow_only` given,
+//!   everything else is already denied and E2B gives its allows precedence over its denies, so
+//!   `deny` entries are only checked.
+//! - What was decided is recorded on the sandbox ([`EgressSpec`]) and fixed for its life: a later
+//!   change to the tenant's policy or the profiles' names doesn't reach it.
+
+use super::{Core, Principal};
+use crate::error::{CoreError, CoreResult};
+use crate::model::{
+    EffectiveEgressPolicy, EgressCounters, EgressDenial, EgressInfo, EgressProfileInfo, EgressReport, EgressRules,
+    SandboxState,
+};
+use crate::store::{rfc3339, EgressSpec, SandboxRow, Tenant};
+use airlock_egress::{Policy, Profiles, RawRules, RuleSet, SandboxEgress, SandboxLimits, TenantPolicy};
+use std::collections::HashMap;
+use std::net::IpAddr;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex, Weak};
+use std::time::Duration;
+
+/// The header a signed-in create selects profiles with.
+pub const PROFILES_HEADER: &str = "x-airlock-egress-profiles";
+/// How often the registry is checked against the store besides the engine's end-of-sandbox news.
+const SWEEP_EVERY: Duration = Duration::from_secs(60);
+
+/// What a create asks of egress, from either door.
+#[derive(Debug, Clone, Default)]
+pub struct EgressRequest {
+    /// `X-Airlock-Egress-Profiles` as sent (`a,b`): honoured only for a signed-in caller.
+    pub profiles: Option<String>,
+    /// No egress at all.
+    pub sealed: bool,
+    /// Allow exactly these (domains, IPs, CIDRs), each allowed by the tenant's default policy.
+    pub allow_only: Vec<String>,
+    /// Deny these too (domains, IPs, CIDRs).
+    pub deny: Vec<String>,
+    /// How the caller spells `allow_only` and `deny`, for errors (`network.allowOut`); empty is
+    /// `allow_out` / `deny_out`.
+    pub allow_field: &'static str,
+    pub deny_field: &'static str,
+}
+
+/// The profiles a create gets: those the header names when the caller is signed in
+/// (`federated`; an unknown name is an error naming it), otherwise the default profiles.
+pub fn select_profiles(profiles: &Profiles, federated: bool, header: Option<&str>) -> CoreResult<Vec<String>> {
+    match header {
+        Some(h) if federated => Ok(profiles.select_header(h)?),
+        _ => Ok(profiles.select::<&str>(&[])?),
+    }
+}
+
+/// Entries as a caller lists them (an IP, a CIDR, or an exact domain) as validated rules;
+/// `place` names where they came from in errors.
+pub fn parse_entries(place: &str, entries: &[String]) -> CoreResult<RuleSet> {
+    let mut raw = RawRules::default();
+    for e in entries {
+        let t = e.trim();
+        if t.parse::<IpAddr>().is_ok() {
+            raw.ips.push(t.into());
+        } else if t.contains('/') {
+            raw.cidrs.push(t.into());
+        } else {
+            raw.domains.push(t.into());
+        }
+    }
+    Ok(RuleSet::parse(&raw, place)?)
+}
+
+/// A tenant base policy from lists of exact domains and of IPs/CIDRs (the CLI's flags),
+/// validated by the egress engine's parser (a wildcard is refused naming the entry).
+pub fn tenant_policy(
+    allow_domains: &[String],
+    allow_nets: &[String],
+    deny_domains: &[String],
+    deny_nets: &[String],
+) -> CoreResult<TenantPolicy> {
+    let raw = |domains: &[String], nets: &[String]| {
+        let (ips, cidrs): (Vec<String>, Vec<String>) = nets
+            .iter()
+            .map(|n| n.trim().to_string())
+            .partition(|n| n.parse::<IpAddr>().is_ok());
+        RawRules {
+            domains: domains.to_vec(),
+            ips,
+            cidrs,
+        }
+    };
+    Ok(TenantPolicy::from_raw(
+        &raw(allow_domains, allow_nets),
+        &raw(deny_domains, deny_nets),
+    )?)
+}
+
+fn rules_view(r: &RuleSet) -> EgressRules {
+    EgressRules {
+        domains: r.domains.iter().cloned().collect(),
+        ips: r.ips.iter().map(|i| i.to_string()).collect(),
+        cidrs: r.cidrs.iter().map(|c| c.to_string()).collect(),
+    }
+}
+
+/// The `SandboxEgress` of every live sandbox, by sandbox id: made at create (or, after a restart,
+/// from the sandbox's record when first asked for), gone when the sandbox ends.
+#[derive(Default)]
+pub struct EgressRegistry {
+    map: Mutex<HashMap<String, Arc<SandboxEgress>>>,
+    /// Whether the task that drops ended sandboxes runs.
+    listening: AtomicBool,
+}
+
+impl EgressRegistry {
+    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<String, Arc<SandboxEgress>>> {
+        self.map.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    pub fn get(&self, sandbox_id: &str) -> Option<Arc<SandboxEgress>> {
+        self.lock().get(sandbox_id).cloned()
+    }
+
+    pub fn len(&self) -> usize {
+        self.lock().len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    fn insert(&self, e: Arc<SandboxEgress>) -> Arc<SandboxEgress> {
+        self.lock().entry(e.id().to_string()).or_insert(e).clone()
+    }
+
+    fn remove(&self, sandbox_id: &str) {
+        self.lock().remove(sandbox_id);
+    }
+
+    /// Once: follow the engine's ended sandboxes (and sweep now and then) while the core lives.
+    fn listen(self: &Arc<Self>, core: &Core) {
+        if self.listening.swap(true, Ordering::AcqRel) {
+            return;
+        }
+        let me: Weak<Self> = Arc::downgrade(self);
+        let mut ended = core.engine.ended();
+        let store = core.store.clone();
+        tokio::spawn(async move {
+            let mut tick = tokio::time::interval_at(tokio::time::Instant::now() + SWEEP_EVERY, SWEEP_EVERY);
+            loop {
+                let news = tokio::select! {
+                    r = ended.recv() => Some(r),
+                    _ = tick.tick() => None,
+                };
+                let Some(registry) = me.upgrade() else { return };
+                match news {
+                    Some(Ok(id)) => registry.remove(&id),
+                    Some(Err(tokio::sync::broadcast::error::RecvError::Closed)) => return,
+                    Some(Err(tokio::sync::broadcast::error::RecvError::Lagged(_))) | None => {
+                        let ids: Vec<String> = registry.lock().keys().cloned().collect();
+                        for id in ids {
+                            // A sandbox without a row yet is one being created.
+                            if let Ok(Some(row)) = store.sandbox_by_id(&id).await {
+                                if !is_live(row.state) {
+                                    registry.remove(&id);
+                                }
+                            }
+                        }
+                    }
+                }
+            }
+        });
+    }
+}
+
+fn is_live(state: SandboxState) -> bool {
+    !matches!(state, SandboxState::Deleted | SandboxState::Failed)
+}
+
+impl Core {
+    /// Decide a new sandbox's egress (see the module's rules).
+    pub(crate) async fn egress_for_create(
+        &self,
+        principal: &Principal,
+        tenant: &Tenant,
+        req: &EgressRequest,
+    ) -> CoreResult<EgressSpec> {
+        // Checked even when sealed: a wildcard or malformed entry is refused by name alike.
+        let or = |f: &'static str, default: &'static str| if f.is_empty() { default } else { f };
+        let (allow_field, deny_field) = (or(req.allow_field, "allow_out"), or(req.deny_field, "deny_out"));
+        let allow_only = parse_entries(allow_field, &req.allow_only)?;
+        let deny = parse_entries(deny_field, &req.deny)?;
+        let config = &self.config.egress;
+        let mut profiles = select_profiles(&config.profiles, principal.federated(), req.profiles.as_deref())?;
+        if req.sealed {
+            return Ok(EgressSpec::default());
+        }
+        let mut policy = self.store.egress_policy(&tenant.id).await?;
+        if !allow_only.is_empty() {
+            let default = Policy::new(config, policy.clone(), &profiles)?;
+            let not_allowed = |entry: String| CoreError::EgressNotAllowed {
+                field: allow_field.into(),
+                entry,
+            };
+            for d in &allow_only.domains {
+                if !default.decide_domain(d).allowed {
+                    return Err(not_allowed(d.clone()));
+                }
+            }
+            for ip in &allow_only.ips {
+                if !default.decide_ip(*ip).allowed {
+                    return Err(not_allowed(ip.to_string()));
+                }
+            }
+            for net in &allow_only.cidrs {
+                // Inside a network the tenant (or a profile) allows, with none of the tenant's
+                // denies inside it (the platform's apply to every address at run time anyway).
+                let within = policy
+                    .allow
+                    .cidrs
+                    .iter()
+                    .chain(
+                        profiles
+                            .iter()
+                            .filter_map(|n| config.profiles.get(n))
+                            .flat_map(|p| p.rules.cidrs.iter()),
+                    )
+                    .any(|c| c.contains(net));
+                let cut = policy.deny.ips.iter().any(|ip| net.contains(ip))
+                    || policy.deny.cidrs.iter().any(|d| d.contains(net) || net.contains(d));
+                if !within || cut {
+                    return Err(not_allowed(net.to_string()));
+                }
+            }
+            // Exactly these: the profiles' other entries go too.
+            policy.allow = allow_only;
+            profiles.clear();
+        } else {
+            policy.deny.domains.extend(deny.domains);
+            policy.deny.ips.extend(deny.ips);
+            policy.deny.cidrs.extend(deny.cidrs);
+        }
+        Ok(EgressSpec {
+            profiles,
+            sealed: false,
+            tenant: policy,
+        })
+    }
+
+    /// A sandbox's egress state from its record. A profile the server no longer has is left out
+    /// (with a warning): the sandbox can then reach less, never more.
+    fn build_egress(&self, row: &SandboxRow) -> Arc<SandboxEgress> {
+        let config = &self.config.egress;
+        let profiles: Vec<&str> = row
+            .egress
+            .profiles
+            .iter()
+            .map(String::as_str)
+            .filter(|n| {
+                let known = config.profiles.get(n).is_some();
+                if !known {
+                    tracing::warn!(sandbox = %row.id, "egress profile {n:?} is no longer configured; left out");
+                }
+                known
+            })
+            .collect();
+        let tenant = if row.egress.sealed {
+            TenantPolicy::sealed()
+        } else {
+            row.egress.tenant.clone()
+        };
+        let policy = Policy::new(config, tenant, &profiles).expect("only configured profiles are named");
+        SandboxEgress::new(row.id.clone(), policy, SandboxLimits::default())
+    }
+
+    /// Register a new sandbox's egress (before its create is submitted, so an early end finds it).
+    pub(crate) fn register_egress(&self, row: &SandboxRow) {
+        self.egress.listen(self);
+        self.egress.insert(self.build_egress(row));
+    }
+
+    pub(crate) fn unregister_egress(&self, sandbox_id: &str) {
+        self.egress.remove(sandbox_id);
+    }
+
+    /// The egress state of a live sandbox (what the plumbing serves), rebuilt from its record
+    /// after a restart. `None` once it has ended.
+    pub async fn egress_of(&self, row: &SandboxRow) -> Option<Arc<SandboxEgress>> {
+        if let Some(e) = self.egress.get(&row.id) {
+            return Some(e);
+        }
+        if !is_live(row.state) {
+            return None;
+        }
+        self.egress.listen(self);
+        Some(self.egress.insert(self.build_egress(row)))
+    }
+
+    /// `GET .../egress`: the effective policy, the counters and the recent denials. An ended
+    /// sandbox shows its recorded policy with nothing counted.
+    pub async fn egress_report(&self, tenant: &Tenant, id: &str) -> CoreResult<EgressReport> {
+        let row = self.sandbox(tenant, id).await?;
+        let egress = match self.egress_of(&row).await {
+            Some(e) => e,
+            None => self.build_egress(&row),
+        };
+        let effective = egress.policy().effective();
+        let snapshot = egress.snapshot();
+        Ok(EgressReport {
+            sandbox_id: row.id.clone(),
+            policy: EffectiveEgressPolicy {
+                sealed: row.egress.sealed,
+                platform_deny: effective.platform_deny,
+                tenant_deny: rules_view(&effective.tenant.deny),
+                tenant_allow: rules_view(&effective.tenant.allow),
+                profiles: effective
+                    .profiles
+                    .iter()
+                    .map(|(n, r)| (n.clone(), rules_view(r)))
+                    .collect(),
+            },
+            counters: EgressCounters {
+                tcp_allowed: snapshot.counters.tcp_allowed,
+                tcp_denied: snapshot.counters.tcp_denied,
+                dns_allowed: snapshot.counters.dns_allowed,
+                dns_denied: snapshot.counters.dns_denied,
+                by_rule: snapshot.counters.by_rule,
+            },
+            recent_denials: snapshot
+                .recent_denials
+                .into_iter()
+                .map(|d| EgressDenial {
+                    at: rfc3339(d.at_unix_ms as i64),
+                    path: serde_json::to_value(d.path)
+                        .ok()
+                        .and_then(|v| v.as_str().map(String::from))
+                        .unwrap_or_default(),
+                    destination: d.destination,
+                    rule: d.rule,
+                })
+                .collect(),
+        })
+    }
+
+    /// The server's egress configuration as `/v1/system` shows it.
+    pub fn egress_info(&self) -> EgressInfo {
+        let profiles = &self.config.egress.profiles;
+        EgressInfo {
+            digest: self.config.egress.digest(),
+            profiles: profiles
+                .names()
+                .map(|n| EgressProfileInfo {
+                    name: n.into(),
+                    default: profiles.get(n).is_some_and(|p| p.default),
+                })
+                .collect(),
+        }
+    }
+
+    /// A tenant's base policy, by tenant name (the CLI's; the tenancy issue moves it behind an
+    /// admin API).
+    pub async fn tenant_egress_policy(&self, tenant: &str) -> CoreResult<TenantPolicy> {
+        let t = self.tenant_named(tenant).await?;
+        Ok(self.store.egress_policy(&t.id).await?)
+    }
+
+    async fn tenant_named(&self, name: &str) -> CoreResult<Tenant> {
+        self.store
+            .tenant_by_name(name)
+            .await?
+            .ok_or_else(|| CoreError::invalid("tenant", format!("no tenant named {name:?}")))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn profiles() -> Profiles {
+        Profiles::from_json(
+            r#"{"pypi": {"domains": ["pypi.org"], "default": true}, "gh": {"domains": ["github.com"]}}"#,
+        )
+        .unwrap()
+    }
+
+    #[test]
+    fn the_openapi_document_shows_the_egress_route_and_fields() {
+        let doc: serde_json::Value = serde_json::from_str(&crate::openapi_json()).unwrap();
+        let get = &doc["paths"]["/v1/sandboxes/{id}/egress"]["get"];
+        assert_eq!(
+            get["responses"]["200"]["content"]["application/json"]["schema"]["$ref"],
+            "#/components/schemas/EgressReport"
+        );
+        let schemas = &doc["components"]["schemas"];
+        for s in [
+            "EgressReport",
+            "EffectiveEgressPolicy",
+            "EgressRules",
+            "EgressCounters",
+            "EgressDenial",
+        ] {
+            assert!(schemas.get(s).is_some(), "{s}");
+        }
+        assert_eq!(
+            schemas["Sandbox"]["properties"]["egress"]["$ref"],
+            "#/components/schemas/SandboxEgress"
+        );
+        assert!(schemas["SandboxEgress"]["properties"]["profiles"].is_object());
+        assert_eq!(
+            schemas["SystemInfo"]["properties"]["egress"]["$ref"],
+            "#/components/schemas/EgressInfo"
+        );
+        let params = doc["paths"]["/v1/sandboxes"]["post"]["parameters"].to_string();
+        assert!(params.contains("X-Airlock-Egress-Profiles"), "{params}");
+    }
+
+    #[test]
+    fn the_header_is_honoured_only_for_a_signed_in_caller() {
+        let p = profiles();
+        // Not signed in (every caller today): the defaults, whatever the header says.
+        assert_eq!(select_profiles(&p, false, Some("gh")).unwrap(), ["pypi"]);
+        assert_eq!(select_profiles(&p, false, Some("nope")).unwrap(), ["pypi"]);
+        assert_eq!(select_profiles(&p, false, None).unwrap(), ["pypi"]);
+        // Signed in: the named ones; none named is the defaults.
+        assert_eq!(select_profiles(&p, true, Some("gh, pypi")).unwrap(), ["gh", "pypi"]);
+        assert_eq!(select_profiles(&p, true, Some("gh")).unwrap(), ["gh"]);
+        assert_eq!(select_profiles(&p, true, None).unwrap(), ["pypi"]);
+        // An unknown name is a 400 naming it.
+        let e = select_profiles(&p, true, Some("gh,nope")).unwrap_err();
+        assert_eq!(e.code().status, 400);
+        assert!(e.to_string().contains("\"nope\""), "{e}");
+    }
+
+    #[test]
+    fn entries_are_sorted_into_domains_ips_and_cidrs_and_wildcards_are_refused() {
+        let r = parse_entries(
+            "allow_out",
+            &["Example.COM.".into(), "1.1.1.1".into(), "10.0.0.0/8".into()],
+        )
+        .unwrap();
+        assert_eq!(rules_view(&r).domains, ["example.com"]);
+        assert_eq!(rules_view(&r).ips, ["1.1.1.1"]);
+        assert_eq!(rules_view(&r).cidrs, ["10.0.0.0/8"]);
+        for bad in ["*.example.com", ".example.com", "1.2.3.4/33", "exa mple.com"] {
+            let e = parse_entries("allow_out", &[bad.into()]).unwrap_err();
+            assert_eq!(e.code().status, 400, "{bad}");
+            assert!(e.to_string().contains(bad), "{bad}: {e}");
+        }
+        let e = tenant_policy(&[], &[], &["*.x.test".into()], &[]).unwrap_err();
+        assert!(
+            e.to_string().contains("tenant deny") && e.to_string().contains("*.x.test"),
+            "{e}"
+        );
+        let e = tenant_policy(&[], &["example.com".into()], &[], &[]).unwrap_err();
+        assert!(
+            e.to_string().contains("tenant allow") && e.to_string().contains("example.com"),
+            "{e}"
+        );
+        let p = tenant_policy(
+            &["a.test".into()],
+            &["203.0.113.0/24".into(), "198.51.100.7".into()],
+            &[],
+            &[],
+        )
+        .unwrap();
+        assert_eq!(rules_view(&p.allow).ips, ["198.51.100.7"]);
+        assert_eq!(rules_view(&p.allow).cidrs, ["203.0.113.0/24"]);
+    }
+}
