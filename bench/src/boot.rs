@@ -7,6 +7,8 @@
 //!
 //!     cargo run --release -p airlock-bench -- --runs 10
 
+mod machine;
+
 use airlock_proto::ProcessSpec;
 use airlock_runtime::qemu::{Attach, QemuVmm};
 use airlock_runtime::vmm::{wait_exit, VmSpec};
@@ -103,32 +105,17 @@ fn raw_boot(qemu: &Path, spec: &VmSpec) -> f64 {
     ms(elapsed)
 }
 
-fn machine() -> serde_json::Value {
-    let cpu = std::fs::read_to_string("/proc/cpuinfo")
-        .unwrap_or_default()
-        .lines()
-        .find(|l| l.starts_with("model name"))
-        .and_then(|l| l.split(':').nth(1))
-        .unwrap_or("")
-        .trim()
-        .to_string();
-    let mem_kib = std::fs::read_to_string("/proc/meminfo")
-        .unwrap_or_default()
-        .lines()
-        .find(|l| l.starts_with("MemTotal"))
-        .and_then(|l| l.split_whitespace().nth(1)?.parse::<u64>().ok())
-        .unwrap_or(0);
+/// The shared description, with the QEMU that ran the raw side.
+fn machine_with_qemu() -> serde_json::Value {
     let qemu = std::process::Command::new("qemu-system-x86_64")
         .arg("--version")
         .output()
         .ok();
-    serde_json::json!({
-        "cpu": cpu,
-        "cpus": std::thread::available_parallelism().map(|n| n.get()).unwrap_or(0),
-        "mem_gib": mem_kib / 1024 / 1024,
-        "host_kernel": std::fs::read_to_string("/proc/sys/kernel/osrelease").unwrap_or_default().trim(),
-        "qemu": qemu.map(|o| String::from_utf8_lossy(&o.stdout).lines().next().unwrap_or("").to_string()),
-    })
+    let mut m = machine::machine();
+    m["qemu"] = qemu
+        .map(|o| String::from_utf8_lossy(&o.stdout).lines().next().unwrap_or("").to_string())
+        .into();
+    m
 }
 
 #[tokio::main]
@@ -195,7 +182,7 @@ async fn main() {
     let report = serde_json::json!({
         "bench": "boot",
         "when": humantime::format_rfc3339_seconds(std::time::SystemTime::now()).to_string(),
-        "machine": machine(),
+        "machine": machine_with_qemu(),
         "accel": accel.to_string(),
         "template": template.manifest.digest,
         "kernel": template.manifest.kernel_version,

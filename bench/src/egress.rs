@@ -12,6 +12,8 @@
 //!
 //!     cargo run --release -p airlock-bench --bin egress-bench -- --requests 300 --downloads 5
 
+mod machine;
+
 use std::collections::HashMap;
 use std::io::{Read, Write};
 use std::net::{IpAddr, Ipv4Addr, SocketAddr, TcpStream};
@@ -79,28 +81,6 @@ fn request(ns: &Netns, path: &'static str) -> (f64, usize) {
     .unwrap()
 }
 
-fn machine() -> serde_json::Value {
-    let cpu = std::fs::read_to_string("/proc/cpuinfo")
-        .unwrap_or_default()
-        .lines()
-        .find(|l| l.starts_with("model name"))
-        .and_then(|l| l.split(':').nth(1))
-        .unwrap_or("")
-        .trim()
-        .to_string();
-    let mem_kib = std::fs::read_to_string("/proc/meminfo")
-        .unwrap_or_default()
-        .lines()
-        .find(|l| l.starts_with("MemTotal"))
-        .and_then(|l| l.split_whitespace().nth(1)?.parse::<u64>().ok())
-        .unwrap_or(0);
-    serde_json::json!({
-        "cpu": cpu,
-        "cpus": std::thread::available_parallelism().map(|n| n.get()).unwrap_or(0),
-        "mem_gib": mem_kib / 1024 / 1024,
-        "host_kernel": std::fs::read_to_string("/proc/sys/kernel/osrelease").unwrap_or_default().trim(),
-    })
-}
 
 fn main() {
     let args = Args::parse();
@@ -176,7 +156,7 @@ fn main() {
     let report = serde_json::json!({
         "bench": "egress",
         "when": humantime::format_rfc3339_seconds(std::time::SystemTime::now()).to_string(),
-        "machine": machine(),
+        "machine": machine::machine(),
         "build": if cfg!(debug_assertions) { "debug" } else { "release" },
         "what": "new connection + GET / (Host: allowed.test) to a TEST-NET web server in a network namespace; \
                  proxy = DNAT to the egress proxy, which sniffs Host, resolves via a test DNS server and dials; \
