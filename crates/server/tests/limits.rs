@@ -29,34 +29,21 @@ impl Server {
         body: Body,
         id: &str,
     ) -> (u16, String, String) {
-        let mut req = Request::builder().method(method).uri(path);
-        if !headers.iter().any(|(k, _)| k.eq_ignore_ascii_case("host")) {
-            req = req.header("host", self.addr.to_string());
-        }
-        for (k, v) in headers {
-            req = req.header(*k, *v);
-        }
-        let stream = tokio::net::TcpStream::connect(self.addr).await.unwrap();
-        let (mut sender, conn) = hyper::client::conn::http1::handshake(hyper_util::rt::TokioIo::new(stream))
-            .await
-            .unwrap();
-        tokio::spawn(conn);
-        let res = sender.send_request(req.body(body).unwrap()).await.unwrap();
-        let status = res.status().as_u16();
+        let res = self.send(method, path, headers, body).await;
         let content_type = res
-            .headers()
+            .headers
             .get("content-type")
             .map(|v| v.to_str().unwrap().to_string())
             .unwrap_or_default();
         let bytes = tokio::time::timeout(
             Duration::from_secs(10),
-            axum::body::to_bytes(Body::new(res.into_body()), 1 << 20),
+            axum::body::to_bytes(res.body, 1 << 20),
         )
         .await
         .expect("a body within 10 s")
         .unwrap();
         let text = String::from_utf8_lossy(&bytes).replace(id, "<id>");
-        (status, content_type, text)
+        (res.status, content_type, text)
     }
 
     /// A running E2B sandbox of the tenant whose key is `key`.
