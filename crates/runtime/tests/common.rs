@@ -40,20 +40,24 @@ fn tracing_subscriber_init() {
         .try_init();
 }
 
+/// Build the seed template in the test data dir, or find it up to date.
+pub async fn build_seed() {
+    let store = airlock_runtime::template::TemplateStore::new(
+        airlock_runtime::datadir::DataDir::open(test_data_dir()).unwrap(),
+    );
+    tokio::task::spawn_blocking(move || store.build_seed(&BuildOptions::default()))
+        .await
+        .unwrap()
+        .expect("seed template builds");
+}
+
 pub fn runtime() -> Runtime {
     static RUNTIME: OnceLock<Runtime> = OnceLock::new();
     RUNTIME
         .get_or_init(|| {
             block_on(async {
-                let data = test_data_dir();
-                let store = airlock_runtime::template::TemplateStore::new(
-                    airlock_runtime::datadir::DataDir::open(&data).unwrap(),
-                );
-                tokio::task::spawn_blocking(move || store.build_seed(&BuildOptions::default()))
-                    .await
-                    .unwrap()
-                    .expect("seed template builds");
-                Runtime::open(RuntimeOptions::new(data)).await.expect("runtime opens")
+                build_seed().await;
+                Runtime::open(RuntimeOptions::new(test_data_dir())).await.expect("runtime opens")
             })
         })
         .clone()

@@ -9,10 +9,9 @@
 mod common;
 
 use airlock_runtime::net::{self, EgressHook, EgressPorts, NetError, SandboxLink};
-use airlock_runtime::template::BuildOptions;
 use airlock_runtime::{CreateSandbox, Runtime, RuntimeError, RuntimeOptions, Sandbox};
 use async_trait::async_trait;
-use common::{argv, block_on, small, test_data_dir};
+use common::{argv, block_on, build_seed, small, test_data_dir};
 use libtest_mimic::Trial;
 use std::collections::HashMap;
 use std::io::{BufRead, BufReader, Write};
@@ -98,15 +97,8 @@ fn runtime() -> Runtime {
     RUNTIME
         .get_or_init(|| {
             block_on(async {
-                let data = test_data_dir();
-                let store = airlock_runtime::template::TemplateStore::new(
-                    airlock_runtime::datadir::DataDir::open(&data).unwrap(),
-                );
-                tokio::task::spawn_blocking(move || store.build_seed(&BuildOptions::default()))
-                    .await
-                    .unwrap()
-                    .expect("seed template builds");
-                let mut opts = RuntimeOptions::new(data);
+                build_seed().await;
+                let mut opts = RuntimeOptions::new(test_data_dir());
                 opts.network = Some(net::NetworkOptions {
                     pool: None,
                     egress: Some(hook() as Arc<dyn EgressHook>),

@@ -42,7 +42,8 @@ fn child_creates_sandbox_and_exits() {
 #[test]
 fn vm_survives_its_creator_and_is_reattached() {
     // Make sure the template exists (built or found up to date) before the child needs it.
-    build_template();
+    // Build (or find) the template without keeping a runtime open: the child needs the lock.
+    block_on(build_seed());
     let out = std::process::Command::new(std::env::current_exe().unwrap())
         .args([
             "--exact",
@@ -106,17 +107,5 @@ fn vm_survives_its_creator_and_is_reattached() {
         rt.delete(&id).await.unwrap();
         assert!(!pid_alive(pid) && !dir.exists());
         assert!(!netns.exists(), "{} left", netns.display());
-    });
-}
-
-/// Build (or find) the template without keeping a runtime open: the child needs the lock.
-fn build_template() {
-    block_on(async {
-        let data = airlock_runtime::datadir::DataDir::open(test_data_dir()).unwrap();
-        let store = airlock_runtime::template::TemplateStore::new(data);
-        tokio::task::spawn_blocking(move || store.build_seed(&Default::default()))
-            .await
-            .unwrap()
-            .unwrap();
     });
 }
