@@ -262,25 +262,20 @@ impl Jailer {
         let write = |path: PathBuf, value: String| -> Result<()> {
             std::fs::write(&path, value).map_err(|e| fail("write", &path, e))
         };
-        let made = |dir: &Path| -> Result<()> {
-            match std::fs::create_dir_all(dir) {
-                Ok(()) => Ok(()),
-                Err(e) => Err(fail("mkdir", dir, e)),
-            }
-        };
+        let made = |dir: &Path| std::fs::create_dir_all(dir).map_err(|e| fail("mkdir", dir, e));
         let mut procs = Vec::new();
         match version {
             CgroupVersion::V2 => {
-                // Controllers must be enabled on every level above the VM's cgroup; the levels
-                // airlock makes hold no process, so this is allowed.
+                // Controllers must be enabled on every level above the VM's cgroup (the root,
+                // airlock's, the data dir's); the levels airlock makes hold no process, so this
+                // is allowed.
                 let parent = self.cgroup_parent(version, "");
                 made(&parent)?;
-                let mut level = PathBuf::from(CGROUP_FS);
-                for part in [self.config.cgroup_root.as_str(), self.tag.as_str()] {
+                let root = Path::new(CGROUP_FS);
+                for level in [root, &root.join(&self.config.cgroup_root), &parent] {
                     for ctl in ["+memory", "+pids", "+cpu"] {
                         let _ = std::fs::write(level.join("cgroup.subtree_control"), ctl);
                     }
-                    level.push(part);
                 }
                 let dir = parent.join(id);
                 made(&dir)?;
