@@ -9,7 +9,7 @@ use airlock_server::core::principal::signature;
 use airlock_server::listen::Limits;
 use airlock_server::store::{KeyFormat, SqliteStore, TenantStore};
 use axum::body::Body;
-use axum::http::{Method, Request};
+use axum::http::Method;
 use common::*;
 use serde_json::json;
 use std::net::SocketAddr;
