@@ -48,6 +48,15 @@ enum Command {
         #[arg(long, env = "AIRLOCK_TLS_KEY", requires = "tls_listen")]
         tls_key: Option<PathBuf>,
         /// Live sandboxes one tenant may have at once (429 `quota_exceeded` past it).
+        /// The DNS server sandboxes' allowed names are resolved with (default: the first
+        /// `nameserver` of /etc/resolv.conf).
+        #[arg(long, env = "AIRLOCK_EGRESS_DNS")]
+        egress_dns: Option<SocketAddr>,
+        /// Make sandboxes' lookups and connections from this network namespace (a name under
+        /// /run/netns) instead of the host's own network: a separate uplink, or a test's
+        /// "internet".
+        #[arg(long, env = "AIRLOCK_EGRESS_UPLINK_NETNS")]
+        egress_uplink_netns: Option<String>,
         #[arg(long, env = "AIRLOCK_MAX_SANDBOXES", default_value_t = 20)]
         max_sandboxes: u32,
         /// Processes (sessions) one sandbox may run at once (429 `quota_exceeded` past it).
@@ -335,6 +344,8 @@ async fn run(cli: Cli) -> anyhow::Result<u8> {
             tls_cert,
             tls_key,
             max_connections,
+            egress_dns,
+            egress_uplink_netns,
         } => {
             // First: a bad AIRLOCK_EGRESS_PROFILES stops the server before anything is built.
             let egress = airlock_server::egress_config_from_env()?;
@@ -370,6 +381,10 @@ async fn run(cli: Cli) -> anyhow::Result<u8> {
                     ..Default::default()
                 },
                 egress,
+                egress_uplink: airlock_server::EgressUplink {
+                    dns: egress_dns,
+                    netns: egress_uplink_netns,
+                },
             })
             .await?;
         }

@@ -16,14 +16,7 @@ static SERVER: OnceLock<Server> = OnceLock::new();
 fn server() -> &'static Server {
     SERVER.get_or_init(|| {
         let data = test_data_dir();
-        std::fs::create_dir_all(&data).unwrap();
-        let built = Command::new(BIN)
-            .arg("--data-dir")
-            .arg(&data)
-            .args(["template", "build", "seed"])
-            .status()
-            .unwrap();
-        assert!(built.success(), "template build failed");
+        build_template(&data, "seed");
         Server::start(&data)
     })
 }

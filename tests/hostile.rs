@@ -70,14 +70,7 @@ static STARTED: OnceLock<(u32, PathBuf)> = OnceLock::new();
 fn suite() -> &'static Suite {
     SUITE.get_or_init(|| {
         let shared = test_data_dir();
-        std::fs::create_dir_all(&shared).unwrap();
-        let built = Command::new(BIN)
-            .arg("--data-dir")
-            .arg(&shared)
-            .args(["template", "build", "seed"])
-            .status()
-            .unwrap();
-        assert!(built.success(), "template build failed");
+        build_template(&shared, "seed");
         // A data dir per run (two runs at once must not share a store), and away with those of
         // runs that are gone.
         let prefix = format!("{}-hostile-", shared.display());
@@ -446,13 +439,6 @@ fn wait_console(dir: &Path, needle: &str, within: Duration) -> String {
         assert!(started.elapsed() < within, "no {needle:?} on the console in {within:?}");
         std::thread::sleep(Duration::from_millis(50));
     }
-}
-
-fn put_file(s: &Server, id: &str, path: &str, body: &[u8]) {
-    let r = ureq::put(&format!("{}/v1/sandboxes/{id}/files?path={path}", s.url))
-        .set("Authorization", &format!("Bearer {}", s.key))
-        .send_bytes(body);
-    assert!(r.is_ok(), "upload {path}: {r:?}");
 }
 
 fn signal(s: &Server, id: &str, sid: &str, sig: &str) {

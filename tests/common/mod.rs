@@ -17,6 +17,18 @@ pub fn test_data_dir() -> PathBuf {
         .unwrap_or_else(|| "/var/lib/airlock-test".into())
 }
 
+/// `airlock template build <name>` on `data` (a no-op when its recipe is unchanged).
+pub fn build_template(data: &Path, name: &str) {
+    std::fs::create_dir_all(data).unwrap();
+    let built = Command::new(BIN)
+        .arg("--data-dir")
+        .arg(data)
+        .args(["template", "build", name])
+        .status()
+        .unwrap();
+    assert!(built.success(), "template build {name} failed");
+}
+
 pub fn free_port() -> u16 {
     std::net::TcpListener::bind("127.0.0.1:0")
         .unwrap()
@@ -291,4 +303,12 @@ pub fn reap_orphans() {
             unsafe { libc::waitpid(pid, std::ptr::null_mut(), libc::WNOHANG) };
         }
     }
+}
+
+/// Upload `body` to `path` in sandbox `id`.
+pub fn put_file(s: &Server, id: &str, path: &str, body: &[u8]) {
+    let r = ureq::put(&format!("{}/v1/sandboxes/{id}/files?path={path}", s.url))
+        .set("Authorization", &format!("Bearer {}", s.key))
+        .send_bytes(body);
+    assert!(r.is_ok(), "upload {path}: {r:?}");
 }

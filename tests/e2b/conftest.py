@@ -6,6 +6,8 @@ import json
 import os
 import socket
 import subprocess
+import sys
+import tempfile
 import time
 import urllib.request
 
@@ -19,6 +21,26 @@ DNS_WORKDIR, TEST_CA, TLS_CERT, TLS_KEY = wildcard_dns.setup()
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 BIN = os.environ.get("AIRLOCK_BIN", os.path.join(ROOT, "target", "release", "airlock"))
 DATA = os.environ.get("AIRLOCK_TEST_DATA_DIR", "/var/lib/airlock-test")
+# What the E2B door's egress tests may reach: the tenant's base policy while the suite runs.
+TENANT_ALLOWS = ("allowed.test", "other.test")
+
+
+def _start_internet():
+    """The test internet (tests/net/internet.py): sandboxes' lookups and dials go only there."""
+    workdir = tempfile.mkdtemp(prefix="airlock-e2b-internet-")
+    proc = subprocess.Popen([sys.executable, os.path.join(ROOT, "tests", "net", "internet.py"), workdir],
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    line = proc.stdout.readline()
+    if not line:
+        raise RuntimeError("the test internet did not start")
+    return proc, json.loads(line)
+
+
+def _set_tenant_policy(domains):
+    args = [BIN, "--data-dir", DATA, "tenant", "policy", "set"]
+    for d in domains:
+        args += ["--allow-domain", d]
+    subprocess.run(args, check=True, stdout=subprocess.DEVNULL)
 
 
 def _free_port():
@@ -39,7 +61,7 @@ def _native(url, key, method, path):
 @pytest.fixture(scope="session", autouse=True)
 def airlock_server():
     os.makedirs(DATA, exist_ok=True)
-    for template in ("seed", "code-interpreter-v1"):
+    for template in ("seed", "base", "code-interpreter-v1"):
         subprocess.run([BIN, "--data-dir", DATA, "template", "build", template], check=True, stdout=subprocess.DEVNULL)
     port = _free_port()
     url = f"http://127.0.0.1:{port}"
@@ -49,6 +71,9 @@ def airlock_server():
              # E2B_DOMAIN clients: HTTPS on :443 of the address the suite's wildcard DNS answers.
              "--e2b-domain", wildcard_dns.DOMAIN, "--tls-listen", f"{wildcard_dns.TLS_ADDR}:443",
              "--tls-cert", TLS_CERT, "--tls-key", TLS_KEY]
+    internet, net = _start_internet()
+    serve += ["--egress-uplink-netns", net["uplink_netns"], "--egress-dns", net["dns"]]
+    _set_tenant_policy(TENANT_ALLOWS)
     dns = wildcard_dns.start_dns_server()
     proc = subprocess.Popen(serve, stdout=log, stderr=log)
     deadline = time.time() + 120
@@ -72,7 +97,7 @@ def airlock_server():
         os.environ["E2B_API_URL"] = url
         os.environ["E2B_SANDBOX_URL"] = url
     try:
-        yield {"url": url, "key": key}
+        yield {"url": url, "key": key, "internet": net}
         # VMs outlive the server by design: delete what the tests left, then stop it.
         for sb in _native(url, key, "GET", "/v1/sandboxes?limit=100")["sandboxes"]:
             _native(url, key, "DELETE", f"/v1/sandboxes/{sb['id']}")
@@ -86,6 +111,9 @@ def airlock_server():
         proc.wait(timeout=30)
         for server in dns:
             server.stop()
+        internet.stdin.close()  # it removes its namespaces
+        internet.wait(timeout=30)
+        _set_tenant_policy(())
 
 
 @contextlib.contextmanager

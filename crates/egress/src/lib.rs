@@ -37,6 +37,7 @@ mod proxy;
 mod resolve;
 mod sandbox;
 mod serve;
+mod uplink;
 pub mod sniff;
 #[doc(hidden)]
 pub mod testnet;
@@ -51,3 +52,4 @@ pub use proxy::{OriginalDst, Proxy, ProxyConfig};
 pub use resolve::{Lookup, Resolver};
 pub use sandbox::{Denial, EgressCounters, EgressSnapshot, Path, SandboxEgress, SandboxLimits};
 pub use serve::{enter_netns, serve_sandbox, EgressTasks, SandboxSockets};
+pub use uplink::{local_addresses, Uplink};

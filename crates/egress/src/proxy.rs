@@ -24,13 +24,14 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
-use tokio::net::{TcpListener, TcpSocket, TcpStream};
+use tokio::net::{TcpListener, TcpStream};
 use tokio::task::JoinSet;
 use tokio::time::{timeout, Instant};
 
 use crate::policy::Decision;
 use crate::resolve::Resolver;
 use crate::sandbox::{Path, SandboxEgress};
+use crate::uplink::Uplink;
 use crate::sniff::{self, Sniffed};
 
 /// How the proxy learns where a redirected connection was going.
@@ -54,7 +55,9 @@ pub struct ProxyConfig {
     pub connect_timeout: Duration,
     /// A spliced connection with no byte in either direction for this long is closed.
     pub idle_timeout: Duration,
-    /// Source address for dials (None: the kernel picks, in the process's namespace).
+    /// The namespace dials leave from.
+    pub uplink: Uplink,
+    /// Source address for dials (None: the kernel picks, in the uplink's namespace).
     pub uplink_bind: Option<IpAddr>,
 }
 
@@ -66,6 +69,7 @@ impl Default for ProxyConfig {
             sniff_max: 16 * 1024,
             connect_timeout: Duration::from_secs(10),
             idle_timeout: Duration::from_secs(300),
+            uplink: Uplink::host(),
             uplink_bind: None,
         }
     }
@@ -275,11 +279,7 @@ impl Proxy {
         };
         let mut last = std::io::Error::new(std::io::ErrorKind::NotFound, "no address");
         for addr in addrs {
-            let socket = if addr.is_ipv4() {
-                TcpSocket::new_v4()?
-            } else {
-                TcpSocket::new_v6()?
-            };
+            let socket = self.config.uplink.tcp_socket(addr.is_ipv6())?;
             if let Some(src) = self.config.uplink_bind {
                 socket.bind(SocketAddr::new(src, 0))?;
             }

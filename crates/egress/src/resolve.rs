@@ -8,10 +8,10 @@ use std::time::Duration;
 use hickory_proto::op::{Edns, Message, MessageType, OpCode, Query, ResponseCode};
 use hickory_proto::rr::{Name, RData, RecordType};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
-use tokio::net::{TcpStream, UdpSocket};
 use tokio::time::{timeout, Instant};
 
 use crate::error::{ResolvConfError, ResolveError};
+use crate::uplink::Uplink;
 
 /// Largest answer read from the upstream (UDP with EDNS, or one TCP message).
 const MAX_UPSTREAM_MESSAGE: usize = 16 * 1024;
@@ -24,6 +24,7 @@ const MAX_ADDRESSES: usize = 16;
 pub struct Resolver {
     upstream: SocketAddr,
     timeout: Duration,
+    uplink: Uplink,
 }
 
 /// An upstream answer: the name's IPv4 addresses (after CNAMEs) and the smallest TTL seen.
@@ -36,7 +37,17 @@ pub struct Lookup {
 impl Resolver {
     /// `timeout` bounds a whole lookup (UDP tries and the TCP fallback together).
     pub fn new(upstream: SocketAddr, timeout: Duration) -> Self {
-        Resolver { upstream, timeout }
+        Resolver {
+            upstream,
+            timeout,
+            uplink: Uplink::host(),
+        }
+    }
+
+    /// Ask the upstream from `uplink`'s namespace instead of the process's own.
+    pub fn with_uplink(mut self, uplink: Uplink) -> Self {
+        self.uplink = uplink;
+        self
     }
 
     /// The first `nameserver` in a resolv.conf (port 53), e.g. `/etc/resolv.conf`.
@@ -104,7 +115,7 @@ impl Resolver {
         } else {
             "[::]:0".parse().unwrap()
         };
-        let sock = UdpSocket::bind(bind).await?;
+        let sock = self.uplink.udp_socket(bind)?;
         sock.connect(self.upstream).await?;
         let mut buf = vec![0u8; MAX_UPSTREAM_MESSAGE];
         // Two sends: one lost datagram shouldn't cost the whole timeout.
@@ -133,7 +144,7 @@ impl Resolver {
     }
 
     async fn tcp(&self, query: &[u8], id: u16) -> Result<Message, ResolveError> {
-        let mut s = TcpStream::connect(self.upstream).await?;
+        let mut s = self.uplink.tcp_socket(self.upstream.is_ipv6())?.connect(self.upstream).await?;
         let mut framed = (query.len() as u16).to_be_bytes().to_vec();
         framed.extend_from_slice(query);
         s.write_all(&framed).await?;

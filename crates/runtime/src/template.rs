@@ -16,6 +16,18 @@ use std::process::Command;
 use std::time::{Instant, SystemTime};
 
 pub const SEED: &str = "seed";
+/// `seed` plus what code written for E2B's `base` assumes: git, curl, a `python` command, pip and
+/// venv, node. `seed` itself stays minimal. (npm is missing: its dependency web leaves dpkg with
+/// unconfigured packages under `debootstrap --include`; it needs an apt step in the chroot.)
+pub const BASE: &str = "base";
+const BASE_EXTRA_PACKAGES: &[&str] = &[
+    "git",
+    "curl",
+    "python-is-python3",
+    "python3-pip",
+    "python3-venv",
+    "nodejs",
+];
 /// `seed` + matplotlib + airlock's code interpreter on port 49999 (E2B's `code-interpreter-v1`).
 pub const CODE_INTERPRETER: &str = "code-interpreter-v1";
 /// Port the code interpreter listens on inside the sandbox (E2B's Jupyter port).
@@ -106,6 +118,11 @@ fn definition(name: &str) -> Option<TemplateDef> {
             files: Vec::new(),
             start: None,
         }),
+        BASE => Some(TemplateDef {
+            packages: SEED_PACKAGES.iter().chain(BASE_EXTRA_PACKAGES).copied().collect(),
+            files: Vec::new(),
+            start: None,
+        }),
         CODE_INTERPRETER => Some(TemplateDef {
             packages: SEED_PACKAGES.iter().copied().chain(["python3-matplotlib"]).collect(),
             files: vec![(CODE_INTERPRETER_PATH, CODE_INTERPRETER_PY, 0o755)],
@@ -125,7 +142,7 @@ fn definition(name: &str) -> Option<TemplateDef> {
 }
 
 /// Templates `airlock template build` knows how to make.
-pub const BUILDABLE: &[&str] = &[SEED, CODE_INTERPRETER];
+pub const BUILDABLE: &[&str] = &[SEED, BASE, CODE_INTERPRETER];
 
 impl SeedRecipe {
     fn digest(&self) -> String {

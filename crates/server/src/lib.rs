@@ -15,6 +15,7 @@ pub mod error;
 pub mod listen;
 pub mod model;
 pub mod native;
+pub mod node_egress;
 pub mod nodes;
 pub mod proxy;
 pub mod store;
@@ -201,6 +202,56 @@ pub struct ServeOptions {
     pub limits: listen::Limits,
     /// Egress profiles and the always-denied ranges ([`egress_config_from_env`]).
     pub egress: airlock_egress::EgressConfig,
+    /// Where sandboxes' lookups and connections leave from.
+    pub egress_uplink: EgressUplink,
+}
+
+/// Where sandbox egress leaves the host.
+#[derive(Debug, Clone, Default)]
+pub struct EgressUplink {
+    /// The resolver allowed names are looked up with (default: /etc/resolv.conf's first).
+    pub dns: Option<SocketAddr>,
+    /// A network namespace (under /run/netns) to make lookups and dials in, instead of the
+    /// process's own.
+    pub netns: Option<String>,
+}
+
+/// The node's egress side for `uplink`, and the platform denies completed with the addresses
+/// of the host (and of the uplink namespace): a sandbox must never reach the machine itself.
+fn node_egress(
+    uplink: &EgressUplink,
+    config: &mut airlock_egress::EgressConfig,
+) -> anyhow::Result<Arc<node_egress::NodeEgress>> {
+    use airlock_egress::{local_addresses, PlatformDenies, ProxyConfig, Resolver, Uplink};
+    let namespace = match &uplink.netns {
+        Some(name) => Uplink::netns(&std::path::Path::new("/run/netns").join(name))
+            .map_err(|e| anyhow::anyhow!("--egress-uplink-netns {name}: {e}"))?,
+        None => Uplink::host(),
+    };
+    let resolver = match uplink.dns {
+        Some(addr) => Resolver::new(addr, std::time::Duration::from_secs(5)),
+        None if uplink.netns.is_some() => {
+            anyhow::bail!("--egress-uplink-netns needs --egress-dns: the host's resolver is not in that namespace")
+        }
+        None => Resolver::system().map_err(|e| anyhow::anyhow!("egress DNS: {e}; pass --egress-dns <ip:port>"))?,
+    }
+    .with_uplink(namespace.clone());
+    let mut host = local_addresses()?;
+    host.extend(namespace.addresses()?);
+    tracing::info!(
+        "egress: lookups via {}, dials from {:?}, {} host addresses denied",
+        resolver.upstream(),
+        namespace,
+        host.len()
+    );
+    config.platform = Arc::new(PlatformDenies::new(host));
+    Ok(node_egress::NodeEgress::new(
+        Arc::new(resolver),
+        ProxyConfig {
+            uplink: namespace,
+            ..ProxyConfig::default()
+        },
+    ))
 }
 
 /// The egress configuration: profiles from `AIRLOCK_EGRESS_PROFILES` (a wildcard or malformed
@@ -208,8 +259,8 @@ pub struct ServeOptions {
 pub fn egress_config_from_env() -> anyhow::Result<airlock_egress::EgressConfig> {
     let profiles =
         airlock_egress::Profiles::from_env().map_err(|e| anyhow::anyhow!("{}: {e}", airlock_egress::PROFILES_ENV))?;
-    // The host's own addresses join the platform's denies when the egress plumbing lands (it
-    // knows the uplink); the digest leaves them out either way.
+    // The host's own addresses join the platform's denies in `serve` (which knows the uplink);
+    // the digest leaves them out.
     Ok(airlock_egress::EgressConfig::new(
         airlock_egress::PlatformDenies::new(Vec::new()),
         profiles,
@@ -248,11 +299,21 @@ pub async fn serve(opts: ServeOptions) -> anyhow::Result<()> {
     };
     // The VMs of the last run are re-attached in the background (`recover` below waits for
     // each before settling its sandbox), so the listener binds at once however many there are.
-    let runtime = airlock_runtime::Runtime::open(airlock_runtime::RuntimeOptions {
+    let mut egress = opts.egress;
+    let mut runtime_opts = airlock_runtime::RuntimeOptions {
         reconcile_in_background: true,
         ..airlock_runtime::RuntimeOptions::new(&opts.data_dir)
-    })
-    .await?;
+    };
+    // Without sandbox networks (`AIRLOCK_SANDBOX_NETWORK=off`) there is nothing to serve.
+    let hook = match runtime_opts.network.as_mut() {
+        Some(network) => {
+            let hook = node_egress(&opts.egress_uplink, &mut egress)?;
+            network.egress = Some(hook.clone());
+            Some(hook)
+        }
+        None => None,
+    };
+    let runtime = airlock_runtime::Runtime::open(runtime_opts).await?;
     let root = runtime.data_dir().root().to_path_buf();
     let store: Arc<dyn store::Store> = Arc::new(store::SqliteStore::open(&root.join("airlock.db")).await?);
     if bootstrap_admin_key(&*store, &root, &opts.listen).await?.is_some() {
@@ -272,7 +333,7 @@ pub async fn serve(opts: ServeOptions) -> anyhow::Result<()> {
         memory_reserve_mib: opts.memory_reserve_mib,
         disk_reserve_mib: opts.disk_reserve_mib,
         max_sessions_per_sandbox: opts.max_sessions_per_sandbox,
-        egress: opts.egress,
+        egress,
         ..core::Config::default()
     };
     let capacity = nodes.capacity();
@@ -293,6 +354,9 @@ pub async fn serve(opts: ServeOptions) -> anyhow::Result<()> {
         config.egress.profiles.defaults().join(", ")
     );
     let core = core::Core::new(store, nodes, config, secret);
+    if let Some(hook) = &hook {
+        hook.bind_core(core.clone());
+    }
     // Requests about a sandbox the recovery has yet to settle wait for it (`Core::current`).
     core.engine.start_recovery().await?;
     core.engine.spawn_reaper();

@@ -5,7 +5,8 @@ use super::Core;
 use crate::error::{CoreError, CoreResult, Kind};
 use airlock_runtime::template::{Template, TemplateManifest};
 
-/// Names other clients use for airlock templates: (alias, template).
+/// Names other clients use for airlock templates: (alias, template). A built template of the same
+/// name wins: E2B's `base` is airlock's `base` where that is built, else `seed`.
 pub const ALIASES: &[(&str, &str)] = &[("base", "seed")];
 
 /// The airlock template an alias stands for (the name itself when it is none).
@@ -24,9 +25,10 @@ pub fn alias_of(template: &str) -> Option<&'static str> {
 
 impl Core {
     pub fn resolve_template(&self, name: &str) -> CoreResult<Template> {
-        self.nodes
-            .templates()
-            .resolve(canonical(name))
+        let templates = self.nodes.templates();
+        templates
+            .resolve(name)
+            .or_else(|_| templates.resolve(canonical(name)))
             .map_err(|_| CoreError::NotFound {
                 kind: Kind::Template,
                 id: name.into(),
@@ -42,7 +44,7 @@ impl Core {
     pub fn template_names(&self) -> Vec<String> {
         let mut names: Vec<String> = self.templates().into_iter().map(|m| m.name).collect();
         for (alias, t) in ALIASES {
-            if names.iter().any(|n| n == t) {
+            if names.iter().any(|n| n == t) && !names.iter().any(|n| n == alias) {
                 names.push(format!("{alias} (= {t})"));
             }
         }
