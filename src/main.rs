@@ -237,6 +237,40 @@ enum TenantCommand {
         #[command(subcommand)]
         command: PolicyCommand,
     },
+    /// A tenant's quotas: live sandboxes, their vcpu, memory and disk together, sessions per
+    /// sandbox, creates per minute. A limit left unset is the server's default
+    /// (`--max-sandboxes`, `--max-sessions`) or none; the node's budgets always apply.
+    Quota {
+        #[command(subcommand)]
+        command: QuotaCommand,
+    },
+}
+
+#[derive(Subcommand)]
+enum QuotaCommand {
+    /// Print the limits set for the tenant (JSON; null: the server's default).
+    Show {
+        #[arg(long, default_value = "default")]
+        tenant: String,
+    },
+    /// Replace the tenant's limits with exactly those given (none: the server's defaults).
+    /// Live sandboxes stay; new creates and sessions are checked against them at once.
+    Set {
+        #[arg(long, default_value = "default")]
+        tenant: String,
+        #[arg(long)]
+        sandboxes: Option<u32>,
+        #[arg(long)]
+        vcpu: Option<u64>,
+        #[arg(long)]
+        memory_mib: Option<u64>,
+        #[arg(long)]
+        disk_mib: Option<u64>,
+        #[arg(long)]
+        sessions_per_sandbox: Option<u32>,
+        #[arg(long)]
+        creates_per_minute: Option<u32>,
+    },
 }
 
 #[derive(Subcommand)]
@@ -325,6 +359,21 @@ fn build_template(
         println!("{} {}", t.manifest.name, t.manifest.digest);
         Ok(())
     })
+}
+
+/// The data dir's store and tenant `name` in it (the store-level tenant commands).
+async fn tenant_in_store(
+    data_dir: &std::path::Path,
+    name: &str,
+) -> anyhow::Result<(airlock_server::store::SqliteStore, airlock_server::store::Tenant)> {
+    use airlock_server::store::TenantStore;
+    let data = DataDir::open(data_dir)?;
+    let store = airlock_server::store::SqliteStore::open(&data.root().join("airlock.db")).await?;
+    let tenant = store
+        .tenant_by_name(name)
+        .await?
+        .with_context(|| format!("no tenant named {name:?} (`airlock key create --tenant {name}` makes one)"))?;
+    Ok((store, tenant))
 }
 
 async fn run(cli: Cli) -> anyhow::Result<u8> {
@@ -518,15 +567,11 @@ async fn run(cli: Cli) -> anyhow::Result<u8> {
         Command::Tenant {
             command: TenantCommand::Policy { command },
         } => {
-            let data = DataDir::open(&cli.data_dir)?;
-            let store = airlock_server::store::SqliteStore::open(&data.root().join("airlock.db")).await?;
-            use airlock_server::store::TenantStore;
             let name = match &command {
                 PolicyCommand::Show { tenant } | PolicyCommand::Set { tenant, .. } => tenant.clone(),
             };
-            let tenant = store.tenant_by_name(&name).await?.with_context(|| {
-                format!("no tenant named {name:?} (`airlock key create --tenant {name}` makes one)")
-            })?;
+            let (store, tenant) = tenant_in_store(&cli.data_dir, &name).await?;
+            use airlock_server::store::TenantStore;
             if let PolicyCommand::Set {
                 allow_domain,
                 deny_domain,
@@ -542,6 +587,39 @@ async fn run(cli: Cli) -> anyhow::Result<u8> {
             let policy = store.egress_policy(&tenant.id).await?;
             let v: serde_json::Value = serde_json::from_str(&policy.to_json())?;
             print_json(&json!({"tenant": tenant.name, "policy": v}));
+        }
+        Command::Tenant {
+            command: TenantCommand::Quota { command },
+        } => {
+            let name = match &command {
+                QuotaCommand::Show { tenant } | QuotaCommand::Set { tenant, .. } => tenant.clone(),
+            };
+            let (store, tenant) = tenant_in_store(&cli.data_dir, &name).await?;
+            use airlock_server::store::TenantStore;
+            if let QuotaCommand::Set {
+                sandboxes,
+                vcpu,
+                memory_mib,
+                disk_mib,
+                sessions_per_sandbox,
+                creates_per_minute,
+                ..
+            } = command
+            {
+                let quota = airlock_server::model::Quota {
+                    sandboxes,
+                    vcpu,
+                    memory_mib,
+                    disk_mib,
+                    sessions_per_sandbox,
+                    creates_per_minute,
+                };
+                airlock_server::core::tenants::check_quota(&quota)
+                    .map_err(|e| anyhow::anyhow!("{e}; e.g. --sandboxes 10"))?;
+                store.set_quota(&tenant.id, &quota).await?;
+            }
+            let quota = store.quota(&tenant.id).await?;
+            print_json(&json!({"tenant": tenant.name, "quota": quota}));
         }
         Command::Doctor => {
             let rt = Runtime::open(RuntimeOptions::new(&cli.data_dir)).await?;

@@ -1,5 +1,5 @@
 //! The `airlock` binary's own checks, without a server or a VM: egress configuration at startup
-//! and `airlock tenant policy`.
+//! and `airlock tenant policy` / `airlock tenant quota`.
 
 use std::process::{Command, Output, Stdio};
 use std::time::{Duration, Instant};
@@ -125,4 +125,32 @@ fn tenant_policy_set_and_show() {
     // `set` with nothing allows nothing.
     let cleared = ok(&["tenant", "policy", "set", "--tenant", "acme"]);
     assert_eq!(cleared["policy"]["allow"], empty);
+}
+
+#[test]
+fn tenant_quota_set_and_show() {
+    let dir = tempfile::tempdir().unwrap();
+    let run = |args: &[&str]| airlock(dir.path(), args, &[]);
+    let json = |out: &Output| serde_json::from_slice::<serde_json::Value>(&out.stdout).unwrap_or_default();
+    assert!(run(&["key", "create", "--tenant", "acme"]).status.success());
+    // Nothing set: every limit is the server's default (null).
+    let shown = run(&["tenant", "quota", "show", "--tenant", "acme"]);
+    assert!(shown.status.success());
+    assert_eq!(json(&shown)["quota"]["vcpu"], serde_json::Value::Null);
+    let set = run(&[
+        "tenant", "quota", "set", "--tenant", "acme", "--sandboxes", "3", "--vcpu", "6",
+        "--creates-per-minute", "10",
+    ]);
+    assert!(set.status.success(), "{}", String::from_utf8_lossy(&set.stderr));
+    let q = &json(&run(&["tenant", "quota", "show", "--tenant", "acme"]))["quota"];
+    assert_eq!((q["sandboxes"].as_u64(), q["vcpu"].as_u64()), (Some(3), Some(6)), "{q}");
+    assert_eq!((q["creates_per_minute"].as_u64(), &q["memory_mib"]), (Some(10), &serde_json::Value::Null));
+    // A zero is refused, naming the limit; what was set stays.
+    let out = run(&["tenant", "quota", "set", "--tenant", "acme", "--vcpu", "0"]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success() && err.contains("vcpu") && err.contains("at least 1"), "{err}");
+    assert_eq!(json(&run(&["tenant", "quota", "show", "--tenant", "acme"]))["quota"]["vcpu"], 6);
+    // An unknown tenant is named.
+    let out = run(&["tenant", "quota", "show", "--tenant", "nobody"]);
+    assert!(!out.status.success() && String::from_utf8_lossy(&out.stderr).contains("nobody"));
 }

@@ -6,7 +6,7 @@
 
 use crate::error::{CoreError, CoreResult};
 use crate::model::ErrorBody;
-use crate::model::{Operation, OperationKind, OperationState, SandboxState};
+use crate::model::{Operation, OperationKind, OperationState, Quota, SandboxState};
 use crate::nodes::{Nodes, VmState};
 use crate::store::{now_ms, rfc3339, CreateRecorded, NodeBudget, SandboxRow, Store};
 use std::sync::Arc;
@@ -25,12 +25,12 @@ pub const WAIT_LIMIT: Duration = Duration::from_secs(300);
 /// A lifecycle change to carry out.
 #[derive(Debug, Clone)]
 pub enum Action {
-    /// Record a new sandbox (if the tenant has fewer than `max_live` live ones and the node's
-    /// live sandboxes plus this one fit in `budget`) and boot it.
+    /// Record a new sandbox (if the tenant stays within its `quota` and the node's live
+    /// sandboxes plus this one fit in `budget`) and boot it.
     Create {
         sandbox: SandboxRow,
         idempotency_key: Option<String>,
-        max_live: u32,
+        quota: Quota,
         budget: NodeBudget,
     },
     Delete {
@@ -153,13 +153,13 @@ impl Engine {
             Action::Create {
                 sandbox,
                 idempotency_key,
-                max_live,
+                quota,
                 budget,
             } => {
                 let op = new_operation(OperationKind::Create, &sandbox.id);
                 match self
                     .store
-                    .insert_create_within(&sandbox, &op, idempotency_key.as_deref(), max_live, &budget)
+                    .insert_create_within(&sandbox, &op, idempotency_key.as_deref(), &quota, &budget)
                     .await?
                 {
                     CreateRecorded::Existing(prior) => Ok(Submitted {

@@ -59,11 +59,25 @@ pub enum CoreError {
         state: SandboxState,
         need: String,
     },
-    #[error("tenant {tenant} has {live} live sandboxes, the limit of this server (--max-sandboxes {limit}); delete one first")]
-    QuotaExceeded { tenant: String, live: u32, limit: u32 },
+    /// One of a tenant's quotas (`sandboxes`, `vcpu`, `memory_mib`, `disk_mib`) would be exceeded.
+    #[error("{}", quota_message(tenant, quota, *used, *asked, *limit))]
+    QuotaExceeded {
+        tenant: String,
+        quota: &'static str,
+        used: u64,
+        asked: u64,
+        limit: u64,
+    },
+    /// The tenant's `creates_per_minute` is used up for now.
+    #[error("tenant {tenant} may create {limit} sandboxes a minute and has; retry in {retry_after_s} s")]
+    RateLimited {
+        tenant: String,
+        limit: u32,
+        retry_after_s: u64,
+    },
     /// A sandbox already runs as many sessions (processes started through either door) as the
     /// server allows at once.
-    #[error("sandbox {sandbox} has {running} running sessions, the limit of this server (--max-sessions {limit}); wait for one to exit or kill one first")]
+    #[error("sandbox {sandbox} has {running} running sessions, its tenant's quota of {limit} (sessions_per_sandbox); wait for one to exit or kill one first")]
     SessionLimit { sandbox: String, running: u32, limit: u32 },
     /// This node has no room left for the sandbox in one of its budgets (`vcpu`, `memory`,
     /// `disk`), whoever holds the rest: it comes back as sandboxes are deleted.
@@ -161,6 +175,41 @@ impl CoreError {
         }
     }
 
+    /// A tenant's quota error names the tenant (the store knows only its id).
+    pub fn for_tenant(self, name: &str) -> Self {
+        match self {
+            CoreError::QuotaExceeded {
+                quota,
+                used,
+                asked,
+                limit,
+                ..
+            } => CoreError::QuotaExceeded {
+                tenant: name.into(),
+                quota,
+                used,
+                asked,
+                limit,
+            },
+            CoreError::RateLimited {
+                limit, retry_after_s, ..
+            } => CoreError::RateLimited {
+                tenant: name.into(),
+                limit,
+                retry_after_s,
+            },
+            other => other,
+        }
+    }
+
+    /// Seconds after which a refused request may succeed, for a `Retry-After` header.
+    pub fn retry_after(&self) -> Option<u64> {
+        match self {
+            CoreError::RateLimited { retry_after_s, .. } => Some(*retry_after_s),
+            _ => None,
+        }
+    }
+
     /// An agent error while addressing `kind`; transport failures mean the sandbox is unreachable.
     pub fn agent(kind: Kind, sandbox_id: &str, e: AgentError) -> Self {
         match e {
@@ -182,6 +231,7 @@ impl CoreError {
             CoreError::InvalidResources(_) => c("invalid_resources", 422),
             CoreError::InvalidState { .. } => c("invalid_state", 409),
             CoreError::QuotaExceeded { .. } | CoreError::SessionLimit { .. } => c("quota_exceeded", 429),
+            CoreError::RateLimited { .. } => c("rate_limited", 429),
             // 503, not 429: the caller is within its own quota; the node is full (for everyone)
             // until sandboxes go, and a client or balancer retries later or elsewhere.
             CoreError::NodeBudgetExceeded { .. } => c("node_budget_exceeded", 503),
@@ -246,10 +296,22 @@ fn not_found_code(kind: Kind) -> &'static str {
 impl From<StoreError> for CoreError {
     fn from(e: StoreError) -> Self {
         match e {
-            StoreError::QuotaExceeded { live, limit } => CoreError::QuotaExceeded {
-                tenant: String::new(),
-                live,
+            StoreError::QuotaExceeded {
+                quota,
+                used,
+                asked,
                 limit,
+            } => CoreError::QuotaExceeded {
+                tenant: String::new(),
+                quota,
+                used,
+                asked,
+                limit,
+            },
+            StoreError::RateLimited { limit, retry_after_s } => CoreError::RateLimited {
+                tenant: String::new(),
+                limit,
+                retry_after_s,
             },
             StoreError::NodeBudgetExceeded {
                 budget,
@@ -276,4 +338,14 @@ impl From<RuntimeError> for CoreError {
             other => CoreError::Runtime(other),
         }
     }
+}
+
+fn quota_message(tenant: &str, quota: &str, used: u64, asked: u64, limit: u64) -> String {
+    let how = "delete one first, or have the operator raise it (`airlock tenant quota set`)";
+    if quota == "sandboxes" {
+        return format!("tenant {tenant} has {used} live sandboxes, its quota of {limit} (sandboxes); {how}");
+    }
+    format!(
+        "tenant {tenant}'s {quota} quota is {limit}: its live sandboxes hold {used} and this one asks for {asked}; {how}"
+    )
 }

@@ -428,3 +428,61 @@ pub struct ErrorBody {
     /// Human-readable explanation, naming the field or the fix.
     pub message: String,
 }
+
+/// A tenant's limits. `null`: no limit of its own (the node's budgets always apply). What the
+/// operator sets (`airlock tenant quota set`) wins over the server's defaults (`--max-sandboxes`,
+/// `--max-sessions`).
+#[derive(Debug, Clone, Copy, Default, Serialize, Deserialize, ToSchema, PartialEq, Eq)]
+#[serde(deny_unknown_fields)]
+pub struct Quota {
+    /// Live sandboxes (creating, running, paused, deleting) at once.
+    #[serde(default)]
+    pub sandboxes: Option<u32>,
+    /// vCPUs of its live sandboxes together.
+    #[serde(default)]
+    pub vcpu: Option<u64>,
+    /// Memory of its live sandboxes together, MiB.
+    #[serde(default)]
+    pub memory_mib: Option<u64>,
+    /// Disk of its live sandboxes together, MiB (each counted at its full size).
+    #[serde(default)]
+    pub disk_mib: Option<u64>,
+    /// Running sessions (processes started through either door) per sandbox.
+    #[serde(default)]
+    pub sessions_per_sandbox: Option<u32>,
+    /// Creates admitted in any 60 seconds; past it, 429 `rate_limited` with `Retry-After`.
+    #[serde(default)]
+    pub creates_per_minute: Option<u32>,
+}
+
+impl Quota {
+    /// Each limit of `self`, else `defaults`'.
+    pub fn or(self, defaults: Quota) -> Quota {
+        Quota {
+            sandboxes: self.sandboxes.or(defaults.sandboxes),
+            vcpu: self.vcpu.or(defaults.vcpu),
+            memory_mib: self.memory_mib.or(defaults.memory_mib),
+            disk_mib: self.disk_mib.or(defaults.disk_mib),
+            sessions_per_sandbox: self.sessions_per_sandbox.or(defaults.sessions_per_sandbox),
+            creates_per_minute: self.creates_per_minute.or(defaults.creates_per_minute),
+        }
+    }
+}
+
+/// What a tenant's live sandboxes hold now, and its creates of the last 60 seconds.
+#[derive(Debug, Clone, Copy, Default, Serialize, Deserialize, ToSchema, PartialEq, Eq)]
+pub struct TenantUsage {
+    pub sandboxes: u32,
+    pub vcpu: u64,
+    pub memory_mib: u64,
+    pub disk_mib: u64,
+    pub creates_last_minute: u32,
+}
+
+/// `GET /v1/tenant`: the caller's tenant, its limits in force and its usage against them.
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
+pub struct TenantInfo {
+    pub name: String,
+    pub quota: Quota,
+    pub usage: TenantUsage,
+}

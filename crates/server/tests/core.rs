@@ -809,7 +809,10 @@ async fn sessions_are_capped_per_sandbox_on_both_doors() {
     assert_eq!(status, 429, "{body}");
     assert_eq!(body["code"], "quota_exceeded", "{body}");
     let message = body["message"].as_str().unwrap();
-    assert!(message.contains("--max-sessions 3") && message.contains(&id), "{body}");
+    assert!(
+        message.contains("quota of 3 (sessions_per_sandbox)") && message.contains(&id),
+        "{body}"
+    );
     let (status, err, _) = e2b_start(&server, &sb, &["true"]).await;
     let err = err.expect("a refusal");
     assert_eq!(status, 429, "{err}");
@@ -1001,7 +1004,7 @@ async fn quota_is_one_limit_for_both_doors() {
             }
             ("e2b", 429, b) => {
                 assert_eq!(b["code"], 429, "{b}");
-                assert!(b["message"].as_str().unwrap().contains("--max-sandboxes 2"), "{b}");
+                assert!(b["message"].as_str().unwrap().contains("its quota of 2 (sandboxes)"), "{b}");
                 refused += 1;
             }
             (door, s, b) => panic!("{door}: unexpected {s} {b}"),
@@ -1629,5 +1632,162 @@ async fn e2b_network_options_only_narrow_the_tenant_policy() {
         server.delete(id).await;
     }
     server.stop().await;
+    assert_no_vms(tmp.path());
+}
+
+async fn set_quota(server: &Server, quota: Value) {
+    let q: airlock_server::model::Quota = serde_json::from_value(quota).unwrap();
+    server.core().set_tenant_quota("default", q).await.unwrap();
+}
+
+async fn create_sized(server: &Server, vcpu: u32, memory_mib: u32, disk_mib: u32) -> (u16, Value) {
+    let body = json!({ "template": "seed", "resources": { "vcpu": vcpu, "memory_mib": memory_mib, "disk_mib": disk_mib } });
+    server.v1(Method::POST, "/sandboxes", Some(body)).await
+}
+
+async fn live_count(server: &Server) -> usize {
+    let (_, list) = server.v1(Method::GET, "/sandboxes", None).await;
+    list["sandboxes"].as_array().unwrap().len()
+}
+
+async fn delete_all(server: &Server) {
+    let (_, list) = server.v1(Method::GET, "/sandboxes", None).await;
+    for sb in list["sandboxes"].as_array().unwrap() {
+        server.delete(sb["id"].as_str().unwrap()).await;
+    }
+}
+
+/// Each tenant quota, exhausted, refuses the next create by name (both doors), creates nothing,
+/// and `GET /v1/tenant` shows the limits in force and the usage against them.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn each_tenant_quota_refuses_by_name_and_creates_nothing() {
+    let tmp = fresh();
+    let server = Server::start(tmp.path(), 20, None).await;
+    let (status, info) = server.v1(Method::GET, "/tenant", None).await;
+    assert_eq!(status, 200, "{info}");
+    assert_eq!(info["name"], "default");
+    // The server's defaults where the tenant has none of its own.
+    assert_eq!(info["quota"]["sandboxes"], 20, "{info}");
+    assert_eq!(info["quota"]["vcpu"], Value::Null, "{info}");
+
+    for (quota, first, second, needle) in [
+        (json!({"sandboxes": 1}), (1, 512, 2048), (1, 512, 2048), "has 1 live sandboxes, its quota of 1 (sandboxes)"),
+        (json!({"vcpu": 3}), (2, 512, 2048), (2, 512, 2048), "vcpu quota is 3: its live sandboxes hold 2 and this one asks for 2"),
+        (json!({"memory_mib": 1024}), (1, 768, 2048), (1, 512, 2048), "memory_mib quota is 1024: its live sandboxes hold 768 and this one asks for 512"),
+        (json!({"disk_mib": 5000}), (1, 512, 3000), (1, 512, 3000), "disk_mib quota is 5000: its live sandboxes hold 3000 and this one asks for 3000"),
+    ] {
+        set_quota(&server, quota.clone()).await;
+        let (status, body) = create_sized(&server, first.0, first.1, first.2).await;
+        assert_eq!(status, 202, "{quota}: {body}");
+        server.wait_op(body["operation"]["id"].as_str().unwrap()).await;
+        let before = live_count(&server).await;
+        let (status, body) = create_sized(&server, second.0, second.1, second.2).await;
+        assert_eq!((status, body["code"].as_str()), (429, Some("quota_exceeded")), "{quota}: {body}");
+        let m = body["message"].as_str().unwrap();
+        assert!(m.contains(needle) && m.contains("tenant default"), "{quota}: {m}");
+        // The E2B door (whose creates take the template's 1 vCPU, 512 MiB) refuses alike.
+        if quota.get("sandboxes").is_some() || quota.get("memory_mib").is_some() {
+            let (status, body) = server
+                .e2b(Method::POST, "/sandboxes", json!({ "templateID": "base" }))
+                .await;
+            assert_eq!((status, body["code"].as_u64()), (429, Some(429)), "{quota}: {body}");
+            assert!(body["message"].as_str().unwrap().contains(needle), "{body}");
+        }
+        assert_eq!(live_count(&server).await, before, "a refused create made nothing");
+        let (_, info) = server.v1(Method::GET, "/tenant", None).await;
+        let key = quota.as_object().unwrap().keys().next().unwrap().clone();
+        assert_eq!(info["quota"][&key], quota[&key], "{info}");
+        let used = info["usage"][&key].as_u64().unwrap();
+        assert!(used > 0 && used <= quota[&key].as_u64().unwrap(), "{info}");
+        delete_all(&server).await;
+    }
+
+    // Zero is refused by name, with the fix.
+    let err = server
+        .core()
+        .set_tenant_quota("default", airlock_server::model::Quota { vcpu: Some(0), ..Default::default() })
+        .await
+        .unwrap_err();
+    assert!(err.to_string().contains("vcpu") && err.to_string().contains("at least 1"), "{err}");
+    server.stop().await;
+    assert_no_vms(tmp.path());
+}
+
+/// `creates_per_minute`: past it, 429 `rate_limited` with `Retry-After` on both doors; failed
+/// and deleted sandboxes still count (it limits creates, not live sandboxes).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn creates_per_minute_is_a_429_with_retry_after_on_both_doors() {
+    let tmp = fresh();
+    let server = Server::start(tmp.path(), 20, None).await;
+    set_quota(&server, json!({"creates_per_minute": 2})).await;
+    let a = server.running_sandbox().await;
+    server.delete(&a).await;
+    server.running_sandbox().await;
+    let body = json!({ "template": "seed" }).to_string();
+    let auth = format!("Bearer {}", server.key);
+    let r = server
+        .send(
+            Method::POST,
+            "/v1/sandboxes",
+            &[("authorization", &auth), ("content-type", "application/json")],
+            Body::from(body),
+        )
+        .await;
+    let retry: u64 = r.headers["retry-after"].to_str().unwrap().parse().unwrap();
+    assert!((1..=60).contains(&retry), "{retry}");
+    let (status, b) = r.json().await;
+    assert_eq!((status, b["code"].as_str()), (429, Some("rate_limited")), "{b}");
+    assert!(b["message"].as_str().unwrap().contains("may create 2 sandboxes a minute"), "{b}");
+    let r = server
+        .send(
+            Method::POST,
+            "/sandboxes",
+            &[("x-api-key", &server.key), ("content-type", "application/json")],
+            Body::from(json!({ "templateID": "base" }).to_string()),
+        )
+        .await;
+    assert!(r.headers.contains_key("retry-after"));
+    assert_eq!(r.json().await.0, 429);
+    let (_, info) = server.v1(Method::GET, "/tenant", None).await;
+    assert_eq!(info["usage"]["creates_last_minute"], 2, "{info}");
+    // Raised: admitted at once.
+    set_quota(&server, json!({"creates_per_minute": 3})).await;
+    server.running_sandbox().await;
+    delete_all(&server).await;
+    server.stop().await;
+    assert_no_vms(tmp.path());
+}
+
+/// Concurrent creates through both doors never overshoot a tenant's vcpu quota.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn concurrent_creates_never_overshoot_the_tenant_vcpu_quota() {
+    let tmp = fresh();
+    let server = Arc::new(Server::start(tmp.path(), 20, None).await);
+    set_quota(&server, json!({"vcpu": 4})).await;
+    let tasks: Vec<_> = (0..10)
+        .map(|i| {
+            let server = server.clone();
+            tokio::spawn(async move {
+                if i % 2 == 0 {
+                    let (s, _) = create_sized(&server, 1, 512, 2048).await;
+                    s == 202
+                } else {
+                    let (s, _) = server
+                        .e2b(Method::POST, "/sandboxes", json!({ "templateID": "base" }))
+                        .await;
+                    s == 201
+                }
+            })
+        })
+        .collect();
+    let mut admitted = 0;
+    for t in tasks {
+        admitted += t.await.unwrap() as usize;
+    }
+    assert_eq!(admitted, 4);
+    let (_, info) = server.v1(Method::GET, "/tenant", None).await;
+    assert_eq!(info["usage"]["vcpu"], 4, "{info}");
+    delete_all(&server).await;
+    Arc::try_unwrap(server).ok().unwrap().stop().await;
     assert_no_vms(tmp.path());
 }

@@ -66,7 +66,12 @@ async fn concurrent_creates_never_overshoot_the_limit() {
     for t in tasks {
         match t.await.unwrap() {
             Ok(CreateRecorded::New(_)) => new += 1,
-            Err(StoreError::QuotaExceeded { live: 2, limit: 2 }) => refused += 1,
+            Err(StoreError::QuotaExceeded {
+                quota: "sandboxes",
+                used: 2,
+                asked: 1,
+                limit: 2,
+            }) => refused += 1,
             other => panic!("unexpected {other:?}"),
         }
     }
@@ -138,7 +143,12 @@ async fn idempotency_key_returns_the_first_operation_and_only_live_states_count(
         .insert_create(&sandbox("c", "t1"), &create_op("c"), Some("key-2"), 1)
         .await
     {
-        Err(StoreError::QuotaExceeded { live: 1, limit: 1 }) => {}
+        Err(StoreError::QuotaExceeded {
+            quota: "sandboxes",
+            used: 1,
+            limit: 1,
+            ..
+        }) => {}
         other => panic!("unexpected {other:?}"),
     }
     // The same key is another tenant's own.
@@ -421,6 +431,12 @@ impl TenantStore for FileFirst<'_> {
         policy: &airlock_egress::TenantPolicy,
     ) -> Result<(), StoreError> {
         self.inner.set_egress_policy(tenant_id, policy).await
+    }
+    async fn quota(&self, tenant_id: &str) -> Result<airlock_server::model::Quota, StoreError> {
+        self.inner.quota(tenant_id).await
+    }
+    async fn set_quota(&self, tenant_id: &str, quota: &airlock_server::model::Quota) -> Result<(), StoreError> {
+        self.inner.set_quota(tenant_id, quota).await
     }
 }
 

@@ -372,12 +372,6 @@ impl Core {
         Ok(self.store.egress_policy(&t.id).await?)
     }
 
-    async fn tenant_named(&self, name: &str) -> CoreResult<Tenant> {
-        self.store
-            .tenant_by_name(name)
-            .await?
-            .ok_or_else(|| CoreError::invalid("tenant", format!("no tenant named {name:?}")))
-    }
 }
 
 #[cfg(test)]

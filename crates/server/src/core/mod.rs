@@ -7,6 +7,7 @@
 //! - `sessions`: every process started through either door, with an id
 //! - `files`: file operations inside a running sandbox
 //! - `templates`: template names and aliases
+//! - `tenants`: a tenant's quotas (its own over the server's defaults) and usage
 //! - `egress`: a new sandbox's egress (profiles, the tenant policy, narrowing), the registry of
 //!   live sandboxes' egress state, the report
 
@@ -16,6 +17,7 @@ pub mod principal;
 pub mod sandboxes;
 pub mod sessions;
 pub mod templates;
+pub mod tenants;
 
 pub use crate::error::{CoreError, CoreResult, Kind};
 pub use principal::{Accept, Credentials, Principal, Via};
@@ -81,6 +83,15 @@ pub const DEFAULT_MEMORY_RESERVE_MIB: u64 = 1024;
 pub const DEFAULT_DISK_RESERVE_MIB: u64 = 2048;
 
 impl Config {
+    /// The limits a tenant has where the operator set none of its own.
+    pub fn default_quota(&self) -> crate::model::Quota {
+        crate::model::Quota {
+            sandboxes: Some(self.max_sandboxes_per_tenant),
+            sessions_per_sandbox: Some(self.max_sessions_per_sandbox),
+            ..Default::default()
+        }
+    }
+
     /// The node's budgets for its live sandboxes together: vCPUs are `cpus x vcpu_overcommit`;
     /// memory is the host's less the reserve; disk (every sandbox's disk counted at its full
     /// size) is what the sandboxes already hold plus what is free, less the reserve, and none at

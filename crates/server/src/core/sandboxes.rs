@@ -205,24 +205,18 @@ impl Core {
         };
         // Registered before the create runs, so the end of a quick failure finds it.
         let id = row.id.clone();
+        let quota = self.quota(tenant).await?;
         self.register_egress(&row);
         let submitted = self
             .engine
             .submit(Action::Create {
                 sandbox: row,
                 idempotency_key: req.idempotency_key,
-                max_live: self.config.max_sandboxes_per_tenant,
+                quota,
                 budget,
             })
             .await
-            .map_err(|e| match e {
-                CoreError::QuotaExceeded { live, limit, .. } => CoreError::QuotaExceeded {
-                    tenant: tenant.name.clone(),
-                    live,
-                    limit,
-                },
-                other => other,
-            });
+            .map_err(|e| e.for_tenant(&tenant.name));
         let Submitted { operation, new } = submitted.inspect_err(|_| self.unregister_egress(&id))?;
         if !new {
             // An earlier create answered: this row was never recorded.

@@ -219,7 +219,11 @@ impl Core {
     /// recorded yet). Admission and the count of starts under way are one step per sandbox, so
     /// concurrent starts never overshoot the limit.
     async fn admit_session(&self, sandbox: &SandboxRow, agent: &AgentClient) -> CoreResult<Admitted> {
-        let limit = self.config.max_sessions_per_sandbox;
+        let limit = self
+            .quota_of(&sandbox.tenant_id)
+            .await?
+            .sessions_per_sandbox
+            .unwrap_or(u32::MAX);
         let gate = self.starts.gate(&sandbox.id);
         let admitted = async {
             let mut starting = gate.lock().await;

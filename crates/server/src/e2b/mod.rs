@@ -234,6 +234,8 @@ impl Drop for Watchers {
 pub struct E2bError {
     pub status: StatusCode,
     pub message: String,
+    /// `Retry-After`, in seconds, for a rate-limited request.
+    pub retry_after: Option<u64>,
 }
 
 impl E2bError {
@@ -241,6 +243,7 @@ impl E2bError {
         Self {
             status,
             message: message.into(),
+            retry_after: None,
         }
     }
     pub fn bad_request(m: impl Into<String>) -> Self {
@@ -259,10 +262,13 @@ impl From<CoreError> for E2bError {
                 s => s,
             },
         };
-        Self::new(
-            StatusCode::from_u16(status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR),
-            e.to_string(),
-        )
+        Self {
+            retry_after: e.retry_after(),
+            ..Self::new(
+                StatusCode::from_u16(status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR),
+                e.to_string(),
+            )
+        }
     }
 }
 
@@ -272,7 +278,11 @@ impl IntoResponse for E2bError {
             tracing::error!("{}", self.message);
         }
         let body = serde_json::json!({ "code": self.status.as_u16(), "message": self.message });
-        (self.status, axum::Json(body)).into_response()
+        let mut r = (self.status, axum::Json(body)).into_response();
+        if let Some(s) = self.retry_after {
+            r.headers_mut().insert(axum::http::header::RETRY_AFTER, s.into());
+        }
+        r
     }
 }
 

@@ -47,7 +47,13 @@ impl IntoResponse for ApiError {
         if status.is_server_error() {
             tracing::error!("{}", body.message);
         }
-        (status, axum::Json(body)).into_response()
+        let mut r = (status, axum::Json(body)).into_response();
+        if let ApiError::Core(e) = &self {
+            if let Some(s) = e.retry_after() {
+                r.headers_mut().insert(axum::http::header::RETRY_AFTER, s.into());
+            }
+        }
+        r
     }
 }
 

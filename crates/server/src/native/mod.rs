@@ -295,6 +295,14 @@ pub async fn get_egress(
     Ok(Json(core.egress_report(&tenant, &id).await?))
 }
 
+/// The caller's tenant: its limits in force and what it uses of them.
+#[utoipa::path(get, path = "/v1/tenant", tag = "tenant",
+    responses((status = 200, body = TenantInfo), ApiErrors),
+    security(("bearer" = [])))]
+pub async fn get_tenant(State(core): State<Core>, Extension(tenant): Extension<Tenant>) -> ApiResult<Json<TenantInfo>> {
+    Ok(Json(core.tenant_info(&tenant).await?))
+}
+
 #[utoipa::path(delete, path = "/v1/sandboxes/{id}", tag = "sandboxes", params(("id" = String, Path)),
     responses((status = 202, body = OperationAccepted), ApiErrors),
     security(("bearer" = [])))]

@@ -15,7 +15,7 @@ mod sqlite;
 pub use sqlite::SqliteStore;
 
 use crate::model::ErrorBody;
-use crate::model::{Operation, OperationState, Resources, Sandbox, SandboxState};
+use crate::model::{Operation, OperationState, Quota, Resources, Sandbox, SandboxState, TenantUsage};
 use async_trait::async_trait;
 use std::collections::BTreeMap;
 
@@ -182,9 +182,20 @@ pub const LIVE_STATES: [SandboxState; 4] = [
 
 #[derive(Debug, thiserror::Error)]
 pub enum StoreError {
-    /// The tenant already has `limit` live sandboxes (checked atomically with the insert).
-    #[error("tenant has {live} live sandboxes, the limit is {limit}")]
-    QuotaExceeded { live: u32, limit: u32 },
+    /// One of the tenant's quotas (`sandboxes`, `vcpu`, `memory_mib`, `disk_mib`) would be
+    /// exceeded: its live sandboxes hold `used`, the create asks for `asked` more, the limit is
+    /// `limit` (checked atomically with the insert).
+    #[error("tenant {quota} quota: {used} used, {asked} asked, the limit is {limit}")]
+    QuotaExceeded {
+        quota: &'static str,
+        used: u64,
+        asked: u64,
+        limit: u64,
+    },
+    /// The tenant was admitted `limit` creates in the last 60 seconds; the oldest of them leaves
+    /// the window in `retry_after_s`.
+    #[error("tenant made {limit} creates in the last minute")]
+    RateLimited { limit: u32, retry_after_s: u64 },
     /// The node's `budget` (`vcpu`, `memory`, `disk`) has `total`, live sandboxes hold `used`
     /// of it, and the create asked for `asked` more (checked atomically with the insert).
     #[error("node {budget} budget: asked {asked}, {} left of {total}", total.saturating_sub(*used))]
@@ -260,6 +271,10 @@ pub trait TenantStore: Send + Sync {
     async fn tenant_by_name(&self, name: &str) -> Result<Option<Tenant>, StoreError>;
     /// The tenant's base egress policy; a tenant that has set none allows nothing.
     async fn egress_policy(&self, tenant_id: &str) -> Result<airlock_egress::TenantPolicy, StoreError>;
+    /// The limits set for the tenant (`None`: the server's default).
+    async fn quota(&self, tenant_id: &str) -> Result<Quota, StoreError>;
+    /// Replace the limits set for the tenant.
+    async fn set_quota(&self, tenant_id: &str, quota: &Quota) -> Result<(), StoreError>;
     /// Replace the tenant's base egress policy (already validated: it is a parsed policy).
     async fn set_egress_policy(&self, tenant_id: &str, policy: &airlock_egress::TenantPolicy)
         -> Result<(), StoreError>;
@@ -279,20 +294,29 @@ pub trait SandboxStore: Send + Sync {
         idempotency_key: Option<&str>,
         max_live: u32,
     ) -> Result<CreateRecorded, StoreError> {
-        self.insert_create_within(sb, op, idempotency_key, max_live, &NodeBudget::UNLIMITED)
+        let quota = Quota {
+            sandboxes: Some(max_live),
+            ..Quota::default()
+        };
+        self.insert_create_within(sb, op, idempotency_key, &quota, &NodeBudget::UNLIMITED)
             .await
     }
-    /// [`SandboxStore::insert_create`] that also checks, in the same atomic step, that the live
+    /// [`SandboxStore::insert_create`] under the tenant's whole `quota` (the effective one: its
+    /// own limits over the server's defaults; live sandboxes, their vcpu, memory and disk, creates
+    /// in the last 60 seconds), that also checks, in the same atomic step, that the live
     /// sandboxes of every tenant plus this one fit in the node's `budget` (one node per store
-    /// today); past it, [`StoreError::NodeBudgetExceeded`] names the first budget exceeded.
+    /// today). Past a quota, [`StoreError::QuotaExceeded`] or [`StoreError::RateLimited`]; past
+    /// a budget, [`StoreError::NodeBudgetExceeded`] names the first budget exceeded.
     async fn insert_create_within(
         &self,
         sb: &SandboxRow,
         op: &Operation,
         idempotency_key: Option<&str>,
-        max_live: u32,
+        quota: &Quota,
         budget: &NodeBudget,
     ) -> Result<CreateRecorded, StoreError>;
+    /// What the tenant's live sandboxes hold, and its creates since `now_ms - 60 s`.
+    async fn tenant_usage(&self, tenant_id: &str, now_ms: i64) -> Result<TenantUsage, StoreError>;
     async fn get_sandbox(&self, tenant_id: &str, id: &str) -> Result<Option<SandboxRow>, StoreError>;
     async fn sandbox_by_id(&self, id: &str) -> Result<Option<SandboxRow>, StoreError>;
     /// One page (`limit + 1` rows, see [`next_page_token`]) of the tenant's sandboxes.

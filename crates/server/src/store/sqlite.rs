@@ -5,7 +5,7 @@ use super::{
     SandboxFilter, SandboxRow, SandboxStore, SessionRow, StoreError, Tenant, TenantStore,
 };
 use crate::model::ErrorBody;
-use crate::model::{Operation, OperationKind, OperationState, Resources, SandboxState};
+use crate::model::{Operation, OperationKind, OperationState, Quota, Resources, SandboxState, TenantUsage};
 use async_trait::async_trait;
 use sqlx::sqlite::{SqliteConnectOptions, SqliteJournalMode, SqlitePool, SqlitePoolOptions};
 use sqlx::Row;
@@ -17,6 +17,38 @@ static MIGRATOR: sqlx::migrate::Migrator = sqlx::migrate!();
 
 /// `state IN (...)` of the states that count against a tenant's limit (see `super::LIVE_STATES`).
 const LIVE: &str = "state IN ('creating', 'running', 'paused', 'deleting')";
+/// The window `creates_per_minute` counts in.
+const RATE_WINDOW_MS: i64 = 60_000;
+
+/// A tenant's usage, read inside `tx` (so admission sees what it decides on).
+async fn usage_within(
+    tx: &mut sqlx::Transaction<'_, sqlx::Sqlite>,
+    tenant_id: &str,
+    now: i64,
+) -> Result<TenantUsage, StoreError> {
+    let (sandboxes, vcpu, memory, disk): (i64, i64, i64, i64) = sqlx::query_as(&format!(
+        "SELECT COUNT(*), COALESCE(SUM(vcpu), 0), COALESCE(SUM(memory_mib), 0), COALESCE(SUM(disk_mib), 0)
+         FROM sandboxes WHERE tenant_id = ? AND {LIVE}"
+    ))
+    .bind(tenant_id)
+    .fetch_one(&mut **tx)
+    .await?;
+    let (creates,): (i64,) = sqlx::query_as(
+        "SELECT COUNT(*) FROM operations WHERE tenant_id = ? AND kind = 'create' AND created_at_ms > ?",
+    )
+    .bind(tenant_id)
+    .bind(now - RATE_WINDOW_MS)
+    .fetch_one(&mut **tx)
+    .await?;
+    let n = |v: i64| v.max(0) as u64;
+    Ok(TenantUsage {
+        sandboxes: n(sandboxes) as u32,
+        vcpu: n(vcpu),
+        memory_mib: n(memory),
+        disk_mib: n(disk),
+        creates_last_minute: n(creates) as u32,
+    })
+}
 
 impl From<sqlx::Error> for StoreError {
     fn from(e: sqlx::Error) -> Self {
@@ -301,6 +333,52 @@ impl TenantStore for SqliteStore {
         }
     }
 
+    async fn quota(&self, tenant_id: &str) -> Result<Quota, StoreError> {
+        let row = sqlx::query(
+            "SELECT sandboxes, vcpu, memory_mib, disk_mib, sessions_per_sandbox, creates_per_minute
+             FROM tenant_quotas WHERE tenant_id = ?",
+        )
+        .bind(tenant_id)
+        .fetch_optional(&self.pool)
+        .await?;
+        let Some(r) = row else { return Ok(Quota::default()) };
+        let get = |c: &str| -> Result<Option<u64>, StoreError> {
+            Ok(r.try_get::<Option<i64>, _>(c)?.map(|v| v.max(0) as u64))
+        };
+        let small = |v: Option<u64>| v.map(|v| v.min(u32::MAX as u64) as u32);
+        Ok(Quota {
+            sandboxes: small(get("sandboxes")?),
+            vcpu: get("vcpu")?,
+            memory_mib: get("memory_mib")?,
+            disk_mib: get("disk_mib")?,
+            sessions_per_sandbox: small(get("sessions_per_sandbox")?),
+            creates_per_minute: small(get("creates_per_minute")?),
+        })
+    }
+
+    async fn set_quota(&self, tenant_id: &str, q: &Quota) -> Result<(), StoreError> {
+        let big = |v: Option<u64>| v.map(|v| v.min(i64::MAX as u64) as i64);
+        sqlx::query(
+            "INSERT INTO tenant_quotas (tenant_id, sandboxes, vcpu, memory_mib, disk_mib, sessions_per_sandbox,
+                                        creates_per_minute, updated_at_ms) VALUES (?, ?, ?, ?, ?, ?, ?, ?)
+             ON CONFLICT (tenant_id) DO UPDATE SET sandboxes = excluded.sandboxes, vcpu = excluded.vcpu,
+               memory_mib = excluded.memory_mib, disk_mib = excluded.disk_mib,
+               sessions_per_sandbox = excluded.sessions_per_sandbox,
+               creates_per_minute = excluded.creates_per_minute, updated_at_ms = excluded.updated_at_ms",
+        )
+        .bind(tenant_id)
+        .bind(q.sandboxes.map(i64::from))
+        .bind(big(q.vcpu))
+        .bind(big(q.memory_mib))
+        .bind(big(q.disk_mib))
+        .bind(q.sessions_per_sandbox.map(i64::from))
+        .bind(q.creates_per_minute.map(i64::from))
+        .bind(now_ms())
+        .execute(&self.pool)
+        .await?;
+        Ok(())
+    }
+
     async fn set_egress_policy(
         &self,
         tenant_id: &str,
@@ -326,7 +404,7 @@ impl SandboxStore for SqliteStore {
         sb: &SandboxRow,
         op: &Operation,
         idem: Option<&str>,
-        max_live: u32,
+        quota: &Quota,
         budget: &NodeBudget,
     ) -> Result<CreateRecorded, StoreError> {
         // IMMEDIATE takes the write lock up front (waiting up to busy_timeout for it), so the
@@ -344,17 +422,43 @@ impl SandboxStore for SqliteStore {
                 return Ok(CreateRecorded::Existing(op_from_row(&r)));
             }
         }
-        let (live,): (i64,) = sqlx::query_as(&format!(
-            "SELECT COUNT(*) FROM sandboxes WHERE tenant_id = ? AND {LIVE}"
-        ))
-        .bind(&sb.tenant_id)
-        .fetch_one(&mut *tx)
-        .await?;
-        if live >= max_live as i64 {
-            return Err(StoreError::QuotaExceeded {
-                live: live as u32,
-                limit: max_live,
-            });
+        let now = now_ms();
+        let usage = usage_within(&mut tx, &sb.tenant_id, now).await?;
+        let r = &sb.resources;
+        for (name, used, asked, limit) in [
+            ("sandboxes", usage.sandboxes as u64, 1, quota.sandboxes.map(u64::from)),
+            ("vcpu", usage.vcpu, r.vcpu as u64, quota.vcpu),
+            ("memory_mib", usage.memory_mib, r.memory_mib as u64, quota.memory_mib),
+            ("disk_mib", usage.disk_mib, r.disk_mib as u64, quota.disk_mib),
+        ] {
+            if let Some(limit) = limit.filter(|l| used.saturating_add(asked) > *l) {
+                return Err(StoreError::QuotaExceeded {
+                    quota: name,
+                    used,
+                    asked,
+                    limit,
+                });
+            }
+        }
+        if let Some(limit) = quota.creates_per_minute {
+            if usage.creates_last_minute >= limit {
+                // The window frees a place when the oldest create counted in it turns 60 s old.
+                let (oldest,): (Option<i64>,) = sqlx::query_as(
+                    "SELECT MIN(created_at_ms) FROM (SELECT created_at_ms FROM operations
+                     WHERE tenant_id = ? AND kind = 'create' AND created_at_ms > ?
+                     ORDER BY created_at_ms DESC LIMIT ?)",
+                )
+                .bind(&sb.tenant_id)
+                .bind(now - RATE_WINDOW_MS)
+                .bind(limit as i64)
+                .fetch_one(&mut *tx)
+                .await?;
+                let free_at = oldest.unwrap_or(now) + RATE_WINDOW_MS;
+                return Err(StoreError::RateLimited {
+                    limit,
+                    retry_after_s: ((free_at - now).max(0) as u64).div_ceil(1000).max(1),
+                });
+            }
         }
         // The node's budgets, summed over every tenant's live sandboxes under the same lock.
         let (vcpu, memory, disk): (i64, i64, i64) = sqlx::query_as(&format!(
@@ -363,7 +467,6 @@ impl SandboxStore for SqliteStore {
         ))
         .fetch_one(&mut *tx)
         .await?;
-        let r = &sb.resources;
         for (name, used, asked, total) in [
             ("vcpu", vcpu, r.vcpu, budget.vcpu),
             ("memory", memory, r.memory_mib, budget.memory_mib),
@@ -416,6 +519,13 @@ impl SandboxStore for SqliteStore {
         .await?;
         tx.commit().await?;
         Ok(CreateRecorded::New(op.clone()))
+    }
+
+    async fn tenant_usage(&self, tenant_id: &str, now_ms: i64) -> Result<TenantUsage, StoreError> {
+        let mut tx = self.pool.begin().await?;
+        let usage = usage_within(&mut tx, tenant_id, now_ms).await?;
+        tx.commit().await?;
+        Ok(usage)
     }
 
     async fn get_sandbox(&self, tenant_id: &str, id: &str) -> Result<Option<SandboxRow>, StoreError> {

@@ -1,0 +1,69 @@
+//! Tenants' quotas: the limits an operator set for a tenant over the server's defaults, and what
+//! its live sandboxes use of them. Admission itself is one atomic step in the store
+//! (`insert_create_within`), so concurrent creates never overshoot.
+
+use super::Core;
+use crate::error::{CoreError, CoreResult};
+use crate::model::{Quota, TenantInfo};
+use crate::store::{now_ms, Tenant};
+
+impl Core {
+    pub(crate) async fn tenant_named(&self, name: &str) -> CoreResult<Tenant> {
+        self.store
+            .tenant_by_name(name)
+            .await?
+            .ok_or_else(|| CoreError::invalid("tenant", format!("no tenant named {name:?}")))
+    }
+
+    /// The tenant's limits in force: its own, else the server's defaults.
+    pub async fn quota(&self, tenant: &Tenant) -> CoreResult<Quota> {
+        self.quota_of(&tenant.id).await
+    }
+
+    pub(crate) async fn quota_of(&self, tenant_id: &str) -> CoreResult<Quota> {
+        Ok(self.store.quota(tenant_id).await?.or(self.config.default_quota()))
+    }
+
+    /// `GET /v1/tenant`.
+    pub async fn tenant_info(&self, tenant: &Tenant) -> CoreResult<TenantInfo> {
+        Ok(TenantInfo {
+            name: tenant.name.clone(),
+            quota: self.quota(tenant).await?,
+            usage: self.store.tenant_usage(&tenant.id, now_ms()).await?,
+        })
+    }
+
+    /// The limits set for a tenant by name (the CLI's; the tenancy issue's admin API next).
+    pub async fn tenant_quota(&self, tenant: &str) -> CoreResult<(Quota, Quota)> {
+        let t = self.tenant_named(tenant).await?;
+        let own = self.store.quota(&t.id).await?;
+        Ok((own, own.or(self.config.default_quota())))
+    }
+
+    /// Replace the limits set for a tenant by name.
+    pub async fn set_tenant_quota(&self, tenant: &str, quota: Quota) -> CoreResult<()> {
+        let t = self.tenant_named(tenant).await?;
+        check_quota(&quota)?;
+        Ok(self.store.set_quota(&t.id, &quota).await?)
+    }
+}
+
+/// A zero is refused: it would lock the tenant out without saying why (revoke its keys instead).
+pub fn check_quota(quota: &Quota) -> CoreResult<()> {
+    for (name, v) in [
+        ("sandboxes", quota.sandboxes.map(u64::from)),
+        ("vcpu", quota.vcpu),
+        ("memory_mib", quota.memory_mib),
+        ("disk_mib", quota.disk_mib),
+        ("sessions_per_sandbox", quota.sessions_per_sandbox.map(u64::from)),
+        ("creates_per_minute", quota.creates_per_minute.map(u64::from)),
+    ] {
+        if v == Some(0) {
+            return Err(CoreError::invalid(
+                name,
+                "must be at least 1 (leave it out for no limit of the tenant's own)",
+            ));
+        }
+    }
+    Ok(())
+}
