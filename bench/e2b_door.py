@@ -34,6 +34,7 @@ dns = wildcard_dns.start_dns_server()
 subprocess.run([opts.bin, "--data-dir", opts.data_dir, "template", "build", "seed"], check=True, stdout=subprocess.DEVNULL)
 port = 7471
 url = f"http://127.0.0.1:{port}"
+os.environ.setdefault("AIRLOCK_CONSOLE_PASSWORD", "airlock-bench-console-password")
 server = subprocess.Popen(
     [opts.bin, "--data-dir", opts.data_dir, "serve", "--listen", f"127.0.0.1:{port}", "--e2b-domain", wildcard_dns.DOMAIN,
      "--tls-listen", f"{wildcard_dns.TLS_ADDR}:443", "--tls-cert", cert, "--tls-key", key],
@@ -44,8 +45,10 @@ for _ in range(300):
         break
     except Exception:
         time.sleep(0.2)
+admin_env = dict(os.environ, AIRLOCK_URL=url)
+subprocess.run([opts.bin, "--data-dir", opts.data_dir, "login"], check=True, env=admin_env, stdin=subprocess.DEVNULL)
 api_key = subprocess.run([opts.bin, "--data-dir", opts.data_dir, "key", "create", "--e2b"], check=True,
-                         capture_output=True, text=True).stdout.strip()
+                         capture_output=True, text=True, env=admin_env).stdout.strip()
 os.environ["E2B_API_KEY"] = api_key
 
 from e2b import Sandbox  # noqa: E402

@@ -13,43 +13,70 @@ pub struct Client {
     agent: ureq::Agent,
 }
 
+/// `NAME=value` from `<data-dir>/credentials`.
+fn credential(data_dir: &Path, name: &str) -> Option<String> {
+    let creds = std::fs::read_to_string(data_dir.join("credentials")).unwrap_or_default();
+    creds
+        .lines()
+        .find_map(|l| l.strip_prefix(&format!("{name}=")).map(|v| v.trim().to_string()))
+}
+
+/// Where the admin token from `airlock login` is kept (0600).
+pub fn admin_token_path(data_dir: &Path) -> std::path::PathBuf {
+    data_dir.join("admin-token")
+}
+
 impl Client {
     /// URL and key from `AIRLOCK_URL` / `AIRLOCK_API_KEY`, else `<data-dir>/credentials`.
     pub fn from_env(data_dir: &Path) -> Result<Self> {
-        let creds = std::fs::read_to_string(data_dir.join("credentials")).unwrap_or_default();
-        let from_file = |name: &str| {
-            creds
-                .lines()
-                .find_map(|l| l.strip_prefix(&format!("{name}=")).map(|v| v.trim().to_string()))
-        };
-        let base = std::env::var("AIRLOCK_URL")
-            .ok()
-            .or_else(|| from_file("AIRLOCK_URL"))
-            .unwrap_or_else(|| "http://127.0.0.1:7420".into());
         let key = std::env::var("AIRLOCK_API_KEY")
             .ok()
-            .or_else(|| from_file("AIRLOCK_API_KEY"))
+            .or_else(|| credential(data_dir, "AIRLOCK_API_KEY"))
             .ok_or_else(|| {
                 anyhow!(
                     "no API key: set AIRLOCK_API_KEY or start `airlock serve` once so it writes {}",
                     data_dir.join("credentials").display()
                 )
             })?;
+        Ok(Self::with_key(data_dir, key))
+    }
+
+    /// The platform account: the token from `AIRLOCK_ADMIN_TOKEN`, else from `airlock login`.
+    pub fn admin(data_dir: &Path) -> Result<Self> {
+        let token = std::env::var("AIRLOCK_ADMIN_TOKEN")
+            .ok()
+            .or_else(|| std::fs::read_to_string(admin_token_path(data_dir)).ok())
+            .map(|t| t.trim().to_string())
+            .filter(|t| !t.is_empty())
+            .ok_or_else(|| anyhow!("not signed in: run `airlock login` first (as root@local)"))?;
+        Ok(Self::with_key(data_dir, token))
+    }
+
+    /// Calls without a credential (signing in).
+    pub fn anonymous(data_dir: &Path) -> Self {
+        Self::with_key(data_dir, String::new())
+    }
+
+    fn with_key(data_dir: &Path, key: String) -> Self {
+        let base = std::env::var("AIRLOCK_URL")
+            .ok()
+            .or_else(|| credential(data_dir, "AIRLOCK_URL"))
+            .unwrap_or_else(|| "http://127.0.0.1:7420".into());
         let agent = ureq::AgentBuilder::new()
             .timeout_connect(Duration::from_secs(5))
             .build();
-        Ok(Self {
+        Self {
             base: base.trim_end_matches('/').to_string(),
             key,
             agent,
-        })
+        }
     }
 
     fn call(&self, method: &str, path: &str, body: Option<Value>) -> Result<ureq::Response> {
-        let req = self
-            .agent
-            .request(method, &format!("{}{}", self.base, path))
-            .set("Authorization", &format!("Bearer {}", self.key));
+        let mut req = self.agent.request(method, &format!("{}{}", self.base, path));
+        if !self.key.is_empty() {
+            req = req.set("Authorization", &format!("Bearer {}", self.key));
+        }
         let res = match body {
             Some(b) => req.send_json(b),
             None => req.call(),

@@ -109,12 +109,16 @@ enum Command {
         #[command(subcommand)]
         command: OpsCommand,
     },
-    /// Manage API keys (directly on the store in the data dir).
+    /// Sign in as the platform account (root@local) for the admin commands (`tenant`, `key`):
+    /// the password from AIRLOCK_CONSOLE_PASSWORD, else the first line of stdin. The admin
+    /// token (valid for an hour) goes to <data-dir>/admin-token.
+    Login,
+    /// Manage a tenant's API keys (admin; through the API).
     Key {
         #[command(subcommand)]
         command: KeyCommand,
     },
-    /// Manage tenants (directly on the store in the data dir).
+    /// Manage tenants, their quotas and egress policies (admin; through the API).
     Tenant {
         #[command(subcommand)]
         command: TenantCommand,
@@ -219,18 +223,40 @@ enum OpsCommand {
 
 #[derive(Subcommand)]
 enum KeyCommand {
-    /// Mint an API key (usable as E2B_API_KEY too) for a tenant, created if new.
+    /// Mint an API key (usable as E2B_API_KEY too); prints only the key, shown this once.
     Create {
         #[arg(long, default_value = "default")]
         tenant: String,
+        /// What the key is for (shown by `key ls`).
+        #[arg(long, default_value = "")]
+        name: String,
         /// Spell it `e2b_<hex>`, the shape e2b SDKs 2.26 to 2.5x require of E2B_API_KEY.
         #[arg(long)]
         e2b: bool,
+    },
+    /// List a tenant's keys (never the keys themselves).
+    Ls {
+        #[arg(long, default_value = "default")]
+        tenant: String,
+    },
+    /// Revoke a key by its id (`key ls`): its next call gets 401.
+    Revoke {
+        id: String,
+        #[arg(long, default_value = "default")]
+        tenant: String,
     },
 }
 
 #[derive(Subcommand)]
 enum TenantCommand {
+    /// Create a tenant (then `airlock key create --tenant NAME`).
+    Create { name: String },
+    /// List tenants.
+    Ls,
+    /// Show a tenant's limits in force and its usage.
+    Get { name: String },
+    /// Delete a tenant: its keys are revoked and its sandboxes deleted.
+    Rm { name: String },
     /// A tenant's base egress policy: what every sandbox of the tenant may reach (with the
     /// sandbox's profiles), and what none may (over any profile).
     Policy {
@@ -320,6 +346,21 @@ fn main() -> ExitCode {
     }
 }
 
+/// Write `text` to `path`, readable by its owner only.
+fn write_private(path: &std::path::Path, text: &str) -> anyhow::Result<()> {
+    use std::io::Write;
+    use std::os::unix::fs::OpenOptionsExt;
+    let mut f = std::fs::OpenOptions::new()
+        .create(true)
+        .write(true)
+        .truncate(true)
+        .mode(0o600)
+        .open(path)
+        .with_context(|| format!("writing {}", path.display()))?;
+    f.write_all(text.as_bytes())?;
+    Ok(())
+}
+
 /// Signal number for a name like `SIGKILL` (for the shell-style 128+n exit code).
 pub fn signal_number(name: &str) -> i32 {
     match name.trim_start_matches("SIG") {
@@ -359,21 +400,6 @@ fn build_template(
         println!("{} {}", t.manifest.name, t.manifest.digest);
         Ok(())
     })
-}
-
-/// The data dir's store and tenant `name` in it (the store-level tenant commands).
-async fn tenant_in_store(
-    data_dir: &std::path::Path,
-    name: &str,
-) -> anyhow::Result<(airlock_server::store::SqliteStore, airlock_server::store::Tenant)> {
-    use airlock_server::store::TenantStore;
-    let data = DataDir::open(data_dir)?;
-    let store = airlock_server::store::SqliteStore::open(&data.root().join("airlock.db")).await?;
-    let tenant = store
-        .tenant_by_name(name)
-        .await?
-        .with_context(|| format!("no tenant named {name:?} (`airlock key create --tenant {name}` makes one)"))?;
-    Ok((store, tenant))
 }
 
 async fn run(cli: Cli) -> anyhow::Result<u8> {
@@ -555,71 +581,112 @@ async fn run(cli: Cli) -> anyhow::Result<u8> {
             let c = client()?;
             print_json(&blocking(move || c.json("GET", &format!("/v1/operations/{id}"), None)).await?);
         }
-        Command::Key {
-            command: KeyCommand::Create { tenant, e2b },
-        } => {
-            let data = DataDir::open(&cli.data_dir)?;
-            let store = airlock_server::store::SqliteStore::open(&data.root().join("airlock.db")).await?;
-            use airlock_server::store::{KeyFormat, TenantStore};
-            let format = if e2b { KeyFormat::E2b } else { KeyFormat::Airlock };
-            println!("{}", store.create_key(&tenant, format).await?);
-        }
-        Command::Tenant {
-            command: TenantCommand::Policy { command },
-        } => {
-            let name = match &command {
-                PolicyCommand::Show { tenant } | PolicyCommand::Set { tenant, .. } => tenant.clone(),
+        Command::Login => {
+            let password = match std::env::var(airlock_server::core::accounts::PASSWORD_ENV) {
+                Ok(p) if !p.is_empty() => p,
+                _ => {
+                    if std::io::stdin().is_terminal() {
+                        eprint!("password for {}: ", airlock_server::core::accounts::ROOT);
+                    }
+                    let mut line = String::new();
+                    std::io::stdin().read_line(&mut line)?;
+                    line.trim_end_matches(['\r', '\n']).to_string()
+                }
             };
-            let (store, tenant) = tenant_in_store(&cli.data_dir, &name).await?;
-            use airlock_server::store::TenantStore;
-            if let PolicyCommand::Set {
-                allow_domain,
-                deny_domain,
-                allow_cidr,
-                deny_cidr,
-                ..
-            } = command
-            {
-                let policy =
-                    airlock_server::core::egress::tenant_policy(&allow_domain, &allow_cidr, &deny_domain, &deny_cidr)?;
-                store.set_egress_policy(&tenant.id, &policy).await?;
-            }
-            let policy = store.egress_policy(&tenant.id).await?;
-            let v: serde_json::Value = serde_json::from_str(&policy.to_json())?;
-            print_json(&json!({"tenant": tenant.name, "policy": v}));
+            let token = client::Client::anonymous(&data_dir).json(
+                "POST",
+                "/v1/admin/login",
+                Some(json!({"username": airlock_server::core::accounts::ROOT, "password": password})),
+            )?;
+            let path = client::admin_token_path(&data_dir);
+            write_private(&path, token["token"].as_str().unwrap_or_default())?;
+            eprintln!(
+                "signed in as {} until {}",
+                airlock_server::core::accounts::ROOT,
+                token["expires_at"].as_str().unwrap_or("?")
+            );
         }
-        Command::Tenant {
-            command: TenantCommand::Quota { command },
-        } => {
-            let name = match &command {
-                QuotaCommand::Show { tenant } | QuotaCommand::Set { tenant, .. } => tenant.clone(),
-            };
-            let (store, tenant) = tenant_in_store(&cli.data_dir, &name).await?;
-            use airlock_server::store::TenantStore;
-            if let QuotaCommand::Set {
-                sandboxes,
-                vcpu,
-                memory_mib,
-                disk_mib,
-                sessions_per_sandbox,
-                creates_per_minute,
-                ..
-            } = command
-            {
-                let quota = airlock_server::model::Quota {
-                    sandboxes,
-                    vcpu,
-                    memory_mib,
-                    disk_mib,
-                    sessions_per_sandbox,
-                    creates_per_minute,
-                };
-                airlock_server::core::tenants::check_quota(&quota)
-                    .map_err(|e| anyhow::anyhow!("{e}; e.g. --sandboxes 10"))?;
-                store.set_quota(&tenant.id, &quota).await?;
+        Command::Key { command } => {
+            let admin = client::Client::admin(&data_dir)?;
+            match command {
+                KeyCommand::Create { tenant, name, e2b } => {
+                    let k = admin.json(
+                        "POST",
+                        &format!("/v1/admin/tenants/{tenant}/keys"),
+                        Some(json!({"name": name, "e2b": e2b})),
+                    )?;
+                    println!("{}", k["key"].as_str().unwrap_or_default());
+                }
+                KeyCommand::Ls { tenant } => {
+                    print_json(&admin.json("GET", &format!("/v1/admin/tenants/{tenant}/keys"), None)?)
+                }
+                KeyCommand::Revoke { id, tenant } => {
+                    admin.json("DELETE", &format!("/v1/admin/tenants/{tenant}/keys/{id}"), None)?;
+                    eprintln!("revoked {id}");
+                }
             }
-            let quota = store.quota(&tenant.id).await?;
-            print_json(&json!({"tenant": tenant.name, "quota": quota}));
+        }
+        Command::Tenant { command } => {
+            let admin = client::Client::admin(&data_dir)?;
+            let out = match command {
+                TenantCommand::Create { name } => {
+                    admin.json("POST", "/v1/admin/tenants", Some(json!({"name": name})))?
+                }
+                TenantCommand::Ls => admin.json("GET", "/v1/admin/tenants", None)?,
+                TenantCommand::Get { name } => admin.json("GET", &format!("/v1/admin/tenants/{name}"), None)?,
+                TenantCommand::Rm { name } => admin.json("DELETE", &format!("/v1/admin/tenants/{name}"), None)?,
+                TenantCommand::Policy {
+                    command: PolicyCommand::Show { tenant },
+                } => admin.json("GET", &format!("/v1/admin/tenants/{tenant}/egress"), None)?,
+                TenantCommand::Policy {
+                    command:
+                        PolicyCommand::Set {
+                            tenant,
+                            allow_domain,
+                            deny_domain,
+                            allow_cidr,
+                            deny_cidr,
+                        },
+                } => {
+                    let rules = |domains: Vec<String>, nets: Vec<String>| {
+                        let (ips, cidrs): (Vec<String>, Vec<String>) =
+                            nets.into_iter().partition(|n| n.trim().parse::<std::net::IpAddr>().is_ok());
+                        json!({"domains": domains, "ips": ips, "cidrs": cidrs})
+                    };
+                    let body = json!({"allow": rules(allow_domain, allow_cidr), "deny": rules(deny_domain, deny_cidr)});
+                    admin.json("PUT", &format!("/v1/admin/tenants/{tenant}/egress"), Some(body))?
+                }
+                TenantCommand::Quota {
+                    command: QuotaCommand::Show { tenant },
+                } => admin.json("GET", &format!("/v1/admin/tenants/{tenant}/quota"), None)?,
+                TenantCommand::Quota {
+                    command:
+                        QuotaCommand::Set {
+                            tenant,
+                            sandboxes,
+                            vcpu,
+                            memory_mib,
+                            disk_mib,
+                            sessions_per_sandbox,
+                            creates_per_minute,
+                        },
+                } => {
+                    let quota = airlock_server::model::Quota {
+                        sandboxes,
+                        vcpu,
+                        memory_mib,
+                        disk_mib,
+                        sessions_per_sandbox,
+                        creates_per_minute,
+                    };
+                    admin.json(
+                        "PUT",
+                        &format!("/v1/admin/tenants/{tenant}/quota"),
+                        Some(serde_json::to_value(quota)?),
+                    )?
+                }
+            };
+            print_json(&out);
         }
         Command::Doctor => {
             let rt = Runtime::open(RuntimeOptions::new(&cli.data_dir)).await?;

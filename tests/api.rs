@@ -1019,6 +1019,116 @@ fn quota_is_exact_under_concurrent_creates_over_both_doors() {
     drop(own);
 }
 
+/// The admin commands, through the API as `root@local`: tenants, keys (named, listed, revoked
+/// with immediate effect), quotas, egress policies; a tenant key can't administer; the audit log
+/// has a row for each action; no secret reaches the server's log.
+fn admin_cli_manages_tenants_keys_quotas_and_policies() {
+    let s = server();
+    let tenant = format!("acme-{}", std::process::id());
+    let created = s.cli_ok(&["tenant", "create", &tenant]);
+    assert_eq!(created["name"], tenant.as_str(), "{created}");
+    let again = s.cli(&["tenant", "create", &tenant]);
+    assert!(!again.status.success() && String::from_utf8_lossy(&again.stderr).contains("exists"));
+    let listed = s.cli_ok(&["tenant", "ls"]);
+    assert!(listed["tenants"].as_array().unwrap().iter().any(|t| t["name"] == tenant.as_str()));
+
+    // A named key, shown once; it works, and `key ls` shows it without the secret.
+    let key = s.cli_ok(&["key", "create", "--tenant", &tenant, "--name", "ci"]);
+    let key = key.as_str().unwrap().to_string();
+    assert!(key.starts_with("ak_"), "{key}");
+    let (status, me) = s.call_with("GET", "/v1/tenant", None, Some(&key), &[]);
+    assert_eq!((status, me["name"].as_str()), (200, Some(tenant.as_str())), "{me}");
+    let keys = s.cli_ok(&["key", "ls", "--tenant", &tenant]);
+    let k = &keys["keys"][0];
+    assert_eq!((k["name"].as_str(), k["prefix"].as_str()), (Some("ci"), Some(&key[..8])), "{keys}");
+    assert!(k["last_used_at"].is_string() && k["revoked_at"].is_null(), "{keys}");
+    assert!(!keys.to_string().contains(&key), "a listing never shows the key");
+    // A tenant key can't administer.
+    let (status, body) = s.call_with("GET", "/v1/admin/tenants", None, Some(&key), &[]);
+    assert_eq!((status, body["code"].as_str()), (403, Some("forbidden")), "{body}");
+    let (status, _) = s.call_with("POST", &format!("/v1/admin/tenants/{tenant}/keys"), Some(serde_json::json!({})), Some(&key), &[]);
+    assert_eq!(status, 403);
+
+    // Quotas: set, shown, a zero refused by name.
+    let q = s.cli_ok(&["tenant", "quota", "set", "--tenant", &tenant, "--sandboxes", "3", "--vcpu", "6"]);
+    assert_eq!((q["sandboxes"].as_u64(), q["vcpu"].as_u64(), &q["memory_mib"]), (Some(3), Some(6), &Value::Null), "{q}");
+    let out = s.cli(&["tenant", "quota", "set", "--tenant", &tenant, "--vcpu", "0"]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success() && err.contains("vcpu") && err.contains("at least 1"), "{err}");
+    assert_eq!(s.cli_ok(&["tenant", "quota", "show", "--tenant", &tenant])["vcpu"], 6);
+    let info = s.cli_ok(&["tenant", "get", &tenant]);
+    assert_eq!((info["quota"]["sandboxes"].as_u64(), info["usage"]["sandboxes"].as_u64()), (Some(3), Some(0)), "{info}");
+
+    // Egress policy: normalized, wildcards and malformed entries refused by name.
+    let set = s.cli_ok(&[
+        "tenant", "policy", "set", "--tenant", &tenant, "--allow-domain", "PyPI.org.", "--allow-domain",
+        "files.pythonhosted.org", "--allow-cidr", "203.0.113.0/24", "--allow-cidr", "198.51.100.7",
+        "--deny-domain", "evil.test", "--deny-cidr", "203.0.113.64/26",
+    ]);
+    let want = serde_json::json!({
+        "allow": {"domains": ["files.pythonhosted.org", "pypi.org"], "ips": ["198.51.100.7"], "cidrs": ["203.0.113.0/24"]},
+        "deny": {"domains": ["evil.test"], "ips": [], "cidrs": ["203.0.113.64/26"]},
+    });
+    assert_eq!(set, want);
+    for (flag, entry) in [
+        ("--allow-domain", "*.pypi.org"),
+        ("--deny-domain", ".evil.test"),
+        ("--allow-cidr", "203.0.113.1/24"),
+        ("--allow-cidr", "pypi.org"),
+    ] {
+        let out = s.cli(&["tenant", "policy", "set", "--tenant", &tenant, flag, entry]);
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success() && stderr.contains(entry), "{flag} {entry}: {stderr}");
+    }
+    assert_eq!(s.cli_ok(&["tenant", "policy", "show", "--tenant", &tenant]), want);
+    let out = s.cli(&["tenant", "policy", "show", "--tenant", "nobody-here"]);
+    assert!(!out.status.success() && String::from_utf8_lossy(&out.stderr).contains("nobody-here"));
+
+    // Revoked: the very next call is refused.
+    let id = k["id"].as_str().unwrap();
+    s.cli_ok(&["key", "revoke", id, "--tenant", &tenant]);
+    let (status, _) = s.call_with("GET", "/v1/tenant", None, Some(&key), &[]);
+    assert_eq!(status, 401);
+    let keys = s.cli_ok(&["key", "ls", "--tenant", &tenant]);
+    assert!(keys["keys"][0]["revoked_at"].is_string(), "{keys}");
+
+    // Removing the tenant revokes its other keys too; `default` stays.
+    let second = s.cli_ok(&["key", "create", "--tenant", &tenant]);
+    let second = second.as_str().unwrap().to_string();
+    s.cli_ok(&["tenant", "rm", &tenant]);
+    assert_eq!(s.call_with("GET", "/v1/tenant", None, Some(&second), &[]).0, 401);
+    let out = s.cli(&["tenant", "rm", "default"]);
+    assert!(!out.status.success() && String::from_utf8_lossy(&out.stderr).contains("bootstrap key"));
+
+    // The audit log names each action (never a secret).
+    let token = std::fs::read_to_string(s.data.join("admin-token")).unwrap();
+    let (status, audit) = s.call_with("GET", "/v1/admin/audit?limit=1000", None, Some(token.trim()), &[]);
+    assert_eq!(status, 200, "{audit}");
+    let rows = audit["entries"].as_array().unwrap();
+    for action in ["login", "tenant.create", "key.create", "tenant.quota", "tenant.policy", "key.revoke", "tenant.delete"] {
+        assert!(
+            rows.iter().any(|r| r["action"] == action && r["tenant"].as_str().is_none_or(|t| t == tenant || action == "login")),
+            "no {action} row"
+        );
+    }
+    assert!(rows.iter().any(|r| r["action"] == "auth.key" && r["result"] == "unauthorized"));
+    assert!(rows.iter().any(|r| r["action"] == "tenant.quota" && r["result"] == "invalid_argument"));
+    let text = audit.to_string();
+    for secret in [key.as_str(), second.as_str(), CONSOLE_PASSWORD, token.trim()] {
+        assert!(!text.contains(secret), "a secret in the audit log");
+    }
+    // Nor in any log the server wrote.
+    for entry in std::fs::read_dir(&s.data).unwrap().flatten() {
+        let name = entry.file_name().to_string_lossy().to_string();
+        if name.ends_with(".log") {
+            let log = std::fs::read_to_string(entry.path()).unwrap_or_default();
+            for secret in [key.as_str(), second.as_str(), CONSOLE_PASSWORD, token.trim()] {
+                assert!(!log.contains(secret), "a secret in {name}");
+            }
+        }
+    }
+}
+
 fn main() {
     unsafe { libc::prctl(libc::PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) };
     let args = libtest_mimic::Arguments::from_args();
@@ -1093,6 +1203,10 @@ fn main() {
         t(
             "quota_is_exact_under_concurrent_creates_over_both_doors",
             quota_is_exact_under_concurrent_creates_over_both_doors,
+        ),
+        t(
+            "admin_cli_manages_tenants_keys_quotas_and_policies",
+            admin_cli_manages_tenants_keys_quotas_and_policies,
         ),
     ];
     let conclusion = libtest_mimic::run(&args, tests);

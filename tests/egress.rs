@@ -78,15 +78,6 @@ fn world() -> &'static World {
         build_template(&data, "base");
         let workdir = tempfile::tempdir().unwrap().keep();
         let internet = Internet::start(&workdir);
-        let policy = Command::new(BIN)
-            .arg("--data-dir")
-            .arg(&data)
-            .args(["tenant", "policy", "set"])
-            .args(["--allow-domain", "allowed.test", "--allow-domain", "pypi.test"])
-            .args(["--allow-domain", "rebind.test", "--deny-domain", "denied.test"])
-            .output()
-            .unwrap();
-        assert!(policy.status.success(), "{policy:?}");
         // SAFETY: set before any test thread starts (the world is built by the first test, but
         // only this process's own children read it).
         unsafe { std::env::set_var("AIRLOCK_EGRESS_PROFILES", PROFILES) };
@@ -97,6 +88,10 @@ fn world() -> &'static World {
             internet.info["dns"].as_str().unwrap().into(),
         ];
         let server = Server::start_with(&data, &serve_args.iter().map(String::as_str).collect::<Vec<_>>());
+        server.cli_ok(&[
+            "tenant", "policy", "set", "--allow-domain", "allowed.test", "--allow-domain", "pypi.test",
+            "--allow-domain", "rebind.test", "--deny-domain", "denied.test",
+        ]);
         let (status, r) = server.call_with(
             "POST",
             "/v1/sandboxes",
@@ -431,12 +426,8 @@ fn cleanup() {
     let Some(w) = WORLD.get() else { return };
     let server = server();
     server.delete(&w.id);
+    let _ = server.cli(&["tenant", "policy", "set"]);
     unsafe { libc::kill(server.child.id() as i32, libc::SIGTERM) };
     std::thread::sleep(Duration::from_millis(300));
     w.internet.stop();
-    let _ = Command::new(BIN)
-        .arg("--data-dir")
-        .arg(&server.data)
-        .args(["tenant", "policy", "set"])
-        .output();
 }

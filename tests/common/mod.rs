@@ -10,6 +10,8 @@ use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 pub const BIN: &str = env!("CARGO_BIN_EXE_airlock");
+/// `root@local`'s password on every server the suites start (`AIRLOCK_CONSOLE_PASSWORD`).
+pub const CONSOLE_PASSWORD: &str = "airlock-test-console-password";
 
 pub fn test_data_dir() -> PathBuf {
     std::env::var_os("AIRLOCK_TEST_DATA_DIR")
@@ -57,6 +59,7 @@ impl Server {
             .arg(data)
             .args(["serve", "--listen", &format!("127.0.0.1:{port}")])
             .args(extra)
+            .env("AIRLOCK_CONSOLE_PASSWORD", CONSOLE_PASSWORD)
             .stdin(Stdio::null())
             .stdout(log.try_clone().unwrap())
             .stderr(log)
@@ -84,6 +87,37 @@ impl Server {
             key,
             data: data.to_path_buf(),
         }
+    }
+
+    /// `airlock <args>` against this server, signed in as `root@local` (an admin command).
+    pub fn cli(&self, args: &[&str]) -> std::process::Output {
+        let run = |args: &[&str]| {
+            Command::new(BIN)
+                .arg("--data-dir")
+                .arg(&self.data)
+                .args(args)
+                .env("AIRLOCK_URL", &self.url)
+                .env("AIRLOCK_CONSOLE_PASSWORD", CONSOLE_PASSWORD)
+                .env_remove("AIRLOCK_ADMIN_TOKEN")
+                .stdin(Stdio::null())
+                .output()
+                .unwrap()
+        };
+        let login = run(&["login"]);
+        assert!(login.status.success(), "login: {}", String::from_utf8_lossy(&login.stderr));
+        run(args)
+    }
+
+    /// [`Server::cli`] that must succeed; its stdout as JSON (or as a string).
+    pub fn cli_ok(&self, args: &[&str]) -> Value {
+        let out = self.cli(args);
+        assert!(
+            out.status.success(),
+            "airlock {args:?}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let text = String::from_utf8_lossy(&out.stdout).trim().to_string();
+        serde_json::from_str(&text).unwrap_or(Value::String(text))
     }
 
     pub fn kill9(&mut self) {

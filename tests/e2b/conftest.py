@@ -23,6 +23,9 @@ BIN = os.environ.get("AIRLOCK_BIN", os.path.join(ROOT, "target", "release", "air
 DATA = os.environ.get("AIRLOCK_TEST_DATA_DIR", "/var/lib/airlock-test")
 # What the E2B door's egress tests may reach: the tenant's base policy while the suite runs.
 TENANT_ALLOWS = ("allowed.test", "other.test")
+# root@local's password on the suite's server; the admin commands (`key create`, `tenant
+# policy`) sign in with it.
+os.environ["AIRLOCK_CONSOLE_PASSWORD"] = "airlock-e2b-suite-console"
 
 
 def _start_internet():
@@ -36,11 +39,20 @@ def _start_internet():
     return proc, json.loads(line)
 
 
-def _set_tenant_policy(domains):
-    args = [BIN, "--data-dir", DATA, "tenant", "policy", "set"]
+def _admin(url, *args):
+    """An admin command (`airlock login` first) against the suite's server."""
+    env = dict(os.environ, AIRLOCK_URL=url)
+    subprocess.run([BIN, "--data-dir", DATA, "login"], check=True, env=env, stdin=subprocess.DEVNULL,
+                   stderr=subprocess.DEVNULL)
+    r = subprocess.run([BIN, "--data-dir", DATA, *args], check=True, env=env, capture_output=True, text=True)
+    return r.stdout.strip()
+
+
+def _set_tenant_policy(url, domains):
+    args = ["tenant", "policy", "set"]
     for d in domains:
         args += ["--allow-domain", d]
-    subprocess.run(args, check=True, stdout=subprocess.DEVNULL)
+    _admin(url, *args)
 
 
 def _free_port():
@@ -73,7 +85,6 @@ def airlock_server():
              "--tls-cert", TLS_CERT, "--tls-key", TLS_KEY]
     internet, net = _start_internet()
     serve += ["--egress-uplink-netns", net["uplink_netns"], "--egress-dns", net["dns"]]
-    _set_tenant_policy(TENANT_ALLOWS)
     dns = wildcard_dns.start_dns_server()
     proc = subprocess.Popen(serve, stdout=log, stderr=log)
     deadline = time.time() + 120
@@ -86,8 +97,8 @@ def airlock_server():
                 raise RuntimeError(f"airlock serve did not come up; see {log.name}")
             time.sleep(0.2)
     # `--e2b`: the `e2b_<hex>` shape, which e2b 2.26 to 2.5x insist on; the others take any key.
-    key = subprocess.run([BIN, "--data-dir", DATA, "key", "create", "--e2b"], check=True, capture_output=True,
-                         text=True).stdout.strip()
+    key = _admin(url, "key", "create", "--e2b", "--name", "e2b-suite")
+    _set_tenant_policy(url, TENANT_ALLOWS)
     os.environ["E2B_API_KEY"] = key
     if os.environ.get("E2B_SUITE_ROUTE") == "domain":
         # The whole suite over E2B_DOMAIN + TLS (SDKs older than E2B_SANDBOX_URL need this).
@@ -98,6 +109,7 @@ def airlock_server():
         os.environ["E2B_SANDBOX_URL"] = url
     try:
         yield {"url": url, "key": key, "internet": net}
+        _set_tenant_policy(url, ())
         # VMs outlive the server by design: delete what the tests left, then stop it.
         for sb in _native(url, key, "GET", "/v1/sandboxes?limit=100")["sandboxes"]:
             _native(url, key, "DELETE", f"/v1/sandboxes/{sb['id']}")
@@ -113,7 +125,6 @@ def airlock_server():
             server.stop()
         internet.stdin.close()  # it removes its namespaces
         internet.wait(timeout=30)
-        _set_tenant_policy(())
 
 
 @contextlib.contextmanager

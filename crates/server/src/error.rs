@@ -21,6 +21,9 @@ pub enum Kind {
     File,
     Watcher,
     Route,
+    Tenant,
+    /// An API key, by its id.
+    Key,
 }
 
 impl Kind {
@@ -34,6 +37,8 @@ impl Kind {
             Kind::File => "file",
             Kind::Watcher => "watcher",
             Kind::Route => "route",
+            Kind::Tenant => "tenant",
+            Kind::Key => "key",
         }
     }
 }
@@ -104,6 +109,15 @@ pub enum CoreError {
     Unsupported { option: String, reason: String },
     #[error("{0}")]
     Unauthenticated(String),
+    /// Authenticated, but this credential may not do this (a tenant key on an admin route).
+    #[error("{0}")]
+    Forbidden(String),
+    /// The object exists already, or its state forbids the change.
+    #[error("{0}")]
+    Conflict(String),
+    /// A failure of the server itself that no caller can act on.
+    #[error("{0}")]
+    Internal(String),
     /// The guest agent answered with an error about `kind` (a file, a process).
     #[error("{source}")]
     Guest { kind: Kind, source: AgentError },
@@ -239,6 +253,9 @@ impl CoreError {
             CoreError::Egress(_) => c("invalid_egress", 400),
             CoreError::EgressNotAllowed { .. } => c("egress_not_allowed", 400),
             CoreError::Unauthenticated(_) => c("unauthorized", 401),
+            CoreError::Forbidden(_) => c("forbidden", 403),
+            CoreError::Conflict(_) => c("conflict", 409),
+            CoreError::Internal(_) => c("internal", 500),
             CoreError::Guest { kind, source } => match source.code() {
                 Some(ErrorCode::NotFound) => c(not_found_code(*kind), 404),
                 Some(ErrorCode::AlreadyExists) => c("already_exists", 409),
@@ -290,6 +307,8 @@ fn not_found_code(kind: Kind) -> &'static str {
         Kind::File => "file_not_found",
         Kind::Watcher => "watcher_not_found",
         Kind::Route => "route_not_found",
+        Kind::Tenant => "tenant_not_found",
+        Kind::Key => "key_not_found",
     }
 }
 

@@ -45,6 +45,10 @@ use utoipa::OpenApi;
         native::create_session, native::list_sessions, native::get_session, native::stream_session, native::session_stdin,
         native::session_signal, native::session_resize, native::read_file, native::write_file, native::delete_file, native::list_files,
         native::list_templates, native::get_template, native::system,
+        native::admin::login, native::admin::create_tenant, native::admin::list_tenants, native::admin::get_tenant,
+        native::admin::delete_tenant, native::admin::get_quota, native::admin::put_quota, native::admin::get_policy,
+        native::admin::put_policy, native::admin::create_key, native::admin::list_keys, native::admin::revoke_key,
+        native::admin::audit,
     ),
     components(schemas(model::OutputEvent, model::ExitedEvent, model::TruncatedEvent)),
     modifiers(&BearerAuth),
@@ -129,6 +133,34 @@ pub fn router(state: AppState) -> Router {
             native::require_tenant,
         ))
         .with_state(core.clone());
+    // The platform account's routes: sign in, then an admin token on every other.
+    let admin = Router::new()
+        .route("/tenants", post(native::admin::create_tenant).get(native::admin::list_tenants))
+        .route(
+            "/tenants/{name}",
+            get(native::admin::get_tenant).delete(native::admin::delete_tenant),
+        )
+        .route(
+            "/tenants/{name}/quota",
+            get(native::admin::get_quota).put(native::admin::put_quota),
+        )
+        .route(
+            "/tenants/{name}/egress",
+            get(native::admin::get_policy).put(native::admin::put_policy),
+        )
+        .route(
+            "/tenants/{name}/keys",
+            post(native::admin::create_key).get(native::admin::list_keys),
+        )
+        .route("/tenants/{name}/keys/{key_id}", axum::routing::delete(native::admin::revoke_key))
+        .route("/audit", get(native::admin::audit))
+        .fallback(native::not_found)
+        .route_layer(axum::middleware::from_fn_with_state(
+            core.clone(),
+            native::admin::require_admin,
+        ))
+        .route("/login", post(native::admin::login))
+        .with_state(core.clone());
     // The E2B door on the same listener: its control plane (X-API-KEY) and envd (per-sandbox
     // access token); paths do not collide with /v1 or with each other.
     let e2b_api = Router::new()
@@ -170,6 +202,7 @@ pub fn router(state: AppState) -> Router {
         .with_state(e2b_state);
     let doc = openapi_json();
     Router::new()
+        .nest("/v1/admin", admin)
         .nest("/v1", v1)
         .merge(e2b_api)
         .merge(envd)
@@ -357,6 +390,32 @@ pub async fn serve(opts: ServeOptions) -> anyhow::Result<()> {
     let core = core::Core::new(store, nodes, config, secret);
     if let Some(hook) = &hook {
         hook.bind_core(core.clone());
+    }
+    {
+        use core::accounts::{PASSWORD_ENV, ROOT};
+        let chosen = std::env::var(PASSWORD_ENV).ok();
+        if let Some(generated) = core
+            .ensure_console_account(chosen.as_deref())
+            .await
+            .map_err(|e| anyhow::anyhow!("the console account: {e}"))?
+        {
+            // Printed once, straight to the terminal (never through the log); only its hash is kept.
+            eprintln!(
+                "airlock: the console account is {ROOT}; its generated password, shown only now: {generated}\n\
+                 airlock: sign in with `airlock login`; set {PASSWORD_ENV} to choose the password instead"
+            );
+        }
+        let pruner = core.clone();
+        tokio::spawn(async move {
+            loop {
+                match pruner.prune_audit().await {
+                    Ok(n) if n > 0 => tracing::info!("audit: pruned {n} rows past their retention"),
+                    Ok(_) => {}
+                    Err(e) => tracing::warn!("audit: pruning failed: {e}"),
+                }
+                tokio::time::sleep(std::time::Duration::from_secs(6 * 3600)).await;
+            }
+        });
     }
     // Requests about a sandbox the recovery has yet to settle wait for it (`Core::current`).
     core.engine.start_recovery().await?;

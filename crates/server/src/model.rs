@@ -194,9 +194,13 @@ pub struct SandboxEgress {
 
 /// Exact domains, addresses and networks.
 #[derive(Debug, Clone, Default, Serialize, Deserialize, ToSchema, PartialEq, Eq)]
+#[serde(deny_unknown_fields)]
 pub struct EgressRules {
+    #[serde(default)]
     pub domains: Vec<String>,
+    #[serde(default)]
     pub ips: Vec<String>,
+    #[serde(default)]
     pub cidrs: Vec<String>,
 }
 
@@ -485,4 +489,112 @@ pub struct TenantInfo {
     pub name: String,
     pub quota: Quota,
     pub usage: TenantUsage,
+}
+
+/// `POST /v1/admin/login`.
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct LoginRequest {
+    /// `root@local`.
+    pub username: String,
+    pub password: String,
+}
+
+/// An admin token: `Authorization: Bearer <token>` on `/v1/admin/*` until `expires_at`.
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
+pub struct AdminToken {
+    pub token: String,
+    pub expires_at: String,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct CreateTenantRequest {
+    /// 1 to 63 of a-z, 0-9 and '-'.
+    pub name: String,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
+pub struct TenantSummary {
+    pub name: String,
+    pub created_at: String,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
+pub struct TenantList {
+    pub tenants: Vec<TenantSummary>,
+}
+
+/// `DELETE /v1/admin/tenants/{name}`: its keys are revoked and its sandboxes being deleted.
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
+pub struct TenantDeleted {
+    pub name: String,
+    pub sandboxes_deleting: u32,
+}
+
+#[derive(Debug, Clone, Default, Serialize, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct CreateKeyRequest {
+    /// What the key is for (shown in listings).
+    #[serde(default)]
+    pub name: String,
+    /// Spell it `e2b_<hex>` (the shape e2b SDKs 2.26 to 2.5x require of `E2B_API_KEY`).
+    #[serde(default)]
+    pub e2b: bool,
+}
+
+/// An API key as listed: never the key itself.
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
+pub struct KeyView {
+    /// What the key is revoked by.
+    pub id: String,
+    pub name: String,
+    /// The key's first 8 characters.
+    pub prefix: String,
+    pub created_at: String,
+    pub last_used_at: Option<String>,
+    pub revoked_at: Option<String>,
+}
+
+/// A new key: `key` is shown this once (only its hash is kept).
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
+pub struct NewKey {
+    pub key: String,
+    #[serde(flatten)]
+    pub info: KeyView,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
+pub struct KeyList {
+    pub keys: Vec<KeyView>,
+}
+
+/// One audit row.
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
+pub struct AuditEntry {
+    pub seq: i64,
+    pub at: String,
+    /// `root@local`, `key:<key id>`, `anonymous`, ...
+    pub actor: String,
+    pub tenant: Option<String>,
+    /// `login`, `tenant.create`, `key.revoke`, `sandbox.create`, ...
+    pub action: String,
+    pub object: Option<String>,
+    /// `ok`, or the error code.
+    pub result: String,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
+pub struct AuditPage {
+    pub entries: Vec<AuditEntry>,
+}
+
+/// A tenant's base egress policy, as the admin API reads and writes it.
+#[derive(Debug, Clone, Default, Serialize, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct TenantEgressPolicy {
+    #[serde(default)]
+    pub allow: EgressRules,
+    #[serde(default)]
+    pub deny: EgressRules,
 }

@@ -103,7 +103,17 @@ pub fn tenant_policy(
     )?)
 }
 
-fn rules_view(r: &RuleSet) -> EgressRules {
+/// A tenant base policy from the admin API's shape.
+pub fn tenant_policy_from_rules(allow: &EgressRules, deny: &EgressRules) -> CoreResult<TenantPolicy> {
+    let raw = |r: &EgressRules| RawRules {
+        domains: r.domains.clone(),
+        ips: r.ips.clone(),
+        cidrs: r.cidrs.clone(),
+    };
+    Ok(TenantPolicy::from_raw(&raw(allow), &raw(deny))?)
+}
+
+pub(crate) fn rules_view(r: &RuleSet) -> EgressRules {
     EgressRules {
         domains: r.domains.iter().cloned().collect(),
         ips: r.ips.iter().map(|i| i.to_string()).collect(),

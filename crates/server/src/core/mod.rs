@@ -2,6 +2,7 @@
 //! Both doors (native `/v1`, E2B) call these services and only translate wire formats; a rule
 //! (auth, admission, timeouts, env names, signals, quotas) lives here once.
 //!
+//! - `accounts`: `root@local`, admin sign-in, tenants, keys, the audit log
 //! - `principal`: who is calling (API key, sandbox access token, signed URL)
 //! - `sandboxes`: admission and lifecycle (through the operation engine)
 //! - `sessions`: every process started through either door, with an id
@@ -11,6 +12,7 @@
 //! - `egress`: a new sandbox's egress (profiles, the tenant policy, narrowing), the registry of
 //!   live sandboxes' egress state, the report
 
+pub mod accounts;
 pub mod egress;
 pub mod files;
 pub mod principal;

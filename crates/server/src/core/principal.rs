@@ -93,10 +93,16 @@ impl Core {
                 "missing API key; send `{header}` (see <data-dir>/credentials)"
             )));
         };
-        self.store
-            .tenant_by_key(key)
-            .await?
-            .ok_or_else(|| CoreError::Unauthenticated("invalid API key; `airlock key create` mints one".into()))
+        match self.store.tenant_by_key(key).await? {
+            Some(t) => Ok(t),
+            None => {
+                // A wrong or revoked key: recorded (never the key), refused.
+                self.audit("anonymous", None, "auth.key", None, "unauthorized").await;
+                Err(CoreError::Unauthenticated(
+                    "invalid or revoked API key; `airlock key create` mints one".into(),
+                ))
+            }
+        }
     }
 
     /// A caller of one sandbox: by `sandbox_id`, or (without one) the sandbox whose access token

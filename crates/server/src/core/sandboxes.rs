@@ -111,7 +111,7 @@ fn check_metadata(m: &BTreeMap<String, String>) -> CoreResult<()> {
 
 impl Core {
     /// Admit a sandbox and submit its create; with a known idempotency key, the earlier one.
-    pub async fn create_sandbox(&self, tenant: &Tenant, req: CreateSandbox) -> CoreResult<Created> {
+    async fn create_sandbox_unaudited(&self, tenant: &Tenant, req: CreateSandbox) -> CoreResult<Created> {
         let runtime = self.nodes.runtime_name();
         match req.runtime.as_deref() {
             None => {}
@@ -315,7 +315,7 @@ impl Core {
     }
 
     /// Submit a delete (or return the one under way).
-    pub async fn delete_sandbox(&self, tenant: &Tenant, id: &str) -> CoreResult<Operation> {
+    async fn delete_sandbox_unaudited(&self, tenant: &Tenant, id: &str) -> CoreResult<Operation> {
         let row = self.sandbox(tenant, id).await?;
         if row.state == SandboxState::Deleted {
             return Err(CoreError::NotFound {
@@ -328,7 +328,7 @@ impl Core {
     }
 
     /// Pause (freeze in memory) or resume; returns the finished operation, as both are quick.
-    pub async fn pause_or_resume(&self, tenant: &Tenant, id: &str, pause: bool) -> CoreResult<Operation> {
+    async fn pause_or_resume_unaudited(&self, tenant: &Tenant, id: &str, pause: bool) -> CoreResult<Operation> {
         let row = self.sandbox(tenant, id).await?;
         let (from, verb) = if pause {
             (SandboxState::Running, "paused")
@@ -387,5 +387,34 @@ impl Core {
             id: row.id.clone(),
             reason: e.to_string(),
         })
+    }
+}
+
+/// Every lifecycle request leaves an audit row (who, tenant, action, object, result).
+impl Core {
+    pub async fn create_sandbox(&self, tenant: &Tenant, req: CreateSandbox) -> CoreResult<Created>  {
+        let r = self.create_sandbox_unaudited(tenant, req).await;
+        let object = r.as_ref().ok().map(|c| c.sandbox_id.clone());
+        self.audit_tenant(tenant, "sandbox.create", object.as_deref(), Self::outcome(&r))
+            .await;
+        r
+    }
+
+    pub async fn delete_sandbox(&self, tenant: &Tenant, id: &str) -> CoreResult<Operation>  {
+        let r = self.delete_sandbox_unaudited(tenant, id).await;
+        self.audit_tenant(tenant, "sandbox.delete", Some(id), Self::outcome(&r)).await;
+        r
+    }
+
+    pub async fn pause_or_resume(&self, tenant: &Tenant, id: &str, pause: bool) -> CoreResult<Operation>  {
+        let r = self.pause_or_resume_unaudited(tenant, id, pause).await;
+        let action = if pause { "sandbox.pause" } else { "sandbox.resume" };
+        self.audit_tenant(tenant, action, Some(id), Self::outcome(&r)).await;
+        r
+    }
+
+    async fn audit_tenant(&self, tenant: &Tenant, action: &str, object: Option<&str>, result: &str) {
+        self.audit(&format!("tenant:{}", tenant.name), Some(&tenant.name), action, object, result)
+            .await;
     }
 }

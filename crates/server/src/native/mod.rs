@@ -1,6 +1,7 @@
 //! The native `/v1` door: HTTP + SSE handlers that translate onto the core's services. No rule
 //! lives here: only wire formats (JSON bodies, query strings, SSE events, base64).
 
+pub mod admin;
 pub mod error;
 
 use crate::core::egress::EgressRequest;

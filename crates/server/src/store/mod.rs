@@ -382,9 +382,68 @@ pub trait E2bStore: Send + Sync {
 }
 
 /// The whole store, as the server holds it.
-pub trait Store: TenantStore + SandboxStore + OperationStore + E2bStore {}
+/// An API key as it is listed: never the key itself.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct KeyRecord {
+    /// `key_<16 hex>`, derived from the key's hash: what a key is listed and revoked by.
+    pub id: String,
+    pub tenant_id: String,
+    pub name: String,
+    /// The key's first 8 characters, to tell keys apart.
+    pub prefix: String,
+    pub created_at_ms: i64,
+    pub last_used_at_ms: Option<i64>,
+    pub revoked_at_ms: Option<i64>,
+}
 
-impl<T: TenantStore + SandboxStore + OperationStore + E2bStore> Store for T {}
+/// One audit row: who did what to which object, and how it ended.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct AuditRecord {
+    /// Increasing; `0` for a row not yet written.
+    pub seq: i64,
+    pub at_ms: i64,
+    /// `root@local`, `key:<key id>`, `sandbox:<id>` or `anonymous`.
+    pub actor: String,
+    pub tenant: Option<String>,
+    pub action: String,
+    pub object: Option<String>,
+    /// `ok` or the error code.
+    pub result: String,
+}
+
+/// Tenants as the platform administers them, their keys, the console account, admin sign-ins
+/// and the audit log.
+#[async_trait]
+pub trait AccountStore: Send + Sync {
+    /// A new tenant; `Ok(None)` if the name is taken.
+    async fn create_tenant(&self, name: &str) -> Result<Option<Tenant>, StoreError>;
+    /// Every tenant with its creation time, by name.
+    async fn list_tenants(&self) -> Result<Vec<(Tenant, i64)>, StoreError>;
+    /// Remove a tenant: its keys, quotas and egress policy go with it (its sandboxes must be
+    /// deleted first: their rows stay as a record).
+    async fn delete_tenant(&self, tenant_id: &str) -> Result<(), StoreError>;
+    /// Mint a named key for an existing tenant; the key (shown once) and its record.
+    async fn mint_key(&self, tenant_id: &str, format: KeyFormat, name: &str) -> Result<(String, KeyRecord), StoreError>;
+    async fn list_keys(&self, tenant_id: &str) -> Result<Vec<KeyRecord>, StoreError>;
+    /// Revoke the tenant's key `key_id` (effective on its next use); false if it has no such key.
+    async fn revoke_key(&self, tenant_id: &str, key_id: &str) -> Result<bool, StoreError>;
+    /// The argon2 hash of an account's password.
+    async fn password_hash(&self, account: &str) -> Result<Option<String>, StoreError>;
+    async fn set_password_hash(&self, account: &str, hash: &str) -> Result<(), StoreError>;
+    /// Record an admin token (by its hash) valid until `expires_at_ms`.
+    async fn insert_admin_session(&self, token_hash: &str, account: &str, expires_at_ms: i64) -> Result<(), StoreError>;
+    /// The account an unexpired admin token (by its hash) belongs to; expired ones are removed.
+    async fn admin_session(&self, token_hash: &str, now_ms: i64) -> Result<Option<String>, StoreError>;
+    async fn insert_audit(&self, record: &AuditRecord) -> Result<(), StoreError>;
+    /// Audit rows after `after_seq`, oldest first, at most `limit`.
+    async fn audit(&self, after_seq: i64, limit: u32) -> Result<Vec<AuditRecord>, StoreError>;
+    /// Remove audit rows older than `before_ms`; how many went.
+    async fn prune_audit(&self, before_ms: i64) -> Result<u64, StoreError>;
+}
+
+pub trait Store: TenantStore + SandboxStore + OperationStore + E2bStore + AccountStore {}
+
+impl<T: TenantStore + SandboxStore + OperationStore + E2bStore + AccountStore> Store for T {}
 
 #[cfg(test)]
 mod tests {

@@ -1,7 +1,7 @@
 //! [`SqliteStore`]: the store in one SQLite file (WAL, a small pool), migrated on open.
 
 use super::{
-    new_key, now_ms, rfc3339, token_hash, CreateRecorded, E2bStore, EgressSpec, KeyFormat, NodeBudget, OperationStore,
+    new_key, now_ms, rfc3339, token_hash, AccountStore, AuditRecord, CreateRecorded, KeyRecord, E2bStore, EgressSpec, KeyFormat, NodeBudget, OperationStore,
     SandboxFilter, SandboxRow, SandboxStore, SessionRow, StoreError, Tenant, TenantStore,
 };
 use crate::model::ErrorBody;
@@ -256,14 +256,212 @@ async fn insert_key(tx: &mut sqlx::Transaction<'_, sqlx::Sqlite>, tenant: &str, 
             tenant.to_string()
         }
     };
-    sqlx::query("INSERT INTO api_keys (hash, tenant_id, prefix, created_at_ms) VALUES (?, ?, ?, ?)")
-        .bind(token_hash(key))
+    insert_key_row(tx, &tenant_id, key, "").await?;
+    Ok(())
+}
+
+/// `key_` + the first 16 hex of the key's hash.
+fn key_id(hash: &str) -> String {
+    format!("key_{}", &hash[..16])
+}
+
+async fn insert_key_row(
+    tx: &mut sqlx::Transaction<'_, sqlx::Sqlite>,
+    tenant_id: &str,
+    key: &str,
+    name: &str,
+) -> Result<KeyRecord, StoreError> {
+    let hash = token_hash(key);
+    let record = KeyRecord {
+        id: key_id(&hash),
+        tenant_id: tenant_id.into(),
+        name: name.into(),
+        prefix: key.get(..8).unwrap_or(key).into(),
+        created_at_ms: now_ms(),
+        last_used_at_ms: None,
+        revoked_at_ms: None,
+    };
+    sqlx::query("INSERT INTO api_keys (hash, tenant_id, prefix, created_at_ms, id, name) VALUES (?, ?, ?, ?, ?, ?)")
+        .bind(&hash)
         .bind(tenant_id)
-        .bind(key.get(..8).unwrap_or(key))
-        .bind(now_ms())
+        .bind(&record.prefix)
+        .bind(record.created_at_ms)
+        .bind(&record.id)
+        .bind(name)
         .execute(&mut **tx)
         .await?;
-    Ok(())
+    Ok(record)
+}
+
+fn key_from_row(r: &sqlx::sqlite::SqliteRow) -> Result<KeyRecord, StoreError> {
+    Ok(KeyRecord {
+        id: r.try_get("id")?,
+        tenant_id: r.try_get("tenant_id")?,
+        name: r.try_get("name")?,
+        prefix: r.try_get("prefix")?,
+        created_at_ms: r.try_get("created_at_ms")?,
+        last_used_at_ms: r.try_get("last_used_at_ms")?,
+        revoked_at_ms: r.try_get("revoked_at_ms")?,
+    })
+}
+
+#[async_trait]
+impl AccountStore for SqliteStore {
+    async fn create_tenant(&self, name: &str) -> Result<Option<Tenant>, StoreError> {
+        let r = sqlx::query("INSERT INTO tenants (id, name, created_at_ms) VALUES (?, ?, ?) ON CONFLICT DO NOTHING")
+            .bind(name)
+            .bind(name)
+            .bind(now_ms())
+            .execute(&self.pool)
+            .await?;
+        Ok((r.rows_affected() == 1).then(|| Tenant {
+            id: name.into(),
+            name: name.into(),
+        }))
+    }
+
+    async fn list_tenants(&self) -> Result<Vec<(Tenant, i64)>, StoreError> {
+        let rows: Vec<(String, String, i64)> =
+            sqlx::query_as("SELECT id, name, created_at_ms FROM tenants ORDER BY name")
+                .fetch_all(&self.pool)
+                .await?;
+        Ok(rows.into_iter().map(|(id, name, at)| (Tenant { id, name }, at)).collect())
+    }
+
+    async fn delete_tenant(&self, tenant_id: &str) -> Result<(), StoreError> {
+        let mut tx = self.pool.begin_with("BEGIN IMMEDIATE").await?;
+        for sql in [
+            "DELETE FROM api_keys WHERE tenant_id = ?",
+            "DELETE FROM tenant_quotas WHERE tenant_id = ?",
+            "DELETE FROM tenant_egress WHERE tenant_id = ?",
+            "DELETE FROM tenants WHERE id = ?",
+        ] {
+            sqlx::query(sql).bind(tenant_id).execute(&mut *tx).await?;
+        }
+        tx.commit().await?;
+        Ok(())
+    }
+
+    async fn mint_key(&self, tenant_id: &str, format: KeyFormat, name: &str) -> Result<(String, KeyRecord), StoreError> {
+        let mut tx = self.pool.begin_with("BEGIN IMMEDIATE").await?;
+        let key = new_key(format);
+        let record = insert_key_row(&mut tx, tenant_id, &key, name).await?;
+        tx.commit().await?;
+        Ok((key, record))
+    }
+
+    async fn list_keys(&self, tenant_id: &str) -> Result<Vec<KeyRecord>, StoreError> {
+        sqlx::query("SELECT * FROM api_keys WHERE tenant_id = ? ORDER BY created_at_ms, id")
+            .bind(tenant_id)
+            .fetch_all(&self.pool)
+            .await?
+            .iter()
+            .map(key_from_row)
+            .collect()
+    }
+
+    async fn revoke_key(&self, tenant_id: &str, key_id: &str) -> Result<bool, StoreError> {
+        let r = sqlx::query(
+            "UPDATE api_keys SET revoked_at_ms = COALESCE(revoked_at_ms, ?) WHERE tenant_id = ? AND id = ?",
+        )
+        .bind(now_ms())
+        .bind(tenant_id)
+        .bind(key_id)
+        .execute(&self.pool)
+        .await?;
+        Ok(r.rows_affected() == 1)
+    }
+
+    async fn password_hash(&self, account: &str) -> Result<Option<String>, StoreError> {
+        let row: Option<(String,)> = sqlx::query_as("SELECT password_hash FROM console_accounts WHERE name = ?")
+            .bind(account)
+            .fetch_optional(&self.pool)
+            .await?;
+        Ok(row.map(|(h,)| h))
+    }
+
+    async fn set_password_hash(&self, account: &str, hash: &str) -> Result<(), StoreError> {
+        sqlx::query(
+            "INSERT INTO console_accounts (name, password_hash, updated_at_ms) VALUES (?, ?, ?)
+             ON CONFLICT (name) DO UPDATE SET password_hash = excluded.password_hash, updated_at_ms = excluded.updated_at_ms",
+        )
+        .bind(account)
+        .bind(hash)
+        .bind(now_ms())
+        .execute(&self.pool)
+        .await?;
+        // A new password ends every sign-in made with the old one.
+        sqlx::query("DELETE FROM admin_sessions WHERE account = ?")
+            .bind(account)
+            .execute(&self.pool)
+            .await?;
+        Ok(())
+    }
+
+    async fn insert_admin_session(&self, token_hash: &str, account: &str, expires_at_ms: i64) -> Result<(), StoreError> {
+        sqlx::query("INSERT INTO admin_sessions (token_hash, account, created_at_ms, expires_at_ms) VALUES (?, ?, ?, ?)")
+            .bind(token_hash)
+            .bind(account)
+            .bind(now_ms())
+            .bind(expires_at_ms)
+            .execute(&self.pool)
+            .await?;
+        Ok(())
+    }
+
+    async fn admin_session(&self, token_hash: &str, now_ms: i64) -> Result<Option<String>, StoreError> {
+        sqlx::query("DELETE FROM admin_sessions WHERE expires_at_ms <= ?")
+            .bind(now_ms)
+            .execute(&self.pool)
+            .await?;
+        let row: Option<(String,)> = sqlx::query_as("SELECT account FROM admin_sessions WHERE token_hash = ?")
+            .bind(token_hash)
+            .fetch_optional(&self.pool)
+            .await?;
+        Ok(row.map(|(a,)| a))
+    }
+
+    async fn insert_audit(&self, r: &AuditRecord) -> Result<(), StoreError> {
+        sqlx::query("INSERT INTO audit (at_ms, actor, tenant, action, object, result) VALUES (?, ?, ?, ?, ?, ?)")
+            .bind(r.at_ms)
+            .bind(&r.actor)
+            .bind(&r.tenant)
+            .bind(&r.action)
+            .bind(&r.object)
+            .bind(&r.result)
+            .execute(&self.pool)
+            .await?;
+        Ok(())
+    }
+
+    async fn audit(&self, after_seq: i64, limit: u32) -> Result<Vec<AuditRecord>, StoreError> {
+        let rows = sqlx::query("SELECT * FROM audit WHERE seq > ? ORDER BY seq LIMIT ?")
+            .bind(after_seq)
+            .bind(limit as i64)
+            .fetch_all(&self.pool)
+            .await?;
+        rows.iter()
+            .map(|r| {
+                Ok(AuditRecord {
+                    seq: r.try_get("seq")?,
+                    at_ms: r.try_get("at_ms")?,
+                    actor: r.try_get("actor")?,
+                    tenant: r.try_get("tenant")?,
+                    action: r.try_get("action")?,
+                    object: r.try_get("object")?,
+                    result: r.try_get("result")?,
+                })
+            })
+            .collect()
+    }
+
+    async fn prune_audit(&self, before_ms: i64) -> Result<u64, StoreError> {
+        let r = sqlx::query("DELETE FROM audit WHERE at_ms < ?")
+            .bind(before_ms)
+            .execute(&self.pool)
+            .await?;
+        Ok(r.rows_affected())
+    }
 }
 
 #[async_trait]
@@ -302,12 +500,25 @@ impl TenantStore for SqliteStore {
     }
 
     async fn tenant_by_key(&self, key: &str) -> Result<Option<Tenant>, StoreError> {
-        let row: Option<(String, String)> =
-            sqlx::query_as("SELECT t.id, t.name FROM api_keys k JOIN tenants t ON t.id = k.tenant_id WHERE k.hash = ?")
-                .bind(token_hash(key))
-                .fetch_optional(&self.pool)
+        let hash = token_hash(key);
+        let row: Option<(String, String, Option<i64>)> = sqlx::query_as(
+            "SELECT t.id, t.name, k.last_used_at_ms FROM api_keys k JOIN tenants t ON t.id = k.tenant_id
+             WHERE k.hash = ? AND k.revoked_at_ms IS NULL",
+        )
+        .bind(&hash)
+        .fetch_optional(&self.pool)
+        .await?;
+        let Some((id, name, last_used)) = row else { return Ok(None) };
+        // Last use to the minute: a write per request would serialize every call on the lock.
+        let now = now_ms();
+        if last_used.is_none_or(|t| now - t >= 60_000) {
+            sqlx::query("UPDATE api_keys SET last_used_at_ms = ? WHERE hash = ?")
+                .bind(now)
+                .bind(&hash)
+                .execute(&self.pool)
                 .await?;
-        Ok(row.map(|(id, name)| Tenant { id, name }))
+        }
+        Ok(Some(Tenant { id, name }))
     }
 
     async fn tenant_by_name(&self, name: &str) -> Result<Option<Tenant>, StoreError> {

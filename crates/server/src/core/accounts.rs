@@ -1,0 +1,351 @@
+//! The platform's own account and what it administers: `root@local` (its password only as an
+//! argon2 hash), short-lived admin tokens from signing in, tenants, their keys, and the audit
+//! log. Tenant API keys never reach these: an admin route wants an admin token.
+
+use super::Core;
+use crate::error::{CoreError, CoreResult, Kind};
+use crate::model::{AdminToken, AuditEntry, KeyView, NewKey, TenantSummary};
+use crate::store::{now_ms, rfc3339, token_hash, AuditRecord, KeyFormat, KeyRecord, Tenant};
+use argon2::password_hash::{PasswordHash, PasswordHasher, PasswordVerifier, SaltString};
+use argon2::Argon2;
+
+/// The platform account.
+pub const ROOT: &str = "root@local";
+/// Where an operator chooses the console password; without it the first start makes one.
+pub const PASSWORD_ENV: &str = "AIRLOCK_CONSOLE_PASSWORD";
+/// How long an admin token from one sign-in lasts.
+pub const ADMIN_TOKEN_TTL_MS: i64 = 60 * 60 * 1000;
+/// Audit rows older than this are pruned.
+pub const AUDIT_RETENTION_MS: i64 = 90 * 24 * 60 * 60 * 1000;
+
+/// Who is acting, as audit rows name them (never a secret).
+#[derive(Debug, Clone)]
+pub struct Admin {
+    pub account: String,
+}
+
+fn hash_password(password: &str) -> CoreResult<String> {
+    let salt_bytes = hex::decode(airlock_runtime::datadir::random_hex(16)).expect("hex");
+    let salt = SaltString::encode_b64(&salt_bytes).map_err(|e| CoreError::Internal(e.to_string()))?;
+    Argon2::default()
+        .hash_password(password.as_bytes(), &salt)
+        .map(|h| h.to_string())
+        .map_err(|e| CoreError::Internal(format!("hashing the console password: {e}")))
+}
+
+fn password_matches(password: &str, hash: &str) -> bool {
+    PasswordHash::new(hash)
+        .map(|h| Argon2::default().verify_password(password.as_bytes(), &h).is_ok())
+        .unwrap_or(false)
+}
+
+/// 24 characters from 62: about 143 bits.
+fn generate_password() -> String {
+    const ALPHABET: &[u8] = b"ABCDEFGHJKLMNPQRSTUVWXYZabcdefghijkmnopqrstuvwxyz23456789";
+    let bytes = hex::decode(airlock_runtime::datadir::random_hex(48)).expect("hex");
+    // Rejection-free enough: 256 % 57 skews by under 1%, far below what matters at this length.
+    bytes.iter().take(24).map(|b| ALPHABET[*b as usize % ALPHABET.len()] as char).collect()
+}
+
+/// A tenant name: what a URL path and a CLI argument carry without quoting.
+pub fn check_tenant_name(name: &str) -> CoreResult<()> {
+    let ok = !name.is_empty()
+        && name.len() <= 63
+        && name.bytes().all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-')
+        && !name.starts_with('-');
+    if ok {
+        Ok(())
+    } else {
+        Err(CoreError::invalid(
+            "name",
+            format!("{name:?}: 1 to 63 of a-z, 0-9 and '-', not starting with '-'"),
+        ))
+    }
+}
+
+fn key_view(k: KeyRecord) -> KeyView {
+    KeyView {
+        id: k.id,
+        name: k.name,
+        prefix: k.prefix,
+        created_at: rfc3339(k.created_at_ms),
+        last_used_at: k.last_used_at_ms.map(rfc3339),
+        revoked_at: k.revoked_at_ms.map(rfc3339),
+    }
+}
+
+impl Core {
+    /// Make sure `root@local` has a password: the operator's (`AIRLOCK_CONSOLE_PASSWORD`, which
+    /// also replaces a stored one), else one generated on the first start and returned (for the
+    /// caller to print once; only its hash is kept).
+    pub async fn ensure_console_account(&self, from_env: Option<&str>) -> CoreResult<Option<String>> {
+        let stored = self.store.password_hash(ROOT).await?;
+        match (from_env.filter(|p| !p.is_empty()), stored) {
+            (Some(p), Some(h)) if password_matches(p, &h) => Ok(None),
+            (Some(p), _) => {
+                if p.len() < 12 {
+                    return Err(CoreError::invalid(PASSWORD_ENV, "must be at least 12 characters"));
+                }
+                self.store.set_password_hash(ROOT, &hash_password(p)?).await?;
+                Ok(None)
+            }
+            (None, Some(_)) => Ok(None),
+            (None, None) => {
+                let p = generate_password();
+                self.store.set_password_hash(ROOT, &hash_password(&p)?).await?;
+                Ok(Some(p))
+            }
+        }
+    }
+
+    /// Sign in as the platform account: a token for the admin routes, valid for an hour.
+    pub async fn login(&self, username: &str, password: &str) -> CoreResult<AdminToken> {
+        let stored = self.store.password_hash(ROOT).await?;
+        let (pw, hash) = (password.to_string(), stored.clone());
+        // argon2 is slow on purpose: off the async threads.
+        let good = username == ROOT
+            && tokio::task::spawn_blocking(move || hash.is_some_and(|h| password_matches(&pw, &h)))
+                .await
+                .unwrap_or(false);
+        if !good {
+            self.audit(if username == ROOT { ROOT } else { "anonymous" }, None, "login", None, "unauthorized")
+                .await;
+            return Err(CoreError::Unauthenticated("wrong username or password".into()));
+        }
+        let token = format!("adm_{}", airlock_runtime::datadir::random_hex(24));
+        let expires = now_ms() + ADMIN_TOKEN_TTL_MS;
+        self.store.insert_admin_session(&token_hash(&token), ROOT, expires).await?;
+        self.audit(ROOT, None, "login", None, "ok").await;
+        Ok(AdminToken {
+            token,
+            expires_at: rfc3339(expires),
+        })
+    }
+
+    /// The admin behind a bearer token. A tenant's API key is refused as such (403), anything
+    /// else as unauthenticated.
+    pub async fn admin(&self, bearer: Option<&str>) -> CoreResult<Admin> {
+        let Some(token) = bearer else {
+            return Err(CoreError::Unauthenticated(
+                "missing admin token; sign in with `airlock login` (POST /v1/admin/login)".into(),
+            ));
+        };
+        if let Some(account) = self.store.admin_session(&token_hash(token), now_ms()).await? {
+            return Ok(Admin { account });
+        }
+        if self.store.tenant_by_key(token).await?.is_some() {
+            self.audit("tenant key", None, "admin", None, "forbidden").await;
+            return Err(CoreError::Forbidden(
+                "a tenant's API key can't administer; sign in with `airlock login`".into(),
+            ));
+        }
+        self.audit("anonymous", None, "admin", None, "unauthorized").await;
+        Err(CoreError::Unauthenticated(
+            "invalid or expired admin token; sign in again with `airlock login`".into(),
+        ))
+    }
+
+    /// Record an audit row; a failure to write it is logged, never the caller's failure.
+    pub async fn audit(&self, actor: &str, tenant: Option<&str>, action: &str, object: Option<&str>, result: &str) {
+        let record = AuditRecord {
+            seq: 0,
+            at_ms: now_ms(),
+            actor: actor.into(),
+            tenant: tenant.map(Into::into),
+            action: action.into(),
+            object: object.map(Into::into),
+            result: result.into(),
+        };
+        if let Err(e) = self.store.insert_audit(&record).await {
+            tracing::warn!("audit row {action} not written: {e}");
+        }
+    }
+
+    /// The result column of an audit row for `r`.
+    pub fn outcome<T>(r: &CoreResult<T>) -> &'static str {
+        match r {
+            Ok(_) => "ok",
+            Err(e) => e.code().code,
+        }
+    }
+
+    pub async fn audit_log(&self, _admin: &Admin, after: i64, limit: u32) -> CoreResult<Vec<AuditEntry>> {
+        let rows = self.store.audit(after, limit.clamp(1, 1000)).await?;
+        Ok(rows
+            .into_iter()
+            .map(|r| AuditEntry {
+                seq: r.seq,
+                at: rfc3339(r.at_ms),
+                actor: r.actor,
+                tenant: r.tenant,
+                action: r.action,
+                object: r.object,
+                result: r.result,
+            })
+            .collect())
+    }
+
+    async fn admin_tenant(&self, name: &str) -> CoreResult<Tenant> {
+        self.store
+            .tenant_by_name(name)
+            .await?
+            .ok_or_else(|| CoreError::not_found(Kind::Tenant, name))
+    }
+
+    pub async fn create_tenant(&self, admin: &Admin, name: &str) -> CoreResult<TenantSummary> {
+        let r = async {
+            check_tenant_name(name)?;
+            self.store
+                .create_tenant(name)
+                .await?
+                .ok_or_else(|| CoreError::Conflict(format!("tenant {name} exists")))?;
+            Ok(TenantSummary {
+                name: name.into(),
+                created_at: rfc3339(now_ms()),
+            })
+        }
+        .await;
+        self.audit(&admin.account, Some(name), "tenant.create", Some(name), Self::outcome(&r)).await;
+        r
+    }
+
+    pub async fn list_tenants(&self, _admin: &Admin) -> CoreResult<Vec<TenantSummary>> {
+        Ok(self
+            .store
+            .list_tenants()
+            .await?
+            .into_iter()
+            .map(|(t, at)| TenantSummary {
+                name: t.name,
+                created_at: rfc3339(at),
+            })
+            .collect())
+    }
+
+    pub async fn tenant_detail(&self, _admin: &Admin, name: &str) -> CoreResult<crate::model::TenantInfo> {
+        let t = self.admin_tenant(name).await?;
+        self.tenant_info(&t).await
+    }
+
+    /// Delete a tenant: its keys stop at once, its sandboxes are deleted (operations that run
+    /// on), its quotas and policy go. `default` stays: it holds the server's bootstrap key.
+    pub async fn delete_tenant(&self, admin: &Admin, name: &str) -> CoreResult<u32> {
+        let r = async {
+            let t = self.admin_tenant(name).await?;
+            if t.name == "default" {
+                return Err(CoreError::Conflict(
+                    "tenant default holds the server's bootstrap key; revoke its keys instead".into(),
+                ));
+            }
+            // Keys first: nothing new starts while the sandboxes go.
+            for k in self.store.list_keys(&t.id).await? {
+                self.store.revoke_key(&t.id, &k.id).await?;
+            }
+            let mut deleted = 0;
+            for sb in self.store.live_sandboxes().await? {
+                if sb.tenant_id == t.id {
+                    self.delete_sandbox(&t, &sb.id).await?;
+                    deleted += 1;
+                }
+            }
+            self.store.delete_tenant(&t.id).await?;
+            Ok(deleted)
+        }
+        .await;
+        self.audit(&admin.account, Some(name), "tenant.delete", Some(name), Self::outcome(&r)).await;
+        r
+    }
+
+    pub async fn set_quota_as_admin(&self, admin: &Admin, name: &str, quota: crate::model::Quota) -> CoreResult<()> {
+        let r = self.set_tenant_quota(name, quota).await;
+        self.audit(&admin.account, Some(name), "tenant.quota", Some(name), Self::outcome(&r)).await;
+        r
+    }
+
+    pub async fn mint_key(&self, admin: &Admin, tenant: &str, name: &str, e2b: bool) -> CoreResult<NewKey> {
+        let r = async {
+            let t = self.admin_tenant(tenant).await?;
+            if name.len() > 128 || name.chars().any(char::is_control) {
+                return Err(CoreError::invalid("name", "at most 128 characters, no control characters"));
+            }
+            let format = if e2b { KeyFormat::E2b } else { KeyFormat::Airlock };
+            let (key, record) = self.store.mint_key(&t.id, format, name).await?;
+            Ok(NewKey {
+                key,
+                info: key_view(record),
+            })
+        }
+        .await;
+        let object = r.as_ref().ok().map(|k| k.info.id.clone());
+        self.audit(&admin.account, Some(tenant), "key.create", object.as_deref(), Self::outcome(&r)).await;
+        r
+    }
+
+    pub async fn list_keys(&self, _admin: &Admin, tenant: &str) -> CoreResult<Vec<KeyView>> {
+        let t = self.admin_tenant(tenant).await?;
+        Ok(self.store.list_keys(&t.id).await?.into_iter().map(key_view).collect())
+    }
+
+    pub async fn revoke_key(&self, admin: &Admin, tenant: &str, key_id: &str) -> CoreResult<()> {
+        let r = async {
+            let t = self.admin_tenant(tenant).await?;
+            if !self.store.revoke_key(&t.id, key_id).await? {
+                return Err(CoreError::not_found(Kind::Key, key_id));
+            }
+            Ok(())
+        }
+        .await;
+        self.audit(&admin.account, Some(tenant), "key.revoke", Some(key_id), Self::outcome(&r)).await;
+        r
+    }
+
+    pub async fn set_policy_as_admin(
+        &self,
+        admin: &Admin,
+        tenant: &str,
+        policy: airlock_egress::TenantPolicy,
+    ) -> CoreResult<()> {
+        let r = async {
+            let t = self.admin_tenant(tenant).await?;
+            Ok(self.store.set_egress_policy(&t.id, &policy).await?)
+        }
+        .await;
+        self.audit(&admin.account, Some(tenant), "tenant.policy", Some(tenant), Self::outcome(&r)).await;
+        r
+    }
+
+    pub async fn policy_as_admin(&self, _admin: &Admin, tenant: &str) -> CoreResult<airlock_egress::TenantPolicy> {
+        let t = self.admin_tenant(tenant).await?;
+        Ok(self.store.egress_policy(&t.id).await?)
+    }
+
+    pub async fn prune_audit(&self) -> CoreResult<u64> {
+        Ok(self.store.prune_audit(now_ms() - AUDIT_RETENTION_MS).await?)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn passwords_hash_and_verify_and_generated_ones_are_long() {
+        let h = hash_password("correct horse battery").unwrap();
+        assert!(h.starts_with("$argon2"), "{h}");
+        assert!(password_matches("correct horse battery", &h));
+        assert!(!password_matches("correct horse batterY", &h));
+        let (a, b) = (generate_password(), generate_password());
+        assert_eq!(a.len(), 24);
+        assert_ne!(a, b);
+    }
+
+    #[test]
+    fn tenant_names_are_plain() {
+        for ok in ["acme", "a", "team-7"] {
+            assert!(check_tenant_name(ok).is_ok(), "{ok}");
+        }
+        for bad in ["", "Acme", "-x", "a b", "a/b", &"x".repeat(64)] {
+            assert!(check_tenant_name(bad).is_err(), "{bad}");
+        }
+    }
+}
