@@ -57,6 +57,10 @@ enum Command {
         /// "internet".
         #[arg(long, env = "AIRLOCK_EGRESS_UPLINK_NETNS")]
         egress_uplink_netns: Option<String>,
+        /// Accept `Authorization: Bearer <JWT>` from the issuers in this JSON file (issuer,
+        /// audience, a JWKS file, the claim naming the tenant); such callers are signed in.
+        #[arg(long, env = "AIRLOCK_JWT_ISSUERS")]
+        jwt_issuers: Option<PathBuf>,
         #[arg(long, env = "AIRLOCK_MAX_SANDBOXES", default_value_t = 20)]
         max_sandboxes: u32,
         /// Processes (sessions) one sandbox may run at once (429 `quota_exceeded` past it).
@@ -421,6 +425,7 @@ async fn run(cli: Cli) -> anyhow::Result<u8> {
             max_connections,
             egress_dns,
             egress_uplink_netns,
+            jwt_issuers,
         } => {
             // First: a bad AIRLOCK_EGRESS_PROFILES stops the server before anything is built.
             let egress = airlock_server::egress_config_from_env()?;
@@ -460,6 +465,7 @@ async fn run(cli: Cli) -> anyhow::Result<u8> {
                     dns: egress_dns,
                     netns: egress_uplink_netns,
                 },
+                jwt_issuers,
             })
             .await?;
         }

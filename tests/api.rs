@@ -1102,18 +1102,25 @@ fn admin_cli_manages_tenants_keys_quotas_and_policies() {
 
     // The audit log names each action (never a secret).
     let token = std::fs::read_to_string(s.data.join("admin-token")).unwrap();
-    let (status, audit) = s.call_with("GET", "/v1/admin/audit?limit=1000", None, Some(token.trim()), &[]);
-    assert_eq!(status, 200, "{audit}");
-    let rows = audit["entries"].as_array().unwrap();
-    for action in ["login", "tenant.create", "key.create", "tenant.quota", "tenant.policy", "key.revoke", "tenant.delete"] {
-        assert!(
-            rows.iter().any(|r| r["action"] == action && r["tenant"].as_str().is_none_or(|t| t == tenant || action == "login")),
-            "no {action} row"
-        );
+    // Newest first, by tenant and by action (the shared data dir keeps every run's rows).
+    let audit = |query: &str| {
+        let (status, page) = s.call_with("GET", &format!("/v1/admin/audit?{query}"), None, Some(token.trim()), &[]);
+        assert_eq!(status, 200, "{page}");
+        page
+    };
+    let ours = audit(&format!("tenant={tenant}&limit=1000"));
+    let rows = ours["entries"].as_array().unwrap();
+    for action in ["tenant.create", "key.create", "tenant.quota", "tenant.policy", "key.revoke", "tenant.delete"] {
+        assert!(rows.iter().any(|r| r["action"] == action && r["tenant"] == tenant.as_str()), "no {action} row: {ours}");
     }
-    assert!(rows.iter().any(|r| r["action"] == "auth.key" && r["result"] == "unauthorized"));
     assert!(rows.iter().any(|r| r["action"] == "tenant.quota" && r["result"] == "invalid_argument"));
-    let text = audit.to_string();
+    let seqs: Vec<i64> = rows.iter().map(|r| r["seq"].as_i64().unwrap()).collect();
+    assert!(seqs.windows(2).all(|w| w[0] > w[1]), "newest first: {seqs:?}");
+    let refused = audit("action=auth.key&limit=5");
+    assert!(refused["entries"][0]["result"] == "unauthorized", "{refused}");
+    let logins = audit("action=login&limit=1");
+    assert_eq!(logins["entries"][0]["actor"], "root@local", "{logins}");
+    let text = format!("{ours}{refused}{logins}");
     for secret in [key.as_str(), second.as_str(), CONSOLE_PASSWORD, token.trim()] {
         assert!(!text.contains(secret), "a secret in the audit log");
     }

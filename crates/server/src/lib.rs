@@ -238,6 +238,8 @@ pub struct ServeOptions {
     pub egress: airlock_egress::EgressConfig,
     /// Where sandboxes' lookups and connections leave from.
     pub egress_uplink: EgressUplink,
+    /// Issuers whose JWTs sign callers in ([`core::federation`]); none: API keys only.
+    pub jwt_issuers: Option<PathBuf>,
 }
 
 /// Where sandbox egress leaves the host.
@@ -333,6 +335,11 @@ pub async fn serve(opts: ServeOptions) -> anyhow::Result<()> {
     };
     // The VMs of the last run are re-attached in the background (`recover` below waits for
     // each before settling its sandbox), so the listener binds at once however many there are.
+    // A bad issuers file stops the server before anything starts, naming the entry.
+    let federation = match &opts.jwt_issuers {
+        Some(path) => core::federation::Federation::from_file(path).map_err(|e| anyhow::anyhow!("--jwt-issuers: {e}"))?,
+        None => Default::default(),
+    };
     let mut egress = opts.egress;
     let mut runtime_opts = airlock_runtime::RuntimeOptions {
         reconcile_in_background: true,
@@ -368,6 +375,7 @@ pub async fn serve(opts: ServeOptions) -> anyhow::Result<()> {
         disk_reserve_mib: opts.disk_reserve_mib,
         max_sessions_per_sandbox: opts.max_sessions_per_sandbox,
         egress,
+        federation: federation.clone(),
         ..core::Config::default()
     };
     let capacity = nodes.capacity();
@@ -404,6 +412,15 @@ pub async fn serve(opts: ServeOptions) -> anyhow::Result<()> {
                 "airlock: the console account is {ROOT}; its generated password, shown only now: {generated}\n\
                  airlock: sign in with `airlock login`; set {PASSWORD_ENV} to choose the password instead"
             );
+        }
+        if !federation.is_empty() {
+            tracing::info!("signed-in requests: {federation:?}");
+            tokio::spawn(async move {
+                loop {
+                    tokio::time::sleep(core::federation::RELOAD_EVERY).await;
+                    federation.reload();
+                }
+            });
         }
         let pruner = core.clone();
         tokio::spawn(async move {

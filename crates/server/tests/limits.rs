@@ -613,3 +613,58 @@ async fn past_the_connection_cap_new_connections_wait_their_turn() {
         .iter()
         .all(Option::is_some));
 }
+
+/// The E2B control plane with another tenant's key: every route on that tenant's sandbox answers
+/// exactly as for a missing one, listings and the tenant's usage leave it out, and it is left
+/// untouched.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn e2b_control_routes_answer_another_tenants_sandbox_as_missing() {
+    let server = Server::start_fresh(Limits::default()).await;
+    let other_key = server
+        .core()
+        .store
+        .create_key("other", KeyFormat::E2b)
+        .await
+        .unwrap();
+    let foreign = server.foreign_e2b_sandbox(&other_key).await;
+    let missing = "nosuchsandbox0";
+    let routes: [(Method, &str, &str); 8] = [
+        (Method::GET, "/sandboxes/{id}", ""),
+        (Method::GET, "/sandboxes/{id}/metrics", ""),
+        (Method::POST, "/sandboxes/{id}/timeout", r#"{"timeout": 60}"#),
+        (Method::POST, "/sandboxes/{id}/connect", r#"{"timeout": 60}"#),
+        (Method::POST, "/v2/sandboxes/{id}/connect", r#"{"timeout": 60}"#),
+        (Method::POST, "/sandboxes/{id}/pause", ""),
+        (Method::POST, "/sandboxes/{id}/snapshots", "{}"),
+        (Method::DELETE, "/sandboxes/{id}", ""),
+    ];
+    let headers = [("x-api-key", server.key.as_str()), ("content-type", "application/json")];
+    for (method, path, body) in routes {
+        let mut answers = Vec::new();
+        for target in [missing, foreign.as_str()] {
+            let p = path.replace("{id}", target);
+            answers.push(
+                server
+                    .answer(method.clone(), &p, &headers, Body::from(body.to_string()), target)
+                    .await,
+            );
+        }
+        assert_eq!(answers[0], answers[1], "{method} {path}");
+        assert!(answers[0].0 >= 400, "{method} {path}: {:?}", answers[0]);
+    }
+    // Not in this tenant's listings, nor in its usage.
+    let (status, list) = server.json(Method::GET, "/v2/sandboxes", &headers, Body::empty()).await;
+    assert_eq!(status, 200, "{list}");
+    assert!(!list.to_string().contains(&foreign), "{list}");
+    let (_, native) = server.v1(Method::GET, "/sandboxes", None).await;
+    assert!(!native.to_string().contains(&foreign));
+    let (_, me) = server.v1(Method::GET, "/tenant", None).await;
+    assert_eq!(me["usage"]["sandboxes"], 0, "{me}");
+    // Untouched: its owner still finds it running.
+    let auth = [("x-api-key", other_key.as_str())];
+    let (status, sb) = server
+        .json(Method::GET, &format!("/sandboxes/{foreign}"), &auth, Body::empty())
+        .await;
+    assert_eq!((status, sb["state"].as_str()), (200, Some("running")), "{sb}");
+    server.delete_as(&other_key, &foreign).await;
+}

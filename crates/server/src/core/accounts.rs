@@ -5,7 +5,7 @@
 use super::Core;
 use crate::error::{CoreError, CoreResult, Kind};
 use crate::model::{AdminToken, AuditEntry, KeyView, NewKey, TenantSummary};
-use crate::store::{now_ms, rfc3339, token_hash, AuditRecord, KeyFormat, KeyRecord, Tenant};
+use crate::store::{now_ms, rfc3339, token_hash, AuditFilter, AuditRecord, KeyFormat, KeyRecord, Tenant};
 use argon2::password_hash::{PasswordHash, PasswordHasher, PasswordVerifier, SaltString};
 use argon2::Argon2;
 
@@ -169,8 +169,9 @@ impl Core {
         }
     }
 
-    pub async fn audit_log(&self, _admin: &Admin, after: i64, limit: u32) -> CoreResult<Vec<AuditEntry>> {
-        let rows = self.store.audit(after, limit.clamp(1, 1000)).await?;
+    /// Audit rows newest first (see [`AuditFilter`]), at most 1000.
+    pub async fn audit_log(&self, _admin: &Admin, filter: &AuditFilter, limit: u32) -> CoreResult<Vec<AuditEntry>> {
+        let rows = self.store.audit(filter, limit.clamp(1, 1000)).await?;
         Ok(rows
             .into_iter()
             .map(|r| AuditEntry {

@@ -14,6 +14,7 @@
 
 pub mod accounts;
 pub mod egress;
+pub mod federation;
 pub mod files;
 pub mod principal;
 pub mod sandboxes;
@@ -52,6 +53,8 @@ pub struct Config {
     pub recovery_wait: std::time::Duration,
     /// The platform's always-denied ranges and the egress profiles (`AIRLOCK_EGRESS_PROFILES`).
     pub egress: airlock_egress::EgressConfig,
+    /// Issuers whose JWTs sign callers in (`--jwt-issuers`); none by default.
+    pub federation: federation::Federation,
 }
 
 impl Default for Config {
@@ -68,6 +71,7 @@ impl Default for Config {
                 airlock_egress::PlatformDenies::new(Vec::new()),
                 airlock_egress::Profiles::default(),
             ),
+            federation: Default::default(),
         }
     }
 }

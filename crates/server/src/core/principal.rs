@@ -4,6 +4,7 @@
 
 use super::Core;
 use crate::error::{CoreError, CoreResult, Kind};
+use super::federation::{Federation, SignedIn};
 use crate::store::{token_hash, SandboxRow, Tenant};
 use axum::http::HeaderMap;
 use base64::Engine as _;
@@ -61,18 +62,35 @@ pub enum Via {
 #[derive(Debug, Clone)]
 #[allow(clippy::large_enum_variant)] // one per request, never stored in bulk
 pub enum Principal {
+    /// An API key's tenant.
     Tenant(Tenant),
+    /// A signed-in caller (a JWT from a configured issuer, see `federation`) of this tenant.
+    Federated { tenant: Tenant, signed_in: SignedIn },
     Sandbox { sandbox: SandboxRow, via: Via },
 }
 
 impl Principal {
-    /// Whether the caller signed in (a federated identity, from the tenancy issue) rather than
-    /// presenting an API key or a sandbox token. Rules that only trust a signed-in caller (egress
-    /// profiles chosen by `X-Airlock-Egress-Profiles`) ask this, and nothing else. No credential
-    /// signs in yet.
+    /// Whether the caller signed in (a JWT from a configured issuer) rather than presenting an
+    /// API key or a sandbox token. Rules that only trust a signed-in caller (egress profiles
+    /// chosen by `X-Airlock-Egress-Profiles`) ask this, and nothing else.
     pub fn federated(&self) -> bool {
+        matches!(self, Principal::Federated { .. })
+    }
+
+    /// The tenant acting, for a tenant-wide credential (not a sandbox's own token).
+    pub fn tenant(&self) -> Option<&Tenant> {
         match self {
-            Principal::Tenant(_) | Principal::Sandbox { .. } => false,
+            Principal::Tenant(t) | Principal::Federated { tenant: t, .. } => Some(t),
+            Principal::Sandbox { .. } => None,
+        }
+    }
+
+    /// Who acts, as audit rows name them (never a secret).
+    pub fn actor(&self) -> String {
+        match self {
+            Principal::Tenant(t) => format!("tenant:{}", t.name),
+            Principal::Federated { signed_in, .. } => format!("jwt:{}#{}", signed_in.issuer, signed_in.subject),
+            Principal::Sandbox { sandbox, .. } => format!("sandbox:{}", sandbox.id),
         }
     }
 }
@@ -103,6 +121,30 @@ impl Core {
                 ))
             }
         }
+    }
+
+    /// The caller behind `Authorization: Bearer`: a JWT from a configured issuer (signed in), or
+    /// an API key.
+    pub async fn bearer_principal(&self, bearer: Option<&str>) -> CoreResult<Principal> {
+        if let Some(token) = bearer.filter(|b| !self.config.federation.is_empty() && Federation::looks_like_jwt(b)) {
+            let signed_in = match self.config.federation.verify(token) {
+                Ok(s) => s,
+                Err(why) => {
+                    self.audit("anonymous", None, "auth.jwt", None, "unauthorized").await;
+                    return Err(CoreError::Unauthenticated(format!("{why}; sign in again")));
+                }
+            };
+            let Some(tenant) = self.store.tenant_by_name(&signed_in.tenant).await? else {
+                self.audit("anonymous", None, "auth.jwt", None, "unauthorized").await;
+                return Err(CoreError::Unauthenticated(
+                    "the token's tenant is not known to this server".into(),
+                ));
+            };
+            return Ok(Principal::Federated { tenant, signed_in });
+        }
+        Ok(Principal::Tenant(
+            self.tenant(bearer, "Authorization: Bearer <key or signed-in token>").await?,
+        ))
     }
 
     /// A caller of one sandbox: by `sandbox_id`, or (without one) the sandbox whose access token

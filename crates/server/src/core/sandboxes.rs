@@ -111,7 +111,7 @@ fn check_metadata(m: &BTreeMap<String, String>) -> CoreResult<()> {
 
 impl Core {
     /// Admit a sandbox and submit its create; with a known idempotency key, the earlier one.
-    async fn create_sandbox_unaudited(&self, tenant: &Tenant, req: CreateSandbox) -> CoreResult<Created> {
+    async fn create_sandbox_unaudited(&self, principal: &Principal, tenant: &Tenant, req: CreateSandbox) -> CoreResult<Created> {
         let runtime = self.nodes.runtime_name();
         match req.runtime.as_deref() {
             None => {}
@@ -180,9 +180,7 @@ impl Core {
         // The quota and the node's budgets count live sandboxes: not before the restart's
         // recovery has failed those whose VM is gone.
         self.engine.all_recovered().await?;
-        // An API key's tenant; the tenancy issue hands a signed-in principal in here instead.
-        let principal = Principal::Tenant(tenant.clone());
-        let egress = self.egress_for_create(&principal, tenant, &req.egress).await?;
+        let egress = self.egress_for_create(principal, tenant, &req.egress).await?;
         let now = now_ms();
         let row = SandboxRow {
             id: airlock_runtime::datadir::random_hex(10),
@@ -392,10 +390,18 @@ impl Core {
 
 /// Every lifecycle request leaves an audit row (who, tenant, action, object, result).
 impl Core {
-    pub async fn create_sandbox(&self, tenant: &Tenant, req: CreateSandbox) -> CoreResult<Created>  {
-        let r = self.create_sandbox_unaudited(tenant, req).await;
+    pub async fn create_sandbox(&self, tenant: &Tenant, req: CreateSandbox) -> CoreResult<Created> {
+        self.create_sandbox_as(&Principal::Tenant(tenant.clone()), req).await
+    }
+
+    /// Create as `principal` (a signed-in one may pick egress profiles).
+    pub async fn create_sandbox_as(&self, principal: &Principal, req: CreateSandbox) -> CoreResult<Created> {
+        let Some(tenant) = principal.tenant() else {
+            return Err(CoreError::Forbidden("a sandbox's token can't create sandboxes".into()));
+        };
+        let r = self.create_sandbox_unaudited(principal, tenant, req).await;
         let object = r.as_ref().ok().map(|c| c.sandbox_id.clone());
-        self.audit_tenant(tenant, "sandbox.create", object.as_deref(), Self::outcome(&r))
+        self.audit(&principal.actor(), Some(&tenant.name), "sandbox.create", object.as_deref(), Self::outcome(&r))
             .await;
         r
     }

@@ -170,15 +170,20 @@ pub async fn revoke_key(
 }
 
 #[derive(Debug, Deserialize, utoipa::IntoParams)]
+#[serde(deny_unknown_fields)]
 pub struct AuditQuery {
-    /// Rows after this `seq` (default 0: from the oldest kept).
-    pub after: Option<i64>,
+    /// Rows older than this `seq` (the next page: the last `seq` of this one).
+    pub before: Option<i64>,
+    /// Only this tenant's rows.
+    pub tenant: Option<String>,
+    /// Only this action (`login`, `sandbox.create`, `key.revoke`, ...).
+    pub action: Option<String>,
     /// At most this many rows (default 100, at most 1000).
     pub limit: Option<u32>,
 }
 
-/// The audit log, oldest first: every admin action and auth decision, and every sandbox
-/// lifecycle action.
+/// The audit log, newest first: every admin action, sign-in and refused credential, and every
+/// sandbox lifecycle request.
 #[utoipa::path(get, path = "/v1/admin/audit", tag = "admin", params(AuditQuery),
     responses((status = 200, body = AuditPage), ApiErrors), security(("bearer" = [])))]
 pub async fn audit(
@@ -188,7 +193,15 @@ pub async fn audit(
 ) -> ApiResult<axum::Json<AuditPage>> {
     Ok(axum::Json(AuditPage {
         entries: core
-            .audit_log(&admin, q.after.unwrap_or(0), q.limit.unwrap_or(100))
+            .audit_log(
+                &admin,
+                &crate::store::AuditFilter {
+                    before_seq: q.before,
+                    tenant: q.tenant,
+                    action: q.action,
+                },
+                q.limit.unwrap_or(100),
+            )
             .await?,
     }))
 }

@@ -69,12 +69,11 @@ impl<T: DeserializeOwned, S: Send + Sync> FromRequestParts<S> for ApiQuery<T> {
 /// Every `/v1` route accepts a tenant API key, and only that; checked before a body is read.
 pub async fn require_tenant(State(core): State<Core>, mut req: Request, next: axum::middleware::Next) -> Response {
     let creds = Credentials::from_headers(req.headers());
-    match core
-        .tenant(creds.bearer.as_deref(), "Authorization: Bearer <key>")
-        .await
-    {
-        Ok(tenant) => {
+    match core.bearer_principal(creds.bearer.as_deref()).await {
+        Ok(principal) => {
+            let tenant = principal.tenant().cloned().expect("a bearer names a tenant");
             req.extensions_mut().insert(tenant);
+            req.extensions_mut().insert(principal);
             next.run(req).await
         }
         Err(e) => ApiError::from(e).into_response(),
@@ -143,6 +142,7 @@ fn accepted(operation: Operation) -> (StatusCode, Json<OperationAccepted>) {
 pub async fn create_sandbox(
     State(core): State<Core>,
     Extension(tenant): Extension<Tenant>,
+    Extension(principal): Extension<crate::core::Principal>,
     headers: HeaderMap,
     ApiJson(req): ApiJson<CreateSandboxRequest>,
 ) -> ApiResult<(StatusCode, Json<OperationAccepted>)> {
@@ -173,8 +173,8 @@ pub async fn create_sandbox(
         disk_mib: None,
     });
     let created = core
-        .create_sandbox(
-            &tenant,
+        .create_sandbox_as(
+            &principal,
             CreateSandbox {
                 template: req.template,
                 runtime: req.runtime,

@@ -411,6 +411,14 @@ pub struct AuditRecord {
     pub result: String,
 }
 
+/// Which audit rows to read.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct AuditFilter {
+    pub before_seq: Option<i64>,
+    pub tenant: Option<String>,
+    pub action: Option<String>,
+}
+
 /// Tenants as the platform administers them, their keys, the console account, admin sign-ins
 /// and the audit log.
 #[async_trait]
@@ -435,8 +443,9 @@ pub trait AccountStore: Send + Sync {
     /// The account an unexpired admin token (by its hash) belongs to; expired ones are removed.
     async fn admin_session(&self, token_hash: &str, now_ms: i64) -> Result<Option<String>, StoreError>;
     async fn insert_audit(&self, record: &AuditRecord) -> Result<(), StoreError>;
-    /// Audit rows after `after_seq`, oldest first, at most `limit`.
-    async fn audit(&self, after_seq: i64, limit: u32) -> Result<Vec<AuditRecord>, StoreError>;
+    /// Audit rows newest first: before `filter.before_seq` (if set), of `filter.tenant` and
+    /// `filter.action` (if set), at most `limit`.
+    async fn audit(&self, filter: &AuditFilter, limit: u32) -> Result<Vec<AuditRecord>, StoreError>;
     /// Remove audit rows older than `before_ms`; how many went.
     async fn prune_audit(&self, before_ms: i64) -> Result<u64, StoreError>;
 }

@@ -1,7 +1,7 @@
 //! [`SqliteStore`]: the store in one SQLite file (WAL, a small pool), migrated on open.
 
 use super::{
-    new_key, now_ms, rfc3339, token_hash, AccountStore, AuditRecord, CreateRecorded, KeyRecord, E2bStore, EgressSpec, KeyFormat, NodeBudget, OperationStore,
+    new_key, now_ms, rfc3339, token_hash, AccountStore, AuditFilter, AuditRecord, CreateRecorded, KeyRecord, E2bStore, EgressSpec, KeyFormat, NodeBudget, OperationStore,
     SandboxFilter, SandboxRow, SandboxStore, SessionRow, StoreError, Tenant, TenantStore,
 };
 use crate::model::ErrorBody;
@@ -434,12 +434,17 @@ impl AccountStore for SqliteStore {
         Ok(())
     }
 
-    async fn audit(&self, after_seq: i64, limit: u32) -> Result<Vec<AuditRecord>, StoreError> {
-        let rows = sqlx::query("SELECT * FROM audit WHERE seq > ? ORDER BY seq LIMIT ?")
-            .bind(after_seq)
-            .bind(limit as i64)
-            .fetch_all(&self.pool)
-            .await?;
+    async fn audit(&self, filter: &AuditFilter, limit: u32) -> Result<Vec<AuditRecord>, StoreError> {
+        let rows = sqlx::query(
+            "SELECT * FROM audit WHERE (?1 IS NULL OR seq < ?1) AND (?2 IS NULL OR tenant = ?2)
+             AND (?3 IS NULL OR action = ?3) ORDER BY seq DESC LIMIT ?4",
+        )
+        .bind(filter.before_seq)
+        .bind(&filter.tenant)
+        .bind(&filter.action)
+        .bind(limit as i64)
+        .fetch_all(&self.pool)
+        .await?;
         rows.iter()
             .map(|r| {
                 Ok(AuditRecord {

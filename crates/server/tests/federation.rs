@@ -1,0 +1,207 @@
+//! Signed-in requests (`Authorization: Bearer <JWT>`): tokens from a configured issuer sign in
+//! (RS256 and ES256, keys from a JWKS file), everything else about a token is a 401; only a
+//! signed-in create may pick egress profiles by header. Keys are made by `openssl`, tokens signed
+//! here with them.
+
+mod common;
+
+use airlock_server::core::federation::Federation;
+use airlock_server::core::Config;
+use axum::body::Body;
+use axum::http::Method;
+use base64::Engine as _;
+use common::*;
+use jsonwebtoken::{Algorithm, EncodingKey, Header};
+use serde_json::{json, Value};
+use std::path::Path;
+use std::process::Command;
+use std::time::Duration;
+
+const ISSUER: &str = "https://idp.test";
+const AUDIENCE: &str = "airlock";
+const PROFILES: &str = r#"{"pypi": {"domains": ["pypi.org"], "default": true}, "gh": {"domains": ["github.com"]}}"#;
+
+fn openssl(args: &[&str]) -> Vec<u8> {
+    let out = Command::new("openssl").args(args).output().expect("openssl");
+    assert!(out.status.success(), "openssl {args:?}: {}", String::from_utf8_lossy(&out.stderr));
+    out.stdout
+}
+
+fn b64(bytes: &[u8]) -> String {
+    base64::engine::general_purpose::URL_SAFE_NO_PAD.encode(bytes)
+}
+
+struct Keys {
+    rsa_pem: Vec<u8>,
+    ec_pem: Vec<u8>,
+    /// An RSA key the issuer never published (a forger's).
+    forger_pem: Vec<u8>,
+}
+
+/// Two keys in a JWKS file, an issuers file naming it, and a forger's key.
+fn make_keys(dir: &Path) -> Keys {
+    let rsa = dir.join("rsa.pem");
+    let ec = dir.join("ec.pem");
+    let forger = dir.join("forger.pem");
+    for (path, args) in [
+        (&rsa, vec!["genpkey", "-algorithm", "RSA", "-pkeyopt", "rsa_keygen_bits:2048"]),
+        (&forger, vec!["genpkey", "-algorithm", "RSA", "-pkeyopt", "rsa_keygen_bits:2048"]),
+        (&ec, vec!["genpkey", "-algorithm", "EC", "-pkeyopt", "ec_paramgen_curve:P-256"]),
+    ] {
+        let mut a = args.clone();
+        a.extend(["-out", path.to_str().unwrap()]);
+        openssl(&a);
+    }
+    let modulus = String::from_utf8(openssl(&["rsa", "-in", rsa.to_str().unwrap(), "-noout", "-modulus"])).unwrap();
+    let n = hex::decode(modulus.trim().trim_start_matches("Modulus=")).unwrap();
+    let ec_der = openssl(&["pkey", "-in", ec.to_str().unwrap(), "-pubout", "-outform", "DER"]);
+    let point = &ec_der[ec_der.len() - 64..];
+    let jwks = json!({"keys": [
+        {"kty": "RSA", "kid": "rsa-1", "use": "sig", "alg": "RS256", "n": b64(&n), "e": "AQAB"},
+        {"kty": "EC", "kid": "ec-1", "use": "sig", "alg": "ES256", "crv": "P-256", "x": b64(&point[..32]), "y": b64(&point[32..])},
+    ]});
+    std::fs::write(dir.join("jwks.json"), jwks.to_string()).unwrap();
+    let issuers = json!({"leeway_seconds": 30, "issuers": [{
+        "issuer": ISSUER, "audience": AUDIENCE, "jwks_file": dir.join("jwks.json"), "tenant_claim": "org"}]});
+    std::fs::write(dir.join("issuers.json"), issuers.to_string()).unwrap();
+    Keys {
+        rsa_pem: std::fs::read(&rsa).unwrap(),
+        ec_pem: std::fs::read(&ec).unwrap(),
+        forger_pem: std::fs::read(&forger).unwrap(),
+    }
+}
+
+fn now() -> i64 {
+    airlock_server::store::now_ms() / 1000
+}
+
+fn claims() -> Value {
+    json!({"iss": ISSUER, "aud": AUDIENCE, "sub": "alice", "org": "acme", "exp": now() + 600, "nbf": now() - 10})
+}
+
+fn sign_rsa(pem: &[u8], kid: &str, claims: &Value) -> String {
+    let mut h = Header::new(Algorithm::RS256);
+    h.kid = Some(kid.into());
+    jsonwebtoken::encode(&h, claims, &EncodingKey::from_rsa_pem(pem).unwrap()).unwrap()
+}
+
+fn sign_ec(pem: &[u8], claims: &Value) -> String {
+    let mut h = Header::new(Algorithm::ES256);
+    h.kid = Some("ec-1".into());
+    jsonwebtoken::encode(&h, claims, &EncodingKey::from_ec_pem(pem).unwrap()).unwrap()
+}
+
+fn with(mut base: Value, field: &str, value: Value) -> Value {
+    base[field] = value;
+    base
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn signed_in_requests_verify_every_claim_and_only_they_pick_profiles() {
+    let tmp = fresh();
+    let keys_dir = tempfile::tempdir().unwrap();
+    let keys = make_keys(keys_dir.path());
+    let config = Config {
+        federation: Federation::from_file(&keys_dir.path().join("issuers.json")).unwrap(),
+        egress: airlock_egress::EgressConfig::new(
+            airlock_egress::PlatformDenies::new(Vec::new()),
+            airlock_egress::Profiles::from_json(PROFILES).unwrap(),
+        ),
+        ..Config::default()
+    };
+    let server = Server::start_full(tmp.path(), 20, None, Duration::ZERO, ROOMY, config).await;
+    server.core().store.create_tenant("acme").await.unwrap();
+
+    // Good tokens, both algorithms: signed in as tenant acme.
+    for token in [sign_rsa(&keys.rsa_pem, "rsa-1", &claims()), sign_ec(&keys.ec_pem, &claims())] {
+        let (status, me) = server.v1_as(&token, Method::GET, "/tenant", None).await;
+        assert_eq!((status, me["name"].as_str()), (200, Some("acme")), "{me}");
+    }
+
+    // Everything else is a 401 saying why (and nothing about the keys).
+    let cases = [
+        ("expired", sign_rsa(&keys.rsa_pem, "rsa-1", &with(claims(), "exp", json!(now() - 3600))), "expired"),
+        ("not yet valid", sign_rsa(&keys.rsa_pem, "rsa-1", &with(claims(), "nbf", json!(now() + 3600))), "not valid yet"),
+        ("forged", sign_rsa(&keys.forger_pem, "rsa-1", &claims()), "signature"),
+        ("wrong issuer", sign_rsa(&keys.rsa_pem, "rsa-1", &with(claims(), "iss", json!("https://evil.test"))), "issuer"),
+        ("wrong audience", sign_rsa(&keys.rsa_pem, "rsa-1", &with(claims(), "aud", json!("someone-else"))), "audience"),
+        ("unknown tenant", sign_rsa(&keys.rsa_pem, "rsa-1", &with(claims(), "org", json!("nobody"))), "tenant"),
+        ("no tenant", sign_rsa(&keys.rsa_pem, "rsa-1", &with(claims(), "org", Value::Null)), "tenant"),
+        ("no expiry", sign_rsa(&keys.rsa_pem, "rsa-1", &with(claims(), "exp", Value::Null)), "claim"),
+        (
+            "hs256 with the public key as secret",
+            jsonwebtoken::encode(&Header::new(Algorithm::HS256), &claims(), &EncodingKey::from_secret(b"AQAB")).unwrap(),
+            "algorithm",
+        ),
+        ("garbage", "a.b.c".to_string(), "malformed"),
+    ];
+    for (what, token, why) in cases {
+        let (status, body) = server.v1_as(&token, Method::GET, "/tenant", None).await;
+        assert_eq!((status, body["code"].as_str()), (401, Some("unauthorized")), "{what}: {body}");
+        assert!(body["message"].as_str().unwrap().contains(why), "{what}: {body}");
+    }
+
+    // Only a signed-in create picks profiles by header; an API key's create gets the defaults.
+    let token = sign_rsa(&keys.rsa_pem, "rsa-1", &claims());
+    let auth = format!("Bearer {token}");
+    let headers = [
+        ("authorization", auth.as_str()),
+        ("content-type", "application/json"),
+        ("x-airlock-egress-profiles", "gh"),
+    ];
+    let body = Body::from(json!({"template": "seed"}).to_string());
+    let (status, created) = server.send(Method::POST, "/v1/sandboxes", &headers, body).await.json().await;
+    assert_eq!(status, 202, "{created}");
+    let id = created["sandbox_id"].as_str().unwrap().to_string();
+    let (_, sb) = server.v1_as(&token, Method::GET, &format!("/sandboxes/{id}"), None).await;
+    assert_eq!(sb["egress"]["profiles"], json!(["gh"]), "{sb}");
+    // An unknown profile is a 400 naming it, for a signed-in caller.
+    let headers = [headers[0], headers[1], ("x-airlock-egress-profiles", "nope")];
+    let body = Body::from(json!({"template": "seed"}).to_string());
+    let (status, err) = server.send(Method::POST, "/v1/sandboxes", &headers, body).await.json().await;
+    assert_eq!(status, 400, "{err}");
+    assert!(err["message"].as_str().unwrap().contains("nope"), "{err}");
+    // The same header with an API key: ignored.
+    let key_auth = format!("Bearer {}", server.key);
+    let headers = [
+        ("authorization", key_auth.as_str()),
+        ("content-type", "application/json"),
+        ("x-airlock-egress-profiles", "gh"),
+    ];
+    let body = Body::from(json!({"template": "seed"}).to_string());
+    let (status, other) = server.send(Method::POST, "/v1/sandboxes", &headers, body).await.json().await;
+    assert_eq!(status, 202, "{other}");
+    let other_id = other["sandbox_id"].as_str().unwrap().to_string();
+    let (_, sb) = server.v1(Method::GET, &format!("/sandboxes/{other_id}"), None).await;
+    assert_eq!(sb["egress"]["profiles"], json!(["pypi"]), "{sb}");
+
+    // The audit log names the signed-in actor and the refused tokens, never a token.
+    let rows = server.core().store.audit(&Default::default(), 1000).await.unwrap();
+    assert!(rows.iter().any(|r| r.action == "sandbox.create" && r.actor == "jwt:https://idp.test#alice"));
+    assert!(rows.iter().filter(|r| r.action == "auth.jwt").count() >= 8);
+    let text = format!("{rows:?}");
+    assert!(!text.contains(&token));
+
+    server.wait_op(other["operation"]["id"].as_str().unwrap()).await;
+    server.delete(&other_id).await;
+    // The signed-in tenant's own sandbox.
+    let (status, _) = server.v1_as(&token, Method::DELETE, &format!("/sandboxes/{id}"), None).await;
+    assert_eq!(status, 202);
+    server.stop().await;
+}
+
+#[test]
+fn a_bad_issuers_file_is_refused_naming_the_entry() {
+    let dir = tempfile::tempdir().unwrap();
+    let write = |v: Value| {
+        let p = dir.path().join("issuers.json");
+        std::fs::write(&p, v.to_string()).unwrap();
+        Federation::from_file(&p).map(|_| ()).unwrap_err()
+    };
+    let e = write(json!({"issuers": [{"issuer": "", "audience": "a", "jwks_file": "/nope", "tenant_claim": "org"}]}));
+    assert!(e.contains("issuers[0]") && e.contains("issuer"), "{e}");
+    let e = write(json!({"issuers": [{"issuer": "i", "audience": "a", "jwks_file": "/no/such/jwks.json", "tenant_claim": "org"}]}));
+    assert!(e.contains("issuers[0]") && e.contains("/no/such/jwks.json"), "{e}");
+    let e = write(json!({"issuers": [], "extra": 1}));
+    assert!(e.contains("extra"), "{e}");
+}
