@@ -1889,6 +1889,11 @@ async fn console_account_and_admin_routes() {
     for secret in [generated.as_str(), token.as_str(), key.as_str()] {
         assert!(!text.contains(secret));
     }
+    // Who: the key by its public id, the platform account for what it did.
+    let key_actor = format!("key:{}", k["id"].as_str().unwrap());
+    let rows = audit["entries"].as_array().unwrap();
+    assert!(rows.iter().any(|r| r["action"] == "sandbox.create" && r["actor"] == key_actor.as_str()), "{audit}");
+    assert!(rows.iter().any(|r| r["action"] == "sandbox.delete" && r["actor"] == "root@local"), "{audit}");
 
     // A password chosen later replaces the generated one and ends its sign-ins.
     assert!(core.ensure_console_account(Some("chosen-password-42")).await.unwrap().is_none());

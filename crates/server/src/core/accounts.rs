@@ -245,7 +245,7 @@ impl Core {
             let mut deleted = 0;
             for sb in self.store.live_sandboxes().await? {
                 if sb.tenant_id == t.id {
-                    self.delete_sandbox(&t, &sb.id).await?;
+                    self.delete_sandbox_by(&admin.account, &t, &sb.id).await?;
                     deleted += 1;
                 }
             }

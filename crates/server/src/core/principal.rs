@@ -62,8 +62,8 @@ pub enum Via {
 #[derive(Debug, Clone)]
 #[allow(clippy::large_enum_variant)] // one per request, never stored in bulk
 pub enum Principal {
-    /// An API key's tenant.
-    Tenant(Tenant),
+    /// An API key of a tenant, by the key's public id.
+    Key { tenant: Tenant, key_id: String },
     /// A signed-in caller (a JWT from a configured issuer, see `federation`) of this tenant.
     Federated { tenant: Tenant, signed_in: SignedIn },
     Sandbox { sandbox: SandboxRow, via: Via },
@@ -80,7 +80,7 @@ impl Principal {
     /// The tenant acting, for a tenant-wide credential (not a sandbox's own token).
     pub fn tenant(&self) -> Option<&Tenant> {
         match self {
-            Principal::Tenant(t) | Principal::Federated { tenant: t, .. } => Some(t),
+            Principal::Key { tenant: t, .. } | Principal::Federated { tenant: t, .. } => Some(t),
             Principal::Sandbox { .. } => None,
         }
     }
@@ -88,7 +88,7 @@ impl Principal {
     /// Who acts, as audit rows name them (never a secret).
     pub fn actor(&self) -> String {
         match self {
-            Principal::Tenant(t) => format!("tenant:{}", t.name),
+            Principal::Key { key_id, .. } => format!("key:{key_id}"),
             Principal::Federated { signed_in, .. } => format!("jwt:{}#{}", signed_in.issuer, signed_in.subject),
             Principal::Sandbox { sandbox, .. } => format!("sandbox:{}", sandbox.id),
         }
@@ -142,9 +142,16 @@ impl Core {
             };
             return Ok(Principal::Federated { tenant, signed_in });
         }
-        Ok(Principal::Tenant(
-            self.tenant(bearer, "Authorization: Bearer <key or signed-in token>").await?,
-        ))
+        self.key_principal(bearer, "Authorization: Bearer <key or signed-in token>").await
+    }
+
+    /// The caller behind an API key; `header` names where the door expects it.
+    pub async fn key_principal(&self, key: Option<&str>, header: &str) -> CoreResult<Principal> {
+        let tenant = self.tenant(key, header).await?;
+        Ok(Principal::Key {
+            tenant,
+            key_id: crate::store::key_id_of(key.unwrap_or_default()),
+        })
     }
 
     /// A caller of one sandbox: by `sandbox_id`, or (without one) the sandbox whose access token

@@ -390,15 +390,9 @@ impl Core {
 
 /// Every lifecycle request leaves an audit row (who, tenant, action, object, result).
 impl Core {
-    pub async fn create_sandbox(&self, tenant: &Tenant, req: CreateSandbox) -> CoreResult<Created> {
-        self.create_sandbox_as(&Principal::Tenant(tenant.clone()), req).await
-    }
-
     /// Create as `principal` (a signed-in one may pick egress profiles).
-    pub async fn create_sandbox_as(&self, principal: &Principal, req: CreateSandbox) -> CoreResult<Created> {
-        let Some(tenant) = principal.tenant() else {
-            return Err(CoreError::Forbidden("a sandbox's token can't create sandboxes".into()));
-        };
+    pub async fn create_sandbox(&self, principal: &Principal, req: CreateSandbox) -> CoreResult<Created> {
+        let tenant = acting_tenant(principal)?;
         let r = self.create_sandbox_unaudited(principal, tenant, req).await;
         let object = r.as_ref().ok().map(|c| c.sandbox_id.clone());
         self.audit(&principal.actor(), Some(&tenant.name), "sandbox.create", object.as_deref(), Self::outcome(&r))
@@ -406,21 +400,29 @@ impl Core {
         r
     }
 
-    pub async fn delete_sandbox(&self, tenant: &Tenant, id: &str) -> CoreResult<Operation>  {
+    pub async fn delete_sandbox(&self, principal: &Principal, id: &str) -> CoreResult<Operation> {
+        self.delete_sandbox_by(&principal.actor(), acting_tenant(principal)?, id).await
+    }
+
+    /// A delete on behalf of `actor` (a principal's, or the platform account's).
+    pub(crate) async fn delete_sandbox_by(&self, actor: &str, tenant: &Tenant, id: &str) -> CoreResult<Operation> {
         let r = self.delete_sandbox_unaudited(tenant, id).await;
-        self.audit_tenant(tenant, "sandbox.delete", Some(id), Self::outcome(&r)).await;
+        self.audit(actor, Some(&tenant.name), "sandbox.delete", Some(id), Self::outcome(&r)).await;
         r
     }
 
-    pub async fn pause_or_resume(&self, tenant: &Tenant, id: &str, pause: bool) -> CoreResult<Operation>  {
+    pub async fn pause_or_resume(&self, principal: &Principal, id: &str, pause: bool) -> CoreResult<Operation> {
+        let tenant = acting_tenant(principal)?;
         let r = self.pause_or_resume_unaudited(tenant, id, pause).await;
         let action = if pause { "sandbox.pause" } else { "sandbox.resume" };
-        self.audit_tenant(tenant, action, Some(id), Self::outcome(&r)).await;
+        self.audit(&principal.actor(), Some(&tenant.name), action, Some(id), Self::outcome(&r)).await;
         r
     }
+}
 
-    async fn audit_tenant(&self, tenant: &Tenant, action: &str, object: Option<&str>, result: &str) {
-        self.audit(&format!("tenant:{}", tenant.name), Some(&tenant.name), action, object, result)
-            .await;
-    }
+/// The tenant a lifecycle request acts for: a sandbox's own token never manages sandboxes.
+fn acting_tenant(principal: &Principal) -> CoreResult<&Tenant> {
+    principal
+        .tenant()
+        .ok_or_else(|| CoreError::Forbidden("a sandbox's token can't manage sandboxes".into()))
 }

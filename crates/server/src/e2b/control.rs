@@ -4,7 +4,7 @@
 use super::{E2bError, E2bState, ENVD_VERSION};
 use crate::core::egress::EgressRequest;
 use crate::core::sandboxes::{check_timeout, CreateSandbox, ListSandboxes, DEFAULT_TIMEOUT};
-use crate::core::{templates, CoreError, Credentials};
+use crate::core::{templates, CoreError, Credentials, Principal};
 use crate::model::{OperationState, SandboxState};
 use crate::store::{rfc3339, SandboxRow, Tenant};
 use axum::extract::{Path, Query, Request, State};
@@ -21,9 +21,11 @@ type Result<T> = std::result::Result<T, E2bError>;
 /// The control plane accepts a tenant API key (`X-API-KEY`), and only that.
 pub async fn require_tenant(State(state): State<E2bState>, mut req: Request, next: axum::middleware::Next) -> Response {
     let creds = Credentials::from_headers(req.headers());
-    match state.core.tenant(creds.x_api_key.as_deref(), "X-API-KEY: <key>").await {
-        Ok(tenant) => {
+    match state.core.key_principal(creds.x_api_key.as_deref(), "X-API-KEY: <key>").await {
+        Ok(principal) => {
+            let tenant = principal.tenant().cloned().expect("a key names a tenant");
             req.extensions_mut().insert(tenant);
+            req.extensions_mut().insert(principal);
             next.run(req).await
         }
         Err(e) => E2bError::from(e).into_response(),
@@ -200,6 +202,7 @@ fn failed(op: &crate::model::Operation, what: &str) -> E2bError {
 pub async fn create(
     State(state): State<E2bState>,
     Extension(tenant): Extension<Tenant>,
+    Extension(principal): Extension<Principal>,
     headers: HeaderMap,
     body: axum::body::Bytes,
 ) -> Result<(StatusCode, Json<Value>)> {
@@ -210,7 +213,7 @@ pub async fn create(
     let created = state
         .core
         .create_sandbox(
-            &tenant,
+            &principal,
             CreateSandbox {
                 template: req.template_id.clone(),
                 // E2B defaults to 2 vCPU; that would double TCG cost here, so the node's default
@@ -252,6 +255,7 @@ pub async fn create(
 pub async fn pause(
     State(state): State<E2bState>,
     Extension(tenant): Extension<Tenant>,
+    Extension(principal): Extension<Principal>,
     Path(id): Path<String>,
 ) -> Result<StatusCode> {
     let row = state.core.live_sandbox(&tenant, &id).await?;
@@ -261,7 +265,7 @@ pub async fn pause(
             format!("sandbox {id} is already paused"),
         ));
     }
-    let op = state.core.pause_or_resume(&tenant, &id, true).await?;
+    let op = state.core.pause_or_resume(&principal, &id, true).await?;
     match op.error {
         None => Ok(StatusCode::NO_CONTENT),
         Some(_) => Err(failed(&op, "pause")),
@@ -305,10 +309,11 @@ pub async fn get(
 pub async fn kill(
     State(state): State<E2bState>,
     Extension(tenant): Extension<Tenant>,
+    Extension(principal): Extension<Principal>,
     Path(id): Path<String>,
 ) -> Result<StatusCode> {
     state.core.live_sandbox(&tenant, &id).await?;
-    let op = state.core.delete_sandbox(&tenant, &id).await?;
+    let op = state.core.delete_sandbox(&principal, &id).await?;
     let done = state.core.engine.wait(&op).await?;
     match done.error {
         None => Ok(StatusCode::NO_CONTENT),
@@ -336,6 +341,7 @@ pub async fn set_timeout(
 pub async fn connect(
     State(state): State<E2bState>,
     Extension(tenant): Extension<Tenant>,
+    Extension(principal): Extension<Principal>,
     Path(id): Path<String>,
     body: axum::body::Bytes,
 ) -> Result<(StatusCode, Json<Value>)> {
@@ -350,7 +356,7 @@ pub async fn connect(
     // Connecting to a paused sandbox resumes it (201), as E2B does.
     let resumed = row.state == SandboxState::Paused;
     if resumed {
-        let op = state.core.pause_or_resume(&tenant, &id, false).await?;
+        let op = state.core.pause_or_resume(&principal, &id, false).await?;
         if op.error.is_some() {
             return Err(failed(&op, "resume"));
         }

@@ -62,7 +62,7 @@ async fn resolve(state: &E2bState, h: &HeaderMap, no_token: bool) -> Result<Sand
         Ok(Principal::Sandbox { sandbox, .. }) => sandbox,
         // A caller that proved nothing about the sandbox (no token, a wrong one, a sandbox never
         // opened to tokens) learns nothing either: exactly the answer for a missing one.
-        Ok(Principal::Tenant(_) | Principal::Federated { .. })
+        Ok(Principal::Key { .. } | Principal::Federated { .. })
         | Err(CoreError::NotFound { .. } | CoreError::Unauthenticated(_)) => {
             return Err(sandbox_gone(id.unwrap_or("")))
         }

@@ -173,7 +173,7 @@ pub async fn create_sandbox(
         disk_mib: None,
     });
     let created = core
-        .create_sandbox_as(
+        .create_sandbox(
             &principal,
             CreateSandbox {
                 template: req.template,
@@ -309,10 +309,10 @@ pub async fn get_tenant(State(core): State<Core>, Extension(tenant): Extension<T
     security(("bearer" = [])))]
 pub async fn delete_sandbox(
     State(core): State<Core>,
-    Extension(tenant): Extension<Tenant>,
+    Extension(principal): Extension<crate::core::Principal>,
     Path(id): Path<String>,
 ) -> ApiResult<(StatusCode, Json<OperationAccepted>)> {
-    Ok(accepted(core.delete_sandbox(&tenant, &id).await?))
+    Ok(accepted(core.delete_sandbox(&principal, &id).await?))
 }
 
 /// Freeze the sandbox in memory (processes, files and memory kept). Its timeout stops running
@@ -322,10 +322,10 @@ pub async fn delete_sandbox(
     security(("bearer" = [])))]
 pub async fn pause_sandbox(
     State(core): State<Core>,
-    Extension(tenant): Extension<Tenant>,
+    Extension(principal): Extension<crate::core::Principal>,
     Path(id): Path<String>,
 ) -> ApiResult<(StatusCode, Json<OperationAccepted>)> {
-    Ok(accepted(core.pause_or_resume(&tenant, &id, true).await?))
+    Ok(accepted(core.pause_or_resume(&principal, &id, true).await?))
 }
 
 #[utoipa::path(post, path = "/v1/sandboxes/{id}/resume", tag = "sandboxes", params(("id" = String, Path)),
@@ -333,10 +333,10 @@ pub async fn pause_sandbox(
     security(("bearer" = [])))]
 pub async fn resume_sandbox(
     State(core): State<Core>,
-    Extension(tenant): Extension<Tenant>,
+    Extension(principal): Extension<crate::core::Principal>,
     Path(id): Path<String>,
 ) -> ApiResult<(StatusCode, Json<OperationAccepted>)> {
-    Ok(accepted(core.pause_or_resume(&tenant, &id, false).await?))
+    Ok(accepted(core.pause_or_resume(&principal, &id, false).await?))
 }
 
 fn session_view(s: &SessionRow) -> Session {

@@ -38,6 +38,11 @@ pub fn rfc3339(ms: i64) -> String {
     humantime::format_rfc3339_millis(t).to_string()
 }
 
+/// An API key's public id: `key_` + the first 16 hex of its hash (reveals nothing of the key).
+pub fn key_id_of(key: &str) -> String {
+    format!("key_{}", &token_hash(key)[..16])
+}
+
 /// The sha256 hex of a secret (an API key or a sandbox access token): what the store keeps.
 pub fn token_hash(secret: &str) -> String {
     use sha2::Digest;

@@ -260,11 +260,6 @@ async fn insert_key(tx: &mut sqlx::Transaction<'_, sqlx::Sqlite>, tenant: &str, 
     Ok(())
 }
 
-/// `key_` + the first 16 hex of the key's hash.
-fn key_id(hash: &str) -> String {
-    format!("key_{}", &hash[..16])
-}
-
 async fn insert_key_row(
     tx: &mut sqlx::Transaction<'_, sqlx::Sqlite>,
     tenant_id: &str,
@@ -273,7 +268,7 @@ async fn insert_key_row(
 ) -> Result<KeyRecord, StoreError> {
     let hash = token_hash(key);
     let record = KeyRecord {
-        id: key_id(&hash),
+        id: super::key_id_of(key),
         tenant_id: tenant_id.into(),
         name: name.into(),
         prefix: key.get(..8).unwrap_or(key).into(),
