@@ -62,6 +62,8 @@ impl Internet {
 
 struct World {
     internet: Internet,
+    /// The internet's files (certificate, index, log); removed by `cleanup`.
+    workdir: PathBuf,
     /// Replaced by the restart case (which holds it for writing meanwhile).
     server: RwLock<Server>,
     /// What `airlock serve` is started with.
@@ -108,6 +110,7 @@ fn world() -> &'static World {
         put_file(&server, &id, "/tmp/test-ca.pem", &cert);
         World {
             internet,
+            workdir,
             server: RwLock::new(server),
             serve_args,
             id,
@@ -430,4 +433,5 @@ fn cleanup() {
     unsafe { libc::kill(server.child.id() as i32, libc::SIGTERM) };
     std::thread::sleep(Duration::from_millis(300));
     w.internet.stop();
+    let _ = std::fs::remove_dir_all(&w.workdir);
 }

@@ -4,6 +4,7 @@ import contextlib
 import importlib.metadata
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -36,7 +37,7 @@ def _start_internet():
     line = proc.stdout.readline()
     if not line:
         raise RuntimeError("the test internet did not start")
-    return proc, json.loads(line)
+    return proc, workdir, json.loads(line)
 
 
 def _admin(url, *args):
@@ -83,7 +84,7 @@ def airlock_server():
              # E2B_DOMAIN clients: HTTPS on :443 of the address the suite's wildcard DNS answers.
              "--e2b-domain", wildcard_dns.DOMAIN, "--tls-listen", f"{wildcard_dns.TLS_ADDR}:443",
              "--tls-cert", TLS_CERT, "--tls-key", TLS_KEY]
-    internet, net = _start_internet()
+    internet, internet_dir, net = _start_internet()
     serve += ["--egress-uplink-netns", net["uplink_netns"], "--egress-dns", net["dns"]]
     dns = wildcard_dns.start_dns_server()
     proc = subprocess.Popen(serve, stdout=log, stderr=log)
@@ -125,6 +126,7 @@ def airlock_server():
             server.stop()
         internet.stdin.close()  # it removes its namespaces
         internet.wait(timeout=30)
+        shutil.rmtree(internet_dir, ignore_errors=True)
 
 
 @contextlib.contextmanager
