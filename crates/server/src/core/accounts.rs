@@ -5,7 +5,7 @@
 use super::Core;
 use crate::error::{CoreError, CoreResult, Kind};
 use crate::model::{AdminToken, AuditEntry, KeyView, NewKey, TenantSummary};
-use crate::store::{now_ms, rfc3339, token_hash, AuditFilter, AuditRecord, KeyFormat, KeyRecord, Tenant};
+use crate::store::{now_ms, rfc3339, token_hash, AuditFilter, AuditRecord, KeyFormat, KeyRecord};
 use argon2::password_hash::{PasswordHash, PasswordHasher, PasswordVerifier, SaltString};
 use argon2::Argon2;
 
@@ -186,13 +186,6 @@ impl Core {
             .collect())
     }
 
-    async fn admin_tenant(&self, name: &str) -> CoreResult<Tenant> {
-        self.store
-            .tenant_by_name(name)
-            .await?
-            .ok_or_else(|| CoreError::not_found(Kind::Tenant, name))
-    }
-
     pub async fn create_tenant(&self, admin: &Admin, name: &str) -> CoreResult<TenantSummary> {
         let r = async {
             check_tenant_name(name)?;
@@ -224,7 +217,7 @@ impl Core {
     }
 
     pub async fn tenant_detail(&self, _admin: &Admin, name: &str) -> CoreResult<crate::model::TenantInfo> {
-        let t = self.admin_tenant(name).await?;
+        let t = self.tenant_named(name).await?;
         self.tenant_info(&t).await
     }
 
@@ -232,7 +225,7 @@ impl Core {
     /// on), its quotas and policy go. `default` stays: it holds the server's bootstrap key.
     pub async fn delete_tenant(&self, admin: &Admin, name: &str) -> CoreResult<u32> {
         let r = async {
-            let t = self.admin_tenant(name).await?;
+            let t = self.tenant_named(name).await?;
             if t.name == "default" {
                 return Err(CoreError::Conflict(
                     "tenant default holds the server's bootstrap key; revoke its keys instead".into(),
@@ -265,7 +258,7 @@ impl Core {
 
     pub async fn mint_key(&self, admin: &Admin, tenant: &str, name: &str, e2b: bool) -> CoreResult<NewKey> {
         let r = async {
-            let t = self.admin_tenant(tenant).await?;
+            let t = self.tenant_named(tenant).await?;
             if name.len() > 128 || name.chars().any(char::is_control) {
                 return Err(CoreError::invalid("name", "at most 128 characters, no control characters"));
             }
@@ -283,13 +276,13 @@ impl Core {
     }
 
     pub async fn list_keys(&self, _admin: &Admin, tenant: &str) -> CoreResult<Vec<KeyView>> {
-        let t = self.admin_tenant(tenant).await?;
+        let t = self.tenant_named(tenant).await?;
         Ok(self.store.list_keys(&t.id).await?.into_iter().map(key_view).collect())
     }
 
     pub async fn revoke_key(&self, admin: &Admin, tenant: &str, key_id: &str) -> CoreResult<()> {
         let r = async {
-            let t = self.admin_tenant(tenant).await?;
+            let t = self.tenant_named(tenant).await?;
             if !self.store.revoke_key(&t.id, key_id).await? {
                 return Err(CoreError::not_found(Kind::Key, key_id));
             }
@@ -307,7 +300,7 @@ impl Core {
         policy: airlock_egress::TenantPolicy,
     ) -> CoreResult<()> {
         let r = async {
-            let t = self.admin_tenant(tenant).await?;
+            let t = self.tenant_named(tenant).await?;
             Ok(self.store.set_egress_policy(&t.id, &policy).await?)
         }
         .await;
@@ -316,7 +309,7 @@ impl Core {
     }
 
     pub async fn policy_as_admin(&self, _admin: &Admin, tenant: &str) -> CoreResult<airlock_egress::TenantPolicy> {
-        let t = self.admin_tenant(tenant).await?;
+        let t = self.tenant_named(tenant).await?;
         Ok(self.store.egress_policy(&t.id).await?)
     }
 

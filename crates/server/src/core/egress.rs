@@ -78,31 +78,6 @@ pub fn parse_entries(place: &str, entries: &[String]) -> CoreResult<RuleSet> {
     Ok(RuleSet::parse(&raw, place)?)
 }
 
-/// A tenant base policy from lists of exact domains and of IPs/CIDRs (the CLI's flags),
-/// validated by the egress engine's parser (a wildcard is refused naming the entry).
-pub fn tenant_policy(
-    allow_domains: &[String],
-    allow_nets: &[String],
-    deny_domains: &[String],
-    deny_nets: &[String],
-) -> CoreResult<TenantPolicy> {
-    let raw = |domains: &[String], nets: &[String]| {
-        let (ips, cidrs): (Vec<String>, Vec<String>) = nets
-            .iter()
-            .map(|n| n.trim().to_string())
-            .partition(|n| n.parse::<IpAddr>().is_ok());
-        RawRules {
-            domains: domains.to_vec(),
-            ips,
-            cidrs,
-        }
-    };
-    Ok(TenantPolicy::from_raw(
-        &raw(allow_domains, allow_nets),
-        &raw(deny_domains, deny_nets),
-    )?)
-}
-
 /// A tenant base policy from the admin API's shape.
 pub fn tenant_policy_from_rules(allow: &EgressRules, deny: &EgressRules) -> CoreResult<TenantPolicy> {
     let raw = |r: &EgressRules| RawRules {
@@ -375,13 +350,6 @@ impl Core {
         }
     }
 
-    /// A tenant's base policy, by tenant name (the CLI's; the tenancy issue moves it behind an
-    /// admin API).
-    pub async fn tenant_egress_policy(&self, tenant: &str) -> CoreResult<TenantPolicy> {
-        let t = self.tenant_named(tenant).await?;
-        Ok(self.store.egress_policy(&t.id).await?)
-    }
-
 }
 
 #[cfg(test)]
@@ -458,23 +426,23 @@ mod tests {
             assert_eq!(e.code().status, 400, "{bad}");
             assert!(e.to_string().contains(bad), "{bad}: {e}");
         }
-        let e = tenant_policy(&[], &[], &["*.x.test".into()], &[]).unwrap_err();
+        let rules = |domains: &[&str], ips: &[&str], cidrs: &[&str]| EgressRules {
+            domains: domains.iter().map(|s| s.to_string()).collect(),
+            ips: ips.iter().map(|s| s.to_string()).collect(),
+            cidrs: cidrs.iter().map(|s| s.to_string()).collect(),
+        };
+        let none = rules(&[], &[], &[]);
+        let e = tenant_policy_from_rules(&none, &rules(&["*.x.test"], &[], &[])).unwrap_err();
         assert!(
             e.to_string().contains("tenant deny") && e.to_string().contains("*.x.test"),
             "{e}"
         );
-        let e = tenant_policy(&[], &["example.com".into()], &[], &[]).unwrap_err();
+        let e = tenant_policy_from_rules(&rules(&[], &[], &["example.com"]), &none).unwrap_err();
         assert!(
             e.to_string().contains("tenant allow") && e.to_string().contains("example.com"),
             "{e}"
         );
-        let p = tenant_policy(
-            &["a.test".into()],
-            &["203.0.113.0/24".into(), "198.51.100.7".into()],
-            &[],
-            &[],
-        )
-        .unwrap();
+        let p = tenant_policy_from_rules(&rules(&["a.test"], &["198.51.100.7"], &["203.0.113.0/24"]), &none).unwrap();
         assert_eq!(rules_view(&p.allow).ips, ["198.51.100.7"]);
         assert_eq!(rules_view(&p.allow).cidrs, ["203.0.113.0/24"]);
     }

@@ -3,16 +3,17 @@
 //! (`insert_create_within`), so concurrent creates never overshoot.
 
 use super::Core;
-use crate::error::{CoreError, CoreResult};
+use crate::error::{CoreError, CoreResult, Kind};
 use crate::model::{Quota, TenantInfo};
 use crate::store::{now_ms, Tenant};
 
 impl Core {
+    /// A tenant by name, for the platform account's routes (a missing one is a 404).
     pub(crate) async fn tenant_named(&self, name: &str) -> CoreResult<Tenant> {
         self.store
             .tenant_by_name(name)
             .await?
-            .ok_or_else(|| CoreError::invalid("tenant", format!("no tenant named {name:?}")))
+            .ok_or_else(|| CoreError::not_found(Kind::Tenant, name))
     }
 
     /// The tenant's limits in force: its own, else the server's defaults.
@@ -33,11 +34,10 @@ impl Core {
         })
     }
 
-    /// The limits set for a tenant by name (the CLI's; the tenancy issue's admin API next).
-    pub async fn tenant_quota(&self, tenant: &str) -> CoreResult<(Quota, Quota)> {
+    /// The limits set for a tenant by name (`None`: the server's default).
+    pub async fn tenant_quota(&self, tenant: &str) -> CoreResult<Quota> {
         let t = self.tenant_named(tenant).await?;
-        let own = self.store.quota(&t.id).await?;
-        Ok((own, own.or(self.config.default_quota())))
+        Ok(self.store.quota(&t.id).await?)
     }
 
     /// Replace the limits set for a tenant by name.

@@ -78,7 +78,7 @@ pub async fn get_quota(
     Extension(_admin): Extension<Admin>,
     Path(name): Path<String>,
 ) -> ApiResult<axum::Json<Quota>> {
-    Ok(axum::Json(core.tenant_quota(&name).await?.0))
+    Ok(axum::Json(core.tenant_quota(&name).await?))
 }
 
 /// Replace the limits set for the tenant.
@@ -91,7 +91,7 @@ pub async fn put_quota(
     Json(quota): Json<Quota>,
 ) -> ApiResult<axum::Json<Quota>> {
     core.set_quota_as_admin(&admin, &name, quota).await?;
-    Ok(axum::Json(core.tenant_quota(&name).await?.0))
+    Ok(axum::Json(core.tenant_quota(&name).await?))
 }
 
 /// The tenant's base egress policy.
