@@ -4,7 +4,6 @@ mod common;
 
 use base64::Engine as _;
 use common::*;
-use libtest_mimic::{Failed, Trial};
 use serde_json::{json, Value};
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -1139,12 +1138,7 @@ fn admin_cli_manages_tenants_keys_quotas_and_policies() {
 fn main() {
     unsafe { libc::prctl(libc::PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) };
     let args = libtest_mimic::Arguments::from_args();
-    let t = |name: &'static str, f: fn()| {
-        Trial::test(name, move || -> Result<(), Failed> {
-            f();
-            Ok(())
-        })
-    };
+    let t = trial;
     let tests = vec![
         t(
             "walkthrough_create_session_stream_delete",

@@ -10,7 +10,6 @@
 mod common;
 
 use common::*;
-use libtest_mimic::{Failed, Trial};
 use serde_json::{json, Value};
 use std::io::{BufRead, BufReader};
 use std::path::PathBuf;
@@ -380,12 +379,7 @@ fn egress_is_served_again_after_a_server_crash() {
 fn main() {
     unsafe { libc::prctl(libc::PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) };
     let args = libtest_mimic::Arguments::from_args();
-    let t = |name: &'static str, f: fn()| {
-        Trial::test(name, move || -> Result<(), Failed> {
-            f();
-            Ok(())
-        })
-    };
+    let t = trial;
     let tests = vec![
         t("allowed_name_works_over_http_and_https", allowed_name_works_over_http_and_https),
         t("pip_installs_from_an_allowed_index", pip_installs_from_an_allowed_index),

@@ -21,7 +21,6 @@ mod common;
 
 use base64::Engine as _;
 use common::*;
-use libtest_mimic::{Failed, Trial};
 use serde_json::{json, Value};
 use std::io::BufRead;
 use std::path::{Path, PathBuf};
@@ -885,12 +884,7 @@ fn main() {
     let mut args = libtest_mimic::Arguments::from_args();
     // One attack at a time: the cases share the attacked VM and measure the neighbour's latency.
     args.test_threads = Some(1);
-    let t = |name: &'static str, f: fn()| {
-        Trial::test(name, move || -> Result<(), Failed> {
-            f();
-            Ok(())
-        })
-    };
+    let t = trial;
     let tests = vec![
         t("console_flood", console_flood),
         t("memory_hog", memory_hog),

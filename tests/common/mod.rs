@@ -31,6 +31,15 @@ pub fn build_template(data: &Path, name: &str) {
     assert!(built.success(), "template build {name} failed");
 }
 
+/// A test case of a suite with its own `main` (the suites share one server, so they run under
+/// libtest-mimic): a panic in `f` fails it.
+pub fn trial(name: &'static str, f: fn()) -> libtest_mimic::Trial {
+    libtest_mimic::Trial::test(name, move || -> Result<(), libtest_mimic::Failed> {
+        f();
+        Ok(())
+    })
+}
+
 pub fn free_port() -> u16 {
     std::net::TcpListener::bind("127.0.0.1:0")
         .unwrap()
