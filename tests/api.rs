@@ -692,9 +692,99 @@ fn serve_refuses_unusable_tls_files() {
     assert!(stderr.contains("--tls-key"), "{stderr}");
 }
 
-/// Restart safety on a data dir of its own (the blobs are hard links: templates are immutable).
-fn server_killed_mid_create_recovers_and_reattaches() {
-    let data = PathBuf::from(format!("{}-restart", test_data_dir().display()));
+/// A first start without `AIRLOCK_CONSOLE_PASSWORD` prints a generated password once, to the
+/// terminal only; it signs in (through the CLI), no usual default does, a restart prints nothing,
+/// and the password is nowhere in the data dir.
+fn a_first_start_prints_a_generated_console_password_once() {
+    let data = own_data_dir("console");
+    let mut first = Server::start_console(&data, &[], None);
+    let log_of = |s: &Server| std::fs::read_to_string(data.join(format!("serve-{}.log", s.url.rsplit(':').next().unwrap()))).unwrap();
+    let text = log_of(&first);
+    let marker = "its generated password, shown only now: ";
+    let password = text
+        .lines()
+        .find_map(|l| l.split_once(marker).map(|(_, p)| p.trim().to_string()))
+        .unwrap_or_else(|| panic!("no generated password printed: {text}"));
+    assert!(password.len() >= 20, "{password}");
+    assert_eq!(text.matches(&password).count(), 1, "printed once: {text}");
+
+    let login = |s: &Server, password: &str| {
+        ureq::post(&format!("{}/v1/admin/login", s.url))
+            .send_json(json!({"username": "root@local", "password": password}))
+            .map(|r| r.status())
+            .unwrap_or_else(|e| match e {
+                ureq::Error::Status(code, _) => code,
+                other => panic!("{other}"),
+            })
+    };
+    for guess in ["", "admin", "password", "airlock"] {
+        assert_eq!(login(&first, guess), 401, "{guess:?} signs in");
+    }
+    let cli_login = |s: &Server, password: &str| {
+        Command::new(BIN)
+            .arg("--data-dir")
+            .arg(&data)
+            .arg("login")
+            .env("AIRLOCK_URL", &s.url)
+            .env("AIRLOCK_CONSOLE_PASSWORD", password)
+            .stdin(std::process::Stdio::null())
+            .output()
+            .unwrap()
+    };
+    let out = cli_login(&first, &password);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    // The token `login` stored administers.
+    let out = Command::new(BIN)
+        .arg("--data-dir")
+        .arg(&data)
+        .args(["tenant", "ls"])
+        .env("AIRLOCK_URL", &first.url)
+        .env_remove("AIRLOCK_ADMIN_TOKEN")
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(String::from_utf8_lossy(&out.stdout).contains("default"));
+    first.stop();
+
+    // A second start keeps the account and prints no password.
+    let mut second = Server::start_console(&data, &[], None);
+    let again = log_of(&second);
+    assert!(!again.contains(marker) && !again.contains(&password), "{again}");
+    assert!(cli_login(&second, &password).status.success());
+    second.stop();
+    // Only its hash is kept: no file the server wrote holds the password (the logs aside; the
+    // templates are the shared dir's).
+    for entry in walk(&data) {
+        if entry.extension().is_some_and(|e| e == "log") || entry.starts_with(data.join("blobs")) {
+            continue;
+        }
+        let bytes = std::fs::read(&entry).unwrap_or_default();
+        assert!(
+            !bytes.windows(password.len()).any(|w| w == password.as_bytes()),
+            "{} holds the password",
+            entry.display()
+        );
+    }
+    let _ = std::fs::remove_dir_all(&data);
+}
+
+fn walk(dir: &std::path::Path) -> Vec<PathBuf> {
+    let mut files = Vec::new();
+    for entry in std::fs::read_dir(dir).into_iter().flatten().flatten() {
+        let path = entry.path();
+        if path.is_dir() {
+            files.extend(walk(&path));
+        } else if path.is_file() {
+            files.push(path);
+        }
+    }
+    files
+}
+
+/// An empty data dir of its own (`<shared>-<suffix>`) with the shared one's templates, as hard
+/// links (templates are immutable), so a server on it starts without building `seed`.
+fn own_data_dir(suffix: &str) -> PathBuf {
+    let data = PathBuf::from(format!("{}-{suffix}", test_data_dir().display()));
     let _ = std::fs::remove_dir_all(&data);
     std::fs::create_dir_all(&data).unwrap();
     server(); // the shared data dir has the template built
@@ -708,6 +798,12 @@ fn server_killed_mid_create_recovers_and_reattaches() {
         .unwrap();
     assert!(ok.success());
     let _ = std::fs::copy(src.join("accel.json"), data.join("accel.json"));
+    data
+}
+
+/// Restart safety on a data dir of its own (the blobs are hard links: templates are immutable).
+fn server_killed_mid_create_recovers_and_reattaches() {
+    let data = own_data_dir("restart");
 
     let mut s1 = Server::start(&data);
     let running = s1.create(json!({ "template": "seed", "timeout": "30m" }));
@@ -1204,6 +1300,10 @@ fn main() {
         t(
             "quota_is_exact_under_concurrent_creates_over_both_doors",
             quota_is_exact_under_concurrent_creates_over_both_doors,
+        ),
+        t(
+            "a_first_start_prints_a_generated_console_password_once",
+            a_first_start_prints_a_generated_console_password_once,
         ),
         t(
             "admin_cli_manages_tenants_keys_quotas_and_policies",

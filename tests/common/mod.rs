@@ -61,14 +61,24 @@ impl Server {
     }
 
     pub fn start_with(data: &Path, extra: &[&str]) -> Server {
+        Server::start_console(data, extra, Some(CONSOLE_PASSWORD))
+    }
+
+    /// A server whose console password is `console_password`, or (with `None`) left to the
+    /// server: generated on a first start. Its output goes to `serve-<port>.log` in `data`.
+    pub fn start_console(data: &Path, extra: &[&str], console_password: Option<&str>) -> Server {
         let port = free_port();
         let log = std::fs::File::create(data.join(format!("serve-{port}.log"))).unwrap();
-        let child = Command::new(BIN)
-            .args(["--data-dir"])
+        let mut cmd = Command::new(BIN);
+        cmd.args(["--data-dir"])
             .arg(data)
             .args(["serve", "--listen", &format!("127.0.0.1:{port}")])
             .args(extra)
-            .env("AIRLOCK_CONSOLE_PASSWORD", CONSOLE_PASSWORD)
+            .env_remove("AIRLOCK_CONSOLE_PASSWORD");
+        if let Some(password) = console_password {
+            cmd.env("AIRLOCK_CONSOLE_PASSWORD", password);
+        }
+        let child = cmd
             .stdin(Stdio::null())
             .stdout(log.try_clone().unwrap())
             .stderr(log)

@@ -80,6 +80,10 @@ pub enum CoreError {
         limit: u32,
         retry_after_s: u64,
     },
+    /// Too many failed sign-ins to the console account lately: no password is even checked
+    /// until the window has room again.
+    #[error("too many failed sign-ins in the last {window_s} s; retry in {retry_after_s} s")]
+    SignInThrottled { window_s: u64, retry_after_s: u64 },
     /// A sandbox already runs as many sessions (processes started through either door) as the
     /// server allows at once.
     #[error("sandbox {sandbox} has {running} running sessions, its tenant's quota of {limit} (sessions_per_sandbox); wait for one to exit or kill one first")]
@@ -219,7 +223,9 @@ impl CoreError {
     /// Seconds after which a refused request may succeed, for a `Retry-After` header.
     pub fn retry_after(&self) -> Option<u64> {
         match self {
-            CoreError::RateLimited { retry_after_s, .. } => Some(*retry_after_s),
+            CoreError::RateLimited { retry_after_s, .. } | CoreError::SignInThrottled { retry_after_s, .. } => {
+                Some(*retry_after_s)
+            }
             _ => None,
         }
     }
@@ -245,7 +251,7 @@ impl CoreError {
             CoreError::InvalidResources(_) => c("invalid_resources", 422),
             CoreError::InvalidState { .. } => c("invalid_state", 409),
             CoreError::QuotaExceeded { .. } | CoreError::SessionLimit { .. } => c("quota_exceeded", 429),
-            CoreError::RateLimited { .. } => c("rate_limited", 429),
+            CoreError::RateLimited { .. } | CoreError::SignInThrottled { .. } => c("rate_limited", 429),
             // 503, not 429: the caller is within its own quota; the node is full (for everyone)
             // until sandboxes go, and a client or balancer retries later or elsewhere.
             CoreError::NodeBudgetExceeded { .. } => c("node_budget_exceeded", 503),

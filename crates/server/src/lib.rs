@@ -337,7 +337,12 @@ pub async fn serve(opts: ServeOptions) -> anyhow::Result<()> {
     // each before settling its sandbox), so the listener binds at once however many there are.
     // A bad issuers file stops the server before anything starts, naming the entry.
     let federation = match &opts.jwt_issuers {
-        Some(path) => core::federation::Federation::from_file(path).map_err(|e| anyhow::anyhow!("--jwt-issuers: {e}"))?,
+        Some(path) => {
+            let path = path.clone();
+            tokio::task::spawn_blocking(move || core::federation::Federation::from_file(&path))
+                .await?
+                .map_err(|e| anyhow::anyhow!("--jwt-issuers: {e}"))?
+        }
         None => Default::default(),
     };
     let mut egress = opts.egress;
@@ -418,7 +423,8 @@ pub async fn serve(opts: ServeOptions) -> anyhow::Result<()> {
             tokio::spawn(async move {
                 loop {
                     tokio::time::sleep(core::federation::RELOAD_EVERY).await;
-                    federation.reload();
+                    let federation = federation.clone();
+                    let _ = tokio::task::spawn_blocking(move || federation.reload()).await;
                 }
             });
         }

@@ -1810,8 +1810,8 @@ async fn login(server: &Server, username: &str, password: &str) -> (u16, Value) 
 async fn console_account_and_admin_routes() {
     let tmp = fresh();
     let server = Server::start(tmp.path(), 20, None).await;
+    let generated = server.core().ensure_console_account(None).await.unwrap().expect("a generated password");
     let core = server.core().clone();
-    let generated = core.ensure_console_account(None).await.unwrap().expect("a generated password");
     assert!(generated.len() >= 20);
     assert!(core.ensure_console_account(None).await.unwrap().is_none(), "only the first start makes one");
     let db = std::fs::read(tmp.path().join("airlock.db")).unwrap();
@@ -1822,11 +1822,33 @@ async fn console_account_and_admin_routes() {
         ("root@local", "password"),
         ("root@local", "root"),
         ("admin", "admin"),
-        ("root", generated.as_str()),
     ] {
         let (status, body) = login(&server, user, pw).await;
         assert_eq!((status, body["code"].as_str()), (401, Some("unauthorized")), "{user}/{pw}: {body}");
     }
+    // Five failures fill the minute's window: the next sign-in, even with the right password,
+    // is refused before any password is checked, saying when to retry.
+    let resp = server
+        .send(
+            Method::POST,
+            "/v1/admin/login",
+            &[("content-type", "application/json")],
+            Body::from(json!({"username": "root@local", "password": generated}).to_string()),
+        )
+        .await;
+    let retry_after: u64 = resp.headers["retry-after"].to_str().unwrap().parse().unwrap();
+    assert!((1..=60).contains(&retry_after), "{retry_after}");
+    let (status, body) = resp.json().await;
+    assert_eq!((status, body["code"].as_str()), (429, Some("rate_limited")), "{body}");
+    assert!(body["message"].as_str().unwrap().contains("failed sign-ins"), "{body}");
+    let rows = core.store.audit(&Default::default(), 100).await.unwrap();
+    assert!(rows.iter().any(|r| r.action == "login" && r.result == "throttled"));
+    drop(core);
+    // The window lives in memory: a restart forgives it.
+    let server = server.restart().await;
+    let core = server.core().clone();
+    let (status, body) = login(&server, "root", &generated).await;
+    assert_eq!((status, body["code"].as_str()), (401, Some("unauthorized")), "only root@local: {body}");
     let (status, t) = login(&server, "root@local", &generated).await;
     assert_eq!(status, 200, "{t}");
     let token = t["token"].as_str().unwrap().to_string();

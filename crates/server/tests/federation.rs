@@ -14,6 +14,8 @@ use common::*;
 use jsonwebtoken::{Algorithm, EncodingKey, Header};
 use serde_json::{json, Value};
 use std::path::Path;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
 use std::process::Command;
 use std::time::Duration;
 
@@ -175,6 +177,24 @@ async fn signed_in_requests_verify_every_claim_and_only_they_pick_profiles() {
     let (_, sb) = server.v1(Method::GET, &format!("/sandboxes/{other_id}"), None).await;
     assert_eq!(sb["egress"]["profiles"], json!(["pypi"]), "{sb}");
 
+    // The E2B control plane takes the same token as `Authorization: Bearer` (where the SDK puts
+    // an access token): it lists the signed-in tenant's sandbox, and refuses a bad token alike.
+    let e2b_list = |auth: String| {
+        let server = &server;
+        async move {
+            let headers = [("authorization", auth.as_str())];
+            server.json(Method::GET, "/v2/sandboxes", &headers, Body::empty()).await
+        }
+    };
+    let (status, listed) = e2b_list(format!("Bearer {token}")).await;
+    assert_eq!(status, 200, "{listed}");
+    let ids: Vec<&str> = listed.as_array().unwrap().iter().filter_map(|s| s["sandboxID"].as_str()).collect();
+    assert!(ids.contains(&id.as_str()) && !ids.contains(&other_id.as_str()), "{listed}");
+    let expired = sign_rsa(&keys.rsa_pem, "rsa-1", &with(claims(), "exp", json!(now() - 3600)));
+    let (status, err) = e2b_list(format!("Bearer {expired}")).await;
+    assert_eq!(status, 401, "{err}");
+    assert!(err["message"].as_str().unwrap().contains("expired"), "{err}");
+
     // The audit log names the signed-in actor and the refused tokens, never a token.
     let rows = server.core().store.audit(&Default::default(), 1000).await.unwrap();
     assert!(rows.iter().any(|r| r.action == "sandbox.create" && r.actor == "jwt:https://idp.test#alice"));
@@ -204,4 +224,75 @@ fn a_bad_issuers_file_is_refused_naming_the_entry() {
     assert!(e.contains("issuers[0]") && e.contains("/no/such/jwks.json"), "{e}");
     let e = write(json!({"issuers": [], "extra": 1}));
     assert!(e.contains("extra"), "{e}");
+    let e = write(json!({"issuers": [{"issuer": "i", "audience": "a", "tenant_claim": "org"}]}));
+    assert!(e.contains("issuers[0]") && e.contains("jwks_url"), "{e}");
+    // Keys over plain http only from loopback, where nothing on the way can swap them.
+    let e = write(json!({"issuers": [{"issuer": "i", "audience": "a", "jwks_url": "http://192.0.2.1/jwks", "tenant_claim": "org"}]}));
+    assert!(e.contains("issuers[0]") && e.contains("https"), "{e}");
+}
+
+/// Serves `body` for every request on a loopback port; returns the port and how many were served.
+async fn serve_jwks(body: Arc<Mutex<String>>) -> (u16, Arc<AtomicUsize>) {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let port = listener.local_addr().unwrap().port();
+    let served = Arc::new(AtomicUsize::new(0));
+    let count = served.clone();
+    tokio::spawn(async move {
+        while let Ok((mut conn, _)) = listener.accept().await {
+            let mut head = vec![0u8; 4096];
+            let _ = conn.read(&mut head).await;
+            let text = body.lock().unwrap().clone();
+            let status = if text.is_empty() { "404 Not Found" } else { "200 OK" };
+            let reply = format!(
+                "HTTP/1.1 {status}\r\ncontent-type: application/json\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{text}",
+                text.len()
+            );
+            let _ = conn.write_all(reply.as_bytes()).await;
+            count.fetch_add(1, Ordering::SeqCst);
+        }
+    });
+    (port, served)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn keys_come_from_an_issuers_url_and_are_fetched_again_on_reload() {
+    let dir = tempfile::tempdir().unwrap();
+    let keys = make_keys(dir.path());
+    let jwks = std::fs::read_to_string(dir.path().join("jwks.json")).unwrap();
+    let body = Arc::new(Mutex::new(jwks.clone()));
+    let (port, served) = serve_jwks(body.clone()).await;
+    let issuers = dir.path().join("url-issuers.json");
+    let config = |url: String| {
+        json!({"issuers": [{"issuer": ISSUER, "audience": AUDIENCE, "jwks_url": url, "tenant_claim": "org"}]}).to_string()
+    };
+    std::fs::write(&issuers, config(format!("http://127.0.0.1:{port}/jwks.json"))).unwrap();
+    let load = |p: std::path::PathBuf| tokio::task::spawn_blocking(move || Federation::from_file(&p));
+    let federation = load(issuers.clone()).await.unwrap().unwrap();
+    assert_eq!(served.load(Ordering::SeqCst), 1);
+    let token = sign_ec(&keys.ec_pem, &claims());
+    assert_eq!(federation.verify(&token).unwrap().tenant, "acme");
+
+    // The issuer rotates to only its RSA key: a reload fetches again, the EC token stops verifying.
+    let mut rotated: Value = serde_json::from_str(&jwks).unwrap();
+    rotated["keys"].as_array_mut().unwrap().retain(|k| k["kty"] == "RSA");
+    *body.lock().unwrap() = rotated.to_string();
+    let f = federation.clone();
+    tokio::task::spawn_blocking(move || f.reload()).await.unwrap();
+    assert_eq!(served.load(Ordering::SeqCst), 2);
+    assert!(federation.verify(&token).is_err());
+    assert!(federation.verify(&sign_rsa(&keys.rsa_pem, "rsa-1", &claims())).is_ok());
+    // A failing fetch keeps the keys it had.
+    body.lock().unwrap().clear();
+    let f = federation.clone();
+    tokio::task::spawn_blocking(move || f.reload()).await.unwrap();
+    assert!(federation.verify(&sign_rsa(&keys.rsa_pem, "rsa-1", &claims())).is_ok());
+
+    // At start, keys that can't be fetched stop the server, naming the entry and the URL.
+    let e = load(issuers.clone()).await.unwrap().map(|_| ()).unwrap_err();
+    assert!(e.contains("issuers[0]") && e.contains("404"), "{e}");
+    let closed = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+    std::fs::write(&issuers, config(format!("http://127.0.0.1:{closed}/jwks.json"))).unwrap();
+    let e = load(issuers.clone()).await.unwrap().map(|_| ()).unwrap_err();
+    assert!(e.contains("issuers[0]") && e.contains(&format!("127.0.0.1:{closed}")), "{e}");
 }

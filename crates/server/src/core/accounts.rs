@@ -16,6 +16,38 @@ pub const PASSWORD_ENV: &str = "AIRLOCK_CONSOLE_PASSWORD";
 /// How long an admin token from one sign-in lasts.
 pub const ADMIN_TOKEN_TTL_MS: i64 = 60 * 60 * 1000;
 /// Audit rows older than this are pruned.
+/// Failed sign-ins allowed in any [`SIGN_IN_WINDOW_MS`]; past them every sign-in is refused
+/// (429, `Retry-After`) until the oldest failure leaves the window.
+pub const SIGN_IN_FAILURES_ALLOWED: usize = 5;
+pub const SIGN_IN_WINDOW_MS: i64 = 60 * 1000;
+
+/// The console account's recent failed sign-ins (one account, so one window; in memory: a
+/// restart forgives, which costs a guesser a restart of the server per window).
+#[derive(Default)]
+pub struct SignInFailures(std::sync::Mutex<std::collections::VecDeque<i64>>);
+
+impl SignInFailures {
+    fn record(&self, now: i64) {
+        let mut q = self.0.lock().unwrap_or_else(|e| e.into_inner());
+        q.push_back(now);
+        while q.len() > SIGN_IN_FAILURES_ALLOWED {
+            q.pop_front();
+        }
+    }
+
+    /// Seconds until a sign-in may be tried again, while the window is full.
+    fn retry_after(&self, now: i64) -> Option<u64> {
+        let mut q = self.0.lock().unwrap_or_else(|e| e.into_inner());
+        while q.front().is_some_and(|t| now - t >= SIGN_IN_WINDOW_MS) {
+            q.pop_front();
+        }
+        (q.len() >= SIGN_IN_FAILURES_ALLOWED).then(|| {
+            let oldest = q.front().copied().unwrap_or(now);
+            ((oldest + SIGN_IN_WINDOW_MS - now).max(0) as u64).div_ceil(1000).max(1)
+        })
+    }
+}
+
 pub const AUDIT_RETENTION_MS: i64 = 90 * 24 * 60 * 60 * 1000;
 
 /// Who is acting, as audit rows name them (never a secret).
@@ -100,6 +132,15 @@ impl Core {
 
     /// Sign in as the platform account: a token for the admin routes, valid for an hour.
     pub async fn login(&self, username: &str, password: &str) -> CoreResult<AdminToken> {
+        // Throttled before argon2 runs: a guesser gets a handful of tries a minute, and can't
+        // keep the blocking pool busy with hashes either.
+        if let Some(retry_after_s) = self.sign_in_failures.retry_after(now_ms()) {
+            self.audit("anonymous", None, "login", None, "throttled").await;
+            return Err(CoreError::SignInThrottled {
+                window_s: (SIGN_IN_WINDOW_MS / 1000) as u64,
+                retry_after_s,
+            });
+        }
         let stored = self.store.password_hash(ROOT).await?;
         let (pw, hash) = (password.to_string(), stored.clone());
         // argon2 is slow on purpose: off the async threads.
@@ -108,6 +149,7 @@ impl Core {
                 .await
                 .unwrap_or(false);
         if !good {
+            self.sign_in_failures.record(now_ms());
             self.audit(if username == ROOT { ROOT } else { "anonymous" }, None, "login", None, "unauthorized")
                 .await;
             return Err(CoreError::Unauthenticated("wrong username or password".into()));

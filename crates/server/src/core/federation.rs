@@ -8,8 +8,11 @@
 //! The configuration file:
 //! `{"leeway_seconds": 60, "issuers": [{"issuer": "https://idp.example", "audience": "airlock",
 //!   "jwks_file": "/etc/airlock/idp-jwks.json", "tenant_claim": "tenant"}]}`
-//! A bad file stops the server with the entry named. Key files are read again every
-//! [`RELOAD_EVERY`], so a rotated key is picked up without a restart.
+//! An issuer names its keys by `jwks_file` or `jwks_url` (https; plain http only to a loopback
+//! address, where nothing on the way can swap the keys). A fetch is bounded ([`FETCH_TIMEOUT`],
+//! [`MAX_JWKS_BYTES`], no redirects). A bad file, or keys that can't be read, stop the server with
+//! the entry named. Keys are read again every [`RELOAD_EVERY`], so a rotated key is picked up
+//! without a restart.
 
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, RwLock};
@@ -21,6 +24,9 @@ use serde::Deserialize;
 
 /// How often the issuers' key files are read again.
 pub const RELOAD_EVERY: Duration = Duration::from_secs(300);
+/// The longest a JWKS fetch may take, and the most of it read.
+pub const FETCH_TIMEOUT: Duration = Duration::from_secs(10);
+pub const MAX_JWKS_BYTES: u64 = 1 << 20;
 /// The clock skew allowed on `exp` and `nbf` when the file sets none.
 pub const DEFAULT_LEEWAY_S: u64 = 60;
 /// The only algorithms accepted (never `none`, never a shared secret).
@@ -39,12 +45,74 @@ struct FileConfig {
 struct IssuerConfig {
     issuer: String,
     audience: String,
-    jwks_file: PathBuf,
+    #[serde(default)]
+    jwks_file: Option<PathBuf>,
+    #[serde(default)]
+    jwks_url: Option<String>,
     tenant_claim: String,
+}
+
+/// Where an issuer's keys are read from.
+#[derive(Debug)]
+enum KeySource {
+    File(PathBuf),
+    Url(String),
+}
+
+impl KeySource {
+    fn of(c: &IssuerConfig) -> Result<Self, String> {
+        match (&c.jwks_file, &c.jwks_url) {
+            (Some(path), None) => Ok(KeySource::File(path.clone())),
+            (None, Some(url)) => {
+                let parsed = url::Url::parse(url).map_err(|e| format!("`jwks_url` {url:?}: {e}"))?;
+                let loopback = match parsed.host() {
+                    Some(url::Host::Ipv4(ip)) => ip.is_loopback(),
+                    Some(url::Host::Ipv6(ip)) => ip.is_loopback(),
+                    Some(url::Host::Domain(d)) => d == "localhost",
+                    None => false,
+                };
+                match parsed.scheme() {
+                    "https" => Ok(KeySource::Url(url.clone())),
+                    "http" if loopback => Ok(KeySource::Url(url.clone())),
+                    _ => Err(format!("`jwks_url` {url:?}: use https (plain http only to a loopback address)")),
+                }
+            }
+            _ => Err("give exactly one of `jwks_file` and `jwks_url`".into()),
+        }
+    }
+
+    fn read(&self) -> Result<String, String> {
+        match self {
+            KeySource::File(path) => std::fs::read_to_string(path).map_err(|e| format!("{}: {e}", path.display())),
+            KeySource::Url(url) => {
+                use std::io::Read as _;
+                let agent = ureq::AgentBuilder::new().timeout(FETCH_TIMEOUT).redirects(0).build();
+                let response = agent.get(url).call().map_err(|e| format!("{url}: {e}"))?;
+                let mut text = String::new();
+                response
+                    .into_reader()
+                    .take(MAX_JWKS_BYTES + 1)
+                    .read_to_string(&mut text)
+                    .map_err(|e| format!("{url}: {e}"))?;
+                if text.len() as u64 > MAX_JWKS_BYTES {
+                    return Err(format!("{url}: larger than {MAX_JWKS_BYTES} bytes"));
+                }
+                Ok(text)
+            }
+        }
+    }
+
+    fn name(&self) -> String {
+        match self {
+            KeySource::File(path) => path.display().to_string(),
+            KeySource::Url(url) => url.clone(),
+        }
+    }
 }
 
 struct Issuer {
     config: IssuerConfig,
+    source: KeySource,
     keys: RwLock<Vec<(Option<String>, Algorithm, DecodingKey)>>,
 }
 
@@ -71,10 +139,11 @@ impl std::fmt::Debug for Federation {
     }
 }
 
-/// Keys of a JWKS file that can verify RS256 or ES256.
-fn load_keys(path: &Path) -> Result<Vec<(Option<String>, Algorithm, DecodingKey)>, String> {
-    let text = std::fs::read_to_string(path).map_err(|e| format!("{}: {e}", path.display()))?;
-    let set: JwkSet = serde_json::from_str(&text).map_err(|e| format!("{}: not a JWKS: {e}", path.display()))?;
+/// Keys of a JWKS that can verify RS256 or ES256.
+fn load_keys(source: &KeySource) -> Result<Vec<(Option<String>, Algorithm, DecodingKey)>, String> {
+    let text = source.read()?;
+    let name = source.name();
+    let set: JwkSet = serde_json::from_str(&text).map_err(|e| format!("{name}: not a JWKS: {e}"))?;
     let mut keys = Vec::new();
     for jwk in &set.keys {
         use jsonwebtoken::jwk::AlgorithmParameters as P;
@@ -84,17 +153,18 @@ fn load_keys(path: &Path) -> Result<Vec<(Option<String>, Algorithm, DecodingKey)
             // Other key types can't verify the algorithms accepted here.
             _ => continue,
         };
-        let key = DecodingKey::from_jwk(jwk).map_err(|e| format!("{}: a key does not load: {e}", path.display()))?;
+        let key = DecodingKey::from_jwk(jwk).map_err(|e| format!("{name}: a key does not load: {e}"))?;
         keys.push((jwk.common.key_id.clone(), alg, key));
     }
     if keys.is_empty() {
-        return Err(format!("{}: no RS256 or ES256 key in it", path.display()));
+        return Err(format!("{name}: no RS256 or ES256 key in it"));
     }
     Ok(keys)
 }
 
 impl Federation {
     /// Read the configuration and every issuer's keys; an error names the file and the entry.
+    /// It may fetch keys over the network: call it off the async runtime's threads.
     pub fn from_file(path: &Path) -> Result<Self, String> {
         let text = std::fs::read_to_string(path).map_err(|e| format!("{}: {e}", path.display()))?;
         let cfg: FileConfig = serde_json::from_str(&text).map_err(|e| format!("{}: {e}", path.display()))?;
@@ -106,9 +176,11 @@ impl Federation {
                     return Err(format!("{place}: `{field}` is empty"));
                 }
             }
-            let keys = load_keys(&c.jwks_file).map_err(|e| format!("{place}: {e}"))?;
+            let source = KeySource::of(&c).map_err(|e| format!("{place}: {e}"))?;
+            let keys = load_keys(&source).map_err(|e| format!("{place}: {e}"))?;
             issuers.push(Arc::new(Issuer {
                 config: c,
+                source,
                 keys: RwLock::new(keys),
             }));
         }
@@ -122,10 +194,11 @@ impl Federation {
         self.issuers.is_empty()
     }
 
-    /// Read every issuer's key file again (a file that fails keeps the keys it had).
+    /// Read every issuer's keys again (one that fails keeps the keys it had). It may fetch over
+    /// the network: call it off the async runtime's threads.
     pub fn reload(&self) {
         for i in &self.issuers {
-            match load_keys(&i.config.jwks_file) {
+            match load_keys(&i.source) {
                 Ok(keys) => *i.keys.write().unwrap_or_else(|e| e.into_inner()) = keys,
                 Err(e) => tracing::warn!("signed-in requests: keeping the old keys of {}: {e}", i.config.issuer),
             }

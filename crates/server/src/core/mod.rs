@@ -129,6 +129,8 @@ pub struct Core {
     starts: Arc<sessions::Starts>,
     /// Every live sandbox's egress state (see `egress`).
     pub egress: Arc<egress::EgressRegistry>,
+    /// The console account's recent failed sign-ins (see `accounts`).
+    sign_in_failures: Arc<accounts::SignInFailures>,
 }
 
 impl Core {
@@ -142,6 +144,7 @@ impl Core {
             secret: secret.into(),
             starts: Default::default(),
             egress: Default::default(),
+            sign_in_failures: Default::default(),
         }
     }
 }

@@ -145,6 +145,17 @@ impl Core {
         self.key_principal(bearer, "Authorization: Bearer <key or signed-in token>").await
     }
 
+    /// The E2B control plane's caller: an API key in `X-API-KEY`, or (without one) a signed-in
+    /// token as `Authorization: Bearer`, where the SDK puts an access token.
+    pub async fn e2b_principal(&self, creds: &Credentials) -> CoreResult<Principal> {
+        match (&creds.x_api_key, &creds.bearer) {
+            (None, Some(bearer)) if !self.config.federation.is_empty() && Federation::looks_like_jwt(bearer) => {
+                self.bearer_principal(Some(bearer)).await
+            }
+            _ => self.key_principal(creds.x_api_key.as_deref(), "X-API-KEY: <key>").await,
+        }
+    }
+
     /// The caller behind an API key; `header` names where the door expects it.
     pub async fn key_principal(&self, key: Option<&str>, header: &str) -> CoreResult<Principal> {
         let tenant = self.tenant(key, header).await?;

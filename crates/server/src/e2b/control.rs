@@ -21,9 +21,9 @@ type Result<T> = std::result::Result<T, E2bError>;
 /// The control plane accepts a tenant API key (`X-API-KEY`), and only that.
 pub async fn require_tenant(State(state): State<E2bState>, mut req: Request, next: axum::middleware::Next) -> Response {
     let creds = Credentials::from_headers(req.headers());
-    match state.core.key_principal(creds.x_api_key.as_deref(), "X-API-KEY: <key>").await {
+    match state.core.e2b_principal(&creds).await {
         Ok(principal) => {
-            let tenant = principal.tenant().cloned().expect("a key names a tenant");
+            let tenant = principal.tenant().cloned().expect("a key or token names a tenant");
             req.extensions_mut().insert(tenant);
             req.extensions_mut().insert(principal);
             next.run(req).await

@@ -94,7 +94,7 @@ impl utoipa::IntoResponses for ApiErrors {
             ("409", "the sandbox is not running"),
             ("413", "the body is larger than the route reads"),
             ("422", "a field has an invalid value"),
-            ("429", "quota exceeded"),
+            ("429", "quota exceeded, rate limited, or too many failed sign-ins"),
             ("500", "internal error"),
             ("502", "the sandbox's agent is unreachable"),
             ("503", "temporarily unavailable"),
