@@ -46,6 +46,8 @@ fn walkthrough_create_session_stream_delete() {
     assert!(sb["template_digest"].as_str().unwrap().starts_with("sha256:"));
     assert_eq!(sb["runtime"], "qemu");
     assert_eq!(sb["metadata"]["who"], "walkthrough");
+    assert!(["boot", "restore"].contains(&sb["start"]["from"].as_str().unwrap()), "{sb}");
+    assert!(sb["start"]["ms"].as_u64().unwrap() > 0, "{sb}");
 
     let sid = s.session(&id, json!({ "argv": ["python3", "-c", "import os; print('hello from airlock'); print(os.getcwd())"], "cwd": "/tmp", "timeout": "30s" }));
     let events = s.events(&id, &sid, None, None);
@@ -642,6 +644,42 @@ fn cli_run_exec_and_python_example() {
         stdout.contains("hello from airlock") && stdout.trim_end().ends_with("ok"),
         "{stdout}"
     );
+}
+
+/// Through the server: once the shape's base snapshot is built (the first create of it asks for
+/// one), creates report `restore`, and each restored sandbox is itself: its id as hostname, its
+/// own machine id, and none of another's files.
+fn creates_restore_from_a_base_snapshot_through_the_api() {
+    let s = server();
+    let body = json!({ "template": "seed", "timeout": "10m", "resources": {"vcpu": 1, "memory_mib": 384, "disk_mib": 1536} });
+    let deadline = std::time::Instant::now() + Duration::from_secs(300);
+    let mut restored = Vec::new();
+    while restored.len() < 2 {
+        assert!(std::time::Instant::now() < deadline, "no create restored within 300 s");
+        let id = s.create(body.clone());
+        let (_, sb) = s.call("GET", &format!("/v1/sandboxes/{id}"), None);
+        if sb["start"]["from"] == "restore" {
+            restored.push(id);
+        } else {
+            assert_eq!(sb["start"]["from"], "boot", "{sb}");
+            s.delete(&id);
+            std::thread::sleep(Duration::from_secs(2));
+        }
+    }
+    let mut machine_ids = Vec::new();
+    for id in &restored {
+        let sid = s.session(id, json!({ "argv": ["sh", "-c", "hostname; cat /etc/machine-id; ls /tmp"] }));
+        let out = decode(&s.events(id, &sid, None, None), "stdout");
+        let lines: Vec<&str> = out.lines().collect();
+        assert_eq!(lines.first().copied(), Some(id.as_str()), "{out}");
+        assert!(!lines.iter().any(|l| l.starts_with("written-by-")), "another clone's file: {out}");
+        machine_ids.push(lines[1].to_string());
+        put_file(s, id, &format!("/tmp/written-by-{id}"), b"mine");
+    }
+    assert_ne!(machine_ids[0], machine_ids[1]);
+    for id in &restored {
+        s.delete(id);
+    }
 }
 
 /// `serve` with TLS files it cannot use stops at once, naming the files; half a flag set is a
@@ -1281,6 +1319,10 @@ fn main() {
         ),
         t("cli_run_exec_and_python_example", cli_run_exec_and_python_example),
         t("serve_refuses_unusable_tls_files", serve_refuses_unusable_tls_files),
+        t(
+            "creates_restore_from_a_base_snapshot_through_the_api",
+            creates_restore_from_a_base_snapshot_through_the_api,
+        ),
         t(
             "server_killed_mid_create_recovers_and_reattaches",
             server_killed_mid_create_recovers_and_reattaches,

@@ -320,3 +320,66 @@ mod tests {
         assert_eq!(super::cmdline_value(c, "missing"), None);
     }
 }
+
+/// Take the identity the host gives (see `airlock_proto::Identity`): after a snapshot restore
+/// the hostname, machine id, clock and random state are the snapshot's, shared by every clone.
+pub fn apply_identity(id: &airlock_proto::Identity) -> Result<(), crate::error::AgentError> {
+    use crate::error::AgentError;
+    let valid_host = !id.hostname.is_empty()
+        && id.hostname.len() <= 63
+        && id.hostname.bytes().all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-');
+    if !valid_host {
+        return Err(AgentError::invalid(format!("bad hostname {:?}", id.hostname)));
+    }
+    if id.machine_id.len() != 32 || !id.machine_id.bytes().all(|b| b.is_ascii_hexdigit()) {
+        return Err(AgentError::invalid("machine_id must be 32 hex digits".to_string()));
+    }
+    let entropy = decode_hex(&id.entropy_hex)
+        .filter(|e| (16..=512).contains(&e.len()))
+        .ok_or_else(|| AgentError::invalid("entropy_hex must be 16 to 512 bytes of hex".to_string()))?;
+    let internal = |what: &str, e: std::io::Error| AgentError::internal(format!("{what}: {e}"));
+    // The random state first: everything after may draw on it.
+    add_entropy(&entropy).map_err(|e| internal("entropy", e))?;
+    let ts = libc::timespec {
+        tv_sec: (id.unix_time_ns / 1_000_000_000) as libc::time_t,
+        tv_nsec: (id.unix_time_ns % 1_000_000_000) as libc::c_long,
+    };
+    if unsafe { libc::clock_settime(libc::CLOCK_REALTIME, &ts) } != 0 {
+        return Err(internal("clock", std::io::Error::last_os_error()));
+    }
+    nix::unistd::sethostname(&id.hostname).map_err(|e| internal("hostname", e.into()))?;
+    fs::write("/etc/hostname", format!("{}\n", id.hostname)).map_err(|e| internal("/etc/hostname", e))?;
+    fs::write("/etc/machine-id", format!("{}\n", id.machine_id)).map_err(|e| internal("/etc/machine-id", e))?;
+    Ok(())
+}
+
+fn decode_hex(s: &str) -> Option<Vec<u8>> {
+    if s.len() % 2 != 0 {
+        return None;
+    }
+    (0..s.len())
+        .step_by(2)
+        .map(|i| u8::from_str_radix(s.get(i..i + 2)?, 16).ok())
+        .collect()
+}
+
+/// Mix `bytes` into the kernel's pool, credited, then reseed the CRNG from it.
+fn add_entropy(bytes: &[u8]) -> std::io::Result<()> {
+    // RNDADDENTROPY = _IOW('R', 0x03, int[2]); RNDRESEEDCRNG = _IO('R', 0x07).
+    const RNDADDENTROPY: libc::c_ulong = 0x4008_5203;
+    const RNDRESEEDCRNG: libc::c_ulong = 0x5207;
+    let f = fs::OpenOptions::new().write(true).open("/dev/random")?;
+    // struct rand_pool_info { int entropy_count; int buf_size; __u32 buf[]; }
+    let mut info = Vec::with_capacity(8 + bytes.len());
+    info.extend_from_slice(&((bytes.len() * 8) as i32).to_ne_bytes());
+    info.extend_from_slice(&(bytes.len() as i32).to_ne_bytes());
+    info.extend_from_slice(bytes);
+    info.resize(8 + bytes.len().next_multiple_of(4), 0);
+    if unsafe { libc::ioctl(f.as_raw_fd(), RNDADDENTROPY as _, info.as_ptr()) } != 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    if unsafe { libc::ioctl(f.as_raw_fd(), RNDRESEEDCRNG as _) } != 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    Ok(())
+}

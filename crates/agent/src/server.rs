@@ -24,7 +24,9 @@ pub type Body = BoxBody<Bytes, std::io::Error>;
 pub struct Agent {
     pub processes: Processes,
     pub cpu: CpuSampler,
-    pub boot_id: String,
+    /// The kernel's boot id, until the host gives an identity: a restored VM's kernel still has
+    /// its snapshot's, shared by every clone, so each identity brings a new one.
+    pub boot_id: std::sync::Mutex<String>,
     pub started: Instant,
 }
 
@@ -36,7 +38,7 @@ impl Agent {
         Self {
             processes: Processes::default(),
             cpu: CpuSampler::default(),
-            boot_id,
+            boot_id: std::sync::Mutex::new(boot_id),
             started: Instant::now(),
         }
     }
@@ -100,7 +102,7 @@ async fn route(agent: Arc<Agent>, req: Request<Incoming>) -> Result<Response<Bod
             &Health {
                 version: env!("CARGO_PKG_VERSION").into(),
                 protocol: airlock_proto::PROTOCOL_VERSION,
-                boot_id: agent.boot_id.clone(),
+                boot_id: agent.boot_id.lock().unwrap_or_else(|e| e.into_inner()).clone(),
                 uptime_ms: agent.started.elapsed().as_millis() as u64,
             },
         )),
@@ -112,6 +114,13 @@ async fn route(agent: Arc<Agent>, req: Request<Incoming>) -> Result<Response<Bod
                 let _ = nix::sys::reboot::reboot(nix::sys::reboot::RebootMode::RB_POWER_OFF);
             });
             Ok(json(StatusCode::ACCEPTED, &serde_json::json!({})))
+        }
+        (&Method::POST, ["identity"]) => {
+            let identity: airlock_proto::Identity = read_json(req).await?;
+            crate::boot::apply_identity(&identity)?;
+            // A new boot id with the new machine id (as random, and public anyway).
+            *agent.boot_id.lock().unwrap_or_else(|e| e.into_inner()) = identity.machine_id.clone();
+            Ok(json(StatusCode::OK, &serde_json::json!({})))
         }
         (&Method::POST, ["system", "sync"]) => {
             tokio::task::spawn_blocking(|| unsafe { libc::sync() }).await.ok();

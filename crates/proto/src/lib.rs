@@ -75,6 +75,20 @@ impl ErrorCode {
     }
 }
 
+/// Who a VM is, given by the host over the channel (`POST /identity`) right after every boot
+/// or restore: a VM restored from a snapshot carries the snapshot's boot arguments, clock and
+/// random state, so none of these may come from there.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
+pub struct Identity {
+    pub hostname: String,
+    /// 32 lowercase hex digits (`/etc/machine-id`).
+    pub machine_id: String,
+    /// Fresh random bytes (hex) mixed into the guest's pool, which then reseeds.
+    pub entropy_hex: String,
+    /// The host's clock (ns since the epoch) when the call was made.
+    pub unix_time_ns: u64,
+}
+
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
 pub struct Health {
     pub version: String,

@@ -469,6 +469,11 @@ impl AgentClient {
             .map(drop)
     }
 
+    /// Give the guest its identity (after every boot or restore; see `airlock_proto::Identity`).
+    pub async fn set_identity(&self, identity: &airlock_proto::Identity) -> Result<(), AgentError> {
+        self.call(Method::POST, "/identity", Self::json_body(identity)).await
+    }
+
     /// Ask the guest to sync and power off.
     pub async fn shutdown(&self) -> Result<(), AgentError> {
         self.call(Method::POST, "/system/shutdown", empty()).await

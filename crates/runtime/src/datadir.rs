@@ -71,6 +71,10 @@ impl DataDir {
     pub fn sandboxes(&self) -> PathBuf {
         self.root.join("sandboxes")
     }
+    /// Base snapshots, one dir per key (see `snapshot.rs`); private to the server.
+    pub fn snapshots(&self) -> PathBuf {
+        self.root.join("snapshots")
+    }
     pub fn accel_cache(&self) -> PathBuf {
         self.root.join("accel.json")
     }

@@ -396,6 +396,17 @@ impl Prepared {
         self.uid
     }
 
+    /// Leave the mounts writable in this VMM's namespace. Only for a base snapshot's builder:
+    /// QEMU maps guest RAM from a file it opens by path (`/proc/self/fd/N`, which reopens), and a
+    /// shared, writable mapping needs a writable mount. That VM runs the platform's own template
+    /// and is never handed to a tenant; its uid still owns nothing but that file.
+    pub fn with_writable_mounts(self) -> Self {
+        Self {
+            read_only_mounts: false,
+            ..self
+        }
+    }
+
     /// Hand `fd` to the VMM; returns the number it has there.
     pub fn pass(&mut self, fd: OwnedFd) -> Result<RawFd> {
         if self.fds.len() == MAX_PASSED_FDS {

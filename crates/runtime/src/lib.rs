@@ -17,6 +17,7 @@ pub mod jail;
 pub mod net;
 pub mod random;
 pub mod sandbox;
+pub mod snapshot;
 pub mod template;
 pub mod vmm;
 

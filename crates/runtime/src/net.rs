@@ -306,6 +306,16 @@ impl Network {
     /// Make sandbox `id`'s network; returns its link and the tap, open (the VMM's NIC). On any
     /// failure everything made so far is removed.
     pub async fn create(&self, id: &str) -> Result<(SandboxLink, OwnedFd)> {
+        self.make(id, true).await
+    }
+
+    /// A network the egress side never hears of: the NIC and nothing else (a base snapshot's
+    /// builder, which needs the device but never a packet out).
+    pub async fn create_sealed(&self, id: &str) -> Result<(SandboxLink, OwnedFd)> {
+        self.make(id, false).await
+    }
+
+    async fn make(&self, id: &str, egress: bool) -> Result<(SandboxLink, OwnedFd)> {
         let (index, host_addr, peer_addr) = self.allocate().await?;
         let mut link = SandboxLink {
             id: id.into(),
@@ -317,7 +327,7 @@ impl Network {
             ports: EgressPorts::default(),
         };
         let started = std::time::Instant::now();
-        match self.build(&mut link).await {
+        match self.build(&mut link, egress).await {
             Ok(tap) => {
                 tracing::debug!(
                     id,
@@ -334,7 +344,7 @@ impl Network {
         }
     }
 
-    async fn build(&self, link: &mut SandboxLink) -> Result<OwnedFd> {
+    async fn build(&self, link: &mut SandboxLink, egress: bool) -> Result<OwnedFd> {
         run("ip", &["netns", "add", &link.netns], None, None).await?;
         let ns_path = Path::new(NETNS_DIR).join(&link.netns);
         run(
@@ -387,7 +397,7 @@ impl Network {
                 source,
             })??
         };
-        if let Some(hook) = &self.egress {
+        if let Some(hook) = self.egress.as_ref().filter(|_| egress) {
             link.ports = hook.attach(link).await.map_err(|e| NetError::Hook {
                 id: link.id.clone(),
                 reason: e.to_string(),

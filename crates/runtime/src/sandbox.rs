@@ -7,7 +7,8 @@ use crate::error::{Result, RuntimeError};
 use crate::net::{Network, NetworkOptions, SandboxLink};
 use crate::template::{Template, TemplateStore};
 use crate::vmm::qemu::QemuVmm;
-use crate::vmm::{wait_exit, Accel, NetAttach, VmHandle, VmSpec, Vmm};
+use crate::snapshot::BaseSnapshot;
+use crate::vmm::{wait_exit, Accel, NetAttach, SnapshotRole, VmHandle, VmSpec, Vmm};
 use airlock_proto::frame::EventKind;
 use airlock_proto::{ExitStatus, ProcessSpec};
 use futures_util::StreamExt;
@@ -31,6 +32,20 @@ pub struct SandboxRecord {
     pub resources: Resources,
     /// RFC 3339.
     pub created_at: String,
+    /// Whether its VM booted or was restored from a base snapshot.
+    #[serde(default)]
+    pub start: StartKind,
+    /// From the VMM's start to the agent's READY with its identity applied.
+    #[serde(default)]
+    pub start_ms: u64,
+}
+
+#[derive(Debug, Clone, Copy, Default, Serialize, Deserialize, PartialEq, Eq)]
+#[serde(rename_all = "lowercase")]
+pub enum StartKind {
+    #[default]
+    Boot,
+    Restore,
 }
 
 pub struct Sandbox {
@@ -157,6 +172,10 @@ pub struct RuntimeOptions {
     /// before `open` returns: a server can listen at once. Until a sandbox is settled it is not
     /// in `get`/`list`; [`Runtime::settled`] waits for one, [`Runtime::settled_all`] for all.
     pub reconcile_in_background: bool,
+    /// Restore creates from base snapshots (see `snapshot.rs`), building one in the background
+    /// for each template and shape the first time it is created. On by default where the VMM
+    /// can; `AIRLOCK_BASE_SNAPSHOTS=off` turns it off.
+    pub base_snapshots: bool,
 }
 
 impl RuntimeOptions {
@@ -172,6 +191,7 @@ impl RuntimeOptions {
                 _ => Some(NetworkOptions::default()),
             },
             reconcile_in_background: false,
+            base_snapshots: !matches!(std::env::var("AIRLOCK_BASE_SNAPSHOTS").as_deref(), Ok("off")),
         }
     }
 }
@@ -192,6 +212,11 @@ struct Inner {
     unsettled: Mutex<std::collections::HashSet<String>>,
     /// Bumped whenever one of them is settled.
     settled: tokio::sync::watch::Sender<u64>,
+    base_snapshots: bool,
+    /// Keys of base snapshots being built, or whose build failed (not tried again by this process).
+    snapshot_builds: Mutex<std::collections::HashSet<String>>,
+    /// Builder VMs running now, by build id (stopped by [`Runtime::stop_snapshot_builds`]).
+    builders: Mutex<HashMap<String, VmHandle>>,
 }
 
 impl Inner {
@@ -273,8 +298,12 @@ impl Runtime {
                 exits: tokio::sync::broadcast::channel(256).0,
                 unsettled: Mutex::default(),
                 settled: tokio::sync::watch::channel(0).0,
+                base_snapshots: opts.base_snapshots,
+                snapshot_builds: Mutex::default(),
+                builders: Mutex::default(),
             }),
         };
+        rt.remove_interrupted_builds().await;
         rt.spawn_console_trimmer();
         if opts.reconcile_in_background {
             let entries = rt.unsettled_entries();
@@ -406,6 +435,7 @@ impl Runtime {
         // run): its network and jail stay.
         let Some(inner) = inner.upgrade() else { return };
         let mut live: std::collections::HashSet<String> = inner.sandboxes.lock().unwrap().keys().cloned().collect();
+        live.extend(inner.builders.lock().unwrap().keys().cloned());
         live.extend(
             std::fs::read_dir(inner.data.sandboxes())
                 .into_iter()
@@ -594,16 +624,17 @@ impl Runtime {
         }
         let started = Instant::now();
         let verdict = match self
-            .boot(
+            .launch(
                 random_hex(10),
                 &template,
                 Resources {
                     vcpu: 1,
                     memory_mib: 256,
-                    disk_mib: 0,
+                    disk_mib: template.manifest.rootfs_bytes.div_ceil(1 << 20) as u32,
                 },
                 Accel::Kvm,
                 Duration::from_secs(10),
+                None,
             )
             .await
         {
@@ -636,17 +667,37 @@ impl Runtime {
             None => random_hex(10),
         };
         let accel = self.accel().await;
-        self.boot(id, &template, req.resources, accel, self.inner.boot_timeout)
-            .await
+        let resources = shape(&template, req.resources);
+        let limit = self.inner.boot_timeout;
+        if let Some(key) = self.snapshot_key(&template, &resources, accel) {
+            match BaseSnapshot::find(&self.inner.data.snapshots(), &key) {
+                Some(snap) => match self.launch(id.clone(), &template, resources, accel, limit, Some(&snap)).await {
+                    Ok(sb) => return Ok(sb),
+                    Err(e) => {
+                        tracing::warn!(%id, snapshot = %key, "restore failed, booting instead: {e}");
+                        // A VM that did not come back from it: the snapshot goes (clones running
+                        // from it keep their open files), and the next create builds it again.
+                        if matches!(e, RuntimeError::BootFailed { .. } | RuntimeError::ControlCommand { .. }) {
+                            let _ = std::fs::remove_dir_all(&snap.dir);
+                        }
+                    }
+                },
+                None => self.want_base_snapshot(key, template.clone(), resources, accel),
+            }
+        }
+        self.launch(id, &template, resources, accel, limit, None).await
     }
 
-    async fn boot(
+    /// Boot a VM for sandbox `id`, or restore it `from` a base snapshot; either way give it its
+    /// identity once the agent answers.
+    async fn launch(
         &self,
         id: String,
         template: &Template,
         resources: Resources,
         accel: Accel,
         limit: Duration,
+        from: Option<&BaseSnapshot>,
     ) -> Result<Arc<Sandbox>> {
         let dir = self.inner.data.sandboxes().join(&id);
         // Not `create_dir_all`: an existing dir is a sandbox with this id still booting.
@@ -654,12 +705,7 @@ impl Runtime {
             std::io::ErrorKind::AlreadyExists => RuntimeError::SandboxIdTaken(id.clone()),
             _ => RuntimeError::io(&dir, e),
         })?;
-        let min_disk = template.manifest.rootfs_bytes.div_ceil(1 << 20) as u32;
-        let resources = Resources {
-            disk_mib: resources.disk_mib.max(min_disk),
-            ..resources
-        };
-        let record = SandboxRecord {
+        let mut record = SandboxRecord {
             id: id.clone(),
             template: template.manifest.name.clone(),
             template_digest: template.manifest.digest.clone(),
@@ -667,33 +713,38 @@ impl Runtime {
             accel,
             resources,
             created_at: humantime::format_rfc3339_millis(SystemTime::now()).to_string(),
+            start: if from.is_some() { StartKind::Restore } else { StartKind::Boot },
+            start_ms: 0,
         };
         let mut link = None;
+        let started = Instant::now();
         let result = async {
             write_atomic(
                 &dir.join("sandbox.json"),
                 &serde_json::to_vec_pretty(&record).expect("serializable"),
             )?;
             let mut spec = VmSpec::for_template(&id, dir.clone(), template, resources, accel);
-            if let Some(net) = &self.inner.net {
-                let (made, tap) = net.create(&id).await?;
-                write_atomic(
-                    &SandboxLink::record_path(&dir),
-                    &serde_json::to_vec_pretty(&made).expect("serializable"),
-                )?;
-                link = Some(made);
-                spec.network = Some(NetAttach {
-                    tap: Arc::new(tap),
-                    mac: airlock_proto::net::GUEST_MAC.into(),
-                });
-            }
-            let vm = self.inner.vmm.start(&spec).await?;
-            // QEMU holds its own copy of the tap now: when it exits, the tap goes.
-            drop(spec);
-            let start = template.manifest.start.clone();
+            spec.snapshot = from.map(|snap| SnapshotRole::Clone {
+                memory: snap.memory(),
+                state: snap.state(),
+                disk: snap.disk(),
+                cmdline: snap.manifest.cmdline.clone(),
+            });
+            let vm = self.start_vm(&id, &dir, spec, &mut link).await?;
             let ready = async {
+                if from.is_some() {
+                    let snapshotting = self.inner.vmm.snapshotting().ok_or_else(|| {
+                        RuntimeError::ControlCommand {
+                            command: "restore".into(),
+                            reason: "this VMM cannot restore".into(),
+                        }
+                    })?;
+                    snapshotting.complete_restore(&vm, limit).await?;
+                }
                 let (client, _health) = AgentClient::connect_ready(&vm.agent_socket, limit).await?;
-                if let Some(start) = &start {
+                client.set_identity(&identity(&id)).await?;
+                // A restored VM runs its template's process already: it was saved running.
+                if let (None, Some(start)) = (from, &template.manifest.start) {
                     start_template_process(&client, start, limit).await?;
                 }
                 Ok::<_, RuntimeError>(client)
@@ -709,7 +760,14 @@ impl Runtime {
         }
         .await;
         match result {
-            Ok((vm, client)) => Ok(self.adopt(record, vm, link, Some(client), false)),
+            Ok((vm, client)) => {
+                record.start_ms = started.elapsed().as_millis() as u64;
+                let _ = write_atomic(
+                    &dir.join("sandbox.json"),
+                    &serde_json::to_vec_pretty(&record).expect("serializable"),
+                );
+                Ok(self.adopt(record, vm, link, Some(client), false))
+            }
             Err(e) => {
                 if let Some(vm) = VmHandle::load(&dir) {
                     let _ = self.inner.vmm.stop(&vm, Duration::from_secs(2)).await;
@@ -718,6 +776,159 @@ impl Runtime {
                 let _ = self.inner.discard(&dir);
                 Err(e)
             }
+        }
+    }
+
+    /// Give `spec` its network (recorded in `dir`) and start its VMM. A snapshot's builder gets
+    /// the NIC (its clones have one) but no egress.
+    async fn start_vm(&self, id: &str, dir: &std::path::Path, mut spec: VmSpec, link: &mut Option<SandboxLink>) -> Result<VmHandle> {
+        if let Some(net) = &self.inner.net {
+            let (made, tap) = match spec.snapshot {
+                Some(SnapshotRole::Builder { .. }) => net.create_sealed(id).await?,
+                _ => net.create(id).await?,
+            };
+            write_atomic(
+                &SandboxLink::record_path(dir),
+                &serde_json::to_vec_pretty(&made).expect("serializable"),
+            )?;
+            *link = Some(made);
+            spec.network = Some(NetAttach {
+                tap: Arc::new(tap),
+                mac: airlock_proto::net::GUEST_MAC.into(),
+            });
+        }
+        // QEMU holds its own copy of the tap once started: when it exits, the tap goes.
+        self.inner.vmm.start(&spec).await
+    }
+
+    /// The key of the base snapshot a create of `template` with `resources` restores from, where
+    /// base snapshots are on and the VMM can restore.
+    fn snapshot_key(&self, template: &Template, resources: &Resources, accel: Accel) -> Option<String> {
+        if !self.inner.base_snapshots {
+            return None;
+        }
+        let vmm = self.inner.vmm.snapshotting()?.build_id();
+        Some(crate::snapshot::key(&template.manifest.digest, resources, accel, &vmm, &builder_cmdline()))
+    }
+
+    /// The base snapshot for `template` and `resources`, if one is built.
+    pub async fn base_snapshot(&self, template: &str, resources: Resources) -> Option<BaseSnapshot> {
+        let template = self.inner.templates.resolve(template).ok()?;
+        let key = self.snapshot_key(&template, &shape(&template, resources), self.accel().await)?;
+        BaseSnapshot::find(&self.inner.data.snapshots(), &key)
+    }
+
+    /// Build the base snapshot `key` in the background, unless it is being built or failed.
+    fn want_base_snapshot(&self, key: String, template: Template, resources: Resources, accel: Accel) {
+        if !self.inner.snapshot_builds.lock().unwrap().insert(key.clone()) {
+            return;
+        }
+        let rt = self.clone();
+        tokio::spawn(async move {
+            // One build at a time: each is a whole boot.
+            static ONE_AT_A_TIME: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+            let _turn = ONE_AT_A_TIME.lock().await;
+            match rt.build_base_snapshot(&key, &template, resources, accel).await {
+                Ok(snap) => {
+                    tracing::info!(
+                        template = %template.manifest.name, snapshot = %key,
+                        "base snapshot built: boot {} ms, save {} ms", snap.manifest.boot_ms, snap.manifest.save_ms
+                    );
+                    rt.inner.snapshot_builds.lock().unwrap().remove(&key);
+                }
+                Err(e) => tracing::warn!(template = %template.manifest.name, snapshot = %key, "base snapshot build failed: {e}"),
+            }
+        });
+    }
+
+    /// Boot `template` with `resources` once, wait for its agent (and start process), and save it
+    /// as base snapshot `key`.
+    pub async fn build_base_snapshot(&self, key: &str, template: &Template, resources: Resources, accel: Accel) -> Result<BaseSnapshot> {
+        let root = self.inner.data.snapshots();
+        let (id, dir) = crate::snapshot::new_build_dir(&root)?;
+        let mut link = None;
+        let started = Instant::now();
+        let result = async {
+            let snapshotting = self.inner.vmm.snapshotting().ok_or_else(|| RuntimeError::ControlCommand {
+                command: "save".into(),
+                reason: "this VMM cannot save".into(),
+            })?;
+            let memory = crate::snapshot::create_memory_file(&dir, resources.memory_mib)?;
+            let cmdline = builder_cmdline();
+            let mut spec = VmSpec::for_template(&id, dir.clone(), template, resources, accel);
+            spec.snapshot = Some(SnapshotRole::Builder {
+                memory,
+                state: crate::snapshot::state_path(&dir),
+                cmdline: cmdline.clone(),
+            });
+            let vm = self.start_vm(&id, &dir, spec, &mut link).await?;
+            self.inner.builders.lock().unwrap().insert(id.clone(), vm.clone());
+            let limit = self.inner.boot_timeout;
+            let (client, _) = AgentClient::connect_ready(&vm.agent_socket, limit).await?;
+            if let Some(start) = &template.manifest.start {
+                start_template_process(&client, start, limit).await?;
+            }
+            // Saved between sessions: a clone's host starts a new one.
+            drop(client);
+            tokio::time::sleep(Duration::from_millis(300)).await;
+            let boot_ms = started.elapsed().as_millis() as u64;
+            let saving = Instant::now();
+            snapshotting.save(&vm, Duration::from_secs(120)).await?;
+            Ok::<_, RuntimeError>(crate::snapshot::SnapshotManifest {
+                key: key.to_string(),
+                template: template.manifest.name.clone(),
+                template_digest: template.manifest.digest.clone(),
+                resources,
+                accel,
+                vmm: snapshotting.build_id(),
+                cmdline,
+                created_at: humantime::format_rfc3339_seconds(SystemTime::now()).to_string(),
+                boot_ms,
+                save_ms: saving.elapsed().as_millis() as u64,
+            })
+        }
+        .await;
+        let builder = self.inner.builders.lock().unwrap().remove(&id);
+        if let Some(vm) = builder.filter(|vm| self.inner.vmm.is_running(vm)) {
+            let _ = self.inner.vmm.stop(&vm, Duration::from_secs(2)).await;
+        }
+        self.remove_network(link.as_ref()).await;
+        self.inner.vmm.release(&dir);
+        match result {
+            Ok(manifest) => crate::snapshot::seal(&root, &dir, manifest),
+            Err(e) => {
+                let _ = std::fs::remove_dir_all(&dir);
+                Err(e)
+            }
+        }
+    }
+
+    /// Stop the builder VMs running now (a server shutting down).
+    pub async fn stop_snapshot_builds(&self) {
+        let builders: Vec<VmHandle> = self.inner.builders.lock().unwrap().drain().map(|(_, vm)| vm).collect();
+        for vm in builders {
+            let _ = self.inner.vmm.stop(&vm, Duration::from_secs(2)).await;
+            let _ = std::fs::remove_dir_all(&vm.dir);
+        }
+    }
+
+    /// Builds an earlier process left unfinished (it crashed or was stopped): their VMs stopped,
+    /// their dirs removed. Their networks go with the start-up sweep.
+    async fn remove_interrupted_builds(&self) {
+        let root = self.inner.data.snapshots();
+        for entry in std::fs::read_dir(&root).into_iter().flatten().flatten() {
+            let name = entry.file_name().to_string_lossy().to_string();
+            if !name.starts_with(crate::snapshot::BUILD_PREFIX) {
+                continue;
+            }
+            let dir = entry.path();
+            let vm = VmHandle::load(&dir).or_else(|| VmHandle::orphan(&dir, self.inner.vmm.name()));
+            if let Some(vm) = vm.filter(|vm| self.inner.vmm.is_running(vm)) {
+                let _ = self.inner.vmm.stop(&vm, Duration::from_secs(2)).await;
+            }
+            tracing::info!("removing an interrupted base snapshot build {}", dir.display());
+            self.inner.vmm.release(&dir);
+            let _ = std::fs::remove_dir_all(&dir);
         }
     }
 
@@ -808,4 +1019,32 @@ fn allocated_bytes(dir: &std::path::Path) -> u64 {
         .filter(|m| m.is_file())
         .map(|m| m.blocks() * 512)
         .sum()
+}
+
+/// The kernel command line base snapshots are booted with: the hostname in it is a placeholder,
+/// since every clone gets its own over the channel.
+fn builder_cmdline() -> String {
+    crate::vmm::qemu::kernel_cmdline("sandbox")
+}
+
+/// A new VM's identity: its hostname is its id; the rest is fresh.
+fn identity(id: &str) -> airlock_proto::Identity {
+    airlock_proto::Identity {
+        hostname: id.to_string(),
+        machine_id: random_hex(16),
+        entropy_hex: random_hex(64),
+        unix_time_ns: SystemTime::now()
+            .duration_since(SystemTime::UNIX_EPOCH)
+            .map(|d| d.as_nanos() as u64)
+            .unwrap_or(0),
+    }
+}
+
+/// The resources a VM of `template` gets: its disk at least the template's image.
+fn shape(template: &Template, resources: Resources) -> Resources {
+    let min_disk = template.manifest.rootfs_bytes.div_ceil(1 << 20) as u32;
+    Resources {
+        disk_mib: resources.disk_mib.max(min_disk),
+        ..resources
+    }
 }

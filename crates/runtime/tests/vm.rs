@@ -453,12 +453,20 @@ fn qemu_runs_jailed() {
         assert!(options.split(',').any(|o| o == "ro"), "a writable mount in QEMU's view: {line}");
     }
 
-    // Only what it was handed: its sandbox's files, the template's blobs, /dev/null (stdin),
-    // the tap of its NIC, sockets and its own anonymous inodes.
+    // Only what it was handed: its sandbox's files, the template's blobs, a base snapshot's
+    // files (read-only: every clone maps them), /dev/null (stdin), the tap of its NIC, sockets
+    // and its own anonymous inodes.
     let data = test_data_dir();
     for fd in std::fs::read_dir(format!("/proc/{pid}/fd")).unwrap().flatten() {
         let target = std::fs::read_link(fd.path()).unwrap();
         let t = target.display().to_string();
+        if target.starts_with(data.join("snapshots")) {
+            let info = std::fs::read_to_string(format!("/proc/{pid}/fdinfo/{}", fd.file_name().to_string_lossy())).unwrap();
+            let flags = info.lines().find_map(|l| l.strip_prefix("flags:")).unwrap().trim();
+            let flags = u32::from_str_radix(flags, 8).unwrap();
+            assert_eq!(flags & libc::O_ACCMODE as u32, libc::O_RDONLY as u32, "{t} is open for writing");
+            continue;
+        }
         let ok = target.starts_with(&sb.vm.dir)
             || target.starts_with(data.join("blobs"))
             || t == "/dev/null"
@@ -529,6 +537,55 @@ fn sandboxes_from_one_template_are_isolated() {
         let host_a = a.run(argv(&["hostname"])).await.unwrap();
         assert_eq!(String::from_utf8_lossy(&host_a.stdout).trim(), a.id());
         runtime().delete(a.id()).await.unwrap();
+    });
+}
+
+/// The shared sandbox's create asked for its shape's base snapshot; once built, creates restore
+/// from it, each with an identity of its own (hostname, machine id, boot id, random state, clock)
+/// and a disk of its own.
+fn creates_restore_from_a_base_snapshot_with_an_identity_of_their_own() {
+    let rt = runtime();
+    shared();
+    let deadline = std::time::Instant::now() + Duration::from_secs(300);
+    while block_on(rt.base_snapshot("seed", small())).is_none() {
+        assert!(std::time::Instant::now() < deadline, "no base snapshot built in 300 s");
+        std::thread::sleep(Duration::from_millis(500));
+    }
+    let (a, b) = (create(), create());
+    block_on(async {
+        let mut seen = Vec::new();
+        for sb in [&a, &b] {
+            assert_eq!(sb.record.start, airlock_runtime::sandbox::StartKind::Restore);
+            eprintln!("restored {} in {} ms", sb.id(), sb.record.start_ms);
+            let out = sb
+                .run(sh("hostname; cat /etc/machine-id; head -c 16 /dev/urandom | od -An -tx1 | tr -d ' \\n'; echo; date +%s"))
+                .await
+                .unwrap();
+            let text = String::from_utf8_lossy(&out.stdout).to_string();
+            let lines: Vec<&str> = text.lines().collect();
+            assert_eq!(lines.len(), 4, "{text}");
+            assert_eq!(lines[0], sb.id());
+            assert!(lines[1].len() == 32 && lines[1].chars().all(|c| c.is_ascii_hexdigit()), "{text}");
+            let guest_now: i64 = lines[3].parse().unwrap();
+            let host_now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_secs() as i64;
+            assert!((guest_now - host_now).abs() <= 5, "guest clock {guest_now}, host {host_now}");
+            let boot_id = sb.agent().await.unwrap().health().await.unwrap().boot_id;
+            seen.push((lines[1].to_string(), lines[2].to_string(), boot_id));
+        }
+        assert_ne!(seen[0].0, seen[1].0, "machine ids");
+        assert_ne!(seen[0].1, seen[1].1, "random bytes");
+        assert_ne!(seen[0].2, seen[1].2, "boot ids");
+        // Two restores of one snapshot don't see each other's writes.
+        let aa = a.agent().await.unwrap();
+        aa.write_file("/home/user/only-a.txt", None, &b"a"[..]).await.unwrap();
+        assert_eq!(a.run(sh("echo a > /etc/only-a")).await.unwrap().exit.exit_code, Some(0));
+        let bb = b.agent().await.unwrap();
+        for path in ["/home/user/only-a.txt", "/etc/only-a"] {
+            assert_eq!(bb.stat(path).await.unwrap_err().code(), Some(ErrorCode::NotFound), "{path}");
+        }
+        for sb in [&a, &b] {
+            rt.delete(sb.id()).await.unwrap();
+        }
     });
 }
 
@@ -650,6 +707,9 @@ fn main() {
     let args = libtest_mimic::Arguments::from_args();
     let tests = vec![
         Trial::test("echo_prints_and_exits_zero", || catch(echo_prints_and_exits_zero)),
+        Trial::test("creates_restore_from_a_base_snapshot_with_an_identity_of_their_own", || {
+            catch(creates_restore_from_a_base_snapshot_with_an_identity_of_their_own)
+        }),
         Trial::test("nonzero_exit_codes_are_reported", || {
             catch(nonzero_exit_codes_are_reported)
         }),

@@ -289,7 +289,7 @@ impl Engine {
             Ok(booted) => {
                 let _ = self
                     .store
-                    .set_sandbox_boot(&row.id, &booted.template_digest, &booted.accel)
+                    .set_sandbox_boot(&row.id, &booted)
                     .await;
                 // The lifetime asked for starts when the sandbox runs: a slow boot (a loaded
                 // host, TCG) is not charged to it. Set while still `creating`, which the

@@ -360,6 +360,23 @@ pub async fn serve(opts: ServeOptions) -> anyhow::Result<()> {
         None => None,
     };
     let runtime = airlock_runtime::Runtime::open(runtime_opts).await?;
+    // Sandboxes' VMs outlive the server by design; a base snapshot's builder must not (a restart
+    // would only remove it), so a stop ends it first.
+    {
+        let runtime = runtime.clone();
+        tokio::spawn(async move {
+            use tokio::signal::unix::{signal, SignalKind};
+            let (Ok(mut term), Ok(mut int)) = (signal(SignalKind::terminate()), signal(SignalKind::interrupt())) else {
+                return;
+            };
+            tokio::select! {
+                _ = term.recv() => {}
+                _ = int.recv() => {}
+            }
+            runtime.stop_snapshot_builds().await;
+            std::process::exit(0);
+        });
+    }
     let root = runtime.data_dir().root().to_path_buf();
     let store: Arc<dyn store::Store> = Arc::new(store::SqliteStore::open(&root.join("airlock.db")).await?);
     if bootstrap_admin_key(&*store, &root, &opts.listen).await?.is_some() {

@@ -179,6 +179,18 @@ pub struct Sandbox {
     pub created_at: String,
     pub expires_at: String,
     pub egress: SandboxEgress,
+    /// How its VM started, once it runs: booted, or restored from its template's base snapshot.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub start: Option<SandboxStart>,
+}
+
+/// How a sandbox's VM started.
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema, PartialEq, Eq)]
+pub struct SandboxStart {
+    /// `boot` (a cold boot) or `restore` (from the base snapshot of its template and shape).
+    pub from: String,
+    /// From the VMM's start to the guest agent ready, with the sandbox's identity applied.
+    pub ms: u64,
 }
 
 /// A sandbox's egress, chosen at create and fixed for its life (`GET .../egress` shows the whole

@@ -24,6 +24,7 @@ pub enum VmState {
 pub struct Booted {
     pub template_digest: String,
     pub accel: String,
+    pub start: crate::model::SandboxStart,
 }
 
 /// What a node has, before the operator's overcommit and reserves (`core::Config::budget`).
@@ -123,6 +124,13 @@ impl Nodes for LocalNode {
         Ok(Booted {
             template_digest: sb.record.template_digest.clone(),
             accel: sb.record.accel.to_string(),
+            start: crate::model::SandboxStart {
+                from: match sb.record.start {
+                    airlock_runtime::sandbox::StartKind::Boot => "boot".into(),
+                    airlock_runtime::sandbox::StartKind::Restore => "restore".into(),
+                },
+                ms: sb.record.start_ms,
+            },
         })
     }
 

@@ -40,6 +40,7 @@ fn sandbox_row(id: &str, tenant_id: &str) -> SandboxRow {
         created_at_ms: now_ms(),
         expires_at_ms: now_ms() + 300_000,
         egress: Default::default(),
+        start: None,
     }
 }
 

@@ -29,6 +29,7 @@ fn sandbox(id: &str, tenant: &str) -> SandboxRow {
         created_at_ms: now_ms(),
         expires_at_ms: now_ms() + 60_000,
         egress: Default::default(),
+        start: None,
     }
 }
 

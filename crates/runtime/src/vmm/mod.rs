@@ -121,6 +121,46 @@ pub struct VmSpec {
     pub accel: Accel,
     /// The VM's NIC, if it has one.
     pub network: Option<NetAttach>,
+    /// Base snapshots (see `snapshot.rs`): what makes this VM a snapshot's builder or clone.
+    pub snapshot: Option<SnapshotRole>,
+}
+
+/// A VM's part in a base snapshot. Builder and clones share every argument (a restore needs the
+/// machine it was saved from), so both carry the snapshot's kernel command line.
+#[derive(Debug, Clone)]
+pub enum SnapshotRole {
+    /// Boot with guest RAM in `memory` (shared, written through), ready for [`Snapshotting::save`]
+    /// to write the device state to `state`.
+    Builder { memory: PathBuf, state: PathBuf, cmdline: String },
+    /// Restore: RAM mapped privately (copy-on-write) from `memory`, the device state read from
+    /// `state`, the disk an overlay on `disk` (the builder's, frozen at the save); then
+    /// [`Snapshotting::complete_restore`].
+    Clone {
+        memory: PathBuf,
+        state: PathBuf,
+        disk: PathBuf,
+        cmdline: String,
+    },
+}
+
+impl SnapshotRole {
+    pub fn cmdline(&self) -> &str {
+        match self {
+            SnapshotRole::Builder { cmdline, .. } | SnapshotRole::Clone { cmdline, .. } => cmdline,
+        }
+    }
+}
+
+/// What a VMM that can save and restore VMs offers (`Vmm::snapshotting`).
+#[async_trait]
+pub trait Snapshotting: Send + Sync {
+    /// Stop a VM started as a [`SnapshotRole::Builder`], write its device state, and end it. Its
+    /// memory file and disk are the rest of the snapshot.
+    async fn save(&self, vm: &VmHandle, limit: Duration) -> Result<()>;
+    /// Load the device state into a VM started as a [`SnapshotRole::Clone`] and let it run.
+    async fn complete_restore(&self, vm: &VmHandle, limit: Duration) -> Result<()>;
+    /// Identifies the VMM build: a snapshot restores only into the VMM that saved it.
+    fn build_id(&self) -> String;
 }
 
 /// A VM's NIC: a tap the runtime opened in the sandbox's network namespace, handed to the VMM
@@ -147,6 +187,7 @@ impl VmSpec {
             disk_mib: resources.disk_mib,
             accel,
             network: None,
+            snapshot: None,
         }
     }
 }
@@ -286,6 +327,10 @@ pub trait Vmm: Send + Sync {
     fn sweep(&self, _live: &std::collections::HashSet<String>) {}
     /// The isolation its VMs run in, where the driver jails them.
     fn isolation(&self) -> Option<crate::jail::Isolation> {
+        None
+    }
+    /// Saving and restoring VMs, where the driver can.
+    fn snapshotting(&self) -> Option<&dyn Snapshotting> {
         None
     }
 }

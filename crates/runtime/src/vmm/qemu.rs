@@ -7,7 +7,7 @@
 
 use super::qmp::Qmp;
 use crate::error::{Result, RuntimeError};
-use crate::vmm::{kill_and_wait, pid_alive, reap, wait_exit, Accel, VmHandle, VmSpec, Vmm};
+use crate::vmm::{kill_and_wait, pid_alive, reap, wait_exit, Accel, SnapshotRole, Snapshotting, VmHandle, VmSpec, Vmm};
 use async_trait::async_trait;
 use crate::jail::{Jailer, Limits};
 use std::path::{Path, PathBuf};
@@ -73,10 +73,17 @@ impl QemuVmm {
             Accel::Kvm => ("kvm".to_string(), "host"),
             Accel::Tcg => (format!("tcg,tb-size={}", crate::jail::TCG_TB_MIB), "max"),
         };
-        let cmdline = kernel_cmdline(&spec.id);
+        let cmdline = match &spec.snapshot {
+            Some(role) => role.cmdline().to_string(),
+            None => kernel_cmdline(&spec.id),
+        };
+        let machine = match &attach.memory {
+            Some(_) => "microvm,rtc=on,memory-backend=mem",
+            None => "microvm,rtc=on",
+        };
         let mut args: Vec<String> = vec![
             "-M".into(),
-            "microvm,rtc=on".into(),
+            machine.into(),
             "-accel".into(),
             accel,
             "-cpu".into(),
@@ -100,6 +107,9 @@ impl QemuVmm {
             SANDBOX.into(),
         ];
         args.extend(attach.fd_sets.iter().cloned());
+        if let Some(memory) = &attach.memory {
+            args.extend(["-object".into(), memory.clone()]);
+        }
         args.extend([
             "-kernel".into(),
             attach.kernel.clone(),
@@ -139,6 +149,10 @@ impl QemuVmm {
                 format!("virtio-net-device,netdev=net0,mac={}", spec.network.as_ref().map_or("", |n| n.mac.as_str())),
             ]);
         }
+        if matches!(spec.snapshot, Some(SnapshotRole::Clone { .. })) {
+            // Wait for `complete_restore` to load the state (capabilities must be set first).
+            args.extend(["-incoming".into(), "defer".into()]);
+        }
         args
     }
 }
@@ -159,12 +173,33 @@ pub struct Attach {
     fd_sets: Vec<String>,
     /// `-netdev tap` option naming the tap (made by the runtime in the sandbox's namespace).
     tap: Option<String>,
+    /// `-object memory-backend-file,...`: guest RAM in a file (base snapshots).
+    memory: Option<String>,
 }
 
+/// The fd set holding a snapshot's device-state file (`file:/dev/fdset/4` in QMP's migrate).
+const STATE_FD_SET: u32 = 4;
+/// The fd set holding a snapshot's frozen disk, the backing of a clone's overlay.
+const FROZEN_DISK_FD_SET: u32 = 5;
+
 impl Attach {
-    /// Every file by its path.
+    /// Every file by its path (a clone's overlay names its backing chain itself; its device
+    /// state is loaded by the caller, `migrate-incoming file:<state>`).
     pub fn paths(overlay: &Path, agent: &Path, qmp: &Path, console: &Path, spec: &VmSpec) -> Self {
         let p = |p: &Path| opt_value(&p.display().to_string());
+        let memory = match &spec.snapshot {
+            Some(SnapshotRole::Clone { memory, .. }) => Some(format!(
+                "memory-backend-file,id=mem,size={}M,mem-path={},readonly=on,rom=off,share=off",
+                spec.memory_mib,
+                p(memory)
+            )),
+            Some(SnapshotRole::Builder { memory, .. }) => Some(format!(
+                "memory-backend-file,id=mem,size={}M,mem-path={},share=on",
+                spec.memory_mib,
+                p(memory)
+            )),
+            None => None,
+        };
         Self {
             kernel: p(&spec.kernel),
             initrd: p(&spec.initrd),
@@ -174,6 +209,7 @@ impl Attach {
             console: p(console),
             fd_sets: vec![],
             tap: None,
+            memory,
         }
     }
 
@@ -215,17 +251,51 @@ impl Attach {
             None => None,
         };
         let set = |fd: i32, set: u32| vec!["-add-fd".to_string(), format!("fd={fd},set={set}")];
+        let mut fd_sets = [set(backing, 1), set(disk_rw, 2), set(disk_ro, 2), set(console, 3)].concat();
+        // The overlay's header names its backing by path, which the jailed QEMU cannot reach: the
+        // chain is given here instead (a clone's: overlay -> frozen snapshot disk -> template).
+        let mut disk = "file=/dev/fdset/2,backing.driver=raw,backing.file.filename=/dev/fdset/1".to_string();
+        // Guest RAM: QEMU opens a memory file only by path; `/proc/self/fd/N` reopens the fd it
+        // was handed, checking the file's own mode, never the (private) directories above it.
+        let memory = match &spec.snapshot {
+            None => None,
+            Some(SnapshotRole::Builder { memory, state, .. }) => {
+                let mem = jail.pass(open(memory, &mut rw)?)?;
+                let mut wo = std::fs::OpenOptions::new();
+                // Write-only: QEMU finds the fd in the set by its access mode.
+                wo.write(true).create(true).truncate(true);
+                fd_sets.extend(set(jail.pass(open(state, &mut wo)?)?, STATE_FD_SET));
+                Some(format!(
+                    "memory-backend-file,id=mem,size={}M,mem-path=/proc/self/fd/{mem},share=on",
+                    spec.memory_mib
+                ))
+            }
+            Some(SnapshotRole::Clone { memory, state, disk: frozen, .. }) => {
+                let mem = jail.pass(open(memory, &mut ro())?)?;
+                fd_sets.extend(set(jail.pass(open(state, &mut ro())?)?, STATE_FD_SET));
+                fd_sets.extend(set(jail.pass(open(frozen, &mut ro())?)?, FROZEN_DISK_FD_SET));
+                disk = format!(
+                    "file=/dev/fdset/2,backing.driver=qcow2,backing.file.filename=/dev/fdset/{FROZEN_DISK_FD_SET},\
+                     backing.backing.driver=raw,backing.backing.file.filename=/dev/fdset/1"
+                );
+                // Read-only file, private writable mapping: every clone shares the snapshot's
+                // pages until it writes one, and none can change the file.
+                Some(format!(
+                    "memory-backend-file,id=mem,size={}M,mem-path=/proc/self/fd/{mem},readonly=on,rom=off,share=off",
+                    spec.memory_mib
+                ))
+            }
+        };
         Ok(Self {
             kernel: format!("/proc/self/fd/{kernel}"),
             initrd: format!("/proc/self/fd/{initrd}"),
-            // The overlay's header names the template image by its path, which the jailed QEMU
-            // cannot reach: its backing is given here instead.
-            disk: "file=/dev/fdset/2,backing.driver=raw,backing.file.filename=/dev/fdset/1".into(),
+            disk,
             agent: format!("fd={agent}"),
             qmp: format!("fd={qmp}"),
             console: "/dev/fdset/3".into(),
-            fd_sets: [set(backing, 1), set(disk_rw, 2), set(disk_ro, 2), set(console, 3)].concat(),
+            fd_sets,
             tap,
+            memory,
         })
     }
 }
@@ -329,9 +399,13 @@ impl Vmm for QemuVmm {
         }
         // The guest's console can print secrets: only the server's user reads it.
         crate::datadir::create_private(&files.console).map_err(|e| RuntimeError::io(&files.console, e))?;
+        let (backing, backing_format) = match &spec.snapshot {
+            Some(SnapshotRole::Clone { disk, .. }) => (disk, "qcow2"),
+            _ => (&spec.rootfs, "raw"),
+        };
         let out = Command::new("qemu-img")
-            .args(["create", "-q", "-f", "qcow2", "-F", "raw", "-b"])
-            .arg(&spec.rootfs)
+            .args(["create", "-q", "-f", "qcow2", "-F", backing_format, "-b"])
+            .arg(backing)
             .arg(&files.overlay)
             .arg(format!("{}M", spec.disk_mib))
             .output()
@@ -349,6 +423,9 @@ impl Vmm for QemuVmm {
             vcpu: spec.vcpu,
         };
         let mut jail = jailer.prepare(&spec.id, dir, limits, device_groups(spec.accel))?;
+        if matches!(spec.snapshot, Some(SnapshotRole::Builder { .. })) {
+            jail = jail.with_writable_mounts();
+        }
         let attach = Attach::handed(spec, &files, &mut jail)?;
         let args = Self::args(spec, &attach);
         let log = crate::datadir::create_private(&dir.join("qemu.log")).map_err(|e| RuntimeError::io(dir, e))?;
@@ -436,5 +513,79 @@ impl Vmm for QemuVmm {
 
     fn isolation(&self) -> Option<crate::jail::Isolation> {
         self.jailer.as_ref().map(|j| j.isolation())
+    }
+
+    fn snapshotting(&self) -> Option<&dyn Snapshotting> {
+        Some(self)
+    }
+}
+
+impl QemuVmm {
+    /// Run QMP commands in order on one connection, then wait until the migration they started
+    /// (`migrate` or `migrate-incoming`) completes; all within `limit`.
+    async fn migrate(&self, vm: &VmHandle, steps: &[(&str, Option<serde_json::Value>)], limit: Duration) -> Result<()> {
+        let what = steps.iter().map(|(c, _)| *c).collect::<Vec<_>>().join(", ");
+        let fail = |reason: String| RuntimeError::ControlCommand {
+            command: what.clone(),
+            reason,
+        };
+        let run = async {
+            let mut qmp = Qmp::connect(&vm.control_socket).await.map_err(|e| fail(format!("QMP: {e}")))?;
+            qmp.execute(
+                "migrate-set-capabilities",
+                Some(serde_json::json!({"capabilities": [{"capability": "x-ignore-shared", "state": true}]})),
+            )
+            .await
+            .map_err(|e| fail(e.to_string()))?;
+            for (cmd, args) in steps {
+                qmp.execute(cmd, args.clone()).await.map_err(|e| fail(e.to_string()))?;
+            }
+            loop {
+                let status = qmp.execute("query-migrate", None).await.map_err(|e| fail(e.to_string()))?;
+                match status["status"].as_str() {
+                    Some("completed") => return Ok(qmp),
+                    Some("failed") | Some("cancelled") => {
+                        return Err(fail(format!("migration {}: {}", status["status"], status["error-desc"])))
+                    }
+                    _ => tokio::time::sleep(Duration::from_millis(5)).await,
+                }
+            }
+        };
+        let mut qmp = tokio::time::timeout(limit, run)
+            .await
+            .map_err(|_| fail(format!("not done in {limit:?}")))??;
+        if steps.iter().any(|(c, _)| *c == "migrate-incoming") {
+            qmp.execute("cont", None).await.map_err(|e| fail(format!("cont: {e}")))?;
+        }
+        Ok(())
+    }
+}
+
+#[async_trait]
+impl Snapshotting for QemuVmm {
+    async fn save(&self, vm: &VmHandle, limit: Duration) -> Result<()> {
+        let uri = serde_json::json!({"uri": format!("file:/dev/fdset/{STATE_FD_SET}")});
+        self.migrate(vm, &[("stop", None), ("migrate", Some(uri))], limit).await?;
+        self.stop(vm, Duration::from_secs(5)).await
+    }
+
+    async fn complete_restore(&self, vm: &VmHandle, limit: Duration) -> Result<()> {
+        let uri = serde_json::json!({"uri": format!("file:/dev/fdset/{STATE_FD_SET}")});
+        self.migrate(vm, &[("migrate-incoming", Some(uri))], limit).await
+    }
+
+    fn build_id(&self) -> String {
+        static VERSION: std::sync::OnceLock<String> = std::sync::OnceLock::new();
+        VERSION
+            .get_or_init(|| {
+                let version = std::process::Command::new(&self.binary)
+                    .arg("--version")
+                    .output()
+                    .map(|o| String::from_utf8_lossy(&o.stdout).lines().next().unwrap_or_default().to_string())
+                    .unwrap_or_default();
+                let size = std::fs::metadata(&self.binary).map(|m| m.len()).unwrap_or(0);
+                format!("{version} ({} bytes)", size)
+            })
+            .clone()
     }
 }

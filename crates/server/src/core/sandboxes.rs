@@ -200,6 +200,7 @@ impl Core {
             created_at_ms: now,
             expires_at_ms: now + timeout.as_millis() as i64,
             egress,
+            start: None,
         };
         // Registered before the create runs, so the end of a quick failure finds it.
         let id = row.id.clone();

@@ -72,6 +72,8 @@ pub struct SandboxRow {
     pub expires_at_ms: i64,
     /// Its egress, fixed at create.
     pub egress: EgressSpec,
+    /// How its VM started (none until it runs).
+    pub start: Option<crate::model::SandboxStart>,
 }
 
 /// A sandbox's egress as recorded at create and fixed for its life: the profiles chosen, whether
@@ -112,6 +114,7 @@ impl SandboxRow {
                 profiles: self.egress.profiles.clone(),
                 sealed: self.egress.sealed,
             },
+            start: self.start.clone(),
         }
     }
 }
@@ -333,7 +336,9 @@ pub trait SandboxStore: Send + Sync {
     /// Move a sandbox to `to` only if it is in one of `from` (compare-and-set); returns whether it
     /// moved. Concurrent lifecycle changes use it so a late writer never undoes a delete.
     async fn transition_sandbox(&self, id: &str, from: &[SandboxState], to: SandboxState) -> Result<bool, StoreError>;
-    async fn set_sandbox_boot(&self, id: &str, template_digest: &str, accel: &str) -> Result<(), StoreError>;
+    /// What the node reports once the VM runs: the template digest it resolved, the accelerator
+    /// and how the VM started.
+    async fn set_sandbox_boot(&self, id: &str, booted: &crate::nodes::Booted) -> Result<(), StoreError>;
     /// Running or paused sandboxes whose expiry is at or before `now_ms`.
     async fn expired_sandboxes(&self, now_ms: i64) -> Result<Vec<SandboxRow>, StoreError>;
     async fn set_sandbox_expiry(&self, id: &str, expires_at_ms: i64) -> Result<(), StoreError>;

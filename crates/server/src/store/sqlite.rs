@@ -156,6 +156,12 @@ fn sandbox_from_row(r: &sqlx::sqlite::SqliteRow) -> SandboxRow {
         created_at_ms: r.get("created_at_ms"),
         expires_at_ms: r.get("expires_at_ms"),
         egress: egress_from_row(r),
+        start: r
+            .get::<Option<String>, _>("started_from")
+            .map(|from| crate::model::SandboxStart {
+                from,
+                ms: r.get::<Option<i64>, _>("start_ms").unwrap_or(0).max(0) as u64,
+            }),
     }
 }
 
@@ -815,10 +821,12 @@ impl SandboxStore for SqliteStore {
         Ok(done.rows_affected() == 1)
     }
 
-    async fn set_sandbox_boot(&self, id: &str, digest: &str, accel: &str) -> Result<(), StoreError> {
-        sqlx::query("UPDATE sandboxes SET template_digest = ?, accel = ? WHERE id = ?")
-            .bind(digest)
-            .bind(accel)
+    async fn set_sandbox_boot(&self, id: &str, booted: &crate::nodes::Booted) -> Result<(), StoreError> {
+        sqlx::query("UPDATE sandboxes SET template_digest = ?, accel = ?, started_from = ?, start_ms = ? WHERE id = ?")
+            .bind(&booted.template_digest)
+            .bind(&booted.accel)
+            .bind(&booted.start.from)
+            .bind(booted.start.ms as i64)
             .bind(id)
             .execute(&self.pool)
             .await?;

@@ -1,0 +1,424 @@
+//! Fast create, against a running server, next to the raw VMM restoring the same snapshot.
+//!
+//! - **TTI**: `POST /v1/sandboxes` to the first stdout byte of `echo` streamed over SSE (the
+//!   create's operation polled every 5 ms, then a session and its stream), for `--sequential`
+//!   creates one after another and a burst of `--burst` at once.
+//! - **raw restore + exec**: `qemu-system-x86_64` started by hand on the base snapshot the
+//!   server restores these creates from (same arguments, paths instead of a jail's fds, a fresh
+//!   overlay), its state loaded over QMP, then the agent's hello and one `echo` through the
+//!   runtime's agent client: the same work with no server in the path.
+//! - **exec round trip**: `true` through the API (session + SSE to the exit) on a warm sandbox,
+//!   next to the same through the agent client on the raw VM.
+//! - **idle memory**: the host's MemAvailable drop over `--idle` idle sandboxes, per sandbox.
+//!
+//! Suspend/resume and fork are reported as not measured until the server has them.
+//!
+//!     AIRLOCK_API_KEY=... cargo run --release -p airlock-bench --bin create-bench -- \
+//!         --url http://127.0.0.1:8080 --data-dir /var/lib/airlock
+
+mod machine;
+
+use airlock_proto::frame::EventKind;
+use airlock_proto::ProcessSpec;
+use airlock_runtime::agent::AgentClient;
+use airlock_runtime::qemu::{Attach, QemuVmm};
+use airlock_runtime::snapshot::{BaseSnapshot, SnapshotManifest};
+use airlock_runtime::template::TemplateStore;
+use airlock_runtime::vmm::{SnapshotRole, VmSpec};
+use clap::Parser;
+use futures_util::StreamExt;
+use serde_json::{json, Value};
+use std::io::{BufRead, BufReader};
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+#[derive(Parser)]
+struct Args {
+    #[arg(long, env = "AIRLOCK_URL", default_value = "http://127.0.0.1:8080")]
+    url: String,
+    #[arg(long, env = "AIRLOCK_API_KEY")]
+    key: String,
+    /// The server's data dir (where its base snapshots are).
+    #[arg(long, env = "AIRLOCK_DATA_DIR", default_value = "/var/lib/airlock")]
+    data_dir: PathBuf,
+    #[arg(long, default_value = "seed")]
+    template: String,
+    #[arg(long, default_value_t = 50)]
+    sequential: usize,
+    #[arg(long, default_value_t = 10)]
+    burst: usize,
+    /// Raw restores by hand.
+    #[arg(long, default_value_t = 10)]
+    raw: usize,
+    #[arg(long, default_value_t = 50)]
+    execs: usize,
+    #[arg(long, default_value_t = 20)]
+    idle: usize,
+    #[arg(long, default_value = "bench/results")]
+    out: PathBuf,
+}
+
+fn ms(d: Duration) -> f64 {
+    d.as_secs_f64() * 1000.0
+}
+
+fn stats(v: &[f64], failures: usize) -> Value {
+    if v.is_empty() {
+        return json!({"n": 0, "failures": failures});
+    }
+    let mut s = v.to_vec();
+    s.sort_by(|a, b| a.partial_cmp(b).unwrap());
+    let pct = |p: f64| s[((s.len() as f64 - 1.0) * p).round() as usize];
+    json!({"n": s.len(), "failures": failures, "p50_ms": pct(0.5), "p95_ms": pct(0.95), "p99_ms": pct(0.99),
+           "min_ms": s[0], "max_ms": s[s.len() - 1], "samples_ms": v})
+}
+
+struct Api {
+    url: String,
+    auth: String,
+}
+
+impl Api {
+    fn call(&self, method: &str, path: &str, body: Option<Value>) -> Result<Value, String> {
+        let req = ureq::request(method, &format!("{}/v1{path}", self.url)).set("Authorization", &self.auth);
+        let resp = match body {
+            Some(b) => req.send_json(b),
+            None => req.call(),
+        };
+        match resp {
+            Ok(r) => Ok(r.into_json().unwrap_or(Value::Null)),
+            Err(ureq::Error::Status(code, r)) => Err(format!("{method} {path}: {code} {}", r.into_string().unwrap_or_default())),
+            Err(e) => Err(format!("{method} {path}: {e}")),
+        }
+    }
+
+    /// Create a sandbox and wait until it runs; returns its id.
+    fn create(&self, template: &str) -> Result<String, String> {
+        let accepted = self.call("POST", "/sandboxes", Some(json!({"template": template, "timeout": "30m"})))?;
+        let op = accepted["operation"]["id"].as_str().ok_or("no operation")?.to_string();
+        let id = accepted["sandbox_id"].as_str().ok_or("no sandbox id")?.to_string();
+        let deadline = Instant::now() + Duration::from_secs(120);
+        loop {
+            let o = self.call("GET", &format!("/operations/{op}"), None)?;
+            match o["state"].as_str() {
+                Some("succeeded") => return Ok(id),
+                Some("failed") => return Err(format!("create failed: {o}")),
+                _ if Instant::now() > deadline => return Err("create not done in 120 s".into()),
+                _ => std::thread::sleep(Duration::from_millis(5)),
+            }
+        }
+    }
+
+    /// Run `argv` in a session and read its SSE stream until the first stdout event (`first`) or
+    /// the exit.
+    fn exec(&self, id: &str, argv: &[&str], until_stdout: bool) -> Result<(), String> {
+        let s = self.call("POST", &format!("/sandboxes/{id}/sessions"), Some(json!({"argv": argv})))?;
+        let sid = s["id"].as_str().ok_or("no session id")?;
+        let resp = ureq::get(&format!("{}/v1/sandboxes/{id}/sessions/{sid}/stream", self.url))
+            .set("Authorization", &self.auth)
+            .call()
+            .map_err(|e| format!("stream: {e}"))?;
+        let want = if until_stdout { "event: stdout" } else { "event: process_exited" };
+        for line in BufReader::new(resp.into_reader()).lines() {
+            if line.map_err(|e| e.to_string())?.trim() == want {
+                return Ok(());
+            }
+        }
+        Err(format!("the stream of {argv:?} ended before `{want}`"))
+    }
+
+    fn delete(&self, id: &str) {
+        let _ = self.call("DELETE", &format!("/sandboxes/{id}"), None);
+    }
+
+    fn tti(&self, template: &str) -> Result<(f64, String), String> {
+        let t = Instant::now();
+        let id = self.create(template)?;
+        self.exec(&id, &["echo", "hi"], true)?;
+        Ok((ms(t.elapsed()), id))
+    }
+}
+
+fn mem_available_mib() -> f64 {
+    let info = std::fs::read_to_string("/proc/meminfo").unwrap();
+    let kib: f64 = info
+        .lines()
+        .find(|l| l.starts_with("MemAvailable:"))
+        .and_then(|l| l.split_whitespace().nth(1))
+        .and_then(|v| v.parse().ok())
+        .unwrap();
+    kib / 1024.0
+}
+
+/// The base snapshot the server restores `template` (at its digest) with `resources` from.
+fn find_snapshot(data_dir: &Path, digest: &str, resources: &Value) -> Option<BaseSnapshot> {
+    let root = data_dir.join("snapshots");
+    std::fs::read_dir(&root).ok()?.flatten().find_map(|e| {
+        let key = e.file_name().to_string_lossy().to_string();
+        let snap = BaseSnapshot::find(&root, &key)?;
+        let m: &SnapshotManifest = &snap.manifest;
+        let r = &m.resources;
+        (m.template_digest == digest
+            && resources["vcpu"] == r.vcpu
+            && resources["memory_mib"] == r.memory_mib
+            && resources["disk_mib"] == r.disk_mib)
+            .then_some(snap)
+    })
+}
+
+/// Restore `snap` with raw QEMU, then one `echo` through the agent client: (to the agent's
+/// READY, to the first stdout byte), plus `execs` round trips of `true` if asked.
+async fn raw_restore(qemu: &Path, spec: &VmSpec, snap: &BaseSnapshot, execs: usize) -> (f64, f64, Vec<f64>) {
+    let dir = &spec.dir;
+    let _ = std::fs::remove_dir_all(dir);
+    std::fs::create_dir_all(dir).unwrap();
+    let (overlay, agent, qmp, console) = (dir.join("disk.qcow2"), dir.join("agent.sock"), dir.join("qmp.sock"), dir.join("console.log"));
+    let started = Instant::now();
+    let ok = std::process::Command::new("qemu-img")
+        .args(["create", "-q", "-f", "qcow2", "-F", "qcow2", "-b"])
+        .arg(snap.disk())
+        .arg(&overlay)
+        .arg(format!("{}M", spec.disk_mib))
+        .status()
+        .unwrap();
+    assert!(ok.success());
+    let mut child = std::process::Command::new(qemu)
+        .args(QemuVmm::args(spec, &Attach::paths(&overlay, &agent, &qmp, &console, spec)))
+        .stdin(std::process::Stdio::null())
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    let mut q = loop {
+        match airlock_runtime::qmp::Qmp::connect(&qmp).await {
+            Ok(q) => break q,
+            Err(_) => tokio::time::sleep(Duration::from_millis(2)).await,
+        }
+    };
+    let caps = json!({"capabilities": [{"capability": "x-ignore-shared", "state": true}]});
+    q.execute("migrate-set-capabilities", Some(caps)).await.unwrap();
+    let uri = json!({"uri": format!("file:{}", snap.state().display())});
+    q.execute("migrate-incoming", Some(uri)).await.unwrap();
+    while q.execute("query-migrate", None).await.unwrap()["status"] != "completed" {
+        tokio::time::sleep(Duration::from_millis(2)).await;
+    }
+    q.execute("cont", None).await.unwrap();
+    let (client, _) = AgentClient::connect_ready(&agent, Duration::from_secs(30)).await.unwrap();
+    let ready = ms(started.elapsed());
+    first_stdout(&client, &["echo", "hi"]).await;
+    let first = ms(started.elapsed());
+    let mut rtts = Vec::new();
+    for _ in 0..execs {
+        let t = Instant::now();
+        run_to_exit(&client, &["true"]).await;
+        rtts.push(ms(t.elapsed()));
+    }
+    drop(client);
+    child.kill().unwrap();
+    child.wait().unwrap();
+    let _ = std::fs::remove_dir_all(dir);
+    (ready, first, rtts)
+}
+
+fn spec_of(argv: &[&str]) -> ProcessSpec {
+    ProcessSpec {
+        argv: argv.iter().map(|s| s.to_string()).collect(),
+        ..Default::default()
+    }
+}
+
+async fn first_stdout(client: &AgentClient, argv: &[&str]) {
+    let info = client.spawn(&spec_of(argv)).await.unwrap();
+    let mut events = Box::pin(client.events(info.id, 0).await.unwrap());
+    while let Some(ev) = events.next().await {
+        if let EventKind::Stdout(_) = ev.unwrap().kind {
+            return;
+        }
+    }
+    panic!("no stdout from {argv:?}");
+}
+
+async fn run_to_exit(client: &AgentClient, argv: &[&str]) {
+    let info = client.spawn(&spec_of(argv)).await.unwrap();
+    let mut events = Box::pin(client.events(info.id, 0).await.unwrap());
+    while let Some(ev) = events.next().await {
+        if let EventKind::Exit(_) = ev.unwrap().kind {
+            return;
+        }
+    }
+    panic!("no exit from {argv:?}");
+}
+
+#[tokio::main]
+async fn main() {
+    let args = Args::parse();
+    let api = std::sync::Arc::new(Api {
+        url: args.url.trim_end_matches('/').to_string(),
+        auth: format!("Bearer {}", args.key),
+    });
+    let template = args.template.clone();
+
+    // The first create of the shape has the server build its base snapshot; wait for it.
+    let b = api.clone();
+    let t = template.clone();
+    let (first_ms, first_id) = tokio::task::spawn_blocking(move || b.tti(&t)).await.unwrap().expect("a first create");
+    let sandbox = api.call("GET", &format!("/sandboxes/{first_id}"), None).unwrap();
+    api.delete(&first_id);
+    eprintln!("first create: {first_ms:.0} ms ({})", sandbox["start"]);
+    let digest = sandbox["template_digest"].as_str().unwrap().to_string();
+    let resources = sandbox["resources"].clone();
+    let deadline = Instant::now() + Duration::from_secs(300);
+    let snap = loop {
+        if let Some(s) = find_snapshot(&args.data_dir, &digest, &resources) {
+            break s;
+        }
+        assert!(Instant::now() < deadline, "no base snapshot in {} after 300 s", args.data_dir.display());
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    };
+
+    // TTI, sequential. Every sandbox is deleted before the next create.
+    let (mut seq, mut seq_failures, mut restored) = (Vec::new(), 0, 0);
+    for i in 0..args.sequential {
+        let (b, t) = (api.clone(), template.clone());
+        match tokio::task::spawn_blocking(move || b.tti(&t)).await.unwrap() {
+            Ok((v, id)) => {
+                seq.push(v);
+                let sb = api.call("GET", &format!("/sandboxes/{id}"), None).unwrap_or_default();
+                restored += (sb["start"]["from"] == "restore") as usize;
+                api.delete(&id);
+            }
+            Err(e) => {
+                eprintln!("sequential {i}: {e}");
+                seq_failures += 1;
+            }
+        }
+    }
+    eprintln!("sequential: {} creates, {restored} restored", seq.len());
+
+    // TTI, a burst at once.
+    let tasks: Vec<_> = (0..args.burst)
+        .map(|_| {
+            let (b, t) = (api.clone(), template.clone());
+            tokio::task::spawn_blocking(move || b.tti(&t))
+        })
+        .collect();
+    let (mut burst, mut burst_failures, mut burst_ids) = (Vec::new(), 0, Vec::new());
+    for task in tasks {
+        match task.await.unwrap() {
+            Ok((v, id)) => {
+                burst.push(v);
+                burst_ids.push(id);
+            }
+            Err(e) => {
+                eprintln!("burst: {e}");
+                burst_failures += 1;
+            }
+        }
+    }
+    for id in &burst_ids {
+        api.delete(id);
+    }
+
+    // Exec round trips on a warm sandbox, through the API.
+    let (b, t) = (api.clone(), template.clone());
+    let warm = tokio::task::spawn_blocking(move || b.create(&t)).await.unwrap().unwrap();
+    let mut api_exec = Vec::new();
+    for _ in 0..args.execs {
+        let (b, id) = (api.clone(), warm.clone());
+        let t = Instant::now();
+        tokio::task::spawn_blocking(move || b.exec(&id, &["true"], false)).await.unwrap().unwrap();
+        api_exec.push(ms(t.elapsed()));
+    }
+    api.delete(&warm);
+
+    // The raw VMM restoring the same snapshot, and the runtime-level exec on it.
+    let qemu = QemuVmm::locate(None).unwrap();
+    let store = TemplateStore::new(airlock_runtime::datadir::DataDir::open(&args.data_dir).unwrap());
+    let tpl = store.resolve(&digest).unwrap();
+    let r = &snap.manifest.resources;
+    let raw_dir = std::env::temp_dir().join(format!("airlock-raw-restore-{}", std::process::id()));
+    let mut spec = VmSpec::for_template("rawrestore", raw_dir.clone(), &tpl, *r, snap.manifest.accel);
+    spec.snapshot = Some(SnapshotRole::Clone {
+        memory: snap.memory(),
+        state: snap.state(),
+        disk: snap.disk(),
+        cmdline: snap.manifest.cmdline.clone(),
+    });
+    let (mut raw_ready, mut raw_first, mut runtime_exec) = (Vec::new(), Vec::new(), Vec::new());
+    for i in 0..args.raw {
+        let execs = if i == 0 { args.execs } else { 0 };
+        let (ready, first, rtts) = raw_restore(qemu.binary(), &spec, &snap, execs).await;
+        raw_ready.push(ready);
+        raw_first.push(first);
+        runtime_exec.extend(rtts);
+    }
+    let _ = std::fs::remove_dir_all(&raw_dir);
+
+    // Memory per idle sandbox.
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let before = mem_available_mib();
+    let mut idle_ids = Vec::new();
+    for _ in 0..args.idle {
+        let (b, t) = (api.clone(), template.clone());
+        if let Ok(id) = tokio::task::spawn_blocking(move || b.create(&t)).await.unwrap() {
+            idle_ids.push(id);
+        }
+    }
+    tokio::time::sleep(Duration::from_secs(10)).await;
+    let after = mem_available_mib();
+    for id in &idle_ids {
+        api.delete(id);
+    }
+    let per_sandbox = (before - after) / idle_ids.len().max(1) as f64;
+
+    let p50 = |v: &Value| v["p50_ms"].as_f64().unwrap_or(f64::NAN);
+    let (seq_s, burst_s) = (stats(&seq, seq_failures), stats(&burst, burst_failures));
+    let (raw_first_s, api_exec_s, runtime_exec_s) = (stats(&raw_first, 0), stats(&api_exec, 0), stats(&runtime_exec, 0));
+    let report = json!({
+        "bench": "create",
+        "when": humantime::format_rfc3339_seconds(std::time::SystemTime::now()).to_string(),
+        "machine": machine::machine(),
+        "template": digest,
+        "resources": resources,
+        "snapshot": snap.manifest,
+        "first_create_tti_ms": first_ms,
+        "tti_sequential": seq_s,
+        "tti_sequential_restored": restored,
+        "tti_burst": burst_s,
+        "raw_restore_to_agent_ready": stats(&raw_ready, 0),
+        "raw_restore_to_first_stdout": raw_first_s,
+        "tti_ratio_p50_vs_raw": p50(&seq_s) / p50(&raw_first_s),
+        "exec_true_api": api_exec_s,
+        "exec_true_runtime": runtime_exec_s,
+        "exec_ratio_p50": p50(&api_exec_s) / p50(&runtime_exec_s),
+        "idle_sandboxes": idle_ids.len(),
+        "idle_memory_mib_per_sandbox": per_sandbox,
+        "suspend_resume": "not measured: the server has no suspend yet",
+        "fork": "not measured: the server has no fork yet",
+    });
+    println!("| measure | p50 ms | p95 ms | p99 ms | failures |");
+    println!("| --- | --- | --- | --- | --- |");
+    for (name, s) in [
+        ("TTI, sequential", &report["tti_sequential"]),
+        ("TTI, burst", &report["tti_burst"]),
+        ("raw QEMU restore -> agent ready", &report["raw_restore_to_agent_ready"]),
+        ("raw QEMU restore -> first stdout (runtime exec)", &report["raw_restore_to_first_stdout"]),
+        ("exec `true`, API (session + SSE)", &report["exec_true_api"]),
+        ("exec `true`, runtime (agent client)", &report["exec_true_runtime"]),
+    ] {
+        let f = |k: &str| s[k].as_f64().map_or("-".into(), |v| format!("{v:.1}"));
+        println!("| {name} | {} | {} | {} | {} |", f("p50_ms"), f("p95_ms"), f("p99_ms"), s["failures"]);
+    }
+    println!(
+        "TTI p50 / raw restore+exec p50: {:.2}; exec API / runtime p50: {:.2}; idle memory per sandbox: {per_sandbox:.1} MiB over {}; {restored}/{} sequential creates restored",
+        report["tti_ratio_p50_vs_raw"].as_f64().unwrap_or(f64::NAN),
+        report["exec_ratio_p50"].as_f64().unwrap_or(f64::NAN),
+        idle_ids.len(),
+        seq.len()
+    );
+    std::fs::create_dir_all(&args.out).unwrap();
+    let date = report["when"].as_str().unwrap().replace([':', '-'], "");
+    let path = args.out.join(format!("create-{}.json", &date[..15]));
+    std::fs::write(&path, serde_json::to_vec_pretty(&report).unwrap()).unwrap();
+    println!("raw results: {}", path.display());
+}
