@@ -304,6 +304,7 @@ impl Runtime {
             }),
         };
         rt.remove_interrupted_builds().await;
+        rt.prune_snapshots();
         rt.spawn_console_trimmer();
         if opts.reconcile_in_background {
             let entries = rt.unsettled_entries();
@@ -909,6 +910,19 @@ impl Runtime {
         for vm in builders {
             let _ = self.inner.vmm.stop(&vm, Duration::from_secs(2)).await;
             let _ = std::fs::remove_dir_all(&vm.dir);
+        }
+    }
+
+    /// Remove base snapshots no create can restore from any more: of a template digest no
+    /// template has now (rebuilt or removed), or saved by another VMM build. Clones running from
+    /// one keep its files open, so they run on.
+    fn prune_snapshots(&self) {
+        let digests: std::collections::HashSet<String> =
+            self.inner.templates.list().into_iter().map(|m| m.digest).collect();
+        let vmm = self.inner.vmm.snapshotting().map(|s| s.build_id());
+        for dir in crate::snapshot::stale(&self.inner.data.snapshots(), &digests, vmm.as_deref()) {
+            tracing::info!("removing base snapshot {}: nothing restores from it any more", dir.display());
+            let _ = std::fs::remove_dir_all(dir);
         }
     }
 

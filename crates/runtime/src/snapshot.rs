@@ -157,3 +157,84 @@ pub fn seal(root: &Path, build_dir: &Path, manifest: SnapshotManifest) -> Result
     BaseSnapshot::find(root, &manifest.key)
         .ok_or_else(|| RuntimeError::io(&dir, std::io::Error::other("the sealed snapshot is incomplete")))
 }
+
+/// The snapshot dirs under `root` that no create restores from: incomplete, of a template digest
+/// not in `digests`, or saved by a VMM build other than `vmm` (builds under way are not listed).
+pub fn stale(root: &Path, digests: &std::collections::HashSet<String>, vmm: Option<&str>) -> Vec<PathBuf> {
+    let mut out = Vec::new();
+    for entry in std::fs::read_dir(root).into_iter().flatten().flatten() {
+        let key = entry.file_name().to_string_lossy().to_string();
+        if key.starts_with(BUILD_PREFIX) {
+            continue;
+        }
+        let keep = BaseSnapshot::find(root, &key)
+            .is_some_and(|s| digests.contains(&s.manifest.template_digest) && vmm == Some(s.manifest.vmm.as_str()));
+        if !keep {
+            out.push(entry.path());
+        }
+    }
+    out.sort();
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn snapshot(root: &Path, key: &str, digest: &str, vmm: &str) {
+        let dir = root.join(key);
+        std::fs::create_dir_all(&dir).unwrap();
+        for f in ["memory", "state", "disk.qcow2"] {
+            std::fs::write(dir.join(f), b"").unwrap();
+        }
+        let manifest = SnapshotManifest {
+            key: key.into(),
+            template: "seed".into(),
+            template_digest: digest.into(),
+            resources: Resources::default(),
+            accel: Accel::Tcg,
+            vmm: vmm.into(),
+            cmdline: "console=ttyS0".into(),
+            created_at: "2026-11-30T00:00:00Z".into(),
+            boot_ms: 1,
+            save_ms: 1,
+        };
+        std::fs::write(dir.join("manifest.json"), serde_json::to_vec(&manifest).unwrap()).unwrap();
+    }
+
+    #[test]
+    fn stale_snapshots_are_those_nothing_restores_from() {
+        let tmp = tempfile::tempdir().unwrap();
+        let root = tmp.path();
+        snapshot(root, "current", "sha256:aa", "qemu 10");
+        snapshot(root, "old-template", "sha256:bb", "qemu 10");
+        snapshot(root, "old-qemu", "sha256:aa", "qemu 9");
+        std::fs::create_dir_all(root.join("no-manifest")).unwrap();
+        std::fs::create_dir_all(root.join(format!("{BUILD_PREFIX}snap1234"))).unwrap();
+        let digests = ["sha256:aa".to_string()].into_iter().collect();
+        let names = |v: Vec<PathBuf>| -> Vec<String> {
+            v.iter().map(|p| p.file_name().unwrap().to_string_lossy().into_owned()).collect()
+        };
+        assert_eq!(names(stale(root, &digests, Some("qemu 10"))), ["no-manifest", "old-qemu", "old-template"]);
+        assert!(BaseSnapshot::find(root, "current").is_some());
+        // A VMM that cannot restore keeps none.
+        assert_eq!(stale(root, &digests, None).len(), 4);
+    }
+
+    #[test]
+    fn the_key_changes_with_everything_a_restore_depends_on() {
+        let r = Resources::default();
+        let base = key("sha256:aa", &r, Accel::Tcg, "qemu 10", "c");
+        let bigger = Resources { memory_mib: 1024, ..r };
+        for other in [
+            key("sha256:ab", &r, Accel::Tcg, "qemu 10", "c"),
+            key("sha256:aa", &bigger, Accel::Tcg, "qemu 10", "c"),
+            key("sha256:aa", &r, Accel::Kvm, "qemu 10", "c"),
+            key("sha256:aa", &r, Accel::Tcg, "qemu 9", "c"),
+            key("sha256:aa", &r, Accel::Tcg, "qemu 10", "d"),
+        ] {
+            assert_ne!(base, other);
+        }
+        assert_eq!(base, key("sha256:aa", &r, Accel::Tcg, "qemu 10", "c"));
+    }
+}
