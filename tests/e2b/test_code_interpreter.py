@@ -108,3 +108,32 @@ def test_contexts_are_isolated(ci):
     assert any(c.id == ctx.id for c in ci.list_code_contexts())
     ci.remove_code_context(ctx)
     assert all(c.id != ctx.id for c in ci.list_code_contexts())
+
+
+def test_interpreters_restored_from_one_snapshot_draw_their_own_random_numbers(airlock_server):
+    """Interpreters restored from one base snapshot resume its very process: each must still
+    draw random numbers of its own (the interpreter reseeds when the sandbox's identity changes)."""
+    import time
+
+    from conftest import _native
+    from e2b_code_interpreter import Sandbox
+
+    restored, deadline = [], time.time() + 300
+    with contextlib.nullcontext() if header_routed() else domain_env():
+        while len(restored) < 2:
+            assert time.time() < deadline, "no code interpreter restored within 300 s"
+            s = Sandbox.create(timeout=300)
+            info = _native(airlock_server["url"], airlock_server["key"], "GET", f"/v1/sandboxes/{s.sandbox_id}")
+            if info["start"]["from"] == "restore":
+                restored.append(s)
+            else:
+                delete_sandbox(airlock_server, s.sandbox_id)
+                time.sleep(2)
+        try:
+            draws = [s.run_code("import random; random.random()").text for s in restored]
+            ids = [s.run_code("open('/etc/machine-id').read().strip()").text for s in restored]
+        finally:
+            for s in restored:
+                delete_sandbox(airlock_server, s.sandbox_id)
+    assert all(draws) and draws[0] != draws[1], draws
+    assert ids[0] != ids[1], ids

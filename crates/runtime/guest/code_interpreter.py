@@ -95,7 +95,29 @@ def value_result(value):
     return result
 
 
+SEEN_MACHINE_ID = [None]
+
+
+def reseed_after_restore():
+    """A sandbox restored from a base snapshot runs this process as the snapshot left it: its
+    random state is every clone's. Each clone gets a machine id of its own over the channel, so
+    a new one means: draw fresh random state (the modules a cell would share it through)."""
+    try:
+        with open("/etc/machine-id") as f:
+            machine_id = f.read().strip()
+    except OSError:
+        return
+    if machine_id == SEEN_MACHINE_ID[0]:
+        return
+    SEEN_MACHINE_ID[0] = machine_id
+    if "random" in sys.modules:
+        sys.modules["random"].seed()
+    if "numpy" in sys.modules:
+        sys.modules["numpy"].random.seed()
+
+
 def execute(ctx, code, env_vars, events):
+    reseed_after_restore()
     ctx.executions += 1
     saved_env = dict(os.environ)
     os.environ.update({k: str(v) for k, v in (env_vars or {}).items()})

@@ -279,6 +279,9 @@ fn end_event(exit: &airlock_proto::ExitStatus) -> Value {
     }
 }
 
+/// How long a stream past its deadline waits for the exit of the process it killed.
+const KILL_SETTLE: Duration = Duration::from_secs(2);
+
 /// Stream a process's events as `StartResponse`/`ConnectResponse` messages: `start` first,
 /// then output, keepalives while idle, `end`, and the end-of-stream envelope.
 /// `deadline` (from `connect-timeout-ms`) ends the stream with `deadline_exceeded` a little
@@ -310,6 +313,16 @@ fn process_stream(
                 Some(d) if d <= now => {
                     if kill_at_deadline {
                         let _ = state.core.session_signal(&sandbox, &session, 9).await;
+                        // Said only once true: the client may list processes at once, and the
+                        // killed one must be gone by then (its exit, briefly awaited).
+                        let exited = async {
+                            while let Some(ev) = events.next().await {
+                                if matches!(ev, Ok(SessionEvent::Event(ref e)) if matches!(e.kind, EventKind::Exit(_))) {
+                                    break;
+                                }
+                            }
+                        };
+                        let _ = tokio::time::timeout(KILL_SETTLE, exited).await;
                     }
                     let err = RpcError::new("deadline_exceeded", "the command ran past its timeout and was killed");
                     let _ = tx.send(connect::end_of_stream(Some(&err))).await;
