@@ -764,6 +764,14 @@ async fn route(guest: Arc<Guest>, req: Request<Incoming>) -> Result<Response<Bod
                 },
             ))
         }
+        (&Method::POST, ["identity"]) => {
+            // The real agent applies it to the guest; the fake only checks it is well formed.
+            let identity: airlock_proto::Identity = read_json(req).await?;
+            if identity.hostname.is_empty() || identity.machine_id.len() != 32 {
+                return Err(ApiErr::invalid("bad identity".to_string()));
+            }
+            Ok(ok_empty())
+        }
         (&Method::POST, ["system", "sync"]) => Ok(ok_empty()),
         (&Method::POST, ["system", "shutdown"]) => {
             let g = guest.clone();
