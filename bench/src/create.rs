@@ -43,6 +43,9 @@ struct Args {
     data_dir: PathBuf,
     #[arg(long, default_value = "seed")]
     template: String,
+    /// The sandboxes' disk (small enough that `--idle` of them fit the node's disk budget).
+    #[arg(long, default_value_t = 768)]
+    disk_mib: u32,
     #[arg(long, default_value_t = 50)]
     sequential: usize,
     #[arg(long, default_value_t = 10)]
@@ -76,6 +79,7 @@ fn stats(v: &[f64], failures: usize) -> Value {
 struct Api {
     url: String,
     auth: String,
+    disk_mib: u32,
 }
 
 impl Api {
@@ -94,7 +98,8 @@ impl Api {
 
     /// Create a sandbox and wait until it runs; returns its id.
     fn create(&self, template: &str) -> Result<String, String> {
-        let accepted = self.call("POST", "/sandboxes", Some(json!({"template": template, "timeout": "30m"})))?;
+        let body = json!({"template": template, "timeout": "30m", "resources": {"disk_mib": self.disk_mib}});
+        let accepted = self.call("POST", "/sandboxes", Some(body))?;
         let op = accepted["operation"]["id"].as_str().ok_or("no operation")?.to_string();
         let id = accepted["sandbox_id"].as_str().ok_or("no sandbox id")?.to_string();
         let deadline = Instant::now() + Duration::from_secs(120);
@@ -168,7 +173,7 @@ fn find_snapshot(data_dir: &Path, digest: &str, resources: &Value) -> Option<Bas
 
 /// Restore `snap` with raw QEMU, then one `echo` through the agent client: (to the agent's
 /// READY, to the first stdout byte), plus `execs` round trips of `true` if asked.
-async fn raw_restore(qemu: &Path, spec: &VmSpec, snap: &BaseSnapshot, execs: usize) -> (f64, f64, Vec<f64>) {
+async fn raw_restore(qemu: &Path, netns: &str, spec: &VmSpec, snap: &BaseSnapshot, execs: usize) -> (f64, f64, Vec<f64>) {
     let dir = &spec.dir;
     let _ = std::fs::remove_dir_all(dir);
     std::fs::create_dir_all(dir).unwrap();
@@ -182,14 +187,25 @@ async fn raw_restore(qemu: &Path, spec: &VmSpec, snap: &BaseSnapshot, execs: usi
         .status()
         .unwrap();
     assert!(ok.success());
-    let mut child = std::process::Command::new(qemu)
-        .args(QemuVmm::args(spec, &Attach::paths(&overlay, &agent, &qmp, &console, spec)))
+    // In a namespace of the bench's own, where QEMU makes its tap: the device state wants one,
+    // and nothing there leads anywhere.
+    let mut child = std::process::Command::new("ip")
+        .args(["netns", "exec", netns])
+        .arg(qemu)
+        .args(QemuVmm::args(
+            spec,
+            &Attach::paths(&overlay, &agent, &qmp, &console, spec)
+                .with_netdev("tap,ifname=rawtap0,script=no,downscript=no,vhost=off"),
+        ))
         .stdin(std::process::Stdio::null())
         .stdout(std::process::Stdio::null())
-        .stderr(std::process::Stdio::null())
+        .stderr(std::fs::File::create(dir.join("qemu.log")).unwrap())
         .spawn()
         .unwrap();
     let mut q = loop {
+        if let Ok(Some(status)) = child.try_wait() {
+            panic!("raw QEMU exited ({status}): {}", std::fs::read_to_string(dir.join("qemu.log")).unwrap_or_default());
+        }
         match airlock_runtime::qmp::Qmp::connect(&qmp).await {
             Ok(q) => break q,
             Err(_) => tokio::time::sleep(Duration::from_millis(2)).await,
@@ -255,6 +271,7 @@ async fn main() {
     let api = std::sync::Arc::new(Api {
         url: args.url.trim_end_matches('/').to_string(),
         auth: format!("Bearer {}", args.key),
+        disk_mib: args.disk_mib,
     });
     let template = args.template.clone();
 
@@ -345,14 +362,18 @@ async fn main() {
         cmdline: snap.manifest.cmdline.clone(),
     });
     let (mut raw_ready, mut raw_first, mut runtime_exec) = (Vec::new(), Vec::new(), Vec::new());
+    let netns = format!("airlock-rawbench-{}", std::process::id());
+    let ok = std::process::Command::new("ip").args(["netns", "add", &netns]).status().unwrap();
+    assert!(ok.success(), "ip netns add {netns} (the bench runs as root)");
     for i in 0..args.raw {
         let execs = if i == 0 { args.execs } else { 0 };
-        let (ready, first, rtts) = raw_restore(qemu.binary(), &spec, &snap, execs).await;
+        let (ready, first, rtts) = raw_restore(qemu.binary(), &netns, &spec, &snap, execs).await;
         raw_ready.push(ready);
         raw_first.push(first);
         runtime_exec.extend(rtts);
     }
     let _ = std::fs::remove_dir_all(&raw_dir);
+    let _ = std::process::Command::new("ip").args(["netns", "del", &netns]).status();
 
     // Memory per idle sandbox.
     tokio::time::sleep(Duration::from_secs(2)).await;
@@ -368,6 +389,15 @@ async fn main() {
     let after = mem_available_mib();
     for id in &idle_ids {
         api.delete(id);
+    }
+    // Gone before the bench ends (VMs outlive a server stopped meanwhile, by design).
+    let deadline = Instant::now() + Duration::from_secs(120);
+    for id in &idle_ids {
+        while Instant::now() < deadline
+            && api.call("GET", &format!("/sandboxes/{id}"), None).is_ok_and(|s| s["state"] != "deleted")
+        {
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
     }
     let per_sandbox = (before - after) / idle_ids.len().max(1) as f64;
 

@@ -244,6 +244,7 @@ impl Jailer {
             cgroup_procs: cgroup_procs.iter().map(|p| c(p)).collect(),
             pid_file: c(&dir.join(PID_FILE)),
             read_only_mounts: self.read_only_mounts,
+            die_with_parent: false,
             fds: Vec::new(),
         })
     }
@@ -381,6 +382,8 @@ pub struct Prepared {
     cgroup_procs: Vec<CString>,
     pid_file: CString,
     read_only_mounts: bool,
+    /// Killed when the thread that spawned it ends (a builder must not outlive its server).
+    die_with_parent: bool,
     fds: Vec<OwnedFd>,
 }
 
@@ -407,6 +410,16 @@ impl Prepared {
         }
     }
 
+    /// Have the VMM killed when the server goes (`PR_SET_PDEATHSIG`; spawned from a runtime
+    /// worker thread, which lives as long as the server). Only for a base snapshot's builder:
+    /// a sandbox's VM outlives the server by design; a build would only be thrown away.
+    pub fn dying_with_parent(self) -> Self {
+        Self {
+            die_with_parent: true,
+            ..self
+        }
+    }
+
     /// Hand `fd` to the VMM; returns the number it has there.
     pub fn pass(&mut self, fd: OwnedFd) -> Result<RawFd> {
         if self.fds.len() == MAX_PASSED_FDS {
@@ -424,14 +437,24 @@ impl Prepared {
             cgroup_procs,
             pid_file,
             read_only_mounts,
+            die_with_parent,
             fds,
         } = self;
+        let parent = std::process::id() as libc::pid_t;
         let sources: Vec<RawFd> = fds.iter().map(|f| f.as_raw_fd()).collect();
         let groups: Vec<libc::gid_t> = groups;
         // SAFETY: the hook only makes async-signal-safe calls on data prepared above.
         unsafe {
             std::os::unix::process::CommandExt::pre_exec(&mut cmd, move || {
-                child_setup(&sources, uid, &groups, &cgroup_procs, &pid_file, read_only_mounts)
+                child_setup(&sources, uid, &groups, &cgroup_procs, &pid_file, read_only_mounts)?;
+                if die_with_parent {
+                    // After the uid change, which would clear it; then the parent may already be gone.
+                    check(libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL, 0, 0, 0) as libc::c_long)?;
+                    if libc::getppid() != parent {
+                        libc::_exit(1);
+                    }
+                }
+                Ok(())
             });
         }
         let child = cmd.spawn();

@@ -140,13 +140,14 @@ impl QemuVmm {
             "-mon".into(),
             "chardev=qmp,mode=control".into(),
         ]);
-        if let Some(tap) = &attach.tap {
+        if let Some(netdev) = &attach.netdev {
             // The NIC: virtio-net on the tap the runtime opened (no vhost-net here).
+            let mac = spec.network.as_ref().map_or(airlock_proto::net::GUEST_MAC, |n| n.mac.as_str());
             args.extend([
                 "-netdev".into(),
-                format!("tap,id=net0,{tap},vhost=off"),
+                format!("{netdev},id=net0"),
                 "-device".into(),
-                format!("virtio-net-device,netdev=net0,mac={}", spec.network.as_ref().map_or("", |n| n.mac.as_str())),
+                format!("virtio-net-device,netdev=net0,mac={mac}"),
             ]);
         }
         if matches!(spec.snapshot, Some(SnapshotRole::Clone { .. })) {
@@ -171,8 +172,8 @@ pub struct Attach {
     console: String,
     /// `-add-fd` arguments.
     fd_sets: Vec<String>,
-    /// `-netdev tap` option naming the tap (made by the runtime in the sandbox's namespace).
-    tap: Option<String>,
+    /// The NIC's `-netdev` backend: the tap the runtime made in the sandbox's namespace.
+    netdev: Option<String>,
     /// `-object memory-backend-file,...`: guest RAM in a file (base snapshots).
     memory: Option<String>,
 }
@@ -183,6 +184,15 @@ const STATE_FD_SET: u32 = 4;
 const FROZEN_DISK_FD_SET: u32 = 5;
 
 impl Attach {
+    /// The same machine with a NIC on `netdev` (a `-netdev` backend without its id): a raw VM
+    /// restoring a snapshot saved with a NIC needs one (a tap: the device state has a vnet header).
+    pub fn with_netdev(self, netdev: &str) -> Self {
+        Self {
+            netdev: Some(netdev.to_string()),
+            ..self
+        }
+    }
+
     /// Every file by its path (a clone's overlay names its backing chain itself; its device
     /// state is loaded by the caller, `migrate-incoming file:<state>`).
     pub fn paths(overlay: &Path, agent: &Path, qmp: &Path, console: &Path, spec: &VmSpec) -> Self {
@@ -208,7 +218,7 @@ impl Attach {
             qmp: format!("path={}", p(qmp)),
             console: p(console),
             fd_sets: vec![],
-            tap: None,
+            netdev: None,
             memory,
         }
     }
@@ -243,10 +253,10 @@ impl Attach {
         };
         let agent = jail.pass(listen(&files.agent_socket)?)?;
         let qmp = jail.pass(listen(&files.qmp_socket)?)?;
-        let tap = match &spec.network {
+        let netdev = match &spec.network {
             Some(net) => {
                 let own = net.tap.try_clone().map_err(|e| RuntimeError::io("tap", e))?;
-                Some(format!("fd={}", jail.pass(own)?))
+                Some(format!("tap,fd={},vhost=off", jail.pass(own)?))
             }
             None => None,
         };
@@ -294,7 +304,7 @@ impl Attach {
             qmp: format!("fd={qmp}"),
             console: "/dev/fdset/3".into(),
             fd_sets,
-            tap,
+            netdev,
             memory,
         })
     }
@@ -424,7 +434,7 @@ impl Vmm for QemuVmm {
         };
         let mut jail = jailer.prepare(&spec.id, dir, limits, device_groups(spec.accel))?;
         if matches!(spec.snapshot, Some(SnapshotRole::Builder { .. })) {
-            jail = jail.with_writable_mounts();
+            jail = jail.with_writable_mounts().dying_with_parent();
         }
         let attach = Attach::handed(spec, &files, &mut jail)?;
         let args = Self::args(spec, &attach);
