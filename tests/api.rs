@@ -188,6 +188,9 @@ fn stdin_signal_and_files() {
     );
     let (status, _) = s.call("DELETE", &format!("/v1/sandboxes/{id}/files?path=/home/user/dir"), None);
     assert_eq!(status, 204);
+    // Removing what isn't there succeeds, as envd's (and `rm -rf`) does.
+    let (status, _) = s.call("DELETE", &format!("/v1/sandboxes/{id}/files?path=/home/user/dir"), None);
+    assert_eq!(status, 204);
     let (status, err) = s.call(
         "GET",
         &format!("/v1/sandboxes/{id}/files?path=/home/user/dir/hello.bin"),

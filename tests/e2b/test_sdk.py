@@ -157,6 +157,10 @@ def test_files_list_exists_info_mkdir_remove_rename(sbx):
     assert moved.path == base + "/g.txt"
     sbx.files.remove(base)
     assert not sbx.files.exists(base)
+    # envd's semantics: removing what isn't there is a no-op; a virtual file (stat size 0) reads
+    # to its end.
+    sbx.files.remove(base)
+    assert sbx.files.read("/proc/version").startswith("Linux version")
 
 
 def test_watch_dir_reports_changes(sbx):
@@ -266,3 +270,45 @@ def test_pause_in_memory_and_resume_by_connect():
         assert any(p.pid == h.pid for p in back.commands.list()), "processes survive an in-memory pause"
     finally:
         Sandbox.kill(s.sandbox_id)
+
+
+def test_template_exists_by_name_and_alias(airlock_server):
+    import e2b
+
+    template = getattr(e2b, "Template", None)
+    skip_unless_sdk_has(template is not None and hasattr(template, "exists"), "Template.exists")
+    assert template.exists("base")
+    assert template.exists("code-interpreter-v1")
+    assert not template.exists("no-such-template")
+
+
+def test_list_is_newest_first_with_order_time_and_template_filters(airlock_server):
+    import dataclasses
+    from datetime import datetime, timezone
+
+    tag = uuid.uuid4().hex[:8]
+    first = Sandbox.create(timeout=300, metadata={"list": tag})
+    time.sleep(1.1)
+    between = datetime.now(timezone.utc)
+    time.sleep(0.1)
+    second = Sandbox.create(timeout=300, metadata={"list": tag})
+    try:
+        ids = lambda **kw: [x.sandbox_id for x in Sandbox.list(**kw).next_items()]  # noqa: E731
+        mine = SandboxQuery(metadata={"list": tag})
+        # E2B's order: newest first, on every SDK (2.21.1 sends no order at all).
+        assert ids(query=mine) == [second.sandbox_id, first.sandbox_id]
+        # Pages walk newest to oldest too.
+        page = Sandbox.list(query=mine, limit=1)
+        assert [x.sandbox_id for x in page.next_items()] == [second.sandbox_id]
+        assert [x.sandbox_id for x in page.next_items()] == [first.sandbox_id]
+        if "order" in inspect.signature(Sandbox.list).parameters:
+            assert ids(query=mine, order="asc") == [first.sandbox_id, second.sandbox_id]
+        fields = {f.name for f in dataclasses.fields(SandboxQuery)}
+        if "started_after" in fields:
+            assert ids(query=SandboxQuery(metadata={"list": tag}, started_after=between)) == [second.sandbox_id]
+        if "template" in fields:
+            assert ids(query=SandboxQuery(metadata={"list": tag}, template="base")) == [second.sandbox_id, first.sandbox_id]
+            assert ids(query=SandboxQuery(metadata={"list": tag}, template="code-interpreter-v1")) == []
+    finally:
+        first.kill()
+        second.kill()

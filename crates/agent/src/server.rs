@@ -267,13 +267,18 @@ async fn read_file(path: &std::path::Path) -> Result<Response<Body>, AgentError>
             format!("{shown} is a directory"),
         ));
     }
-    let stream = tokio_util::io::ReaderStream::with_capacity(file, 256 << 10).map(|r| r.map(Frame::data));
-    Ok(Response::builder()
+    // A regular file's size is what is sent (a file growing meanwhile is cut there, as the length
+    // promised). Virtual files (`/proc`, `/sys`) say 0 and have content: read to the end, unsized.
+    let sized = meta.is_file() && meta.len() > 0;
+    let reader = tokio::io::AsyncReadExt::take(file, if sized { meta.len() } else { u64::MAX });
+    let stream = tokio_util::io::ReaderStream::with_capacity(reader, 256 << 10).map(|r| r.map(Frame::data));
+    let mut response = Response::builder()
         .status(StatusCode::OK)
-        .header("content-type", "application/octet-stream")
-        .header("content-length", meta.len())
-        .body(BodyExt::boxed(StreamBody::new(stream)))
-        .expect("valid response"))
+        .header("content-type", "application/octet-stream");
+    if sized {
+        response = response.header("content-length", meta.len());
+    }
+    Ok(response.body(BodyExt::boxed(StreamBody::new(stream))).expect("valid response"))
 }
 
 async fn write_file(req: Request<Incoming>) -> Result<Response<Body>, AgentError> {

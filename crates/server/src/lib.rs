@@ -172,6 +172,7 @@ pub fn router(state: AppState) -> Router {
         .route("/sandboxes/{id}/pause", post(e2b::control::pause))
         .route("/sandboxes/{id}/snapshots", post(e2b::control::create_snapshot))
         .route("/snapshots", get(e2b::control::list_snapshots))
+        .route("/templates/aliases/{alias}", get(e2b::control::template_alias))
         // Newer SDKs (e.g. 2.63) create and connect through the v2 paths; same semantics.
         .route("/v2/sandboxes", get(e2b::control::list_v2).post(e2b::control::create))
         .route("/v2/sandboxes/{id}/connect", post(e2b::control::connect))

@@ -503,7 +503,9 @@ async fn pages_skip_failed_sandboxes_without_losing_live_ones() {
                 break;
             }
         }
-        assert_eq!(seen, live, "E2B pages of {limit}");
+        // E2B lists newest first.
+        let newest_first: Vec<String> = live.iter().rev().cloned().collect();
+        assert_eq!(seen, newest_first, "E2B pages of {limit}");
     }
     for id in &live {
         server.delete(id).await;

@@ -71,8 +71,12 @@ impl Files {
         self.agent.mkdir(path, Some(user)).await.map_err(self.err())
     }
 
+    /// As envd (and `rm -rf`) do: a path that isn't there is already removed.
     pub async fn remove(&self, path: &str) -> CoreResult<()> {
-        self.agent.remove(path).await.map_err(self.err())
+        match self.agent.remove(path).await {
+            Err(e) if e.code() == Some(airlock_proto::ErrorCode::NotFound) => Ok(()),
+            r => r.map_err(self.err()),
+        }
     }
 
     pub async fn rename(&self, from: &str, to: &str) -> CoreResult<FileStat> {

@@ -53,6 +53,13 @@ pub struct ListSandboxes {
     pub metadata: BTreeMap<String, String>,
     pub page_token: Option<String>,
     pub limit: u32,
+    /// Newest first (E2B's order) instead of oldest first.
+    pub newest_first: bool,
+    /// Only sandboxes created at or after / before these times (ms since the epoch).
+    pub created_from_ms: Option<i64>,
+    pub created_before_ms: Option<i64>,
+    /// Only sandboxes of this template, named as a create would name it (an alias included).
+    pub template: Option<String>,
 }
 
 pub struct Page {
@@ -296,11 +303,24 @@ impl Core {
         } else {
             q.states
         };
+        // A sandbox records the template its create resolved to: the filter resolves the same way
+        // (an alias, a digest); a name nothing resolves matches nothing.
+        let templates = match &q.template {
+            None => Vec::new(),
+            Some(t) => match self.resolve_template(t) {
+                Ok(found) => vec![found.manifest.name],
+                Err(_) => vec![t.clone()],
+            },
+        };
         let filter = SandboxFilter {
             states,
             metadata: q.metadata,
             after,
             limit: q.limit,
+            newest_first: q.newest_first,
+            created_from_ms: q.created_from_ms,
+            created_before_ms: q.created_before_ms,
+            templates,
         };
         // States the restart's recovery has yet to check are not listed as if they were true.
         self.engine.tenant_recovered(&tenant.id).await?;

@@ -286,6 +286,13 @@ pub async fn create_snapshot(
     ))
 }
 
+/// `GET /templates/aliases/{alias}` (`Template.exists`): a template this server has under that
+/// name or alias, as the SDK reads it. Every template here is the platform's, so public.
+pub async fn template_alias(State(state): State<E2bState>, Path(alias): Path<String>) -> Result<Json<Value>> {
+    let template = state.core.resolve_template(&alias)?;
+    Ok(Json(json!({ "templateID": template.manifest.name, "public": true })))
+}
+
 /// `GET /snapshots`: there are none (see `create_snapshot`).
 pub async fn list_snapshots() -> Json<Value> {
     Json(json!([]))
@@ -378,6 +385,29 @@ pub struct ListQuery {
     pub state: Option<String>,
     pub limit: Option<u32>,
     pub next_token: Option<String>,
+    /// `asc` or `desc` (the default, as E2B: newest first).
+    pub order: Option<String>,
+    pub started_after: Option<String>,
+    pub started_before: Option<String>,
+    pub template: Option<String>,
+}
+
+/// An E2B list's time bound (ms since the epoch): RFC 3339 with `Z` or a `±HH:MM` offset, or
+/// none (a naive Python `isoformat()`), read as UTC.
+fn list_time(field: &str, v: &str) -> Result<i64> {
+    let bad = || E2bError::bad_request(format!("{field} {v:?} is not an RFC 3339 time"));
+    let (local, offset_s) = match v.len().checked_sub(6).and_then(|i| v.get(i..).map(|tail| (i, tail))) {
+        Some((i, tail)) if (tail.starts_with('+') || tail.starts_with('-')) && tail.as_bytes()[3] == b':' => {
+            let hours: i64 = tail[1..3].parse().map_err(|_| bad())?;
+            let minutes: i64 = tail[4..6].parse().map_err(|_| bad())?;
+            let sign = if tail.starts_with('-') { -1 } else { 1 };
+            (&v[..i], sign * (hours * 3600 + minutes * 60))
+        }
+        _ => (v.trim_end_matches('Z'), 0),
+    };
+    let t = humantime::parse_rfc3339_weak(local).map_err(|_| bad())?;
+    let ms = t.duration_since(std::time::UNIX_EPOCH).map_err(|_| bad())?.as_millis() as i64;
+    Ok(ms - offset_s * 1000)
 }
 
 /// `metadata=k%3Dv%26k2%3Dv2` after the framework's decoding: unescape, split, unescape parts.
@@ -423,6 +453,16 @@ pub async fn list_v2(
                 metadata: q.metadata.as_deref().map(parse_metadata_filter).unwrap_or_default(),
                 page_token: q.next_token,
                 limit: q.limit.unwrap_or(100),
+                newest_first: match q.order.as_deref() {
+                    None | Some("desc") => true,
+                    Some("asc") => false,
+                    Some(other) => {
+                        return Err(E2bError::bad_request(format!("unknown order {other:?}; use asc or desc")))
+                    }
+                },
+                created_from_ms: q.started_after.as_deref().map(|v| list_time("startedAfter", v)).transpose()?,
+                created_before_ms: q.started_before.as_deref().map(|v| list_time("startedBefore", v)).transpose()?,
+                template: q.template.filter(|t| !t.is_empty()),
             },
         )
         .await?;
@@ -465,6 +505,20 @@ pub async fn metrics(
         "diskUsed": m.disk_used_bytes,
         "diskTotal": m.disk_total_bytes,
     }])))
+}
+
+#[cfg(test)]
+mod list_time_tests {
+    #[test]
+    fn list_times_read_every_shape_the_sdks_send() {
+        let t = |v: &str| super::list_time("startedAfter", v).unwrap();
+        let utc = t("2026-11-30T19:40:00Z");
+        assert_eq!(t("2026-11-30T19:40:00"), utc);
+        assert_eq!(t("2026-11-30T19:40:00+00:00"), utc);
+        assert_eq!(t("2026-11-30T21:40:00+02:00"), utc);
+        assert_eq!(t("2026-11-30T19:40:00.250000"), utc + 250);
+        assert!(super::list_time("startedAfter", "yesterday").is_err());
+    }
 }
 
 #[cfg(test)]

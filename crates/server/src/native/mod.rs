@@ -263,6 +263,10 @@ pub async fn list_sandboxes(
                 metadata,
                 page_token: q.page_token,
                 limit: q.limit.unwrap_or(50),
+                newest_first: false,
+                created_from_ms: None,
+                created_before_ms: None,
+                template: None,
             },
         )
         .await?;

@@ -157,9 +157,16 @@ pub struct SandboxFilter {
     /// Only these states; empty means every state but `deleted`.
     pub states: Vec<SandboxState>,
     pub metadata: BTreeMap<String, String>,
-    /// Return rows after this (created_at_ms, id) cursor.
+    /// Return rows after this (created_at_ms, id) cursor, in the list's order.
     pub after: Option<(i64, String)>,
     pub limit: u32,
+    /// Newest first (the cursor then walks back in time).
+    pub newest_first: bool,
+    /// Only sandboxes created at or after / before these times (ms).
+    pub created_from_ms: Option<i64>,
+    pub created_before_ms: Option<i64>,
+    /// Only sandboxes of one of these templates (a name and its aliases).
+    pub templates: Vec<String>,
 }
 
 /// How a minted key is spelled; both are 160 random bits and work on both doors.

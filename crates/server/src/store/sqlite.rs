@@ -763,23 +763,32 @@ impl SandboxStore for SqliteStore {
     }
 
     async fn list_sandboxes(&self, tenant_id: &str, f: &SandboxFilter) -> Result<Vec<SandboxRow>, StoreError> {
-        // State and metadata are filtered here, after the SQL cursor; the page is trimmed after.
-        let (after_ms, after_id) = f.after.clone().unwrap_or((i64::MIN, String::new()));
-        let rows = sqlx::query(
+        // State, metadata, time and template are filtered here, after the SQL cursor; the page is
+        // trimmed after.
+        let query = if f.newest_first {
             "SELECT * FROM sandboxes WHERE tenant_id = ? AND state != 'deleted'
-             AND (created_at_ms > ? OR (created_at_ms = ? AND id > ?)) ORDER BY created_at_ms, id",
-        )
-        .bind(tenant_id)
-        .bind(after_ms)
-        .bind(after_ms)
-        .bind(after_id)
-        .fetch_all(&self.pool)
-        .await?;
+             AND (created_at_ms < ? OR (created_at_ms = ? AND id < ?)) ORDER BY created_at_ms DESC, id DESC"
+        } else {
+            "SELECT * FROM sandboxes WHERE tenant_id = ? AND state != 'deleted'
+             AND (created_at_ms > ? OR (created_at_ms = ? AND id > ?)) ORDER BY created_at_ms, id"
+        };
+        let start = if f.newest_first { (i64::MAX, "~".to_string()) } else { (i64::MIN, String::new()) };
+        let (after_ms, after_id) = f.after.clone().unwrap_or(start);
+        let rows = sqlx::query(query)
+            .bind(tenant_id)
+            .bind(after_ms)
+            .bind(after_ms)
+            .bind(after_id)
+            .fetch_all(&self.pool)
+            .await?;
         Ok(rows
             .iter()
             .map(sandbox_from_row)
             .filter(|s| f.states.is_empty() || f.states.contains(&s.state))
             .filter(|s| f.metadata.iter().all(|(k, v)| s.metadata.get(k) == Some(v)))
+            .filter(|s| f.created_from_ms.is_none_or(|t| s.created_at_ms >= t))
+            .filter(|s| f.created_before_ms.is_none_or(|t| s.created_at_ms < t))
+            .filter(|s| f.templates.is_empty() || f.templates.contains(&s.template))
             .take(f.limit as usize + 1)
             .collect())
     }
