@@ -909,6 +909,9 @@ impl Runtime {
         let builders: Vec<VmHandle> = self.inner.builders.lock().unwrap().drain().map(|(_, vm)| vm).collect();
         for vm in builders {
             let _ = self.inner.vmm.stop(&vm, Duration::from_secs(2)).await;
+            // Its network too: the build's own cleanup may not get to run before the exit.
+            self.remove_network(SandboxLink::load(&vm.dir).as_ref()).await;
+            self.inner.vmm.release(&vm.dir);
             let _ = std::fs::remove_dir_all(&vm.dir);
         }
     }
@@ -941,6 +944,7 @@ impl Runtime {
                 let _ = self.inner.vmm.stop(&vm, Duration::from_secs(2)).await;
             }
             tracing::info!("removing an interrupted base snapshot build {}", dir.display());
+            self.remove_network(SandboxLink::load(&dir).as_ref()).await;
             self.inner.vmm.release(&dir);
             let _ = std::fs::remove_dir_all(&dir);
         }

@@ -776,4 +776,6 @@ fn remove_all_sandboxes() {
     for sb in rt.list() {
         let _ = block_on(rt.delete(sb.id()));
     }
+    // A base snapshot build still running would leave its network behind with the process.
+    block_on(rt.stop_snapshot_builds());
 }
