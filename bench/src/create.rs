@@ -221,12 +221,12 @@ async fn raw_restore(qemu: &Path, netns: &str, spec: &VmSpec, snap: &BaseSnapsho
     q.execute("cont", None).await.unwrap();
     let (client, _) = AgentClient::connect_ready(&agent, Duration::from_secs(30)).await.unwrap();
     let ready = ms(started.elapsed());
-    first_stdout(&client, &["echo", "hi"]).await;
+    run_until(&client, &["echo", "hi"], |k| matches!(k, EventKind::Stdout(_))).await;
     let first = ms(started.elapsed());
     let mut rtts = Vec::new();
     for _ in 0..execs {
         let t = Instant::now();
-        run_to_exit(&client, &["true"]).await;
+        run_until(&client, &["true"], |k| matches!(k, EventKind::Exit(_))).await;
         rtts.push(ms(t.elapsed()));
     }
     drop(client);
@@ -243,26 +243,16 @@ fn spec_of(argv: &[&str]) -> ProcessSpec {
     }
 }
 
-async fn first_stdout(client: &AgentClient, argv: &[&str]) {
+/// Spawn `argv` through the agent client and read its events until the first that `until` takes.
+async fn run_until(client: &AgentClient, argv: &[&str], until: fn(&EventKind) -> bool) {
     let info = client.spawn(&spec_of(argv)).await.unwrap();
     let mut events = Box::pin(client.events(info.id, 0).await.unwrap());
     while let Some(ev) = events.next().await {
-        if let EventKind::Stdout(_) = ev.unwrap().kind {
+        if until(&ev.unwrap().kind) {
             return;
         }
     }
-    panic!("no stdout from {argv:?}");
-}
-
-async fn run_to_exit(client: &AgentClient, argv: &[&str]) {
-    let info = client.spawn(&spec_of(argv)).await.unwrap();
-    let mut events = Box::pin(client.events(info.id, 0).await.unwrap());
-    while let Some(ev) = events.next().await {
-        if let EventKind::Exit(_) = ev.unwrap().kind {
-            return;
-        }
-    }
-    panic!("no exit from {argv:?}");
+    panic!("{argv:?} ended before the event waited for");
 }
 
 #[tokio::main]

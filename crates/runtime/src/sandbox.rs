@@ -734,13 +734,7 @@ impl Runtime {
             let vm = self.start_vm(&id, &dir, spec, &mut link).await?;
             let ready = async {
                 if from.is_some() {
-                    let snapshotting = self.inner.vmm.snapshotting().ok_or_else(|| {
-                        RuntimeError::ControlCommand {
-                            command: "restore".into(),
-                            reason: "this VMM cannot restore".into(),
-                        }
-                    })?;
-                    snapshotting.complete_restore(&vm, limit).await?;
+                    self.snapshotting("restore")?.complete_restore(&vm, limit).await?;
                 }
                 let (client, _health) = AgentClient::connect_ready(&vm.agent_socket, limit).await?;
                 client.set_identity(&identity(&id)).await?;
@@ -850,10 +844,7 @@ impl Runtime {
         let mut link = None;
         let started = Instant::now();
         let result = async {
-            let snapshotting = self.inner.vmm.snapshotting().ok_or_else(|| RuntimeError::ControlCommand {
-                command: "save".into(),
-                reason: "this VMM cannot save".into(),
-            })?;
+            let snapshotting = self.snapshotting("save")?;
             let memory = crate::snapshot::create_memory_file(&dir, resources.memory_mib)?;
             let cmdline = builder_cmdline();
             let mut spec = VmSpec::for_template(&id, dir.clone(), template, resources, accel);
@@ -890,29 +881,47 @@ impl Runtime {
         }
         .await;
         let builder = self.inner.builders.lock().unwrap().remove(&id);
-        if let Some(vm) = builder.filter(|vm| self.inner.vmm.is_running(vm)) {
-            let _ = self.inner.vmm.stop(&vm, Duration::from_secs(2)).await;
-        }
-        self.remove_network(link.as_ref()).await;
-        self.inner.vmm.release(&dir);
         match result {
-            Ok(manifest) => crate::snapshot::seal(&root, &dir, manifest),
+            Ok(manifest) => {
+                self.end_build(&dir, builder, false).await;
+                crate::snapshot::seal(&root, &dir, manifest)
+            }
             Err(e) => {
-                let _ = std::fs::remove_dir_all(&dir);
+                self.end_build(&dir, builder, true).await;
                 Err(e)
             }
         }
     }
 
-    /// Stop the builder VMs running now (a server shutting down).
+    /// The VMM's snapshot capability, for `what` (an error naming it where the VMM has none).
+    fn snapshotting(&self, what: &str) -> Result<&dyn crate::vmm::Snapshotting> {
+        self.inner.vmm.snapshotting().ok_or_else(|| RuntimeError::ControlCommand {
+            command: what.into(),
+            reason: format!("this VMM cannot {what}"),
+        })
+    }
+
+    /// What a build in `dir` had outside its files: its VM (if it still runs), its network (as
+    /// recorded in `dir`), its jail; and, with `remove_dir`, the dir itself.
+    async fn end_build(&self, dir: &std::path::Path, vm: Option<VmHandle>, remove_dir: bool) {
+        let vm = vm.or_else(|| VmHandle::load(dir)).or_else(|| VmHandle::orphan(dir, self.inner.vmm.name()));
+        if let Some(vm) = vm.filter(|vm| self.inner.vmm.is_running(vm)) {
+            let _ = self.inner.vmm.stop(&vm, Duration::from_secs(2)).await;
+        }
+        self.remove_network(SandboxLink::load(dir).as_ref()).await;
+        self.inner.vmm.release(dir);
+        if remove_dir {
+            let _ = std::fs::remove_dir_all(dir);
+        }
+    }
+
+    /// Stop the builds running now (a server shutting down): the build's own cleanup may not get
+    /// to run before the exit.
     pub async fn stop_snapshot_builds(&self) {
         let builders: Vec<VmHandle> = self.inner.builders.lock().unwrap().drain().map(|(_, vm)| vm).collect();
         for vm in builders {
-            let _ = self.inner.vmm.stop(&vm, Duration::from_secs(2)).await;
-            // Its network too: the build's own cleanup may not get to run before the exit.
-            self.remove_network(SandboxLink::load(&vm.dir).as_ref()).await;
-            self.inner.vmm.release(&vm.dir);
-            let _ = std::fs::remove_dir_all(&vm.dir);
+            let dir = vm.dir.clone();
+            self.end_build(&dir, Some(vm), true).await;
         }
     }
 
@@ -930,7 +939,7 @@ impl Runtime {
     }
 
     /// Builds an earlier process left unfinished (it crashed or was stopped): their VMs stopped,
-    /// their dirs removed. Their networks go with the start-up sweep.
+    /// their networks and dirs removed.
     async fn remove_interrupted_builds(&self) {
         let root = self.inner.data.snapshots();
         for entry in std::fs::read_dir(&root).into_iter().flatten().flatten() {
@@ -938,15 +947,8 @@ impl Runtime {
             if !name.starts_with(crate::snapshot::BUILD_PREFIX) {
                 continue;
             }
-            let dir = entry.path();
-            let vm = VmHandle::load(&dir).or_else(|| VmHandle::orphan(&dir, self.inner.vmm.name()));
-            if let Some(vm) = vm.filter(|vm| self.inner.vmm.is_running(vm)) {
-                let _ = self.inner.vmm.stop(&vm, Duration::from_secs(2)).await;
-            }
-            tracing::info!("removing an interrupted base snapshot build {}", dir.display());
-            self.remove_network(SandboxLink::load(&dir).as_ref()).await;
-            self.inner.vmm.release(&dir);
-            let _ = std::fs::remove_dir_all(&dir);
+            tracing::info!("removing an interrupted base snapshot build {}", entry.path().display());
+            self.end_build(&entry.path(), None, true).await;
         }
     }
 

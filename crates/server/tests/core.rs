@@ -1796,8 +1796,12 @@ async fn concurrent_creates_never_overshoot_the_tenant_vcpu_quota() {
 }
 
 async fn login(server: &Server, username: &str, password: &str) -> (u16, Value) {
+    login_response(server, username, password).await.json().await
+}
+
+async fn login_response(server: &Server, username: &str, password: &str) -> Resp {
     server
-        .json(
+        .send(
             Method::POST,
             "/v1/admin/login",
             &[("content-type", "application/json")],
@@ -1831,14 +1835,7 @@ async fn console_account_and_admin_routes() {
     }
     // Five failures fill the minute's window: the next sign-in, even with the right password,
     // is refused before any password is checked, saying when to retry.
-    let resp = server
-        .send(
-            Method::POST,
-            "/v1/admin/login",
-            &[("content-type", "application/json")],
-            Body::from(json!({"username": "root@local", "password": generated}).to_string()),
-        )
-        .await;
+    let resp = login_response(&server, "root@local", &generated).await;
     let retry_after: u64 = resp.headers["retry-after"].to_str().unwrap().parse().unwrap();
     assert!((1..=60).contains(&retry_after), "{retry_after}");
     let (status, body) = resp.json().await;
