@@ -243,6 +243,44 @@ fn pause_freezes_in_memory_and_resume_continues() {
     s.wait_expired(&id);
 }
 
+/// `on_timeout: suspend` saves the sandbox when its timeout passes instead of deleting it, and
+/// with `auto_resume` the next request resumes it, with its whole timeout again.
+fn timeout_suspends_and_a_request_resumes() {
+    let s = server();
+    let id = s.create(json!({ "template": "seed", "timeout": "4s", "on_timeout": "suspend", "auto_resume": true }));
+    let (_, sb) = s.call("GET", &format!("/v1/sandboxes/{id}"), None);
+    assert_eq!(sb["lifecycle"], json!({ "on_timeout": "suspend", "auto_resume": true }), "{sb}");
+    let sid = s.session(&id, json!({ "argv": ["sh", "-c", "echo kept > /tmp/kept; sleep 600"] }));
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        let (_, sb) = s.call("GET", &format!("/v1/sandboxes/{id}"), None);
+        if sb["state"] == "suspended" {
+            break;
+        }
+        assert!(sb["state"] == "running" && Instant::now() < deadline, "not suspended at its timeout: {sb}");
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    // A request resumes it: files and processes as they were.
+    let probe = s.session(&id, json!({ "argv": ["cat", "/tmp/kept"] }));
+    assert_eq!(decode(&s.events(&id, &probe, None, None), "stdout"), "kept\n");
+    let (_, session) = s.call("GET", &format!("/v1/sandboxes/{id}/sessions/{sid}"), None);
+    assert_eq!(session["state"], "running", "{session}");
+    let (_, sb) = s.call("GET", &format!("/v1/sandboxes/{id}"), None);
+    assert_eq!(sb["state"], "running", "{sb}");
+    // Its timeout runs again from the resume, and suspends it again.
+    let left = humantime::parse_rfc3339(sb["expires_at"].as_str().unwrap())
+        .unwrap()
+        .duration_since(std::time::SystemTime::now())
+        .unwrap_or_default();
+    assert!(left <= Duration::from_secs(4), "{sb}");
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while s.call("GET", &format!("/v1/sandboxes/{id}"), None).1["state"] != "suspended" {
+        assert!(Instant::now() < deadline, "not suspended again");
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    s.delete(&id);
+}
+
 /// A raw HTTP/1.1 GET with our own Host header (as wildcard DNS would deliver it).
 fn get_with_host(s: &Server, host: &str, path: &str, headers: &[(&str, &str)]) -> (u16, String) {
     use std::io::{Read, Write};
@@ -399,7 +437,6 @@ fn e2b_unsupported_create_options_are_refused_by_name() {
         ),
         (json!({ "templateID": "base", "iam": { "tokens": {} } }), "iam"),
         (json!({ "templateID": "base", "mcp": { "exa": {} } }), "mcp"),
-        (json!({ "templateID": "base", "autoPause": true }), "autoPause"),
         (
             json!({ "templateID": "base", "network": { "allowPublicTraffic": true } }),
             "allowPublicTraffic",
@@ -843,11 +880,30 @@ fn own_data_dir(suffix: &str) -> PathBuf {
 }
 
 /// Restart safety on a data dir of its own (the blobs are hard links: templates are immutable).
+/// A sandbox suspended before the crash resumes after it with its files and processes.
 fn server_killed_mid_create_recovers_and_reattaches() {
     let data = own_data_dir("restart");
 
     let mut s1 = Server::start(&data);
     let running = s1.create(json!({ "template": "seed", "timeout": "30m" }));
+    let held = s1.create(json!({ "template": "seed", "timeout": "30m" }));
+    let (status, r) = s1.call(
+        "PUT",
+        &format!("/v1/sandboxes/{held}/files?path=/home/user/kept.txt"),
+        Some(json!("kept")),
+    );
+    assert!((200..300).contains(&status), "{r}");
+    let across = s1.session(&held, json!({ "argv": ["sh", "-c", "sleep 3; echo after-resume"] }));
+    let qemu_of = |id: &str| -> Option<u64> {
+        let vm: Value = serde_json::from_slice(&std::fs::read(data.join("sandboxes").join(id).join("vm.json")).ok()?).ok()?;
+        vm["pid"].as_u64().filter(|pid| Path::new(&format!("/proc/{pid}/cmdline")).exists())
+    };
+    let held_qemu = qemu_of(&held).expect("its VM runs");
+    let sb = s1.change(&held, "suspend");
+    assert_eq!(sb["state"], "suspended", "{sb}");
+    assert!(!Path::new(&format!("/proc/{held_qemu}")).exists(), "a suspended sandbox's QEMU is gone");
+    let (status, err) = s1.call("POST", &format!("/v1/sandboxes/{held}/sessions"), Some(json!({ "argv": ["true"] })));
+    assert_eq!((status, err["code"].as_str()), (409, Some("invalid_state")), "{err}");
     let (_, r) = s1.call(
         "POST",
         "/v1/sandboxes",
@@ -894,6 +950,16 @@ fn server_killed_mid_create_recovers_and_reattaches() {
         decode(&s2.events(&running, &sid, None, None), "stdout"),
         "after restart\n"
     );
+    // The suspended one is still suspended, and resumes as it was: its file, and the command
+    // started before the suspend finishes after the resume, on the same session.
+    let (_, sb) = s2.call("GET", &format!("/v1/sandboxes/{held}"), None);
+    assert_eq!(sb["state"], "suspended", "{sb}");
+    let sb = s2.change(&held, "resume");
+    assert_eq!(sb["state"], "running", "{sb}");
+    assert_eq!(decode(&s2.events(&held, &across, None, None), "stdout"), "after-resume\n");
+    let (status, body) = s2.call("GET", &format!("/v1/sandboxes/{held}/files?path=/home/user/kept.txt"), None);
+    assert_eq!((status, body), (200, json!("kept")));
+    listed.push(held);
     for id in listed {
         s2.delete(&id);
     }
@@ -1298,6 +1364,7 @@ fn main() {
             "pause_freezes_in_memory_and_resume_continues",
             pause_freezes_in_memory_and_resume_continues,
         ),
+        t("timeout_suspends_and_a_request_resumes", timeout_suspends_and_a_request_resumes),
         t(
             "ports_and_envd_are_reachable_by_host_name",
             ports_and_envd_are_reachable_by_host_name,

@@ -210,6 +210,16 @@ impl Server {
     }
 
     /// Wait (up to a minute) for the server to delete the sandbox on its own, e.g. at its timeout.
+    /// `POST /v1/sandboxes/{id}/{change}` (pause, suspend, resume), waited for: the operation
+    /// must succeed. Returns the sandbox as it is then.
+    pub fn change(&self, id: &str, change: &str) -> Value {
+        let (status, r) = self.call("POST", &format!("/v1/sandboxes/{id}/{change}"), None);
+        assert_eq!(status, 202, "{change}: {r}");
+        let op = self.wait_op(r["operation"]["id"].as_str().unwrap());
+        assert_eq!(op["state"], "succeeded", "{change}: {op}");
+        self.call("GET", &format!("/v1/sandboxes/{id}"), None).1
+    }
+
     pub fn wait_expired(&self, id: &str) {
         let deadline = Instant::now() + Duration::from_secs(60);
         loop {

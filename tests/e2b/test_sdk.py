@@ -251,23 +251,60 @@ def test_network_deny_out_alone():
             s.kill()
 
 
-def test_pause_in_memory_and_resume_by_connect():
+def test_pause_suspends_to_disk_and_connect_resumes(airlock_server):
     from e2b import SandboxState
+
+    from conftest import _native
 
     skip_unless_sdk_has(hasattr(Sandbox, "pause"), "Sandbox.pause")
     s = Sandbox.create(timeout=300)
     try:
         s.files.write("/home/user/keep.txt", "still here")
         h = s.commands.run("sleep 600", background=True)
+        counter = s.commands.run("i=0; while true; do i=$((i+1)); echo $i > /tmp/n; sleep 0.1; done", background=True)
+        time.sleep(0.5)
         s.pause()
         assert s.get_info().state == SandboxState.PAUSED
+        # E2B's pause is airlock's suspend: the VM is gone, its state is on disk.
+        native = _native(airlock_server["url"], airlock_server["key"], "GET", f"/v1/sandboxes/{s.sandbox_id}")
+        assert native["state"] == "suspended", native
         paused = Sandbox.list(query=SandboxQuery(state=[SandboxState.PAUSED])).next_items()
         assert s.sandbox_id in [x.sandbox_id for x in paused]
         assert not s.is_running()
         back = Sandbox.connect(s.sandbox_id)
         assert back.get_info().state == SandboxState.RUNNING
         assert back.files.read("/home/user/keep.txt") == "still here"
-        assert any(p.pid == h.pid for p in back.commands.list()), "processes survive an in-memory pause"
+        pids = [p.pid for p in back.commands.list()]
+        assert h.pid in pids and counter.pid in pids, "processes survive a suspend"
+        first = int(back.files.read("/tmp/n"))
+        time.sleep(0.5)
+        assert int(back.files.read("/tmp/n")) > first >= 3, "the counter runs on from where it was"
+        assert back.commands.run("echo resumed").stdout == "resumed\n"
+    finally:
+        Sandbox.kill(s.sandbox_id)
+
+
+def test_auto_pause_at_timeout_and_auto_resume_on_traffic(airlock_server):
+    from e2b import SandboxState
+
+    from conftest import _native
+
+    s = Sandbox.create(timeout=4, lifecycle={"on_timeout": "pause", "auto_resume": True})
+    try:
+        lifecycle = getattr(s.get_info(), "lifecycle", None)  # newer SDKs read it back
+        if lifecycle is not None:
+            assert (lifecycle["on_timeout"], lifecycle["auto_resume"]) == ("pause", True), lifecycle
+        s.files.write("/home/user/kept.txt", "kept")
+        deadline = time.time() + 60
+        while s.get_info().state != SandboxState.PAUSED:
+            assert time.time() < deadline, "not paused at its timeout"
+            time.sleep(0.3)
+        native = _native(airlock_server["url"], airlock_server["key"], "GET", f"/v1/sandboxes/{s.sandbox_id}")
+        assert native["state"] == "suspended", native
+        # Traffic to the paused sandbox resumes it; its files are as they were.
+        assert s.files.read("/home/user/kept.txt") == "kept"
+        assert s.commands.run("echo awake").stdout == "awake\n"
+        assert s.get_info().state == SandboxState.RUNNING
     finally:
         Sandbox.kill(s.sandbox_id)
 

@@ -162,6 +162,8 @@ async fn start_session(stream: &mut BufReader<UnixStream>) -> Result<(), AgentEr
 pub struct AgentClient {
     send: hyper::client::conn::http2::SendRequest<ReqBody>,
     deadlines: Deadlines,
+    /// The task driving the connection (see [`AgentClient::close`]).
+    conn: tokio::task::AbortHandle,
 }
 
 fn empty() -> ReqBody {
@@ -283,14 +285,16 @@ impl AgentClient {
             .handshake(hyper_util::rt::TokioIo::new(stream))
             .await
             .map_err(|e| AgentError::Transport(format!("handshake: {e}")))?;
-        tokio::spawn(async move {
+        let conn = tokio::spawn(async move {
             if let Err(e) = conn.await {
                 tracing::debug!("agent connection ended: {e}");
             }
-        });
+        })
+        .abort_handle();
         Ok(Self {
             send,
             deadlines: Deadlines::default(),
+            conn,
         })
     }
 
@@ -323,6 +327,12 @@ impl AgentClient {
 
     pub fn deadlines(&self) -> Deadlines {
         self.deadlines
+    }
+
+    /// End the session for every clone at once (its calls and streams fail): the guest sees the
+    /// host leave, as before a VM is saved, so a later host starts a clean session.
+    pub fn close(&self) {
+        self.conn.abort();
     }
 
     pub fn is_closed(&self) -> bool {

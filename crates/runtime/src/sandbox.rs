@@ -8,7 +8,7 @@ use crate::net::{Network, NetworkOptions, SandboxLink};
 use crate::template::{Template, TemplateStore};
 use crate::vmm::qemu::QemuVmm;
 use crate::snapshot::BaseSnapshot;
-use crate::vmm::{wait_exit, Accel, NetAttach, SnapshotRole, VmHandle, VmSpec, Vmm};
+use crate::vmm::{wait_exit, Accel, NetAttach, ResumeSpec, SnapshotRole, VmHandle, VmSpec, Vmm};
 use airlock_proto::frame::EventKind;
 use airlock_proto::{ExitStatus, ProcessSpec};
 use futures_util::StreamExt;
@@ -38,6 +38,28 @@ pub struct SandboxRecord {
     /// From the VMM's start to the agent's READY with its identity applied.
     #[serde(default)]
     pub start_ms: u64,
+    /// The machine id it was given (a resume gives it the same one again).
+    #[serde(default)]
+    pub machine_id: String,
+    /// The machine its VM is (files, kernel command line, memory layout): what a resume
+    /// starts again. Absent in records of an older server (such a sandbox cannot suspend).
+    #[serde(default)]
+    pub machine: Option<ResumeSpec>,
+}
+
+/// A suspended sandbox's marker (`suspend.json` next to its saved state `suspend.state`).
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
+pub struct SuspendRecord {
+    /// RFC 3339.
+    pub saved_at: String,
+    pub state_bytes: u64,
+    pub save_ms: u64,
+}
+
+/// How long a suspend or resume took, for the caller to report.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Timing {
+    pub ms: u64,
 }
 
 #[derive(Debug, Clone, Copy, Default, Serialize, Deserialize, PartialEq, Eq)]
@@ -55,6 +77,7 @@ pub struct Sandbox {
     pub net: Option<SandboxLink>,
     /// Connected lazily: a VM found paused after a restart has no session until it resumes.
     agent: tokio::sync::Mutex<Option<AgentClient>>,
+    /// Its VMM is meant to exit (a delete or a suspend): the exit is not a crash.
     deleting: AtomicBool,
     paused: AtomicBool,
 }
@@ -217,6 +240,8 @@ struct Inner {
     snapshot_builds: Mutex<std::collections::HashSet<String>>,
     /// Builder VMs running now, by build id (stopped by [`Runtime::stop_snapshot_builds`]).
     builders: Mutex<HashMap<String, VmHandle>>,
+    /// Suspended sandboxes: no VMM, no network; their dir holds the saved state.
+    suspended: Mutex<HashMap<String, SandboxRecord>>,
 }
 
 impl Inner {
@@ -243,6 +268,12 @@ pub struct CreateSandbox {
     pub template: String,
     pub resources: Resources,
 }
+
+/// A suspended sandbox's marker in its dir ([`SuspendRecord`]); its state is [`SUSPEND_STATE`].
+pub const SUSPEND_MARKER: &str = "suspend.json";
+pub const SUSPEND_STATE: &str = "suspend.state";
+/// The longest a suspend's save or a resume's load may take (the state is the guest's RAM in use).
+const SUSPEND_LIMIT: Duration = Duration::from_secs(120);
 
 /// Sandbox ids are lowercase hex/alphanumerics: they end up in paths and host names.
 pub fn valid_sandbox_id(id: &str) -> bool {
@@ -301,6 +332,7 @@ impl Runtime {
                 base_snapshots: opts.base_snapshots,
                 snapshot_builds: Mutex::default(),
                 builders: Mutex::default(),
+                suspended: Mutex::default(),
             }),
         };
         rt.remove_interrupted_builds().await;
@@ -459,6 +491,17 @@ impl Runtime {
                 .and_then(|b| serde_json::from_slice(&b).ok());
             let vm = VmHandle::load(&dir);
             let link = SandboxLink::load(&dir);
+            if let (Some(record), true) = (&record, dir.join(SUSPEND_MARKER).is_file()) {
+                // Suspended (or interrupted while it resumed: the saved state is still whole).
+                if let Some(vm) = vm.filter(|vm| self.inner.vmm.is_running(vm)) {
+                    let _ = self.inner.vmm.stop(&vm, Duration::from_secs(2)).await;
+                }
+                self.remove_network(link.as_ref()).await;
+                self.inner.vmm.release(&dir);
+                tracing::info!(id = %record.id, "found suspended");
+                self.inner.suspended.lock().unwrap().insert(record.id.clone(), record.clone());
+                return;
+            }
             match (record, vm) {
                 (Some(record), Some(vm)) if self.inner.vmm.is_running(&vm) => {
                     let net = match self.reattach_network(link, &dir).await {
@@ -716,42 +759,57 @@ impl Runtime {
             created_at: humantime::format_rfc3339_millis(SystemTime::now()).to_string(),
             start: if from.is_some() { StartKind::Restore } else { StartKind::Boot },
             start_ms: 0,
+            machine_id: random_hex(16),
+            machine: None,
         };
         let mut link = None;
         let started = Instant::now();
         let result = async {
+            let mut spec = VmSpec::for_template(&id, dir.clone(), template, resources, accel);
+            // Its own links to the files it runs on: a suspended VM resumes on them even after
+            // its template is rebuilt or its base snapshot pruned.
+            spec.kernel = hold(&dir, "kernel", &spec.kernel);
+            spec.initrd = hold(&dir, "initrd", &spec.initrd);
+            spec.rootfs = hold(&dir, "rootfs", &spec.rootfs);
+            spec.snapshot = from.map(|snap| SnapshotRole::Clone {
+                memory: snap.memory(),
+                state: snap.state(),
+                disk: hold(&dir, "frozen-disk.qcow2", &snap.disk()),
+                cmdline: snap.manifest.cmdline.clone(),
+            });
+            record.machine = Some(ResumeSpec {
+                cmdline: match &spec.snapshot {
+                    Some(role) => role.cmdline().to_string(),
+                    None => crate::vmm::qemu::kernel_cmdline(&id),
+                },
+                memory_backend: from.is_some(),
+                frozen_disk: match &spec.snapshot {
+                    Some(SnapshotRole::Clone { disk, .. }) => Some(disk.clone()),
+                    _ => None,
+                },
+                kernel: spec.kernel.clone(),
+                initrd: spec.initrd.clone(),
+                rootfs: spec.rootfs.clone(),
+            });
             write_atomic(
                 &dir.join("sandbox.json"),
                 &serde_json::to_vec_pretty(&record).expect("serializable"),
             )?;
-            let mut spec = VmSpec::for_template(&id, dir.clone(), template, resources, accel);
-            spec.snapshot = from.map(|snap| SnapshotRole::Clone {
-                memory: snap.memory(),
-                state: snap.state(),
-                disk: snap.disk(),
-                cmdline: snap.manifest.cmdline.clone(),
-            });
             let vm = self.start_vm(&id, &dir, spec, &mut link).await?;
             let ready = async {
                 if from.is_some() {
                     self.snapshotting("restore")?.complete_restore(&vm, limit).await?;
                 }
                 let (client, _health) = AgentClient::connect_ready(&vm.agent_socket, limit).await?;
-                client.set_identity(&identity(&id)).await?;
+                client.set_identity(&identity(&record)).await?;
                 // A restored VM runs its template's process already: it was saved running.
                 if let (None, Some(start)) = (from, &template.manifest.start) {
                     start_template_process(&client, start, limit).await?;
                 }
                 Ok::<_, RuntimeError>(client)
             };
-            let died = async { while !wait_exit(vm.pid, Duration::from_secs(3600)).await {} };
-            let failed = |reason: String| RuntimeError::BootFailed { id: id.clone(), reason };
-            tokio::select! {
-                r = ready => r
-                    .map(|client| (vm.clone(), client))
-                    .map_err(|e| failed(format!("{e}; console:\n{}", vm.console_tail(12)))),
-                _ = died => Err(failed(format!("the VMM exited during boot; console:\n{}", vm.console_tail(12)))),
-            }
+            let doing = if from.is_some() { "restore" } else { "boot" };
+            ready_or_died(&id, &vm, doing, ready).await.map(|client| (vm, client))
         }
         .await;
         match result {
@@ -974,7 +1032,9 @@ impl Runtime {
         let held_bytes = self
             .list()
             .iter()
-            .map(|sb| allocated_bytes(&root.join(sb.id())))
+            .map(|sb| sb.id().to_string())
+            .chain(self.suspended())
+            .map(|id| allocated_bytes(&root.join(id)))
             .sum::<u64>();
         DiskSpace {
             free_mib: free_bytes >> 20,
@@ -998,8 +1058,11 @@ impl Runtime {
         Ok(())
     }
 
-    /// Let a paused sandbox run again. Idempotent.
+    /// Let a paused or suspended sandbox run again. Idempotent.
     pub async fn resume(&self, id: &str) -> Result<()> {
+        if self.is_suspended(id) {
+            return self.resume_suspended(id).await.map(drop);
+        }
         let sb = self.get(id)?;
         if sb.is_paused() {
             self.inner.vmm.resume(&sb.vm).await?;
@@ -1008,8 +1071,161 @@ impl Runtime {
         Ok(())
     }
 
+    pub fn is_suspended(&self, id: &str) -> bool {
+        self.inner.suspended.lock().unwrap().contains_key(id)
+    }
+
+    /// Ids of the suspended sandboxes.
+    pub fn suspended(&self) -> Vec<String> {
+        self.inner.suspended.lock().unwrap().keys().cloned().collect()
+    }
+
+    /// Save a running (or paused) sandbox's whole state (RAM, devices) into its dir and end its
+    /// VMM: its memory, CPU and network are freed, its disk and saved state stay until
+    /// [`Runtime::resume`] (also after a restart) or [`Runtime::delete`]. Idempotent.
+    pub async fn suspend(&self, id: &str) -> Result<Timing> {
+        if self.is_suspended(id) {
+            return Ok(Timing { ms: 0 });
+        }
+        let sb = self.get(id)?;
+        let snapshotting = self.snapshotting("suspend")?;
+        if sb.record.machine.is_none() {
+            return Err(RuntimeError::ControlCommand {
+                command: "suspend".into(),
+                reason: format!("sandbox {id} was started by an older server that did not record its machine"),
+            });
+        }
+        let started = Instant::now();
+        let dir = sb.vm.dir.clone();
+        sb.deleting.store(true, Ordering::SeqCst);
+        // The guest sees its host leave before it is saved, so the resumed guest serves a new
+        // session at once (its processes and their output are kept in the guest).
+        if let Some(client) = sb.agent.lock().await.take() {
+            client.close();
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+        if let Err(e) = snapshotting.suspend(&sb.vm, SUSPEND_LIMIT).await {
+            if self.inner.vmm.is_running(&sb.vm) {
+                // Not saved: it runs on as it was.
+                let _ = self.inner.vmm.resume(&sb.vm).await;
+                sb.deleting.store(false, Ordering::SeqCst);
+                if sb.is_paused() {
+                    let _ = self.inner.vmm.pause(&sb.vm).await;
+                }
+            } else {
+                self.forget_gone(&sb).await;
+            }
+            return Err(e);
+        }
+        let state = dir.join(SUSPEND_STATE);
+        let saved = std::fs::rename(dir.join(crate::vmm::SUSPEND_NEXT), &state)
+            .and_then(|()| std::fs::metadata(&state))
+            .map_err(|e| RuntimeError::io(&state, e));
+        let saved = match saved {
+            Ok(meta) => meta,
+            Err(e) => {
+                self.forget_gone(&sb).await;
+                return Err(e);
+            }
+        };
+        let marker = SuspendRecord {
+            saved_at: humantime::format_rfc3339_millis(SystemTime::now()).to_string(),
+            state_bytes: saved.len(),
+            save_ms: started.elapsed().as_millis() as u64,
+        };
+        write_atomic(&dir.join(SUSPEND_MARKER), &serde_json::to_vec_pretty(&marker).expect("serializable"))?;
+        // Suspended before it leaves the running ones: it is never seen as gone.
+        self.inner
+            .suspended
+            .lock()
+            .unwrap()
+            .insert(id.to_string(), sb.record.clone());
+        self.inner.sandboxes.lock().unwrap().remove(id);
+        self.remove_network(sb.net.as_ref()).await;
+        self.inner.vmm.release(&dir);
+        tracing::info!(%id, bytes = marker.state_bytes, ms = marker.save_ms, "suspended");
+        Ok(Timing { ms: marker.save_ms })
+    }
+
+    /// A sandbox whose VMM is gone while it was meant to keep running: removed, as after a crash.
+    async fn forget_gone(&self, sb: &Arc<Sandbox>) {
+        self.inner.sandboxes.lock().unwrap().remove(sb.id());
+        self.remove_network(sb.net.as_ref()).await;
+        let _ = self.inner.discard(&sb.vm.dir);
+        let _ = self.inner.exits.send(sb.id().to_string());
+    }
+
+    /// Start a suspended sandbox's VM again from its saved state, with a new network, and give
+    /// it its identity again (the clock moved on). On failure it stays suspended.
+    async fn resume_suspended(&self, id: &str) -> Result<Arc<Sandbox>> {
+        let mut record = self
+            .inner
+            .suspended
+            .lock()
+            .unwrap()
+            .get(id)
+            .cloned()
+            .ok_or_else(|| RuntimeError::UnknownSandbox(id.into()))?;
+        let machine = record.machine.clone().ok_or_else(|| RuntimeError::UnknownSandbox(id.into()))?;
+        let dir = self.inner.data.sandboxes().join(id);
+        let limit = self.inner.boot_timeout;
+        let started = Instant::now();
+        let mut link = None;
+        let spec = VmSpec {
+            id: id.to_string(),
+            dir: dir.clone(),
+            kernel: machine.kernel.clone(),
+            initrd: machine.initrd.clone(),
+            rootfs: machine.rootfs.clone(),
+            vcpu: record.resources.vcpu,
+            memory_mib: record.resources.memory_mib,
+            disk_mib: record.resources.disk_mib,
+            accel: record.accel,
+            network: None,
+            snapshot: Some(SnapshotRole::Resume {
+                state: dir.join(SUSPEND_STATE),
+                resume: machine,
+            }),
+        };
+        let result = async {
+            let vm = self.start_vm(id, &dir, spec, &mut link).await?;
+            let ready = async {
+                self.snapshotting("resume")?.complete_restore(&vm, SUSPEND_LIMIT).await?;
+                let (client, _health) = AgentClient::connect_ready(&vm.agent_socket, limit).await?;
+                client.set_identity(&identity(&record)).await?;
+                Ok::<_, RuntimeError>(client)
+            };
+            ready_or_died(id, &vm, "resume", ready).await.map(|client| (vm, client))
+        }
+        .await;
+        match result {
+            Ok((vm, client)) => {
+                for done in [SUSPEND_MARKER, SUSPEND_STATE] {
+                    let _ = std::fs::remove_file(dir.join(done));
+                }
+                record.start_ms = started.elapsed().as_millis() as u64;
+                tracing::info!(%id, ms = record.start_ms, "resumed");
+                let sb = self.adopt(record, vm, link, Some(client), false);
+                self.inner.suspended.lock().unwrap().remove(id);
+                Ok(sb)
+            }
+            Err(e) => {
+                if let Some(vm) = VmHandle::load(&dir).filter(|vm| self.inner.vmm.is_running(vm)) {
+                    let _ = self.inner.vmm.stop(&vm, Duration::from_secs(2)).await;
+                }
+                self.remove_network(link.as_ref()).await;
+                self.inner.vmm.release(&dir);
+                Err(e)
+            }
+        }
+    }
+
     /// Stop the VM and remove its dir (overlay, sockets, logs). Unknown ids are an error.
     pub async fn delete(&self, id: &str) -> Result<()> {
+        if self.inner.suspended.lock().unwrap().remove(id).is_some() {
+            let dir = self.inner.data.sandboxes().join(id);
+            return self.inner.discard(&dir).map_err(|e| RuntimeError::io(&dir, e));
+        }
         let sb = self.get(id)?;
         sb.deleting.store(true, Ordering::SeqCst);
         let stopped = self.inner.vmm.stop(&sb.vm, Duration::from_secs(5)).await;
@@ -1047,16 +1263,48 @@ fn builder_cmdline() -> String {
     crate::vmm::qemu::kernel_cmdline("sandbox")
 }
 
-/// A new VM's identity: its hostname is its id; the rest is fresh.
-fn identity(id: &str) -> airlock_proto::Identity {
+/// A VM's identity: its hostname is its id, its machine id the one it was given; the entropy
+/// and the clock are fresh.
+fn identity(record: &SandboxRecord) -> airlock_proto::Identity {
     airlock_proto::Identity {
-        hostname: id.to_string(),
-        machine_id: random_hex(16),
+        hostname: record.id.clone(),
+        machine_id: record.machine_id.clone(),
         entropy_hex: random_hex(64),
         unix_time_ns: SystemTime::now()
             .duration_since(SystemTime::UNIX_EPOCH)
             .map(|d| d.as_nanos() as u64)
             .unwrap_or(0),
+    }
+}
+
+/// `ready` (its agent answering), unless the VMM exits first; a failure names what the VM was
+/// `doing` (boot, restore, resume) and carries the console's tail.
+async fn ready_or_died(
+    id: &str,
+    vm: &VmHandle,
+    doing: &str,
+    ready: impl std::future::Future<Output = Result<AgentClient>>,
+) -> Result<AgentClient> {
+    let died = async { while !wait_exit(vm.pid, Duration::from_secs(3600)).await {} };
+    let failed = |reason: String| RuntimeError::BootFailed { id: id.to_string(), reason };
+    tokio::select! {
+        r = ready => r.map_err(|e| failed(format!("{doing}: {e}; console:\n{}", vm.console_tail(12)))),
+        _ = died => Err(failed(format!("the VMM exited during {doing}; console:\n{}", vm.console_tail(12)))),
+    }
+}
+
+/// `<dir>/held/<name>`, a hard link to `file` (the sandbox's own hold on it), or `file` itself
+/// where no link can be made (another filesystem).
+fn hold(dir: &std::path::Path, name: &str, file: &std::path::Path) -> PathBuf {
+    let held = dir.join("held");
+    let link = held.join(name);
+    let made = std::fs::create_dir_all(&held).and_then(|()| std::fs::hard_link(file, &link));
+    match made {
+        Ok(()) => link,
+        Err(e) => {
+            tracing::debug!("cannot link {} into {}: {e}", file.display(), held.display());
+            file.to_path_buf()
+        }
     }
 }
 

@@ -2,6 +2,8 @@
 //!
 //! The parent re-runs this test binary as a child that creates a sandbox and exits without
 //! deleting it; the parent then opens the same data dir and finds the VM running and usable.
+//! The child also suspends a third sandbox, which the parent resumes with its files and running
+//! processes intact.
 
 mod common;
 
@@ -17,7 +19,10 @@ fn child_creates_sandbox_and_exits() {
         return; // only meaningful when started by `vm_survives_its_creator_and_is_reattached`
     }
     block_on(async {
-        let rt = Runtime::open(RuntimeOptions::new(test_data_dir())).await.unwrap();
+        // Booted VMs (the restored kind suspends in `vm.rs`), and no snapshot build to interrupt.
+        let mut opts = RuntimeOptions::new(test_data_dir());
+        opts.base_snapshots = false;
+        let rt = Runtime::open(opts).await.unwrap();
         let seed = || CreateSandbox {
             id: None,
             template: "seed".into(),
@@ -36,6 +41,20 @@ fn child_creates_sandbox_and_exits() {
         let orphan = rt.create(seed()).await.unwrap();
         std::fs::remove_file(airlock_runtime::vmm::VmHandle::record_path(&orphan.vm.dir)).unwrap();
         println!("ORPHAN_PID={} ORPHAN_DIR={}", orphan.vm.pid, orphan.vm.dir.display());
+        // Suspended with a file written and a process running that counts on.
+        let held = rt.create(seed()).await.unwrap();
+        let agent = held.agent().await.unwrap();
+        agent.write_file("/home/user/kept.txt", None, &b"kept on disk"[..]).await.unwrap();
+        let counter = agent
+            .spawn(&sh("i=0; while true; do i=$((i+1)); echo $i > /tmp/count; sleep 0.1; done"))
+            .await
+            .unwrap();
+        tokio::time::sleep(std::time::Duration::from_millis(500)).await;
+        let pid = held.vm.pid;
+        let timing = rt.suspend(held.id()).await.unwrap();
+        assert!(!pid_alive(pid), "the suspended VM's QEMU still runs");
+        assert!(rt.is_suspended(held.id()) && rt.get(held.id()).is_err());
+        println!("SUSPENDED_ID={} COUNTER={} SAVE_MS={}", held.id(), counter.pid, timing.ms);
     });
 }
 
@@ -107,5 +126,45 @@ fn vm_survives_its_creator_and_is_reattached() {
         rt.delete(&id).await.unwrap();
         assert!(!pid_alive(pid) && !dir.exists());
         assert!(!netns.exists(), "{} left", netns.display());
+
+        // The suspended sandbox: found suspended (no VM, no network), resumed as it was.
+        let held = stdout.split("SUSPENDED_ID=").nth(1).expect("child printed the suspended id");
+        let mut parts = held.split_whitespace();
+        let held_id = parts.next().unwrap().to_string();
+        let counter_pid: u32 = parts.next().unwrap().trim_start_matches("COUNTER=").parse().unwrap();
+        assert!(rt.is_suspended(&held_id), "found suspended after the restart");
+        let held_dir = test_data_dir().join("sandboxes").join(&held_id);
+        assert!(held_dir.join("suspend.state").is_file());
+        let held_ns = std::path::Path::new(airlock_runtime::net::NETNS_DIR)
+            .join(rt.network().unwrap().netns_name(&held_id));
+        assert!(!held_ns.exists(), "a suspended sandbox keeps no network");
+        let started = std::time::Instant::now();
+        rt.resume(&held_id).await.unwrap();
+        eprintln!("resumed in {} ms", started.elapsed().as_millis());
+        assert!(!rt.is_suspended(&held_id));
+        assert!(!held_dir.join("suspend.state").exists(), "the saved state goes once resumed");
+        let sb = rt.get(&held_id).unwrap();
+        let agent = sb.agent().await.unwrap();
+        assert_eq!(&agent.read_file("/home/user/kept.txt").await.unwrap()[..], b"kept on disk");
+        let out = sb
+            .run(sh(&format!(
+                "kill -0 {counter_pid} && a=$(cat /tmp/count); sleep 1; b=$(cat /tmp/count); echo $a $b; hostname"
+            )))
+            .await
+            .unwrap();
+        let text = String::from_utf8_lossy(&out.stdout).to_string();
+        assert_eq!(out.exit.exit_code, Some(0), "the counting process is gone: {text}");
+        let mut lines = text.lines();
+        let counts: Vec<u64> = lines.next().unwrap().split(' ').map(|n| n.parse().unwrap()).collect();
+        assert!(counts[0] >= 3 && counts[1] > counts[0], "it counts on from where it was: {counts:?}");
+        assert_eq!(lines.next(), Some(held_id.as_str()));
+        let eth0 = sb.run(sh("cat /sys/class/net/eth0/operstate")).await.unwrap();
+        assert_eq!(String::from_utf8_lossy(&eth0.stdout), "up\n");
+        assert!(held_ns.exists(), "its network is made again");
+        // Suspend again, then delete while suspended: nothing is left.
+        drop((sb, agent));
+        rt.suspend(&held_id).await.unwrap();
+        rt.delete(&held_id).await.unwrap();
+        assert!(!held_dir.exists() && !held_ns.exists());
     });
 }

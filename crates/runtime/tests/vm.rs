@@ -583,6 +583,26 @@ fn creates_restore_from_a_base_snapshot_with_an_identity_of_their_own() {
         for path in ["/home/user/only-a.txt", "/etc/only-a"] {
             assert_eq!(bb.stat(path).await.unwrap_err().code(), Some(ErrorCode::NotFound), "{path}");
         }
+        // A clone suspends and resumes too (its RAM was a private mapping of the snapshot's):
+        // same machine id, its file and a process that counts on, its clock set again.
+        let sleeper = aa.spawn(&sh("sleep 1000")).await.unwrap();
+        let a_id = a.id().to_string();
+        drop((a, aa));
+        let saved = rt.suspend(&a_id).await.unwrap();
+        assert!(rt.is_suspended(&a_id));
+        let resumed_at = std::time::Instant::now();
+        rt.resume(&a_id).await.unwrap();
+        eprintln!("clone suspended in {} ms, resumed in {} ms", saved.ms, resumed_at.elapsed().as_millis());
+        let a = rt.get(&a_id).unwrap();
+        let out = a
+            .run(sh(&format!("cat /home/user/only-a.txt; echo; cat /etc/machine-id; kill -0 {} && echo alive; date +%s", sleeper.pid)))
+            .await
+            .unwrap();
+        let text = String::from_utf8_lossy(&out.stdout).to_string();
+        let lines: Vec<&str> = text.lines().collect();
+        assert_eq!(lines[..3], ["a", seen[0].0.as_str(), "alive"], "{text}");
+        let host_now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_secs() as i64;
+        assert!((lines[3].parse::<i64>().unwrap() - host_now).abs() <= 5, "{text}");
         for sb in [&a, &b] {
             rt.delete(sb.id()).await.unwrap();
         }

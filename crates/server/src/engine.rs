@@ -1,4 +1,4 @@
-//! The operation engine: every lifecycle change (create, delete, pause, resume) is submitted
+//! The operation engine: every lifecycle change (create, delete, pause, suspend, resume) is submitted
 //! here as an `Action`, recorded as an `Operation`, and carried out in the background; callers
 //! `wait` for it when their door answers synchronously. On start, `recover` makes the store
 //! agree with the VMs that really exist; the reaper deletes expired sandboxes and marks those
@@ -14,6 +14,8 @@ use std::time::Duration;
 
 /// How long a sandbox may stay paused in memory before it is deleted like an expired one.
 pub const MAX_PAUSE: Duration = Duration::from_secs(24 * 3600);
+/// How long a sandbox may stay suspended (on disk) before it is deleted like an expired one.
+pub const MAX_SUSPEND: Duration = Duration::from_secs(30 * 24 * 3600);
 /// How often the reaper looks for expired sandboxes.
 const REAP_EVERY: Duration = Duration::from_millis(500);
 /// How often it also sweeps for VMs that vanished without an exit notice (missed while busy).
@@ -39,8 +41,16 @@ pub enum Action {
     Pause {
         sandbox: SandboxRow,
     },
+    /// Save the sandbox to disk and end its VM.
+    Suspend {
+        sandbox: SandboxRow,
+    },
+    /// Run a paused sandbox again, or start a suspended one from its saved state: that needs its
+    /// place, vcpu and memory again, so it is admitted under `quota` and `budget` like a create.
     Resume {
         sandbox: SandboxRow,
+        quota: Quota,
+        budget: NodeBudget,
     },
 }
 
@@ -202,22 +212,36 @@ impl Engine {
                     new: true,
                 })
             }
-            Action::Pause { sandbox } => self.submit_pause_or_resume(sandbox, true).await,
-            Action::Resume { sandbox } => self.submit_pause_or_resume(sandbox, false).await,
+            Action::Pause { sandbox } => self.submit_change(sandbox, OperationKind::Pause).await,
+            Action::Suspend { sandbox } => self.submit_change(sandbox, OperationKind::Suspend).await,
+            Action::Resume { sandbox, quota, budget } => {
+                if sandbox.state == SandboxState::Suspended
+                    && !self.store.admit_resume(&sandbox.id, &quota, &budget).await?
+                {
+                    return Err(CoreError::InvalidState {
+                        id: sandbox.id.clone(),
+                        state: self
+                            .store
+                            .sandbox_by_id(&sandbox.id)
+                            .await?
+                            .map_or(SandboxState::Deleted, |r| r.state),
+                        need: "only a suspended or paused sandbox can be resumed".into(),
+                    });
+                }
+                if sandbox.state == SandboxState::Suspended {
+                    self.announce(&sandbox.id, SandboxState::Resuming);
+                }
+                self.submit_change(sandbox, OperationKind::Resume).await
+            }
         }
     }
 
-    async fn submit_pause_or_resume(&self, sandbox: SandboxRow, pause: bool) -> CoreResult<Submitted> {
-        let kind = if pause {
-            OperationKind::Pause
-        } else {
-            OperationKind::Resume
-        };
+    async fn submit_change(&self, sandbox: SandboxRow, kind: OperationKind) -> CoreResult<Submitted> {
         let op = new_operation(kind, &sandbox.id);
         self.store.insert_operation(&sandbox.tenant_id, &op).await?;
         let engine = self.clone();
         let run = op.clone();
-        tokio::spawn(async move { engine.run_pause_or_resume(run, pause).await });
+        tokio::spawn(async move { engine.run_change(run).await });
         Ok(Submitted {
             operation: op,
             new: true,
@@ -338,49 +362,64 @@ impl Engine {
         }
     }
 
-    async fn run_pause_or_resume(&self, op: Operation, pause: bool) {
+    /// Pause, suspend or resume (`op.kind`), then record what the VM is.
+    async fn run_change(&self, op: Operation) {
         let id = op.sandbox_id.clone();
         let _ = self.store.set_operation_state(&op.id, OperationState::Running).await;
-        let result = if pause {
-            self.nodes.pause(&id).await
-        } else {
-            self.nodes.resume(&id).await
+        let result = match op.kind {
+            OperationKind::Pause => self.nodes.pause(&id).await,
+            OperationKind::Suspend => self.nodes.suspend(&id).await.map(drop),
+            _ => self.nodes.resume(&id).await,
         };
         match result {
             Ok(()) => {
-                self.settle_paused(&id, pause).await;
+                self.settle_held(&id, self.nodes.vm_state(&id)).await;
                 self.finish(&op, None).await;
             }
-            Err(e) => self.finish(&op, Some((&CoreError::from(e)).into())).await,
+            Err(e) => {
+                // A resume that did not start the VM leaves it suspended; a failed suspend
+                // leaves it running (or, if its VM died, the reaper fails it).
+                if let VmState::Suspended | VmState::Running | VmState::Paused = self.nodes.vm_state(&id) {
+                    self.settle_held(&id, self.nodes.vm_state(&id)).await;
+                }
+                self.finish(&op, Some((&CoreError::from(e)).into())).await
+            }
         }
     }
 
-    /// Record that the VM is now paused (or running), and stop (or restart) its clock: a paused
-    /// sandbox keeps the lifetime it had left, and expires only after `MAX_PAUSE` (its RAM is
-    /// held meanwhile). A sandbox that is being deleted meanwhile stays so.
-    async fn settle_paused(&self, id: &str, paused: bool) {
-        let live = [SandboxState::Running, SandboxState::Paused];
-        let to = if paused {
-            SandboxState::Paused
-        } else {
-            SandboxState::Running
+    /// Record the state a sandbox's VM is in now (running, paused, suspended), and stop (or
+    /// restart) its clock: a held sandbox keeps the lifetime it had left, and expires only after
+    /// `MAX_PAUSE` in memory or `MAX_SUSPEND` on disk. A sandbox being deleted stays so.
+    async fn settle_held(&self, id: &str, vm: VmState) {
+        let live = [
+            SandboxState::Running,
+            SandboxState::Paused,
+            SandboxState::Suspended,
+            SandboxState::Resuming,
+        ];
+        let (to, hold_for) = match vm {
+            VmState::Running => (SandboxState::Running, None),
+            VmState::Paused => (SandboxState::Paused, Some(MAX_PAUSE)),
+            VmState::Suspended => (SandboxState::Suspended, Some(MAX_SUSPEND)),
+            VmState::Gone => return,
         };
         let Ok(Some(row)) = self.store.sandbox_by_id(id).await else {
             return;
         };
-        if !self.transition(id, &live, to).await {
+        if row.state == to || !self.transition(id, &live, to).await {
             return;
         }
         let now = now_ms();
         let result = async {
-            if paused {
-                if row.state != SandboxState::Paused {
+            if let Some(hold_for) = hold_for {
+                // The lifetime left is kept from when it first stopped running.
+                if self.store.paused_remaining(id).await?.is_none() {
                     let remaining = (row.expires_at_ms - now).max(0);
                     self.store.set_paused_remaining(id, Some(remaining)).await?;
-                    self.store
-                        .set_sandbox_expiry(id, now + MAX_PAUSE.as_millis() as i64)
-                        .await?;
                 }
+                self.store
+                    .set_sandbox_expiry(id, now + hold_for.as_millis() as i64)
+                    .await?;
                 Ok(())
             } else {
                 if let Some(remaining) = self.store.paused_remaining(id).await? {
@@ -528,20 +567,26 @@ impl Engine {
                     tokio::spawn(async move { engine.run_delete(op).await });
                     continue;
                 }
-                (OperationKind::Create, VmState::Running | VmState::Paused) => {
+                (OperationKind::Create, VmState::Running | VmState::Paused | VmState::Suspended) => {
                     self.transition(id, &[SandboxState::Creating], SandboxState::Running)
                         .await;
+                    self.settle_held(id, vm).await;
                     self.finish(&op, None).await;
                     tracing::info!(op = %op.id, "create finished before the restart: succeeded");
                 }
-                (OperationKind::Pause, VmState::Paused) | (OperationKind::Resume, VmState::Running) => {
-                    self.settle_paused(id, vm == VmState::Paused).await;
+                (OperationKind::Pause, VmState::Paused)
+                | (OperationKind::Suspend, VmState::Suspended)
+                | (OperationKind::Resume, VmState::Running) => {
+                    self.settle_held(id, vm).await;
                     self.finish(&op, None).await;
                     tracing::info!(op = %op.id, "finished before the restart: succeeded");
                 }
-                (OperationKind::Pause | OperationKind::Resume, VmState::Running | VmState::Paused) => {
+                (
+                    OperationKind::Pause | OperationKind::Suspend | OperationKind::Resume,
+                    VmState::Running | VmState::Paused | VmState::Suspended,
+                ) => {
                     // It did not happen: the sandbox stays as its VM is.
-                    self.settle_paused(id, vm == VmState::Paused).await;
+                    self.settle_held(id, vm).await;
                     self.finish(&op, Some(interrupted())).await;
                     tracing::warn!(op = %op.id, "interrupted by a restart before it took effect");
                 }
@@ -553,11 +598,20 @@ impl Engine {
             }
         }
         if let Some(row) = self.store.sandbox_by_id(id).await? {
-            if matches!(row.state, SandboxState::Running | SandboxState::Paused)
-                && self.nodes.vm_state(id) == VmState::Gone
-            {
-                tracing::warn!(sandbox = %id, "its VM is gone; marking it failed");
-                self.set_state(id, SandboxState::Failed).await;
+            let held = [
+                SandboxState::Running,
+                SandboxState::Paused,
+                SandboxState::Suspended,
+                SandboxState::Resuming,
+            ];
+            if held.contains(&row.state) {
+                match self.nodes.vm_state(id) {
+                    VmState::Gone => {
+                        tracing::warn!(sandbox = %id, "its VM is gone; marking it failed");
+                        self.set_state(id, SandboxState::Failed).await;
+                    }
+                    vm => self.settle_held(id, vm).await,
+                }
             }
         }
         Ok(())
@@ -609,6 +663,43 @@ impl Engine {
         Ok(())
     }
 
+    /// A sandbox whose timeout passed: suspended if it asked for that (`on_timeout: suspend`,
+    /// E2B's autoPause) and runs, else deleted. A suspend that fails deletes it after all.
+    async fn timed_out(&self, row: SandboxRow) {
+        let suspend = row.lifecycle.on_timeout == crate::model::OnTimeout::Suspend
+            && matches!(row.state, SandboxState::Running | SandboxState::Paused);
+        if !suspend {
+            tracing::info!(sandbox = %row.id, "timeout passed; deleting");
+            let _ = self.submit(Action::Delete { sandbox: row }).await;
+            return;
+        }
+        tracing::info!(sandbox = %row.id, "timeout passed; suspending");
+        // Not picked again while it suspends; resumed, it gets its whole timeout again.
+        let held = async {
+            self.store
+                .set_sandbox_expiry(&row.id, now_ms() + MAX_SUSPEND.as_millis() as i64)
+                .await?;
+            self.store.set_paused_remaining(&row.id, Some(row.timeout_ms)).await
+        };
+        if let Err(e) = held.await {
+            tracing::error!(sandbox = %row.id, "cannot record the suspend clock: {e}");
+        }
+        let engine = self.clone();
+        tokio::spawn(async move {
+            let done = match engine.submit(Action::Suspend { sandbox: row.clone() }).await {
+                Ok(s) => engine.wait(&s.operation).await.ok().filter(|op| op.error.is_none()),
+                Err(_) => None,
+            };
+            if done.is_none() {
+                tracing::warn!(sandbox = %row.id, "suspend at timeout failed; deleting");
+                let _ = engine.store.set_paused_remaining(&row.id, None).await;
+                if let Ok(Some(now)) = engine.store.sandbox_by_id(&row.id).await {
+                    let _ = engine.submit(Action::Delete { sandbox: now }).await;
+                }
+            }
+        });
+    }
+
     /// Delete sandboxes whose timeout passed; fail those whose VM exited on its own.
     pub fn spawn_reaper(&self) {
         let engine = self.clone();
@@ -633,8 +724,7 @@ impl Engine {
                 if let Ok(expired) = engine.store.expired_sandboxes(now_ms()).await {
                     // A sandbox the restart's recovery has yet to settle waits for it.
                     for row in expired.into_iter().filter(|r| !engine.recovering(&r.id)) {
-                        tracing::info!(sandbox = %row.id, "timeout passed; deleting");
-                        let _ = engine.submit(Action::Delete { sandbox: row }).await;
+                        engine.timed_out(row).await;
                     }
                 }
                 if tick % SWEEP_EVERY_TICKS == 0 {

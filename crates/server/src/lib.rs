@@ -41,7 +41,7 @@ use utoipa::OpenApi;
 #[openapi(
     info(title = "airlock", description = "Self-hosted microVM sandboxes for AI agents: native API (milestone 1)"),
     paths(
-        native::create_sandbox, native::list_sandboxes, native::get_sandbox, native::get_egress, native::get_tenant, native::delete_sandbox, native::pause_sandbox, native::resume_sandbox, native::get_operation,
+        native::create_sandbox, native::list_sandboxes, native::get_sandbox, native::get_egress, native::get_tenant, native::delete_sandbox, native::pause_sandbox, native::suspend_sandbox, native::resume_sandbox, native::get_operation,
         native::create_session, native::list_sessions, native::get_session, native::stream_session, native::session_stdin,
         native::session_signal, native::session_resize, native::read_file, native::write_file, native::delete_file, native::list_files,
         native::list_templates, native::get_template, native::system,
@@ -104,6 +104,7 @@ pub fn router(state: AppState) -> Router {
         .route("/sandboxes/{id}/egress", get(native::get_egress))
         .route("/tenant", get(native::get_tenant))
         .route("/sandboxes/{id}/pause", post(native::pause_sandbox))
+        .route("/sandboxes/{id}/suspend", post(native::suspend_sandbox))
         .route("/sandboxes/{id}/resume", post(native::resume_sandbox))
         .route("/operations/{id}", get(native::get_operation))
         .route(

@@ -14,17 +14,33 @@ pub enum SandboxState {
     /// Frozen in memory (vCPUs stopped); resume to run again. Its timeout is stopped meanwhile
     /// (for at most 24 h).
     Paused,
+    /// Saved to disk (memory, devices, disk) with no VM running: it holds only disk space.
+    /// Resume to run again, with its files and processes as they were. Its timeout is stopped
+    /// meanwhile (for at most 30 days).
+    Suspended,
+    /// Being started again from its suspended state.
+    Resuming,
     Deleting,
     Deleted,
     Failed,
 }
 
 impl SandboxState {
+    /// Running, or held (paused, suspended, resuming): what E2B calls a live sandbox.
+    pub fn is_held_or_running(self) -> bool {
+        matches!(
+            self,
+            SandboxState::Running | SandboxState::Paused | SandboxState::Suspended | SandboxState::Resuming
+        )
+    }
+
     pub fn as_str(self) -> &'static str {
         match self {
             SandboxState::Creating => "creating",
             SandboxState::Running => "running",
             SandboxState::Paused => "paused",
+            SandboxState::Suspended => "suspended",
+            SandboxState::Resuming => "resuming",
             SandboxState::Deleting => "deleting",
             SandboxState::Deleted => "deleted",
             SandboxState::Failed => "failed",
@@ -35,6 +51,8 @@ impl SandboxState {
             "creating" => SandboxState::Creating,
             "running" => SandboxState::Running,
             "paused" => SandboxState::Paused,
+            "suspended" => SandboxState::Suspended,
+            "resuming" => SandboxState::Resuming,
             "deleting" => SandboxState::Deleting,
             "deleted" => SandboxState::Deleted,
             "failed" => SandboxState::Failed,
@@ -49,6 +67,7 @@ pub enum OperationKind {
     Create,
     Delete,
     Pause,
+    Suspend,
     Resume,
 }
 
@@ -58,6 +77,7 @@ impl OperationKind {
             OperationKind::Create => "create",
             OperationKind::Delete => "delete",
             OperationKind::Pause => "pause",
+            OperationKind::Suspend => "suspend",
             OperationKind::Resume => "resume",
         }
     }
@@ -66,6 +86,7 @@ impl OperationKind {
             "create" => OperationKind::Create,
             "delete" => OperationKind::Delete,
             "pause" => OperationKind::Pause,
+            "suspend" => OperationKind::Suspend,
             "resume" => OperationKind::Resume,
             _ => return None,
         })
@@ -156,6 +177,37 @@ pub struct CreateSandboxRequest {
     pub env: Option<BTreeMap<String, String>>,
     /// Free-form labels, filterable in the list.
     pub metadata: Option<BTreeMap<String, String>>,
+    /// What happens when the timeout passes: `delete` (the default) or `suspend` (saved to disk,
+    /// resumable for 30 days; it gets its whole timeout again when it resumes).
+    pub on_timeout: Option<OnTimeout>,
+    /// Resume the sandbox when a request reaches it (a session, a file, a port, E2B's envd)
+    /// while it is suspended or paused. Default false: such a request gets 409 `invalid_state`.
+    pub auto_resume: Option<bool>,
+}
+
+/// What a sandbox's timeout does.
+#[derive(Debug, Clone, Copy, Default, Serialize, Deserialize, ToSchema, PartialEq, Eq)]
+#[serde(rename_all = "snake_case")]
+pub enum OnTimeout {
+    #[default]
+    Delete,
+    Suspend,
+}
+
+impl OnTimeout {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            OnTimeout::Delete => "delete",
+            OnTimeout::Suspend => "suspend",
+        }
+    }
+}
+
+/// A sandbox's lifecycle settings, chosen at create.
+#[derive(Debug, Clone, Copy, Default, Serialize, Deserialize, ToSchema, PartialEq, Eq)]
+pub struct Lifecycle {
+    pub on_timeout: OnTimeout,
+    pub auto_resume: bool,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
@@ -179,6 +231,7 @@ pub struct Sandbox {
     pub created_at: String,
     pub expires_at: String,
     pub egress: SandboxEgress,
+    pub lifecycle: Lifecycle,
     /// How its VM started, once it runs: booted, or restored from its template's base snapshot.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub start: Option<SandboxStart>,
@@ -451,16 +504,17 @@ pub struct ErrorBody {
 #[derive(Debug, Clone, Copy, Default, Serialize, Deserialize, ToSchema, PartialEq, Eq)]
 #[serde(deny_unknown_fields)]
 pub struct Quota {
-    /// Live sandboxes (creating, running, paused, deleting) at once.
+    /// Live sandboxes (creating, running, paused, resuming, deleting) at once; suspended ones
+    /// hold no VM and count only for disk.
     #[serde(default)]
     pub sandboxes: Option<u32>,
-    /// vCPUs of its live sandboxes together.
+    /// vCPUs of its live sandboxes together (suspended ones not counted).
     #[serde(default)]
     pub vcpu: Option<u64>,
-    /// Memory of its live sandboxes together, MiB.
+    /// Memory of its live sandboxes together, MiB (suspended ones not counted).
     #[serde(default)]
     pub memory_mib: Option<u64>,
-    /// Disk of its live sandboxes together, MiB (each counted at its full size).
+    /// Disk of its live sandboxes together, MiB (each counted at its full size, suspended too).
     #[serde(default)]
     pub disk_mib: Option<u64>,
     /// Running sessions (processes started through either door) per sandbox.

@@ -15,6 +15,8 @@ use tokio::sync::broadcast;
 pub enum VmState {
     Running,
     Paused,
+    /// Saved to disk, no VM process (resume starts it again).
+    Suspended,
     /// No VM (never booted, deleted, or exited on its own).
     Gone,
 }
@@ -51,6 +53,9 @@ pub trait Nodes: Send + Sync {
     /// Stop the VM and remove its disk; a VM that is already gone is not an error.
     async fn delete(&self, id: &str) -> Result<(), RuntimeError>;
     async fn pause(&self, id: &str) -> Result<(), RuntimeError>;
+    /// Save the VM's whole state to disk and end its process; returns how long it took (ms).
+    async fn suspend(&self, id: &str) -> Result<u64, RuntimeError>;
+    /// Run a paused VM again, or start a suspended one from its saved state.
     async fn resume(&self, id: &str) -> Result<(), RuntimeError>;
     fn vm_state(&self, id: &str) -> VmState;
     /// Wait until this node knows whether `id` has a VM: after a restart a node re-attaches
@@ -58,7 +63,7 @@ pub trait Nodes: Send + Sync {
     async fn settled(&self, id: &str);
     /// Wait until every VM of the node's earlier life is re-attached or removed.
     async fn settled_all(&self);
-    /// Every VM this node has, live or paused.
+    /// Every VM this node has: live, paused or suspended.
     fn vm_ids(&self) -> Vec<String>;
     /// The guest agent of a running VM (process and file calls, port tunnels).
     async fn agent(&self, id: &str) -> Result<AgentClient, RuntimeError>;
@@ -160,6 +165,13 @@ impl Nodes for LocalNode {
         self.runtime.pause(id).await
     }
 
+    async fn suspend(&self, id: &str) -> Result<u64, RuntimeError> {
+        self.runtime.settled(id).await;
+        let lock = self.lock_for(id);
+        let _guard = lock.lock().await;
+        self.runtime.suspend(id).await.map(|t| t.ms)
+    }
+
     async fn resume(&self, id: &str) -> Result<(), RuntimeError> {
         self.runtime.settled(id).await;
         let lock = self.lock_for(id);
@@ -171,6 +183,7 @@ impl Nodes for LocalNode {
         match self.runtime.get(id) {
             Ok(sb) if sb.is_paused() => VmState::Paused,
             Ok(_) => VmState::Running,
+            Err(_) if self.runtime.is_suspended(id) => VmState::Suspended,
             Err(_) => VmState::Gone,
         }
     }
@@ -184,7 +197,9 @@ impl Nodes for LocalNode {
     }
 
     fn vm_ids(&self) -> Vec<String> {
-        self.runtime.list().iter().map(|s| s.id().to_string()).collect()
+        let mut ids: Vec<String> = self.runtime.list().iter().map(|s| s.id().to_string()).collect();
+        ids.extend(self.runtime.suspended());
+        ids
     }
 
     async fn agent(&self, id: &str) -> Result<AgentClient, RuntimeError> {

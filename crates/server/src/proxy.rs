@@ -4,7 +4,6 @@
 //! public: a request needs the sandbox's access token or its owner's API key.
 
 use crate::core::{Accept, Core, CoreError, Credentials, Principal, Via};
-use crate::model::SandboxState;
 use axum::body::Body;
 use axum::extract::{Request, State};
 use axum::http::{HeaderValue, StatusCode};
@@ -112,7 +111,7 @@ pub async fn forward(core: Core, id: String, port: u16, mut req: Request) -> Res
         no_token: false,
     };
     let (sandbox, via) = match core.sandbox_principal(&creds, Some(&id), accept).await {
-        Ok(Principal::Sandbox { sandbox, via }) if sandbox.state == SandboxState::Running => (sandbox, via),
+        Ok(Principal::Sandbox { sandbox, via }) if sandbox.answers_requests() => (sandbox, via),
         // A caller without the sandbox's token or its owner's key gets the answer for a missing
         // sandbox: it learns nothing of what exists.
         Ok(_) | Err(CoreError::NotFound { .. } | CoreError::Unauthenticated(_)) => return not_running(&id),

@@ -41,6 +41,8 @@ fn sandbox_row(id: &str, tenant_id: &str) -> SandboxRow {
         expires_at_ms: now_ms() + 300_000,
         egress: Default::default(),
         start: None,
+        lifecycle: Default::default(),
+        timeout_ms: 300_000,
     }
 }
 

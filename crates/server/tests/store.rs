@@ -1,9 +1,9 @@
 //! The SQLite store on real files: the atomic quota, idempotency, and upgrading a database made
 //! before versioned migrations.
 
-use airlock_server::model::{Operation, OperationKind, OperationState, Resources, SandboxState};
+use airlock_server::model::{Operation, OperationKind, OperationState, Quota, Resources, SandboxState};
 use airlock_server::store::{
-    new_key, now_ms, rfc3339, token_hash, CreateRecorded, E2bStore, KeyFormat, OperationStore, SandboxRow,
+    new_key, now_ms, rfc3339, token_hash, CreateRecorded, E2bStore, KeyFormat, NodeBudget, OperationStore, SandboxRow,
     SandboxStore, SessionRow, SqliteStore, StoreError, Tenant, TenantStore,
 };
 use std::collections::BTreeMap;
@@ -30,6 +30,8 @@ fn sandbox(id: &str, tenant: &str) -> SandboxRow {
         expires_at_ms: now_ms() + 60_000,
         egress: Default::default(),
         start: None,
+        lifecycle: Default::default(),
+        timeout_ms: 300_000,
     }
 }
 
@@ -159,7 +161,13 @@ async fn idempotency_key_returns_the_first_operation_and_only_live_states_count(
     assert!(matches!(r, Ok(CreateRecorded::New(_))));
 
     // Every live state counts; deleted and failed ones do not.
-    for state in [SandboxState::Running, SandboxState::Paused, SandboxState::Deleting] {
+    for state in [
+        SandboxState::Running,
+        SandboxState::Paused,
+        SandboxState::Suspended,
+        SandboxState::Resuming,
+        SandboxState::Deleting,
+    ] {
         store.set_sandbox_state("a", state).await.unwrap();
         assert_eq!(store.count_live_sandboxes("t1").await.unwrap(), 1, "{state:?}");
     }
@@ -182,6 +190,71 @@ async fn idempotency_key_returns_the_first_operation_and_only_live_states_count(
     );
     assert_eq!(store.operation_by_id(&first.id).await.unwrap().unwrap().sandbox_id, "a");
     assert!(store.get_operation("t2", &first.id).await.unwrap().is_none());
+}
+
+/// A suspended sandbox holds its disk only: it leaves its place, vcpu and memory to others, and
+/// gets them back on resume only if they are free (the same atomic admission as a create).
+#[tokio::test]
+async fn suspended_sandboxes_hold_only_disk_and_resume_is_admitted() {
+    let (_dir, store) = fresh().await;
+    let quota = Quota {
+        sandboxes: Some(1),
+        disk_mib: Some(2048),
+        ..Quota::default()
+    };
+    let budget = NodeBudget {
+        vcpu: 8,
+        memory_mib: 1024,
+        disk_mib: 1 << 20,
+    };
+    let create = |id: &'static str| {
+        let store = store.clone();
+        let quota = quota.clone();
+        async move {
+            store
+                .insert_create_within(&sandbox(id, "t1"), &create_op(id), None, &quota, &budget)
+                .await
+        }
+    };
+    assert!(matches!(create("a").await, Ok(CreateRecorded::New(_))));
+    assert!(matches!(create("b").await, Err(StoreError::QuotaExceeded { quota: "sandboxes", .. })));
+    // Not suspended: nothing to admit.
+    assert!(!store.admit_resume("a", &quota, &budget).await.unwrap());
+    store.set_sandbox_state("a", SandboxState::Suspended).await.unwrap();
+    assert_eq!(store.tenant_usage("t1", now_ms()).await.unwrap().sandboxes, 0);
+    assert_eq!(store.tenant_usage("t1", now_ms()).await.unwrap().memory_mib, 0);
+    assert_eq!(store.tenant_usage("t1", now_ms()).await.unwrap().disk_mib, 1024);
+    assert!(matches!(create("b").await, Ok(CreateRecorded::New(_))));
+    // Its disk still counts: a third 1 GiB disk is past the 2 GiB quota.
+    store.set_sandbox_state("b", SandboxState::Suspended).await.unwrap();
+    assert!(matches!(create("c").await, Err(StoreError::QuotaExceeded { quota: "disk_mib", .. })));
+    store.set_sandbox_state("b", SandboxState::Running).await.unwrap();
+    // `b` runs in the tenant's one place: `a` cannot resume until it goes.
+    assert!(matches!(
+        store.admit_resume("a", &quota, &budget).await,
+        Err(StoreError::QuotaExceeded { quota: "sandboxes", .. })
+    ));
+    assert_eq!(store.sandbox_by_id("a").await.unwrap().unwrap().state, SandboxState::Suspended);
+    store.set_sandbox_state("b", SandboxState::Deleted).await.unwrap();
+    // The node's memory budget applies the same way (another tenant fills it).
+    let other = |id: &'static str| {
+        let store = store.clone();
+        async move {
+            store
+                .insert_create_within(&sandbox(id, "t2"), &create_op(id), None, &Quota::default(), &budget)
+                .await
+        }
+    };
+    assert!(matches!(other("x").await, Ok(CreateRecorded::New(_))));
+    assert!(matches!(other("y").await, Ok(CreateRecorded::New(_))));
+    assert!(matches!(
+        store.admit_resume("a", &quota, &budget).await,
+        Err(StoreError::NodeBudgetExceeded { budget: "memory", .. })
+    ));
+    store.set_sandbox_state("y", SandboxState::Failed).await.unwrap();
+    assert!(store.admit_resume("a", &quota, &budget).await.unwrap());
+    assert_eq!(store.sandbox_by_id("a").await.unwrap().unwrap().state, SandboxState::Resuming);
+    assert_eq!(store.tenant_usage("t1", now_ms()).await.unwrap().sandboxes, 1);
 }
 
 #[tokio::test]

@@ -131,7 +131,11 @@ pub struct VmSpec {
 pub enum SnapshotRole {
     /// Boot with guest RAM in `memory` (shared, written through), ready for [`Snapshotting::save`]
     /// to write the device state to `state`.
-    Builder { memory: PathBuf, state: PathBuf, cmdline: String },
+    Builder {
+        memory: PathBuf,
+        state: PathBuf,
+        cmdline: String,
+    },
     /// Restore: RAM mapped privately (copy-on-write) from `memory`, the device state read from
     /// `state`, the disk an overlay on `disk` (the builder's, frozen at the save); then
     /// [`Snapshotting::complete_restore`].
@@ -141,15 +145,44 @@ pub enum SnapshotRole {
         disk: PathBuf,
         cmdline: String,
     },
+    /// Resume a suspended VM: the same machine again (`resume.cmdline`, RAM in a memory backend
+    /// when it had one), its overlay kept as it was, everything else (RAM included) loaded
+    /// from `state`; then [`Snapshotting::complete_restore`].
+    Resume { state: PathBuf, resume: ResumeSpec },
 }
 
 impl SnapshotRole {
     pub fn cmdline(&self) -> &str {
         match self {
             SnapshotRole::Builder { cmdline, .. } | SnapshotRole::Clone { cmdline, .. } => cmdline,
+            SnapshotRole::Resume { resume, .. } => &resume.cmdline,
         }
     }
+
+    /// Whether the VMM waits for a saved state before it runs (`-incoming`).
+    pub fn is_incoming(&self) -> bool {
+        matches!(self, SnapshotRole::Clone { .. } | SnapshotRole::Resume { .. })
+    }
 }
+
+/// What a suspended VM needs to be started again as the same machine: recorded with its saved
+/// state (`suspend.json` in its dir), so a resume also works after a server restart.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
+pub struct ResumeSpec {
+    pub cmdline: String,
+    /// Its RAM was a memory backend (`id=mem`, a clone of a base snapshot): the saved RAM
+    /// block has that name, so the resumed VM needs one too.
+    pub memory_backend: bool,
+    /// The frozen disk of the base snapshot its overlay sits on, if it was restored from one.
+    pub frozen_disk: Option<PathBuf>,
+    pub kernel: PathBuf,
+    pub initrd: PathBuf,
+    pub rootfs: PathBuf,
+}
+
+/// Where a running VM's suspend writes its state (every VM but a builder is started with it
+/// open for writing, since a jailed VMM opens no path itself).
+pub const SUSPEND_NEXT: &str = "suspend.next";
 
 /// What a VMM that can save and restore VMs offers (`Vmm::snapshotting`).
 #[async_trait]
@@ -157,8 +190,12 @@ pub trait Snapshotting: Send + Sync {
     /// Stop a VM started as a [`SnapshotRole::Builder`], write its device state, and end it. Its
     /// memory file and disk are the rest of the snapshot.
     async fn save(&self, vm: &VmHandle, limit: Duration) -> Result<()>;
-    /// Load the device state into a VM started as a [`SnapshotRole::Clone`] and let it run.
+    /// Load the device state into a VM started as a [`SnapshotRole::Clone`] (or its whole
+    /// state, started as [`SnapshotRole::Resume`]) and let it run.
     async fn complete_restore(&self, vm: &VmHandle, limit: Duration) -> Result<()>;
+    /// Stop a running VM (not a builder), write its whole state (RAM and devices) to
+    /// [`SUSPEND_NEXT`] in its dir, and end it. Its disk stays as it is.
+    async fn suspend(&self, vm: &VmHandle, limit: Duration) -> Result<()>;
     /// Identifies the VMM build: a snapshot restores only into the VMM that saved it.
     fn build_id(&self) -> String;
 }
@@ -216,7 +253,11 @@ impl VmHandle {
     /// A handle good enough to find and stop a VMM whose record was never written: from the
     /// pid its jailed child wrote before exec ([`crate::jail::PID_FILE`]).
     pub fn orphan(dir: &Path, runtime: &str) -> Option<Self> {
-        let pid = std::fs::read_to_string(dir.join(crate::jail::PID_FILE)).ok()?.trim().parse().ok()?;
+        let pid = std::fs::read_to_string(dir.join(crate::jail::PID_FILE))
+            .ok()?
+            .trim()
+            .parse()
+            .ok()?;
         Some(Self {
             runtime: runtime.into(),
             pid,

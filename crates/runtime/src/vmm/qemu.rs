@@ -7,9 +7,9 @@
 
 use super::qmp::Qmp;
 use crate::error::{Result, RuntimeError};
+use crate::jail::{Jailer, Limits};
 use crate::vmm::{kill_and_wait, pid_alive, reap, wait_exit, Accel, SnapshotRole, Snapshotting, VmHandle, VmSpec, Vmm};
 use async_trait::async_trait;
-use crate::jail::{Jailer, Limits};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
@@ -142,7 +142,10 @@ impl QemuVmm {
         ]);
         if let Some(netdev) = &attach.netdev {
             // The NIC: virtio-net on the tap the runtime opened (no vhost-net here).
-            let mac = spec.network.as_ref().map_or(airlock_proto::net::GUEST_MAC, |n| n.mac.as_str());
+            let mac = spec
+                .network
+                .as_ref()
+                .map_or(airlock_proto::net::GUEST_MAC, |n| n.mac.as_str());
             args.extend([
                 "-netdev".into(),
                 format!("{netdev},id=net0"),
@@ -150,7 +153,7 @@ impl QemuVmm {
                 format!("virtio-net-device,netdev=net0,mac={mac}"),
             ]);
         }
-        if matches!(spec.snapshot, Some(SnapshotRole::Clone { .. })) {
+        if spec.snapshot.as_ref().is_some_and(SnapshotRole::is_incoming) {
             // Wait for `complete_restore` to load the state (capabilities must be set first).
             args.extend(["-incoming".into(), "defer".into()]);
         }
@@ -182,6 +185,8 @@ pub struct Attach {
 const STATE_FD_SET: u32 = 4;
 /// The fd set holding a snapshot's frozen disk, the backing of a clone's overlay.
 const FROZEN_DISK_FD_SET: u32 = 5;
+/// The fd set holding where a suspend writes the VM's state ([`super::SUSPEND_NEXT`]).
+const SUSPEND_FD_SET: u32 = 6;
 
 impl Attach {
     /// The same machine with a NIC on `netdev` (a `-netdev` backend without its id): a raw VM
@@ -208,6 +213,7 @@ impl Attach {
                 spec.memory_mib,
                 p(memory)
             )),
+            Some(SnapshotRole::Resume { resume, .. }) => resume.memory_backend.then(|| ram_backend(spec)),
             None => None,
         };
         Self {
@@ -262,6 +268,17 @@ impl Attach {
         };
         let set = |fd: i32, set: u32| vec!["-add-fd".to_string(), format!("fd={fd},set={set}")];
         let mut fd_sets = [set(backing, 1), set(disk_rw, 2), set(disk_ro, 2), set(console, 3)].concat();
+        if !matches!(spec.snapshot, Some(SnapshotRole::Builder { .. })) {
+            // Where a suspend writes this VM's state: write-only (QEMU picks by access mode).
+            let mut wo = std::fs::OpenOptions::new();
+            wo.write(true).create(true).truncate(true);
+            let next = open(&spec.dir.join(super::SUSPEND_NEXT), &mut wo)?;
+            fd_sets.extend(set(jail.pass(next)?, SUSPEND_FD_SET));
+        }
+        let clone_chain = format!(
+            "file=/dev/fdset/2,backing.driver=qcow2,backing.file.filename=/dev/fdset/{FROZEN_DISK_FD_SET},\
+             backing.backing.driver=raw,backing.backing.file.filename=/dev/fdset/1"
+        );
         // The overlay's header names its backing by path, which the jailed QEMU cannot reach: the
         // chain is given here instead (a clone's: overlay -> frozen snapshot disk -> template).
         let mut disk = "file=/dev/fdset/2,backing.driver=raw,backing.file.filename=/dev/fdset/1".to_string();
@@ -280,20 +297,31 @@ impl Attach {
                     spec.memory_mib
                 ))
             }
-            Some(SnapshotRole::Clone { memory, state, disk: frozen, .. }) => {
+            Some(SnapshotRole::Clone {
+                memory,
+                state,
+                disk: frozen,
+                ..
+            }) => {
                 let mem = jail.pass(open(memory, &mut ro())?)?;
                 fd_sets.extend(set(jail.pass(open(state, &mut ro())?)?, STATE_FD_SET));
                 fd_sets.extend(set(jail.pass(open(frozen, &mut ro())?)?, FROZEN_DISK_FD_SET));
-                disk = format!(
-                    "file=/dev/fdset/2,backing.driver=qcow2,backing.file.filename=/dev/fdset/{FROZEN_DISK_FD_SET},\
-                     backing.backing.driver=raw,backing.backing.file.filename=/dev/fdset/1"
-                );
+                disk = clone_chain;
                 // Read-only file, private writable mapping: every clone shares the snapshot's
                 // pages until it writes one, and none can change the file.
                 Some(format!(
                     "memory-backend-file,id=mem,size={}M,mem-path=/proc/self/fd/{mem},readonly=on,rom=off,share=off",
                     spec.memory_mib
                 ))
+            }
+            Some(SnapshotRole::Resume { state, resume }) => {
+                fd_sets.extend(set(jail.pass(open(state, &mut ro())?)?, STATE_FD_SET));
+                if let Some(frozen) = &resume.frozen_disk {
+                    fd_sets.extend(set(jail.pass(open(frozen, &mut ro())?)?, FROZEN_DISK_FD_SET));
+                    disk = clone_chain;
+                }
+                // The saved state holds all of RAM: plain anonymous memory takes it.
+                resume.memory_backend.then(|| ram_backend(spec))
             }
         };
         Ok(Self {
@@ -308,6 +336,11 @@ impl Attach {
             memory,
         })
     }
+}
+
+/// Guest RAM as anonymous memory under the name a base snapshot's clone had (`mem`).
+fn ram_backend(spec: &VmSpec) -> String {
+    format!("memory-backend-ram,id=mem,size={}M", spec.memory_mib)
 }
 
 /// A value inside QEMU's comma-separated options (`,` is written `,,`).
@@ -409,19 +442,31 @@ impl Vmm for QemuVmm {
         }
         // The guest's console can print secrets: only the server's user reads it.
         crate::datadir::create_private(&files.console).map_err(|e| RuntimeError::io(&files.console, e))?;
+        for s in [&files.agent_socket, &files.qmp_socket] {
+            // An earlier VMM's (a resumed VM is started again in its dir).
+            let _ = std::fs::remove_file(s);
+        }
         let (backing, backing_format) = match &spec.snapshot {
             Some(SnapshotRole::Clone { disk, .. }) => (disk, "qcow2"),
             _ => (&spec.rootfs, "raw"),
         };
-        let out = Command::new("qemu-img")
-            .args(["create", "-q", "-f", "qcow2", "-F", backing_format, "-b"])
-            .arg(backing)
-            .arg(&files.overlay)
-            .arg(format!("{}M", spec.disk_mib))
-            .output()
-            .await
-            .map_err(|e| RuntimeError::QemuMissing(format!("qemu-img ({e})")))?;
-        if !out.status.success() {
+        let resuming = matches!(spec.snapshot, Some(SnapshotRole::Resume { .. }));
+        // A resumed VM keeps its overlay: the disk it was suspended with.
+        let out = if resuming {
+            None
+        } else {
+            Some(
+                Command::new("qemu-img")
+                    .args(["create", "-q", "-f", "qcow2", "-F", backing_format, "-b"])
+                    .arg(backing)
+                    .arg(&files.overlay)
+                    .arg(format!("{}M", spec.disk_mib))
+                    .output()
+                    .await
+                    .map_err(|e| RuntimeError::QemuMissing(format!("qemu-img ({e})")))?,
+            )
+        };
+        if let Some(out) = out.filter(|o| !o.status.success()) {
             return Err(RuntimeError::DiskCreate(format!(
                 "qemu-img create: {}",
                 String::from_utf8_lossy(&out.stderr).trim()
@@ -540,7 +585,9 @@ impl QemuVmm {
             reason,
         };
         let run = async {
-            let mut qmp = Qmp::connect(&vm.control_socket).await.map_err(|e| fail(format!("QMP: {e}")))?;
+            let mut qmp = Qmp::connect(&vm.control_socket)
+                .await
+                .map_err(|e| fail(format!("QMP: {e}")))?;
             qmp.execute(
                 "migrate-set-capabilities",
                 Some(serde_json::json!({"capabilities": [{"capability": "x-ignore-shared", "state": true}]})),
@@ -551,11 +598,17 @@ impl QemuVmm {
                 qmp.execute(cmd, args.clone()).await.map_err(|e| fail(e.to_string()))?;
             }
             loop {
-                let status = qmp.execute("query-migrate", None).await.map_err(|e| fail(e.to_string()))?;
+                let status = qmp
+                    .execute("query-migrate", None)
+                    .await
+                    .map_err(|e| fail(e.to_string()))?;
                 match status["status"].as_str() {
                     Some("completed") => return Ok(qmp),
                     Some("failed") | Some("cancelled") => {
-                        return Err(fail(format!("migration {}: {}", status["status"], status["error-desc"])))
+                        return Err(fail(format!(
+                            "migration {}: {}",
+                            status["status"], status["error-desc"]
+                        )))
                     }
                     _ => tokio::time::sleep(Duration::from_millis(5)).await,
                 }
@@ -565,7 +618,9 @@ impl QemuVmm {
             .await
             .map_err(|_| fail(format!("not done in {limit:?}")))??;
         if steps.iter().any(|(c, _)| *c == "migrate-incoming") {
-            qmp.execute("cont", None).await.map_err(|e| fail(format!("cont: {e}")))?;
+            qmp.execute("cont", None)
+                .await
+                .map_err(|e| fail(format!("cont: {e}")))?;
         }
         Ok(())
     }
@@ -575,7 +630,15 @@ impl QemuVmm {
 impl Snapshotting for QemuVmm {
     async fn save(&self, vm: &VmHandle, limit: Duration) -> Result<()> {
         let uri = serde_json::json!({"uri": format!("file:/dev/fdset/{STATE_FD_SET}")});
-        self.migrate(vm, &[("stop", None), ("migrate", Some(uri))], limit).await?;
+        self.migrate(vm, &[("stop", None), ("migrate", Some(uri))], limit)
+            .await?;
+        self.stop(vm, Duration::from_secs(5)).await
+    }
+
+    async fn suspend(&self, vm: &VmHandle, limit: Duration) -> Result<()> {
+        let uri = serde_json::json!({"uri": format!("file:/dev/fdset/{SUSPEND_FD_SET}")});
+        self.migrate(vm, &[("stop", None), ("migrate", Some(uri))], limit)
+            .await?;
         self.stop(vm, Duration::from_secs(5)).await
     }
 
@@ -591,7 +654,13 @@ impl Snapshotting for QemuVmm {
                 let version = std::process::Command::new(&self.binary)
                     .arg("--version")
                     .output()
-                    .map(|o| String::from_utf8_lossy(&o.stdout).lines().next().unwrap_or_default().to_string())
+                    .map(|o| {
+                        String::from_utf8_lossy(&o.stdout)
+                            .lines()
+                            .next()
+                            .unwrap_or_default()
+                            .to_string()
+                    })
                     .unwrap_or_default();
                 let size = std::fs::metadata(&self.binary).map(|m| m.len()).unwrap_or(0);
                 format!("{version} ({} bytes)", size)

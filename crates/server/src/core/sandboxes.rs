@@ -37,6 +37,7 @@ pub struct CreateSandbox {
     pub idempotency_key: Option<String>,
     /// What the sandbox may reach (see `core::egress`).
     pub egress: EgressRequest,
+    pub lifecycle: crate::model::Lifecycle,
 }
 
 #[derive(Debug, Clone)]
@@ -208,6 +209,8 @@ impl Core {
             expires_at_ms: now + timeout.as_millis() as i64,
             egress,
             start: None,
+            lifecycle: req.lifecycle,
+            timeout_ms: timeout.as_millis() as i64,
         };
         // Registered before the create runs, so the end of a quick failure finds it.
         let id = row.id.clone();
@@ -271,10 +274,11 @@ impl Core {
         self.store.get_operation(&tenant.id, id).await?.ok_or_else(missing)
     }
 
-    /// A sandbox that is running or paused (what E2B calls a sandbox); others are missing.
+    /// A sandbox that is running, paused or suspended (what E2B calls a sandbox); others are
+    /// missing.
     pub async fn live_sandbox(&self, tenant: &Tenant, id: &str) -> CoreResult<SandboxRow> {
         match self.sandbox(tenant, id).await? {
-            row if matches!(row.state, SandboxState::Running | SandboxState::Paused) => Ok(row),
+            row if row.state.is_held_or_running() => Ok(row),
             _ => Err(CoreError::not_found(Kind::Sandbox, id)),
         }
     }
@@ -298,6 +302,8 @@ impl Core {
                 SandboxState::Creating,
                 SandboxState::Running,
                 SandboxState::Paused,
+                SandboxState::Suspended,
+                SandboxState::Resuming,
                 SandboxState::Deleting,
             ]
         } else {
@@ -346,27 +352,42 @@ impl Core {
         Ok(self.engine.submit(Action::Delete { sandbox: row }).await?.operation)
     }
 
-    /// Pause (freeze in memory) or resume; returns the finished operation, as both are quick.
-    async fn pause_or_resume_unaudited(&self, tenant: &Tenant, id: &str, pause: bool) -> CoreResult<Operation> {
+    /// Pause, suspend or resume; returns the finished operation.
+    async fn change_sandbox_unaudited(&self, tenant: &Tenant, id: &str, change: Change) -> CoreResult<Operation> {
         let row = self.sandbox(tenant, id).await?;
-        let (from, verb) = if pause {
-            (SandboxState::Running, "paused")
-        } else {
-            (SandboxState::Paused, "resumed")
+        let (from, need): (&[SandboxState], &str) = match change {
+            Change::Pause => (&[SandboxState::Running], "only a running sandbox can be paused"),
+            Change::Suspend => (
+                &[SandboxState::Running, SandboxState::Paused],
+                "only a running or paused sandbox can be suspended",
+            ),
+            Change::Resume => (
+                &[SandboxState::Paused, SandboxState::Suspended],
+                "only a paused or suspended sandbox can be resumed",
+            ),
         };
-        if row.state != from {
+        if !from.contains(&row.state) {
             return Err(CoreError::InvalidState {
                 id: id.into(),
                 state: row.state,
-                need: format!("only a {} sandbox can be {verb}", from.as_str()),
+                need: need.into(),
             });
         }
-        let action = if pause {
-            Action::Pause { sandbox: row }
-        } else {
-            Action::Resume { sandbox: row }
+        let action = match change {
+            Change::Pause => Action::Pause { sandbox: row },
+            Change::Suspend => Action::Suspend { sandbox: row },
+            Change::Resume => Action::Resume {
+                sandbox: row,
+                quota: self.quota(tenant).await?,
+                budget: self.config.budget(&self.nodes.capacity()),
+            },
         };
-        let op = self.engine.submit(action).await?.operation;
+        let op = self
+            .engine
+            .submit(action)
+            .await
+            .map_err(|e| e.for_tenant(&tenant.name))?
+            .operation;
         self.engine.wait(&op).await
     }
 
@@ -375,7 +396,7 @@ impl Core {
     pub async fn set_sandbox_timeout(&self, row: &SandboxRow, timeout: Duration) -> CoreResult<()> {
         let timeout = check_timeout("timeout", timeout)?;
         let ms = timeout.as_millis() as i64;
-        if row.state == SandboxState::Paused {
+        if matches!(row.state, SandboxState::Paused | SandboxState::Suspended | SandboxState::Resuming) {
             self.store.set_paused_remaining(&row.id, Some(ms)).await?;
         } else {
             self.store.set_sandbox_expiry(&row.id, now_ms() + ms).await?;
@@ -393,13 +414,72 @@ impl Core {
         Ok(())
     }
 
-    /// The guest agent of a running sandbox.
+    /// Resume a held sandbox that asked for it (`auto_resume`) because a request reached it;
+    /// requests arriving together share one resume. Returns once it runs.
+    async fn wake(&self, id: &str) -> CoreResult<()> {
+        let deadline = tokio::time::Instant::now() + crate::engine::WAIT_LIMIT;
+        loop {
+            let row = self
+                .store
+                .sandbox_by_id(id)
+                .await?
+                .ok_or_else(|| CoreError::not_found(Kind::Sandbox, id))?;
+            match row.state {
+                SandboxState::Running => return Ok(()),
+                SandboxState::Paused | SandboxState::Suspended => {
+                    let action = Action::Resume {
+                        quota: self.quota_of(&row.tenant_id).await?,
+                        budget: self.config.budget(&self.nodes.capacity()),
+                        sandbox: row,
+                    };
+                    match self.engine.submit(action).await {
+                        Ok(submitted) => {
+                            let op = self.engine.wait(&submitted.operation).await?;
+                            let outcome = if op.error.is_none() { "ok" } else { "failed" };
+                            self.audit("auto-resume", None, "sandbox.resume", Some(id), outcome).await;
+                            if let Some(e) = op.error {
+                                return Err(CoreError::Unreachable {
+                                    id: id.into(),
+                                    reason: format!("it did not resume: {}", e.message),
+                                });
+                            }
+                        }
+                        // Another request's resume got there first.
+                        Err(CoreError::InvalidState { .. }) => {}
+                        Err(e) => return Err(e),
+                    }
+                }
+                SandboxState::Resuming => tokio::time::sleep(std::time::Duration::from_millis(50)).await,
+                state => {
+                    return Err(CoreError::InvalidState {
+                        id: id.into(),
+                        state,
+                        need: "it must be running".into(),
+                    })
+                }
+            }
+            if tokio::time::Instant::now() > deadline {
+                return Err(CoreError::Unavailable(format!("sandbox {id} is still resuming; retry")));
+            }
+        }
+    }
+
+    /// The guest agent of a running sandbox (resumed first if it is held and asked for that).
     pub async fn agent_for(&self, row: &SandboxRow) -> CoreResult<AgentClient> {
-        if row.state != SandboxState::Running {
+        let held = matches!(
+            row.state,
+            SandboxState::Paused | SandboxState::Suspended | SandboxState::Resuming
+        );
+        if held && row.lifecycle.auto_resume {
+            self.wake(&row.id).await?;
+        } else if row.state != SandboxState::Running {
             return Err(CoreError::InvalidState {
                 id: row.id.clone(),
                 state: row.state,
-                need: "it must be running".into(),
+                need: match row.state {
+                    SandboxState::Paused | SandboxState::Suspended => "it must be running; resume it first".into(),
+                    _ => "it must be running".into(),
+                },
             });
         }
         self.nodes.agent(&row.id).await.map_err(|e| CoreError::Unreachable {
@@ -432,13 +512,28 @@ impl Core {
         r
     }
 
-    pub async fn pause_or_resume(&self, principal: &Principal, id: &str, pause: bool) -> CoreResult<Operation> {
+    pub async fn change_sandbox(&self, principal: &Principal, id: &str, change: Change) -> CoreResult<Operation> {
         let tenant = acting_tenant(principal)?;
-        let r = self.pause_or_resume_unaudited(tenant, id, pause).await;
-        let action = if pause { "sandbox.pause" } else { "sandbox.resume" };
+        let r = self.change_sandbox_unaudited(tenant, id, change).await;
+        let action = match change {
+            Change::Pause => "sandbox.pause",
+            Change::Suspend => "sandbox.suspend",
+            Change::Resume => "sandbox.resume",
+        };
         self.audit(&principal.actor(), Some(&tenant.name), action, Some(id), Self::outcome(&r)).await;
         r
     }
+}
+
+/// A lifecycle change of a live sandbox.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Change {
+    /// Freeze it in memory.
+    Pause,
+    /// Save it to disk and end its VM.
+    Suspend,
+    /// Run a paused or suspended one again.
+    Resume,
 }
 
 /// The tenant a lifecycle request acts for: a sandbox's own token never manages sandboxes.

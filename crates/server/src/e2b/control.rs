@@ -3,9 +3,9 @@
 
 use super::{E2bError, E2bState, ENVD_VERSION};
 use crate::core::egress::EgressRequest;
-use crate::core::sandboxes::{check_timeout, CreateSandbox, ListSandboxes, DEFAULT_TIMEOUT};
+use crate::core::sandboxes::{check_timeout, Change, CreateSandbox, ListSandboxes, DEFAULT_TIMEOUT};
 use crate::core::{templates, CoreError, Credentials, Principal};
-use crate::model::{OperationState, SandboxState};
+use crate::model::{Lifecycle, OnTimeout, OperationState, SandboxState};
 use crate::store::{rfc3339, SandboxRow, Tenant};
 use axum::extract::{Path, Query, Request, State};
 use axum::http::{HeaderMap, StatusCode};
@@ -40,7 +40,7 @@ pub struct NewSandbox {
     pub template_id: String,
     pub timeout: Option<i64>,
     pub auto_pause: Option<bool>,
-    /// v2 only: what an auto-pause keeps; irrelevant while auto-pause is refused.
+    /// v2 only: whether an auto-pause keeps memory; airlock's suspend always keeps it.
     pub auto_pause_memory: Option<bool>,
     pub auto_resume: Option<Value>,
     pub env_vars: Option<BTreeMap<String, String>>,
@@ -65,6 +65,24 @@ pub struct Network {
     pub mask_request_host: Option<String>,
 }
 
+/// E2B's `lifecycle={"on_timeout": "pause", "auto_resume": ..}`, sent as `autoPause` and
+/// `autoResume: {"enabled": bool}`: its pause is airlock's suspend.
+fn lifecycle(req: &NewSandbox) -> Lifecycle {
+    let auto_resume = match &req.auto_resume {
+        Some(Value::Bool(b)) => *b,
+        Some(v) => v["enabled"].as_bool().unwrap_or(false),
+        None => false,
+    };
+    Lifecycle {
+        on_timeout: if req.auto_pause == Some(true) {
+            OnTimeout::Suspend
+        } else {
+            OnTimeout::Delete
+        },
+        auto_resume,
+    }
+}
+
 /// Options airlock cannot honour yet fail loudly, naming the option.
 fn refuse_unsupported(req: &NewSandbox) -> std::result::Result<(), CoreError> {
     let no = |option: &str, why: &str| Err(CoreError::unsupported(option, why));
@@ -80,9 +98,6 @@ fn refuse_unsupported(req: &NewSandbox) -> std::result::Result<(), CoreError> {
     }
     if req.iam.as_ref().is_some_and(|v| !v.is_null()) {
         return no("iam", "");
-    }
-    if req.auto_pause == Some(true) {
-        return no("autoPause", "lifecycle on_timeout=pause is not supported yet");
     }
     if let Some(n) = &req.network {
         // allowOut/denyOut become the create's egress request (`egress_request`). Note: e2b 2.21.1 sends allowPublicTraffic=true with any `network=` unless told otherwise.
@@ -173,11 +188,18 @@ async fn detail_json(state: &E2bState, row: &SandboxRow, token: Option<&str>) ->
         "cpuCount": row.resources.vcpu,
         "memoryMB": row.resources.memory_mib,
         "diskSizeMB": row.resources.disk_mib,
-        "state": if row.state == SandboxState::Paused { "paused" } else { "running" },
+        "state": if row.state == SandboxState::Running { "running" } else { "paused" },
         "envdVersion": ENVD_VERSION,
         "metadata": row.metadata,
         "domain": state.domain.as_deref(),
         "allowInternetAccess": !row.egress.sealed,
+        "lifecycle": {
+            "autoResume": row.lifecycle.auto_resume,
+            "onTimeout": match row.lifecycle.on_timeout {
+                OnTimeout::Delete => "kill",
+                OnTimeout::Suspend => "pause",
+            },
+        },
     });
     if let Some(t) = token {
         v["envdAccessToken"] = json!(t);
@@ -215,6 +237,7 @@ pub async fn create(
         .create_sandbox(
             &principal,
             CreateSandbox {
+                lifecycle: lifecycle(&req),
                 template: req.template_id.clone(),
                 // E2B defaults to 2 vCPU; that would double TCG cost here, so the node's default
                 // resources apply.
@@ -251,7 +274,8 @@ pub async fn create(
     ))
 }
 
-/// `POST /sandboxes/{id}/pause`: airlock pauses in memory (no suspend to disk yet).
+/// `POST /sandboxes/{id}/pause`: a suspend, as E2B's pause is (memory and processes saved to
+/// disk, the VM ended; `connect` resumes it).
 pub async fn pause(
     State(state): State<E2bState>,
     Extension(tenant): Extension<Tenant>,
@@ -259,13 +283,13 @@ pub async fn pause(
     Path(id): Path<String>,
 ) -> Result<StatusCode> {
     let row = state.core.live_sandbox(&tenant, &id).await?;
-    if row.state == SandboxState::Paused {
+    if row.state != SandboxState::Running {
         return Err(E2bError::new(
             StatusCode::CONFLICT,
             format!("sandbox {id} is already paused"),
         ));
     }
-    let op = state.core.pause_or_resume(&principal, &id, true).await?;
+    let op = state.core.change_sandbox(&principal, &id, Change::Suspend).await?;
     match op.error {
         None => Ok(StatusCode::NO_CONTENT),
         Some(_) => Err(failed(&op, "pause")),
@@ -361,9 +385,9 @@ pub async fn connect(
     let timeout = check_timeout("timeout", timeout_secs(b.timeout))?;
     let mut row = state.core.live_sandbox(&tenant, &id).await?;
     // Connecting to a paused sandbox resumes it (201), as E2B does.
-    let resumed = row.state == SandboxState::Paused;
+    let resumed = matches!(row.state, SandboxState::Paused | SandboxState::Suspended);
     if resumed {
-        let op = state.core.pause_or_resume(&principal, &id, false).await?;
+        let op = state.core.change_sandbox(&principal, &id, Change::Resume).await?;
         if op.error.is_some() {
             return Err(failed(&op, "resume"));
         }
@@ -436,7 +460,7 @@ pub async fn list_v2(
     for s in q.state.as_deref().unwrap_or("running,paused").split(',').map(str::trim) {
         match s {
             "running" => states.push(SandboxState::Running),
-            "paused" => states.push(SandboxState::Paused),
+            "paused" => states.extend([SandboxState::Paused, SandboxState::Suspended, SandboxState::Resuming]),
             other => {
                 return Err(E2bError::bad_request(format!(
                     "unknown state {other:?}; use running or paused"

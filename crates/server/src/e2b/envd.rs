@@ -8,7 +8,6 @@ use crate::core::principal::SignedUrl;
 use crate::core::sandboxes::MAX_TIMEOUT;
 use crate::core::sessions::{parse_signal, signal_description, Running, Selector, SessionEvent, StartSession};
 use crate::core::{Accept, CoreError, Credentials, Kind, Principal, Via};
-use crate::model::SandboxState;
 use crate::store::SandboxRow;
 use airlock_proto::frame::EventKind;
 use airlock_proto::{FileKind, FileStat, ProcessState, WatchEventKind};
@@ -68,7 +67,7 @@ async fn resolve(state: &E2bState, h: &HeaderMap, no_token: bool) -> Result<Sand
         }
         Err(e) => return Err(RpcError::from(e).into_response()),
     };
-    if sandbox.state != SandboxState::Running {
+    if !sandbox.answers_requests() {
         return Err(sandbox_gone(&sandbox.id));
     }
     Ok(sandbox)
@@ -759,7 +758,7 @@ async fn files_target(
     }
     let id = sandbox.id.clone();
     let sandbox = match state.core.current(sandbox).await {
-        Ok(row) if row.state == SandboxState::Running => row,
+        Ok(row) if row.answers_requests() => row,
         Ok(_) | Err(CoreError::NotFound { .. }) => return Err(sandbox_gone(&id)),
         Err(e) => return Err(files_error(e)),
     };

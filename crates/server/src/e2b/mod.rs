@@ -8,7 +8,6 @@ pub mod control;
 pub mod envd;
 
 use crate::core::{Core, CoreError};
-use crate::model::SandboxState;
 use airlock_proto::ErrorCode;
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
@@ -181,7 +180,7 @@ impl Watchers {
         let ids: HashSet<String> = lock(&self.map).values().map(|w| w.sandbox_id.clone()).collect();
         for id in ids {
             let live = match core.store.sandbox_by_id(&id).await {
-                Ok(row) => row.is_some_and(|r| matches!(r.state, SandboxState::Running | SandboxState::Paused)),
+                Ok(row) => row.is_some_and(|r| r.state.is_held_or_running()),
                 Err(_) => continue, // the store will answer next time
             };
             if !live {

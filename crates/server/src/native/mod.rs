@@ -5,7 +5,7 @@ pub mod admin;
 pub mod error;
 
 use crate::core::egress::EgressRequest;
-use crate::core::sandboxes::{CreateSandbox, ListSandboxes};
+use crate::core::sandboxes::{Change, CreateSandbox, ListSandboxes};
 use crate::core::sessions::{parse_signal, signal_name, SessionEvent, StartSession};
 use crate::core::{Core, CoreError, Credentials, Kind};
 use crate::model::*;
@@ -189,6 +189,10 @@ pub async fn create_sandbox(
                     profiles,
                     ..Default::default()
                 },
+                lifecycle: Lifecycle {
+                    on_timeout: req.on_timeout.unwrap_or_default(),
+                    auto_resume: req.auto_resume.unwrap_or(false),
+                },
             },
         )
         .await?;
@@ -242,7 +246,7 @@ pub async fn list_sandboxes(
         Some(s) => vec![SandboxState::parse(s).ok_or_else(|| {
             CoreError::invalid(
                 "state",
-                format!("unknown state {s:?}; one of creating, running, paused, deleting, deleted, failed"),
+                format!("unknown state {s:?}; one of creating, running, paused, suspended, resuming, deleting, deleted, failed"),
             )
         })?],
     };
@@ -329,9 +333,25 @@ pub async fn pause_sandbox(
     Extension(principal): Extension<crate::core::Principal>,
     Path(id): Path<String>,
 ) -> ApiResult<(StatusCode, Json<OperationAccepted>)> {
-    Ok(accepted(core.pause_or_resume(&principal, &id, true).await?))
+    Ok(accepted(core.change_sandbox(&principal, &id, Change::Pause).await?))
 }
 
+/// Save the sandbox to disk (memory, running processes, files) and end its VM: it then holds
+/// only disk space, not CPU or memory, and survives a server restart. Its timeout stops running
+/// until resume, which starts it again as it was; a suspend lasts at most 30 days.
+#[utoipa::path(post, path = "/v1/sandboxes/{id}/suspend", tag = "sandboxes", params(("id" = String, Path)),
+    responses((status = 202, body = OperationAccepted), ApiErrors),
+    security(("bearer" = [])))]
+pub async fn suspend_sandbox(
+    State(core): State<Core>,
+    Extension(principal): Extension<crate::core::Principal>,
+    Path(id): Path<String>,
+) -> ApiResult<(StatusCode, Json<OperationAccepted>)> {
+    Ok(accepted(core.change_sandbox(&principal, &id, Change::Suspend).await?))
+}
+
+/// Run a paused sandbox again, or start a suspended one from its saved state (it must fit the
+/// tenant's quota and the node again, like a create).
 #[utoipa::path(post, path = "/v1/sandboxes/{id}/resume", tag = "sandboxes", params(("id" = String, Path)),
     responses((status = 202, body = OperationAccepted), ApiErrors),
     security(("bearer" = [])))]
@@ -340,7 +360,7 @@ pub async fn resume_sandbox(
     Extension(principal): Extension<crate::core::Principal>,
     Path(id): Path<String>,
 ) -> ApiResult<(StatusCode, Json<OperationAccepted>)> {
-    Ok(accepted(core.pause_or_resume(&principal, &id, false).await?))
+    Ok(accepted(core.change_sandbox(&principal, &id, Change::Resume).await?))
 }
 
 fn session_view(s: &SessionRow) -> Session {

@@ -74,6 +74,9 @@ pub struct SandboxRow {
     pub egress: EgressSpec,
     /// How its VM started (none until it runs).
     pub start: Option<crate::model::SandboxStart>,
+    pub lifecycle: crate::model::Lifecycle,
+    /// The lifetime it was created with (a sandbox its timeout suspended gets it again on resume).
+    pub timeout_ms: i64,
 }
 
 /// A sandbox's egress as recorded at create and fixed for its life: the profiles chosen, whether
@@ -98,6 +101,16 @@ impl Default for EgressSpec {
 }
 
 impl SandboxRow {
+    /// Whether a request to its guest (envd, a port, a file) is served: it runs, or it is held
+    /// and resumes on traffic (`auto_resume`; [`crate::core::Core::agent_for`] resumes it).
+    pub fn answers_requests(&self) -> bool {
+        match self.state {
+            SandboxState::Running => true,
+            SandboxState::Paused | SandboxState::Suspended | SandboxState::Resuming => self.lifecycle.auto_resume,
+            _ => false,
+        }
+    }
+
     pub fn view(&self) -> Sandbox {
         Sandbox {
             id: self.id.clone(),
@@ -114,6 +127,7 @@ impl SandboxRow {
                 profiles: self.egress.profiles.clone(),
                 sealed: self.egress.sealed,
             },
+            lifecycle: self.lifecycle,
             start: self.start.clone(),
         }
     }
@@ -187,11 +201,14 @@ pub fn new_key(format: KeyFormat) -> String {
     format!("{prefix}{}", airlock_runtime::datadir::random_hex(20))
 }
 
-/// The states that count against a tenant's sandbox limit.
-pub const LIVE_STATES: [SandboxState; 4] = [
+/// The states of a sandbox that exists (a suspended one holds only its disk: it counts against
+/// disk quotas and budgets, not against sandboxes, vcpu or memory).
+pub const LIVE_STATES: [SandboxState; 6] = [
     SandboxState::Creating,
     SandboxState::Running,
     SandboxState::Paused,
+    SandboxState::Suspended,
+    SandboxState::Resuming,
     SandboxState::Deleting,
 ];
 
@@ -339,6 +356,10 @@ pub trait SandboxStore: Send + Sync {
     /// Every tenant's sandboxes in a [`LIVE_STATES`] state.
     async fn live_sandboxes(&self) -> Result<Vec<SandboxRow>, StoreError>;
     async fn count_live_sandboxes(&self, tenant_id: &str) -> Result<u32, StoreError>;
+    /// Move a suspended sandbox to `resuming` if it fits the tenant's `quota` and the node's
+    /// `budget` again (its place, vcpu and memory; its disk it holds already), atomically like
+    /// a create's admission. False when it is not suspended.
+    async fn admit_resume(&self, id: &str, quota: &Quota, budget: &NodeBudget) -> Result<bool, StoreError>;
     async fn set_sandbox_state(&self, id: &str, state: SandboxState) -> Result<(), StoreError>;
     /// Move a sandbox to `to` only if it is in one of `from` (compare-and-set); returns whether it
     /// moved. Concurrent lifecycle changes use it so a late writer never undoes a delete.
@@ -346,7 +367,7 @@ pub trait SandboxStore: Send + Sync {
     /// What the node reports once the VM runs: the template digest it resolved, the accelerator
     /// and how the VM started.
     async fn set_sandbox_boot(&self, id: &str, booted: &crate::nodes::Booted) -> Result<(), StoreError>;
-    /// Running or paused sandboxes whose expiry is at or before `now_ms`.
+    /// Running, paused or suspended sandboxes whose expiry is at or before `now_ms`.
     async fn expired_sandboxes(&self, now_ms: i64) -> Result<Vec<SandboxRow>, StoreError>;
     async fn set_sandbox_expiry(&self, id: &str, expires_at_ms: i64) -> Result<(), StoreError>;
     /// The lifetime a paused sandbox has left: its clock stops while paused and resume restores it.

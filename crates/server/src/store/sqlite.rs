@@ -15,8 +15,11 @@ use std::str::FromStr;
 /// The schema's versions, `crates/server/migrations/*.sql`, embedded at build time.
 static MIGRATOR: sqlx::migrate::Migrator = sqlx::migrate!();
 
-/// `state IN (...)` of the states that count against a tenant's limit (see `super::LIVE_STATES`).
-const LIVE: &str = "state IN ('creating', 'running', 'paused', 'deleting')";
+/// `state IN (...)` of the states of a sandbox that exists (see `super::LIVE_STATES`).
+const LIVE: &str = "state IN ('creating', 'running', 'paused', 'suspended', 'resuming', 'deleting')";
+/// Per row of a live sandbox: 1 unless it is suspended (no VM: it holds its disk, no place, CPU
+/// or memory), for the sums of what counts against quotas and budgets.
+const HOLDS_VM: &str = "(CASE WHEN state = 'suspended' THEN 0 ELSE 1 END)";
 /// The window `creates_per_minute` counts in.
 const RATE_WINDOW_MS: i64 = 60_000;
 
@@ -27,7 +30,8 @@ async fn usage_within(
     now: i64,
 ) -> Result<TenantUsage, StoreError> {
     let (sandboxes, vcpu, memory, disk): (i64, i64, i64, i64) = sqlx::query_as(&format!(
-        "SELECT COUNT(*), COALESCE(SUM(vcpu), 0), COALESCE(SUM(memory_mib), 0), COALESCE(SUM(disk_mib), 0)
+        "SELECT COALESCE(SUM({HOLDS_VM}), 0), COALESCE(SUM(vcpu * {HOLDS_VM}), 0),
+                COALESCE(SUM(memory_mib * {HOLDS_VM}), 0), COALESCE(SUM(disk_mib), 0)
          FROM sandboxes WHERE tenant_id = ? AND {LIVE}"
     ))
     .bind(tenant_id)
@@ -156,6 +160,14 @@ fn sandbox_from_row(r: &sqlx::sqlite::SqliteRow) -> SandboxRow {
         created_at_ms: r.get("created_at_ms"),
         expires_at_ms: r.get("expires_at_ms"),
         egress: egress_from_row(r),
+        lifecycle: crate::model::Lifecycle {
+            on_timeout: match r.get::<&str, _>("on_timeout") {
+                "suspend" => crate::model::OnTimeout::Suspend,
+                _ => crate::model::OnTimeout::Delete,
+            },
+            auto_resume: r.get::<i64, _>("auto_resume") != 0,
+        },
+        timeout_ms: r.get("timeout_ms"),
         start: r
             .get::<Option<String>, _>("started_from")
             .map(|from| crate::model::SandboxStart {
@@ -614,6 +626,80 @@ impl TenantStore for SqliteStore {
     }
 }
 
+/// Admission inside `tx`: a sandbox of `tenant_id` with resources `r` fits the tenant's `quota`
+/// and the node's `budget` next to every live sandbox. A `new` one also counts its disk and a
+/// create against the rate limit; one resuming from suspended already holds its disk.
+async fn admit_within(
+    tx: &mut sqlx::Transaction<'_, sqlx::Sqlite>,
+    tenant_id: &str,
+    r: &crate::model::Resources,
+    quota: &Quota,
+    budget: &NodeBudget,
+    new: bool,
+) -> Result<(), StoreError> {
+    let now = now_ms();
+    let usage = usage_within(tx, tenant_id, now).await?;
+    for (name, used, asked, limit) in [
+        ("sandboxes", usage.sandboxes as u64, 1, quota.sandboxes.map(u64::from)),
+        ("vcpu", usage.vcpu, r.vcpu as u64, quota.vcpu),
+        ("memory_mib", usage.memory_mib, r.memory_mib as u64, quota.memory_mib),
+        ("disk_mib", usage.disk_mib, if new { r.disk_mib as u64 } else { 0 }, quota.disk_mib),
+    ] {
+        if let Some(limit) = limit.filter(|l| used.saturating_add(asked) > *l) {
+            return Err(StoreError::QuotaExceeded {
+                quota: name,
+                used,
+                asked,
+                limit,
+            });
+        }
+    }
+    if let Some(limit) = quota.creates_per_minute.filter(|_| new) {
+        if usage.creates_last_minute >= limit {
+            // The window frees a place when the oldest create counted in it turns 60 s old.
+            let (oldest,): (Option<i64>,) = sqlx::query_as(
+                "SELECT MIN(created_at_ms) FROM (SELECT created_at_ms FROM operations
+                 WHERE tenant_id = ? AND kind = 'create' AND created_at_ms > ?
+                 ORDER BY created_at_ms DESC LIMIT ?)",
+            )
+            .bind(tenant_id)
+            .bind(now - RATE_WINDOW_MS)
+            .bind(limit as i64)
+            .fetch_one(&mut **tx)
+            .await?;
+            let free_at = oldest.unwrap_or(now) + RATE_WINDOW_MS;
+            return Err(StoreError::RateLimited {
+                limit,
+                retry_after_s: ((free_at - now).max(0) as u64).div_ceil(1000).max(1),
+            });
+        }
+    }
+    // The node's budgets, summed over every tenant's live sandboxes under the same lock.
+    let (vcpu, memory, disk): (i64, i64, i64) = sqlx::query_as(&format!(
+        "SELECT COALESCE(SUM(vcpu * {HOLDS_VM}), 0), COALESCE(SUM(memory_mib * {HOLDS_VM}), 0),
+            COALESCE(SUM(disk_mib), 0)
+     FROM sandboxes WHERE {LIVE}"
+    ))
+    .fetch_one(&mut **tx)
+    .await?;
+    for (name, used, asked, total) in [
+        ("vcpu", vcpu, r.vcpu, budget.vcpu),
+        ("memory", memory, r.memory_mib, budget.memory_mib),
+        ("disk", disk, if new { r.disk_mib } else { 0 }, budget.disk_mib),
+    ] {
+        let (used, asked) = (used.max(0) as u64, asked as u64);
+        if used.saturating_add(asked) > total {
+            return Err(StoreError::NodeBudgetExceeded {
+                budget: name,
+                asked,
+                used,
+                total,
+            });
+        }
+    }
+    Ok(())
+}
+
 #[async_trait]
 impl SandboxStore for SqliteStore {
     async fn insert_create_within(
@@ -639,69 +725,10 @@ impl SandboxStore for SqliteStore {
                 return Ok(CreateRecorded::Existing(op_from_row(&r)));
             }
         }
-        let now = now_ms();
-        let usage = usage_within(&mut tx, &sb.tenant_id, now).await?;
-        let r = &sb.resources;
-        for (name, used, asked, limit) in [
-            ("sandboxes", usage.sandboxes as u64, 1, quota.sandboxes.map(u64::from)),
-            ("vcpu", usage.vcpu, r.vcpu as u64, quota.vcpu),
-            ("memory_mib", usage.memory_mib, r.memory_mib as u64, quota.memory_mib),
-            ("disk_mib", usage.disk_mib, r.disk_mib as u64, quota.disk_mib),
-        ] {
-            if let Some(limit) = limit.filter(|l| used.saturating_add(asked) > *l) {
-                return Err(StoreError::QuotaExceeded {
-                    quota: name,
-                    used,
-                    asked,
-                    limit,
-                });
-            }
-        }
-        if let Some(limit) = quota.creates_per_minute {
-            if usage.creates_last_minute >= limit {
-                // The window frees a place when the oldest create counted in it turns 60 s old.
-                let (oldest,): (Option<i64>,) = sqlx::query_as(
-                    "SELECT MIN(created_at_ms) FROM (SELECT created_at_ms FROM operations
-                     WHERE tenant_id = ? AND kind = 'create' AND created_at_ms > ?
-                     ORDER BY created_at_ms DESC LIMIT ?)",
-                )
-                .bind(&sb.tenant_id)
-                .bind(now - RATE_WINDOW_MS)
-                .bind(limit as i64)
-                .fetch_one(&mut *tx)
-                .await?;
-                let free_at = oldest.unwrap_or(now) + RATE_WINDOW_MS;
-                return Err(StoreError::RateLimited {
-                    limit,
-                    retry_after_s: ((free_at - now).max(0) as u64).div_ceil(1000).max(1),
-                });
-            }
-        }
-        // The node's budgets, summed over every tenant's live sandboxes under the same lock.
-        let (vcpu, memory, disk): (i64, i64, i64) = sqlx::query_as(&format!(
-            "SELECT COALESCE(SUM(vcpu), 0), COALESCE(SUM(memory_mib), 0), COALESCE(SUM(disk_mib), 0)
-             FROM sandboxes WHERE {LIVE}"
-        ))
-        .fetch_one(&mut *tx)
-        .await?;
-        for (name, used, asked, total) in [
-            ("vcpu", vcpu, r.vcpu, budget.vcpu),
-            ("memory", memory, r.memory_mib, budget.memory_mib),
-            ("disk", disk, r.disk_mib, budget.disk_mib),
-        ] {
-            let (used, asked) = (used.max(0) as u64, asked as u64);
-            if used.saturating_add(asked) > total {
-                return Err(StoreError::NodeBudgetExceeded {
-                    budget: name,
-                    asked,
-                    used,
-                    total,
-                });
-            }
-        }
+        admit_within(&mut tx, &sb.tenant_id, &sb.resources, quota, budget, true).await?;
         sqlx::query(
-            "INSERT INTO sandboxes (id, tenant_id, state, template, template_digest, runtime, accel, vcpu, memory_mib, disk_mib, env, metadata, created_at_ms, expires_at_ms, egress_profiles, egress_sealed, egress_policy)
-             VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+            "INSERT INTO sandboxes (id, tenant_id, state, template, template_digest, runtime, accel, vcpu, memory_mib, disk_mib, env, metadata, created_at_ms, expires_at_ms, egress_profiles, egress_sealed, egress_policy, on_timeout, auto_resume, timeout_ms)
+             VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
         )
         .bind(&sb.id)
         .bind(&sb.tenant_id)
@@ -720,6 +747,9 @@ impl SandboxStore for SqliteStore {
         .bind(serde_json::to_string(&sb.egress.profiles).unwrap_or_else(|_| "[]".into()))
         .bind(sb.egress.sealed as i64)
         .bind(sb.egress.tenant.to_json())
+        .bind(sb.lifecycle.on_timeout.as_str())
+        .bind(sb.lifecycle.auto_resume as i64)
+        .bind(sb.timeout_ms)
         .execute(&mut *tx)
         .await?;
         sqlx::query(
@@ -810,6 +840,25 @@ impl SandboxStore for SqliteStore {
         Ok(n.0 as u32)
     }
 
+    async fn admit_resume(&self, id: &str, quota: &Quota, budget: &NodeBudget) -> Result<bool, StoreError> {
+        let mut tx = self.pool.begin_with("BEGIN IMMEDIATE").await?;
+        let Some(row) = sqlx::query("SELECT * FROM sandboxes WHERE id = ? AND state = 'suspended'")
+            .bind(id)
+            .fetch_optional(&mut *tx)
+            .await?
+        else {
+            return Ok(false);
+        };
+        let sb = sandbox_from_row(&row);
+        admit_within(&mut tx, &sb.tenant_id, &sb.resources, quota, budget, false).await?;
+        sqlx::query("UPDATE sandboxes SET state = 'resuming' WHERE id = ?")
+            .bind(id)
+            .execute(&mut *tx)
+            .await?;
+        tx.commit().await?;
+        Ok(true)
+    }
+
     async fn set_sandbox_state(&self, id: &str, state: SandboxState) -> Result<(), StoreError> {
         sqlx::query("UPDATE sandboxes SET state = ? WHERE id = ?")
             .bind(state.as_str())
@@ -843,7 +892,9 @@ impl SandboxStore for SqliteStore {
     }
 
     async fn expired_sandboxes(&self, now: i64) -> Result<Vec<SandboxRow>, StoreError> {
-        let rows = sqlx::query("SELECT * FROM sandboxes WHERE state IN ('running', 'paused') AND expires_at_ms <= ?")
+        let rows = sqlx::query(
+            "SELECT * FROM sandboxes WHERE state IN ('running', 'paused', 'suspended') AND expires_at_ms <= ?",
+        )
             .bind(now)
             .fetch_all(&self.pool)
             .await?;

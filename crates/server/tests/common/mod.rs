@@ -616,6 +616,9 @@ impl Nodes for TestNode {
     async fn pause(&self, id: &str) -> Result<(), airlock_runtime::RuntimeError> {
         self.inner.pause(id).await
     }
+    async fn suspend(&self, id: &str) -> Result<u64, airlock_runtime::RuntimeError> {
+        self.inner.suspend(id).await
+    }
     async fn resume(&self, id: &str) -> Result<(), airlock_runtime::RuntimeError> {
         self.inner.resume(id).await
     }
