@@ -281,6 +281,92 @@ fn timeout_suspends_and_a_request_resumes() {
     s.delete(&id);
 }
 
+/// A snapshot saves a running sandbox (it runs on); sandboxes made from it (by name) and a fork's
+/// children start with its files and running processes, each independent; deleting the
+/// snapshot leaves them be.
+fn snapshots_and_forks_start_from_a_running_sandbox() {
+    let s = server();
+    let id = s.create(json!({ "template": "seed", "timeout": "10m" }));
+    let counting = "i=0; while true; do i=$((i+1)); echo $i > /tmp/n; sleep 0.1; done";
+    s.session(&id, json!({ "argv": ["sh", "-c", format!("echo parent > /home/user/p.txt; {counting}")] }));
+    std::thread::sleep(Duration::from_millis(700));
+    let name = format!("warm-{id}");
+    let (status, snap) = s.call("POST", &format!("/v1/sandboxes/{id}/snapshots"), Some(json!({ "name": name })));
+    assert_eq!(status, 201, "{snap}");
+    assert_eq!((snap["sandbox_id"].as_str(), snap["template"].as_str()), (Some(id.as_str()), Some("seed")));
+    assert!(snap["bytes"].as_u64().unwrap() > 0, "{snap}");
+    let snap_id = snap["id"].as_str().unwrap().to_string();
+    let (status, again) = s.call("POST", &format!("/v1/sandboxes/{id}/snapshots"), Some(json!({ "name": name })));
+    assert_eq!((status, again["code"].as_str()), (409, Some("conflict")), "{again}");
+    let (_, listed) = s.call("GET", &format!("/v1/snapshots?sandbox_id={id}"), None);
+    assert_eq!(listed["snapshots"][0]["id"], snap_id.as_str(), "{listed}");
+    let (status, _) = s.call("GET", "/v1/snapshots/snap_0000000000000000000", None);
+    assert_eq!(status, 404);
+    let (status, err) = s.call("POST", "/v1/sandboxes", Some(json!({ "template": name, "resources": { "memory_mib": 1024 } })));
+    assert_eq!((status, err["code"].as_str()), (422, Some("invalid_resources")), "{err}");
+    // Each of these has the parent's file, and its counter counting on.
+    let still_counting = |sb: &str| {
+        let sid = s.session(sb, json!({ "argv": ["sh", "-c", "cat /home/user/p.txt; a=$(cat /tmp/n); sleep 0.5; [ $(cat /tmp/n) -gt $a ] && echo counting"] }));
+        decode(&s.events(sb, &sid, None, None), "stdout")
+    };
+    let from_snapshot = s.create(json!({ "template": name }));
+    let (_, sb) = s.call("GET", &format!("/v1/sandboxes/{from_snapshot}"), None);
+    assert_eq!((sb["start"]["from"].as_str(), sb["template"].as_str()), (Some("snapshot"), Some("seed")), "{sb}");
+    assert_eq!(still_counting(&from_snapshot), "parent\ncounting\n");
+    let (status, forked) = s.call("POST", &format!("/v1/sandboxes/{id}/fork"), Some(json!({ "count": 2 })));
+    assert_eq!(status, 202, "{forked}");
+    assert_eq!(forked["errors"], json!([]), "{forked}");
+    let children: Vec<String> = forked["sandboxes"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|c| {
+            assert_eq!(s.wait_op(c["operation"]["id"].as_str().unwrap())["state"], "succeeded");
+            c["sandbox_id"].as_str().unwrap().to_string()
+        })
+        .collect();
+    assert_eq!(children.len(), 2);
+    for (n, child) in children.iter().enumerate() {
+        assert_eq!(still_counting(child), "parent\ncounting\n");
+        let sid = s.session(child, json!({ "argv": ["sh", "-c", format!("echo {n} > /home/user/p.txt")] }));
+        s.events(child, &sid, None, None);
+    }
+    for (n, child) in children.iter().enumerate() {
+        let (_, body) = s.call("GET", &format!("/v1/sandboxes/{child}/files?path=/home/user/p.txt"), None);
+        assert_eq!(body, json!(n), "each child's disk is its own");
+    }
+    assert_eq!(still_counting(&id), "parent\ncounting\n", "the parent runs on undisturbed");
+    // A fork's image goes once its children run; the snapshot's stays until deleted.
+    let images = || -> Vec<String> {
+        let mut v: Vec<String> = std::fs::read_dir(s.data.join("images"))
+            .unwrap()
+            .flatten()
+            .map(|e| e.file_name().to_string_lossy().to_string())
+            .filter(|n| n == &snap_id || !n.starts_with("snap_") || {
+                // Another test's snapshot would not be this sandbox's.
+                let m: Value = serde_json::from_slice(&std::fs::read(s.data.join("images").join(n).join("image.json")).unwrap_or_default()).unwrap_or(Value::Null);
+                m["source"] == id.as_str()
+            })
+            .collect();
+        v.sort();
+        v
+    };
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while images() != vec![snap_id.clone()] {
+        assert!(Instant::now() < deadline, "images left: {:?}", images());
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    let (status, _) = s.call("DELETE", &format!("/v1/snapshots/{snap_id}"), None);
+    assert_eq!(status, 204);
+    let (status, _) = s.call("GET", &format!("/v1/snapshots/{snap_id}"), None);
+    assert_eq!(status, 404);
+    assert!(images().is_empty(), "{:?}", images());
+    assert_eq!(still_counting(&from_snapshot), "parent\ncounting\n");
+    for sb in children.iter().chain([&from_snapshot, &id]) {
+        s.delete(sb);
+    }
+}
+
 /// A raw HTTP/1.1 GET with our own Host header (as wildcard DNS would deliver it).
 fn get_with_host(s: &Server, host: &str, path: &str, headers: &[(&str, &str)]) -> (u16, String) {
     use std::io::{Read, Write};
@@ -1365,6 +1451,10 @@ fn main() {
             pause_freezes_in_memory_and_resume_continues,
         ),
         t("timeout_suspends_and_a_request_resumes", timeout_suspends_and_a_request_resumes),
+        t(
+            "snapshots_and_forks_start_from_a_running_sandbox",
+            snapshots_and_forks_start_from_a_running_sandbox,
+        ),
         t(
             "ports_and_envd_are_reachable_by_host_name",
             ports_and_envd_are_reachable_by_host_name,

@@ -39,6 +39,7 @@ fn seed(resources: Resources) -> CreateSandbox {
         id: None,
         template: "seed".into(),
         resources,
+        image: None,
     }
 }
 

@@ -10,8 +10,11 @@
 //! - **exec round trip**: `true` through the API (session + SSE to the exit) on a warm sandbox,
 //!   next to the same through the agent client on the raw VM.
 //! - **idle memory**: the host's MemAvailable drop over `--idle` idle sandboxes, per sandbox.
-//!
-//! Suspend/resume and fork are reported as not measured until the server has them.
+//! - **suspend / resume**: `--suspends` cycles on a sandbox running a process: the suspend
+//!   operation (its memory to disk, its VMM gone), the resume operation, and the resume to the
+//!   first stdout of `echo`.
+//! - **fork**: `--forks` forks of `--fork-count` children each, from the fork call to every
+//!   child's operation done, then to an `echo` answered in each.
 //!
 //!     AIRLOCK_API_KEY=... cargo run --release -p airlock-bench --bin create-bench -- \
 //!         --url http://127.0.0.1:8080 --data-dir /var/lib/airlock
@@ -57,6 +60,12 @@ struct Args {
     execs: usize,
     #[arg(long, default_value_t = 20)]
     idle: usize,
+    #[arg(long, default_value_t = 10)]
+    suspends: usize,
+    #[arg(long, default_value_t = 3)]
+    forks: usize,
+    #[arg(long, default_value_t = 5)]
+    fork_count: usize,
     #[arg(long, default_value = "bench/results")]
     out: PathBuf,
 }
@@ -100,18 +109,52 @@ impl Api {
     fn create(&self, template: &str) -> Result<String, String> {
         let body = json!({"template": template, "timeout": "30m", "resources": {"disk_mib": self.disk_mib}});
         let accepted = self.call("POST", "/sandboxes", Some(body))?;
-        let op = accepted["operation"]["id"].as_str().ok_or("no operation")?.to_string();
         let id = accepted["sandbox_id"].as_str().ok_or("no sandbox id")?.to_string();
+        self.finished(&accepted)?;
+        Ok(id)
+    }
+
+    /// Poll an accepted operation (every 5 ms) until it succeeds.
+    fn finished(&self, accepted: &Value) -> Result<(), String> {
+        let op = accepted["operation"]["id"].as_str().ok_or("no operation")?.to_string();
         let deadline = Instant::now() + Duration::from_secs(120);
         loop {
             let o = self.call("GET", &format!("/operations/{op}"), None)?;
             match o["state"].as_str() {
-                Some("succeeded") => return Ok(id),
-                Some("failed") => return Err(format!("create failed: {o}")),
-                _ if Instant::now() > deadline => return Err("create not done in 120 s".into()),
+                Some("succeeded") => return Ok(()),
+                Some("failed") => return Err(format!("{} failed: {o}", o["kind"])),
+                _ if Instant::now() > deadline => return Err(format!("{} not done in 120 s", o["kind"])),
                 _ => std::thread::sleep(Duration::from_millis(5)),
             }
         }
+    }
+
+    /// `POST /sandboxes/{id}/{change}` (suspend, resume) to its operation's end, in ms.
+    fn change(&self, id: &str, change: &str) -> Result<f64, String> {
+        let t = Instant::now();
+        let accepted = self.call("POST", &format!("/sandboxes/{id}/{change}"), None)?;
+        self.finished(&accepted)?;
+        Ok(ms(t.elapsed()))
+    }
+
+    /// A fork of `count`: (ms to every child's operation done, ms to an echo answered in each,
+    /// the children).
+    fn fork(&self, id: &str, count: usize) -> Result<(f64, f64, Vec<String>), String> {
+        let t = Instant::now();
+        let forked = self.call("POST", &format!("/sandboxes/{id}/fork"), Some(json!({"count": count, "timeout": "30m"})))?;
+        let children = forked["sandboxes"].as_array().cloned().unwrap_or_default();
+        if children.len() != count {
+            return Err(format!("fork made {} of {count}: {}", children.len(), forked["errors"]));
+        }
+        let ids: Vec<String> = children.iter().filter_map(|c| c["sandbox_id"].as_str().map(String::from)).collect();
+        for c in &children {
+            self.finished(c)?;
+        }
+        let started = ms(t.elapsed());
+        for child in &ids {
+            self.exec(child, &["echo", "hi"], true)?;
+        }
+        Ok((started, ms(t.elapsed()), ids))
     }
 
     /// Run `argv` in a session and read its SSE stream until the first stdout event (`first`) or
@@ -338,6 +381,62 @@ async fn main() {
     }
     api.delete(&warm);
 
+    // Suspend and resume, on a sandbox with a process running.
+    let (b, t) = (api.clone(), template.clone());
+    let held = tokio::task::spawn_blocking(move || b.create(&t)).await.unwrap().unwrap();
+    let (b, h, suspends) = (api.clone(), held.clone(), args.suspends);
+    let cycles = tokio::task::spawn_blocking(move || {
+        let _ = b.call("POST", &format!("/sandboxes/{h}/sessions"), Some(json!({"argv": ["sleep", "3600"]})));
+        let (mut suspend, mut resume, mut to_stdout, mut failures) = (Vec::new(), Vec::new(), Vec::new(), 0);
+        for i in 0..suspends {
+            let cycle = || -> Result<(f64, f64, f64), String> {
+                let s = b.change(&h, "suspend")?;
+                let t = Instant::now();
+                let r = b.change(&h, "resume")?;
+                b.exec(&h, &["echo", "hi"], true)?;
+                Ok((s, r, ms(t.elapsed())))
+            };
+            match cycle() {
+                Ok((s, r, e)) => {
+                    suspend.push(s);
+                    resume.push(r);
+                    to_stdout.push(e);
+                }
+                Err(e) => {
+                    eprintln!("suspend/resume {i}: {e}");
+                    failures += 1;
+                }
+            }
+        }
+        (suspend, resume, to_stdout, failures)
+    })
+    .await
+    .unwrap();
+    api.delete(&held);
+    let (suspend_ms, resume_ms, resume_stdout_ms, suspend_failures) = cycles;
+
+    // Forks of a sandbox with a process running.
+    let (b, t) = (api.clone(), template.clone());
+    let parent = tokio::task::spawn_blocking(move || b.create(&t)).await.unwrap().unwrap();
+    let (mut fork_started, mut fork_answered, mut fork_failures) = (Vec::new(), Vec::new(), 0);
+    for i in 0..args.forks {
+        let (b, p, n) = (api.clone(), parent.clone(), args.fork_count);
+        match tokio::task::spawn_blocking(move || b.fork(&p, n)).await.unwrap() {
+            Ok((started, answered, children)) => {
+                fork_started.push(started);
+                fork_answered.push(answered);
+                for c in &children {
+                    api.delete(c);
+                }
+            }
+            Err(e) => {
+                eprintln!("fork {i}: {e}");
+                fork_failures += 1;
+            }
+        }
+    }
+    api.delete(&parent);
+
     // The raw VMM restoring the same snapshot, and the runtime-level exec on it.
     let qemu = QemuVmm::locate(None).unwrap();
     let store = TemplateStore::new(airlock_runtime::datadir::DataDir::open(&args.data_dir).unwrap());
@@ -413,8 +512,12 @@ async fn main() {
         "exec_ratio_p50": p50(&api_exec_s) / p50(&runtime_exec_s),
         "idle_sandboxes": idle_ids.len(),
         "idle_memory_mib_per_sandbox": per_sandbox,
-        "suspend_resume": "not measured: the server has no suspend yet",
-        "fork": "not measured: the server has no fork yet",
+        "suspend": stats(&suspend_ms, suspend_failures),
+        "resume": stats(&resume_ms, suspend_failures),
+        "resume_to_first_stdout": stats(&resume_stdout_ms, suspend_failures),
+        "fork_count": args.fork_count,
+        "fork_to_children_running": stats(&fork_started, fork_failures),
+        "fork_to_echo_in_every_child": stats(&fork_answered, fork_failures),
     });
     println!("| measure | p50 ms | p95 ms | p99 ms | failures |");
     println!("| --- | --- | --- | --- | --- |");
@@ -425,6 +528,11 @@ async fn main() {
         ("raw QEMU restore -> first stdout (runtime exec)", &report["raw_restore_to_first_stdout"]),
         ("exec `true`, API (session + SSE)", &report["exec_true_api"]),
         ("exec `true`, runtime (agent client)", &report["exec_true_runtime"]),
+        ("suspend (operation)", &report["suspend"]),
+        ("resume (operation)", &report["resume"]),
+        ("resume -> first stdout of echo", &report["resume_to_first_stdout"]),
+        ("fork of --fork-count -> children running", &report["fork_to_children_running"]),
+        ("fork of --fork-count -> echo in every child", &report["fork_to_echo_in_every_child"]),
     ] {
         let f = |k: &str| s[k].as_f64().map_or("-".into(), |v| format!("{v:.1}"));
         println!("| {name} | {} | {} | {} | {} |", f("p50_ms"), f("p95_ms"), f("p99_ms"), s["failures"]);

@@ -223,12 +223,58 @@ def test_unsupported_options_fail_loudly():
         assert needle in str(e.value), (kwargs, str(e.value))
 
 
-def test_snapshots_are_refused_not_mistaken_for_missing_sandboxes(sbx):
-    skip_unless_sdk_has(hasattr(sbx, "create_snapshot"), "Sandbox.create_snapshot")
-    with pytest.raises(SandboxException) as e:
-        sbx.create_snapshot()
-    assert "snapshots are not supported" in str(e.value)
-    assert list(Sandbox.list_snapshots().next_items()) == []
+def test_snapshot_a_running_sandbox_and_create_from_it():
+    skip_unless_sdk_has(hasattr(Sandbox, "create_snapshot"), "Sandbox.create_snapshot")
+    s = Sandbox.create(timeout=300)
+    child = None
+    try:
+        s.files.write("/home/user/snap.txt", "from the snapshot")
+        h = s.commands.run("sleep 600", background=True)
+        snap = s.create_snapshot()
+        assert snap.snapshot_id.startswith("snap_")
+        # The source runs on, its process too.
+        assert s.commands.run("echo still").stdout == "still\n"
+        listed = [x.snapshot_id for x in Sandbox.list_snapshots().next_items()]
+        assert snap.snapshot_id in listed
+        child = Sandbox.create(snap.snapshot_id, timeout=120)
+        assert child.sandbox_id != s.sandbox_id
+        assert child.files.read("/home/user/snap.txt") == "from the snapshot"
+        assert h.pid in [p.pid for p in child.commands.list()], "its processes come with it"
+        child.files.write("/home/user/snap.txt", "changed in the child")
+        assert s.files.read("/home/user/snap.txt") == "from the snapshot"
+        assert Sandbox.delete_snapshot(snap.snapshot_id)
+        assert snap.snapshot_id not in [x.snapshot_id for x in Sandbox.list_snapshots().next_items()]
+        assert not Sandbox.delete_snapshot(snap.snapshot_id)
+        # Its sandboxes run on without it.
+        assert child.commands.run("cat /home/user/snap.txt").stdout == "changed in the child"
+    finally:
+        Sandbox.kill(s.sandbox_id)
+        if child is not None:
+            Sandbox.kill(child.sandbox_id)
+
+
+def test_fork_gives_independent_children():
+    skip_unless_sdk_has(hasattr(Sandbox, "fork"), "Sandbox.fork")
+    s = Sandbox.create(timeout=300)
+    children = []
+    try:
+        s.files.write("/home/user/f.txt", "parent")
+        h = s.commands.run("sleep 600", background=True)
+        children = s.fork(count=2)
+        assert len(children) == 2 and all(isinstance(c, Sandbox) for c in children), children
+        ids = {s.sandbox_id} | {c.sandbox_id for c in children}
+        assert len(ids) == 3
+        for n, c in enumerate(children):
+            assert c.files.read("/home/user/f.txt") == "parent"
+            assert h.pid in [p.pid for p in c.commands.list()]
+            c.files.write("/home/user/f.txt", f"child {n}")
+        assert [c.files.read("/home/user/f.txt") for c in children] == ["child 0", "child 1"]
+        assert s.files.read("/home/user/f.txt") == "parent"
+    finally:
+        Sandbox.kill(s.sandbox_id)
+        for c in children:
+            if isinstance(c, Sandbox):
+                Sandbox.kill(c.sandbox_id)
 
 
 def test_network_deny_out_alone():

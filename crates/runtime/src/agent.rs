@@ -110,6 +110,9 @@ type ReqBody = UnsyncBoxBody<Bytes, std::io::Error>;
 /// How long to wait for `READY` before saying `HELLO` again (the guest may still be booting, or
 /// may have swallowed the first hello into a dying session).
 const HELLO_RETRY: Duration = Duration::from_millis(1000);
+/// The first wait is shorter: a VM restored from a save made while a host was connected still
+/// serves that host's session, and the first hello only ends it.
+const FIRST_HELLO_RETRY: Duration = Duration::from_millis(150);
 
 /// Resynchronize the channel: say hello with a fresh nonce until the agent answers it. The
 /// channel is read a buffer at a time (a guest flooding it must not cost the host a syscall per
@@ -118,6 +121,7 @@ const HELLO_RETRY: Duration = Duration::from_millis(1000);
 async fn start_session(stream: &mut BufReader<UnixStream>) -> Result<(), AgentError> {
     use tokio::io::{AsyncBufReadExt, AsyncWriteExt};
     let io_err = |e: std::io::Error| AgentError::Transport(format!("session start: {e}"));
+    let mut wait = FIRST_HELLO_RETRY;
     loop {
         let nonce = crate::random::random_hex(8);
         stream
@@ -149,7 +153,9 @@ async fn start_session(stream: &mut BufReader<UnixStream>) -> Result<(), AgentEr
                 }
             }
         };
-        match tokio::time::timeout(HELLO_RETRY, wait_ready).await {
+        let waited = tokio::time::timeout(wait, wait_ready).await;
+        wait = HELLO_RETRY;
+        match waited {
             Ok(Ok(())) => return Ok(()),
             Ok(Err(e)) => return Err(io_err(e)),
             Err(_) => tracing::debug!("no READY for {nonce} yet; saying hello again"),

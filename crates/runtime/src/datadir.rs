@@ -47,7 +47,7 @@ impl DataDir {
                 .map_err(not_writable)?;
             std::fs::set_permissions(&root, std::fs::Permissions::from_mode(0o700)).map_err(not_writable)?;
         }
-        for sub in ["templates", "blobs/sha256", "cache", "sandboxes"] {
+        for sub in ["templates", "blobs/sha256", "cache", "sandboxes", "images"] {
             std::fs::create_dir_all(root.join(sub)).map_err(not_writable)?;
         }
         let probe = root.join(format!(".write-probe-{}", std::process::id()));
@@ -74,6 +74,10 @@ impl DataDir {
     /// Base snapshots, one dir per key (see `snapshot.rs`); private to the server.
     pub fn snapshots(&self) -> PathBuf {
         self.root.join("snapshots")
+    }
+    /// Images saved from running sandboxes (snapshots a tenant made, forks), one dir per id.
+    pub fn images(&self) -> PathBuf {
+        self.root.join("images")
     }
     pub fn accel_cache(&self) -> PathBuf {
         self.root.join("accel.json")

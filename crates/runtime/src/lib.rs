@@ -13,6 +13,7 @@
 pub mod agent;
 pub mod datadir;
 pub mod error;
+pub mod image;
 pub mod jail;
 pub mod net;
 pub mod random;

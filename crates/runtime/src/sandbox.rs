@@ -67,7 +67,17 @@ pub struct Timing {
 pub enum StartKind {
     #[default]
     Boot,
+    /// From its template's base snapshot.
     Restore,
+    /// From an image saved from another sandbox (a snapshot, a fork).
+    Snapshot,
+}
+
+/// Where a new sandbox's VM comes from.
+enum Source<'a> {
+    Boot(&'a Template, Resources),
+    Base(&'a Template, Resources, &'a BaseSnapshot),
+    Image(&'a crate::image::Image),
 }
 
 pub struct Sandbox {
@@ -267,6 +277,9 @@ pub struct CreateSandbox {
     pub id: Option<String>,
     pub template: String,
     pub resources: Resources,
+    /// Start from this saved image ([`Runtime::save_image`]) instead: its machine, memory,
+    /// processes and disk; `template` and `resources` are then the image's.
+    pub image: Option<String>,
 }
 
 /// A suspended sandbox's marker in its dir ([`SuspendRecord`]); its state is [`SUSPEND_STATE`].
@@ -337,6 +350,10 @@ impl Runtime {
         };
         rt.remove_interrupted_builds().await;
         rt.prune_snapshots();
+        for dir in crate::image::unfinished(&rt.inner.data.images()) {
+            tracing::info!("removing an unfinished image {}", dir.display());
+            let _ = std::fs::remove_dir_all(dir);
+        }
         rt.spawn_console_trimmer();
         if opts.reconcile_in_background {
             let entries = rt.unsettled_entries();
@@ -670,15 +687,16 @@ impl Runtime {
         let verdict = match self
             .launch(
                 random_hex(10),
-                &template,
-                Resources {
-                    vcpu: 1,
-                    memory_mib: 256,
-                    disk_mib: template.manifest.rootfs_bytes.div_ceil(1 << 20) as u32,
-                },
+                Source::Boot(
+                    &template,
+                    Resources {
+                        vcpu: 1,
+                        memory_mib: 256,
+                        disk_mib: template.manifest.rootfs_bytes.div_ceil(1 << 20) as u32,
+                    },
+                ),
                 Accel::Kvm,
                 Duration::from_secs(10),
-                None,
             )
             .await
         {
@@ -702,20 +720,27 @@ impl Runtime {
     }
 
     pub async fn create(&self, req: CreateSandbox) -> Result<Arc<Sandbox>> {
-        let template = self.inner.templates.resolve(&req.template)?;
-        req.resources.validate(&template)?;
         let id = match req.id {
             Some(id) if !valid_sandbox_id(&id) => return Err(RuntimeError::InvalidSandboxId(id)),
             Some(id) if self.get(&id).is_ok() => return Err(RuntimeError::SandboxIdTaken(id)),
             Some(id) => id,
             None => random_hex(10),
         };
+        if let Some(image) = &req.image {
+            let image = self
+                .image(image)
+                .ok_or_else(|| RuntimeError::UnknownTemplate(format!("image {image}")))?;
+            let accel = image.manifest.accel;
+            return self.launch(id, Source::Image(&image), accel, self.inner.boot_timeout).await;
+        }
+        let template = self.inner.templates.resolve(&req.template)?;
+        req.resources.validate(&template)?;
         let accel = self.accel().await;
         let resources = shape(&template, req.resources);
         let limit = self.inner.boot_timeout;
         if let Some(key) = self.snapshot_key(&template, &resources, accel) {
             match BaseSnapshot::find(&self.inner.data.snapshots(), &key) {
-                Some(snap) => match self.launch(id.clone(), &template, resources, accel, limit, Some(&snap)).await {
+                Some(snap) => match self.launch(id.clone(), Source::Base(&template, resources, &snap), accel, limit).await {
                     Ok(sb) => return Ok(sb),
                     Err(e) => {
                         tracing::warn!(%id, snapshot = %key, "restore failed, booting instead: {e}");
@@ -729,35 +754,32 @@ impl Runtime {
                 None => self.want_base_snapshot(key, template.clone(), resources, accel),
             }
         }
-        self.launch(id, &template, resources, accel, limit, None).await
+        self.launch(id, Source::Boot(&template, resources), accel, limit).await
     }
 
-    /// Boot a VM for sandbox `id`, or restore it `from` a base snapshot; either way give it its
-    /// identity once the agent answers.
-    async fn launch(
-        &self,
-        id: String,
-        template: &Template,
-        resources: Resources,
-        accel: Accel,
-        limit: Duration,
-        from: Option<&BaseSnapshot>,
-    ) -> Result<Arc<Sandbox>> {
+    /// Start a VM for sandbox `id` from `source` (a boot, a base snapshot's restore, a saved
+    /// image's restore) and give it its identity once the agent answers.
+    async fn launch(&self, id: String, source: Source<'_>, accel: Accel, limit: Duration) -> Result<Arc<Sandbox>> {
         let dir = self.inner.data.sandboxes().join(&id);
         // Not `create_dir_all`: an existing dir is a sandbox with this id still booting.
         std::fs::create_dir(&dir).map_err(|e| match e.kind() {
             std::io::ErrorKind::AlreadyExists => RuntimeError::SandboxIdTaken(id.clone()),
             _ => RuntimeError::io(&dir, e),
         })?;
+        let (template, template_digest, resources, start) = match &source {
+            Source::Boot(t, r) => (&t.manifest.name, &t.manifest.digest, *r, StartKind::Boot),
+            Source::Base(t, r, _) => (&t.manifest.name, &t.manifest.digest, *r, StartKind::Restore),
+            Source::Image(i) => (&i.manifest.template, &i.manifest.template_digest, i.manifest.resources, StartKind::Snapshot),
+        };
         let mut record = SandboxRecord {
             id: id.clone(),
-            template: template.manifest.name.clone(),
-            template_digest: template.manifest.digest.clone(),
+            template: template.clone(),
+            template_digest: template_digest.clone(),
             runtime: self.inner.vmm.name().into(),
             accel,
             resources,
             created_at: humantime::format_rfc3339_millis(SystemTime::now()).to_string(),
-            start: if from.is_some() { StartKind::Restore } else { StartKind::Boot },
+            start,
             start_ms: 0,
             machine_id: random_hex(16),
             machine: None,
@@ -765,50 +787,27 @@ impl Runtime {
         let mut link = None;
         let started = Instant::now();
         let result = async {
-            let mut spec = VmSpec::for_template(&id, dir.clone(), template, resources, accel);
-            // Its own links to the files it runs on: a suspended VM resumes on them even after
-            // its template is rebuilt or its base snapshot pruned.
-            spec.kernel = hold(&dir, "kernel", &spec.kernel);
-            spec.initrd = hold(&dir, "initrd", &spec.initrd);
-            spec.rootfs = hold(&dir, "rootfs", &spec.rootfs);
-            spec.snapshot = from.map(|snap| SnapshotRole::Clone {
-                memory: snap.memory(),
-                state: snap.state(),
-                disk: hold(&dir, "frozen-disk.qcow2", &snap.disk()),
-                cmdline: snap.manifest.cmdline.clone(),
-            });
-            record.machine = Some(ResumeSpec {
-                cmdline: match &spec.snapshot {
-                    Some(role) => role.cmdline().to_string(),
-                    None => crate::vmm::qemu::kernel_cmdline(&id),
-                },
-                memory_backend: from.is_some(),
-                frozen_disk: match &spec.snapshot {
-                    Some(SnapshotRole::Clone { disk, .. }) => Some(disk.clone()),
-                    _ => None,
-                },
-                kernel: spec.kernel.clone(),
-                initrd: spec.initrd.clone(),
-                rootfs: spec.rootfs.clone(),
-            });
+            let spec = self.machine(&id, &dir, &source, accel, &mut record);
             write_atomic(
                 &dir.join("sandbox.json"),
                 &serde_json::to_vec_pretty(&record).expect("serializable"),
             )?;
             let vm = self.start_vm(&id, &dir, spec, &mut link).await?;
             let ready = async {
-                if from.is_some() {
-                    self.snapshotting("restore")?.complete_restore(&vm, limit).await?;
+                if !matches!(source, Source::Boot(..)) {
+                    self.snapshotting("restore")?.complete_restore(&vm, SUSPEND_LIMIT).await?;
                 }
                 let (client, _health) = AgentClient::connect_ready(&vm.agent_socket, limit).await?;
                 client.set_identity(&identity(&record)).await?;
                 // A restored VM runs its template's process already: it was saved running.
-                if let (None, Some(start)) = (from, &template.manifest.start) {
-                    start_template_process(&client, start, limit).await?;
+                if let Source::Boot(Template { manifest: m, .. }, _) = &source {
+                    if let Some(start) = &m.start {
+                        start_template_process(&client, start, limit).await?;
+                    }
                 }
                 Ok::<_, RuntimeError>(client)
             };
-            let doing = if from.is_some() { "restore" } else { "boot" };
+            let doing = if matches!(source, Source::Boot(..)) { "boot" } else { "restore" };
             ready_or_died(&id, &vm, doing, ready).await.map(|client| (vm, client))
         }
         .await;
@@ -830,6 +829,63 @@ impl Runtime {
                 Err(e)
             }
         }
+    }
+
+    /// The machine sandbox `id` runs as when started from `source`, recorded in `record` (what a
+    /// resume starts again). Its own links to the files it runs on (`held/`): a suspended VM
+    /// resumes on them even after its template is rebuilt, its base snapshot pruned or its
+    /// image deleted.
+    fn machine(&self, id: &str, dir: &std::path::Path, source: &Source<'_>, accel: Accel, record: &mut SandboxRecord) -> VmSpec {
+        let (kernel, initrd, rootfs) = match source {
+            Source::Boot(t, _) | Source::Base(t, _, _) => (t.kernel(), t.initrd(), t.rootfs()),
+            Source::Image(i) => (
+                i.manifest.machine.kernel.clone(),
+                i.manifest.machine.initrd.clone(),
+                i.manifest.machine.rootfs.clone(),
+            ),
+        };
+        let files = [hold(dir, "kernel", &kernel), hold(dir, "initrd", &initrd), hold(dir, "rootfs", &rootfs)];
+        let mut spec = VmSpec::new(id, dir.to_path_buf(), files, record.resources, accel);
+        let (cmdline, memory_backend, layers) = match source {
+            Source::Boot(..) => (crate::vmm::qemu::kernel_cmdline(id), false, vec![]),
+            Source::Base(_, _, snap) => {
+                let disk = hold(dir, "frozen-disk.qcow2", &snap.disk());
+                spec.snapshot = Some(SnapshotRole::Clone {
+                    memory: snap.memory(),
+                    state: snap.state(),
+                    disk: disk.clone(),
+                    cmdline: snap.manifest.cmdline.clone(),
+                });
+                (snap.manifest.cmdline.clone(), true, vec![disk])
+            }
+            Source::Image(i) => {
+                let m = &i.manifest.machine;
+                let layers = m
+                    .layers
+                    .iter()
+                    .enumerate()
+                    .map(|(n, layer)| hold(dir, &format!("layer-{n}.qcow2"), layer))
+                    .collect();
+                (m.cmdline.clone(), m.memory_backend, layers)
+            }
+        };
+        let machine = ResumeSpec {
+            cmdline,
+            memory_backend,
+            layers,
+            kernel: spec.kernel.clone(),
+            initrd: spec.initrd.clone(),
+            rootfs: spec.rootfs.clone(),
+        };
+        if let Source::Image(i) = source {
+            spec.snapshot = Some(SnapshotRole::Resume {
+                state: i.state(),
+                resume: machine.clone(),
+                new_overlay: true,
+            });
+        }
+        record.machine = Some(machine);
+        spec
     }
 
     /// Give `spec` its network (recorded in `dir`) and start its VMM. A snapshot's builder gets
@@ -1058,6 +1114,98 @@ impl Runtime {
         Ok(())
     }
 
+    /// The saved image `id`, if it exists and this VMM can load it.
+    pub fn image(&self, id: &str) -> Option<crate::image::Image> {
+        let image = crate::image::Image::find(&self.inner.data.images(), id)?;
+        let vmm = self.inner.vmm.snapshotting()?.build_id();
+        (image.manifest.vmm == vmm).then_some(image)
+    }
+
+    /// Ids of the saved images.
+    pub fn images(&self) -> Vec<String> {
+        std::fs::read_dir(self.inner.data.images())
+            .into_iter()
+            .flatten()
+            .flatten()
+            .map(|e| e.file_name().to_string_lossy().into_owned())
+            .collect()
+    }
+
+    /// Remove image `id` (sandboxes made from it run on; a missing one is not an error).
+    pub fn delete_image(&self, id: &str) -> Result<()> {
+        crate::image::remove(&self.inner.data.images(), id)
+    }
+
+    /// Save sandbox `id` as image `image_id` while it runs on: it is stopped only while its
+    /// memory is written and its disk copied, then runs again (a paused one stays paused), with
+    /// its sessions intact. Sandboxes made from the image ([`CreateSandbox::image`]) start with
+    /// its memory, processes and files at that moment.
+    pub async fn save_image(&self, id: &str, image_id: &str) -> Result<crate::image::Image> {
+        use crate::image::{Image, ImageManifest, MANIFEST};
+        if !crate::image::valid_image_id(image_id) {
+            return Err(RuntimeError::InvalidSandboxId(image_id.into()));
+        }
+        let sb = self.get(id)?;
+        let snapshotting = self.snapshotting("snapshot")?;
+        let machine = sb.record.machine.clone().ok_or_else(|| RuntimeError::ControlCommand {
+            command: "snapshot".into(),
+            reason: format!("sandbox {id} was started by an older server that did not record its machine"),
+        })?;
+        let dir = self.inner.data.images().join(image_id);
+        std::fs::create_dir(&dir).map_err(|e| RuntimeError::io(&dir, e))?;
+        let saved = async {
+            let layers: Vec<PathBuf> = std::iter::once(dir.join("disk.qcow2"))
+                .chain(
+                    machine
+                        .layers
+                        .iter()
+                        .enumerate()
+                        .map(|(n, layer)| hold(&dir, &format!("layer-{n}.qcow2"), layer)),
+                )
+                .collect();
+            let image_machine = ResumeSpec {
+                layers,
+                kernel: hold(&dir, "kernel", &machine.kernel),
+                initrd: hold(&dir, "initrd", &machine.initrd),
+                rootfs: hold(&dir, "rootfs", &machine.rootfs),
+                ..machine.clone()
+            };
+            let started = Instant::now();
+            let to = create_state_file(&dir.join("state"))?;
+            let was_running = snapshotting.save_state(&sb.vm, to, SUSPEND_LIMIT).await?;
+            // Stopped, its images flushed: the overlay as it is now is the image's disk.
+            let copied = copy_file(&sb.vm.dir.join("disk.qcow2"), &dir.join("disk.qcow2")).await;
+            if was_running {
+                self.inner.vmm.resume(&sb.vm).await?;
+            }
+            copied?;
+            let size = |name: &str| std::fs::metadata(dir.join(name)).map(|m| m.len()).unwrap_or(0);
+            let manifest = ImageManifest {
+                id: image_id.to_string(),
+                source: id.to_string(),
+                template: sb.record.template.clone(),
+                template_digest: sb.record.template_digest.clone(),
+                resources: sb.record.resources,
+                accel: sb.record.accel,
+                vmm: snapshotting.build_id(),
+                machine: image_machine,
+                created_at: humantime::format_rfc3339_millis(SystemTime::now()).to_string(),
+                state_bytes: size("state"),
+                disk_bytes: size("disk.qcow2"),
+                save_ms: started.elapsed().as_millis() as u64,
+            };
+            write_atomic(&dir.join(MANIFEST), &serde_json::to_vec_pretty(&manifest).expect("serializable"))?;
+            Ok::<_, RuntimeError>(Image { dir: dir.clone(), manifest })
+        }
+        .await;
+        if saved.is_err() {
+            let _ = std::fs::remove_dir_all(&dir);
+        }
+        let image = saved?;
+        tracing::info!(%id, image = %image_id, ms = image.manifest.save_ms, bytes = image.bytes(), "image saved");
+        Ok(image)
+    }
+
     /// Let a paused or suspended sandbox run again. Idempotent.
     pub async fn resume(&self, id: &str) -> Result<()> {
         if self.is_suspended(id) {
@@ -1098,36 +1246,29 @@ impl Runtime {
         let started = Instant::now();
         let dir = sb.vm.dir.clone();
         sb.deleting.store(true, Ordering::SeqCst);
-        // The guest sees its host leave before it is saved, so the resumed guest serves a new
-        // session at once (its processes and their output are kept in the guest).
-        if let Some(client) = sb.agent.lock().await.take() {
-            client.close();
-            tokio::time::sleep(Duration::from_millis(200)).await;
-        }
-        if let Err(e) = snapshotting.suspend(&sb.vm, SUSPEND_LIMIT).await {
-            if self.inner.vmm.is_running(&sb.vm) {
-                // Not saved: it runs on as it was.
-                let _ = self.inner.vmm.resume(&sb.vm).await;
-                sb.deleting.store(false, Ordering::SeqCst);
-                if sb.is_paused() {
-                    let _ = self.inner.vmm.pause(&sb.vm).await;
-                }
-            } else {
-                self.forget_gone(&sb).await;
-            }
-            return Err(e);
-        }
+        end_session(&sb).await;
         let state = dir.join(SUSPEND_STATE);
-        let saved = std::fs::rename(dir.join(crate::vmm::SUSPEND_NEXT), &state)
-            .and_then(|()| std::fs::metadata(&state))
-            .map_err(|e| RuntimeError::io(&state, e));
-        let saved = match saved {
+        let saving = async {
+            let to = create_state_file(&dir.join(format!("{SUSPEND_STATE}.tmp")))?;
+            snapshotting.save_state(&sb.vm, to, SUSPEND_LIMIT).await?;
+            std::fs::rename(dir.join(format!("{SUSPEND_STATE}.tmp")), &state).map_err(|e| RuntimeError::io(&state, e))?;
+            std::fs::metadata(&state).map_err(|e| RuntimeError::io(&state, e))
+        };
+        let saved = match saving.await {
             Ok(meta) => meta,
             Err(e) => {
-                self.forget_gone(&sb).await;
+                let _ = std::fs::remove_file(dir.join(format!("{SUSPEND_STATE}.tmp")));
+                if self.inner.vmm.is_running(&sb.vm) {
+                    // Not saved: it runs on as it was (`save_state` let it run again).
+                    sb.deleting.store(false, Ordering::SeqCst);
+                } else {
+                    self.forget_gone(&sb).await;
+                }
                 return Err(e);
             }
         };
+        // Saved: the VMM goes.
+        let _ = self.inner.vmm.stop(&sb.vm, Duration::from_secs(5)).await;
         let marker = SuspendRecord {
             saved_at: humantime::format_rfc3339_millis(SystemTime::now()).to_string(),
             state_bytes: saved.len(),
@@ -1171,22 +1312,13 @@ impl Runtime {
         let limit = self.inner.boot_timeout;
         let started = Instant::now();
         let mut link = None;
-        let spec = VmSpec {
-            id: id.to_string(),
-            dir: dir.clone(),
-            kernel: machine.kernel.clone(),
-            initrd: machine.initrd.clone(),
-            rootfs: machine.rootfs.clone(),
-            vcpu: record.resources.vcpu,
-            memory_mib: record.resources.memory_mib,
-            disk_mib: record.resources.disk_mib,
-            accel: record.accel,
-            network: None,
-            snapshot: Some(SnapshotRole::Resume {
-                state: dir.join(SUSPEND_STATE),
-                resume: machine,
-            }),
-        };
+        let files = [machine.kernel.clone(), machine.initrd.clone(), machine.rootfs.clone()];
+        let mut spec = VmSpec::new(id, dir.clone(), files, record.resources, record.accel);
+        spec.snapshot = Some(SnapshotRole::Resume {
+            state: dir.join(SUSPEND_STATE),
+            resume: machine,
+            new_overlay: false,
+        });
         let result = async {
             let vm = self.start_vm(id, &dir, spec, &mut link).await?;
             let ready = async {
@@ -1275,6 +1407,39 @@ fn identity(record: &SandboxRecord) -> airlock_proto::Identity {
             .map(|d| d.as_nanos() as u64)
             .unwrap_or(0),
     }
+}
+
+/// End the host's session with a VM about to be saved: the guest sees its host leave, so the
+/// restored guest serves a new session at once (its processes and their output stay in the
+/// guest). Every stream on the session ends.
+async fn end_session(sb: &Sandbox) {
+    if let Some(client) = sb.agent.lock().await.take() {
+        client.close();
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+}
+
+/// Copy `from` to `to` (sparse; shared extents where the filesystem can).
+async fn copy_file(from: &std::path::Path, to: &std::path::Path) -> Result<()> {
+    let out = tokio::process::Command::new("cp")
+        .args(["--reflink=auto", "--sparse=always"])
+        .arg(from)
+        .arg(to)
+        .output()
+        .await
+        .map_err(|e| RuntimeError::io(from, e))?;
+    if !out.status.success() {
+        return Err(RuntimeError::io(
+            from,
+            std::io::Error::other(String::from_utf8_lossy(&out.stderr).trim().to_string()),
+        ));
+    }
+    Ok(())
+}
+
+/// A new file for a VM's saved state: the server's only (it holds the guest's memory).
+fn create_state_file(path: &std::path::Path) -> Result<std::fs::File> {
+    crate::datadir::create_private(path).map_err(|e| RuntimeError::io(path, e))
 }
 
 /// `ready` (its agent answering), unless the VMM exits first; a failure names what the VM was

@@ -77,6 +77,7 @@ pub fn create() -> Arc<Sandbox> {
         id: None,
         template: "seed".into(),
         resources: small(),
+        image: None,
     }))
     .expect("sandbox boots")
 }

@@ -21,6 +21,7 @@ fn seed(id: Option<&str>) -> CreateSandbox {
         id: id.map(Into::into),
         template: "seed".into(),
         resources: Resources::default(),
+        image: None,
     }
 }
 

@@ -51,6 +51,7 @@ async fn bench() -> Bench {
         id: None,
         template: "seed".into(),
         resources: Resources::default(),
+        image: None,
     };
     let good = rt.create(create()).await.unwrap();
     let bad = rt.create(create()).await.unwrap();

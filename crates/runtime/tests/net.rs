@@ -115,6 +115,7 @@ fn create(id: &str, plan: Plan) -> Result<Arc<Sandbox>, RuntimeError> {
         id: Some(id.into()),
         template: "seed".into(),
         resources: small(),
+        image: None,
     }))
 }
 

@@ -27,6 +27,7 @@ fn child_creates_sandbox_and_exits() {
             id: None,
             template: "seed".into(),
             resources: small(),
+            image: None,
         };
         let sb = rt.create(seed()).await.unwrap();
         sb.agent()

@@ -609,6 +609,95 @@ fn creates_restore_from_a_base_snapshot_with_an_identity_of_their_own() {
     });
 }
 
+/// A running sandbox saved as an image runs on, undisturbed; sandboxes made from the image start
+/// with its memory (a process that counts on from where it was), its files, and identities of
+/// their own, and are independent of it and of each other. Deleting the image leaves them be.
+fn sandboxes_from_a_saved_image_have_its_processes_and_files_and_lives_of_their_own() {
+    let rt = runtime();
+    let parent = create();
+    block_on(async {
+        let agent = parent.agent().await.unwrap();
+        agent.write_file("/home/user/before.txt", None, &b"before"[..]).await.unwrap();
+        let counter = agent
+            .spawn(&sh("i=0; while true; do i=$((i+1)); echo $i > /tmp/count; sleep 0.1; done"))
+            .await
+            .unwrap();
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        let image_id = format!("img-{}", parent.id());
+        let image = rt.save_image(parent.id(), &image_id).await.unwrap();
+        eprintln!(
+            "image saved in {} ms: {} MiB state, {} MiB disk",
+            image.manifest.save_ms,
+            image.manifest.state_bytes >> 20,
+            image.manifest.disk_bytes >> 20
+        );
+        // The parent runs on, with its session.
+        let out = agent.read_file("/home/user/before.txt").await.unwrap();
+        assert_eq!(&out[..], b"before");
+        let fork = |n: usize| {
+            let rt = rt.clone();
+            let image_id = image_id.clone();
+            async move {
+                let started = std::time::Instant::now();
+                let sb = rt
+                    .create(CreateSandbox {
+                        id: None,
+                        template: String::new(),
+                        resources: Resources::default(),
+                        image: Some(image_id),
+                    })
+                    .await
+                    .unwrap();
+                eprintln!("child {n} from the image in {} ms", started.elapsed().as_millis());
+                sb
+            }
+        };
+        let children = [fork(0).await, fork(1).await];
+        let mut machine_ids = vec![parent.run(sh("cat /etc/machine-id")).await.unwrap().stdout];
+        for (n, child) in children.iter().enumerate() {
+            assert_eq!(child.record.start, airlock_runtime::sandbox::StartKind::Snapshot);
+            assert_eq!(child.record.resources, parent.record.resources);
+            let out = child
+                .run(sh(&format!(
+                    "cat /home/user/before.txt; echo; kill -0 {} && echo alive; a=$(cat /tmp/count); sleep 0.5; echo $a $(cat /tmp/count); hostname; cat /etc/machine-id",
+                    counter.pid
+                )))
+                .await
+                .unwrap();
+            let text = String::from_utf8_lossy(&out.stdout).to_string();
+            let lines: Vec<&str> = text.lines().collect();
+            assert_eq!(lines[..2], ["before", "alive"], "{text}");
+            let counts: Vec<u64> = lines[2].split(' ').map(|c| c.parse().unwrap()).collect();
+            assert!(counts[0] >= 3 && counts[1] > counts[0], "the counter runs on in child {n}: {text}");
+            assert_eq!(lines[3], child.id());
+            machine_ids.push(lines[4].as_bytes().to_vec());
+            // Its own disk from here on.
+            let mine = format!("/home/user/child-{n}.txt");
+            child.agent().await.unwrap().write_file(&mine, None, &b"mine"[..]).await.unwrap();
+        }
+        machine_ids.sort();
+        machine_ids.dedup();
+        assert_eq!(machine_ids.len(), 3, "parent and children have machine ids of their own");
+        for (n, child) in children.iter().enumerate() {
+            let other = format!("/home/user/child-{}.txt", 1 - n);
+            assert_eq!(child.agent().await.unwrap().stat(&other).await.unwrap_err().code(), Some(ErrorCode::NotFound));
+        }
+        assert_eq!(agent.stat("/home/user/child-0.txt").await.unwrap_err().code(), Some(ErrorCode::NotFound));
+        // The image goes; the children run on (and can still suspend and resume).
+        rt.delete_image(&image_id).unwrap();
+        assert!(rt.image(&image_id).is_none());
+        let child = &children[0];
+        rt.suspend(child.id()).await.unwrap();
+        rt.resume(child.id()).await.unwrap();
+        let again = rt.get(child.id()).unwrap();
+        let out = again.run(sh("cat /home/user/child-0.txt")).await.unwrap();
+        assert_eq!(String::from_utf8_lossy(&out.stdout), "mine");
+        for sb in children.iter().map(|c| c.id().to_string()).chain([parent.id().to_string()]) {
+            rt.delete(&sb).await.unwrap();
+        }
+    });
+}
+
 fn delete_leaves_nothing_behind() {
     let rt = runtime();
     let sb = create();
@@ -674,6 +763,7 @@ fn resources_are_honoured_and_validated() {
             memory_mib: 384,
             disk_mib: 3000,
         },
+        image: None,
     }))
     .unwrap();
     let out = block_on(sb.run(sh(
@@ -691,6 +781,7 @@ fn resources_are_honoured_and_validated() {
         id: None,
         template: "seed".into(),
         resources: r,
+        image: None,
     })) {
         Err(RuntimeError::InvalidResources(m)) => m,
         Err(e) => panic!("wrong error {e}"),
@@ -712,6 +803,7 @@ fn resources_are_honoured_and_validated() {
         id: None,
         template: "nonexistent".into(),
         resources: small(),
+        image: None,
     })) {
         Err(e @ RuntimeError::UnknownTemplate(_)) => assert!(e.to_string().contains("airlock template ls")),
         other => panic!("expected unknown template, got {:?}", other.err()),
@@ -771,6 +863,10 @@ fn main() {
             catch(sandboxes_from_one_template_are_isolated)
         }),
         Trial::test("delete_leaves_nothing_behind", || catch(delete_leaves_nothing_behind)),
+        Trial::test(
+            "sandboxes_from_a_saved_image_have_its_processes_and_files_and_lives_of_their_own",
+            || catch(sandboxes_from_a_saved_image_have_its_processes_and_files_and_lives_of_their_own),
+        ),
         Trial::test("killed_vmm_is_cleaned_up", || catch(killed_vmm_is_cleaned_up)),
         Trial::test("resources_are_honoured_and_validated", || {
             catch(resources_are_honoured_and_validated)

@@ -45,6 +45,11 @@ pub enum Action {
     Suspend {
         sandbox: SandboxRow,
     },
+    /// Save a running or paused sandbox as `snapshot` (recorded once saved), while it runs on.
+    Snapshot {
+        sandbox: SandboxRow,
+        snapshot: crate::store::SnapshotRow,
+    },
     /// Run a paused sandbox again, or start a suspended one from its saved state: that needs its
     /// place, vcpu and memory again, so it is admitted under `quota` and `budget` like a create.
     Resume {
@@ -214,6 +219,17 @@ impl Engine {
             }
             Action::Pause { sandbox } => self.submit_change(sandbox, OperationKind::Pause).await,
             Action::Suspend { sandbox } => self.submit_change(sandbox, OperationKind::Suspend).await,
+            Action::Snapshot { sandbox, snapshot } => {
+                let op = new_operation(OperationKind::Snapshot, &sandbox.id);
+                self.store.insert_operation(&sandbox.tenant_id, &op).await?;
+                let engine = self.clone();
+                let run = op.clone();
+                tokio::spawn(async move { engine.run_snapshot(run, snapshot).await });
+                Ok(Submitted {
+                    operation: op,
+                    new: true,
+                })
+            }
             Action::Resume { sandbox, quota, budget } => {
                 if sandbox.state == SandboxState::Suspended
                     && !self.store.admit_resume(&sandbox.id, &quota, &budget).await?
@@ -315,6 +331,9 @@ impl Engine {
                     .store
                     .set_sandbox_boot(&row.id, &booted)
                     .await;
+                if let Some(image) = &row.image_id {
+                    self.inherit_sessions(&row, image).await;
+                }
                 // The lifetime asked for starts when the sandbox runs: a slow boot (a loaded
                 // host, TCG) is not charged to it. Set while still `creating`, which the
                 // reaper leaves alone.
@@ -344,6 +363,31 @@ impl Engine {
         }
     }
 
+    /// A sandbox made from a snapshot runs the processes its source ran: their sessions (as
+    /// the source has them now) become its own, so both doors find them by pid and tag.
+    async fn inherit_sessions(&self, row: &SandboxRow, image: &str) {
+        let copied = async {
+            let Some(snapshot) = self.store.get_snapshot(&row.tenant_id, image).await? else {
+                return Ok(());
+            };
+            for s in self.store.list_sessions(&snapshot.sandbox_id).await? {
+                if s.exited {
+                    continue;
+                }
+                let copy = crate::store::SessionRow {
+                    id: format!("ses_{}", airlock_runtime::datadir::random_hex(8)),
+                    sandbox_id: row.id.clone(),
+                    ..s
+                };
+                self.store.insert_session(&copy).await?;
+            }
+            Ok::<_, crate::store::StoreError>(())
+        };
+        if let Err(e) = copied.await {
+            tracing::warn!(sandbox = %row.id, "cannot record the sessions it inherited: {e}");
+        }
+    }
+
     async fn run_delete(&self, op: Operation) {
         let id = op.sandbox_id.clone();
         let _ = self.store.set_operation_state(&op.id, OperationState::Running).await;
@@ -358,6 +402,31 @@ impl Engine {
                 tracing::warn!(sandbox = %id, "delete failed: {e}");
                 self.set_state(&id, SandboxState::Failed).await;
                 self.finish(&op, Some((&CoreError::from(e)).into())).await;
+            }
+        }
+    }
+
+    /// Save the image, then record the snapshot (an image without a record is removed).
+    async fn run_snapshot(&self, op: Operation, mut snapshot: crate::store::SnapshotRow) {
+        let _ = self.store.set_operation_state(&op.id, OperationState::Running).await;
+        let saved = match self.nodes.save_image(&op.sandbox_id, &snapshot.id).await {
+            Ok(bytes) => {
+                snapshot.bytes = bytes;
+                match self.store.insert_snapshot(&snapshot).await {
+                    Ok(()) => Ok(()),
+                    Err(e) => {
+                        let _ = self.nodes.delete_image(&snapshot.id).await;
+                        Err(CoreError::from(e))
+                    }
+                }
+            }
+            Err(e) => Err(CoreError::from(e)),
+        };
+        match saved {
+            Ok(()) => self.finish(&op, None).await,
+            Err(e) => {
+                tracing::warn!(sandbox = %op.sandbox_id, "snapshot failed: {e}");
+                self.finish(&op, Some((&e).into())).await
             }
         }
     }
@@ -493,6 +562,9 @@ impl Engine {
             if let Err(e) = engine.sweep_unclaimed_vms().await {
                 tracing::error!("cannot sweep VMs without a record: {e}");
             }
+            if let Err(e) = engine.sweep_images().await {
+                tracing::error!("cannot sweep images: {e}");
+            }
             engine
                 .recovery
                 .under_way
@@ -581,6 +653,11 @@ impl Engine {
                     self.finish(&op, None).await;
                     tracing::info!(op = %op.id, "finished before the restart: succeeded");
                 }
+                (OperationKind::Snapshot, _) => {
+                    // Saved or not, it is not recorded: its image (if any) goes with the sweep.
+                    self.finish(&op, Some(interrupted())).await;
+                    tracing::warn!(op = %op.id, "snapshot interrupted by a restart");
+                }
                 (
                     OperationKind::Pause | OperationKind::Suspend | OperationKind::Resume,
                     VmState::Running | VmState::Paused | VmState::Suspended,
@@ -628,6 +705,24 @@ impl Engine {
             if !live {
                 tracing::warn!(sandbox = %id, "VM without a live record; deleting it");
                 let _ = self.nodes.delete(&id).await;
+            }
+        }
+        Ok(())
+    }
+
+    /// Images no snapshot record claims (a save the restart cut short), and forks' images (the
+    /// restart cut the fork short; its children that started hold their own links).
+    async fn sweep_images(&self) -> CoreResult<()> {
+        for fork in self.store.fork_images().await? {
+            tracing::info!(image = %fork.id, "removing the image of a fork a restart interrupted");
+            self.store.delete_snapshot(&fork.tenant_id, &fork.id).await?;
+            let _ = self.nodes.delete_image(&fork.id).await;
+        }
+        let claimed: std::collections::HashSet<String> = self.store.snapshot_ids().await?.into_iter().collect();
+        for id in self.nodes.image_ids() {
+            if !claimed.contains(&id) {
+                tracing::warn!(image = %id, "image without a snapshot record; removing it");
+                let _ = self.nodes.delete_image(&id).await;
             }
         }
         Ok(())

@@ -24,6 +24,7 @@ pub enum Kind {
     Tenant,
     /// An API key, by its id.
     Key,
+    Snapshot,
 }
 
 impl Kind {
@@ -39,6 +40,7 @@ impl Kind {
             Kind::Route => "route",
             Kind::Tenant => "tenant",
             Kind::Key => "key",
+            Kind::Snapshot => "snapshot",
         }
     }
 }
@@ -315,6 +317,7 @@ fn not_found_code(kind: Kind) -> &'static str {
         Kind::Route => "route_not_found",
         Kind::Tenant => "tenant_not_found",
         Kind::Key => "key_not_found",
+        Kind::Snapshot => "snapshot_not_found",
     }
 }
 

@@ -41,7 +41,8 @@ use utoipa::OpenApi;
 #[openapi(
     info(title = "airlock", description = "Self-hosted microVM sandboxes for AI agents: native API (milestone 1)"),
     paths(
-        native::create_sandbox, native::list_sandboxes, native::get_sandbox, native::get_egress, native::get_tenant, native::delete_sandbox, native::pause_sandbox, native::suspend_sandbox, native::resume_sandbox, native::get_operation,
+        native::create_sandbox, native::list_sandboxes, native::get_sandbox, native::get_egress, native::get_tenant, native::delete_sandbox, native::pause_sandbox, native::suspend_sandbox, native::resume_sandbox, native::fork_sandbox,
+        native::create_snapshot, native::list_snapshots, native::get_snapshot, native::delete_snapshot, native::get_operation,
         native::create_session, native::list_sessions, native::get_session, native::stream_session, native::session_stdin,
         native::session_signal, native::session_resize, native::read_file, native::write_file, native::delete_file, native::list_files,
         native::list_templates, native::get_template, native::system,
@@ -106,6 +107,10 @@ pub fn router(state: AppState) -> Router {
         .route("/sandboxes/{id}/pause", post(native::pause_sandbox))
         .route("/sandboxes/{id}/suspend", post(native::suspend_sandbox))
         .route("/sandboxes/{id}/resume", post(native::resume_sandbox))
+        .route("/sandboxes/{id}/fork", post(native::fork_sandbox))
+        .route("/sandboxes/{id}/snapshots", post(native::create_snapshot))
+        .route("/snapshots", get(native::list_snapshots))
+        .route("/snapshots/{id}", get(native::get_snapshot).delete(native::delete_snapshot))
         .route("/operations/{id}", get(native::get_operation))
         .route(
             "/sandboxes/{id}/sessions",
@@ -172,7 +177,9 @@ pub fn router(state: AppState) -> Router {
         .route("/sandboxes/{id}/metrics", get(e2b::control::metrics))
         .route("/sandboxes/{id}/pause", post(e2b::control::pause))
         .route("/sandboxes/{id}/snapshots", post(e2b::control::create_snapshot))
+        .route("/sandboxes/{id}/fork", post(e2b::control::fork))
         .route("/snapshots", get(e2b::control::list_snapshots))
+        .route("/templates/{id}", axum::routing::delete(e2b::control::delete_template))
         .route("/templates/aliases/{alias}", get(e2b::control::template_alias))
         // Newer SDKs (e.g. 2.63) create and connect through the v2 paths; same semantics.
         .route("/v2/sandboxes", get(e2b::control::list_v2).post(e2b::control::create))

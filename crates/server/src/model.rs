@@ -69,6 +69,7 @@ pub enum OperationKind {
     Pause,
     Suspend,
     Resume,
+    Snapshot,
 }
 
 impl OperationKind {
@@ -78,6 +79,7 @@ impl OperationKind {
             OperationKind::Delete => "delete",
             OperationKind::Pause => "pause",
             OperationKind::Suspend => "suspend",
+            OperationKind::Snapshot => "snapshot",
             OperationKind::Resume => "resume",
         }
     }
@@ -87,6 +89,7 @@ impl OperationKind {
             "delete" => OperationKind::Delete,
             "pause" => OperationKind::Pause,
             "suspend" => OperationKind::Suspend,
+            "snapshot" => OperationKind::Snapshot,
             "resume" => OperationKind::Resume,
             _ => return None,
         })
@@ -183,6 +186,50 @@ pub struct CreateSandboxRequest {
     /// Resume the sandbox when a request reaches it (a session, a file, a port, E2B's envd)
     /// while it is suspended or paused. Default false: such a request gets 409 `invalid_state`.
     pub auto_resume: Option<bool>,
+}
+
+/// An image of a sandbox saved while it ran (memory, running processes, files); new sandboxes
+/// start from it (`"template": "<its id or name>"`). Owned by the tenant that made it.
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema, PartialEq, Eq)]
+pub struct Snapshot {
+    /// `snap_<hex>`.
+    pub id: String,
+    pub name: Option<String>,
+    /// The sandbox it was saved from.
+    pub sandbox_id: String,
+    pub template: String,
+    /// Fixed by the saved machine: sandboxes made from it have these.
+    pub resources: Resources,
+    /// Disk space it holds (saved memory and disk).
+    pub bytes: u64,
+    pub created_at: String,
+}
+
+#[derive(Debug, Clone, Default, Serialize, Deserialize, ToSchema)]
+pub struct CreateSnapshotRequest {
+    /// A name unique among the tenant's snapshots (letters, digits, `-`, `_`, `.`; at most 64).
+    pub name: Option<String>,
+}
+
+#[derive(Debug, Clone, Default, Serialize, Deserialize, ToSchema)]
+pub struct ForkRequest {
+    /// How many sandboxes (1 to 20; default 1).
+    pub count: Option<u32>,
+    /// Their lifetime (default 5m).
+    pub timeout: Option<String>,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
+pub struct ForkAccepted {
+    /// One create per child that was admitted, each with its own operation.
+    pub sandboxes: Vec<OperationAccepted>,
+    /// Why the others were not (a quota, the node's budget).
+    pub errors: Vec<ErrorBody>,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
+pub struct SnapshotList {
+    pub snapshots: Vec<Snapshot>,
 }
 
 /// What a sandbox's timeout does.

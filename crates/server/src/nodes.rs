@@ -55,6 +55,13 @@ pub trait Nodes: Send + Sync {
     async fn pause(&self, id: &str) -> Result<(), RuntimeError>;
     /// Save the VM's whole state to disk and end its process; returns how long it took (ms).
     async fn suspend(&self, id: &str) -> Result<u64, RuntimeError>;
+    /// Save the VM as image `image_id` while it runs on (see `Runtime::save_image`); returns
+    /// the bytes it holds.
+    async fn save_image(&self, id: &str, image_id: &str) -> Result<u64, RuntimeError>;
+    /// Remove a saved image (a missing one is not an error).
+    async fn delete_image(&self, image_id: &str) -> Result<(), RuntimeError>;
+    /// Every saved image this node has.
+    fn image_ids(&self) -> Vec<String>;
     /// Run a paused VM again, or start a suspended one from its saved state.
     async fn resume(&self, id: &str) -> Result<(), RuntimeError>;
     fn vm_state(&self, id: &str) -> VmState;
@@ -124,6 +131,7 @@ impl Nodes for LocalNode {
                     memory_mib: sandbox.resources.memory_mib,
                     disk_mib: sandbox.resources.disk_mib,
                 },
+                image: sandbox.image_id.clone(),
             })
             .await?;
         Ok(Booted {
@@ -133,6 +141,7 @@ impl Nodes for LocalNode {
                 from: match sb.record.start {
                     airlock_runtime::sandbox::StartKind::Boot => "boot".into(),
                     airlock_runtime::sandbox::StartKind::Restore => "restore".into(),
+                    airlock_runtime::sandbox::StartKind::Snapshot => "snapshot".into(),
                 },
                 ms: sb.record.start_ms,
             },
@@ -170,6 +179,21 @@ impl Nodes for LocalNode {
         let lock = self.lock_for(id);
         let _guard = lock.lock().await;
         self.runtime.suspend(id).await.map(|t| t.ms)
+    }
+
+    async fn save_image(&self, id: &str, image_id: &str) -> Result<u64, RuntimeError> {
+        self.runtime.settled(id).await;
+        let lock = self.lock_for(id);
+        let _guard = lock.lock().await;
+        self.runtime.save_image(id, image_id).await.map(|i| i.bytes())
+    }
+
+    async fn delete_image(&self, image_id: &str) -> Result<(), RuntimeError> {
+        self.runtime.delete_image(image_id)
+    }
+
+    fn image_ids(&self) -> Vec<String> {
+        self.runtime.images()
     }
 
     async fn resume(&self, id: &str) -> Result<(), RuntimeError> {

@@ -43,6 +43,7 @@ fn sandbox_row(id: &str, tenant_id: &str) -> SandboxRow {
         start: None,
         lifecycle: Default::default(),
         timeout_ms: 300_000,
+        image_id: None,
     }
 }
 
@@ -123,6 +124,7 @@ async fn crash_mid_create_after_the_boot_succeeds_it() {
                 id: Some(id.into()),
                 template: "seed".into(),
                 resources: Default::default(),
+                image: None,
             })
             .await
             .map(|_| ())

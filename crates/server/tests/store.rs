@@ -32,6 +32,7 @@ fn sandbox(id: &str, tenant: &str) -> SandboxRow {
         start: None,
         lifecycle: Default::default(),
         timeout_ms: 300_000,
+        image_id: None,
     }
 }
 

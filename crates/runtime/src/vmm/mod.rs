@@ -145,10 +145,15 @@ pub enum SnapshotRole {
         disk: PathBuf,
         cmdline: String,
     },
-    /// Resume a suspended VM: the same machine again (`resume.cmdline`, RAM in a memory backend
-    /// when it had one), its overlay kept as it was, everything else (RAM included) loaded
-    /// from `state`; then [`Snapshotting::complete_restore`].
-    Resume { state: PathBuf, resume: ResumeSpec },
+    /// Start a saved VM again: the same machine (`resume.cmdline`, RAM in a memory backend when
+    /// it had one), everything (RAM included) loaded from `state`, on its overlay as it was
+    /// (a resume), or on a new overlay over `resume.layers` (a sandbox made from a saved image);
+    /// then [`Snapshotting::complete_restore`].
+    Resume {
+        state: PathBuf,
+        resume: ResumeSpec,
+        new_overlay: bool,
+    },
 }
 
 impl SnapshotRole {
@@ -173,16 +178,14 @@ pub struct ResumeSpec {
     /// Its RAM was a memory backend (`id=mem`, a clone of a base snapshot): the saved RAM
     /// block has that name, so the resumed VM needs one too.
     pub memory_backend: bool,
-    /// The frozen disk of the base snapshot its overlay sits on, if it was restored from one.
-    pub frozen_disk: Option<PathBuf>,
+    /// The frozen qcow2 disks its overlay sits on, nearest first (a base snapshot's, a saved
+    /// image's), above the template's raw root filesystem.
+    #[serde(default)]
+    pub layers: Vec<PathBuf>,
     pub kernel: PathBuf,
     pub initrd: PathBuf,
     pub rootfs: PathBuf,
 }
-
-/// Where a running VM's suspend writes its state (every VM but a builder is started with it
-/// open for writing, since a jailed VMM opens no path itself).
-pub const SUSPEND_NEXT: &str = "suspend.next";
 
 /// What a VMM that can save and restore VMs offers (`Vmm::snapshotting`).
 #[async_trait]
@@ -193,9 +196,11 @@ pub trait Snapshotting: Send + Sync {
     /// Load the device state into a VM started as a [`SnapshotRole::Clone`] (or its whole
     /// state, started as [`SnapshotRole::Resume`]) and let it run.
     async fn complete_restore(&self, vm: &VmHandle, limit: Duration) -> Result<()>;
-    /// Stop a running VM (not a builder), write its whole state (RAM and devices) to
-    /// [`SUSPEND_NEXT`] in its dir, and end it. Its disk stays as it is.
-    async fn suspend(&self, vm: &VmHandle, limit: Duration) -> Result<()>;
+    /// Stop a running (or paused) VM (not a builder) and write its whole state (RAM, devices)
+    /// to `to`, handed to the VMM now. The VM is left stopped, its disk images flushed, for the
+    /// caller to copy them and then end it or let it go on ([`Vmm::resume`]). Returns whether it
+    /// was running before.
+    async fn save_state(&self, vm: &VmHandle, to: std::fs::File, limit: Duration) -> Result<bool>;
     /// Identifies the VMM build: a snapshot restores only into the VMM that saved it.
     fn build_id(&self) -> String;
 }
@@ -213,12 +218,17 @@ pub struct NetAttach {
 impl VmSpec {
     /// Boot `template` with `resources` in `dir`.
     pub fn for_template(id: &str, dir: PathBuf, template: &Template, resources: Resources, accel: Accel) -> Self {
+        Self::new(id, dir, [template.kernel(), template.initrd(), template.rootfs()], resources, accel)
+    }
+
+    /// A plain boot of `[kernel, initramfs, root filesystem]` with `resources` in `dir`.
+    pub fn new(id: &str, dir: PathBuf, [kernel, initrd, rootfs]: [PathBuf; 3], resources: Resources, accel: Accel) -> Self {
         Self {
             id: id.to_string(),
             dir,
-            kernel: template.kernel(),
-            initrd: template.initrd(),
-            rootfs: template.rootfs(),
+            kernel,
+            initrd,
+            rootfs,
             vcpu: resources.vcpu,
             memory_mib: resources.memory_mib,
             disk_mib: resources.disk_mib,

@@ -185,8 +185,10 @@ pub struct Attach {
 const STATE_FD_SET: u32 = 4;
 /// The fd set holding a snapshot's frozen disk, the backing of a clone's overlay.
 const FROZEN_DISK_FD_SET: u32 = 5;
-/// The fd set holding where a suspend writes the VM's state ([`super::SUSPEND_NEXT`]).
-const SUSPEND_FD_SET: u32 = 6;
+/// The fd set a running VM is handed its save target in (`add-fd`, then `file:/dev/fdset/6`).
+const SAVE_FD_SET: u32 = 6;
+/// The first fd set of a saved VM's frozen layers below the nearest ([`FROZEN_DISK_FD_SET`]).
+const MORE_LAYERS_FD_SET: u32 = 10;
 
 impl Attach {
     /// The same machine with a NIC on `netdev` (a `-netdev` backend without its id): a raw VM
@@ -268,20 +270,9 @@ impl Attach {
         };
         let set = |fd: i32, set: u32| vec!["-add-fd".to_string(), format!("fd={fd},set={set}")];
         let mut fd_sets = [set(backing, 1), set(disk_rw, 2), set(disk_ro, 2), set(console, 3)].concat();
-        if !matches!(spec.snapshot, Some(SnapshotRole::Builder { .. })) {
-            // Where a suspend writes this VM's state: write-only (QEMU picks by access mode).
-            let mut wo = std::fs::OpenOptions::new();
-            wo.write(true).create(true).truncate(true);
-            let next = open(&spec.dir.join(super::SUSPEND_NEXT), &mut wo)?;
-            fd_sets.extend(set(jail.pass(next)?, SUSPEND_FD_SET));
-        }
-        let clone_chain = format!(
-            "file=/dev/fdset/2,backing.driver=qcow2,backing.file.filename=/dev/fdset/{FROZEN_DISK_FD_SET},\
-             backing.backing.driver=raw,backing.backing.file.filename=/dev/fdset/1"
-        );
         // The overlay's header names its backing by path, which the jailed QEMU cannot reach: the
         // chain is given here instead (a clone's: overlay -> frozen snapshot disk -> template).
-        let mut disk = "file=/dev/fdset/2,backing.driver=raw,backing.file.filename=/dev/fdset/1".to_string();
+        let mut disk = disk_chain(&[]);
         // Guest RAM: QEMU opens a memory file only by path; `/proc/self/fd/N` reopens the fd it
         // was handed, checking the file's own mode, never the (private) directories above it.
         let memory = match &spec.snapshot {
@@ -306,7 +297,7 @@ impl Attach {
                 let mem = jail.pass(open(memory, &mut ro())?)?;
                 fd_sets.extend(set(jail.pass(open(state, &mut ro())?)?, STATE_FD_SET));
                 fd_sets.extend(set(jail.pass(open(frozen, &mut ro())?)?, FROZEN_DISK_FD_SET));
-                disk = clone_chain;
+                disk = disk_chain(&[FROZEN_DISK_FD_SET]);
                 // Read-only file, private writable mapping: every clone shares the snapshot's
                 // pages until it writes one, and none can change the file.
                 Some(format!(
@@ -314,12 +305,15 @@ impl Attach {
                     spec.memory_mib
                 ))
             }
-            Some(SnapshotRole::Resume { state, resume }) => {
+            Some(SnapshotRole::Resume { state, resume, .. }) => {
                 fd_sets.extend(set(jail.pass(open(state, &mut ro())?)?, STATE_FD_SET));
-                if let Some(frozen) = &resume.frozen_disk {
-                    fd_sets.extend(set(jail.pass(open(frozen, &mut ro())?)?, FROZEN_DISK_FD_SET));
-                    disk = clone_chain;
+                let mut sets = Vec::new();
+                for (i, layer) in resume.layers.iter().enumerate() {
+                    let n = if i == 0 { FROZEN_DISK_FD_SET } else { MORE_LAYERS_FD_SET + i as u32 - 1 };
+                    fd_sets.extend(set(jail.pass(open(layer, &mut ro())?)?, n));
+                    sets.push(n);
                 }
+                disk = disk_chain(&sets);
                 // The saved state holds all of RAM: plain anonymous memory takes it.
                 resume.memory_backend.then(|| ram_backend(spec))
             }
@@ -336,6 +330,25 @@ impl Attach {
             memory,
         })
     }
+}
+
+/// The `-drive` file options of the overlay (fd set 2) over the qcow2 `layers` (fd sets,
+/// nearest first) over the template's raw image (fd set 1): a jailed QEMU cannot follow the
+/// backing paths in the images' headers, so the chain is spelled out.
+///
+/// Image locking is off: the fds of a set stay open for the VM's life, so the lock of a
+/// read-only fd QEMU once used would outlive its use and refuse the write lock when the VM
+/// runs again after a save (`cont` after `migrate`). Each overlay is its one VM's by
+/// construction (the runtime's dir and jail), which is what the lock would guard.
+fn disk_chain(layers: &[u32]) -> String {
+    let mut chain = "file.filename=/dev/fdset/2,file.locking=off".to_string();
+    let mut at = "backing.".to_string();
+    for set in layers {
+        chain.push_str(&format!(",{at}driver=qcow2,{at}file.filename=/dev/fdset/{set},{at}file.locking=off"));
+        at.push_str("backing.");
+    }
+    chain.push_str(&format!(",{at}driver=raw,{at}file.filename=/dev/fdset/1,{at}file.locking=off"));
+    chain
 }
 
 /// Guest RAM as anonymous memory under the name a base snapshot's clone had (`mem`).
@@ -362,9 +375,17 @@ struct VmFiles {
 
 impl QemuVmm {
     async fn qmp(&self, vm: &VmHandle, cmd: &str) -> Result<serde_json::Value> {
+        self.qmp_args(vm, cmd, None).await
+    }
+
+    async fn qmp_with(&self, vm: &VmHandle, cmd: &str, args: serde_json::Value) -> Result<serde_json::Value> {
+        self.qmp_args(vm, cmd, Some(args)).await
+    }
+
+    async fn qmp_args(&self, vm: &VmHandle, cmd: &str, args: Option<serde_json::Value>) -> Result<serde_json::Value> {
         let run = async {
             let mut qmp = Qmp::connect(&vm.control_socket).await?;
-            qmp.execute(cmd, None).await
+            qmp.execute(cmd, args).await
         };
         tokio::time::timeout(Duration::from_secs(10), run)
             .await
@@ -448,16 +469,17 @@ impl Vmm for QemuVmm {
         }
         let (backing, backing_format) = match &spec.snapshot {
             Some(SnapshotRole::Clone { disk, .. }) => (disk, "qcow2"),
+            Some(SnapshotRole::Resume { resume, .. }) if !resume.layers.is_empty() => (&resume.layers[0], "qcow2"),
             _ => (&spec.rootfs, "raw"),
         };
-        let resuming = matches!(spec.snapshot, Some(SnapshotRole::Resume { .. }));
+        let resuming = matches!(spec.snapshot, Some(SnapshotRole::Resume { new_overlay: false, .. }));
         // A resumed VM keeps its overlay: the disk it was suspended with.
         let out = if resuming {
             None
         } else {
             Some(
                 Command::new("qemu-img")
-                    .args(["create", "-q", "-f", "qcow2", "-F", backing_format, "-b"])
+                    .args(["create", "-q", "-u", "-f", "qcow2", "-F", backing_format, "-b"])
                     .arg(backing)
                     .arg(&files.overlay)
                     .arg(format!("{}M", spec.disk_mib))
@@ -635,11 +657,31 @@ impl Snapshotting for QemuVmm {
         self.stop(vm, Duration::from_secs(5)).await
     }
 
-    async fn suspend(&self, vm: &VmHandle, limit: Duration) -> Result<()> {
-        let uri = serde_json::json!({"uri": format!("file:/dev/fdset/{SUSPEND_FD_SET}")});
-        self.migrate(vm, &[("stop", None), ("migrate", Some(uri))], limit)
-            .await?;
-        self.stop(vm, Duration::from_secs(5)).await
+    async fn save_state(&self, vm: &VmHandle, to: std::fs::File, limit: Duration) -> Result<bool> {
+        use std::os::fd::AsFd;
+        let fail = |reason: String| RuntimeError::ControlCommand {
+            command: "save".into(),
+            reason,
+        };
+        let handed = async {
+            let mut qmp = Qmp::connect(&vm.control_socket).await?;
+            let status = qmp.execute("query-status", None).await?;
+            let args = serde_json::json!({"fdset-id": SAVE_FD_SET});
+            qmp.execute_with_fd("add-fd", Some(args), to.as_fd()).await?;
+            std::io::Result::Ok(status["running"] == serde_json::Value::Bool(true))
+        };
+        let was_running = tokio::time::timeout(Duration::from_secs(10), handed)
+            .await
+            .map_err(|_| fail("QMP gave no answer in 10s".into()))?
+            .map_err(|e| fail(format!("QMP: {e}")))?;
+        let uri = serde_json::json!({"uri": format!("file:/dev/fdset/{SAVE_FD_SET}")});
+        let saved = self.migrate(vm, &[("stop", None), ("migrate", Some(uri))], limit).await;
+        // The target leaves QEMU either way: a later save gets a fresh one.
+        let _ = self.qmp_with(vm, "remove-fd", serde_json::json!({"fdset-id": SAVE_FD_SET})).await;
+        if saved.is_err() && was_running {
+            let _ = self.qmp(vm, "cont").await;
+        }
+        saved.map(|()| was_running)
     }
 
     async fn complete_restore(&self, vm: &VmHandle, limit: Duration) -> Result<()> {

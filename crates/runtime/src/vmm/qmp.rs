@@ -1,4 +1,4 @@
-//! Minimal QMP client: enough to ask QEMU to quit (and, later, to save and restore state).
+//! Minimal QMP client: quit, pause, save and restore state, and hand QEMU a file (`add-fd`).
 
 use serde_json::Value;
 use std::path::Path;
@@ -32,13 +32,43 @@ impl Qmp {
 
     /// Run a command and return its `return` value (events in between are skipped).
     pub async fn execute(&mut self, cmd: &str, args: Option<Value>) -> std::io::Result<Value> {
-        let mut msg = serde_json::json!({ "execute": cmd });
-        if let Some(a) = args {
-            msg["arguments"] = a;
-        }
-        let mut bytes = serde_json::to_vec(&msg).expect("serializable");
-        bytes.push(b'\n');
+        let bytes = command(cmd, args);
         self.writer.write_all(&bytes).await?;
+        self.answer(cmd).await
+    }
+
+    /// Run a command with `fd` passed along (SCM_RIGHTS), as `add-fd` and `getfd` take theirs:
+    /// how a jailed QEMU gets a file it cannot open itself, after it started.
+    pub async fn execute_with_fd(
+        &mut self,
+        cmd: &str,
+        args: Option<Value>,
+        fd: std::os::fd::BorrowedFd<'_>,
+    ) -> std::io::Result<Value> {
+        use nix::sys::socket::{sendmsg, ControlMessage, MsgFlags};
+        use std::os::fd::AsRawFd;
+        let bytes = command(cmd, args);
+        let stream: &UnixStream = self.writer.as_ref();
+        let sent = loop {
+            stream.writable().await?;
+            let attempt = stream.try_io(tokio::io::Interest::WRITABLE, || {
+                let iov = [std::io::IoSlice::new(&bytes)];
+                let fds = [fd.as_raw_fd()];
+                let cmsg = [ControlMessage::ScmRights(&fds)];
+                sendmsg::<()>(stream.as_raw_fd(), &iov, &cmsg, MsgFlags::empty(), None).map_err(std::io::Error::from)
+            });
+            match attempt {
+                Ok(n) => break n,
+                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => continue,
+                Err(e) => return Err(e),
+            }
+        };
+        // The fd went with the first byte; the rest of the line is plain.
+        self.writer.write_all(&bytes[sent..]).await?;
+        self.answer(cmd).await
+    }
+
+    async fn answer(&mut self, cmd: &str) -> std::io::Result<Value> {
         loop {
             let m = self.read_message().await?;
             if let Some(r) = m.get("return") {
@@ -49,4 +79,15 @@ impl Qmp {
             }
         }
     }
+}
+
+/// A command as one line of JSON.
+fn command(cmd: &str, args: Option<Value>) -> Vec<u8> {
+    let mut msg = serde_json::json!({ "execute": cmd });
+    if let Some(a) = args {
+        msg["arguments"] = a;
+    }
+    let mut bytes = serde_json::to_vec(&msg).expect("serializable");
+    bytes.push(b'\n');
+    bytes
 }

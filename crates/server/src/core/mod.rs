@@ -19,6 +19,7 @@ pub mod files;
 pub mod principal;
 pub mod sandboxes;
 pub mod sessions;
+pub mod snapshots;
 pub mod templates;
 pub mod tenants;
 

@@ -38,6 +38,8 @@ pub struct CreateSandbox {
     /// What the sandbox may reach (see `core::egress`).
     pub egress: EgressRequest,
     pub lifecycle: crate::model::Lifecycle,
+    /// A fork's child: its parent's egress, exactly (`egress` is then unused).
+    pub inherit_egress: Option<crate::store::EgressSpec>,
 }
 
 #[derive(Debug, Clone)]
@@ -152,14 +154,39 @@ impl Core {
                 });
             }
         }
-        let template = self.resolve_template(&req.template)?;
+        // One of the tenant's snapshots (by id or name) before a template of that name.
+        let snapshot = self.store.get_snapshot(&tenant.id, &req.template).await?;
+        let template = match &snapshot {
+            Some(s) => self.resolve_template(&s.template).ok(),
+            None => Some(self.resolve_template(&req.template)?),
+        };
         let defaults = airlock_runtime::Resources::default();
         let resources = airlock_runtime::Resources {
             vcpu: req.vcpu.unwrap_or(defaults.vcpu),
             memory_mib: req.memory_mib.unwrap_or(defaults.memory_mib),
             disk_mib: req.disk_mib.unwrap_or(defaults.disk_mib),
         };
-        resources.validate(&template)?;
+        let resources = match &snapshot {
+            Some(s) => {
+                let fixed = airlock_runtime::Resources {
+                    vcpu: s.resources.vcpu,
+                    memory_mib: s.resources.memory_mib,
+                    disk_mib: s.resources.disk_mib,
+                };
+                let asked = [(req.vcpu, fixed.vcpu), (req.memory_mib, fixed.memory_mib), (req.disk_mib, fixed.disk_mib)];
+                if asked.iter().any(|(asked, has)| asked.is_some_and(|a| a != *has)) {
+                    return Err(CoreError::InvalidResources(format!(
+                        "a sandbox made from snapshot {} has its resources ({} vcpu, {} MiB memory, {} MiB disk); leave them out",
+                        s.id, fixed.vcpu, fixed.memory_mib, fixed.disk_mib
+                    )));
+                }
+                fixed
+            }
+            None => resources,
+        };
+        if let Some(template) = &template {
+            resources.validate(template)?;
+        }
         let budget = self.config.budget(&self.nodes.capacity());
         for (field, asked, total, what) in [
             (
@@ -188,14 +215,21 @@ impl Core {
         // The quota and the node's budgets count live sandboxes: not before the restart's
         // recovery has failed those whose VM is gone.
         self.engine.all_recovered().await?;
-        let egress = self.egress_for_create(principal, tenant, &req.egress).await?;
+        let egress = match req.inherit_egress {
+            Some(parents) => parents,
+            None => self.egress_for_create(principal, tenant, &req.egress).await?,
+        };
         let now = now_ms();
         let row = SandboxRow {
             id: airlock_runtime::datadir::random_hex(10),
             tenant_id: tenant.id.clone(),
             state: SandboxState::Creating,
-            template: template.manifest.name.clone(),
-            template_digest: template.manifest.digest.clone(),
+            template: match (&snapshot, &template) {
+                (Some(s), _) => s.template.clone(),
+                (None, Some(t)) => t.manifest.name.clone(),
+                (None, None) => unreachable!("a create without a snapshot resolved its template"),
+            },
+            template_digest: template.as_ref().map(|t| t.manifest.digest.clone()).unwrap_or_default(),
             runtime: runtime.into(),
             accel: self.nodes.accel().await,
             resources: Resources {
@@ -211,6 +245,7 @@ impl Core {
             start: None,
             lifecycle: req.lifecycle,
             timeout_ms: timeout.as_millis() as i64,
+            image_id: snapshot.map(|s| s.id),
         };
         // Registered before the create runs, so the end of a quick failure finds it.
         let id = row.id.clone();
@@ -537,7 +572,7 @@ pub enum Change {
 }
 
 /// The tenant a lifecycle request acts for: a sandbox's own token never manages sandboxes.
-fn acting_tenant(principal: &Principal) -> CoreResult<&Tenant> {
+pub(crate) fn acting_tenant(principal: &Principal) -> CoreResult<&Tenant> {
     principal
         .tenant()
         .ok_or_else(|| CoreError::Forbidden("a sandbox's token can't manage sandboxes".into()))

@@ -3,7 +3,7 @@
 
 use super::{E2bError, E2bState, ENVD_VERSION};
 use crate::core::egress::EgressRequest;
-use crate::core::sandboxes::{check_timeout, Change, CreateSandbox, ListSandboxes, DEFAULT_TIMEOUT};
+use crate::core::sandboxes::{check_timeout, Change, CreateSandbox, Created, ListSandboxes, DEFAULT_TIMEOUT};
 use crate::core::{templates, CoreError, Credentials, Principal};
 use crate::model::{Lifecycle, OnTimeout, OperationState, SandboxState};
 use crate::store::{rfc3339, SandboxRow, Tenant};
@@ -207,6 +207,14 @@ async fn detail_json(state: &E2bState, row: &SandboxRow, token: Option<&str>) ->
     Ok(v)
 }
 
+/// A body the SDK may leave out: its type's default then.
+fn parse_optional_body<T: serde::de::DeserializeOwned + Default>(body: &[u8]) -> Result<T> {
+    if body.is_empty() {
+        return Ok(T::default());
+    }
+    parse_body(body)
+}
+
 fn parse_body<T: serde::de::DeserializeOwned>(body: &[u8]) -> Result<T> {
     serde_json::from_slice(body).map_err(|e| E2bError::bad_request(format!("invalid body: {e}")))
 }
@@ -253,25 +261,57 @@ pub async fn create(
             },
         )
         .await?;
+    Ok((StatusCode::CREATED, Json(started(&state, &tenant, created, &req.template_id).await?)))
+}
+
+/// A create the E2B API answers once its sandbox runs (the engine does the work, we wait for
+/// it): the sandbox as the SDK reads it, with its access token, under the name it was made by.
+async fn started(state: &E2bState, tenant: &Tenant, created: Created, alias: &str) -> Result<Value> {
     let id = created.sandbox_id.clone();
     let store_err = |e| E2bError::from(CoreError::from(e));
-    state
-        .core
-        .store
-        .set_e2b_alias(&id, &req.template_id)
-        .await
-        .map_err(store_err)?;
+    state.core.store.set_e2b_alias(&id, alias).await.map_err(store_err)?;
     let token = state.core.issue_access_token(&id).await?;
-    // The E2B API answers once the sandbox runs: the engine does the work, we wait for it.
     let done = state.core.engine.wait(&created.operation).await?;
     if done.state != OperationState::Succeeded {
         return Err(failed(&done, "start"));
     }
-    let row = state.core.sandbox(&tenant, &id).await?;
-    Ok((
-        StatusCode::CREATED,
-        Json(sandbox_json(&state, &row, &token, &req.template_id)),
-    ))
+    let row = state.core.sandbox(tenant, &id).await?;
+    Ok(sandbox_json(state, &row, &token, alias))
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct ForkBody {
+    pub timeout: Option<i64>,
+    pub count: Option<u32>,
+}
+
+/// `POST /sandboxes/{id}/fork` (newer SDKs' `fork`): the core's fork; each child is answered
+/// once it runs, or with its own error, as E2B does.
+pub async fn fork(
+    State(state): State<E2bState>,
+    Extension(tenant): Extension<Tenant>,
+    Extension(principal): Extension<Principal>,
+    Path(id): Path<String>,
+    body: axum::body::Bytes,
+) -> Result<(StatusCode, Json<Value>)> {
+    let b: ForkBody = parse_optional_body(&body)?;
+    let timeout = b.timeout.map(|t| timeout_secs(Some(t)));
+    let parent = state.core.live_sandbox(&tenant, &id).await?;
+    let alias = e2b_alias(&state, &parent).await?;
+    let children = state.core.fork_sandbox(&principal, &id, b.count.unwrap_or(1), timeout).await?;
+    let mut out = Vec::new();
+    for child in children {
+        let result = match child {
+            Ok(created) => started(&state, &tenant, created, &alias).await,
+            Err(e) => Err(E2bError::from(e)),
+        };
+        out.push(match result {
+            Ok(sandbox) => json!({ "sandbox": sandbox }),
+            Err(e) => json!({ "error": { "code": e.status.as_u16(), "message": e.message } }),
+        });
+    }
+    Ok((StatusCode::CREATED, Json(Value::Array(out))))
 }
 
 /// `POST /sandboxes/{id}/pause`: a suspend, as E2B's pause is (memory and processes saved to
@@ -296,18 +336,70 @@ pub async fn pause(
     }
 }
 
-/// `POST /sandboxes/{id}/snapshots`: snapshots need suspend-to-disk, which airlock does not have
-/// yet; say so (501) instead of a 404 the SDK would report as a missing sandbox.
+#[derive(Debug, Default, Deserialize)]
+pub struct SnapshotBody {
+    pub name: Option<String>,
+    /// Whether the snapshot keeps memory: airlock's always do.
+    #[allow(dead_code)]
+    pub memory: Option<Value>,
+}
+
+fn snapshot_json(s: &crate::store::SnapshotRow) -> Value {
+    json!({ "snapshotID": s.id, "names": s.name.iter().collect::<Vec<_>>() })
+}
+
+/// `POST /sandboxes/{id}/snapshots` (`create_snapshot`): the core's snapshot, running processes
+/// and memory included; `Sandbox.create(<snapshot id>)` starts from it.
 pub async fn create_snapshot(
     State(state): State<E2bState>,
     Extension(tenant): Extension<Tenant>,
+    Extension(principal): Extension<Principal>,
+    Path(id): Path<String>,
+    body: axum::body::Bytes,
+) -> Result<(StatusCode, Json<Value>)> {
+    let b: SnapshotBody = parse_optional_body(&body)?;
+    state.core.live_sandbox(&tenant, &id).await?;
+    let made = state.core.create_snapshot(&principal, &id, b.name).await?;
+    let row = state.core.snapshot(&tenant, &made.id).await?;
+    Ok((StatusCode::CREATED, Json(snapshot_json(&row))))
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct SnapshotsQuery {
+    #[serde(rename = "sandboxID")]
+    pub sandbox_id: Option<String>,
+    pub name: Option<String>,
+    #[allow(dead_code)]
+    pub limit: Option<u32>,
+    #[allow(dead_code)]
+    pub next_token: Option<String>,
+}
+
+/// `GET /snapshots` (`list_snapshots`): the tenant's snapshots, all in one page.
+pub async fn list_snapshots(
+    State(state): State<E2bState>,
+    Extension(tenant): Extension<Tenant>,
+    Query(q): Query<SnapshotsQuery>,
+) -> Result<Json<Value>> {
+    let rows = state.core.list_snapshots(&tenant, q.sandbox_id.as_deref()).await?;
+    let rows = rows
+        .iter()
+        .filter(|s| q.name.as_ref().is_none_or(|n| s.name.as_ref() == Some(n)))
+        .map(snapshot_json)
+        .collect();
+    Ok(Json(Value::Array(rows)))
+}
+
+/// `DELETE /templates/{id}` (`delete_snapshot`): a snapshot of the tenant's; templates are the
+/// platform's and are not deleted through the E2B door.
+pub async fn delete_template(
+    State(state): State<E2bState>,
+    Extension(principal): Extension<Principal>,
     Path(id): Path<String>,
 ) -> Result<StatusCode> {
-    state.core.live_sandbox(&tenant, &id).await?;
-    Err(E2bError::new(
-        StatusCode::NOT_IMPLEMENTED,
-        "snapshots are not supported by airlock yet (no suspend-to-disk); pause() keeps a sandbox in memory",
-    ))
+    state.core.delete_snapshot(&principal, &id).await?;
+    Ok(StatusCode::NO_CONTENT)
 }
 
 /// `GET /templates/aliases/{alias}` (`Template.exists`): a template this server has under that
@@ -315,11 +407,6 @@ pub async fn create_snapshot(
 pub async fn template_alias(State(state): State<E2bState>, Path(alias): Path<String>) -> Result<Json<Value>> {
     let template = state.core.resolve_template(&alias)?;
     Ok(Json(json!({ "templateID": template.manifest.name, "public": true })))
-}
-
-/// `GET /snapshots`: there are none (see `create_snapshot`).
-pub async fn list_snapshots() -> Json<Value> {
-    Json(json!([]))
 }
 
 pub async fn get(
@@ -352,7 +439,7 @@ pub async fn kill(
     }
 }
 
-#[derive(Debug, Deserialize)]
+#[derive(Debug, Default, Deserialize)]
 pub struct TimeoutBody {
     pub timeout: Option<i64>,
 }
@@ -376,11 +463,7 @@ pub async fn connect(
     Path(id): Path<String>,
     body: axum::body::Bytes,
 ) -> Result<(StatusCode, Json<Value>)> {
-    let b: TimeoutBody = if body.is_empty() {
-        TimeoutBody { timeout: None }
-    } else {
-        parse_body(&body)?
-    };
+    let b: TimeoutBody = parse_optional_body(&body)?;
     // Checked before anything changes: a bad timeout must not resume the sandbox.
     let timeout = check_timeout("timeout", timeout_secs(b.timeout))?;
     let mut row = state.core.live_sandbox(&tenant, &id).await?;

@@ -77,6 +77,8 @@ pub struct SandboxRow {
     pub lifecycle: crate::model::Lifecycle,
     /// The lifetime it was created with (a sandbox its timeout suspended gets it again on resume).
     pub timeout_ms: i64,
+    /// The snapshot it was made from, if any (its memory, processes and disk).
+    pub image_id: Option<String>,
 }
 
 /// A sandbox's egress as recorded at create and fixed for its life: the profiles chosen, whether
@@ -412,6 +414,58 @@ pub trait OperationStore: Send + Sync {
     async fn open_delete_operation(&self, sandbox_id: &str) -> Result<Option<Operation>, StoreError>;
 }
 
+/// A snapshot as recorded: an image of a sandbox, owned by its tenant.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SnapshotRow {
+    pub id: String,
+    pub tenant_id: String,
+    pub name: Option<String>,
+    pub kind: SnapshotKind,
+    pub sandbox_id: String,
+    pub template: String,
+    pub resources: Resources,
+    pub bytes: u64,
+    pub created_at_ms: i64,
+}
+
+impl SnapshotRow {
+    pub fn view(&self) -> crate::model::Snapshot {
+        crate::model::Snapshot {
+            id: self.id.clone(),
+            name: self.name.clone(),
+            sandbox_id: self.sandbox_id.clone(),
+            template: self.template.clone(),
+            resources: self.resources,
+            bytes: self.bytes,
+            created_at: rfc3339(self.created_at_ms),
+        }
+    }
+}
+
+/// Why a snapshot exists.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SnapshotKind {
+    /// Made by its tenant; kept until deleted.
+    Snapshot,
+    /// What a fork's children start from; removed once they have.
+    Fork,
+}
+
+#[async_trait]
+pub trait SnapshotStore: Send + Sync {
+    async fn insert_snapshot(&self, snapshot: &SnapshotRow) -> Result<(), StoreError>;
+    /// The tenant's snapshot by id or name.
+    async fn get_snapshot(&self, tenant_id: &str, id_or_name: &str) -> Result<Option<SnapshotRow>, StoreError>;
+    /// The tenant's snapshots (not forks' images), oldest first, of one sandbox if given.
+    async fn list_snapshots(&self, tenant_id: &str, sandbox_id: Option<&str>) -> Result<Vec<SnapshotRow>, StoreError>;
+    /// Whether it was there.
+    async fn delete_snapshot(&self, tenant_id: &str, id: &str) -> Result<bool, StoreError>;
+    /// Every tenant's images of forks (left by a restart mid-fork).
+    async fn fork_images(&self) -> Result<Vec<SnapshotRow>, StoreError>;
+    /// The id of every snapshot of every tenant.
+    async fn snapshot_ids(&self) -> Result<Vec<String>, StoreError>;
+}
+
 #[async_trait]
 pub trait E2bStore: Send + Sync {
     /// The template name the E2B SDK created the sandbox with, echoed back as its `templateID`.
@@ -488,9 +542,9 @@ pub trait AccountStore: Send + Sync {
     async fn prune_audit(&self, before_ms: i64) -> Result<u64, StoreError>;
 }
 
-pub trait Store: TenantStore + SandboxStore + OperationStore + E2bStore + AccountStore {}
+pub trait Store: TenantStore + SandboxStore + SnapshotStore + OperationStore + E2bStore + AccountStore {}
 
-impl<T: TenantStore + SandboxStore + OperationStore + E2bStore + AccountStore> Store for T {}
+impl<T: TenantStore + SandboxStore + SnapshotStore + OperationStore + E2bStore + AccountStore> Store for T {}
 
 #[cfg(test)]
 mod tests {

@@ -2,7 +2,7 @@
 
 use super::{
     new_key, now_ms, rfc3339, token_hash, AccountStore, AuditFilter, AuditRecord, CreateRecorded, KeyRecord, E2bStore, EgressSpec, KeyFormat, NodeBudget, OperationStore,
-    SandboxFilter, SandboxRow, SandboxStore, SessionRow, StoreError, Tenant, TenantStore,
+    SandboxFilter, SandboxRow, SandboxStore, SessionRow, SnapshotKind, SnapshotRow, SnapshotStore, StoreError, Tenant, TenantStore,
 };
 use crate::model::ErrorBody;
 use crate::model::{Operation, OperationKind, OperationState, Quota, Resources, SandboxState, TenantUsage};
@@ -168,6 +168,7 @@ fn sandbox_from_row(r: &sqlx::sqlite::SqliteRow) -> SandboxRow {
             auto_resume: r.get::<i64, _>("auto_resume") != 0,
         },
         timeout_ms: r.get("timeout_ms"),
+        image_id: r.get("image_id"),
         start: r
             .get::<Option<String>, _>("started_from")
             .map(|from| crate::model::SandboxStart {
@@ -727,8 +728,8 @@ impl SandboxStore for SqliteStore {
         }
         admit_within(&mut tx, &sb.tenant_id, &sb.resources, quota, budget, true).await?;
         sqlx::query(
-            "INSERT INTO sandboxes (id, tenant_id, state, template, template_digest, runtime, accel, vcpu, memory_mib, disk_mib, env, metadata, created_at_ms, expires_at_ms, egress_profiles, egress_sealed, egress_policy, on_timeout, auto_resume, timeout_ms)
-             VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+            "INSERT INTO sandboxes (id, tenant_id, state, template, template_digest, runtime, accel, vcpu, memory_mib, disk_mib, env, metadata, created_at_ms, expires_at_ms, egress_profiles, egress_sealed, egress_policy, on_timeout, auto_resume, timeout_ms, image_id)
+             VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
         )
         .bind(&sb.id)
         .bind(&sb.tenant_id)
@@ -750,6 +751,7 @@ impl SandboxStore for SqliteStore {
         .bind(sb.lifecycle.on_timeout.as_str())
         .bind(sb.lifecycle.auto_resume as i64)
         .bind(sb.timeout_ms)
+        .bind(&sb.image_id)
         .execute(&mut *tx)
         .await?;
         sqlx::query(
@@ -1134,6 +1136,98 @@ impl OperationStore for SqliteStore {
         .fetch_optional(&self.pool)
         .await?;
         Ok(r.as_ref().map(op_from_row))
+    }
+}
+
+fn snapshot_from_row(r: &sqlx::sqlite::SqliteRow) -> SnapshotRow {
+    SnapshotRow {
+        id: r.get("id"),
+        tenant_id: r.get("tenant_id"),
+        name: r.get("name"),
+        kind: match r.get::<&str, _>("kind") {
+            "fork" => SnapshotKind::Fork,
+            _ => SnapshotKind::Snapshot,
+        },
+        sandbox_id: r.get("sandbox_id"),
+        template: r.get("template"),
+        resources: Resources {
+            vcpu: r.get::<i64, _>("vcpu") as u32,
+            memory_mib: r.get::<i64, _>("memory_mib") as u32,
+            disk_mib: r.get::<i64, _>("disk_mib") as u32,
+        },
+        bytes: r.get::<i64, _>("bytes").max(0) as u64,
+        created_at_ms: r.get("created_at_ms"),
+    }
+}
+
+#[async_trait]
+impl SnapshotStore for SqliteStore {
+    async fn insert_snapshot(&self, s: &SnapshotRow) -> Result<(), StoreError> {
+        sqlx::query(
+            "INSERT INTO snapshots (id, tenant_id, name, kind, sandbox_id, template, vcpu, memory_mib, disk_mib, bytes, created_at_ms)
+             VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+        )
+        .bind(&s.id)
+        .bind(&s.tenant_id)
+        .bind(&s.name)
+        .bind(match s.kind {
+            SnapshotKind::Snapshot => "snapshot",
+            SnapshotKind::Fork => "fork",
+        })
+        .bind(&s.sandbox_id)
+        .bind(&s.template)
+        .bind(s.resources.vcpu as i64)
+        .bind(s.resources.memory_mib as i64)
+        .bind(s.resources.disk_mib as i64)
+        .bind(s.bytes as i64)
+        .bind(s.created_at_ms)
+        .execute(&self.pool)
+        .await?;
+        Ok(())
+    }
+
+    async fn get_snapshot(&self, tenant_id: &str, id_or_name: &str) -> Result<Option<SnapshotRow>, StoreError> {
+        let r = sqlx::query("SELECT * FROM snapshots WHERE tenant_id = ? AND (id = ? OR name = ?)")
+            .bind(tenant_id)
+            .bind(id_or_name)
+            .bind(id_or_name)
+            .fetch_optional(&self.pool)
+            .await?;
+        Ok(r.as_ref().map(snapshot_from_row))
+    }
+
+    async fn list_snapshots(&self, tenant_id: &str, sandbox_id: Option<&str>) -> Result<Vec<SnapshotRow>, StoreError> {
+        let rows = sqlx::query(
+            "SELECT * FROM snapshots WHERE tenant_id = ? AND kind = 'snapshot' AND (? IS NULL OR sandbox_id = ?)
+             ORDER BY created_at_ms, id",
+        )
+        .bind(tenant_id)
+        .bind(sandbox_id)
+        .bind(sandbox_id)
+        .fetch_all(&self.pool)
+        .await?;
+        Ok(rows.iter().map(snapshot_from_row).collect())
+    }
+
+    async fn delete_snapshot(&self, tenant_id: &str, id: &str) -> Result<bool, StoreError> {
+        let done = sqlx::query("DELETE FROM snapshots WHERE tenant_id = ? AND id = ?")
+            .bind(tenant_id)
+            .bind(id)
+            .execute(&self.pool)
+            .await?;
+        Ok(done.rows_affected() == 1)
+    }
+
+    async fn snapshot_ids(&self) -> Result<Vec<String>, StoreError> {
+        let rows: Vec<(String,)> = sqlx::query_as("SELECT id FROM snapshots").fetch_all(&self.pool).await?;
+        Ok(rows.into_iter().map(|(id,)| id).collect())
+    }
+
+    async fn fork_images(&self) -> Result<Vec<SnapshotRow>, StoreError> {
+        let rows = sqlx::query("SELECT * FROM snapshots WHERE kind = 'fork'")
+            .fetch_all(&self.pool)
+            .await?;
+        Ok(rows.iter().map(snapshot_from_row).collect())
     }
 }
 

@@ -622,6 +622,15 @@ impl Nodes for TestNode {
     async fn resume(&self, id: &str) -> Result<(), airlock_runtime::RuntimeError> {
         self.inner.resume(id).await
     }
+    async fn save_image(&self, id: &str, image_id: &str) -> Result<u64, airlock_runtime::RuntimeError> {
+        self.inner.save_image(id, image_id).await
+    }
+    async fn delete_image(&self, image_id: &str) -> Result<(), airlock_runtime::RuntimeError> {
+        self.inner.delete_image(image_id).await
+    }
+    fn image_ids(&self) -> Vec<String> {
+        self.inner.image_ids()
+    }
     fn vm_state(&self, id: &str) -> VmState {
         self.inner.vm_state(id)
     }

@@ -1,0 +1,188 @@
+//! Snapshots (a running sandbox saved with its memory, processes and files; new sandboxes start
+//! from one by naming it as their template) and forks (N sandboxes from one sandbox as it is
+//! now). Both are owned by a tenant: another tenant's snapshot answers like a missing one.
+
+use super::sandboxes::{acting_tenant, CreateSandbox, Created};
+use super::{Core, CoreError, CoreResult, Kind, Principal};
+use crate::engine::Action;
+use crate::model::{SandboxState, Snapshot};
+use crate::store::{now_ms, SnapshotKind, SnapshotRow, Tenant};
+use std::time::Duration;
+
+/// The most sandboxes one fork makes (E2B's limit too).
+pub const MAX_FORK: u32 = 20;
+
+/// A snapshot name: what a create names as its template, so nothing a template could be called.
+fn check_name(name: &str) -> CoreResult<()> {
+    let ok = (1..=64).contains(&name.len())
+        && name.bytes().all(|b| b.is_ascii_alphanumeric() || b"-_.".contains(&b))
+        && !name.starts_with("snap_");
+    if ok {
+        Ok(())
+    } else {
+        Err(CoreError::invalid(
+            "name",
+            "1 to 64 letters, digits, '-', '_' or '.', not starting with snap_",
+        ))
+    }
+}
+
+impl Core {
+    /// Save the tenant's running (or paused) sandbox as a snapshot while it runs on.
+    async fn snapshot_unaudited(
+        &self,
+        tenant: &Tenant,
+        sandbox_id: &str,
+        name: Option<String>,
+        kind: SnapshotKind,
+    ) -> CoreResult<SnapshotRow> {
+        if let Some(n) = &name {
+            check_name(n)?;
+            if self.store.get_snapshot(&tenant.id, n).await?.is_some() || self.resolve_template(n).is_ok() {
+                return Err(CoreError::Conflict(format!("a snapshot or template named {n:?} exists")));
+            }
+        }
+        let row = self.sandbox(tenant, sandbox_id).await?;
+        if !matches!(row.state, SandboxState::Running | SandboxState::Paused) {
+            return Err(CoreError::InvalidState {
+                id: sandbox_id.into(),
+                state: row.state,
+                need: "only a running or paused sandbox can be saved".into(),
+            });
+        }
+        let snapshot = SnapshotRow {
+            id: format!("snap_{}", airlock_runtime::datadir::random_hex(10)),
+            tenant_id: tenant.id.clone(),
+            name,
+            kind,
+            sandbox_id: sandbox_id.into(),
+            template: row.template.clone(),
+            resources: row.resources,
+            bytes: 0,
+            created_at_ms: now_ms(),
+        };
+        let op = self
+            .engine
+            .submit(Action::Snapshot {
+                sandbox: row,
+                snapshot: snapshot.clone(),
+            })
+            .await?
+            .operation;
+        let op = self.engine.wait(&op).await?;
+        if let Some(e) = op.error {
+            return Err(CoreError::Unreachable {
+                id: sandbox_id.into(),
+                reason: format!("it could not be saved: {}", e.message),
+            });
+        }
+        self.store
+            .get_snapshot(&tenant.id, &snapshot.id)
+            .await?
+            .ok_or_else(|| CoreError::not_found(Kind::Snapshot, &snapshot.id))
+    }
+
+    /// `POST /v1/sandboxes/{id}/snapshots`, E2B `create_snapshot`.
+    pub async fn create_snapshot(&self, principal: &Principal, sandbox_id: &str, name: Option<String>) -> CoreResult<Snapshot> {
+        let tenant = acting_tenant(principal)?;
+        let r = self
+            .snapshot_unaudited(tenant, sandbox_id, name, SnapshotKind::Snapshot)
+            .await;
+        let object = r.as_ref().map(|s| s.id.clone()).unwrap_or_else(|_| sandbox_id.to_string());
+        self.audit(&principal.actor(), Some(&tenant.name), "snapshot.create", Some(&object), Self::outcome(&r))
+            .await;
+        r.map(|s| s.view())
+    }
+
+    /// The tenant's snapshot by id or name.
+    pub async fn snapshot(&self, tenant: &Tenant, id: &str) -> CoreResult<SnapshotRow> {
+        match self.store.get_snapshot(&tenant.id, id).await? {
+            Some(s) if s.kind == SnapshotKind::Snapshot => Ok(s),
+            _ => Err(CoreError::not_found(Kind::Snapshot, id)),
+        }
+    }
+
+    /// The tenant's snapshots, oldest first (of one sandbox if given).
+    pub async fn list_snapshots(&self, tenant: &Tenant, sandbox_id: Option<&str>) -> CoreResult<Vec<SnapshotRow>> {
+        Ok(self.store.list_snapshots(&tenant.id, sandbox_id).await?)
+    }
+
+    /// Delete a snapshot; sandboxes made from it run on (they hold their own links to its disk).
+    pub async fn delete_snapshot(&self, principal: &Principal, id: &str) -> CoreResult<()> {
+        let tenant = acting_tenant(principal)?;
+        let r = async {
+            let s = self.snapshot(tenant, id).await?;
+            self.remove_image(&s).await
+        }
+        .await;
+        self.audit(&principal.actor(), Some(&tenant.name), "snapshot.delete", Some(id), Self::outcome(&r))
+            .await;
+        r
+    }
+
+    async fn remove_image(&self, s: &SnapshotRow) -> CoreResult<()> {
+        self.store.delete_snapshot(&s.tenant_id, &s.id).await?;
+        self.nodes.delete_image(&s.id).await?;
+        Ok(())
+    }
+
+    /// `count` new sandboxes, each with the memory, processes and files `sandbox_id` has now
+    /// (saved once while it runs on), then independent. Each child is a create of its own
+    /// (admitted under the tenant's quota, with the parent's egress); the image they start from
+    /// goes once every child has started (or failed to).
+    pub async fn fork_sandbox(
+        &self,
+        principal: &Principal,
+        sandbox_id: &str,
+        count: u32,
+        timeout: Option<Duration>,
+    ) -> CoreResult<Vec<CoreResult<Created>>> {
+        let tenant = acting_tenant(principal)?;
+        let r = self.fork_unaudited(principal, tenant, sandbox_id, count, timeout).await;
+        self.audit(&principal.actor(), Some(&tenant.name), "sandbox.fork", Some(sandbox_id), Self::outcome(&r))
+            .await;
+        r
+    }
+
+    async fn fork_unaudited(
+        &self,
+        principal: &Principal,
+        tenant: &Tenant,
+        sandbox_id: &str,
+        count: u32,
+        timeout: Option<Duration>,
+    ) -> CoreResult<Vec<CoreResult<Created>>> {
+        if !(1..=MAX_FORK).contains(&count) {
+            return Err(CoreError::invalid("count", format!("must be between 1 and {MAX_FORK}, got {count}")));
+        }
+        let parent = self.sandbox(tenant, sandbox_id).await?;
+        let image = self
+            .snapshot_unaudited(tenant, sandbox_id, None, SnapshotKind::Fork)
+            .await?;
+        let mut children = Vec::new();
+        for _ in 0..count {
+            let req = CreateSandbox {
+                template: image.id.clone(),
+                timeout,
+                env: parent.env.clone(),
+                metadata: parent.metadata.clone(),
+                lifecycle: parent.lifecycle,
+                inherit_egress: Some(parent.egress.clone()),
+                ..Default::default()
+            };
+            children.push(self.create_sandbox(principal, req).await);
+        }
+        // The image goes once every child is past its restore.
+        let core = self.clone();
+        let ops: Vec<_> = children.iter().flatten().map(|c| c.operation.clone()).collect();
+        tokio::spawn(async move {
+            for op in ops {
+                let _ = core.engine.wait(&op).await;
+            }
+            if let Err(e) = core.remove_image(&image).await {
+                tracing::warn!(image = %image.id, "cannot remove a fork's image: {e}");
+            }
+        });
+        Ok(children)
+    }
+}
