@@ -63,6 +63,11 @@ enum Command {
         jwt_issuers: Option<PathBuf>,
         #[arg(long, env = "AIRLOCK_MAX_SANDBOXES", default_value_t = 20)]
         max_sandboxes: u32,
+        /// Keep VMs of a template ready for creates to claim, at the default resources:
+        /// `TEMPLATE=COUNT`, repeatable or comma-separated (the admin resizes them with
+        /// `PUT /v1/admin/pools`).
+        #[arg(long = "warm-pool", env = "AIRLOCK_WARM_POOLS", value_delimiter = ',', value_parser = parse_pool)]
+        warm_pools: Vec<(String, usize)>,
         /// Processes (sessions) one sandbox may run at once (429 `quota_exceeded` past it).
         #[arg(long, env = "AIRLOCK_MAX_SESSIONS", default_value_t = airlock_server::core::DEFAULT_MAX_SESSIONS_PER_SANDBOX)]
         max_sessions: u32,
@@ -130,6 +135,17 @@ enum Command {
     /// Check the host and report what sandboxes would run with (QEMU, accelerator, isolation,
     /// templates).
     Doctor,
+}
+
+/// `TEMPLATE=COUNT` of `--warm-pool`.
+fn parse_pool(s: &str) -> Result<(String, usize), String> {
+    let bad = || format!("{s:?} is not TEMPLATE=COUNT (e.g. seed=2)");
+    let (template, count) = s.split_once('=').ok_or_else(bad)?;
+    let count: usize = count.trim().parse().map_err(|_| bad())?;
+    if template.trim().is_empty() || count > airlock_server::core::accounts::MAX_POOL {
+        return Err(bad());
+    }
+    Ok((template.trim().to_string(), count))
 }
 
 fn parse_overcommit(s: &str) -> Result<f64, String> {
@@ -426,6 +442,7 @@ async fn run(cli: Cli) -> anyhow::Result<u8> {
             egress_dns,
             egress_uplink_netns,
             jwt_issuers,
+            warm_pools,
         } => {
             // First: a bad AIRLOCK_EGRESS_PROFILES stops the server before anything is built.
             let egress = airlock_server::egress_config_from_env()?;
@@ -443,6 +460,7 @@ async fn run(cli: Cli) -> anyhow::Result<u8> {
                 .await?;
             }
             airlock_server::serve(airlock_server::ServeOptions {
+                warm_pools,
                 listen,
                 data_dir: cli.data_dir,
                 max_sandboxes_per_tenant: max_sandboxes,

@@ -1053,6 +1053,79 @@ fn server_killed_mid_create_recovers_and_reattaches() {
     let _ = std::fs::remove_dir_all(&data);
 }
 
+/// A warm pool keeps VMs ready; a create claims one (`start.from: pool`), it is fresh (nothing a
+/// sandbox before it wrote), the pool refills, the admin resizes it, and a stopped server leaves
+/// no pool VM behind.
+fn warm_pool_claims_are_fresh_and_refilled() {
+    let data = own_data_dir("pool");
+    let mut s = Server::start_with(&data, &["--warm-pool", "seed=2"]);
+    let pool = |s: &Server| {
+        let (_, system) = s.call("GET", "/v1/system", None);
+        system["pools"][0].clone()
+    };
+    let wait_ready = |s: &Server, n: u64| {
+        let deadline = Instant::now() + Duration::from_secs(180);
+        while pool(s)["ready"].as_u64() != Some(n) {
+            assert!(Instant::now() < deadline, "pool not at {n}: {}", pool(s));
+            std::thread::sleep(Duration::from_millis(200));
+        }
+    };
+    wait_ready(&s, 2);
+    assert_eq!(pool(&s)["template"], "seed");
+    let first = s.create(json!({ "template": "seed" }));
+    let (_, sb) = s.call("GET", &format!("/v1/sandboxes/{first}"), None);
+    assert_eq!(sb["start"]["from"], "pool", "{sb}");
+    let probe = |s: &Server, id: &str, script: &str| {
+        let sid = s.session(id, json!({ "argv": ["sh", "-c", script] }));
+        decode(&s.events(id, &sid, None, None), "stdout")
+    };
+    assert_eq!(probe(&s, &first, "hostname"), format!("{first}\n"));
+    assert_eq!(probe(&s, &first, "echo used > /home/user/used.txt; echo ok"), "ok\n");
+    s.delete(&first);
+    // Refilled; every later claim is a VM nobody used.
+    wait_ready(&s, 2);
+    let (a, b) = (s.create(json!({ "template": "seed" })), s.create(json!({ "template": "seed" })));
+    let mut seen = vec![first.clone()];
+    for id in [&a, &b] {
+        let (_, sb) = s.call("GET", &format!("/v1/sandboxes/{id}"), None);
+        assert_eq!(sb["start"]["from"], "pool", "{sb}");
+        assert_eq!(probe(&s, id, "cat /home/user/used.txt 2>/dev/null || echo fresh"), "fresh\n");
+        assert!(!seen.contains(id));
+        seen.push(id.to_string());
+    }
+    assert!(pool(&s)["hits"].as_u64().unwrap() >= 3, "{}", pool(&s));
+    // The admin empties it: its VMs go.
+    let login = json!({ "username": "root@local", "password": CONSOLE_PASSWORD });
+    let (status, signed_in) = s.call_with("POST", "/v1/admin/login", Some(login), None, &[]);
+    assert_eq!(status, 200, "{signed_in}");
+    let token = signed_in["token"].as_str().unwrap().to_string();
+    let (status, resized) = s.call_with("PUT", "/v1/admin/pools", Some(json!({ "template": "seed", "size": 0 })), Some(&token), &[]);
+    assert_eq!(status, 200, "{resized}");
+    wait_ready(&s, 0);
+    let pool_vms = || {
+        std::fs::read_dir(data.join("sandboxes"))
+            .unwrap()
+            .flatten()
+            .filter(|e| e.path().join("pool.json").exists())
+            .count()
+    };
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while pool_vms() != 0 {
+        assert!(Instant::now() < deadline, "pool VMs left after the pool was emptied");
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    // Refilled again, then the server stops: its pool VMs go with it.
+    let (status, _) = s.call_with("PUT", "/v1/admin/pools", Some(json!({ "template": "seed", "size": 1 })), Some(&token), &[]);
+    assert_eq!(status, 200);
+    wait_ready(&s, 1);
+    for id in [&a, &b] {
+        s.delete(id);
+    }
+    s.stop();
+    assert_eq!(pool_vms(), 0, "a stopped server leaves no pool VM");
+    let _ = std::fs::remove_dir_all(&data);
+}
+
 /// Every `/v1/sandboxes/{id}...` route answers a well-formed but unknown id the same way.
 fn missing_sandbox_has_one_code_on_every_route() {
     let s = server();
@@ -1451,6 +1524,7 @@ fn main() {
             pause_freezes_in_memory_and_resume_continues,
         ),
         t("timeout_suspends_and_a_request_resumes", timeout_suspends_and_a_request_resumes),
+        t("warm_pool_claims_are_fresh_and_refilled", warm_pool_claims_are_fresh_and_refilled),
         t(
             "snapshots_and_forks_start_from_a_running_sandbox",
             snapshots_and_forks_start_from_a_running_sandbox,

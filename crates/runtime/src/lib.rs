@@ -16,6 +16,7 @@ pub mod error;
 pub mod image;
 pub mod jail;
 pub mod net;
+pub mod pool;
 pub mod random;
 pub mod sandbox;
 pub mod snapshot;

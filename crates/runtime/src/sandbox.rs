@@ -71,6 +71,8 @@ pub enum StartKind {
     Restore,
     /// From an image saved from another sandbox (a snapshot, a fork).
     Snapshot,
+    /// Claimed from a warm pool (`start_ms` is the claim).
+    Pool,
 }
 
 /// Where a new sandbox's VM comes from.
@@ -252,6 +254,9 @@ struct Inner {
     builders: Mutex<HashMap<String, VmHandle>>,
     /// Suspended sandboxes: no VMM, no network; their dir holds the saved state.
     suspended: Mutex<HashMap<String, SandboxRecord>>,
+    /// Warm pools (see `pool.rs`), and pool VMs claimed for a create not yet handed out.
+    pools: Mutex<HashMap<crate::pool::PoolKey, crate::pool::PoolState>>,
+    claimed: Mutex<HashMap<String, Arc<Sandbox>>>,
 }
 
 impl Inner {
@@ -346,6 +351,8 @@ impl Runtime {
                 snapshot_builds: Mutex::default(),
                 builders: Mutex::default(),
                 suspended: Mutex::default(),
+                pools: Mutex::default(),
+                claimed: Mutex::default(),
             }),
         };
         rt.remove_interrupted_builds().await;
@@ -508,6 +515,16 @@ impl Runtime {
                 .and_then(|b| serde_json::from_slice(&b).ok());
             let vm = VmHandle::load(&dir);
             let link = SandboxLink::load(&dir);
+            if dir.join(crate::pool::MARKER).is_file() {
+                // A pool VM of the earlier process: never handed out, it just goes.
+                let vm = vm.or_else(|| VmHandle::orphan(&dir, self.inner.vmm.name()));
+                if let Some(vm) = vm.filter(|vm| self.inner.vmm.is_running(vm)) {
+                    let _ = self.inner.vmm.stop(&vm, Duration::from_secs(2)).await;
+                }
+                self.remove_network(link.as_ref()).await;
+                let _ = self.inner.discard(&dir);
+                return;
+            }
             if let (Some(record), true) = (&record, dir.join(SUSPEND_MARKER).is_file()) {
                 // Suspended (or interrupted while it resumed: the saved state is still whole).
                 if let Some(vm) = vm.filter(|vm| self.inner.vmm.is_running(vm)) {
@@ -592,14 +609,7 @@ impl Runtime {
         client: Option<AgentClient>,
         paused: bool,
     ) -> Arc<Sandbox> {
-        let sb = Arc::new(Sandbox {
-            record,
-            vm,
-            net,
-            agent: tokio::sync::Mutex::new(client),
-            deleting: AtomicBool::new(false),
-            paused: AtomicBool::new(paused),
-        });
+        let sb = sandbox(record, vm, net, client, paused);
         self.inner
             .sandboxes
             .lock()
@@ -697,6 +707,7 @@ impl Runtime {
                 ),
                 Accel::Kvm,
                 Duration::from_secs(10),
+                false,
             )
             .await
         {
@@ -720,18 +731,31 @@ impl Runtime {
     }
 
     pub async fn create(&self, req: CreateSandbox) -> Result<Arc<Sandbox>> {
-        let id = match req.id {
+        let id = match req.id.clone() {
             Some(id) if !valid_sandbox_id(&id) => return Err(RuntimeError::InvalidSandboxId(id)),
             Some(id) if self.get(&id).is_ok() => return Err(RuntimeError::SandboxIdTaken(id)),
             Some(id) => id,
             None => random_hex(10),
         };
+        let claimed = self.inner.claimed.lock().unwrap().remove(&id);
+        if let Some(vm) = claimed {
+            match self.hand_out(vm).await {
+                Ok(sb) => return Ok(sb),
+                Err(e) => tracing::warn!(%id, "a claimed pool VM could not be handed out ({e}); starting one instead"),
+            }
+        }
+        self.start_new(id, &req, false).await
+    }
+
+    /// Start a new VM for `id` as `req` asks; a `pooled` one is sealed, marked as a pool VM and
+    /// kept out of the runtime's sandboxes.
+    async fn start_new(&self, id: String, req: &CreateSandbox, pooled: bool) -> Result<Arc<Sandbox>> {
         if let Some(image) = &req.image {
             let image = self
                 .image(image)
                 .ok_or_else(|| RuntimeError::UnknownTemplate(format!("image {image}")))?;
             let accel = image.manifest.accel;
-            return self.launch(id, Source::Image(&image), accel, self.inner.boot_timeout).await;
+            return self.launch(id, Source::Image(&image), accel, self.inner.boot_timeout, pooled).await;
         }
         let template = self.inner.templates.resolve(&req.template)?;
         req.resources.validate(&template)?;
@@ -740,7 +764,7 @@ impl Runtime {
         let limit = self.inner.boot_timeout;
         if let Some(key) = self.snapshot_key(&template, &resources, accel) {
             match BaseSnapshot::find(&self.inner.data.snapshots(), &key) {
-                Some(snap) => match self.launch(id.clone(), Source::Base(&template, resources, &snap), accel, limit).await {
+                Some(snap) => match self.launch(id.clone(), Source::Base(&template, resources, &snap), accel, limit, pooled).await {
                     Ok(sb) => return Ok(sb),
                     Err(e) => {
                         tracing::warn!(%id, snapshot = %key, "restore failed, booting instead: {e}");
@@ -754,12 +778,12 @@ impl Runtime {
                 None => self.want_base_snapshot(key, template.clone(), resources, accel),
             }
         }
-        self.launch(id, Source::Boot(&template, resources), accel, limit).await
+        self.launch(id, Source::Boot(&template, resources), accel, limit, pooled).await
     }
 
     /// Start a VM for sandbox `id` from `source` (a boot, a base snapshot's restore, a saved
     /// image's restore) and give it its identity once the agent answers.
-    async fn launch(&self, id: String, source: Source<'_>, accel: Accel, limit: Duration) -> Result<Arc<Sandbox>> {
+    async fn launch(&self, id: String, source: Source<'_>, accel: Accel, limit: Duration, pooled: bool) -> Result<Arc<Sandbox>> {
         let dir = self.inner.data.sandboxes().join(&id);
         // Not `create_dir_all`: an existing dir is a sandbox with this id still booting.
         std::fs::create_dir(&dir).map_err(|e| match e.kind() {
@@ -788,11 +812,14 @@ impl Runtime {
         let started = Instant::now();
         let result = async {
             let spec = self.machine(&id, &dir, &source, accel, &mut record);
+            if pooled {
+                write_atomic(&dir.join(crate::pool::MARKER), b"{}")?;
+            }
             write_atomic(
                 &dir.join("sandbox.json"),
                 &serde_json::to_vec_pretty(&record).expect("serializable"),
             )?;
-            let vm = self.start_vm(&id, &dir, spec, &mut link).await?;
+            let vm = self.start_vm(&id, &dir, spec, &mut link, pooled).await?;
             let ready = async {
                 if !matches!(source, Source::Boot(..)) {
                     self.snapshotting("restore")?.complete_restore(&vm, SUSPEND_LIMIT).await?;
@@ -818,6 +845,9 @@ impl Runtime {
                     &dir.join("sandbox.json"),
                     &serde_json::to_vec_pretty(&record).expect("serializable"),
                 );
+                if pooled {
+                    return Ok(sandbox(record, vm, link, Some(client), false));
+                }
                 Ok(self.adopt(record, vm, link, Some(client), false))
             }
             Err(e) => {
@@ -890,10 +920,18 @@ impl Runtime {
 
     /// Give `spec` its network (recorded in `dir`) and start its VMM. A snapshot's builder gets
     /// the NIC (its clones have one) but no egress.
-    async fn start_vm(&self, id: &str, dir: &std::path::Path, mut spec: VmSpec, link: &mut Option<SandboxLink>) -> Result<VmHandle> {
+    async fn start_vm(
+        &self,
+        id: &str,
+        dir: &std::path::Path,
+        mut spec: VmSpec,
+        link: &mut Option<SandboxLink>,
+        sealed: bool,
+    ) -> Result<VmHandle> {
         if let Some(net) = &self.inner.net {
             let (made, tap) = match spec.snapshot {
                 Some(SnapshotRole::Builder { .. }) => net.create_sealed(id).await?,
+                _ if sealed => net.create_sealed(id).await?,
                 _ => net.create(id).await?,
             };
             write_atomic(
@@ -967,7 +1005,7 @@ impl Runtime {
                 state: crate::snapshot::state_path(&dir),
                 cmdline: cmdline.clone(),
             });
-            let vm = self.start_vm(&id, &dir, spec, &mut link).await?;
+            let vm = self.start_vm(&id, &dir, spec, &mut link, true).await?;
             self.inner.builders.lock().unwrap().insert(id.clone(), vm.clone());
             let limit = self.inner.boot_timeout;
             let (client, _) = AgentClient::connect_ready(&vm.agent_socket, limit).await?;
@@ -1206,6 +1244,242 @@ impl Runtime {
         Ok(image)
     }
 
+    /// Keep `size` VMs of `template` with `resources` ready for creates to claim (0 empties the
+    /// pool). Filled in the background, one VM at a time.
+    pub fn set_pool(&self, template: &str, resources: Resources, size: usize) -> Result<crate::pool::PoolKey> {
+        let t = self.inner.templates.resolve(template)?;
+        resources.validate(&t)?;
+        let key = crate::pool::PoolKey {
+            template: t.manifest.name.clone(),
+            resources: shape(&t, resources),
+        };
+        let extra: Vec<Arc<Sandbox>> = {
+            let mut pools = self.inner.pools.lock().unwrap();
+            let pool = pools.entry(key.clone()).or_default();
+            pool.target = size;
+            let keep = size.min(pool.ready.len());
+            pool.ready.drain(keep..).collect()
+        };
+        let rt = self.clone();
+        tokio::spawn(async move {
+            for sb in extra {
+                rt.discard_pool_vm(&sb).await;
+            }
+        });
+        self.refill(key.clone());
+        Ok(key)
+    }
+
+    /// Every pool, as it is now.
+    pub fn pools(&self) -> Vec<crate::pool::PoolStatus> {
+        let pools = self.inner.pools.lock().unwrap();
+        let mut v: Vec<_> = pools
+            .iter()
+            .map(|(k, p)| crate::pool::PoolStatus {
+                template: k.template.clone(),
+                resources: k.resources,
+                size: p.target,
+                ready: p.ready.len(),
+                starting: p.starting,
+                hits: p.hits,
+                misses: p.misses,
+            })
+            .collect();
+        v.sort_by(|a, b| a.template.cmp(&b.template));
+        v
+    }
+
+    /// Memory the pools' VMs hold (ready, starting or claimed), in MiB.
+    pub fn pool_memory_mib(&self) -> u64 {
+        let pools = self.inner.pools.lock().unwrap();
+        let pooled: u64 = pools
+            .iter()
+            .map(|(k, p)| (p.ready.len() + p.starting) as u64 * k.resources.memory_mib as u64)
+            .sum();
+        let claimed: u64 = self
+            .inner
+            .claimed
+            .lock()
+            .unwrap()
+            .values()
+            .map(|sb| sb.record.resources.memory_mib as u64)
+            .sum();
+        pooled + claimed
+    }
+
+    /// A ready VM of `template` with `resources` for a create, if the pool has one: its id is
+    /// the sandbox's; [`Runtime::create`] with that id hands it out. [`Runtime::unclaim`] gives
+    /// it back when the create does not go ahead.
+    pub fn claim(&self, template: &str, resources: Resources) -> Option<String> {
+        let t = self.inner.templates.resolve(template).ok()?;
+        let key = crate::pool::PoolKey {
+            template: t.manifest.name.clone(),
+            resources: shape(&t, resources),
+        };
+        let got = {
+            let mut pools = self.inner.pools.lock().unwrap();
+            let pool = pools.get_mut(&key)?;
+            let got = loop {
+                match pool.ready.pop() {
+                    Some(sb) if self.inner.vmm.is_running(&sb.vm) => break Some(sb),
+                    Some(_) => continue,
+                    None => break None,
+                }
+            };
+            if got.is_some() {
+                pool.hits += 1;
+            } else {
+                pool.misses += 1;
+            }
+            got
+        };
+        self.refill(key);
+        let sb = got?;
+        let id = sb.id().to_string();
+        self.inner.claimed.lock().unwrap().insert(id.clone(), sb);
+        Some(id)
+    }
+
+    /// Give a claimed VM back to its pool (its create was refused): it was never handed out.
+    pub fn unclaim(&self, id: &str) {
+        let Some(sb) = self.inner.claimed.lock().unwrap().remove(id) else {
+            return;
+        };
+        let key = crate::pool::PoolKey {
+            template: sb.record.template.clone(),
+            resources: sb.record.resources,
+        };
+        let back = {
+            let mut pools = self.inner.pools.lock().unwrap();
+            match pools.get_mut(&key) {
+                Some(pool) if pool.ready.len() < pool.target => {
+                    pool.ready.push(sb);
+                    None
+                }
+                _ => Some(sb),
+            }
+        };
+        if let Some(sb) = back {
+            let rt = self.clone();
+            tokio::spawn(async move { rt.discard_pool_vm(&sb).await });
+        }
+    }
+
+    /// A claimed pool VM becomes sandbox `vm.id()`: its network gets the sandbox's egress, its
+    /// clock and entropy are set again, and it leaves the pool for good.
+    async fn hand_out(&self, vm: Arc<Sandbox>) -> Result<Arc<Sandbox>> {
+        let started = Instant::now();
+        let dir = vm.vm.dir.clone();
+        let handed = async {
+            let mut link = vm.net.clone();
+            if let (Some(net), Some(l)) = (&self.inner.net, link.as_mut()) {
+                net.reattach(l).await?;
+                write_atomic(&SandboxLink::record_path(&dir), &serde_json::to_vec_pretty(l).expect("serializable"))?;
+            }
+            let client = vm.agent().await?;
+            client.set_identity(&identity(&vm.record)).await?;
+            Ok::<_, RuntimeError>((link, client))
+        };
+        match handed.await {
+            Ok((link, client)) => {
+                let mut record = vm.record.clone();
+                record.start = StartKind::Pool;
+                record.start_ms = started.elapsed().as_millis() as u64;
+                let _ = write_atomic(&dir.join("sandbox.json"), &serde_json::to_vec_pretty(&record).expect("serializable"));
+                let _ = std::fs::remove_file(dir.join(crate::pool::MARKER));
+                Ok(self.adopt(record, vm.vm.clone(), link, Some(client), false))
+            }
+            Err(e) => {
+                self.discard_pool_vm(&vm).await;
+                Err(e)
+            }
+        }
+    }
+
+    /// Stop a pool VM and remove everything it had.
+    async fn discard_pool_vm(&self, sb: &Sandbox) {
+        let _ = self.inner.vmm.stop(&sb.vm, Duration::from_secs(2)).await;
+        self.remove_network(sb.net.as_ref()).await;
+        let _ = self.inner.discard(&sb.vm.dir);
+    }
+
+    /// Start pool VMs until `key`'s pool has its size (one filler per pool, one VM at a time).
+    fn refill(&self, key: crate::pool::PoolKey) {
+        {
+            let mut pools = self.inner.pools.lock().unwrap();
+            let Some(pool) = pools.get_mut(&key) else { return };
+            if pool.filling || pool.ready.len() + pool.starting >= pool.target {
+                return;
+            }
+            pool.filling = true;
+        }
+        let rt = self.clone();
+        tokio::spawn(async move {
+            loop {
+                let wanted = {
+                    let mut pools = rt.inner.pools.lock().unwrap();
+                    let Some(pool) = pools.get_mut(&key) else { return };
+                    let wanted = pool.ready.len() + pool.starting < pool.target;
+                    if wanted {
+                        pool.starting += 1;
+                    } else {
+                        pool.filling = false;
+                    }
+                    wanted
+                };
+                if !wanted {
+                    return;
+                }
+                let req = CreateSandbox {
+                    id: None,
+                    template: key.template.clone(),
+                    resources: key.resources,
+                    image: None,
+                };
+                let started = rt.start_new(random_hex(10), &req, true).await;
+                let extra = {
+                    let mut pools = rt.inner.pools.lock().unwrap();
+                    let pool = pools.entry(key.clone()).or_default();
+                    pool.starting -= 1;
+                    match started {
+                        Ok(sb) if pool.ready.len() < pool.target => {
+                            pool.ready.push(sb);
+                            None
+                        }
+                        Ok(sb) => Some(Ok(sb)),
+                        Err(e) => Some(Err(e)),
+                    }
+                };
+                match extra {
+                    None => {}
+                    Some(Ok(sb)) => rt.discard_pool_vm(&sb).await,
+                    Some(Err(e)) => {
+                        tracing::warn!(template = %key.template, "a warm pool VM did not start: {e}");
+                        // Not a hot loop on a broken template: the next claim tries again.
+                        rt.inner.pools.lock().unwrap().entry(key.clone()).or_default().filling = false;
+                        return;
+                    }
+                }
+            }
+        });
+    }
+
+    /// Stop every pool VM (a server shutting down: they were never handed out).
+    pub async fn drain_pools(&self) {
+        let vms: Vec<Arc<Sandbox>> = {
+            let mut pools = self.inner.pools.lock().unwrap();
+            let mut v: Vec<_> = pools.values_mut().flat_map(|p| {
+                p.target = 0;
+                p.ready.drain(..).collect::<Vec<_>>()
+            }).collect();
+            v.extend(self.inner.claimed.lock().unwrap().drain().map(|(_, sb)| sb));
+            v
+        };
+        for sb in vms {
+            self.discard_pool_vm(&sb).await;
+        }
+    }
+
     /// Let a paused or suspended sandbox run again. Idempotent.
     pub async fn resume(&self, id: &str) -> Result<()> {
         if self.is_suspended(id) {
@@ -1320,7 +1594,7 @@ impl Runtime {
             new_overlay: false,
         });
         let result = async {
-            let vm = self.start_vm(id, &dir, spec, &mut link).await?;
+            let vm = self.start_vm(id, &dir, spec, &mut link, false).await?;
             let ready = async {
                 self.snapshotting("resume")?.complete_restore(&vm, SUSPEND_LIMIT).await?;
                 let (client, _health) = AgentClient::connect_ready(&vm.agent_socket, limit).await?;
@@ -1407,6 +1681,18 @@ fn identity(record: &SandboxRecord) -> airlock_proto::Identity {
             .map(|d| d.as_nanos() as u64)
             .unwrap_or(0),
     }
+}
+
+/// A sandbox's handle, not yet in any runtime map.
+fn sandbox(record: SandboxRecord, vm: VmHandle, net: Option<SandboxLink>, client: Option<AgentClient>, paused: bool) -> Arc<Sandbox> {
+    Arc::new(Sandbox {
+        record,
+        vm,
+        net,
+        agent: tokio::sync::Mutex::new(client),
+        deleting: AtomicBool::new(false),
+        paused: AtomicBool::new(paused),
+    })
 }
 
 /// End the host's session with a VM about to be saved: the guest sees its host leave, so the

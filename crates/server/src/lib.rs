@@ -49,7 +49,7 @@ use utoipa::OpenApi;
         native::admin::login, native::admin::create_tenant, native::admin::list_tenants, native::admin::get_tenant,
         native::admin::delete_tenant, native::admin::get_quota, native::admin::put_quota, native::admin::get_policy,
         native::admin::put_policy, native::admin::create_key, native::admin::list_keys, native::admin::revoke_key,
-        native::admin::audit,
+        native::admin::audit, native::admin::put_pool,
     ),
     components(schemas(model::OutputEvent, model::ExitedEvent, model::TruncatedEvent)),
     modifiers(&BearerAuth),
@@ -142,6 +142,7 @@ pub fn router(state: AppState) -> Router {
     // The platform account's routes: sign in, then an admin token on every other.
     let admin = Router::new()
         .route("/tenants", post(native::admin::create_tenant).get(native::admin::list_tenants))
+        .route("/pools", axum::routing::put(native::admin::put_pool))
         .route(
             "/tenants/{name}",
             get(native::admin::get_tenant).delete(native::admin::delete_tenant),
@@ -249,6 +250,8 @@ pub struct ServeOptions {
     pub egress_uplink: EgressUplink,
     /// Issuers whose JWTs sign callers in ([`core::federation`]); none: API keys only.
     pub jwt_issuers: Option<PathBuf>,
+    /// Warm pools to keep from the start: (template, VMs) at the default resources.
+    pub warm_pools: Vec<(String, usize)>,
 }
 
 /// Where sandbox egress leaves the host.
@@ -383,6 +386,7 @@ pub async fn serve(opts: ServeOptions) -> anyhow::Result<()> {
                 _ = int.recv() => {}
             }
             runtime.stop_snapshot_builds().await;
+            runtime.drain_pools().await;
             std::process::exit(0);
         });
     }
@@ -399,6 +403,18 @@ pub async fn serve(opts: ServeOptions) -> anyhow::Result<()> {
     let secret = core::load_or_create_secret(&root)
         .map_err(|e| anyhow::anyhow!("{}: {e}", root.join("server.secret").display()))?;
     let nodes: Arc<dyn nodes::Nodes> = Arc::new(nodes::LocalNode::new(runtime));
+    let defaults = airlock_runtime::Resources::default();
+    for (template, size) in &opts.warm_pools {
+        let resources = model::Resources {
+            vcpu: defaults.vcpu,
+            memory_mib: defaults.memory_mib,
+            disk_mib: defaults.disk_mib,
+        };
+        nodes
+            .set_pool(template, &resources, *size)
+            .map_err(|e| anyhow::anyhow!("--warm-pool {template}={size}: {e}"))?;
+        tracing::info!("warm pool: {size} VMs of {template}");
+    }
     let config = core::Config {
         max_sandboxes_per_tenant: opts.max_sandboxes_per_tenant,
         vcpu_overcommit: opts.vcpu_overcommit,

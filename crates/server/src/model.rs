@@ -485,6 +485,31 @@ pub struct SystemInfo {
     pub runtimes: Vec<String>,
     pub capacity: Capacity,
     pub egress: EgressInfo,
+    /// Warm pools: VMs kept ready per template and shape for creates to claim.
+    pub pools: Vec<PoolInfo>,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema, PartialEq, Eq)]
+pub struct PoolInfo {
+    pub template: String,
+    pub resources: Resources,
+    /// How many VMs it keeps ready.
+    pub size: usize,
+    pub ready: usize,
+    pub starting: usize,
+    /// Creates that claimed one of its VMs (`start.from: pool`), and creates of its template
+    /// and shape that found it empty.
+    pub hits: u64,
+    pub misses: u64,
+}
+
+/// `PUT /v1/admin/pools`: a pool's size (0 empties it).
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
+pub struct PoolRequest {
+    pub template: String,
+    /// Default: the server's default resources.
+    pub resources: Option<ResourcesSpec>,
+    pub size: usize,
 }
 
 /// The server's egress configuration (from `AIRLOCK_EGRESS_PROFILES` at startup).

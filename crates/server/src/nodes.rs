@@ -62,6 +62,14 @@ pub trait Nodes: Send + Sync {
     async fn delete_image(&self, image_id: &str) -> Result<(), RuntimeError>;
     /// Every saved image this node has.
     fn image_ids(&self) -> Vec<String>;
+    /// A warm pool VM of `template` with `resources` for a create: its id becomes the
+    /// sandbox's, and `create` with that id hands it out. None when the pool is empty or absent.
+    fn claim(&self, template: &str, resources: &crate::model::Resources) -> Option<String>;
+    /// Give back a VM `claim` returned, for a create that did not go ahead.
+    fn unclaim(&self, id: &str);
+    /// Keep `size` VMs of `template` with `resources` ready.
+    fn set_pool(&self, template: &str, resources: &crate::model::Resources, size: usize) -> Result<(), RuntimeError>;
+    fn pools(&self) -> Vec<airlock_runtime::pool::PoolStatus>;
     /// Run a paused VM again, or start a suspended one from its saved state.
     async fn resume(&self, id: &str) -> Result<(), RuntimeError>;
     fn vm_state(&self, id: &str) -> VmState;
@@ -78,6 +86,14 @@ pub trait Nodes: Send + Sync {
     fn exits(&self) -> broadcast::Receiver<String>;
     /// What this node has (admission derives its budgets from it, see `core::Config::budget`).
     fn capacity(&self) -> Capacity;
+}
+
+fn runtime_resources(r: &crate::model::Resources) -> Resources {
+    Resources {
+        vcpu: r.vcpu,
+        memory_mib: r.memory_mib,
+        disk_mib: r.disk_mib,
+    }
 }
 
 /// This host's VMs, through the runtime. Lifecycle changes of one VM run one at a time (a delete
@@ -142,6 +158,7 @@ impl Nodes for LocalNode {
                     airlock_runtime::sandbox::StartKind::Boot => "boot".into(),
                     airlock_runtime::sandbox::StartKind::Restore => "restore".into(),
                     airlock_runtime::sandbox::StartKind::Snapshot => "snapshot".into(),
+                    airlock_runtime::sandbox::StartKind::Pool => "pool".into(),
                 },
                 ms: sb.record.start_ms,
             },
@@ -196,6 +213,22 @@ impl Nodes for LocalNode {
         self.runtime.images()
     }
 
+    fn claim(&self, template: &str, r: &crate::model::Resources) -> Option<String> {
+        self.runtime.claim(template, runtime_resources(r))
+    }
+
+    fn unclaim(&self, id: &str) {
+        self.runtime.unclaim(id)
+    }
+
+    fn set_pool(&self, template: &str, r: &crate::model::Resources, size: usize) -> Result<(), RuntimeError> {
+        self.runtime.set_pool(template, runtime_resources(r), size).map(drop)
+    }
+
+    fn pools(&self) -> Vec<airlock_runtime::pool::PoolStatus> {
+        self.runtime.pools()
+    }
+
     async fn resume(&self, id: &str) -> Result<(), RuntimeError> {
         self.runtime.settled(id).await;
         let lock = self.lock_for(id);
@@ -241,7 +274,10 @@ impl Nodes for LocalNode {
             cpus: std::thread::available_parallelism()
                 .map(|n| n.get() as u32)
                 .unwrap_or(1),
-            memory_mib: airlock_runtime::vmm::host_memory_mib().unwrap_or(0),
+            // Pool VMs hold memory no sandbox record counts.
+            memory_mib: airlock_runtime::vmm::host_memory_mib()
+                .unwrap_or(0)
+                .saturating_sub(self.runtime.pool_memory_mib()),
             sandboxes_running: self.runtime.list().len() as u32,
             disk_free_mib: disk.free_mib,
             disk_held_mib: disk.held_by_sandboxes_mib,

@@ -186,6 +186,12 @@ async fn signed_in_requests_verify_every_claim_and_only_they_pick_profiles() {
             server.json(Method::GET, "/v2/sandboxes", &headers, Body::empty()).await
         }
     };
+    // Listed once running (E2B lists running and paused sandboxes).
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    while server.v1_as(&token, Method::GET, &format!("/sandboxes/{id}"), None).await.1["state"] != "running" {
+        assert!(std::time::Instant::now() < deadline, "{id} not running after 10 s");
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+    }
     let (status, listed) = e2b_list(format!("Bearer {token}")).await;
     assert_eq!(status, 200, "{listed}");
     let ids: Vec<&str> = listed.as_array().unwrap().iter().filter_map(|s| s["sandboxID"].as_str()).collect();
@@ -248,8 +254,10 @@ async fn serve_jwks(body: Arc<Mutex<String>>) -> (u16, Arc<AtomicUsize>) {
                 "HTTP/1.1 {status}\r\ncontent-type: application/json\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{text}",
                 text.len()
             );
-            let _ = conn.write_all(reply.as_bytes()).await;
+            // Counted before the reply: the client may read it (and the test look) before this
+            // task runs again.
             count.fetch_add(1, Ordering::SeqCst);
+            let _ = conn.write_all(reply.as_bytes()).await;
         }
     });
     (port, served)

@@ -36,7 +36,7 @@ impl std::fmt::Display for Accel {
 pub const MIN_MEMORY_MIB: u32 = 128;
 pub const MAX_DISK_MIB: u32 = 1 << 20;
 
-#[derive(Debug, Clone, Copy, Serialize, Deserialize, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, Serialize, Deserialize, PartialEq, Eq, Hash)]
 pub struct Resources {
     pub vcpu: u32,
     pub memory_mib: u32,

@@ -385,3 +385,55 @@ mod tests {
         }
     }
 }
+
+/// Warm pools, as the admin sees and sizes them (`/v1/system` shows them to everyone).
+impl Core {
+    pub fn pools(&self) -> Vec<crate::model::PoolInfo> {
+        self.nodes
+            .pools()
+            .into_iter()
+            .map(|p| crate::model::PoolInfo {
+                template: p.template,
+                resources: crate::model::Resources {
+                    vcpu: p.resources.vcpu,
+                    memory_mib: p.resources.memory_mib,
+                    disk_mib: p.resources.disk_mib,
+                },
+                size: p.size,
+                ready: p.ready,
+                starting: p.starting,
+                hits: p.hits,
+                misses: p.misses,
+            })
+            .collect()
+    }
+
+    /// Size a pool (0 empties it): its VMs start in the background and count against the
+    /// node's memory budget from then on.
+    pub async fn set_pool(&self, admin: &Admin, req: &crate::model::PoolRequest) -> CoreResult<crate::model::PoolInfo> {
+        let r = async {
+            if req.size > MAX_POOL {
+                return Err(CoreError::invalid("size", format!("at most {MAX_POOL}, got {}", req.size)));
+            }
+            let template = self.resolve_template(&req.template)?;
+            let defaults = airlock_runtime::Resources::default();
+            let spec = req.resources.as_ref();
+            let resources = crate::model::Resources {
+                vcpu: spec.and_then(|r| r.vcpu).unwrap_or(defaults.vcpu),
+                memory_mib: spec.and_then(|r| r.memory_mib).unwrap_or(defaults.memory_mib),
+                disk_mib: spec.and_then(|r| r.disk_mib).unwrap_or(defaults.disk_mib),
+            };
+            self.nodes.set_pool(&template.manifest.name, &resources, req.size)?;
+            self.pools()
+                .into_iter()
+                .find(|p| p.template == template.manifest.name && p.size == req.size)
+                .ok_or_else(|| CoreError::not_found(Kind::Template, &req.template))
+        }
+        .await;
+        self.audit(&admin.account, None, "pool.set", Some(&req.template), Self::outcome(&r)).await;
+        r
+    }
+}
+
+/// The most VMs one pool keeps.
+pub const MAX_POOL: usize = 64;

@@ -247,6 +247,16 @@ impl Core {
             timeout_ms: timeout.as_millis() as i64,
             image_id: snapshot.map(|s| s.id),
         };
+        // A warm pool's VM, where one is ready for this template and shape: its id is the
+        // sandbox's. A create that does not go ahead gives it back.
+        let mut row = row;
+        let pooled = match row.image_id {
+            None => self.nodes.claim(&row.template, &row.resources),
+            Some(_) => None,
+        };
+        if let Some(id) = &pooled {
+            row.id = id.clone();
+        }
         // Registered before the create runs, so the end of a quick failure finds it.
         let id = row.id.clone();
         let quota = self.quota(tenant).await?;
@@ -261,10 +271,19 @@ impl Core {
             })
             .await
             .map_err(|e| e.for_tenant(&tenant.name));
-        let Submitted { operation, new } = submitted.inspect_err(|_| self.unregister_egress(&id))?;
+        let unclaim = || {
+            if let Some(id) = &pooled {
+                self.nodes.unclaim(id);
+            }
+        };
+        let Submitted { operation, new } = submitted.inspect_err(|_| {
+            self.unregister_egress(&id);
+            unclaim();
+        })?;
         if !new {
             // An earlier create answered: this row was never recorded.
             self.unregister_egress(&id);
+            unclaim();
         }
         Ok(Created {
             sandbox_id: operation.sandbox_id.clone(),

@@ -205,3 +205,14 @@ pub async fn audit(
             .await?,
     }))
 }
+
+/// Size a warm pool: `size` VMs of `template` (with `resources`) kept ready for creates to claim.
+#[utoipa::path(put, path = "/v1/admin/pools", tag = "admin", request_body = PoolRequest,
+    responses((status = 200, body = PoolInfo), ApiErrors), security(("bearer" = [])))]
+pub async fn put_pool(
+    State(core): State<Core>,
+    Extension(admin): Extension<Admin>,
+    Json(req): Json<PoolRequest>,
+) -> ApiResult<axum::Json<PoolInfo>> {
+    Ok(axum::Json(core.set_pool(&admin, &req).await?))
+}

@@ -734,6 +734,7 @@ pub async fn system(State(core): State<Core>) -> Json<SystemInfo> {
             sandboxes_running: capacity.sandboxes_running,
         },
         egress: core.egress_info(),
+        pools: core.pools(),
     })
 }
 

@@ -631,6 +631,18 @@ impl Nodes for TestNode {
     fn image_ids(&self) -> Vec<String> {
         self.inner.image_ids()
     }
+    fn claim(&self, template: &str, r: &airlock_server::model::Resources) -> Option<String> {
+        self.inner.claim(template, r)
+    }
+    fn unclaim(&self, id: &str) {
+        self.inner.unclaim(id)
+    }
+    fn set_pool(&self, template: &str, r: &airlock_server::model::Resources, size: usize) -> Result<(), airlock_runtime::RuntimeError> {
+        self.inner.set_pool(template, r, size)
+    }
+    fn pools(&self) -> Vec<airlock_runtime::pool::PoolStatus> {
+        self.inner.pools()
+    }
     fn vm_state(&self, id: &str) -> VmState {
         self.inner.vm_state(id)
     }
