@@ -187,6 +187,26 @@ impl Api {
     }
 }
 
+/// Wait (at most 5 min) until every warm pool the server shows is full; the pools then.
+async fn wait_pool_full(api: &std::sync::Arc<Api>) -> Value {
+    let deadline = Instant::now() + Duration::from_secs(300);
+    loop {
+        let b = api.clone();
+        let system = tokio::task::spawn_blocking(move || b.call("GET", "/system", None))
+            .await
+            .unwrap()
+            .unwrap_or_default();
+        let pools = system["pools"].clone();
+        let full = pools
+            .as_array()
+            .is_none_or(|p| p.iter().all(|p| p["ready"] == p["size"]));
+        if full || Instant::now() > deadline {
+            return pools;
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+}
+
 fn mem_available_mib() -> f64 {
     let info = std::fs::read_to_string("/proc/meminfo").unwrap();
     let kib: f64 = info
@@ -327,7 +347,7 @@ async fn main() {
     };
 
     // TTI, sequential. Every sandbox is deleted before the next create.
-    let (mut seq, mut seq_failures, mut restored) = (Vec::new(), 0, 0);
+    let (mut seq, mut seq_failures, mut restored, mut pooled) = (Vec::new(), 0, 0, 0);
     for i in 0..args.sequential {
         let (b, t) = (api.clone(), template.clone());
         match tokio::task::spawn_blocking(move || b.tti(&t)).await.unwrap() {
@@ -335,6 +355,7 @@ async fn main() {
                 seq.push(v);
                 let sb = api.call("GET", &format!("/sandboxes/{id}"), None).unwrap_or_default();
                 restored += (sb["start"]["from"] == "restore") as usize;
+                pooled += (sb["start"]["from"] == "pool") as usize;
                 api.delete(&id);
             }
             Err(e) => {
@@ -343,7 +364,10 @@ async fn main() {
             }
         }
     }
-    eprintln!("sequential: {} creates, {restored} restored", seq.len());
+    eprintln!("sequential: {} creates, {restored} restored, {pooled} from a warm pool", seq.len());
+
+    // With a warm pool, the burst starts from a full one (`/v1/system` says when).
+    let pool_before_burst = wait_pool_full(&api).await;
 
     // TTI, a burst at once.
     let tasks: Vec<_> = (0..args.burst)
@@ -504,6 +528,8 @@ async fn main() {
         "tti_sequential": seq_s,
         "tti_sequential_restored": restored,
         "tti_burst": burst_s,
+        "pools_before_burst": pool_before_burst,
+        "tti_sequential_from_pool": pooled,
         "raw_restore_to_agent_ready": stats(&raw_ready, 0),
         "raw_restore_to_first_stdout": raw_first_s,
         "tti_ratio_p50_vs_raw": p50(&seq_s) / p50(&raw_first_s),
