@@ -545,8 +545,8 @@ async fn main() {
         "fork_to_children_running": stats(&fork_started, fork_failures),
         "fork_to_echo_in_every_child": stats(&fork_answered, fork_failures),
     });
-    println!("| measure | p50 ms | p95 ms | p99 ms | failures |");
-    println!("| --- | --- | --- | --- | --- |");
+    // The markdown table, printed and written next to the JSON.
+    let mut table = String::from("| measure | p50 ms | p95 ms | p99 ms | failures |\n| --- | --- | --- | --- | --- |\n");
     for (name, s) in [
         ("TTI, sequential", &report["tti_sequential"]),
         ("TTI, burst", &report["tti_burst"]),
@@ -561,18 +561,24 @@ async fn main() {
         ("fork of --fork-count -> echo in every child", &report["fork_to_echo_in_every_child"]),
     ] {
         let f = |k: &str| s[k].as_f64().map_or("-".into(), |v| format!("{v:.1}"));
-        println!("| {name} | {} | {} | {} | {} |", f("p50_ms"), f("p95_ms"), f("p99_ms"), s["failures"]);
+        table.push_str(&format!("| {name} | {} | {} | {} | {} |\n", f("p50_ms"), f("p95_ms"), f("p99_ms"), s["failures"]));
     }
-    println!(
-        "TTI p50 / raw restore+exec p50: {:.2}; exec API / runtime p50: {:.2}; idle memory per sandbox: {per_sandbox:.1} MiB over {}; {restored}/{} sequential creates restored",
+    table.push_str(&format!(
+        "\nTTI p50 / raw restore+exec p50: {:.2}; exec API / runtime p50: {:.2}; idle memory per sandbox: {per_sandbox:.1} MiB over {}; {restored}/{} sequential creates restored",
         report["tti_ratio_p50_vs_raw"].as_f64().unwrap_or(f64::NAN),
         report["exec_ratio_p50"].as_f64().unwrap_or(f64::NAN),
         idle_ids.len(),
         seq.len()
-    );
+    ));
+    table.push_str(&format!(
+        "; {pooled} from a warm pool\n\nMachine: {}\n",
+        report["machine"]
+    ));
+    print!("{table}");
     std::fs::create_dir_all(&args.out).unwrap();
     let date = report["when"].as_str().unwrap().replace([':', '-'], "");
     let path = args.out.join(format!("create-{}.json", &date[..15]));
     std::fs::write(&path, serde_json::to_vec_pretty(&report).unwrap()).unwrap();
+    std::fs::write(path.with_extension("md"), format!("# {}\n\n{table}", path.display())).unwrap();
     println!("raw results: {}", path.display());
 }
