@@ -6,8 +6,7 @@
 //! without one is a save that did not finish.
 
 use crate::error::{Result, RuntimeError};
-use crate::sandbox::Resources;
-use crate::vmm::{Accel, ResumeSpec};
+use crate::vmm::{Accel, Resources, ResumeSpec};
 use serde::{Deserialize, Serialize};
 use std::path::{Path, PathBuf};
 

@@ -5,9 +5,8 @@
 //! identity (clock, entropy) sent again; the pool refills in the background. A VM is claimed at
 //! most once: a claimed VM never returns to a pool once handed out.
 
-use crate::sandbox::{Resources, Sandbox};
+use crate::vmm::Resources;
 use serde::Serialize;
-use std::sync::Arc;
 
 /// A pool's template (as resolved) and shape.
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
@@ -18,16 +17,6 @@ pub struct PoolKey {
 
 /// Marks a pool VM's dir (`<dir>/pool.json`): what a restart finds of a pool is removed.
 pub const MARKER: &str = "pool.json";
-
-#[derive(Default)]
-pub(crate) struct PoolState {
-    pub target: usize,
-    pub ready: Vec<Arc<Sandbox>>,
-    pub starting: usize,
-    pub filling: bool,
-    pub hits: u64,
-    pub misses: u64,
-}
 
 /// A pool as `/v1/system` shows it.
 #[derive(Debug, Clone, Serialize, PartialEq, Eq)]

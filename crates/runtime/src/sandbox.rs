@@ -255,7 +255,7 @@ struct Inner {
     /// Suspended sandboxes: no VMM, no network; their dir holds the saved state.
     suspended: Mutex<HashMap<String, SandboxRecord>>,
     /// Warm pools (see `pool.rs`), and pool VMs claimed for a create not yet handed out.
-    pools: Mutex<HashMap<crate::pool::PoolKey, crate::pool::PoolState>>,
+    pools: Mutex<HashMap<crate::pool::PoolKey, PoolState>>,
     claimed: Mutex<HashMap<String, Arc<Sandbox>>>,
 }
 
@@ -285,6 +285,17 @@ pub struct CreateSandbox {
     /// Start from this saved image ([`Runtime::save_image`]) instead: its machine, memory,
     /// processes and disk; `template` and `resources` are then the image's.
     pub image: Option<String>,
+}
+
+/// One warm pool's VMs and counters.
+#[derive(Default)]
+struct PoolState {
+    target: usize,
+    ready: Vec<Arc<Sandbox>>,
+    starting: usize,
+    filling: bool,
+    hits: u64,
+    misses: u64,
 }
 
 /// How long after a claim its pool starts refilling.

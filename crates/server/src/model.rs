@@ -284,6 +284,14 @@ pub struct Sandbox {
     pub start: Option<SandboxStart>,
 }
 
+/// What a boot settled.
+#[derive(Debug, Clone)]
+pub struct Booted {
+    pub template_digest: String,
+    pub accel: String,
+    pub start: SandboxStart,
+}
+
 /// How a sandbox's VM started.
 #[derive(Debug, Clone, Serialize, Deserialize, ToSchema, PartialEq, Eq)]
 pub struct SandboxStart {

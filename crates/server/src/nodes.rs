@@ -21,13 +21,7 @@ pub enum VmState {
     Gone,
 }
 
-/// What a boot settled.
-#[derive(Debug, Clone)]
-pub struct Booted {
-    pub template_digest: String,
-    pub accel: String,
-    pub start: crate::model::SandboxStart,
-}
+pub use crate::model::Booted;
 
 /// What a node has, before the operator's overcommit and reserves (`core::Config::budget`).
 #[derive(Debug, Clone, Copy)]

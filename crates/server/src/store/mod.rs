@@ -368,7 +368,7 @@ pub trait SandboxStore: Send + Sync {
     async fn transition_sandbox(&self, id: &str, from: &[SandboxState], to: SandboxState) -> Result<bool, StoreError>;
     /// What the node reports once the VM runs: the template digest it resolved, the accelerator
     /// and how the VM started.
-    async fn set_sandbox_boot(&self, id: &str, booted: &crate::nodes::Booted) -> Result<(), StoreError>;
+    async fn set_sandbox_boot(&self, id: &str, booted: &crate::model::Booted) -> Result<(), StoreError>;
     /// Running, paused or suspended sandboxes whose expiry is at or before `now_ms`.
     async fn expired_sandboxes(&self, now_ms: i64) -> Result<Vec<SandboxRow>, StoreError>;
     async fn set_sandbox_expiry(&self, id: &str, expires_at_ms: i64) -> Result<(), StoreError>;

@@ -881,7 +881,7 @@ impl SandboxStore for SqliteStore {
         Ok(done.rows_affected() == 1)
     }
 
-    async fn set_sandbox_boot(&self, id: &str, booted: &crate::nodes::Booted) -> Result<(), StoreError> {
+    async fn set_sandbox_boot(&self, id: &str, booted: &crate::model::Booted) -> Result<(), StoreError> {
         sqlx::query("UPDATE sandboxes SET template_digest = ?, accel = ?, started_from = ?, start_ms = ? WHERE id = ?")
             .bind(&booted.template_digest)
             .bind(&booted.accel)
