@@ -326,9 +326,12 @@ async fn receive_upload(
     mode: Option<&String>,
 ) -> Result<(), AgentError> {
     use std::os::unix::fs::PermissionsExt;
-    let mut file = tokio::fs::File::create(staging)
-        .await
-        .map_err(|e| AgentError::io(shown, e))?;
+    // Created before the first await: a request the host resets may be dropped at any await,
+    // and the staging file's remover (`files::Staging`'s drop) must find it there. An async
+    // create could still be running in the blocking pool when the drop came, and leave the
+    // file behind.
+    let file = std::fs::File::create(staging).map_err(|e| AgentError::io(shown, e))?;
+    let mut file = tokio::fs::File::from_std(file);
     while let Some(frame) = body.frame().await {
         let frame = frame.map_err(|e| AgentError::invalid(format!("upload interrupted: {e}")))?;
         if let Ok(data) = frame.into_data() {
