@@ -336,6 +336,11 @@ fn snapshots_and_forks_start_from_a_running_sandbox() {
         assert_eq!(body, json!(n), "each child's disk is its own");
     }
     assert_eq!(still_counting(&id), "parent\ncounting\n", "the parent runs on undisturbed");
+    // A paused sandbox is not saved (resume it first); it can be saved again once it runs.
+    assert_eq!(s.change(&id, "pause")["state"], "paused");
+    let (status, err) = s.call("POST", &format!("/v1/sandboxes/{id}/fork"), None);
+    assert_eq!((status, err["code"].as_str()), (409, Some("invalid_state")), "{err}");
+    assert_eq!(s.change(&id, "resume")["state"], "running");
     // A fork's image goes once its children run; the snapshot's stays until deleted.
     let images = || -> Vec<String> {
         let mut v: Vec<String> = std::fs::read_dir(s.data.join("images"))

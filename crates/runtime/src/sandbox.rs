@@ -1198,6 +1198,9 @@ impl Runtime {
             return Err(RuntimeError::InvalidSandboxId(image_id.into()));
         }
         let sb = self.get(id)?;
+        if sb.is_paused() {
+            return Err(RuntimeError::NotRunning(format!("{id} (paused; resume it first)")));
+        }
         let snapshotting = self.snapshotting("snapshot")?;
         let machine = sb.record.machine.clone().ok_or_else(|| RuntimeError::ControlCommand {
             command: "snapshot".into(),

@@ -43,11 +43,13 @@ impl Core {
             }
         }
         let row = self.sandbox(tenant, sandbox_id).await?;
-        if !matches!(row.state, SandboxState::Running | SandboxState::Paused) {
+        // Not a paused one: QEMU leaves a saved VM that was not running in its after-migration
+        // state, which no later save can start from.
+        if row.state != SandboxState::Running {
             return Err(CoreError::InvalidState {
                 id: sandbox_id.into(),
                 state: row.state,
-                need: "only a running or paused sandbox can be saved".into(),
+                need: "only a running sandbox can be saved; resume it first".into(),
             });
         }
         let snapshot = SnapshotRow {
