@@ -1264,12 +1264,7 @@ impl Runtime {
     /// Keep `size` VMs of `template` with `resources` ready for creates to claim (0 empties the
     /// pool). Filled in the background, one VM at a time.
     pub fn set_pool(&self, template: &str, resources: Resources, size: usize) -> Result<crate::pool::PoolKey> {
-        let t = self.inner.templates.resolve(template)?;
-        resources.validate(&t)?;
-        let key = crate::pool::PoolKey {
-            template: t.manifest.name.clone(),
-            resources: shape(&t, resources),
-        };
+        let key = self.pool_key(template, resources)?;
         let extra: Vec<Arc<Sandbox>> = {
             let mut pools = self.inner.pools.lock().unwrap();
             let pool = pools.entry(key.clone()).or_default();
@@ -1285,6 +1280,17 @@ impl Runtime {
         });
         self.refill(key.clone());
         Ok(key)
+    }
+
+    /// The pool a create of `template` with `resources` claims from (the template resolved, the
+    /// resources validated and shaped as a create's are).
+    fn pool_key(&self, template: &str, resources: Resources) -> Result<crate::pool::PoolKey> {
+        let t = self.inner.templates.resolve(template)?;
+        resources.validate(&t)?;
+        Ok(crate::pool::PoolKey {
+            template: t.manifest.name.clone(),
+            resources: shape(&t, resources),
+        })
     }
 
     /// Every pool, as it is now.
@@ -1328,11 +1334,11 @@ impl Runtime {
     /// the sandbox's; [`Runtime::create`] with that id hands it out. [`Runtime::unclaim`] gives
     /// it back when the create does not go ahead.
     pub fn claim(&self, template: &str, resources: Resources) -> Option<String> {
-        let t = self.inner.templates.resolve(template).ok()?;
-        let key = crate::pool::PoolKey {
-            template: t.manifest.name.clone(),
-            resources: shape(&t, resources),
-        };
+        // Every create asks: without pools, nothing is looked up.
+        if self.inner.pools.lock().unwrap().is_empty() {
+            return None;
+        }
+        let key = self.pool_key(template, resources).ok()?;
         let got = {
             let mut pools = self.inner.pools.lock().unwrap();
             let pool = pools.get_mut(&key)?;

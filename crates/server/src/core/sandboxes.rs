@@ -430,11 +430,7 @@ impl Core {
         let action = match change {
             Change::Pause => Action::Pause { sandbox: row },
             Change::Suspend => Action::Suspend { sandbox: row },
-            Change::Resume => Action::Resume {
-                sandbox: row,
-                quota: self.quota(tenant).await?,
-                budget: self.config.budget(&self.nodes.capacity()),
-            },
+            Change::Resume => self.resume_action(row).await?,
         };
         let op = self
             .engine
@@ -468,6 +464,16 @@ impl Core {
         Ok(())
     }
 
+    /// A resume of `row`, admitted (from suspended) under its tenant's quota and the node's
+    /// budgets as they are now.
+    async fn resume_action(&self, row: SandboxRow) -> CoreResult<Action> {
+        Ok(Action::Resume {
+            quota: self.quota_of(&row.tenant_id).await?,
+            budget: self.config.budget(&self.nodes.capacity()),
+            sandbox: row,
+        })
+    }
+
     /// Resume a held sandbox that asked for it (`auto_resume`) because a request reached it;
     /// requests arriving together share one resume. Returns once it runs.
     async fn wake(&self, id: &str) -> CoreResult<()> {
@@ -481,11 +487,7 @@ impl Core {
             match row.state {
                 SandboxState::Running => return Ok(()),
                 SandboxState::Paused | SandboxState::Suspended => {
-                    let action = Action::Resume {
-                        quota: self.quota_of(&row.tenant_id).await?,
-                        budget: self.config.budget(&self.nodes.capacity()),
-                        sandbox: row,
-                    };
+                    let action = self.resume_action(row).await?;
                     match self.engine.submit(action).await {
                         Ok(submitted) => {
                             let op = self.engine.wait(&submitted.operation).await?;

@@ -344,7 +344,7 @@ pub struct SnapshotBody {
     pub memory: Option<Value>,
 }
 
-fn snapshot_json(s: &crate::store::SnapshotRow) -> Value {
+fn snapshot_json(s: &crate::model::Snapshot) -> Value {
     json!({ "snapshotID": s.id, "names": s.name.iter().collect::<Vec<_>>() })
 }
 
@@ -360,8 +360,7 @@ pub async fn create_snapshot(
     let b: SnapshotBody = parse_optional_body(&body)?;
     state.core.live_sandbox(&tenant, &id).await?;
     let made = state.core.create_snapshot(&principal, &id, b.name).await?;
-    let row = state.core.snapshot(&tenant, &made.id).await?;
-    Ok((StatusCode::CREATED, Json(snapshot_json(&row))))
+    Ok((StatusCode::CREATED, Json(snapshot_json(&made))))
 }
 
 #[derive(Debug, Deserialize)]
@@ -386,7 +385,7 @@ pub async fn list_snapshots(
     let rows = rows
         .iter()
         .filter(|s| q.name.as_ref().is_none_or(|n| s.name.as_ref() == Some(n)))
-        .map(snapshot_json)
+        .map(|s| snapshot_json(&s.view()))
         .collect();
     Ok(Json(Value::Array(rows)))
 }
