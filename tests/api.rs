@@ -1063,7 +1063,12 @@ fn server_killed_mid_create_recovers_and_reattaches() {
 /// no pool VM behind.
 fn warm_pool_claims_are_fresh_and_refilled() {
     let data = own_data_dir("pool");
+    // A first start (no cached verdict) probes KVM with a VM before the egress side is up: a
+    // sealed one, which waits for nothing (it once waited a minute for the core, then failed).
+    std::fs::remove_file(data.join("accel.json")).unwrap();
     let mut s = Server::start_with(&data, &["--warm-pool", "seed=2"]);
+    let log = std::fs::read_to_string(&s.log).unwrap();
+    assert!(log.contains("probed in") && !log.contains("not ready in time"), "{log}");
     let pool = |s: &Server| {
         let (_, system) = s.call("GET", "/v1/system", None);
         system["pools"][0].clone()

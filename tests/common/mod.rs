@@ -53,6 +53,8 @@ pub struct Server {
     pub url: String,
     pub key: String,
     pub data: PathBuf,
+    /// Where its stdout and stderr go.
+    pub log: PathBuf,
 }
 
 impl Server {
@@ -68,7 +70,8 @@ impl Server {
     /// server: generated on a first start. Its output goes to `serve-<port>.log` in `data`.
     pub fn start_console(data: &Path, extra: &[&str], console_password: Option<&str>) -> Server {
         let port = free_port();
-        let log = std::fs::File::create(data.join(format!("serve-{port}.log"))).unwrap();
+        let log_path = data.join(format!("serve-{port}.log"));
+        let log = std::fs::File::create(&log_path).unwrap();
         let mut cmd = Command::new(BIN);
         cmd.args(["--data-dir"])
             .arg(data)
@@ -105,6 +108,7 @@ impl Server {
             url,
             key,
             data: data.to_path_buf(),
+            log: log_path,
         }
     }
 

@@ -75,6 +75,19 @@ pub enum StartKind {
     Pool,
 }
 
+/// What a launched VM is for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Purpose {
+    /// A tenant's sandbox: its network gets egress, and the runtime adopts it.
+    Sandbox,
+    /// A warm pool's VM: sealed (no egress until a claim attaches it), marked `pool.json`, kept
+    /// out of the runtime's sandboxes.
+    Pool,
+    /// The KVM probe at start: sealed, since the server's egress side is not up yet (and a probe
+    /// needs none), and discarded once it answered.
+    Probe,
+}
+
 /// Where a new sandbox's VM comes from.
 enum Source<'a> {
     Boot(&'a Template, Resources),
@@ -721,12 +734,12 @@ impl Runtime {
                 ),
                 Accel::Kvm,
                 Duration::from_secs(10),
-                false,
+                Purpose::Probe,
             )
             .await
         {
             Ok(sb) => {
-                let _ = self.delete(sb.id()).await;
+                self.discard_unadopted(&sb).await;
                 Accel::Kvm
             }
             Err(e) => {
@@ -758,18 +771,17 @@ impl Runtime {
                 Err(e) => tracing::warn!(%id, "a claimed pool VM could not be handed out ({e}); starting one instead"),
             }
         }
-        self.start_new(id, &req, false).await
+        self.start_new(id, &req, Purpose::Sandbox).await
     }
 
-    /// Start a new VM for `id` as `req` asks; a `pooled` one is sealed, marked as a pool VM and
-    /// kept out of the runtime's sandboxes.
-    async fn start_new(&self, id: String, req: &CreateSandbox, pooled: bool) -> Result<Arc<Sandbox>> {
+    /// Start a new VM for `id` as `req` asks, for `purpose`.
+    async fn start_new(&self, id: String, req: &CreateSandbox, purpose: Purpose) -> Result<Arc<Sandbox>> {
         if let Some(image) = &req.image {
             let image = self
                 .image(image)
                 .ok_or_else(|| RuntimeError::UnknownTemplate(format!("image {image}")))?;
             let accel = image.manifest.accel;
-            return self.launch(id, Source::Image(&image), accel, self.inner.boot_timeout, pooled).await;
+            return self.launch(id, Source::Image(&image), accel, self.inner.boot_timeout, purpose).await;
         }
         let template = self.inner.templates.resolve(&req.template)?;
         req.resources.validate(&template)?;
@@ -778,7 +790,7 @@ impl Runtime {
         let limit = self.inner.boot_timeout;
         if let Some(key) = self.snapshot_key(&template, &resources, accel) {
             match BaseSnapshot::find(&self.inner.data.snapshots(), &key) {
-                Some(snap) => match self.launch(id.clone(), Source::Base(&template, resources, &snap), accel, limit, pooled).await {
+                Some(snap) => match self.launch(id.clone(), Source::Base(&template, resources, &snap), accel, limit, purpose).await {
                     Ok(sb) => return Ok(sb),
                     Err(e) => {
                         tracing::warn!(%id, snapshot = %key, "restore failed, booting instead: {e}");
@@ -792,12 +804,12 @@ impl Runtime {
                 None => self.want_base_snapshot(key, template.clone(), resources, accel),
             }
         }
-        self.launch(id, Source::Boot(&template, resources), accel, limit, pooled).await
+        self.launch(id, Source::Boot(&template, resources), accel, limit, purpose).await
     }
 
     /// Start a VM for sandbox `id` from `source` (a boot, a base snapshot's restore, a saved
     /// image's restore) and give it its identity once the agent answers.
-    async fn launch(&self, id: String, source: Source<'_>, accel: Accel, limit: Duration, pooled: bool) -> Result<Arc<Sandbox>> {
+    async fn launch(&self, id: String, source: Source<'_>, accel: Accel, limit: Duration, purpose: Purpose) -> Result<Arc<Sandbox>> {
         let dir = self.inner.data.sandboxes().join(&id);
         // Not `create_dir_all`: an existing dir is a sandbox with this id still booting.
         std::fs::create_dir(&dir).map_err(|e| match e.kind() {
@@ -826,14 +838,14 @@ impl Runtime {
         let started = Instant::now();
         let result = async {
             let spec = self.machine(&id, &dir, &source, accel, &mut record);
-            if pooled {
+            if purpose == Purpose::Pool {
                 write_atomic(&dir.join(crate::pool::MARKER), b"{}")?;
             }
             write_atomic(
                 &dir.join("sandbox.json"),
                 &serde_json::to_vec_pretty(&record).expect("serializable"),
             )?;
-            let vm = self.start_vm(&id, &dir, spec, &mut link, pooled).await?;
+            let vm = self.start_vm(&id, &dir, spec, &mut link, purpose != Purpose::Sandbox).await?;
             let ready = async {
                 if !matches!(source, Source::Boot(..)) {
                     self.snapshotting("restore")?.complete_restore(&vm, SUSPEND_LIMIT).await?;
@@ -859,7 +871,7 @@ impl Runtime {
                     &dir.join("sandbox.json"),
                     &serde_json::to_vec_pretty(&record).expect("serializable"),
                 );
-                if pooled {
+                if purpose != Purpose::Sandbox {
                     return Ok(sandbox(record, vm, link, Some(client), false));
                 }
                 Ok(self.adopt(record, vm, link, Some(client), false))
@@ -1275,7 +1287,7 @@ impl Runtime {
         let rt = self.clone();
         tokio::spawn(async move {
             for sb in extra {
-                rt.discard_pool_vm(&sb).await;
+                rt.discard_unadopted(&sb).await;
             }
         });
         self.refill(key.clone());
@@ -1389,7 +1401,7 @@ impl Runtime {
         };
         if let Some(sb) = back {
             let rt = self.clone();
-            tokio::spawn(async move { rt.discard_pool_vm(&sb).await });
+            tokio::spawn(async move { rt.discard_unadopted(&sb).await });
         }
     }
 
@@ -1418,14 +1430,15 @@ impl Runtime {
                 Ok(self.adopt(record, vm.vm.clone(), link, Some(client), false))
             }
             Err(e) => {
-                self.discard_pool_vm(&vm).await;
+                self.discard_unadopted(&vm).await;
                 Err(e)
             }
         }
     }
 
     /// Stop a pool VM and remove everything it had.
-    async fn discard_pool_vm(&self, sb: &Sandbox) {
+    /// Stop a VM that never became a sandbox (a pool VM, a probe) and remove all it had.
+    async fn discard_unadopted(&self, sb: &Sandbox) {
         let _ = self.inner.vmm.stop(&sb.vm, Duration::from_secs(2)).await;
         self.remove_network(sb.net.as_ref()).await;
         let _ = self.inner.discard(&sb.vm.dir);
@@ -1464,14 +1477,14 @@ impl Runtime {
                     resources: key.resources,
                     image: None,
                 };
-                let started = match rt.start_new(random_hex(10), &req, true).await {
+                let started = match rt.start_new(random_hex(10), &req, Purpose::Pool).await {
                     // Its first command warms what every first command costs (under TCG, the
                     // translation of the agent's spawn path): the platform's own `true`, which
                     // leaves nothing behind, before any tenant's.
                     Ok(sb) => match sb.run(ProcessSpec { argv: vec!["true".into()], ..Default::default() }).await {
                         Ok(_) => Ok(sb),
                         Err(e) => {
-                            rt.discard_pool_vm(&sb).await;
+                            rt.discard_unadopted(&sb).await;
                             Err(e)
                         }
                     },
@@ -1492,7 +1505,7 @@ impl Runtime {
                 };
                 match extra {
                     None => {}
-                    Some(Ok(sb)) => rt.discard_pool_vm(&sb).await,
+                    Some(Ok(sb)) => rt.discard_unadopted(&sb).await,
                     Some(Err(e)) => {
                         tracing::warn!(template = %key.template, "a warm pool VM did not start: {e}");
                         // Not a hot loop on a broken template: the next claim tries again.
@@ -1516,7 +1529,7 @@ impl Runtime {
             v
         };
         for sb in vms {
-            self.discard_pool_vm(&sb).await;
+            self.discard_unadopted(&sb).await;
         }
     }
 
