@@ -8,6 +8,7 @@
 //!     cargo run --release -p airlock-bench -- --runs 10
 
 mod machine;
+mod raw;
 
 use airlock_proto::ProcessSpec;
 use airlock_runtime::qemu::{Attach, QemuVmm};
@@ -56,23 +57,8 @@ fn ms(d: Duration) -> f64 {
 
 /// Boot the template with raw QEMU and time until the agent answers hello.
 fn raw_boot(qemu: &Path, spec: &VmSpec) -> f64 {
-    let _ = std::fs::remove_dir_all(&spec.dir);
-    std::fs::create_dir_all(&spec.dir).unwrap();
-    let overlay = spec.dir.join("disk.qcow2");
-    let (agent, qmp, console) = (
-        spec.dir.join("agent.sock"),
-        spec.dir.join("qmp.sock"),
-        spec.dir.join("console.log"),
-    );
     let started = Instant::now();
-    let ok = std::process::Command::new("qemu-img")
-        .args(["create", "-q", "-f", "qcow2", "-F", "raw", "-b"])
-        .arg(&spec.rootfs)
-        .arg(&overlay)
-        .arg(format!("{}M", spec.disk_mib))
-        .status()
-        .unwrap();
-    assert!(ok.success());
+    let raw::RawFiles { overlay, agent, qmp, console } = raw::prepare(&spec.dir, &spec.rootfs, "raw", spec.disk_mib);
     let mut child = std::process::Command::new(qemu)
         .args(QemuVmm::args(spec, &Attach::paths(&overlay, &agent, &qmp, &console, spec)))
         .stdin(std::process::Stdio::null())

@@ -20,6 +20,7 @@
 //!         --url http://127.0.0.1:8080 --data-dir /var/lib/airlock
 
 mod machine;
+mod raw;
 
 use airlock_proto::frame::EventKind;
 use airlock_proto::ProcessSpec;
@@ -238,18 +239,8 @@ fn find_snapshot(data_dir: &Path, digest: &str, resources: &Value) -> Option<Bas
 /// READY, to the first stdout byte), plus `execs` round trips of `true` if asked.
 async fn raw_restore(qemu: &Path, netns: &str, spec: &VmSpec, snap: &BaseSnapshot, execs: usize) -> (f64, f64, Vec<f64>) {
     let dir = &spec.dir;
-    let _ = std::fs::remove_dir_all(dir);
-    std::fs::create_dir_all(dir).unwrap();
-    let (overlay, agent, qmp, console) = (dir.join("disk.qcow2"), dir.join("agent.sock"), dir.join("qmp.sock"), dir.join("console.log"));
     let started = Instant::now();
-    let ok = std::process::Command::new("qemu-img")
-        .args(["create", "-q", "-f", "qcow2", "-F", "qcow2", "-b"])
-        .arg(snap.disk())
-        .arg(&overlay)
-        .arg(format!("{}M", spec.disk_mib))
-        .status()
-        .unwrap();
-    assert!(ok.success());
+    let raw::RawFiles { overlay, agent, qmp, console } = raw::prepare(dir, &snap.disk(), "qcow2", spec.disk_mib);
     // In a namespace of the bench's own, where QEMU makes its tap: the device state wants one,
     // and nothing there leads anywhere.
     let mut child = std::process::Command::new("ip")

@@ -45,13 +45,30 @@ pub fn host_connected(fd: &OwnedFd) -> bool {
 }
 
 /// Wait for the host's `HELLO <nonce>` line, discarding anything before it (bytes of an
-/// earlier session), and answer `READY <nonce>`.
+/// earlier session), and answer `READY <nonce>`. The host says hello again every 100 ms until it
+/// is answered, and while the guest boots its hellos queue up unread: so once one is in hand,
+/// the lines already there are read too, and only the newest hello (the one the host waits for)
+/// is answered. Answering an older one would leave the newer lines to the HTTP/2 session, which
+/// would fail on them and cost the host another round.
 pub async fn await_hello(io: &mut PortStream) -> std::io::Result<()> {
+    use futures_util::FutureExt;
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
     let mut line = Vec::with_capacity(64);
+    let mut newest: Option<String> = None;
     loop {
         let mut b = [0u8; 1];
-        if io.read(&mut b).await? == 0 {
+        let read = match newest {
+            None => io.read(&mut b).await?,
+            // With a hello in hand, only what has already arrived.
+            Some(_) => match io.read(&mut b).now_or_never() {
+                Some(read) => read?,
+                None => break,
+            },
+        };
+        if read == 0 {
+            if newest.is_some() {
+                break;
+            }
             return Err(std::io::ErrorKind::UnexpectedEof.into());
         }
         if b[0] != b'\n' {
@@ -67,13 +84,14 @@ pub async fn await_hello(io: &mut PortStream) -> std::io::Result<()> {
             continue;
         };
         let nonce = &text[pos + airlock_proto::SESSION_HELLO.len()..];
-        if nonce.is_empty() || !nonce.chars().all(|c| c.is_ascii_alphanumeric()) {
-            continue;
+        if !nonce.is_empty() && nonce.chars().all(|c| c.is_ascii_alphanumeric()) {
+            newest = Some(nonce.to_string());
         }
-        io.write_all(format!("{}{nonce}\n", airlock_proto::SESSION_READY).as_bytes())
-            .await?;
-        return Ok(());
     }
+    let nonce = newest.expect("the loop ends with a hello in hand");
+    io.write_all(format!("{}{nonce}\n", airlock_proto::SESSION_READY).as_bytes())
+        .await?;
+    Ok(())
 }
 
 /// One host session over the shared port.

@@ -107,12 +107,11 @@ impl AgentError {
 
 type ReqBody = UnsyncBoxBody<Bytes, std::io::Error>;
 
-/// How long to wait for `READY` before saying `HELLO` again (the guest may still be booting, or
-/// may have swallowed the first hello into a dying session).
-const HELLO_RETRY: Duration = Duration::from_millis(1000);
-/// The first wait is shorter: a VM restored from a save made while a host was connected still
-/// serves that host's session, and the first hello only ends it.
-const FIRST_HELLO_RETRY: Duration = Duration::from_millis(150);
+/// How long to wait for `READY` before saying `HELLO` again: the guest may still be booting (its
+/// agent answers the newest of the hellos queued meanwhile, so a short period costs a booting
+/// guest nothing and saves up to a period on every boot), or a VM restored from a save made while
+/// a host was connected still serves that host's session, and the first hello only ends it.
+const HELLO_RETRY: Duration = Duration::from_millis(100);
 
 /// Resynchronize the channel: say hello with a fresh nonce until the agent answers it. The
 /// channel is read a buffer at a time (a guest flooding it must not cost the host a syscall per
@@ -121,7 +120,6 @@ const FIRST_HELLO_RETRY: Duration = Duration::from_millis(150);
 async fn start_session(stream: &mut BufReader<UnixStream>) -> Result<(), AgentError> {
     use tokio::io::{AsyncBufReadExt, AsyncWriteExt};
     let io_err = |e: std::io::Error| AgentError::Transport(format!("session start: {e}"));
-    let mut wait = FIRST_HELLO_RETRY;
     loop {
         let nonce = crate::random::random_hex(8);
         stream
@@ -153,8 +151,7 @@ async fn start_session(stream: &mut BufReader<UnixStream>) -> Result<(), AgentEr
                 }
             }
         };
-        let waited = tokio::time::timeout(wait, wait_ready).await;
-        wait = HELLO_RETRY;
+        let waited = tokio::time::timeout(HELLO_RETRY, wait_ready).await;
         match waited {
             Ok(Ok(())) => return Ok(()),
             Ok(Err(e)) => return Err(io_err(e)),
