@@ -353,12 +353,18 @@ impl Core {
 
     /// One session of a sandbox, brought up to date.
     pub async fn session(&self, sandbox: &SandboxRow, id: &str) -> CoreResult<SessionRow> {
-        let row = self
-            .store
+        let row = self.session_record(sandbox, id).await?;
+        self.refresh_session(sandbox, row).await
+    }
+
+    /// One session of a sandbox as the store has it, for a request that acts on its process
+    /// (stream, stdin, signal, resize): the agent answers for the process itself, so asking it
+    /// first whether the process exited would only add a round trip to every command.
+    pub async fn session_record(&self, sandbox: &SandboxRow, id: &str) -> CoreResult<SessionRow> {
+        self.store
             .get_session(&sandbox.id, id)
             .await?
-            .ok_or_else(|| CoreError::not_found(Kind::Session, id))?;
-        self.refresh_session(sandbox, row).await
+            .ok_or_else(|| CoreError::not_found(Kind::Session, id))
     }
 
     pub async fn sessions(&self, sandbox: &SandboxRow) -> CoreResult<Vec<SessionRow>> {
@@ -465,9 +471,7 @@ impl Core {
         let sandbox_id = sandbox.id.clone();
         let mut row = row;
         Ok(events
-            .then(move |ev| {
-                let store = store.clone();
-                let sandbox_id = sandbox_id.clone();
+            .map(move |ev| {
                 let finished = match &ev {
                     Ok(Event {
                         kind: EventKind::Exit(exit),
@@ -482,12 +486,15 @@ impl Core {
                     }
                     _ => None,
                 };
-                async move {
-                    if let Some(row) = finished {
+                if let Some(row) = finished {
+                    // Off the stream's path: the exit reaches the client without waiting for
+                    // the store's commits, and a lookup meanwhile learns it from the agent.
+                    let store = store.clone();
+                    tokio::spawn(async move {
                         let _ = record_exit(&*store, &row, keep).await;
-                    }
-                    ev.map_err(|e| CoreError::agent(Kind::Process, &sandbox_id, e))
+                    });
                 }
+                ev.map_err(|e| CoreError::agent(Kind::Process, &sandbox_id, e))
             })
             .scan(after, |last, ev| {
                 let out = match ev {

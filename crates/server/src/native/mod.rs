@@ -435,10 +435,10 @@ pub async fn list_sessions(
     Ok(Json(core.sessions(&sandbox).await?.iter().map(session_view).collect()))
 }
 
-/// A tenant's sandbox and one of its sessions.
+/// A tenant's sandbox and one of its sessions as recorded (see `Core::session_record`).
 async fn session_of(core: &Core, tenant: &Tenant, id: &str, sid: &str) -> ApiResult<(SandboxRow, SessionRow)> {
     let sandbox = core.sandbox(tenant, id).await?;
-    let session = core.session(&sandbox, sid).await?;
+    let session = core.session_record(&sandbox, sid).await?;
     Ok((sandbox, session))
 }
 
@@ -451,7 +451,8 @@ pub async fn get_session(
     Extension(tenant): Extension<Tenant>,
     Path((id, sid)): Path<(String, String)>,
 ) -> ApiResult<Json<Session>> {
-    Ok(Json(session_view(&session_of(&core, &tenant, &id, &sid).await?.1)))
+    let sandbox = core.sandbox(&tenant, &id).await?;
+    Ok(Json(session_view(&core.session(&sandbox, &sid).await?)))
 }
 
 #[derive(Debug, Deserialize, utoipa::IntoParams)]
