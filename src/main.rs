@@ -47,7 +47,6 @@ enum Command {
         /// PEM private key for --tls-listen.
         #[arg(long, env = "AIRLOCK_TLS_KEY", requires = "tls_listen")]
         tls_key: Option<PathBuf>,
-        /// Live sandboxes one tenant may have at once (429 `quota_exceeded` past it).
         /// The DNS server sandboxes' allowed names are resolved with (default: the first
         /// `nameserver` of /etc/resolv.conf).
         #[arg(long, env = "AIRLOCK_EGRESS_DNS")]
@@ -61,6 +60,8 @@ enum Command {
         /// audience, a JWKS file, the claim naming the tenant); such callers are signed in.
         #[arg(long, env = "AIRLOCK_JWT_ISSUERS")]
         jwt_issuers: Option<PathBuf>,
+        /// Live sandboxes one tenant may have at once (429 `quota_exceeded` past it), unless the
+        /// admin sets the tenant's own quota.
         #[arg(long, env = "AIRLOCK_MAX_SANDBOXES", default_value_t = 20)]
         max_sandboxes: u32,
         /// Keep VMs of a template ready for creates to claim, at the default resources:
