@@ -73,7 +73,14 @@ impl Client {
     }
 
     fn call(&self, method: &str, path: &str, body: Option<Value>) -> Result<ureq::Response> {
-        let mut req = self.agent.request(method, &format!("{}{}", self.base, path));
+        self.call_accepting(method, path, body, "application/json")
+    }
+
+    fn call_accepting(&self, method: &str, path: &str, body: Option<Value>, accept: &str) -> Result<ureq::Response> {
+        let mut req = self
+            .agent
+            .request(method, &format!("{}{}", self.base, path))
+            .set("Accept", accept);
         if !self.key.is_empty() {
             req = req.set("Authorization", &format!("Bearer {}", self.key));
         }
@@ -124,10 +131,21 @@ impl Client {
         }
     }
 
-    /// Stream a session to this terminal; returns the exit code to exit with.
-    pub fn stream(&self, sandbox: &str, session: &str) -> Result<i32> {
+    /// Stream a session to this terminal, from `first` (the session's create answered as its
+    /// event stream, whose first event names it) or else from its stream; a dropped connection
+    /// resumes after the last event seen. Returns the exit code to exit with.
+    fn stream(&self, sandbox: &str, mut session: Option<String>, mut first: Option<ureq::Response>) -> Result<i32> {
         let mut last_id: Option<String> = None;
         for _attempt in 0..5 {
+            if let Some(resp) = first.take() {
+                if let Some(code) = self.print_events(resp, &mut session, &mut last_id)? {
+                    return Ok(code);
+                }
+                continue;
+            }
+            let Some(session) = &session else {
+                bail!("the output stream ended before it named its session");
+            };
             let path = format!("/v1/sandboxes/{sandbox}/sessions/{session}/stream");
             let mut req = self
                 .agent
@@ -144,59 +162,76 @@ impl Client {
                 }
                 Err(e) => return Err(anyhow!("stream: {e}")),
             };
-            let reader = std::io::BufReader::new(resp.into_reader());
-            let (mut event, mut data, mut id) = (String::new(), String::new(), None::<String>);
-            for line in reader.lines() {
-                let Ok(line) = line else { break };
-                if line.is_empty() {
-                    if let Some(i) = id.take() {
-                        last_id = Some(i);
-                    }
-                    let payload: Value = serde_json::from_str(&data).unwrap_or(Value::Null);
-                    match event.as_str() {
-                        "stdout" | "stderr" => {
-                            let bytes = base64::engine::general_purpose::STANDARD
-                                .decode(payload["data"].as_str().unwrap_or(""))
-                                .unwrap_or_default();
-                            if event == "stdout" {
-                                std::io::stdout().write_all(&bytes)?;
-                                std::io::stdout().flush()?;
-                            } else {
-                                std::io::stderr().write_all(&bytes)?;
-                            }
+            if let Some(code) = self.print_events(resp, &mut None, &mut last_id)? {
+                return Ok(code);
+            }
+            // The connection dropped before the exit: resume after the last event seen.
+        }
+        bail!("the output stream kept dropping")
+    }
+
+    /// Print an event stream's output until the process exits (its exit code) or the stream
+    /// ends early (`None`). A `session` event names the session.
+    fn print_events(
+        &self,
+        resp: ureq::Response,
+        session: &mut Option<String>,
+        last_id: &mut Option<String>,
+    ) -> Result<Option<i32>> {
+        let reader = std::io::BufReader::new(resp.into_reader());
+        let (mut event, mut data, mut id) = (String::new(), String::new(), None::<String>);
+        for line in reader.lines() {
+            let Ok(line) = line else { break };
+            if line.is_empty() {
+                if let Some(i) = id.take() {
+                    *last_id = Some(i);
+                }
+                let payload: Value = serde_json::from_str(&data).unwrap_or(Value::Null);
+                match event.as_str() {
+                    "stdout" | "stderr" => {
+                        let bytes = base64::engine::general_purpose::STANDARD
+                            .decode(payload["data"].as_str().unwrap_or(""))
+                            .unwrap_or_default();
+                        if event == "stdout" {
+                            std::io::stdout().write_all(&bytes)?;
+                            std::io::stdout().flush()?;
+                        } else {
+                            std::io::stderr().write_all(&bytes)?;
                         }
-                        "process_exited" => {
-                            return Ok(match (payload["exit_code"].as_i64(), payload["signal"].as_str()) {
+                    }
+                    "session" => *session = payload["id"].as_str().map(String::from),
+                    "process_exited" => {
+                        return Ok(Some(
+                            match (payload["exit_code"].as_i64(), payload["signal"].as_str()) {
                                 (Some(c), _) => c as i32,
                                 (None, Some(sig)) => {
                                     eprintln!("airlock: process terminated by {sig}");
                                     128 + super::signal_number(sig)
                                 }
                                 _ => 1,
-                            });
-                        }
-                        "output_truncated" => {
-                            eprintln!(
-                                "airlock: {}",
-                                payload["message"].as_str().unwrap_or("output was dropped")
-                            )
-                        }
-                        "error" => bail!("{}", payload["message"].as_str().unwrap_or("stream error")),
-                        _ => {}
+                            },
+                        ));
                     }
-                    event.clear();
-                    data.clear();
-                } else if let Some(v) = line.strip_prefix("event:") {
-                    event = v.trim().to_string();
-                } else if let Some(v) = line.strip_prefix("data:") {
-                    data.push_str(v.trim_start());
-                } else if let Some(v) = line.strip_prefix("id:") {
-                    id = Some(v.trim().to_string());
+                    "output_truncated" => {
+                        eprintln!(
+                            "airlock: {}",
+                            payload["message"].as_str().unwrap_or("output was dropped")
+                        )
+                    }
+                    "error" => bail!("{}", payload["message"].as_str().unwrap_or("stream error")),
+                    _ => {}
                 }
+                event.clear();
+                data.clear();
+            } else if let Some(v) = line.strip_prefix("event:") {
+                event = v.trim().to_string();
+            } else if let Some(v) = line.strip_prefix("data:") {
+                data.push_str(v.trim_start());
+            } else if let Some(v) = line.strip_prefix("id:") {
+                id = Some(v.trim().to_string());
             }
-            // The connection dropped before the exit: resume after the last event seen.
         }
-        bail!("the output stream kept dropping")
+        Ok(None)
     }
 
     pub fn create_sandbox(&self, body: Value, wait: bool) -> Result<String> {
@@ -211,10 +246,11 @@ impl Client {
         Ok(id)
     }
 
+    /// Run a command and stream its output, in one call (the session answered as its events).
     pub fn exec(&self, sandbox: &str, body: Value) -> Result<i32> {
-        let s = self.json("POST", &format!("/v1/sandboxes/{sandbox}/sessions"), Some(body))?;
-        let sid = s["id"].as_str().ok_or_else(|| anyhow!("no session id in the answer"))?;
-        self.stream(sandbox, sid)
+        let path = format!("/v1/sandboxes/{sandbox}/sessions");
+        let resp = self.call_accepting("POST", &path, Some(body), "text/event-stream")?;
+        self.stream(sandbox, None, Some(resp))
     }
 
     pub fn delete_sandbox(&self, id: &str, wait: bool) -> Result<()> {

@@ -59,11 +59,12 @@ fn ms(d: Duration) -> f64 {
 fn raw_boot(qemu: &Path, spec: &VmSpec) -> f64 {
     let started = Instant::now();
     let raw::RawFiles { overlay, agent, qmp, console } = raw::prepare(&spec.dir, &spec.rootfs, "raw", spec.disk_mib);
-    let mut child = std::process::Command::new(qemu)
+    let child = std::process::Command::new(qemu)
         .args(QemuVmm::args(spec, &Attach::paths(&overlay, &agent, &qmp, &console, spec)))
         .stdin(std::process::Stdio::null())
         .spawn()
         .unwrap();
+    let vmm = raw::KillOnDrop(child);
     let stream = loop {
         match UnixStream::connect(&agent) {
             Ok(s) => break s,
@@ -86,8 +87,7 @@ fn raw_boot(qemu: &Path, spec: &VmSpec) -> f64 {
         }
         assert!(started.elapsed() < Duration::from_secs(120), "raw boot never answered");
     };
-    child.kill().unwrap();
-    child.wait().unwrap();
+    drop(vmm);
     let _ = std::fs::remove_dir_all(&spec.dir);
     ms(elapsed)
 }

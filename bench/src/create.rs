@@ -1,14 +1,15 @@
 //! Fast create, against a running server, next to the raw VMM restoring the same snapshot.
 //!
 //! - **TTI**: `POST /v1/sandboxes` to the first stdout byte of `echo` streamed over SSE (the
-//!   create's operation polled every 5 ms, then a session and its stream), for `--sequential`
+//!   create's operation polled every 5 ms, then the session answered as its event stream), for `--sequential`
 //!   creates one after another and a burst of `--burst` at once.
 //! - **raw restore + exec**: `qemu-system-x86_64` started by hand on the base snapshot the
 //!   server restores these creates from (same arguments, paths instead of a jail's fds, a fresh
 //!   overlay), its state loaded over QMP, then the agent's hello and one `echo` through the
 //!   runtime's agent client: the same work with no server in the path.
-//! - **exec round trip**: `true` through the API (session + SSE to the exit) on a warm sandbox,
-//!   next to the same through the agent client on the raw VM.
+//! - **exec round trip**: `true` through the API on a warm sandbox, two ways (a session, then its
+//!   SSE stream to the exit; and one call, the session answered as its event stream), next to the
+//!   same through the agent client on the raw VM.
 //! - **idle memory**: the host's MemAvailable drop over `--idle` idle sandboxes, per sandbox.
 //! - **suspend / resume**: `--suspends` cycles on a sandbox running a process: the suspend
 //!   operation (its memory to disk, its VMM gone), the resume operation, and the resume to the
@@ -159,7 +160,7 @@ impl Api {
     }
 
     /// Run `argv` in a session and read its SSE stream until the first stdout event (`first`) or
-    /// the exit.
+    /// the exit: the session, then its stream (two calls).
     fn exec(&self, id: &str, argv: &[&str], until_stdout: bool) -> Result<(), String> {
         let s = self.call("POST", &format!("/sandboxes/{id}/sessions"), Some(json!({"argv": argv})))?;
         let sid = s["id"].as_str().ok_or("no session id")?;
@@ -167,13 +168,18 @@ impl Api {
             .set("Authorization", &self.auth)
             .call()
             .map_err(|e| format!("stream: {e}"))?;
-        let want = if until_stdout { "event: stdout" } else { "event: process_exited" };
-        for line in BufReader::new(resp.into_reader()).lines() {
-            if line.map_err(|e| e.to_string())?.trim() == want {
-                return Ok(());
-            }
-        }
-        Err(format!("the stream of {argv:?} ended before `{want}`"))
+        read_until(resp, argv, until_stdout)
+    }
+
+    /// The same in one call: the session's create answers with its event stream
+    /// (`Accept: text/event-stream`).
+    fn exec_one_call(&self, id: &str, argv: &[&str], until_stdout: bool) -> Result<(), String> {
+        let resp = ureq::post(&format!("{}/v1/sandboxes/{id}/sessions", self.url))
+            .set("Authorization", &self.auth)
+            .set("Accept", "text/event-stream")
+            .send_json(json!({"argv": argv}))
+            .map_err(|e| format!("session: {e}"))?;
+        read_until(resp, argv, until_stdout)
     }
 
     fn delete(&self, id: &str) {
@@ -183,9 +189,20 @@ impl Api {
     fn tti(&self, template: &str) -> Result<(f64, String), String> {
         let t = Instant::now();
         let id = self.create(template)?;
-        self.exec(&id, &["echo", "hi"], true)?;
+        self.exec_one_call(&id, &["echo", "hi"], true)?;
         Ok((ms(t.elapsed()), id))
     }
+}
+
+/// Read an SSE stream until its first `stdout` event (or `process_exited`).
+fn read_until(resp: ureq::Response, argv: &[&str], until_stdout: bool) -> Result<(), String> {
+    let want = if until_stdout { "event: stdout" } else { "event: process_exited" };
+    for line in BufReader::new(resp.into_reader()).lines() {
+        if line.map_err(|e| e.to_string())?.trim() == want {
+            return Ok(());
+        }
+    }
+    Err(format!("the stream of {argv:?} ended before `{want}`"))
 }
 
 /// Wait (at most 5 min) until every warm pool the server shows is full; the pools then.
@@ -243,7 +260,7 @@ async fn raw_restore(qemu: &Path, netns: &str, spec: &VmSpec, snap: &BaseSnapsho
     let raw::RawFiles { overlay, agent, qmp, console } = raw::prepare(dir, &snap.disk(), "qcow2", spec.disk_mib);
     // In a namespace of the bench's own, where QEMU makes its tap: the device state wants one,
     // and nothing there leads anywhere.
-    let mut child = std::process::Command::new("ip")
+    let child = std::process::Command::new("ip")
         .args(["netns", "exec", netns])
         .arg(qemu)
         .args(QemuVmm::args(
@@ -256,8 +273,9 @@ async fn raw_restore(qemu: &Path, netns: &str, spec: &VmSpec, snap: &BaseSnapsho
         .stderr(std::fs::File::create(dir.join("qemu.log")).unwrap())
         .spawn()
         .unwrap();
+    let mut vmm = raw::KillOnDrop(child);
     let mut q = loop {
-        if let Ok(Some(status)) = child.try_wait() {
+        if let Ok(Some(status)) = vmm.0.try_wait() {
             panic!("raw QEMU exited ({status}): {}", std::fs::read_to_string(dir.join("qemu.log")).unwrap_or_default());
         }
         match airlock_runtime::qmp::Qmp::connect(&qmp).await {
@@ -284,8 +302,7 @@ async fn raw_restore(qemu: &Path, netns: &str, spec: &VmSpec, snap: &BaseSnapsho
         rtts.push(ms(t.elapsed()));
     }
     drop(client);
-    child.kill().unwrap();
-    child.wait().unwrap();
+    drop(vmm);
     let _ = std::fs::remove_dir_all(dir);
     (ready, first, rtts)
 }
@@ -387,12 +404,16 @@ async fn main() {
     // Exec round trips on a warm sandbox, through the API.
     let (b, t) = (api.clone(), template.clone());
     let warm = tokio::task::spawn_blocking(move || b.create(&t)).await.unwrap().unwrap();
-    let mut api_exec = Vec::new();
+    let (mut api_exec, mut api_exec_one) = (Vec::new(), Vec::new());
     for _ in 0..args.execs {
         let (b, id) = (api.clone(), warm.clone());
         let t = Instant::now();
         tokio::task::spawn_blocking(move || b.exec(&id, &["true"], false)).await.unwrap().unwrap();
         api_exec.push(ms(t.elapsed()));
+        let (b, id) = (api.clone(), warm.clone());
+        let t = Instant::now();
+        tokio::task::spawn_blocking(move || b.exec_one_call(&id, &["true"], false)).await.unwrap().unwrap();
+        api_exec_one.push(ms(t.elapsed()));
     }
     api.delete(&warm);
 
@@ -466,18 +487,16 @@ async fn main() {
         cmdline: snap.manifest.cmdline.clone(),
     });
     let (mut raw_ready, mut raw_first, mut runtime_exec) = (Vec::new(), Vec::new(), Vec::new());
-    let netns = format!("airlock-rawbench-{}", std::process::id());
-    let ok = std::process::Command::new("ip").args(["netns", "add", &netns]).status().unwrap();
-    assert!(ok.success(), "ip netns add {netns} (the bench runs as root)");
+    let netns = raw::Netns::add(format!("airlock-rawbench-{}", std::process::id()));
     for i in 0..args.raw {
         let execs = if i == 0 { args.execs } else { 0 };
-        let (ready, first, rtts) = raw_restore(qemu.binary(), &netns, &spec, &snap, execs).await;
+        let (ready, first, rtts) = raw_restore(qemu.binary(), &netns.0, &spec, &snap, execs).await;
         raw_ready.push(ready);
         raw_first.push(first);
         runtime_exec.extend(rtts);
     }
     let _ = std::fs::remove_dir_all(&raw_dir);
-    let _ = std::process::Command::new("ip").args(["netns", "del", &netns]).status();
+    drop(netns);
 
     // Memory per idle sandbox.
     tokio::time::sleep(Duration::from_secs(2)).await;
@@ -508,6 +527,7 @@ async fn main() {
     let p50 = |v: &Value| v["p50_ms"].as_f64().unwrap_or(f64::NAN);
     let (seq_s, burst_s) = (stats(&seq, seq_failures), stats(&burst, burst_failures));
     let (raw_first_s, api_exec_s, runtime_exec_s) = (stats(&raw_first, 0), stats(&api_exec, 0), stats(&runtime_exec, 0));
+    let api_exec_one_s = stats(&api_exec_one, 0);
     let report = json!({
         "bench": "create",
         "when": humantime::format_rfc3339_seconds(std::time::SystemTime::now()).to_string(),
@@ -527,6 +547,8 @@ async fn main() {
         "exec_true_api": api_exec_s,
         "exec_true_runtime": runtime_exec_s,
         "exec_ratio_p50": p50(&api_exec_s) / p50(&runtime_exec_s),
+        "exec_true_api_one_call": api_exec_one_s,
+        "exec_one_call_ratio_p50": p50(&api_exec_one_s) / p50(&runtime_exec_s),
         "idle_sandboxes": idle_ids.len(),
         "idle_memory_mib_per_sandbox": per_sandbox,
         "suspend": stats(&suspend_ms, suspend_failures),
@@ -543,7 +565,8 @@ async fn main() {
         ("TTI, burst", &report["tti_burst"]),
         ("raw QEMU restore -> agent ready", &report["raw_restore_to_agent_ready"]),
         ("raw QEMU restore -> first stdout (runtime exec)", &report["raw_restore_to_first_stdout"]),
-        ("exec `true`, API (session + SSE)", &report["exec_true_api"]),
+        ("exec `true`, API (session, then its SSE stream)", &report["exec_true_api"]),
+        ("exec `true`, API one call (session answered as SSE)", &report["exec_true_api_one_call"]),
         ("exec `true`, runtime (agent client)", &report["exec_true_runtime"]),
         ("suspend (operation)", &report["suspend"]),
         ("resume (operation)", &report["resume"]),
@@ -555,9 +578,10 @@ async fn main() {
         table.push_str(&format!("| {name} | {} | {} | {} | {} |\n", f("p50_ms"), f("p95_ms"), f("p99_ms"), s["failures"]));
     }
     table.push_str(&format!(
-        "\nTTI p50 / raw restore+exec p50: {:.2}; exec API / runtime p50: {:.2}; idle memory per sandbox: {per_sandbox:.1} MiB over {}; {restored}/{} sequential creates restored",
+        "\nTTI p50 / raw restore+exec p50: {:.2}; exec API / runtime p50: {:.2} (two calls), {:.2} (one call); idle memory per sandbox: {per_sandbox:.1} MiB over {}; {restored}/{} sequential creates restored",
         report["tti_ratio_p50_vs_raw"].as_f64().unwrap_or(f64::NAN),
         report["exec_ratio_p50"].as_f64().unwrap_or(f64::NAN),
+        report["exec_one_call_ratio_p50"].as_f64().unwrap_or(f64::NAN),
         idle_ids.len(),
         seq.len()
     ));

@@ -106,7 +106,7 @@ async fn boot(qemu: &Path, netns: &str, spec: &VmSpec, append: &str) -> Boot {
         let at = args.iter().position(|a| a == "-append").unwrap() + 1;
         args[at] = format!("{} {append}", args[at]);
     }
-    let mut child = std::process::Command::new("ip")
+    let child = std::process::Command::new("ip")
         .args(["netns", "exec", netns])
         .arg(qemu)
         .args(&args)
@@ -115,6 +115,7 @@ async fn boot(qemu: &Path, netns: &str, spec: &VmSpec, append: &str) -> Boot {
         .stderr(std::fs::File::create(dir.join("qemu.log")).unwrap())
         .spawn()
         .unwrap();
+    let vmm = raw::KillOnDrop(child);
     // QEMU's own start: until its monitor answers (the guest starts running about then).
     let mut qmp_client = loop {
         if let Ok(q) = airlock_runtime::qmp::Qmp::connect(&qmp).await {
@@ -127,7 +128,7 @@ async fn boot(qemu: &Path, netns: &str, spec: &VmSpec, append: &str) -> Boot {
     drop(qmp_client);
     let (client, _) = AgentClient::connect_ready(&agent, Duration::from_secs(120))
         .await
-        .unwrap();
+        .unwrap_or_else(|e| panic!("the guest never answered ({e}); console: {}", console.display()));
     let host_to_ready_ms = started.elapsed().as_secs_f64() * 1000.0;
     // The uptime first, as close to READY as one round trip; that round trip is taken off.
     let asked = Instant::now();
@@ -151,8 +152,7 @@ async fn boot(qemu: &Path, netns: &str, spec: &VmSpec, append: &str) -> Boot {
         })
         .collect::<Vec<_>>();
     drop(client);
-    child.kill().unwrap();
-    child.wait().unwrap();
+    drop(vmm);
     let _ = std::fs::remove_dir_all(dir);
     Boot {
         qemu_up_ms,
@@ -215,16 +215,11 @@ async fn main() {
     if let Some(kernel) = &args.kernel {
         spec.kernel = kernel.clone();
     }
-    let netns = format!("airlock-profile-{}", std::process::id());
-    let ok = std::process::Command::new("ip")
-        .args(["netns", "add", &netns])
-        .status()
-        .unwrap();
-    assert!(ok.success(), "ip netns add {netns} (the bench runs as root)");
+    let netns = raw::Netns::add(format!("airlock-profile-{}", std::process::id()));
 
     let mut boots = Vec::new();
     for i in 0..args.runs {
-        let b = boot(qemu.binary(), &netns, &spec, &args.append).await;
+        let b = boot(qemu.binary(), &netns.0, &spec, &args.append).await;
         eprintln!(
             "boot {}/{}: {:.0} ms to READY, uptime at READY {:.0} ms",
             i + 1,
@@ -236,9 +231,9 @@ async fn main() {
     }
     let mut traced = Vec::new();
     for _ in 0..args.runs.min(3) {
-        traced.push(boot(qemu.binary(), &netns, &spec, &format!("{} initcall_debug", args.append)).await);
+        traced.push(boot(qemu.binary(), &netns.0, &spec, &format!("{} initcall_debug", args.append)).await);
     }
-    let _ = std::process::Command::new("ip").args(["netns", "del", &netns]).status();
+    drop(netns);
 
     // Medians of each phase over the plain boots.
     let col = |f: &dyn Fn(&Boot) -> Option<f64>| {

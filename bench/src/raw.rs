@@ -1,5 +1,7 @@
 //! Raw QEMU as the benchmarks start it by hand next to airlock: a fresh dir, a qcow2 overlay on
 //! the machine's disk, and its sockets and console by path.
+// Each bench binary compiles this for itself and uses part of it.
+#![allow(dead_code)]
 
 use std::path::{Path, PathBuf};
 
@@ -30,4 +32,31 @@ pub fn prepare(dir: &Path, backing: &Path, format: &str, disk_mib: u32) -> RawFi
         .unwrap();
     assert!(ok.success(), "qemu-img create on {}", backing.display());
     files
+}
+
+/// A raw VMM that is killed and reaped when this goes, also when a measurement panics.
+pub struct KillOnDrop(pub std::process::Child);
+
+impl Drop for KillOnDrop {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+/// A network namespace of the bench's own (where raw QEMU makes its tap), removed when this goes.
+pub struct Netns(pub String);
+
+impl Netns {
+    pub fn add(name: String) -> Netns {
+        let ok = std::process::Command::new("ip").args(["netns", "add", &name]).status().unwrap();
+        assert!(ok.success(), "ip netns add {name} (the bench runs as root)");
+        Netns(name)
+    }
+}
+
+impl Drop for Netns {
+    fn drop(&mut self) {
+        let _ = std::process::Command::new("ip").args(["netns", "del", &self.0]).status();
+    }
 }

@@ -883,6 +883,11 @@ async fn sse_events(server: &Server, id: &str, sid: &str, after: u64) -> Vec<(St
         )
         .await;
     assert_eq!(resp.status, 200);
+    parse_sse(resp).await
+}
+
+/// A whole event stream (it must end within 10 s): (event, id, data).
+async fn parse_sse(resp: common::Resp) -> Vec<(String, String, Value)> {
     let sse = tokio::time::timeout(Duration::from_secs(10), axum::body::to_bytes(resp.body, 64 << 20))
         .await
         .expect("the stream ends within 10 s")
@@ -904,6 +909,47 @@ async fn sse_events(server: &Server, id: &str, sid: &str, after: u64) -> Vec<(St
         }
     }
     out
+}
+
+/// A command and its output in one call: `POST .../sessions` with `Accept: text/event-stream`
+/// answers with the session first, then its events as `.../stream` sends them (same ids, so a
+/// client that lost the connection resumes there).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn one_call_exec_streams_the_session_then_its_events() {
+    let tmp = fresh();
+    let server = Server::start(tmp.path(), 4, None).await;
+    let id = server.running_sandbox().await;
+    let auth = format!("Bearer {}", server.key);
+    let resp = server
+        .send(
+            Method::POST,
+            &format!("/v1/sandboxes/{id}/sessions"),
+            &[
+                ("authorization", &auth),
+                ("content-type", "application/json"),
+                ("accept", "text/event-stream"),
+            ],
+            Body::from(json!({ "argv": ["echo", "alive"] }).to_string()),
+        )
+        .await;
+    assert_eq!(resp.status, 201);
+    assert_eq!(resp.headers["content-type"], "text/event-stream");
+    let events = parse_sse(resp).await;
+    let (first, rest) = events.split_first().expect("events");
+    assert_eq!(first.0, "session", "{events:?}");
+    let sid = first.2["id"].as_str().unwrap();
+    assert_eq!(first.2["argv"], json!(["echo", "alive"]));
+    // base64("alive\n")
+    assert!(rest.iter().any(|(e, _, d)| e == "stdout" && d["data"] == "YWxpdmUK"), "{events:?}");
+    let last = rest.last().unwrap();
+    assert_eq!((last.0.as_str(), &last.2["exit_code"]), ("process_exited", &json!(0)), "{events:?}");
+    assert_eq!(sse_events(&server, &id, sid, 0).await, rest, "the session's stream has the same events");
+    // Without that Accept: the session as JSON, as before.
+    let s = server.session(&id, &["true"]).await;
+    assert_eq!(s["state"], "running", "{s}");
+    server.delete(&id).await;
+    server.stop().await;
+    assert_no_vms(tmp.path());
 }
 
 /// The server holds no output of its own (it streams what the guest agent keeps); the agent

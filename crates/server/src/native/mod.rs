@@ -388,14 +388,18 @@ fn session_view(s: &SessionRow) -> Session {
 
 #[utoipa::path(post, path = "/v1/sandboxes/{id}/sessions", tag = "sessions", params(("id" = String, Path)),
     request_body = CreateSessionRequest,
-    responses((status = 201, body = Session), ApiErrors),
+    responses((status = 201, description = "The session. With `Accept: text/event-stream` (a command and its output in one call): an event stream whose first event is `session` (the Session), then the session's events as `.../stream` sends them", content(
+        (Session = "application/json"),
+        (String = "text/event-stream"),
+    )), ApiErrors),
     security(("bearer" = [])))]
 pub async fn create_session(
     State(core): State<Core>,
     Extension(tenant): Extension<Tenant>,
     Path(id): Path<String>,
+    headers: HeaderMap,
     ApiJson(req): ApiJson<CreateSessionRequest>,
-) -> ApiResult<(StatusCode, Json<Session>)> {
+) -> ApiResult<Response> {
     let sandbox = core.sandbox(&tenant, &id).await?;
     let timeout = req
         .timeout
@@ -420,7 +424,23 @@ pub async fn create_session(
             },
         )
         .await?;
-    Ok((StatusCode::CREATED, Json(session_view(&row))))
+    let streamed = headers
+        .get_all(axum::http::header::ACCEPT)
+        .iter()
+        .filter_map(|v| v.to_str().ok())
+        .any(|v| v.contains("text/event-stream"));
+    if !streamed {
+        return Ok((StatusCode::CREATED, Json(session_view(&row))).into_response());
+    }
+    // One call for a command and its output: no second request (its auth and lookups) before
+    // the first byte, and nothing of the output can be missed in between.
+    let first = Event::default()
+        .event("session")
+        .json_data(session_view(&row))
+        .expect("serializable");
+    let events = core.session_events(&sandbox, row, 0).await;
+    let first = futures_util::stream::once(async move { Ok(first) }).boxed();
+    Ok((StatusCode::CREATED, event_stream(first, events)).into_response())
 }
 
 #[utoipa::path(get, path = "/v1/sandboxes/{id}/sessions", tag = "sessions", params(("id" = String, Path)),
@@ -489,9 +509,19 @@ pub async fn stream_session(
             .map_err(|_| ApiError::Malformed(format!("Last-Event-ID {v:?} is not an event id")))?,
         None => q.last_event_id.unwrap_or(0),
     };
-    let stream: futures_util::stream::BoxStream<'static, Result<Event, Infallible>> =
-        match core.session_events(&sandbox, row, after).await {
-            Ok(events) => events
+    let events = core.session_events(&sandbox, row, after).await;
+    Ok(event_stream(futures_util::stream::empty().boxed(), events))
+}
+
+/// A session's events as SSE (`stdout`, `stderr`, `output_truncated`, `process_exited`,
+/// `error`, each with its id), after `first` (the one-call exec's `session` event). A failure to
+/// reach the events is reported in-band: the headers already promise an event stream.
+fn event_stream(
+    first: futures_util::stream::BoxStream<'static, Result<Event, Infallible>>,
+    events: Result<futures_util::stream::BoxStream<'static, crate::core::CoreResult<SessionEvent>>, CoreError>,
+) -> Sse<impl Stream<Item = Result<Event, Infallible>>> {
+    let stream = match events {
+        Ok(events) => events
                 .map(|ev| {
                     let ev = match ev {
                         Ok(SessionEvent::Event(ev)) => ev,
@@ -527,11 +557,10 @@ pub async fn stream_session(
                     }
                     .expect("serializable"))
                 })
-                .boxed(),
-            // Headers are already promised as an event stream: report the failure in-band.
-            Err(e) => futures_util::stream::once(async move { Ok(error_event(e.into())) }).boxed(),
-        };
-    Ok(Sse::new(stream).keep_alive(KeepAlive::new().interval(Duration::from_secs(15))))
+            .boxed(),
+        Err(e) => futures_util::stream::once(async move { Ok(error_event(e.into())) }).boxed(),
+    };
+    Sse::new(first.chain(stream).boxed()).keep_alive(KeepAlive::new().interval(Duration::from_secs(15)))
 }
 
 #[utoipa::path(post, path = "/v1/sandboxes/{id}/sessions/{sid}/stdin", tag = "sessions",
