@@ -3,7 +3,7 @@
 
 use crate::error::AgentError;
 use crate::users;
-use airlock_proto::{FileKind, FileStat, WatchEvent, WatchEventKind};
+use airlock_proto::{FileKind, FileStat, LinkTarget, WatchEvent, WatchEventKind};
 use std::os::unix::fs::{MetadataExt, PermissionsExt};
 use std::path::{Component, Path, PathBuf};
 use std::time::UNIX_EPOCH;
@@ -30,15 +30,7 @@ pub fn stat(path: &Path) -> Result<FileStat, AgentError> {
     let shown = path.to_string_lossy().to_string();
     let meta = std::fs::symlink_metadata(path).map_err(|e| AgentError::io(&shown, e))?;
     let ft = meta.file_type();
-    let kind = if ft.is_symlink() {
-        FileKind::Symlink
-    } else if ft.is_dir() {
-        FileKind::Dir
-    } else if ft.is_file() {
-        FileKind::File
-    } else {
-        FileKind::Other
-    };
+    let kind = kind_of(ft);
     let modified_ms = meta
         .modified()
         .ok()
@@ -63,7 +55,113 @@ pub fn stat(path: &Path) -> Result<FileStat, AgentError> {
             .is_symlink()
             .then(|| std::fs::read_link(path).ok().map(|t| t.to_string_lossy().to_string()))
             .flatten(),
+        symlink_resolved: ft
+            .is_symlink()
+            .then(|| std::fs::canonicalize(path).ok().map(|t| t.to_string_lossy().to_string()))
+            .flatten(),
+        link_target: ft
+            .is_symlink()
+            .then(|| std::fs::metadata(path).ok())
+            .flatten()
+            .map(|m| LinkTarget {
+                kind: kind_of(m.file_type()),
+                mode: m.permissions().mode() & 0o7777,
+            }),
+        metadata: read_metadata(path),
     })
+}
+
+fn kind_of(ft: std::fs::FileType) -> FileKind {
+    if ft.is_symlink() {
+        FileKind::Symlink
+    } else if ft.is_dir() {
+        FileKind::Dir
+    } else if ft.is_file() {
+        FileKind::File
+    } else {
+        FileKind::Other
+    }
+}
+
+/// Most user metadata read back from one file, names and values together: more than uploads
+/// write ([`airlock_proto::METADATA_TOTAL_MAX`]), so only xattrs set out of band (`setfattr`)
+/// can reach it, and what does not fit is left out rather than bloating every listing.
+const METADATA_READ_MAX: usize = 16 << 10;
+
+/// The `user.e2b.*` xattrs of `path` (following a symlink), prefix stripped; empty where the
+/// filesystem has none (or no xattrs at all). Entries that are not UTF-8 are skipped.
+pub fn read_metadata(path: &Path) -> std::collections::BTreeMap<String, String> {
+    use std::os::unix::ffi::OsStrExt;
+    let mut out = std::collections::BTreeMap::new();
+    let Ok(cpath) = std::ffi::CString::new(path.as_os_str().as_bytes()) else {
+        return out;
+    };
+    // The name list: at most XATTR_LIST_MAX (64 KiB) by the kernel's own limit.
+    let mut names = vec![0u8; 64 << 10];
+    let n = unsafe { libc::listxattr(cpath.as_ptr(), names.as_mut_ptr().cast(), names.len()) };
+    if n <= 0 {
+        return out;
+    }
+    names.truncate(n as usize);
+    let prefix = airlock_proto::METADATA_XATTR_PREFIX.as_bytes();
+    let mut total = 0;
+    let mut value = vec![0u8; 4096];
+    for name in names.split(|b| *b == 0).filter(|n| n.starts_with(prefix)) {
+        let Ok(key) = std::str::from_utf8(&name[prefix.len()..]) else { continue };
+        let Ok(cname) = std::ffi::CString::new(name) else { continue };
+        let len = unsafe { libc::getxattr(cpath.as_ptr(), cname.as_ptr(), value.as_mut_ptr().cast(), value.len()) };
+        if len < 0 {
+            continue; // removed meanwhile, or longer than any metadata we keep
+        }
+        let Ok(v) = std::str::from_utf8(&value[..len as usize]) else { continue };
+        total += name.len() + v.len();
+        if total > METADATA_READ_MAX {
+            break;
+        }
+        out.insert(key.to_string(), v.to_string());
+    }
+    out
+}
+
+/// Replace the user metadata of the open file `file` with `metadata` (already checked): every
+/// `user.e2b.*` xattr not in it goes. A filesystem without xattrs keeps none, silently (as envd).
+pub fn write_metadata(
+    file: &std::fs::File,
+    shown: &str,
+    metadata: &std::collections::BTreeMap<String, String>,
+) -> Result<(), AgentError> {
+    use std::os::fd::AsRawFd;
+    let fd = file.as_raw_fd();
+    let unsupported = |e: &std::io::Error| matches!(e.raw_os_error(), Some(libc::ENOTSUP));
+    let mut names = vec![0u8; 64 << 10];
+    let n = unsafe { libc::flistxattr(fd, names.as_mut_ptr().cast(), names.len()) };
+    if n < 0 {
+        let e = std::io::Error::last_os_error();
+        return if unsupported(&e) { Ok(()) } else { Err(AgentError::io(shown, e)) };
+    }
+    names.truncate(n as usize);
+    let prefix = airlock_proto::METADATA_XATTR_PREFIX.as_bytes();
+    for name in names.split(|b| *b == 0).filter(|n| n.starts_with(prefix)) {
+        let keep = std::str::from_utf8(&name[prefix.len()..]).is_ok_and(|k| metadata.contains_key(k));
+        if keep {
+            continue;
+        }
+        let Ok(cname) = std::ffi::CString::new(name) else { continue };
+        unsafe { libc::fremovexattr(fd, cname.as_ptr()) };
+    }
+    for (k, v) in metadata {
+        let name = std::ffi::CString::new(format!("{}{k}", airlock_proto::METADATA_XATTR_PREFIX))
+            .map_err(|_| AgentError::invalid(format!("metadata key {k:?} contains a NUL byte")))?;
+        let r = unsafe { libc::fsetxattr(fd, name.as_ptr(), v.as_ptr().cast(), v.len(), 0) };
+        if r < 0 {
+            let e = std::io::Error::last_os_error();
+            if unsupported(&e) {
+                return Ok(());
+            }
+            return Err(AgentError::io(&format!("{shown} (metadata {k:?})"), e));
+        }
+    }
+    Ok(())
 }
 
 /// Entries below `dir`, `depth` levels deep (1 = direct children), sorted by path.
@@ -218,6 +316,7 @@ pub fn translate(event: &notify::Event) -> Vec<WatchEvent> {
     let event_at = |kind, p: &Path| WatchEvent {
         kind,
         path: p.to_string_lossy().to_string(),
+        entry: None,
     };
     // An upload landing (staging file renamed onto its target): a write, and a create if new.
     if let K::Modify(ModifyKind::Name(RenameMode::To)) = event.kind {
@@ -317,6 +416,7 @@ impl RecursiveCatchUp {
                 emit(WatchEvent {
                     kind: WatchEventKind::Create,
                     path: p.to_string_lossy().to_string(),
+                    entry: None,
                 });
                 self.synthesized.insert(p, std::time::Instant::now());
             }
@@ -344,6 +444,7 @@ mod tests {
         let create = |p: &Path| WatchEvent {
             kind: WatchEventKind::Create,
             path: p.to_string_lossy().to_string(),
+            entry: None,
         };
         let mut seen = Vec::new();
         let mut catch_up = RecursiveCatchUp::default();
@@ -369,6 +470,60 @@ mod tests {
             rel,
             vec!["inner", "inner/deeper", "inner/deeper/f.txt", "inner/late.txt"]
         );
+    }
+
+    #[test]
+    fn a_symlink_is_stated_with_its_resolved_target() {
+        let d = tempfile::tempdir().unwrap();
+        let root = std::fs::canonicalize(d.path()).unwrap();
+        std::fs::create_dir_all(root.join("data/sub")).unwrap();
+        std::fs::write(root.join("data/t.txt"), b"hi").unwrap();
+        std::fs::set_permissions(root.join("data/t.txt"), std::fs::Permissions::from_mode(0o640)).unwrap();
+        std::fs::create_dir(root.join("ln")).unwrap();
+        std::os::unix::fs::symlink("../data/t.txt", root.join("ln/rel")).unwrap();
+        std::os::unix::fs::symlink("rel", root.join("ln/chain")).unwrap();
+        std::os::unix::fs::symlink(root.join("data/sub"), root.join("ln/dir")).unwrap();
+        std::os::unix::fs::symlink("nowhere", root.join("ln/dangling")).unwrap();
+        let rel = stat(&root.join("ln/rel")).unwrap();
+        assert_eq!(rel.kind, FileKind::Symlink);
+        assert_eq!(rel.symlink_target.as_deref(), Some("../data/t.txt"));
+        let want = root.join("data/t.txt").to_string_lossy().to_string();
+        assert_eq!(rel.symlink_resolved.as_deref(), Some(want.as_str()));
+        assert_eq!(rel.link_target, Some(LinkTarget { kind: FileKind::File, mode: 0o640 }));
+        let chain = stat(&root.join("ln/chain")).unwrap();
+        assert_eq!(chain.symlink_resolved.as_deref(), Some(want.as_str()));
+        let dir = stat(&root.join("ln/dir")).unwrap();
+        assert_eq!(dir.link_target.map(|t| t.kind), Some(FileKind::Dir));
+        let dangling = stat(&root.join("ln/dangling")).unwrap();
+        assert_eq!((dangling.symlink_resolved, dangling.link_target), (None, None));
+        let plain = stat(&root.join("data/t.txt")).unwrap();
+        assert_eq!((plain.symlink_target, plain.symlink_resolved, plain.link_target), (None, None, None));
+    }
+
+    #[test]
+    fn metadata_is_replaced_and_read_back_from_xattrs() {
+        let d = tempfile::tempdir().unwrap();
+        let p = d.path().join("f");
+        std::fs::write(&p, b"x").unwrap();
+        let f = std::fs::File::open(&p).unwrap();
+        let first: std::collections::BTreeMap<String, String> =
+            [("a".to_string(), "1".to_string()), ("b".to_string(), "2".to_string())].into();
+        write_metadata(&f, "f", &first).unwrap();
+        if read_metadata(&p).is_empty() {
+            // The test's filesystem keeps no user xattrs (the guest's ext4 does): nothing to see.
+            eprintln!("no user xattrs on {}; skipped", d.path().display());
+            return;
+        }
+        assert_eq!(read_metadata(&p), first);
+        // Another xattr outside the namespace is neither read nor removed.
+        let name = std::ffi::CString::new("user.other").unwrap();
+        let cpath = std::ffi::CString::new(p.to_string_lossy().as_bytes()).unwrap();
+        assert_eq!(unsafe { libc::setxattr(cpath.as_ptr(), name.as_ptr(), b"o".as_ptr().cast(), 1, 0) }, 0);
+        let second: std::collections::BTreeMap<String, String> = [("b".to_string(), "3".to_string())].into();
+        write_metadata(&f, "f", &second).unwrap();
+        assert_eq!(read_metadata(&p), second);
+        assert_eq!(stat(&p).unwrap().metadata, second);
+        assert_eq!(unsafe { libc::getxattr(cpath.as_ptr(), name.as_ptr(), std::ptr::null_mut(), 0) }, 1);
     }
 
     #[test]

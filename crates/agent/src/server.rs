@@ -221,8 +221,8 @@ async fn route(agent: Arc<Agent>, req: Request<Incoming>) -> Result<Response<Bod
         (&Method::GET, ["files", "watch"]) => {
             let q = query(&req);
             let p = files::clean_path(required(&q, "path")?)?;
-            let recursive = q.get("recursive").map(|v| v == "true" || v == "1").unwrap_or(false);
-            watch(&p, recursive)
+            let flag = |k: &str| q.get(k).is_some_and(|v| v == "true" || v == "1");
+            watch(&p, flag("recursive"), flag("entry"))
         }
         _ => Err(AgentError::not_found(format!("no route {method} {path}"))),
     }
@@ -303,6 +303,16 @@ async fn write_file(req: Request<Incoming>) -> Result<Response<Body>, AgentError
     } else {
         path.clone()
     };
+    // User metadata (`user.e2b.*` xattrs; JSON leading the body, `metadata_len` bytes)
+    // replaces whatever the file had, as envd does.
+    let metadata_len = match q.get("metadata_len") {
+        None => 0,
+        Some(n) => n
+            .parse::<usize>()
+            .ok()
+            .filter(|n| *n <= METADATA_JSON_MAX)
+            .ok_or_else(|| AgentError::invalid(format!("bad metadata_len {n:?}")))?,
+    };
     let staging = files::Staging::beside(&target);
     receive_upload(
         req.into_body(),
@@ -311,12 +321,18 @@ async fn write_file(req: Request<Incoming>) -> Result<Response<Body>, AgentError
         &shown,
         owner.as_ref(),
         q.get("mode"),
+        metadata_len,
     )
     .await?;
     Ok(json(StatusCode::OK, &files::stat(&path)?))
 }
 
-/// The body into `staging`, owner and mode settled, then renamed onto `target`.
+/// Longest metadata JSON leading an upload: [`airlock_proto::METADATA_TOTAL_MAX`] of printable
+/// ASCII, every byte escaped, plus the quoting.
+const METADATA_JSON_MAX: usize = 4 * airlock_proto::METADATA_TOTAL_MAX;
+
+/// The body into `staging` (its first `metadata_len` bytes are the file's metadata as JSON),
+/// owner, mode and metadata settled, then renamed onto `target`.
 async fn receive_upload(
     mut body: Incoming,
     staging: &std::path::Path,
@@ -324,6 +340,7 @@ async fn receive_upload(
     shown: &str,
     owner: Option<&users::User>,
     mode: Option<&String>,
+    metadata_len: usize,
 ) -> Result<(), AgentError> {
     use std::os::unix::fs::PermissionsExt;
     // Created before the first await: a request the host resets may be dropped at any await,
@@ -332,13 +349,28 @@ async fn receive_upload(
     // file behind.
     let file = std::fs::File::create(staging).map_err(|e| AgentError::io(shown, e))?;
     let mut file = tokio::fs::File::from_std(file);
+    let mut lead = Vec::with_capacity(metadata_len);
     while let Some(frame) = body.frame().await {
         let frame = frame.map_err(|e| AgentError::invalid(format!("upload interrupted: {e}")))?;
-        if let Ok(data) = frame.into_data() {
+        if let Ok(mut data) = frame.into_data() {
+            if lead.len() < metadata_len {
+                let take = (metadata_len - lead.len()).min(data.len());
+                lead.extend_from_slice(&data.split_to(take));
+            }
             file.write_all(&data).await.map_err(|e| AgentError::io(shown, e))?;
         }
     }
+    if lead.len() < metadata_len {
+        return Err(AgentError::invalid("upload ended within its metadata"));
+    }
+    let metadata: std::collections::BTreeMap<String, String> = match metadata_len {
+        0 => Default::default(),
+        _ => serde_json::from_slice(&lead).map_err(|e| AgentError::invalid(format!("bad metadata: {e}")))?,
+    };
+    airlock_proto::check_metadata(&metadata).map_err(AgentError::invalid)?;
     file.flush().await.map_err(|e| AgentError::io(shown, e))?;
+    let file = file.into_std().await;
+    files::write_metadata(&file, shown, &metadata)?;
     drop(file);
     if let Some(u) = owner {
         let _ = std::os::unix::fs::chown(staging, Some(u.uid), Some(u.gid));
@@ -357,7 +389,20 @@ async fn receive_upload(
     std::fs::rename(staging, target).map_err(|e| AgentError::io(shown, e))
 }
 
-fn watch(path: &std::path::Path, recursive: bool) -> Result<Response<Body>, AgentError> {
+/// Longest watch line sent with its entry; past it (a path and metadata near their limits) the
+/// event goes without. The host refuses lines over 64 KiB (`WATCH_LINE_MAX`).
+const WATCH_LINE_WITH_ENTRY_MAX: usize = 48 << 10;
+
+/// The entry an event of `kind` at `path` carries, on watches that ask (as envd: creates,
+/// writes and chmods only; none when the path is gone already).
+fn event_entry(ev: &mut airlock_proto::WatchEvent) {
+    use airlock_proto::WatchEventKind as K;
+    if matches!(ev.kind, K::Create | K::Write | K::Chmod) {
+        ev.entry = files::stat(std::path::Path::new(&ev.path)).ok();
+    }
+}
+
+fn watch(path: &std::path::Path, recursive: bool, entries: bool) -> Result<Response<Body>, AgentError> {
     use notify::Watcher;
     let shown = path.to_string_lossy().to_string();
     if !path.is_dir() {
@@ -413,9 +458,22 @@ fn watch(path: &std::path::Path, recursive: bool) -> Result<Response<Body>, Agen
         .watch(path, mode)
         .map_err(|e| AgentError::internal(format!("watch {shown}: {e}")))?;
     // The watcher lives in the stream's state: it stops when the host drops the response.
-    let stream = futures_util::stream::unfold((rx, watcher), |(mut rx, watcher)| async move {
-        let ev = rx.recv().await?;
+    let stream = futures_util::stream::unfold((rx, watcher), move |(mut rx, watcher)| async move {
+        let mut ev: airlock_proto::WatchEvent = rx.recv().await?;
+        if entries {
+            // Stat'ed as the event is sent, as envd does: the entry is what is there now.
+            ev = tokio::task::spawn_blocking(move || {
+                event_entry(&mut ev);
+                ev
+            })
+            .await
+            .ok()?;
+        }
         let mut line = serde_json::to_vec(&ev).expect("serializable");
+        if line.len() > WATCH_LINE_WITH_ENTRY_MAX {
+            ev.entry = None;
+            line = serde_json::to_vec(&ev).expect("serializable");
+        }
         line.push(b'\n');
         Some((Ok::<_, std::io::Error>(Frame::data(Bytes::from(line))), (rx, watcher)))
     });

@@ -205,7 +205,65 @@ pub struct FileStat {
     pub group: String,
     /// Milliseconds since the Unix epoch.
     pub modified_ms: u64,
+    /// A symlink's target as written (`readlink`).
     pub symlink_target: Option<String>,
+    /// A symlink's target fully resolved (every link on the way followed, as `realpath`):
+    /// absolute; `None` for a dangling link, and from agents older than this field.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub symlink_resolved: Option<String>,
+    /// What a symlink resolves to: its kind and permission bits (`None` when dangling).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub link_target: Option<LinkTarget>,
+    /// User metadata: the file's `user.e2b.<key>` extended attributes, prefix stripped (a
+    /// symlink's are its target's). Only entries whose key and value are UTF-8.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub metadata: BTreeMap<String, String>,
+}
+
+/// What a symlink points at, once resolved.
+#[derive(Debug, Clone, Copy, Serialize, Deserialize, PartialEq, Eq)]
+pub struct LinkTarget {
+    pub kind: FileKind,
+    /// Permission bits of the target.
+    pub mode: u32,
+}
+
+/// The xattr namespace user metadata of files lives in (as E2B's envd keeps it).
+pub const METADATA_XATTR_PREFIX: &str = "user.e2b.";
+/// Longest metadata key: the whole xattr name (prefix included) is at most 255 bytes.
+pub const METADATA_KEY_MAX: usize = 255 - METADATA_XATTR_PREFIX.len();
+/// Most metadata one file holds: names (prefix included) plus values, in bytes (ext4 keeps a
+/// file's xattrs within one 4 KiB block).
+pub const METADATA_TOTAL_MAX: usize = 4096;
+
+/// Check a file's metadata: keys non-empty, at most [`METADATA_KEY_MAX`] bytes, keys and values
+/// printable US-ASCII, all of it within [`METADATA_TOTAL_MAX`].
+pub fn check_metadata(metadata: &BTreeMap<String, String>) -> Result<(), String> {
+    fn printable(what: &str, s: &str) -> Result<(), String> {
+        match s.bytes().position(|c| !(0x20..=0x7e).contains(&c)) {
+            Some(i) => Err(format!(
+                "metadata {what} contains non-printable-ASCII byte 0x{:02x} at offset {i}",
+                s.as_bytes()[i]
+            )),
+            None => Ok(()),
+        }
+    }
+    let mut total = 0;
+    for (k, v) in metadata {
+        if k.is_empty() {
+            return Err("metadata key must not be empty".into());
+        }
+        if k.len() > METADATA_KEY_MAX {
+            return Err(format!("metadata key {k:?} exceeds {METADATA_KEY_MAX} bytes"));
+        }
+        printable("key", k)?;
+        printable(&format!("value for key {k:?}"), v)?;
+        total += METADATA_XATTR_PREFIX.len() + k.len() + v.len();
+    }
+    if total > METADATA_TOTAL_MAX {
+        return Err(format!("total metadata size {total} exceeds {METADATA_TOTAL_MAX} bytes"));
+    }
+    Ok(())
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
@@ -245,4 +303,9 @@ pub struct WatchEvent {
     pub kind: WatchEventKind,
     /// Absolute path in the guest.
     pub path: String,
+    /// The entry at `path` when the event was handled, for watches asked for entries: only for
+    /// creates, writes and chmods (after a remove or rename the path names something else, if
+    /// anything), and not when it was gone already.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub entry: Option<FileStat>,
 }

@@ -602,10 +602,37 @@ impl AgentClient {
     where
         S: Stream<Item = Result<Bytes, std::io::Error>> + Send + 'static,
     {
+        self.write_file_with_metadata(path, user, &Default::default(), data)
+            .await
+    }
+
+    /// [`Self::write_file_stream`], the file's user metadata (its `user.e2b.*` xattrs) replaced
+    /// by `metadata` (none: cleared).
+    pub async fn write_file_with_metadata<S>(
+        &self,
+        path: &str,
+        user: Option<&str>,
+        metadata: &std::collections::BTreeMap<String, String>,
+        data: S,
+    ) -> Result<FileStat, AgentError>
+    where
+        S: Stream<Item = Result<Bytes, std::io::Error>> + Send + 'static,
+    {
         let mut uri = format!("/files?path={}", q(path));
         if let Some(u) = user {
             uri.push_str(&format!("&user={}", q(u)));
         }
+        // The metadata (up to a few KiB, too much for a header) leads the body, its length in
+        // the query.
+        let lead = match metadata.is_empty() {
+            true => None,
+            false => {
+                let m = Bytes::from(serde_json::to_vec(metadata).expect("a map of strings"));
+                uri.push_str(&format!("&metadata_len={}", m.len()));
+                Some(Ok(m))
+            }
+        };
+        let data = futures_util::stream::iter(lead).chain(data);
         let body = BodyExt::boxed_unsync(StreamBody::new(data.map(|r| r.map(Frame::data))));
         self.call_record(Method::PUT, &uri, body).await
     }
@@ -700,12 +727,21 @@ impl AgentClient {
         path: &str,
         recursive: bool,
     ) -> Result<impl Stream<Item = Result<WatchEvent, AgentError>> + Send + 'static, AgentError> {
-        let body = self
-            .open_stream(
-                &format!("/files/watch?path={}&recursive={recursive}", q(path)),
-                self.deadlines.slow_call,
-            )
-            .await?;
+        self.watch_with_entries(path, recursive, false).await
+    }
+
+    /// [`Self::watch`]; with `entries`, creates, writes and chmods carry the entry's stat.
+    pub async fn watch_with_entries(
+        &self,
+        path: &str,
+        recursive: bool,
+        entries: bool,
+    ) -> Result<impl Stream<Item = Result<WatchEvent, AgentError>> + Send + 'static, AgentError> {
+        let mut uri = format!("/files/watch?path={}&recursive={recursive}", q(path));
+        if entries {
+            uri.push_str("&entry=true");
+        }
+        let body = self.open_stream(&uri, self.deadlines.slow_call).await?;
         Ok(futures_util::stream::unfold(
             (body, Vec::<u8>::new(), false),
             |(mut body, mut buf, done)| async move {

@@ -573,6 +573,8 @@ struct Node {
     mode: u32,
     owner: String,
     modified_ms: u64,
+    /// User metadata (the real agent's `user.e2b.*` xattrs).
+    metadata: BTreeMap<String, String>,
 }
 
 fn now_ms() -> u64 {
@@ -590,6 +592,7 @@ impl Node {
             mode: 0o755,
             owner: owner.into(),
             modified_ms: now_ms(),
+            metadata: BTreeMap::new(),
         }
     }
 }
@@ -854,7 +857,20 @@ async fn route(guest: Arc<Guest>, req: Request<Incoming>) -> Result<Response<Bod
                 }
                 None => None,
             };
-            let data = body_bytes(req).await?;
+            let metadata_len: usize = match q.get("metadata_len") {
+                Some(n) => n.parse().map_err(|_| ApiErr::invalid(format!("bad metadata_len {n:?}")))?,
+                None => 0,
+            };
+            let mut data = body_bytes(req).await?;
+            if data.len() < metadata_len {
+                return Err(ApiErr::invalid("upload ended within its metadata"));
+            }
+            let metadata: BTreeMap<String, String> = match metadata_len {
+                0 => BTreeMap::new(),
+                n => serde_json::from_slice(&data.split_to(n))
+                    .map_err(|e| ApiErr::invalid(format!("bad metadata: {e}")))?,
+            };
+            airlock_proto::check_metadata(&metadata).map_err(ApiErr::invalid)?;
             let mut fs = guest.fs.lock().unwrap();
             if let Some(parent) = p.parent() {
                 mkdir_all(&mut fs, parent, owner)?;
@@ -872,6 +888,7 @@ async fn route(guest: Arc<Guest>, req: Request<Incoming>) -> Result<Response<Bod
                 mode: mode.or(existing.map(|n| n.mode)).unwrap_or(0o644),
                 owner: owner.into(),
                 modified_ms: now_ms(),
+                metadata,
             };
             fs.insert(p.clone(), node);
             Ok(json(StatusCode::OK, &stat(&fs, &p)?))
@@ -989,6 +1006,9 @@ fn stat(fs: &BTreeMap<PathBuf, Node>, p: &Path) -> Result<FileStat, ApiErr> {
         group: node.owner.clone(),
         modified_ms: node.modified_ms,
         symlink_target: None,
+        symlink_resolved: None,
+        link_target: None,
+        metadata: node.metadata.clone(),
     })
 }
 

@@ -10,6 +10,24 @@ use airlock_runtime::AgentClient;
 use bytes::Bytes;
 use futures_util::{Stream, StreamExt};
 
+/// A file's user metadata: keys and values of printable ASCII (see [`check_metadata`]).
+pub type Metadata = std::collections::BTreeMap<String, String>;
+
+/// The metadata an upload may set: keys lowercased (they travel as HTTP header names) and
+/// non-empty, keys and values printable ASCII, all within what one file's xattrs hold.
+pub fn check_metadata(pairs: impl IntoIterator<Item = (String, String)>) -> CoreResult<Metadata> {
+    let metadata: Metadata = pairs.into_iter().map(|(k, v)| (k.to_ascii_lowercase(), v)).collect();
+    airlock_proto::check_metadata(&metadata).map_err(|why| CoreError::invalid("metadata", why))?;
+    Ok(metadata)
+}
+
+/// Where a symlink leads, as envd reports it: the target fully resolved (absolute, every link on
+/// the way followed); for a dangling link (or an agent too old to resolve) the link's own path.
+pub fn resolved_link(stat: &FileStat) -> Option<String> {
+    stat.symlink_target.as_ref()?;
+    Some(stat.symlink_resolved.clone().unwrap_or_else(|| stat.path.clone()))
+}
+
 /// The file operations of one running sandbox.
 #[derive(Clone)]
 pub struct Files {
@@ -40,12 +58,30 @@ impl Files {
         Ok(s.map(|r| r.map_err(std::io::Error::other)))
     }
 
-    /// Write `data` to `path` (atomically: a broken stream leaves the old file), owned by `user`.
+    /// Write `data` to `path` (atomically: a broken stream leaves the old file), owned by `user`,
+    /// without user metadata.
     pub async fn write<S>(&self, path: &str, user: &str, data: S) -> Result<FileStat, AgentError>
     where
         S: Stream<Item = Result<Bytes, std::io::Error>> + Send + 'static,
     {
-        self.agent.write_file_stream(path, Some(user), data).await
+        self.write_with_metadata(path, user, &Metadata::new(), data).await
+    }
+
+    /// [`Self::write`]; the file's user metadata becomes `metadata` (checked first with
+    /// [`check_metadata`]): an upload replaces the whole set, as envd's does.
+    pub async fn write_with_metadata<S>(
+        &self,
+        path: &str,
+        user: &str,
+        metadata: &Metadata,
+        data: S,
+    ) -> Result<FileStat, AgentError>
+    where
+        S: Stream<Item = Result<Bytes, std::io::Error>> + Send + 'static,
+    {
+        self.agent
+            .write_file_with_metadata(path, Some(user), metadata, data)
+            .await
     }
 
     /// Map an error of `write` (which callers inspect first: a broken upload is their fault).
@@ -83,12 +119,19 @@ impl Files {
         self.agent.rename(from, to).await.map_err(self.err())
     }
 
+    /// Changes under `path`; with `entries`, creates, writes and chmods carry the entry as it is
+    /// when the event is handled (as envd's `include_entry`).
     pub async fn watch(
         &self,
         path: &str,
         recursive: bool,
+        entries: bool,
     ) -> CoreResult<impl Stream<Item = Result<WatchEvent, CoreError>> + Send + 'static> {
-        let events = self.agent.watch(path, recursive).await.map_err(self.err())?;
+        let events = self
+            .agent
+            .watch_with_entries(path, recursive, entries)
+            .await
+            .map_err(self.err())?;
         let id = self.sandbox_id.clone();
         Ok(events.map(move |r| r.map_err(|e| CoreError::agent(Kind::File, &id, e))))
     }

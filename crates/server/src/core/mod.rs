@@ -6,7 +6,9 @@
 //! - `principal`: who is calling (API key, sandbox access token, signed URL)
 //! - `sandboxes`: admission and lifecycle (through the operation engine)
 //! - `sessions`: every process started through either door, with an id
-//! - `files`: file operations inside a running sandbox
+//! - `files`: file operations inside a running sandbox (envd's semantics: user metadata,
+//!   symlinks resolved)
+//! - `metrics`: each sandbox's sampled metrics history, for windows of it
 //! - `templates`: template names and aliases
 //! - `tenants`: a tenant's quotas (its own over the server's defaults) and usage
 //! - `egress`: a new sandbox's egress (profiles, the tenant policy, narrowing), the registry of
@@ -16,6 +18,7 @@ pub mod accounts;
 pub mod egress;
 pub mod federation;
 pub mod files;
+pub mod metrics;
 pub mod principal;
 pub mod sandboxes;
 pub mod sessions;
@@ -132,6 +135,8 @@ pub struct Core {
     pub egress: Arc<egress::EgressRegistry>,
     /// The console account's recent failed sign-ins (see `accounts`).
     sign_in_failures: Arc<accounts::SignInFailures>,
+    /// Every live sandbox's recent metrics (see `metrics`).
+    pub metrics: Arc<metrics::MetricsHistory>,
 }
 
 impl Core {
@@ -146,6 +151,7 @@ impl Core {
             starts: Default::default(),
             egress: Default::default(),
             sign_in_failures: Default::default(),
+            metrics: Default::default(),
         }
     }
 }

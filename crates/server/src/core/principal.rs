@@ -279,6 +279,35 @@ impl Core {
     }
 }
 
+impl Core {
+    /// The live sandbox a signed URL was made for, when the request names none (a signed URL
+    /// used under `E2B_SANDBOX_URL` has no Host naming its sandbox, and no headers): the one
+    /// whose access token makes the signature (one hash per live sandbox). The URL itself is
+    /// still to be checked ([`Core::check_signed_url`]: its expiry). A signature no sandbox
+    /// makes answers as a missing sandbox.
+    pub async fn sandbox_by_signed_url(&self, url: &SignedUrl<'_>, op: &str) -> CoreResult<SandboxRow> {
+        let got = url.signature.trim_end_matches('=');
+        let missing = || CoreError::not_found(Kind::Sandbox, "");
+        if !got.starts_with("v1_") {
+            return Err(missing());
+        }
+        for row in self.store.live_sandboxes().await? {
+            let token = self.access_token(&row.id);
+            let want = signature(url.path, op, url.user, &token, url.expiration);
+            if !bool::from(want.as_bytes().ct_eq(got.as_bytes())) {
+                continue;
+            }
+            // Its token must have been handed out (created or connected through E2B).
+            let issued = self.store.access_hash(&row.id).await?;
+            if !issued.is_some_and(|h| bool::from(h.as_bytes().ct_eq(token_hash(&token).as_bytes()))) {
+                return Err(missing());
+            }
+            return self.current(row).await;
+        }
+        Err(missing())
+    }
+}
+
 /// The parts of a signed URL, as the E2B SDK signs them.
 pub struct SignedUrl<'a> {
     pub path: &'a str,

@@ -584,33 +584,41 @@ pub async fn list_v2(
     Ok(resp)
 }
 
+/// `GET /sandboxes/{id}/metrics?start=&end=` (Unix seconds, both optional: the sandbox's life
+/// so far by default), from the core's sampled history.
+#[derive(Debug, Deserialize)]
+pub struct MetricsQuery {
+    pub start: Option<i64>,
+    pub end: Option<i64>,
+}
+
 pub async fn metrics(
     State(state): State<E2bState>,
     Extension(tenant): Extension<Tenant>,
     Path(id): Path<String>,
+    q: std::result::Result<Query<MetricsQuery>, axum::extract::rejection::QueryRejection>,
 ) -> Result<Json<Value>> {
+    let Query(q) = q.map_err(|e| E2bError::bad_request(format!("bad metrics query: {}", e.body_text())))?;
     let row = state.core.live_sandbox(&tenant, &id).await?;
-    let agent = state.core.agent_for(&row).await?;
-    let m = agent
-        .metrics()
-        .await
-        .map_err(|e| CoreError::agent(crate::core::Kind::Sandbox, &id, e))?;
-    let now = std::time::SystemTime::now();
-    let unix = now
-        .duration_since(std::time::UNIX_EPOCH)
-        .map(|d| d.as_secs())
-        .unwrap_or(0);
-    Ok(Json(json!([{
-        "timestamp": humantime::format_rfc3339_seconds(now).to_string(),
-        "timestampUnix": unix,
-        "cpuCount": m.cpu_count,
-        "cpuUsedPct": m.cpu_used_pct,
-        "memUsed": m.mem_used_bytes,
-        "memTotal": m.mem_total_bytes,
-        "memCache": 0,
-        "diskUsed": m.disk_used_bytes,
-        "diskTotal": m.disk_total_bytes,
-    }])))
+    let samples = state.core.sandbox_metrics(&row, q.start, q.end).await?;
+    let items: Vec<Value> = samples
+        .iter()
+        .map(|s| {
+            let m = &s.metrics;
+            json!({
+                "timestamp": rfc3339(s.at_ms),
+                "timestampUnix": s.at_ms.div_euclid(1000),
+                "cpuCount": m.cpu_count,
+                "cpuUsedPct": m.cpu_used_pct,
+                "memUsed": m.mem_used_bytes,
+                "memTotal": m.mem_total_bytes,
+                "memCache": 0,
+                "diskUsed": m.disk_used_bytes,
+                "diskTotal": m.disk_total_bytes,
+            })
+        })
+        .collect();
+    Ok(Json(Value::Array(items)))
 }
 
 #[cfg(test)]

@@ -93,11 +93,28 @@ pub async fn require_sandbox(
     mut req: axum::extract::Request,
     next: axum::middleware::Next,
 ) -> Response {
-    let no_token = match req.uri().path() {
-        "/files" => Query::<FilesQuery>::try_from_uri(req.uri()).is_ok_and(|q| signed_url(req.headers(), &q)),
-        _ => false,
+    let signed = match req.uri().path() {
+        "/files" => Query::<FilesQuery>::try_from_uri(req.uri())
+            .ok()
+            .map(|q| q.0)
+            .filter(|q| signed_url(req.headers(), q)),
+        _ => None,
     };
-    match resolve(&state, req.headers(), no_token).await {
+    let resolved = match &signed {
+        // Nothing names the sandbox (a signed URL used under `E2B_SANDBOX_URL`): the signature
+        // does; `files_target` then checks it as for any signed URL.
+        Some(q) if header(req.headers(), "e2b-sandbox-id").is_none() => {
+            let op = if req.method() == axum::http::Method::POST { "write" } else { "read" };
+            match state.core.sandbox_by_signed_url(&q.signed(), op).await {
+                Ok(sandbox) if sandbox.answers_requests() => Ok(sandbox),
+                Ok(sandbox) => Err(sandbox_gone(&sandbox.id)),
+                Err(CoreError::NotFound { .. }) => Err(sandbox_gone("")),
+                Err(e) => Err(RpcError::from(e).into_response()),
+            }
+        }
+        _ => resolve(&state, req.headers(), signed.is_some()).await,
+    };
+    match resolved {
         Ok(sandbox) => {
             req.extensions_mut().insert(EnvdSandbox(sandbox));
             next.run(req).await
@@ -149,13 +166,24 @@ fn abs_path(path: &str, user: &str) -> String {
     }
 }
 
+/// Go's `FileMode.String()` of the entry itself, which envd reports: a letter for each of
+/// directory, symlink, setuid, setgid and sticky that applies (`-` for none), then `rwxrwxrwx`.
 fn permissions(kind: FileKind, mode: u32) -> String {
-    let t = match kind {
-        FileKind::Dir => 'd',
-        FileKind::Symlink => 'l',
-        _ => '-',
-    };
-    let mut s = String::from(t);
+    let mut s = String::new();
+    for (set, c) in [
+        (kind == FileKind::Dir, 'd'),
+        (kind == FileKind::Symlink, 'L'),
+        (mode & 0o4000 != 0, 'u'),
+        (mode & 0o2000 != 0, 'g'),
+        (mode & 0o1000 != 0, 't'),
+    ] {
+        if set {
+            s.push(c);
+        }
+    }
+    if s.is_empty() {
+        s.push('-');
+    }
     for shift in [6, 3, 0] {
         let bits = (mode >> shift) & 7;
         s.push(if bits & 4 != 0 { 'r' } else { '-' });
@@ -165,25 +193,40 @@ fn permissions(kind: FileKind, mode: u32) -> String {
     s
 }
 
+/// envd's `EntryInfo`. A symlink is described by what it resolves to (type and permission bits
+/// of the target, unspecified when dangling), marked `isSymlink`, with `symlinkTarget` the
+/// target fully resolved; its size, times, owner and `permissions` are the link's own. `mode`
+/// is the permission bits only (Go's `FileMode.Perm()`).
 fn entry_info(s: &FileStat) -> Value {
-    let ty = match s.kind {
+    let file_type = |kind: FileKind| match kind {
         FileKind::Dir => "FILE_TYPE_DIRECTORY",
-        FileKind::File | FileKind::Symlink => "FILE_TYPE_FILE",
-        FileKind::Other => "FILE_TYPE_UNSPECIFIED",
+        FileKind::File => "FILE_TYPE_FILE",
+        FileKind::Symlink | FileKind::Other => "FILE_TYPE_UNSPECIFIED",
+    };
+    let (ty, mode) = match (s.kind, &s.link_target) {
+        (FileKind::Symlink, Some(t)) => (file_type(t.kind), t.mode),
+        (FileKind::Symlink, None) => ("FILE_TYPE_UNSPECIFIED", 0),
+        (kind, _) => (file_type(kind), s.mode),
     };
     let mut v = json!({
         "name": s.name,
         "type": ty,
         "path": s.path,
         "size": s.size.to_string(),
-        "mode": s.mode,
+        "mode": mode & 0o777,
         "permissions": permissions(s.kind, s.mode),
         "owner": s.owner,
         "group": s.group,
         "modifiedTime": crate::store::rfc3339(s.modified_ms as i64).replace(".000Z", "Z"),
     });
-    if let Some(t) = &s.symlink_target {
-        v["symlinkTarget"] = json!(t);
+    if s.kind == FileKind::Symlink {
+        v["isSymlink"] = json!(true);
+        if let Some(t) = crate::core::files::resolved_link(s) {
+            v["symlinkTarget"] = json!(t);
+        }
+    }
+    if !s.metadata.is_empty() {
+        v["metadata"] = json!(s.metadata);
     }
     v
 }
@@ -572,7 +615,15 @@ pub async fn process_rpc(
     }
 }
 
-fn watch_event(kind: WatchEventKind, path: &str, root: &str) -> Value {
+fn watch_event(ev: &airlock_proto::WatchEvent, root: &str) -> Value {
+    let mut v = watch_event_of(ev.kind, &ev.path, root);
+    if let Some(entry) = &ev.entry {
+        v["entry"] = entry_info(entry);
+    }
+    v
+}
+
+fn watch_event_of(kind: WatchEventKind, path: &str, root: &str) -> Value {
     let ty = match kind {
         WatchEventKind::Create => "EVENT_TYPE_CREATE",
         WatchEventKind::Write => "EVENT_TYPE_WRITE",
@@ -582,6 +633,13 @@ fn watch_event(kind: WatchEventKind, path: &str, root: &str) -> Value {
     };
     let name = path.strip_prefix(root).unwrap_or(path).trim_start_matches('/');
     json!({ "name": name, "type": ty })
+}
+
+/// `includeEntry` of a watch request (newer SDKs' `include_entry=True`).
+fn include_entry(req: &Value) -> bool {
+    field(req, "includeEntry", "include_entry")
+        .and_then(Value::as_bool)
+        .unwrap_or(false)
 }
 
 pub async fn filesystem_rpc(
@@ -642,7 +700,7 @@ pub async fn filesystem_rpc(
         "WatchDir" => {
             let root = path();
             let recursive = req.get("recursive").and_then(Value::as_bool).unwrap_or(false);
-            let events = match files.watch(&root, recursive).await {
+            let events = match files.watch(&root, recursive, include_entry(&req)).await {
                 Ok(e) => e,
                 Err(e) => return RpcError::from(e).into_response(),
             };
@@ -660,7 +718,7 @@ pub async fn filesystem_rpc(
                             }
                         }
                         Ok(Some(Ok(ev))) => {
-                            let msg = json!({ "filesystem": watch_event(ev.kind, &ev.path, &root) });
+                            let msg = json!({ "filesystem": watch_event(&ev, &root) });
                             if tx.send(connect::message(&msg)).await.is_err() {
                                 return;
                             }
@@ -682,10 +740,10 @@ pub async fn filesystem_rpc(
                 let root = path();
                 let recursive = req.get("recursive").and_then(Value::as_bool).unwrap_or(false);
                 let events = files
-                    .watch(&root, recursive)
+                    .watch(&root, recursive, include_entry(&req))
                     .await?
                     .take_while(|ev| std::future::ready(ev.is_ok()))
-                    .filter_map(move |ev| std::future::ready(ev.ok().map(|ev| watch_event(ev.kind, &ev.path, &root))));
+                    .filter_map(move |ev| std::future::ready(ev.ok().map(|ev| watch_event(&ev, &root))));
                 let id = state.watchers.create(&state.core, &sandbox.id, events)?;
                 Ok(json!({ "watcherId": id }))
             }
@@ -729,6 +787,21 @@ pub struct FilesQuery {
     pub signature_expiration: Option<i64>,
 }
 
+/// Upload headers that carry the written files' metadata (`X-Metadata-<key>`), lowercase as
+/// header names arrive.
+const METADATA_HEADER: &str = "x-metadata-";
+
+impl FilesQuery {
+    fn signed(&self) -> SignedUrl<'_> {
+        SignedUrl {
+            path: self.path.as_deref().unwrap_or(""),
+            user: self.username.as_deref().unwrap_or(""),
+            signature: self.signature.as_deref().unwrap_or(""),
+            expiration: self.signature_expiration,
+        }
+    }
+}
+
 fn files_error(e: impl Into<E2bError>) -> Response {
     e.into().into_response()
 }
@@ -742,12 +815,7 @@ async fn files_target(
     op: &str,
 ) -> Result<Files, Response> {
     if signed_url(h, q) {
-        let url = SignedUrl {
-            path: q.path.as_deref().unwrap_or(""),
-            user: q.username.as_deref().unwrap_or(""),
-            signature: q.signature.as_deref().unwrap_or(""),
-            expiration: q.signature_expiration,
-        };
+        let url = q.signed();
         // A signature that does not match proves nothing: the answer for a missing sandbox.
         state.core.check_signed_url(&sandbox, &url, op).map_err(|e| match e {
             CoreError::NotFound {
@@ -808,9 +876,25 @@ pub async fn files_post(
             "Content-Encoding {coding:?} is not supported; send the bytes as they are or gzip them"
         )));
     }
+    // `X-Metadata-<key>: <value>` headers (newer SDKs' `metadata=`): the written files' metadata.
+    let metadata = match crate::core::files::check_metadata(headers.iter().filter_map(|(name, value)| {
+        let key = name.as_str().strip_prefix(METADATA_HEADER).filter(|k| !k.is_empty())?;
+        Some((key.to_string(), String::from_utf8_lossy(value.as_bytes()).into_owned()))
+    })) {
+        Ok(m) => m,
+        Err(e) => return files_error(E2bError::bad_request(format!("invalid {e}"))),
+    };
     let content_type = header(&headers, "content-type").unwrap_or("").to_ascii_lowercase();
     let mut written = Vec::new();
-    let info = |path: &str| json!({ "name": path.rsplit('/').next().unwrap_or(path), "type": "file", "path": path });
+    // Exactly `name`, `type` and `path` (older SDKs take no other key), and `metadata` when the
+    // file has some, as envd answers: only an upload that set metadata leaves any.
+    let info = |path: &str, stat: &FileStat| {
+        let mut v = json!({ "name": path.rsplit('/').next().unwrap_or(path), "type": "file", "path": path });
+        if !stat.metadata.is_empty() {
+            v["metadata"] = json!(stat.metadata);
+        }
+        v
+    };
     if content_type.starts_with("multipart/form-data") {
         let mut mp = match axum::extract::Multipart::from_request(req, &()).await {
             Ok(m) => m,
@@ -848,10 +932,10 @@ pub async fn files_post(
             if let Some(Err(e)) = chunks.iter().find(|c| c.is_err()) {
                 return files_error(E2bError::bad_request(format!("upload interrupted: {e}")));
             }
-            if let Err(e) = files.write(&dest, &user, futures_util::stream::iter(chunks)).await {
-                return files_error(files.write_error(e));
+            match files.write_with_metadata(&dest, &user, &metadata, futures_util::stream::iter(chunks)).await {
+                Ok(stat) => written.push(info(&dest, &stat)),
+                Err(e) => return files_error(files.write_error(e)),
             }
-            written.push(info(&dest));
         }
     } else {
         let Some(dest) = q.path.as_deref().map(|p| abs_path(p, &user)) else {
@@ -868,13 +952,15 @@ pub async fn files_post(
                 std::io::Error::other(e)
             })
         });
-        if let Err(e) = files.write(&dest, &user, data).await {
-            if let Some(why) = body_error.lock().unwrap_or_else(|p| p.into_inner()).take() {
-                return files_error(E2bError::bad_request(format!("could not read the upload body: {why}")));
+        match files.write_with_metadata(&dest, &user, &metadata, data).await {
+            Ok(stat) => written.push(info(&dest, &stat)),
+            Err(e) => {
+                if let Some(why) = body_error.lock().unwrap_or_else(|p| p.into_inner()).take() {
+                    return files_error(E2bError::bad_request(format!("could not read the upload body: {why}")));
+                }
+                return files_error(files.write_error(e));
             }
-            return files_error(files.write_error(e));
         }
-        written.push(info(&dest));
     }
     if written.is_empty() {
         return files_error(E2bError::bad_request("no file in the upload"));

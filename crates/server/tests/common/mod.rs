@@ -182,6 +182,7 @@ impl Server {
                     core.engine.recover().await.unwrap();
                 }
                 core.engine.spawn_reaper();
+                core.spawn_metrics_sampler();
                 let watchers: Arc<Watchers> = Default::default();
                 let app = airlock_server::router(AppState {
                     core: core.clone(),
@@ -637,7 +638,12 @@ impl Nodes for TestNode {
     fn unclaim(&self, id: &str) {
         self.inner.unclaim(id)
     }
-    fn set_pool(&self, template: &str, r: &airlock_server::model::Resources, size: usize) -> Result<(), airlock_runtime::RuntimeError> {
+    fn set_pool(
+        &self,
+        template: &str,
+        r: &airlock_server::model::Resources,
+        size: usize,
+    ) -> Result<(), airlock_runtime::RuntimeError> {
         self.inner.set_pool(template, r, size)
     }
     fn pools(&self) -> Vec<airlock_runtime::pool::PoolStatus> {
