@@ -287,7 +287,7 @@ fn timeout_suspends_and_a_request_resumes() {
 fn snapshots_and_forks_start_from_a_running_sandbox() {
     let s = server();
     let id = s.create(json!({ "template": "seed", "timeout": "10m" }));
-    let counting = "i=0; while true; do i=$((i+1)); echo $i > /tmp/n; sleep 0.1; done";
+    let counting = "i=0; while true; do i=$((i+1)); echo $i > /tmp/n.new; mv /tmp/n.new /tmp/n; sleep 0.1; done";
     s.session(&id, json!({ "argv": ["sh", "-c", format!("echo parent > /home/user/p.txt; {counting}")] }));
     std::thread::sleep(Duration::from_millis(700));
     let name = format!("warm-{id}");

@@ -307,7 +307,7 @@ def test_pause_suspends_to_disk_and_connect_resumes(airlock_server):
     try:
         s.files.write("/home/user/keep.txt", "still here")
         h = s.commands.run("sleep 600", background=True)
-        counter = s.commands.run("i=0; while true; do i=$((i+1)); echo $i > /tmp/n; sleep 0.1; done", background=True)
+        counter = s.commands.run("i=0; while true; do i=$((i+1)); echo $i > /tmp/n.new; mv /tmp/n.new /tmp/n; sleep 0.1; done", background=True)
         time.sleep(0.5)
         s.pause()
         assert s.get_info().state == SandboxState.PAUSED

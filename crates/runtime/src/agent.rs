@@ -304,22 +304,35 @@ impl AgentClient {
     /// Connect and wait until the agent answers `/health`, up to `limit`.
     pub async fn connect_ready(socket: &Path, limit: Duration) -> Result<(Self, Health), AgentError> {
         let attempt = async {
-            // The VMM creates the socket shortly after it starts: retry until it is there.
-            let client = loop {
-                match Self::connect(socket).await {
-                    Ok(c) => break c,
-                    Err(e) => {
-                        tracing::trace!("agent connect: {e}");
-                        tokio::time::sleep(Duration::from_millis(10)).await
-                    }
-                }
-            };
+            let client = Self::connect_retrying(socket).await;
             let health = client.health().await?;
             Ok::<_, AgentError>((client, health))
         };
         tokio::time::timeout(limit, attempt)
             .await
             .map_err(|_| AgentError::Transport(format!("agent did not answer within {limit:?}")))?
+    }
+
+    /// Connect, up to `limit`: the agent has answered the hello, and the session's first
+    /// request is the caller's (a start sends the identity at once: one round trip fewer than
+    /// asking `/health` first, and under TCG each first call into a restored guest is slow).
+    pub async fn connect_within(socket: &Path, limit: Duration) -> Result<Self, AgentError> {
+        tokio::time::timeout(limit, Self::connect_retrying(socket))
+            .await
+            .map_err(|_| AgentError::Transport(format!("agent did not answer within {limit:?}")))
+    }
+
+    /// The VMM creates the socket shortly after it starts: retry until it is there.
+    async fn connect_retrying(socket: &Path) -> Self {
+        loop {
+            match Self::connect(socket).await {
+                Ok(c) => return c,
+                Err(e) => {
+                    tracing::trace!("agent connect: {e}");
+                    tokio::time::sleep(Duration::from_millis(10)).await
+                }
+            }
+        }
     }
 
     /// The same session with other deadlines (tests use short ones).

@@ -846,12 +846,21 @@ impl Runtime {
                 &serde_json::to_vec_pretty(&record).expect("serializable"),
             )?;
             let vm = self.start_vm(&id, &dir, spec, &mut link, purpose != Purpose::Sandbox).await?;
+            let vmm_ms = started.elapsed().as_millis();
             let ready = async {
                 if !matches!(source, Source::Boot(..)) {
                     self.snapshotting("restore")?.complete_restore(&vm, SUSPEND_LIMIT).await?;
                 }
-                let (client, _health) = AgentClient::connect_ready(&vm.agent_socket, limit).await?;
+                let restored_ms = started.elapsed().as_millis();
+                let client = AgentClient::connect_within(&vm.agent_socket, limit).await?;
+                let agent_ms = started.elapsed().as_millis();
                 client.set_identity(&identity(&record)).await?;
+                // Where a start's time goes (the restore path's profile; `boot-profile` has the boot's).
+                tracing::debug!(
+                    %id,
+                    "started: network + VMM up {vmm_ms} ms, state loaded {restored_ms} ms, agent ready {agent_ms} ms, identity set {} ms",
+                    started.elapsed().as_millis()
+                );
                 // A restored VM runs its template's process already: it was saved running.
                 if let Source::Boot(Template { manifest: m, .. }, _) = &source {
                     if let Some(start) = &m.start {
@@ -955,6 +964,7 @@ impl Runtime {
         sealed: bool,
     ) -> Result<VmHandle> {
         if let Some(net) = &self.inner.net {
+            let made_at = Instant::now();
             let (made, tap) = match spec.snapshot {
                 Some(SnapshotRole::Builder { .. }) => net.create_sealed(id).await?,
                 _ if sealed => net.create_sealed(id).await?,
@@ -964,6 +974,7 @@ impl Runtime {
                 &SandboxLink::record_path(dir),
                 &serde_json::to_vec_pretty(&made).expect("serializable"),
             )?;
+            tracing::debug!(%id, "network made in {} ms", made_at.elapsed().as_millis());
             *link = Some(made);
             spec.network = Some(NetAttach {
                 tap: Arc::new(tap),
@@ -1650,7 +1661,7 @@ impl Runtime {
             let vm = self.start_vm(id, &dir, spec, &mut link, false).await?;
             let ready = async {
                 self.snapshotting("resume")?.complete_restore(&vm, SUSPEND_LIMIT).await?;
-                let (client, _health) = AgentClient::connect_ready(&vm.agent_socket, limit).await?;
+                let client = AgentClient::connect_within(&vm.agent_socket, limit).await?;
                 client.set_identity(&identity(&record)).await?;
                 Ok::<_, RuntimeError>(client)
             };

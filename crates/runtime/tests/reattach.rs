@@ -47,7 +47,8 @@ fn child_creates_sandbox_and_exits() {
         let agent = held.agent().await.unwrap();
         agent.write_file("/home/user/kept.txt", None, &b"kept on disk"[..]).await.unwrap();
         let counter = agent
-            .spawn(&sh("i=0; while true; do i=$((i+1)); echo $i > /tmp/count; sleep 0.1; done"))
+            // Written whole (a rename): a reader never sees the file half-written, empty.
+            .spawn(&sh("i=0; while true; do i=$((i+1)); echo $i > /tmp/count.new; mv /tmp/count.new /tmp/count; sleep 0.1; done"))
             .await
             .unwrap();
         tokio::time::sleep(std::time::Duration::from_millis(500)).await;

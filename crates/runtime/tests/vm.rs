@@ -619,7 +619,8 @@ fn sandboxes_from_a_saved_image_have_its_processes_and_files_and_lives_of_their_
         let agent = parent.agent().await.unwrap();
         agent.write_file("/home/user/before.txt", None, &b"before"[..]).await.unwrap();
         let counter = agent
-            .spawn(&sh("i=0; while true; do i=$((i+1)); echo $i > /tmp/count; sleep 0.1; done"))
+            // Written whole (a rename): a reader never sees the file half-written, empty.
+            .spawn(&sh("i=0; while true; do i=$((i+1)); echo $i > /tmp/count.new; mv /tmp/count.new /tmp/count; sleep 0.1; done"))
             .await
             .unwrap();
         tokio::time::sleep(Duration::from_millis(500)).await;
