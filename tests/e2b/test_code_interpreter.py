@@ -1,4 +1,5 @@
-"""Unmodified e2b-code-interpreter calls against airlock's `code-interpreter-v1` template.
+"""Unmodified e2b-code-interpreter calls against airlock's `code-interpreter-v1` template: E2B's
+code-interpreter API over real Jupyter kernels (IPython for python, bash_kernel for bash).
 
 Newer e2b-code-interpreter versions send `/execute` to E2B_SANDBOX_URL with
 `E2b-Sandbox-Id`/`E2b-Sandbox-Port: 49999` headers. Older ones (2.6.2 among them) only know
@@ -8,6 +9,7 @@ import base64
 import contextlib
 import inspect
 import os
+import time
 
 import pytest
 
@@ -62,54 +64,6 @@ def test_debug_listener_for_old_interpreters(airlock_server):
         delete_sandbox(airlock_server, s.sandbox_id)
 
 
-def test_state_persists_across_calls(ci):
-    ex = ci.run_code("x = 41\nprint('hello')\nx + 1")
-    assert ex.error is None
-    assert ex.logs.stdout == ["hello\n"]
-    assert ex.text == "42"
-    assert ci.run_code("x * 2").text == "82"
-
-
-def test_errors_are_data_with_traceback(ci):
-    ex = ci.run_code("def f():\n    return 1 / 0\nf()")
-    assert ex.error is not None
-    assert (ex.error.name, ex.error.value) == ("ZeroDivisionError", "division by zero")
-    assert "line 2, in f" in ex.error.traceback
-    assert ci.run_code("'still alive'").text == "'still alive'"
-
-
-def test_stdout_and_stderr_callbacks(ci):
-    out, err = [], []
-    ex = ci.run_code(
-        "import sys\nfor i in range(3): print(i)\nprint('oops', file=sys.stderr)",
-        on_stdout=lambda m: out.append(m.line),
-        on_stderr=lambda m: err.append(m.line),
-    )
-    assert out == ["0\n", "1\n", "2\n"] and err == ["oops\n"]
-    assert ex.logs.stderr == ["oops\n"]
-
-
-def test_matplotlib_png(ci):
-    ex = ci.run_code("import matplotlib.pyplot as plt\nplt.plot([1, 2, 3], [3, 1, 2])\nplt.show()", timeout=300)
-    assert ex.error is None, ex.error
-    pngs = [r.png for r in ex.results if r.png]
-    assert len(pngs) == 1
-    assert base64.b64decode(pngs[0]).startswith(b"\x89PNG\r\n\x1a\n")
-
-
-def test_contexts_are_isolated(ci):
-    skip_unless_sdk_has(hasattr(ci, "list_code_contexts"), "Sandbox.list_code_contexts")
-    ctx = ci.create_code_context()
-    assert ctx.language == "python" and ctx.cwd == "/home/user"
-    assert ci.run_code("y = 5", context=ctx).error is None
-    assert ci.run_code("y", context=ctx).text == "5"
-    ex = ci.run_code("y")
-    assert ex.error is not None and ex.error.name == "NameError"
-    assert any(c.id == ctx.id for c in ci.list_code_contexts())
-    ci.remove_code_context(ctx)
-    assert all(c.id != ctx.id for c in ci.list_code_contexts())
-
-
 def test_interpreters_restored_from_one_snapshot_draw_their_own_random_numbers(airlock_server):
     """Interpreters restored from one base snapshot resume its very process: each must still
     draw random numbers of its own (the interpreter reseeds when the sandbox's identity changes)."""
@@ -137,3 +91,189 @@ def test_interpreters_restored_from_one_snapshot_draw_their_own_random_numbers(a
                 delete_sandbox(airlock_server, s.sandbox_id)
     assert all(draws) and draws[0] != draws[1], draws
     assert ids[0] != ids[1], ids
+
+
+def test_state_persists_across_calls(ci):
+    ex = ci.run_code("x = 41\nprint('hello')\nx + 1")
+    assert ex.error is None
+    assert ex.logs.stdout == ["hello\n"]
+    assert ex.text == "42"
+    assert ci.run_code("x * 2").text == "82"
+
+
+def test_errors_are_data_with_traceback(ci):
+    ex = ci.run_code("def f():\n    return 1 / 0\nf()")
+    assert ex.error is not None
+    assert (ex.error.name, ex.error.value) == ("ZeroDivisionError", "division by zero")
+    assert "line 2, in f" in ex.error.traceback
+    assert ci.run_code("'still alive'").text == "still alive"
+
+
+def test_text_is_the_plain_text_without_its_quotes(ci):
+    # E2B's server shows a string result's repr without the surrounding quotes.
+    assert ci.run_code("'bar'").text == "bar"
+    assert ci.run_code('"it\'s"').text == "it's"
+    assert ci.run_code("[1, 'a']").text == "[1, 'a']"
+
+
+def test_indented_code_runs(ci):
+    ex = ci.run_code("\n    x = 1\n    x\n")
+    assert ex.error is None, ex.error
+    assert ex.text == "1"
+
+
+def test_ipython_shell_escapes(ci):
+    ex = ci.run_code("!pwd")
+    assert ex.error is None, ex.error
+    assert "".join(ex.logs.stdout).strip() == "/home/user"
+    assert ci.run_code("%cd /tmp\nimport os\nos.getcwd()").text == "/tmp"
+    ci.run_code("%cd /home/user")
+
+
+def test_execution_count_counts_cells(ci):
+    first = ci.run_code("1").execution_count
+    assert isinstance(first, int) and first > 0
+    assert ci.run_code("2").execution_count == first + 1
+
+
+def test_env_vars_last_one_execution(ci):
+    ex = ci.run_code("import os; os.getenv('AIRLOCK_FOO')", envs={"AIRLOCK_FOO": "bar 'baz'"})
+    assert ex.text == "bar 'baz'"
+    assert ci.run_code("import os; os.getenv('AIRLOCK_FOO', 'default')").text == "default"
+
+
+def test_stdout_and_stderr_callbacks(ci):
+    out, err = [], []
+    ex = ci.run_code(
+        "import sys\nfor i in range(3): print(i)\nprint('oops', file=sys.stderr)",
+        on_stdout=lambda m: out.append(m.line),
+        on_stderr=lambda m: err.append(m.line),
+    )
+    # The kernel streams what a cell writes in batches, as Jupyter does: lines written together
+    # may come as one message.
+    assert "".join(out) == "0\n1\n2\n" and err == ["oops\n"]
+    assert ex.logs.stderr == ["oops\n"]
+
+
+def test_matplotlib_png_and_chart(ci):
+    ex = ci.run_code(
+        "import matplotlib.pyplot as plt\nplt.plot([1, 2, 3], [3, 1, 2])\nplt.title('t')\nplt.show()", timeout=300
+    )
+    assert ex.error is None, ex.error
+    pngs = [r.png for r in ex.results if r.png]
+    assert len(pngs) == 1
+    assert base64.b64decode(pngs[0]).startswith(b"\x89PNG\r\n\x1a\n")
+    # The figure is display data (not the cell's value), with E2B's chart read out of it.
+    (fig,) = [r for r in ex.results if r.png]
+    assert fig.is_main_result is False and fig.text.startswith("<Figure size")
+    chart = fig.chart
+    assert chart is not None and getattr(chart.type, "value", chart.type) == "line" and chart.title == "t"
+    assert [list(map(float, p)) for p in chart.elements[0].points] == [[1, 3], [2, 1], [3, 2]]
+
+
+def test_dataframe_gives_data(ci):
+    ex = ci.run_code("import pandas as pd\npd.DataFrame({'a': [1, 2, 3], 'b': ['x', 'y', 'z']})", timeout=300)
+    assert ex.error is None, ex.error
+    (r,) = ex.results
+    assert r.is_main_result and r.data == {"a": [1, 2, 3], "b": ["x", "y", "z"]}
+    assert "<table" in r.html and "a  b" in r.text
+
+
+def test_display_data_and_mime_types(ci):
+    ex = ci.run_code(
+        "from IPython.display import display, HTML, Markdown, Latex\n"
+        "display(HTML('<b>h</b>'))\ndisplay(Markdown('**m**'))\ndisplay(Latex('$x$'))\n{'k': [1, 2]}"
+    )
+    assert ex.error is None, ex.error
+    shown = [r for r in ex.results if not r.is_main_result]
+    assert [(r.html, r.markdown, r.latex) for r in shown] == [
+        ("<b>h</b>", None, None), (None, "**m**", None), (None, None, "$x$")]
+    (main,) = [r for r in ex.results if r.is_main_result]
+    assert main.json == {"k": [1, 2]} and main.text == "{'k': [1, 2]}"
+
+
+def test_a_cell_past_the_client_timeout_is_interrupted(ci):
+    """The SDK's timeout closes the connection; the server interrupts the cell, so the context's
+    next cell runs instead of waiting behind it (the cell would never end by itself)."""
+    from e2b import TimeoutException
+
+    # Over HTTP/1.1 (E2B_SANDBOX_URL) the closed connection reaches the sandbox at once. Over
+    # E2B_DOMAIN the SDK speaks HTTP/2 and its timeout only drops the stream (httpcore sends no
+    # RST_STREAM): the server learns it when the connection goes, after its keep-alive ping
+    # (60 s) finds the SDK no longer reading.
+    limit = 30 if header_routed() else 150
+    ctx = ci.create_code_context()
+    try:
+        ci.run_code("n = 0", context=ctx)
+        with pytest.raises(TimeoutException):
+            ci.run_code("import time\nwhile True:\n    n += 1\n    time.sleep(0.05)", context=ctx, timeout=5)
+        started = time.time()
+        ex = ci.run_code("n > 0", context=ctx, timeout=limit)
+        assert ex.error is None, ex.error
+        assert ex.text == "True", "the interrupted cell did not run at all"
+        assert time.time() - started < limit
+        # Interrupted for good: the counter stopped.
+        before = ci.run_code("n", context=ctx).text
+        time.sleep(1)
+        assert ci.run_code("n", context=ctx).text == before
+    finally:
+        ci.remove_code_context(ctx)
+
+
+def test_bash_language(ci):
+    ex = ci.run_code("pwd", language="bash")
+    assert ex.error is None, ex.error
+    assert ex.logs.stdout == ["/home/user\n"]
+    assert ci.run_code("AIRLOCK_X=5", language="bash").error is None
+    assert ci.run_code("echo $((AIRLOCK_X * 2))", language="bash").logs.stdout == ["10\n"]
+    assert ci.run_code("echo $AIRLOCK_E", language="bash", envs={"AIRLOCK_E": "a b"}).logs.stdout == ["a b\n"]
+    assert ci.run_code("echo ${AIRLOCK_E-unset}", language="bash").logs.stdout == ["unset\n"]
+
+
+def test_bash_context_with_cwd(ci):
+    skip_unless_sdk_has(hasattr(ci, "list_code_contexts"), "Sandbox.list_code_contexts")
+    ctx = ci.create_code_context(language="bash", cwd="/tmp")
+    try:
+        assert (ctx.language, ctx.cwd) == ("bash", "/tmp")
+        assert ci.run_code("pwd", context=ctx).logs.stdout == ["/tmp\n"]
+        listed = {c.id: (c.language, c.cwd) for c in ci.list_code_contexts()}
+        assert listed[ctx.id] == ("bash", "/tmp")
+        assert ("python", "/home/user") in listed.values()
+    finally:
+        ci.remove_code_context(ctx)
+
+
+def test_unknown_language_is_refused_by_name(ci):
+    from e2b import SandboxException
+
+    with pytest.raises(SandboxException) as e:
+        ci.run_code("1", language="cobol")
+    assert "400" in str(e.value) and "cobol" in str(e.value)
+    with pytest.raises(SandboxException) as e:
+        ci.create_code_context(language="cobol")
+    assert "400" in str(e.value) and "cobol" in str(e.value)
+
+
+def test_restart_clears_a_context(ci):
+    skip_unless_sdk_has(hasattr(ci, "restart_code_context"), "Sandbox.restart_code_context")
+    ctx = ci.create_code_context()
+    try:
+        assert ci.run_code("z = 1", context=ctx).error is None
+        ci.restart_code_context(ctx)
+        ex = ci.run_code("z", context=ctx)
+        assert ex.error is not None and ex.error.name == "NameError"
+    finally:
+        ci.remove_code_context(ctx)
+
+
+def test_contexts_are_isolated(ci):
+    skip_unless_sdk_has(hasattr(ci, "list_code_contexts"), "Sandbox.list_code_contexts")
+    ctx = ci.create_code_context()
+    assert ctx.language == "python" and ctx.cwd == "/home/user"
+    assert ci.run_code("y = 5", context=ctx).error is None
+    assert ci.run_code("y", context=ctx).text == "5"
+    ex = ci.run_code("y")
+    assert ex.error is not None and ex.error.name == "NameError"
+    assert any(c.id == ctx.id for c in ci.list_code_contexts())
+    ci.remove_code_context(ctx)
+    assert all(c.id != ctx.id for c in ci.list_code_contexts())

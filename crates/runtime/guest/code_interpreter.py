@@ -1,267 +1,558 @@
 #!/usr/bin/env python3
-"""airlock's code interpreter: the API of E2B's code-interpreter server, in the sandbox.
+"""airlock's code interpreter: the API of E2B's code-interpreter server (port 49999) over real
+Jupyter kernels, one per context, driven with jupyter_client.
 
-POST /execute streams NDJSON (stdout, stderr, result, error, number_of_executions,
-end_of_execution); /contexts manages contexts, each with its own persistent Python namespace.
-Standard library only, plus matplotlib (Agg) when the code uses it.
+POST /execute streams NDJSON exactly as E2B's server does: stdout/stderr as the kernel streams
+them, a `result` for every execute_result (`is_main_result`) and display_data with each MIME
+type under E2B's key (`text` without surrounding quotes, `png`, `chart`, `data`, ... and the
+rest in `extra`), `error` with name/value/traceback, `number_of_executions`, a `keepalive`
+while a cell runs quietly, `end_of_execution`. A client that goes away (the SDK's timeout closes
+the connection) gets its cell interrupted. /contexts creates, lists, restarts and deletes
+contexts (a language and a working directory each).
+
+The default Python kernel starts before the server listens: a sandbox restored from the
+template's snapshot has it running. Such clones resume one process, so a kernel whose machine id
+changed since it last drew random state reseeds before it runs the next cell.
 """
 import argparse
-import ast
-import base64
-import contextlib
-import io
+import asyncio
+import datetime
 import json
 import os
-import queue
+import shlex
+import subprocess
 import sys
-import threading
-import traceback
 import uuid
-from datetime import datetime, timezone
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
-os.environ.setdefault("MPLBACKEND", "Agg")
+from jupyter_client import AsyncKernelManager
+from jupyter_client.kernelspec import KernelSpecManager, NoSuchKernel
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+STARTUP = os.path.join(HERE, "ipython_startup.py")
+HOME = os.environ.get("HOME") or "/home/user"
+KEEPALIVE_S = 5
+MAX_HEAD = 64 * 1024
+MAX_BODY = 64 * 1024 * 1024
+# Kernel (Jupyter kernelspec) behind each language E2B names; a language is offered when its
+# kernelspec is installed.
+KERNELS = {"python": "python3", "bash": "bash", "javascript": "javascript", "typescript": "javascript",
+           "r": "ir", "java": "java"}
+PYTHON_ARGS = [
+    "--InteractiveShell.colors=NoColor",
+    "--PlainTextFormatter.max_seq_length=0",
+    f"--IPKernelApp.exec_files={STARTUP}",
+]
+# MIME type -> the key E2B's Result gives it; whatever is left goes to `extra`.
+MIME_KEYS = [
+    ("text/html", "html"),
+    ("text/markdown", "markdown"),
+    ("image/svg+xml", "svg"),
+    ("image/png", "png"),
+    ("image/jpeg", "jpeg"),
+    ("application/pdf", "pdf"),
+    ("text/latex", "latex"),
+    ("application/json", "json"),
+    ("application/javascript", "javascript"),
+    ("e2b/data", "data"),
+    ("e2b/chart", "chart"),
+]
+
+
+def normalize_language(language):
+    if not language:
+        return "python"
+    language = language.lower().strip()
+    return {"js": "javascript", "ts": "typescript"}.get(language, language)
+
+
+def machine_id():
+    try:
+        with open("/etc/machine-id") as f:
+            return f.read().strip()
+    except OSError:
+        return None
+
+
+def iso(date):
+    return date.isoformat() if isinstance(date, datetime.datetime) else date
+
+
+def result_line(data, is_main):
+    data = dict(data)
+    out = {"type": "result"}
+    text = data.pop("text/plain", None)
+    if text and any(text.startswith(q) and text.endswith(q) for q in "'\""):
+        text = text[1:-1]  # E2B shows `'bar'` as `bar`
+    if text is not None:
+        out["text"] = text
+    for mime, key in MIME_KEYS:
+        value = data.pop(mime, None)
+        if value is not None:
+            out[key] = value
+    out["extra"] = data
+    out["is_main_result"] = is_main
+    return out
+
+
+def error_line(name, value, traceback):
+    return {"type": "error", "name": name, "value": value, "traceback": traceback}
+
+
+class Unsupported(Exception):
+    pass
+
+
+class ClientGone(Exception):
+    pass
+
+
+class BadBody(Exception):
+    pass
+
+
+class Execution:
+    """One execute_request in flight: its lines, and whether the kernel is done with it."""
+
+    def __init__(self, background=False):
+        self.background = background
+        self.queue = asyncio.Queue()
+        self.errored = False
+        self.idle = False
+        self.replied = False
+        self.done = asyncio.Event()
+
+    def put(self, line):
+        if not self.background:
+            self.queue.put_nowait(line)
+
+    def finish_if_done(self):
+        if self.idle and self.replied and not self.done.is_set():
+            self.done.set()
+            self.queue.put_nowait(None)
 
 
 class Context:
-    def __init__(self, language="python", cwd="/home/user"):
+    def __init__(self, language, cwd):
         self.id = str(uuid.uuid4())
         self.language = language
         self.cwd = cwd
-        self.namespace = {"__name__": "__main__"}
-        self.executions = 0
+        self.lock = asyncio.Lock()  # one cell at a time, as in E2B
+        self.executions = {}
+        self.km = None
+        self.kc = None
+        self.pumps = []
+        self.seeded_for = None
+        self.base_env = {}
+        self.generation = 0  # bumped by every restart
 
     def view(self):
         return {"id": self.id, "language": self.language, "cwd": self.cwd}
 
+    # --- the kernel -------------------------------------------------------------------------
 
-CONTEXTS = {}
-DEFAULT = {}
-RUN_LOCK = threading.Lock()  # stdout/stderr are process-wide: one execution at a time
+    async def start(self):
+        kernel_name = KERNELS.get(self.language)
+        try:
+            KernelSpecManager().get_kernel_spec(kernel_name or "")
+        except NoSuchKernel:
+            raise Unsupported(self.language) from None
+        env = {k: v for k, v in os.environ.items() if k != "MPLBACKEND"}  # the kernel picks inline
+        self.base_env = env
+        self.km = AsyncKernelManager(kernel_name=kernel_name)
+        await self.km.start_kernel(
+            cwd=self.cwd,
+            env=env,
+            extra_arguments=PYTHON_ARGS if self.language == "python" else [],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        self.seeded_for = machine_id()
+        await self.connect()
 
+    async def connect(self):
+        self.kc = self.km.client()
+        self.kc.start_channels()
+        await self.kc.wait_for_ready(timeout=300)
+        self.pumps = [asyncio.ensure_future(self.pump_iopub()), asyncio.ensure_future(self.pump_shell())]
 
-def now():
-    return datetime.now(timezone.utc).isoformat()
+    async def disconnect(self):
+        for task in self.pumps:
+            task.cancel()
+        self.pumps = []
+        if self.kc is not None:
+            self.kc.stop_channels()
+        for ex in self.executions.values():
+            ex.put(error_line("ContextRestarting", "Context was restarted", ""))
+            ex.idle = ex.replied = True
+            ex.finish_if_done()
+        self.executions.clear()
 
+    async def restart(self):
+        self.generation += 1
+        await self.disconnect()
+        await self.km.restart_kernel(now=True)
+        self.seeded_for = machine_id()
+        await self.connect()
 
-class Stream(io.TextIOBase):
-    """A stdout/stderr that turns every write into an output event."""
+    async def shutdown(self):
+        await self.disconnect()
+        try:
+            await self.km.shutdown_kernel(now=True)
+        except Exception:
+            pass
 
-    def __init__(self, events, kind):
-        self.events, self.kind, self.pending = events, kind, ""
-
-    def writable(self):
-        return True
-
-    def write(self, text):
-        # Whole lines become events as they complete, like a line-buffered terminal.
-        self.pending += text
-        while "\n" in self.pending:
-            line, self.pending = self.pending.split("\n", 1)
-            self.events.put({"type": self.kind, "text": line + "\n", "timestamp": now()})
-        return len(text)
-
-    def flush_rest(self):
-        if self.pending:
-            self.events.put({"type": self.kind, "text": self.pending, "timestamp": now()})
-            self.pending = ""
-
-
-def figures_as_results():
-    plt = sys.modules.get("matplotlib.pyplot")
-    if plt is None:
-        return []
-    out = []
-    for num in plt.get_fignums():
-        fig = plt.figure(num)
-        buf = io.BytesIO()
-        fig.savefig(buf, format="png")
-        out.append({"type": "result", "png": base64.b64encode(buf.getvalue()).decode(), "text": repr(fig), "is_main_result": False})
-    plt.close("all")
-    return out
-
-
-def value_result(value):
-    result = {"type": "result", "text": repr(value), "is_main_result": True}
-    for method, key in (("_repr_png_", "png"), ("_repr_html_", "html"), ("_repr_markdown_", "markdown"), ("_repr_svg_", "svg")):
-        fn = getattr(value, method, None)
-        if callable(fn):
-            try:
-                data = fn()
-            except Exception:
+    async def pump_iopub(self):
+        while True:
+            msg = await self.kc.get_iopub_msg()
+            ex = self.executions.get(msg["parent_header"].get("msg_id"))
+            if ex is None:
                 continue
-            if data is not None:
-                result[key] = base64.b64encode(data).decode() if isinstance(data, bytes) else data
-    return result
+            kind, content = msg["msg_type"], msg["content"]
+            if kind == "stream" and content.get("name") in ("stdout", "stderr"):
+                ex.put({"type": content["name"], "text": content["text"], "timestamp": iso(msg["header"].get("date"))})
+            elif kind == "error":
+                if not ex.errored:
+                    ex.errored = True
+                    ex.put(error_line(content["ename"], content["evalue"], "".join(content["traceback"])))
+            elif kind == "display_data":
+                ex.put(result_line(content["data"], False))
+            elif kind == "execute_result":
+                ex.put(result_line(content["data"], True))
+            elif kind == "execute_input":
+                ex.put({"type": "number_of_executions", "execution_count": content["execution_count"]})
+            elif kind == "status" and content.get("execution_state") == "idle":
+                ex.idle = True
+                ex.finish_if_done()
 
+    async def pump_shell(self):
+        while True:
+            msg = await self.kc.get_shell_msg()
+            ex = self.executions.get(msg["parent_header"].get("msg_id"))
+            if ex is None or msg["msg_type"] != "execute_reply":
+                continue
+            content = msg["content"]
+            if content.get("status") == "error" and not ex.errored:
+                ex.errored = True
+                ex.put(error_line(content.get("ename", ""), content.get("evalue", ""), "".join(content.get("traceback", []))))
+            elif content.get("status") == "aborted":
+                ex.put(error_line("ExecutionAborted", "Execution was aborted", ""))
+            ex.replied = True
+            ex.finish_if_done()
 
-SEEN_MACHINE_ID = [None]
+    # --- cells ------------------------------------------------------------------------------
 
+    def submit(self, code, background):
+        msg_id = self.kc.execute(code, silent=background, store_history=not background,
+                                 allow_stdin=False, stop_on_error=not background)
+        ex = Execution(background)
+        self.executions[msg_id] = ex
+        return msg_id, ex
 
-def reseed_after_restore():
-    """A sandbox restored from a base snapshot runs this process as the snapshot left it: its
-    random state is every clone's. Each clone gets a machine id of its own over the channel, so
-    a new one means: draw fresh random state (the modules a cell would share it through)."""
-    try:
-        with open("/etc/machine-id") as f:
-            machine_id = f.read().strip()
-    except OSError:
-        return
-    if machine_id == SEEN_MACHINE_ID[0]:
-        return
-    SEEN_MACHINE_ID[0] = machine_id
-    if "random" in sys.modules:
-        sys.modules["random"].seed()
-    if "numpy" in sys.modules:
-        sys.modules["numpy"].random.seed()
-
-
-def execute(ctx, code, env_vars, events):
-    reseed_after_restore()
-    ctx.executions += 1
-    saved_env = dict(os.environ)
-    os.environ.update({k: str(v) for k, v in (env_vars or {}).items()})
-    old_cwd = os.getcwd()
-    try:
-        os.chdir(ctx.cwd)
-    except OSError:
-        pass
-    out, err = Stream(events, "stdout"), Stream(events, "stderr")
-    try:
+    async def run_background(self, code):
+        if not code:
+            return
+        msg_id, ex = self.submit(code, True)
         try:
-            with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-                tree = ast.parse(code, "<cell>", "exec")
-                last = tree.body[-1] if tree.body and isinstance(tree.body[-1], ast.Expr) else None
-                if last is not None:
-                    tree.body = tree.body[:-1]
-                exec(compile(tree, "<cell>", "exec"), ctx.namespace)
-                value = eval(compile(ast.Expression(last.value), "<cell>", "eval"), ctx.namespace) if last else None
+            await self.wait_done(ex)
         finally:
-            out.flush_rest()
-            err.flush_rest()
-        for fig in figures_as_results():
-            events.put(fig)
-        if value is not None and not (type(value).__module__.startswith("matplotlib")):
-            events.put(value_result(value))
-    except BaseException as e:  # user code errors are data, not failures of the server
-        tb_obj = e.__traceback__
-        while tb_obj is not None and tb_obj.tb_frame.f_code.co_filename == __file__:
-            tb_obj = tb_obj.tb_next  # the server's own frames are not the user's business
-        tb = traceback.format_exception(type(e), e, tb_obj)
-        events.put({"type": "error", "name": type(e).__name__, "value": str(e), "traceback": "".join(tb)})
-    finally:
-        os.chdir(old_cwd)
-        os.environ.clear()
-        os.environ.update(saved_env)
-    events.put({"type": "number_of_executions", "execution_count": ctx.executions})
+            self.executions.pop(msg_id, None)
+
+    async def wait_done(self, ex, limit=None):
+        """Until the kernel is done with `ex`; restarts a kernel that died meanwhile."""
+        loop = asyncio.get_running_loop()
+        deadline = None if limit is None else loop.time() + limit
+        while not ex.done.is_set():
+            if deadline is not None and loop.time() > deadline:
+                return
+            try:
+                await asyncio.wait_for(ex.done.wait(), 1)
+            except asyncio.TimeoutError:
+                if not await self.km.is_alive():
+                    await self.restart()
+
+    def env_code(self, env_vars, restore):
+        if self.language == "python":
+            if not restore:
+                return f"__import__('os').environ.update({dict(env_vars)!r})"
+            keep = {k: self.base_env[k] for k in env_vars if k in self.base_env}
+            drop = [k for k in env_vars if k not in self.base_env]
+            return f"(lambda e: ([e.pop(k, None) for k in {drop!r}], e.update({keep!r})))(__import__('os').environ)"
+        if self.language == "bash":
+            lines = []
+            for k, v in env_vars.items():
+                if not k.replace("_", "a").isalnum() or k[0].isdigit():
+                    continue
+                if restore and k not in self.base_env:
+                    lines.append(f"unset {k}")
+                else:
+                    lines.append(f"export {k}={shlex.quote(self.base_env[k] if restore else str(v))}")
+            return "\n".join(lines)
+        return ""
+
+    def reseed_code(self):
+        if self.language == "python":
+            return ("(lambda m: (m['random'].seed() if 'random' in m else None, "
+                    "m['numpy'].random.seed() if 'numpy' in m else None))(__import__('sys').modules)")
+        if self.language == "bash":
+            return "RANDOM=$SRANDOM"
+        return ""
+
+    async def execute(self, code, env_vars, emit, gone):
+        """Run one cell, handing its lines to `emit`; `gone()` tells whether the client left."""
+        async with self.lock:
+            current = machine_id()
+            if current != self.seeded_for:
+                await self.run_background(self.reseed_code())
+                self.seeded_for = current
+            if env_vars:
+                await self.run_background(self.env_code(env_vars, restore=False))
+            generation = self.generation
+            msg_id, ex = self.submit(code, False)
+            try:
+                await self.stream(ex, emit, gone)
+            except ClientGone:
+                # Interrupt the cell nobody waits for, so the next one runs; wait (a while) for
+                # the kernel to settle, so that the next request is not aborted with this one.
+                await self.km.interrupt_kernel()
+                await self.wait_done(ex, limit=10)
+                raise
+            finally:
+                self.executions.pop(msg_id, None)
+                if env_vars and generation == self.generation:  # a restarted kernel has its own
+                    await self.run_background(self.env_code(env_vars, restore=True))
+
+    async def stream(self, ex, emit, gone):
+        loop = asyncio.get_running_loop()
+        last_write = loop.time()
+        while True:
+            if gone():
+                raise ClientGone()
+            try:
+                line = await asyncio.wait_for(ex.queue.get(), 0.5)
+            except asyncio.TimeoutError:
+                if not await self.km.is_alive():
+                    await self.restart()  # ends `ex` with a ContextRestarting error
+                elif loop.time() - last_write >= KEEPALIVE_S:
+                    await emit({"type": "keepalive"})  # a write notices a client that left
+                    last_write = loop.time()
+                continue
+            if line is None:
+                return
+            await emit(line)
+            last_write = loop.time()
 
 
-class Handler(BaseHTTPRequestHandler):
-    protocol_version = "HTTP/1.1"
+class Server:
+    def __init__(self):
+        self.contexts = {}
+        self.defaults = {}  # language -> id of its default context
+        self.default_lock = asyncio.Lock()
 
-    def log_message(self, *args):
-        pass
+    async def create_context(self, language, cwd):
+        if not os.path.isdir(cwd):
+            raise FileNotFoundError(cwd)
+        ctx = Context(language, cwd)
+        await ctx.start()
+        self.contexts[ctx.id] = ctx
+        return ctx
 
-    def body(self):
-        n = int(self.headers.get("Content-Length") or 0)
-        raw = self.rfile.read(n) if n else b""
-        return json.loads(raw) if raw else {}
+    async def default_context(self, language):
+        async with self.default_lock:
+            ctx = self.contexts.get(self.defaults.get(language))
+            if ctx is None:
+                ctx = await self.create_context(language, HOME)
+                self.defaults[language] = ctx.id
+            return ctx
 
-    def reply(self, status, payload):
-        data = json.dumps(payload).encode()
-        self.send_response(status)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(data)))
-        self.end_headers()
-        self.wfile.write(data)
+    def supported(self):
+        specs = KernelSpecManager().find_kernel_specs()
+        return sorted(lang for lang, kernel in KERNELS.items() if kernel in specs)
 
-    def chunk(self, data):
-        self.wfile.write(b"%x\r\n%s\r\n" % (len(data), data))
-        self.wfile.flush()
+    def unsupported(self, language):
+        return 400, f"Language {language!r} is not supported in this sandbox; supported: {', '.join(self.supported())}"
 
-    def do_GET(self):
-        if self.path == "/health":
-            return self.reply(200, "OK")
-        if self.path == "/contexts":
-            return self.reply(200, [c.view() for c in CONTEXTS.values()])
-        self.reply(404, {"message": f"no route GET {self.path}"})
+    # --- HTTP -------------------------------------------------------------------------------
 
-    def do_DELETE(self):
-        if self.path.startswith("/contexts/"):
-            cid = self.path.split("/")[2]
-            if CONTEXTS.pop(cid, None) is None:
-                return self.reply(404, {"message": f"Context {cid} not found"})
-            DEFAULT.update({k: v for k, v in DEFAULT.items() if v != cid})
-            return self.reply(200, {})
-        self.reply(404, {"message": f"no route DELETE {self.path}"})
+    async def route(self, method, path, body, conn):
+        parts = [p for p in path.split("?")[0].split("/") if p]
+        if method == "GET" and parts == ["health"]:
+            return await conn.reply(200, "OK")
+        if method == "GET" and parts == ["contexts"]:
+            return await conn.reply(200, [c.view() for c in self.contexts.values()])
+        if method == "POST" and parts == ["contexts"]:
+            req = conn.json(body)
+            language = normalize_language(req.get("language"))
+            try:
+                ctx = await self.create_context(language, req.get("cwd") or HOME)
+            except Unsupported:
+                return await conn.text(*self.unsupported(language))
+            except FileNotFoundError as e:
+                return await conn.text(500, f"Failed to set working directory: {e} does not exist")
+            return await conn.reply(200, ctx.view())
+        if len(parts) == 3 and parts[0] == "contexts" and parts[2] == "restart" and method == "POST":
+            ctx = self.contexts.get(parts[1])
+            if ctx is None:
+                return await conn.text(404, f"Context {parts[1]} not found")
+            await ctx.restart()  # without the lock: a cell that never ends is ended this way
+            return await conn.reply(200, None)
+        if len(parts) == 2 and parts[0] == "contexts" and method == "DELETE":
+            ctx = self.contexts.pop(parts[1], None)
+            if ctx is None:
+                return await conn.text(404, f"Context {parts[1]} not found")
+            await ctx.shutdown()
+            return await conn.reply(200, None)
+        if method == "POST" and parts == ["execute"]:
+            req = conn.json(body)
+            if not isinstance(req.get("code"), str):
+                return await conn.reply(422, {"detail": "code is required and must be a string"})
+            if req.get("context_id") and req.get("language"):
+                return await conn.text(400, "Only one of context_id or language can be provided")
+            if req.get("context_id"):
+                ctx = self.contexts.get(req["context_id"])
+                if ctx is None:
+                    return await conn.text(404, f"Context {req['context_id']} not found")
+            else:
+                language = normalize_language(req.get("language"))
+                try:
+                    ctx = await self.default_context(language)
+                except Unsupported:
+                    return await conn.text(*self.unsupported(language))
+            env_vars = {str(k): str(v) for k, v in (req.get("env_vars") or {}).items()}
+            return await conn.stream(lambda emit, gone: ctx.execute(req["code"], env_vars, emit, gone))
+        return await conn.reply(404, {"detail": "Not Found"})
 
-    def do_POST(self):
+
+class Conn:
+    """One HTTP/1.1 connection: keep-alive, Content-Length or chunked bodies, chunked streams."""
+
+    def __init__(self, reader, writer):
+        self.reader, self.writer = reader, writer
+        self.answered = False
+
+    async def head(self):
+        raw = await self.reader.readuntil(b"\r\n\r\n")
+        lines = raw.decode("latin-1").split("\r\n")
+        method, target, version = lines[0].split(" ", 2)
+        headers = {}
+        for line in lines[1:]:
+            if ":" in line:
+                k, v = line.split(":", 1)
+                headers[k.strip().lower()] = v.strip()
+        return method, target, version, headers
+
+    async def body(self, headers):
+        if headers.get("transfer-encoding", "").lower() == "chunked":
+            out = bytearray()
+            while True:
+                size = int((await self.reader.readuntil(b"\r\n")).split(b";")[0], 16)
+                if size == 0:
+                    await self.reader.readuntil(b"\r\n")
+                    return bytes(out)
+                out += await self.reader.readexactly(size)
+                await self.reader.readexactly(2)
+                if len(out) > MAX_BODY:
+                    raise ValueError("body too large")
+        n = int(headers.get("content-length") or 0)
+        if n > MAX_BODY:
+            raise ValueError("body too large")
+        return await self.reader.readexactly(n) if n else b""
+
+    def json(self, body):
         try:
-            req = self.body()
+            value = json.loads(body) if body else {}
         except ValueError:
-            return self.reply(400, {"message": "body is not JSON"})
-        if self.path == "/contexts":
-            language = req.get("language") or "python"
-            if language != "python":
-                return self.reply(400, {"message": f"language {language!r} is not supported; use python"})
-            ctx = Context(language, req.get("cwd") or "/home/user")
-            CONTEXTS[ctx.id] = ctx
-            return self.reply(200, ctx.view())
-        if self.path.startswith("/contexts/") and self.path.endswith("/restart"):
-            cid = self.path.split("/")[2]
-            ctx = CONTEXTS.get(cid)
-            if ctx is None:
-                return self.reply(404, {"message": f"Context {cid} not found"})
-            ctx.namespace, ctx.executions = {"__name__": "__main__"}, 0
-            return self.reply(200, {})
-        if self.path != "/execute":
-            return self.reply(404, {"message": f"no route POST {self.path}"})
-        if req.get("context_id") and req.get("language"):
-            return self.reply(400, {"message": "pass either context_id or language, not both"})
-        if req.get("context_id"):
-            ctx = CONTEXTS.get(req["context_id"])
-            if ctx is None:
-                return self.reply(404, {"message": f"Context {req['context_id']} not found"})
-        else:
-            language = req.get("language") or "python"
-            if language != "python":
-                return self.reply(400, {"message": f"language {language!r} is not supported; use python"})
-            if language not in DEFAULT:
-                ctx = Context(language)
-                CONTEXTS[ctx.id] = ctx
-                DEFAULT[language] = ctx.id
-            ctx = CONTEXTS[DEFAULT[language]]
-        self.send_response(200)
-        self.send_header("Content-Type", "application/x-ndjson")
-        self.send_header("Transfer-Encoding", "chunked")
-        self.end_headers()
-        events = queue.Queue()
+            value = None
+        if not isinstance(value, dict):
+            raise BadBody()
+        return value
 
-        def run():
-            with RUN_LOCK:
-                execute(ctx, req.get("code") or "", req.get("env_vars"), events)
-            events.put(None)
+    async def send_head(self, status, ctype, extra=""):
+        self.answered = True
+        reason = {200: "OK", 400: "Bad Request", 404: "Not Found", 422: "Unprocessable Entity",
+                  500: "Internal Server Error"}.get(status, "")
+        self.writer.write(f"HTTP/1.1 {status} {reason}\r\ncontent-type: {ctype}\r\n{extra}\r\n".encode())
 
-        threading.Thread(target=run, daemon=True).start()
+    async def send(self, status, ctype, data):
+        await self.send_head(status, ctype, f"content-length: {len(data)}\r\n")
+        self.writer.write(data)
+        await self.writer.drain()
+
+    async def reply(self, status, payload):
+        await self.send(status, "application/json", json.dumps(payload).encode())
+
+    async def text(self, status, message):
+        await self.send(status, "text/plain; charset=utf-8", message.encode())
+
+    async def stream(self, run):
+        await self.send_head(200, "application/x-ndjson", "transfer-encoding: chunked\r\n")
+
+        async def emit(line):
+            data = (json.dumps(line) + "\n").encode()
+            self.writer.write(b"%x\r\n%s\r\n" % (len(data), data))
+            try:
+                await self.writer.drain()
+            except (ConnectionError, OSError):
+                raise ClientGone() from None
+
+        def gone():
+            # The client sends nothing while it reads the stream: an end of it means it left.
+            r = self.reader
+            return r.at_eof() or r.exception() is not None or self.writer.transport.is_closing()
+
+        await run(emit, gone)
+        await emit({"type": "end_of_execution"})
+        self.writer.write(b"0\r\n\r\n")
+        await self.writer.drain()
+
+    async def serve(self, server):
         try:
             while True:
-                ev = events.get()
-                if ev is None:
-                    break
-                self.chunk((json.dumps(ev) + "\n").encode())
-            self.chunk((json.dumps({"type": "end_of_execution"}) + "\n").encode())
-            self.wfile.write(b"0\r\n\r\n")
-            self.wfile.flush()
-        except (BrokenPipeError, ConnectionResetError):
+                try:
+                    method, target, version, headers = await self.head()
+                    body = await self.body(headers)
+                except (ValueError, UnicodeDecodeError):
+                    await self.text(400, "malformed request")
+                    return
+                self.answered = False
+                try:
+                    await server.route(method, target, body, self)
+                except BadBody:
+                    await self.reply(422, {"detail": "the body must be a JSON object"})
+                except (ClientGone, ConnectionError):
+                    raise
+                except Exception as e:  # a kernel that failed to start, ...
+                    if self.answered:
+                        raise  # a stream already under way ends here
+                    await self.text(500, f"{type(e).__name__}: {e}")
+                close = headers.get("connection", "").lower() == "close" or version == "HTTP/1.0"
+                if close:
+                    return
+        except (asyncio.IncompleteReadError, asyncio.LimitOverrunError, ConnectionError, ClientGone, OSError):
             pass
+        except Exception as e:
+            print(f"code interpreter: {type(e).__name__}: {e}", file=sys.stderr)
+        finally:
+            self.writer.close()
+
+
+async def main_async(host, port):
+    server = Server()
+    # The default Python kernel starts first: it is running before anyone can ask for it (and,
+    # in a template, it is in the snapshot taken once the port answers).
+    await server.default_context("python")
+    listener = await asyncio.start_server(lambda r, w: Conn(r, w).serve(server), host, port, limit=MAX_HEAD)
+    async with listener:
+        await listener.serve_forever()
 
 
 def main():
     p = argparse.ArgumentParser()
+    p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=49999)
     args = p.parse_args()
-    ThreadingHTTPServer(("127.0.0.1", args.port), Handler).serve_forever()
+    os.chdir(HOME) if os.path.isdir(HOME) else None
+    asyncio.run(main_async(args.host, args.port))
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -161,11 +161,16 @@ impl Sandbox {
 }
 
 /// Run a template's start process and wait until its port accepts connections.
+/// How long a template's own process (e.g. the code interpreter with its Jupyter kernel) may take
+/// to answer on its port, at least: far longer than the agent's boot under TCG on a busy host.
+const TEMPLATE_START_LIMIT: Duration = Duration::from_secs(300);
+
 async fn start_template_process(
     client: &AgentClient,
     start: &crate::template::StartSpec,
     limit: Duration,
 ) -> Result<()> {
+    let limit = limit.max(TEMPLATE_START_LIMIT);
     let spec = ProcessSpec {
         argv: start.argv.clone(),
         user: Some(start.user.clone()),

@@ -28,12 +28,65 @@ const BASE_EXTRA_PACKAGES: &[&str] = &[
     "python3-venv",
     "nodejs",
 ];
-/// `seed` + matplotlib + airlock's code interpreter on port 49999 (E2B's `code-interpreter-v1`).
+/// `seed` + Jupyter (ipykernel, jupyter_client), pandas, matplotlib, E2B's chart extraction
+/// (`e2b-charts`) and a bash kernel, with airlock's code interpreter on port 49999: E2B's API
+/// over a kernel per context (E2B's `code-interpreter-v1`).
 pub const CODE_INTERPRETER: &str = "code-interpreter-v1";
 /// Port the code interpreter listens on inside the sandbox (E2B's Jupyter port).
 pub const CODE_INTERPRETER_PORT: u16 = 49999;
 const CODE_INTERPRETER_PY: &str = include_str!("../guest/code_interpreter.py");
 const CODE_INTERPRETER_PATH: &str = "usr/lib/airlock/code_interpreter.py";
+/// Run by every Python kernel at start (the server finds it next to itself).
+const IPYTHON_STARTUP_PY: &str = include_str!("../guest/ipython_startup.py");
+const IPYTHON_STARTUP_PATH: &str = "usr/lib/airlock/ipython_startup.py";
+/// The bash kernel's kernelspec (what `python3 -m bash_kernel.install` would write).
+const BASH_KERNEL_JSON: &str = r#"{"argv": ["/usr/bin/python3", "-m", "bash_kernel", "-f", "{connection_file}"], "display_name": "Bash", "language": "bash", "env": {"PS1": "$"}}
+"#;
+const BASH_KERNEL_PATH: &str = "usr/local/share/jupyter/kernels/bash/kernel.json";
+const CODE_INTERPRETER_PACKAGES: &[&str] = &[
+    "python3-ipykernel",
+    "python3-jupyter-client",
+    "python3-pandas",
+    "python3-numpy",
+    "python3-matplotlib",
+    "python3-pexpect",
+    // Providers of virtual packages the ones above depend on, which debootstrap does not
+    // resolve by itself (python3-cffi-backend-api-*, libboost-regex1.74.0-icu72).
+    "python3-cffi-backend",
+    "libboost-regex1.74.0",
+];
+/// What Debian lacks, from PyPI: `e2b-charts` (which needs pydantic 2; bookworm has 1.10) and
+/// `bash_kernel`. Pinned by digest; unpacked into the guest's site directory.
+const CODE_INTERPRETER_WHEELS: &[Wheel] = &[
+    Wheel {
+        file: "e2b_charts-1.0.0-py3-none-any.whl",
+        sha256: "c5a9ae62bd33a3cba0f7efd0fe10938f2909bf948e54029bb7b67c0fd8ca782c",
+    },
+    Wheel {
+        file: "pydantic-2.9.2-py3-none-any.whl",
+        sha256: "f048cec7b26778210e28a0459867920654d48e5e62db0958433636cde4254f12",
+    },
+    Wheel {
+        file: "pydantic_core-2.23.4-cp311-cp311-manylinux_2_17_x86_64.manylinux2014_x86_64.whl",
+        sha256: "216f9b2d7713eb98cb83c80b9c794de1f6b7e3145eef40400c62e86cee5f4e1e",
+    },
+    Wheel {
+        file: "annotated_types-0.7.0-py3-none-any.whl",
+        sha256: "1f02e8b43a8fbbc3f3e0d4f0f4bfc8131bcb4eebe8849b8e5c773f3a1c582a53",
+    },
+    Wheel {
+        file: "typing_extensions-4.12.2-py3-none-any.whl",
+        sha256: "04e5ca0351e0f3f85c6853954072df659d0d13fac324d0072316b67d7794700d",
+    },
+    Wheel {
+        file: "bash_kernel-0.10.0-py2.py3-none-any.whl",
+        sha256: "da28513230f5307c7a49e87352366304dc52b66faa207d6caed1b2bdec03c1fa",
+    },
+    Wheel {
+        file: "filetype-1.2.0-py2.py3-none-any.whl",
+        sha256: "7ce71b6880181241cf7ac8697a2f1eb6a8bd9b429f7ad6d27b8db9ba5f1c2d25",
+    },
+];
 /// Bumped when the assembly steps change in a way the recipe fields do not show.
 const BUILDER_VERSION: u32 = 1;
 const KERNEL_META_PACKAGE: &str = "linux-image-cloud-amd64";
@@ -94,6 +147,10 @@ pub struct SeedRecipe {
     /// Digest of the extra files the template adds (e.g. the code interpreter).
     #[serde(default)]
     pub files_sha256: String,
+    /// Python wheels unpacked into the guest, `<file name> sha256:<hex>` each. Absent when there
+    /// are none, so the recipes (and digests) of templates without wheels stay as they were.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub wheels: Vec<String>,
     #[serde(default)]
     pub start: Option<StartSpec>,
     pub builder_version: u32,
@@ -108,7 +165,29 @@ struct TemplateDef {
     packages: Vec<&'static str>,
     /// (path in the guest, content, mode)
     files: Vec<(&'static str, &'static str, u32)>,
+    /// Unpacked into the guest's Python site directory (`/usr/local/lib/python3.X/dist-packages`).
+    wheels: &'static [Wheel],
     start: Option<StartSpec>,
+}
+
+/// A wheel from the Python package index, fetched on the host at build time (through pip, so
+/// the machine's index configuration applies) and checked against its digest.
+struct Wheel {
+    file: &'static str,
+    sha256: &'static str,
+}
+
+impl Wheel {
+    fn file_name(&self) -> &'static str {
+        self.file
+    }
+
+    /// `name==version`, from the wheel's file name (`name-version-...whl`).
+    fn requirement(&self) -> String {
+        let mut parts = self.file.splitn(3, '-');
+        let (name, version) = (parts.next().unwrap_or(""), parts.next().unwrap_or(""));
+        format!("{name}=={version}")
+    }
 }
 
 fn definition(name: &str) -> Option<TemplateDef> {
@@ -116,16 +195,23 @@ fn definition(name: &str) -> Option<TemplateDef> {
         SEED => Some(TemplateDef {
             packages: SEED_PACKAGES.to_vec(),
             files: Vec::new(),
+            wheels: &[],
             start: None,
         }),
         BASE => Some(TemplateDef {
             packages: SEED_PACKAGES.iter().chain(BASE_EXTRA_PACKAGES).copied().collect(),
             files: Vec::new(),
+            wheels: &[],
             start: None,
         }),
         CODE_INTERPRETER => Some(TemplateDef {
-            packages: SEED_PACKAGES.iter().copied().chain(["python3-matplotlib"]).collect(),
-            files: vec![(CODE_INTERPRETER_PATH, CODE_INTERPRETER_PY, 0o755)],
+            packages: SEED_PACKAGES.iter().chain(CODE_INTERPRETER_PACKAGES).copied().collect(),
+            files: vec![
+                (CODE_INTERPRETER_PATH, CODE_INTERPRETER_PY, 0o755),
+                (IPYTHON_STARTUP_PATH, IPYTHON_STARTUP_PY, 0o644),
+                (BASH_KERNEL_PATH, BASH_KERNEL_JSON, 0o644),
+            ],
+            wheels: CODE_INTERPRETER_WHEELS,
             start: Some(StartSpec {
                 argv: vec![
                     "python3".into(),
@@ -323,6 +409,11 @@ impl TemplateStore {
             } else {
                 hex::encode(files.finalize())
             },
+            wheels: def
+                .wheels
+                .iter()
+                .map(|w| format!("{} sha256:{}", w.file_name(), w.sha256))
+                .collect(),
             start: def.start.clone(),
             builder_version: BUILDER_VERSION,
         };
@@ -341,6 +432,12 @@ impl TemplateStore {
         progress.step("debootstrap base (cached by recipe)");
         let base = self.debootstrap_base(&recipe, &progress)?;
 
+        let mut wheels = Vec::new();
+        for w in def.wheels {
+            progress.step(&format!("fetching {}", w.file_name()));
+            wheels.push(self.fetch_wheel(w)?);
+        }
+
         let work = self.data.cache().join(format!("assemble-{}", random_hex(6)));
         let result = self.assemble(
             &def,
@@ -350,6 +447,7 @@ impl TemplateStore {
             &kernel_dir,
             &kernel_version,
             &base,
+            &wheels,
             &work,
             &progress,
         );
@@ -389,6 +487,47 @@ impl TemplateStore {
         })();
         let _ = std::fs::remove_dir_all(&dl);
         res.map(|_| dir)
+    }
+
+    /// A wheel from the cache (by digest), else downloaded and checked against its digest. pip
+    /// (in a venv of the cache's own: the host's Python may have none) fetches exactly that
+    /// file: no dependencies, binary only, for the guest's Python and platform.
+    fn fetch_wheel(&self, wheel: &Wheel) -> Result<PathBuf> {
+        let dir = self.data.cache().join("wheels").join(wheel.sha256);
+        let path = dir.join(wheel.file_name());
+        if path.exists() && sha256_file(&path)? == wheel.sha256 {
+            return Ok(path);
+        }
+        let venv = self.data.cache().join("pip-venv");
+        if !venv.join("bin/pip").exists() {
+            let _ = std::fs::remove_dir_all(&venv);
+            run(Command::new("python3").args(["-m", "venv"]).arg(&venv), "python3 -m venv (for pip)")?;
+        }
+        let tmp = dir.join(format!(".download-{}", random_hex(4)));
+        let res = (|| {
+            std::fs::create_dir_all(&tmp).map_err(|e| RuntimeError::io(&tmp, e))?;
+            run(
+                Command::new(venv.join("bin/pip"))
+                    .args(["download", "--quiet", "--no-deps", "--only-binary=:all:"])
+                    .args(["--platform", "manylinux2014_x86_64", "--python-version", "3.11"])
+                    .args(["--implementation", "cp", "--abi", "cp311", "--dest"])
+                    .arg(&tmp)
+                    .arg(wheel.requirement()),
+                &format!("downloading {}", wheel.file_name()),
+            )?;
+            let got_path = tmp.join(wheel.file_name());
+            let got = sha256_file(&got_path)?;
+            if got != wheel.sha256 {
+                return Err(RuntimeError::TemplateBuild(format!(
+                    "{}: sha256 {got}, expected {}",
+                    wheel.file_name(),
+                    wheel.sha256
+                )));
+            }
+            std::fs::rename(&got_path, &path).map_err(|e| RuntimeError::io(&path, e))
+        })();
+        let _ = std::fs::remove_dir_all(&tmp);
+        res.map(|_| path)
     }
 
     fn debootstrap_base(&self, recipe: &SeedRecipe, progress: &Progress) -> Result<PathBuf> {
@@ -469,6 +608,7 @@ impl TemplateStore {
         kernel_dir: &Path,
         kernel_version: &str,
         base: &Path,
+        wheels: &[PathBuf],
         work: &Path,
         progress: &Progress,
     ) -> Result<Template> {
@@ -486,6 +626,10 @@ impl TemplateStore {
             std::fs::write(&dst, content).map_err(|e| RuntimeError::io(&dst, e))?;
             std::fs::set_permissions(&dst, std::fs::Permissions::from_mode(*mode))
                 .map_err(|e| RuntimeError::io(&dst, e))?;
+        }
+        if !wheels.is_empty() {
+            progress.step("unpacking Python wheels");
+            install_wheels(&rootfs, wheels)?;
         }
         std::fs::write(
             rootfs.join("etc/airlock-template"),
@@ -613,6 +757,53 @@ fn customize_base(root: &Path) -> Result<()> {
     let _ = std::fs::create_dir_all(root.join("var/lib/apt/lists/partial"));
     let _ = std::fs::create_dir_all(root.join("var/cache/apt/archives/partial"));
     Ok(())
+}
+
+/// Unpack wheels into the guest's site directory for locally installed packages (what pip
+/// would do for these: no scripts, no `.data`), then compile them, with the guest's own Python.
+fn install_wheels(rootfs: &Path, wheels: &[PathBuf]) -> Result<()> {
+    const STAGE: &str = "tmp/airlock-wheels";
+    let stage = rootfs.join(STAGE);
+    std::fs::create_dir_all(&stage).map_err(|e| RuntimeError::io(&stage, e))?;
+    let res = (|| {
+        let mut inside = Vec::new();
+        for w in wheels {
+            let name = w.file_name().expect("a wheel has a file name");
+            install_file(w, &stage.join(name), 0o644)?;
+            inside.push(Path::new("/").join(STAGE).join(name));
+        }
+        const UNPACK: &str = r#"
+import sys, sysconfig, zipfile
+site = sysconfig.get_path("purelib")
+for wheel in sys.argv[1:]:
+    with zipfile.ZipFile(wheel) as z:
+        if any(n.split("/")[0].endswith(".data") for n in z.namelist()):
+            sys.exit(wheel + ": wheels with .data are not supported")
+        z.extractall(site)
+print(site)
+"#;
+        let out = Command::new("chroot")
+            .arg(rootfs)
+            .args(["python3", "-c", UNPACK])
+            .args(&inside)
+            .output()
+            .map_err(|e| RuntimeError::TemplateBuild(format!("unpacking wheels: {e}")))?;
+        if !out.status.success() {
+            return Err(RuntimeError::TemplateBuild(format!(
+                "unpacking wheels failed: {}",
+                String::from_utf8_lossy(&out.stderr).trim()
+            )));
+        }
+        let site = String::from_utf8_lossy(&out.stdout).trim().to_string();
+        run(
+            Command::new("chroot")
+                .arg(rootfs)
+                .args(["python3", "-m", "compileall", "-q", "-j", "0", &site]),
+            "compiling wheels",
+        )
+    })();
+    let _ = std::fs::remove_dir_all(&stage);
+    res
 }
 
 fn install_file(src: &Path, dst: &Path, mode: u32) -> Result<()> {
@@ -1297,5 +1488,40 @@ I: Base system installed successfully.
         assert!(!s.feed("dpkg: warning: something"));
         assert_eq!(s.count_line(), "debootstrap: retrieving packages (1)");
         assert_eq!(s.stage_line(), "debootstrap: retrieving packages");
+    }
+
+    #[test]
+    fn wheels_change_only_the_recipes_that_have_them() {
+        let recipe = |wheels: Vec<String>| SeedRecipe {
+            name: SEED.into(),
+            suite: "bookworm".into(),
+            variant: "minbase".into(),
+            packages: vec!["python3".into()],
+            mirror: "http://deb.example/debian".into(),
+            kernel_package: "linux-image-cloud-amd64".into(),
+            modules: Vec::new(),
+            agent_sha256: "00".into(),
+            files_sha256: String::new(),
+            wheels,
+            start: None,
+            builder_version: BUILDER_VERSION,
+        };
+        // A recipe without wheels serializes (and so digests) as it did before they existed.
+        let plain = serde_json::to_value(recipe(Vec::new())).unwrap();
+        assert!(plain.get("wheels").is_none());
+        let back: SeedRecipe = serde_json::from_value(plain).unwrap();
+        assert_eq!(back, recipe(Vec::new()));
+        assert_ne!(
+            recipe(Vec::new()).digest(),
+            recipe(vec!["x.whl sha256:00".into()]).digest()
+        );
+        for w in definition(CODE_INTERPRETER).unwrap().wheels {
+            assert!(w.file_name().ends_with(".whl"), "{}", w.file);
+            let req = w.requirement();
+            let (name, version) = req.split_once("==").unwrap();
+            assert!(!name.is_empty() && version.starts_with(|c: char| c.is_ascii_digit()), "{req}");
+            assert!(w.sha256.len() == 64 && w.sha256.chars().all(|c| c.is_ascii_hexdigit()));
+        }
+        assert!(definition(SEED).unwrap().wheels.is_empty() && definition(BASE).unwrap().wheels.is_empty());
     }
 }

@@ -102,6 +102,7 @@ pub fn install_template(data_dir: &Path, name: &str) -> Result<TemplateManifest>
             modules: Vec::new(),
             agent_sha256: String::new(),
             files_sha256: String::new(),
+            wheels: Vec::new(),
             start: None,
             builder_version: 0,
         },
