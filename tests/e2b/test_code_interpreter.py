@@ -199,8 +199,8 @@ def test_a_cell_past_the_client_timeout_is_interrupted(ci):
 
     # Over HTTP/1.1 (E2B_SANDBOX_URL) the closed connection reaches the sandbox at once. Over
     # E2B_DOMAIN the SDK speaks HTTP/2 and its timeout only drops the stream (httpcore sends no
-    # RST_STREAM): the server learns it when the connection goes, after its keep-alive ping
-    # (60 s) finds the SDK no longer reading.
+    # RST_STREAM): the server learns it when the connection goes, after its HTTP/2 keep-alive
+    # ping (every 60 s) finds the SDK no longer reading.
     limit = 30 if header_routed() else 150
     ctx = ci.create_code_context()
     try:

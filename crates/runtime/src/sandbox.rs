@@ -393,6 +393,7 @@ impl Runtime {
             tracing::info!("removing an unfinished image {}", dir.display());
             let _ = std::fs::remove_dir_all(dir);
         }
+        rt.prune_blobs();
         rt.spawn_console_trimmer();
         if opts.reconcile_in_background {
             let entries = rt.unsettled_entries();
@@ -1130,6 +1131,28 @@ impl Runtime {
             tracing::info!("removing base snapshot {}: nothing restores from it any more", dir.display());
             let _ = std::fs::remove_dir_all(dir);
         }
+    }
+
+    /// Template images no template names any more and nothing was made from: every rebuild of a
+    /// template leaves the old one behind. A sandbox or image made from one is counted as using
+    /// it (their `held/` links would keep its files anyway); with a dir whose record cannot be
+    /// read, nothing is removed.
+    fn prune_blobs(&self) {
+        let mut in_use = std::collections::BTreeSet::new();
+        for root in [self.inner.data.sandboxes(), self.inner.data.images()] {
+            for entry in std::fs::read_dir(&root).into_iter().flatten().flatten() {
+                let record = ["sandbox.json", "image.json"]
+                    .iter()
+                    .find_map(|f| std::fs::read(entry.path().join(f)).ok())
+                    .and_then(|b| serde_json::from_slice::<serde_json::Value>(&b).ok());
+                let Some(digest) = record.as_ref().and_then(|r| r["template_digest"].as_str()) else {
+                    tracing::info!("not pruning template images: {} has no readable record", entry.path().display());
+                    return;
+                };
+                in_use.insert(digest.trim_start_matches("sha256:").to_string());
+            }
+        }
+        self.inner.templates.prune_blobs(&in_use);
     }
 
     /// Builds an earlier process left unfinished (it crashed or was stopped): their VMs stopped,

@@ -687,8 +687,8 @@ impl TemplateStore {
             &self.manifest_path(&recipe.name),
             &serde_json::to_vec_pretty(&manifest).expect("serializable"),
         )?;
-        // The previous image stays while sandboxes may use it; unreferenced blobs are pruned
-        // when no sandbox dir mentions them (see `prune_blobs`).
+        // The previous image stays while sandboxes may use it; the runtime prunes unreferenced
+        // ones when it opens (see `prune_blobs`).
         if let Some(old) = old.filter(|o| o.dir != dir) {
             progress.log(&format!(
                 "{} replaced {} -> {}",
@@ -710,6 +710,7 @@ impl TemplateStore {
         for entry in std::fs::read_dir(self.data.blobs()).into_iter().flatten().flatten() {
             let name = entry.file_name().to_string_lossy().to_string();
             if !named.contains(&name) && !in_use.contains(&name) {
+                tracing::info!("removing template image {name}: no template names it and nothing was made from it");
                 let _ = std::fs::remove_dir_all(entry.path());
             }
         }

@@ -399,3 +399,31 @@ fn restart_with_a_new_tokio_runtime() {
     });
     assert_no_vms(tmp.path());
 }
+
+/// Every rebuild of a template leaves its old image behind: a runtime that opens removes the
+/// images no template names and nothing was made from, and keeps the rest.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn opening_prunes_template_images_nothing_uses() {
+    let tmp = tempfile::tempdir().unwrap();
+    let rt = node(tmp.path()).await;
+    let sb = rt.create(seed(None)).await.unwrap();
+    let blobs = rt.data_dir().blobs();
+    let named = sb.record.template_digest.trim_start_matches("sha256:").to_string();
+    let (stale, used) = ("a".repeat(64), "b".repeat(64));
+    for d in [&stale, &used] {
+        std::fs::create_dir_all(blobs.join(d)).unwrap();
+        std::fs::write(blobs.join(d).join("rootfs.ext4"), b"old").unwrap();
+    }
+    // The sandbox was made from `used` (as if before a rebuild).
+    let record = tmp.path().join("sandboxes").join(sb.id()).join("sandbox.json");
+    let mut v: serde_json::Value = serde_json::from_slice(&std::fs::read(&record).unwrap()).unwrap();
+    v["template_digest"] = format!("sha256:{used}").into();
+    std::fs::write(&record, serde_json::to_vec(&v).unwrap()).unwrap();
+    let id = sb.id().to_string();
+    drop((sb, rt));
+    let rt = Runtime::open(fake::options(tmp.path())).await.unwrap();
+    assert!(!blobs.join(&stale).exists(), "an image nothing uses stays");
+    assert!(blobs.join(&used).exists() && blobs.join(&named).exists());
+    rt.delete(&id).await.unwrap();
+    assert_no_vms(tmp.path());
+}

@@ -19,7 +19,7 @@
 //! HTTP/1 keeps hyper's own header timer off: it starts when hyper waits for a head, so it would
 //! also be the idle time between requests. Here the idle wait ends at a request's first byte, and
 //! only then the header clock starts (as Go's `IdleTimeout` / `ReadHeaderTimeout`). On HTTP/2
-//! the header clock covers only the first request; hyper's pings (every `idle`, answered within
+//! the header clock covers only the first request; hyper's pings (every `ping`, answered within
 //! `header_read`) find peers that vanished under a long stream.
 
 use axum::body::Body;
@@ -43,8 +43,14 @@ use tokio::sync::{Notify, OwnedSemaphorePermit, Semaphore};
 /// How long a request head may take from its first byte (and a new connection, to its first
 /// request).
 pub const HEADER_READ_TIMEOUT: Duration = Duration::from_secs(10);
-/// How long a connection may sit with no request in flight.
-pub const IDLE_TIMEOUT: Duration = Duration::from_secs(60);
+/// How long a connection may sit with no request in flight: longer than clients keep pooled
+/// connections (the E2B SDK keeps them 300 s, `E2B_KEEPALIVE_EXPIRY`), so the server never closes
+/// one a client is about to reuse (over TLS + HTTP/2 the SDK's next request then met a closed
+/// socket: "EOF occurred in violation of protocol").
+pub const IDLE_TIMEOUT: Duration = Duration::from_secs(330);
+/// HTTP/2 keep-alive pings this often; a peer that stops answering one within the header-read
+/// timeout is dropped (a client gone mid-stream, e.g. past its own timeout, frees its request).
+pub const PING_INTERVAL: Duration = Duration::from_secs(60);
 /// Open connections per listener.
 pub const MAX_CONNECTIONS: usize = 4096;
 
@@ -52,6 +58,7 @@ pub const MAX_CONNECTIONS: usize = 4096;
 pub struct Limits {
     pub header_read: Duration,
     pub idle: Duration,
+    pub ping: Duration,
     pub max_connections: usize,
 }
 
@@ -60,6 +67,7 @@ impl Default for Limits {
         Limits {
             header_read: HEADER_READ_TIMEOUT,
             idle: IDLE_TIMEOUT,
+            ping: PING_INTERVAL,
             max_connections: MAX_CONNECTIONS,
         }
     }
@@ -84,7 +92,7 @@ pub async fn serve(
     builder
         .http2()
         .timer(TokioTimer::new())
-        .keep_alive_interval(Some(limits.idle))
+        .keep_alive_interval(Some(limits.ping))
         .keep_alive_timeout(limits.header_read);
     let builder = Arc::new(builder);
     loop {
@@ -361,6 +369,7 @@ mod tests {
         let limits = Limits {
             header_read: HEADER,
             idle: IDLE,
+            ping: IDLE,
             max_connections: 16,
         };
         tokio::spawn(serve(listener, app, None, limits));
