@@ -4,6 +4,7 @@ import time
 import uuid
 
 import inspect
+import subprocess
 
 import pytest
 from conftest import skip_unless_sdk_has
@@ -141,6 +142,33 @@ def test_files_gzip_uploads(sbx, airlock_server):
     assert leftovers == ["keep.txt"]
     br = httpx.post(url, params={"path": "/tmp/br.txt"}, content=b"x", headers={**headers, "Content-Encoding": "br"})
     assert br.status_code == 400 and '"br" is not supported' in br.json()["message"]
+
+
+def test_base_has_the_tools_e2b_code_assumes_and_git_clones_a_repository_the_test_made(sbx, tmp_path):
+    """`base` is E2B's base: git, curl, a `python` command, pip and venv, node. The SDK's git
+    helper clones a repository the test made on this host, handed over as a bundle file (no
+    network), and reads its status."""
+    for tool in ("git --version", "curl --version", "python --version", "pip --version", "python -m venv --help", "node --version"):
+        assert sbx.commands.run(tool).exit_code == 0, tool
+    if not hasattr(sbx, "git"):
+        pytest.skip("this e2b has no git helper")
+    src = tmp_path / "src"
+    git = ["git", "-c", "user.name=airlock test", "-c", "user.email=test@example.invalid", "-C", str(src)]
+    subprocess.run(["git", "init", "-q", str(src)], check=True)
+    subprocess.run(git + ["checkout", "-q", "-b", "main"], check=True)
+    (src / "README.md").write_text("made on the host\n")
+    subprocess.run(git + ["add", "README.md"], check=True)
+    subprocess.run(git + ["commit", "-q", "-m", "first"], check=True)
+    subprocess.run(git + ["bundle", "create", "-q", str(tmp_path / "repo.bundle"), "--all"], check=True)
+    sbx.files.write("/home/user/repo.bundle", (tmp_path / "repo.bundle").read_bytes())
+    sbx.git.clone("/home/user/repo.bundle", path="/home/user/cloned", branch="main")
+    assert sbx.files.read("/home/user/cloned/README.md") == "made on the host\n"
+    status = sbx.git.status("/home/user/cloned")
+    assert status.current_branch == "main"
+    sbx.files.write("/home/user/cloned/new.txt", "x")
+    sbx.git.add("/home/user/cloned", all=True)
+    sbx.git.commit("/home/user/cloned", "second", author_name="agent", author_email="agent@example.invalid")
+    assert sbx.commands.run("git -C /home/user/cloned log --format=%s").stdout == "second\nfirst\n"
 
 
 def test_files_list_exists_info_mkdir_remove_rename(sbx):

@@ -540,31 +540,44 @@ impl TemplateStore {
         let log = self.data.cache().join("debootstrap.log");
         let res = (|| {
             let started = Instant::now();
-            let mut cmd = Command::new("debootstrap");
-            cmd.arg(format!("--variant={}", recipe.variant))
-                .arg(format!("--include={}", recipe.packages.join(",")))
-                .arg(&recipe.suite)
-                .arg(&tmp)
-                .arg(&recipe.mirror);
-            let mut status = DebootstrapStatus::default();
-            let ran = run_logged(&mut cmd, &log, "debootstrap", progress, |line| {
-                if line.starts_with("W: ") || line.starts_with("E: ") {
-                    progress.warn(&format!("debootstrap: {line}"));
-                }
-                if status.feed(line) {
-                    progress.status(&status.stage_line(), &status.count_line(), &status.display());
-                }
-            });
-            if ran.is_err() {
-                // debootstrap's own full log is inside the target, which is about to be removed.
-                if let Ok(inner) = std::fs::read(tmp.join("debootstrap/debootstrap.log")) {
-                    use std::io::Write;
-                    if let Ok(mut f) = std::fs::OpenOptions::new().append(true).open(&log) {
-                        let _ = f.write_all(b"--- debootstrap/debootstrap.log ---\n");
-                        let _ = f.write_all(&inner);
+            // A mirror that fails a request now and then (a release file once, in CI) costs a
+            // retry, not the build.
+            const ATTEMPTS: u32 = 3;
+            let mut attempt = 1;
+            let ran = loop {
+                let _ = std::fs::remove_dir_all(&tmp);
+                let mut cmd = Command::new("debootstrap");
+                cmd.arg(format!("--variant={}", recipe.variant))
+                    .arg(format!("--include={}", recipe.packages.join(",")))
+                    .arg(&recipe.suite)
+                    .arg(&tmp)
+                    .arg(&recipe.mirror);
+                let mut status = DebootstrapStatus::default();
+                let ran = run_logged(&mut cmd, &log, "debootstrap", progress, |line| {
+                    if line.starts_with("W: ") || line.starts_with("E: ") {
+                        progress.warn(&format!("debootstrap: {line}"));
+                    }
+                    if status.feed(line) {
+                        progress.status(&status.stage_line(), &status.count_line(), &status.display());
+                    }
+                });
+                if ran.is_err() {
+                    // debootstrap's own full log is inside the target, which is about to be removed.
+                    if let Ok(inner) = std::fs::read(tmp.join("debootstrap/debootstrap.log")) {
+                        use std::io::Write;
+                        if let Ok(mut f) = std::fs::OpenOptions::new().append(true).open(&log) {
+                            let _ = f.write_all(b"--- debootstrap/debootstrap.log ---\n");
+                            let _ = f.write_all(&inner);
+                        }
                     }
                 }
-            }
+                if ran.is_ok() || attempt == ATTEMPTS {
+                    break ran;
+                }
+                progress.warn(&format!("debootstrap failed (attempt {attempt} of {ATTEMPTS}); trying again in 10 s"));
+                attempt += 1;
+                std::thread::sleep(std::time::Duration::from_secs(10));
+            };
             ran?;
             tracing::debug!("debootstrap took {:.1}s", started.elapsed().as_secs_f64());
             progress.status("customizing the base", "customizing the base", "customizing the base");
