@@ -199,9 +199,12 @@ def test_a_cell_past_the_client_timeout_is_interrupted(ci):
 
     # Over HTTP/1.1 (E2B_SANDBOX_URL) the closed connection reaches the sandbox at once. Over
     # E2B_DOMAIN the SDK speaks HTTP/2 and its timeout only drops the stream (httpcore sends no
-    # RST_STREAM): the server learns it when the connection goes, after its HTTP/2 keep-alive
-    # ping (every 60 s) finds the SDK no longer reading.
-    limit = 30 if header_routed() else 150
+    # RST_STREAM) while the connection stays in its pool: nothing tells the server the client
+    # left until that connection goes, which the server must not hasten (a pooled connection
+    # closed under the SDK fails its next request; see crates/server/src/listen.rs).
+    if not header_routed():
+        pytest.skip("this SDK reaches the interpreter over HTTP/2 (E2B_DOMAIN), where a client's timeout sends nothing the server sees")
+    limit = 30
     ctx = ci.create_code_context()
     try:
         ci.run_code("n = 0", context=ctx)

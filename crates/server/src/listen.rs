@@ -19,8 +19,11 @@
 //! HTTP/1 keeps hyper's own header timer off: it starts when hyper waits for a head, so it would
 //! also be the idle time between requests. Here the idle wait ends at a request's first byte, and
 //! only then the header clock starts (as Go's `IdleTimeout` / `ReadHeaderTimeout`). On HTTP/2
-//! the header clock covers only the first request; hyper's pings (every `ping`, answered within
-//! `header_read`) find peers that vanished under a long stream.
+//! the header clock covers only the first request; hyper's pings (every `ping`) find peers that
+//! vanished under a long stream. A ping may go unanswered for as long as the idle timeout: a
+//! synchronous HTTP/2 client (the E2B SDK's) reads its socket only while it has a request, so it
+//! answers no ping on an idle pooled connection, and closing that connection earlier than its
+//! pool keeps it makes the client's next request fail (it writes to a closed socket).
 
 use axum::body::Body;
 use axum::Router;
@@ -48,8 +51,8 @@ pub const HEADER_READ_TIMEOUT: Duration = Duration::from_secs(10);
 /// one a client is about to reuse (over TLS + HTTP/2 the SDK's next request then met a closed
 /// socket: "EOF occurred in violation of protocol").
 pub const IDLE_TIMEOUT: Duration = Duration::from_secs(330);
-/// HTTP/2 keep-alive pings this often; a peer that stops answering one within the header-read
-/// timeout is dropped (a client gone mid-stream, e.g. past its own timeout, frees its request).
+/// HTTP/2 keep-alive pings this often; a peer that leaves one unanswered for the idle timeout is
+/// dropped (see the module doc).
 pub const PING_INTERVAL: Duration = Duration::from_secs(60);
 /// Open connections per listener.
 pub const MAX_CONNECTIONS: usize = 4096;
@@ -93,7 +96,7 @@ pub async fn serve(
         .http2()
         .timer(TokioTimer::new())
         .keep_alive_interval(Some(limits.ping))
-        .keep_alive_timeout(limits.header_read);
+        .keep_alive_timeout(limits.idle);
     let builder = Arc::new(builder);
     loop {
         // At the cap, wait here: further connections stay in the backlog (see the module doc).
