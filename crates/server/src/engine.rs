@@ -156,6 +156,40 @@ impl Engine {
         self.ended.subscribe()
     }
 
+    /// For as long as `owner` lives (state a door or the core keeps per sandbox): `on_end` for
+    /// each sandbox that ends, and `sweep` every `period` (the first after `first`) and whenever
+    /// announcements were missed (the channel lagged). One task; it ends with `owner`.
+    pub fn follow_ended<T, F>(
+        &self,
+        owner: std::sync::Weak<T>,
+        first: Duration,
+        period: Duration,
+        on_end: impl Fn(&T, &str) + Send + 'static,
+        sweep: impl Fn(Arc<T>) -> F + Send + 'static,
+    ) where
+        T: Send + Sync + 'static,
+        F: std::future::Future<Output = ()> + Send + 'static,
+    {
+        use tokio::sync::broadcast::error::RecvError;
+        let mut ended = self.ended();
+        tokio::spawn(async move {
+            let mut tick = tokio::time::interval_at(tokio::time::Instant::now() + first, period);
+            tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+            loop {
+                let news = tokio::select! {
+                    r = ended.recv() => Some(r),
+                    _ = tick.tick() => None,
+                };
+                let Some(owner) = owner.upgrade() else { return };
+                match news {
+                    Some(Ok(id)) => on_end(&owner, &id),
+                    Some(Err(RecvError::Closed)) => return,
+                    Some(Err(RecvError::Lagged(_))) | None => sweep(owner).await,
+                }
+            }
+        });
+    }
+
     fn announce(&self, id: &str, state: SandboxState) {
         if matches!(state, SandboxState::Deleted | SandboxState::Failed) {
             let _ = self.ended.send(id.to_string());

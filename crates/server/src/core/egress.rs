@@ -27,7 +27,7 @@ use airlock_egress::{Policy, Profiles, RawRules, RuleSet, SandboxEgress, Sandbox
 use std::collections::HashMap;
 use std::net::IpAddr;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex, Weak};
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 /// The header a signed-in create selects profiles with.
@@ -135,34 +135,27 @@ impl EgressRegistry {
         if self.listening.swap(true, Ordering::AcqRel) {
             return;
         }
-        let me: Weak<Self> = Arc::downgrade(self);
-        let mut ended = core.engine.ended();
         let store = core.store.clone();
-        tokio::spawn(async move {
-            let mut tick = tokio::time::interval_at(tokio::time::Instant::now() + SWEEP_EVERY, SWEEP_EVERY);
-            loop {
-                let news = tokio::select! {
-                    r = ended.recv() => Some(r),
-                    _ = tick.tick() => None,
-                };
-                let Some(registry) = me.upgrade() else { return };
-                match news {
-                    Some(Ok(id)) => registry.remove(&id),
-                    Some(Err(tokio::sync::broadcast::error::RecvError::Closed)) => return,
-                    Some(Err(tokio::sync::broadcast::error::RecvError::Lagged(_))) | None => {
-                        let ids: Vec<String> = registry.lock().keys().cloned().collect();
-                        for id in ids {
-                            // A sandbox without a row yet is one being created.
-                            if let Ok(Some(row)) = store.sandbox_by_id(&id).await {
-                                if !is_live(row.state) {
-                                    registry.remove(&id);
-                                }
+        core.engine.follow_ended(
+            Arc::downgrade(self),
+            SWEEP_EVERY,
+            SWEEP_EVERY,
+            |registry, id| registry.remove(id),
+            move |registry: Arc<Self>| {
+                let store = store.clone();
+                async move {
+                    let ids: Vec<String> = registry.lock().keys().cloned().collect();
+                    for id in ids {
+                        // A sandbox without a row yet is one being created.
+                        if let Ok(Some(row)) = store.sandbox_by_id(&id).await {
+                            if !is_live(row.state) {
+                                registry.remove(&id);
                             }
                         }
                     }
                 }
-            }
-        });
+            },
+        );
     }
 }
 

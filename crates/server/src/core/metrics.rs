@@ -10,7 +10,7 @@ use crate::store::SandboxRow;
 use airlock_proto::Metrics;
 use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard, Weak};
+use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
 /// How often each running sandbox is sampled (E2B exports a sandbox's metrics every 5 s).
@@ -126,29 +126,19 @@ impl Core {
         if self.metrics.sampling.swap(true, Ordering::AcqRel) {
             return;
         }
-        let history: Weak<MetricsHistory> = Arc::downgrade(&self.metrics);
         let core = self.clone();
-        let mut ended = self.engine.ended();
         // The task holds the core but not the history: it ends once the history is gone.
-        tokio::spawn(async move {
-            let mut tick = tokio::time::interval(SAMPLE_EVERY);
-            tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-            loop {
-                let ended_one = tokio::select! {
-                    r = ended.recv() => Some(r),
-                    _ = tick.tick() => None,
-                };
-                let Some(history) = history.upgrade() else { return };
-                match ended_one {
-                    Some(Ok(id)) => history.remove(&id),
-                    Some(Err(tokio::sync::broadcast::error::RecvError::Closed)) => return,
-                    Some(Err(tokio::sync::broadcast::error::RecvError::Lagged(_))) | None => {
-                        drop(history);
-                        core.sample_all().await;
-                    }
-                }
-            }
-        });
+        self.engine.follow_ended(
+            Arc::downgrade(&self.metrics),
+            Duration::ZERO,
+            SAMPLE_EVERY,
+            |history, id| history.remove(id),
+            move |history| {
+                drop(history);
+                let core = core.clone();
+                async move { core.sample_all().await }
+            },
+        );
     }
 
     /// One round: a sample of each running sandbox (at once, each within [`SAMPLE_WITHIN`]);

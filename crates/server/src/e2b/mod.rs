@@ -195,28 +195,19 @@ impl Watchers {
         if self.listening.swap(true, Ordering::AcqRel) {
             return;
         }
-        let me = Arc::downgrade(self);
-        let core = core.clone();
-        let mut ended = core.engine.ended();
-        tokio::spawn(async move {
-            let mut tick = tokio::time::interval(WATCHER_SWEEP_EVERY);
-            loop {
-                let news = tokio::select! {
-                    r = ended.recv() => Some(r),
-                    _ = tick.tick() => None,
-                };
-                let Some(watchers) = me.upgrade() else { return };
-                match news {
-                    Some(Ok(id)) => {
-                        watchers.remove_sandbox(&id);
-                    }
-                    Some(Err(tokio::sync::broadcast::error::RecvError::Closed)) => return,
-                    Some(Err(tokio::sync::broadcast::error::RecvError::Lagged(_))) | None => {
-                        watchers.sweep(&core).await
-                    }
-                }
-            }
-        });
+        let sweeper = core.clone();
+        core.engine.follow_ended(
+            Arc::downgrade(self),
+            Duration::ZERO,
+            WATCHER_SWEEP_EVERY,
+            |watchers, id| {
+                watchers.remove_sandbox(id);
+            },
+            move |watchers: Arc<Self>| {
+                let core = sweeper.clone();
+                async move { watchers.sweep(&core).await }
+            },
+        );
     }
 }
 
