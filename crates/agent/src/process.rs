@@ -199,10 +199,14 @@ pub struct Processes {
 }
 
 impl Processes {
+    /// The table, also after a panic elsewhere held it: every update leaves it whole, and one
+    /// failed request must not fail every later spawn.
+    fn table(&self) -> std::sync::MutexGuard<'_, Table> {
+        self.table.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+    }
+
     pub fn get(&self, id: u64) -> Result<Arc<Proc>, AgentError> {
-        self.table
-            .lock()
-            .unwrap()
+        self.table()
             .procs
             .get(&id)
             .cloned()
@@ -210,20 +214,24 @@ impl Processes {
     }
 
     pub fn list(&self) -> Vec<ProcessInfo> {
-        let mut v: Vec<_> = self.table.lock().unwrap().procs.values().map(|p| p.info()).collect();
+        let mut v: Vec<_> = self.table().procs.values().map(|p| p.info()).collect();
         v.sort_by_key(|p| p.id);
         v
     }
 
     /// Reap every exited child; called on SIGCHLD. Orphans re-parented to PID 1 are reaped too.
+    ///
+    /// It waits under the table lock, which a spawn holds: a child whose exec failed is waited
+    /// for by `Command::spawn` itself, which panics if it was reaped here first.
     pub fn reap(&self) {
+        let mut table = self.table();
         loop {
             match waitpid(Pid::from_raw(-1), Some(WaitPidFlag::WNOHANG)) {
                 Ok(WaitStatus::StillAlive) | Err(_) => return,
                 Ok(status) => {
                     let Some(pid) = status.pid() else { continue };
                     if matches!(status, WaitStatus::Exited(..) | WaitStatus::Signaled(..)) {
-                        let waiter = self.table.lock().unwrap().waiters.remove(&(pid.as_raw() as u32));
+                        let waiter = table.waiters.remove(&(pid.as_raw() as u32));
                         if let Some(tx) = waiter {
                             let _ = tx.send(status);
                         }
@@ -304,7 +312,7 @@ impl Processes {
         }
 
         // Spawn and register under the table lock, so the reaper cannot see the pid first.
-        let mut table = self.table.lock().unwrap();
+        let mut table = self.table();
         let mut child = cmd.spawn().map_err(|e| match e.kind() {
             std::io::ErrorKind::NotFound => AgentError::invalid(format!("program {:?} not found", spec.argv[0])),
             std::io::ErrorKind::PermissionDenied => {
@@ -388,7 +396,7 @@ impl Processes {
     }
 
     fn forget_old(&self, id: u64) {
-        let mut t = self.table.lock().unwrap();
+        let mut t = self.table();
         t.finished.push_back(id);
         let retained = |t: &Table| -> usize {
             t.finished
@@ -508,4 +516,43 @@ async fn supervise(
         proc.seq_tx.send_replace(seq);
     }
     table.forget_old(proc.id);
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::atomic::{AtomicBool, Ordering};
+
+    fn spec(argv: &[&str]) -> ProcessSpec {
+        ProcessSpec {
+            argv: argv.iter().map(|a| a.to_string()).collect(),
+            cwd: Some("/".into()),
+            ..Default::default()
+        }
+    }
+
+    /// A program that does not exist is reported as such every time, while the SIGCHLD reaper
+    /// runs: the reaper must not take the failed child `Command::spawn` waits for (std panics
+    /// then, under the table lock, and every later spawn failed).
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_missing_program_is_an_error_every_time_while_the_reaper_runs() {
+        let processes = Processes::default();
+        let stop = Arc::new(AtomicBool::new(false));
+        let reaper = {
+            let (processes, stop) = (processes.clone(), stop.clone());
+            std::thread::spawn(move || {
+                while !stop.load(Ordering::Relaxed) {
+                    processes.reap();
+                }
+            })
+        };
+        for _ in 0..300 {
+            let err = processes.spawn(spec(&["airlock-no-such-program"])).unwrap_err();
+            assert_eq!(err.code, airlock_proto::ErrorCode::InvalidArgument, "{}", err.message);
+        }
+        let started = processes.spawn(spec(&["true"])).expect("a program that exists still starts");
+        assert!(started.id > 0);
+        stop.store(true, Ordering::Relaxed);
+        reaper.join().unwrap();
+    }
 }
