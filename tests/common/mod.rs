@@ -48,6 +48,28 @@ pub fn free_port() -> u16 {
         .port()
 }
 
+/// How many servers' logs a data dir keeps.
+const KEPT_LOGS: usize = 40;
+
+/// Remove all but the `keep` newest `<prefix>*.log` files in `dir`.
+fn keep_newest_logs(dir: &Path, prefix: &str, keep: usize) {
+    let mut logs: Vec<(std::time::SystemTime, PathBuf)> = std::fs::read_dir(dir)
+        .into_iter()
+        .flatten()
+        .flatten()
+        .filter(|e| {
+            let name = e.file_name().to_string_lossy().to_string();
+            name.starts_with(prefix) && name.ends_with(".log")
+        })
+        .filter_map(|e| Some((e.metadata().ok()?.modified().ok()?, e.path())))
+        .collect();
+    logs.sort();
+    let old = logs.len().saturating_sub(keep);
+    for (_, path) in logs.into_iter().take(old) {
+        let _ = std::fs::remove_file(path);
+    }
+}
+
 pub struct Server {
     pub child: Child,
     pub url: String,
@@ -67,9 +89,11 @@ impl Server {
     }
 
     /// A server whose console password is `console_password`, or (with `None`) left to the
-    /// server: generated on a first start. Its output goes to `serve-<port>.log` in `data`.
+    /// server: generated on a first start. Its output goes to `serve-<port>.log` in `data`
+    /// (the newest logs are kept for a look after a run, the older ones removed).
     pub fn start_console(data: &Path, extra: &[&str], console_password: Option<&str>) -> Server {
         let port = free_port();
+        keep_newest_logs(data, "serve-", KEPT_LOGS);
         let log_path = data.join(format!("serve-{port}.log"));
         let log = std::fs::File::create(&log_path).unwrap();
         let mut cmd = Command::new(BIN);

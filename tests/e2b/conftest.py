@@ -1,6 +1,7 @@
 """Fixtures for the E2B SDK suite: one real `airlock serve` with real VMs, and the SDK's two
 environment variables pointing at it. Nothing of airlock is mocked; the SDK is the PyPI package."""
 import contextlib
+import glob
 import importlib.metadata
 import json
 import os
@@ -78,6 +79,10 @@ def airlock_server():
         subprocess.run([BIN, "--data-dir", DATA, "template", "build", template], check=True, stdout=subprocess.DEVNULL)
     port = _free_port()
     url = f"http://127.0.0.1:{port}"
+    # The newest servers' logs stay for a look after a run; older ones go.
+    logs = sorted(glob.glob(os.path.join(DATA, "e2b-serve-*.log")), key=os.path.getmtime)
+    for old in logs[:-20]:
+        os.remove(old)
     log = open(os.path.join(DATA, f"e2b-serve-{port}.log"), "w")
     # E2B_DEBUG clients reach the code interpreter at localhost:49999: airlock serves that port too.
     serve = [BIN, "--data-dir", DATA, "serve", "--listen", f"127.0.0.1:{port}", "--e2b-debug-listen", "127.0.0.1:49999",
