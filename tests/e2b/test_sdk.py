@@ -145,11 +145,19 @@ def test_files_gzip_uploads(sbx, airlock_server):
 
 
 def test_base_has_the_tools_e2b_code_assumes_and_git_clones_a_repository_the_test_made(sbx, tmp_path):
-    """`base` is E2B's base: git, curl, a `python` command, pip and venv, node. The SDK's git
-    helper clones a repository the test made on this host, handed over as a bundle file (no
-    network), and reads its status."""
-    for tool in ("git --version", "curl --version", "python --version", "pip --version", "python -m venv --help", "node --version"):
+    """`base` is E2B's base: git, curl, a `python` command, pip and venv, node and npm. npm
+    installs a package from a local directory (offline), and node loads it. The SDK's git helper
+    clones a repository the test made on this host, handed over as a bundle file (no network),
+    and reads its status."""
+    for tool in ("git --version", "curl --version", "python --version", "pip --version", "python -m venv --help", "node --version", "npm --version"):
         assert sbx.commands.run(tool).exit_code == 0, tool
+    npm = sbx.commands.run(
+        "set -e; mkdir -p /home/user/npm-lib /home/user/npm-app; cd /home/user/npm-lib; npm init -y >/dev/null;"
+        " echo 'module.exports = 6 * 7' > index.js; cd /home/user/npm-app; npm init -y >/dev/null;"
+        " npm install --offline --no-audit --no-fund ../npm-lib >/dev/null; node -e 'console.log(require(\"npm-lib\"))'",
+        timeout=180,
+    )
+    assert npm.stdout == "42\n"
     if not hasattr(sbx, "git"):
         pytest.skip("this e2b has no git helper")
     src = tmp_path / "src"

@@ -17,8 +17,7 @@ use std::time::{Instant, SystemTime};
 
 pub const SEED: &str = "seed";
 /// `seed` plus what code written for E2B's `base` assumes: git, curl, a `python` command, pip and
-/// venv, node. `seed` itself stays minimal. (npm is missing: its dependency web leaves dpkg with
-/// unconfigured packages under `debootstrap --include`; it needs an apt step in the chroot.)
+/// venv, node and npm. `seed` itself stays minimal.
 pub const BASE: &str = "base";
 const BASE_EXTRA_PACKAGES: &[&str] = &[
     "git",
@@ -28,6 +27,10 @@ const BASE_EXTRA_PACKAGES: &[&str] = &[
     "python3-venv",
     "nodejs",
 ];
+/// Installed by apt in the chroot after debootstrap: npm's ~350 node-* dependencies (with
+/// alternatives and virtual packages) leave dpkg with unconfigured packages under
+/// `debootstrap --include`.
+const BASE_APT_PACKAGES: &[&str] = &["npm"];
 /// `seed` + Jupyter (ipykernel, jupyter_client), pandas, matplotlib, E2B's chart extraction
 /// (`e2b-charts`) and a bash kernel, with airlock's code interpreter on port 49999: E2B's API
 /// over a kernel per context (E2B's `code-interpreter-v1`).
@@ -151,6 +154,10 @@ pub struct SeedRecipe {
     /// are none, so the recipes (and digests) of templates without wheels stay as they were.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub wheels: Vec<String>,
+    /// Debian packages apt installs in the chroot after debootstrap. Absent when there are none,
+    /// as `wheels`.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub apt: Vec<String>,
     #[serde(default)]
     pub start: Option<StartSpec>,
     pub builder_version: u32,
@@ -167,6 +174,9 @@ struct TemplateDef {
     files: Vec<(&'static str, &'static str, u32)>,
     /// Unpacked into the guest's Python site directory (`/usr/local/lib/python3.X/dist-packages`).
     wheels: &'static [Wheel],
+    /// Installed by apt in the chroot after debootstrap, for dependency webs debootstrap cannot
+    /// configure.
+    apt: &'static [&'static str],
     start: Option<StartSpec>,
 }
 
@@ -196,12 +206,14 @@ fn definition(name: &str) -> Option<TemplateDef> {
             packages: SEED_PACKAGES.to_vec(),
             files: Vec::new(),
             wheels: &[],
+            apt: &[],
             start: None,
         }),
         BASE => Some(TemplateDef {
             packages: SEED_PACKAGES.iter().chain(BASE_EXTRA_PACKAGES).copied().collect(),
             files: Vec::new(),
             wheels: &[],
+            apt: BASE_APT_PACKAGES,
             start: None,
         }),
         CODE_INTERPRETER => Some(TemplateDef {
@@ -212,6 +224,7 @@ fn definition(name: &str) -> Option<TemplateDef> {
                 (BASH_KERNEL_PATH, BASH_KERNEL_JSON, 0o644),
             ],
             wheels: CODE_INTERPRETER_WHEELS,
+            apt: &[],
             start: Some(StartSpec {
                 argv: vec![
                     "python3".into(),
@@ -234,9 +247,13 @@ impl SeedRecipe {
     fn digest(&self) -> String {
         sha256_hex(&serde_json::to_vec(self).expect("serializable"))
     }
-    /// The debootstrap layer depends only on these fields.
+    /// The debootstrap layer (with its apt step) depends only on these fields.
     fn base_key(&self) -> String {
-        let key = serde_json::json!([self.suite, self.variant, self.packages, self.mirror, BUILDER_VERSION]);
+        let mut key = serde_json::json!([self.suite, self.variant, self.packages, self.mirror, BUILDER_VERSION]);
+        if !self.apt.is_empty() {
+            // Only then: the cached bases of templates without an apt step keep their keys.
+            key.as_array_mut().expect("an array").push(serde_json::json!(self.apt));
+        }
         sha256_hex(key.to_string().as_bytes())[..16].to_string()
     }
 }
@@ -280,7 +297,7 @@ fn sha256_hex(data: &[u8]) -> String {
     hex::encode(Sha256::digest(data))
 }
 
-fn sha256_file(path: &Path) -> Result<String> {
+pub(crate) fn sha256_file(path: &Path) -> Result<String> {
     use std::io::Read;
     let mut f = std::fs::File::open(path).map_err(|e| RuntimeError::io(path, e))?;
     let mut h = Sha256::new();
@@ -414,6 +431,7 @@ impl TemplateStore {
                 .iter()
                 .map(|w| format!("{} sha256:{}", w.file_name(), w.sha256))
                 .collect(),
+            apt: def.apt.iter().map(|s| s.to_string()).collect(),
             start: def.start.clone(),
             builder_version: BUILDER_VERSION,
         };
@@ -580,6 +598,9 @@ impl TemplateStore {
             };
             ran?;
             tracing::debug!("debootstrap took {:.1}s", started.elapsed().as_secs_f64());
+            if !recipe.apt.is_empty() {
+                apt_install(&tmp, &recipe.apt, &log, progress)?;
+            }
             progress.status("customizing the base", "customizing the base", "customizing the base");
             customize_base(&tmp)?;
             if recipe.packages.iter().any(|p| p == "python3-matplotlib") {
@@ -732,6 +753,50 @@ impl TemplateStore {
 
 fn short(digest: &str) -> String {
     digest.chars().take(19).collect()
+}
+
+/// Install `packages` with apt inside the fresh debootstrap at `root`, from the mirror debootstrap
+/// wrote into its sources. The host's resolver is lent to the chroot for this step only
+/// (`customize_base` empties it again). Retried as debootstrap is.
+fn apt_install(root: &Path, packages: &[String], log: &Path, progress: &Progress) -> Result<()> {
+    let resolv = root.join("etc/resolv.conf");
+    std::fs::copy("/etc/resolv.conf", &resolv).map_err(|e| RuntimeError::io(&resolv, e))?;
+    // Check-Valid-Until: a host that builds from a frozen snapshot of the archive has Release
+    // files past their validity date (debootstrap does not check it either).
+    let apt = |args: &[&str]| {
+        let mut cmd = Command::new("chroot");
+        cmd.arg(root)
+            .args(["apt-get", "-q", "-y", "-o", "Acquire::Check-Valid-Until=false"])
+            .args(args)
+            .env("DEBIAN_FRONTEND", "noninteractive");
+        cmd
+    };
+    const ATTEMPTS: u32 = 3;
+    let what = format!("apt: installing {}", packages.join(" "));
+    let mut attempt = 1;
+    loop {
+        progress.status(&what, &what, &what);
+        let mut installed = 0usize;
+        let ran = run_logged(&mut apt(&["update"]), log, "apt-get update", progress, |_| {}).and_then(|()| {
+            let mut install = apt(&["--no-install-recommends", "install"]);
+            install.args(packages);
+            run_logged(&mut install, log, "apt-get install", progress, |line| {
+                if line.starts_with("Setting up ") {
+                    installed += 1;
+                    progress.status(&what, &format!("{what}: {installed} set up"), &what);
+                }
+            })
+        });
+        match ran {
+            Ok(()) => return Ok(()),
+            Err(e) if attempt == ATTEMPTS => return Err(e),
+            Err(_) => {
+                progress.warn(&format!("apt failed (attempt {attempt} of {ATTEMPTS}); trying again in 10 s"));
+                attempt += 1;
+                std::thread::sleep(std::time::Duration::from_secs(10));
+            }
+        }
+    }
 }
 
 /// Extra steps on the fresh debootstrap: the `user` account, hosts, and slimming.
@@ -1517,6 +1582,7 @@ I: Base system installed successfully.
             agent_sha256: "00".into(),
             files_sha256: String::new(),
             wheels,
+            apt: Vec::new(),
             start: None,
             builder_version: BUILDER_VERSION,
         };
@@ -1537,5 +1603,33 @@ I: Base system installed successfully.
             assert!(w.sha256.len() == 64 && w.sha256.chars().all(|c| c.is_ascii_hexdigit()));
         }
         assert!(definition(SEED).unwrap().wheels.is_empty() && definition(BASE).unwrap().wheels.is_empty());
+    }
+
+    #[test]
+    fn an_apt_step_changes_only_the_recipes_and_debootstrap_caches_that_have_one() {
+        let plain = SeedRecipe {
+            name: BASE.into(),
+            suite: "bookworm".into(),
+            variant: "minbase".into(),
+            packages: vec!["nodejs".into()],
+            mirror: "http://deb.example/debian".into(),
+            kernel_package: "linux-image-cloud-amd64".into(),
+            modules: Vec::new(),
+            agent_sha256: "00".into(),
+            files_sha256: String::new(),
+            wheels: Vec::new(),
+            apt: Vec::new(),
+            start: None,
+            builder_version: BUILDER_VERSION,
+        };
+        assert!(serde_json::to_value(&plain).unwrap().get("apt").is_none());
+        // The debootstrap cache key of a recipe without an apt step is what it always was.
+        let old_key = serde_json::json!([plain.suite, plain.variant, plain.packages, plain.mirror, BUILDER_VERSION]);
+        assert_eq!(plain.base_key(), sha256_hex(old_key.to_string().as_bytes())[..16]);
+        let with_npm = SeedRecipe { apt: vec!["npm".into()], ..plain.clone() };
+        assert_ne!(with_npm.base_key(), plain.base_key());
+        assert_ne!(with_npm.digest(), plain.digest());
+        assert_eq!(definition(BASE).unwrap().apt, ["npm"]);
+        assert!(definition(SEED).unwrap().apt.is_empty() && definition(CODE_INTERPRETER).unwrap().apt.is_empty());
     }
 }

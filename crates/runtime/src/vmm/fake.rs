@@ -103,6 +103,7 @@ pub fn install_template(data_dir: &Path, name: &str) -> Result<TemplateManifest>
             agent_sha256: String::new(),
             files_sha256: String::new(),
             wheels: Vec::new(),
+            apt: Vec::new(),
             start: None,
             builder_version: 0,
         },
