@@ -281,9 +281,9 @@ fn timeout_suspends_and_a_request_resumes() {
     s.delete(&id);
 }
 
-/// A snapshot saves a running sandbox (it runs on); sandboxes made from it (by name) and a fork's
-/// children start with its files and running processes, each independent; deleting the
-/// snapshot leaves them be.
+/// A snapshot saves a running sandbox (it runs on) under a content digest; sandboxes made from
+/// it (by digest) and a fork's children start with its files and running processes, each
+/// independent; deleting the snapshot leaves them be.
 fn snapshots_and_forks_start_from_a_running_sandbox() {
     let s = server();
     let id = s.create(json!({ "template": "seed", "timeout": "10m" }));
@@ -296,6 +296,24 @@ fn snapshots_and_forks_start_from_a_running_sandbox() {
     assert_eq!((snap["sandbox_id"].as_str(), snap["template"].as_str()), (Some(id.as_str()), Some("seed")));
     assert!(snap["bytes"].as_u64().unwrap() > 0, "{snap}");
     let snap_id = snap["id"].as_str().unwrap().to_string();
+    // Content-addressed: the digest names it as its id and name do, and its image records it.
+    let digest = snap["digest"].as_str().unwrap_or_default().to_string();
+    assert!(
+        digest.len() == 71 && digest.starts_with("sha256:") && digest[7..].bytes().all(|b| b.is_ascii_hexdigit()),
+        "{snap}"
+    );
+    let manifest: Value = serde_json::from_slice(&std::fs::read(s.data.join("images").join(&snap_id).join("image.json")).unwrap()).unwrap();
+    assert_eq!(manifest["digest"], digest.as_str());
+    for reference in [&digest, &name] {
+        let (status, got) = s.call("GET", &format!("/v1/snapshots/{reference}"), None);
+        assert_eq!((status, got["id"].as_str()), (200, Some(snap_id.as_str())), "{reference}: {got}");
+    }
+    // The sandbox runs on (its counter counts): saved again, it is another machine.
+    let (status, later) = s.call("POST", &format!("/v1/sandboxes/{id}/snapshots"), None);
+    assert_eq!(status, 201, "{later}");
+    assert_ne!(later["digest"], digest.as_str(), "{later}");
+    let (status, _) = s.call("DELETE", &format!("/v1/snapshots/{}", later["id"].as_str().unwrap()), None);
+    assert_eq!(status, 204);
     let (status, again) = s.call("POST", &format!("/v1/sandboxes/{id}/snapshots"), Some(json!({ "name": name })));
     assert_eq!((status, again["code"].as_str()), (409, Some("conflict")), "{again}");
     let (_, listed) = s.call("GET", &format!("/v1/snapshots?sandbox_id={id}"), None);
@@ -309,7 +327,7 @@ fn snapshots_and_forks_start_from_a_running_sandbox() {
         let sid = s.session(sb, json!({ "argv": ["sh", "-c", "cat /home/user/p.txt; a=$(cat /tmp/n); sleep 0.5; [ $(cat /tmp/n) -gt $a ] && echo counting"] }));
         decode(&s.events(sb, &sid, None, None), "stdout")
     };
-    let from_snapshot = s.create(json!({ "template": name }));
+    let from_snapshot = s.create(json!({ "template": digest }));
     let (_, sb) = s.call("GET", &format!("/v1/sandboxes/{from_snapshot}"), None);
     assert_eq!((sb["start"]["from"].as_str(), sb["template"].as_str()), (Some("snapshot"), Some("seed")), "{sb}");
     assert_eq!(still_counting(&from_snapshot), "parent\ncounting\n");

@@ -41,6 +41,7 @@ fn seed(resources: Resources) -> CreateSandbox {
         template: "seed".into(),
         resources,
         image: None,
+        env: Default::default(),
     }
 }
 

@@ -28,7 +28,7 @@ def ci(airlock_server):
 
     # The sandbox keeps the connection settings it was created with.
     with contextlib.nullcontext() if header_routed() else domain_env():
-        s = Sandbox.create(timeout=900)
+        s = Sandbox.create(timeout=900, envs={"AIRLOCK_SANDBOX_ENV": "from create"})
     yield s
     delete_sandbox(airlock_server, s.sandbox_id)
 
@@ -140,6 +140,17 @@ def test_env_vars_last_one_execution(ci):
     ex = ci.run_code("import os; os.getenv('AIRLOCK_FOO')", envs={"AIRLOCK_FOO": "bar 'baz'"})
     assert ex.text == "bar 'baz'"
     assert ci.run_code("import os; os.getenv('AIRLOCK_FOO', 'default')").text == "default"
+
+
+def test_the_sandbox_envs_reach_every_execution_under_its_own(ci):
+    """As E2B's interpreter does: the envs the sandbox was created with apply to each execution
+    (python and bash), and an execution's own envs win for that execution."""
+    read = "import os; os.getenv('AIRLOCK_SANDBOX_ENV')"
+    assert ci.run_code(read).text == "from create"
+    assert ci.run_code(read, envs={"AIRLOCK_SANDBOX_ENV": "mine"}).text == "mine"
+    assert ci.run_code(read).text == "from create"
+    bash = ci.run_code("echo $AIRLOCK_SANDBOX_ENV", language="bash")
+    assert "".join(bash.logs.stdout).strip() == "from create"
 
 
 def test_stdout_and_stderr_callbacks(ci):

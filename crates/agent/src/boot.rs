@@ -313,6 +313,20 @@ fn grow_root_fs() -> std::io::Result<()> {
 #[cfg(test)]
 mod tests {
     #[test]
+    fn the_sandbox_env_is_replaced_whole_and_readable_by_all() {
+        use std::os::unix::fs::PermissionsExt;
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("run/airlock/env.json");
+        let env = std::collections::BTreeMap::from([("A".to_string(), "1".to_string()), ("B".into(), "x y".into())]);
+        super::write_sandbox_env(&path, &env).unwrap();
+        let back: std::collections::BTreeMap<String, String> = serde_json::from_slice(&std::fs::read(&path).unwrap()).unwrap();
+        assert_eq!(back, env);
+        assert_eq!(std::fs::metadata(&path).unwrap().permissions().mode() & 0o777, 0o644);
+        super::write_sandbox_env(&path, &Default::default()).unwrap();
+        assert_eq!(std::fs::read_to_string(&path).unwrap(), "{}");
+    }
+
+    #[test]
     fn reads_cmdline_values() {
         let c = "console=ttyS0 airlock.hostname=sbx-1 quiet";
         assert_eq!(super::cmdline_value(c, "airlock.hostname"), Some("sbx-1"));
@@ -350,7 +364,23 @@ pub fn apply_identity(id: &airlock_proto::Identity) -> Result<(), crate::error::
     nix::unistd::sethostname(&id.hostname).map_err(|e| internal("hostname", e.into()))?;
     fs::write("/etc/hostname", format!("{}\n", id.hostname)).map_err(|e| internal("/etc/hostname", e))?;
     fs::write("/etc/machine-id", format!("{}\n", id.machine_id)).map_err(|e| internal("/etc/machine-id", e))?;
+    if let Some(env) = &id.env {
+        write_sandbox_env(std::path::Path::new(airlock_proto::SANDBOX_ENV_PATH), env)
+            .map_err(|e| internal(airlock_proto::SANDBOX_ENV_PATH, e))?;
+    }
     Ok(())
+}
+
+/// The sandbox's environment as a JSON object at `path`, replaced whole (a reader never sees
+/// half of it), readable by every user.
+fn write_sandbox_env(path: &std::path::Path, env: &std::collections::BTreeMap<String, String>) -> std::io::Result<()> {
+    use std::os::unix::fs::PermissionsExt;
+    let dir = path.parent().unwrap_or(std::path::Path::new("/"));
+    fs::create_dir_all(dir)?;
+    let tmp = dir.join(".env.json.tmp");
+    fs::write(&tmp, serde_json::to_vec(env).map_err(std::io::Error::other)?)?;
+    fs::set_permissions(&tmp, fs::Permissions::from_mode(0o644))?;
+    fs::rename(&tmp, path)
 }
 
 fn decode_hex(s: &str) -> Option<Vec<u8>> {

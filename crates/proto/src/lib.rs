@@ -87,7 +87,16 @@ pub struct Identity {
     pub entropy_hex: String,
     /// The host's clock (ns since the epoch) when the call was made.
     pub unix_time_ns: u64,
+    /// The sandbox's environment variables, for what runs in the guest without the host
+    /// starting it (a template's own process, such as the code interpreter, reads them from
+    /// [`SANDBOX_ENV_PATH`]). Absent: unchanged (a resume).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub env: Option<BTreeMap<String, String>>,
 }
+
+/// Where the agent keeps the sandbox's environment variables ([`Identity::env`]) as a JSON
+/// object, readable by every user in the guest (as E2B's envd serves them on `/envs`).
+pub const SANDBOX_ENV_PATH: &str = "/run/airlock/env.json";
 
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
 pub struct Health {

@@ -30,6 +30,7 @@ from jupyter_client.kernelspec import KernelSpecManager, NoSuchKernel
 HERE = os.path.dirname(os.path.abspath(__file__))
 STARTUP = os.path.join(HERE, "ipython_startup.py")
 HOME = os.environ.get("HOME") or "/home/user"
+SANDBOX_ENV = "/run/airlock/env.json"
 KEEPALIVE_S = 5
 MAX_HEAD = 64 * 1024
 MAX_BODY = 64 * 1024 * 1024
@@ -63,6 +64,17 @@ def normalize_language(language):
         return "python"
     language = language.lower().strip()
     return {"js": "javascript", "ts": "typescript"}.get(language, language)
+
+
+def sandbox_env():
+    """The sandbox's environment variables, which airlock's agent keeps here (E2B's envd serves
+    them on /envs): every execution gets them, under its own `env_vars`."""
+    try:
+        with open(SANDBOX_ENV) as f:
+            env = json.load(f)
+    except (OSError, ValueError):
+        return {}
+    return {str(k): str(v) for k, v in env.items()} if isinstance(env, dict) else {}
 
 
 def machine_id():
@@ -417,7 +429,7 @@ class Server:
                     ctx = await self.default_context(language)
                 except Unsupported:
                     return await conn.text(*self.unsupported(language))
-            env_vars = {str(k): str(v) for k, v in (req.get("env_vars") or {}).items()}
+            env_vars = {**sandbox_env(), **{str(k): str(v) for k, v in (req.get("env_vars") or {}).items()}}
             return await conn.stream(lambda emit, gone: ctx.execute(req["code"], env_vars, emit, gone))
         return await conn.reply(404, {"detail": "Not Found"})
 

@@ -7,6 +7,8 @@ pub enum RuntimeError {
     UnknownTemplate(String),
     #[error("no sandbox with id {0:?}")]
     UnknownSandbox(String),
+    #[error("no saved image with id {0:?}")]
+    UnknownImage(String),
     #[error("invalid resources: {0}")]
     InvalidResources(String),
     #[error("QEMU is not installed ({0} not found); run scripts/install-host-deps as root")]

@@ -13,7 +13,7 @@ use airlock_proto::frame::EventKind;
 use airlock_proto::{ExitStatus, ProcessSpec};
 use futures_util::StreamExt;
 use serde::{Deserialize, Serialize};
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
@@ -303,6 +303,8 @@ pub struct CreateSandbox {
     /// Start from this saved image ([`Runtime::save_image`]) instead: its machine, memory,
     /// processes and disk; `template` and `resources` are then the image's.
     pub image: Option<String>,
+    /// The sandbox's environment variables, handed to the guest with its identity.
+    pub env: BTreeMap<String, String>,
 }
 
 /// One warm pool's VMs and counters.
@@ -741,6 +743,7 @@ impl Runtime {
                 Accel::Kvm,
                 Duration::from_secs(10),
                 Purpose::Probe,
+                &BTreeMap::new(),
             )
             .await
         {
@@ -772,7 +775,7 @@ impl Runtime {
         };
         let claimed = self.inner.claimed.lock().unwrap().remove(&id);
         if let Some(vm) = claimed {
-            match self.hand_out(vm).await {
+            match self.hand_out(vm, &req.env).await {
                 Ok(sb) => return Ok(sb),
                 Err(e) => tracing::warn!(%id, "a claimed pool VM could not be handed out ({e}); starting one instead"),
             }
@@ -787,7 +790,7 @@ impl Runtime {
                 .image(image)
                 .ok_or_else(|| RuntimeError::UnknownTemplate(format!("image {image}")))?;
             let accel = image.manifest.accel;
-            return self.launch(id, Source::Image(&image), accel, self.inner.boot_timeout, purpose).await;
+            return self.launch(id, Source::Image(&image), accel, self.inner.boot_timeout, purpose, &req.env).await;
         }
         let template = self.inner.templates.resolve(&req.template)?;
         req.resources.validate(&template)?;
@@ -796,7 +799,7 @@ impl Runtime {
         let limit = self.inner.boot_timeout;
         if let Some(key) = self.snapshot_key(&template, &resources, accel) {
             match BaseSnapshot::find(&self.inner.data.snapshots(), &key) {
-                Some(snap) => match self.launch(id.clone(), Source::Base(&template, resources, &snap), accel, limit, purpose).await {
+                Some(snap) => match self.launch(id.clone(), Source::Base(&template, resources, &snap), accel, limit, purpose, &req.env).await {
                     Ok(sb) => return Ok(sb),
                     Err(e) => {
                         tracing::warn!(%id, snapshot = %key, "restore failed, booting instead: {e}");
@@ -810,12 +813,20 @@ impl Runtime {
                 None => self.want_base_snapshot(key, template.clone(), resources, accel),
             }
         }
-        self.launch(id, Source::Boot(&template, resources), accel, limit, purpose).await
+        self.launch(id, Source::Boot(&template, resources), accel, limit, purpose, &req.env).await
     }
 
     /// Start a VM for sandbox `id` from `source` (a boot, a base snapshot's restore, a saved
     /// image's restore) and give it its identity once the agent answers.
-    async fn launch(&self, id: String, source: Source<'_>, accel: Accel, limit: Duration, purpose: Purpose) -> Result<Arc<Sandbox>> {
+    async fn launch(
+        &self,
+        id: String,
+        source: Source<'_>,
+        accel: Accel,
+        limit: Duration,
+        purpose: Purpose,
+        env: &BTreeMap<String, String>,
+    ) -> Result<Arc<Sandbox>> {
         let dir = self.inner.data.sandboxes().join(&id);
         // Not `create_dir_all`: an existing dir is a sandbox with this id still booting.
         std::fs::create_dir(&dir).map_err(|e| match e.kind() {
@@ -860,7 +871,7 @@ impl Runtime {
                 let restored_ms = started.elapsed().as_millis();
                 let client = AgentClient::connect_within(&vm.agent_socket, limit).await?;
                 let agent_ms = started.elapsed().as_millis();
-                client.set_identity(&identity(&record)).await?;
+                client.set_identity(&identity(&record, Some(env))).await?;
                 // Where a start's time goes (the restore path's profile; `boot-profile` has the boot's).
                 tracing::debug!(
                     %id,
@@ -1299,6 +1310,7 @@ impl Runtime {
                 state_bytes: size("state"),
                 disk_bytes: size("disk.qcow2"),
                 save_ms: started.elapsed().as_millis() as u64,
+                digest: None,
             };
             write_atomic(&dir.join(MANIFEST), &serde_json::to_vec_pretty(&manifest).expect("serializable"))?;
             Ok::<_, RuntimeError>(Image { dir: dir.clone(), manifest })
@@ -1310,6 +1322,31 @@ impl Runtime {
         let image = saved?;
         tracing::info!(%id, image = %image_id, ms = image.manifest.save_ms, bytes = image.bytes(), "image saved");
         Ok(image)
+    }
+
+    /// Compute image `image_id`'s content address ([`crate::image::Image::content_digest`]) and
+    /// record it in its manifest; a digest recorded before is returned as it is. Off the save's
+    /// path: the sandbox it came from runs meanwhile, and forks' images need none.
+    pub async fn digest_image(&self, image_id: &str) -> Result<String> {
+        use crate::image::{Image, MANIFEST};
+        let root = self.inner.data.images();
+        let image = Image::find(&root, image_id).ok_or_else(|| RuntimeError::UnknownImage(image_id.into()))?;
+        if let Some(d) = &image.manifest.digest {
+            return Ok(d.clone());
+        }
+        tokio::task::spawn_blocking(move || {
+            let started = Instant::now();
+            let digest = image.content_digest()?;
+            let manifest = crate::image::ImageManifest {
+                digest: Some(digest.clone()),
+                ..image.manifest.clone()
+            };
+            write_atomic(&image.dir.join(MANIFEST), &serde_json::to_vec_pretty(&manifest).expect("serializable"))?;
+            tracing::info!(image = %manifest.id, %digest, ms = started.elapsed().as_millis() as u64, "image digested");
+            Ok(digest)
+        })
+        .await
+        .map_err(|e| RuntimeError::io(&root, std::io::Error::other(e.to_string())))?
     }
 
     /// Keep `size` VMs of `template` with `resources` ready for creates to claim (0 empties the
@@ -1446,7 +1483,7 @@ impl Runtime {
 
     /// A claimed pool VM becomes sandbox `vm.id()`: its network gets the sandbox's egress, its
     /// clock and entropy are set again, and it leaves the pool for good.
-    async fn hand_out(&self, vm: Arc<Sandbox>) -> Result<Arc<Sandbox>> {
+    async fn hand_out(&self, vm: Arc<Sandbox>, env: &BTreeMap<String, String>) -> Result<Arc<Sandbox>> {
         let started = Instant::now();
         let dir = vm.vm.dir.clone();
         let handed = async {
@@ -1456,7 +1493,7 @@ impl Runtime {
                 write_atomic(&SandboxLink::record_path(&dir), &serde_json::to_vec_pretty(l).expect("serializable"))?;
             }
             let client = vm.agent().await?;
-            client.set_identity(&identity(&vm.record)).await?;
+            client.set_identity(&identity(&vm.record, Some(env))).await?;
             Ok::<_, RuntimeError>((link, client))
         };
         match handed.await {
@@ -1515,6 +1552,7 @@ impl Runtime {
                     template: key.template.clone(),
                     resources: key.resources,
                     image: None,
+                    env: BTreeMap::new(),
                 };
                 let started = match rt.start_new(random_hex(10), &req, Purpose::Pool).await {
                     // Its first command warms what every first command costs (under TCG, the
@@ -1690,7 +1728,8 @@ impl Runtime {
             let ready = async {
                 self.snapshotting("resume")?.complete_restore(&vm, SUSPEND_LIMIT).await?;
                 let client = AgentClient::connect_within(&vm.agent_socket, limit).await?;
-                client.set_identity(&identity(&record)).await?;
+                // Its environment is in its saved memory already.
+                client.set_identity(&identity(&record, None)).await?;
                 Ok::<_, RuntimeError>(client)
             };
             ready_or_died(id, &vm, "resume", ready).await.map(|client| (vm, client))
@@ -1762,8 +1801,9 @@ fn builder_cmdline() -> String {
 }
 
 /// A VM's identity: its hostname is its id, its machine id the one it was given; the entropy
-/// and the clock are fresh.
-fn identity(record: &SandboxRecord) -> airlock_proto::Identity {
+/// and the clock are fresh; `env` (if given) replaces the guest's copy of the sandbox's
+/// environment.
+fn identity(record: &SandboxRecord, env: Option<&BTreeMap<String, String>>) -> airlock_proto::Identity {
     airlock_proto::Identity {
         hostname: record.id.clone(),
         machine_id: record.machine_id.clone(),
@@ -1772,6 +1812,7 @@ fn identity(record: &SandboxRecord) -> airlock_proto::Identity {
             .duration_since(SystemTime::UNIX_EPOCH)
             .map(|d| d.as_nanos() as u64)
             .unwrap_or(0),
+        env: env.cloned(),
     }
 }
 

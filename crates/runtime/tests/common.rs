@@ -78,6 +78,7 @@ pub fn create() -> Arc<Sandbox> {
         template: "seed".into(),
         resources: small(),
         image: None,
+        env: Default::default(),
     }))
     .expect("sandbox boots")
 }

@@ -22,6 +22,7 @@ fn seed(id: Option<&str>) -> CreateSandbox {
         template: "seed".into(),
         resources: Resources::default(),
         image: None,
+        env: Default::default(),
     }
 }
 

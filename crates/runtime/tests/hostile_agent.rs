@@ -52,6 +52,7 @@ async fn bench() -> Bench {
         template: "seed".into(),
         resources: Resources::default(),
         image: None,
+        env: Default::default(),
     };
     let good = rt.create(create()).await.unwrap();
     let bad = rt.create(create()).await.unwrap();

@@ -116,6 +116,7 @@ fn create(id: &str, plan: Plan) -> Result<Arc<Sandbox>, RuntimeError> {
         template: "seed".into(),
         resources: small(),
         image: None,
+        env: Default::default(),
     }))
 }
 

@@ -28,6 +28,7 @@ fn child_creates_sandbox_and_exits() {
             template: "seed".into(),
             resources: small(),
             image: None,
+            env: Default::default(),
         };
         let sb = rt.create(seed()).await.unwrap();
         sb.agent()

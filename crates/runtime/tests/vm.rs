@@ -646,6 +646,7 @@ fn sandboxes_from_a_saved_image_have_its_processes_and_files_and_lives_of_their_
                         template: String::new(),
                         resources: Resources::default(),
                         image: Some(image_id),
+                        env: Default::default(),
                     })
                     .await
                     .unwrap();
@@ -765,6 +766,7 @@ fn resources_are_honoured_and_validated() {
             disk_mib: 3000,
         },
         image: None,
+        env: Default::default(),
     }))
     .unwrap();
     let out = block_on(sb.run(sh(
@@ -783,6 +785,7 @@ fn resources_are_honoured_and_validated() {
         template: "seed".into(),
         resources: r,
         image: None,
+        env: Default::default(),
     })) {
         Err(RuntimeError::InvalidResources(m)) => m,
         Err(e) => panic!("wrong error {e}"),
@@ -805,6 +808,7 @@ fn resources_are_honoured_and_validated() {
         template: "nonexistent".into(),
         resources: small(),
         image: None,
+        env: Default::default(),
     })) {
         Err(e @ RuntimeError::UnknownTemplate(_)) => assert!(e.to_string().contains("airlock template ls")),
         other => panic!("expected unknown template, got {:?}", other.err()),

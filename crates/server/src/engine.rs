@@ -440,17 +440,28 @@ impl Engine {
         }
     }
 
-    /// Save the image, then record the snapshot (an image without a record is removed).
+    /// Save the image, digest it (snapshots, while the sandbox runs on; forks need none), then
+    /// record the snapshot (an image without a record is removed).
     async fn run_snapshot(&self, op: Operation, mut snapshot: crate::store::SnapshotRow) {
         let _ = self.store.set_operation_state(&op.id, OperationState::Running).await;
         let saved = match self.nodes.save_image(&op.sandbox_id, &snapshot.id).await {
             Ok(bytes) => {
                 snapshot.bytes = bytes;
-                match self.store.insert_snapshot(&snapshot).await {
+                let digested = match snapshot.kind {
+                    crate::store::SnapshotKind::Snapshot => {
+                        self.nodes.digest_image(&snapshot.id).await.map(|d| snapshot.digest = Some(d))
+                    }
+                    crate::store::SnapshotKind::Fork => Ok(()),
+                };
+                let recorded = match digested {
+                    Ok(()) => self.store.insert_snapshot(&snapshot).await.map_err(CoreError::from),
+                    Err(e) => Err(CoreError::from(e)),
+                };
+                match recorded {
                     Ok(()) => Ok(()),
                     Err(e) => {
                         let _ = self.nodes.delete_image(&snapshot.id).await;
-                        Err(CoreError::from(e))
+                        Err(e)
                     }
                 }
             }

@@ -287,6 +287,7 @@ impl CoreError {
                 // Every variant is named: a new one must be placed here deliberately.
                 RuntimeError::UnknownTemplate(_)
                 | RuntimeError::UnknownSandbox(_)
+                | RuntimeError::UnknownImage(_)
                 | RuntimeError::InvalidResources(_)
                 | RuntimeError::Agent(_)
                 | RuntimeError::QemuMissing(_)
@@ -362,6 +363,7 @@ impl From<RuntimeError> for CoreError {
                 hint: "; `airlock template ls` lists the templates".into(),
             },
             RuntimeError::UnknownSandbox(id) => CoreError::not_found(Kind::Sandbox, id),
+            RuntimeError::UnknownImage(id) => CoreError::not_found(Kind::Snapshot, id),
             RuntimeError::InvalidResources(m) => CoreError::InvalidResources(m),
             other => CoreError::Runtime(other),
         }

@@ -202,6 +202,10 @@ pub struct Snapshot {
     pub resources: Resources,
     /// Disk space it holds (saved memory and disk).
     pub bytes: u64,
+    /// Content address, `sha256:<hex>`: a digest over its saved memory and device state, its
+    /// disk, its template's content and its resources. Equal digests restore to the same
+    /// machine. A create may name the snapshot by it, as by its id or name.
+    pub digest: Option<String>,
     pub created_at: String,
 }
 

@@ -54,6 +54,8 @@ pub trait Nodes: Send + Sync {
     async fn save_image(&self, id: &str, image_id: &str) -> Result<u64, RuntimeError>;
     /// Remove a saved image (a missing one is not an error).
     async fn delete_image(&self, image_id: &str) -> Result<(), RuntimeError>;
+    /// Image `image_id`'s content address, `sha256:<hex>` (see `Runtime::digest_image`).
+    async fn digest_image(&self, image_id: &str) -> Result<String, RuntimeError>;
     /// Every saved image this node has.
     fn image_ids(&self) -> Vec<String>;
     /// A warm pool VM of `template` with `resources` for a create: its id becomes the
@@ -142,6 +144,7 @@ impl Nodes for LocalNode {
                     disk_mib: sandbox.resources.disk_mib,
                 },
                 image: sandbox.image_id.clone(),
+                env: sandbox.env.clone(),
             })
             .await?;
         Ok(Booted {
@@ -201,6 +204,10 @@ impl Nodes for LocalNode {
 
     async fn delete_image(&self, image_id: &str) -> Result<(), RuntimeError> {
         self.runtime.delete_image(image_id)
+    }
+
+    async fn digest_image(&self, image_id: &str) -> Result<String, RuntimeError> {
+        self.runtime.digest_image(image_id).await
     }
 
     fn image_ids(&self) -> Vec<String> {

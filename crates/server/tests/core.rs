@@ -125,6 +125,7 @@ async fn crash_mid_create_after_the_boot_succeeds_it() {
                 template: "seed".into(),
                 resources: Default::default(),
                 image: None,
+                env: Default::default(),
             })
             .await
             .map(|_| ())

@@ -61,6 +61,7 @@ impl Core {
             template: row.template.clone(),
             resources: row.resources,
             bytes: 0,
+            digest: None,
             created_at_ms: now_ms(),
         };
         let op = self
@@ -96,7 +97,7 @@ impl Core {
         r.map(|s| s.view())
     }
 
-    /// The tenant's snapshot by id or name.
+    /// The tenant's snapshot by id, name or content digest.
     pub async fn snapshot(&self, tenant: &Tenant, id: &str) -> CoreResult<SnapshotRow> {
         match self.store.get_snapshot(&tenant.id, id).await? {
             Some(s) if s.kind == SnapshotKind::Snapshot => Ok(s),

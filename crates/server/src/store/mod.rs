@@ -425,6 +425,8 @@ pub struct SnapshotRow {
     pub template: String,
     pub resources: Resources,
     pub bytes: u64,
+    /// Content address, `sha256:<hex>` (snapshots; forks' images have none).
+    pub digest: Option<String>,
     pub created_at_ms: i64,
 }
 
@@ -437,6 +439,7 @@ impl SnapshotRow {
             template: self.template.clone(),
             resources: self.resources,
             bytes: self.bytes,
+            digest: self.digest.clone(),
             created_at: rfc3339(self.created_at_ms),
         }
     }
@@ -454,7 +457,7 @@ pub enum SnapshotKind {
 #[async_trait]
 pub trait SnapshotStore: Send + Sync {
     async fn insert_snapshot(&self, snapshot: &SnapshotRow) -> Result<(), StoreError>;
-    /// The tenant's snapshot by id or name.
+    /// The tenant's snapshot by id, name or content digest (the newest of equal ones).
     async fn get_snapshot(&self, tenant_id: &str, id_or_name: &str) -> Result<Option<SnapshotRow>, StoreError>;
     /// The tenant's snapshots (not forks' images), oldest first, of one sandbox if given.
     async fn list_snapshots(&self, tenant_id: &str, sandbox_id: Option<&str>) -> Result<Vec<SnapshotRow>, StoreError>;

@@ -1156,6 +1156,7 @@ fn snapshot_from_row(r: &sqlx::sqlite::SqliteRow) -> SnapshotRow {
             disk_mib: r.get::<i64, _>("disk_mib") as u32,
         },
         bytes: r.get::<i64, _>("bytes").max(0) as u64,
+        digest: r.get("digest"),
         created_at_ms: r.get("created_at_ms"),
     }
 }
@@ -1164,8 +1165,8 @@ fn snapshot_from_row(r: &sqlx::sqlite::SqliteRow) -> SnapshotRow {
 impl SnapshotStore for SqliteStore {
     async fn insert_snapshot(&self, s: &SnapshotRow) -> Result<(), StoreError> {
         sqlx::query(
-            "INSERT INTO snapshots (id, tenant_id, name, kind, sandbox_id, template, vcpu, memory_mib, disk_mib, bytes, created_at_ms)
-             VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+            "INSERT INTO snapshots (id, tenant_id, name, kind, sandbox_id, template, vcpu, memory_mib, disk_mib, bytes, digest, created_at_ms)
+             VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
         )
         .bind(&s.id)
         .bind(&s.tenant_id)
@@ -1180,6 +1181,7 @@ impl SnapshotStore for SqliteStore {
         .bind(s.resources.memory_mib as i64)
         .bind(s.resources.disk_mib as i64)
         .bind(s.bytes as i64)
+        .bind(&s.digest)
         .bind(s.created_at_ms)
         .execute(&self.pool)
         .await?;
@@ -1187,10 +1189,14 @@ impl SnapshotStore for SqliteStore {
     }
 
     async fn get_snapshot(&self, tenant_id: &str, id_or_name: &str) -> Result<Option<SnapshotRow>, StoreError> {
-        let r = sqlx::query("SELECT * FROM snapshots WHERE tenant_id = ? AND (id = ? OR name = ?)")
-            .bind(tenant_id)
-            .bind(id_or_name)
-            .bind(id_or_name)
+        let r = sqlx::query(
+            "SELECT * FROM snapshots WHERE tenant_id = ? AND (id = ? OR name = ? OR digest = ?)
+             ORDER BY created_at_ms DESC LIMIT 1",
+        )
+        .bind(tenant_id)
+        .bind(id_or_name)
+        .bind(id_or_name)
+        .bind(id_or_name)
             .fetch_optional(&self.pool)
             .await?;
         Ok(r.as_ref().map(snapshot_from_row))

@@ -629,6 +629,9 @@ impl Nodes for TestNode {
     async fn delete_image(&self, image_id: &str) -> Result<(), airlock_runtime::RuntimeError> {
         self.inner.delete_image(image_id).await
     }
+    async fn digest_image(&self, image_id: &str) -> Result<String, airlock_runtime::RuntimeError> {
+        self.inner.digest_image(image_id).await
+    }
     fn image_ids(&self) -> Vec<String> {
         self.inner.image_ids()
     }
