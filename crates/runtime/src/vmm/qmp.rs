@@ -5,6 +5,9 @@ use std::path::Path;
 use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader};
 use tokio::net::UnixStream;
 
+/// The longest QMP message read.
+const MAX_MESSAGE: u64 = 1 << 20;
+
 pub struct Qmp {
     reader: BufReader<tokio::net::unix::OwnedReadHalf>,
     writer: tokio::net::unix::OwnedWriteHalf,
@@ -23,9 +26,17 @@ impl Qmp {
     }
 
     async fn read_message(&mut self) -> std::io::Result<Value> {
+        use tokio::io::AsyncReadExt;
         let mut line = String::new();
-        if self.reader.read_line(&mut line).await? == 0 {
+        // Bounded: QEMU runs what the guest drives, and its answers here are a few hundred bytes.
+        if (&mut self.reader).take(MAX_MESSAGE).read_line(&mut line).await? == 0 {
             return Err(std::io::Error::new(std::io::ErrorKind::UnexpectedEof, "QMP closed"));
+        }
+        if !line.ends_with('\n') && line.len() as u64 >= MAX_MESSAGE {
+            return Err(std::io::Error::new(
+                std::io::ErrorKind::InvalidData,
+                format!("QMP message longer than {MAX_MESSAGE} bytes"),
+            ));
         }
         serde_json::from_str(&line).map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidData, e))
     }
@@ -90,4 +101,40 @@ fn command(cmd: &str, args: Option<Value>) -> Vec<u8> {
     let mut bytes = serde_json::to_vec(&msg).expect("serializable");
     bytes.push(b'\n');
     bytes
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tokio::io::AsyncWriteExt;
+
+    /// A QMP socket that greets, then writes `after` for whatever it is sent.
+    async fn peer(after: Vec<u8>) -> (tempfile::TempDir, std::path::PathBuf) {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("qmp.sock");
+        let listener = tokio::net::UnixListener::bind(&path).unwrap();
+        tokio::spawn(async move {
+            let (mut s, _) = listener.accept().await.unwrap();
+            s.write_all(b"{\"QMP\": {}}\n{\"return\": {}}\n").await.unwrap();
+            let _ = s.write_all(&after).await;
+            tokio::time::sleep(std::time::Duration::from_secs(5)).await;
+        });
+        (dir, path)
+    }
+
+    #[tokio::test]
+    async fn an_endless_message_is_refused_not_buffered() {
+        let (_dir, path) = peer(vec![b'x'; 3 << 20]).await;
+        let mut qmp = Qmp::connect(&path).await.unwrap();
+        let err = qmp.execute("query-status", None).await.unwrap_err();
+        assert_eq!(err.kind(), std::io::ErrorKind::InvalidData, "{err}");
+        assert!(err.to_string().contains("longer than"), "{err}");
+    }
+
+    #[tokio::test]
+    async fn answers_come_back_past_events() {
+        let (_dir, path) = peer(b"{\"event\": \"STOP\"}\n{\"return\": {\"status\": \"paused\"}}\n".to_vec()).await;
+        let mut qmp = Qmp::connect(&path).await.unwrap();
+        assert_eq!(qmp.execute("query-status", None).await.unwrap()["status"], "paused");
+    }
 }
