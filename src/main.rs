@@ -119,7 +119,7 @@ enum Command {
         #[command(subcommand)]
         command: OpsCommand,
     },
-    /// Sign in as the platform account (root@local) for the admin commands (`tenant`, `key`):
+    /// Sign in as the platform account (root@local) for the admin commands (`tenant`, `key`, `pool`):
     /// the password from AIRLOCK_CONSOLE_PASSWORD, else the first line of stdin. The admin
     /// token (valid for an hour) goes to <data-dir>/admin-token.
     Login,
@@ -132,6 +132,12 @@ enum Command {
     Tenant {
         #[command(subcommand)]
         command: TenantCommand,
+    },
+    /// Size and list warm pools: VMs kept ready per template and shape for creates to claim
+    /// (admin; through the API).
+    Pool {
+        #[command(subcommand)]
+        command: PoolCommand,
     },
     /// Check the host and report what sandboxes would run with (QEMU, accelerator, isolation,
     /// templates).
@@ -266,6 +272,23 @@ enum KeyCommand {
         #[arg(long, default_value = "default")]
         tenant: String,
     },
+}
+
+#[derive(Subcommand)]
+enum PoolCommand {
+    /// Keep SIZE VMs of TEMPLATE (with this shape) ready; 0 empties the pool.
+    Set {
+        template: String,
+        size: usize,
+        #[arg(long)]
+        vcpu: Option<u32>,
+        #[arg(long)]
+        memory_mib: Option<u32>,
+        #[arg(long)]
+        disk_mib: Option<u32>,
+    },
+    /// The pools: size, ready and starting VMs, hits and misses (JSON).
+    Ls,
 }
 
 #[derive(Subcommand)]
@@ -710,6 +733,31 @@ async fn run(cli: Cli) -> anyhow::Result<u8> {
                         Some(serde_json::to_value(quota)?),
                     )?
                 }
+            };
+            print_json(&out);
+        }
+        Command::Pool { command } => {
+            let admin = client::Client::admin(&data_dir)?;
+            let out = match command {
+                PoolCommand::Set {
+                    template,
+                    size,
+                    vcpu,
+                    memory_mib,
+                    disk_mib,
+                } => {
+                    let req = airlock_server::model::PoolRequest {
+                        template,
+                        resources: Some(airlock_server::model::ResourcesSpec {
+                            vcpu,
+                            memory_mib,
+                            disk_mib,
+                        }),
+                        size,
+                    };
+                    admin.json("PUT", "/v1/admin/pools", Some(serde_json::to_value(req)?))?
+                }
+                PoolCommand::Ls => admin.json("GET", "/v1/admin/pools", None)?,
             };
             print_json(&out);
         }

@@ -1142,10 +1142,17 @@ fn warm_pool_claims_are_fresh_and_refilled() {
         assert!(Instant::now() < deadline, "pool VMs left after the pool was emptied");
         std::thread::sleep(Duration::from_millis(200));
     }
-    // Refilled again, then the server stops: its pool VMs go with it.
-    let (status, _) = s.call_with("PUT", "/v1/admin/pools", Some(json!({ "template": "seed", "size": 1 })), Some(&token), &[]);
-    assert_eq!(status, 200);
+    // Refilled again (by the CLI this time), then the server stops: its pool VMs go with it.
+    let set = s.cli_ok(&["pool", "set", "seed", "1"]);
+    assert_eq!((set["template"].as_str(), set["size"].as_u64()), (Some("seed"), Some(1)), "{set}");
+    let refused = s.cli(&["pool", "set", "no-such-template", "1"]);
+    assert!(!refused.status.success());
+    assert!(String::from_utf8_lossy(&refused.stderr).contains("no-such-template"), "{refused:?}");
     wait_ready(&s, 1);
+    let listed = s.cli_ok(&["pool", "ls"]);
+    assert_eq!((listed[0]["template"].as_str(), listed[0]["ready"].as_u64()), (Some("seed"), Some(1)), "{listed}");
+    let (status, _) = s.call("GET", "/v1/admin/pools", None);
+    assert_eq!(status, 403, "a tenant's key lists no pools through the admin API");
     for id in [&a, &b] {
         s.delete(id);
     }

@@ -206,6 +206,13 @@ pub async fn audit(
     }))
 }
 
+/// The warm pools: size, ready and starting VMs, hits and misses (as `/v1/system` shows them).
+#[utoipa::path(get, path = "/v1/admin/pools", tag = "admin",
+    responses((status = 200, body = Vec<PoolInfo>), ApiErrors), security(("bearer" = [])))]
+pub async fn list_pools(State(core): State<Core>, Extension(_admin): Extension<Admin>) -> axum::Json<Vec<PoolInfo>> {
+    axum::Json(core.pools())
+}
+
 /// Size a warm pool: `size` VMs of `template` (with `resources`) kept ready for creates to claim.
 #[utoipa::path(put, path = "/v1/admin/pools", tag = "admin", request_body = PoolRequest,
     responses((status = 200, body = PoolInfo), ApiErrors), security(("bearer" = [])))]
