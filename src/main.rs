@@ -215,12 +215,8 @@ enum SandboxCommand {
     Create {
         #[arg(long, default_value = SEED)]
         template: String,
-        #[arg(long)]
-        vcpu: Option<u32>,
-        #[arg(long)]
-        memory_mib: Option<u32>,
-        #[arg(long)]
-        disk_mib: Option<u32>,
+        #[command(flatten)]
+        shape: ShapeOpts,
         /// Lifetime, e.g. 10m.
         #[arg(long)]
         timeout: Option<String>,
@@ -274,18 +270,35 @@ enum KeyCommand {
     },
 }
 
+/// A sandbox's shape; what is left out is the server's default.
+#[derive(clap::Args)]
+struct ShapeOpts {
+    #[arg(long)]
+    vcpu: Option<u32>,
+    #[arg(long)]
+    memory_mib: Option<u32>,
+    #[arg(long)]
+    disk_mib: Option<u32>,
+}
+
+impl ShapeOpts {
+    fn spec(&self) -> airlock_server::model::ResourcesSpec {
+        airlock_server::model::ResourcesSpec {
+            vcpu: self.vcpu,
+            memory_mib: self.memory_mib,
+            disk_mib: self.disk_mib,
+        }
+    }
+}
+
 #[derive(Subcommand)]
 enum PoolCommand {
     /// Keep SIZE VMs of TEMPLATE (with this shape) ready; 0 empties the pool.
     Set {
         template: String,
         size: usize,
-        #[arg(long)]
-        vcpu: Option<u32>,
-        #[arg(long)]
-        memory_mib: Option<u32>,
-        #[arg(long)]
-        disk_mib: Option<u32>,
+        #[command(flatten)]
+        shape: ShapeOpts,
     },
     /// The pools: size, ready and starting VMs, hits and misses (JSON).
     Ls,
@@ -549,9 +562,7 @@ async fn run(cli: Cli) -> anyhow::Result<u8> {
             match command {
                 SandboxCommand::Create {
                     template,
-                    vcpu,
-                    memory_mib,
-                    disk_mib,
+                    shape,
                     timeout,
                     metadata,
                     no_wait,
@@ -563,8 +574,7 @@ async fn run(cli: Cli) -> anyhow::Result<u8> {
                             .with_context(|| format!("--metadata takes KEY=VALUE, got {kv:?}"))?;
                         meta.insert(k.into(), json!(v));
                     }
-                    let mut body = json!({ "template": template, "metadata": meta,
-                        "resources": { "vcpu": vcpu, "memory_mib": memory_mib, "disk_mib": disk_mib } });
+                    let mut body = json!({ "template": template, "metadata": meta, "resources": shape.spec() });
                     if let Some(t) = timeout {
                         body["timeout"] = json!(t);
                     }
@@ -739,20 +749,10 @@ async fn run(cli: Cli) -> anyhow::Result<u8> {
         Command::Pool { command } => {
             let admin = client::Client::admin(&data_dir)?;
             let out = match command {
-                PoolCommand::Set {
-                    template,
-                    size,
-                    vcpu,
-                    memory_mib,
-                    disk_mib,
-                } => {
+                PoolCommand::Set { template, size, shape } => {
                     let req = airlock_server::model::PoolRequest {
                         template,
-                        resources: Some(airlock_server::model::ResourcesSpec {
-                            vcpu,
-                            memory_mib,
-                            disk_mib,
-                        }),
+                        resources: Some(shape.spec()),
                         size,
                     };
                     admin.json("PUT", "/v1/admin/pools", Some(serde_json::to_value(req)?))?
