@@ -972,6 +972,7 @@ fn walk(dir: &std::path::Path) -> Vec<PathBuf> {
 /// links (templates are immutable), so a server on it starts without building `seed`.
 fn own_data_dir(suffix: &str) -> PathBuf {
     let data = PathBuf::from(format!("{}-{suffix}", test_data_dir().display()));
+    end_vms_left_in(&data);
     let _ = std::fs::remove_dir_all(&data);
     std::fs::create_dir_all(&data).unwrap();
     server(); // the shared data dir has the template built
@@ -986,6 +987,20 @@ fn own_data_dir(suffix: &str) -> PathBuf {
     assert!(ok.success());
     let _ = std::fs::copy(src.join("accel.json"), data.join("accel.json"));
     data
+}
+
+/// End the VMs a failed earlier run left in `data` (VMs outlive their server by design, and the
+/// dir is about to go): each by the pid it recorded, if that process still names the dir.
+fn end_vms_left_in(data: &Path) {
+    for dir in std::fs::read_dir(data.join("sandboxes")).into_iter().flatten().flatten() {
+        let Some(pid) = std::fs::read_to_string(dir.path().join("vmm.pid")).ok().and_then(|p| p.trim().parse::<i32>().ok()) else {
+            continue;
+        };
+        let cmdline = std::fs::read(format!("/proc/{pid}/cmdline")).unwrap_or_default();
+        if pid > 1 && String::from_utf8_lossy(&cmdline).contains(&*dir.path().to_string_lossy()) {
+            unsafe { libc::kill(pid, libc::SIGKILL) };
+        }
+    }
 }
 
 /// Restart safety on a data dir of its own (the blobs are hard links: templates are immutable).

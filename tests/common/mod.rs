@@ -70,6 +70,16 @@ fn keep_newest_logs(dir: &Path, prefix: &str, keep: usize) {
     }
 }
 
+/// A test that fails (panics) before it stops its server does not leave it serving: stopped
+/// as `stop` does (its pool VMs go with it; sandboxes outlive it by design).
+impl Drop for Server {
+    fn drop(&mut self) {
+        if matches!(self.child.try_wait(), Ok(None)) {
+            self.stop();
+        }
+    }
+}
+
 pub struct Server {
     pub child: Child,
     pub url: String,
