@@ -68,7 +68,7 @@ def normalize_language(language):
 
 def sandbox_env():
     """The sandbox's environment variables, which airlock's agent keeps here (E2B's envd serves
-    them on /envs): every execution gets them, under its own `env_vars`."""
+    them on /envs): every kernel has them, under an execution's own `env_vars`."""
     try:
         with open(SANDBOX_ENV) as f:
             env = json.load(f)
@@ -154,7 +154,10 @@ class Context:
         self.kc = None
         self.pumps = []
         self.seeded_for = None
-        self.base_env = {}
+        self.process_env = {}  # the kernel's environment at its start, without the sandbox's
+        self.sandbox_env = {}  # the sandbox's environment, as the kernel has it now
+        self.started_with = {}  # ... as the kernel had it at its start (and has after a restart)
+        self.base_env = {}  # what an execution's own env_vars are restored to: the two above
         self.generation = 0  # bumped by every restart
 
     def view(self):
@@ -168,8 +171,9 @@ class Context:
             KernelSpecManager().get_kernel_spec(kernel_name or "")
         except NoSuchKernel:
             raise Unsupported(self.language) from None
-        env = {k: v for k, v in os.environ.items() if k != "MPLBACKEND"}  # the kernel picks inline
-        self.base_env = env
+        self.process_env = {k: v for k, v in os.environ.items() if k != "MPLBACKEND"}  # the kernel picks inline
+        self.sandbox_env = self.started_with = sandbox_env()
+        env = self.base_env = {**self.process_env, **self.sandbox_env}
         self.km = AsyncKernelManager(kernel_name=kernel_name)
         await self.km.start_kernel(
             cwd=self.cwd,
@@ -202,6 +206,10 @@ class Context:
     async def restart(self):
         self.generation += 1
         await self.disconnect()
+        # A restarted kernel starts with the environment its first start had; the next
+        # execution brings the sandbox's in again if it differs.
+        self.sandbox_env = self.started_with
+        self.base_env = {**self.process_env, **self.started_with}
         await self.km.restart_kernel(now=True)
         self.seeded_for = machine_id()
         await self.connect()
@@ -313,9 +321,20 @@ class Context:
         """Run one cell, handing its lines to `emit`; `gone()` tells whether the client left."""
         async with self.lock:
             current = machine_id()
+            setup = []
             if current != self.seeded_for:
-                await self.run_background(self.reseed_code())
+                setup.append(self.reseed_code())
                 self.seeded_for = current
+            env = sandbox_env()
+            if env != self.sandbox_env:
+                # A new sandbox's identity (a restored clone) brought its environment: into the
+                # kernel once, and what an execution's own env_vars are restored to.
+                changed = {**self.sandbox_env, **env}
+                self.sandbox_env = env
+                self.base_env = {**self.process_env, **env}
+                setup.append(self.env_code(changed, restore=True))
+            if any(setup):
+                await self.run_background("\n".join(c for c in setup if c))
             if env_vars:
                 await self.run_background(self.env_code(env_vars, restore=False))
             generation = self.generation
@@ -429,7 +448,7 @@ class Server:
                     ctx = await self.default_context(language)
                 except Unsupported:
                     return await conn.text(*self.unsupported(language))
-            env_vars = {**sandbox_env(), **{str(k): str(v) for k, v in (req.get("env_vars") or {}).items()}}
+            env_vars = {str(k): str(v) for k, v in (req.get("env_vars") or {}).items()}
             return await conn.stream(lambda emit, gone: ctx.execute(req["code"], env_vars, emit, gone))
         return await conn.reply(404, {"detail": "Not Found"})
 
