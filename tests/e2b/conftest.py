@@ -76,7 +76,9 @@ def _native(url, key, method, path):
 def airlock_server():
     os.makedirs(DATA, exist_ok=True)
     for template in ("seed", "base", "code-interpreter-v1"):
-        subprocess.run([BIN, "--data-dir", DATA, "template", "build", template], check=True, stdout=subprocess.DEVNULL)
+        # Builds fetch from the machine's package mirrors: the machine's resolver, not the suite's.
+        wildcard_dns.run_with_host_resolver([BIN, "--data-dir", DATA, "template", "build", template], check=True,
+                                            stdout=subprocess.DEVNULL)
     port = _free_port()
     url = f"http://127.0.0.1:{port}"
     # The newest servers' logs stay for a look after a run; older ones go.

@@ -16,6 +16,9 @@ DOMAIN = "airlock.test"
 DNS_ADDR = "127.0.83.1"
 TLS_ADDR = "127.0.83.2"
 CLONE_NEWNS = 0x00020000
+# The mount namespace this process started in (the machine's resolv.conf), kept open by
+# enter_private_resolv_conf for the commands that need the real resolver (template builds).
+_HOST_MOUNT_NS = None
 
 
 def enter_private_resolv_conf(workdir):
@@ -24,6 +27,8 @@ def enter_private_resolv_conf(workdir):
     threads = len(os.listdir("/proc/self/task"))
     if threads != 1:
         raise RuntimeError(f"wildcard DNS must be set up before any thread starts ({threads} running)")
+    global _HOST_MOUNT_NS
+    _HOST_MOUNT_NS = os.open("/proc/self/ns/mnt", os.O_RDONLY)
     libc = ctypes.CDLL(None, use_errno=True)
     if libc.unshare(CLONE_NEWNS) != 0:
         raise OSError(ctypes.get_errno(), "unshare(CLONE_NEWNS): the E2B suite runs as root")
@@ -33,6 +38,16 @@ def enter_private_resolv_conf(workdir):
     with open(conf, "w") as f:
         f.write(f"nameserver {DNS_ADDR}\noptions timeout:2 attempts:2\n")
     subprocess.run(["mount", "--bind", conf, "/etc/resolv.conf"], check=True)
+
+
+def run_with_host_resolver(argv, **kwargs):
+    """subprocess.run(argv) in the machine's own mount namespace, so it resolves names with the
+    machine's resolver, not the suite's wildcard DNS (a template build fetches Debian packages and
+    wheels; on a fresh machine it would fail here otherwise)."""
+    if _HOST_MOUNT_NS is None:
+        return subprocess.run(argv, **kwargs)
+    enter = ["nsenter", f"--mount=/proc/self/fd/{_HOST_MOUNT_NS}", f"--wd={os.getcwd()}", "--"]
+    return subprocess.run(enter + list(argv), pass_fds=(_HOST_MOUNT_NS,), **kwargs)
 
 
 def start_dns_server():
