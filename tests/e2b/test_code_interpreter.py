@@ -109,6 +109,20 @@ def test_errors_are_data_with_traceback(ci):
     assert ci.run_code("'still alive'").text == "still alive"
 
 
+def test_a_cell_right_after_an_error_runs(ci):
+    """A failed cell aborts nothing after it: the next cell, sent at once, runs, every time (the
+    interrupt test below is where ipykernel's abort after an error was seen)."""
+    ctx = ci.create_code_context()
+    try:
+        for i in range(15):
+            assert ci.run_code("raise ValueError('x')", context=ctx).error.name == "ValueError"
+            ex = ci.run_code(str(i), context=ctx)
+            assert ex.error is None, (i, ex.error)
+            assert ex.text == str(i)
+    finally:
+        ci.remove_code_context(ctx)
+
+
 def test_text_is_the_plain_text_without_its_quotes(ci):
     # E2B's server shows a string result's repr without the surrounding quotes.
     assert ci.run_code("'bar'").text == "bar"

@@ -262,8 +262,12 @@ class Context:
     # --- cells ------------------------------------------------------------------------------
 
     def submit(self, code, background):
+        # stop_on_error=False: a context runs one cell at a time, so there is never a queue worth
+        # aborting, and with it on ipykernel aborts whatever arrives until a callback it schedules
+        # after the failed cell's reply runs: the next cell, sent as soon as that reply came, was
+        # sometimes answered "ExecutionAborted" (seen after an interrupted cell).
         msg_id = self.kc.execute(code, silent=background, store_history=not background,
-                                 allow_stdin=False, stop_on_error=not background)
+                                 allow_stdin=False, stop_on_error=False)
         ex = Execution(background)
         self.executions[msg_id] = ex
         return msg_id, ex
