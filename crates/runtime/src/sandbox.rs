@@ -786,9 +786,7 @@ impl Runtime {
     /// Start a new VM for `id` as `req` asks, for `purpose`.
     async fn start_new(&self, id: String, req: &CreateSandbox, purpose: Purpose) -> Result<Arc<Sandbox>> {
         if let Some(image) = &req.image {
-            let image = self
-                .image(image)
-                .ok_or_else(|| RuntimeError::UnknownTemplate(format!("image {image}")))?;
+            let image = self.image(image).ok_or_else(|| RuntimeError::UnknownImage(image.clone()))?;
             let accel = image.manifest.accel;
             return self.launch(id, Source::Image(&image), accel, self.inner.boot_timeout, purpose, &req.env).await;
         }

@@ -367,6 +367,16 @@ async fn typed_errors_for_ids() {
         .err()
         .unwrap();
     assert!(matches!(missing, RuntimeError::UnknownTemplate(_)), "{missing}");
+    // A saved image that is gone (its snapshot's files removed) is a missing image, not template.
+    let vanished = rt
+        .create(CreateSandbox {
+            image: Some("0123456789abcdef".into()),
+            ..seed(None)
+        })
+        .await
+        .err()
+        .unwrap();
+    assert!(matches!(vanished, RuntimeError::UnknownImage(_)), "{vanished}");
     rt.delete(sb.id()).await.unwrap();
     assert!(rt.list().is_empty());
     assert_no_vms(tmp.path());
