@@ -254,7 +254,16 @@ fn find_snapshot(data_dir: &Path, digest: &str, resources: &Value) -> Option<Bas
 
 /// Restore `snap` with raw QEMU, then one `echo` through the agent client: (to the agent's
 /// READY, to the first stdout byte), plus `execs` round trips of `true` if asked.
-async fn raw_restore(qemu: &Path, netns: &str, spec: &VmSpec, snap: &BaseSnapshot, execs: usize) -> (f64, f64, Vec<f64>) {
+/// `between` runs after each of those round trips (the API's exec, so both sides are sampled
+/// alternately and drift on a noisy machine hits both).
+async fn raw_restore(
+    qemu: &Path,
+    netns: &str,
+    spec: &VmSpec,
+    snap: &BaseSnapshot,
+    execs: usize,
+    between: &mut dyn FnMut(),
+) -> (f64, f64, Vec<f64>) {
     let dir = &spec.dir;
     let started = Instant::now();
     let raw::RawFiles { overlay, agent, qmp, console } = raw::prepare(dir, &snap.disk(), "qcow2", spec.disk_mib);
@@ -300,6 +309,7 @@ async fn raw_restore(qemu: &Path, netns: &str, spec: &VmSpec, snap: &BaseSnapsho
         let t = Instant::now();
         run_until(&client, &["true"], |k| matches!(k, EventKind::Exit(_))).await;
         rtts.push(ms(t.elapsed()));
+        between();
     }
     drop(client);
     drop(vmm);
@@ -401,22 +411,6 @@ async fn main() {
         api.delete(id);
     }
 
-    // Exec round trips on a warm sandbox, through the API.
-    let (b, t) = (api.clone(), template.clone());
-    let warm = tokio::task::spawn_blocking(move || b.create(&t)).await.unwrap().unwrap();
-    let (mut api_exec, mut api_exec_one) = (Vec::new(), Vec::new());
-    for _ in 0..args.execs {
-        let (b, id) = (api.clone(), warm.clone());
-        let t = Instant::now();
-        tokio::task::spawn_blocking(move || b.exec(&id, &["true"], false)).await.unwrap().unwrap();
-        api_exec.push(ms(t.elapsed()));
-        let (b, id) = (api.clone(), warm.clone());
-        let t = Instant::now();
-        tokio::task::spawn_blocking(move || b.exec_one_call(&id, &["true"], false)).await.unwrap().unwrap();
-        api_exec_one.push(ms(t.elapsed()));
-    }
-    api.delete(&warm);
-
     // Suspend and resume, on a sandbox with a process running.
     let (b, t) = (api.clone(), template.clone());
     let held = tokio::task::spawn_blocking(move || b.create(&t)).await.unwrap().unwrap();
@@ -487,16 +481,32 @@ async fn main() {
         cmdline: snap.manifest.cmdline.clone(),
     });
     let (mut raw_ready, mut raw_first, mut runtime_exec) = (Vec::new(), Vec::new(), Vec::new());
+    // Exec round trips on a warm sandbox through the API, alternating with the runtime-level
+    // ones on the first raw restore.
+    let (b, t) = (api.clone(), template.clone());
+    let warm = tokio::task::spawn_blocking(move || b.create(&t)).await.unwrap().unwrap();
+    let (mut api_exec, mut api_exec_one) = (Vec::new(), Vec::new());
+    let mut api_round = || {
+        tokio::task::block_in_place(|| {
+            let t = Instant::now();
+            api.exec(&warm, &["true"], false).unwrap();
+            api_exec.push(ms(t.elapsed()));
+            let t = Instant::now();
+            api.exec_one_call(&warm, &["true"], false).unwrap();
+            api_exec_one.push(ms(t.elapsed()));
+        })
+    };
     let netns = raw::Netns::add(format!("airlock-rawbench-{}", std::process::id()));
     for i in 0..args.raw {
-        let execs = if i == 0 { args.execs } else { 0 };
-        let (ready, first, rtts) = raw_restore(qemu.binary(), &netns.0, &spec, &snap, execs).await;
+        let (execs, between): (usize, &mut dyn FnMut()) = if i == 0 { (args.execs, &mut api_round) } else { (0, &mut || {}) };
+        let (ready, first, rtts) = raw_restore(qemu.binary(), &netns.0, &spec, &snap, execs, between).await;
         raw_ready.push(ready);
         raw_first.push(first);
         runtime_exec.extend(rtts);
     }
     let _ = std::fs::remove_dir_all(&raw_dir);
     drop(netns);
+    api.delete(&warm);
 
     // Memory per idle sandbox.
     tokio::time::sleep(Duration::from_secs(2)).await;

@@ -289,29 +289,55 @@ impl Core {
         Ok(())
     }
 
-    /// Start a process and record it as a session. Returns the agent too, for a door that
-    /// streams the output at once. Past `Config::max_sessions_per_sandbox` running sessions
-    /// it is refused (exits are recorded with `record_exit`, which keeps only the newest
-    /// `max_finished_sessions_per_sandbox` exited ones).
-    pub async fn start_session(
+    /// Start a process and record it as a session. Returns what the agent reported of the
+    /// process at its start (so a door needs no second round trip for it). Past
+    /// `Config::max_sessions_per_sandbox` running sessions it is refused (exits are recorded
+    /// with `record_exit`, which keeps only the newest `max_finished_sessions_per_sandbox`
+    /// exited ones).
+    pub async fn start_session(&self, sandbox: &SandboxRow, req: StartSession) -> CoreResult<Running> {
+        let (agent, running) = self.spawn_session(sandbox, req).await?;
+        self.record_session(&agent, &running.session).await?;
+        Ok(running)
+    }
+
+    /// Start a process and open its events at once (a command and its output in one call): the
+    /// session's record is committed while the agent opens the stream, not before it. The
+    /// stream is read only after both, so an exit it carries updates a committed row.
+    pub async fn start_session_events(
         &self,
         sandbox: &SandboxRow,
         req: StartSession,
-    ) -> CoreResult<(SessionRow, AgentClient)> {
+    ) -> CoreResult<(SessionRow, CoreResult<BoxStream<'static, CoreResult<SessionEvent>>>)> {
+        let (agent, running) = self.spawn_session(sandbox, req).await?;
+        let row = running.session;
+        let (recorded, events) = tokio::join!(self.record_session(&agent, &row), agent.events(row.process_id, 0));
+        recorded?;
+        let events = events
+            .map_err(guest(sandbox))
+            .map(|events| self.follow_events(sandbox, events.boxed(), row.clone(), 0));
+        Ok((row, events))
+    }
+
+    /// Admit and spawn a process; not yet recorded (see `record_session`).
+    async fn spawn_session(&self, sandbox: &SandboxRow, req: StartSession) -> CoreResult<(AgentClient, Running)> {
         check_start(&req)?;
         let agent = self.agent_for(sandbox).await?;
         let admitted = self.admit_session(sandbox, &agent).await?;
-        let started = self.spawn_session(sandbox, &agent, req).await;
+        let started = self.spawn_process(sandbox, &agent, req).await;
         admitted.release().await;
-        Ok((started?, agent))
+        Ok((agent, started?))
     }
 
-    async fn spawn_session(
-        &self,
-        sandbox: &SandboxRow,
-        agent: &AgentClient,
-        req: StartSession,
-    ) -> CoreResult<SessionRow> {
+    /// Store a started session; a process nobody can see must not run on.
+    async fn record_session(&self, agent: &AgentClient, row: &SessionRow) -> CoreResult<()> {
+        if let Err(e) = self.store.insert_session(row).await {
+            let _ = agent.signal(row.process_id, 9).await;
+            return Err(e.into());
+        }
+        Ok(())
+    }
+
+    async fn spawn_process(&self, sandbox: &SandboxRow, agent: &AgentClient, req: StartSession) -> CoreResult<Running> {
         let id = format!("ses_{}", airlock_runtime::datadir::random_hex(8));
         let mut env = sandbox.env.clone();
         env.extend(req.env);
@@ -327,13 +353,13 @@ impl Core {
             tag: Some(id.clone()),
         };
         let info = agent.spawn(&spec).await.map_err(guest(sandbox))?;
-        let row = SessionRow {
+        let session = SessionRow {
             id,
             sandbox_id: sandbox.id.clone(),
             process_id: info.id,
-            argv: info.argv,
-            cwd: info.cwd,
-            user: info.user,
+            argv: info.argv.clone(),
+            cwd: info.cwd.clone(),
+            user: info.user.clone(),
             pty: info.pty,
             tag: req.tag,
             exit_code: None,
@@ -343,12 +369,7 @@ impl Core {
             started_at_ms: info.started_at_ms as i64,
             ended_at_ms: None,
         };
-        if let Err(e) = self.store.insert_session(&row).await {
-            // A process nobody can see must not run on.
-            let _ = agent.signal(row.process_id, 9).await;
-            return Err(e.into());
-        }
-        Ok(row)
+        Ok(Running { session, process: info })
     }
 
     /// One session of a sandbox, brought up to date.
@@ -466,11 +487,23 @@ impl Core {
     ) -> CoreResult<BoxStream<'static, CoreResult<SessionEvent>>> {
         let agent = self.agent_for(sandbox).await?;
         let events = agent.events(row.process_id, after).await.map_err(guest(sandbox))?;
+        Ok(self.follow_events(sandbox, events.boxed(), row, after))
+    }
+
+    /// The agent's events of a session's process as the doors stream them: its exit recorded
+    /// (off the stream's path) and a gap in the sequence reported as `Truncated`.
+    fn follow_events(
+        &self,
+        sandbox: &SandboxRow,
+        events: BoxStream<'static, Result<Event, airlock_runtime::agent::AgentError>>,
+        row: SessionRow,
+        after: u64,
+    ) -> BoxStream<'static, CoreResult<SessionEvent>> {
         let store = self.store.clone();
         let keep = self.config.max_finished_sessions_per_sandbox;
         let sandbox_id = sandbox.id.clone();
         let mut row = row;
-        Ok(events
+        events
             .map(move |ev| {
                 let finished = match &ev {
                     Ok(Event {
@@ -515,7 +548,7 @@ impl Core {
                 futures_util::future::ready(Some(futures_util::stream::iter(out)))
             })
             .flatten()
-            .boxed())
+            .boxed()
     }
 
     pub async fn session_stdin(

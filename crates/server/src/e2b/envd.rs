@@ -523,12 +523,8 @@ pub async fn process_rpc(
         "Start" => {
             let started = async {
                 let start = start_request(&req, &headers, &user)?;
-                let (session, agent) = core.start_session(&sandbox, start).await?;
-                let process = agent
-                    .process(session.process_id)
-                    .await
-                    .map_err(|e| CoreError::agent(Kind::Process, &sandbox.id, e))?;
-                Ok::<_, RpcError>(Running { session, process })
+                // What the agent reported at the spawn: no second round trip for the pid.
+                Ok::<_, RpcError>(core.start_session(&sandbox, start).await?)
             }
             .await;
             match started {

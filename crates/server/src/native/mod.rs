@@ -406,39 +406,35 @@ pub async fn create_session(
         .as_deref()
         .map(|t| parse_duration("timeout", t))
         .transpose()?;
-    let (row, _) = core
-        .start_session(
-            &sandbox,
-            StartSession {
-                argv: req.argv,
-                cwd: req.cwd,
-                env: req.env.unwrap_or_default(),
-                user: req.user,
-                timeout,
-                stdin: req.stdin.unwrap_or(false),
-                pty: req.pty.map(|p| airlock_proto::PtySize {
-                    cols: p.cols,
-                    rows: p.rows,
-                }),
-                tag: None,
-            },
-        )
-        .await?;
     let streamed = headers
         .get_all(axum::http::header::ACCEPT)
         .iter()
         .filter_map(|v| v.to_str().ok())
         .any(|v| v.contains("text/event-stream"));
+    let start = StartSession {
+        argv: req.argv,
+        cwd: req.cwd,
+        env: req.env.unwrap_or_default(),
+        user: req.user,
+        timeout,
+        stdin: req.stdin.unwrap_or(false),
+        pty: req.pty.map(|p| airlock_proto::PtySize {
+            cols: p.cols,
+            rows: p.rows,
+        }),
+        tag: None,
+    };
     if !streamed {
+        let row = core.start_session(&sandbox, start).await?.session;
         return Ok((StatusCode::CREATED, Json(session_view(&row))).into_response());
     }
     // One call for a command and its output: no second request (its auth and lookups) before
     // the first byte, and nothing of the output can be missed in between.
+    let (row, events) = core.start_session_events(&sandbox, start).await?;
     let first = Event::default()
         .event("session")
         .json_data(session_view(&row))
         .expect("serializable");
-    let events = core.session_events(&sandbox, row, 0).await;
     let first = futures_util::stream::once(async move { Ok(first) }).boxed();
     Ok((StatusCode::CREATED, event_stream(first, events)).into_response())
 }
