@@ -157,8 +157,13 @@ class Context:
         self.process_env = {}  # the kernel's environment at its start, without the sandbox's
         self.sandbox_env = {}  # the sandbox's environment, as the kernel has it now
         self.started_with = {}  # ... as the kernel had it at its start (and has after a restart)
-        self.base_env = {}  # what an execution's own env_vars are restored to: the two above
         self.generation = 0  # bumped by every restart
+
+    @property
+    def base_env(self):
+        """What an execution's own env_vars are restored to: the kernel's start environment under
+        the sandbox's, as the kernel has them now."""
+        return {**self.process_env, **self.sandbox_env}
 
     def view(self):
         return {"id": self.id, "language": self.language, "cwd": self.cwd}
@@ -173,11 +178,10 @@ class Context:
             raise Unsupported(self.language) from None
         self.process_env = {k: v for k, v in os.environ.items() if k != "MPLBACKEND"}  # the kernel picks inline
         self.sandbox_env = self.started_with = sandbox_env()
-        env = self.base_env = {**self.process_env, **self.sandbox_env}
         self.km = AsyncKernelManager(kernel_name=kernel_name)
         await self.km.start_kernel(
             cwd=self.cwd,
-            env=env,
+            env=self.base_env,
             extra_arguments=PYTHON_ARGS if self.language == "python" else [],
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
@@ -209,7 +213,6 @@ class Context:
         # A restarted kernel starts with the environment its first start had; the next
         # execution brings the sandbox's in again if it differs.
         self.sandbox_env = self.started_with
-        self.base_env = {**self.process_env, **self.started_with}
         await self.km.restart_kernel(now=True)
         self.seeded_for = machine_id()
         await self.connect()
@@ -295,21 +298,22 @@ class Context:
                     await self.restart()
 
     def env_code(self, env_vars, restore):
+        base = self.base_env
         if self.language == "python":
             if not restore:
                 return f"__import__('os').environ.update({dict(env_vars)!r})"
-            keep = {k: self.base_env[k] for k in env_vars if k in self.base_env}
-            drop = [k for k in env_vars if k not in self.base_env]
+            keep = {k: base[k] for k in env_vars if k in base}
+            drop = [k for k in env_vars if k not in base]
             return f"(lambda e: ([e.pop(k, None) for k in {drop!r}], e.update({keep!r})))(__import__('os').environ)"
         if self.language == "bash":
             lines = []
             for k, v in env_vars.items():
                 if not k.replace("_", "a").isalnum() or k[0].isdigit():
                     continue
-                if restore and k not in self.base_env:
+                if restore and k not in base:
                     lines.append(f"unset {k}")
                 else:
-                    lines.append(f"export {k}={shlex.quote(self.base_env[k] if restore else str(v))}")
+                    lines.append(f"export {k}={shlex.quote(base[k] if restore else str(v))}")
             return "\n".join(lines)
         return ""
 
@@ -335,7 +339,6 @@ class Context:
                 # kernel once, and what an execution's own env_vars are restored to.
                 changed = {**self.sandbox_env, **env}
                 self.sandbox_env = env
-                self.base_env = {**self.process_env, **env}
                 setup.append(self.env_code(changed, restore=True))
             if any(setup):
                 await self.run_background("\n".join(c for c in setup if c))

@@ -40,6 +40,9 @@ pub enum Selector {
     Tag(String),
 }
 
+/// A session's events as both doors stream them (see `Core::session_events`).
+pub type SessionEvents = BoxStream<'static, CoreResult<SessionEvent>>;
+
 /// What a session's stream carries.
 #[derive(Debug, Clone)]
 pub enum SessionEvent {
@@ -307,7 +310,7 @@ impl Core {
         &self,
         sandbox: &SandboxRow,
         req: StartSession,
-    ) -> CoreResult<(SessionRow, CoreResult<BoxStream<'static, CoreResult<SessionEvent>>>)> {
+    ) -> CoreResult<(SessionRow, CoreResult<SessionEvents>)> {
         let (agent, running) = self.spawn_session(sandbox, req).await?;
         let row = running.session;
         let (recorded, events) = tokio::join!(self.record_session(&agent, &row), agent.events(row.process_id, 0));
@@ -484,7 +487,7 @@ impl Core {
         sandbox: &SandboxRow,
         row: SessionRow,
         after: u64,
-    ) -> CoreResult<BoxStream<'static, CoreResult<SessionEvent>>> {
+    ) -> CoreResult<SessionEvents> {
         let agent = self.agent_for(sandbox).await?;
         let events = agent.events(row.process_id, after).await.map_err(guest(sandbox))?;
         Ok(self.follow_events(sandbox, events.boxed(), row, after))
@@ -498,7 +501,7 @@ impl Core {
         events: BoxStream<'static, Result<Event, airlock_runtime::agent::AgentError>>,
         row: SessionRow,
         after: u64,
-    ) -> BoxStream<'static, CoreResult<SessionEvent>> {
+    ) -> SessionEvents {
         let store = self.store.clone();
         let keep = self.config.max_finished_sessions_per_sandbox;
         let sandbox_id = sandbox.id.clone();

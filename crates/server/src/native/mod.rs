@@ -6,7 +6,7 @@ pub mod error;
 
 use crate::core::egress::EgressRequest;
 use crate::core::sandboxes::{Change, CreateSandbox, ListSandboxes};
-use crate::core::sessions::{parse_signal, signal_name, SessionEvent, StartSession};
+use crate::core::sessions::{parse_signal, signal_name, SessionEvent, SessionEvents, StartSession};
 use crate::core::{Core, CoreError, Credentials, Kind};
 use crate::model::*;
 use crate::store::{rfc3339, SandboxRow, SessionRow, Tenant};
@@ -514,7 +514,7 @@ pub async fn stream_session(
 /// reach the events is reported in-band: the headers already promise an event stream.
 fn event_stream(
     first: futures_util::stream::BoxStream<'static, Result<Event, Infallible>>,
-    events: Result<futures_util::stream::BoxStream<'static, crate::core::CoreResult<SessionEvent>>, CoreError>,
+    events: Result<SessionEvents, CoreError>,
 ) -> Sse<impl Stream<Item = Result<Event, Infallible>>> {
     let stream = match events {
         Ok(events) => events
