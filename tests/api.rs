@@ -431,8 +431,12 @@ fn ports_and_envd_are_reachable_by_host_name() {
         std::thread::sleep(Duration::from_millis(300));
     }
     let (status, body) = get_with_host(s, &host, "/hello.txt", &[]);
-    // Never public, and a caller without credentials learns nothing: the missing-sandbox answer.
-    assert_eq!(status, 502, "sandbox ports are never public: {body}");
+    // Never public: a caller without credentials is told it needs one (whatever exists).
+    assert_eq!(status, 401, "sandbox ports are never public: {body}");
+    assert!(body.contains("E2B-Traffic-Access-Token"), "{body}");
+    // A wrong one learns nothing: the missing-sandbox answer.
+    let (status, body) = get_with_host(s, &host, "/hello.txt", &[("E2B-Traffic-Access-Token", "0000")]);
+    assert_eq!(status, 502, "{body}");
     assert!(body.contains("is not running"), "{body}");
     let (status, body) = get_with_host(
         s,
@@ -507,8 +511,8 @@ fn credentials_never_reach_a_sandbox_port() {
         !seen.contains(&s.key) && !seen.contains("authorization"),
         "the API key reached the sandbox: {seen}"
     );
-    // Opened by the access token (E2B's traffic token): that token stays out, while the app's
-    // own Authorization passes.
+    // Opened by E2B's traffic token: no airlock token gets in (the envd token co-sent neither),
+    // while the app's own Authorization passes.
     let (status, sb) = s.call_with(
         "POST",
         &format!("/sandboxes/{id}/connect"),
@@ -518,17 +522,23 @@ fn credentials_never_reach_a_sandbox_port() {
     );
     assert_eq!(status, 200, "{sb}");
     let token = sb["envdAccessToken"].as_str().unwrap().to_string();
+    let traffic = sb["trafficAccessToken"].as_str().unwrap().to_string();
+    assert_ne!(token, traffic);
     let (status, seen) = get_with_host(
         s,
         &host,
         "/",
         &[
-            ("E2B-Traffic-Access-Token", &token),
+            ("E2B-Traffic-Access-Token", &traffic),
+            ("X-Access-Token", &token),
             ("Authorization", "Bearer app-secret"),
         ],
     );
     assert_eq!(status, 200, "{seen}");
-    assert!(!seen.contains(&token), "the access token reached the sandbox: {seen}");
+    assert!(
+        !seen.contains(&token) && !seen.contains(&traffic),
+        "a sandbox token reached the sandbox: {seen}"
+    );
     assert!(seen.contains("authorization: Bearer app-secret"), "{seen}");
     let (status, seen) = get_with_host(s, &host, "/", &[("X-Access-Token", &token)]);
     assert_eq!(status, 200, "{seen}");
@@ -1103,7 +1113,7 @@ fn warm_pool_claims_are_fresh_and_refilled() {
     let log = std::fs::read_to_string(&s.log).unwrap();
     assert!(log.contains("probed in") && !log.contains("not ready in time"), "{log}");
     let pool = |s: &Server| {
-        let (_, system) = s.call("GET", "/v1/system", None);
+        let (_, system) = s.admin_call("GET", "/v1/admin/system", None);
         system["pools"][0].clone()
     };
     let wait_ready = |s: &Server, n: u64| {

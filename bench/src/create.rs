@@ -90,6 +90,9 @@ fn stats(v: &[f64], failures: usize) -> Value {
 struct Api {
     url: String,
     auth: String,
+    /// The platform account's token (`AIRLOCK_ADMIN_TOKEN`, else `airlock login`'s file): only
+    /// it sees the warm pools (`/v1/admin/system`).
+    admin_auth: Option<String>,
     disk_mib: u32,
 }
 
@@ -205,15 +208,26 @@ fn read_until(resp: ureq::Response, argv: &[&str], until_stdout: bool) -> Result
     Err(format!("the stream of {argv:?} ended before `{want}`"))
 }
 
-/// Wait (at most 5 min) until every warm pool the server shows is full; the pools then.
+/// Wait (at most 5 min) until every warm pool the server shows is full; the pools then. Without
+/// the platform account's token the pools can't be seen: no wait (`null`).
 async fn wait_pool_full(api: &std::sync::Arc<Api>) -> Value {
+    let Some(admin) = api.admin_auth.clone() else {
+        eprintln!("no admin token (AIRLOCK_ADMIN_TOKEN or `airlock login`): not waiting for warm pools");
+        return Value::Null;
+    };
     let deadline = Instant::now() + Duration::from_secs(300);
     loop {
-        let b = api.clone();
-        let system = tokio::task::spawn_blocking(move || b.call("GET", "/system", None))
-            .await
-            .unwrap()
-            .unwrap_or_default();
+        let (url, admin) = (format!("{}/v1/admin/system", api.url), admin.clone());
+        let system = tokio::task::spawn_blocking(move || {
+            ureq::get(&url)
+                .set("Authorization", &admin)
+                .call()
+                .ok()
+                .and_then(|r| r.into_json::<Value>().ok())
+        })
+        .await
+        .unwrap()
+        .unwrap_or_default();
         let pools = system["pools"].clone();
         let full = pools
             .as_array()
@@ -342,6 +356,12 @@ async fn main() {
     let api = std::sync::Arc::new(Api {
         url: args.url.trim_end_matches('/').to_string(),
         auth: format!("Bearer {}", args.key),
+        admin_auth: std::env::var("AIRLOCK_ADMIN_TOKEN")
+            .ok()
+            .or_else(|| std::fs::read_to_string(args.data_dir.join("admin-token")).ok())
+            .map(|t| t.trim().to_string())
+            .filter(|t| !t.is_empty())
+            .map(|t| format!("Bearer {t}")),
         disk_mib: args.disk_mib,
     });
     let template = args.template.clone();

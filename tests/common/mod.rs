@@ -187,6 +187,15 @@ impl Server {
         let _ = self.child.wait();
     }
 
+    /// (status, JSON body) of a request as the platform account (`/v1/admin/*`), signed in
+    /// for it.
+    pub fn admin_call(&self, method: &str, path: &str, body: Option<Value>) -> (u16, Value) {
+        let login = serde_json::json!({"username": "root@local", "password": CONSOLE_PASSWORD});
+        let (status, t) = self.call_with("POST", "/v1/admin/login", Some(login), None, &[]);
+        assert_eq!(status, 200, "sign in: {t}");
+        self.call_with(method, path, body, t["token"].as_str(), &[])
+    }
+
     /// (status, JSON body) of a request with the admin key.
     pub fn call(&self, method: &str, path: &str, body: Option<Value>) -> (u16, Value) {
         self.call_with(method, path, body, Some(&self.key), &[])

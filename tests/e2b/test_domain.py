@@ -98,10 +98,12 @@ def test_port_forward_http_and_websocket(domain_sbx):
             break
         time.sleep(0.1)
     assert (r.status_code, r.text, r.http_version) == (200, "served from inside the sandbox", "HTTP/2")
-    # Sandbox ports are never public; a caller without the token learns nothing (the answer for
-    # a sandbox that is not there).
+    # Sandbox ports are never public: a caller without a credential is told it needs one (the
+    # same for any sandbox id), one with a wrong token learns nothing (a missing sandbox's answer).
     denied = client.get(url)
-    assert denied.status_code == 502 and "is not running" in denied.json()["message"]
+    assert denied.status_code == 401 and "E2B-Traffic-Access-Token" in denied.json()["message"]
+    wrong = client.get(url, headers={"e2b-traffic-access-token": "0" * 32})
+    assert wrong.status_code == 502 and "is not running" in wrong.json()["message"]
 
     host = domain_sbx.get_host(8765)
     ctx = ssl.create_default_context(cafile=os.environ["SSL_CERT_FILE"])

@@ -120,7 +120,7 @@ def test_files_gzip_uploads(sbx, airlock_server):
     import httpx
 
     url = airlock_server["url"] + "/files"
-    headers = {"E2b-Sandbox-Id": sbx.sandbox_id, "X-Access-Token": sbx.traffic_access_token,
+    headers = {"E2b-Sandbox-Id": sbx.sandbox_id, "X-Access-Token": sbx._envd_access_token,
                "Content-Type": "application/octet-stream"}
     ok = httpx.post(url, params={"path": "/tmp/gz.txt"}, content=gzip.compress(b"plain"),
                     headers={**headers, "Content-Encoding": "gzip"})
@@ -142,6 +142,29 @@ def test_files_gzip_uploads(sbx, airlock_server):
     assert leftovers == ["keep.txt"]
     br = httpx.post(url, params={"path": "/tmp/br.txt"}, content=b"x", headers={**headers, "Content-Encoding": "br"})
     assert br.status_code == 400 and '"br" is not supported' in br.json()["message"]
+
+
+def test_the_traffic_token_opens_ports_only(sbx, airlock_server):
+    """The traffic token (what preview URLs carry) never runs a command: envd refuses it in
+    either header, as it refuses a missing sandbox, while the envd token starts the same RPC."""
+    skip_unless_sdk_has(hasattr(sbx, "traffic_access_token"), "Sandbox.traffic_access_token")
+    import json
+    import struct
+
+    import httpx
+
+    traffic, envd = sbx.traffic_access_token, sbx._envd_access_token
+    assert traffic and envd and traffic != envd
+    msg = json.dumps({"process": {"cmd": "/bin/sh", "args": ["-c", "id -u"]}}).encode()
+    body = struct.pack(">BI", 0, len(msg)) + msg
+    base = {"E2b-Sandbox-Id": sbx.sandbox_id, "Content-Type": "application/connect+json",
+            "Connect-Protocol-Version": "1", "Authorization": "Basic cm9vdDo="}  # root:
+    url = airlock_server["url"] + "/process.Process/Start"
+    for token in ({"E2B-Traffic-Access-Token": traffic}, {"X-Access-Token": traffic}):
+        r = httpx.post(url, content=body, headers={**base, **token}, timeout=30)
+        assert r.status_code == 502 and r.json()["message"] == "The sandbox was not found", (token, r.text)
+    ok = httpx.post(url, content=body, headers={**base, "X-Access-Token": envd}, timeout=30)
+    assert ok.status_code == 200 and b'"start"' in ok.content, ok.text
 
 
 def test_base_has_the_tools_e2b_code_assumes_and_git_clones_a_repository_the_test_made(sbx, tmp_path):

@@ -532,7 +532,10 @@ impl Policy {
             .iter()
             .map(|(n, why)| format!("{n} ({why})"))
             .collect();
-        platform_deny.extend(self.platform.host_addrs.iter().map(|a| format!("{a} (host address)")));
+        // Named, not listed: the host's addresses are the operator's business, not a tenant's.
+        if !self.platform.host_addrs.is_empty() {
+            platform_deny.push("the host's own addresses".into());
+        }
         EffectivePolicy {
             platform_deny,
             tenant: self.tenant.clone(),
@@ -550,6 +553,14 @@ mod tests {
             PlatformDenies::new(["198.51.100.1".parse().unwrap()]),
             Profiles::from_json(profiles).unwrap(),
         )
+    }
+
+    #[test]
+    fn the_effective_policy_names_the_host_addresses_without_listing_them() {
+        let p = Policy::new(&config("{}"), TenantPolicy::default(), &[] as &[&str]).unwrap();
+        let shown = p.effective().platform_deny;
+        assert!(shown.iter().all(|d| !d.contains("198.51.100.1")), "{shown:?}");
+        assert!(shown.contains(&"the host's own addresses".to_string()), "{shown:?}");
     }
 
     #[test]

@@ -49,7 +49,7 @@ use utoipa::OpenApi;
         native::admin::login, native::admin::create_tenant, native::admin::list_tenants, native::admin::get_tenant,
         native::admin::delete_tenant, native::admin::get_quota, native::admin::put_quota, native::admin::get_policy,
         native::admin::put_policy, native::admin::create_key, native::admin::list_keys, native::admin::revoke_key,
-        native::admin::audit, native::admin::put_pool, native::admin::list_pools,
+        native::admin::audit, native::admin::put_pool, native::admin::list_pools, native::admin::system,
     ),
     components(schemas(model::OutputEvent, model::ExitedEvent, model::TruncatedEvent)),
     modifiers(&BearerAuth),
@@ -143,6 +143,7 @@ pub fn router(state: AppState) -> Router {
     let admin = Router::new()
         .route("/tenants", post(native::admin::create_tenant).get(native::admin::list_tenants))
         .route("/pools", get(native::admin::list_pools).put(native::admin::put_pool))
+        .route("/system", get(native::admin::system))
         .route(
             "/tenants/{name}",
             get(native::admin::get_tenant).delete(native::admin::delete_tenant),

@@ -495,10 +495,15 @@ pub struct SystemInfo {
     /// Accelerator sandboxes boot with: `kvm` or `tcg`.
     pub accel: String,
     pub runtimes: Vec<String>,
-    pub capacity: Capacity,
+    /// The node's CPUs, memory and running sandboxes (of every tenant): `GET /v1/admin/system`
+    /// only.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub capacity: Option<Capacity>,
     pub egress: EgressInfo,
     /// Warm pools: VMs kept ready per template and shape for creates to claim.
-    pub pools: Vec<PoolInfo>,
+    /// `GET /v1/admin/system` only.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pools: Option<Vec<PoolInfo>>,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize, ToSchema, PartialEq, Eq)]

@@ -1,9 +1,11 @@
 //! Port exposure: `<port>-<sandbox id>.<domain>` reaches `<port>` inside that sandbox over the
 //! agent's byte tunnel, as HTTP/1.1 (WebSocket and other upgrades included). Port 49983 is envd
 //! itself, served by this server: the host only selects the sandbox. Sandbox ports are never
-//! public: a request needs the sandbox's access token or its owner's API key.
+//! public: a request needs the sandbox's traffic token, its access token or its owner's API
+//! key; none of airlock's credentials travels into the sandbox, and no cookie a sandbox sets
+//! reaches beyond its own host.
 
-use crate::core::{Accept, Core, CoreError, Credentials, Principal, Via};
+use crate::core::{Accept, Core, CoreError, Credentials, Principal, CREDENTIAL_HEADERS};
 use axum::body::Body;
 use axum::extract::{Request, State};
 use axum::http::{HeaderValue, StatusCode};
@@ -33,9 +35,18 @@ fn error(status: StatusCode, message: String) -> Response {
 }
 
 /// The one answer for a sandbox port that cannot be reached: missing, not running, or not the
-/// caller's (sandbox ports need its access token or its owner's API key).
+/// caller's (sandbox ports need its traffic token, its access token or its owner's API key).
 fn not_running(id: &str) -> Response {
     error(StatusCode::BAD_GATEWAY, format!("sandbox {id} is not running"))
+}
+
+/// A port request that carries no credential at all: told what it needs, the same whether the
+/// sandbox exists or not.
+fn credential_needed() -> Response {
+    error(
+        StatusCode::UNAUTHORIZED,
+        "sandbox ports need the sandbox's traffic token (E2B-Traffic-Access-Token), its access token (X-Access-Token) or its owner's API key".into(),
+    )
 }
 
 /// Route by Host before path routing: sandbox hosts go to envd or to the sandbox's port.
@@ -78,40 +89,73 @@ pub async fn code_interpreter_by_token(State(core): State<Core>, req: Request) -
     let creds = Credentials::from_headers(req.headers());
     let accept = Accept {
         owner_key: false,
+        traffic_token: true,
         no_token: false,
     };
     match core.sandbox_principal(&creds, None, accept).await {
-        Ok(Principal::Sandbox { sandbox, .. }) if !creds.access_tokens.is_empty() => {
+        Ok(Principal::Sandbox { sandbox, .. }) if creds.envd_token.is_some() || creds.traffic_token.is_some() => {
             forward(core, sandbox.id, airlock_runtime::template::CODE_INTERPRETER_PORT, req).await
         }
         _ => error(StatusCode::BAD_GATEWAY, "no sandbox has this X-Access-Token".into()),
     }
 }
 
-/// The credential that opened the sandbox never travels into it; E2B's traffic token is
-/// airlock's own header, never the app's. Other headers (an app's own `X-Access-Token` or
-/// `Authorization`) pass through.
-fn strip_credentials(headers: &mut axum::http::HeaderMap, via: Via) {
-    headers.remove("e2b-traffic-access-token");
-    match via {
-        Via::AccessToken(header) => {
-            headers.remove(header);
+/// No airlock credential travels into a sandbox: the sandbox-token and API-key headers go
+/// whatever opened the request, and `Authorization` goes when it carries an airlock key or
+/// token (an app's own `Authorization` passes).
+async fn strip_credentials(core: &Core, headers: &mut axum::http::HeaderMap) {
+    for name in CREDENTIAL_HEADERS {
+        headers.remove(name);
+    }
+    let mut platform = false;
+    for v in headers.get_all(hyper::header::AUTHORIZATION) {
+        platform |= match v.to_str() {
+            Ok(v) => core.is_platform_credential(v).await,
+            Err(_) => false,
+        };
+    }
+    if platform {
+        headers.remove(hyper::header::AUTHORIZATION);
+    }
+}
+
+/// A cookie a sandbox sets stays on its own host: a `Domain` attribute (which would let
+/// `<port>-<id>.<domain>` set cookies for the parent domain, and so for every other sandbox
+/// and the API) is dropped, leaving a host-only cookie.
+fn host_only_cookies(headers: &mut axum::http::HeaderMap) {
+    let cookies: Vec<HeaderValue> = headers.get_all(hyper::header::SET_COOKIE).iter().cloned().collect();
+    if cookies.is_empty() {
+        return;
+    }
+    headers.remove(hyper::header::SET_COOKIE);
+    for c in cookies {
+        // A value that is not text can't be inspected: it is dropped, not passed.
+        let Ok(text) = c.to_str() else { continue };
+        let kept: Vec<&str> = text
+            .split(';')
+            .filter(|attr| {
+                let name = attr.split('=').next().unwrap_or("").trim();
+                !name.eq_ignore_ascii_case("domain")
+            })
+            .collect();
+        if let Ok(v) = HeaderValue::from_str(&kept.join(";")) {
+            headers.append(hyper::header::SET_COOKIE, v);
         }
-        Via::OwnerKey => {
-            headers.remove("authorization");
-        }
-        Via::Unverified => {}
     }
 }
 
 pub async fn forward(core: Core, id: String, port: u16, mut req: Request) -> Response {
     let creds = Credentials::from_headers(req.headers());
+    if !creds.any() {
+        return credential_needed();
+    }
     let accept = Accept {
         owner_key: true,
+        traffic_token: true,
         no_token: false,
     };
-    let (sandbox, via) = match core.sandbox_principal(&creds, Some(&id), accept).await {
-        Ok(Principal::Sandbox { sandbox, via }) if sandbox.answers_requests() => (sandbox, via),
+    let sandbox = match core.sandbox_principal(&creds, Some(&id), accept).await {
+        Ok(Principal::Sandbox { sandbox, .. }) if sandbox.answers_requests() => sandbox,
         // A caller without the sandbox's token or its owner's key gets the answer for a missing
         // sandbox: it learns nothing of what exists.
         Ok(_) | Err(CoreError::NotFound { .. } | CoreError::Unauthenticated(_)) => return not_running(&id),
@@ -120,7 +164,7 @@ pub async fn forward(core: Core, id: String, port: u16, mut req: Request) -> Res
             return error(status, e.to_string());
         }
     };
-    strip_credentials(req.headers_mut(), via);
+    strip_credentials(&core, req.headers_mut()).await;
     let agent = match core.agent_for(&sandbox).await {
         Ok(a) => a,
         Err(e) => return error(StatusCode::BAD_GATEWAY, e.to_string()),
@@ -171,7 +215,8 @@ pub async fn forward(core: Core, id: String, port: u16, mut req: Request) -> Res
             }
         });
     }
-    let (parts, body) = resp.into_parts();
+    let (mut parts, body) = resp.into_parts();
+    host_only_cookies(&mut parts.headers);
     Response::from_parts(parts, Body::new(body))
 }
 
@@ -180,30 +225,18 @@ mod tests {
     use super::*;
 
     #[test]
-    fn the_credential_that_opened_a_sandbox_stays_out_of_it() {
-        let headers = || {
-            let mut h = axum::http::HeaderMap::new();
-            for (k, v) in [
-                ("authorization", "Bearer ak_owner"),
-                ("x-access-token", "app-token"),
-                ("e2b-traffic-access-token", "tok"),
-                ("x-api-key", "app-key"),
-            ] {
-                h.insert(k, v.parse().unwrap());
-            }
-            h
-        };
-        let mut h = headers();
-        strip_credentials(&mut h, Via::AccessToken("e2b-traffic-access-token"));
-        assert!(h.get("e2b-traffic-access-token").is_none());
-        // The app's own headers pass.
-        assert!(h.contains_key("x-access-token") && h.contains_key("authorization") && h.contains_key("x-api-key"));
-        let mut h = headers();
-        strip_credentials(&mut h, Via::AccessToken("x-access-token"));
-        assert!(h.get("x-access-token").is_none() && h.get("e2b-traffic-access-token").is_none());
-        let mut h = headers();
-        strip_credentials(&mut h, Via::OwnerKey);
-        assert!(h.get("authorization").is_none() && h.get("e2b-traffic-access-token").is_none());
+    fn a_sandbox_sets_cookies_for_its_own_host_only() {
+        let mut h = axum::http::HeaderMap::new();
+        for v in [
+            "sid=1; Domain=.sbx.example; Path=/; HttpOnly",
+            "a=2; domain=sbx.example",
+            "b=3; Path=/",
+        ] {
+            h.append(hyper::header::SET_COOKIE, v.parse().unwrap());
+        }
+        host_only_cookies(&mut h);
+        let got: Vec<&str> = h.get_all(hyper::header::SET_COOKIE).iter().map(|v| v.to_str().unwrap()).collect();
+        assert_eq!(got, ["sid=1; Path=/; HttpOnly", "a=2", "b=3; Path=/"]);
     }
 
     #[test]

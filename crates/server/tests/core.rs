@@ -1907,6 +1907,10 @@ async fn console_account_and_admin_routes() {
 
     // The admin token administers; a tenant key gets 403, nothing 401; the token is no tenant key.
     assert_eq!(server.v1_as(&token, Method::GET, "/admin/tenants", None).await.0, 200);
+    // The node's counts and pools: the platform account's view of `/v1/system`.
+    let (status, sys) = server.v1_as(&token, Method::GET, "/admin/system", None).await;
+    assert_eq!(status, 200, "{sys}");
+    assert!(sys["capacity"]["cpus"].is_u64() && sys["pools"].is_array(), "{sys}");
     let (status, body) = server.v1(Method::GET, "/admin/tenants", None).await;
     assert_eq!((status, body["code"].as_str()), (403, Some("forbidden")), "{body}");
     assert_eq!(server.json(Method::GET, "/v1/admin/tenants", &[], Body::empty()).await.0, 401);

@@ -87,7 +87,7 @@ fn vm_rss_kib() -> u64 {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn hostile_stream_headers_get_a_normal_answer() {
     let server = Server::start_fresh(Limits::default()).await;
-    let E2bSandbox { id, token } = server.e2b_sandbox().await;
+    let E2bSandbox { id, token, .. } = server.e2b_sandbox().await;
     let mut headers = envd_headers(&id, &token, "application/connect+json");
     headers.push(("connect-timeout-ms", "18446744073709551615"));
     headers.push(("keepalive-ping-interval", "18446744073709551615"));
@@ -141,7 +141,7 @@ async fn raw_post(addr: SocketAddr, head: &str, body: usize) -> (Option<u16>, us
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn bodies_are_refused_before_they_are_read() {
     let server = Server::start_fresh(Limits::default()).await;
-    let E2bSandbox { id, token } = server.e2b_sandbox().await;
+    let E2bSandbox { id, token, .. } = server.e2b_sandbox().await;
 
     // Anonymous, 256 MiB. With `Expect: 100-continue` the server must answer without ever
     // asking for the body; without it, the client writes until the server, having answered,
@@ -238,7 +238,7 @@ async fn bodies_are_refused_before_they_are_read() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn missing_and_foreign_sandboxes_answer_alike() {
     let server = Server::start_fresh(Limits::default()).await;
-    let E2bSandbox { id, token } = server.e2b_sandbox().await;
+    let E2bSandbox { id, token, traffic } = server.e2b_sandbox().await;
     let native = server.running_sandbox().await;
     let other_key = server
         .core()
@@ -273,6 +273,9 @@ async fn missing_and_foreign_sandboxes_answer_alike() {
             (native.as_str(), vec![]),
             (native.as_str(), vec![("authorization", own_bearer.as_str())]),
             (native.as_str(), vec![("x-access-token", token.as_str())]),
+            // The traffic token opens ports, never envd: as a missing sandbox, by either header.
+            (id.as_str(), vec![("e2b-traffic-access-token", traffic.as_str())]),
+            (id.as_str(), vec![("x-access-token", traffic.as_str())]),
         ]
         .into_iter()
         .chain([
@@ -327,19 +330,27 @@ async fn missing_and_foreign_sandboxes_answer_alike() {
         .await;
     assert_eq!(status, 200, "{list}");
 
-    // Ports, by host and by E2B's headers: unknown, no credentials, a wrong token, another
-    // tenant's key, another tenant's sandbox.
+    // Ports, by host and by E2B's headers: unknown, a wrong token, another tenant's key, another
+    // tenant's sandbox. A request with no credential at all is told it needs one (401), the
+    // same whether the sandbox exists.
+    for target in [missing, id.as_str()] {
+        let host = format!("8000-{target}.localhost");
+        let (status, body) = server
+            .json(Method::GET, "/index.html", &[("host", host.as_str())], Body::empty())
+            .await;
+        assert_eq!(status, 401, "{body}");
+        assert!(body["message"].as_str().unwrap().contains("E2B-Traffic-Access-Token"), "{body}");
+    }
     let mut answers = Vec::new();
     for (target, creds) in [
-        (missing, vec![]),
+        (missing, vec![("e2b-traffic-access-token", "wrong")]),
         (missing, vec![("authorization", own_bearer.as_str())]),
-        (id.as_str(), vec![]),
         (id.as_str(), vec![("e2b-traffic-access-token", "wrong")]),
         (id.as_str(), vec![("authorization", other_bearer.as_str())]),
         (native.as_str(), vec![("authorization", other_bearer.as_str())]),
-        (native.as_str(), vec![("e2b-traffic-access-token", token.as_str())]),
+        (native.as_str(), vec![("e2b-traffic-access-token", traffic.as_str())]),
         (foreign.as_str(), vec![("authorization", own_bearer.as_str())]),
-        (foreign.as_str(), vec![("e2b-traffic-access-token", token.as_str())]),
+        (foreign.as_str(), vec![("e2b-traffic-access-token", traffic.as_str())]),
     ] {
         for by_host in [false, true] {
             let host = format!("8000-{target}.localhost");
@@ -361,18 +372,15 @@ async fn missing_and_foreign_sandboxes_answer_alike() {
         assert_eq!(a, &first, "port 8000 of {target}");
     }
     println!("ports: every caller without proof gets {first:?}");
-    // The right token gets past the check (to the fake agent's tunnel, whatever it answers).
+    // The traffic token (and envd's, which the code interpreter's SDK sends) gets past the check
+    // (to the fake agent's tunnel, whatever it answers).
     let host = format!("8000-{id}.localhost");
-    let answer = server
-        .answer(
-            Method::GET,
-            "/index.html",
-            &[("host", host.as_str()), ("e2b-traffic-access-token", token.as_str())],
-            Body::empty(),
-            &id,
-        )
-        .await;
-    assert_ne!(answer, first, "a correct token is not refused");
+    for creds in [("e2b-traffic-access-token", traffic.as_str()), ("x-access-token", token.as_str())] {
+        let answer = server
+            .answer(Method::GET, "/index.html", &[("host", host.as_str()), creds], Body::empty(), &id)
+            .await;
+        assert_ne!(answer, first, "a correct token is not refused: {creds:?}");
+    }
 
     // Signed `/files` URLs: a bad signature, a signature for another operation or path, one
     // made with another sandbox's token, and a sandbox never opened to tokens all answer as an
@@ -394,6 +402,8 @@ async fn missing_and_foreign_sandboxes_answer_alike() {
             (id.as_str(), sign("/tmp/a", other_op, &token)),
             (id.as_str(), sign("/tmp/b", op, &token)),
             (id.as_str(), sign("/tmp/a", op, &foreign_token)),
+            // Signed with the traffic token, which proves nothing about files.
+            (id.as_str(), sign("/tmp/a", op, &traffic)),
             (foreign.as_str(), sign("/tmp/a", op, &token)),
             (native.as_str(), sign("/tmp/a", op, &native_token)),
         ] {
@@ -667,4 +677,62 @@ async fn e2b_control_routes_answer_another_tenants_sandbox_as_missing() {
         .await;
     assert_eq!((status, sb["state"].as_str()), (200, Some("running")), "{sb}");
     server.delete_as(&other_key, &foreign).await;
+}
+
+/// A sandbox port never sees airlock's credentials (whichever opened it, and whichever were
+/// co-sent), while the app's own `Authorization` passes; a cookie the sandbox sets for the
+/// parent domain comes back host-only.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn no_platform_credential_reaches_a_sandbox_port() {
+    let server = Server::start_fresh(Limits::default()).await;
+    let E2bSandbox { id, token, traffic } = server.e2b_sandbox().await;
+    let host = format!("8000-{id}.localhost");
+    let own_bearer = format!("Bearer {}", server.key);
+    for (opener, app_auth) in [
+        (("e2b-traffic-access-token", traffic.as_str()), Some("Bearer the-app-s-own")),
+        (("x-access-token", token.as_str()), Some("Basic dXNlcjpwYXNz")),
+        (("authorization", own_bearer.as_str()), None),
+    ] {
+        let mut headers = vec![
+            ("host", host.as_str()),
+            opener,
+            ("x-api-key", server.key.as_str()),
+            ("x-access-token", token.as_str()),
+            ("e2b-traffic-access-token", traffic.as_str()),
+        ];
+        if let Some(a) = app_auth {
+            headers.push(("authorization", a));
+        }
+        headers.dedup();
+        let resp = server.send(Method::GET, "/echo", &headers, Body::empty()).await;
+        let cookies: Vec<String> = resp
+            .headers
+            .get_all("set-cookie")
+            .iter()
+            .map(|v| v.to_str().unwrap().to_string())
+            .collect();
+        let (status, body) = resp.json().await;
+        assert_eq!(status, 200, "{body}");
+        let seen = &body["headers"];
+        for h in ["x-api-key", "x-access-token", "e2b-traffic-access-token"] {
+            assert!(seen.get(h).is_none(), "{h} reached the sandbox: {seen}");
+        }
+        assert_eq!(seen.get("authorization").and_then(|v| v.as_str()), app_auth, "{seen}");
+        assert!(!seen.to_string().contains(server.key.as_str()), "the tenant's key reached the sandbox: {seen}");
+        assert_eq!(cookies, ["tossed=1; Path=/"], "{cookies:?}");
+    }
+    server.delete(&id).await;
+}
+
+/// A tenant sees the server's version, accelerator, runtimes and egress configuration; the
+/// node's counts and warm pools are the platform account's (`/v1/admin/system`).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn node_wide_figures_are_the_platform_account_s() {
+    let server = Server::start_fresh(Limits::default()).await;
+    let (status, sys) = server.v1(Method::GET, "/system", None).await;
+    assert_eq!(status, 200, "{sys}");
+    assert!(sys["accel"].is_string() && sys["egress"].is_object(), "{sys}");
+    assert!(sys.get("capacity").is_none() && sys.get("pools").is_none(), "{sys}");
+    let (status, _) = server.v1(Method::GET, "/admin/system", None).await;
+    assert_eq!(status, 403, "a tenant's key is no admin token");
 }

@@ -3,7 +3,7 @@
 
 use airlock_server::model::{Operation, OperationKind, OperationState, Quota, Resources, SandboxState};
 use airlock_server::store::{
-    new_key, now_ms, rfc3339, token_hash, CreateRecorded, E2bStore, KeyFormat, NodeBudget, OperationStore, SandboxRow,
+    new_key, now_ms, AccessHashes, TokenKind, rfc3339, token_hash, CreateRecorded, E2bStore, KeyFormat, NodeBudget, OperationStore, SandboxRow,
     SandboxStore, SessionRow, SqliteStore, StoreError, Tenant, TenantStore,
 };
 use std::collections::BTreeMap;
@@ -279,24 +279,24 @@ async fn keys_access_tokens_sessions_and_aliases() {
         .insert_create(&sandbox("s1", "acme"), &create_op("s1"), None, 10)
         .await
         .unwrap();
-    assert!(store.access_hash("s1").await.unwrap().is_none());
-    store.set_access_hash("s1", &token_hash("one")).await.unwrap();
-    store.set_access_hash("s1", &token_hash("two")).await.unwrap();
-    assert_eq!(store.access_hash("s1").await.unwrap(), Some(token_hash("two")));
-    assert!(store
-        .sandbox_by_access_hash(&token_hash("one"))
-        .await
-        .unwrap()
-        .is_none());
-    assert_eq!(
-        store
-            .sandbox_by_access_hash(&token_hash("two"))
-            .await
-            .unwrap()
-            .unwrap()
-            .id,
-        "s1"
-    );
+    assert!(store.access_hashes("s1").await.unwrap().is_none());
+    let hashes = |envd: &str, traffic: &str| AccessHashes {
+        envd: token_hash(envd),
+        traffic: Some(token_hash(traffic)),
+    };
+    store.set_access_hashes("s1", &hashes("one", "t1")).await.unwrap();
+    store.set_access_hashes("s1", &hashes("two", "t2")).await.unwrap();
+    assert_eq!(store.access_hashes("s1").await.unwrap(), Some(hashes("two", "t2")));
+    for (kind, gone) in [(TokenKind::Envd, "one"), (TokenKind::Traffic, "t1")] {
+        assert!(store.sandbox_by_access_hash(kind, &token_hash(gone)).await.unwrap().is_none());
+    }
+    for (kind, live) in [(TokenKind::Envd, "two"), (TokenKind::Traffic, "t2")] {
+        let found = store.sandbox_by_access_hash(kind, &token_hash(live)).await.unwrap();
+        assert_eq!(found.unwrap().id, "s1");
+    }
+    // Each token is looked up only as its own kind.
+    assert!(store.sandbox_by_access_hash(TokenKind::Envd, &token_hash("t2")).await.unwrap().is_none());
+    assert!(store.sandbox_by_access_hash(TokenKind::Traffic, &token_hash("two")).await.unwrap().is_none());
 
     store.set_e2b_alias("s1", "base").await.unwrap();
     assert_eq!(store.e2b_alias("s1").await.unwrap().as_deref(), Some("base"));
@@ -417,10 +417,15 @@ async fn a_database_from_before_migrations_is_upgraded_in_place() {
         assert_eq!(other.metadata, BTreeMap::from([("team".to_string(), "y".to_string())]));
         assert!(store.e2b_alias("old2").await.unwrap().is_none());
 
-        assert_eq!(store.access_hash("old1").await.unwrap(), Some(token_hash(token)));
+        // A token from before traffic tokens: envd's only, until handed out again.
+        let legacy = AccessHashes {
+            envd: token_hash(token),
+            traffic: None,
+        };
+        assert_eq!(store.access_hashes("old1").await.unwrap(), Some(legacy));
         assert_eq!(
             store
-                .sandbox_by_access_hash(&token_hash(token))
+                .sandbox_by_access_hash(TokenKind::Envd, &token_hash(token))
                 .await
                 .unwrap()
                 .unwrap()
@@ -428,7 +433,7 @@ async fn a_database_from_before_migrations_is_upgraded_in_place() {
             "old1"
         );
         assert!(
-            store.sandbox_by_access_hash(token).await.unwrap().is_none(),
+            store.sandbox_by_access_hash(TokenKind::Envd, token).await.unwrap().is_none(),
             "the plain token is gone"
         );
 

@@ -741,11 +741,56 @@ fn clean_path(path: &str) -> Result<PathBuf, ApiErr> {
 // ---------------------------------------------------------------------------------------------
 // Routes
 
+/// What listens on port 8000 of a fake sandbox (nothing listens on the others): an HTTP/1 app that answers each request with
+/// the headers it received (as JSON) and, as a hostile guest would, sets a cookie for the parent
+/// domain; tests see what the port proxy lets through either way.
+fn port_app(req: Request<Incoming>) -> Response<Body> {
+    let (app, host_end) = tokio::io::duplex(64 << 10);
+    tokio::spawn(async move {
+        let svc = hyper::service::service_fn(|r: Request<Incoming>| async move {
+            let headers: BTreeMap<String, String> = r
+                .headers()
+                .iter()
+                .map(|(k, v)| (k.to_string(), String::from_utf8_lossy(v.as_bytes()).into_owned()))
+                .collect();
+            let mut resp = json(StatusCode::OK, &serde_json::json!({ "headers": headers }));
+            resp.headers_mut().insert(
+                http::header::SET_COOKIE,
+                http::HeaderValue::from_static("tossed=1; Domain=localhost; Path=/"),
+            );
+            Ok::<_, std::convert::Infallible>(resp)
+        });
+        let _ = hyper::server::conn::http1::Builder::new()
+            .serve_connection(hyper_util::rt::TokioIo::new(app), svc)
+            .await;
+    });
+    let (rd, mut wr) = tokio::io::split(host_end);
+    tokio::spawn(async move {
+        let mut body = req.into_body();
+        while let Some(Ok(frame)) = body.frame().await {
+            if let Ok(data) = frame.into_data() {
+                if wr.write_all(&data).await.is_err() {
+                    break;
+                }
+            }
+        }
+        let _ = wr.shutdown().await;
+    });
+    use futures_util::TryStreamExt;
+    let out = tokio_util::io::ReaderStream::new(rd).map_ok(Frame::data);
+    Response::builder()
+        .status(StatusCode::OK)
+        .header("content-type", "application/octet-stream")
+        .body(StreamBody::new(out).boxed_unsync())
+        .expect("valid response")
+}
+
 async fn route(guest: Arc<Guest>, req: Request<Incoming>) -> Result<Response<Body>, ApiErr> {
     let path = req.uri().path().to_string();
     let segs: Vec<&str> = path.trim_matches('/').split('/').collect();
     let method = req.method().clone();
     match (&method, segs.as_slice()) {
+        (&Method::POST, ["tcp", "8000"]) => Ok(port_app(req)),
         (&Method::GET, ["health"]) => Ok(json(
             StatusCode::OK,
             &Health {

@@ -27,7 +27,7 @@ pub mod templates;
 pub mod tenants;
 
 pub use crate::error::{CoreError, CoreResult, Kind};
-pub use principal::{Accept, Credentials, Principal, Via};
+pub use principal::{Accept, Credentials, Principal, SandboxTokens, Via, CREDENTIAL_HEADERS};
 
 use crate::engine::Engine;
 use crate::nodes::{Capacity, Nodes};

@@ -5,7 +5,7 @@
 use super::Core;
 use crate::error::{CoreError, CoreResult, Kind};
 use super::federation::{Federation, SignedIn};
-use crate::store::{token_hash, SandboxRow, Tenant};
+use crate::store::{token_hash, AccessHashes, SandboxRow, Tenant, TokenKind};
 use axum::http::HeaderMap;
 use base64::Engine as _;
 use subtle::ConstantTimeEq;
@@ -17,10 +17,15 @@ pub struct Credentials {
     pub bearer: Option<String>,
     /// `X-API-KEY: <key>`: the E2B control plane's API key.
     pub x_api_key: Option<String>,
-    /// Sandbox access tokens, each with the header it came in: `X-Access-Token` (envd) and
-    /// `E2B-Traffic-Access-Token` (sandbox ports).
-    pub access_tokens: Vec<(&'static str, String)>,
+    /// `X-Access-Token: <token>`: a sandbox's envd access token.
+    pub envd_token: Option<String>,
+    /// `E2B-Traffic-Access-Token: <token>`: a sandbox's traffic token (its ports only).
+    pub traffic_token: Option<String>,
 }
+
+/// Every header a caller may carry an airlock credential in. None of them ever reaches a
+/// sandbox (the port proxy strips them; see `Core::is_platform_credential` for `Authorization`).
+pub const CREDENTIAL_HEADERS: [&str; 3] = ["x-api-key", "x-access-token", "e2b-traffic-access-token"];
 
 fn header<'a>(h: &'a HeaderMap, name: &str) -> Option<&'a str> {
     h.get(name)
@@ -35,23 +40,40 @@ impl Credentials {
             let (scheme, rest) = v.split_once(' ')?;
             scheme.eq_ignore_ascii_case("bearer").then(|| rest.trim().to_string())
         });
-        let access_tokens = ["x-access-token", "e2b-traffic-access-token"]
-            .into_iter()
-            .filter_map(|name| header(h, name).map(|t| (name, t.to_string())))
-            .collect();
         Self {
             bearer,
             x_api_key: header(h, "x-api-key").map(String::from),
-            access_tokens,
+            envd_token: header(h, "x-access-token").map(String::from),
+            traffic_token: header(h, "e2b-traffic-access-token").map(String::from),
         }
+    }
+
+    /// Whether the request carries any credential at all (a port request without one is told
+    /// so, whatever exists behind it).
+    pub fn any(&self) -> bool {
+        self.bearer.is_some() || self.x_api_key.is_some() || self.envd_token.is_some() || self.traffic_token.is_some()
+    }
+
+    /// The sandbox tokens presented that `accept` lets count, with their kinds.
+    fn sandbox_tokens(&self, accept: Accept) -> Vec<(TokenKind, &str)> {
+        let mut out = Vec::new();
+        if let Some(t) = &self.envd_token {
+            out.push((TokenKind::Envd, t.as_str()));
+        }
+        if let (true, Some(t)) = (accept.traffic_token, &self.traffic_token) {
+            out.push((TokenKind::Traffic, t.as_str()));
+        }
+        out
     }
 }
 
 /// How a caller proved it may use one sandbox.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Via {
-    /// The sandbox's access token, in this header.
-    AccessToken(&'static str),
+    /// The sandbox's envd access token (`X-Access-Token`).
+    EnvdToken,
+    /// The sandbox's traffic token (`E2B-Traffic-Access-Token`): its ports only.
+    TrafficToken,
     /// An API key (`Authorization: Bearer`) of the tenant that owns the sandbox.
     OwnerKey,
     /// No token: the route proves access itself (a signed URL, checked by
@@ -99,6 +121,8 @@ impl Principal {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Accept {
     pub owner_key: bool,
+    /// The sandbox's traffic token: only its ports accept it, never envd.
+    pub traffic_token: bool,
     /// A request without any token (a signed URL, checked afterwards).
     pub no_token: bool,
 }
@@ -173,14 +197,17 @@ impl Core {
         sandbox_id: Option<&str>,
         accept: Accept,
     ) -> CoreResult<Principal> {
-        let presented: Vec<(&'static str, String)> =
-            creds.access_tokens.iter().map(|(h, t)| (*h, token_hash(t))).collect();
+        let presented: Vec<(TokenKind, String)> = creds
+            .sandbox_tokens(accept)
+            .into_iter()
+            .map(|(kind, t)| (kind, token_hash(t)))
+            .collect();
         let row = match sandbox_id {
             Some(id) => self.store.sandbox_by_id(id).await?,
             None => {
                 let mut found = None;
-                for (_, hash) in &presented {
-                    found = self.store.sandbox_by_access_hash(hash).await?;
+                for (kind, hash) in &presented {
+                    found = self.store.sandbox_by_access_hash(*kind, hash).await?;
                     if found.is_some() {
                         break;
                     }
@@ -191,13 +218,17 @@ impl Core {
         let Some(sandbox) = row else {
             return Err(CoreError::not_found(Kind::Sandbox, sandbox_id.unwrap_or("")));
         };
-        let issued = self.store.access_hash(&sandbox.id).await?;
+        let issued = self.store.access_hashes(&sandbox.id).await?;
         if let Some(want) = &issued {
-            for (header, got) in &presented {
-                if bool::from(want.as_bytes().ct_eq(got.as_bytes())) {
+            for (kind, got) in &presented {
+                if want.get(*kind).is_some_and(|w| bool::from(w.as_bytes().ct_eq(got.as_bytes()))) {
+                    let via = match kind {
+                        TokenKind::Envd => Via::EnvdToken,
+                        TokenKind::Traffic => Via::TrafficToken,
+                    };
                     return Ok(Principal::Sandbox {
                         sandbox: self.current(sandbox).await?,
-                        via: Via::AccessToken(header),
+                        via,
                     });
                 }
             }
@@ -222,7 +253,7 @@ impl Core {
             });
         }
         let need = if accept.owner_key {
-            "its access token or its owner's API key"
+            "its traffic token (E2B-Traffic-Access-Token), its access token or its owner's API key"
         } else {
             "its access token (X-Access-Token)"
         };
@@ -236,30 +267,60 @@ impl Core {
         }))
     }
 
-    /// The access token of a sandbox: derived from the server's secret, so it can be handed out
-    /// again on connect while the store keeps only its hash.
+    /// The envd access token of a sandbox: derived from the server's secret, so it can be
+    /// handed out again on connect while the store keeps only its hash.
     pub fn access_token(&self, sandbox_id: &str) -> String {
+        self.derive_token(b"sandbox-access-token:", sandbox_id)
+    }
+
+    /// The traffic token of a sandbox (its ports only), derived apart from its access token:
+    /// a preview URL pasted into a chat must not run commands.
+    pub fn traffic_token(&self, sandbox_id: &str) -> String {
+        self.derive_token(b"sandbox-traffic-token:", sandbox_id)
+    }
+
+    fn derive_token(&self, label: &[u8], sandbox_id: &str) -> String {
         use hmac::Mac;
         let mut mac = hmac::Hmac::<sha2::Sha256>::new_from_slice(&self.secret).expect("any key length");
-        mac.update(b"sandbox-access-token:");
+        mac.update(label);
         mac.update(sandbox_id.as_bytes());
         hex::encode(&mac.finalize().into_bytes()[..16])
     }
 
-    /// Issue (or re-issue) a sandbox's access token; returns it.
-    pub async fn issue_access_token(&self, sandbox_id: &str) -> CoreResult<String> {
-        let token = self.access_token(sandbox_id);
-        let hash = token_hash(&token);
-        let stored = self.store.access_hash(sandbox_id).await?;
-        if !stored.is_some_and(|h| bool::from(h.as_bytes().ct_eq(hash.as_bytes()))) {
-            self.store.set_access_hash(sandbox_id, &hash).await?;
+    /// Issue (or re-issue) a sandbox's access and traffic tokens; returns them.
+    pub async fn issue_access_token(&self, sandbox_id: &str) -> CoreResult<SandboxTokens> {
+        let tokens = SandboxTokens {
+            envd: self.access_token(sandbox_id),
+            traffic: self.traffic_token(sandbox_id),
+        };
+        let hashes = AccessHashes {
+            envd: token_hash(&tokens.envd),
+            traffic: Some(token_hash(&tokens.traffic)),
+        };
+        if self.store.access_hashes(sandbox_id).await?.as_ref() != Some(&hashes) {
+            self.store.set_access_hashes(sandbox_id, &hashes).await?;
         }
-        Ok(token)
+        Ok(tokens)
     }
 
     /// Whether the sandbox was opened to access tokens (created or connected through E2B).
     pub async fn has_access_token(&self, sandbox_id: &str) -> CoreResult<bool> {
-        Ok(self.store.access_hash(sandbox_id).await?.is_some())
+        Ok(self.store.access_hashes(sandbox_id).await?.is_some())
+    }
+
+    /// Whether an `Authorization` value carries an airlock credential (an API key, a signed-in
+    /// token of a configured issuer, an admin token): the port proxy never forwards those into
+    /// a sandbox, while an app's own `Authorization` passes.
+    pub async fn is_platform_credential(&self, authorization: &str) -> bool {
+        let Some((_, value)) = authorization.split_once(' ') else {
+            return false;
+        };
+        let value = value.trim();
+        if !self.config.federation.is_empty() && Federation::looks_like_jwt(value) {
+            return self.config.federation.verify(value).is_ok();
+        }
+        matches!(self.store.tenant_by_key(value).await, Ok(Some(_)))
+            || matches!(self.store.admin_session(&token_hash(value), crate::store::now_ms()).await, Ok(Some(_)))
     }
 
     /// Check a signed URL (`/files?signature=...`) for `op` (`read`/`write`) on `sandbox`.
@@ -298,14 +359,23 @@ impl Core {
                 continue;
             }
             // Its token must have been handed out (created or connected through E2B).
-            let issued = self.store.access_hash(&row.id).await?;
-            if !issued.is_some_and(|h| bool::from(h.as_bytes().ct_eq(token_hash(&token).as_bytes()))) {
+            let issued = self.store.access_hashes(&row.id).await?;
+            if !issued.is_some_and(|h| bool::from(h.envd.as_bytes().ct_eq(token_hash(&token).as_bytes()))) {
                 return Err(missing());
             }
             return self.current(row).await;
         }
         Err(missing())
     }
+}
+
+/// A sandbox's tokens as the E2B door hands them out.
+#[derive(Debug, Clone)]
+pub struct SandboxTokens {
+    /// `envdAccessToken`: processes, files and signed URLs.
+    pub envd: String,
+    /// `trafficAccessToken`: the sandbox's ports, nothing else.
+    pub traffic: String,
 }
 
 /// The parts of a signed URL, as the E2B SDK signs them.
@@ -340,14 +410,14 @@ mod tests {
         h.insert("e2b-traffic-access-token", "tok".parse().unwrap());
         let c = Credentials::from_headers(&h);
         assert_eq!(c.bearer.as_deref(), Some("ak_1"));
-        assert_eq!(c.access_tokens, vec![("e2b-traffic-access-token", "tok".to_string())]);
+        assert_eq!((c.traffic_token.as_deref(), c.envd_token), (Some("tok"), None));
         let mut h = HeaderMap::new();
         h.insert("x-api-key", "e2b_2".parse().unwrap());
         h.insert("authorization", "Basic dXNlcjo=".parse().unwrap());
         h.insert("x-access-token", "t1".parse().unwrap());
         let c = Credentials::from_headers(&h);
         assert_eq!((c.bearer, c.x_api_key.as_deref()), (None, Some("e2b_2")));
-        assert_eq!(c.access_tokens, vec![("x-access-token", "t1".to_string())]);
+        assert_eq!((c.envd_token.as_deref(), c.traffic_token), (Some("t1"), None));
     }
 
     #[test]

@@ -4,7 +4,7 @@
 use super::{E2bError, E2bState, ENVD_VERSION};
 use crate::core::egress::EgressRequest;
 use crate::core::sandboxes::{check_timeout, Change, CreateSandbox, Created, ListSandboxes, DEFAULT_TIMEOUT};
-use crate::core::{templates, CoreError, Credentials, Principal};
+use crate::core::{templates, CoreError, Credentials, Principal, SandboxTokens};
 use crate::model::{Lifecycle, OnTimeout, OperationState, SandboxState};
 use crate::store::{rfc3339, SandboxRow, Tenant};
 use axum::extract::{Path, Query, Request, State};
@@ -154,16 +154,17 @@ fn timeout_secs(seconds: Option<i64>) -> Duration {
     }
 }
 
-fn sandbox_json(state: &E2bState, row: &SandboxRow, token: &str, alias: &str) -> Value {
+fn sandbox_json(state: &E2bState, row: &SandboxRow, tokens: &SandboxTokens, alias: &str) -> Value {
     json!({
         "templateID": alias,
         "sandboxID": row.id,
         "clientID": "airlock",
         "alias": alias,
         "envdVersion": ENVD_VERSION,
-        "envdAccessToken": token,
-        // Sandbox ports are never public: the same token opens them (E2B-Traffic-Access-Token).
-        "trafficAccessToken": token,
+        "envdAccessToken": tokens.envd,
+        // Sandbox ports are never public: this token (E2B-Traffic-Access-Token) opens them and
+        // nothing else; envd refuses it.
+        "trafficAccessToken": tokens.traffic,
         "domain": state.domain.as_deref(),
     })
 }
@@ -176,7 +177,7 @@ async fn e2b_alias(state: &E2bState, row: &SandboxRow) -> Result<String> {
         .unwrap_or_else(|| row.template.clone()))
 }
 
-async fn detail_json(state: &E2bState, row: &SandboxRow, token: Option<&str>) -> Result<Value> {
+async fn detail_json(state: &E2bState, row: &SandboxRow, tokens: Option<&SandboxTokens>) -> Result<Value> {
     let alias = e2b_alias(state, row).await?;
     let mut v = json!({
         "templateID": alias,
@@ -201,8 +202,8 @@ async fn detail_json(state: &E2bState, row: &SandboxRow, token: Option<&str>) ->
             },
         },
     });
-    if let Some(t) = token {
-        v["envdAccessToken"] = json!(t);
+    if let Some(t) = tokens {
+        v["envdAccessToken"] = json!(t.envd);
     }
     Ok(v)
 }
@@ -420,7 +421,7 @@ pub async fn get(
     } else {
         None
     };
-    Ok(Json(detail_json(&state, &row, token.as_deref()).await?))
+    Ok(Json(detail_json(&state, &row, token.as_ref()).await?))
 }
 
 pub async fn kill(

@@ -44,8 +44,10 @@ fn header<'a>(h: &'a HeaderMap, name: &str) -> Option<&'a str> {
 /// `no_token` lets signed `/files` URLs through to their own check.
 async fn resolve(state: &E2bState, h: &HeaderMap, no_token: bool) -> Result<SandboxRow, Response> {
     let id = header(h, "e2b-sandbox-id");
+    // Never the traffic token: it opens the sandbox's ports, not its processes and files.
     let accept = Accept {
         owner_key: false,
+        traffic_token: false,
         no_token,
     };
     let sandbox = match state

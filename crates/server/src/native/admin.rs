@@ -206,7 +206,15 @@ pub async fn audit(
     }))
 }
 
-/// The warm pools: size, ready and starting VMs, hits and misses (as `/v1/system` shows them).
+/// `/v1/system` with what only the platform account sees: the node's counts and warm pools.
+#[utoipa::path(get, path = "/v1/admin/system", tag = "admin",
+    responses((status = 200, body = SystemInfo), ApiErrors), security(("bearer" = [])))]
+pub async fn system(State(core): State<Core>, Extension(_admin): Extension<Admin>) -> axum::Json<SystemInfo> {
+    axum::Json(super::system_info(&core, true).await)
+}
+
+/// The warm pools: size, ready and starting VMs, hits and misses (as `/v1/admin/system` shows
+/// them).
 #[utoipa::path(get, path = "/v1/admin/pools", tag = "admin",
     responses((status = 200, body = Vec<PoolInfo>), ApiErrors), security(("bearer" = [])))]
 pub async fn list_pools(State(core): State<Core>, Extension(_admin): Extension<Admin>) -> axum::Json<Vec<PoolInfo>> {

@@ -745,23 +745,30 @@ pub async fn get_template(State(core): State<Core>, Path(name): Path<String>) ->
     Ok(Json(template_view(core.resolve_template(&name)?.manifest)))
 }
 
+/// What a tenant may know of the server: version, accelerator, runtimes, egress configuration.
+/// The node's counts and warm pools are every tenant's business together, so the platform
+/// account's `GET /v1/admin/system` alone shows them.
 #[utoipa::path(get, path = "/v1/system", tag = "system",
     responses((status = 200, body = SystemInfo), ApiErrors), security(("bearer" = [])))]
 pub async fn system(State(core): State<Core>) -> Json<SystemInfo> {
+    Json(system_info(&core, false).await)
+}
+
+pub(crate) async fn system_info(core: &Core, node_wide: bool) -> SystemInfo {
     let nodes = &core.nodes;
     let capacity = nodes.capacity();
-    Json(SystemInfo {
+    SystemInfo {
         version: env!("CARGO_PKG_VERSION").into(),
         accel: nodes.accel().await,
         runtimes: vec![nodes.runtime_name().into()],
-        capacity: Capacity {
+        capacity: node_wide.then(|| Capacity {
             cpus: capacity.cpus,
             memory_mib: capacity.memory_mib,
             sandboxes_running: capacity.sandboxes_running,
-        },
+        }),
         egress: core.egress_info(),
-        pools: core.pools(),
-    })
+        pools: node_wide.then(|| core.pools()),
+    }
 }
 
 pub async fn not_found(uri: axum::http::Uri) -> ApiError {

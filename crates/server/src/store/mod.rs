@@ -44,6 +44,32 @@ pub fn key_id_of(key: &str) -> String {
 }
 
 /// The sha256 hex of a secret (an API key or a sandbox access token): what the store keeps.
+/// A sandbox's two tokens: envd's (`X-Access-Token`: processes, files, signed URLs) and the
+/// traffic token (`E2B-Traffic-Access-Token`: its ports only). They are derived apart, so
+/// holding one says nothing of the other.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum TokenKind {
+    Envd,
+    Traffic,
+}
+
+/// The hashes of a sandbox's issued tokens; `traffic` is `None` for a sandbox whose tokens were
+/// issued before traffic tokens existed (until they are handed out again).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct AccessHashes {
+    pub envd: String,
+    pub traffic: Option<String>,
+}
+
+impl AccessHashes {
+    pub fn get(&self, kind: TokenKind) -> Option<&str> {
+        match kind {
+            TokenKind::Envd => Some(&self.envd),
+            TokenKind::Traffic => self.traffic.as_deref(),
+        }
+    }
+}
+
 pub fn token_hash(secret: &str) -> String {
     use sha2::Digest;
     hex::encode(sha2::Sha256::digest(secret.as_bytes()))
@@ -376,10 +402,11 @@ pub trait SandboxStore: Send + Sync {
     async fn set_paused_remaining(&self, id: &str, remaining_ms: Option<i64>) -> Result<(), StoreError>;
     async fn paused_remaining(&self, id: &str) -> Result<Option<i64>, StoreError>;
 
-    /// Set (or replace) the sandbox's access token, given as its [`token_hash`].
-    async fn set_access_hash(&self, sandbox_id: &str, token_hash: &str) -> Result<(), StoreError>;
-    async fn access_hash(&self, sandbox_id: &str) -> Result<Option<String>, StoreError>;
-    async fn sandbox_by_access_hash(&self, token_hash: &str) -> Result<Option<SandboxRow>, StoreError>;
+    /// Set (or replace) the sandbox's tokens, given as their [`token_hash`]es.
+    async fn set_access_hashes(&self, sandbox_id: &str, hashes: &AccessHashes) -> Result<(), StoreError>;
+    async fn access_hashes(&self, sandbox_id: &str) -> Result<Option<AccessHashes>, StoreError>;
+    /// The sandbox that was issued a token of `kind` with this hash.
+    async fn sandbox_by_access_hash(&self, kind: TokenKind, token_hash: &str) -> Result<Option<SandboxRow>, StoreError>;
 
     async fn insert_session(&self, s: &SessionRow) -> Result<(), StoreError>;
     async fn get_session(&self, sandbox_id: &str, id: &str) -> Result<Option<SessionRow>, StoreError>;

@@ -1,7 +1,7 @@
 //! [`SqliteStore`]: the store in one SQLite file (WAL, a small pool), migrated on open.
 
 use super::{
-    new_key, now_ms, rfc3339, token_hash, AccountStore, AuditFilter, AuditRecord, CreateRecorded, KeyRecord, E2bStore, EgressSpec, KeyFormat, NodeBudget, OperationStore,
+    new_key, now_ms, AccessHashes, TokenKind, rfc3339, token_hash, AccountStore, AuditFilter, AuditRecord, CreateRecorded, KeyRecord, E2bStore, EgressSpec, KeyFormat, NodeBudget, OperationStore,
     SandboxFilter, SandboxRow, SandboxStore, SessionRow, SnapshotKind, SnapshotRow, SnapshotStore, StoreError, Tenant, TenantStore,
 };
 use crate::model::ErrorBody;
@@ -931,33 +931,38 @@ impl SandboxStore for SqliteStore {
         Ok(r.map(|r| r.0))
     }
 
-    async fn set_access_hash(&self, sandbox_id: &str, token_hash: &str) -> Result<(), StoreError> {
+    async fn set_access_hashes(&self, sandbox_id: &str, hashes: &AccessHashes) -> Result<(), StoreError> {
         sqlx::query(
-            "INSERT INTO sandbox_access (sandbox_id, token_hash) VALUES (?, ?)
-             ON CONFLICT (sandbox_id) DO UPDATE SET token_hash = excluded.token_hash",
+            "INSERT INTO sandbox_access (sandbox_id, token_hash, traffic_hash) VALUES (?, ?, ?)
+             ON CONFLICT (sandbox_id) DO UPDATE SET token_hash = excluded.token_hash, traffic_hash = excluded.traffic_hash",
         )
         .bind(sandbox_id)
-        .bind(token_hash)
+        .bind(&hashes.envd)
+        .bind(&hashes.traffic)
         .execute(&self.pool)
         .await?;
         Ok(())
     }
 
-    async fn access_hash(&self, sandbox_id: &str) -> Result<Option<String>, StoreError> {
-        let r: Option<(String,)> = sqlx::query_as("SELECT token_hash FROM sandbox_access WHERE sandbox_id = ?")
-            .bind(sandbox_id)
-            .fetch_optional(&self.pool)
-            .await?;
-        Ok(r.map(|r| r.0))
+    async fn access_hashes(&self, sandbox_id: &str) -> Result<Option<AccessHashes>, StoreError> {
+        let r: Option<(String, Option<String>)> =
+            sqlx::query_as("SELECT token_hash, traffic_hash FROM sandbox_access WHERE sandbox_id = ?")
+                .bind(sandbox_id)
+                .fetch_optional(&self.pool)
+                .await?;
+        Ok(r.map(|(envd, traffic)| AccessHashes { envd, traffic }))
     }
 
-    async fn sandbox_by_access_hash(&self, token_hash: &str) -> Result<Option<SandboxRow>, StoreError> {
-        let r = sqlx::query(
-            "SELECT s.* FROM sandbox_access a JOIN sandboxes s ON s.id = a.sandbox_id WHERE a.token_hash = ?",
-        )
-        .bind(token_hash)
-        .fetch_optional(&self.pool)
-        .await?;
+    async fn sandbox_by_access_hash(&self, kind: TokenKind, token_hash: &str) -> Result<Option<SandboxRow>, StoreError> {
+        let sql = match kind {
+            TokenKind::Envd => {
+                "SELECT s.* FROM sandbox_access a JOIN sandboxes s ON s.id = a.sandbox_id WHERE a.token_hash = ?"
+            }
+            TokenKind::Traffic => {
+                "SELECT s.* FROM sandbox_access a JOIN sandboxes s ON s.id = a.sandbox_id WHERE a.traffic_hash = ?"
+            }
+        };
+        let r = sqlx::query(sql).bind(token_hash).fetch_optional(&self.pool).await?;
         Ok(r.as_ref().map(sandbox_from_row))
     }
 

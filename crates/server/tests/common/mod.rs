@@ -372,6 +372,7 @@ impl Server {
         E2bSandbox {
             id: body["sandboxID"].as_str().unwrap().to_string(),
             token: body["envdAccessToken"].as_str().unwrap().to_string(),
+            traffic: body["trafficAccessToken"].as_str().unwrap().to_string(),
         }
     }
 
@@ -475,7 +476,10 @@ impl Drop for Server {
 
 pub struct E2bSandbox {
     pub id: String,
+    /// `envdAccessToken`.
     pub token: String,
+    /// `trafficAccessToken`: the sandbox's ports only.
+    pub traffic: String,
 }
 
 pub struct Resp {
