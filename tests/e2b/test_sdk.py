@@ -367,7 +367,11 @@ def test_pause_suspends_to_disk_and_connect_resumes(airlock_server):
         s.files.write("/home/user/keep.txt", "still here")
         h = s.commands.run("sleep 600", background=True)
         counter = s.commands.run("i=0; while true; do i=$((i+1)); echo $i > /tmp/n.new; mv /tmp/n.new /tmp/n; sleep 0.1; done", background=True)
-        time.sleep(0.5)
+        # Paused once it has counted a few (under TCG on a loaded machine, 0.5 s was once 1 count).
+        for _ in range(300):
+            if s.files.exists("/tmp/n") and int(s.files.read("/tmp/n") or 0) >= 3:
+                break
+            time.sleep(0.1)
         s.pause()
         assert s.get_info().state == SandboxState.PAUSED
         # E2B's pause is airlock's suspend: the VM is gone, its state is on disk.
