@@ -776,6 +776,7 @@ async fn run(cli: Cli) -> anyhow::Result<u8> {
                     println!("vmm user:  {}", iso.user);
                     println!("vmm files: {}", iso.filesystem);
                     println!("cgroups:   {}", iso.cgroups);
+                    println!("vmm ns:    {}", iso.namespaces);
                 }
                 None => println!("vmm jail:  none ({} driver)", rt.runtime_name()),
             }
