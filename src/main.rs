@@ -75,6 +75,10 @@ enum Command {
         /// Open connections per listener; past it new ones wait in the listen backlog.
         #[arg(long, env = "AIRLOCK_MAX_CONNECTIONS", default_value_t = airlock_server::listen::MAX_CONNECTIONS)]
         max_connections: usize,
+        /// Open connections per client address (an IPv6 /64) on each listener; past it a new one
+        /// is reset at once. Behind a reverse proxy every client is the proxy: raise it there.
+        #[arg(long, env = "AIRLOCK_MAX_CONNECTIONS_PER_CLIENT", default_value_t = airlock_server::listen::MAX_CONNECTIONS_PER_CLIENT)]
+        max_connections_per_client: usize,
         /// The node's vCPU budget is its CPUs times this; past it creates get 503
         /// `node_budget_exceeded`.
         #[arg(long, env = "AIRLOCK_VCPU_OVERCOMMIT", default_value_t = airlock_server::core::DEFAULT_VCPU_OVERCOMMIT, value_parser = parse_overcommit)]
@@ -476,6 +480,7 @@ async fn run(cli: Cli) -> anyhow::Result<u8> {
             tls_cert,
             tls_key,
             max_connections,
+            max_connections_per_client,
             egress_dns,
             egress_uplink_netns,
             jwt_issuers,
@@ -513,6 +518,7 @@ async fn run(cli: Cli) -> anyhow::Result<u8> {
                 },
                 limits: airlock_server::listen::Limits {
                     max_connections,
+                    max_connections_per_client,
                     ..Default::default()
                 },
                 egress,
@@ -776,6 +782,7 @@ async fn run(cli: Cli) -> anyhow::Result<u8> {
                     println!("vmm user:  {}", iso.user);
                     println!("vmm files: {}", iso.filesystem);
                     println!("cgroups:   {}", iso.cgroups);
+                    println!("vmm ns:    {}", iso.namespaces);
                 }
                 None => println!("vmm jail:  none ({} driver)", rt.runtime_name()),
             }

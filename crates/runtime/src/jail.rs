@@ -12,14 +12,29 @@
 //!   writes only through the fds it was handed: its disk overlay and console log), and drops to
 //!   a uid and gid of its own, one per VM, from a range no account uses
 //!   ([`JailConfig::uid_base`]), with no supplementary group but the accelerator device's;
+//! - as root, in the same `unshare`: a network namespace of its own, empty but for a loopback
+//!   that stays down, so a guest that breaks out into its VMM reaches no address at all (not the
+//!   host's loopback services, the metadata address or the LAN; nor does it skip the sandbox's
+//!   egress rules). The VMM needs no network of its own: its NIC's tap was opened in the
+//!   sandbox's namespace and is handed over as an fd, the agent's channel and QMP are unix
+//!   sockets bound by path (path sockets are not per namespace; abstract ones are, and QEMU uses
+//!   none), and everything else (snapshot state, port tunnels) goes through fds or the agent's
+//!   channel. Also IPC (SysV IPC, POSIX queues), UTS (host name) and cgroup (its cgroup is the
+//!   root it sees) namespaces of its own: they cost well under a millisecond a spawn.
+//!   Not a PID namespace: `unshare(CLONE_NEWPID)` moves only the caller's later children (QEMU
+//!   may not fork under its seccomp filter, so that would change nothing), and a real one takes
+//!   a second fork: QEMU would be a grandchild the server cannot reap and whose pid `spawn` does
+//!   not return, and PID 1 of its namespace, which drops signals it has no handler for. What it
+//!   would add is hiding other processes' `/proc` entries; its uid already keeps them out of
+//!   reach (no signal, no ptrace);
 //! - sets `no_new_privs` and leans toward the OOM killer (a host out of memory loses a VM, not
 //!   the server).
 //!
 //! QEMU then adds its own seccomp filter (`-sandbox`, see `qemu.rs`).
 //!
 //! What still runs as root: the server (it creates cgroups, opens the files a VMM is handed,
-//! and will own the network namespaces), and `qemu-img` creating an overlay (it runs on files
-//! the server made, never on guest data).
+//! and makes the sandboxes' network namespaces), and `qemu-img` creating an overlay (it runs on
+//! files the server made, never on guest data).
 
 use crate::error::{Result, RuntimeError};
 use sha2::{Digest, Sha256};
@@ -142,6 +157,8 @@ pub struct Isolation {
     pub user: String,
     pub filesystem: String,
     pub cgroups: String,
+    /// The namespaces a VMM gets of its own.
+    pub namespaces: String,
 }
 
 /// Makes jails for one data dir's VMs.
@@ -153,7 +170,18 @@ pub struct Jailer {
     cgroups: Option<CgroupVersion>,
     privileged: bool,
     read_only_mounts: bool,
+    /// `CLONE_NEW*` flags of the namespaces a VMM enters (with the mount namespace), those of
+    /// [`NAMESPACES`] the kernel has.
+    namespaces: libc::c_int,
 }
+
+/// The namespaces a VMM gets beyond its mount namespace: flag and name in `/proc/<pid>/ns`.
+const NAMESPACES: [(libc::c_int, &str); 4] = [
+    (libc::CLONE_NEWNET, "net"),
+    (libc::CLONE_NEWIPC, "ipc"),
+    (libc::CLONE_NEWUTS, "uts"),
+    (libc::CLONE_NEWCGROUP, "cgroup"),
+];
 
 /// Uids chosen but whose VMM may not show in /proc under them yet (between fork and setuid).
 static RESERVED_UIDS: Mutex<Option<HashSet<u32>>> = Mutex::new(None);
@@ -169,12 +197,18 @@ impl Jailer {
         } else {
             None
         };
+        // A kernel lists in /proc/self/ns exactly the namespace types it was built with.
+        let namespaces = NAMESPACES
+            .iter()
+            .filter(|(_, name)| Path::new("/proc/self/ns").join(name).exists())
+            .fold(0, |flags, (flag, _)| flags | flag);
         Self {
             config,
             tag,
             cgroups,
             privileged,
             read_only_mounts: privileged && mount_setattr_available(),
+            namespaces: if privileged { namespaces } else { 0 },
         }
     }
 
@@ -200,10 +234,32 @@ impl Jailer {
             ),
             None => "none found under /sys/fs/cgroup: VMs run without per-VM limits".into(),
         };
+        let namespaces = if self.privileged {
+            let named = |has: bool| {
+                NAMESPACES
+                    .iter()
+                    .filter(|(flag, _)| (self.namespaces & flag != 0) == has)
+                    .map(|(_, name)| *name)
+                    .collect::<Vec<_>>()
+            };
+            let mut s = format!("mnt, {} of its own", named(true).join(", "));
+            if self.namespaces & libc::CLONE_NEWNET != 0 {
+                s.push_str(" (net: only a loopback, down; the NIC's tap is handed as an fd)");
+            }
+            let missing = named(false);
+            if !missing.is_empty() {
+                s.push_str(&format!("; the kernel lacks {}", missing.join(", ")));
+            }
+            s.push_str("; the host's pid namespace (its uid reaches no other process)");
+            s
+        } else {
+            "the server's (not root: no namespaces)".into()
+        };
         Isolation {
             user,
             filesystem,
             cgroups,
+            namespaces,
         }
     }
 
@@ -244,6 +300,7 @@ impl Jailer {
             cgroup_procs: cgroup_procs.iter().map(|p| c(p)).collect(),
             pid_file: c(&dir.join(PID_FILE)),
             read_only_mounts: self.read_only_mounts,
+            namespaces: self.namespaces,
             die_with_parent: false,
             fds: Vec::new(),
         })
@@ -382,6 +439,7 @@ pub struct Prepared {
     cgroup_procs: Vec<CString>,
     pid_file: CString,
     read_only_mounts: bool,
+    namespaces: libc::c_int,
     /// Killed when the thread that spawned it ends (a builder must not outlive its server).
     die_with_parent: bool,
     fds: Vec<OwnedFd>,
@@ -437,6 +495,7 @@ impl Prepared {
             cgroup_procs,
             pid_file,
             read_only_mounts,
+            namespaces,
             die_with_parent,
             fds,
         } = self;
@@ -446,7 +505,7 @@ impl Prepared {
         // SAFETY: the hook only makes async-signal-safe calls on data prepared above.
         unsafe {
             std::os::unix::process::CommandExt::pre_exec(&mut cmd, move || {
-                child_setup(&sources, uid, &groups, &cgroup_procs, &pid_file, read_only_mounts)?;
+                child_setup(&sources, uid, &groups, &cgroup_procs, &pid_file, read_only_mounts, namespaces)?;
                 if die_with_parent {
                     // After the uid change, which would clear it; then the parent may already be gone.
                     check(libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL, 0, 0, 0) as libc::c_long)?;
@@ -507,6 +566,7 @@ fn child_setup(
     cgroup_procs: &[CString],
     pid_file: &CString,
     read_only_mounts: bool,
+    namespaces: libc::c_int,
 ) -> std::io::Result<()> {
     unsafe {
         // Own session: the VM outlives the server (a restarted one re-attaches to it).
@@ -539,7 +599,8 @@ fn child_setup(
         }
 
         if let Some(uid) = uid {
-            check(libc::unshare(libc::CLONE_NEWNS) as libc::c_long)?;
+            // After joining its cgroups: the cgroup namespace's root is the VM's own cgroup.
+            check(libc::unshare(libc::CLONE_NEWNS | namespaces) as libc::c_long)?;
             check(libc::mount(
                 std::ptr::null(),
                 c"/".as_ptr(),

@@ -500,6 +500,72 @@ fn qemu_runs_jailed() {
     assert_eq!(block_on(sb.run(argv(&["true"]))).unwrap().exit.exit_code, Some(0));
 }
 
+/// QEMU runs in a network namespace of its own, neither the host's nor its sandbox's, with no
+/// interface but a loopback that is down: a guest that breaks out into QEMU finds no route to
+/// the host's loopback services, the metadata address or the LAN, and skips no egress rule. Its
+/// IPC, UTS and cgroup namespaces are its own too. What QEMU needs still works: the agent's
+/// channel and QMP (unix sockets by path, handed as fds), the NIC (a tap handed as an fd), a port
+/// tunnel (through the agent's channel).
+fn qemu_has_an_empty_network_namespace_of_its_own() {
+    use std::os::unix::fs::MetadataExt;
+    let sb = shared();
+    let pid = sb.vm.pid;
+    let ns = |p: &str| std::fs::read_link(p).unwrap().display().to_string();
+    let qemu_net = ns(&format!("/proc/{pid}/ns/net"));
+    assert_ne!(qemu_net, ns("/proc/self/ns/net"), "QEMU is in the host's network namespace");
+    let link = sb.net.as_ref().expect("the sandbox has a network");
+    let sandbox_ns = std::path::Path::new(airlock_runtime::net::NETNS_DIR).join(&link.netns);
+    let sandbox_net = format!("net:[{}]", std::fs::metadata(&sandbox_ns).unwrap().ino());
+    assert_ne!(qemu_net, sandbox_net, "QEMU is in its sandbox's network namespace");
+    for kind in ["ipc", "uts", "cgroup"] {
+        assert_ne!(
+            ns(&format!("/proc/{pid}/ns/{kind}")),
+            ns(&format!("/proc/self/ns/{kind}")),
+            "QEMU shares the host's {kind} namespace"
+        );
+    }
+
+    // Nothing in it but a loopback, down.
+    let out = std::process::Command::new("nsenter")
+        .args(["-t", &pid.to_string(), "-n", "ip", "-o", "link"])
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "nsenter: {}", String::from_utf8_lossy(&out.stderr));
+    let links = String::from_utf8(out.stdout).unwrap();
+    let names: Vec<&str> = links.lines().filter_map(|l| l.split(": ").nth(1)).collect();
+    assert_eq!(names, ["lo"], "QEMU's namespace has {links}");
+    let flags = links.split(['<', '>']).nth(1).unwrap();
+    assert!(!flags.split(',').any(|f| f == "UP"), "its loopback is up: {links}");
+
+    // The guest still works in it: the agent's channel, its NIC up, a port tunnel.
+    let eth0 = block_on(sb.run(argv(&["cat", "/sys/class/net/eth0/operstate"]))).unwrap();
+    assert_eq!(String::from_utf8_lossy(&eth0.stdout).trim(), "up");
+    block_on(async {
+        let agent = sb.agent().await.unwrap();
+        let echo = "import socket\ns = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)\n\
+                    s.bind(('127.0.0.1', 7301)); s.listen(1); c, _ = s.accept(); c.sendall(c.recv(64))";
+        let server = agent.spawn(&argv(&["python3", "-c", echo])).await.unwrap();
+        let mut got = Vec::new();
+        for _ in 0..100 {
+            use tokio::io::{AsyncReadExt, AsyncWriteExt};
+            // Refused until the guest's server listens.
+            let Ok(mut t) = agent.tunnel(7301).await else {
+                tokio::time::sleep(Duration::from_millis(100)).await;
+                continue;
+            };
+            t.write_all(b"through the channel").await.unwrap();
+            got.clear();
+            let _ = tokio::time::timeout(Duration::from_secs(5), t.read_to_end(&mut got)).await;
+            if !got.is_empty() {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        assert_eq!(String::from_utf8_lossy(&got), "through the channel");
+        let _ = agent.signal(server.id, 9).await;
+    });
+}
+
 fn metrics_and_health_report_the_guest() {
     let sb = shared();
     let a = block_on(sb.agent()).unwrap();
@@ -861,6 +927,9 @@ fn main() {
             catch(processes_can_be_listed_and_reconnected_by_id)
         }),
         Trial::test("qemu_runs_jailed", || catch(qemu_runs_jailed)),
+        Trial::test("qemu_has_an_empty_network_namespace_of_its_own", || {
+            catch(qemu_has_an_empty_network_namespace_of_its_own)
+        }),
         Trial::test("metrics_and_health_report_the_guest", || {
             catch(metrics_and_health_report_the_guest)
         }),

@@ -15,6 +15,14 @@
 //!   They cost no file descriptor and no task while they wait, and they are served (not refused)
 //!   once slow connections time out, which happens within the header-read bound; a connection
 //!   accepted only to be closed would cost an fd and tell the client nothing it can act on.
+//! - **Connections per client** (`Limits::max_connections_per_client`): one client address (an
+//!   IPv6 client: its /64, which one host holds whole) holds at most this many of a listener's
+//!   connections; past it a new one is reset at once, so one client can no longer take every
+//!   permit above while others wait behind it (its excess cannot wait in the backlog as above:
+//!   the backlog is every client's, and a waiting one would hold up the others). Loopback counts as one client too (tests and
+//!   local tools share it); the default is far above what one SDK client opens (the E2B SDK
+//!   pools 20 idle connections per host and multiplexes HTTP/2) and below a tenth of the cap.
+//!   Behind a reverse proxy every client is the proxy's address: raise it there.
 //!
 //! HTTP/1 keeps hyper's own header timer off: it starts when hyper waits for a head, so it would
 //! also be the idle time between requests. Here the idle wait ends at a request's first byte, and
@@ -33,8 +41,10 @@ use hyper::{Request, Version};
 use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
 use hyper_util::server::conn::auto;
 use hyper_util::service::TowerToHyperService;
+use std::collections::HashMap;
 use std::convert::Infallible;
 use std::io;
+use std::net::{IpAddr, Ipv6Addr};
 use std::pin::Pin;
 use std::sync::{Arc, Mutex};
 use std::task::{Context, Poll};
@@ -56,6 +66,10 @@ pub const IDLE_TIMEOUT: Duration = Duration::from_secs(330);
 pub const PING_INTERVAL: Duration = Duration::from_secs(60);
 /// Open connections per listener.
 pub const MAX_CONNECTIONS: usize = 4096;
+/// Open connections per client address (an IPv6 /64) on one listener.
+pub const MAX_CONNECTIONS_PER_CLIENT: usize = 256;
+/// Refused connections are logged at most this often (a client at its cap may retry in a loop).
+const REFUSAL_LOG_INTERVAL: Duration = Duration::from_secs(60);
 
 #[derive(Debug, Clone, Copy)]
 pub struct Limits {
@@ -63,6 +77,7 @@ pub struct Limits {
     pub idle: Duration,
     pub ping: Duration,
     pub max_connections: usize,
+    pub max_connections_per_client: usize,
 }
 
 impl Default for Limits {
@@ -72,6 +87,7 @@ impl Default for Limits {
             idle: IDLE_TIMEOUT,
             ping: PING_INTERVAL,
             max_connections: MAX_CONNECTIONS,
+            max_connections_per_client: MAX_CONNECTIONS_PER_CLIENT,
         }
     }
 }
@@ -84,6 +100,7 @@ pub async fn serve(
     limits: Limits,
 ) -> io::Result<()> {
     let permits = Arc::new(Semaphore::new(limits.max_connections.max(1)));
+    let clients = Arc::new(Clients::new(limits.max_connections_per_client));
     let tls = tls.map(tokio_rustls::TlsAcceptor::from);
     let mut builder = auto::Builder::new(TokioExecutor::new());
     builder
@@ -105,8 +122,8 @@ pub async fn serve(
             .acquire_owned()
             .await
             .expect("the semaphore is never closed");
-        let stream = match listener.accept().await {
-            Ok((stream, _peer)) => stream,
+        let (stream, peer) = match listener.accept().await {
+            Ok(accepted) => accepted,
             Err(e) if is_connection_error(&e) => continue,
             Err(e) => {
                 // EMFILE and the like: wait for descriptors to come back rather than spin.
@@ -114,6 +131,15 @@ pub async fn serve(
                 tokio::time::sleep(Duration::from_millis(200)).await;
                 continue;
             }
+        };
+        let Some(client) = clients.admit(peer.ip()) else {
+            // At its cap: reset at once (no FIN handshake, no TIME_WAIT here); the permit returns.
+            let _ = stream.set_zero_linger();
+            continue;
+        };
+        let permit = Held {
+            _listener: permit,
+            _client: client,
         };
         let _ = stream.set_nodelay(true);
         let (app, tls, builder) = (app.clone(), tls.clone(), builder.clone());
@@ -144,10 +170,97 @@ fn is_connection_error(e: &io::Error) -> bool {
     )
 }
 
+/// The open connections of each client address on one listener.
+struct Clients {
+    max: usize,
+    state: Mutex<ClientsState>,
+}
+
+struct ClientsState {
+    open: HashMap<IpAddr, usize>,
+    /// Connections refused since the last log line, and when that was.
+    refused: u64,
+    logged: Option<Instant>,
+}
+
+/// What a connection holds while it is open: its permit of the listener's cap and its place in
+/// its client's count.
+struct Held {
+    _listener: OwnedSemaphorePermit,
+    _client: ClientSlot,
+}
+
+struct ClientSlot {
+    clients: Arc<Clients>,
+    key: IpAddr,
+}
+
+impl Clients {
+    fn new(max: usize) -> Clients {
+        Clients {
+            max: max.max(1),
+            state: Mutex::new(ClientsState {
+                open: HashMap::new(),
+                refused: 0,
+                logged: None,
+            }),
+        }
+    }
+
+    /// A place for one more connection from `peer`, or None at its cap.
+    fn admit(self: &Arc<Self>, peer: IpAddr) -> Option<ClientSlot> {
+        let key = client_key(peer);
+        let mut s = self.state.lock().unwrap();
+        let open = s.open.entry(key).or_insert(0);
+        if *open < self.max {
+            *open += 1;
+            return Some(ClientSlot {
+                clients: self.clone(),
+                key,
+            });
+        }
+        s.refused += 1;
+        if s.logged.is_none_or(|t| t.elapsed() >= REFUSAL_LOG_INTERVAL) {
+            tracing::warn!(
+                "refused {} connection(s) from clients at their cap of {} open connections (the latest from {key})",
+                s.refused,
+                self.max
+            );
+            s.refused = 0;
+            s.logged = Some(Instant::now());
+        }
+        None
+    }
+}
+
+impl Drop for ClientSlot {
+    fn drop(&mut self) {
+        let mut s = self.clients.state.lock().unwrap();
+        if let Some(open) = s.open.get_mut(&self.key) {
+            *open -= 1;
+            if *open == 0 {
+                s.open.remove(&self.key);
+            }
+        }
+    }
+}
+
+/// The address a client is counted by: an IPv4 address (also when mapped into IPv6), or an
+/// IPv6 address's /64 (a host is routinely handed a whole /64 and picks addresses from it).
+fn client_key(ip: IpAddr) -> IpAddr {
+    match ip {
+        IpAddr::V4(v4) => IpAddr::V4(v4),
+        IpAddr::V6(v6) => match v6.to_ipv4_mapped() {
+            Some(v4) => IpAddr::V4(v4),
+            None => IpAddr::V6(Ipv6Addr::from_bits(v6.to_bits() & !((1u128 << 64) - 1))),
+        },
+    }
+}
+
 /// One connection: hyper serves it while the watchdog below enforces the limits.
 async fn drive<S>(
     io: S,
-    permit: OwnedSemaphorePermit,
+    permit: Held,
     conn: Arc<Conn>,
     app: Router,
     builder: &auto::Builder<TokioExecutor>,
@@ -312,11 +425,11 @@ impl hyper::body::Body for Tracked {
 }
 
 /// The socket (plaintext, above TLS): reports reads to the watchdog and holds the connection's
-/// permit for as long as it is open, upgraded or not.
+/// permits for as long as it is open, upgraded or not.
 struct Watched<S> {
     io: S,
     conn: Arc<Conn>,
-    _permit: OwnedSemaphorePermit,
+    _permit: Held,
 }
 
 impl<S: AsyncRead + Unpin> AsyncRead for Watched<S> {
@@ -374,6 +487,7 @@ mod tests {
             idle: IDLE,
             ping: IDLE,
             max_connections: 16,
+            max_connections_per_client: 16,
         };
         tokio::spawn(serve(listener, app, None, limits));
         addr
@@ -488,6 +602,16 @@ mod tests {
         let closed = t.elapsed();
         assert!(closed >= IDLE - Duration::from_millis(50), "{closed:?}");
         assert!(closed < IDLE + HEADER * 2, "{closed:?}");
+    }
+
+    #[test]
+    fn clients_are_counted_by_ipv4_address_or_ipv6_slash_64() {
+        let key = |s: &str| client_key(s.parse().unwrap()).to_string();
+        assert_eq!(key("192.0.2.7"), "192.0.2.7");
+        assert_eq!(key("::ffff:192.0.2.7"), "192.0.2.7");
+        assert_eq!(key("2001:db8:1:2:aaaa:bbbb:cccc:dddd"), "2001:db8:1:2::");
+        assert_eq!(key("2001:db8:1:2::1"), key("2001:db8:1:2:ffff::9"));
+        assert_ne!(key("2001:db8:1:2::1"), key("2001:db8:1:3::1"));
     }
 
     #[tokio::test]

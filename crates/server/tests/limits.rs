@@ -527,12 +527,23 @@ fn raise_fd_limit(want: u64) -> u64 {
     lim.rlim_cur as u64
 }
 
-/// Open `n` connections that each send a partial request head and then nothing.
+/// A connection to `addr` from `from` (any of 127/8 is this host's loopback on Linux).
+async fn connect_from(from: &str, addr: SocketAddr) -> std::io::Result<tokio::net::TcpStream> {
+    let socket = tokio::net::TcpSocket::new_v4()?;
+    socket.bind(format!("{from}:0").parse().unwrap())?;
+    socket.connect(addr).await
+}
+
+/// Open `n` connections that each send a partial request head and then nothing, from
+/// 127.0.0.10, .11, ... in turns of `per_address` (under the per-client cap: a client alone
+/// cannot hold more).
 async fn slow_heads(addr: SocketAddr, n: usize) -> Vec<tokio::net::TcpStream> {
     use tokio::io::AsyncWriteExt;
+    let per_address = airlock_server::listen::MAX_CONNECTIONS_PER_CLIENT;
     let mut slow = Vec::with_capacity(n);
-    for _ in 0..n {
-        let mut s = tokio::net::TcpStream::connect(addr).await.unwrap();
+    for i in 0..n {
+        let from = format!("127.0.0.{}", 10 + i / per_address);
+        let mut s = connect_from(&from, addr).await.unwrap();
         s.write_all(b"GET / HTTP/1.1\r\nHost: x\r\n").await.unwrap();
         slow.push(s);
     }
@@ -622,6 +633,50 @@ async fn past_the_connection_cap_new_connections_wait_their_turn() {
         .await
         .iter()
         .all(Option::is_some));
+}
+
+/// One client address holding its cap of open connections gets no more: the next one is reset
+/// at once, while other addresses still connect and are served, and a slot it gives back is its
+/// again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_at_its_connection_cap_gets_no_more_while_others_get_in() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    const CAP: usize = 8;
+    let server = Server::start_fresh(Limits {
+        max_connections_per_client: CAP,
+        ..Limits::default()
+    })
+    .await;
+    // Connections that say nothing are held until the header timeout (10 s).
+    let mut held = Vec::new();
+    for _ in 0..CAP {
+        held.push(connect_from("127.0.0.2", server.addr).await.unwrap());
+    }
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    // One request on a fresh connection: its answer, or None when the server closed it unanswered.
+    let request = |from: &'static str| async move {
+        let mut s = connect_from(from, server.addr).await.ok()?;
+        let t = Instant::now();
+        s.write_all(b"GET /openapi-m1.json HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+            .await
+            .ok()?;
+        let mut got = Vec::new();
+        let read = tokio::time::timeout(Duration::from_secs(5), s.read_to_end(&mut got)).await;
+        let status = String::from_utf8_lossy(&got).lines().next().unwrap_or_default().to_string();
+        println!("from {from}: {status:?} after {:?} ({read:?})", t.elapsed());
+        Some(status).filter(|s| !s.is_empty())
+    };
+    let started = Instant::now();
+    assert_eq!(request("127.0.0.2").await, None, "a client past its cap was served");
+    assert!(started.elapsed() < Duration::from_secs(2), "refused only after {:?}", started.elapsed());
+    for other in ["127.0.0.1", "127.0.0.3"] {
+        let status = request(other).await;
+        assert_eq!(status.as_deref(), Some("HTTP/1.1 200 OK"), "from {other}");
+    }
+    // A connection it closes frees its place.
+    drop(held.pop());
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    assert_eq!(request("127.0.0.2").await.as_deref(), Some("HTTP/1.1 200 OK"));
 }
 
 /// The E2B control plane with another tenant's key: every route on that tenant's sandbox answers
