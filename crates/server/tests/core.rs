@@ -4,6 +4,9 @@
 //! The harness (`Server`, one per server life, restartable) is `common/`, shared with `limits.rs`.
 
 mod common;
+// Disk held by snapshots and saved memory, tenants' ids, default quotas (issue 23).
+#[path = "core/quotas.rs"]
+mod quotas;
 
 use airlock_runtime::fake;
 use airlock_runtime::vmm::pid_alive;
@@ -1728,7 +1731,7 @@ async fn each_tenant_quota_refuses_by_name_and_creates_nothing() {
         (json!({"sandboxes": 1}), (1, 512, 2048), (1, 512, 2048), "has 1 live sandboxes, its quota of 1 (sandboxes)"),
         (json!({"vcpu": 3}), (2, 512, 2048), (2, 512, 2048), "vcpu quota is 3: its live sandboxes hold 2 and this one asks for 2"),
         (json!({"memory_mib": 1024}), (1, 768, 2048), (1, 512, 2048), "memory_mib quota is 1024: its live sandboxes hold 768 and this one asks for 512"),
-        (json!({"disk_mib": 5000}), (1, 512, 3000), (1, 512, 3000), "disk_mib quota is 5000: its live sandboxes hold 3000 and this one asks for 3000"),
+        (json!({"disk_mib": 5000}), (1, 512, 3000), (1, 512, 3000), "disk_mib quota is 5000: its live sandboxes and snapshots hold 3000 and this one asks for 3000"),
     ] {
         set_quota(&server, quota.clone()).await;
         let (status, body) = create_sized(&server, first.0, first.1, first.2).await;

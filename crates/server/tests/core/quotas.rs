@@ -1,0 +1,145 @@
+//! What counts against a tenant's disk quota and the node's disk budget besides sandbox disks
+//! (snapshots, forks' images, saved memory) (issue 23: finding 6).
+
+use super::*;
+
+const MIB: u64 = 1 << 20;
+/// What a fake save holds once saved, MiB.
+const SAVED_MIB: u64 = FAKE_IMAGE_BYTES / MIB;
+
+async fn snapshot(server: &Server, key: &str, id: &str, name: &str) -> (u16, Value) {
+    server
+        .v1_as(key, Method::POST, &format!("/sandboxes/{id}/snapshots"), Some(json!({ "name": name })))
+        .await
+}
+
+async fn usage(server: &Server, key: &str) -> Value {
+    let (status, info) = server.v1_as(key, Method::GET, "/tenant", None).await;
+    assert_eq!(status, 200, "{info}");
+    info["usage"].clone()
+}
+
+/// Snapshots hold disk: each is charged its sandbox's disk plus memory (the most a save writes)
+/// while it is saved, then its size; past the tenant's disk quota the next is refused like a
+/// create, `GET /v1/tenant` shows them, and deleting one frees its place.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn snapshots_count_against_the_disk_quota_and_deleting_frees_it() {
+    let tmp = fresh();
+    let server = Server::start(tmp.path(), 20, None).await;
+    let key = server.key.clone();
+    let id = server.running_sandbox().await;
+    // The sandbox holds 2048; each save asks for 2048 + 512 and then holds its 98.
+    let limit = 2048 + 2560 + SAVED_MIB;
+    set_quota(&server, json!({ "disk_mib": limit })).await;
+
+    let (status, first) = snapshot(&server, &key, &id, "one").await;
+    assert_eq!(status, 201, "{first}");
+    let (status, second) = snapshot(&server, &key, &id, "two").await;
+    assert_eq!(status, 201, "{second}");
+    assert_eq!(second["bytes"], FAKE_IMAGE_BYTES, "{second}");
+    let u = usage(&server, &key).await;
+    assert_eq!(u["snapshots"], 2, "{u}");
+    assert_eq!(u["snapshot_disk_mib"], 2 * SAVED_MIB, "{u}");
+    assert_eq!(u["disk_mib"], 2048 + 2 * SAVED_MIB, "{u}");
+
+    let (status, third) = snapshot(&server, &key, &id, "three").await;
+    assert_eq!((status, third["code"].as_str()), (429, Some("quota_exceeded")), "{third}");
+    let m = third["message"].as_str().unwrap();
+    assert!(
+        m.contains(&format!("disk_mib quota is {limit}"))
+            && m.contains(&format!("hold {}", 2048 + 2 * SAVED_MIB))
+            && m.contains("asks for 2560"),
+        "{m}"
+    );
+    // Nothing of the refused one is left: no record, no image.
+    let (_, list) = server.v1(Method::GET, "/snapshots", None).await;
+    assert_eq!(list["snapshots"].as_array().unwrap().len(), 2, "{list}");
+    assert_eq!(server.core().nodes.image_ids().len(), 2);
+    // A fork's image is a snapshot too: refused alike.
+    let (status, fork) = server
+        .v1(Method::POST, &format!("/sandboxes/{id}/fork"), Some(json!({ "count": 1 })))
+        .await;
+    assert_eq!((status, fork["code"].as_str()), (429, Some("quota_exceeded")), "{fork}");
+
+    // Deleting one gives its place back.
+    let (status, _) = server
+        .v1(Method::DELETE, &format!("/snapshots/{}", first["id"].as_str().unwrap()), None)
+        .await;
+    assert_eq!(status, 204);
+    let u = usage(&server, &key).await;
+    assert_eq!((u["snapshots"].as_u64(), u["disk_mib"].as_u64()), (Some(1), Some(2048 + SAVED_MIB)), "{u}");
+    let (status, third) = snapshot(&server, &key, &id, "three").await;
+    assert_eq!(status, 201, "{third}");
+    server.delete(&id).await;
+    server.stop().await;
+    assert_no_vms(tmp.path());
+}
+
+/// The node's disk budget counts every tenant's snapshots too: a save that does not fit is
+/// `node_budget_exceeded`, like a create.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn snapshots_count_against_the_node_disk_budget() {
+    let tmp = fresh();
+    let config = Config {
+        disk_reserve_mib: 0,
+        ..Config::default()
+    };
+    // Room for the sandbox (2048) and one save under way (2560), not for a second next to the
+    // first once saved (98).
+    let server = Server::start_sized(tmp.path(), 20, node(64, 1 << 20, 2048 + 2560 + 50), config).await;
+    let key = server.key.clone();
+    let id = server.running_sandbox().await;
+    let (status, body) = snapshot(&server, &key, &id, "one").await;
+    assert_eq!(status, 201, "{body}");
+    // Saved, it holds its 98: a second save (2560) no longer fits next to it.
+    let (status, body) = snapshot(&server, &key, &id, "two").await;
+    assert_eq!((status, body["code"].as_str()), (503, Some("node_budget_exceeded")), "{body}");
+    assert!(body["message"].as_str().unwrap().contains("disk budget"), "{body}");
+    // Nor does a create that would fit next to the sandbox alone.
+    let (status, body) = create_sized(&server, 1, 512, 2600).await;
+    assert_eq!((status, body["code"].as_str()), (503, Some("node_budget_exceeded")), "{body}");
+    server.delete(&id).await;
+    server.stop().await;
+    assert_no_vms(tmp.path());
+}
+
+/// A suspend writes the sandbox's memory to disk: it is charged to the disk quota before it
+/// starts (refused past it), and a sandbox whose timeout suspends it holds that place from its
+/// create.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn saved_memory_counts_against_the_disk_quota() {
+    let tmp = fresh();
+    let server = Server::start(tmp.path(), 20, None).await;
+    let key = server.key.clone();
+    let id = server.running_sandbox().await;
+    set_quota(&server, json!({ "disk_mib": 2048 + 511 })).await;
+    let (status, body) = server.v1(Method::POST, &format!("/sandboxes/{id}/suspend"), None).await;
+    assert_eq!((status, body["code"].as_str()), (429, Some("quota_exceeded")), "{body}");
+    assert!(body["message"].as_str().unwrap().contains("asks for 512"), "{body}");
+    assert_eq!(server.sandbox_state(&id).await, "running");
+    server.delete(&id).await;
+
+    let (status, body) = server
+        .v1(
+            Method::POST,
+            "/sandboxes",
+            Some(json!({ "template": "seed", "on_timeout": "suspend" })),
+        )
+        .await;
+    assert_eq!((status, body["code"].as_str()), (429, Some("quota_exceeded")), "{body}");
+    set_quota(&server, json!({ "disk_mib": 2048 + 512 })).await;
+    let (status, body) = server
+        .v1(
+            Method::POST,
+            "/sandboxes",
+            Some(json!({ "template": "seed", "on_timeout": "suspend" })),
+        )
+        .await;
+    assert_eq!(status, 202, "{body}");
+    assert_eq!(usage(&server, &key).await["disk_mib"], 2048 + 512);
+    let op = server.wait_op(body["operation"]["id"].as_str().unwrap()).await;
+    assert_eq!(op["state"], "succeeded", "{op}");
+    server.delete(body["sandbox_id"].as_str().unwrap()).await;
+    server.stop().await;
+    assert_no_vms(tmp.path());
+}
