@@ -582,8 +582,9 @@ pub trait AccountStore: Send + Sync {
     async fn create_tenant(&self, name: &str) -> Result<Option<Tenant>, StoreError>;
     /// Every tenant with its creation time, by name.
     async fn list_tenants(&self) -> Result<Vec<(Tenant, i64)>, StoreError>;
-    /// Remove a tenant: its keys, quotas and egress policy go with it (its sandboxes must be
-    /// deleted first: their rows stay as a record).
+    /// Remove a tenant: its keys, quotas, egress policy, snapshot records and its sandboxes'
+    /// E2B state and access tokens go with it (its sandboxes must be deleted first: their rows
+    /// stay as a record; the node removes its snapshots' images).
     async fn delete_tenant(&self, tenant_id: &str) -> Result<(), StoreError>;
     /// Mint a named key for an existing tenant; the key (shown once) and its record.
     async fn mint_key(&self, tenant_id: &str, format: KeyFormat, name: &str) -> Result<(String, KeyRecord), StoreError>;

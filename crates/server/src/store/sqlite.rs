@@ -234,6 +234,16 @@ fn tighten(path: &Path) -> Result<(), StoreError> {
     Ok(())
 }
 
+/// A new tenant's id: opaque (`tn_` + 16 random hex), never its name, so a tenant made later
+/// under a deleted one's name shares nothing recorded under the old id. The bootstrap tenant
+/// `default` keeps the id `default` (stores before this had it; it can't be deleted).
+fn new_tenant_id(name: &str) -> String {
+    if name == "default" {
+        return name.into();
+    }
+    format!("tn_{}", airlock_runtime::datadir::random_hex(8))
+}
+
 /// Record `key`'s hash for `tenant` (created if new), inside the caller's transaction.
 async fn insert_key(tx: &mut sqlx::Transaction<'_, sqlx::Sqlite>, tenant: &str, key: &str) -> Result<(), StoreError> {
     let row: Option<(String,)> = sqlx::query_as("SELECT id FROM tenants WHERE name = ?")
@@ -243,13 +253,14 @@ async fn insert_key(tx: &mut sqlx::Transaction<'_, sqlx::Sqlite>, tenant: &str, 
     let tenant_id = match row {
         Some((id,)) => id,
         None => {
+            let id = new_tenant_id(tenant);
             sqlx::query("INSERT INTO tenants (id, name, created_at_ms) VALUES (?, ?, ?)")
-                .bind(tenant)
+                .bind(&id)
                 .bind(tenant)
                 .bind(now_ms())
                 .execute(&mut **tx)
                 .await?;
-            tenant.to_string()
+            id
         }
     };
     insert_key_row(tx, &tenant_id, key, "").await?;
@@ -299,16 +310,14 @@ fn key_from_row(r: &sqlx::sqlite::SqliteRow) -> Result<KeyRecord, StoreError> {
 #[async_trait]
 impl AccountStore for SqliteStore {
     async fn create_tenant(&self, name: &str) -> Result<Option<Tenant>, StoreError> {
+        let id = new_tenant_id(name);
         let r = sqlx::query("INSERT INTO tenants (id, name, created_at_ms) VALUES (?, ?, ?) ON CONFLICT DO NOTHING")
-            .bind(name)
+            .bind(&id)
             .bind(name)
             .bind(now_ms())
             .execute(&self.pool)
             .await?;
-        Ok((r.rows_affected() == 1).then(|| Tenant {
-            id: name.into(),
-            name: name.into(),
-        }))
+        Ok((r.rows_affected() == 1).then(|| Tenant { id, name: name.into() }))
     }
 
     async fn list_tenants(&self) -> Result<Vec<(Tenant, i64)>, StoreError> {
@@ -325,6 +334,9 @@ impl AccountStore for SqliteStore {
             "DELETE FROM api_keys WHERE tenant_id = ?",
             "DELETE FROM tenant_quotas WHERE tenant_id = ?",
             "DELETE FROM tenant_egress WHERE tenant_id = ?",
+            "DELETE FROM snapshots WHERE tenant_id = ?",
+            "DELETE FROM e2b_sandboxes WHERE sandbox_id IN (SELECT id FROM sandboxes WHERE tenant_id = ?)",
+            "DELETE FROM sandbox_access WHERE sandbox_id IN (SELECT id FROM sandboxes WHERE tenant_id = ?)",
             "DELETE FROM tenants WHERE id = ?",
         ] {
             sqlx::query(sql).bind(tenant_id).execute(&mut *tx).await?;

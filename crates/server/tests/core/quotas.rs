@@ -1,7 +1,9 @@
 //! What counts against a tenant's disk quota and the node's disk budget besides sandbox disks
-//! (snapshots, forks' images, saved memory) (issue 23: finding 6).
+//! (snapshots, forks' images, saved memory), tenants whose names come back, and the default
+//! quotas (issue 23: findings 6, 7 and 17).
 
 use super::*;
+use airlock_server::core::accounts::Admin;
 
 const MIB: u64 = 1 << 20;
 /// What a fake save holds once saved, MiB.
@@ -140,6 +142,74 @@ async fn saved_memory_counts_against_the_disk_quota() {
     let op = server.wait_op(body["operation"]["id"].as_str().unwrap()).await;
     assert_eq!(op["state"], "succeeded", "{op}");
     server.delete(body["sandbox_id"].as_str().unwrap()).await;
+    server.stop().await;
+    assert_no_vms(tmp.path());
+}
+
+/// A tenant's id is not its name, and deleting it deletes its snapshots (records and images,
+/// which hold its sandboxes' memory): a new tenant of the same name inherits nothing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_new_tenant_of_a_deleted_ones_name_inherits_nothing() {
+    let tmp = fresh();
+    let server = Server::start(tmp.path(), 20, None).await;
+    let core = server.core().clone();
+    let admin = Admin {
+        account: "root@local".into(),
+    };
+    let made = core.create_tenant(&admin, "x").await.unwrap();
+    assert_eq!(made.name, "x");
+    let old = core.store.tenant_by_name("x").await.unwrap().unwrap();
+    assert_ne!(old.id, "x", "a new tenant's id is not its name");
+    assert!(old.id.starts_with("tn_"), "{}", old.id);
+    let key = core.mint_key(&admin, "x", "k", false).await.unwrap().key;
+
+    let (status, body) = server
+        .v1_as(&key, Method::POST, "/sandboxes", Some(json!({ "template": "seed" })))
+        .await;
+    assert_eq!(status, 202, "{body}");
+    let id = body["sandbox_id"].as_str().unwrap().to_string();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while core.store.sandbox_by_id(&id).await.unwrap().unwrap().state != SandboxState::Running {
+        assert!(Instant::now() < deadline, "the create did not finish");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let (status, snap) = snapshot(&server, &key, &id, "secrets").await;
+    assert_eq!(status, 201, "{snap}");
+    let image = snap["id"].as_str().unwrap().to_string();
+    let image_dir = tmp.path().join("images").join(&image);
+    assert!(image_dir.is_dir());
+
+    // E2B state of its sandbox (the alias the SDK used).
+    core.store.set_e2b_alias(&id, "base").await.unwrap();
+
+    core.delete_tenant(&admin, "x").await.unwrap();
+    assert!(!image_dir.exists(), "the deleted tenant's image is still on disk");
+    assert_eq!(core.store.e2b_alias(&id).await.unwrap(), None, "its E2B state stays");
+    assert!(core.store.tenant_snapshots(&old.id).await.unwrap().is_empty());
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while core.store.sandbox_by_id(&id).await.unwrap().unwrap().state != SandboxState::Deleted {
+        assert!(Instant::now() < deadline, "the tenant's sandbox was not deleted");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+
+    core.create_tenant(&admin, "x").await.unwrap();
+    let new = core.store.tenant_by_name("x").await.unwrap().unwrap();
+    assert_ne!(new.id, old.id);
+    let key = core.mint_key(&admin, "x", "k", false).await.unwrap().key;
+    let (status, list) = server.v1_as(&key, Method::GET, "/snapshots", None).await;
+    assert_eq!((status, list["snapshots"].as_array().map(Vec::len)), (200, Some(0)), "{list}");
+    for by in [image.as_str(), "secrets"] {
+        let (status, _) = server.v1_as(&key, Method::GET, &format!("/snapshots/{by}"), None).await;
+        assert_eq!(status, 404, "{by}");
+        let (status, body) = server
+            .v1_as(&key, Method::POST, "/sandboxes", Some(json!({ "template": by })))
+            .await;
+        assert_eq!(status, 404, "{by}: {body}");
+    }
+    let (status, list) = server.v1_as(&key, Method::GET, "/sandboxes?state=deleted", None).await;
+    assert_eq!((status, list["sandboxes"].as_array().map(Vec::len)), (200, Some(0)), "{list}");
+    let u = usage(&server, &key).await;
+    assert_eq!((u["snapshots"].as_u64(), u["disk_mib"].as_u64()), (Some(0), Some(0)), "{u}");
     server.stop().await;
     assert_no_vms(tmp.path());
 }
