@@ -1178,9 +1178,11 @@ fn node(cpus: u32, memory_mib: u64, disk_free_mib: u64) -> Capacity {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn memory_budget_admits_two_refuses_the_third_and_frees_on_delete() {
     let tmp = fresh();
-    // 2048 MiB less a 1024 MiB reserve: room for two 512 MiB sandboxes.
+    // 2048 MiB less a 1024 MiB reserve: room for two 512 MiB sandboxes (the tenant may have
+    // the whole node).
     let config = Config {
         memory_reserve_mib: 1024,
+        tenant_share: 1.0,
         ..Config::default()
     };
     let server = Server::start_sized(tmp.path(), 20, node(64, 2048, 1 << 30), config).await;
@@ -1247,6 +1249,7 @@ async fn concurrent_creates_never_overshoot_the_vcpu_budget() {
     // 3 CPUs, no overcommit: three 1-vCPU sandboxes, whoever asks.
     let config = Config {
         vcpu_overcommit: 1.0,
+        tenant_share: 1.0,
         ..Config::default()
     };
     let server = Arc::new(Server::start_sized(tmp.path(), 20, node(3, 1 << 20, 1 << 30), config).await);
@@ -1294,6 +1297,7 @@ async fn disk_budget_counts_disks_at_full_size_and_keeps_the_reserve() {
     let tmp = fresh();
     let config = Config {
         disk_reserve_mib: 2048,
+        tenant_share: 1.0,
         ..Config::default()
     };
     // 5000 MiB free less the reserve: one 2048 MiB disk fits, a second does not.
@@ -1725,7 +1729,9 @@ async fn each_tenant_quota_refuses_by_name_and_creates_nothing() {
     assert_eq!(info["name"], "default");
     // The server's defaults where the tenant has none of its own.
     assert_eq!(info["quota"]["sandboxes"], 20, "{info}");
-    assert_eq!(info["quota"]["vcpu"], Value::Null, "{info}");
+    // Half the node's vCPU budget (1024 CPUs x 16), 60 creates a minute.
+    assert_eq!(info["quota"]["vcpu"], 8192, "{info}");
+    assert_eq!(info["quota"]["creates_per_minute"], 60, "{info}");
 
     for (quota, first, second, needle) in [
         (json!({"sandboxes": 1}), (1, 512, 2048), (1, 512, 2048), "has 1 live sandboxes, its quota of 1 (sandboxes)"),

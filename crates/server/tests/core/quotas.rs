@@ -15,6 +15,20 @@ async fn snapshot(server: &Server, key: &str, id: &str, name: &str) -> (u16, Val
         .await
 }
 
+/// Wait for the operation an answer names to succeed, as `key`'s tenant.
+async fn wait_op_as(server: &Server, key: &str, answer: &Value) {
+    let op = answer["operation"]["id"].as_str().unwrap();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let (_, o) = server.v1_as(key, Method::GET, &format!("/operations/{op}"), None).await;
+        if o["state"] == "succeeded" {
+            return;
+        }
+        assert!(Instant::now() < deadline, "{o}");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
 async fn usage(server: &Server, key: &str) -> Value {
     let (status, info) = server.v1_as(key, Method::GET, "/tenant", None).await;
     assert_eq!(status, 200, "{info}");
@@ -84,6 +98,7 @@ async fn snapshots_count_against_the_node_disk_budget() {
     let tmp = fresh();
     let config = Config {
         disk_reserve_mib: 0,
+        tenant_share: 1.0,
         ..Config::default()
     };
     // Room for the sandbox (2048) and one save under way (2560), not for a second next to the
@@ -168,11 +183,7 @@ async fn a_new_tenant_of_a_deleted_ones_name_inherits_nothing() {
         .await;
     assert_eq!(status, 202, "{body}");
     let id = body["sandbox_id"].as_str().unwrap().to_string();
-    let deadline = Instant::now() + Duration::from_secs(10);
-    while core.store.sandbox_by_id(&id).await.unwrap().unwrap().state != SandboxState::Running {
-        assert!(Instant::now() < deadline, "the create did not finish");
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    wait_op_as(&server, &key, &body).await;
     let (status, snap) = snapshot(&server, &key, &id, "secrets").await;
     assert_eq!(status, 201, "{snap}");
     let image = snap["id"].as_str().unwrap().to_string();
@@ -210,6 +221,62 @@ async fn a_new_tenant_of_a_deleted_ones_name_inherits_nothing() {
     assert_eq!((status, list["sandboxes"].as_array().map(Vec::len)), (200, Some(0)), "{list}");
     let u = usage(&server, &key).await;
     assert_eq!((u["snapshots"].as_u64(), u["disk_mib"].as_u64()), (Some(0), Some(0)), "{u}");
+    server.stop().await;
+    assert_no_vms(tmp.path());
+}
+
+/// Without a quota of its own, a tenant gets half of each of the node's budgets: past its share
+/// of vCPUs or memory it is refused `quota_exceeded`, while the node still has room for others.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_tenant_gets_half_the_node_by_default() {
+    let tmp = fresh();
+    let config = Config {
+        memory_reserve_mib: 1024,
+        vcpu_overcommit: 8.0,
+        ..Config::default()
+    };
+    // 8 vCPUs, 4096 MiB of memory: 4 and 2048 for each tenant.
+    let server = Server::start_sized(tmp.path(), 20, node(1, 4096 + 1024, 1 << 30), config).await;
+    let (_, info) = server.v1(Method::GET, "/tenant", None).await;
+    assert_eq!((info["quota"]["vcpu"].as_u64(), info["quota"]["memory_mib"].as_u64()), (Some(4), Some(2048)), "{info}");
+    assert_eq!(info["quota"]["creates_per_minute"], 60, "{info}");
+
+    // Memory: two of 1024 MiB, not a third.
+    for _ in 0..2 {
+        let (status, body) = create_sized(&server, 1, 1024, 2048).await;
+        assert_eq!(status, 202, "{body}");
+        server.wait_op(body["operation"]["id"].as_str().unwrap()).await;
+    }
+    let (status, body) = create_sized(&server, 1, 1024, 2048).await;
+    assert_eq!((status, body["code"].as_str()), (429, Some("quota_exceeded")), "{body}");
+    assert!(body["message"].as_str().unwrap().contains("memory_mib quota is 2048"), "{body}");
+    let (status, body) = server.e2b(Method::POST, "/sandboxes", json!({ "templateID": "base" })).await;
+    assert_eq!(status, 429, "{body}");
+    delete_all(&server).await;
+
+    // vCPUs: four of 1, not a fifth.
+    for _ in 0..4 {
+        let (status, body) = create_sized(&server, 1, 256, 2048).await;
+        assert_eq!(status, 202, "{body}");
+        server.wait_op(body["operation"]["id"].as_str().unwrap()).await;
+    }
+    let (status, body) = create_sized(&server, 1, 256, 2048).await;
+    assert_eq!((status, body["code"].as_str()), (429, Some("quota_exceeded")), "{body}");
+    assert!(body["message"].as_str().unwrap().contains("vcpu quota is 4"), "{body}");
+
+    // The other half is there for another tenant.
+    let other = server.core().store.create_key("other", KeyFormat::Airlock).await.unwrap();
+    let (status, body) = server
+        .v1_as(&other, Method::POST, "/sandboxes", Some(json!({ "template": "seed" })))
+        .await;
+    assert_eq!(status, 202, "{body}");
+    wait_op_as(&server, &other, &body).await;
+    let (status, body) = server
+        .v1_as(&other, Method::DELETE, &format!("/sandboxes/{}", body["sandbox_id"].as_str().unwrap()), None)
+        .await;
+    assert_eq!(status, 202, "{body}");
+    wait_op_as(&server, &other, &body).await;
+    delete_all(&server).await;
     server.stop().await;
     assert_no_vms(tmp.path());
 }
