@@ -66,15 +66,15 @@ enum Command {
         max_sandboxes: u32,
         /// vCPUs one tenant's live sandboxes may hold together, unless the admin sets the
         /// tenant's own quota [default: --tenant-share of the node's vCPU budget].
-        #[arg(long, env = "AIRLOCK_MAX_VCPU")]
+        #[arg(long, env = "AIRLOCK_MAX_VCPU", value_parser = clap::value_parser!(u64).range(1..))]
         max_vcpu: Option<u64>,
         /// Memory (MiB) one tenant's live sandboxes may hold together [default: --tenant-share
         /// of the node's memory budget].
-        #[arg(long, env = "AIRLOCK_MAX_MEMORY_MIB")]
+        #[arg(long, env = "AIRLOCK_MAX_MEMORY_MIB", value_parser = clap::value_parser!(u64).range(1..))]
         max_memory_mib: Option<u64>,
         /// Disk (MiB) one tenant's sandboxes, saved memory and snapshots may hold together
         /// [default: --tenant-share of the node's disk budget].
-        #[arg(long, env = "AIRLOCK_MAX_DISK_MIB")]
+        #[arg(long, env = "AIRLOCK_MAX_DISK_MIB", value_parser = clap::value_parser!(u64).range(1..))]
         max_disk_mib: Option<u64>,
         /// The part of each node budget (vCPUs, memory, disk) a tenant gets where neither its
         /// own quota nor --max-vcpu, --max-memory-mib or --max-disk-mib says otherwise (1: no
