@@ -64,6 +64,27 @@ enum Command {
         /// admin sets the tenant's own quota.
         #[arg(long, env = "AIRLOCK_MAX_SANDBOXES", default_value_t = 20)]
         max_sandboxes: u32,
+        /// vCPUs one tenant's live sandboxes may hold together, unless the admin sets the
+        /// tenant's own quota [default: --tenant-share of the node's vCPU budget].
+        #[arg(long, env = "AIRLOCK_MAX_VCPU", value_parser = clap::value_parser!(u64).range(1..))]
+        max_vcpu: Option<u64>,
+        /// Memory (MiB) one tenant's live sandboxes may hold together [default: --tenant-share
+        /// of the node's memory budget].
+        #[arg(long, env = "AIRLOCK_MAX_MEMORY_MIB", value_parser = clap::value_parser!(u64).range(1..))]
+        max_memory_mib: Option<u64>,
+        /// Disk (MiB) one tenant's sandboxes, saved memory and snapshots may hold together
+        /// [default: --tenant-share of the node's disk budget].
+        #[arg(long, env = "AIRLOCK_MAX_DISK_MIB", value_parser = clap::value_parser!(u64).range(1..))]
+        max_disk_mib: Option<u64>,
+        /// The part of each node budget (vCPUs, memory, disk) a tenant gets where neither its
+        /// own quota nor --max-vcpu, --max-memory-mib or --max-disk-mib says otherwise (1: no
+        /// limit but the node's budgets, for a single tenant).
+        #[arg(long, env = "AIRLOCK_TENANT_SHARE", default_value_t = airlock_server::core::DEFAULT_TENANT_SHARE, value_parser = parse_share)]
+        tenant_share: f64,
+        /// Creates one tenant may make in any 60 seconds (429 `rate_limited` past it), unless
+        /// the admin sets the tenant's own quota.
+        #[arg(long, env = "AIRLOCK_MAX_CREATES_PER_MINUTE", default_value_t = airlock_server::core::DEFAULT_MAX_CREATES_PER_MINUTE, value_parser = clap::value_parser!(u32).range(1..))]
+        max_creates_per_minute: u32,
         /// Keep VMs of a template ready for creates to claim, at the default resources:
         /// `TEMPLATE=COUNT`, repeatable or comma-separated (the admin resizes them with
         /// `PUT /v1/admin/pools`).
@@ -157,6 +178,13 @@ fn parse_pool(s: &str) -> Result<(String, usize), String> {
         return Err(bad());
     }
     Ok((template.trim().to_string(), count))
+}
+
+fn parse_share(s: &str) -> Result<f64, String> {
+    match s.parse::<f64>() {
+        Ok(f) if f.is_finite() && f > 0.0 && f <= 1.0 => Ok(f),
+        _ => Err(format!("{s:?} is not a share above 0 and at most 1 (e.g. 0.5)")),
+    }
 }
 
 fn parse_overcommit(s: &str) -> Result<f64, String> {
@@ -326,7 +354,9 @@ enum TenantCommand {
     },
     /// A tenant's quotas: live sandboxes, their vcpu, memory and disk together, sessions per
     /// sandbox, creates per minute. A limit left unset is the server's default
-    /// (`--max-sandboxes`, `--max-sessions`) or none; the node's budgets always apply.
+    /// (`--max-sandboxes`, `--max-sessions`, `--max-creates-per-minute`, and `--tenant-share` of
+    /// the node's budgets or `--max-vcpu`, `--max-memory-mib`, `--max-disk-mib`); the node's
+    /// budgets always apply.
     Quota {
         #[command(subcommand)]
         command: QuotaCommand,
@@ -470,6 +500,11 @@ async fn run(cli: Cli) -> anyhow::Result<u8> {
         Command::Serve {
             listen,
             max_sandboxes,
+            max_vcpu,
+            max_memory_mib,
+            max_disk_mib,
+            tenant_share,
+            max_creates_per_minute,
             max_sessions,
             vcpu_overcommit,
             memory_reserve_mib,
@@ -506,6 +541,11 @@ async fn run(cli: Cli) -> anyhow::Result<u8> {
                 listen,
                 data_dir: cli.data_dir,
                 max_sandboxes_per_tenant: max_sandboxes,
+                max_vcpu_per_tenant: max_vcpu,
+                max_memory_mib_per_tenant: max_memory_mib,
+                max_disk_mib_per_tenant: max_disk_mib,
+                tenant_share,
+                max_creates_per_minute,
                 max_sessions_per_sandbox: max_sessions,
                 vcpu_overcommit,
                 memory_reserve_mib,

@@ -1189,9 +1189,12 @@ impl Runtime {
     }
 
     /// The data dir filesystem's space: what is free (for an unprivileged writer, as statvfs
-    /// reports it) and what this runtime's sandboxes already hold in it (allocated blocks of
-    /// their dirs: overlays, console logs). A node's disk budget is the sum of both, since the
-    /// sandboxes' own growth comes out of what they hold plus what is free.
+    /// reports it), what this runtime's sandboxes already hold in it (allocated blocks of
+    /// their dirs: overlays, console logs, a suspended one's saved memory) and what saved images
+    /// hold, and what warm pool VMs may still write. A node's disk budget is the sum of the
+    /// first three less the last, since the sandboxes' and images' own growth comes out of what
+    /// they hold plus what is free, and a pool VM's disk grows to its full size before any
+    /// record counts it.
     pub fn disk_space(&self) -> DiskSpace {
         let free_bytes = nix::sys::statvfs::statvfs(self.inner.data.root())
             .map(|s| s.blocks_available() as u64 * s.fragment_size() as u64)
@@ -1202,11 +1205,29 @@ impl Runtime {
             .iter()
             .map(|sb| sb.id().to_string())
             .chain(self.suspended())
-            .map(|id| allocated_bytes(&root.join(id)))
+            .map(|id| allocated_bytes(&root.join(id), false))
             .sum::<u64>();
+        // An image's links to its template's files (and a sandbox's links to the image) are
+        // counted by no one: only files no other name holds are the image's own.
+        let images = self.inner.data.images();
+        let image_bytes = self.images().iter().map(|id| allocated_bytes(&images.join(id), true)).sum::<u64>();
+        let pool_mib = {
+            let pools = self.inner.pools.lock().unwrap();
+            let claimed = self.inner.claimed.lock().unwrap();
+            let unheld = |sb: &Arc<Sandbox>| {
+                (sb.record.resources.disk_mib as u64).saturating_sub(allocated_bytes(&sb.vm.dir, false) >> 20)
+            };
+            pools
+                .iter()
+                .map(|(k, p)| p.ready.iter().map(unheld).sum::<u64>() + p.starting as u64 * k.resources.disk_mib as u64)
+                .sum::<u64>()
+                + claimed.values().map(unheld).sum::<u64>()
+        };
         DiskSpace {
             free_mib: free_bytes >> 20,
             held_by_sandboxes_mib: held_bytes >> 20,
+            held_by_images_mib: image_bytes >> 20,
+            pool_unheld_mib: pool_mib,
         }
     }
 
@@ -1776,10 +1797,16 @@ impl Runtime {
 pub struct DiskSpace {
     pub free_mib: u64,
     pub held_by_sandboxes_mib: u64,
+    /// Saved images' own files (their memory and disk), not their links to templates' files.
+    pub held_by_images_mib: u64,
+    /// What warm pool VMs (ready, starting or claimed) may still write: each one's full disk
+    /// less what its dir holds.
+    pub pool_unheld_mib: u64,
 }
 
-/// Blocks allocated to the files directly in `dir` (a sandbox dir is flat), in bytes.
-fn allocated_bytes(dir: &std::path::Path) -> u64 {
+/// Blocks allocated to the files directly in `dir` (a sandbox or image dir is flat), in bytes;
+/// with `own_only`, only files no other link holds.
+fn allocated_bytes(dir: &std::path::Path, own_only: bool) -> u64 {
     use std::os::unix::fs::MetadataExt;
     let Ok(entries) = std::fs::read_dir(dir) else {
         return 0;
@@ -1787,7 +1814,7 @@ fn allocated_bytes(dir: &std::path::Path) -> u64 {
     entries
         .flatten()
         .filter_map(|e| e.metadata().ok())
-        .filter(|m| m.is_file())
+        .filter(|m| m.is_file() && (!own_only || m.nlink() == 1))
         .map(|m| m.blocks() * 512)
         .sum()
 }

@@ -45,10 +45,15 @@ pub enum Action {
     Suspend {
         sandbox: SandboxRow,
     },
-    /// Save a running or paused sandbox as `snapshot` (recorded once saved), while it runs on.
+    /// Save a running sandbox as `snapshot` while it runs on. Recorded at once as being saved
+    /// if `reserve_mib` fits the tenant's disk `quota` and the node's disk `budget` (like a
+    /// create's admission; it holds that much until the save ends, then its size).
     Snapshot {
         sandbox: SandboxRow,
         snapshot: crate::store::SnapshotRow,
+        reserve_mib: u64,
+        quota: Quota,
+        budget: NodeBudget,
     },
     /// Run a paused sandbox again, or start a suspended one from its saved state: that needs its
     /// place, vcpu and memory again, so it is admitted under `quota` and `budget` like a create.
@@ -95,6 +100,9 @@ pub struct Engine {
     /// The id of every sandbox that reached `deleted` or `failed`, for state kept elsewhere
     /// about a sandbox (a door's watchers) to go with it. See [`Engine::ended`].
     ended: tokio::sync::broadcast::Sender<String>,
+    /// When this engine was made: images recorded before it and still unfinished were cut
+    /// short by a restart.
+    started_ms: i64,
 }
 
 fn new_operation(kind: OperationKind, sandbox_id: &str) -> Operation {
@@ -138,6 +146,7 @@ impl Engine {
             recovered: Arc::new(tokio::sync::watch::channel(0).0),
             finished: Arc::new(tokio::sync::watch::channel(0).0),
             ended: tokio::sync::broadcast::channel(256).0,
+            started_ms: now_ms(),
         }
     }
 
@@ -253,9 +262,31 @@ impl Engine {
             }
             Action::Pause { sandbox } => self.submit_change(sandbox, OperationKind::Pause).await,
             Action::Suspend { sandbox } => self.submit_change(sandbox, OperationKind::Suspend).await,
-            Action::Snapshot { sandbox, snapshot } => {
+            Action::Snapshot {
+                sandbox,
+                snapshot,
+                reserve_mib,
+                quota,
+                budget,
+            } => {
+                use crate::store::SnapshotAdmission;
+                match self.store.admit_snapshot(&snapshot, reserve_mib, &quota, &budget).await? {
+                    SnapshotAdmission::Admitted => {}
+                    SnapshotAdmission::NameTaken => {
+                        return Err(CoreError::Conflict(format!(
+                            "a snapshot or template named {:?} exists",
+                            snapshot.name.as_deref().unwrap_or_default()
+                        )))
+                    }
+                    SnapshotAdmission::NoTenant => {
+                        return Err(CoreError::not_found(crate::error::Kind::Tenant, &snapshot.tenant_id))
+                    }
+                }
                 let op = new_operation(OperationKind::Snapshot, &sandbox.id);
-                self.store.insert_operation(&sandbox.tenant_id, &op).await?;
+                if let Err(e) = self.store.insert_operation(&sandbox.tenant_id, &op).await {
+                    let _ = self.store.delete_snapshot(&snapshot.tenant_id, &snapshot.id).await;
+                    return Err(e.into());
+                }
                 let engine = self.clone();
                 let run = op.clone();
                 tokio::spawn(async move { engine.run_snapshot(run, snapshot).await });
@@ -441,36 +472,28 @@ impl Engine {
     }
 
     /// Save the image, digest it (snapshots, while the sandbox runs on; forks need none), then
-    /// record the snapshot (an image without a record is removed).
+    /// record its size: from then on it holds that instead of its reserve. A save that fails
+    /// leaves neither image nor record; one whose record went meanwhile (its tenant was
+    /// deleted) leaves no image.
     async fn run_snapshot(&self, op: Operation, mut snapshot: crate::store::SnapshotRow) {
         let _ = self.store.set_operation_state(&op.id, OperationState::Running).await;
-        let saved = match self.nodes.save_image(&op.sandbox_id, &snapshot.id).await {
-            Ok(bytes) => {
-                snapshot.bytes = bytes;
-                let digested = match snapshot.kind {
-                    crate::store::SnapshotKind::Snapshot => {
-                        self.nodes.digest_image(&snapshot.id).await.map(|d| snapshot.digest = Some(d))
-                    }
-                    crate::store::SnapshotKind::Fork => Ok(()),
-                };
-                let recorded = match digested {
-                    Ok(()) => self.store.insert_snapshot(&snapshot).await.map_err(CoreError::from),
-                    Err(e) => Err(CoreError::from(e)),
-                };
-                match recorded {
-                    Ok(()) => Ok(()),
-                    Err(e) => {
-                        let _ = self.nodes.delete_image(&snapshot.id).await;
-                        Err(e)
-                    }
-                }
+        let saved = async {
+            snapshot.bytes = self.nodes.save_image(&op.sandbox_id, &snapshot.id).await?;
+            if snapshot.kind == crate::store::SnapshotKind::Snapshot {
+                snapshot.digest = Some(self.nodes.digest_image(&snapshot.id).await?);
             }
-            Err(e) => Err(CoreError::from(e)),
-        };
+            if !self.store.snapshot_saved(&snapshot).await? {
+                return Err(CoreError::not_found(crate::error::Kind::Snapshot, &snapshot.id));
+            }
+            Ok::<_, CoreError>(())
+        }
+        .await;
         match saved {
             Ok(()) => self.finish(&op, None).await,
             Err(e) => {
                 tracing::warn!(sandbox = %op.sandbox_id, "snapshot failed: {e}");
+                let _ = self.store.delete_snapshot(&snapshot.tenant_id, &snapshot.id).await;
+                let _ = self.nodes.delete_image(&snapshot.id).await;
                 self.finish(&op, Some((&e).into())).await
             }
         }
@@ -699,7 +722,8 @@ impl Engine {
                     tracing::info!(op = %op.id, "finished before the restart: succeeded");
                 }
                 (OperationKind::Snapshot, _) => {
-                    // Saved or not, it is not recorded: its image (if any) goes with the sweep.
+                    // Saved or not, it is not recorded as saved: its record and image (if any)
+                    // go with the sweep.
                     self.finish(&op, Some(interrupted())).await;
                     tracing::warn!(op = %op.id, "snapshot interrupted by a restart");
                 }
@@ -755,13 +779,14 @@ impl Engine {
         Ok(())
     }
 
-    /// Images no snapshot record claims (a save the restart cut short), and forks' images (the
-    /// restart cut the fork short; its children that started hold their own links).
+    /// Images no snapshot record claims, saves the restart cut short, and forks' images (the
+    /// restart cut the fork short; its children that started hold their own links). Only what
+    /// was recorded before this engine started: saves and forks since then are under way.
     async fn sweep_images(&self) -> CoreResult<()> {
-        for fork in self.store.fork_images().await? {
-            tracing::info!(image = %fork.id, "removing the image of a fork a restart interrupted");
-            self.store.delete_snapshot(&fork.tenant_id, &fork.id).await?;
-            let _ = self.nodes.delete_image(&fork.id).await;
+        for image in self.store.interrupted_images(self.started_ms).await? {
+            tracing::info!(image = %image.id, "removing an image a restart interrupted (a fork's or a save's)");
+            self.store.delete_snapshot(&image.tenant_id, &image.id).await?;
+            let _ = self.nodes.delete_image(&image.id).await;
         }
         let claimed: std::collections::HashSet<String> = self.store.snapshot_ids().await?.into_iter().collect();
         for id in self.nodes.image_ids() {

@@ -170,7 +170,7 @@ impl CoreError {
             "memory" => ("MiB", " (the host's memory less --memory-reserve-mib)"),
             _ => (
                 "MiB",
-                " (the data dir's free space less --disk-reserve-mib, counting every sandbox's disk at its full size)",
+                " (the data dir's free space less --disk-reserve-mib, counting every sandbox's disk at its full size, and snapshots)",
             ),
         };
         CoreError::NodeBudgetExceeded {
@@ -375,7 +375,9 @@ fn quota_message(tenant: &str, quota: &str, used: u64, asked: u64, limit: u64) -
     if quota == "sandboxes" {
         return format!("tenant {tenant} has {used} live sandboxes, its quota of {limit} (sandboxes); {how}");
     }
+    // Disk is also held by snapshots and saved memory (and asked for by saves and suspends).
+    let holders = if quota == "disk_mib" { "live sandboxes and snapshots" } else { "live sandboxes" };
     format!(
-        "tenant {tenant}'s {quota} quota is {limit}: its live sandboxes hold {used} and this one asks for {asked}; {how}"
+        "tenant {tenant}'s {quota} quota is {limit}: its {holders} hold {used} and this one asks for {asked}; {how}"
     )
 }

@@ -231,6 +231,13 @@ pub struct ServeOptions {
     pub listen: SocketAddr,
     pub data_dir: PathBuf,
     pub max_sandboxes_per_tenant: u32,
+    /// A tenant's default vCPU, memory and disk quotas (`None`: `tenant_share` of the node's
+    /// budget) and creates per minute (see `core::Config`).
+    pub max_vcpu_per_tenant: Option<u64>,
+    pub max_memory_mib_per_tenant: Option<u64>,
+    pub max_disk_mib_per_tenant: Option<u64>,
+    pub tenant_share: f64,
+    pub max_creates_per_minute: u32,
     /// Sessions one sandbox may run at once (see `core::Config`).
     pub max_sessions_per_sandbox: u32,
     /// Node budgets (see `core::Config`).
@@ -418,6 +425,11 @@ pub async fn serve(opts: ServeOptions) -> anyhow::Result<()> {
     }
     let config = core::Config {
         max_sandboxes_per_tenant: opts.max_sandboxes_per_tenant,
+        max_vcpu_per_tenant: opts.max_vcpu_per_tenant,
+        max_memory_mib_per_tenant: opts.max_memory_mib_per_tenant,
+        max_disk_mib_per_tenant: opts.max_disk_mib_per_tenant,
+        tenant_share: opts.tenant_share,
+        max_creates_per_minute: opts.max_creates_per_minute,
         vcpu_overcommit: opts.vcpu_overcommit,
         memory_reserve_mib: opts.memory_reserve_mib,
         disk_reserve_mib: opts.disk_reserve_mib,
@@ -436,6 +448,15 @@ pub async fn serve(opts: ServeOptions) -> anyhow::Result<()> {
         budget.memory_mib,
         budget.disk_mib,
         capacity.disk_free_mib
+    );
+    let q = config.default_quota(&budget);
+    tracing::info!(
+        "a tenant's default quota: {} sandboxes, {} vCPUs, {} MiB memory, {} MiB disk, {} creates a minute",
+        q.sandboxes.unwrap_or(0),
+        q.vcpu.unwrap_or(0),
+        q.memory_mib.unwrap_or(0),
+        q.disk_mib.unwrap_or(0),
+        q.creates_per_minute.unwrap_or(0)
     );
     tracing::info!(
         "egress: digest {}, profiles [{}], defaults [{}]",

@@ -603,7 +603,9 @@ pub struct Quota {
     /// Memory of its live sandboxes together, MiB (suspended ones not counted).
     #[serde(default)]
     pub memory_mib: Option<u64>,
-    /// Disk of its live sandboxes together, MiB (each counted at its full size, suspended too).
+    /// Disk of its live sandboxes together, MiB (each counted at its full size, suspended too,
+    /// plus the memory a suspend saves), and of its snapshots (each counted at its sandbox's
+    /// disk plus memory while it is saved, then at its size).
     #[serde(default)]
     pub disk_mib: Option<u64>,
     /// Running sessions (processes started through either door) per sandbox.
@@ -628,13 +630,20 @@ impl Quota {
     }
 }
 
-/// What a tenant's live sandboxes hold now, and its creates of the last 60 seconds.
+/// What a tenant's live sandboxes and snapshots hold now, and its creates of the last 60 seconds.
 #[derive(Debug, Clone, Copy, Default, Serialize, Deserialize, ToSchema, PartialEq, Eq)]
 pub struct TenantUsage {
     pub sandboxes: u32,
     pub vcpu: u64,
     pub memory_mib: u64,
+    /// Its sandboxes' disks (and saved memory) and its snapshots together, as `disk_mib` counts.
     pub disk_mib: u64,
+    /// Its snapshots (forks' images included, and saves under way).
+    #[serde(default)]
+    pub snapshots: u32,
+    /// What of `disk_mib` its snapshots hold.
+    #[serde(default)]
+    pub snapshot_disk_mib: u64,
     pub creates_last_minute: u32,
 }
 

@@ -29,9 +29,11 @@ pub struct Capacity {
     pub cpus: u32,
     pub memory_mib: u64,
     pub sandboxes_running: u32,
-    /// Free space of the filesystem sandbox disks live on (statvfs, unprivileged).
+    /// Free space of the filesystem sandbox disks live on (statvfs, unprivileged), less what
+    /// warm pool VMs may still write (no record counts them).
     pub disk_free_mib: u64,
-    /// Space the node's sandboxes already hold on it (their overlays grow into the rest).
+    /// Space the node's sandboxes and saved images already hold on it (their records count them
+    /// at full size; their files grow into the rest).
     pub disk_held_mib: u64,
 }
 
@@ -280,8 +282,8 @@ impl Nodes for LocalNode {
                 .unwrap_or(0)
                 .saturating_sub(self.runtime.pool_memory_mib()),
             sandboxes_running: self.runtime.list().len() as u32,
-            disk_free_mib: disk.free_mib,
-            disk_held_mib: disk.held_by_sandboxes_mib,
+            disk_free_mib: disk.free_mib.saturating_sub(disk.pool_unheld_mib),
+            disk_held_mib: disk.held_by_sandboxes_mib + disk.held_by_images_mib,
         }
     }
 }

@@ -4,6 +4,9 @@
 //! The harness (`Server`, one per server life, restartable) is `common/`, shared with `limits.rs`.
 
 mod common;
+// Disk held by snapshots and saved memory, tenants' ids, default quotas (issue 23).
+#[path = "core/quotas.rs"]
+mod quotas;
 
 use airlock_runtime::fake;
 use airlock_runtime::vmm::pid_alive;
@@ -1175,9 +1178,11 @@ fn node(cpus: u32, memory_mib: u64, disk_free_mib: u64) -> Capacity {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn memory_budget_admits_two_refuses_the_third_and_frees_on_delete() {
     let tmp = fresh();
-    // 2048 MiB less a 1024 MiB reserve: room for two 512 MiB sandboxes.
+    // 2048 MiB less a 1024 MiB reserve: room for two 512 MiB sandboxes (the tenant may have
+    // the whole node).
     let config = Config {
         memory_reserve_mib: 1024,
+        tenant_share: 1.0,
         ..Config::default()
     };
     let server = Server::start_sized(tmp.path(), 20, node(64, 2048, 1 << 30), config).await;
@@ -1244,6 +1249,7 @@ async fn concurrent_creates_never_overshoot_the_vcpu_budget() {
     // 3 CPUs, no overcommit: three 1-vCPU sandboxes, whoever asks.
     let config = Config {
         vcpu_overcommit: 1.0,
+        tenant_share: 1.0,
         ..Config::default()
     };
     let server = Arc::new(Server::start_sized(tmp.path(), 20, node(3, 1 << 20, 1 << 30), config).await);
@@ -1291,6 +1297,7 @@ async fn disk_budget_counts_disks_at_full_size_and_keeps_the_reserve() {
     let tmp = fresh();
     let config = Config {
         disk_reserve_mib: 2048,
+        tenant_share: 1.0,
         ..Config::default()
     };
     // 5000 MiB free less the reserve: one 2048 MiB disk fits, a second does not.
@@ -1722,13 +1729,15 @@ async fn each_tenant_quota_refuses_by_name_and_creates_nothing() {
     assert_eq!(info["name"], "default");
     // The server's defaults where the tenant has none of its own.
     assert_eq!(info["quota"]["sandboxes"], 20, "{info}");
-    assert_eq!(info["quota"]["vcpu"], Value::Null, "{info}");
+    // Half the node's vCPU budget (1024 CPUs x 16), 60 creates a minute.
+    assert_eq!(info["quota"]["vcpu"], 8192, "{info}");
+    assert_eq!(info["quota"]["creates_per_minute"], 60, "{info}");
 
     for (quota, first, second, needle) in [
         (json!({"sandboxes": 1}), (1, 512, 2048), (1, 512, 2048), "has 1 live sandboxes, its quota of 1 (sandboxes)"),
         (json!({"vcpu": 3}), (2, 512, 2048), (2, 512, 2048), "vcpu quota is 3: its live sandboxes hold 2 and this one asks for 2"),
         (json!({"memory_mib": 1024}), (1, 768, 2048), (1, 512, 2048), "memory_mib quota is 1024: its live sandboxes hold 768 and this one asks for 512"),
-        (json!({"disk_mib": 5000}), (1, 512, 3000), (1, 512, 3000), "disk_mib quota is 5000: its live sandboxes hold 3000 and this one asks for 3000"),
+        (json!({"disk_mib": 5000}), (1, 512, 3000), (1, 512, 3000), "disk_mib quota is 5000: its live sandboxes and snapshots hold 3000 and this one asks for 3000"),
     ] {
         set_quota(&server, quota.clone()).await;
         let (status, body) = create_sized(&server, first.0, first.1, first.2).await;

@@ -264,7 +264,9 @@ impl Core {
     }
 
     /// Delete a tenant: its keys stop at once, its sandboxes are deleted (operations that run
-    /// on), its quotas and policy go. `default` stays: it holds the server's bootstrap key.
+    /// on), its snapshots (records and images: they hold its sandboxes' memory), E2B state,
+    /// quotas and policy go. Its id is never given again, so a later tenant of the same name
+    /// starts with nothing. `default` stays: it holds the server's bootstrap key.
     pub async fn delete_tenant(&self, admin: &Admin, name: &str) -> CoreResult<u32> {
         let r = async {
             let t = self.tenant_named(name).await?;
@@ -283,6 +285,12 @@ impl Core {
                     self.delete_sandbox_by(&admin.account, &t, &sb.id).await?;
                     deleted += 1;
                 }
+            }
+            // Images first: one that can't be removed keeps its record (and the tenant), so a
+            // retry finds it. A save still under way finds its record gone and removes its own.
+            for s in self.store.tenant_snapshots(&t.id).await? {
+                self.nodes.delete_image(&s.id).await?;
+                self.store.delete_snapshot(&t.id, &s.id).await?;
             }
             self.store.delete_tenant(&t.id).await?;
             Ok(deleted)

@@ -40,6 +40,17 @@ use std::sync::Arc;
 pub struct Config {
     /// Live sandboxes (creating, running, paused, deleting) one tenant may have at once.
     pub max_sandboxes_per_tenant: u32,
+    /// vCPUs, memory and disk (MiB) one tenant's sandboxes (and snapshots) may hold together
+    /// where the operator set no quota of the tenant's own; `None`: `tenant_share` of the
+    /// node's budget.
+    pub max_vcpu_per_tenant: Option<u64>,
+    pub max_memory_mib_per_tenant: Option<u64>,
+    pub max_disk_mib_per_tenant: Option<u64>,
+    /// The part of each node budget a tenant gets by default (where the limit above is `None`);
+    /// 1: no limit of the tenant's, the node's budgets alone.
+    pub tenant_share: f64,
+    /// Creates one tenant may make in any 60 seconds, where it has no quota of its own.
+    pub max_creates_per_minute: u32,
     /// The node's vCPU budget is its CPUs times this (idle sandboxes use little CPU).
     pub vcpu_overcommit: f64,
     /// Memory kept for the host: the sandboxes' memory sums to at most the rest (no overcommit:
@@ -65,6 +76,11 @@ impl Default for Config {
     fn default() -> Self {
         Self {
             max_sandboxes_per_tenant: 20,
+            max_vcpu_per_tenant: None,
+            max_memory_mib_per_tenant: None,
+            max_disk_mib_per_tenant: None,
+            tenant_share: DEFAULT_TENANT_SHARE,
+            max_creates_per_minute: DEFAULT_MAX_CREATES_PER_MINUTE,
             vcpu_overcommit: DEFAULT_VCPU_OVERCOMMIT,
             memory_reserve_mib: DEFAULT_MEMORY_RESERVE_MIB,
             disk_reserve_mib: DEFAULT_DISK_RESERVE_MIB,
@@ -86,6 +102,14 @@ pub const DEFAULT_MAX_SESSIONS_PER_SANDBOX: u32 = 64;
 /// Exited sessions kept per sandbox by default (as many as the guest agent remembers).
 pub const DEFAULT_MAX_FINISHED_SESSIONS_PER_SANDBOX: u32 = 256;
 
+/// A tenant gets at most half of each of the node's budgets by default: whatever the host's
+/// size, no one tenant takes the whole node (a single-tenant operator raises it with
+/// `--tenant-share 1` or a quota of the tenant's own).
+pub const DEFAULT_TENANT_SHARE: f64 = 0.5;
+/// One create a second, sustained: a loop of creates and deletes can't keep the node's CPUs
+/// busy restoring VMs for one tenant; bursts (the E2B suite, a fork of 20) stay well within.
+pub const DEFAULT_MAX_CREATES_PER_MINUTE: u32 = 60;
+
 /// vCPUs are shared in time and idle sandboxes barely use theirs, so the vCPU budget is
 /// generous (a 2-core host holds 32 one-vCPU sandboxes); memory and disk are the hard budgets.
 pub const DEFAULT_VCPU_OVERCOMMIT: f64 = 16.0;
@@ -93,12 +117,20 @@ pub const DEFAULT_MEMORY_RESERVE_MIB: u64 = 1024;
 pub const DEFAULT_DISK_RESERVE_MIB: u64 = 2048;
 
 impl Config {
-    /// The limits a tenant has where the operator set none of its own.
-    pub fn default_quota(&self) -> crate::model::Quota {
+    /// The limits a tenant has where the operator set none of its own, on a node with `budget`.
+    pub fn default_quota(&self, budget: &NodeBudget) -> crate::model::Quota {
+        // At least 1: a zero would lock the tenant out (a node with nothing left refuses anyway).
+        // The whole node is no limit of the tenant's: a full node says so (503), not a quota.
+        let share = |total: u64| {
+            (self.tenant_share < 1.0).then(|| ((total as f64 * self.tenant_share).floor() as u64).max(1))
+        };
         crate::model::Quota {
             sandboxes: Some(self.max_sandboxes_per_tenant),
+            vcpu: self.max_vcpu_per_tenant.or_else(|| share(budget.vcpu)),
+            memory_mib: self.max_memory_mib_per_tenant.or_else(|| share(budget.memory_mib)),
+            disk_mib: self.max_disk_mib_per_tenant.or_else(|| share(budget.disk_mib)),
             sessions_per_sandbox: Some(self.max_sessions_per_sandbox),
-            ..Default::default()
+            creates_per_minute: Some(self.max_creates_per_minute),
         }
     }
 
@@ -215,6 +247,29 @@ mod tests {
         // A reserve larger than the host leaves nothing, without wrapping.
         let b = Config::default().budget(&capacity(1, 512, 0, 0));
         assert_eq!((b.memory_mib, b.disk_mib), (0, 0));
+    }
+
+    #[test]
+    fn default_quotas_are_a_share_of_the_node_unless_set() {
+        let budget = NodeBudget {
+            vcpu: 32,
+            memory_mib: 23 * 1024,
+            disk_mib: 68_000,
+        };
+        let q = Config::default().default_quota(&budget);
+        assert_eq!((q.vcpu, q.memory_mib, q.disk_mib), (Some(16), Some(23 * 512), Some(34_000)));
+        assert_eq!((q.sandboxes, q.creates_per_minute), (Some(20), Some(60)));
+        let config = Config {
+            max_vcpu_per_tenant: Some(4),
+            tenant_share: 1.0,
+            ..Config::default()
+        };
+        let q = config.default_quota(&budget);
+        assert_eq!((q.vcpu, q.memory_mib, q.disk_mib), (Some(4), None, None));
+        // Never 0, which would lock the tenant out without saying why.
+        let none = NodeBudget { vcpu: 1, memory_mib: 0, disk_mib: 0 };
+        let q = Config::default().default_quota(&none);
+        assert_eq!((q.vcpu, q.memory_mib, q.disk_mib), (Some(1), Some(1), Some(1)));
     }
 
     #[test]

@@ -429,7 +429,10 @@ impl Core {
         }
         let action = match change {
             Change::Pause => Action::Pause { sandbox: row },
-            Change::Suspend => Action::Suspend { sandbox: row },
+            Change::Suspend => {
+                self.admit_suspend(&row).await.map_err(|e| e.for_tenant(&tenant.name))?;
+                Action::Suspend { sandbox: row }
+            }
             Change::Resume => self.resume_action(row).await?,
         };
         let op = self
@@ -460,6 +463,23 @@ impl Core {
         let want = now_ms() + timeout.as_millis() as i64;
         if want > row.expires_at_ms {
             self.store.set_sandbox_expiry(&row.id, want).await?;
+        }
+        Ok(())
+    }
+
+    /// A suspend writes the sandbox's memory to the data dir: that place is charged to its
+    /// tenant's disk quota and the node's disk budget before it starts (once: a sandbox whose
+    /// timeout suspends it holds it from its create).
+    async fn admit_suspend(&self, row: &SandboxRow) -> CoreResult<()> {
+        let quota = self.quota_of(&row.tenant_id).await?;
+        let budget = self.config.budget(&self.nodes.capacity());
+        if !self.store.admit_suspend(&row.id, &quota, &budget).await? {
+            let now = self.store.sandbox_by_id(&row.id).await?;
+            return Err(CoreError::InvalidState {
+                id: row.id.clone(),
+                state: now.map_or(SandboxState::Deleted, |r| r.state),
+                need: "only a running or paused sandbox can be suspended".into(),
+            });
         }
         Ok(())
     }

@@ -38,7 +38,8 @@ impl Core {
     ) -> CoreResult<SnapshotRow> {
         if let Some(n) = &name {
             check_name(n)?;
-            if self.store.get_snapshot(&tenant.id, n).await?.is_some() || self.resolve_template(n).is_ok() {
+            // A snapshot of that name the store refuses with its admission (atomically).
+            if self.resolve_template(n).is_ok() {
                 return Err(CoreError::Conflict(format!("a snapshot or template named {n:?} exists")));
             }
         }
@@ -64,13 +65,20 @@ impl Core {
             digest: None,
             created_at_ms: now_ms(),
         };
+        // Its size is known only once saved; until then it holds the most a save writes (the
+        // sandbox's disk copied whole and its memory), so a burst of saves can't overshoot.
+        let reserve_mib = row.resources.disk_mib as u64 + row.resources.memory_mib as u64;
         let op = self
             .engine
             .submit(Action::Snapshot {
                 sandbox: row,
                 snapshot: snapshot.clone(),
+                reserve_mib,
+                quota: self.quota(tenant).await?,
+                budget: self.config.budget(&self.nodes.capacity()),
             })
-            .await?
+            .await
+            .map_err(|e| e.for_tenant(&tenant.name))?
             .operation;
         let op = self.engine.wait(&op).await?;
         if let Some(e) = op.error {

@@ -1,5 +1,6 @@
-//! Tenants' quotas: the limits an operator set for a tenant over the server's defaults, and what
-//! its live sandboxes use of them. Admission itself is one atomic step in the store
+//! Tenants' quotas: the limits an operator set for a tenant over the server's defaults (a share
+//! of the node's budgets, see `Config::default_quota`), and what its live sandboxes and
+//! snapshots use of them. Admission itself is one atomic step in the store
 //! (`insert_create_within`), so concurrent creates never overshoot.
 
 use super::Core;
@@ -22,7 +23,8 @@ impl Core {
     }
 
     pub(crate) async fn quota_of(&self, tenant_id: &str) -> CoreResult<Quota> {
-        Ok(self.store.quota(tenant_id).await?.or(self.config.default_quota()))
+        let budget = self.config.budget(&self.nodes.capacity());
+        Ok(self.store.quota(tenant_id).await?.or(self.config.default_quota(&budget)))
     }
 
     /// `GET /v1/tenant`.

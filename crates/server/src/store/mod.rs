@@ -229,8 +229,8 @@ pub fn new_key(format: KeyFormat) -> String {
     format!("{prefix}{}", airlock_runtime::datadir::random_hex(20))
 }
 
-/// The states of a sandbox that exists (a suspended one holds only its disk: it counts against
-/// disk quotas and budgets, not against sandboxes, vcpu or memory).
+/// The states of a sandbox that exists (a suspended one holds only its disk and saved memory: it
+/// counts against disk quotas and budgets, not against sandboxes, vcpu or memory).
 pub const LIVE_STATES: [SandboxState; 6] = [
     SandboxState::Creating,
     SandboxState::Running,
@@ -388,6 +388,11 @@ pub trait SandboxStore: Send + Sync {
     /// `budget` again (its place, vcpu and memory; its disk it holds already), atomically like
     /// a create's admission. False when it is not suspended.
     async fn admit_resume(&self, id: &str, quota: &Quota, budget: &NodeBudget) -> Result<bool, StoreError>;
+    /// Before a running or paused sandbox is suspended: charge the memory its suspend saves
+    /// (its `memory_mib`) to the tenant's disk quota and the node's disk budget, atomically like
+    /// a create's admission, unless it holds that place already (its timeout suspends it, or an
+    /// earlier suspend was admitted). False when it is neither running nor paused.
+    async fn admit_suspend(&self, id: &str, quota: &Quota, budget: &NodeBudget) -> Result<bool, StoreError>;
     async fn set_sandbox_state(&self, id: &str, state: SandboxState) -> Result<(), StoreError>;
     /// Move a sandbox to `to` only if it is in one of `from` (compare-and-set); returns whether it
     /// moved. Concurrent lifecycle changes use it so a late writer never undoes a delete.
@@ -481,18 +486,46 @@ pub enum SnapshotKind {
     Fork,
 }
 
+/// What [`SnapshotStore::admit_snapshot`] decided.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SnapshotAdmission {
+    /// Recorded as being saved, holding its reserve.
+    Admitted,
+    /// The tenant has a snapshot of that name already (saved or being saved).
+    NameTaken,
+    /// The tenant is gone (deleted while the request ran).
+    NoTenant,
+}
+
 #[async_trait]
 pub trait SnapshotStore: Send + Sync {
-    async fn insert_snapshot(&self, snapshot: &SnapshotRow) -> Result<(), StoreError>;
-    /// The tenant's snapshot by id, name or content digest (the newest of equal ones).
+    /// Record `snapshot` as being saved, holding `reserve_mib` of its tenant's disk quota and of
+    /// the node's disk budget until [`SnapshotStore::snapshot_saved`], in one atomic step that
+    /// checks both as a create's admission does (past either,
+    /// [`StoreError::QuotaExceeded`] (`disk_mib`) or [`StoreError::NodeBudgetExceeded`]
+    /// (`disk`)). A snapshot being saved is not listed or found by id or name.
+    async fn admit_snapshot(
+        &self,
+        snapshot: &SnapshotRow,
+        reserve_mib: u64,
+        quota: &Quota,
+        budget: &NodeBudget,
+    ) -> Result<SnapshotAdmission, StoreError>;
+    /// A save is done: record its size and digest; the snapshot holds its size from now on.
+    /// False when its record is gone (its tenant was deleted meanwhile).
+    async fn snapshot_saved(&self, snapshot: &SnapshotRow) -> Result<bool, StoreError>;
+    /// The tenant's saved snapshot by id, name or content digest (the newest of equal ones).
     async fn get_snapshot(&self, tenant_id: &str, id_or_name: &str) -> Result<Option<SnapshotRow>, StoreError>;
-    /// The tenant's snapshots (not forks' images), oldest first, of one sandbox if given.
+    /// The tenant's saved snapshots (not forks' images), oldest first, of one sandbox if given.
     async fn list_snapshots(&self, tenant_id: &str, sandbox_id: Option<&str>) -> Result<Vec<SnapshotRow>, StoreError>;
+    /// Every snapshot record of the tenant: saved or being saved, forks' images too.
+    async fn tenant_snapshots(&self, tenant_id: &str) -> Result<Vec<SnapshotRow>, StoreError>;
     /// Whether it was there.
     async fn delete_snapshot(&self, tenant_id: &str, id: &str) -> Result<bool, StoreError>;
-    /// Every tenant's images of forks (left by a restart mid-fork).
-    async fn fork_images(&self) -> Result<Vec<SnapshotRow>, StoreError>;
-    /// The id of every snapshot of every tenant.
+    /// Every tenant's images a restart cut short, recorded before `before_ms`: forks' images
+    /// (the fork stopped) and saves still under way.
+    async fn interrupted_images(&self, before_ms: i64) -> Result<Vec<SnapshotRow>, StoreError>;
+    /// The id of every snapshot of every tenant (being saved too).
     async fn snapshot_ids(&self) -> Result<Vec<String>, StoreError>;
 }
 
@@ -549,8 +582,9 @@ pub trait AccountStore: Send + Sync {
     async fn create_tenant(&self, name: &str) -> Result<Option<Tenant>, StoreError>;
     /// Every tenant with its creation time, by name.
     async fn list_tenants(&self) -> Result<Vec<(Tenant, i64)>, StoreError>;
-    /// Remove a tenant: its keys, quotas and egress policy go with it (its sandboxes must be
-    /// deleted first: their rows stay as a record).
+    /// Remove a tenant: its keys, quotas, egress policy, snapshot records and its sandboxes'
+    /// E2B state and access tokens go with it (its sandboxes must be deleted first: their rows
+    /// stay as a record; the node removes its snapshots' images).
     async fn delete_tenant(&self, tenant_id: &str) -> Result<(), StoreError>;
     /// Mint a named key for an existing tenant; the key (shown once) and its record.
     async fn mint_key(&self, tenant_id: &str, format: KeyFormat, name: &str) -> Result<(String, KeyRecord), StoreError>;

@@ -2,7 +2,7 @@
 
 use super::{
     new_key, now_ms, AccessHashes, TokenKind, rfc3339, token_hash, AccountStore, AuditFilter, AuditRecord, CreateRecorded, KeyRecord, E2bStore, EgressSpec, KeyFormat, NodeBudget, OperationStore,
-    SandboxFilter, SandboxRow, SandboxStore, SessionRow, SnapshotKind, SnapshotRow, SnapshotStore, StoreError, Tenant, TenantStore,
+    SandboxFilter, SandboxRow, SandboxStore, SessionRow, StoreError, Tenant, TenantStore,
 };
 use crate::model::ErrorBody;
 use crate::model::{Operation, OperationKind, OperationState, Quota, Resources, SandboxState, TenantUsage};
@@ -15,44 +15,21 @@ use std::str::FromStr;
 /// The schema's versions, `crates/server/migrations/*.sql`, embedded at build time.
 static MIGRATOR: sqlx::migrate::Migrator = sqlx::migrate!();
 
+mod admission;
+mod snapshots;
+
+use admission::{admit_disk_within, admit_within, usage_within};
+
 /// `state IN (...)` of the states of a sandbox that exists (see `super::LIVE_STATES`).
 const LIVE: &str = "state IN ('creating', 'running', 'paused', 'suspended', 'resuming', 'deleting')";
 /// Per row of a live sandbox: 1 unless it is suspended (no VM: it holds its disk, no place, CPU
 /// or memory), for the sums of what counts against quotas and budgets.
 const HOLDS_VM: &str = "(CASE WHEN state = 'suspended' THEN 0 ELSE 1 END)";
+/// Per row of a live sandbox: the disk it holds, its overlay at full size plus the memory a
+/// suspend saved (or will: see `saved_mib`, migration 0012).
+const DISK_HELD: &str = "(disk_mib + saved_mib)";
 /// The window `creates_per_minute` counts in.
 const RATE_WINDOW_MS: i64 = 60_000;
-
-/// A tenant's usage, read inside `tx` (so admission sees what it decides on).
-async fn usage_within(
-    tx: &mut sqlx::Transaction<'_, sqlx::Sqlite>,
-    tenant_id: &str,
-    now: i64,
-) -> Result<TenantUsage, StoreError> {
-    let (sandboxes, vcpu, memory, disk): (i64, i64, i64, i64) = sqlx::query_as(&format!(
-        "SELECT COALESCE(SUM({HOLDS_VM}), 0), COALESCE(SUM(vcpu * {HOLDS_VM}), 0),
-                COALESCE(SUM(memory_mib * {HOLDS_VM}), 0), COALESCE(SUM(disk_mib), 0)
-         FROM sandboxes WHERE tenant_id = ? AND {LIVE}"
-    ))
-    .bind(tenant_id)
-    .fetch_one(&mut **tx)
-    .await?;
-    let (creates,): (i64,) = sqlx::query_as(
-        "SELECT COUNT(*) FROM operations WHERE tenant_id = ? AND kind = 'create' AND created_at_ms > ?",
-    )
-    .bind(tenant_id)
-    .bind(now - RATE_WINDOW_MS)
-    .fetch_one(&mut **tx)
-    .await?;
-    let n = |v: i64| v.max(0) as u64;
-    Ok(TenantUsage {
-        sandboxes: n(sandboxes) as u32,
-        vcpu: n(vcpu),
-        memory_mib: n(memory),
-        disk_mib: n(disk),
-        creates_last_minute: n(creates) as u32,
-    })
-}
 
 impl From<sqlx::Error> for StoreError {
     fn from(e: sqlx::Error) -> Self {
@@ -257,6 +234,16 @@ fn tighten(path: &Path) -> Result<(), StoreError> {
     Ok(())
 }
 
+/// A new tenant's id: opaque (`tn_` + 16 random hex), never its name, so a tenant made later
+/// under a deleted one's name shares nothing recorded under the old id. The bootstrap tenant
+/// `default` keeps the id `default` (stores before this had it; it can't be deleted).
+fn new_tenant_id(name: &str) -> String {
+    if name == "default" {
+        return name.into();
+    }
+    format!("tn_{}", airlock_runtime::datadir::random_hex(8))
+}
+
 /// Record `key`'s hash for `tenant` (created if new), inside the caller's transaction.
 async fn insert_key(tx: &mut sqlx::Transaction<'_, sqlx::Sqlite>, tenant: &str, key: &str) -> Result<(), StoreError> {
     let row: Option<(String,)> = sqlx::query_as("SELECT id FROM tenants WHERE name = ?")
@@ -266,13 +253,14 @@ async fn insert_key(tx: &mut sqlx::Transaction<'_, sqlx::Sqlite>, tenant: &str, 
     let tenant_id = match row {
         Some((id,)) => id,
         None => {
+            let id = new_tenant_id(tenant);
             sqlx::query("INSERT INTO tenants (id, name, created_at_ms) VALUES (?, ?, ?)")
-                .bind(tenant)
+                .bind(&id)
                 .bind(tenant)
                 .bind(now_ms())
                 .execute(&mut **tx)
                 .await?;
-            tenant.to_string()
+            id
         }
     };
     insert_key_row(tx, &tenant_id, key, "").await?;
@@ -322,16 +310,14 @@ fn key_from_row(r: &sqlx::sqlite::SqliteRow) -> Result<KeyRecord, StoreError> {
 #[async_trait]
 impl AccountStore for SqliteStore {
     async fn create_tenant(&self, name: &str) -> Result<Option<Tenant>, StoreError> {
+        let id = new_tenant_id(name);
         let r = sqlx::query("INSERT INTO tenants (id, name, created_at_ms) VALUES (?, ?, ?) ON CONFLICT DO NOTHING")
-            .bind(name)
+            .bind(&id)
             .bind(name)
             .bind(now_ms())
             .execute(&self.pool)
             .await?;
-        Ok((r.rows_affected() == 1).then(|| Tenant {
-            id: name.into(),
-            name: name.into(),
-        }))
+        Ok((r.rows_affected() == 1).then(|| Tenant { id, name: name.into() }))
     }
 
     async fn list_tenants(&self) -> Result<Vec<(Tenant, i64)>, StoreError> {
@@ -348,6 +334,9 @@ impl AccountStore for SqliteStore {
             "DELETE FROM api_keys WHERE tenant_id = ?",
             "DELETE FROM tenant_quotas WHERE tenant_id = ?",
             "DELETE FROM tenant_egress WHERE tenant_id = ?",
+            "DELETE FROM snapshots WHERE tenant_id = ?",
+            "DELETE FROM e2b_sandboxes WHERE sandbox_id IN (SELECT id FROM sandboxes WHERE tenant_id = ?)",
+            "DELETE FROM sandbox_access WHERE sandbox_id IN (SELECT id FROM sandboxes WHERE tenant_id = ?)",
             "DELETE FROM tenants WHERE id = ?",
         ] {
             sqlx::query(sql).bind(tenant_id).execute(&mut *tx).await?;
@@ -627,80 +616,6 @@ impl TenantStore for SqliteStore {
     }
 }
 
-/// Admission inside `tx`: a sandbox of `tenant_id` with resources `r` fits the tenant's `quota`
-/// and the node's `budget` next to every live sandbox. A `new` one also counts its disk and a
-/// create against the rate limit; one resuming from suspended already holds its disk.
-async fn admit_within(
-    tx: &mut sqlx::Transaction<'_, sqlx::Sqlite>,
-    tenant_id: &str,
-    r: &crate::model::Resources,
-    quota: &Quota,
-    budget: &NodeBudget,
-    new: bool,
-) -> Result<(), StoreError> {
-    let now = now_ms();
-    let usage = usage_within(tx, tenant_id, now).await?;
-    for (name, used, asked, limit) in [
-        ("sandboxes", usage.sandboxes as u64, 1, quota.sandboxes.map(u64::from)),
-        ("vcpu", usage.vcpu, r.vcpu as u64, quota.vcpu),
-        ("memory_mib", usage.memory_mib, r.memory_mib as u64, quota.memory_mib),
-        ("disk_mib", usage.disk_mib, if new { r.disk_mib as u64 } else { 0 }, quota.disk_mib),
-    ] {
-        if let Some(limit) = limit.filter(|l| used.saturating_add(asked) > *l) {
-            return Err(StoreError::QuotaExceeded {
-                quota: name,
-                used,
-                asked,
-                limit,
-            });
-        }
-    }
-    if let Some(limit) = quota.creates_per_minute.filter(|_| new) {
-        if usage.creates_last_minute >= limit {
-            // The window frees a place when the oldest create counted in it turns 60 s old.
-            let (oldest,): (Option<i64>,) = sqlx::query_as(
-                "SELECT MIN(created_at_ms) FROM (SELECT created_at_ms FROM operations
-                 WHERE tenant_id = ? AND kind = 'create' AND created_at_ms > ?
-                 ORDER BY created_at_ms DESC LIMIT ?)",
-            )
-            .bind(tenant_id)
-            .bind(now - RATE_WINDOW_MS)
-            .bind(limit as i64)
-            .fetch_one(&mut **tx)
-            .await?;
-            let free_at = oldest.unwrap_or(now) + RATE_WINDOW_MS;
-            return Err(StoreError::RateLimited {
-                limit,
-                retry_after_s: ((free_at - now).max(0) as u64).div_ceil(1000).max(1),
-            });
-        }
-    }
-    // The node's budgets, summed over every tenant's live sandboxes under the same lock.
-    let (vcpu, memory, disk): (i64, i64, i64) = sqlx::query_as(&format!(
-        "SELECT COALESCE(SUM(vcpu * {HOLDS_VM}), 0), COALESCE(SUM(memory_mib * {HOLDS_VM}), 0),
-            COALESCE(SUM(disk_mib), 0)
-     FROM sandboxes WHERE {LIVE}"
-    ))
-    .fetch_one(&mut **tx)
-    .await?;
-    for (name, used, asked, total) in [
-        ("vcpu", vcpu, r.vcpu, budget.vcpu),
-        ("memory", memory, r.memory_mib, budget.memory_mib),
-        ("disk", disk, if new { r.disk_mib } else { 0 }, budget.disk_mib),
-    ] {
-        let (used, asked) = (used.max(0) as u64, asked as u64);
-        if used.saturating_add(asked) > total {
-            return Err(StoreError::NodeBudgetExceeded {
-                budget: name,
-                asked,
-                used,
-                total,
-            });
-        }
-    }
-    Ok(())
-}
-
 #[async_trait]
 impl SandboxStore for SqliteStore {
     async fn insert_create_within(
@@ -726,10 +641,17 @@ impl SandboxStore for SqliteStore {
                 return Ok(CreateRecorded::Existing(op_from_row(&r)));
             }
         }
-        admit_within(&mut tx, &sb.tenant_id, &sb.resources, quota, budget, true).await?;
+        // A sandbox its timeout suspends holds the place of its saved memory from the start:
+        // the platform suspends it without asking again.
+        let saved_mib = match sb.lifecycle.on_timeout {
+            crate::model::OnTimeout::Suspend => sb.resources.memory_mib as u64,
+            crate::model::OnTimeout::Delete => 0,
+        };
+        let disk = sb.resources.disk_mib as u64 + saved_mib;
+        admit_within(&mut tx, &sb.tenant_id, &sb.resources, quota, budget, Some(disk)).await?;
         sqlx::query(
-            "INSERT INTO sandboxes (id, tenant_id, state, template, template_digest, runtime, accel, vcpu, memory_mib, disk_mib, env, metadata, created_at_ms, expires_at_ms, egress_profiles, egress_sealed, egress_policy, on_timeout, auto_resume, timeout_ms, image_id)
-             VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+            "INSERT INTO sandboxes (id, tenant_id, state, template, template_digest, runtime, accel, vcpu, memory_mib, disk_mib, env, metadata, created_at_ms, expires_at_ms, egress_profiles, egress_sealed, egress_policy, on_timeout, auto_resume, timeout_ms, image_id, saved_mib)
+             VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
         )
         .bind(&sb.id)
         .bind(&sb.tenant_id)
@@ -752,6 +674,7 @@ impl SandboxStore for SqliteStore {
         .bind(sb.lifecycle.auto_resume as i64)
         .bind(sb.timeout_ms)
         .bind(&sb.image_id)
+        .bind(saved_mib as i64)
         .execute(&mut *tx)
         .await?;
         sqlx::query(
@@ -852,12 +775,35 @@ impl SandboxStore for SqliteStore {
             return Ok(false);
         };
         let sb = sandbox_from_row(&row);
-        admit_within(&mut tx, &sb.tenant_id, &sb.resources, quota, budget, false).await?;
+        admit_within(&mut tx, &sb.tenant_id, &sb.resources, quota, budget, None).await?;
         sqlx::query("UPDATE sandboxes SET state = 'resuming' WHERE id = ?")
             .bind(id)
             .execute(&mut *tx)
             .await?;
         tx.commit().await?;
+        Ok(true)
+    }
+
+    async fn admit_suspend(&self, id: &str, quota: &Quota, budget: &NodeBudget) -> Result<bool, StoreError> {
+        let mut tx = self.pool.begin_with("BEGIN IMMEDIATE").await?;
+        let row: Option<(String, i64, i64)> = sqlx::query_as(
+            "SELECT tenant_id, memory_mib, saved_mib FROM sandboxes WHERE id = ? AND state IN ('running', 'paused')",
+        )
+        .bind(id)
+        .fetch_optional(&mut *tx)
+        .await?;
+        let Some((tenant_id, memory_mib, saved_mib)) = row else {
+            return Ok(false);
+        };
+        if saved_mib < memory_mib {
+            let asked = (memory_mib - saved_mib).max(0) as u64;
+            admit_disk_within(&mut tx, &tenant_id, asked, quota, budget).await?;
+            sqlx::query("UPDATE sandboxes SET saved_mib = memory_mib WHERE id = ?")
+                .bind(id)
+                .execute(&mut *tx)
+                .await?;
+            tx.commit().await?;
+        }
         Ok(true)
     }
 
@@ -1141,104 +1087,6 @@ impl OperationStore for SqliteStore {
         .fetch_optional(&self.pool)
         .await?;
         Ok(r.as_ref().map(op_from_row))
-    }
-}
-
-fn snapshot_from_row(r: &sqlx::sqlite::SqliteRow) -> SnapshotRow {
-    SnapshotRow {
-        id: r.get("id"),
-        tenant_id: r.get("tenant_id"),
-        name: r.get("name"),
-        kind: match r.get::<&str, _>("kind") {
-            "fork" => SnapshotKind::Fork,
-            _ => SnapshotKind::Snapshot,
-        },
-        sandbox_id: r.get("sandbox_id"),
-        template: r.get("template"),
-        resources: Resources {
-            vcpu: r.get::<i64, _>("vcpu") as u32,
-            memory_mib: r.get::<i64, _>("memory_mib") as u32,
-            disk_mib: r.get::<i64, _>("disk_mib") as u32,
-        },
-        bytes: r.get::<i64, _>("bytes").max(0) as u64,
-        digest: r.get("digest"),
-        created_at_ms: r.get("created_at_ms"),
-    }
-}
-
-#[async_trait]
-impl SnapshotStore for SqliteStore {
-    async fn insert_snapshot(&self, s: &SnapshotRow) -> Result<(), StoreError> {
-        sqlx::query(
-            "INSERT INTO snapshots (id, tenant_id, name, kind, sandbox_id, template, vcpu, memory_mib, disk_mib, bytes, digest, created_at_ms)
-             VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
-        )
-        .bind(&s.id)
-        .bind(&s.tenant_id)
-        .bind(&s.name)
-        .bind(match s.kind {
-            SnapshotKind::Snapshot => "snapshot",
-            SnapshotKind::Fork => "fork",
-        })
-        .bind(&s.sandbox_id)
-        .bind(&s.template)
-        .bind(s.resources.vcpu as i64)
-        .bind(s.resources.memory_mib as i64)
-        .bind(s.resources.disk_mib as i64)
-        .bind(s.bytes as i64)
-        .bind(&s.digest)
-        .bind(s.created_at_ms)
-        .execute(&self.pool)
-        .await?;
-        Ok(())
-    }
-
-    async fn get_snapshot(&self, tenant_id: &str, id_or_name: &str) -> Result<Option<SnapshotRow>, StoreError> {
-        let r = sqlx::query(
-            "SELECT * FROM snapshots WHERE tenant_id = ? AND (id = ? OR name = ? OR digest = ?)
-             ORDER BY created_at_ms DESC LIMIT 1",
-        )
-        .bind(tenant_id)
-        .bind(id_or_name)
-        .bind(id_or_name)
-        .bind(id_or_name)
-            .fetch_optional(&self.pool)
-            .await?;
-        Ok(r.as_ref().map(snapshot_from_row))
-    }
-
-    async fn list_snapshots(&self, tenant_id: &str, sandbox_id: Option<&str>) -> Result<Vec<SnapshotRow>, StoreError> {
-        let rows = sqlx::query(
-            "SELECT * FROM snapshots WHERE tenant_id = ? AND kind = 'snapshot' AND (? IS NULL OR sandbox_id = ?)
-             ORDER BY created_at_ms, id",
-        )
-        .bind(tenant_id)
-        .bind(sandbox_id)
-        .bind(sandbox_id)
-        .fetch_all(&self.pool)
-        .await?;
-        Ok(rows.iter().map(snapshot_from_row).collect())
-    }
-
-    async fn delete_snapshot(&self, tenant_id: &str, id: &str) -> Result<bool, StoreError> {
-        let done = sqlx::query("DELETE FROM snapshots WHERE tenant_id = ? AND id = ?")
-            .bind(tenant_id)
-            .bind(id)
-            .execute(&self.pool)
-            .await?;
-        Ok(done.rows_affected() == 1)
-    }
-
-    async fn snapshot_ids(&self) -> Result<Vec<String>, StoreError> {
-        let rows: Vec<(String,)> = sqlx::query_as("SELECT id FROM snapshots").fetch_all(&self.pool).await?;
-        Ok(rows.into_iter().map(|(id,)| id).collect())
-    }
-
-    async fn fork_images(&self) -> Result<Vec<SnapshotRow>, StoreError> {
-        let rows = sqlx::query("SELECT * FROM snapshots WHERE kind = 'fork'")
-            .fetch_all(&self.pool)
-            .await?;
-        Ok(rows.iter().map(snapshot_from_row).collect())
     }
 }
 
