@@ -32,6 +32,7 @@
 
 mod dns;
 mod error;
+mod log_limit;
 mod policy;
 mod proxy;
 mod resolve;

@@ -163,7 +163,7 @@ impl Proxy {
         let upstream = match self.dial(&target).await {
             Ok(s) => s,
             Err(e) => {
-                tracing::info!(sandbox = %sandbox.id(), destination, error = %e, "egress dial failed");
+                sandbox.log_failure("dial", &destination, &e, false);
                 return;
             }
         };

@@ -55,16 +55,18 @@ fn zone() -> HashMap<String, Vec<Ipv4Addr>> {
 }
 
 fn world(profiles: &str, tenant: &str, selected: &[&str], limits: SandboxLimits) -> World {
-    world_with_upstream(profiles, tenant, selected, limits, DNS)
+    world_with_upstream(profiles, tenant, selected, limits, DNS, "sb-test")
 }
 
-/// `upstream`: the resolver the proxy and DNS responder use (a host in the internet namespace).
+/// `upstream`: the resolver the proxy and DNS responder use (a host in the internet namespace);
+/// `id`: the sandbox's id (what its log lines carry).
 fn world_with_upstream(
     profiles: &str,
     tenant: &str,
     selected: &[&str],
     limits: SandboxLimits,
     upstream: Ipv4Addr,
+    id: &str,
 ) -> World {
     let net = TestNet::new(false).expect("test namespaces");
     for ip in [ALLOWED, OTHER, DNS, SILENT_DNS] {
@@ -79,7 +81,7 @@ fn world_with_upstream(
     );
     let names = config.profiles.select(selected).unwrap();
     let policy = Policy::new(&config, TenantPolicy::from_json(tenant).unwrap(), &names).unwrap();
-    let sandbox = SandboxEgress::new("sb-test", policy, limits);
+    let sandbox = SandboxEgress::new(id, policy, limits);
 
     let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
     let (ready_tx, ready_rx) = std::sync::mpsc::channel();
@@ -179,6 +181,30 @@ impl World {
                     })
                     .collect();
                 (r.metadata.response_code, ips)
+            })
+            .join()
+            .unwrap()
+    }
+
+    /// `n` queries from inside the sandbox, one after another on one socket, alternating between
+    /// `names`; the answers' codes, counted.
+    fn dns_many(&self, n: usize, names: [&'static str; 2]) -> HashMap<ResponseCode, usize> {
+        self.net
+            .sandbox
+            .spawn(move || {
+                let s = UdpSocket::bind("0.0.0.0:0").unwrap();
+                s.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+                let mut codes = HashMap::new();
+                let mut buf = [0u8; 2048];
+                for i in 0..n {
+                    let mut q = Message::query();
+                    q.add_query(Query::query(Name::from_ascii(names[i % 2]).unwrap(), RecordType::A));
+                    s.send_to(&q.to_vec().unwrap(), (GATEWAY, 53)).unwrap();
+                    let n = s.recv(&mut buf).expect("dns answer");
+                    let r = Message::from_vec(&buf[..n]).unwrap();
+                    *codes.entry(r.metadata.response_code).or_default() += 1;
+                }
+                codes
             })
             .join()
             .unwrap()
@@ -527,7 +553,7 @@ fn connection_cap_closes_connections_past_it() {
 
 #[test]
 fn a_silent_upstream_or_client_costs_bounded_time() {
-    let w = world_with_upstream(WEB, NO_TENANT, &[], SandboxLimits::default(), SILENT_DNS);
+    let w = world_with_upstream(WEB, NO_TENANT, &[], SandboxLimits::default(), SILENT_DNS, "sb-test");
     // The upstream reads queries and never answers (the resolver's timeout here is 2 s).
     let sock = w
         .net
@@ -629,4 +655,59 @@ fn digest_is_stable_and_changes_with_the_configuration() {
         digest(r#"{"web2": {"domains": ["a.test", "b.test"], "default": true}, "x": {"cidrs": ["203.0.113.0/24"]}}"#)
     );
     assert_ne!(a, digest("{}"));
+}
+
+/// INFO lines by the `sandbox` field they carry, from every thread (a global subscriber, installed
+/// once for this test binary; each test that counts uses its own sandbox id).
+fn info_lines_of(sandbox: &str) -> usize {
+    use std::sync::{Mutex, OnceLock};
+    use tracing_subscriber::layer::SubscriberExt;
+
+    struct Count(&'static Mutex<HashMap<String, usize>>);
+    impl<S: tracing::Subscriber> tracing_subscriber::Layer<S> for Count {
+        fn on_event(&self, event: &tracing::Event<'_>, _: tracing_subscriber::layer::Context<'_, S>) {
+            struct Sandbox(Option<String>);
+            impl tracing::field::Visit for Sandbox {
+                fn record_debug(&mut self, field: &tracing::field::Field, value: &dyn std::fmt::Debug) {
+                    if field.name() == "sandbox" {
+                        self.0 = Some(format!("{value:?}"));
+                    }
+                }
+            }
+            if *event.metadata().level() == tracing::Level::INFO {
+                let mut s = Sandbox(None);
+                event.record(&mut s);
+                if let Some(id) = s.0 {
+                    *self.0.lock().unwrap().entry(id).or_default() += 1;
+                }
+            }
+        }
+    }
+    static COUNTS: OnceLock<&'static Mutex<HashMap<String, usize>>> = OnceLock::new();
+    let counts = COUNTS.get_or_init(|| {
+        let counts: &'static Mutex<HashMap<String, usize>> = Box::leak(Box::default());
+        tracing::subscriber::set_global_default(tracing_subscriber::registry().with(Count(counts)))
+            .expect("no other global subscriber in this test binary");
+        counts
+    });
+    counts.lock().unwrap().get(sandbox).copied().unwrap_or(0)
+}
+
+#[test]
+fn ten_thousand_dns_queries_write_a_bounded_log() {
+    assert_eq!(info_lines_of("sb-dns-flood"), 0);
+    let w = world_with_upstream(WEB, NO_TENANT, &[], SandboxLimits::default(), DNS, "sb-dns-flood");
+    let started = std::time::Instant::now();
+    let codes = w.dns_many(10_000, ["allowed.test", "other.test"]);
+    let took = started.elapsed();
+    assert_eq!(codes[&ResponseCode::NoError], 5_000);
+    assert_eq!(codes[&ResponseCode::Refused], 5_000);
+    let counters = w.sandbox.snapshot().counters;
+    assert_eq!((counters.dns_allowed, counters.dns_denied), (5_000, 5_000));
+    drop(w); // the sandbox's last summary line
+    let lines = info_lines_of("sb-dns-flood");
+    eprintln!("10000 DNS queries in {took:?}: {lines} INFO lines");
+    // 10 lines and a summary per 10 s window.
+    let windows = took.as_secs() as usize / 10 + 1;
+    assert!(lines >= 11 && lines <= 11 * windows, "{lines} lines in {took:?}");
 }
