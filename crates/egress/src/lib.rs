@@ -30,6 +30,7 @@
 //! # Ok(()) }
 //! ```
 
+mod denied;
 mod dns;
 mod error;
 mod log_limit;
@@ -46,7 +47,7 @@ pub mod testnet;
 pub use dns::{DnsConfig, DnsServer};
 pub use error::{ConfigError, ResolvConfError, ResolveError};
 pub use policy::{
-    normalize_domain, Decision, EffectivePolicy, EgressConfig, PlatformDenies, Policy, Profile, Profiles, RawRules,
+    normalize_domain, Decision, DeniedNameAddrs, EffectivePolicy, EgressConfig, PlatformDenies, Policy, Profile, Profiles, RawRules,
     RuleSet, TenantPolicy, PLATFORM_DENIED, PROFILES_ENV,
 };
 pub use proxy::{OriginalDst, Proxy, ProxyConfig};

@@ -10,7 +10,8 @@
 //!   already read are replayed, then both directions are spliced.
 //! - No name (other ports, or no Host/SNI): only IP/CIDR rules, against the original destination.
 //!   A name no rule mentions also falls back to those (an allowed address is allowed whatever
-//!   the bytes say); a name the tenant denies is refused.
+//!   the bytes say); a name the tenant denies is refused, and so is an address a denied name
+//!   resolves to (looked up here, `denied`), whatever IP/CIDR rule covers it.
 //! - Connects, the first read, and idle splices are bounded in time; open connections per
 //!   sandbox are capped.
 //!
@@ -208,8 +209,8 @@ impl Proxy {
     ) -> (String, Decision, Option<Target>) {
         let policy = sandbox.policy();
         let port = original.port();
-        let by_ip = || {
-            let d = policy.decide_ip(original.ip());
+        let by_ip = || async {
+            let d = self.decide_address(sandbox, original.ip()).await;
             (original.to_string(), d, Some(Target::Direct(original)))
         };
         let name = match sniffed {
@@ -221,12 +222,12 @@ impl Proxy {
                     None,
                 );
             }
-            Sniffed::NoName | Sniffed::NeedMore | Sniffed::Invalid(_) => return by_ip(),
+            Sniffed::NoName | Sniffed::NeedMore | Sniffed::Invalid(_) => return by_ip().await,
         };
         let bare = name.trim_start_matches('[').trim_end_matches(']');
         if bare.parse::<IpAddr>().is_ok() {
             // An IP literal as Host: the connection is judged by where it really goes.
-            return by_ip();
+            return by_ip().await;
         }
         let Ok(normalized) = crate::policy::normalize_domain(&name) else {
             return (original.to_string(), Decision::deny("malformed name"), None);
@@ -238,9 +239,9 @@ impl Proxy {
                 return (destination, d, None);
             }
             // No rule names it: an IP/CIDR rule for the real destination may still allow it.
-            let ip_d = policy.decide_ip(original.ip());
-            if ip_d.allowed {
-                return (original.to_string(), ip_d, Some(Target::Direct(original)));
+            let (addr, ip_d, target) = by_ip().await;
+            if ip_d.allowed || ip_d.rule.starts_with("tenant deny domain") {
+                return (addr, ip_d, target);
             }
             return (destination, d, None);
         }
@@ -270,6 +271,17 @@ impl Proxy {
                 (destination, Decision::deny("name does not resolve"), None)
             }
         }
+    }
+
+    /// [`crate::Policy::decide_address`] with the denied names' addresses as they resolve now.
+    async fn decide_address(&self, sandbox: &SandboxEgress, ip: IpAddr) -> Decision {
+        let policy = sandbox.policy();
+        let d = policy.decide_ip(ip);
+        if !d.allowed || policy.denied_domains().is_empty() {
+            return d;
+        }
+        let denied = sandbox.denied_names.current(policy.denied_domains(), &self.resolver).await;
+        policy.decide_address(ip, &denied)
     }
 
     async fn dial(&self, target: &Target) -> std::io::Result<TcpStream> {

@@ -11,6 +11,7 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 use serde::Serialize;
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 
+use crate::denied::DeniedNames;
 use crate::log_limit::{Kind, LogLimit, Suppressed};
 use crate::policy::{Decision, Policy};
 
@@ -93,6 +94,7 @@ pub struct SandboxEgress {
     connections: Arc<Semaphore>,
     pub(crate) dns_in_flight: Arc<Semaphore>,
     log: LogLimit,
+    pub(crate) denied_names: DeniedNames,
 }
 
 impl std::fmt::Debug for SandboxEgress {
@@ -111,6 +113,7 @@ impl SandboxEgress {
             connections: Arc::new(Semaphore::new(limits.max_connections)),
             dns_in_flight: Arc::new(Semaphore::new(limits.max_dns_in_flight)),
             log: LogLimit::new(limits.log_per_window, limits.log_window),
+            denied_names: DeniedNames::default(),
             limits,
             tcp_allowed: AtomicU64::new(0),
             tcp_denied: AtomicU64::new(0),

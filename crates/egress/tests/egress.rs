@@ -17,6 +17,8 @@ use hickory_proto::rr::{Name, RData, RecordType};
 
 const ALLOWED: Ipv4Addr = Ipv4Addr::new(203, 0, 113, 10);
 const OTHER: Ipv4Addr = Ipv4Addr::new(203, 0, 113, 20);
+/// What `evil.test` resolves to (a name tenants deny).
+const EVIL: Ipv4Addr = Ipv4Addr::new(203, 0, 113, 30);
 const DNS: Ipv4Addr = Ipv4Addr::new(203, 0, 113, 53);
 /// A resolver that takes queries and never answers.
 const SILENT_DNS: Ipv4Addr = Ipv4Addr::new(203, 0, 113, 54);
@@ -45,6 +47,7 @@ fn zone() -> HashMap<String, Vec<Ipv4Addr>> {
     let mut z = HashMap::new();
     z.insert("allowed.test".to_string(), vec![ALLOWED]);
     z.insert("other.test".to_string(), vec![OTHER]);
+    z.insert("evil.test".to_string(), vec![EVIL]);
     z.insert("rebind-lo.test".to_string(), vec![Ipv4Addr::new(127, 0, 0, 1)]);
     z.insert(
         "rebind-private.test".to_string(),
@@ -69,7 +72,7 @@ fn world_with_upstream(
     id: &str,
 ) -> World {
     let net = TestNet::new(false).expect("test namespaces");
-    for ip in [ALLOWED, OTHER, DNS, SILENT_DNS] {
+    for ip in [ALLOWED, OTHER, EVIL, DNS, SILENT_DNS] {
         net.add_internet_host(ip).unwrap();
     }
     let dns = TestDns::start(&net.internet, SocketAddr::new(DNS.into(), 53), zone()).unwrap();
@@ -516,6 +519,37 @@ fn tenant_deny_beats_profile_allow() {
     let r = w.http((OTHER, 80), "allowed.test");
     assert!(r.contains("answer tenant deny cidr 203.0.113.0/28"), "{r}");
     assert!(w.hits().is_empty(), "{:?}", w.hits());
+}
+
+#[test]
+fn a_denied_name_stays_denied_at_its_address_under_a_cidr_allow() {
+    // The tenant denies evil.test and allows the whole /24 evil.test's address is in.
+    let w = world(
+        WEB,
+        r#"{"allow": {"cidrs": ["203.0.113.0/24"]}, "deny": {"domains": ["evil.test"]}}"#,
+        &[],
+        SandboxLimits::default(),
+    );
+    let rule = "tenant deny domain evil.test (an address it resolves to)";
+    // No name at all (another port, a TLS hello without SNI), a name no rule mentions, an IP
+    // literal as Host: each judged by address, and the address is evil.test's.
+    assert_eq!(w.tcp((EVIL, 8080), b"GET / HTTP/1.1\r\n\r\n"), "");
+    assert_eq!(w.tcp((EVIL, 443), &sniff::client_hello(None)), "");
+    assert_eq!(w.tls((EVIL, 443), "unlisted.test"), "");
+    let r = w.http((EVIL, 80), "unlisted.test");
+    assert!(r.starts_with("HTTP/1.1 403") && r.contains(rule), "{r}");
+    let r = w.http((EVIL, 80), &EVIL.to_string());
+    assert!(r.starts_with("HTTP/1.1 403") && r.contains(rule), "{r}");
+    // Naming it is denied whatever the address (as before).
+    let r = w.http((OTHER, 80), "evil.test");
+    assert!(r.starts_with("HTTP/1.1 403") && r.contains("tenant deny domain evil.test"), "{r}");
+    assert!(w.no_hit_on(EVIL), "{:?}", w.hits());
+    let snap = w.sandbox.snapshot();
+    assert_eq!(snap.counters.by_rule[&format!("deny {rule}")], 5, "{:?}", snap.counters);
+    // The rest of the /24 is still open by address, and evil.test was looked up once (cached).
+    let r = w.tcp((OTHER, 8080), b"GET / HTTP/1.1\r\n\r\n");
+    assert!(served_by(&r, OTHER, 8080), "{r}");
+    assert_eq!(w.dns.asked(), ["evil.test A"]);
 }
 
 #[test]
