@@ -33,9 +33,11 @@
 mod denied;
 mod dns;
 mod error;
+mod http1;
 mod log_limit;
 mod policy;
 mod proxy;
+mod relay;
 mod resolve;
 mod sandbox;
 mod serve;

@@ -66,7 +66,9 @@ impl LogLimit {
     pub fn admit(&self, now: Instant, kind: Kind) -> Admit {
         let mut s = self.state.lock().unwrap_or_else(|e| e.into_inner());
         let mut summary = None;
-        if s.started.is_none_or(|t| now.saturating_duration_since(t) >= self.window) {
+        if s.started
+            .is_none_or(|t| now.saturating_duration_since(t) >= self.window)
+        {
             let held = std::mem::take(&mut s.held);
             summary = (held.total() > 0).then_some(held);
             s.started = Some(now);
@@ -123,11 +125,11 @@ mod tests {
         let limit = LogLimit::new(2, Duration::from_secs(10));
         let t0 = Instant::now();
         let at = |s| t0 + Duration::from_secs(s);
-        let verdicts: Vec<Admit> = [0, 1, 2, 3]
-            .iter()
-            .map(|&s| limit.admit(at(s), Kind::Denied))
-            .collect();
-        assert_eq!(verdicts.iter().map(|a| a.info).collect::<Vec<_>>(), [true, true, false, false]);
+        let verdicts: Vec<Admit> = [0, 1, 2, 3].iter().map(|&s| limit.admit(at(s), Kind::Denied)).collect();
+        assert_eq!(
+            verdicts.iter().map(|a| a.info).collect::<Vec<_>>(),
+            [true, true, false, false]
+        );
         assert!(verdicts.iter().all(|a| a.summary.is_none()));
         // The next window: its first event carries the last one's summary.
         let a = limit.admit(at(12), Kind::Failed);

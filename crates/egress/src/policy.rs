@@ -652,7 +652,10 @@ mod tests {
         )
         .unwrap();
         let p = Policy::new::<&str>(&c, tenant, &[]).unwrap();
-        assert_eq!(p.denied_domains().iter().collect::<Vec<_>>(), ["evil.test", "gone.test"]);
+        assert_eq!(
+            p.denied_domains().iter().collect::<Vec<_>>(),
+            ["evil.test", "gone.test"]
+        );
         let ip = |s: &str| s.parse::<IpAddr>().unwrap();
         let mut denied = DeniedNameAddrs::new();
         denied.insert("evil.test".into(), Some(vec![ip("203.0.113.30"), ip("192.0.2.9")]));
@@ -671,7 +674,10 @@ mod tests {
             Decision::allow("tenant allow cidr 203.0.113.0/24")
         );
         // Not allowed by address in the first place: the same answer as before.
-        assert_eq!(p.decide_address(ip("198.51.100.7"), &denied), Decision::deny("default deny"));
+        assert_eq!(
+            p.decide_address(ip("198.51.100.7"), &denied),
+            Decision::deny("default deny")
+        );
         // A denied name that could not be looked up: nothing is allowed by address.
         denied.insert("gone.test".into(), None);
         assert_eq!(
