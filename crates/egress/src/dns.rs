@@ -225,7 +225,7 @@ impl DnsServer {
                 ResponseCode::NXDomain
             }
             Err(e) => {
-                tracing::warn!(sandbox = %sandbox.id(), destination, error = %e, "upstream lookup failed");
+                sandbox.log_failure("upstream lookup", &destination, &e, true);
                 ResponseCode::ServFail
             }
         }

@@ -30,10 +30,14 @@
 //! # Ok(()) }
 //! ```
 
+mod denied;
 mod dns;
 mod error;
+mod http1;
+mod log_limit;
 mod policy;
 mod proxy;
+mod relay;
 mod resolve;
 mod sandbox;
 mod serve;
@@ -45,7 +49,7 @@ pub mod testnet;
 pub use dns::{DnsConfig, DnsServer};
 pub use error::{ConfigError, ResolvConfError, ResolveError};
 pub use policy::{
-    normalize_domain, Decision, EffectivePolicy, EgressConfig, PlatformDenies, Policy, Profile, Profiles, RawRules,
+    normalize_domain, Decision, DeniedNameAddrs, EffectivePolicy, EgressConfig, PlatformDenies, Policy, Profile, Profiles, RawRules,
     RuleSet, TenantPolicy, PLATFORM_DENIED, PROFILES_ENV,
 };
 pub use proxy::{OriginalDst, Proxy, ProxyConfig};

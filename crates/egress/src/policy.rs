@@ -426,6 +426,10 @@ impl EgressConfig {
     }
 }
 
+/// What the tenant's denied names resolve to at a decision: name -> its addresses, or `None` when
+/// the lookup failed (then every address counts as possibly its: denies fail closed).
+pub type DeniedNameAddrs = BTreeMap<String, Option<Vec<IpAddr>>>;
+
 /// One sandbox's effective policy: fixed for its lifetime.
 #[derive(Debug, Clone)]
 pub struct Policy {
@@ -483,6 +487,29 @@ impl Policy {
             }
         }
         Decision::deny("default deny")
+    }
+
+    /// The names the tenant denies: what [`Policy::decide_address`] needs resolved.
+    pub fn denied_domains(&self) -> &BTreeSet<String> {
+        &self.tenant.deny.domains
+    }
+
+    /// May the sandbox reach this address when the connection names nothing a rule decides on
+    /// (no Host/SNI, an IP literal, a name no rule mentions)? [`Policy::decide_ip`], and then an
+    /// address a denied name resolves to is that name's: denied whatever IP/CIDR rule allows it.
+    pub fn decide_address(&self, ip: IpAddr, denied: &DeniedNameAddrs) -> Decision {
+        let d = self.decide_ip(ip);
+        if !d.allowed {
+            return d;
+        }
+        for (name, addrs) in denied {
+            match addrs {
+                Some(addrs) if !addrs.contains(&ip) => {}
+                Some(_) => return Decision::deny(format!("tenant deny domain {name} (an address it resolves to)")),
+                None => return Decision::deny(format!("tenant deny domain {name} (its addresses are unknown)")),
+            }
+        }
+        d
     }
 
     /// May the sandbox reach this name (DNS, Host, SNI)? An IP literal goes to
@@ -626,6 +653,48 @@ mod tests {
         );
         assert!(p.deny_for_address("203.0.113.7".parse().unwrap()).is_some());
         assert!(p.deny_for_address("203.0.113.70".parse().unwrap()).is_none());
+    }
+
+    #[test]
+    fn a_denied_names_addresses_are_denied_under_an_ip_allow() {
+        let c = config("{}");
+        let tenant = TenantPolicy::from_json(
+            r#"{"allow": {"cidrs": ["203.0.113.0/24"], "ips": ["192.0.2.9"]}, "deny": {"domains": ["evil.test", "gone.test"]}}"#,
+        )
+        .unwrap();
+        let p = Policy::new::<&str>(&c, tenant, &[]).unwrap();
+        assert_eq!(
+            p.denied_domains().iter().collect::<Vec<_>>(),
+            ["evil.test", "gone.test"]
+        );
+        let ip = |s: &str| s.parse::<IpAddr>().unwrap();
+        let mut denied = DeniedNameAddrs::new();
+        denied.insert("evil.test".into(), Some(vec![ip("203.0.113.30"), ip("192.0.2.9")]));
+        denied.insert("gone.test".into(), Some(vec![]));
+        for addr in ["203.0.113.30", "192.0.2.9"] {
+            assert_eq!(
+                p.decide_address(ip(addr), &denied),
+                Decision::deny("tenant deny domain evil.test (an address it resolves to)"),
+                "{addr}"
+            );
+            // decide_ip alone (what IP rules say) allows it: the denied name is what wins.
+            assert!(p.decide_ip(ip(addr)).allowed);
+        }
+        assert_eq!(
+            p.decide_address(ip("203.0.113.31"), &denied),
+            Decision::allow("tenant allow cidr 203.0.113.0/24")
+        );
+        // Not allowed by address in the first place: the same answer as before.
+        assert_eq!(
+            p.decide_address(ip("198.51.100.7"), &denied),
+            Decision::deny("default deny")
+        );
+        // A denied name that could not be looked up: nothing is allowed by address.
+        denied.insert("gone.test".into(), None);
+        assert_eq!(
+            p.decide_address(ip("203.0.113.31"), &denied),
+            Decision::deny("tenant deny domain gone.test (its addresses are unknown)")
+        );
     }
 
     #[test]

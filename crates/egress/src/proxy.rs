@@ -3,14 +3,19 @@
 //! with `SO_ORIGINAL_DST`, or [`OriginalDst::LocalAddr`] under TPROXY).
 //!
 //! - Port 80: the HTTP/1 request head's Host; 443: the TLS ClientHello's SNI (read within
-//!   [`ProxyConfig::sniff_timeout`] and [`ProxyConfig::sniff_max`], never decrypted).
+//!   [`ProxyConfig::sniff_timeout`] and [`ProxyConfig::sniff_max`], never decrypted). On port
+//!   80 every later request head on the connection is judged too (`relay`): one naming another
+//!   host than the connection was dialed for is refused, and what can't be framed safely closes
+//!   the connection.
 //! - A name a domain rule allows is resolved here, through the upstream resolver, and the proxy
 //!   dials what it resolved, after checking every address against the always-denied ranges and
 //!   the tenant's IP denies (dial by name: the address the guest chose is ignored). The bytes
-//!   already read are replayed, then both directions are spliced.
+//!   already read are replayed, then both directions are spliced (plain HTTP: request by
+//!   request).
 //! - No name (other ports, or no Host/SNI): only IP/CIDR rules, against the original destination.
 //!   A name no rule mentions also falls back to those (an allowed address is allowed whatever
-//!   the bytes say); a name the tenant denies is refused.
+//!   the bytes say); a name the tenant denies is refused, and so is an address a denied name
+//!   resolves to (looked up here, `denied`), whatever IP/CIDR rule covers it.
 //! - Connects, the first read, and idle splices are bounded in time; open connections per
 //!   sandbox are capped.
 //!
@@ -19,7 +24,6 @@
 
 use std::net::{IpAddr, SocketAddr};
 use std::os::fd::AsRawFd;
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -28,11 +32,12 @@ use tokio::net::{TcpListener, TcpStream};
 use tokio::task::JoinSet;
 use tokio::time::{timeout, Instant};
 
-use crate::policy::Decision;
+use crate::policy::{normalize_domain, Decision, Policy};
+use crate::relay::{self, HttpRelay};
 use crate::resolve::Resolver;
 use crate::sandbox::{Path, SandboxEgress};
-use crate::uplink::Uplink;
 use crate::sniff::{self, Sniffed};
+use crate::uplink::Uplink;
 
 /// How the proxy learns where a redirected connection was going.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -49,7 +54,7 @@ pub struct ProxyConfig {
     pub original_dst: OriginalDst,
     /// Reading the request head / ClientHello.
     pub sniff_timeout: Duration,
-    /// Most bytes read looking for a name.
+    /// Most bytes read looking for a name; also the largest later request head on port 80.
     pub sniff_max: usize,
     /// Each outbound connect.
     pub connect_timeout: Duration,
@@ -83,8 +88,8 @@ pub struct Proxy {
 
 /// Where a connection will go, once decided.
 enum Target {
-    /// Dial these (already checked), in order, on `port`.
-    Resolved(Vec<IpAddr>, u16),
+    /// Dial these (already checked, what the name resolved to), in order, on `port`.
+    Resolved(String, Vec<IpAddr>, u16),
     Direct(SocketAddr),
 }
 
@@ -147,28 +152,43 @@ impl Proxy {
             _ => (Vec::new(), Sniffed::NoName),
         };
         let is_http_head = port == 80 && !matches!(sniffed, Sniffed::Invalid(_) | Sniffed::NeedMore);
+        // Port 80 is relayed request by request unless its first bytes can't be HTTP (then it
+        // is judged by address and passed on as bytes, like any other port).
+        let is_http = port == 80 && !sniff::not_http(&head);
         let (destination, decision, target) = self.decide(sandbox, original, sniffed).await;
         sandbox.record(Path::Tcp, &destination, &decision);
         let Some(target) = target.filter(|_| decision.allowed) else {
             if is_http_head {
-                let body = format!("airlock egress denied: {destination} ({})\n", decision.rule);
-                let reply = format!(
-                    "HTTP/1.1 403 Forbidden\r\nContent-Type: text/plain\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
-                    body.len()
-                );
-                let _ = timeout(Duration::from_secs(2), client.write_all(reply.as_bytes())).await;
+                let reply = relay::denied_reply(&destination, &decision.rule);
+                let _ = timeout(Duration::from_secs(2), client.write_all(&reply)).await;
             }
             return;
         };
         let upstream = match self.dial(&target).await {
             Ok(s) => s,
             Err(e) => {
-                tracing::info!(sandbox = %sandbox.id(), destination, error = %e, "egress dial failed");
+                sandbox.log_failure("dial", &destination, &e, false);
                 return;
             }
         };
         let _ = upstream.set_nodelay(true);
-        splice(client, upstream, head, self.config.idle_timeout).await;
+        if !is_http {
+            return relay::splice(client, upstream, head, self.config.idle_timeout).await;
+        }
+        let bound = match &target {
+            Target::Resolved(name, ..) => Some(name.as_str()),
+            Target::Direct(_) => None,
+        };
+        let policy = sandbox.policy();
+        let judge = |sniffed: &Sniffed| judge_request(policy, bound, &destination, port, sniffed);
+        let relay = HttpRelay {
+            sandbox,
+            destination: &destination,
+            judge: &judge,
+            max_head: self.config.sniff_max,
+            idle: self.config.idle_timeout,
+        };
+        relay::http(client, upstream, head, relay).await;
     }
 
     fn original_destination(&self, s: &TcpStream) -> std::io::Result<SocketAddr> {
@@ -208,8 +228,8 @@ impl Proxy {
     ) -> (String, Decision, Option<Target>) {
         let policy = sandbox.policy();
         let port = original.port();
-        let by_ip = || {
-            let d = policy.decide_ip(original.ip());
+        let by_ip = || async {
+            let d = self.decide_address(sandbox, original.ip()).await;
             (original.to_string(), d, Some(Target::Direct(original)))
         };
         let name = match sniffed {
@@ -221,12 +241,12 @@ impl Proxy {
                     None,
                 );
             }
-            Sniffed::NoName | Sniffed::NeedMore | Sniffed::Invalid(_) => return by_ip(),
+            Sniffed::NoName | Sniffed::NeedMore | Sniffed::Invalid(_) => return by_ip().await,
         };
         let bare = name.trim_start_matches('[').trim_end_matches(']');
         if bare.parse::<IpAddr>().is_ok() {
             // An IP literal as Host: the connection is judged by where it really goes.
-            return by_ip();
+            return by_ip().await;
         }
         let Ok(normalized) = crate::policy::normalize_domain(&name) else {
             return (original.to_string(), Decision::deny("malformed name"), None);
@@ -238,9 +258,9 @@ impl Proxy {
                 return (destination, d, None);
             }
             // No rule names it: an IP/CIDR rule for the real destination may still allow it.
-            let ip_d = policy.decide_ip(original.ip());
-            if ip_d.allowed {
-                return (original.to_string(), ip_d, Some(Target::Direct(original)));
+            let (addr, ip_d, target) = by_ip().await;
+            if ip_d.allowed || ip_d.rule.starts_with("tenant deny domain") {
+                return (addr, ip_d, target);
             }
             return (destination, d, None);
         }
@@ -263,7 +283,7 @@ impl Proxy {
                     };
                     return (destination, Decision::deny(rule), None);
                 }
-                (destination, d, Some(Target::Resolved(ok, port)))
+                (destination, d, Some(Target::Resolved(normalized, ok, port)))
             }
             Err(e) => {
                 tracing::debug!(sandbox = %sandbox.id(), destination, error = %e, "egress lookup failed");
@@ -272,9 +292,23 @@ impl Proxy {
         }
     }
 
+    /// [`crate::Policy::decide_address`] with the denied names' addresses as they resolve now.
+    async fn decide_address(&self, sandbox: &SandboxEgress, ip: IpAddr) -> Decision {
+        let policy = sandbox.policy();
+        let d = policy.decide_ip(ip);
+        if !d.allowed || policy.denied_domains().is_empty() {
+            return d;
+        }
+        let denied = sandbox
+            .denied_names
+            .current(policy.denied_domains(), &self.resolver)
+            .await;
+        policy.decide_address(ip, &denied)
+    }
+
     async fn dial(&self, target: &Target) -> std::io::Result<TcpStream> {
         let addrs: Vec<SocketAddr> = match target {
-            Target::Resolved(ips, port) => ips.iter().map(|ip| SocketAddr::new(*ip, *port)).collect(),
+            Target::Resolved(_, ips, port) => ips.iter().map(|ip| SocketAddr::new(*ip, *port)).collect(),
             Target::Direct(a) => vec![*a],
         };
         let mut last = std::io::Error::new(std::io::ErrorKind::NotFound, "no address");
@@ -297,6 +331,58 @@ impl Proxy {
 
 const SO_ORIGINAL_DST: libc::c_int = 80; // linux/netfilter_ipv4.h
 const IP6T_SO_ORIGINAL_DST: libc::c_int = 80; // linux/netfilter_ipv6/ip6_tables.h
+
+/// A request head on a plain-HTTP connection already decided (each one, the first again
+/// included), against what the decision covered: `bound` is the name the connection was dialed
+/// for (`None`: it was judged by address). `Err`: the denial to record and answer.
+fn judge_request(
+    policy: &Policy,
+    bound: Option<&str>,
+    destination: &str,
+    port: u16,
+    sniffed: &Sniffed,
+) -> Result<(), (String, Decision)> {
+    let deny = |to: String, rule: String| Err((to, Decision::deny(rule)));
+    let name = match sniffed {
+        Sniffed::Name(n) => n,
+        Sniffed::NoName if bound.is_none() => return Ok(()),
+        Sniffed::NoName => {
+            return deny(
+                destination.into(),
+                "request without a Host on a connection to a name".into(),
+            )
+        }
+        Sniffed::Ambiguous(why) => return deny(destination.into(), format!("ambiguous request: {why}")),
+        Sniffed::Invalid(why) => return deny(destination.into(), format!("malformed request: {why}")),
+        Sniffed::NeedMore => return deny(destination.into(), "malformed request".into()),
+    };
+    let another = "request names another host than its connection";
+    if name
+        .trim_start_matches('[')
+        .trim_end_matches(']')
+        .parse::<IpAddr>()
+        .is_ok()
+    {
+        // An IP literal: judged by where the connection goes, as a first request would be.
+        return match bound {
+            None => Ok(()),
+            Some(_) => deny(format!("{name}:{port}"), another.into()),
+        };
+    }
+    let Ok(name) = normalize_domain(name) else {
+        return deny(destination.into(), "malformed name".into());
+    };
+    let d = policy.decide_domain(&name);
+    match bound {
+        Some(b) if b == name => Ok(()),
+        // Even an allowed name: the connection goes where the first one resolved to.
+        Some(_) if d.allowed => deny(format!("{name}:{port}"), another.into()),
+        Some(_) => Err((format!("{name}:{port}"), d)),
+        // By address: an allowed address is allowed whatever the name, unless the tenant denies it.
+        None if !d.allowed && d.rule.starts_with("tenant deny") => Err((format!("{name}:{port}"), d)),
+        None => Ok(()),
+    }
+}
 
 fn so_original_dst(s: &TcpStream) -> std::io::Result<SocketAddr> {
     let fd = s.as_raw_fd();
@@ -337,59 +423,4 @@ fn so_original_dst(s: &TcpStream) -> std::io::Result<SocketAddr> {
         let ip = std::net::Ipv6Addr::from(addr.sin6_addr.s6_addr);
         Ok(SocketAddr::new(ip.into(), u16::from_be(addr.sin6_port)))
     }
-}
-
-/// Writes `head` (what was read while sniffing) to `upstream`, then copies both ways until both
-/// sides are done or nothing moved for `idle`. Each side's EOF is passed on as a half-close.
-async fn splice(client: TcpStream, mut upstream: TcpStream, head: Vec<u8>, idle: Duration) {
-    if !head.is_empty()
-        && timeout(idle, upstream.write_all(&head))
-            .await
-            .map(|r| r.is_err())
-            .unwrap_or(true)
-    {
-        return;
-    }
-    let start = Instant::now();
-    let last = Arc::new(AtomicU64::new(0));
-    let (cr, cw) = client.into_split();
-    let (ur, uw) = upstream.into_split();
-    let up = pump(cr, uw, last.clone(), start);
-    let down = pump(ur, cw, last.clone(), start);
-    let watchdog = async {
-        loop {
-            let since = (start.elapsed().as_millis() as u64).saturating_sub(last.load(Ordering::Relaxed));
-            let since = Duration::from_millis(since);
-            if since >= idle {
-                return;
-            }
-            tokio::time::sleep(idle - since).await;
-        }
-    };
-    tokio::select! {
-        _ = async { tokio::join!(up, down) } => {}
-        _ = watchdog => {}
-    }
-}
-
-async fn pump(
-    mut from: tokio::net::tcp::OwnedReadHalf,
-    mut to: tokio::net::tcp::OwnedWriteHalf,
-    last: Arc<AtomicU64>,
-    start: Instant,
-) {
-    let mut buf = vec![0u8; 64 * 1024];
-    loop {
-        match from.read(&mut buf).await {
-            Ok(0) | Err(_) => break,
-            Ok(n) => {
-                last.store(start.elapsed().as_millis() as u64, Ordering::Relaxed);
-                if to.write_all(&buf[..n]).await.is_err() {
-                    break;
-                }
-                last.store(start.elapsed().as_millis() as u64, Ordering::Relaxed);
-            }
-        }
-    }
-    let _ = to.shutdown().await;
 }

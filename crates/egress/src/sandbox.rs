@@ -1,15 +1,18 @@
 //! One sandbox's egress state: its fixed policy, its counters, its recent denials, its cap of
 //! open proxied connections. Every decision goes through [`SandboxEgress::record`], which counts
-//! it and logs it (sandbox, destination, verdict, rule: never payload, headers or paths).
+//! it and logs it (sandbox, destination, verdict, rule: never payload, headers or paths): at INFO
+//! within the sandbox's log limit, else at DEBUG with a summary line per window (`log_limit`).
 
 use std::collections::{BTreeMap, VecDeque};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
-use std::time::{SystemTime, UNIX_EPOCH};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use serde::Serialize;
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 
+use crate::denied::DeniedNames;
+use crate::log_limit::{Kind, LogLimit, Suppressed};
 use crate::policy::{Decision, Policy};
 
 /// Per-sandbox bounds.
@@ -21,6 +24,10 @@ pub struct SandboxLimits {
     pub max_dns_in_flight: usize,
     /// How many recent denials are kept.
     pub recent_denials: usize,
+    /// Decisions (and failed dials or lookups) logged at INFO per `log_window`; the rest at DEBUG,
+    /// summed up in one INFO line when the window is over.
+    pub log_per_window: u32,
+    pub log_window: Duration,
 }
 
 impl Default for SandboxLimits {
@@ -29,6 +36,8 @@ impl Default for SandboxLimits {
             max_connections: 256,
             max_dns_in_flight: 64,
             recent_denials: 64,
+            log_per_window: 10,
+            log_window: Duration::from_secs(10),
         }
     }
 }
@@ -84,6 +93,8 @@ pub struct SandboxEgress {
     recent: Mutex<VecDeque<Denial>>,
     connections: Arc<Semaphore>,
     pub(crate) dns_in_flight: Arc<Semaphore>,
+    log: LogLimit,
+    pub(crate) denied_names: DeniedNames,
 }
 
 impl std::fmt::Debug for SandboxEgress {
@@ -101,6 +112,8 @@ impl SandboxEgress {
             policy,
             connections: Arc::new(Semaphore::new(limits.max_connections)),
             dns_in_flight: Arc::new(Semaphore::new(limits.max_dns_in_flight)),
+            log: LogLimit::new(limits.log_per_window, limits.log_window),
+            denied_names: DeniedNames::default(),
             limits,
             tcp_allowed: AtomicU64::new(0),
             tcp_denied: AtomicU64::new(0),
@@ -146,11 +159,20 @@ impl SandboxEgress {
             Path::Dns => "dns",
             Path::Tcp => "tcp",
         };
-        tracing::info!(
-            target: "airlock_egress::decision",
-            sandbox = %self.id, path = path_name, destination, verdict, rule = %decision.rule,
-            "egress decision"
-        );
+        let kind = if decision.allowed { Kind::Allowed } else { Kind::Denied };
+        if self.admit_log(kind) {
+            tracing::info!(
+                target: "airlock_egress::decision",
+                sandbox = %self.id, path = path_name, destination, verdict, rule = %decision.rule,
+                "egress decision"
+            );
+        } else {
+            tracing::debug!(
+                target: "airlock_egress::decision",
+                sandbox = %self.id, path = path_name, destination, verdict, rule = %decision.rule,
+                "egress decision"
+            );
+        }
         if !decision.allowed && self.limits.recent_denials > 0 {
             let at_unix_ms = SystemTime::now()
                 .duration_since(UNIX_EPOCH)
@@ -169,6 +191,37 @@ impl SandboxEgress {
         }
     }
 
+    /// Logs a dial or upstream lookup that failed (the guest picks how often), within the same
+    /// limit as decisions; `warn`: at WARN rather than INFO when it gets a line.
+    pub(crate) fn log_failure(&self, what: &str, destination: &str, error: &dyn std::fmt::Display, warn: bool) {
+        if !self.admit_log(Kind::Failed) {
+            tracing::debug!(sandbox = %self.id, destination, error = %error, "egress {what} failed");
+        } else if warn {
+            tracing::warn!(sandbox = %self.id, destination, error = %error, "egress {what} failed");
+        } else {
+            tracing::info!(sandbox = %self.id, destination, error = %error, "egress {what} failed");
+        }
+    }
+
+    /// Whether the next line goes to INFO; logs the summary of a window that just ended.
+    fn admit_log(&self, kind: Kind) -> bool {
+        let admit = self.log.admit(Instant::now(), kind);
+        if let Some(held) = admit.summary {
+            self.log_summary(held);
+        }
+        admit.info
+    }
+
+    fn log_summary(&self, held: Suppressed) {
+        tracing::info!(
+            target: "airlock_egress::decision",
+            sandbox = %self.id, suppressed = held.total(), allowed = held.allowed, denied = held.denied,
+            failed = held.failed,
+            "{} egress decisions suppressed (allowed {}, denied {}, failed {})",
+            held.total(), held.allowed, held.denied, held.failed
+        );
+    }
+
     pub fn snapshot(&self) -> EgressSnapshot {
         EgressSnapshot {
             sandbox: self.id.clone(),
@@ -181,6 +234,14 @@ impl SandboxEgress {
                 by_rule: self.by_rule.lock().unwrap().clone(),
             },
             recent_denials: self.recent.lock().unwrap().iter().cloned().collect(),
+        }
+    }
+}
+
+impl Drop for SandboxEgress {
+    fn drop(&mut self) {
+        if let Some(held) = self.log.flush() {
+            self.log_summary(held);
         }
     }
 }
@@ -211,5 +272,58 @@ mod tests {
         assert_eq!(snap.counters.tcp_denied, 5);
         assert_eq!(snap.counters.dns_allowed, 1);
         assert_eq!(snap.counters.by_rule["deny default deny"], 5);
+    }
+
+    /// Counts INFO events and keeps their messages.
+    struct InfoLines(Arc<Mutex<Vec<String>>>);
+
+    impl<S: tracing::Subscriber> tracing_subscriber::Layer<S> for InfoLines {
+        fn on_event(&self, event: &tracing::Event<'_>, _: tracing_subscriber::layer::Context<'_, S>) {
+            struct Message(String);
+            impl tracing::field::Visit for Message {
+                fn record_debug(&mut self, field: &tracing::field::Field, value: &dyn std::fmt::Debug) {
+                    if field.name() == "message" {
+                        self.0 = format!("{value:?}");
+                    }
+                }
+            }
+            if *event.metadata().level() == tracing::Level::INFO {
+                let mut m = Message(String::new());
+                event.record(&mut m);
+                self.0.lock().unwrap().push(m.0);
+            }
+        }
+    }
+
+    #[test]
+    fn ten_thousand_decisions_write_a_bounded_number_of_info_lines() {
+        use tracing_subscriber::layer::SubscriberExt;
+        let lines = Arc::new(Mutex::new(Vec::new()));
+        let subscriber = tracing_subscriber::registry().with(InfoLines(lines.clone()));
+        let c = EgressConfig::new(PlatformDenies::new([]), Profiles::default());
+        tracing::subscriber::with_default(subscriber, || {
+            let s = SandboxEgress::new(
+                "sb1",
+                Policy::new::<&str>(&c, TenantPolicy::sealed(), &[]).unwrap(),
+                SandboxLimits::default(),
+            );
+            for i in 0..10_000 {
+                if i % 2 == 0 {
+                    s.record(Path::Dns, &format!("n{i}.test A"), &Decision::deny("default deny"));
+                } else {
+                    s.record(Path::Tcp, "a.test:443", &Decision::allow("tenant allow domain a.test"));
+                }
+            }
+            let snap = s.snapshot();
+            assert_eq!(snap.counters.dns_denied + snap.counters.tcp_allowed, 10_000);
+            assert_eq!(snap.recent_denials.len(), 64);
+        });
+        let lines = lines.lock().unwrap();
+        // The window's first 10 decisions, then one summary when the sandbox goes.
+        assert_eq!(lines.len(), 11, "{lines:?}");
+        assert_eq!(
+            lines.last().unwrap(),
+            "9990 egress decisions suppressed (allowed 4995, denied 4995, failed 0)"
+        );
     }
 }

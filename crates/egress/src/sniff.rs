@@ -18,42 +18,58 @@ pub enum Sniffed {
     Ambiguous(&'static str),
 }
 
+/// Headers read in one request head (hyper's default limit).
+pub(crate) const MAX_HEADERS: usize = 100;
+
 /// Host of an HTTP/1 request head. Absolute-form targets (`GET http://x/`) and CONNECT's
 /// authority name the host the request is for, so they must agree with Host.
 pub fn http_host(buf: &[u8]) -> Sniffed {
-    let mut headers = [httparse::EMPTY_HEADER; 64];
+    let mut headers = [httparse::EMPTY_HEADER; MAX_HEADERS];
     let mut req = httparse::Request::new(&mut headers);
     match req.parse(buf) {
         Ok(httparse::Status::Partial) => Sniffed::NeedMore,
         Err(httparse::Error::TooManyHeaders) => Sniffed::Invalid("too many headers"),
         Err(_) => Sniffed::Invalid("not an HTTP/1 request"),
-        Ok(httparse::Status::Complete(_)) => {
-            let mut host = None;
-            for h in req.headers.iter() {
-                if h.name.eq_ignore_ascii_case("host") {
-                    if host.is_some() {
-                        return Sniffed::Ambiguous("two Host headers");
-                    }
-                    match std::str::from_utf8(h.value) {
-                        Ok(v) => host = Some(strip_port(v.trim()).to_string()),
-                        Err(_) => return Sniffed::Invalid("Host is not text"),
-                    }
-                }
+        Ok(httparse::Status::Complete(_)) => request_name(&req),
+    }
+}
+
+/// Whether `buf` can't be the start of an HTTP/1 request (so a connection to port 80 is not
+/// HTTP, and is judged and passed on as bytes).
+pub(crate) fn not_http(buf: &[u8]) -> bool {
+    let mut headers = [httparse::EMPTY_HEADER; MAX_HEADERS];
+    matches!(
+        httparse::Request::new(&mut headers).parse(buf),
+        Err(e) if e != httparse::Error::TooManyHeaders
+    )
+}
+
+/// The name a parsed request head is for.
+pub(crate) fn request_name(req: &httparse::Request) -> Sniffed {
+    let mut host = None;
+    for h in req.headers.iter() {
+        if h.name.eq_ignore_ascii_case("host") {
+            if host.is_some() {
+                return Sniffed::Ambiguous("two Host headers");
             }
-            let target_host = if req.method.is_some_and(|m| m.eq_ignore_ascii_case("CONNECT")) {
-                // authority-form: `CONNECT host:port`
-                req.path.map(|p| strip_port(p).to_string())
-            } else {
-                req.path.and_then(absolute_form_host)
-            };
-            match (host, target_host) {
-                (Some(h), Some(t)) if !h.eq_ignore_ascii_case(&t) => {
-                    Sniffed::Ambiguous("Host disagrees with the request target")
-                }
-                (Some(h), _) | (None, Some(h)) if !h.is_empty() => Sniffed::Name(h),
-                _ => Sniffed::NoName,
+            match std::str::from_utf8(h.value) {
+                Ok(v) => host = Some(strip_port(v.trim()).to_string()),
+                Err(_) => return Sniffed::Invalid("Host is not text"),
             }
         }
+    }
+    let target_host = if req.method.is_some_and(|m| m.eq_ignore_ascii_case("CONNECT")) {
+        // authority-form: `CONNECT host:port`
+        req.path.map(|p| strip_port(p).to_string())
+    } else {
+        req.path.and_then(absolute_form_host)
+    };
+    match (host, target_host) {
+        (Some(h), Some(t)) if !h.eq_ignore_ascii_case(&t) => {
+            Sniffed::Ambiguous("Host disagrees with the request target")
+        }
+        (Some(h), _) | (None, Some(h)) if !h.is_empty() => Sniffed::Name(h),
+        _ => Sniffed::NoName,
     }
 }
 

@@ -15,8 +15,14 @@ use airlock_egress::*;
 use hickory_proto::op::{Message, Query, ResponseCode};
 use hickory_proto::rr::{Name, RData, RecordType};
 
+/// Plain HTTP, request by request.
+#[path = "egress/http.rs"]
+mod http;
+
 const ALLOWED: Ipv4Addr = Ipv4Addr::new(203, 0, 113, 10);
 const OTHER: Ipv4Addr = Ipv4Addr::new(203, 0, 113, 20);
+/// What `evil.test` resolves to (a name tenants deny).
+const EVIL: Ipv4Addr = Ipv4Addr::new(203, 0, 113, 30);
 const DNS: Ipv4Addr = Ipv4Addr::new(203, 0, 113, 53);
 /// A resolver that takes queries and never answers.
 const SILENT_DNS: Ipv4Addr = Ipv4Addr::new(203, 0, 113, 54);
@@ -45,6 +51,7 @@ fn zone() -> HashMap<String, Vec<Ipv4Addr>> {
     let mut z = HashMap::new();
     z.insert("allowed.test".to_string(), vec![ALLOWED]);
     z.insert("other.test".to_string(), vec![OTHER]);
+    z.insert("evil.test".to_string(), vec![EVIL]);
     z.insert("rebind-lo.test".to_string(), vec![Ipv4Addr::new(127, 0, 0, 1)]);
     z.insert(
         "rebind-private.test".to_string(),
@@ -55,19 +62,21 @@ fn zone() -> HashMap<String, Vec<Ipv4Addr>> {
 }
 
 fn world(profiles: &str, tenant: &str, selected: &[&str], limits: SandboxLimits) -> World {
-    world_with_upstream(profiles, tenant, selected, limits, DNS)
+    world_with_upstream(profiles, tenant, selected, limits, DNS, "sb-test")
 }
 
-/// `upstream`: the resolver the proxy and DNS responder use (a host in the internet namespace).
+/// `upstream`: the resolver the proxy and DNS responder use (a host in the internet namespace);
+/// `id`: the sandbox's id (what its log lines carry).
 fn world_with_upstream(
     profiles: &str,
     tenant: &str,
     selected: &[&str],
     limits: SandboxLimits,
     upstream: Ipv4Addr,
+    id: &str,
 ) -> World {
     let net = TestNet::new(false).expect("test namespaces");
-    for ip in [ALLOWED, OTHER, DNS, SILENT_DNS] {
+    for ip in [ALLOWED, OTHER, EVIL, DNS, SILENT_DNS] {
         net.add_internet_host(ip).unwrap();
     }
     let dns = TestDns::start(&net.internet, SocketAddr::new(DNS.into(), 53), zone()).unwrap();
@@ -79,7 +88,7 @@ fn world_with_upstream(
     );
     let names = config.profiles.select(selected).unwrap();
     let policy = Policy::new(&config, TenantPolicy::from_json(tenant).unwrap(), &names).unwrap();
-    let sandbox = SandboxEgress::new("sb-test", policy, limits);
+    let sandbox = SandboxEgress::new(id, policy, limits);
 
     let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
     let (ready_tx, ready_rx) = std::sync::mpsc::channel();
@@ -179,6 +188,30 @@ impl World {
                     })
                     .collect();
                 (r.metadata.response_code, ips)
+            })
+            .join()
+            .unwrap()
+    }
+
+    /// `n` queries from inside the sandbox, one after another on one socket, alternating between
+    /// `names`; the answers' codes, counted.
+    fn dns_many(&self, n: usize, names: [&'static str; 2]) -> HashMap<ResponseCode, usize> {
+        self.net
+            .sandbox
+            .spawn(move || {
+                let s = UdpSocket::bind("0.0.0.0:0").unwrap();
+                s.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+                let mut codes = HashMap::new();
+                let mut buf = [0u8; 2048];
+                for i in 0..n {
+                    let mut q = Message::query();
+                    q.add_query(Query::query(Name::from_ascii(names[i % 2]).unwrap(), RecordType::A));
+                    s.send_to(&q.to_vec().unwrap(), (GATEWAY, 53)).unwrap();
+                    let n = s.recv(&mut buf).expect("dns answer");
+                    let r = Message::from_vec(&buf[..n]).unwrap();
+                    *codes.entry(r.metadata.response_code).or_default() += 1;
+                }
+                codes
             })
             .join()
             .unwrap()
@@ -493,6 +526,40 @@ fn tenant_deny_beats_profile_allow() {
 }
 
 #[test]
+fn a_denied_name_stays_denied_at_its_address_under_a_cidr_allow() {
+    // The tenant denies evil.test and allows the whole /24 evil.test's address is in.
+    let w = world(
+        WEB,
+        r#"{"allow": {"cidrs": ["203.0.113.0/24"]}, "deny": {"domains": ["evil.test"]}}"#,
+        &[],
+        SandboxLimits::default(),
+    );
+    let rule = "tenant deny domain evil.test (an address it resolves to)";
+    // No name at all (another port, a TLS hello without SNI), a name no rule mentions, an IP
+    // literal as Host: each judged by address, and the address is evil.test's.
+    assert_eq!(w.tcp((EVIL, 8080), b"GET / HTTP/1.1\r\n\r\n"), "");
+    assert_eq!(w.tcp((EVIL, 443), &sniff::client_hello(None)), "");
+    assert_eq!(w.tls((EVIL, 443), "unlisted.test"), "");
+    let r = w.http((EVIL, 80), "unlisted.test");
+    assert!(r.starts_with("HTTP/1.1 403") && r.contains(rule), "{r}");
+    let r = w.http((EVIL, 80), &EVIL.to_string());
+    assert!(r.starts_with("HTTP/1.1 403") && r.contains(rule), "{r}");
+    // Naming it is denied whatever the address (as before).
+    let r = w.http((OTHER, 80), "evil.test");
+    assert!(
+        r.starts_with("HTTP/1.1 403") && r.contains("tenant deny domain evil.test"),
+        "{r}"
+    );
+    assert!(w.no_hit_on(EVIL), "{:?}", w.hits());
+    let snap = w.sandbox.snapshot();
+    assert_eq!(snap.counters.by_rule[&format!("deny {rule}")], 5, "{:?}", snap.counters);
+    // The rest of the /24 is still open by address, and evil.test was looked up once (cached).
+    let r = w.tcp((OTHER, 8080), b"GET / HTTP/1.1\r\n\r\n");
+    assert!(served_by(&r, OTHER, 8080), "{r}");
+    assert_eq!(w.dns.asked(), ["evil.test A"]);
+}
+
+#[test]
 fn connection_cap_closes_connections_past_it() {
     let w = world(
         WEB,
@@ -527,7 +594,7 @@ fn connection_cap_closes_connections_past_it() {
 
 #[test]
 fn a_silent_upstream_or_client_costs_bounded_time() {
-    let w = world_with_upstream(WEB, NO_TENANT, &[], SandboxLimits::default(), SILENT_DNS);
+    let w = world_with_upstream(WEB, NO_TENANT, &[], SandboxLimits::default(), SILENT_DNS, "sb-test");
     // The upstream reads queries and never answers (the resolver's timeout here is 2 s).
     let sock = w
         .net
@@ -629,4 +696,59 @@ fn digest_is_stable_and_changes_with_the_configuration() {
         digest(r#"{"web2": {"domains": ["a.test", "b.test"], "default": true}, "x": {"cidrs": ["203.0.113.0/24"]}}"#)
     );
     assert_ne!(a, digest("{}"));
+}
+
+/// INFO lines by the `sandbox` field they carry, from every thread (a global subscriber, installed
+/// once for this test binary; each test that counts uses its own sandbox id).
+fn info_lines_of(sandbox: &str) -> usize {
+    use std::sync::{Mutex, OnceLock};
+    use tracing_subscriber::layer::SubscriberExt;
+
+    struct Count(&'static Mutex<HashMap<String, usize>>);
+    impl<S: tracing::Subscriber> tracing_subscriber::Layer<S> for Count {
+        fn on_event(&self, event: &tracing::Event<'_>, _: tracing_subscriber::layer::Context<'_, S>) {
+            struct Sandbox(Option<String>);
+            impl tracing::field::Visit for Sandbox {
+                fn record_debug(&mut self, field: &tracing::field::Field, value: &dyn std::fmt::Debug) {
+                    if field.name() == "sandbox" {
+                        self.0 = Some(format!("{value:?}"));
+                    }
+                }
+            }
+            if *event.metadata().level() == tracing::Level::INFO {
+                let mut s = Sandbox(None);
+                event.record(&mut s);
+                if let Some(id) = s.0 {
+                    *self.0.lock().unwrap().entry(id).or_default() += 1;
+                }
+            }
+        }
+    }
+    static COUNTS: OnceLock<&'static Mutex<HashMap<String, usize>>> = OnceLock::new();
+    let counts = COUNTS.get_or_init(|| {
+        let counts: &'static Mutex<HashMap<String, usize>> = Box::leak(Box::default());
+        tracing::subscriber::set_global_default(tracing_subscriber::registry().with(Count(counts)))
+            .expect("no other global subscriber in this test binary");
+        counts
+    });
+    counts.lock().unwrap().get(sandbox).copied().unwrap_or(0)
+}
+
+#[test]
+fn ten_thousand_dns_queries_write_a_bounded_log() {
+    assert_eq!(info_lines_of("sb-dns-flood"), 0);
+    let w = world_with_upstream(WEB, NO_TENANT, &[], SandboxLimits::default(), DNS, "sb-dns-flood");
+    let started = std::time::Instant::now();
+    let codes = w.dns_many(10_000, ["allowed.test", "other.test"]);
+    let took = started.elapsed();
+    assert_eq!(codes[&ResponseCode::NoError], 5_000);
+    assert_eq!(codes[&ResponseCode::Refused], 5_000);
+    let counters = w.sandbox.snapshot().counters;
+    assert_eq!((counters.dns_allowed, counters.dns_denied), (5_000, 5_000));
+    drop(w); // the sandbox's last summary line
+    let lines = info_lines_of("sb-dns-flood");
+    eprintln!("10000 DNS queries in {took:?}: {lines} INFO lines");
+    // 10 lines and a summary per 10 s window.
+    let windows = took.as_secs() as usize / 10 + 1;
+    assert!(lines >= 11 && lines <= 11 * windows, "{lines} lines in {took:?}");
 }
