@@ -35,6 +35,7 @@ use hyper_util::server::conn::auto;
 use hyper_util::service::TowerToHyperService;
 use std::convert::Infallible;
 use std::io;
+use std::net::SocketAddr;
 use std::pin::Pin;
 use std::sync::{Arc, Mutex};
 use std::task::{Context, Poll};
@@ -105,8 +106,8 @@ pub async fn serve(
             .acquire_owned()
             .await
             .expect("the semaphore is never closed");
-        let stream = match listener.accept().await {
-            Ok((stream, _peer)) => stream,
+        let (stream, peer) = match listener.accept().await {
+            Ok(accepted) => accepted,
             Err(e) if is_connection_error(&e) => continue,
             Err(e) => {
                 // EMFILE and the like: wait for descriptors to come back rather than spin.
@@ -120,13 +121,13 @@ pub async fn serve(
         tokio::spawn(async move {
             let conn = Arc::new(Conn::new());
             match tls {
-                None => drive(stream, permit, conn, app, &builder, limits).await,
+                None => drive(stream, peer, permit, conn, app, &builder, limits).await,
                 Some(acceptor) => {
                     match tokio::time::timeout(limits.header_read, acceptor.accept(stream)).await {
                         Ok(Ok(stream)) => {
                             // The first request's clock starts after the handshake.
                             conn.state.lock().unwrap().head_since = Some(Instant::now());
-                            drive(stream, permit, conn, app, &builder, limits).await
+                            drive(stream, peer, permit, conn, app, &builder, limits).await
                         }
                         Ok(Err(e)) => tracing::debug!("TLS handshake: {e}"),
                         Err(_) => tracing::debug!("TLS handshake timed out"),
@@ -147,6 +148,7 @@ fn is_connection_error(e: &io::Error) -> bool {
 /// One connection: hyper serves it while the watchdog below enforces the limits.
 async fn drive<S>(
     io: S,
+    peer: SocketAddr,
     permit: OwnedSemaphorePermit,
     conn: Arc<Conn>,
     app: Router,
@@ -162,7 +164,9 @@ async fn drive<S>(
     });
     let app = TowerToHyperService::new(app);
     let c = conn.clone();
-    let service = hyper::service::service_fn(move |req: Request<Incoming>| {
+    let service = hyper::service::service_fn(move |mut req: Request<Incoming>| {
+        // The peer's address, as axum's `ConnectInfo` (the sign-in throttle's client).
+        req.extensions_mut().insert(axum::extract::ConnectInfo(peer));
         let guard = InFlight::begin(c.clone(), req.version() == Version::HTTP_2);
         let response = app.call(req);
         async move {

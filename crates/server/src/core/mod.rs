@@ -3,6 +3,7 @@
 //! (auth, admission, timeouts, env names, signals, quotas) lives here once.
 //!
 //! - `accounts`: `root@local`, admin sign-in, tenants, keys, the audit log
+//! - `sign_in`: the sign-in throttle (per client address, a ceiling for remote ones)
 //! - `principal`: who is calling (API key, sandbox access token, signed URL)
 //! - `sandboxes`: admission and lifecycle (through the operation engine)
 //! - `sessions`: every process started through either door, with an id
@@ -22,6 +23,7 @@ pub mod metrics;
 pub mod principal;
 pub mod sandboxes;
 pub mod sessions;
+pub mod sign_in;
 pub mod snapshots;
 pub mod templates;
 pub mod tenants;
@@ -133,8 +135,8 @@ pub struct Core {
     starts: Arc<sessions::Starts>,
     /// Every live sandbox's egress state (see `egress`).
     pub egress: Arc<egress::EgressRegistry>,
-    /// The console account's recent failed sign-ins (see `accounts`).
-    sign_in_failures: Arc<accounts::SignInFailures>,
+    /// The console account's sign-in windows, per client address (see `sign_in`).
+    sign_ins: Arc<sign_in::SignInThrottle>,
     /// Every live sandbox's recent metrics (see `metrics`).
     pub metrics: Arc<metrics::MetricsHistory>,
 }
@@ -150,7 +152,7 @@ impl Core {
             secret: secret.into(),
             starts: Default::default(),
             egress: Default::default(),
-            sign_in_failures: Default::default(),
+            sign_ins: Default::default(),
             metrics: Default::default(),
         }
     }
