@@ -105,3 +105,48 @@ async fn a_sign_in_burst_is_throttled_per_address_before_hashing() {
     drop(core);
     server.stop().await;
 }
+
+/// A flood of bad credentials writes a bounded number of audit rows: repeats of one refusal
+/// within a minute are one row with a count.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_flood_of_bad_keys_writes_a_bounded_number_of_audit_rows() {
+    let tmp = fresh();
+    let server = Server::start(tmp.path(), 20, None).await;
+    let core = server.core().clone();
+    let started = std::time::Instant::now();
+    let tasks: Vec<_> = (0..4)
+        .map(|t| {
+            let core = core.clone();
+            tokio::spawn(async move {
+                for i in 0..2500 {
+                    let key = format!("ak_{t}{i:0>60}");
+                    assert!(core.tenant(Some(&key), "Authorization").await.is_err());
+                }
+            })
+        })
+        .collect();
+    for t in tasks {
+        t.await.unwrap();
+    }
+    // The same through the door.
+    for _ in 0..20 {
+        assert_eq!(server.v1_as("ak_wrong", Method::GET, "/tenant", None).await.0, 401);
+    }
+    let filter = airlock_server::store::AuditFilter {
+        action: Some("auth.key".into()),
+        ..Default::default()
+    };
+    let rows = core.store.audit(&filter, 1000).await.unwrap();
+    // One row a minute (two if the flood straddled a window).
+    let minutes = started.elapsed().as_secs() / 60 + 2;
+    eprintln!("audit rows from 10,020 bad keys: {} in {:?}", rows.len(), started.elapsed());
+    assert!(rows.len() as u64 <= minutes, "{} rows", rows.len());
+    // Read as the admin reads it, every bad key is counted.
+    let admin = airlock_server::core::accounts::Admin {
+        account: "root@local".into(),
+    };
+    let entries = core.audit_log(&admin, &filter, 1000).await.unwrap();
+    assert_eq!(entries.iter().map(|e| e.count).sum::<u64>(), 10_020, "{entries:?}");
+    drop(core);
+    server.stop().await;
+}

@@ -228,7 +228,13 @@ async fn signed_in_requests_verify_every_claim_and_only_they_pick_profiles() {
     // The audit log names the signed-in actor and the refused tokens, never a token.
     let rows = server.core().store.audit(&Default::default(), 1000).await.unwrap();
     assert!(rows.iter().any(|r| r.action == "sandbox.create" && r.actor == "jwt:https://idp.test#alice"));
-    assert!(rows.iter().filter(|r| r.action == "auth.jwt").count() >= 8);
+    // Refusals of one kind within a minute are one row with a count.
+    let admin = airlock_server::core::accounts::Admin {
+        account: "root@local".into(),
+    };
+    let entries = server.core().audit_log(&admin, &Default::default(), 1000).await.unwrap();
+    let refused: u64 = entries.iter().filter(|r| r.action == "auth.jwt").map(|r| r.count).sum();
+    assert!(refused >= 8, "{entries:?}");
     let text = format!("{rows:?}");
     assert!(!text.contains(&token));
 

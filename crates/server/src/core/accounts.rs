@@ -166,7 +166,8 @@ impl Core {
         ))
     }
 
-    /// Record an audit row; a failure to write it is logged, never the caller's failure.
+    /// Record an audit row (a refusal's repeats within a minute are one row with a count, see
+    /// `audit`); a failure to write it is logged, never the caller's failure.
     pub async fn audit(&self, actor: &str, tenant: Option<&str>, action: &str, object: Option<&str>, result: &str) {
         let record = AuditRecord {
             seq: 0,
@@ -176,8 +177,10 @@ impl Core {
             action: action.into(),
             object: object.map(Into::into),
             result: result.into(),
+            count: 1,
         };
-        if let Err(e) = self.store.insert_audit(&record).await {
+        // Repeats of a refusal are counted into one row (see `audit`).
+        if let Err(e) = self.audits.record(&*self.store, record).await {
             tracing::warn!("audit row {action} not written: {e}");
         }
     }
@@ -192,6 +195,8 @@ impl Core {
 
     /// Audit rows newest first (see [`AuditFilter`]), at most 1000.
     pub async fn audit_log(&self, _admin: &Admin, filter: &AuditFilter, limit: u32) -> CoreResult<Vec<AuditEntry>> {
+        // The repeats counted so far are in the rows read.
+        self.audits.flush(&*self.store).await?;
         let rows = self.store.audit(filter, limit.clamp(1, 1000)).await?;
         Ok(rows
             .into_iter()
@@ -203,6 +208,7 @@ impl Core {
                 action: r.action,
                 object: r.object,
                 result: r.result,
+                count: r.count,
             })
             .collect())
     }

@@ -3,6 +3,7 @@
 //! (auth, admission, timeouts, env names, signals, quotas) lives here once.
 //!
 //! - `accounts`: `root@local`, admin sign-in, tenants, keys, the audit log
+//! - `audit`: refusals' audit rows, coalesced (a count per kind per minute)
 //! - `sign_in`: the sign-in throttle (per client address, a ceiling for remote ones)
 //! - `principal`: who is calling (API key, sandbox access token, signed URL)
 //! - `sandboxes`: admission and lifecycle (through the operation engine)
@@ -16,6 +17,7 @@
 //!   live sandboxes' egress state, the report
 
 pub mod accounts;
+pub mod audit;
 pub mod egress;
 pub mod federation;
 pub mod files;
@@ -137,6 +139,8 @@ pub struct Core {
     pub egress: Arc<egress::EgressRegistry>,
     /// The console account's sign-in windows, per client address (see `sign_in`).
     sign_ins: Arc<sign_in::SignInThrottle>,
+    /// Refusals' audit rows still counting repeats (see `audit`).
+    audits: Arc<audit::AuditCoalescer>,
     /// Every live sandbox's recent metrics (see `metrics`).
     pub metrics: Arc<metrics::MetricsHistory>,
 }
@@ -153,6 +157,7 @@ impl Core {
             starts: Default::default(),
             egress: Default::default(),
             sign_ins: Default::default(),
+            audits: Default::default(),
             metrics: Default::default(),
         }
     }
