@@ -287,7 +287,7 @@ impl Federation {
                             subject: claims.get("sub").and_then(|s| s.as_str()).unwrap_or_default().into(),
                             tenant: tenant.into(),
                         };
-                        if !c.tenants.as_ref().is_some_and(|t| t.iter().any(|t| *t == signed_in.tenant)) {
+                        if !c.tenants.as_ref().is_some_and(|t| t.contains(&signed_in.tenant)) {
                             return Err(Refused::Tenant(signed_in));
                         }
                         return Ok(signed_in);
