@@ -57,7 +57,8 @@ enum Command {
         #[arg(long, env = "AIRLOCK_EGRESS_UPLINK_NETNS")]
         egress_uplink_netns: Option<String>,
         /// Accept `Authorization: Bearer <JWT>` from the issuers in this JSON file (issuer,
-        /// audience, a JWKS file, the claim naming the tenant); such callers are signed in.
+        /// audience, a JWKS file, the claim naming the tenant, the tenants it may name); such
+        /// callers are signed in.
         #[arg(long, env = "AIRLOCK_JWT_ISSUERS")]
         jwt_issuers: Option<PathBuf>,
         /// Live sandboxes one tenant may have at once (429 `quota_exceeded` past it), unless the

@@ -889,21 +889,26 @@ fn serve_refuses_unusable_tls_files() {
     assert!(stderr.contains("--tls-key"), "{stderr}");
 }
 
-/// A first start without `AIRLOCK_CONSOLE_PASSWORD` prints a generated password once, to the
-/// terminal only; it signs in (through the CLI), no usual default does, a restart prints nothing,
-/// and the password is nowhere in the data dir.
+/// A first start without `AIRLOCK_CONSOLE_PASSWORD` and without a terminal (its output is a log
+/// file) leaves a generated password in `<data-dir>/console-password` (0600) and names the file
+/// in the log, never the password; it signs in (through the CLI), no usual default does, a
+/// restart writes nothing, and the password is nowhere else in the data dir.
 fn a_first_start_prints_a_generated_console_password_once() {
+    use std::os::unix::fs::PermissionsExt;
     let data = own_data_dir("console");
     let mut first = Server::start_console(&data, &[], None);
     let log_of = |s: &Server| std::fs::read_to_string(data.join(format!("serve-{}.log", s.url.rsplit(':').next().unwrap()))).unwrap();
     let text = log_of(&first);
-    let marker = "its generated password, shown only now: ";
-    let password = text
-        .lines()
-        .find_map(|l| l.split_once(marker).map(|(_, p)| p.trim().to_string()))
-        .unwrap_or_else(|| panic!("no generated password printed: {text}"));
+    let file = data.join("console-password");
+    let password = std::fs::read_to_string(&file)
+        .unwrap_or_else(|e| panic!("{}: {e}; the log: {text}", file.display()))
+        .trim()
+        .to_string();
     assert!(password.len() >= 20, "{password}");
-    assert_eq!(text.matches(&password).count(), 1, "printed once: {text}");
+    assert_eq!(std::fs::metadata(&file).unwrap().permissions().mode() & 0o777, 0o600);
+    assert!(!text.contains(&password), "the password is in the log: {text}");
+    assert!(text.contains(&file.display().to_string()), "the log names the file: {text}");
+    let marker = "generated password";
 
     let login = |s: &Server, password: &str| {
         ureq::post(&format!("{}/v1/admin/login", s.url))
@@ -943,16 +948,18 @@ fn a_first_start_prints_a_generated_console_password_once() {
     assert!(String::from_utf8_lossy(&out.stdout).contains("default"));
     first.stop();
 
-    // A second start keeps the account and prints no password.
+    // A second start keeps the account and hands out no password.
+    let written = std::fs::metadata(&file).unwrap().modified().unwrap();
     let mut second = Server::start_console(&data, &[], None);
     let again = log_of(&second);
     assert!(!again.contains(marker) && !again.contains(&password), "{again}");
+    assert_eq!(std::fs::metadata(&file).unwrap().modified().unwrap(), written, "written once");
     assert!(cli_login(&second, &password).status.success());
     second.stop();
-    // Only its hash is kept: no file the server wrote holds the password (the logs aside; the
-    // templates are the shared dir's).
+    // Only its hash is kept: no file the server wrote holds the password (the logs, which were
+    // just checked, and the file handed over aside; the templates are the shared dir's).
     for entry in walk(&data) {
-        if entry.extension().is_some_and(|e| e == "log") || entry.starts_with(data.join("blobs")) {
+        if entry.extension().is_some_and(|e| e == "log") || entry.starts_with(data.join("blobs")) || entry == file {
             continue;
         }
         let bytes = std::fs::read(&entry).unwrap_or_default();

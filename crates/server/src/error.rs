@@ -82,10 +82,10 @@ pub enum CoreError {
         limit: u32,
         retry_after_s: u64,
     },
-    /// Too many failed sign-ins to the console account lately: no password is even checked
-    /// until the window has room again.
-    #[error("too many failed sign-ins in the last {window_s} s; retry in {retry_after_s} s")]
-    SignInThrottled { window_s: u64, retry_after_s: u64 },
+    /// Too many failed sign-ins to the console account lately, from this client's address or
+    /// (`from`) all remote ones: no password is even checked until the window has room again.
+    #[error("too many failed sign-ins {from} in the last {window_s} s; retry in {retry_after_s} s")]
+    SignInThrottled { from: &'static str, window_s: u64, retry_after_s: u64 },
     /// A sandbox already runs as many sessions (processes started through either door) as the
     /// server allows at once.
     #[error("sandbox {sandbox} has {running} running sessions, its tenant's quota of {limit} (sessions_per_sandbox); wait for one to exit or kill one first")]

@@ -469,18 +469,16 @@ pub async fn serve(opts: ServeOptions) -> anyhow::Result<()> {
         hook.bind_core(core.clone());
     }
     {
-        use core::accounts::{PASSWORD_ENV, ROOT};
+        use core::accounts::PASSWORD_ENV;
         let chosen = std::env::var(PASSWORD_ENV).ok();
         if let Some(generated) = core
             .ensure_console_account(chosen.as_deref())
             .await
             .map_err(|e| anyhow::anyhow!("the console account: {e}"))?
         {
-            // Printed once, straight to the terminal (never through the log); only its hash is kept.
-            eprintln!(
-                "airlock: the console account is {ROOT}; its generated password, shown only now: {generated}\n\
-                 airlock: sign in with `airlock login`; set {PASSWORD_ENV} to choose the password instead"
-            );
+            hand_over_console_password(&root, &generated)?;
+        } else if chosen.as_deref().is_some_and(|p| !p.is_empty()) {
+            remove_console_password_file(&root);
         }
         if !federation.is_empty() {
             tracing::info!("signed-in requests: {federation:?}");
@@ -547,6 +545,50 @@ pub async fn serve(opts: ServeOptions) -> anyhow::Result<()> {
         });
     }
     Ok(listen::serve(listener, app, None, opts.limits).await?)
+}
+
+/// Where the generated console password is left when no terminal sees it.
+pub const CONSOLE_PASSWORD_FILE: &str = "console-password";
+
+/// Hand the console account's generated password to whoever started the server, once (only its
+/// hash is kept). Printed on stdout when that is a terminal (a person reads it there); otherwise
+/// (a service manager, a pipe: stdout and stderr are the log's streams) written to
+/// `<data-dir>/console-password`, 0600, and only its path logged.
+pub fn hand_over_console_password(data_dir: &std::path::Path, password: &str) -> anyhow::Result<()> {
+    use core::accounts::{PASSWORD_ENV, ROOT};
+    use std::io::{IsTerminal, Write};
+    let mut stdout = std::io::stdout().lock();
+    if stdout.is_terminal() {
+        writeln!(
+            stdout,
+            "airlock: the console account is {ROOT}; its generated password, shown only now: {password}\n\
+             airlock: sign in with `airlock login`; set {PASSWORD_ENV} to choose the password instead"
+        )?;
+        return Ok(());
+    }
+    let path = data_dir.join(CONSOLE_PASSWORD_FILE);
+    airlock_runtime::datadir::write_atomic_mode(&path, format!("{password}\n").as_bytes(), 0o600)
+        .map_err(|(p, e)| anyhow::anyhow!("writing the console password: {}: {e}", p.display()))?;
+    tracing::info!(
+        "the console account {ROOT} has a generated password, in {path} (0600; shown nowhere else): \
+         sign in with `airlock login < {path}`; set {PASSWORD_ENV} to choose one instead",
+        path = path.display()
+    );
+    Ok(())
+}
+
+/// A password chosen with `AIRLOCK_CONSOLE_PASSWORD` replaces a generated one: its file goes.
+fn remove_console_password_file(data_dir: &std::path::Path) {
+    let path = data_dir.join(CONSOLE_PASSWORD_FILE);
+    match std::fs::remove_file(&path) {
+        Ok(()) => tracing::info!(
+            "removed {} ({} replaces the generated password)",
+            path.display(),
+            core::accounts::PASSWORD_ENV
+        ),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+        Err(e) => tracing::warn!("{}: {e}", path.display()),
+    }
 }
 
 /// Give tenant `default` its admin key, the credentials file first: the key is minted, written
@@ -618,6 +660,44 @@ pub fn write_credentials(data_dir: &std::path::Path, key: &str, listen: &SocketA
 
 #[cfg(test)]
 mod tests {
+    /// Set in the child process of `a_generated_password_without_a_terminal_goes_to_a_private_file`.
+    const CHILD_DATA_DIR: &str = "AIRLOCK_TEST_CONSOLE_PASSWORD_DIR";
+    const GENERATED: &str = "Generated-Password-4242xyz";
+
+    /// The child: logs to stderr as `airlock serve` does, and hands the password over with
+    /// stdout and stderr pipes (no terminal).
+    #[test]
+    fn console_password_child() {
+        let Ok(dir) = std::env::var(CHILD_DATA_DIR) else {
+            return;
+        };
+        tracing_subscriber::fmt().with_writer(std::io::stderr).init();
+        super::hand_over_console_password(std::path::Path::new(&dir), GENERATED).unwrap();
+    }
+
+    /// Started without a terminal, the server leaves the generated password in a 0600 file in
+    /// the data dir and says where, never the password, on stdout or stderr (the log).
+    #[test]
+    fn a_generated_password_without_a_terminal_goes_to_a_private_file() {
+        use std::os::unix::fs::PermissionsExt;
+        let d = tempfile::tempdir().unwrap();
+        let out = std::process::Command::new(std::env::current_exe().unwrap())
+            .args(["tests::console_password_child", "--exact", "--nocapture", "--test-threads=1"])
+            .env(CHILD_DATA_DIR, d.path())
+            .stdin(std::process::Stdio::null())
+            .output()
+            .unwrap();
+        let (stdout, stderr) = (String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+        assert!(out.status.success(), "{stdout}\n{stderr}");
+        for (name, text) in [("stdout", &stdout), ("stderr", &stderr)] {
+            assert!(!text.contains(GENERATED), "the password is on {name}: {text}");
+        }
+        let path = d.path().join(super::CONSOLE_PASSWORD_FILE);
+        assert!(stderr.contains(&path.display().to_string()), "the log names the file: {stderr}");
+        assert_eq!(std::fs::read_to_string(&path).unwrap(), format!("{GENERATED}\n"));
+        assert_eq!(std::fs::metadata(&path).unwrap().permissions().mode() & 0o777, 0o600);
+    }
+
     #[test]
     fn credentials_are_private_and_whole() {
         use std::os::unix::fs::PermissionsExt;

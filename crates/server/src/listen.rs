@@ -44,7 +44,7 @@ use hyper_util::service::TowerToHyperService;
 use std::collections::HashMap;
 use std::convert::Infallible;
 use std::io;
-use std::net::{IpAddr, Ipv6Addr};
+use std::net::{IpAddr, Ipv6Addr, SocketAddr};
 use std::pin::Pin;
 use std::sync::{Arc, Mutex};
 use std::task::{Context, Poll};
@@ -146,13 +146,13 @@ pub async fn serve(
         tokio::spawn(async move {
             let conn = Arc::new(Conn::new());
             match tls {
-                None => drive(stream, permit, conn, app, &builder, limits).await,
+                None => drive(stream, peer, permit, conn, app, &builder, limits).await,
                 Some(acceptor) => {
                     match tokio::time::timeout(limits.header_read, acceptor.accept(stream)).await {
                         Ok(Ok(stream)) => {
                             // The first request's clock starts after the handshake.
                             conn.state.lock().unwrap().head_since = Some(Instant::now());
-                            drive(stream, permit, conn, app, &builder, limits).await
+                            drive(stream, peer, permit, conn, app, &builder, limits).await
                         }
                         Ok(Err(e)) => tracing::debug!("TLS handshake: {e}"),
                         Err(_) => tracing::debug!("TLS handshake timed out"),
@@ -260,6 +260,7 @@ fn client_key(ip: IpAddr) -> IpAddr {
 /// One connection: hyper serves it while the watchdog below enforces the limits.
 async fn drive<S>(
     io: S,
+    peer: SocketAddr,
     permit: Held,
     conn: Arc<Conn>,
     app: Router,
@@ -275,7 +276,9 @@ async fn drive<S>(
     });
     let app = TowerToHyperService::new(app);
     let c = conn.clone();
-    let service = hyper::service::service_fn(move |req: Request<Incoming>| {
+    let service = hyper::service::service_fn(move |mut req: Request<Incoming>| {
+        // The peer's address, as axum's `ConnectInfo` (the sign-in throttle's client).
+        req.extensions_mut().insert(axum::extract::ConnectInfo(peer));
         let guard = InFlight::begin(c.clone(), req.version() == Version::HTTP_2);
         let response = app.call(req);
         async move {

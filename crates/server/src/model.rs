@@ -746,6 +746,9 @@ pub struct AuditEntry {
     pub object: Option<String>,
     /// `ok`, or the error code.
     pub result: String,
+    /// How many times it happened: repeats of a refusal (the same actor, action, object and
+    /// result) within about a minute of `at` are this one row.
+    pub count: u64,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]

@@ -2,7 +2,7 @@
 //! argon2 hash), short-lived admin tokens from signing in, tenants, their keys, and the audit
 //! log. Tenant API keys never reach these: an admin route wants an admin token.
 
-use super::Core;
+use super::{sign_in, Core};
 use crate::error::{CoreError, CoreResult, Kind};
 use crate::model::{AdminToken, AuditEntry, KeyView, NewKey, TenantSummary};
 use crate::store::{now_ms, rfc3339, token_hash, AuditFilter, AuditRecord, KeyFormat, KeyRecord};
@@ -16,38 +16,6 @@ pub const PASSWORD_ENV: &str = "AIRLOCK_CONSOLE_PASSWORD";
 /// How long an admin token from one sign-in lasts.
 pub const ADMIN_TOKEN_TTL_MS: i64 = 60 * 60 * 1000;
 /// Audit rows older than this are pruned.
-/// Failed sign-ins allowed in any [`SIGN_IN_WINDOW_MS`]; past them every sign-in is refused
-/// (429, `Retry-After`) until the oldest failure leaves the window.
-pub const SIGN_IN_FAILURES_ALLOWED: usize = 5;
-pub const SIGN_IN_WINDOW_MS: i64 = 60 * 1000;
-
-/// The console account's recent failed sign-ins (one account, so one window; in memory: a
-/// restart forgives, which costs a guesser a restart of the server per window).
-#[derive(Default)]
-pub struct SignInFailures(std::sync::Mutex<std::collections::VecDeque<i64>>);
-
-impl SignInFailures {
-    fn record(&self, now: i64) {
-        let mut q = self.0.lock().unwrap_or_else(|e| e.into_inner());
-        q.push_back(now);
-        while q.len() > SIGN_IN_FAILURES_ALLOWED {
-            q.pop_front();
-        }
-    }
-
-    /// Seconds until a sign-in may be tried again, while the window is full.
-    fn retry_after(&self, now: i64) -> Option<u64> {
-        let mut q = self.0.lock().unwrap_or_else(|e| e.into_inner());
-        while q.front().is_some_and(|t| now - t >= SIGN_IN_WINDOW_MS) {
-            q.pop_front();
-        }
-        (q.len() >= SIGN_IN_FAILURES_ALLOWED).then(|| {
-            let oldest = q.front().copied().unwrap_or(now);
-            ((oldest + SIGN_IN_WINDOW_MS - now).max(0) as u64).div_ceil(1000).max(1)
-        })
-    }
-}
-
 pub const AUDIT_RETENTION_MS: i64 = 90 * 24 * 60 * 60 * 1000;
 
 /// Who is acting, as audit rows name them (never a secret).
@@ -131,16 +99,25 @@ impl Core {
     }
 
     /// Sign in as the platform account: a token for the admin routes, valid for an hour.
-    pub async fn login(&self, username: &str, password: &str) -> CoreResult<AdminToken> {
-        // Throttled before argon2 runs: a guesser gets a handful of tries a minute, and can't
-        // keep the blocking pool busy with hashes either.
-        if let Some(retry_after_s) = self.sign_in_failures.retry_after(now_ms()) {
-            self.audit("anonymous", None, "login", None, "throttled").await;
-            return Err(CoreError::SignInThrottled {
-                window_s: (SIGN_IN_WINDOW_MS / 1000) as u64,
-                retry_after_s,
-            });
-        }
+    /// `client` is the connection's peer address, whose window throttles the attempt (see
+    /// `sign_in`).
+    pub async fn login(&self, username: &str, password: &str, client: Option<std::net::IpAddr>) -> CoreResult<AdminToken> {
+        // Reserved before argon2 runs: a guesser gets a handful of tries a minute however many
+        // it sends at once, and can't keep the blocking pool busy with hashes either.
+        let attempt = match self.sign_ins.reserve(client, now_ms()) {
+            Ok(a) => a,
+            Err((scope, retry_after_s)) => {
+                self.audit("anonymous", None, "login", None, "throttled").await;
+                return Err(CoreError::SignInThrottled {
+                    from: match scope {
+                        sign_in::Scope::Client => "from this address",
+                        sign_in::Scope::Remote => "from remote addresses (sign in on the server's own host meanwhile)",
+                    },
+                    window_s: (sign_in::WINDOW_MS / 1000) as u64,
+                    retry_after_s,
+                });
+            }
+        };
         let stored = self.store.password_hash(ROOT).await?;
         let (pw, hash) = (password.to_string(), stored.clone());
         // argon2 is slow on purpose: off the async threads.
@@ -149,11 +126,13 @@ impl Core {
                 .await
                 .unwrap_or(false);
         if !good {
-            self.sign_in_failures.record(now_ms());
+            // The attempt, dropped, is the failure.
+            drop(attempt);
             self.audit(if username == ROOT { ROOT } else { "anonymous" }, None, "login", None, "unauthorized")
                 .await;
             return Err(CoreError::Unauthenticated("wrong username or password".into()));
         }
+        attempt.succeeded();
         let token = format!("adm_{}", airlock_runtime::datadir::random_hex(24));
         let expires = now_ms() + ADMIN_TOKEN_TTL_MS;
         self.store.insert_admin_session(&token_hash(&token), ROOT, expires).await?;
@@ -187,7 +166,8 @@ impl Core {
         ))
     }
 
-    /// Record an audit row; a failure to write it is logged, never the caller's failure.
+    /// Record an audit row (a refusal's repeats within a minute are one row with a count, see
+    /// `audit`); a failure to write it is logged, never the caller's failure.
     pub async fn audit(&self, actor: &str, tenant: Option<&str>, action: &str, object: Option<&str>, result: &str) {
         let record = AuditRecord {
             seq: 0,
@@ -197,8 +177,10 @@ impl Core {
             action: action.into(),
             object: object.map(Into::into),
             result: result.into(),
+            count: 1,
         };
-        if let Err(e) = self.store.insert_audit(&record).await {
+        // Repeats of a refusal are counted into one row (see `audit`).
+        if let Err(e) = self.audits.record(&*self.store, record).await {
             tracing::warn!("audit row {action} not written: {e}");
         }
     }
@@ -213,6 +195,8 @@ impl Core {
 
     /// Audit rows newest first (see [`AuditFilter`]), at most 1000.
     pub async fn audit_log(&self, _admin: &Admin, filter: &AuditFilter, limit: u32) -> CoreResult<Vec<AuditEntry>> {
+        // The repeats counted so far are in the rows read.
+        self.audits.flush(&*self.store).await?;
         let rows = self.store.audit(filter, limit.clamp(1, 1000)).await?;
         Ok(rows
             .into_iter()
@@ -224,6 +208,7 @@ impl Core {
                 action: r.action,
                 object: r.object,
                 result: r.result,
+                count: r.count,
             })
             .collect())
     }

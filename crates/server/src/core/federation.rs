@@ -1,13 +1,15 @@
 //! Signed-in requests: `Authorization: Bearer <JWT>` from issuers the operator configured
 //! (`--jwt-issuers FILE`). A token is accepted when an issuer's key (JWKS) verifies its signature
 //! (RS256 or ES256 only), `iss` is that issuer, `aud` its audience, `exp` is ahead and `nbf` (if
-//! any) behind, with a small clock skew; its tenant comes from the issuer's tenant claim. Such a
-//! caller is *federated* (`Principal::federated`): the only kind whose create may pick egress
-//! profiles by header.
+//! any) behind, with a small clock skew; its tenant comes from the issuer's tenant claim, and must
+//! be one of the tenants the issuer is bound to (`tenants`, required: an issuer speaks for those
+//! alone, so one IdP can't name another's tenants or `default`, whose key bootstraps the server).
+//! Such a caller is *federated* (`Principal::federated`): the only kind whose create may pick
+//! egress profiles by header.
 //!
 //! The configuration file:
 //! `{"leeway_seconds": 60, "issuers": [{"issuer": "https://idp.example", "audience": "airlock",
-//!   "jwks_file": "/etc/airlock/idp-jwks.json", "tenant_claim": "tenant"}]}`
+//!   "jwks_file": "/etc/airlock/idp-jwks.json", "tenant_claim": "tenant", "tenants": ["acme"]}]}`
 //! An issuer names its keys by `jwks_file` or `jwks_url` (https; plain http only to a loopback
 //! address, where nothing on the way can swap the keys). A fetch is bounded ([`FETCH_TIMEOUT`],
 //! [`MAX_JWKS_BYTES`], no redirects). A bad file, or keys that can't be read, stop the server with
@@ -50,6 +52,9 @@ struct IssuerConfig {
     #[serde(default)]
     jwks_url: Option<String>,
     tenant_claim: String,
+    /// The tenants this issuer's tokens may name (required; see the module doc).
+    #[serde(default)]
+    tenants: Option<Vec<String>>,
 }
 
 /// Where an issuer's keys are read from.
@@ -125,6 +130,31 @@ pub struct SignedIn {
     pub tenant: String,
 }
 
+impl SignedIn {
+    /// Who acts, as audit rows name them.
+    pub fn actor(&self) -> String {
+        format!("jwt:{}#{}", self.issuer, self.subject)
+    }
+}
+
+/// Why a bearer JWT signs nobody in.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Refused {
+    /// The token does not verify: why, in terms that reveal nothing of the keys.
+    Token(&'static str),
+    /// A good token naming a tenant its issuer is not bound to.
+    Tenant(SignedIn),
+}
+
+impl std::fmt::Display for Refused {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Refused::Token(why) => f.write_str(why),
+            Refused::Tenant(s) => write!(f, "the token's issuer may not name tenant {:?}", s.tenant),
+        }
+    }
+}
+
 /// The configured issuers (none: no request signs in).
 #[derive(Clone, Default)]
 pub struct Federation {
@@ -176,6 +206,20 @@ impl Federation {
                     return Err(format!("{place}: `{field}` is empty"));
                 }
             }
+            match &c.tenants {
+                None => {
+                    return Err(format!(
+                        "{place}: `tenants` is missing: list the tenants this issuer's tokens may name, \
+                         e.g. \"tenants\": [\"acme\"] (a token naming any other is refused)"
+                    ))
+                }
+                Some(t) if t.is_empty() => return Err(format!("{place}: `tenants` is empty")),
+                Some(t) => {
+                    for name in t {
+                        super::accounts::check_tenant_name(name).map_err(|e| format!("{place}: `tenants`: {e}"))?;
+                    }
+                }
+            }
             let source = KeySource::of(&c).map_err(|e| format!("{place}: {e}"))?;
             let keys = load_keys(&source).map_err(|e| format!("{place}: {e}"))?;
             issuers.push(Arc::new(Issuer {
@@ -210,12 +254,11 @@ impl Federation {
         bearer.split('.').count() == 3 && !bearer.starts_with("ak_") && !bearer.starts_with("e2b_")
     }
 
-    /// Verify `token` against the configured issuers. The error says why in terms that reveal
-    /// nothing of the keys.
-    pub fn verify(&self, token: &str) -> Result<SignedIn, &'static str> {
-        let header = jsonwebtoken::decode_header(token).map_err(|_| "malformed token")?;
+    /// Verify `token` against the configured issuers, and that its issuer may name its tenant.
+    pub fn verify(&self, token: &str) -> Result<SignedIn, Refused> {
+        let header = jsonwebtoken::decode_header(token).map_err(|_| Refused::Token("malformed token"))?;
         if !ALGORITHMS.contains(&header.alg) {
-            return Err("token algorithm not accepted (RS256 or ES256 only)");
+            return Err(Refused::Token("token algorithm not accepted (RS256 or ES256 only)"));
         }
         let mut last = "no configured issuer verifies this token";
         for issuer in &self.issuers {
@@ -238,12 +281,16 @@ impl Federation {
                             .get(&c.tenant_claim)
                             .and_then(|t| t.as_str())
                             .filter(|t| !t.is_empty())
-                            .ok_or("the token names no tenant")?;
-                        return Ok(SignedIn {
+                            .ok_or(Refused::Token("the token names no tenant"))?;
+                        let signed_in = SignedIn {
                             issuer: c.issuer.clone(),
                             subject: claims.get("sub").and_then(|s| s.as_str()).unwrap_or_default().into(),
                             tenant: tenant.into(),
-                        });
+                        };
+                        if !c.tenants.as_ref().is_some_and(|t| t.contains(&signed_in.tenant)) {
+                            return Err(Refused::Tenant(signed_in));
+                        }
+                        return Ok(signed_in);
                     }
                     Err(e) => {
                         use jsonwebtoken::errors::ErrorKind as K;
@@ -260,6 +307,6 @@ impl Federation {
                 }
             }
         }
-        Err(last)
+        Err(Refused::Token(last))
     }
 }

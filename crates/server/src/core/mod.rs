@@ -3,6 +3,8 @@
 //! (auth, admission, timeouts, env names, signals, quotas) lives here once.
 //!
 //! - `accounts`: `root@local`, admin sign-in, tenants, keys, the audit log
+//! - `audit`: refusals' audit rows, coalesced (a count per kind per minute)
+//! - `sign_in`: the sign-in throttle (per client address, a ceiling for remote ones)
 //! - `principal`: who is calling (API key, sandbox access token, signed URL)
 //! - `sandboxes`: admission and lifecycle (through the operation engine)
 //! - `sessions`: every process started through either door, with an id
@@ -15,6 +17,7 @@
 //!   live sandboxes' egress state, the report
 
 pub mod accounts;
+pub mod audit;
 pub mod egress;
 pub mod federation;
 pub mod files;
@@ -22,6 +25,7 @@ pub mod metrics;
 pub mod principal;
 pub mod sandboxes;
 pub mod sessions;
+pub mod sign_in;
 pub mod snapshots;
 pub mod templates;
 pub mod tenants;
@@ -165,8 +169,10 @@ pub struct Core {
     starts: Arc<sessions::Starts>,
     /// Every live sandbox's egress state (see `egress`).
     pub egress: Arc<egress::EgressRegistry>,
-    /// The console account's recent failed sign-ins (see `accounts`).
-    sign_in_failures: Arc<accounts::SignInFailures>,
+    /// The console account's sign-in windows, per client address (see `sign_in`).
+    sign_ins: Arc<sign_in::SignInThrottle>,
+    /// Refusals' audit rows still counting repeats (see `audit`).
+    audits: Arc<audit::AuditCoalescer>,
     /// Every live sandbox's recent metrics (see `metrics`).
     pub metrics: Arc<metrics::MetricsHistory>,
 }
@@ -182,7 +188,8 @@ impl Core {
             secret: secret.into(),
             starts: Default::default(),
             egress: Default::default(),
-            sign_in_failures: Default::default(),
+            sign_ins: Default::default(),
+            audits: Default::default(),
             metrics: Default::default(),
         }
     }

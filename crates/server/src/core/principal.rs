@@ -4,7 +4,7 @@
 
 use super::Core;
 use crate::error::{CoreError, CoreResult, Kind};
-use super::federation::{Federation, SignedIn};
+use super::federation::{Federation, Refused, SignedIn};
 use crate::store::{token_hash, AccessHashes, SandboxRow, Tenant, TokenKind};
 use axum::http::HeaderMap;
 use base64::Engine as _;
@@ -153,9 +153,16 @@ impl Core {
         if let Some(token) = bearer.filter(|b| !self.config.federation.is_empty() && Federation::looks_like_jwt(b)) {
             let signed_in = match self.config.federation.verify(token) {
                 Ok(s) => s,
-                Err(why) => {
+                Err(Refused::Token(why)) => {
                     self.audit("anonymous", None, "auth.jwt", None, "unauthorized").await;
                     return Err(CoreError::Unauthenticated(format!("{why}; sign in again")));
+                }
+                // A good token, but its issuer speaks for other tenants: recorded under the
+                // tenant it named (when that is a tenant name at all).
+                Err(Refused::Tenant(s)) => {
+                    let named = super::accounts::check_tenant_name(&s.tenant).ok().map(|_| s.tenant.as_str());
+                    self.audit(&s.actor(), named, "auth.jwt", None, "unauthorized").await;
+                    return Err(CoreError::Unauthenticated(Refused::Tenant(s).to_string()));
                 }
             };
             let Some(tenant) = self.store.tenant_by_name(&signed_in.tenant).await? else {

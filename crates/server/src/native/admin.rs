@@ -5,11 +5,12 @@ use super::{ApiErrors, ApiJson as Json, ApiQuery as Query, ApiResult};
 use crate::core::accounts::Admin;
 use crate::core::{Core, Credentials};
 use crate::model::*;
-use axum::extract::{Path, Request, State};
+use axum::extract::{ConnectInfo, Path, Request, State};
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 use axum::Extension;
 use serde::Deserialize;
+use std::net::SocketAddr;
 
 pub async fn require_admin(State(core): State<Core>, mut req: Request, next: axum::middleware::Next) -> Response {
     let creds = Credentials::from_headers(req.headers());
@@ -22,11 +23,16 @@ pub async fn require_admin(State(core): State<Core>, mut req: Request, next: axu
     }
 }
 
-/// Sign in as `root@local`.
+/// Sign in as `root@local` (throttled per client address; see `core::sign_in`).
 #[utoipa::path(post, path = "/v1/admin/login", tag = "admin", request_body = LoginRequest,
     responses((status = 200, body = AdminToken), ApiErrors))]
-pub async fn login(State(core): State<Core>, Json(req): Json<LoginRequest>) -> ApiResult<axum::Json<AdminToken>> {
-    Ok(axum::Json(core.login(&req.username, &req.password).await?))
+pub async fn login(
+    State(core): State<Core>,
+    peer: Option<Extension<ConnectInfo<SocketAddr>>>,
+    Json(req): Json<LoginRequest>,
+) -> ApiResult<axum::Json<AdminToken>> {
+    let client = peer.map(|Extension(ConnectInfo(addr))| addr.ip());
+    Ok(axum::Json(core.login(&req.username, &req.password, client).await?))
 }
 
 #[utoipa::path(post, path = "/v1/admin/tenants", tag = "admin", request_body = CreateTenantRequest,

@@ -564,6 +564,9 @@ pub struct AuditRecord {
     pub object: Option<String>,
     /// `ok` or the error code.
     pub result: String,
+    /// How many times it happened: repeats of a refusal within about a minute of `at_ms` are
+    /// one row (see `core::audit`).
+    pub count: u64,
 }
 
 /// Which audit rows to read.
@@ -598,7 +601,10 @@ pub trait AccountStore: Send + Sync {
     async fn insert_admin_session(&self, token_hash: &str, account: &str, expires_at_ms: i64) -> Result<(), StoreError>;
     /// The account an unexpired admin token (by its hash) belongs to; expired ones are removed.
     async fn admin_session(&self, token_hash: &str, now_ms: i64) -> Result<Option<String>, StoreError>;
-    async fn insert_audit(&self, record: &AuditRecord) -> Result<(), StoreError>;
+    /// Write an audit row (with its `count`); its `seq`.
+    async fn insert_audit(&self, record: &AuditRecord) -> Result<i64, StoreError>;
+    /// Add `by` to the count of audit row `seq` (repeats of it, coalesced).
+    async fn add_audit_count(&self, seq: i64, by: u64) -> Result<(), StoreError>;
     /// Audit rows newest first: before `filter.before_seq` (if set), of `filter.tenant` and
     /// `filter.action` (if set), at most `limit`.
     async fn audit(&self, filter: &AuditFilter, limit: u32) -> Result<Vec<AuditRecord>, StoreError>;

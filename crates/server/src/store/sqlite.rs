@@ -424,14 +424,26 @@ impl AccountStore for SqliteStore {
         Ok(row.map(|(a,)| a))
     }
 
-    async fn insert_audit(&self, r: &AuditRecord) -> Result<(), StoreError> {
-        sqlx::query("INSERT INTO audit (at_ms, actor, tenant, action, object, result) VALUES (?, ?, ?, ?, ?, ?)")
-            .bind(r.at_ms)
-            .bind(&r.actor)
-            .bind(&r.tenant)
-            .bind(&r.action)
-            .bind(&r.object)
-            .bind(&r.result)
+    async fn insert_audit(&self, r: &AuditRecord) -> Result<i64, StoreError> {
+        let done = sqlx::query(
+            "INSERT INTO audit (at_ms, actor, tenant, action, object, result, count) VALUES (?, ?, ?, ?, ?, ?, ?)",
+        )
+        .bind(r.at_ms)
+        .bind(&r.actor)
+        .bind(&r.tenant)
+        .bind(&r.action)
+        .bind(&r.object)
+        .bind(&r.result)
+        .bind(r.count.max(1) as i64)
+        .execute(&self.pool)
+        .await?;
+        Ok(done.last_insert_rowid())
+    }
+
+    async fn add_audit_count(&self, seq: i64, by: u64) -> Result<(), StoreError> {
+        sqlx::query("UPDATE audit SET count = count + ? WHERE seq = ?")
+            .bind(by.min(i64::MAX as u64) as i64)
+            .bind(seq)
             .execute(&self.pool)
             .await?;
         Ok(())
@@ -458,6 +470,7 @@ impl AccountStore for SqliteStore {
                     action: r.try_get("action")?,
                     object: r.try_get("object")?,
                     result: r.try_get("result")?,
+                    count: r.try_get::<i64, _>("count")?.max(1) as u64,
                 })
             })
             .collect()
