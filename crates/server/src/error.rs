@@ -90,6 +90,14 @@ pub enum CoreError {
     /// server allows at once.
     #[error("sandbox {sandbox} has {running} running sessions, its tenant's quota of {limit} (sessions_per_sandbox); wait for one to exit or kill one first")]
     SessionLimit { sandbox: String, running: u32, limit: u32 },
+    /// As many uploads as allowed are under way (`scope`: to this sandbox, for this tenant, on
+    /// this server), and none ended while this one waited.
+    #[error("{limit} uploads are under way {scope}, the most allowed; retry when one has ended")]
+    TooManyUploads {
+        scope: &'static str,
+        limit: usize,
+        retry_after_s: u64,
+    },
     /// This node has no room left for the sandbox in one of its budgets (`vcpu`, `memory`,
     /// `disk`), whoever holds the rest: it comes back as sandboxes are deleted.
     #[error("this node's {budget} budget is exhausted: the sandbox asks for {asked} {unit}, {left} {unit} of {total} {unit} are left{hint}")]
@@ -228,6 +236,7 @@ impl CoreError {
             CoreError::RateLimited { retry_after_s, .. } | CoreError::SignInThrottled { retry_after_s, .. } => {
                 Some(*retry_after_s)
             }
+            CoreError::TooManyUploads { retry_after_s, .. } => Some(*retry_after_s),
             _ => None,
         }
     }
@@ -254,6 +263,8 @@ impl CoreError {
             CoreError::InvalidState { .. } => c("invalid_state", 409),
             CoreError::QuotaExceeded { .. } | CoreError::SessionLimit { .. } => c("quota_exceeded", 429),
             CoreError::RateLimited { .. } | CoreError::SignInThrottled { .. } => c("rate_limited", 429),
+            // At every scope: a busy server is a reason to slow down, not a failure of it.
+            CoreError::TooManyUploads { .. } => c("too_many_uploads", 429),
             // 503, not 429: the caller is within its own quota; the node is full (for everyone)
             // until sandboxes go, and a client or balancer retries later or elsewhere.
             CoreError::NodeBudgetExceeded { .. } => c("node_budget_exceeded", 503),

@@ -12,7 +12,8 @@
 //!   until it resumes. The process itself is not SIGSTOPped: a stopped process would not see its
 //!   stdin close, and would outlive the test process.
 //! - The fake agent serves the real protocol (HELLO/READY, then HTTP/2) on `<dir>/agent.sock`
-//!   with a scripted process model and an in-memory file system; it never runs host commands.
+//!   with a scripted process model and an in-memory file system (an upload to `/dev/null` is
+//!   counted and dropped, [`uploaded_bytes`]); it never runs host commands.
 //!   Agents live in a process-global registry keyed by socket path and run on their own tokio
 //!   runtime (one background thread), so they outlive a dropped `Runtime` and even the tokio
 //!   runtime of the test that made them (a restarted runtime re-attaches and finds them
@@ -46,6 +47,7 @@ use nix::unistd::Pid;
 use std::collections::{BTreeMap, HashMap};
 use std::io::Write;
 use std::path::{Component, Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, LazyLock, Mutex};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
@@ -171,6 +173,12 @@ pub fn set_hostile(vm: &VmHandle, mode: Option<Hostile>) -> bool {
         }
         None => false,
     }
+}
+
+/// The file bytes the VM's agent has received in uploads so far, counted as they arrive (before
+/// an upload has ended), metadata included. `None` when this process has no fake agent for it.
+pub fn uploaded_bytes(vm: &VmHandle) -> Option<u64> {
+    guest(&vm.agent_socket).map(|g| g.uploaded.load(Ordering::Relaxed))
 }
 
 /// Pids of live fake VM processes whose sandbox dir is under `root` (e.g. a test's data dir).
@@ -560,6 +568,8 @@ struct Guest {
     procs: Mutex<Procs>,
     fs: Mutex<BTreeMap<PathBuf, Node>>,
     hostile: Mutex<Option<Hostile>>,
+    /// File bytes received by uploads so far, finished or not (see [`uploaded_bytes`]).
+    uploaded: AtomicU64,
 }
 
 #[derive(Default)]
@@ -629,6 +639,7 @@ impl Guest {
             procs: Mutex::new(Procs::default()),
             fs: Mutex::new(fs),
             hostile: Mutex::new(None),
+            uploaded: AtomicU64::new(0),
         }
     }
 
@@ -908,7 +919,24 @@ async fn route(guest: Arc<Guest>, req: Request<Incoming>) -> Result<Response<Bod
                 Some(n) => n.parse().map_err(|_| ApiErr::invalid(format!("bad metadata_len {n:?}")))?,
                 None => 0,
             };
-            let mut data = body_bytes(req).await?;
+            // Read as it arrives, counted; what goes to `/dev/null` is dropped as the device
+            // would (so a test can upload much without this process holding it).
+            let sink = p == Path::new("/dev/null");
+            let mut body = req.into_body();
+            let mut data = BytesMut::new();
+            while let Some(frame) = body.frame().await {
+                let frame = frame.map_err(|e| ApiErr::invalid(format!("body: {e}")))?;
+                if let Ok(chunk) = frame.into_data() {
+                    guest.uploaded.fetch_add(chunk.len() as u64, Ordering::Relaxed);
+                    if !sink || data.len() < metadata_len {
+                        data.extend_from_slice(&chunk);
+                    }
+                }
+            }
+            let mut data = data.freeze();
+            if sink {
+                data.truncate(metadata_len);
+            }
             if data.len() < metadata_len {
                 return Err(ApiErr::invalid("upload ended within its metadata"));
             }

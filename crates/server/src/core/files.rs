@@ -1,6 +1,7 @@
 //! Files inside a running sandbox. The agent does the work; this maps its answers onto
 //! `CoreError` once, for both doors.
 
+use super::uploads::Uploads;
 use super::Core;
 use crate::error::{CoreError, CoreResult, Kind};
 use crate::store::SandboxRow;
@@ -9,6 +10,7 @@ use airlock_runtime::agent::AgentError;
 use airlock_runtime::AgentClient;
 use bytes::Bytes;
 use futures_util::{Stream, StreamExt};
+use std::sync::Arc;
 
 /// A file's user metadata: keys and values of printable ASCII (see [`check_metadata`]).
 pub type Metadata = std::collections::BTreeMap<String, String>;
@@ -33,6 +35,8 @@ pub fn resolved_link(stat: &FileStat) -> Option<String> {
 pub struct Files {
     agent: AgentClient,
     sandbox_id: String,
+    tenant_id: String,
+    uploads: Arc<Uploads>,
 }
 
 impl Core {
@@ -40,6 +44,8 @@ impl Core {
         Ok(Files {
             agent: self.agent_for(sandbox).await?,
             sandbox_id: sandbox.id.clone(),
+            tenant_id: sandbox.tenant_id.clone(),
+            uploads: self.uploads.clone(),
         })
     }
 }
@@ -59,8 +65,9 @@ impl Files {
     }
 
     /// Write `data` to `path` (atomically: a broken stream leaves the old file), owned by `user`,
-    /// without user metadata.
-    pub async fn write<S>(&self, path: &str, user: &str, data: S) -> Result<FileStat, AgentError>
+    /// without user metadata. Waits for room among the uploads under way (see [`Uploads`])
+    /// before it reads `data`; a caller whose stream broke knows that was the cause.
+    pub async fn write<S>(&self, path: &str, user: &str, data: S) -> CoreResult<FileStat>
     where
         S: Stream<Item = Result<Bytes, std::io::Error>> + Send + 'static,
     {
@@ -75,18 +82,15 @@ impl Files {
         user: &str,
         metadata: &Metadata,
         data: S,
-    ) -> Result<FileStat, AgentError>
+    ) -> CoreResult<FileStat>
     where
         S: Stream<Item = Result<Bytes, std::io::Error>> + Send + 'static,
     {
+        let _slot = self.uploads.enter(&self.tenant_id, &self.sandbox_id).await?;
         self.agent
             .write_file_with_metadata(path, Some(user), metadata, data)
             .await
-    }
-
-    /// Map an error of `write` (which callers inspect first: a broken upload is their fault).
-    pub fn write_error(&self, e: AgentError) -> CoreError {
-        self.err()(e)
+            .map_err(self.err())
     }
 
     pub async fn stat(&self, path: &str) -> CoreResult<FileStat> {

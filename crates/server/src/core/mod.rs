@@ -10,6 +10,7 @@
 //! - `sessions`: every process started through either door, with an id
 //! - `files`: file operations inside a running sandbox (envd's semantics: user metadata,
 //!   symlinks resolved)
+//! - `uploads`: how many uploads may be under way (per sandbox, per tenant, on the server)
 //! - `metrics`: each sandbox's sampled metrics history, for windows of it
 //! - `templates`: template names and aliases
 //! - `tenants`: a tenant's quotas (its own over the server's defaults) and usage
@@ -29,6 +30,7 @@ pub mod sign_in;
 pub mod snapshots;
 pub mod templates;
 pub mod tenants;
+pub mod uploads;
 
 pub use crate::error::{CoreError, CoreResult, Kind};
 pub use principal::{Accept, Credentials, Principal, SandboxTokens, Via, CREDENTIAL_HEADERS};
@@ -74,6 +76,8 @@ pub struct Config {
     pub egress: airlock_egress::EgressConfig,
     /// Issuers whose JWTs sign callers in (`--jwt-issuers`); none by default.
     pub federation: federation::Federation,
+    /// Uploads under way at once, per sandbox, per tenant and on the whole server.
+    pub uploads: uploads::UploadLimits,
 }
 
 impl Default for Config {
@@ -96,6 +100,7 @@ impl Default for Config {
                 airlock_egress::Profiles::default(),
             ),
             federation: Default::default(),
+            uploads: Default::default(),
         }
     }
 }
@@ -175,11 +180,14 @@ pub struct Core {
     audits: Arc<audit::AuditCoalescer>,
     /// Every live sandbox's recent metrics (see `metrics`).
     pub metrics: Arc<metrics::MetricsHistory>,
+    /// The uploads under way (see `uploads`).
+    uploads: Arc<uploads::Uploads>,
 }
 
 impl Core {
     pub fn new(store: Arc<dyn Store>, nodes: Arc<dyn Nodes>, config: Config, secret: Vec<u8>) -> Self {
         let engine = Engine::new(store.clone(), nodes.clone()).with_recovery_wait(config.recovery_wait);
+        let uploads = Arc::new(uploads::Uploads::new(config.uploads.clone()));
         Self {
             store,
             nodes,
@@ -191,6 +199,7 @@ impl Core {
             sign_ins: Default::default(),
             audits: Default::default(),
             metrics: Default::default(),
+            uploads,
         }
     }
 }

@@ -924,39 +924,47 @@ pub async fn files_post(
                     "each file part needs a filename or the query needs `path`",
                 ));
             };
-            let data = field.map(|r| r.map_err(std::io::Error::other));
-            // Multipart fields borrow the body; collect each into memory-bounded chunks first.
-            let chunks: Vec<Result<Bytes, std::io::Error>> = data.collect().await;
-            if let Some(Err(e)) = chunks.iter().find(|c| c.is_err()) {
-                return files_error(E2bError::bad_request(format!("upload interrupted: {e}")));
-            }
-            match files.write_with_metadata(&dest, &user, &metadata, futures_util::stream::iter(chunks)).await {
-                Ok(stat) => written.push(info(&dest, &stat)),
-                Err(e) => return files_error(files.write_error(e)),
+            // The part streams to the agent as it arrives. It borrows the request, and the write
+            // takes a stream of its own: a small channel carries its chunks, read while it runs.
+            let (tx, rx) = tokio::sync::mpsc::channel(4);
+            let data = tokio_stream::wrappers::ReceiverStream::new(rx);
+            let (read, wrote) = tokio::join!(
+                read_part(field, tx),
+                files.write_with_metadata(&dest, &user, &metadata, data)
+            );
+            match (read, wrote) {
+                // The agent saw the stream break and kept the old file.
+                (Err((status, why)), _) => {
+                    return files_error(E2bError::new(status, format!("upload interrupted: {why}")))
+                }
+                (Ok(()), Ok(stat)) => written.push(info(&dest, &stat)),
+                (Ok(()), Err(e)) => return files_error(e),
             }
         }
     } else {
         let Some(dest) = q.path.as_deref().map(|p| abs_path(p, &user)) else {
             return files_error(E2bError::bad_request("query parameter `path` is required"));
         };
-        // A body that breaks off (a corrupt gzip stream, a dropped client) is the upload's fault:
-        // remember why, so the reply is a 400 naming it rather than a 502 about the agent. The
-        // agent keeps the old file in that case.
-        let body_error = Arc::new(std::sync::Mutex::new(None::<String>));
+        // A body that breaks off (a corrupt gzip stream, a dropped client, past the cap) is the
+        // upload's fault: remember why, so the reply is a 400 (413) naming it rather than a 502
+        // about the agent. The agent keeps the old file in that case. The cap counts the bytes
+        // as written (a gzip body decoded), as for multipart.
+        let body_error = Arc::new(std::sync::Mutex::new(None::<(StatusCode, String)>));
         let seen = body_error.clone();
-        let data = req.into_body().into_data_stream().map(move |r| {
+        let body = axum::RequestExt::with_limited_body(req).into_body();
+        let data = body.into_data_stream().map(move |r| {
             r.map_err(|e| {
-                *seen.lock().unwrap_or_else(|p| p.into_inner()) = Some(e.to_string());
+                *seen.lock().unwrap_or_else(|p| p.into_inner()) = Some((body_error_status(&e), e.to_string()));
                 std::io::Error::other(e)
             })
         });
         match files.write_with_metadata(&dest, &user, &metadata, data).await {
             Ok(stat) => written.push(info(&dest, &stat)),
             Err(e) => {
-                if let Some(why) = body_error.lock().unwrap_or_else(|p| p.into_inner()).take() {
-                    return files_error(E2bError::bad_request(format!("could not read the upload body: {why}")));
+                if let Some((status, why)) = body_error.lock().unwrap_or_else(|p| p.into_inner()).take() {
+                    return files_error(E2bError::new(status, format!("could not read the upload body: {why}")));
                 }
-                return files_error(files.write_error(e));
+                return files_error(e);
             }
         }
     }
@@ -964,6 +972,44 @@ pub async fn files_post(
         return files_error(E2bError::bad_request("no file in the upload"));
     }
     (StatusCode::OK, axum::Json(Value::Array(written))).into_response()
+}
+
+/// A request body that could not be read is the upload's fault (400), or past the upload cap
+/// (413: the limit's error lies deep in the chain of body layers, where axum's own check does
+/// not look).
+fn body_error_status(e: &(dyn std::error::Error + 'static)) -> StatusCode {
+    let mut cause = Some(e);
+    while let Some(e) = cause {
+        if e.is::<http_body_util::LengthLimitError>() {
+            return StatusCode::PAYLOAD_TOO_LARGE;
+        }
+        cause = e.source();
+    }
+    StatusCode::BAD_REQUEST
+}
+
+/// Send a multipart part's chunks to `tx` until it ends; a broken body (or one past the upload
+/// cap: 413) is sent on as an error (so the write fails and the agent keeps the old file) and
+/// returned. A write that ended early (refused) stops the reading; its own error says why.
+async fn read_part(
+    mut part: axum::extract::multipart::Field<'_>,
+    tx: tokio::sync::mpsc::Sender<Result<Bytes, std::io::Error>>,
+) -> Result<(), (StatusCode, String)> {
+    loop {
+        match part.chunk().await {
+            Ok(Some(chunk)) => {
+                if tx.send(Ok(chunk)).await.is_err() {
+                    return Ok(());
+                }
+            }
+            Ok(None) => return Ok(()),
+            Err(e) => {
+                let why = e.body_text();
+                let _ = tx.send(Err(std::io::Error::other(why.clone()))).await;
+                return Err((body_error_status(&e), why));
+            }
+        }
+    }
 }
 
 use axum::extract::FromRequest as _;

@@ -34,13 +34,16 @@ pub struct E2bState {
 
 /// The events one watcher keeps until `GetWatcherEvents` takes them.
 pub const MAX_WATCH_EVENTS: usize = 10_000;
+/// The bytes (as JSON) one watcher keeps: a guest's events are up to 64 KiB each, so the count
+/// alone would let one unpolled watcher hold 640 MiB.
+pub const MAX_WATCH_BYTES: usize = 8 << 20;
 /// Watchers one sandbox may hold at once; the next `CreateWatcher` is `resource_exhausted`.
 pub const MAX_WATCHERS_PER_SANDBOX: usize = 64;
 /// How often watchers are checked against the store besides the engine's end-of-sandbox news.
 const WATCHER_SWEEP_EVERY: Duration = Duration::from_secs(60);
 
 /// Polling watchers (`CreateWatcher` / `GetWatcherEvents` / `RemoveWatcher`). Each buffers at
-/// most [`MAX_WATCH_EVENTS`] (the oldest go first), a sandbox holds at most
+/// most [`MAX_WATCH_EVENTS`] and [`MAX_WATCH_BYTES`] (the oldest go first), a sandbox holds at most
 /// [`MAX_WATCHERS_PER_SANDBOX`], and a sandbox's watchers go when it ends (the engine's
 /// [`crate::engine::Engine::ended`], and a periodic sweep against the store).
 #[derive(Default)]
@@ -56,24 +59,37 @@ struct Watcher {
     task: tokio::task::JoinHandle<()>,
 }
 
-/// A watcher's events, bounded: on overflow the oldest go, and are counted. envd's polling API
-/// has no way to say events were lost, so the count is only logged.
+/// A watcher's events, bounded in count and bytes: on overflow the oldest go, and are counted.
+/// envd's polling API has no way to say events were lost, so the count is only logged.
 #[derive(Default)]
 struct WatchQueue {
-    events: VecDeque<Value>,
+    /// Each event with its size as JSON.
+    events: VecDeque<(Value, usize)>,
+    bytes: usize,
     lost: u64,
 }
 
 impl WatchQueue {
     fn push(&mut self, ev: Value, watcher: &str) {
-        if self.events.len() >= MAX_WATCH_EVENTS {
-            self.events.pop_front();
+        let size = ev.to_string().len();
+        while !self.events.is_empty() && (self.events.len() >= MAX_WATCH_EVENTS || self.bytes + size > MAX_WATCH_BYTES)
+        {
+            if let Some((_, gone)) = self.events.pop_front() {
+                self.bytes -= gone;
+            }
             if self.lost == 0 {
                 tracing::warn!(watcher, "watcher not polled; dropping its oldest events");
             }
             self.lost += 1;
         }
-        self.events.push_back(ev);
+        self.bytes += size;
+        self.events.push_back((ev, size));
+    }
+
+    /// Every event kept, oldest first; the queue is empty after.
+    fn take(&mut self) -> Vec<Value> {
+        self.bytes = 0;
+        std::mem::take(&mut self.events).into_iter().map(|(ev, _)| ev).collect()
     }
 }
 
@@ -140,8 +156,8 @@ impl Watchers {
     pub fn take_events(&self, sandbox_id: &str, id: &str) -> Option<Vec<Value>> {
         let map = lock(&self.map);
         let w = map.get(id).filter(|w| w.sandbox_id == sandbox_id)?;
-        let events = std::mem::take(&mut lock(&w.queue).events);
-        Some(events.into())
+        let events = lock(&w.queue).take();
+        Some(events)
     }
 
     /// Stop and forget `sandbox_id`'s watcher `id`; false when it has no such watcher.
@@ -289,8 +305,34 @@ mod tests {
         }
         assert_eq!(q.events.len(), MAX_WATCH_EVENTS);
         assert_eq!(q.lost, 5);
-        assert_eq!(q.events.front(), Some(&json!(5)));
-        assert_eq!(q.events.back(), Some(&json!(MAX_WATCH_EVENTS + 4)));
+        assert_eq!(q.events.front().map(|e| &e.0), Some(&json!(5)));
+        assert_eq!(q.events.back().map(|e| &e.0), Some(&json!(MAX_WATCH_EVENTS + 4)));
+    }
+
+    #[test]
+    fn a_watchers_queue_is_capped_in_bytes() {
+        // Events as large as the agent sends them (a 64 KiB line): far fewer than the count cap
+        // fill the byte cap, and the oldest go first as they do past the count.
+        let big = |i: usize| json!({ "name": format!("{i}/{}", "x".repeat(64 << 10)), "type": "EVENT_TYPE_CREATE" });
+        let n = 2 * MAX_WATCH_BYTES / (64 << 10);
+        let mut q = WatchQueue::default();
+        for i in 0..n {
+            q.push(big(i), "w1");
+        }
+        assert!(q.events.len() < MAX_WATCH_EVENTS);
+        let held: usize = q.events.iter().map(|e| serde_json::to_vec(&e.0).unwrap().len()).sum();
+        assert!(held <= MAX_WATCH_BYTES, "{held} bytes held");
+        assert!(
+            held > MAX_WATCH_BYTES - (66 << 10),
+            "{held} bytes held: the cap is used"
+        );
+        assert_eq!(q.lost as usize + q.events.len(), n);
+        assert_eq!(q.events.back().map(|e| &e.0), Some(&big(n - 1)));
+        // Taking the events frees their bytes: the queue fills again from empty.
+        let taken = q.take();
+        assert_eq!(taken.len() as u64 + q.lost, n as u64);
+        q.push(big(n), "w1");
+        assert_eq!(q.events.len(), 1);
     }
 
     #[tokio::test]

@@ -685,10 +685,7 @@ pub async fn write_file(
 ) -> ApiResult<Json<FileInfo>> {
     let files = files_of(&core, &tenant, &id).await?;
     let data = body.into_data_stream().map(|r| r.map_err(std::io::Error::other));
-    match files.write(&q.path, "user", data).await {
-        Ok(stat) => Ok(Json(file_info(stat))),
-        Err(e) => Err(files.write_error(e).into()),
-    }
+    Ok(Json(file_info(files.write(&q.path, "user", data).await?)))
 }
 
 #[utoipa::path(delete, path = "/v1/sandboxes/{id}/files", tag = "files", params(("id" = String, Path), PathQuery),
