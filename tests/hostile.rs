@@ -1,6 +1,7 @@
 //! A real guest is the attacker (issue 9, "What it must show"). Root inside one sandbox writes its
-//! console without end, fills its disk, fork-bombs, hogs memory, takes over the agent's channel
-//! and floods it, and kills the agent; a neighbour sandbox on the same server goes on working.
+//! console without end, floods its DNS resolver, fills its disk, fork-bombs, hogs memory, takes
+//! over the agent's channel and floods it, and kills the agent; a neighbour sandbox on the same
+//! server goes on working.
 //!
 //! For every case the suite measures and asserts:
 //! - the server's RSS (`VmRSS` sampled every 50 ms, and `VmHWM`, the peak) stays under
@@ -554,6 +555,55 @@ fn console_flood() {
     suite.report("console_flood", &id, "running", m, during, &detail);
 }
 
+/// Case 7: root sends 10,000 DNS queries for names nobody allowed, one after another (each waits
+/// for its REFUSED). Every one is judged and counted in the sandbox's egress report, while the
+/// server's log gets a bounded number of lines for them (a few decisions per window, then one
+/// summary), and the neighbour goes on answering.
+fn dns_flood() {
+    let suite = suite();
+    let s = &suite.s;
+    let id = suite.attacked();
+    let counted = |s: &Server| {
+        let (_, e) = s.call("GET", &format!("/v1/sandboxes/{id}/egress"), None);
+        e["counters"]["dns_denied"].as_u64().unwrap_or(0)
+    };
+    let denied_before = counted(s);
+    let log_before = std::fs::read_to_string(&s.log).unwrap_or_default().len();
+    let m = suite.measure();
+    let script = "import socket, struct\n\
+        s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM); s.settimeout(2)\n\
+        answered = 0\n\
+        for i in range(10000):\n\
+        \x20   name = b''.join(bytes([len(l)]) + l for l in [b'q%d' % i, b'flood', b'test']) + b'\\0'\n\
+        \x20   s.sendto(struct.pack('>HHHHHH', i & 0xffff, 0x0100, 1, 0, 0, 0) + name + struct.pack('>HH', 1, 1), ('100.96.0.1', 53))\n\
+        \x20   try:\n\
+        \x20       s.recv(512); answered += 1\n\
+        \x20   except OSError:\n\
+        \x20       pass\n\
+        print(answered)\n";
+    let flood = start(s, &id, &["python3", "-c", script], "root", "600s", Duration::from_secs(60)).unwrap();
+    std::thread::sleep(Duration::from_secs(2));
+    let during = latency(s, &suite.neighbour, 5);
+    let done = wait(s, &id, &flood, Duration::from_secs(600)).expect("the queries end");
+    let answered: u64 = done.stdout.trim().parse().unwrap_or(0);
+    let judged = counted(s) - denied_before;
+    // Past the window the summary of the last one is written with the sandbox's next decision or
+    // at its end; what the flood wrote is what the log holds now.
+    let log = std::fs::read_to_string(&s.log).unwrap_or_default();
+    let lines = log[log_before.min(log.len())..]
+        .lines()
+        .filter(|l| l.contains(&id) && l.contains("egress"))
+        .count();
+    let detail = format!(
+        "sent 10000 DNS queries for names not allowed, {answered} answered, {judged} judged and \
+         counted as denied; {lines} server log lines about its egress in {:.1} s",
+        m.started.elapsed().as_secs_f64()
+    );
+    assert!(judged >= 9000, "{detail}");
+    assert!(lines <= 200, "{detail}");
+    suite.report("dns_flood", &id, "running", m, during, &detail);
+}
+
 /// Case 2: root allocates past the VM's memory. The guest's OOM killer ends the hog; QEMU's RSS
 /// stays at the VM's memory plus its own overhead; the sandbox keeps running.
 fn memory_hog() {
@@ -887,6 +937,7 @@ fn main() {
     let t = trial;
     let tests = vec![
         t("console_flood", console_flood),
+        t("dns_flood", dns_flood),
         t("memory_hog", memory_hog),
         t("disk_fill", disk_fill),
         t("fork_bomb", fork_bomb),
