@@ -754,8 +754,9 @@ async fn run(cli: Cli) -> anyhow::Result<u8> {
                         },
                 } => {
                     let rules = |domains: Vec<String>, nets: Vec<String>| {
-                        let (ips, cidrs): (Vec<String>, Vec<String>) =
-                            nets.into_iter().partition(|n| n.trim().parse::<std::net::IpAddr>().is_ok());
+                        let (ips, cidrs): (Vec<String>, Vec<String>) = nets
+                            .into_iter()
+                            .partition(|n| n.trim().parse::<std::net::IpAddr>().is_ok());
                         json!({"domains": domains, "ips": ips, "cidrs": cidrs})
                     };
                     let body = json!({"allow": rules(allow_domain, allow_cidr), "deny": rules(deny_domain, deny_cidr)});

@@ -46,7 +46,10 @@ fn walkthrough_create_session_stream_delete() {
     assert!(sb["template_digest"].as_str().unwrap().starts_with("sha256:"));
     assert_eq!(sb["runtime"], "qemu");
     assert_eq!(sb["metadata"]["who"], "walkthrough");
-    assert!(["boot", "restore"].contains(&sb["start"]["from"].as_str().unwrap()), "{sb}");
+    assert!(
+        ["boot", "restore"].contains(&sb["start"]["from"].as_str().unwrap()),
+        "{sb}"
+    );
     assert!(sb["start"]["ms"].as_u64().unwrap() > 0, "{sb}");
 
     let sid = s.session(&id, json!({ "argv": ["python3", "-c", "import os; print('hello from airlock'); print(os.getcwd())"], "cwd": "/tmp", "timeout": "30s" }));
@@ -249,7 +252,11 @@ fn timeout_suspends_and_a_request_resumes() {
     let s = server();
     let id = s.create(json!({ "template": "seed", "timeout": "4s", "on_timeout": "suspend", "auto_resume": true }));
     let (_, sb) = s.call("GET", &format!("/v1/sandboxes/{id}"), None);
-    assert_eq!(sb["lifecycle"], json!({ "on_timeout": "suspend", "auto_resume": true }), "{sb}");
+    assert_eq!(
+        sb["lifecycle"],
+        json!({ "on_timeout": "suspend", "auto_resume": true }),
+        "{sb}"
+    );
     let sid = s.session(&id, json!({ "argv": ["sh", "-c", "echo kept > /tmp/kept; sleep 600"] }));
     let deadline = Instant::now() + Duration::from_secs(60);
     loop {
@@ -257,7 +264,10 @@ fn timeout_suspends_and_a_request_resumes() {
         if sb["state"] == "suspended" {
             break;
         }
-        assert!(sb["state"] == "running" && Instant::now() < deadline, "not suspended at its timeout: {sb}");
+        assert!(
+            sb["state"] == "running" && Instant::now() < deadline,
+            "not suspended at its timeout: {sb}"
+        );
         std::thread::sleep(Duration::from_millis(200));
     }
     // A request resumes it: files and processes as they were.
@@ -288,12 +298,22 @@ fn snapshots_and_forks_start_from_a_running_sandbox() {
     let s = server();
     let id = s.create(json!({ "template": "seed", "timeout": "10m" }));
     let counting = "i=0; while true; do i=$((i+1)); echo $i > /tmp/n.new; mv /tmp/n.new /tmp/n; sleep 0.1; done";
-    s.session(&id, json!({ "argv": ["sh", "-c", format!("echo parent > /home/user/p.txt; {counting}")] }));
+    s.session(
+        &id,
+        json!({ "argv": ["sh", "-c", format!("echo parent > /home/user/p.txt; {counting}")] }),
+    );
     std::thread::sleep(Duration::from_millis(700));
     let name = format!("warm-{id}");
-    let (status, snap) = s.call("POST", &format!("/v1/sandboxes/{id}/snapshots"), Some(json!({ "name": name })));
+    let (status, snap) = s.call(
+        "POST",
+        &format!("/v1/sandboxes/{id}/snapshots"),
+        Some(json!({ "name": name })),
+    );
     assert_eq!(status, 201, "{snap}");
-    assert_eq!((snap["sandbox_id"].as_str(), snap["template"].as_str()), (Some(id.as_str()), Some("seed")));
+    assert_eq!(
+        (snap["sandbox_id"].as_str(), snap["template"].as_str()),
+        (Some(id.as_str()), Some("seed"))
+    );
     assert!(snap["bytes"].as_u64().unwrap() > 0, "{snap}");
     let snap_id = snap["id"].as_str().unwrap().to_string();
     // Content-addressed: the digest names it as its id and name do, and its image records it.
@@ -302,26 +322,48 @@ fn snapshots_and_forks_start_from_a_running_sandbox() {
         digest.len() == 71 && digest.starts_with("sha256:") && digest[7..].bytes().all(|b| b.is_ascii_hexdigit()),
         "{snap}"
     );
-    let manifest: Value = serde_json::from_slice(&std::fs::read(s.data.join("images").join(&snap_id).join("image.json")).unwrap()).unwrap();
+    let manifest: Value =
+        serde_json::from_slice(&std::fs::read(s.data.join("images").join(&snap_id).join("image.json")).unwrap())
+            .unwrap();
     assert_eq!(manifest["digest"], digest.as_str());
     for reference in [&digest, &name] {
         let (status, got) = s.call("GET", &format!("/v1/snapshots/{reference}"), None);
-        assert_eq!((status, got["id"].as_str()), (200, Some(snap_id.as_str())), "{reference}: {got}");
+        assert_eq!(
+            (status, got["id"].as_str()),
+            (200, Some(snap_id.as_str())),
+            "{reference}: {got}"
+        );
     }
     // The sandbox runs on (its counter counts): saved again, it is another machine.
     let (status, later) = s.call("POST", &format!("/v1/sandboxes/{id}/snapshots"), None);
     assert_eq!(status, 201, "{later}");
     assert_ne!(later["digest"], digest.as_str(), "{later}");
-    let (status, _) = s.call("DELETE", &format!("/v1/snapshots/{}", later["id"].as_str().unwrap()), None);
+    let (status, _) = s.call(
+        "DELETE",
+        &format!("/v1/snapshots/{}", later["id"].as_str().unwrap()),
+        None,
+    );
     assert_eq!(status, 204);
-    let (status, again) = s.call("POST", &format!("/v1/sandboxes/{id}/snapshots"), Some(json!({ "name": name })));
+    let (status, again) = s.call(
+        "POST",
+        &format!("/v1/sandboxes/{id}/snapshots"),
+        Some(json!({ "name": name })),
+    );
     assert_eq!((status, again["code"].as_str()), (409, Some("conflict")), "{again}");
     let (_, listed) = s.call("GET", &format!("/v1/snapshots?sandbox_id={id}"), None);
     assert_eq!(listed["snapshots"][0]["id"], snap_id.as_str(), "{listed}");
     let (status, _) = s.call("GET", "/v1/snapshots/snap_0000000000000000000", None);
     assert_eq!(status, 404);
-    let (status, err) = s.call("POST", "/v1/sandboxes", Some(json!({ "template": name, "resources": { "memory_mib": 1024 } })));
-    assert_eq!((status, err["code"].as_str()), (422, Some("invalid_resources")), "{err}");
+    let (status, err) = s.call(
+        "POST",
+        "/v1/sandboxes",
+        Some(json!({ "template": name, "resources": { "memory_mib": 1024 } })),
+    );
+    assert_eq!(
+        (status, err["code"].as_str()),
+        (422, Some("invalid_resources")),
+        "{err}"
+    );
     // Each of these has the parent's file, and its counter counting on.
     let still_counting = |sb: &str| {
         let sid = s.session(sb, json!({ "argv": ["sh", "-c", "cat /home/user/p.txt; a=$(cat /tmp/n); sleep 0.5; [ $(cat /tmp/n) -gt $a ] && echo counting"] }));
@@ -329,7 +371,11 @@ fn snapshots_and_forks_start_from_a_running_sandbox() {
     };
     let from_snapshot = s.create(json!({ "template": digest }));
     let (_, sb) = s.call("GET", &format!("/v1/sandboxes/{from_snapshot}"), None);
-    assert_eq!((sb["start"]["from"].as_str(), sb["template"].as_str()), (Some("snapshot"), Some("seed")), "{sb}");
+    assert_eq!(
+        (sb["start"]["from"].as_str(), sb["template"].as_str()),
+        (Some("snapshot"), Some("seed")),
+        "{sb}"
+    );
     assert_eq!(still_counting(&from_snapshot), "parent\ncounting\n");
     let (status, forked) = s.call("POST", &format!("/v1/sandboxes/{id}/fork"), Some(json!({ "count": 2 })));
     assert_eq!(status, 202, "{forked}");
@@ -346,14 +392,25 @@ fn snapshots_and_forks_start_from_a_running_sandbox() {
     assert_eq!(children.len(), 2);
     for (n, child) in children.iter().enumerate() {
         assert_eq!(still_counting(child), "parent\ncounting\n");
-        let sid = s.session(child, json!({ "argv": ["sh", "-c", format!("echo {n} > /home/user/p.txt")] }));
+        let sid = s.session(
+            child,
+            json!({ "argv": ["sh", "-c", format!("echo {n} > /home/user/p.txt")] }),
+        );
         s.events(child, &sid, None, None);
     }
     for (n, child) in children.iter().enumerate() {
-        let (_, body) = s.call("GET", &format!("/v1/sandboxes/{child}/files?path=/home/user/p.txt"), None);
+        let (_, body) = s.call(
+            "GET",
+            &format!("/v1/sandboxes/{child}/files?path=/home/user/p.txt"),
+            None,
+        );
         assert_eq!(body, json!(n), "each child's disk is its own");
     }
-    assert_eq!(still_counting(&id), "parent\ncounting\n", "the parent runs on undisturbed");
+    assert_eq!(
+        still_counting(&id),
+        "parent\ncounting\n",
+        "the parent runs on undisturbed"
+    );
     // A paused sandbox is not saved (resume it first); it can be saved again once it runs.
     assert_eq!(s.change(&id, "pause")["state"], "paused");
     let (status, err) = s.call("POST", &format!("/v1/sandboxes/{id}/fork"), None);
@@ -365,10 +422,15 @@ fn snapshots_and_forks_start_from_a_running_sandbox() {
             .unwrap()
             .flatten()
             .map(|e| e.file_name().to_string_lossy().to_string())
-            .filter(|n| n == &snap_id || !n.starts_with("snap_") || {
-                // Another test's snapshot would not be this sandbox's.
-                let m: Value = serde_json::from_slice(&std::fs::read(s.data.join("images").join(n).join("image.json")).unwrap_or_default()).unwrap_or(Value::Null);
-                m["source"] == id.as_str()
+            .filter(|n| {
+                n == &snap_id || !n.starts_with("snap_") || {
+                    // Another test's snapshot would not be this sandbox's.
+                    let m: Value = serde_json::from_slice(
+                        &std::fs::read(s.data.join("images").join(n).join("image.json")).unwrap_or_default(),
+                    )
+                    .unwrap_or(Value::Null);
+                    m["source"] == id.as_str()
+                }
             })
             .collect();
         v.sort();
@@ -810,7 +872,8 @@ fn cli_run_exec_and_python_example() {
 /// own machine id, and none of another's files.
 fn creates_restore_from_a_base_snapshot_through_the_api() {
     let s = server();
-    let body = json!({ "template": "seed", "timeout": "10m", "resources": {"vcpu": 1, "memory_mib": 384, "disk_mib": 1536} });
+    let body =
+        json!({ "template": "seed", "timeout": "10m", "resources": {"vcpu": 1, "memory_mib": 384, "disk_mib": 1536} });
     let deadline = std::time::Instant::now() + Duration::from_secs(300);
     let mut restored = Vec::new();
     while restored.len() < 2 {
@@ -827,11 +890,17 @@ fn creates_restore_from_a_base_snapshot_through_the_api() {
     }
     let mut machine_ids = Vec::new();
     for id in &restored {
-        let sid = s.session(id, json!({ "argv": ["sh", "-c", "hostname; cat /etc/machine-id; ls /tmp"] }));
+        let sid = s.session(
+            id,
+            json!({ "argv": ["sh", "-c", "hostname; cat /etc/machine-id; ls /tmp"] }),
+        );
         let out = decode(&s.events(id, &sid, None, None), "stdout");
         let lines: Vec<&str> = out.lines().collect();
         assert_eq!(lines.first().copied(), Some(id.as_str()), "{out}");
-        assert!(!lines.iter().any(|l| l.starts_with("written-by-")), "another clone's file: {out}");
+        assert!(
+            !lines.iter().any(|l| l.starts_with("written-by-")),
+            "another clone's file: {out}"
+        );
         machine_ids.push(lines[1].to_string());
         put_file(s, id, &format!("/tmp/written-by-{id}"), b"mine");
     }
@@ -897,7 +966,9 @@ fn a_first_start_prints_a_generated_console_password_once() {
     use std::os::unix::fs::PermissionsExt;
     let data = own_data_dir("console");
     let mut first = Server::start_console(&data, &[], None);
-    let log_of = |s: &Server| std::fs::read_to_string(data.join(format!("serve-{}.log", s.url.rsplit(':').next().unwrap()))).unwrap();
+    let log_of = |s: &Server| {
+        std::fs::read_to_string(data.join(format!("serve-{}.log", s.url.rsplit(':').next().unwrap()))).unwrap()
+    };
     let text = log_of(&first);
     let file = data.join("console-password");
     let password = std::fs::read_to_string(&file)
@@ -907,7 +978,10 @@ fn a_first_start_prints_a_generated_console_password_once() {
     assert!(password.len() >= 20, "{password}");
     assert_eq!(std::fs::metadata(&file).unwrap().permissions().mode() & 0o777, 0o600);
     assert!(!text.contains(&password), "the password is in the log: {text}");
-    assert!(text.contains(&file.display().to_string()), "the log names the file: {text}");
+    assert!(
+        text.contains(&file.display().to_string()),
+        "the log names the file: {text}"
+    );
     let marker = "generated password";
 
     let login = |s: &Server, password: &str| {
@@ -953,7 +1027,11 @@ fn a_first_start_prints_a_generated_console_password_once() {
     let mut second = Server::start_console(&data, &[], None);
     let again = log_of(&second);
     assert!(!again.contains(marker) && !again.contains(&password), "{again}");
-    assert_eq!(std::fs::metadata(&file).unwrap().modified().unwrap(), written, "written once");
+    assert_eq!(
+        std::fs::metadata(&file).unwrap().modified().unwrap(),
+        written,
+        "written once"
+    );
     assert!(cli_login(&second, &password).status.success());
     second.stop();
     // Only its hash is kept: no file the server wrote holds the password (the logs, which were
@@ -1009,8 +1087,15 @@ fn own_data_dir(suffix: &str) -> PathBuf {
 /// End the VMs a failed earlier run left in `data` (VMs outlive their server by design, and the
 /// dir is about to go): each by the pid it recorded, if that process still names the dir.
 fn end_vms_left_in(data: &Path) {
-    for dir in std::fs::read_dir(data.join("sandboxes")).into_iter().flatten().flatten() {
-        let Some(pid) = std::fs::read_to_string(dir.path().join("vmm.pid")).ok().and_then(|p| p.trim().parse::<i32>().ok()) else {
+    for dir in std::fs::read_dir(data.join("sandboxes"))
+        .into_iter()
+        .flatten()
+        .flatten()
+    {
+        let Some(pid) = std::fs::read_to_string(dir.path().join("vmm.pid"))
+            .ok()
+            .and_then(|p| p.trim().parse::<i32>().ok())
+        else {
             continue;
         };
         let cmdline = std::fs::read(format!("/proc/{pid}/cmdline")).unwrap_or_default();
@@ -1036,14 +1121,24 @@ fn server_killed_mid_create_recovers_and_reattaches() {
     assert!((200..300).contains(&status), "{r}");
     let across = s1.session(&held, json!({ "argv": ["sh", "-c", "sleep 3; echo after-resume"] }));
     let qemu_of = |id: &str| -> Option<u64> {
-        let vm: Value = serde_json::from_slice(&std::fs::read(data.join("sandboxes").join(id).join("vm.json")).ok()?).ok()?;
-        vm["pid"].as_u64().filter(|pid| Path::new(&format!("/proc/{pid}/cmdline")).exists())
+        let vm: Value =
+            serde_json::from_slice(&std::fs::read(data.join("sandboxes").join(id).join("vm.json")).ok()?).ok()?;
+        vm["pid"]
+            .as_u64()
+            .filter(|pid| Path::new(&format!("/proc/{pid}/cmdline")).exists())
     };
     let held_qemu = qemu_of(&held).expect("its VM runs");
     let sb = s1.change(&held, "suspend");
     assert_eq!(sb["state"], "suspended", "{sb}");
-    assert!(!Path::new(&format!("/proc/{held_qemu}")).exists(), "a suspended sandbox's QEMU is gone");
-    let (status, err) = s1.call("POST", &format!("/v1/sandboxes/{held}/sessions"), Some(json!({ "argv": ["true"] })));
+    assert!(
+        !Path::new(&format!("/proc/{held_qemu}")).exists(),
+        "a suspended sandbox's QEMU is gone"
+    );
+    let (status, err) = s1.call(
+        "POST",
+        &format!("/v1/sandboxes/{held}/sessions"),
+        Some(json!({ "argv": ["true"] })),
+    );
     assert_eq!((status, err["code"].as_str()), (409, Some("invalid_state")), "{err}");
     let (_, r) = s1.call(
         "POST",
@@ -1097,8 +1192,15 @@ fn server_killed_mid_create_recovers_and_reattaches() {
     assert_eq!(sb["state"], "suspended", "{sb}");
     let sb = s2.change(&held, "resume");
     assert_eq!(sb["state"], "running", "{sb}");
-    assert_eq!(decode(&s2.events(&held, &across, None, None), "stdout"), "after-resume\n");
-    let (status, body) = s2.call("GET", &format!("/v1/sandboxes/{held}/files?path=/home/user/kept.txt"), None);
+    assert_eq!(
+        decode(&s2.events(&held, &across, None, None), "stdout"),
+        "after-resume\n"
+    );
+    let (status, body) = s2.call(
+        "GET",
+        &format!("/v1/sandboxes/{held}/files?path=/home/user/kept.txt"),
+        None,
+    );
     assert_eq!((status, body), (200, json!("kept")));
     listed.push(held);
     for id in listed {
@@ -1144,12 +1246,18 @@ fn warm_pool_claims_are_fresh_and_refilled() {
     s.delete(&first);
     // Refilled; every later claim is a VM nobody used.
     wait_ready(&s, 2);
-    let (a, b) = (s.create(json!({ "template": "seed" })), s.create(json!({ "template": "seed" })));
+    let (a, b) = (
+        s.create(json!({ "template": "seed" })),
+        s.create(json!({ "template": "seed" })),
+    );
     let mut seen = vec![first.clone()];
     for id in [&a, &b] {
         let (_, sb) = s.call("GET", &format!("/v1/sandboxes/{id}"), None);
         assert_eq!(sb["start"]["from"], "pool", "{sb}");
-        assert_eq!(probe(&s, id, "cat /home/user/used.txt 2>/dev/null || echo fresh"), "fresh\n");
+        assert_eq!(
+            probe(&s, id, "cat /home/user/used.txt 2>/dev/null || echo fresh"),
+            "fresh\n"
+        );
         assert!(!seen.contains(id));
         seen.push(id.to_string());
     }
@@ -1159,7 +1267,13 @@ fn warm_pool_claims_are_fresh_and_refilled() {
     let (status, signed_in) = s.call_with("POST", "/v1/admin/login", Some(login), None, &[]);
     assert_eq!(status, 200, "{signed_in}");
     let token = signed_in["token"].as_str().unwrap().to_string();
-    let (status, resized) = s.call_with("PUT", "/v1/admin/pools", Some(json!({ "template": "seed", "size": 0 })), Some(&token), &[]);
+    let (status, resized) = s.call_with(
+        "PUT",
+        "/v1/admin/pools",
+        Some(json!({ "template": "seed", "size": 0 })),
+        Some(&token),
+        &[],
+    );
     assert_eq!(status, 200, "{resized}");
     wait_ready(&s, 0);
     let pool_vms = || {
@@ -1176,13 +1290,24 @@ fn warm_pool_claims_are_fresh_and_refilled() {
     }
     // Refilled again (by the CLI this time), then the server stops: its pool VMs go with it.
     let set = s.cli_ok(&["pool", "set", "seed", "1"]);
-    assert_eq!((set["template"].as_str(), set["size"].as_u64()), (Some("seed"), Some(1)), "{set}");
+    assert_eq!(
+        (set["template"].as_str(), set["size"].as_u64()),
+        (Some("seed"), Some(1)),
+        "{set}"
+    );
     let refused = s.cli(&["pool", "set", "no-such-template", "1"]);
     assert!(!refused.status.success());
-    assert!(String::from_utf8_lossy(&refused.stderr).contains("no-such-template"), "{refused:?}");
+    assert!(
+        String::from_utf8_lossy(&refused.stderr).contains("no-such-template"),
+        "{refused:?}"
+    );
     wait_ready(&s, 1);
     let listed = s.cli_ok(&["pool", "ls"]);
-    assert_eq!((listed[0]["template"].as_str(), listed[0]["ready"].as_u64()), (Some("seed"), Some(1)), "{listed}");
+    assert_eq!(
+        (listed[0]["template"].as_str(), listed[0]["ready"].as_u64()),
+        (Some("seed"), Some(1)),
+        "{listed}"
+    );
     let (status, _) = s.call("GET", "/v1/admin/pools", None);
     assert_eq!(status, 403, "a tenant's key lists no pools through the admin API");
     for id in [&a, &b] {
@@ -1458,7 +1583,11 @@ fn admin_cli_manages_tenants_keys_quotas_and_policies() {
     let again = s.cli(&["tenant", "create", &tenant]);
     assert!(!again.status.success() && String::from_utf8_lossy(&again.stderr).contains("exists"));
     let listed = s.cli_ok(&["tenant", "ls"]);
-    assert!(listed["tenants"].as_array().unwrap().iter().any(|t| t["name"] == tenant.as_str()));
+    assert!(listed["tenants"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .any(|t| t["name"] == tenant.as_str()));
 
     // A named key, shown once; it works, and `key ls` shows it without the secret.
     let key = s.cli_ok(&["key", "create", "--tenant", &tenant, "--name", "ci"]);
@@ -1468,30 +1597,75 @@ fn admin_cli_manages_tenants_keys_quotas_and_policies() {
     assert_eq!((status, me["name"].as_str()), (200, Some(tenant.as_str())), "{me}");
     let keys = s.cli_ok(&["key", "ls", "--tenant", &tenant]);
     let k = &keys["keys"][0];
-    assert_eq!((k["name"].as_str(), k["prefix"].as_str()), (Some("ci"), Some(&key[..8])), "{keys}");
+    assert_eq!(
+        (k["name"].as_str(), k["prefix"].as_str()),
+        (Some("ci"), Some(&key[..8])),
+        "{keys}"
+    );
     assert!(k["last_used_at"].is_string() && k["revoked_at"].is_null(), "{keys}");
     assert!(!keys.to_string().contains(&key), "a listing never shows the key");
     // A tenant key can't administer.
     let (status, body) = s.call_with("GET", "/v1/admin/tenants", None, Some(&key), &[]);
     assert_eq!((status, body["code"].as_str()), (403, Some("forbidden")), "{body}");
-    let (status, _) = s.call_with("POST", &format!("/v1/admin/tenants/{tenant}/keys"), Some(serde_json::json!({})), Some(&key), &[]);
+    let (status, _) = s.call_with(
+        "POST",
+        &format!("/v1/admin/tenants/{tenant}/keys"),
+        Some(serde_json::json!({})),
+        Some(&key),
+        &[],
+    );
     assert_eq!(status, 403);
 
     // Quotas: set, shown, a zero refused by name.
-    let q = s.cli_ok(&["tenant", "quota", "set", "--tenant", &tenant, "--sandboxes", "3", "--vcpu", "6"]);
-    assert_eq!((q["sandboxes"].as_u64(), q["vcpu"].as_u64(), &q["memory_mib"]), (Some(3), Some(6), &Value::Null), "{q}");
+    let q = s.cli_ok(&[
+        "tenant",
+        "quota",
+        "set",
+        "--tenant",
+        &tenant,
+        "--sandboxes",
+        "3",
+        "--vcpu",
+        "6",
+    ]);
+    assert_eq!(
+        (q["sandboxes"].as_u64(), q["vcpu"].as_u64(), &q["memory_mib"]),
+        (Some(3), Some(6), &Value::Null),
+        "{q}"
+    );
     let out = s.cli(&["tenant", "quota", "set", "--tenant", &tenant, "--vcpu", "0"]);
     let err = String::from_utf8_lossy(&out.stderr);
-    assert!(!out.status.success() && err.contains("vcpu") && err.contains("at least 1"), "{err}");
+    assert!(
+        !out.status.success() && err.contains("vcpu") && err.contains("at least 1"),
+        "{err}"
+    );
     assert_eq!(s.cli_ok(&["tenant", "quota", "show", "--tenant", &tenant])["vcpu"], 6);
     let info = s.cli_ok(&["tenant", "get", &tenant]);
-    assert_eq!((info["quota"]["sandboxes"].as_u64(), info["usage"]["sandboxes"].as_u64()), (Some(3), Some(0)), "{info}");
+    assert_eq!(
+        (info["quota"]["sandboxes"].as_u64(), info["usage"]["sandboxes"].as_u64()),
+        (Some(3), Some(0)),
+        "{info}"
+    );
 
     // Egress policy: normalized, wildcards and malformed entries refused by name.
     let set = s.cli_ok(&[
-        "tenant", "policy", "set", "--tenant", &tenant, "--allow-domain", "PyPI.org.", "--allow-domain",
-        "files.pythonhosted.org", "--allow-cidr", "203.0.113.0/24", "--allow-cidr", "198.51.100.7",
-        "--deny-domain", "evil.test", "--deny-cidr", "203.0.113.64/26",
+        "tenant",
+        "policy",
+        "set",
+        "--tenant",
+        &tenant,
+        "--allow-domain",
+        "PyPI.org.",
+        "--allow-domain",
+        "files.pythonhosted.org",
+        "--allow-cidr",
+        "203.0.113.0/24",
+        "--allow-cidr",
+        "198.51.100.7",
+        "--deny-domain",
+        "evil.test",
+        "--deny-cidr",
+        "203.0.113.64/26",
     ]);
     let want = serde_json::json!({
         "allow": {"domains": ["files.pythonhosted.org", "pypi.org"], "ips": ["198.51.100.7"], "cidrs": ["203.0.113.0/24"]},
@@ -1506,7 +1680,10 @@ fn admin_cli_manages_tenants_keys_quotas_and_policies() {
     ] {
         let out = s.cli(&["tenant", "policy", "set", "--tenant", &tenant, flag, entry]);
         let stderr = String::from_utf8_lossy(&out.stderr);
-        assert!(!out.status.success() && stderr.contains(entry), "{flag} {entry}: {stderr}");
+        assert!(
+            !out.status.success() && stderr.contains(entry),
+            "{flag} {entry}: {stderr}"
+        );
     }
     assert_eq!(s.cli_ok(&["tenant", "policy", "show", "--tenant", &tenant]), want);
     let out = s.cli(&["tenant", "policy", "show", "--tenant", "nobody-here"]);
@@ -1532,16 +1709,35 @@ fn admin_cli_manages_tenants_keys_quotas_and_policies() {
     let token = std::fs::read_to_string(s.data.join("admin-token")).unwrap();
     // Newest first, by tenant and by action (the shared data dir keeps every run's rows).
     let audit = |query: &str| {
-        let (status, page) = s.call_with("GET", &format!("/v1/admin/audit?{query}"), None, Some(token.trim()), &[]);
+        let (status, page) = s.call_with(
+            "GET",
+            &format!("/v1/admin/audit?{query}"),
+            None,
+            Some(token.trim()),
+            &[],
+        );
         assert_eq!(status, 200, "{page}");
         page
     };
     let ours = audit(&format!("tenant={tenant}&limit=1000"));
     let rows = ours["entries"].as_array().unwrap();
-    for action in ["tenant.create", "key.create", "tenant.quota", "tenant.policy", "key.revoke", "tenant.delete"] {
-        assert!(rows.iter().any(|r| r["action"] == action && r["tenant"] == tenant.as_str()), "no {action} row: {ours}");
+    for action in [
+        "tenant.create",
+        "key.create",
+        "tenant.quota",
+        "tenant.policy",
+        "key.revoke",
+        "tenant.delete",
+    ] {
+        assert!(
+            rows.iter()
+                .any(|r| r["action"] == action && r["tenant"] == tenant.as_str()),
+            "no {action} row: {ours}"
+        );
     }
-    assert!(rows.iter().any(|r| r["action"] == "tenant.quota" && r["result"] == "invalid_argument"));
+    assert!(rows
+        .iter()
+        .any(|r| r["action"] == "tenant.quota" && r["result"] == "invalid_argument"));
     let seqs: Vec<i64> = rows.iter().map(|r| r["seq"].as_i64().unwrap()).collect();
     assert!(seqs.windows(2).all(|w| w[0] > w[1]), "newest first: {seqs:?}");
     let refused = audit("action=auth.key&limit=5");
@@ -1590,8 +1786,14 @@ fn main() {
             "pause_freezes_in_memory_and_resume_continues",
             pause_freezes_in_memory_and_resume_continues,
         ),
-        t("timeout_suspends_and_a_request_resumes", timeout_suspends_and_a_request_resumes),
-        t("warm_pool_claims_are_fresh_and_refilled", warm_pool_claims_are_fresh_and_refilled),
+        t(
+            "timeout_suspends_and_a_request_resumes",
+            timeout_suspends_and_a_request_resumes,
+        ),
+        t(
+            "warm_pool_claims_are_fresh_and_refilled",
+            warm_pool_claims_are_fresh_and_refilled,
+        ),
         t(
             "snapshots_and_forks_start_from_a_running_sandbox",
             snapshots_and_forks_start_from_a_running_sandbox,

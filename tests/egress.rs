@@ -40,8 +40,11 @@ impl Internet {
             .spawn()
             .unwrap();
         let mut line = String::new();
-        BufReader::new(child.stdout.take().unwrap()).read_line(&mut line).unwrap();
-        let info: Value = serde_json::from_str(&line).unwrap_or_else(|_| panic!("test internet did not start: {line:?}"));
+        BufReader::new(child.stdout.take().unwrap())
+            .read_line(&mut line)
+            .unwrap();
+        let info: Value =
+            serde_json::from_str(&line).unwrap_or_else(|_| panic!("test internet did not start: {line:?}"));
         Internet {
             child: Mutex::new(child),
             info,
@@ -90,8 +93,17 @@ fn world() -> &'static World {
         ];
         let server = Server::start_with(&data, &serve_args.iter().map(String::as_str).collect::<Vec<_>>());
         server.cli_ok(&[
-            "tenant", "policy", "set", "--allow-domain", "allowed.test", "--allow-domain", "pypi.test",
-            "--allow-domain", "rebind.test", "--deny-domain", "denied.test",
+            "tenant",
+            "policy",
+            "set",
+            "--allow-domain",
+            "allowed.test",
+            "--allow-domain",
+            "pypi.test",
+            "--allow-domain",
+            "rebind.test",
+            "--deny-domain",
+            "denied.test",
         ]);
         let (status, r) = server.call_with(
             "POST",
@@ -177,7 +189,10 @@ fn allowed_name_works_over_http_and_https() {
         false,
     );
     assert_eq!(code, 0, "{err}");
-    assert!(out.starts_with(&format!("served-by {ALLOWED}:443 host=allowed.test")), "{out}");
+    assert!(
+        out.starts_with(&format!("served-by {ALLOWED}:443 host=allowed.test")),
+        "{out}"
+    );
 }
 
 fn pip_installs_from_an_allowed_index() {
@@ -196,12 +211,19 @@ fn pip_installs_from_an_allowed_index() {
         false,
     );
     assert_eq!(code, 0, "{out}\n{err}");
-    assert!(out.trim_end().ends_with(w.internet.info["greeting"].as_str().unwrap()), "{out}");
+    assert!(
+        out.trim_end().ends_with(w.internet.info["greeting"].as_str().unwrap()),
+        "{out}"
+    );
 }
 
 fn a_name_not_allowed_does_not_resolve_and_its_ip_is_unreachable() {
     let v = probe(&["dns", "other.test"]);
-    assert_eq!((v["rcode"].as_str(), v["addrs"].as_array().map(Vec::len)), (Some("REFUSED"), Some(0)), "{v}");
+    assert_eq!(
+        (v["rcode"].as_str(), v["addrs"].as_array().map(Vec::len)),
+        (Some("REFUSED"), Some(0)),
+        "{v}"
+    );
     let v = probe(&["http", "other.test"]);
     assert_eq!(v["ok"], false, "{v}");
     // By IP literal (with its name as Host, or an allowed one on a port that isn't 80), on every port: no IP rule allows it.
@@ -217,7 +239,11 @@ fn a_name_not_allowed_does_not_resolve_and_its_ip_is_unreachable() {
 }
 
 fn other_queries_get_nothing_and_never_leave() {
-    for name in ["secret-4f2a9c.other.test", "exfil-data.example.com", "c2VjcmV0.allowed.test"] {
+    for name in [
+        "secret-4f2a9c.other.test",
+        "exfil-data.example.com",
+        "c2VjcmV0.allowed.test",
+    ] {
         let v = probe(&["dns", name]);
         assert_eq!(v["rcode"], "REFUSED", "{name}: {v}");
     }
@@ -251,7 +277,16 @@ fn curl_resolve_to_another_ip_reaches_the_allowed_site() {
 }
 
 fn sni_of_an_allowed_name_with_another_host_reaches_only_the_allowed_site() {
-    let v = probe(&["tls", "allowed.test", "--ip", OTHER, "--host", "other.test", "--ca", "/tmp/test-ca.pem"]);
+    let v = probe(&[
+        "tls",
+        "allowed.test",
+        "--ip",
+        OTHER,
+        "--host",
+        "other.test",
+        "--ca",
+        "/tmp/test-ca.pem",
+    ]);
     assert!(served_by(&v, ALLOWED, 443), "{v}");
     assert!(v["body"].as_str().unwrap().contains("host=other.test"), "{v}");
     assert_never_reached(OTHER);
@@ -381,13 +416,19 @@ fn main() {
     let args = libtest_mimic::Arguments::from_args();
     let t = trial;
     let tests = vec![
-        t("allowed_name_works_over_http_and_https", allowed_name_works_over_http_and_https),
+        t(
+            "allowed_name_works_over_http_and_https",
+            allowed_name_works_over_http_and_https,
+        ),
         t("pip_installs_from_an_allowed_index", pip_installs_from_an_allowed_index),
         t(
             "a_name_not_allowed_does_not_resolve_and_its_ip_is_unreachable",
             a_name_not_allowed_does_not_resolve_and_its_ip_is_unreachable,
         ),
-        t("other_queries_get_nothing_and_never_leave", other_queries_get_nothing_and_never_leave),
+        t(
+            "other_queries_get_nothing_and_never_leave",
+            other_queries_get_nothing_and_never_leave,
+        ),
         t(
             "curl_resolve_to_another_ip_reaches_the_allowed_site",
             curl_resolve_to_another_ip_reaches_the_allowed_site,
@@ -396,7 +437,10 @@ fn main() {
             "sni_of_an_allowed_name_with_another_host_reaches_only_the_allowed_site",
             sni_of_an_allowed_name_with_another_host_reaches_only_the_allowed_site,
         ),
-        t("udp_is_dropped_and_ipv6_has_no_route", udp_is_dropped_and_ipv6_has_no_route),
+        t(
+            "udp_is_dropped_and_ipv6_has_no_route",
+            udp_is_dropped_and_ipv6_has_no_route,
+        ),
         t("rebinding_answers_are_refused", rebinding_answers_are_refused),
         t("spoofed_sources_are_dropped", spoofed_sources_are_dropped),
         t(

@@ -581,7 +581,15 @@ fn dns_flood() {
         \x20   except OSError:\n\
         \x20       pass\n\
         print(answered)\n";
-    let flood = start(s, &id, &["python3", "-c", script], "root", "600s", Duration::from_secs(60)).unwrap();
+    let flood = start(
+        s,
+        &id,
+        &["python3", "-c", script],
+        "root",
+        "600s",
+        Duration::from_secs(60),
+    )
+    .unwrap();
     std::thread::sleep(Duration::from_secs(2));
     let during = latency(s, &suite.neighbour, 5);
     let done = wait(s, &id, &flood, Duration::from_secs(600)).expect("the queries end");

@@ -59,9 +59,17 @@ fn ms(d: Duration) -> f64 {
 /// Boot the template with raw QEMU and time until the agent answers hello.
 fn raw_boot(qemu: &Path, spec: &VmSpec) -> f64 {
     let started = Instant::now();
-    let raw::RawFiles { overlay, agent, qmp, console } = raw::prepare(&spec.dir, &spec.rootfs, "raw", spec.disk_mib);
+    let raw::RawFiles {
+        overlay,
+        agent,
+        qmp,
+        console,
+    } = raw::prepare(&spec.dir, &spec.rootfs, "raw", spec.disk_mib);
     let child = std::process::Command::new(qemu)
-        .args(QemuVmm::args(spec, &Attach::paths(&overlay, &agent, &qmp, &console, spec)))
+        .args(QemuVmm::args(
+            spec,
+            &Attach::paths(&overlay, &agent, &qmp, &console, spec),
+        ))
         .stdin(std::process::Stdio::null())
         .spawn()
         .unwrap();
@@ -101,7 +109,13 @@ fn machine_with_qemu() -> serde_json::Value {
         .ok();
     let mut m = machine::machine();
     m["qemu"] = qemu
-        .map(|o| String::from_utf8_lossy(&o.stdout).lines().next().unwrap_or("").to_string())
+        .map(|o| {
+            String::from_utf8_lossy(&o.stdout)
+                .lines()
+                .next()
+                .unwrap_or("")
+                .to_string()
+        })
         .into();
     m
 }

@@ -105,7 +105,10 @@ impl Api {
         };
         match resp {
             Ok(r) => Ok(r.into_json().unwrap_or(Value::Null)),
-            Err(ureq::Error::Status(code, r)) => Err(format!("{method} {path}: {code} {}", r.into_string().unwrap_or_default())),
+            Err(ureq::Error::Status(code, r)) => Err(format!(
+                "{method} {path}: {code} {}",
+                r.into_string().unwrap_or_default()
+            )),
             Err(e) => Err(format!("{method} {path}: {e}")),
         }
     }
@@ -146,12 +149,19 @@ impl Api {
     /// the children).
     fn fork(&self, id: &str, count: usize) -> Result<(f64, f64, Vec<String>), String> {
         let t = Instant::now();
-        let forked = self.call("POST", &format!("/sandboxes/{id}/fork"), Some(json!({"count": count, "timeout": "30m"})))?;
+        let forked = self.call(
+            "POST",
+            &format!("/sandboxes/{id}/fork"),
+            Some(json!({"count": count, "timeout": "30m"})),
+        )?;
         let children = forked["sandboxes"].as_array().cloned().unwrap_or_default();
         if children.len() != count {
             return Err(format!("fork made {} of {count}: {}", children.len(), forked["errors"]));
         }
-        let ids: Vec<String> = children.iter().filter_map(|c| c["sandbox_id"].as_str().map(String::from)).collect();
+        let ids: Vec<String> = children
+            .iter()
+            .filter_map(|c| c["sandbox_id"].as_str().map(String::from))
+            .collect();
         for c in &children {
             self.finished(c)?;
         }
@@ -165,7 +175,11 @@ impl Api {
     /// Run `argv` in a session and read its SSE stream until the first stdout event (`first`) or
     /// the exit: the session, then its stream (two calls).
     fn exec(&self, id: &str, argv: &[&str], until_stdout: bool) -> Result<(), String> {
-        let s = self.call("POST", &format!("/sandboxes/{id}/sessions"), Some(json!({"argv": argv})))?;
+        let s = self.call(
+            "POST",
+            &format!("/sandboxes/{id}/sessions"),
+            Some(json!({"argv": argv})),
+        )?;
         let sid = s["id"].as_str().ok_or("no session id")?;
         let resp = ureq::get(&format!("{}/v1/sandboxes/{id}/sessions/{sid}/stream", self.url))
             .set("Authorization", &self.auth)
@@ -199,7 +213,11 @@ impl Api {
 
 /// Read an SSE stream until its first `stdout` event (or `process_exited`).
 fn read_until(resp: ureq::Response, argv: &[&str], until_stdout: bool) -> Result<(), String> {
-    let want = if until_stdout { "event: stdout" } else { "event: process_exited" };
+    let want = if until_stdout {
+        "event: stdout"
+    } else {
+        "event: process_exited"
+    };
     for line in BufReader::new(resp.into_reader()).lines() {
         if line.map_err(|e| e.to_string())?.trim() == want {
             return Ok(());
@@ -280,7 +298,12 @@ async fn raw_restore(
 ) -> (f64, f64, Vec<f64>) {
     let dir = &spec.dir;
     let started = Instant::now();
-    let raw::RawFiles { overlay, agent, qmp, console } = raw::prepare(dir, &snap.disk(), "qcow2", spec.disk_mib);
+    let raw::RawFiles {
+        overlay,
+        agent,
+        qmp,
+        console,
+    } = raw::prepare(dir, &snap.disk(), "qcow2", spec.disk_mib);
     // In a namespace of the bench's own, where QEMU makes its tap: the device state wants one,
     // and nothing there leads anywhere.
     let child = std::process::Command::new("ip")
@@ -299,7 +322,10 @@ async fn raw_restore(
     let mut vmm = raw::KillOnDrop(child);
     let mut q = loop {
         if let Ok(Some(status)) = vmm.0.try_wait() {
-            panic!("raw QEMU exited ({status}): {}", std::fs::read_to_string(dir.join("qemu.log")).unwrap_or_default());
+            panic!(
+                "raw QEMU exited ({status}): {}",
+                std::fs::read_to_string(dir.join("qemu.log")).unwrap_or_default()
+            );
         }
         match airlock_runtime::qmp::Qmp::connect(&qmp).await {
             Ok(q) => break q,
@@ -314,7 +340,9 @@ async fn raw_restore(
         tokio::time::sleep(Duration::from_millis(2)).await;
     }
     q.execute("cont", None).await.unwrap();
-    let (client, _) = AgentClient::connect_ready(&agent, Duration::from_secs(30)).await.unwrap();
+    let (client, _) = AgentClient::connect_ready(&agent, Duration::from_secs(30))
+        .await
+        .unwrap();
     let ready = ms(started.elapsed());
     run_until(&client, &["echo", "hi"], |k| matches!(k, EventKind::Stdout(_))).await;
     let first = ms(started.elapsed());
@@ -369,7 +397,10 @@ async fn main() {
     // The first create of the shape has the server build its base snapshot; wait for it.
     let b = api.clone();
     let t = template.clone();
-    let (first_ms, first_id) = tokio::task::spawn_blocking(move || b.tti(&t)).await.unwrap().expect("a first create");
+    let (first_ms, first_id) = tokio::task::spawn_blocking(move || b.tti(&t))
+        .await
+        .unwrap()
+        .expect("a first create");
     let sandbox = api.call("GET", &format!("/sandboxes/{first_id}"), None).unwrap();
     api.delete(&first_id);
     eprintln!("first create: {first_ms:.0} ms ({})", sandbox["start"]);
@@ -380,7 +411,11 @@ async fn main() {
         if let Some(s) = find_snapshot(&args.data_dir, &digest, &resources) {
             break s;
         }
-        assert!(Instant::now() < deadline, "no base snapshot in {} after 300 s", args.data_dir.display());
+        assert!(
+            Instant::now() < deadline,
+            "no base snapshot in {} after 300 s",
+            args.data_dir.display()
+        );
         tokio::time::sleep(Duration::from_millis(500)).await;
     };
 
@@ -402,7 +437,10 @@ async fn main() {
             }
         }
     }
-    eprintln!("sequential: {} creates, {restored} restored, {pooled} from a warm pool", seq.len());
+    eprintln!(
+        "sequential: {} creates, {restored} restored, {pooled} from a warm pool",
+        seq.len()
+    );
 
     // With a warm pool, the burst starts from a full one (`/v1/system` says when).
     let pool_before_burst = wait_pool_full(&api).await;
@@ -433,10 +471,17 @@ async fn main() {
 
     // Suspend and resume, on a sandbox with a process running.
     let (b, t) = (api.clone(), template.clone());
-    let held = tokio::task::spawn_blocking(move || b.create(&t)).await.unwrap().unwrap();
+    let held = tokio::task::spawn_blocking(move || b.create(&t))
+        .await
+        .unwrap()
+        .unwrap();
     let (b, h, suspends) = (api.clone(), held.clone(), args.suspends);
     let cycles = tokio::task::spawn_blocking(move || {
-        let _ = b.call("POST", &format!("/sandboxes/{h}/sessions"), Some(json!({"argv": ["sleep", "3600"]})));
+        let _ = b.call(
+            "POST",
+            &format!("/sandboxes/{h}/sessions"),
+            Some(json!({"argv": ["sleep", "3600"]})),
+        );
         let (mut suspend, mut resume, mut to_stdout, mut failures) = (Vec::new(), Vec::new(), Vec::new(), 0);
         for i in 0..suspends {
             let cycle = || -> Result<(f64, f64, f64), String> {
@@ -467,7 +512,10 @@ async fn main() {
 
     // Forks of a sandbox with a process running.
     let (b, t) = (api.clone(), template.clone());
-    let parent = tokio::task::spawn_blocking(move || b.create(&t)).await.unwrap().unwrap();
+    let parent = tokio::task::spawn_blocking(move || b.create(&t))
+        .await
+        .unwrap()
+        .unwrap();
     let (mut fork_started, mut fork_answered, mut fork_failures) = (Vec::new(), Vec::new(), 0);
     for i in 0..args.forks {
         let (b, p, n) = (api.clone(), parent.clone(), args.fork_count);
@@ -504,7 +552,10 @@ async fn main() {
     // Exec round trips on a warm sandbox through the API, alternating with the runtime-level
     // ones on the first raw restore.
     let (b, t) = (api.clone(), template.clone());
-    let warm = tokio::task::spawn_blocking(move || b.create(&t)).await.unwrap().unwrap();
+    let warm = tokio::task::spawn_blocking(move || b.create(&t))
+        .await
+        .unwrap()
+        .unwrap();
     let (mut api_exec, mut api_exec_one) = (Vec::new(), Vec::new());
     let mut api_round = || {
         tokio::task::block_in_place(|| {
@@ -518,7 +569,11 @@ async fn main() {
     };
     let netns = raw::Netns::add(format!("airlock-rawbench-{}", std::process::id()));
     for i in 0..args.raw {
-        let (execs, between): (usize, &mut dyn FnMut()) = if i == 0 { (args.execs, &mut api_round) } else { (0, &mut || {}) };
+        let (execs, between): (usize, &mut dyn FnMut()) = if i == 0 {
+            (args.execs, &mut api_round)
+        } else {
+            (0, &mut || {})
+        };
         let (ready, first, rtts) = raw_restore(qemu.binary(), &netns.0, &spec, &snap, execs, between).await;
         raw_ready.push(ready);
         raw_first.push(first);
@@ -547,7 +602,9 @@ async fn main() {
     let deadline = Instant::now() + Duration::from_secs(120);
     for id in &idle_ids {
         while Instant::now() < deadline
-            && api.call("GET", &format!("/sandboxes/{id}"), None).is_ok_and(|s| s["state"] != "deleted")
+            && api
+                .call("GET", &format!("/sandboxes/{id}"), None)
+                .is_ok_and(|s| s["state"] != "deleted")
         {
             tokio::time::sleep(Duration::from_millis(100)).await;
         }
@@ -556,7 +613,8 @@ async fn main() {
 
     let p50 = |v: &Value| v["p50_ms"].as_f64().unwrap_or(f64::NAN);
     let (seq_s, burst_s) = (stats(&seq, seq_failures), stats(&burst, burst_failures));
-    let (raw_first_s, api_exec_s, runtime_exec_s) = (stats(&raw_first, 0), stats(&api_exec, 0), stats(&runtime_exec, 0));
+    let (raw_first_s, api_exec_s, runtime_exec_s) =
+        (stats(&raw_first, 0), stats(&api_exec, 0), stats(&runtime_exec, 0));
     let api_exec_one_s = stats(&api_exec_one, 0);
     let report = json!({
         "bench": "create",
@@ -589,23 +647,45 @@ async fn main() {
         "fork_to_echo_in_every_child": stats(&fork_answered, fork_failures),
     });
     // The markdown table, printed and written next to the JSON.
-    let mut table = String::from("| measure | p50 ms | p95 ms | p99 ms | failures |\n| --- | --- | --- | --- | --- |\n");
+    let mut table =
+        String::from("| measure | p50 ms | p95 ms | p99 ms | failures |\n| --- | --- | --- | --- | --- |\n");
     for (name, s) in [
         ("TTI, sequential", &report["tti_sequential"]),
         ("TTI, burst", &report["tti_burst"]),
         ("raw QEMU restore -> agent ready", &report["raw_restore_to_agent_ready"]),
-        ("raw QEMU restore -> first stdout (runtime exec)", &report["raw_restore_to_first_stdout"]),
-        ("exec `true`, API (session, then its SSE stream)", &report["exec_true_api"]),
-        ("exec `true`, API one call (session answered as SSE)", &report["exec_true_api_one_call"]),
+        (
+            "raw QEMU restore -> first stdout (runtime exec)",
+            &report["raw_restore_to_first_stdout"],
+        ),
+        (
+            "exec `true`, API (session, then its SSE stream)",
+            &report["exec_true_api"],
+        ),
+        (
+            "exec `true`, API one call (session answered as SSE)",
+            &report["exec_true_api_one_call"],
+        ),
         ("exec `true`, runtime (agent client)", &report["exec_true_runtime"]),
         ("suspend (operation)", &report["suspend"]),
         ("resume (operation)", &report["resume"]),
         ("resume -> first stdout of echo", &report["resume_to_first_stdout"]),
-        ("fork of --fork-count -> children running", &report["fork_to_children_running"]),
-        ("fork of --fork-count -> echo in every child", &report["fork_to_echo_in_every_child"]),
+        (
+            "fork of --fork-count -> children running",
+            &report["fork_to_children_running"],
+        ),
+        (
+            "fork of --fork-count -> echo in every child",
+            &report["fork_to_echo_in_every_child"],
+        ),
     ] {
         let f = |k: &str| s[k].as_f64().map_or("-".into(), |v| format!("{v:.1}"));
-        table.push_str(&format!("| {name} | {} | {} | {} | {} |\n", f("p50_ms"), f("p95_ms"), f("p99_ms"), s["failures"]));
+        table.push_str(&format!(
+            "| {name} | {} | {} | {} | {} |\n",
+            f("p50_ms"),
+            f("p95_ms"),
+            f("p99_ms"),
+            s["failures"]
+        ));
     }
     table.push_str(&format!(
         "\nTTI p50 / raw restore+exec p50: {:.2}; exec API / runtime p50: {:.2} (two calls), {:.2} (one call); idle memory per sandbox: {per_sandbox:.1} MiB over {}; {restored}/{} sequential creates restored",

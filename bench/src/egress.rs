@@ -81,7 +81,6 @@ fn request(ns: &Netns, path: &'static str) -> (f64, usize) {
     .unwrap()
 }
 
-
 fn main() {
     let args = Args::parse();
     let net = TestNet::new(true).expect("test namespaces (root, ip, nft)");

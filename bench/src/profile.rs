@@ -231,7 +231,15 @@ async fn main() {
     }
     let mut traced = Vec::new();
     for _ in 0..args.runs.min(3) {
-        traced.push(boot(qemu.binary(), &netns.0, &spec, &format!("{} initcall_debug", args.append)).await);
+        traced.push(
+            boot(
+                qemu.binary(),
+                &netns.0,
+                &spec,
+                &format!("{} initcall_debug", args.append),
+            )
+            .await,
+        );
     }
     drop(netns);
 

@@ -49,7 +49,10 @@ pub struct Netns(pub String);
 
 impl Netns {
     pub fn add(name: String) -> Netns {
-        let ok = std::process::Command::new("ip").args(["netns", "add", &name]).status().unwrap();
+        let ok = std::process::Command::new("ip")
+            .args(["netns", "add", &name])
+            .status()
+            .unwrap();
         assert!(ok.success(), "ip netns add {name} (the bench runs as root)");
         Netns(name)
     }
@@ -57,6 +60,8 @@ impl Netns {
 
 impl Drop for Netns {
     fn drop(&mut self) {
-        let _ = std::process::Command::new("ip").args(["netns", "del", &self.0]).status();
+        let _ = std::process::Command::new("ip")
+            .args(["netns", "del", &self.0])
+            .status();
     }
 }

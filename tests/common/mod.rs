@@ -161,7 +161,11 @@ impl Server {
                 .unwrap()
         };
         let login = run(&["login"]);
-        assert!(login.status.success(), "login: {}", String::from_utf8_lossy(&login.stderr));
+        assert!(
+            login.status.success(),
+            "login: {}",
+            String::from_utf8_lossy(&login.stderr)
+        );
         run(args)
     }
 

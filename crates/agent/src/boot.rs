@@ -319,7 +319,8 @@ mod tests {
         let path = dir.path().join("run/airlock/env.json");
         let env = std::collections::BTreeMap::from([("A".to_string(), "1".to_string()), ("B".into(), "x y".into())]);
         super::write_sandbox_env(&path, &env).unwrap();
-        let back: std::collections::BTreeMap<String, String> = serde_json::from_slice(&std::fs::read(&path).unwrap()).unwrap();
+        let back: std::collections::BTreeMap<String, String> =
+            serde_json::from_slice(&std::fs::read(&path).unwrap()).unwrap();
         assert_eq!(back, env);
         assert_eq!(std::fs::metadata(&path).unwrap().permissions().mode() & 0o777, 0o644);
         super::write_sandbox_env(&path, &Default::default()).unwrap();
@@ -341,7 +342,10 @@ pub fn apply_identity(id: &airlock_proto::Identity) -> Result<(), crate::error::
     use crate::error::AgentError;
     let valid_host = !id.hostname.is_empty()
         && id.hostname.len() <= 63
-        && id.hostname.bytes().all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-');
+        && id
+            .hostname
+            .bytes()
+            .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-');
     if !valid_host {
         return Err(AgentError::invalid(format!("bad hostname {:?}", id.hostname)));
     }

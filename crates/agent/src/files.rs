@@ -57,7 +57,11 @@ pub fn stat(path: &Path) -> Result<FileStat, AgentError> {
             .flatten(),
         symlink_resolved: ft
             .is_symlink()
-            .then(|| std::fs::canonicalize(path).ok().map(|t| t.to_string_lossy().to_string()))
+            .then(|| {
+                std::fs::canonicalize(path)
+                    .ok()
+                    .map(|t| t.to_string_lossy().to_string())
+            })
             .flatten(),
         link_target: ft
             .is_symlink()
@@ -107,13 +111,19 @@ pub fn read_metadata(path: &Path) -> std::collections::BTreeMap<String, String> 
     let mut total = 0;
     let mut value = vec![0u8; 4096];
     for name in names.split(|b| *b == 0).filter(|n| n.starts_with(prefix)) {
-        let Ok(key) = std::str::from_utf8(&name[prefix.len()..]) else { continue };
-        let Ok(cname) = std::ffi::CString::new(name) else { continue };
+        let Ok(key) = std::str::from_utf8(&name[prefix.len()..]) else {
+            continue;
+        };
+        let Ok(cname) = std::ffi::CString::new(name) else {
+            continue;
+        };
         let len = unsafe { libc::getxattr(cpath.as_ptr(), cname.as_ptr(), value.as_mut_ptr().cast(), value.len()) };
         if len < 0 {
             continue; // removed meanwhile, or longer than any metadata we keep
         }
-        let Ok(v) = std::str::from_utf8(&value[..len as usize]) else { continue };
+        let Ok(v) = std::str::from_utf8(&value[..len as usize]) else {
+            continue;
+        };
         total += name.len() + v.len();
         if total > METADATA_READ_MAX {
             break;
@@ -137,7 +147,11 @@ pub fn write_metadata(
     let n = unsafe { libc::flistxattr(fd, names.as_mut_ptr().cast(), names.len()) };
     if n < 0 {
         let e = std::io::Error::last_os_error();
-        return if unsupported(&e) { Ok(()) } else { Err(AgentError::io(shown, e)) };
+        return if unsupported(&e) {
+            Ok(())
+        } else {
+            Err(AgentError::io(shown, e))
+        };
     }
     names.truncate(n as usize);
     let prefix = airlock_proto::METADATA_XATTR_PREFIX.as_bytes();
@@ -146,7 +160,9 @@ pub fn write_metadata(
         if keep {
             continue;
         }
-        let Ok(cname) = std::ffi::CString::new(name) else { continue };
+        let Ok(cname) = std::ffi::CString::new(name) else {
+            continue;
+        };
         unsafe { libc::fremovexattr(fd, cname.as_ptr()) };
     }
     for (k, v) in metadata {
@@ -489,7 +505,13 @@ mod tests {
         assert_eq!(rel.symlink_target.as_deref(), Some("../data/t.txt"));
         let want = root.join("data/t.txt").to_string_lossy().to_string();
         assert_eq!(rel.symlink_resolved.as_deref(), Some(want.as_str()));
-        assert_eq!(rel.link_target, Some(LinkTarget { kind: FileKind::File, mode: 0o640 }));
+        assert_eq!(
+            rel.link_target,
+            Some(LinkTarget {
+                kind: FileKind::File,
+                mode: 0o640
+            })
+        );
         let chain = stat(&root.join("ln/chain")).unwrap();
         assert_eq!(chain.symlink_resolved.as_deref(), Some(want.as_str()));
         let dir = stat(&root.join("ln/dir")).unwrap();
@@ -497,7 +519,10 @@ mod tests {
         let dangling = stat(&root.join("ln/dangling")).unwrap();
         assert_eq!((dangling.symlink_resolved, dangling.link_target), (None, None));
         let plain = stat(&root.join("data/t.txt")).unwrap();
-        assert_eq!((plain.symlink_target, plain.symlink_resolved, plain.link_target), (None, None, None));
+        assert_eq!(
+            (plain.symlink_target, plain.symlink_resolved, plain.link_target),
+            (None, None, None)
+        );
     }
 
     #[test]
@@ -518,12 +543,18 @@ mod tests {
         // Another xattr outside the namespace is neither read nor removed.
         let name = std::ffi::CString::new("user.other").unwrap();
         let cpath = std::ffi::CString::new(p.to_string_lossy().as_bytes()).unwrap();
-        assert_eq!(unsafe { libc::setxattr(cpath.as_ptr(), name.as_ptr(), b"o".as_ptr().cast(), 1, 0) }, 0);
+        assert_eq!(
+            unsafe { libc::setxattr(cpath.as_ptr(), name.as_ptr(), b"o".as_ptr().cast(), 1, 0) },
+            0
+        );
         let second: std::collections::BTreeMap<String, String> = [("b".to_string(), "3".to_string())].into();
         write_metadata(&f, "f", &second).unwrap();
         assert_eq!(read_metadata(&p), second);
         assert_eq!(stat(&p).unwrap().metadata, second);
-        assert_eq!(unsafe { libc::getxattr(cpath.as_ptr(), name.as_ptr(), std::ptr::null_mut(), 0) }, 1);
+        assert_eq!(
+            unsafe { libc::getxattr(cpath.as_ptr(), name.as_ptr(), std::ptr::null_mut(), 0) },
+            1
+        );
     }
 
     #[test]

@@ -550,7 +550,9 @@ mod tests {
             let err = processes.spawn(spec(&["airlock-no-such-program"])).unwrap_err();
             assert_eq!(err.code, airlock_proto::ErrorCode::InvalidArgument, "{}", err.message);
         }
-        let started = processes.spawn(spec(&["true"])).expect("a program that exists still starts");
+        let started = processes
+            .spawn(spec(&["true"]))
+            .expect("a program that exists still starts");
         assert!(started.id > 0);
         stop.store(true, Ordering::Relaxed);
         reaper.join().unwrap();

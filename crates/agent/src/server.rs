@@ -278,7 +278,9 @@ async fn read_file(path: &std::path::Path) -> Result<Response<Body>, AgentError>
     if sized {
         response = response.header("content-length", meta.len());
     }
-    Ok(response.body(BodyExt::boxed(StreamBody::new(stream))).expect("valid response"))
+    Ok(response
+        .body(BodyExt::boxed(StreamBody::new(stream)))
+        .expect("valid response"))
 }
 
 async fn write_file(req: Request<Incoming>) -> Result<Response<Body>, AgentError> {

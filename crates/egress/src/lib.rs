@@ -41,16 +41,16 @@ mod relay;
 mod resolve;
 mod sandbox;
 mod serve;
-mod uplink;
 pub mod sniff;
 #[doc(hidden)]
 pub mod testnet;
+mod uplink;
 
 pub use dns::{DnsConfig, DnsServer};
 pub use error::{ConfigError, ResolvConfError, ResolveError};
 pub use policy::{
-    normalize_domain, Decision, DeniedNameAddrs, EffectivePolicy, EgressConfig, PlatformDenies, Policy, Profile, Profiles, RawRules,
-    RuleSet, TenantPolicy, PLATFORM_DENIED, PROFILES_ENV,
+    normalize_domain, Decision, DeniedNameAddrs, EffectivePolicy, EgressConfig, PlatformDenies, Policy, Profile,
+    Profiles, RawRules, RuleSet, TenantPolicy, PLATFORM_DENIED, PROFILES_ENV,
 };
 pub use proxy::{OriginalDst, Proxy, ProxyConfig};
 pub use resolve::{Lookup, Resolver};

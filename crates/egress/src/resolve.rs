@@ -144,7 +144,11 @@ impl Resolver {
     }
 
     async fn tcp(&self, query: &[u8], id: u16) -> Result<Message, ResolveError> {
-        let mut s = self.uplink.tcp_socket(self.upstream.is_ipv6())?.connect(self.upstream).await?;
+        let mut s = self
+            .uplink
+            .tcp_socket(self.upstream.is_ipv6())?
+            .connect(self.upstream)
+            .await?;
         let mut framed = (query.len() as u16).to_be_bytes().to_vec();
         framed.extend_from_slice(query);
         s.write_all(&framed).await?;

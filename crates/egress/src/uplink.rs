@@ -73,9 +73,7 @@ impl Uplink {
                 while let Ok((req, reply)) = rx.recv() {
                     let _ = reply.send(match req {
                         Request::Tcp { v6 } => Reply::Socket(new_tcp(v6)),
-                        Request::Udp { bind } => {
-                            Reply::Socket(std::net::UdpSocket::bind(bind).map(OwnedFd::from))
-                        }
+                        Request::Udp { bind } => Reply::Socket(std::net::UdpSocket::bind(bind).map(OwnedFd::from)),
                         Request::Addresses => Reply::Addresses(local_addresses()),
                     });
                 }

@@ -270,7 +270,9 @@ pub fn check_metadata(metadata: &BTreeMap<String, String>) -> Result<(), String>
         total += METADATA_XATTR_PREFIX.len() + k.len() + v.len();
     }
     if total > METADATA_TOTAL_MAX {
-        return Err(format!("total metadata size {total} exceeds {METADATA_TOTAL_MAX} bytes"));
+        return Err(format!(
+            "total metadata size {total} exceeds {METADATA_TOTAL_MAX} bytes"
+        ));
     }
     Ok(())
 }

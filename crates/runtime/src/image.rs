@@ -80,7 +80,10 @@ impl Image {
             "accel": m.accel,
         });
         use sha2::{Digest, Sha256};
-        Ok(format!("sha256:{}", hex::encode(Sha256::digest(canonical.to_string().as_bytes()))))
+        Ok(format!(
+            "sha256:{}",
+            hex::encode(Sha256::digest(canonical.to_string().as_bytes()))
+        ))
     }
 }
 
@@ -134,7 +137,10 @@ mod tests {
         std::fs::create_dir(root.path().join("whole")).unwrap();
         std::fs::write(root.path().join("whole").join(MANIFEST), b"{}").unwrap();
         assert_eq!(unfinished(root.path()), vec![root.path().join("half")]);
-        assert!(Image::find(root.path(), "whole").is_none(), "a manifest that does not parse");
+        assert!(
+            Image::find(root.path(), "whole").is_none(),
+            "a manifest that does not parse"
+        );
         remove(root.path(), "whole").unwrap();
         assert!(!root.path().join("whole").exists());
         remove(root.path(), "../whole").unwrap();
@@ -166,7 +172,10 @@ mod tests {
             save_ms: 0,
             digest: None,
         };
-        Image { dir: dir.to_path_buf(), manifest }
+        Image {
+            dir: dir.to_path_buf(),
+            manifest,
+        }
     }
 
     #[test]
@@ -180,10 +189,25 @@ mod tests {
         same.manifest.created_at = "later".into();
         same.manifest.save_ms = 5;
         assert_eq!(same.content_digest().unwrap(), digest, "same content elsewhere, later");
-        assert_ne!(image_in(&root.path().join("c"), b"memorY", b"disk").content_digest().unwrap(), digest);
-        assert_ne!(image_in(&root.path().join("d"), b"memory", b"disK").content_digest().unwrap(), digest);
+        assert_ne!(
+            image_in(&root.path().join("c"), b"memorY", b"disk")
+                .content_digest()
+                .unwrap(),
+            digest
+        );
+        assert_ne!(
+            image_in(&root.path().join("d"), b"memory", b"disK")
+                .content_digest()
+                .unwrap(),
+            digest
+        );
         // The bytes moved from one file to the other are another machine.
-        assert_ne!(image_in(&root.path().join("e"), b"memorydisk", b"").content_digest().unwrap(), digest);
+        assert_ne!(
+            image_in(&root.path().join("e"), b"memorydisk", b"")
+                .content_digest()
+                .unwrap(),
+            digest
+        );
         let mut bigger = image_in(&root.path().join("f"), b"memory", b"disk");
         bigger.manifest.resources.memory_mib *= 2;
         assert_ne!(bigger.content_digest().unwrap(), digest);

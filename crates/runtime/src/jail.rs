@@ -85,9 +85,10 @@ impl JailConfig {
         let mut c = Self::default();
         let num = |name: &str| -> Result<Option<u32>> {
             match std::env::var(name) {
-                Ok(v) => v.parse().map(Some).map_err(|_| {
-                    RuntimeError::Jail(format!("{name}={v:?} is not a number; unset it or give a uid"))
-                }),
+                Ok(v) => v
+                    .parse()
+                    .map(Some)
+                    .map_err(|_| RuntimeError::Jail(format!("{name}={v:?} is not a number; unset it or give a uid"))),
                 Err(_) => Ok(None),
             }
         };
@@ -220,7 +221,9 @@ impl Jailer {
                 self.config.uid_base as u64 + self.config.uid_count as u64
             )
         } else {
-            format!("the server's own uid {} (not root: no uid switch)", unsafe { libc::geteuid() })
+            format!("the server's own uid {} (not root: no uid switch)", unsafe {
+                libc::geteuid()
+            })
         };
         let filesystem = match (self.privileged, self.read_only_mounts) {
             (true, true) => "private mount namespace, every mount read-only; writes only through the handed fds".into(),
@@ -352,7 +355,10 @@ impl Jailer {
                         "memory" => {
                             write(dir.join("memory.limit_in_bytes"), limits.memory_bytes().to_string())?;
                             // With swap accounting, memory + swap gets the same limit: no swap.
-                            let _ = std::fs::write(dir.join("memory.memsw.limit_in_bytes"), limits.memory_bytes().to_string());
+                            let _ = std::fs::write(
+                                dir.join("memory.memsw.limit_in_bytes"),
+                                limits.memory_bytes().to_string(),
+                            );
                         }
                         "pids" => write(dir.join("pids.max"), limits.pids().to_string())?,
                         _ => write(dir.join("cpu.shares"), (1024 * limits.vcpu as u64).to_string())?,
@@ -428,7 +434,16 @@ fn remove_cgroup(dir: &Path) {
 
 /// Whether the kernel has `mount_setattr` (Linux 5.12): probed with flags it must refuse.
 fn mount_setattr_available() -> bool {
-    let r = unsafe { libc::syscall(libc::SYS_mount_setattr, -1, c"".as_ptr(), u32::MAX, std::ptr::null::<u8>(), 0usize) };
+    let r = unsafe {
+        libc::syscall(
+            libc::SYS_mount_setattr,
+            -1,
+            c"".as_ptr(),
+            u32::MAX,
+            std::ptr::null::<u8>(),
+            0usize,
+        )
+    };
     !(r < 0 && std::io::Error::last_os_error().raw_os_error() == Some(libc::ENOSYS))
 }
 
@@ -447,7 +462,10 @@ pub struct Prepared {
 
 impl std::fmt::Debug for Prepared {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Prepared").field("uid", &self.uid).field("fds", &self.fds.len()).finish()
+        f.debug_struct("Prepared")
+            .field("uid", &self.uid)
+            .field("fds", &self.fds.len())
+            .finish()
     }
 }
 
@@ -481,7 +499,9 @@ impl Prepared {
     /// Hand `fd` to the VMM; returns the number it has there.
     pub fn pass(&mut self, fd: OwnedFd) -> Result<RawFd> {
         if self.fds.len() == MAX_PASSED_FDS {
-            return Err(RuntimeError::Jail(format!("a VMM is handed at most {MAX_PASSED_FDS} fds")));
+            return Err(RuntimeError::Jail(format!(
+                "a VMM is handed at most {MAX_PASSED_FDS} fds"
+            )));
         }
         self.fds.push(fd);
         Ok(2 + self.fds.len() as RawFd)
@@ -505,7 +525,15 @@ impl Prepared {
         // SAFETY: the hook only makes async-signal-safe calls on data prepared above.
         unsafe {
             std::os::unix::process::CommandExt::pre_exec(&mut cmd, move || {
-                child_setup(&sources, uid, &groups, &cgroup_procs, &pid_file, read_only_mounts, namespaces)?;
+                child_setup(
+                    &sources,
+                    uid,
+                    &groups,
+                    &cgroup_procs,
+                    &pid_file,
+                    read_only_mounts,
+                    namespaces,
+                )?;
                 if die_with_parent {
                     // After the uid change, which would clear it; then the parent may already be gone.
                     check(libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL, 0, 0, 0) as libc::c_long)?;

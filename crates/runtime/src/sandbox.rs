@@ -5,9 +5,9 @@ use crate::agent::AgentClient;
 use crate::datadir::{random_hex, write_atomic, DataDir, FileLock};
 use crate::error::{Result, RuntimeError};
 use crate::net::{Network, NetworkOptions, SandboxLink};
+use crate::snapshot::BaseSnapshot;
 use crate::template::{Template, TemplateStore};
 use crate::vmm::qemu::QemuVmm;
-use crate::snapshot::BaseSnapshot;
 use crate::vmm::{wait_exit, Accel, NetAttach, ResumeSpec, SnapshotRole, VmHandle, VmSpec, Vmm};
 use airlock_proto::frame::EventKind;
 use airlock_proto::{ExitStatus, ProcessSpec};
@@ -568,7 +568,11 @@ impl Runtime {
                 self.remove_network(link.as_ref()).await;
                 self.inner.vmm.release(&dir);
                 tracing::info!(id = %record.id, "found suspended");
-                self.inner.suspended.lock().unwrap().insert(record.id.clone(), record.clone());
+                self.inner
+                    .suspended
+                    .lock()
+                    .unwrap()
+                    .insert(record.id.clone(), record.clone());
                 return;
             }
             match (record, vm) {
@@ -786,9 +790,20 @@ impl Runtime {
     /// Start a new VM for `id` as `req` asks, for `purpose`.
     async fn start_new(&self, id: String, req: &CreateSandbox, purpose: Purpose) -> Result<Arc<Sandbox>> {
         if let Some(image) = &req.image {
-            let image = self.image(image).ok_or_else(|| RuntimeError::UnknownImage(image.clone()))?;
+            let image = self
+                .image(image)
+                .ok_or_else(|| RuntimeError::UnknownImage(image.clone()))?;
             let accel = image.manifest.accel;
-            return self.launch(id, Source::Image(&image), accel, self.inner.boot_timeout, purpose, &req.env).await;
+            return self
+                .launch(
+                    id,
+                    Source::Image(&image),
+                    accel,
+                    self.inner.boot_timeout,
+                    purpose,
+                    &req.env,
+                )
+                .await;
         }
         let template = self.inner.templates.resolve(&req.template)?;
         req.resources.validate(&template)?;
@@ -797,7 +812,17 @@ impl Runtime {
         let limit = self.inner.boot_timeout;
         if let Some(key) = self.snapshot_key(&template, &resources, accel) {
             match BaseSnapshot::find(&self.inner.data.snapshots(), &key) {
-                Some(snap) => match self.launch(id.clone(), Source::Base(&template, resources, &snap), accel, limit, purpose, &req.env).await {
+                Some(snap) => match self
+                    .launch(
+                        id.clone(),
+                        Source::Base(&template, resources, &snap),
+                        accel,
+                        limit,
+                        purpose,
+                        &req.env,
+                    )
+                    .await
+                {
                     Ok(sb) => return Ok(sb),
                     Err(e) => {
                         tracing::warn!(%id, snapshot = %key, "restore failed, booting instead: {e}");
@@ -811,7 +836,8 @@ impl Runtime {
                 None => self.want_base_snapshot(key, template.clone(), resources, accel),
             }
         }
-        self.launch(id, Source::Boot(&template, resources), accel, limit, purpose, &req.env).await
+        self.launch(id, Source::Boot(&template, resources), accel, limit, purpose, &req.env)
+            .await
     }
 
     /// Start a VM for sandbox `id` from `source` (a boot, a base snapshot's restore, a saved
@@ -834,7 +860,12 @@ impl Runtime {
         let (template, template_digest, resources, start) = match &source {
             Source::Boot(t, r) => (&t.manifest.name, &t.manifest.digest, *r, StartKind::Boot),
             Source::Base(t, r, _) => (&t.manifest.name, &t.manifest.digest, *r, StartKind::Restore),
-            Source::Image(i) => (&i.manifest.template, &i.manifest.template_digest, i.manifest.resources, StartKind::Snapshot),
+            Source::Image(i) => (
+                &i.manifest.template,
+                &i.manifest.template_digest,
+                i.manifest.resources,
+                StartKind::Snapshot,
+            ),
         };
         let mut record = SandboxRecord {
             id: id.clone(),
@@ -915,7 +946,14 @@ impl Runtime {
     /// resume starts again). Its own links to the files it runs on (`held/`): a suspended VM
     /// resumes on them even after its template is rebuilt, its base snapshot pruned or its
     /// image deleted.
-    fn machine(&self, id: &str, dir: &std::path::Path, source: &Source<'_>, accel: Accel, record: &mut SandboxRecord) -> VmSpec {
+    fn machine(
+        &self,
+        id: &str,
+        dir: &std::path::Path,
+        source: &Source<'_>,
+        accel: Accel,
+        record: &mut SandboxRecord,
+    ) -> VmSpec {
         let (kernel, initrd, rootfs) = match source {
             Source::Boot(t, _) | Source::Base(t, _, _) => (t.kernel(), t.initrd(), t.rootfs()),
             Source::Image(i) => (
@@ -924,7 +962,11 @@ impl Runtime {
                 i.manifest.machine.rootfs.clone(),
             ),
         };
-        let files = [hold(dir, "kernel", &kernel), hold(dir, "initrd", &initrd), hold(dir, "rootfs", &rootfs)];
+        let files = [
+            hold(dir, "kernel", &kernel),
+            hold(dir, "initrd", &initrd),
+            hold(dir, "rootfs", &rootfs),
+        ];
         let mut spec = VmSpec::new(id, dir.to_path_buf(), files, record.resources, accel);
         let (cmdline, memory_backend, layers) = match source {
             Source::Boot(..) => (crate::vmm::qemu::kernel_cmdline(id), false, vec![]),
@@ -1007,7 +1049,13 @@ impl Runtime {
             return None;
         }
         let vmm = self.inner.vmm.snapshotting()?.build_id();
-        Some(crate::snapshot::key(&template.manifest.digest, resources, accel, &vmm, &builder_cmdline()))
+        Some(crate::snapshot::key(
+            &template.manifest.digest,
+            resources,
+            accel,
+            &vmm,
+            &builder_cmdline(),
+        ))
     }
 
     /// The base snapshot for `template` and `resources`, if one is built.
@@ -1035,14 +1083,22 @@ impl Runtime {
                     );
                     rt.inner.snapshot_builds.lock().unwrap().remove(&key);
                 }
-                Err(e) => tracing::warn!(template = %template.manifest.name, snapshot = %key, "base snapshot build failed: {e}"),
+                Err(e) => {
+                    tracing::warn!(template = %template.manifest.name, snapshot = %key, "base snapshot build failed: {e}")
+                }
             }
         });
     }
 
     /// Boot `template` with `resources` once, wait for its agent (and start process), and save it
     /// as base snapshot `key`.
-    pub async fn build_base_snapshot(&self, key: &str, template: &Template, resources: Resources, accel: Accel) -> Result<BaseSnapshot> {
+    pub async fn build_base_snapshot(
+        &self,
+        key: &str,
+        template: &Template,
+        resources: Resources,
+        accel: Accel,
+    ) -> Result<BaseSnapshot> {
         let root = self.inner.data.snapshots();
         let (id, dir) = crate::snapshot::new_build_dir(&root)?;
         let mut link = None;
@@ -1099,16 +1155,21 @@ impl Runtime {
 
     /// The VMM's snapshot capability, for `what` (an error naming it where the VMM has none).
     fn snapshotting(&self, what: &str) -> Result<&dyn crate::vmm::Snapshotting> {
-        self.inner.vmm.snapshotting().ok_or_else(|| RuntimeError::ControlCommand {
-            command: what.into(),
-            reason: format!("this VMM cannot {what}"),
-        })
+        self.inner
+            .vmm
+            .snapshotting()
+            .ok_or_else(|| RuntimeError::ControlCommand {
+                command: what.into(),
+                reason: format!("this VMM cannot {what}"),
+            })
     }
 
     /// What a build in `dir` had outside its files: its VM (if it still runs), its network (as
     /// recorded in `dir`), its jail; and, with `remove_dir`, the dir itself.
     async fn end_build(&self, dir: &std::path::Path, vm: Option<VmHandle>, remove_dir: bool) {
-        let vm = vm.or_else(|| VmHandle::load(dir)).or_else(|| VmHandle::orphan(dir, self.inner.vmm.name()));
+        let vm = vm
+            .or_else(|| VmHandle::load(dir))
+            .or_else(|| VmHandle::orphan(dir, self.inner.vmm.name()));
         if let Some(vm) = vm.filter(|vm| self.inner.vmm.is_running(vm)) {
             let _ = self.inner.vmm.stop(&vm, Duration::from_secs(2)).await;
         }
@@ -1137,7 +1198,10 @@ impl Runtime {
             self.inner.templates.list().into_iter().map(|m| m.digest).collect();
         let vmm = self.inner.vmm.snapshotting().map(|s| s.build_id());
         for dir in crate::snapshot::stale(&self.inner.data.snapshots(), &digests, vmm.as_deref()) {
-            tracing::info!("removing base snapshot {}: nothing restores from it any more", dir.display());
+            tracing::info!(
+                "removing base snapshot {}: nothing restores from it any more",
+                dir.display()
+            );
             let _ = std::fs::remove_dir_all(dir);
         }
     }
@@ -1155,7 +1219,10 @@ impl Runtime {
                     .find_map(|f| std::fs::read(entry.path().join(f)).ok())
                     .and_then(|b| serde_json::from_slice::<serde_json::Value>(&b).ok());
                 let Some(digest) = record.as_ref().and_then(|r| r["template_digest"].as_str()) else {
-                    tracing::info!("not pruning template images: {} has no readable record", entry.path().display());
+                    tracing::info!(
+                        "not pruning template images: {} has no readable record",
+                        entry.path().display()
+                    );
                     return;
                 };
                 in_use.insert(digest.trim_start_matches("sha256:").to_string());
@@ -1210,7 +1277,11 @@ impl Runtime {
         // An image's links to its template's files (and a sandbox's links to the image) are
         // counted by no one: only files no other name holds are the image's own.
         let images = self.inner.data.images();
-        let image_bytes = self.images().iter().map(|id| allocated_bytes(&images.join(id), true)).sum::<u64>();
+        let image_bytes = self
+            .images()
+            .iter()
+            .map(|id| allocated_bytes(&images.join(id), true))
+            .sum::<u64>();
         let pool_mib = {
             let pools = self.inner.pools.lock().unwrap();
             let claimed = self.inner.claimed.lock().unwrap();
@@ -1331,8 +1402,14 @@ impl Runtime {
                 save_ms: started.elapsed().as_millis() as u64,
                 digest: None,
             };
-            write_atomic(&dir.join(MANIFEST), &serde_json::to_vec_pretty(&manifest).expect("serializable"))?;
-            Ok::<_, RuntimeError>(Image { dir: dir.clone(), manifest })
+            write_atomic(
+                &dir.join(MANIFEST),
+                &serde_json::to_vec_pretty(&manifest).expect("serializable"),
+            )?;
+            Ok::<_, RuntimeError>(Image {
+                dir: dir.clone(),
+                manifest,
+            })
         }
         .await;
         if saved.is_err() {
@@ -1360,7 +1437,10 @@ impl Runtime {
                 digest: Some(digest.clone()),
                 ..image.manifest.clone()
             };
-            write_atomic(&image.dir.join(MANIFEST), &serde_json::to_vec_pretty(&manifest).expect("serializable"))?;
+            write_atomic(
+                &image.dir.join(MANIFEST),
+                &serde_json::to_vec_pretty(&manifest).expect("serializable"),
+            )?;
             tracing::info!(image = %manifest.id, %digest, ms = started.elapsed().as_millis() as u64, "image digested");
             Ok(digest)
         })
@@ -1509,7 +1589,10 @@ impl Runtime {
             let mut link = vm.net.clone();
             if let (Some(net), Some(l)) = (&self.inner.net, link.as_mut()) {
                 net.reattach(l).await?;
-                write_atomic(&SandboxLink::record_path(&dir), &serde_json::to_vec_pretty(l).expect("serializable"))?;
+                write_atomic(
+                    &SandboxLink::record_path(&dir),
+                    &serde_json::to_vec_pretty(l).expect("serializable"),
+                )?;
             }
             let client = vm.agent().await?;
             client.set_identity(&identity(&vm.record, Some(env))).await?;
@@ -1520,7 +1603,10 @@ impl Runtime {
                 let mut record = vm.record.clone();
                 record.start = StartKind::Pool;
                 record.start_ms = started.elapsed().as_millis() as u64;
-                let _ = write_atomic(&dir.join("sandbox.json"), &serde_json::to_vec_pretty(&record).expect("serializable"));
+                let _ = write_atomic(
+                    &dir.join("sandbox.json"),
+                    &serde_json::to_vec_pretty(&record).expect("serializable"),
+                );
                 let _ = std::fs::remove_file(dir.join(crate::pool::MARKER));
                 Ok(self.adopt(record, vm.vm.clone(), link, Some(client), false))
             }
@@ -1577,7 +1663,13 @@ impl Runtime {
                     // Its first command warms what every first command costs (under TCG, the
                     // translation of the agent's spawn path): the platform's own `true`, which
                     // leaves nothing behind, before any tenant's.
-                    Ok(sb) => match sb.run(ProcessSpec { argv: vec!["true".into()], ..Default::default() }).await {
+                    Ok(sb) => match sb
+                        .run(ProcessSpec {
+                            argv: vec!["true".into()],
+                            ..Default::default()
+                        })
+                        .await
+                    {
                         Ok(_) => Ok(sb),
                         Err(e) => {
                             rt.discard_unadopted(&sb).await;
@@ -1617,10 +1709,13 @@ impl Runtime {
     pub async fn drain_pools(&self) {
         let vms: Vec<Arc<Sandbox>> = {
             let mut pools = self.inner.pools.lock().unwrap();
-            let mut v: Vec<_> = pools.values_mut().flat_map(|p| {
-                p.target = 0;
-                p.ready.drain(..).collect::<Vec<_>>()
-            }).collect();
+            let mut v: Vec<_> = pools
+                .values_mut()
+                .flat_map(|p| {
+                    p.target = 0;
+                    p.ready.drain(..).collect::<Vec<_>>()
+                })
+                .collect();
             v.extend(self.inner.claimed.lock().unwrap().drain().map(|(_, sb)| sb));
             v
         };
@@ -1674,7 +1769,8 @@ impl Runtime {
         let saving = async {
             let to = create_state_file(&dir.join(format!("{SUSPEND_STATE}.tmp")))?;
             snapshotting.save_state(&sb.vm, to, SUSPEND_LIMIT).await?;
-            std::fs::rename(dir.join(format!("{SUSPEND_STATE}.tmp")), &state).map_err(|e| RuntimeError::io(&state, e))?;
+            std::fs::rename(dir.join(format!("{SUSPEND_STATE}.tmp")), &state)
+                .map_err(|e| RuntimeError::io(&state, e))?;
             std::fs::metadata(&state).map_err(|e| RuntimeError::io(&state, e))
         };
         let saved = match saving.await {
@@ -1697,7 +1793,10 @@ impl Runtime {
             state_bytes: saved.len(),
             save_ms: started.elapsed().as_millis() as u64,
         };
-        write_atomic(&dir.join(SUSPEND_MARKER), &serde_json::to_vec_pretty(&marker).expect("serializable"))?;
+        write_atomic(
+            &dir.join(SUSPEND_MARKER),
+            &serde_json::to_vec_pretty(&marker).expect("serializable"),
+        )?;
         // Suspended before it leaves the running ones: it is never seen as gone.
         self.inner
             .suspended
@@ -1730,7 +1829,10 @@ impl Runtime {
             .get(id)
             .cloned()
             .ok_or_else(|| RuntimeError::UnknownSandbox(id.into()))?;
-        let machine = record.machine.clone().ok_or_else(|| RuntimeError::UnknownSandbox(id.into()))?;
+        let machine = record
+            .machine
+            .clone()
+            .ok_or_else(|| RuntimeError::UnknownSandbox(id.into()))?;
         let dir = self.inner.data.sandboxes().join(id);
         let limit = self.inner.boot_timeout;
         let started = Instant::now();
@@ -1745,7 +1847,9 @@ impl Runtime {
         let result = async {
             let vm = self.start_vm(id, &dir, spec, &mut link, false).await?;
             let ready = async {
-                self.snapshotting("resume")?.complete_restore(&vm, SUSPEND_LIMIT).await?;
+                self.snapshotting("resume")?
+                    .complete_restore(&vm, SUSPEND_LIMIT)
+                    .await?;
                 let client = AgentClient::connect_within(&vm.agent_socket, limit).await?;
                 // Its environment is in its saved memory already.
                 client.set_identity(&identity(&record, None)).await?;
@@ -1787,7 +1891,9 @@ impl Runtime {
         let stopped = self.inner.vmm.stop(&sb.vm, Duration::from_secs(5)).await;
         self.inner.sandboxes.lock().unwrap().remove(id);
         self.remove_network(sb.net.as_ref()).await;
-        self.inner.discard(&sb.vm.dir).map_err(|e| RuntimeError::io(&sb.vm.dir, e))?;
+        self.inner
+            .discard(&sb.vm.dir)
+            .map_err(|e| RuntimeError::io(&sb.vm.dir, e))?;
         stopped
     }
 }
@@ -1842,7 +1948,13 @@ fn identity(record: &SandboxRecord, env: Option<&BTreeMap<String, String>>) -> a
 }
 
 /// A sandbox's handle, not yet in any runtime map.
-fn sandbox(record: SandboxRecord, vm: VmHandle, net: Option<SandboxLink>, client: Option<AgentClient>, paused: bool) -> Arc<Sandbox> {
+fn sandbox(
+    record: SandboxRecord,
+    vm: VmHandle,
+    net: Option<SandboxLink>,
+    client: Option<AgentClient>,
+    paused: bool,
+) -> Arc<Sandbox> {
     Arc::new(Sandbox {
         record,
         vm,
@@ -1895,7 +2007,10 @@ async fn ready_or_died(
     ready: impl std::future::Future<Output = Result<AgentClient>>,
 ) -> Result<AgentClient> {
     let died = async { while !wait_exit(vm.pid, Duration::from_secs(3600)).await {} };
-    let failed = |reason: String| RuntimeError::BootFailed { id: id.to_string(), reason };
+    let failed = |reason: String| RuntimeError::BootFailed {
+        id: id.to_string(),
+        reason,
+    };
     tokio::select! {
         r = ready => r.map_err(|e| failed(format!("{doing}: {e}; console:\n{}", vm.console_tail(12)))),
         _ = died => Err(failed(format!("the VMM exited during {doing}; console:\n{}", vm.console_tail(12)))),

@@ -66,7 +66,8 @@ impl BaseSnapshot {
     /// The snapshot under `root` for `key`, if one is complete there.
     pub fn find(root: &Path, key: &str) -> Option<Self> {
         let dir = root.join(key);
-        let manifest: SnapshotManifest = serde_json::from_slice(&std::fs::read(dir.join("manifest.json")).ok()?).ok()?;
+        let manifest: SnapshotManifest =
+            serde_json::from_slice(&std::fs::read(dir.join("manifest.json")).ok()?).ok()?;
         let snap = Self { dir, manifest };
         (snap.manifest.key == key && snap.memory().is_file() && snap.state().is_file() && snap.disk().is_file())
             .then_some(snap)
@@ -122,7 +123,8 @@ pub fn create_memory_file(dir: &Path, memory_mib: u32) -> Result<PathBuf> {
         .mode(0o600)
         .open(&path)
         .map_err(|e| RuntimeError::io(&path, e))?;
-    f.set_len((memory_mib as u64) << 20).map_err(|e| RuntimeError::io(&path, e))?;
+    f.set_len((memory_mib as u64) << 20)
+        .map_err(|e| RuntimeError::io(&path, e))?;
     std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o666)).map_err(|e| RuntimeError::io(&path, e))?;
     Ok(path)
 }
@@ -132,12 +134,17 @@ pub fn create_memory_file(dir: &Path, memory_mib: u32) -> Result<PathBuf> {
 pub fn seal(root: &Path, build_dir: &Path, manifest: SnapshotManifest) -> Result<BaseSnapshot> {
     use std::os::unix::fs::PermissionsExt;
     let memory = memory_path(build_dir);
-    std::fs::set_permissions(&memory, std::fs::Permissions::from_mode(0o644)).map_err(|e| RuntimeError::io(&memory, e))?;
+    std::fs::set_permissions(&memory, std::fs::Permissions::from_mode(0o644))
+        .map_err(|e| RuntimeError::io(&memory, e))?;
     // The clones' VMMs are handed the others as fds: only the server reads them by path.
     for path in [state_path(build_dir), disk_path(build_dir)] {
-        std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o600)).map_err(|e| RuntimeError::io(&path, e))?;
+        std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o600))
+            .map_err(|e| RuntimeError::io(&path, e))?;
     }
-    for entry in std::fs::read_dir(build_dir).map_err(|e| RuntimeError::io(build_dir, e))?.flatten() {
+    for entry in std::fs::read_dir(build_dir)
+        .map_err(|e| RuntimeError::io(build_dir, e))?
+        .flatten()
+    {
         let name = entry.file_name().to_string_lossy().to_string();
         if !["memory", "state", "disk.qcow2"].contains(&name.as_str()) {
             let _ = std::fs::remove_file(entry.path());
@@ -213,9 +220,14 @@ mod tests {
         std::fs::create_dir_all(root.join(format!("{BUILD_PREFIX}snap1234"))).unwrap();
         let digests = ["sha256:aa".to_string()].into_iter().collect();
         let names = |v: Vec<PathBuf>| -> Vec<String> {
-            v.iter().map(|p| p.file_name().unwrap().to_string_lossy().into_owned()).collect()
+            v.iter()
+                .map(|p| p.file_name().unwrap().to_string_lossy().into_owned())
+                .collect()
         };
-        assert_eq!(names(stale(root, &digests, Some("qemu 10"))), ["no-manifest", "old-qemu", "old-template"]);
+        assert_eq!(
+            names(stale(root, &digests, Some("qemu 10"))),
+            ["no-manifest", "old-qemu", "old-template"]
+        );
         assert!(BaseSnapshot::find(root, "current").is_some());
         // A VMM that cannot restore keeps none.
         assert_eq!(stale(root, &digests, None).len(), 4);

@@ -519,7 +519,10 @@ impl TemplateStore {
         let venv = self.data.cache().join("pip-venv");
         if !venv.join("bin/pip").exists() {
             let _ = std::fs::remove_dir_all(&venv);
-            run(Command::new("python3").args(["-m", "venv"]).arg(&venv), "python3 -m venv (for pip)")?;
+            run(
+                Command::new("python3").args(["-m", "venv"]).arg(&venv),
+                "python3 -m venv (for pip)",
+            )?;
         }
         let tmp = dir.join(format!(".download-{}", random_hex(4)));
         let res = (|| {
@@ -592,7 +595,9 @@ impl TemplateStore {
                 if ran.is_ok() || attempt == ATTEMPTS {
                     break ran;
                 }
-                progress.warn(&format!("debootstrap failed (attempt {attempt} of {ATTEMPTS}); trying again in 10 s"));
+                progress.warn(&format!(
+                    "debootstrap failed (attempt {attempt} of {ATTEMPTS}); trying again in 10 s"
+                ));
                 attempt += 1;
                 std::thread::sleep(std::time::Duration::from_secs(10));
             };
@@ -791,7 +796,9 @@ fn apt_install(root: &Path, packages: &[String], log: &Path, progress: &Progress
             Ok(()) => return Ok(()),
             Err(e) if attempt == ATTEMPTS => return Err(e),
             Err(_) => {
-                progress.warn(&format!("apt failed (attempt {attempt} of {ATTEMPTS}); trying again in 10 s"));
+                progress.warn(&format!(
+                    "apt failed (attempt {attempt} of {ATTEMPTS}); trying again in 10 s"
+                ));
                 attempt += 1;
                 std::thread::sleep(std::time::Duration::from_secs(10));
             }
@@ -1599,7 +1606,10 @@ I: Base system installed successfully.
             assert!(w.file_name().ends_with(".whl"), "{}", w.file);
             let req = w.requirement();
             let (name, version) = req.split_once("==").unwrap();
-            assert!(!name.is_empty() && version.starts_with(|c: char| c.is_ascii_digit()), "{req}");
+            assert!(
+                !name.is_empty() && version.starts_with(|c: char| c.is_ascii_digit()),
+                "{req}"
+            );
             assert!(w.sha256.len() == 64 && w.sha256.chars().all(|c| c.is_ascii_hexdigit()));
         }
         assert!(definition(SEED).unwrap().wheels.is_empty() && definition(BASE).unwrap().wheels.is_empty());
@@ -1624,9 +1634,18 @@ I: Base system installed successfully.
         };
         assert!(serde_json::to_value(&plain).unwrap().get("apt").is_none());
         // The debootstrap cache key of a recipe without an apt step is what it always was.
-        let old_key = serde_json::json!([plain.suite, plain.variant, plain.packages, plain.mirror, BUILDER_VERSION]);
+        let old_key = serde_json::json!([
+            plain.suite,
+            plain.variant,
+            plain.packages,
+            plain.mirror,
+            BUILDER_VERSION
+        ]);
         assert_eq!(plain.base_key(), sha256_hex(old_key.to_string().as_bytes())[..16]);
-        let with_npm = SeedRecipe { apt: vec!["npm".into()], ..plain.clone() };
+        let with_npm = SeedRecipe {
+            apt: vec!["npm".into()],
+            ..plain.clone()
+        };
         assert_ne!(with_npm.base_key(), plain.base_key());
         assert_ne!(with_npm.digest(), plain.digest());
         assert_eq!(definition(BASE).unwrap().apt, ["npm"]);

@@ -57,7 +57,9 @@ pub fn runtime() -> Runtime {
         .get_or_init(|| {
             block_on(async {
                 build_seed().await;
-                Runtime::open(RuntimeOptions::new(test_data_dir())).await.expect("runtime opens")
+                Runtime::open(RuntimeOptions::new(test_data_dir()))
+                    .await
+                    .expect("runtime opens")
             })
         })
         .clone()

@@ -46,7 +46,10 @@ fn child_creates_sandbox_and_exits() {
         // Suspended with a file written and a process running that counts on.
         let held = rt.create(seed()).await.unwrap();
         let agent = held.agent().await.unwrap();
-        agent.write_file("/home/user/kept.txt", None, &b"kept on disk"[..]).await.unwrap();
+        agent
+            .write_file("/home/user/kept.txt", None, &b"kept on disk"[..])
+            .await
+            .unwrap();
         let counter = agent
             // Written whole (a rename): a reader never sees the file half-written, empty.
             .spawn(&sh("i=0; while true; do i=$((i+1)); echo $i > /tmp/count.new; mv /tmp/count.new /tmp/count; sleep 0.1; done"))
@@ -57,7 +60,12 @@ fn child_creates_sandbox_and_exits() {
         let timing = rt.suspend(held.id()).await.unwrap();
         assert!(!pid_alive(pid), "the suspended VM's QEMU still runs");
         assert!(rt.is_suspended(held.id()) && rt.get(held.id()).is_err());
-        println!("SUSPENDED_ID={} COUNTER={} SAVE_MS={}", held.id(), counter.pid, timing.ms);
+        println!(
+            "SUSPENDED_ID={} COUNTER={} SAVE_MS={}",
+            held.id(),
+            counter.pid,
+            timing.ms
+        );
     });
 }
 
@@ -101,7 +109,13 @@ fn vm_survives_its_creator_and_is_reattached() {
         let orphan_id = orphan_dir.file_name().unwrap().to_string_lossy().into_owned();
         let cgroups = std::fs::read_dir("/sys/fs/cgroup").unwrap().flatten().map(|c| c.path());
         for c in cgroups {
-            let leftover = c.join("airlock").read_dir().into_iter().flatten().flatten().any(|tag| tag.path().join(&orphan_id).exists());
+            let leftover = c
+                .join("airlock")
+                .read_dir()
+                .into_iter()
+                .flatten()
+                .flatten()
+                .any(|tag| tag.path().join(&orphan_id).exists());
             assert!(!leftover, "a cgroup of the unrecorded VM is left in {}", c.display());
         }
         let sb = rt.get(&id).expect("re-attached after restart");
@@ -131,24 +145,33 @@ fn vm_survives_its_creator_and_is_reattached() {
         assert!(!netns.exists(), "{} left", netns.display());
 
         // The suspended sandbox: found suspended (no VM, no network), resumed as it was.
-        let held = stdout.split("SUSPENDED_ID=").nth(1).expect("child printed the suspended id");
+        let held = stdout
+            .split("SUSPENDED_ID=")
+            .nth(1)
+            .expect("child printed the suspended id");
         let mut parts = held.split_whitespace();
         let held_id = parts.next().unwrap().to_string();
         let counter_pid: u32 = parts.next().unwrap().trim_start_matches("COUNTER=").parse().unwrap();
         assert!(rt.is_suspended(&held_id), "found suspended after the restart");
         let held_dir = test_data_dir().join("sandboxes").join(&held_id);
         assert!(held_dir.join("suspend.state").is_file());
-        let held_ns = std::path::Path::new(airlock_runtime::net::NETNS_DIR)
-            .join(rt.network().unwrap().netns_name(&held_id));
+        let held_ns =
+            std::path::Path::new(airlock_runtime::net::NETNS_DIR).join(rt.network().unwrap().netns_name(&held_id));
         assert!(!held_ns.exists(), "a suspended sandbox keeps no network");
         let started = std::time::Instant::now();
         rt.resume(&held_id).await.unwrap();
         eprintln!("resumed in {} ms", started.elapsed().as_millis());
         assert!(!rt.is_suspended(&held_id));
-        assert!(!held_dir.join("suspend.state").exists(), "the saved state goes once resumed");
+        assert!(
+            !held_dir.join("suspend.state").exists(),
+            "the saved state goes once resumed"
+        );
         let sb = rt.get(&held_id).unwrap();
         let agent = sb.agent().await.unwrap();
-        assert_eq!(&agent.read_file("/home/user/kept.txt").await.unwrap()[..], b"kept on disk");
+        assert_eq!(
+            &agent.read_file("/home/user/kept.txt").await.unwrap()[..],
+            b"kept on disk"
+        );
         let out = sb
             .run(sh(&format!(
                 "kill -0 {counter_pid} && a=$(cat /tmp/count); sleep 1; b=$(cat /tmp/count); echo $a $b; hostname"
@@ -159,7 +182,10 @@ fn vm_survives_its_creator_and_is_reattached() {
         assert_eq!(out.exit.exit_code, Some(0), "the counting process is gone: {text}");
         let mut lines = text.lines();
         let counts: Vec<u64> = lines.next().unwrap().split(' ').map(|n| n.parse().unwrap()).collect();
-        assert!(counts[0] >= 3 && counts[1] > counts[0], "it counts on from where it was: {counts:?}");
+        assert!(
+            counts[0] >= 3 && counts[1] > counts[0],
+            "it counts on from where it was: {counts:?}"
+        );
         assert_eq!(lines.next(), Some(held_id.as_str()));
         let eth0 = sb.run(sh("cat /sys/class/net/eth0/operstate")).await.unwrap();
         assert_eq!(String::from_utf8_lossy(&eth0.stdout), "up\n");

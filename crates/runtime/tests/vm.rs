@@ -435,8 +435,15 @@ fn qemu_runs_jailed() {
             .collect::<Vec<_>>()
     };
     let uid = field("Uid");
-    assert!(uid.iter().all(|u| u == &uid[0]) && uid[0] != "0", "QEMU runs as uid {uid:?}");
-    assert!(field("Gid").iter().all(|g| g == &uid[0]), "QEMU's gids {:?}", field("Gid"));
+    assert!(
+        uid.iter().all(|u| u == &uid[0]) && uid[0] != "0",
+        "QEMU runs as uid {uid:?}"
+    );
+    assert!(
+        field("Gid").iter().all(|g| g == &uid[0]),
+        "QEMU's gids {:?}",
+        field("Gid")
+    );
     assert!(field("Groups").is_empty(), "QEMU keeps groups {:?}", field("Groups"));
     assert_eq!(field("Seccomp"), ["2"], "QEMU is not under its seccomp filter");
     assert_eq!(field("NoNewPrivs"), ["1"]);
@@ -450,7 +457,10 @@ fn qemu_runs_jailed() {
     let mountinfo = std::fs::read_to_string(format!("/proc/{pid}/mountinfo")).unwrap();
     for line in mountinfo.lines() {
         let options = line.split(' ').nth(5).unwrap();
-        assert!(options.split(',').any(|o| o == "ro"), "a writable mount in QEMU's view: {line}");
+        assert!(
+            options.split(',').any(|o| o == "ro"),
+            "a writable mount in QEMU's view: {line}"
+        );
     }
 
     // Only what it was handed: its sandbox's files, the template's blobs, a base snapshot's
@@ -461,10 +471,15 @@ fn qemu_runs_jailed() {
         let target = std::fs::read_link(fd.path()).unwrap();
         let t = target.display().to_string();
         if target.starts_with(data.join("snapshots")) {
-            let info = std::fs::read_to_string(format!("/proc/{pid}/fdinfo/{}", fd.file_name().to_string_lossy())).unwrap();
+            let info =
+                std::fs::read_to_string(format!("/proc/{pid}/fdinfo/{}", fd.file_name().to_string_lossy())).unwrap();
             let flags = info.lines().find_map(|l| l.strip_prefix("flags:")).unwrap().trim();
             let flags = u32::from_str_radix(flags, 8).unwrap();
-            assert_eq!(flags & libc::O_ACCMODE as u32, libc::O_RDONLY as u32, "{t} is open for writing");
+            assert_eq!(
+                flags & libc::O_ACCMODE as u32,
+                libc::O_RDONLY as u32,
+                "{t} is open for writing"
+            );
             continue;
         }
         let ok = target.starts_with(&sb.vm.dir)
@@ -484,7 +499,11 @@ fn qemu_runs_jailed() {
     let read = |dir: &std::path::Path, f: &str| std::fs::read_to_string(dir.join(f)).ok().map(|s| s.trim().to_string());
     let mut seen = (false, false);
     for dir in &cgroups {
-        assert!(dir.ends_with(sb.id()), "QEMU's cgroup {} is not its sandbox's", dir.display());
+        assert!(
+            dir.ends_with(sb.id()),
+            "QEMU's cgroup {} is not its sandbox's",
+            dir.display()
+        );
         if let Some(m) = read(dir, "memory.max").or_else(|| read(dir, "memory.limit_in_bytes")) {
             assert_eq!(m, memory.to_string(), "memory limit in {}", dir.display());
             seen.0 = true;
@@ -512,7 +531,11 @@ fn qemu_has_an_empty_network_namespace_of_its_own() {
     let pid = sb.vm.pid;
     let ns = |p: &str| std::fs::read_link(p).unwrap().display().to_string();
     let qemu_net = ns(&format!("/proc/{pid}/ns/net"));
-    assert_ne!(qemu_net, ns("/proc/self/ns/net"), "QEMU is in the host's network namespace");
+    assert_ne!(
+        qemu_net,
+        ns("/proc/self/ns/net"),
+        "QEMU is in the host's network namespace"
+    );
     let link = sb.net.as_ref().expect("the sandbox has a network");
     let sandbox_ns = std::path::Path::new(airlock_runtime::net::NETNS_DIR).join(&link.netns);
     let sandbox_net = format!("net:[{}]", std::fs::metadata(&sandbox_ns).unwrap().ino());
@@ -530,7 +553,11 @@ fn qemu_has_an_empty_network_namespace_of_its_own() {
         .args(["-t", &pid.to_string(), "-n", "ip", "-o", "link"])
         .output()
         .unwrap();
-    assert!(out.status.success(), "nsenter: {}", String::from_utf8_lossy(&out.stderr));
+    assert!(
+        out.status.success(),
+        "nsenter: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     let links = String::from_utf8(out.stdout).unwrap();
     let names: Vec<&str> = links.lines().filter_map(|l| l.split(": ").nth(1)).collect();
     assert_eq!(names, ["lo"], "QEMU's namespace has {links}");
@@ -631,10 +658,19 @@ fn creates_restore_from_a_base_snapshot_with_an_identity_of_their_own() {
             let lines: Vec<&str> = text.lines().collect();
             assert_eq!(lines.len(), 4, "{text}");
             assert_eq!(lines[0], sb.id());
-            assert!(lines[1].len() == 32 && lines[1].chars().all(|c| c.is_ascii_hexdigit()), "{text}");
+            assert!(
+                lines[1].len() == 32 && lines[1].chars().all(|c| c.is_ascii_hexdigit()),
+                "{text}"
+            );
             let guest_now: i64 = lines[3].parse().unwrap();
-            let host_now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_secs() as i64;
-            assert!((guest_now - host_now).abs() <= 5, "guest clock {guest_now}, host {host_now}");
+            let host_now = std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .unwrap()
+                .as_secs() as i64;
+            assert!(
+                (guest_now - host_now).abs() <= 5,
+                "guest clock {guest_now}, host {host_now}"
+            );
             let boot_id = sb.agent().await.unwrap().health().await.unwrap().boot_id;
             seen.push((lines[1].to_string(), lines[2].to_string(), boot_id));
         }
@@ -647,7 +683,11 @@ fn creates_restore_from_a_base_snapshot_with_an_identity_of_their_own() {
         assert_eq!(a.run(sh("echo a > /etc/only-a")).await.unwrap().exit.exit_code, Some(0));
         let bb = b.agent().await.unwrap();
         for path in ["/home/user/only-a.txt", "/etc/only-a"] {
-            assert_eq!(bb.stat(path).await.unwrap_err().code(), Some(ErrorCode::NotFound), "{path}");
+            assert_eq!(
+                bb.stat(path).await.unwrap_err().code(),
+                Some(ErrorCode::NotFound),
+                "{path}"
+            );
         }
         // A clone suspends and resumes too (its RAM was a private mapping of the snapshot's):
         // same machine id, its file and a process that counts on, its clock set again.
@@ -658,16 +698,26 @@ fn creates_restore_from_a_base_snapshot_with_an_identity_of_their_own() {
         assert!(rt.is_suspended(&a_id));
         let resumed_at = std::time::Instant::now();
         rt.resume(&a_id).await.unwrap();
-        eprintln!("clone suspended in {} ms, resumed in {} ms", saved.ms, resumed_at.elapsed().as_millis());
+        eprintln!(
+            "clone suspended in {} ms, resumed in {} ms",
+            saved.ms,
+            resumed_at.elapsed().as_millis()
+        );
         let a = rt.get(&a_id).unwrap();
         let out = a
-            .run(sh(&format!("cat /home/user/only-a.txt; echo; cat /etc/machine-id; kill -0 {} && echo alive; date +%s", sleeper.pid)))
+            .run(sh(&format!(
+                "cat /home/user/only-a.txt; echo; cat /etc/machine-id; kill -0 {} && echo alive; date +%s",
+                sleeper.pid
+            )))
             .await
             .unwrap();
         let text = String::from_utf8_lossy(&out.stdout).to_string();
         let lines: Vec<&str> = text.lines().collect();
         assert_eq!(lines[..3], ["a", seen[0].0.as_str(), "alive"], "{text}");
-        let host_now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_secs() as i64;
+        let host_now = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap()
+            .as_secs() as i64;
         assert!((lines[3].parse::<i64>().unwrap() - host_now).abs() <= 5, "{text}");
         for sb in [&a, &b] {
             rt.delete(sb.id()).await.unwrap();
@@ -683,7 +733,10 @@ fn sandboxes_from_a_saved_image_have_its_processes_and_files_and_lives_of_their_
     let parent = create();
     block_on(async {
         let agent = parent.agent().await.unwrap();
-        agent.write_file("/home/user/before.txt", None, &b"before"[..]).await.unwrap();
+        agent
+            .write_file("/home/user/before.txt", None, &b"before"[..])
+            .await
+            .unwrap();
         let counter = agent
             // Written whole (a rename): a reader never sees the file half-written, empty.
             .spawn(&sh("i=0; while true; do i=$((i+1)); echo $i > /tmp/count.new; mv /tmp/count.new /tmp/count; sleep 0.1; done"))
@@ -736,21 +789,40 @@ fn sandboxes_from_a_saved_image_have_its_processes_and_files_and_lives_of_their_
             let lines: Vec<&str> = text.lines().collect();
             assert_eq!(lines[..2], ["before", "alive"], "{text}");
             let counts: Vec<u64> = lines[2].split(' ').map(|c| c.parse().unwrap()).collect();
-            assert!(counts[0] >= 3 && counts[1] > counts[0], "the counter runs on in child {n}: {text}");
+            assert!(
+                counts[0] >= 3 && counts[1] > counts[0],
+                "the counter runs on in child {n}: {text}"
+            );
             assert_eq!(lines[3], child.id());
             machine_ids.push(lines[4].as_bytes().to_vec());
             // Its own disk from here on.
             let mine = format!("/home/user/child-{n}.txt");
-            child.agent().await.unwrap().write_file(&mine, None, &b"mine"[..]).await.unwrap();
+            child
+                .agent()
+                .await
+                .unwrap()
+                .write_file(&mine, None, &b"mine"[..])
+                .await
+                .unwrap();
         }
         machine_ids.sort();
         machine_ids.dedup();
-        assert_eq!(machine_ids.len(), 3, "parent and children have machine ids of their own");
+        assert_eq!(
+            machine_ids.len(),
+            3,
+            "parent and children have machine ids of their own"
+        );
         for (n, child) in children.iter().enumerate() {
             let other = format!("/home/user/child-{}.txt", 1 - n);
-            assert_eq!(child.agent().await.unwrap().stat(&other).await.unwrap_err().code(), Some(ErrorCode::NotFound));
+            assert_eq!(
+                child.agent().await.unwrap().stat(&other).await.unwrap_err().code(),
+                Some(ErrorCode::NotFound)
+            );
         }
-        assert_eq!(agent.stat("/home/user/child-0.txt").await.unwrap_err().code(), Some(ErrorCode::NotFound));
+        assert_eq!(
+            agent.stat("/home/user/child-0.txt").await.unwrap_err().code(),
+            Some(ErrorCode::NotFound)
+        );
         // The image goes; the children run on (and can still suspend and resume).
         rt.delete_image(&image_id).unwrap();
         assert!(rt.image(&image_id).is_none());
@@ -760,7 +832,11 @@ fn sandboxes_from_a_saved_image_have_its_processes_and_files_and_lives_of_their_
         let again = rt.get(child.id()).unwrap();
         let out = again.run(sh("cat /home/user/child-0.txt")).await.unwrap();
         assert_eq!(String::from_utf8_lossy(&out.stdout), "mine");
-        for sb in children.iter().map(|c| c.id().to_string()).chain([parent.id().to_string()]) {
+        for sb in children
+            .iter()
+            .map(|c| c.id().to_string())
+            .chain([parent.id().to_string()])
+        {
             rt.delete(&sb).await.unwrap();
         }
     });
@@ -890,9 +966,10 @@ fn main() {
     let args = libtest_mimic::Arguments::from_args();
     let tests = vec![
         Trial::test("echo_prints_and_exits_zero", || catch(echo_prints_and_exits_zero)),
-        Trial::test("creates_restore_from_a_base_snapshot_with_an_identity_of_their_own", || {
-            catch(creates_restore_from_a_base_snapshot_with_an_identity_of_their_own)
-        }),
+        Trial::test(
+            "creates_restore_from_a_base_snapshot_with_an_identity_of_their_own",
+            || catch(creates_restore_from_a_base_snapshot_with_an_identity_of_their_own),
+        ),
         Trial::test("nonzero_exit_codes_are_reported", || {
             catch(nonzero_exit_codes_are_reported)
         }),

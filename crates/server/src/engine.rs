@@ -270,7 +270,11 @@ impl Engine {
                 budget,
             } => {
                 use crate::store::SnapshotAdmission;
-                match self.store.admit_snapshot(&snapshot, reserve_mib, &quota, &budget).await? {
+                match self
+                    .store
+                    .admit_snapshot(&snapshot, reserve_mib, &quota, &budget)
+                    .await?
+                {
                     SnapshotAdmission::Admitted => {}
                     SnapshotAdmission::NameTaken => {
                         return Err(CoreError::Conflict(format!(
@@ -392,10 +396,7 @@ impl Engine {
         let _ = self.store.set_operation_state(&op.id, OperationState::Running).await;
         match self.nodes.create(&row).await {
             Ok(booted) => {
-                let _ = self
-                    .store
-                    .set_sandbox_boot(&row.id, &booted)
-                    .await;
+                let _ = self.store.set_sandbox_boot(&row.id, &booted).await;
                 if let Some(image) = &row.image_id {
                     self.inherit_sessions(&row, image).await;
                 }

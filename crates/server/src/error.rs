@@ -85,7 +85,11 @@ pub enum CoreError {
     /// Too many failed sign-ins to the console account lately, from this client's address or
     /// (`from`) all remote ones: no password is even checked until the window has room again.
     #[error("too many failed sign-ins {from} in the last {window_s} s; retry in {retry_after_s} s")]
-    SignInThrottled { from: &'static str, window_s: u64, retry_after_s: u64 },
+    SignInThrottled {
+        from: &'static str,
+        window_s: u64,
+        retry_after_s: u64,
+    },
     /// A sandbox already runs as many sessions (processes started through either door) as the
     /// server allows at once.
     #[error("sandbox {sandbox} has {running} running sessions, its tenant's quota of {limit} (sessions_per_sandbox); wait for one to exit or kill one first")]
@@ -387,7 +391,11 @@ fn quota_message(tenant: &str, quota: &str, used: u64, asked: u64, limit: u64) -
         return format!("tenant {tenant} has {used} live sandboxes, its quota of {limit} (sandboxes); {how}");
     }
     // Disk is also held by snapshots and saved memory (and asked for by saves and suspends).
-    let holders = if quota == "disk_mib" { "live sandboxes and snapshots" } else { "live sandboxes" };
+    let holders = if quota == "disk_mib" {
+        "live sandboxes and snapshots"
+    } else {
+        "live sandboxes"
+    };
     format!(
         "tenant {tenant}'s {quota} quota is {limit}: its {holders} hold {used} and this one asks for {asked}; {how}"
     )

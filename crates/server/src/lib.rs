@@ -110,7 +110,10 @@ pub fn router(state: AppState) -> Router {
         .route("/sandboxes/{id}/fork", post(native::fork_sandbox))
         .route("/sandboxes/{id}/snapshots", post(native::create_snapshot))
         .route("/snapshots", get(native::list_snapshots))
-        .route("/snapshots/{id}", get(native::get_snapshot).delete(native::delete_snapshot))
+        .route(
+            "/snapshots/{id}",
+            get(native::get_snapshot).delete(native::delete_snapshot),
+        )
         .route("/operations/{id}", get(native::get_operation))
         .route(
             "/sandboxes/{id}/sessions",
@@ -141,7 +144,10 @@ pub fn router(state: AppState) -> Router {
         .with_state(core.clone());
     // The platform account's routes: sign in, then an admin token on every other.
     let admin = Router::new()
-        .route("/tenants", post(native::admin::create_tenant).get(native::admin::list_tenants))
+        .route(
+            "/tenants",
+            post(native::admin::create_tenant).get(native::admin::list_tenants),
+        )
         .route("/pools", get(native::admin::list_pools).put(native::admin::put_pool))
         .route("/system", get(native::admin::system))
         .route(
@@ -160,7 +166,10 @@ pub fn router(state: AppState) -> Router {
             "/tenants/{name}/keys",
             post(native::admin::create_key).get(native::admin::list_keys),
         )
-        .route("/tenants/{name}/keys/{key_id}", axum::routing::delete(native::admin::revoke_key))
+        .route(
+            "/tenants/{name}/keys/{key_id}",
+            axum::routing::delete(native::admin::revoke_key),
+        )
         .route("/audit", get(native::admin::audit))
         .fallback(native::not_found)
         .route_layer(axum::middleware::from_fn_with_state(
@@ -682,18 +691,29 @@ mod tests {
         use std::os::unix::fs::PermissionsExt;
         let d = tempfile::tempdir().unwrap();
         let out = std::process::Command::new(std::env::current_exe().unwrap())
-            .args(["tests::console_password_child", "--exact", "--nocapture", "--test-threads=1"])
+            .args([
+                "tests::console_password_child",
+                "--exact",
+                "--nocapture",
+                "--test-threads=1",
+            ])
             .env(CHILD_DATA_DIR, d.path())
             .stdin(std::process::Stdio::null())
             .output()
             .unwrap();
-        let (stdout, stderr) = (String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+        let (stdout, stderr) = (
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr),
+        );
         assert!(out.status.success(), "{stdout}\n{stderr}");
         for (name, text) in [("stdout", &stdout), ("stderr", &stderr)] {
             assert!(!text.contains(GENERATED), "the password is on {name}: {text}");
         }
         let path = d.path().join(super::CONSOLE_PASSWORD_FILE);
-        assert!(stderr.contains(&path.display().to_string()), "the log names the file: {stderr}");
+        assert!(
+            stderr.contains(&path.display().to_string()),
+            "the log names the file: {stderr}"
+        );
         assert_eq!(std::fs::read_to_string(&path).unwrap(), format!("{GENERATED}\n"));
         assert_eq!(std::fs::metadata(&path).unwrap().permissions().mode() & 0o777, 0o600);
     }

@@ -235,7 +235,11 @@ mod tests {
             h.append(hyper::header::SET_COOKIE, v.parse().unwrap());
         }
         host_only_cookies(&mut h);
-        let got: Vec<&str> = h.get_all(hyper::header::SET_COOKIE).iter().map(|v| v.to_str().unwrap()).collect();
+        let got: Vec<&str> = h
+            .get_all(hyper::header::SET_COOKIE)
+            .iter()
+            .map(|v| v.to_str().unwrap())
+            .collect();
         assert_eq!(got, ["sid=1; Path=/; HttpOnly", "a=2", "b=3; Path=/"]);
     }
 

@@ -24,7 +24,9 @@ async fn login_from(server_addr: SocketAddr, from: IpAddr, username: &str, passw
         .uri("/v1/admin/login")
         .header("host", server_addr.to_string())
         .header("content-type", "application/json")
-        .body(Body::from(json!({"username": username, "password": password}).to_string()))
+        .body(Body::from(
+            json!({"username": username, "password": password}).to_string(),
+        ))
         .unwrap();
     let res = sender.send_request(req).await.unwrap();
     let status = res.status().as_u16();
@@ -64,7 +66,12 @@ async fn burst(server: &Server, from: IpAddr, n: usize) -> (usize, usize) {
 async fn a_sign_in_burst_is_throttled_per_address_before_hashing() {
     let tmp = fresh();
     let server = Server::start(tmp.path(), 20, None).await;
-    let password = server.core().ensure_console_account(None).await.unwrap().expect("a generated password");
+    let password = server
+        .core()
+        .ensure_console_account(None)
+        .await
+        .unwrap()
+        .expect("a generated password");
     let attacker: IpAddr = "127.0.0.2".parse().unwrap();
     let (evaluated, throttled) = burst(&server, attacker, 50).await;
     eprintln!("sign-in attempts evaluated in a burst of 50: {evaluated}");
@@ -97,8 +104,13 @@ async fn a_sign_in_burst_is_throttled_per_address_before_hashing() {
         }
     }
     eprintln!("sign-in attempts evaluated in a burst of 50 from 50 remote addresses: {evaluated}");
-    assert!(evaluated <= airlock_server::core::sign_in::FAILURES_REMOTE, "{evaluated}");
-    let remote = core.login("root@local", &password, Some("198.51.100.7".parse().unwrap())).await;
+    assert!(
+        evaluated <= airlock_server::core::sign_in::FAILURES_REMOTE,
+        "{evaluated}"
+    );
+    let remote = core
+        .login("root@local", &password, Some("198.51.100.7".parse().unwrap()))
+        .await;
     assert_eq!(remote.unwrap_err().code().status, 429);
     let (status, body) = login_from(server.addr, owner, "root@local", &password).await;
     assert_eq!(status, 200, "{body}");
@@ -139,7 +151,11 @@ async fn a_flood_of_bad_keys_writes_a_bounded_number_of_audit_rows() {
     let rows = core.store.audit(&filter, 1000).await.unwrap();
     // One row a minute (two if the flood straddled a window).
     let minutes = started.elapsed().as_secs() / 60 + 2;
-    eprintln!("audit rows from 10,020 bad keys: {} in {:?}", rows.len(), started.elapsed());
+    eprintln!(
+        "audit rows from 10,020 bad keys: {} in {:?}",
+        rows.len(),
+        started.elapsed()
+    );
     assert!(rows.len() as u64 <= minutes, "{} rows", rows.len());
     // Read as the admin reads it, every bad key is counted.
     let admin = airlock_server::core::accounts::Admin {

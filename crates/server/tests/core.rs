@@ -944,10 +944,21 @@ async fn one_call_exec_streams_the_session_then_its_events() {
     let sid = first.2["id"].as_str().unwrap();
     assert_eq!(first.2["argv"], json!(["echo", "alive"]));
     // base64("alive\n")
-    assert!(rest.iter().any(|(e, _, d)| e == "stdout" && d["data"] == "YWxpdmUK"), "{events:?}");
+    assert!(
+        rest.iter().any(|(e, _, d)| e == "stdout" && d["data"] == "YWxpdmUK"),
+        "{events:?}"
+    );
     let last = rest.last().unwrap();
-    assert_eq!((last.0.as_str(), &last.2["exit_code"]), ("process_exited", &json!(0)), "{events:?}");
-    assert_eq!(sse_events(&server, &id, sid, 0).await, rest, "the session's stream has the same events");
+    assert_eq!(
+        (last.0.as_str(), &last.2["exit_code"]),
+        ("process_exited", &json!(0)),
+        "{events:?}"
+    );
+    assert_eq!(
+        sse_events(&server, &id, sid, 0).await,
+        rest,
+        "the session's stream has the same events"
+    );
     // Without that Accept: the session as JSON, as before.
     let s = server.session(&id, &["true"]).await;
     assert_eq!(s["state"], "running", "{s}");
@@ -1061,7 +1072,10 @@ async fn quota_is_one_limit_for_both_doors() {
             }
             ("e2b", 429, b) => {
                 assert_eq!(b["code"], 429, "{b}");
-                assert!(b["message"].as_str().unwrap().contains("its quota of 2 (sandboxes)"), "{b}");
+                assert!(
+                    b["message"].as_str().unwrap().contains("its quota of 2 (sandboxes)"),
+                    "{b}"
+                );
                 refused += 1;
             }
             (door, s, b) => panic!("{door}: unexpected {s} {b}"),
@@ -1702,7 +1716,8 @@ async fn set_quota(server: &Server, quota: Value) {
 }
 
 async fn create_sized(server: &Server, vcpu: u32, memory_mib: u32, disk_mib: u32) -> (u16, Value) {
-    let body = json!({ "template": "seed", "resources": { "vcpu": vcpu, "memory_mib": memory_mib, "disk_mib": disk_mib } });
+    let body =
+        json!({ "template": "seed", "resources": { "vcpu": vcpu, "memory_mib": memory_mib, "disk_mib": disk_mib } });
     server.v1(Method::POST, "/sandboxes", Some(body)).await
 }
 
@@ -1734,10 +1749,30 @@ async fn each_tenant_quota_refuses_by_name_and_creates_nothing() {
     assert_eq!(info["quota"]["creates_per_minute"], 60, "{info}");
 
     for (quota, first, second, needle) in [
-        (json!({"sandboxes": 1}), (1, 512, 2048), (1, 512, 2048), "has 1 live sandboxes, its quota of 1 (sandboxes)"),
-        (json!({"vcpu": 3}), (2, 512, 2048), (2, 512, 2048), "vcpu quota is 3: its live sandboxes hold 2 and this one asks for 2"),
-        (json!({"memory_mib": 1024}), (1, 768, 2048), (1, 512, 2048), "memory_mib quota is 1024: its live sandboxes hold 768 and this one asks for 512"),
-        (json!({"disk_mib": 5000}), (1, 512, 3000), (1, 512, 3000), "disk_mib quota is 5000: its live sandboxes and snapshots hold 3000 and this one asks for 3000"),
+        (
+            json!({"sandboxes": 1}),
+            (1, 512, 2048),
+            (1, 512, 2048),
+            "has 1 live sandboxes, its quota of 1 (sandboxes)",
+        ),
+        (
+            json!({"vcpu": 3}),
+            (2, 512, 2048),
+            (2, 512, 2048),
+            "vcpu quota is 3: its live sandboxes hold 2 and this one asks for 2",
+        ),
+        (
+            json!({"memory_mib": 1024}),
+            (1, 768, 2048),
+            (1, 512, 2048),
+            "memory_mib quota is 1024: its live sandboxes hold 768 and this one asks for 512",
+        ),
+        (
+            json!({"disk_mib": 5000}),
+            (1, 512, 3000),
+            (1, 512, 3000),
+            "disk_mib quota is 5000: its live sandboxes and snapshots hold 3000 and this one asks for 3000",
+        ),
     ] {
         set_quota(&server, quota.clone()).await;
         let (status, body) = create_sized(&server, first.0, first.1, first.2).await;
@@ -1745,7 +1780,11 @@ async fn each_tenant_quota_refuses_by_name_and_creates_nothing() {
         server.wait_op(body["operation"]["id"].as_str().unwrap()).await;
         let before = live_count(&server).await;
         let (status, body) = create_sized(&server, second.0, second.1, second.2).await;
-        assert_eq!((status, body["code"].as_str()), (429, Some("quota_exceeded")), "{quota}: {body}");
+        assert_eq!(
+            (status, body["code"].as_str()),
+            (429, Some("quota_exceeded")),
+            "{quota}: {body}"
+        );
         let m = body["message"].as_str().unwrap();
         assert!(m.contains(needle) && m.contains("tenant default"), "{quota}: {m}");
         // The E2B door (whose creates take the template's 1 vCPU, 512 MiB) refuses alike.
@@ -1768,10 +1807,19 @@ async fn each_tenant_quota_refuses_by_name_and_creates_nothing() {
     // Zero is refused by name, with the fix.
     let err = server
         .core()
-        .set_tenant_quota("default", airlock_server::model::Quota { vcpu: Some(0), ..Default::default() })
+        .set_tenant_quota(
+            "default",
+            airlock_server::model::Quota {
+                vcpu: Some(0),
+                ..Default::default()
+            },
+        )
         .await
         .unwrap_err();
-    assert!(err.to_string().contains("vcpu") && err.to_string().contains("at least 1"), "{err}");
+    assert!(
+        err.to_string().contains("vcpu") && err.to_string().contains("at least 1"),
+        "{err}"
+    );
     server.stop().await;
     assert_no_vms(tmp.path());
 }
@@ -1800,7 +1848,13 @@ async fn creates_per_minute_is_a_429_with_retry_after_on_both_doors() {
     assert!((1..=60).contains(&retry), "{retry}");
     let (status, b) = r.json().await;
     assert_eq!((status, b["code"].as_str()), (429, Some("rate_limited")), "{b}");
-    assert!(b["message"].as_str().unwrap().contains("may create 2 sandboxes a minute"), "{b}");
+    assert!(
+        b["message"]
+            .as_str()
+            .unwrap()
+            .contains("may create 2 sandboxes a minute"),
+        "{b}"
+    );
     let r = server
         .send(
             Method::POST,
@@ -1877,12 +1931,23 @@ async fn login_response(server: &Server, username: &str, password: &str) -> Resp
 async fn console_account_and_admin_routes() {
     let tmp = fresh();
     let server = Server::start(tmp.path(), 20, None).await;
-    let generated = server.core().ensure_console_account(None).await.unwrap().expect("a generated password");
+    let generated = server
+        .core()
+        .ensure_console_account(None)
+        .await
+        .unwrap()
+        .expect("a generated password");
     let core = server.core().clone();
     assert!(generated.len() >= 20);
-    assert!(core.ensure_console_account(None).await.unwrap().is_none(), "only the first start makes one");
+    assert!(
+        core.ensure_console_account(None).await.unwrap().is_none(),
+        "only the first start makes one"
+    );
     let db = std::fs::read(tmp.path().join("airlock.db")).unwrap();
-    assert!(!db.windows(generated.len()).any(|w| w == generated.as_bytes()), "only its hash is stored");
+    assert!(
+        !db.windows(generated.len()).any(|w| w == generated.as_bytes()),
+        "only its hash is stored"
+    );
     for (user, pw) in [
         ("root@local", ""),
         ("root@local", "admin"),
@@ -1891,7 +1956,11 @@ async fn console_account_and_admin_routes() {
         ("admin", "admin"),
     ] {
         let (status, body) = login(&server, user, pw).await;
-        assert_eq!((status, body["code"].as_str()), (401, Some("unauthorized")), "{user}/{pw}: {body}");
+        assert_eq!(
+            (status, body["code"].as_str()),
+            (401, Some("unauthorized")),
+            "{user}/{pw}: {body}"
+        );
     }
     // Five failures fill the minute's window: the next sign-in, even with the right password,
     // is refused before any password is checked, saying when to retry.
@@ -1908,7 +1977,11 @@ async fn console_account_and_admin_routes() {
     let server = server.restart().await;
     let core = server.core().clone();
     let (status, body) = login(&server, "root", &generated).await;
-    assert_eq!((status, body["code"].as_str()), (401, Some("unauthorized")), "only root@local: {body}");
+    assert_eq!(
+        (status, body["code"].as_str()),
+        (401, Some("unauthorized")),
+        "only root@local: {body}"
+    );
     let (status, t) = login(&server, "root@local", &generated).await;
     assert_eq!(status, 200, "{t}");
     let token = t["token"].as_str().unwrap().to_string();
@@ -1922,7 +1995,13 @@ async fn console_account_and_admin_routes() {
     assert!(sys["capacity"]["cpus"].is_u64() && sys["pools"].is_array(), "{sys}");
     let (status, body) = server.v1(Method::GET, "/admin/tenants", None).await;
     assert_eq!((status, body["code"].as_str()), (403, Some("forbidden")), "{body}");
-    assert_eq!(server.json(Method::GET, "/v1/admin/tenants", &[], Body::empty()).await.0, 401);
+    assert_eq!(
+        server
+            .json(Method::GET, "/v1/admin/tenants", &[], Body::empty())
+            .await
+            .0,
+        401
+    );
     assert_eq!(server.v1_as(&token, Method::GET, "/sandboxes", None).await.0, 401);
 
     // A second tenant with a key and a sandbox; deleting the tenant takes both.
@@ -1931,15 +2010,28 @@ async fn console_account_and_admin_routes() {
         .await;
     assert_eq!(status, 201);
     let (status, bad) = server
-        .v1_as(&token, Method::POST, "/admin/tenants", Some(json!({"name": "Two Words"})))
+        .v1_as(
+            &token,
+            Method::POST,
+            "/admin/tenants",
+            Some(json!({"name": "Two Words"})),
+        )
         .await;
     assert_eq!((status, bad["code"].as_str()), (422, Some("invalid_argument")), "{bad}");
     let (status, k) = server
-        .v1_as(&token, Method::POST, "/admin/tenants/two/keys", Some(json!({"name": "ci", "e2b": true})))
+        .v1_as(
+            &token,
+            Method::POST,
+            "/admin/tenants/two/keys",
+            Some(json!({"name": "ci", "e2b": true})),
+        )
         .await;
     assert_eq!(status, 201, "{k}");
     let key = k["key"].as_str().unwrap().to_string();
-    assert!(key.starts_with("e2b_") && k["id"].as_str().unwrap().starts_with("key_"), "{k}");
+    assert!(
+        key.starts_with("e2b_") && k["id"].as_str().unwrap().starts_with("key_"),
+        "{k}"
+    );
     let (status, created) = server
         .v1_as(&key, Method::POST, "/sandboxes", Some(json!({"template": "seed"})))
         .await;
@@ -1963,13 +2055,22 @@ async fn console_account_and_admin_routes() {
     }
     let (status, _) = server.v1_as(&token, Method::GET, "/admin/tenants/two", None).await;
     assert_eq!(status, 404);
-    let (status, _) = server.v1_as(&token, Method::DELETE, "/admin/tenants/default", None).await;
+    let (status, _) = server
+        .v1_as(&token, Method::DELETE, "/admin/tenants/default", None)
+        .await;
     assert_eq!(status, 409);
 
     // The audit log has each step, with no secret in it.
     let (_, audit) = server.v1_as(&token, Method::GET, "/admin/audit?limit=1000", None).await;
     let text = audit.to_string();
-    for action in ["login", "tenant.create", "key.create", "sandbox.create", "tenant.delete", "sandbox.delete"] {
+    for action in [
+        "login",
+        "tenant.create",
+        "key.create",
+        "sandbox.create",
+        "tenant.delete",
+        "sandbox.delete",
+    ] {
         assert!(text.contains(&format!("\"{action}\"")), "no {action} in {audit}");
     }
     for secret in [generated.as_str(), token.as_str(), key.as_str()] {
@@ -1978,11 +2079,23 @@ async fn console_account_and_admin_routes() {
     // Who: the key by its public id, the platform account for what it did.
     let key_actor = format!("key:{}", k["id"].as_str().unwrap());
     let rows = audit["entries"].as_array().unwrap();
-    assert!(rows.iter().any(|r| r["action"] == "sandbox.create" && r["actor"] == key_actor.as_str()), "{audit}");
-    assert!(rows.iter().any(|r| r["action"] == "sandbox.delete" && r["actor"] == "root@local"), "{audit}");
+    assert!(
+        rows.iter()
+            .any(|r| r["action"] == "sandbox.create" && r["actor"] == key_actor.as_str()),
+        "{audit}"
+    );
+    assert!(
+        rows.iter()
+            .any(|r| r["action"] == "sandbox.delete" && r["actor"] == "root@local"),
+        "{audit}"
+    );
 
     // A password chosen later replaces the generated one and ends its sign-ins.
-    assert!(core.ensure_console_account(Some("chosen-password-42")).await.unwrap().is_none());
+    assert!(core
+        .ensure_console_account(Some("chosen-password-42"))
+        .await
+        .unwrap()
+        .is_none());
     assert_eq!(server.v1_as(&token, Method::GET, "/admin/tenants", None).await.0, 401);
     assert_eq!(login(&server, "root@local", &generated).await.0, 401);
     assert_eq!(login(&server, "root@local", "chosen-password-42").await.0, 200);

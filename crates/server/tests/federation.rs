@@ -14,9 +14,9 @@ use common::*;
 use jsonwebtoken::{Algorithm, EncodingKey, Header};
 use serde_json::{json, Value};
 use std::path::Path;
+use std::process::Command;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
-use std::process::Command;
 use std::time::Duration;
 
 const ISSUER: &str = "https://idp.test";
@@ -25,7 +25,11 @@ const PROFILES: &str = r#"{"pypi": {"domains": ["pypi.org"], "default": true}, "
 
 fn openssl(args: &[&str]) -> Vec<u8> {
     let out = Command::new("openssl").args(args).output().expect("openssl");
-    assert!(out.status.success(), "openssl {args:?}: {}", String::from_utf8_lossy(&out.stderr));
+    assert!(
+        out.status.success(),
+        "openssl {args:?}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     out.stdout
 }
 
@@ -46,9 +50,18 @@ fn make_keys(dir: &Path) -> Keys {
     let ec = dir.join("ec.pem");
     let forger = dir.join("forger.pem");
     for (path, args) in [
-        (&rsa, vec!["genpkey", "-algorithm", "RSA", "-pkeyopt", "rsa_keygen_bits:2048"]),
-        (&forger, vec!["genpkey", "-algorithm", "RSA", "-pkeyopt", "rsa_keygen_bits:2048"]),
-        (&ec, vec!["genpkey", "-algorithm", "EC", "-pkeyopt", "ec_paramgen_curve:P-256"]),
+        (
+            &rsa,
+            vec!["genpkey", "-algorithm", "RSA", "-pkeyopt", "rsa_keygen_bits:2048"],
+        ),
+        (
+            &forger,
+            vec!["genpkey", "-algorithm", "RSA", "-pkeyopt", "rsa_keygen_bits:2048"],
+        ),
+        (
+            &ec,
+            vec!["genpkey", "-algorithm", "EC", "-pkeyopt", "ec_paramgen_curve:P-256"],
+        ),
     ] {
         let mut a = args.clone();
         a.extend(["-out", path.to_str().unwrap()]);
@@ -116,7 +129,10 @@ async fn signed_in_requests_verify_every_claim_and_only_they_pick_profiles() {
     server.core().store.create_tenant("acme").await.unwrap();
 
     // Good tokens, both algorithms: signed in as tenant acme.
-    for token in [sign_rsa(&keys.rsa_pem, "rsa-1", &claims()), sign_ec(&keys.ec_pem, &claims())] {
+    for token in [
+        sign_rsa(&keys.rsa_pem, "rsa-1", &claims()),
+        sign_ec(&keys.ec_pem, &claims()),
+    ] {
         let (status, me) = server.v1_as(&token, Method::GET, "/tenant", None).await;
         assert_eq!((status, me["name"].as_str()), (200, Some("acme")), "{me}");
     }
@@ -127,10 +143,22 @@ async fn signed_in_requests_verify_every_claim_and_only_they_pick_profiles() {
     for other in ["default", "beta"] {
         let token = sign_rsa(&keys.rsa_pem, "rsa-1", &with(claims(), "org", json!(other)));
         let (status, body) = server.v1_as(&token, Method::GET, "/tenant", None).await;
-        assert_eq!((status, body["code"].as_str()), (401, Some("unauthorized")), "{other}: {body}");
-        assert!(body["message"].as_str().unwrap().contains("may not name"), "{other}: {body}");
+        assert_eq!(
+            (status, body["code"].as_str()),
+            (401, Some("unauthorized")),
+            "{other}: {body}"
+        );
+        assert!(
+            body["message"].as_str().unwrap().contains("may not name"),
+            "{other}: {body}"
+        );
         let (status, body) = server
-            .json(Method::GET, "/v2/sandboxes", &[("authorization", &format!("Bearer {token}"))], Body::empty())
+            .json(
+                Method::GET,
+                "/v2/sandboxes",
+                &[("authorization", &format!("Bearer {token}"))],
+                Body::empty(),
+            )
             .await;
         assert_eq!(status, 401, "{other} on the E2B door: {body}");
         let rows = server.core().store.audit(&Default::default(), 1000).await.unwrap();
@@ -145,25 +173,70 @@ async fn signed_in_requests_verify_every_claim_and_only_they_pick_profiles() {
 
     // Everything else is a 401 saying why (and nothing about the keys).
     let cases = [
-        ("expired", sign_rsa(&keys.rsa_pem, "rsa-1", &with(claims(), "exp", json!(now() - 3600))), "expired"),
-        ("not yet valid", sign_rsa(&keys.rsa_pem, "rsa-1", &with(claims(), "nbf", json!(now() + 3600))), "not valid yet"),
+        (
+            "expired",
+            sign_rsa(&keys.rsa_pem, "rsa-1", &with(claims(), "exp", json!(now() - 3600))),
+            "expired",
+        ),
+        (
+            "not yet valid",
+            sign_rsa(&keys.rsa_pem, "rsa-1", &with(claims(), "nbf", json!(now() + 3600))),
+            "not valid yet",
+        ),
         ("forged", sign_rsa(&keys.forger_pem, "rsa-1", &claims()), "signature"),
-        ("wrong issuer", sign_rsa(&keys.rsa_pem, "rsa-1", &with(claims(), "iss", json!("https://evil.test"))), "issuer"),
-        ("wrong audience", sign_rsa(&keys.rsa_pem, "rsa-1", &with(claims(), "aud", json!("someone-else"))), "audience"),
-        ("unknown tenant", sign_rsa(&keys.rsa_pem, "rsa-1", &with(claims(), "org", json!("ghost"))), "not known"),
-        ("unbound tenant", sign_rsa(&keys.rsa_pem, "rsa-1", &with(claims(), "org", json!("nobody"))), "may not name"),
-        ("no tenant", sign_rsa(&keys.rsa_pem, "rsa-1", &with(claims(), "org", Value::Null)), "tenant"),
-        ("no expiry", sign_rsa(&keys.rsa_pem, "rsa-1", &with(claims(), "exp", Value::Null)), "claim"),
+        (
+            "wrong issuer",
+            sign_rsa(
+                &keys.rsa_pem,
+                "rsa-1",
+                &with(claims(), "iss", json!("https://evil.test")),
+            ),
+            "issuer",
+        ),
+        (
+            "wrong audience",
+            sign_rsa(&keys.rsa_pem, "rsa-1", &with(claims(), "aud", json!("someone-else"))),
+            "audience",
+        ),
+        (
+            "unknown tenant",
+            sign_rsa(&keys.rsa_pem, "rsa-1", &with(claims(), "org", json!("ghost"))),
+            "not known",
+        ),
+        (
+            "unbound tenant",
+            sign_rsa(&keys.rsa_pem, "rsa-1", &with(claims(), "org", json!("nobody"))),
+            "may not name",
+        ),
+        (
+            "no tenant",
+            sign_rsa(&keys.rsa_pem, "rsa-1", &with(claims(), "org", Value::Null)),
+            "tenant",
+        ),
+        (
+            "no expiry",
+            sign_rsa(&keys.rsa_pem, "rsa-1", &with(claims(), "exp", Value::Null)),
+            "claim",
+        ),
         (
             "hs256 with the public key as secret",
-            jsonwebtoken::encode(&Header::new(Algorithm::HS256), &claims(), &EncodingKey::from_secret(b"AQAB")).unwrap(),
+            jsonwebtoken::encode(
+                &Header::new(Algorithm::HS256),
+                &claims(),
+                &EncodingKey::from_secret(b"AQAB"),
+            )
+            .unwrap(),
             "algorithm",
         ),
         ("garbage", "a.b.c".to_string(), "malformed"),
     ];
     for (what, token, why) in cases {
         let (status, body) = server.v1_as(&token, Method::GET, "/tenant", None).await;
-        assert_eq!((status, body["code"].as_str()), (401, Some("unauthorized")), "{what}: {body}");
+        assert_eq!(
+            (status, body["code"].as_str()),
+            (401, Some("unauthorized")),
+            "{what}: {body}"
+        );
         assert!(body["message"].as_str().unwrap().contains(why), "{what}: {body}");
     }
 
@@ -176,15 +249,25 @@ async fn signed_in_requests_verify_every_claim_and_only_they_pick_profiles() {
         ("x-airlock-egress-profiles", "gh"),
     ];
     let body = Body::from(json!({"template": "seed"}).to_string());
-    let (status, created) = server.send(Method::POST, "/v1/sandboxes", &headers, body).await.json().await;
+    let (status, created) = server
+        .send(Method::POST, "/v1/sandboxes", &headers, body)
+        .await
+        .json()
+        .await;
     assert_eq!(status, 202, "{created}");
     let id = created["sandbox_id"].as_str().unwrap().to_string();
-    let (_, sb) = server.v1_as(&token, Method::GET, &format!("/sandboxes/{id}"), None).await;
+    let (_, sb) = server
+        .v1_as(&token, Method::GET, &format!("/sandboxes/{id}"), None)
+        .await;
     assert_eq!(sb["egress"]["profiles"], json!(["gh"]), "{sb}");
     // An unknown profile is a 400 naming it, for a signed-in caller.
     let headers = [headers[0], headers[1], ("x-airlock-egress-profiles", "nope")];
     let body = Body::from(json!({"template": "seed"}).to_string());
-    let (status, err) = server.send(Method::POST, "/v1/sandboxes", &headers, body).await.json().await;
+    let (status, err) = server
+        .send(Method::POST, "/v1/sandboxes", &headers, body)
+        .await
+        .json()
+        .await;
     assert_eq!(status, 400, "{err}");
     assert!(err["message"].as_str().unwrap().contains("nope"), "{err}");
     // The same header with an API key: ignored.
@@ -195,7 +278,11 @@ async fn signed_in_requests_verify_every_claim_and_only_they_pick_profiles() {
         ("x-airlock-egress-profiles", "gh"),
     ];
     let body = Body::from(json!({"template": "seed"}).to_string());
-    let (status, other) = server.send(Method::POST, "/v1/sandboxes", &headers, body).await.json().await;
+    let (status, other) = server
+        .send(Method::POST, "/v1/sandboxes", &headers, body)
+        .await
+        .json()
+        .await;
     assert_eq!(status, 202, "{other}");
     let other_id = other["sandbox_id"].as_str().unwrap().to_string();
     let (_, sb) = server.v1(Method::GET, &format!("/sandboxes/{other_id}"), None).await;
@@ -212,14 +299,27 @@ async fn signed_in_requests_verify_every_claim_and_only_they_pick_profiles() {
     };
     // Listed once running (E2B lists running and paused sandboxes).
     let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
-    while server.v1_as(&token, Method::GET, &format!("/sandboxes/{id}"), None).await.1["state"] != "running" {
+    while server
+        .v1_as(&token, Method::GET, &format!("/sandboxes/{id}"), None)
+        .await
+        .1["state"]
+        != "running"
+    {
         assert!(std::time::Instant::now() < deadline, "{id} not running after 10 s");
         tokio::time::sleep(std::time::Duration::from_millis(20)).await;
     }
     let (status, listed) = e2b_list(format!("Bearer {token}")).await;
     assert_eq!(status, 200, "{listed}");
-    let ids: Vec<&str> = listed.as_array().unwrap().iter().filter_map(|s| s["sandboxID"].as_str()).collect();
-    assert!(ids.contains(&id.as_str()) && !ids.contains(&other_id.as_str()), "{listed}");
+    let ids: Vec<&str> = listed
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter_map(|s| s["sandboxID"].as_str())
+        .collect();
+    assert!(
+        ids.contains(&id.as_str()) && !ids.contains(&other_id.as_str()),
+        "{listed}"
+    );
     let expired = sign_rsa(&keys.rsa_pem, "rsa-1", &with(claims(), "exp", json!(now() - 3600)));
     let (status, err) = e2b_list(format!("Bearer {expired}")).await;
     assert_eq!(status, 401, "{err}");
@@ -227,12 +327,18 @@ async fn signed_in_requests_verify_every_claim_and_only_they_pick_profiles() {
 
     // The audit log names the signed-in actor and the refused tokens, never a token.
     let rows = server.core().store.audit(&Default::default(), 1000).await.unwrap();
-    assert!(rows.iter().any(|r| r.action == "sandbox.create" && r.actor == "jwt:https://idp.test#alice"));
+    assert!(rows
+        .iter()
+        .any(|r| r.action == "sandbox.create" && r.actor == "jwt:https://idp.test#alice"));
     // Refusals of one kind within a minute are one row with a count.
     let admin = airlock_server::core::accounts::Admin {
         account: "root@local".into(),
     };
-    let entries = server.core().audit_log(&admin, &Default::default(), 1000).await.unwrap();
+    let entries = server
+        .core()
+        .audit_log(&admin, &Default::default(), 1000)
+        .await
+        .unwrap();
     let refused: u64 = entries.iter().filter(|r| r.action == "auth.jwt").map(|r| r.count).sum();
     assert!(refused >= 8, "{entries:?}");
     let text = format!("{rows:?}");
@@ -241,7 +347,9 @@ async fn signed_in_requests_verify_every_claim_and_only_they_pick_profiles() {
     server.wait_op(other["operation"]["id"].as_str().unwrap()).await;
     server.delete(&other_id).await;
     // The signed-in tenant's own sandbox.
-    let (status, _) = server.v1_as(&token, Method::DELETE, &format!("/sandboxes/{id}"), None).await;
+    let (status, _) = server
+        .v1_as(&token, Method::DELETE, &format!("/sandboxes/{id}"), None)
+        .await;
     assert_eq!(status, 202);
     server.stop().await;
 }
@@ -256,21 +364,34 @@ fn a_bad_issuers_file_is_refused_naming_the_entry() {
     };
     // An issuer must say which tenants it speaks for.
     let e = write(json!({"issuers": [{"issuer": "i", "audience": "a", "jwks_file": "/nope", "tenant_claim": "org"}]}));
-    assert!(e.contains("issuers[0]") && e.contains("`tenants` is missing") && e.contains("\"tenants\": ["), "{e}");
-    let e = write(json!({"issuers": [{"issuer": "i", "audience": "a", "jwks_file": "/nope", "tenant_claim": "org", "tenants": []}]}));
+    assert!(
+        e.contains("issuers[0]") && e.contains("`tenants` is missing") && e.contains("\"tenants\": ["),
+        "{e}"
+    );
+    let e = write(
+        json!({"issuers": [{"issuer": "i", "audience": "a", "jwks_file": "/nope", "tenant_claim": "org", "tenants": []}]}),
+    );
     assert!(e.contains("issuers[0]") && e.contains("`tenants` is empty"), "{e}");
-    let e = write(json!({"issuers": [{"issuer": "i", "audience": "a", "jwks_file": "/nope", "tenant_claim": "org", "tenants": ["Acme Corp"]}]}));
+    let e = write(
+        json!({"issuers": [{"issuer": "i", "audience": "a", "jwks_file": "/nope", "tenant_claim": "org", "tenants": ["Acme Corp"]}]}),
+    );
     assert!(e.contains("issuers[0]") && e.contains("Acme Corp"), "{e}");
-    let e = write(json!({"issuers": [{"issuer": "", "audience": "a", "jwks_file": "/nope", "tenant_claim": "org", "tenants": ["acme"]}]}));
+    let e = write(
+        json!({"issuers": [{"issuer": "", "audience": "a", "jwks_file": "/nope", "tenant_claim": "org", "tenants": ["acme"]}]}),
+    );
     assert!(e.contains("issuers[0]") && e.contains("issuer"), "{e}");
-    let e = write(json!({"issuers": [{"issuer": "i", "audience": "a", "jwks_file": "/no/such/jwks.json", "tenant_claim": "org", "tenants": ["acme"]}]}));
+    let e = write(
+        json!({"issuers": [{"issuer": "i", "audience": "a", "jwks_file": "/no/such/jwks.json", "tenant_claim": "org", "tenants": ["acme"]}]}),
+    );
     assert!(e.contains("issuers[0]") && e.contains("/no/such/jwks.json"), "{e}");
     let e = write(json!({"issuers": [], "extra": 1}));
     assert!(e.contains("extra"), "{e}");
     let e = write(json!({"issuers": [{"issuer": "i", "audience": "a", "tenant_claim": "org", "tenants": ["acme"]}]}));
     assert!(e.contains("issuers[0]") && e.contains("jwks_url"), "{e}");
     // Keys over plain http only from loopback, where nothing on the way can swap them.
-    let e = write(json!({"issuers": [{"issuer": "i", "audience": "a", "jwks_url": "http://192.0.2.1/jwks", "tenant_claim": "org", "tenants": ["acme"]}]}));
+    let e = write(
+        json!({"issuers": [{"issuer": "i", "audience": "a", "jwks_url": "http://192.0.2.1/jwks", "tenant_claim": "org", "tenants": ["acme"]}]}),
+    );
     assert!(e.contains("issuers[0]") && e.contains("https"), "{e}");
 }
 
@@ -336,8 +457,15 @@ async fn keys_come_from_an_issuers_url_and_are_fetched_again_on_reload() {
     // At start, keys that can't be fetched stop the server, naming the entry and the URL.
     let e = load(issuers.clone()).await.unwrap().map(|_| ()).unwrap_err();
     assert!(e.contains("issuers[0]") && e.contains("404"), "{e}");
-    let closed = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+    let closed = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
     std::fs::write(&issuers, config(format!("http://127.0.0.1:{closed}/jwks.json"))).unwrap();
     let e = load(issuers.clone()).await.unwrap().map(|_| ()).unwrap_err();
-    assert!(e.contains("issuers[0]") && e.contains(&format!("127.0.0.1:{closed}")), "{e}");
+    assert!(
+        e.contains("issuers[0]") && e.contains(&format!("127.0.0.1:{closed}")),
+        "{e}"
+    );
 }

@@ -35,13 +35,10 @@ impl Server {
             .get("content-type")
             .map(|v| v.to_str().unwrap().to_string())
             .unwrap_or_default();
-        let bytes = tokio::time::timeout(
-            Duration::from_secs(10),
-            axum::body::to_bytes(res.body, 1 << 20),
-        )
-        .await
-        .expect("a body within 10 s")
-        .unwrap();
+        let bytes = tokio::time::timeout(Duration::from_secs(10), axum::body::to_bytes(res.body, 1 << 20))
+            .await
+            .expect("a body within 10 s")
+            .unwrap();
         let text = String::from_utf8_lossy(&bytes).replace(id, "<id>");
         (res.status, content_type, text)
     }
@@ -339,7 +336,10 @@ async fn missing_and_foreign_sandboxes_answer_alike() {
             .json(Method::GET, "/index.html", &[("host", host.as_str())], Body::empty())
             .await;
         assert_eq!(status, 401, "{body}");
-        assert!(body["message"].as_str().unwrap().contains("E2B-Traffic-Access-Token"), "{body}");
+        assert!(
+            body["message"].as_str().unwrap().contains("E2B-Traffic-Access-Token"),
+            "{body}"
+        );
     }
     let mut answers = Vec::new();
     for (target, creds) in [
@@ -375,9 +375,18 @@ async fn missing_and_foreign_sandboxes_answer_alike() {
     // The traffic token (and envd's, which the code interpreter's SDK sends) gets past the check
     // (to the fake agent's tunnel, whatever it answers).
     let host = format!("8000-{id}.localhost");
-    for creds in [("e2b-traffic-access-token", traffic.as_str()), ("x-access-token", token.as_str())] {
+    for creds in [
+        ("e2b-traffic-access-token", traffic.as_str()),
+        ("x-access-token", token.as_str()),
+    ] {
         let answer = server
-            .answer(Method::GET, "/index.html", &[("host", host.as_str()), creds], Body::empty(), &id)
+            .answer(
+                Method::GET,
+                "/index.html",
+                &[("host", host.as_str()), creds],
+                Body::empty(),
+                &id,
+            )
             .await;
         assert_ne!(answer, first, "a correct token is not refused: {creds:?}");
     }
@@ -662,13 +671,21 @@ async fn a_client_at_its_connection_cap_gets_no_more_while_others_get_in() {
             .ok()?;
         let mut got = Vec::new();
         let read = tokio::time::timeout(Duration::from_secs(5), s.read_to_end(&mut got)).await;
-        let status = String::from_utf8_lossy(&got).lines().next().unwrap_or_default().to_string();
+        let status = String::from_utf8_lossy(&got)
+            .lines()
+            .next()
+            .unwrap_or_default()
+            .to_string();
         println!("from {from}: {status:?} after {:?} ({read:?})", t.elapsed());
         Some(status).filter(|s| !s.is_empty())
     };
     let started = Instant::now();
     assert_eq!(request("127.0.0.2").await, None, "a client past its cap was served");
-    assert!(started.elapsed() < Duration::from_secs(2), "refused only after {:?}", started.elapsed());
+    assert!(
+        started.elapsed() < Duration::from_secs(2),
+        "refused only after {:?}",
+        started.elapsed()
+    );
     for other in ["127.0.0.1", "127.0.0.3"] {
         let status = request(other).await;
         assert_eq!(status.as_deref(), Some("HTTP/1.1 200 OK"), "from {other}");
@@ -685,12 +702,7 @@ async fn a_client_at_its_connection_cap_gets_no_more_while_others_get_in() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn e2b_control_routes_answer_another_tenants_sandbox_as_missing() {
     let server = Server::start_fresh(Limits::default()).await;
-    let other_key = server
-        .core()
-        .store
-        .create_key("other", KeyFormat::E2b)
-        .await
-        .unwrap();
+    let other_key = server.core().store.create_key("other", KeyFormat::E2b).await.unwrap();
     let foreign = server.foreign_e2b_sandbox(&other_key).await;
     let missing = "nosuchsandbox0";
     let routes: [(Method, &str, &str); 8] = [
@@ -744,7 +756,10 @@ async fn no_platform_credential_reaches_a_sandbox_port() {
     let host = format!("8000-{id}.localhost");
     let own_bearer = format!("Bearer {}", server.key);
     for (opener, app_auth) in [
-        (("e2b-traffic-access-token", traffic.as_str()), Some("Bearer the-app-s-own")),
+        (
+            ("e2b-traffic-access-token", traffic.as_str()),
+            Some("Bearer the-app-s-own"),
+        ),
         (("x-access-token", token.as_str()), Some("Basic dXNlcjpwYXNz")),
         (("authorization", own_bearer.as_str()), None),
     ] {
@@ -773,7 +788,10 @@ async fn no_platform_credential_reaches_a_sandbox_port() {
             assert!(seen.get(h).is_none(), "{h} reached the sandbox: {seen}");
         }
         assert_eq!(seen.get("authorization").and_then(|v| v.as_str()), app_auth, "{seen}");
-        assert!(!seen.to_string().contains(server.key.as_str()), "the tenant's key reached the sandbox: {seen}");
+        assert!(
+            !seen.to_string().contains(server.key.as_str()),
+            "the tenant's key reached the sandbox: {seen}"
+        );
         assert_eq!(cookies, ["tossed=1; Path=/"], "{cookies:?}");
     }
     server.delete(&id).await;

@@ -3,8 +3,8 @@
 
 use airlock_server::model::{Operation, OperationKind, OperationState, Quota, Resources, SandboxState};
 use airlock_server::store::{
-    new_key, now_ms, AccessHashes, TokenKind, rfc3339, token_hash, CreateRecorded, E2bStore, KeyFormat, NodeBudget, OperationStore, SandboxRow,
-    SandboxStore, SessionRow, SqliteStore, StoreError, Tenant, TenantStore,
+    new_key, now_ms, rfc3339, token_hash, AccessHashes, CreateRecorded, E2bStore, KeyFormat, NodeBudget,
+    OperationStore, SandboxRow, SandboxStore, SessionRow, SqliteStore, StoreError, Tenant, TenantStore, TokenKind,
 };
 use std::collections::BTreeMap;
 use std::path::Path;
@@ -218,7 +218,10 @@ async fn suspended_sandboxes_hold_only_disk_and_resume_is_admitted() {
         }
     };
     assert!(matches!(create("a").await, Ok(CreateRecorded::New(_))));
-    assert!(matches!(create("b").await, Err(StoreError::QuotaExceeded { quota: "sandboxes", .. })));
+    assert!(matches!(
+        create("b").await,
+        Err(StoreError::QuotaExceeded { quota: "sandboxes", .. })
+    ));
     // Not suspended: nothing to admit.
     assert!(!store.admit_resume("a", &quota, &budget).await.unwrap());
     store.set_sandbox_state("a", SandboxState::Suspended).await.unwrap();
@@ -228,14 +231,20 @@ async fn suspended_sandboxes_hold_only_disk_and_resume_is_admitted() {
     assert!(matches!(create("b").await, Ok(CreateRecorded::New(_))));
     // Its disk still counts: a third 1 GiB disk is past the 2 GiB quota.
     store.set_sandbox_state("b", SandboxState::Suspended).await.unwrap();
-    assert!(matches!(create("c").await, Err(StoreError::QuotaExceeded { quota: "disk_mib", .. })));
+    assert!(matches!(
+        create("c").await,
+        Err(StoreError::QuotaExceeded { quota: "disk_mib", .. })
+    ));
     store.set_sandbox_state("b", SandboxState::Running).await.unwrap();
     // `b` runs in the tenant's one place: `a` cannot resume until it goes.
     assert!(matches!(
         store.admit_resume("a", &quota, &budget).await,
         Err(StoreError::QuotaExceeded { quota: "sandboxes", .. })
     ));
-    assert_eq!(store.sandbox_by_id("a").await.unwrap().unwrap().state, SandboxState::Suspended);
+    assert_eq!(
+        store.sandbox_by_id("a").await.unwrap().unwrap().state,
+        SandboxState::Suspended
+    );
     store.set_sandbox_state("b", SandboxState::Deleted).await.unwrap();
     // The node's memory budget applies the same way (another tenant fills it).
     let other = |id: &'static str| {
@@ -254,7 +263,10 @@ async fn suspended_sandboxes_hold_only_disk_and_resume_is_admitted() {
     ));
     store.set_sandbox_state("y", SandboxState::Failed).await.unwrap();
     assert!(store.admit_resume("a", &quota, &budget).await.unwrap());
-    assert_eq!(store.sandbox_by_id("a").await.unwrap().unwrap().state, SandboxState::Resuming);
+    assert_eq!(
+        store.sandbox_by_id("a").await.unwrap().unwrap().state,
+        SandboxState::Resuming
+    );
     assert_eq!(store.tenant_usage("t1", now_ms()).await.unwrap().sandboxes, 1);
 }
 
@@ -291,15 +303,27 @@ async fn keys_access_tokens_sessions_and_aliases() {
     store.set_access_hashes("s1", &hashes("two", "t2")).await.unwrap();
     assert_eq!(store.access_hashes("s1").await.unwrap(), Some(hashes("two", "t2")));
     for (kind, gone) in [(TokenKind::Envd, "one"), (TokenKind::Traffic, "t1")] {
-        assert!(store.sandbox_by_access_hash(kind, &token_hash(gone)).await.unwrap().is_none());
+        assert!(store
+            .sandbox_by_access_hash(kind, &token_hash(gone))
+            .await
+            .unwrap()
+            .is_none());
     }
     for (kind, live) in [(TokenKind::Envd, "two"), (TokenKind::Traffic, "t2")] {
         let found = store.sandbox_by_access_hash(kind, &token_hash(live)).await.unwrap();
         assert_eq!(found.unwrap().id, "s1");
     }
     // Each token is looked up only as its own kind.
-    assert!(store.sandbox_by_access_hash(TokenKind::Envd, &token_hash("t2")).await.unwrap().is_none());
-    assert!(store.sandbox_by_access_hash(TokenKind::Traffic, &token_hash("two")).await.unwrap().is_none());
+    assert!(store
+        .sandbox_by_access_hash(TokenKind::Envd, &token_hash("t2"))
+        .await
+        .unwrap()
+        .is_none());
+    assert!(store
+        .sandbox_by_access_hash(TokenKind::Traffic, &token_hash("two"))
+        .await
+        .unwrap()
+        .is_none());
 
     store.set_e2b_alias("s1", "base").await.unwrap();
     assert_eq!(store.e2b_alias("s1").await.unwrap().as_deref(), Some("base"));
@@ -436,7 +460,11 @@ async fn a_database_from_before_migrations_is_upgraded_in_place() {
             "old1"
         );
         assert!(
-            store.sandbox_by_access_hash(TokenKind::Envd, token).await.unwrap().is_none(),
+            store
+                .sandbox_by_access_hash(TokenKind::Envd, token)
+                .await
+                .unwrap()
+                .is_none(),
             "the plain token is gone"
         );
 

@@ -916,7 +916,9 @@ async fn route(guest: Arc<Guest>, req: Request<Incoming>) -> Result<Response<Bod
                 None => None,
             };
             let metadata_len: usize = match q.get("metadata_len") {
-                Some(n) => n.parse().map_err(|_| ApiErr::invalid(format!("bad metadata_len {n:?}")))?,
+                Some(n) => n
+                    .parse()
+                    .map_err(|_| ApiErr::invalid(format!("bad metadata_len {n:?}")))?,
                 None => 0,
             };
             // Read as it arrives, counted; what goes to `/dev/null` is dropped as the device

@@ -218,11 +218,23 @@ pub struct NetAttach {
 impl VmSpec {
     /// Boot `template` with `resources` in `dir`.
     pub fn for_template(id: &str, dir: PathBuf, template: &Template, resources: Resources, accel: Accel) -> Self {
-        Self::new(id, dir, [template.kernel(), template.initrd(), template.rootfs()], resources, accel)
+        Self::new(
+            id,
+            dir,
+            [template.kernel(), template.initrd(), template.rootfs()],
+            resources,
+            accel,
+        )
     }
 
     /// A plain boot of `[kernel, initramfs, root filesystem]` with `resources` in `dir`.
-    pub fn new(id: &str, dir: PathBuf, [kernel, initrd, rootfs]: [PathBuf; 3], resources: Resources, accel: Accel) -> Self {
+    pub fn new(
+        id: &str,
+        dir: PathBuf,
+        [kernel, initrd, rootfs]: [PathBuf; 3],
+        resources: Resources,
+        accel: Accel,
+    ) -> Self {
         Self {
             id: id.to_string(),
             dir,

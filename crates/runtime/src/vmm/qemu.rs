@@ -309,7 +309,11 @@ impl Attach {
                 fd_sets.extend(set(jail.pass(open(state, &mut ro())?)?, STATE_FD_SET));
                 let mut sets = Vec::new();
                 for (i, layer) in resume.layers.iter().enumerate() {
-                    let n = if i == 0 { FROZEN_DISK_FD_SET } else { MORE_LAYERS_FD_SET + i as u32 - 1 };
+                    let n = if i == 0 {
+                        FROZEN_DISK_FD_SET
+                    } else {
+                        MORE_LAYERS_FD_SET + i as u32 - 1
+                    };
                     fd_sets.extend(set(jail.pass(open(layer, &mut ro())?)?, n));
                     sets.push(n);
                 }
@@ -344,10 +348,14 @@ fn disk_chain(layers: &[u32]) -> String {
     let mut chain = "file.filename=/dev/fdset/2,file.locking=off".to_string();
     let mut at = "backing.".to_string();
     for set in layers {
-        chain.push_str(&format!(",{at}driver=qcow2,{at}file.filename=/dev/fdset/{set},{at}file.locking=off"));
+        chain.push_str(&format!(
+            ",{at}driver=qcow2,{at}file.filename=/dev/fdset/{set},{at}file.locking=off"
+        ));
         at.push_str("backing.");
     }
-    chain.push_str(&format!(",{at}driver=raw,{at}file.filename=/dev/fdset/1,{at}file.locking=off"));
+    chain.push_str(&format!(
+        ",{at}driver=raw,{at}file.filename=/dev/fdset/1,{at}file.locking=off"
+    ));
     chain
 }
 
@@ -680,7 +688,9 @@ impl Snapshotting for QemuVmm {
         let uri = serde_json::json!({"uri": format!("file:/dev/fdset/{SAVE_FD_SET}")});
         let saved = self.migrate(vm, &[("stop", None), ("migrate", Some(uri))], limit).await;
         // The target leaves QEMU either way: a later save gets a fresh one.
-        let _ = self.qmp_with(vm, "remove-fd", serde_json::json!({"fdset-id": SAVE_FD_SET})).await;
+        let _ = self
+            .qmp_with(vm, "remove-fd", serde_json::json!({"fdset-id": SAVE_FD_SET}))
+            .await;
         if saved.is_err() && was_running {
             let _ = self.qmp(vm, "cont").await;
         }

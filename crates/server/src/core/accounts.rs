@@ -44,14 +44,20 @@ fn generate_password() -> String {
     const ALPHABET: &[u8] = b"ABCDEFGHJKLMNPQRSTUVWXYZabcdefghijkmnopqrstuvwxyz23456789";
     let bytes = hex::decode(airlock_runtime::datadir::random_hex(48)).expect("hex");
     // Rejection-free enough: 256 % 57 skews by under 1%, far below what matters at this length.
-    bytes.iter().take(24).map(|b| ALPHABET[*b as usize % ALPHABET.len()] as char).collect()
+    bytes
+        .iter()
+        .take(24)
+        .map(|b| ALPHABET[*b as usize % ALPHABET.len()] as char)
+        .collect()
 }
 
 /// A tenant name: what a URL path and a CLI argument carry without quoting.
 pub fn check_tenant_name(name: &str) -> CoreResult<()> {
     let ok = !name.is_empty()
         && name.len() <= 63
-        && name.bytes().all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-')
+        && name
+            .bytes()
+            .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-')
         && !name.starts_with('-');
     if ok {
         Ok(())
@@ -101,7 +107,12 @@ impl Core {
     /// Sign in as the platform account: a token for the admin routes, valid for an hour.
     /// `client` is the connection's peer address, whose window throttles the attempt (see
     /// `sign_in`).
-    pub async fn login(&self, username: &str, password: &str, client: Option<std::net::IpAddr>) -> CoreResult<AdminToken> {
+    pub async fn login(
+        &self,
+        username: &str,
+        password: &str,
+        client: Option<std::net::IpAddr>,
+    ) -> CoreResult<AdminToken> {
         // Reserved before argon2 runs: a guesser gets a handful of tries a minute however many
         // it sends at once, and can't keep the blocking pool busy with hashes either.
         let attempt = match self.sign_ins.reserve(client, now_ms()) {
@@ -128,14 +139,22 @@ impl Core {
         if !good {
             // The attempt, dropped, is the failure.
             drop(attempt);
-            self.audit(if username == ROOT { ROOT } else { "anonymous" }, None, "login", None, "unauthorized")
-                .await;
+            self.audit(
+                if username == ROOT { ROOT } else { "anonymous" },
+                None,
+                "login",
+                None,
+                "unauthorized",
+            )
+            .await;
             return Err(CoreError::Unauthenticated("wrong username or password".into()));
         }
         attempt.succeeded();
         let token = format!("adm_{}", airlock_runtime::datadir::random_hex(24));
         let expires = now_ms() + ADMIN_TOKEN_TTL_MS;
-        self.store.insert_admin_session(&token_hash(&token), ROOT, expires).await?;
+        self.store
+            .insert_admin_session(&token_hash(&token), ROOT, expires)
+            .await?;
         self.audit(ROOT, None, "login", None, "ok").await;
         Ok(AdminToken {
             token,
@@ -226,7 +245,14 @@ impl Core {
             })
         }
         .await;
-        self.audit(&admin.account, Some(name), "tenant.create", Some(name), Self::outcome(&r)).await;
+        self.audit(
+            &admin.account,
+            Some(name),
+            "tenant.create",
+            Some(name),
+            Self::outcome(&r),
+        )
+        .await;
         r
     }
 
@@ -281,13 +307,27 @@ impl Core {
             Ok(deleted)
         }
         .await;
-        self.audit(&admin.account, Some(name), "tenant.delete", Some(name), Self::outcome(&r)).await;
+        self.audit(
+            &admin.account,
+            Some(name),
+            "tenant.delete",
+            Some(name),
+            Self::outcome(&r),
+        )
+        .await;
         r
     }
 
     pub async fn set_quota_as_admin(&self, admin: &Admin, name: &str, quota: crate::model::Quota) -> CoreResult<()> {
         let r = self.set_tenant_quota(name, quota).await;
-        self.audit(&admin.account, Some(name), "tenant.quota", Some(name), Self::outcome(&r)).await;
+        self.audit(
+            &admin.account,
+            Some(name),
+            "tenant.quota",
+            Some(name),
+            Self::outcome(&r),
+        )
+        .await;
         r
     }
 
@@ -295,7 +335,10 @@ impl Core {
         let r = async {
             let t = self.tenant_named(tenant).await?;
             if name.len() > 128 || name.chars().any(char::is_control) {
-                return Err(CoreError::invalid("name", "at most 128 characters, no control characters"));
+                return Err(CoreError::invalid(
+                    "name",
+                    "at most 128 characters, no control characters",
+                ));
             }
             let format = if e2b { KeyFormat::E2b } else { KeyFormat::Airlock };
             let (key, record) = self.store.mint_key(&t.id, format, name).await?;
@@ -306,7 +349,14 @@ impl Core {
         }
         .await;
         let object = r.as_ref().ok().map(|k| k.info.id.clone());
-        self.audit(&admin.account, Some(tenant), "key.create", object.as_deref(), Self::outcome(&r)).await;
+        self.audit(
+            &admin.account,
+            Some(tenant),
+            "key.create",
+            object.as_deref(),
+            Self::outcome(&r),
+        )
+        .await;
         r
     }
 
@@ -324,7 +374,14 @@ impl Core {
             Ok(())
         }
         .await;
-        self.audit(&admin.account, Some(tenant), "key.revoke", Some(key_id), Self::outcome(&r)).await;
+        self.audit(
+            &admin.account,
+            Some(tenant),
+            "key.revoke",
+            Some(key_id),
+            Self::outcome(&r),
+        )
+        .await;
         r
     }
 
@@ -339,7 +396,14 @@ impl Core {
             Ok(self.store.set_egress_policy(&t.id, &policy).await?)
         }
         .await;
-        self.audit(&admin.account, Some(tenant), "tenant.policy", Some(tenant), Self::outcome(&r)).await;
+        self.audit(
+            &admin.account,
+            Some(tenant),
+            "tenant.policy",
+            Some(tenant),
+            Self::outcome(&r),
+        )
+        .await;
         r
     }
 
@@ -406,7 +470,10 @@ impl Core {
     pub async fn set_pool(&self, admin: &Admin, req: &crate::model::PoolRequest) -> CoreResult<crate::model::PoolInfo> {
         let r = async {
             if req.size > MAX_POOL {
-                return Err(CoreError::invalid("size", format!("at most {MAX_POOL}, got {}", req.size)));
+                return Err(CoreError::invalid(
+                    "size",
+                    format!("at most {MAX_POOL}, got {}", req.size),
+                ));
             }
             let template = self.resolve_template(&req.template)?;
             let defaults = airlock_runtime::Resources::default();
@@ -423,7 +490,8 @@ impl Core {
                 .ok_or_else(|| CoreError::not_found(Kind::Template, &req.template))
         }
         .await;
-        self.audit(&admin.account, None, "pool.set", Some(&req.template), Self::outcome(&r)).await;
+        self.audit(&admin.account, None, "pool.set", Some(&req.template), Self::outcome(&r))
+            .await;
         r
     }
 }

@@ -193,8 +193,10 @@ mod tests {
         c.record(&store, refusal(t + COALESCE_MS + 1, None)).await.unwrap();
         c.record(&store, refusal(t + COALESCE_MS + 2, None)).await.unwrap();
         let rows = store.audit(&AuditFilter::default(), 100).await.unwrap();
-        let counts: Vec<(Option<&str>, &str, u64)> =
-            rows.iter().map(|r| (r.object.as_deref(), r.result.as_str(), r.count)).collect();
+        let counts: Vec<(Option<&str>, &str, u64)> = rows
+            .iter()
+            .map(|r| (r.object.as_deref(), r.result.as_str(), r.count))
+            .collect();
         let want = [
             (None, "unauthorized", 1),
             (None, "ok", 1),
@@ -215,7 +217,9 @@ mod tests {
         let store = SqliteStore::open(&dir.path().join("airlock.db")).await.unwrap();
         let c = AuditCoalescer::default();
         for i in 0..MAX_OPEN + 500 {
-            c.record(&store, refusal(1_000_000, Some(&format!("sb-{i}")))).await.unwrap();
+            c.record(&store, refusal(1_000_000, Some(&format!("sb-{i}"))))
+                .await
+                .unwrap();
         }
         c.flush(&store).await.unwrap();
         let rows = store.audit(&AuditFilter::default(), 1000).await.unwrap();

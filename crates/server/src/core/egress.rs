@@ -342,7 +342,6 @@ impl Core {
                 .collect(),
         }
     }
-
 }
 
 #[cfg(test)]

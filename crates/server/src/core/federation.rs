@@ -79,7 +79,9 @@ impl KeySource {
                 match parsed.scheme() {
                     "https" => Ok(KeySource::Url(url.clone())),
                     "http" if loopback => Ok(KeySource::Url(url.clone())),
-                    _ => Err(format!("`jwks_url` {url:?}: use https (plain http only to a loopback address)")),
+                    _ => Err(format!(
+                        "`jwks_url` {url:?}: use https (plain http only to a loopback address)"
+                    )),
                 }
             }
             _ => Err("give exactly one of `jwks_file` and `jwks_url`".into()),
@@ -201,7 +203,11 @@ impl Federation {
         let mut issuers = Vec::new();
         for (i, c) in cfg.issuers.into_iter().enumerate() {
             let place = format!("{}: issuers[{i}]", path.display());
-            for (field, v) in [("issuer", &c.issuer), ("audience", &c.audience), ("tenant_claim", &c.tenant_claim)] {
+            for (field, v) in [
+                ("issuer", &c.issuer),
+                ("audience", &c.audience),
+                ("tenant_claim", &c.tenant_claim),
+            ] {
                 if v.trim().is_empty() {
                     return Err(format!("{place}: `{field}` is empty"));
                 }

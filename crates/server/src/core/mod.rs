@@ -130,9 +130,8 @@ impl Config {
     pub fn default_quota(&self, budget: &NodeBudget) -> crate::model::Quota {
         // At least 1: a zero would lock the tenant out (a node with nothing left refuses anyway).
         // The whole node is no limit of the tenant's: a full node says so (503), not a quota.
-        let share = |total: u64| {
-            (self.tenant_share < 1.0).then(|| ((total as f64 * self.tenant_share).floor() as u64).max(1))
-        };
+        let share =
+            |total: u64| (self.tenant_share < 1.0).then(|| ((total as f64 * self.tenant_share).floor() as u64).max(1));
         crate::model::Quota {
             sandboxes: Some(self.max_sandboxes_per_tenant),
             vcpu: self.max_vcpu_per_tenant.or_else(|| share(budget.vcpu)),
@@ -273,7 +272,10 @@ mod tests {
             disk_mib: 68_000,
         };
         let q = Config::default().default_quota(&budget);
-        assert_eq!((q.vcpu, q.memory_mib, q.disk_mib), (Some(16), Some(23 * 512), Some(34_000)));
+        assert_eq!(
+            (q.vcpu, q.memory_mib, q.disk_mib),
+            (Some(16), Some(23 * 512), Some(34_000))
+        );
         assert_eq!((q.sandboxes, q.creates_per_minute), (Some(20), Some(60)));
         let config = Config {
             max_vcpu_per_tenant: Some(4),
@@ -283,7 +285,11 @@ mod tests {
         let q = config.default_quota(&budget);
         assert_eq!((q.vcpu, q.memory_mib, q.disk_mib), (Some(4), None, None));
         // Never 0, which would lock the tenant out without saying why.
-        let none = NodeBudget { vcpu: 1, memory_mib: 0, disk_mib: 0 };
+        let none = NodeBudget {
+            vcpu: 1,
+            memory_mib: 0,
+            disk_mib: 0,
+        };
         let q = Config::default().default_quota(&none);
         assert_eq!((q.vcpu, q.memory_mib, q.disk_mib), (Some(1), Some(1), Some(1)));
     }

@@ -2,9 +2,9 @@
 //! core turns them into a `Principal` for what a route accepts. Secrets are compared as hashes
 //! or in constant time, and never logged.
 
+use super::federation::{Federation, Refused, SignedIn};
 use super::Core;
 use crate::error::{CoreError, CoreResult, Kind};
-use super::federation::{Federation, Refused, SignedIn};
 use crate::store::{token_hash, AccessHashes, SandboxRow, Tenant, TokenKind};
 use axum::http::HeaderMap;
 use base64::Engine as _;
@@ -85,10 +85,19 @@ pub enum Via {
 #[allow(clippy::large_enum_variant)] // one per request, never stored in bulk
 pub enum Principal {
     /// An API key of a tenant, by the key's public id.
-    Key { tenant: Tenant, key_id: String },
+    Key {
+        tenant: Tenant,
+        key_id: String,
+    },
     /// A signed-in caller (a JWT from a configured issuer, see `federation`) of this tenant.
-    Federated { tenant: Tenant, signed_in: SignedIn },
-    Sandbox { sandbox: SandboxRow, via: Via },
+    Federated {
+        tenant: Tenant,
+        signed_in: SignedIn,
+    },
+    Sandbox {
+        sandbox: SandboxRow,
+        via: Via,
+    },
 }
 
 impl Principal {
@@ -160,7 +169,9 @@ impl Core {
                 // A good token, but its issuer speaks for other tenants: recorded under the
                 // tenant it named (when that is a tenant name at all).
                 Err(Refused::Tenant(s)) => {
-                    let named = super::accounts::check_tenant_name(&s.tenant).ok().map(|_| s.tenant.as_str());
+                    let named = super::accounts::check_tenant_name(&s.tenant)
+                        .ok()
+                        .map(|_| s.tenant.as_str());
                     self.audit(&s.actor(), named, "auth.jwt", None, "unauthorized").await;
                     return Err(CoreError::Unauthenticated(Refused::Tenant(s).to_string()));
                 }
@@ -173,7 +184,8 @@ impl Core {
             };
             return Ok(Principal::Federated { tenant, signed_in });
         }
-        self.key_principal(bearer, "Authorization: Bearer <key or signed-in token>").await
+        self.key_principal(bearer, "Authorization: Bearer <key or signed-in token>")
+            .await
     }
 
     /// The E2B control plane's caller: an API key in `X-API-KEY`, or (without one) a signed-in
@@ -228,7 +240,10 @@ impl Core {
         let issued = self.store.access_hashes(&sandbox.id).await?;
         if let Some(want) = &issued {
             for (kind, got) in &presented {
-                if want.get(*kind).is_some_and(|w| bool::from(w.as_bytes().ct_eq(got.as_bytes()))) {
+                if want
+                    .get(*kind)
+                    .is_some_and(|w| bool::from(w.as_bytes().ct_eq(got.as_bytes())))
+                {
                     let via = match kind {
                         TokenKind::Envd => Via::EnvdToken,
                         TokenKind::Traffic => Via::TrafficToken,
@@ -327,7 +342,12 @@ impl Core {
             return self.config.federation.verify(value).is_ok();
         }
         matches!(self.store.tenant_by_key(value).await, Ok(Some(_)))
-            || matches!(self.store.admin_session(&token_hash(value), crate::store::now_ms()).await, Ok(Some(_)))
+            || matches!(
+                self.store
+                    .admin_session(&token_hash(value), crate::store::now_ms())
+                    .await,
+                Ok(Some(_))
+            )
     }
 
     /// Check a signed URL (`/files?signature=...`) for `op` (`read`/`write`) on `sandbox`.

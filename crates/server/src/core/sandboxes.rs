@@ -121,7 +121,12 @@ fn check_metadata(m: &BTreeMap<String, String>) -> CoreResult<()> {
 
 impl Core {
     /// Admit a sandbox and submit its create; with a known idempotency key, the earlier one.
-    async fn create_sandbox_unaudited(&self, principal: &Principal, tenant: &Tenant, req: CreateSandbox) -> CoreResult<Created> {
+    async fn create_sandbox_unaudited(
+        &self,
+        principal: &Principal,
+        tenant: &Tenant,
+        req: CreateSandbox,
+    ) -> CoreResult<Created> {
         let runtime = self.nodes.runtime_name();
         match req.runtime.as_deref() {
             None => {}
@@ -173,7 +178,11 @@ impl Core {
                     memory_mib: s.resources.memory_mib,
                     disk_mib: s.resources.disk_mib,
                 };
-                let asked = [(req.vcpu, fixed.vcpu), (req.memory_mib, fixed.memory_mib), (req.disk_mib, fixed.disk_mib)];
+                let asked = [
+                    (req.vcpu, fixed.vcpu),
+                    (req.memory_mib, fixed.memory_mib),
+                    (req.disk_mib, fixed.disk_mib),
+                ];
                 if asked.iter().any(|(asked, has)| asked.is_some_and(|a| a != *has)) {
                     return Err(CoreError::InvalidResources(format!(
                         "a sandbox made from snapshot {} has its resources ({} vcpu, {} MiB memory, {} MiB disk); leave them out",
@@ -449,7 +458,10 @@ impl Core {
     pub async fn set_sandbox_timeout(&self, row: &SandboxRow, timeout: Duration) -> CoreResult<()> {
         let timeout = check_timeout("timeout", timeout)?;
         let ms = timeout.as_millis() as i64;
-        if matches!(row.state, SandboxState::Paused | SandboxState::Suspended | SandboxState::Resuming) {
+        if matches!(
+            row.state,
+            SandboxState::Paused | SandboxState::Suspended | SandboxState::Resuming
+        ) {
             self.store.set_paused_remaining(&row.id, Some(ms)).await?;
         } else {
             self.store.set_sandbox_expiry(&row.id, now_ms() + ms).await?;
@@ -512,7 +524,8 @@ impl Core {
                         Ok(submitted) => {
                             let op = self.engine.wait(&submitted.operation).await?;
                             let outcome = if op.error.is_none() { "ok" } else { "failed" };
-                            self.audit("auto-resume", None, "sandbox.resume", Some(id), outcome).await;
+                            self.audit("auto-resume", None, "sandbox.resume", Some(id), outcome)
+                                .await;
                             if let Some(e) = op.error {
                                 return Err(CoreError::Unreachable {
                                     id: id.into(),
@@ -572,19 +585,27 @@ impl Core {
         let tenant = acting_tenant(principal)?;
         let r = self.create_sandbox_unaudited(principal, tenant, req).await;
         let object = r.as_ref().ok().map(|c| c.sandbox_id.clone());
-        self.audit(&principal.actor(), Some(&tenant.name), "sandbox.create", object.as_deref(), Self::outcome(&r))
-            .await;
+        self.audit(
+            &principal.actor(),
+            Some(&tenant.name),
+            "sandbox.create",
+            object.as_deref(),
+            Self::outcome(&r),
+        )
+        .await;
         r
     }
 
     pub async fn delete_sandbox(&self, principal: &Principal, id: &str) -> CoreResult<Operation> {
-        self.delete_sandbox_by(&principal.actor(), acting_tenant(principal)?, id).await
+        self.delete_sandbox_by(&principal.actor(), acting_tenant(principal)?, id)
+            .await
     }
 
     /// A delete on behalf of `actor` (a principal's, or the platform account's).
     pub(crate) async fn delete_sandbox_by(&self, actor: &str, tenant: &Tenant, id: &str) -> CoreResult<Operation> {
         let r = self.delete_sandbox_unaudited(tenant, id).await;
-        self.audit(actor, Some(&tenant.name), "sandbox.delete", Some(id), Self::outcome(&r)).await;
+        self.audit(actor, Some(&tenant.name), "sandbox.delete", Some(id), Self::outcome(&r))
+            .await;
         r
     }
 
@@ -596,7 +617,14 @@ impl Core {
             Change::Suspend => "sandbox.suspend",
             Change::Resume => "sandbox.resume",
         };
-        self.audit(&principal.actor(), Some(&tenant.name), action, Some(id), Self::outcome(&r)).await;
+        self.audit(
+            &principal.actor(),
+            Some(&tenant.name),
+            action,
+            Some(id),
+            Self::outcome(&r),
+        )
+        .await;
         r
     }
 }

@@ -482,12 +482,7 @@ impl Core {
 
     /// A session's events after `after` (its stdout, stderr and exit); the exit is recorded.
     /// Output the agent no longer kept is announced where it is missing ([`SessionEvent::Truncated`]).
-    pub async fn session_events(
-        &self,
-        sandbox: &SandboxRow,
-        row: SessionRow,
-        after: u64,
-    ) -> CoreResult<SessionEvents> {
+    pub async fn session_events(&self, sandbox: &SandboxRow, row: SessionRow, after: u64) -> CoreResult<SessionEvents> {
         let agent = self.agent_for(sandbox).await?;
         let events = agent.events(row.process_id, after).await.map_err(guest(sandbox))?;
         Ok(self.follow_events(sandbox, events.boxed(), row, after))

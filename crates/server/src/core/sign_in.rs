@@ -152,7 +152,11 @@ impl SignInThrottle {
                 !w.is_empty()
             });
         }
-        if let Some(wait) = s.clients.get_mut(&client.key).and_then(|w| w.full(now, FAILURES_PER_CLIENT)) {
+        if let Some(wait) = s
+            .clients
+            .get_mut(&client.key)
+            .and_then(|w| w.full(now, FAILURES_PER_CLIENT))
+        {
             return Err((Scope::Client, wait));
         }
         if client.remote {
@@ -183,13 +187,18 @@ mod tests {
         let t = Arc::new(SignInThrottle::default());
         // A failure is recorded when its attempt ends, at the time it ends.
         let now = crate::store::now_ms();
-        let held: Vec<Attempt> = (0..FAILURES_PER_CLIENT).map(|_| t.reserve(ip("192.0.2.1"), now).unwrap()).collect();
+        let held: Vec<Attempt> = (0..FAILURES_PER_CLIENT)
+            .map(|_| t.reserve(ip("192.0.2.1"), now).unwrap())
+            .collect();
         // Five in flight: the sixth waits, though nothing has failed yet.
         assert_eq!(t.reserve(ip("192.0.2.1"), now).err(), Some((Scope::Client, 1)));
         drop(held);
         let (scope, wait) = t.reserve(ip("192.0.2.1"), now + 1000).err().unwrap();
         assert!(scope == Scope::Client && (58..=59).contains(&wait), "{wait}");
-        assert!(t.reserve(ip("192.0.2.1"), now + 1000 + WINDOW_MS).is_ok(), "the window moved on");
+        assert!(
+            t.reserve(ip("192.0.2.1"), now + 1000 + WINDOW_MS).is_ok(),
+            "the window moved on"
+        );
         // A success is no failure.
         let t = Arc::new(SignInThrottle::default());
         for _ in 0..10 {
@@ -204,8 +213,14 @@ mod tests {
         for i in 0..FAILURES_REMOTE {
             drop(t.reserve(ip(&format!("203.0.113.{i}")), now).unwrap());
         }
-        assert_eq!(t.reserve(ip("198.51.100.1"), now).err().map(|e| e.0), Some(Scope::Remote));
-        assert_eq!(t.reserve(ip("2001:db8::1"), now).err().map(|e| e.0), Some(Scope::Remote));
+        assert_eq!(
+            t.reserve(ip("198.51.100.1"), now).err().map(|e| e.0),
+            Some(Scope::Remote)
+        );
+        assert_eq!(
+            t.reserve(ip("2001:db8::1"), now).err().map(|e| e.0),
+            Some(Scope::Remote)
+        );
         assert_eq!(t.reserve(None, now).err().map(|e| e.0), Some(Scope::Remote));
         assert!(t.reserve(ip("127.0.0.1"), now).is_ok());
         assert!(t.reserve(ip("::1"), now).is_ok());
@@ -219,12 +234,18 @@ mod tests {
         for i in 0..FAILURES_PER_CLIENT {
             drop(t.reserve(ip(&format!("2001:db8:0:1::{i:x}")), now).unwrap());
         }
-        assert_eq!(t.reserve(ip("2001:db8:0:1:ffff::1"), now).err().map(|e| e.0), Some(Scope::Client));
+        assert_eq!(
+            t.reserve(ip("2001:db8:0:1:ffff::1"), now).err().map(|e| e.0),
+            Some(Scope::Client)
+        );
         assert!(t.reserve(ip("2001:db8:0:2::1"), now).is_ok());
         // An IPv4 client seen on a dual-stack listener is the same client.
         for _ in 0..FAILURES_PER_CLIENT {
             drop(t.reserve(ip("192.0.2.9"), now).unwrap());
         }
-        assert_eq!(t.reserve(ip("::ffff:192.0.2.9"), now).err().map(|e| e.0), Some(Scope::Client));
+        assert_eq!(
+            t.reserve(ip("::ffff:192.0.2.9"), now).err().map(|e| e.0),
+            Some(Scope::Client)
+        );
     }
 }

@@ -40,7 +40,9 @@ impl Core {
             check_name(n)?;
             // A snapshot of that name the store refuses with its admission (atomically).
             if self.resolve_template(n).is_ok() {
-                return Err(CoreError::Conflict(format!("a snapshot or template named {n:?} exists")));
+                return Err(CoreError::Conflict(format!(
+                    "a snapshot or template named {n:?} exists"
+                )));
             }
         }
         let row = self.sandbox(tenant, sandbox_id).await?;
@@ -94,14 +96,28 @@ impl Core {
     }
 
     /// `POST /v1/sandboxes/{id}/snapshots`, E2B `create_snapshot`.
-    pub async fn create_snapshot(&self, principal: &Principal, sandbox_id: &str, name: Option<String>) -> CoreResult<Snapshot> {
+    pub async fn create_snapshot(
+        &self,
+        principal: &Principal,
+        sandbox_id: &str,
+        name: Option<String>,
+    ) -> CoreResult<Snapshot> {
         let tenant = acting_tenant(principal)?;
         let r = self
             .snapshot_unaudited(tenant, sandbox_id, name, SnapshotKind::Snapshot)
             .await;
-        let object = r.as_ref().map(|s| s.id.clone()).unwrap_or_else(|_| sandbox_id.to_string());
-        self.audit(&principal.actor(), Some(&tenant.name), "snapshot.create", Some(&object), Self::outcome(&r))
-            .await;
+        let object = r
+            .as_ref()
+            .map(|s| s.id.clone())
+            .unwrap_or_else(|_| sandbox_id.to_string());
+        self.audit(
+            &principal.actor(),
+            Some(&tenant.name),
+            "snapshot.create",
+            Some(&object),
+            Self::outcome(&r),
+        )
+        .await;
         r.map(|s| s.view())
     }
 
@@ -126,8 +142,14 @@ impl Core {
             self.remove_image(&s).await
         }
         .await;
-        self.audit(&principal.actor(), Some(&tenant.name), "snapshot.delete", Some(id), Self::outcome(&r))
-            .await;
+        self.audit(
+            &principal.actor(),
+            Some(&tenant.name),
+            "snapshot.delete",
+            Some(id),
+            Self::outcome(&r),
+        )
+        .await;
         r
     }
 
@@ -150,8 +172,14 @@ impl Core {
     ) -> CoreResult<Vec<CoreResult<Created>>> {
         let tenant = acting_tenant(principal)?;
         let r = self.fork_unaudited(principal, tenant, sandbox_id, count, timeout).await;
-        self.audit(&principal.actor(), Some(&tenant.name), "sandbox.fork", Some(sandbox_id), Self::outcome(&r))
-            .await;
+        self.audit(
+            &principal.actor(),
+            Some(&tenant.name),
+            "sandbox.fork",
+            Some(sandbox_id),
+            Self::outcome(&r),
+        )
+        .await;
         r
     }
 
@@ -164,7 +192,10 @@ impl Core {
         timeout: Option<Duration>,
     ) -> CoreResult<Vec<CoreResult<Created>>> {
         if !(1..=MAX_FORK).contains(&count) {
-            return Err(CoreError::invalid("count", format!("must be between 1 and {MAX_FORK}, got {count}")));
+            return Err(CoreError::invalid(
+                "count",
+                format!("must be between 1 and {MAX_FORK}, got {count}"),
+            ));
         }
         let parent = self.sandbox(tenant, sandbox_id).await?;
         let image = self

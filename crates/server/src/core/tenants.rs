@@ -24,7 +24,11 @@ impl Core {
 
     pub(crate) async fn quota_of(&self, tenant_id: &str) -> CoreResult<Quota> {
         let budget = self.config.budget(&self.nodes.capacity());
-        Ok(self.store.quota(tenant_id).await?.or(self.config.default_quota(&budget)))
+        Ok(self
+            .store
+            .quota(tenant_id)
+            .await?
+            .or(self.config.default_quota(&budget)))
     }
 
     /// `GET /v1/tenant`.

@@ -262,7 +262,10 @@ pub async fn create(
             },
         )
         .await?;
-    Ok((StatusCode::CREATED, Json(started(&state, &tenant, created, &req.template_id).await?)))
+    Ok((
+        StatusCode::CREATED,
+        Json(started(&state, &tenant, created, &req.template_id).await?),
+    ))
 }
 
 /// A create the E2B API answers once its sandbox runs (the engine does the work, we wait for
@@ -300,7 +303,10 @@ pub async fn fork(
     let timeout = b.timeout.map(|t| timeout_secs(Some(t)));
     let parent = state.core.live_sandbox(&tenant, &id).await?;
     let alias = e2b_alias(&state, &parent).await?;
-    let children = state.core.fork_sandbox(&principal, &id, b.count.unwrap_or(1), timeout).await?;
+    let children = state
+        .core
+        .fork_sandbox(&principal, &id, b.count.unwrap_or(1), timeout)
+        .await?;
     let mut out = Vec::new();
     for child in children {
         let result = match child {
@@ -564,11 +570,21 @@ pub async fn list_v2(
                     None | Some("desc") => true,
                     Some("asc") => false,
                     Some(other) => {
-                        return Err(E2bError::bad_request(format!("unknown order {other:?}; use asc or desc")))
+                        return Err(E2bError::bad_request(format!(
+                            "unknown order {other:?}; use asc or desc"
+                        )))
                     }
                 },
-                created_from_ms: q.started_after.as_deref().map(|v| list_time("startedAfter", v)).transpose()?,
-                created_before_ms: q.started_before.as_deref().map(|v| list_time("startedBefore", v)).transpose()?,
+                created_from_ms: q
+                    .started_after
+                    .as_deref()
+                    .map(|v| list_time("startedAfter", v))
+                    .transpose()?,
+                created_before_ms: q
+                    .started_before
+                    .as_deref()
+                    .map(|v| list_time("startedBefore", v))
+                    .transpose()?,
                 template: q.template.filter(|t| !t.is_empty()),
             },
         )

@@ -106,7 +106,11 @@ pub async fn require_sandbox(
         // Nothing names the sandbox (a signed URL used under `E2B_SANDBOX_URL`): the signature
         // does; `files_target` then checks it as for any signed URL.
         Some(q) if header(req.headers(), "e2b-sandbox-id").is_none() => {
-            let op = if req.method() == axum::http::Method::POST { "write" } else { "read" };
+            let op = if req.method() == axum::http::Method::POST {
+                "write"
+            } else {
+                "read"
+            };
             match state.core.sandbox_by_signed_url(&q.signed(), op).await {
                 Ok(sandbox) if sandbox.answers_requests() => Ok(sandbox),
                 Ok(sandbox) => Err(sandbox_gone(&sandbox.id)),
@@ -361,7 +365,8 @@ fn process_stream(
                         // killed one must be gone by then (its exit, briefly awaited).
                         let exited = async {
                             while let Some(ev) = events.next().await {
-                                if matches!(ev, Ok(SessionEvent::Event(ref e)) if matches!(e.kind, EventKind::Exit(_))) {
+                                if matches!(ev, Ok(SessionEvent::Event(ref e)) if matches!(e.kind, EventKind::Exit(_)))
+                                {
                                     break;
                                 }
                             }

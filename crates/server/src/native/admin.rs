@@ -42,12 +42,18 @@ pub async fn create_tenant(
     Extension(admin): Extension<Admin>,
     Json(req): Json<CreateTenantRequest>,
 ) -> ApiResult<(StatusCode, axum::Json<TenantSummary>)> {
-    Ok((StatusCode::CREATED, axum::Json(core.create_tenant(&admin, &req.name).await?)))
+    Ok((
+        StatusCode::CREATED,
+        axum::Json(core.create_tenant(&admin, &req.name).await?),
+    ))
 }
 
 #[utoipa::path(get, path = "/v1/admin/tenants", tag = "admin",
     responses((status = 200, body = TenantList), ApiErrors), security(("bearer" = [])))]
-pub async fn list_tenants(State(core): State<Core>, Extension(admin): Extension<Admin>) -> ApiResult<axum::Json<TenantList>> {
+pub async fn list_tenants(
+    State(core): State<Core>,
+    Extension(admin): Extension<Admin>,
+) -> ApiResult<axum::Json<TenantList>> {
     Ok(axum::Json(TenantList {
         tenants: core.list_tenants(&admin).await?,
     }))
@@ -73,7 +79,13 @@ pub async fn delete_tenant(
     Path(name): Path<String>,
 ) -> ApiResult<(StatusCode, axum::Json<TenantDeleted>)> {
     let sandboxes_deleting = core.delete_tenant(&admin, &name).await?;
-    Ok((StatusCode::ACCEPTED, axum::Json(TenantDeleted { name, sandboxes_deleting })))
+    Ok((
+        StatusCode::ACCEPTED,
+        axum::Json(TenantDeleted {
+            name,
+            sandboxes_deleting,
+        }),
+    ))
 }
 
 /// The limits set for the tenant (`null`: the server's default).

@@ -87,7 +87,10 @@ impl utoipa::IntoResponses for ApiErrors {
     fn responses() -> std::collections::BTreeMap<String, utoipa::openapi::RefOr<utoipa::openapi::response::Response>> {
         use utoipa::openapi::{ContentBuilder, Ref, RefOr, ResponseBuilder};
         [
-            ("400", "malformed request, a path the guest rejects, or a refused egress entry"),
+            (
+                "400",
+                "malformed request, a path the guest rejects, or a refused egress entry",
+            ),
             ("401", "missing or wrong API key"),
             ("403", "the guest refused (permissions)"),
             ("404", "no such sandbox, session, operation, template or file"),
@@ -794,7 +797,10 @@ pub async fn create_snapshot(
     body: axum::body::Bytes,
 ) -> ApiResult<(StatusCode, Json<Snapshot>)> {
     let req: CreateSnapshotRequest = optional_body(&body)?;
-    Ok((StatusCode::CREATED, Json(core.create_snapshot(&principal, &id, req.name).await?)))
+    Ok((
+        StatusCode::CREATED,
+        Json(core.create_snapshot(&principal, &id, req.name).await?),
+    ))
 }
 
 #[derive(Debug, Deserialize, utoipa::IntoParams)]
@@ -858,8 +864,14 @@ pub async fn fork_sandbox(
     body: axum::body::Bytes,
 ) -> ApiResult<(StatusCode, Json<ForkAccepted>)> {
     let req: ForkRequest = optional_body(&body)?;
-    let timeout = req.timeout.as_deref().map(|t| parse_duration("timeout", t)).transpose()?;
-    let children = core.fork_sandbox(&principal, &id, req.count.unwrap_or(1), timeout).await?;
+    let timeout = req
+        .timeout
+        .as_deref()
+        .map(|t| parse_duration("timeout", t))
+        .transpose()?;
+    let children = core
+        .fork_sandbox(&principal, &id, req.count.unwrap_or(1), timeout)
+        .await?;
     let mut sandboxes = Vec::new();
     let mut errors = Vec::new();
     for child in children {

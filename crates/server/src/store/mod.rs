@@ -411,7 +411,8 @@ pub trait SandboxStore: Send + Sync {
     async fn set_access_hashes(&self, sandbox_id: &str, hashes: &AccessHashes) -> Result<(), StoreError>;
     async fn access_hashes(&self, sandbox_id: &str) -> Result<Option<AccessHashes>, StoreError>;
     /// The sandbox that was issued a token of `kind` with this hash.
-    async fn sandbox_by_access_hash(&self, kind: TokenKind, token_hash: &str) -> Result<Option<SandboxRow>, StoreError>;
+    async fn sandbox_by_access_hash(&self, kind: TokenKind, token_hash: &str)
+        -> Result<Option<SandboxRow>, StoreError>;
 
     async fn insert_session(&self, s: &SessionRow) -> Result<(), StoreError>;
     async fn get_session(&self, sandbox_id: &str, id: &str) -> Result<Option<SessionRow>, StoreError>;
@@ -590,7 +591,8 @@ pub trait AccountStore: Send + Sync {
     /// stay as a record; the node removes its snapshots' images).
     async fn delete_tenant(&self, tenant_id: &str) -> Result<(), StoreError>;
     /// Mint a named key for an existing tenant; the key (shown once) and its record.
-    async fn mint_key(&self, tenant_id: &str, format: KeyFormat, name: &str) -> Result<(String, KeyRecord), StoreError>;
+    async fn mint_key(&self, tenant_id: &str, format: KeyFormat, name: &str)
+        -> Result<(String, KeyRecord), StoreError>;
     async fn list_keys(&self, tenant_id: &str) -> Result<Vec<KeyRecord>, StoreError>;
     /// Revoke the tenant's key `key_id` (effective on its next use); false if it has no such key.
     async fn revoke_key(&self, tenant_id: &str, key_id: &str) -> Result<bool, StoreError>;
@@ -598,7 +600,8 @@ pub trait AccountStore: Send + Sync {
     async fn password_hash(&self, account: &str) -> Result<Option<String>, StoreError>;
     async fn set_password_hash(&self, account: &str, hash: &str) -> Result<(), StoreError>;
     /// Record an admin token (by its hash) valid until `expires_at_ms`.
-    async fn insert_admin_session(&self, token_hash: &str, account: &str, expires_at_ms: i64) -> Result<(), StoreError>;
+    async fn insert_admin_session(&self, token_hash: &str, account: &str, expires_at_ms: i64)
+        -> Result<(), StoreError>;
     /// The account an unexpired admin token (by its hash) belongs to; expired ones are removed.
     async fn admin_session(&self, token_hash: &str, now_ms: i64) -> Result<Option<String>, StoreError>;
     /// Write an audit row (with its `count`); its `seq`.

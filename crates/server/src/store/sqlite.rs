@@ -1,8 +1,9 @@
 //! [`SqliteStore`]: the store in one SQLite file (WAL, a small pool), migrated on open.
 
 use super::{
-    new_key, now_ms, AccessHashes, TokenKind, rfc3339, token_hash, AccountStore, AuditFilter, AuditRecord, CreateRecorded, KeyRecord, E2bStore, EgressSpec, KeyFormat, NodeBudget, OperationStore,
-    SandboxFilter, SandboxRow, SandboxStore, SessionRow, StoreError, Tenant, TenantStore,
+    new_key, now_ms, rfc3339, token_hash, AccessHashes, AccountStore, AuditFilter, AuditRecord, CreateRecorded,
+    E2bStore, EgressSpec, KeyFormat, KeyRecord, NodeBudget, OperationStore, SandboxFilter, SandboxRow, SandboxStore,
+    SessionRow, StoreError, Tenant, TenantStore, TokenKind,
 };
 use crate::model::ErrorBody;
 use crate::model::{Operation, OperationKind, OperationState, Quota, Resources, SandboxState, TenantUsage};
@@ -325,7 +326,10 @@ impl AccountStore for SqliteStore {
             sqlx::query_as("SELECT id, name, created_at_ms FROM tenants ORDER BY name")
                 .fetch_all(&self.pool)
                 .await?;
-        Ok(rows.into_iter().map(|(id, name, at)| (Tenant { id, name }, at)).collect())
+        Ok(rows
+            .into_iter()
+            .map(|(id, name, at)| (Tenant { id, name }, at))
+            .collect())
     }
 
     async fn delete_tenant(&self, tenant_id: &str) -> Result<(), StoreError> {
@@ -345,7 +349,12 @@ impl AccountStore for SqliteStore {
         Ok(())
     }
 
-    async fn mint_key(&self, tenant_id: &str, format: KeyFormat, name: &str) -> Result<(String, KeyRecord), StoreError> {
+    async fn mint_key(
+        &self,
+        tenant_id: &str,
+        format: KeyFormat,
+        name: &str,
+    ) -> Result<(String, KeyRecord), StoreError> {
         let mut tx = self.pool.begin_with("BEGIN IMMEDIATE").await?;
         let key = new_key(format);
         let record = insert_key_row(&mut tx, tenant_id, &key, name).await?;
@@ -401,14 +410,21 @@ impl AccountStore for SqliteStore {
         Ok(())
     }
 
-    async fn insert_admin_session(&self, token_hash: &str, account: &str, expires_at_ms: i64) -> Result<(), StoreError> {
-        sqlx::query("INSERT INTO admin_sessions (token_hash, account, created_at_ms, expires_at_ms) VALUES (?, ?, ?, ?)")
-            .bind(token_hash)
-            .bind(account)
-            .bind(now_ms())
-            .bind(expires_at_ms)
-            .execute(&self.pool)
-            .await?;
+    async fn insert_admin_session(
+        &self,
+        token_hash: &str,
+        account: &str,
+        expires_at_ms: i64,
+    ) -> Result<(), StoreError> {
+        sqlx::query(
+            "INSERT INTO admin_sessions (token_hash, account, created_at_ms, expires_at_ms) VALUES (?, ?, ?, ?)",
+        )
+        .bind(token_hash)
+        .bind(account)
+        .bind(now_ms())
+        .bind(expires_at_ms)
+        .execute(&self.pool)
+        .await?;
         Ok(())
     }
 
@@ -529,7 +545,9 @@ impl TenantStore for SqliteStore {
         .bind(&hash)
         .fetch_optional(&self.pool)
         .await?;
-        let Some((id, name, last_used)) = row else { return Ok(None) };
+        let Some((id, name, last_used)) = row else {
+            return Ok(None);
+        };
         // Last use to the minute: a write per request would serialize every call on the lock.
         let now = now_ms();
         if last_used.is_none_or(|t| now - t >= 60_000) {
@@ -740,7 +758,11 @@ impl SandboxStore for SqliteStore {
             "SELECT * FROM sandboxes WHERE tenant_id = ? AND state != 'deleted'
              AND (created_at_ms > ? OR (created_at_ms = ? AND id > ?)) ORDER BY created_at_ms, id"
         };
-        let start = if f.newest_first { (i64::MAX, "~".to_string()) } else { (i64::MIN, String::new()) };
+        let start = if f.newest_first {
+            (i64::MAX, "~".to_string())
+        } else {
+            (i64::MIN, String::new())
+        };
         let (after_ms, after_id) = f.after.clone().unwrap_or(start);
         let rows = sqlx::query(query)
             .bind(tenant_id)
@@ -856,9 +878,9 @@ impl SandboxStore for SqliteStore {
         let rows = sqlx::query(
             "SELECT * FROM sandboxes WHERE state IN ('running', 'paused', 'suspended') AND expires_at_ms <= ?",
         )
-            .bind(now)
-            .fetch_all(&self.pool)
-            .await?;
+        .bind(now)
+        .fetch_all(&self.pool)
+        .await?;
         Ok(rows.iter().map(sandbox_from_row).collect())
     }
 
@@ -912,7 +934,11 @@ impl SandboxStore for SqliteStore {
         Ok(r.map(|(envd, traffic)| AccessHashes { envd, traffic }))
     }
 
-    async fn sandbox_by_access_hash(&self, kind: TokenKind, token_hash: &str) -> Result<Option<SandboxRow>, StoreError> {
+    async fn sandbox_by_access_hash(
+        &self,
+        kind: TokenKind,
+        token_hash: &str,
+    ) -> Result<Option<SandboxRow>, StoreError> {
         let sql = match kind {
             TokenKind::Envd => {
                 "SELECT s.* FROM sandbox_access a JOIN sandboxes s ON s.id = a.sandbox_id WHERE a.token_hash = ?"

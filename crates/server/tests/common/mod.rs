@@ -593,7 +593,9 @@ impl FakeImages {
         let dir = self.dir.join(image_id);
         std::fs::create_dir_all(&dir).map_err(|e| airlock_runtime::RuntimeError::io(&dir, e))?;
         let state = std::fs::File::create(dir.join("state")).map_err(|e| airlock_runtime::RuntimeError::io(&dir, e))?;
-        state.set_len(FAKE_IMAGE_BYTES).map_err(|e| airlock_runtime::RuntimeError::io(&dir, e))?;
+        state
+            .set_len(FAKE_IMAGE_BYTES)
+            .map_err(|e| airlock_runtime::RuntimeError::io(&dir, e))?;
         std::fs::write(dir.join(airlock_runtime::image::MANIFEST), "{}")
             .map_err(|e| airlock_runtime::RuntimeError::io(&dir, e))?;
         Ok(FAKE_IMAGE_BYTES)

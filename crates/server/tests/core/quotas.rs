@@ -11,7 +11,12 @@ const SAVED_MIB: u64 = FAKE_IMAGE_BYTES / MIB;
 
 async fn snapshot(server: &Server, key: &str, id: &str, name: &str) -> (u16, Value) {
     server
-        .v1_as(key, Method::POST, &format!("/sandboxes/{id}/snapshots"), Some(json!({ "name": name })))
+        .v1_as(
+            key,
+            Method::POST,
+            &format!("/sandboxes/{id}/snapshots"),
+            Some(json!({ "name": name })),
+        )
         .await
 }
 
@@ -59,7 +64,11 @@ async fn snapshots_count_against_the_disk_quota_and_deleting_frees_it() {
     assert_eq!(u["disk_mib"], 2048 + 2 * SAVED_MIB, "{u}");
 
     let (status, third) = snapshot(&server, &key, &id, "three").await;
-    assert_eq!((status, third["code"].as_str()), (429, Some("quota_exceeded")), "{third}");
+    assert_eq!(
+        (status, third["code"].as_str()),
+        (429, Some("quota_exceeded")),
+        "{third}"
+    );
     let m = third["message"].as_str().unwrap();
     assert!(
         m.contains(&format!("disk_mib quota is {limit}"))
@@ -73,17 +82,29 @@ async fn snapshots_count_against_the_disk_quota_and_deleting_frees_it() {
     assert_eq!(server.core().nodes.image_ids().len(), 2);
     // A fork's image is a snapshot too: refused alike.
     let (status, fork) = server
-        .v1(Method::POST, &format!("/sandboxes/{id}/fork"), Some(json!({ "count": 1 })))
+        .v1(
+            Method::POST,
+            &format!("/sandboxes/{id}/fork"),
+            Some(json!({ "count": 1 })),
+        )
         .await;
     assert_eq!((status, fork["code"].as_str()), (429, Some("quota_exceeded")), "{fork}");
 
     // Deleting one gives its place back.
     let (status, _) = server
-        .v1(Method::DELETE, &format!("/snapshots/{}", first["id"].as_str().unwrap()), None)
+        .v1(
+            Method::DELETE,
+            &format!("/snapshots/{}", first["id"].as_str().unwrap()),
+            None,
+        )
         .await;
     assert_eq!(status, 204);
     let u = usage(&server, &key).await;
-    assert_eq!((u["snapshots"].as_u64(), u["disk_mib"].as_u64()), (Some(1), Some(2048 + SAVED_MIB)), "{u}");
+    assert_eq!(
+        (u["snapshots"].as_u64(), u["disk_mib"].as_u64()),
+        (Some(1), Some(2048 + SAVED_MIB)),
+        "{u}"
+    );
     let (status, third) = snapshot(&server, &key, &id, "three").await;
     assert_eq!(status, 201, "{third}");
     server.delete(&id).await;
@@ -110,11 +131,19 @@ async fn snapshots_count_against_the_node_disk_budget() {
     assert_eq!(status, 201, "{body}");
     // Saved, it holds its 98: a second save (2560) no longer fits next to it.
     let (status, body) = snapshot(&server, &key, &id, "two").await;
-    assert_eq!((status, body["code"].as_str()), (503, Some("node_budget_exceeded")), "{body}");
+    assert_eq!(
+        (status, body["code"].as_str()),
+        (503, Some("node_budget_exceeded")),
+        "{body}"
+    );
     assert!(body["message"].as_str().unwrap().contains("disk budget"), "{body}");
     // Nor does a create that would fit next to the sandbox alone.
     let (status, body) = create_sized(&server, 1, 512, 2600).await;
-    assert_eq!((status, body["code"].as_str()), (503, Some("node_budget_exceeded")), "{body}");
+    assert_eq!(
+        (status, body["code"].as_str()),
+        (503, Some("node_budget_exceeded")),
+        "{body}"
+    );
     server.delete(&id).await;
     server.stop().await;
     assert_no_vms(tmp.path());
@@ -208,7 +237,11 @@ async fn a_new_tenant_of_a_deleted_ones_name_inherits_nothing() {
     assert_ne!(new.id, old.id);
     let key = core.mint_key(&admin, "x", "k", false).await.unwrap().key;
     let (status, list) = server.v1_as(&key, Method::GET, "/snapshots", None).await;
-    assert_eq!((status, list["snapshots"].as_array().map(Vec::len)), (200, Some(0)), "{list}");
+    assert_eq!(
+        (status, list["snapshots"].as_array().map(Vec::len)),
+        (200, Some(0)),
+        "{list}"
+    );
     for by in [image.as_str(), "secrets"] {
         let (status, _) = server.v1_as(&key, Method::GET, &format!("/snapshots/{by}"), None).await;
         assert_eq!(status, 404, "{by}");
@@ -218,9 +251,17 @@ async fn a_new_tenant_of_a_deleted_ones_name_inherits_nothing() {
         assert_eq!(status, 404, "{by}: {body}");
     }
     let (status, list) = server.v1_as(&key, Method::GET, "/sandboxes?state=deleted", None).await;
-    assert_eq!((status, list["sandboxes"].as_array().map(Vec::len)), (200, Some(0)), "{list}");
+    assert_eq!(
+        (status, list["sandboxes"].as_array().map(Vec::len)),
+        (200, Some(0)),
+        "{list}"
+    );
     let u = usage(&server, &key).await;
-    assert_eq!((u["snapshots"].as_u64(), u["disk_mib"].as_u64()), (Some(0), Some(0)), "{u}");
+    assert_eq!(
+        (u["snapshots"].as_u64(), u["disk_mib"].as_u64()),
+        (Some(0), Some(0)),
+        "{u}"
+    );
     server.stop().await;
     assert_no_vms(tmp.path());
 }
@@ -238,7 +279,11 @@ async fn a_tenant_gets_half_the_node_by_default() {
     // 8 vCPUs, 4096 MiB of memory: 4 and 2048 for each tenant.
     let server = Server::start_sized(tmp.path(), 20, node(1, 4096 + 1024, 1 << 30), config).await;
     let (_, info) = server.v1(Method::GET, "/tenant", None).await;
-    assert_eq!((info["quota"]["vcpu"].as_u64(), info["quota"]["memory_mib"].as_u64()), (Some(4), Some(2048)), "{info}");
+    assert_eq!(
+        (info["quota"]["vcpu"].as_u64(), info["quota"]["memory_mib"].as_u64()),
+        (Some(4), Some(2048)),
+        "{info}"
+    );
     assert_eq!(info["quota"]["creates_per_minute"], 60, "{info}");
 
     // Memory: two of 1024 MiB, not a third.
@@ -249,8 +294,13 @@ async fn a_tenant_gets_half_the_node_by_default() {
     }
     let (status, body) = create_sized(&server, 1, 1024, 2048).await;
     assert_eq!((status, body["code"].as_str()), (429, Some("quota_exceeded")), "{body}");
-    assert!(body["message"].as_str().unwrap().contains("memory_mib quota is 2048"), "{body}");
-    let (status, body) = server.e2b(Method::POST, "/sandboxes", json!({ "templateID": "base" })).await;
+    assert!(
+        body["message"].as_str().unwrap().contains("memory_mib quota is 2048"),
+        "{body}"
+    );
+    let (status, body) = server
+        .e2b(Method::POST, "/sandboxes", json!({ "templateID": "base" }))
+        .await;
     assert_eq!(status, 429, "{body}");
     delete_all(&server).await;
 
@@ -265,14 +315,24 @@ async fn a_tenant_gets_half_the_node_by_default() {
     assert!(body["message"].as_str().unwrap().contains("vcpu quota is 4"), "{body}");
 
     // The other half is there for another tenant.
-    let other = server.core().store.create_key("other", KeyFormat::Airlock).await.unwrap();
+    let other = server
+        .core()
+        .store
+        .create_key("other", KeyFormat::Airlock)
+        .await
+        .unwrap();
     let (status, body) = server
         .v1_as(&other, Method::POST, "/sandboxes", Some(json!({ "template": "seed" })))
         .await;
     assert_eq!(status, 202, "{body}");
     wait_op_as(&server, &other, &body).await;
     let (status, body) = server
-        .v1_as(&other, Method::DELETE, &format!("/sandboxes/{}", body["sandbox_id"].as_str().unwrap()), None)
+        .v1_as(
+            &other,
+            Method::DELETE,
+            &format!("/sandboxes/{}", body["sandbox_id"].as_str().unwrap()),
+            None,
+        )
         .await;
     assert_eq!(status, 202, "{body}");
     wait_op_as(&server, &other, &body).await;

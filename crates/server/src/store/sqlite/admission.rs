@@ -2,7 +2,7 @@
 //! by their resources, suspended ones by their disk and saved memory, snapshots by what they
 //! hold), checked against the tenant's quota and the node's budgets before an insert.
 
-use super::{HOLDS_VM, DISK_HELD, LIVE, RATE_WINDOW_MS};
+use super::{DISK_HELD, HOLDS_VM, LIVE, RATE_WINDOW_MS};
 use crate::model::{Quota, TenantUsage};
 use crate::store::{now_ms, NodeBudget, StoreError};
 
@@ -25,13 +25,12 @@ pub(super) async fn usage_within(
             .bind(tenant_id)
             .fetch_one(&mut **tx)
             .await?;
-    let (creates,): (i64,) = sqlx::query_as(
-        "SELECT COUNT(*) FROM operations WHERE tenant_id = ? AND kind = 'create' AND created_at_ms > ?",
-    )
-    .bind(tenant_id)
-    .bind(now - RATE_WINDOW_MS)
-    .fetch_one(&mut **tx)
-    .await?;
+    let (creates,): (i64,) =
+        sqlx::query_as("SELECT COUNT(*) FROM operations WHERE tenant_id = ? AND kind = 'create' AND created_at_ms > ?")
+            .bind(tenant_id)
+            .bind(now - RATE_WINDOW_MS)
+            .fetch_one(&mut **tx)
+            .await?;
     let n = |v: i64| v.max(0) as u64;
     Ok(TenantUsage {
         sandboxes: n(sandboxes) as u32,

@@ -113,8 +113,8 @@ impl SnapshotStore for SqliteStore {
         .bind(id_or_name)
         .bind(id_or_name)
         .bind(id_or_name)
-            .fetch_optional(&self.pool)
-            .await?;
+        .fetch_optional(&self.pool)
+        .await?;
         Ok(r.as_ref().map(snapshot_from_row))
     }
 
@@ -154,10 +154,11 @@ impl SnapshotStore for SqliteStore {
     }
 
     async fn interrupted_images(&self, before_ms: i64) -> Result<Vec<SnapshotRow>, StoreError> {
-        let rows = sqlx::query("SELECT * FROM snapshots WHERE (kind = 'fork' OR state = 'saving') AND created_at_ms < ?")
-            .bind(before_ms)
-            .fetch_all(&self.pool)
-            .await?;
+        let rows =
+            sqlx::query("SELECT * FROM snapshots WHERE (kind = 'fork' OR state = 'saving') AND created_at_ms < ?")
+                .bind(before_ms)
+                .fetch_all(&self.pool)
+                .await?;
         Ok(rows.iter().map(snapshot_from_row).collect())
     }
 }
