@@ -987,7 +987,7 @@ fn cleanup(failed: bool) {
                 let id = sb["id"].as_str().unwrap_or_default();
                 let (_, r) = s.call("DELETE", &format!("/v1/sandboxes/{id}"), None);
                 let done = r["operation"]["id"].as_str().map(|op| s.wait_op(op));
-                if done.as_ref().map_or(true, |op| op["state"] != "succeeded") {
+                if done.as_ref().is_none_or(|op| op["state"] != "succeeded") {
                     println!("cleanup: deleting {id}: {r} {done:?}");
                 }
             }

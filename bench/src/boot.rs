@@ -211,7 +211,7 @@ async fn main() {
     }
     println!("boot ratio airlock/raw (median): {ratio:.3}");
     std::fs::create_dir_all(&args.out).unwrap();
-    let date = report["when"].as_str().unwrap().replace(':', "").replace('-', "");
+    let date = report["when"].as_str().unwrap().replace([':', '-'], "");
     let path = args.out.join(format!("boot-{}.json", &date[..15]));
     std::fs::write(&path, serde_json::to_vec_pretty(&report).unwrap()).unwrap();
     println!("raw results: {}", path.display());

@@ -17,8 +17,10 @@
 //! - **fork**: `--forks` forks of `--fork-count` children each, from the fork call to every
 //!   child's operation done, then to an `echo` answered in each.
 //!
-//!     AIRLOCK_API_KEY=... cargo run --release -p airlock-bench --bin create-bench -- \
-//!         --url http://127.0.0.1:8080 --data-dir /var/lib/airlock
+//! ```text
+//! AIRLOCK_API_KEY=... cargo run --release -p airlock-bench --bin create-bench -- \
+//!     --url http://127.0.0.1:8080 --data-dir /var/lib/airlock
+//! ```
 
 mod machine;
 mod raw;

@@ -110,7 +110,7 @@ pub fn initramfs_stage() -> ! {
     }
     let _ = std::env::set_current_dir("/");
     let prog = CString::new(AGENT_IN_ROOTFS).unwrap();
-    let err = nix::unistd::execv(&prog, &[prog.clone()]).unwrap_err();
+    let err = nix::unistd::execv(&prog, std::slice::from_ref(&prog)).unwrap_err();
     fatal(&format!("exec {AGENT_IN_ROOTFS}: {err}"))
 }
 
@@ -310,32 +310,6 @@ fn grow_root_fs() -> std::io::Result<()> {
     Ok(())
 }
 
-#[cfg(test)]
-mod tests {
-    #[test]
-    fn the_sandbox_env_is_replaced_whole_and_readable_by_all() {
-        use std::os::unix::fs::PermissionsExt;
-        let dir = tempfile::tempdir().unwrap();
-        let path = dir.path().join("run/airlock/env.json");
-        let env = std::collections::BTreeMap::from([("A".to_string(), "1".to_string()), ("B".into(), "x y".into())]);
-        super::write_sandbox_env(&path, &env).unwrap();
-        let back: std::collections::BTreeMap<String, String> =
-            serde_json::from_slice(&std::fs::read(&path).unwrap()).unwrap();
-        assert_eq!(back, env);
-        assert_eq!(std::fs::metadata(&path).unwrap().permissions().mode() & 0o777, 0o644);
-        super::write_sandbox_env(&path, &Default::default()).unwrap();
-        assert_eq!(std::fs::read_to_string(&path).unwrap(), "{}");
-    }
-
-    #[test]
-    fn reads_cmdline_values() {
-        let c = "console=ttyS0 airlock.hostname=sbx-1 quiet";
-        assert_eq!(super::cmdline_value(c, "airlock.hostname"), Some("sbx-1"));
-        assert_eq!(super::cmdline_value(c, "console"), Some("ttyS0"));
-        assert_eq!(super::cmdline_value(c, "missing"), None);
-    }
-}
-
 /// Take the identity the host gives (see `airlock_proto::Identity`): after a snapshot restore
 /// the hostname, machine id, clock and random state are the snapshot's, shared by every clone.
 pub fn apply_identity(id: &airlock_proto::Identity) -> Result<(), crate::error::AgentError> {
@@ -388,7 +362,7 @@ fn write_sandbox_env(path: &std::path::Path, env: &std::collections::BTreeMap<St
 }
 
 fn decode_hex(s: &str) -> Option<Vec<u8>> {
-    if s.len() % 2 != 0 {
+    if !s.len().is_multiple_of(2) {
         return None;
     }
     (0..s.len())
@@ -416,4 +390,30 @@ fn add_entropy(bytes: &[u8]) -> std::io::Result<()> {
         return Err(std::io::Error::last_os_error());
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn the_sandbox_env_is_replaced_whole_and_readable_by_all() {
+        use std::os::unix::fs::PermissionsExt;
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("run/airlock/env.json");
+        let env = std::collections::BTreeMap::from([("A".to_string(), "1".to_string()), ("B".into(), "x y".into())]);
+        super::write_sandbox_env(&path, &env).unwrap();
+        let back: std::collections::BTreeMap<String, String> =
+            serde_json::from_slice(&std::fs::read(&path).unwrap()).unwrap();
+        assert_eq!(back, env);
+        assert_eq!(std::fs::metadata(&path).unwrap().permissions().mode() & 0o777, 0o644);
+        super::write_sandbox_env(&path, &Default::default()).unwrap();
+        assert_eq!(std::fs::read_to_string(&path).unwrap(), "{}");
+    }
+
+    #[test]
+    fn reads_cmdline_values() {
+        let c = "console=ttyS0 airlock.hostname=sbx-1 quiet";
+        assert_eq!(super::cmdline_value(c, "airlock.hostname"), Some("sbx-1"));
+        assert_eq!(super::cmdline_value(c, "console"), Some("ttyS0"));
+        assert_eq!(super::cmdline_value(c, "missing"), None);
+    }
 }

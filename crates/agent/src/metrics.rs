@@ -57,9 +57,9 @@ impl CpuSampler {
             .unwrap_or((0, 0));
         let (disk_total_bytes, disk_used_bytes) = match nix::sys::statvfs::statvfs("/") {
             Ok(s) => {
-                let frag = s.fragment_size() as u64;
-                let total = s.blocks() as u64 * frag;
-                (total, total.saturating_sub(s.blocks_free() as u64 * frag))
+                let frag = s.fragment_size();
+                let total = s.blocks() * frag;
+                (total, total.saturating_sub(s.blocks_free() * frag))
             }
             Err(_) => (0, 0),
         };
@@ -83,6 +83,6 @@ mod tests {
         let stat = "cpu  100 0 50 800 50 0 0 0 0 0\ncpu0 100 0 50 800 50 0 0 0 0 0\n";
         assert_eq!(parse_proc_stat(stat), Some((150, 1000)));
         let mem = "MemTotal:        1000 kB\nMemFree:          100 kB\nMemAvailable:     400 kB\n";
-        assert_eq!(parse_meminfo(mem), Some((1024_000, 600 * 1024)));
+        assert_eq!(parse_meminfo(mem), Some((1_024_000, 600 * 1024)));
     }
 }

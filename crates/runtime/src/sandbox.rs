@@ -1264,7 +1264,7 @@ impl Runtime {
     /// record counts it.
     pub fn disk_space(&self) -> DiskSpace {
         let free_bytes = nix::sys::statvfs::statvfs(self.inner.data.root())
-            .map(|s| s.blocks_available() as u64 * s.fragment_size() as u64)
+            .map(|s| s.blocks_available() * s.fragment_size())
             .unwrap_or(0);
         let root = self.inner.data.sandboxes();
         let held_bytes = self

@@ -4,6 +4,7 @@
 //! - the kernel package is fetched with `apt-get download` and unpacked once per version;
 //! - the debootstrap base (tens of seconds) is cached by its recipe;
 //! - the agent + image assembly (`mkfs.ext4 -d`, about a second) is redone when the agent changes.
+//!
 //! A rebuild happens only when the recipe digest changes.
 
 use crate::datadir::{random_hex, write_atomic, DataDir, FileLock};
@@ -679,7 +680,7 @@ impl TemplateStore {
         progress.step("writing the ext4 image");
         let used = dir_bytes(&rootfs)?;
         // Headroom for ext4 metadata and a little free space; sandboxes grow it to disk_mib.
-        let image_mib = (used * 13 / 10 >> 20) + 64;
+        let image_mib = ((used * 13 / 10) >> 20) + 64;
         let image = out.join(ROOTFS_FILE);
         run(
             Command::new("mkfs.ext4")

@@ -22,7 +22,7 @@ pub fn block_on<F: std::future::Future>(f: F) -> F::Output {
     let rt = RT.get_or_init(|| {
         // VMs whose launching process exited re-parent to us, so we can reap them.
         unsafe { libc::prctl(libc::PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) };
-        let _ = tracing_subscriber_init();
+        tracing_subscriber_init();
         tokio::runtime::Builder::new_multi_thread()
             .worker_threads(2)
             .enable_all()

@@ -5,6 +5,7 @@
 //!
 //! The tests run one at a time (`SERIAL`) so that this process's RSS measures one abuse at once.
 //! Run with `--nocapture` to see the numbers.
+#![allow(clippy::await_holding_lock)] // SERIAL, below
 
 use airlock_proto::ErrorCode;
 use airlock_runtime::agent::{AgentError, Deadlines, ERROR_BODY_MAX, LIST_MAX, RECORD_MAX, WATCH_LINE_MAX};
@@ -15,6 +16,8 @@ use std::future::Future;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+// Held across awaits on purpose: it only serializes the tests (each on its own runtime), so no
+// task of the same runtime ever waits for it.
 static SERIAL: Mutex<()> = Mutex::new(());
 
 /// Short deadlines, so a silent agent costs a test about a second.

@@ -893,7 +893,7 @@ impl Engine {
                         engine.timed_out(row).await;
                     }
                 }
-                if tick % SWEEP_EVERY_TICKS == 0 {
+                if tick.is_multiple_of(SWEEP_EVERY_TICKS) {
                     let _ = engine.sweep().await;
                 }
             }

@@ -529,11 +529,11 @@ fn raise_fd_limit(want: u64) -> u64 {
         rlim_max: 0,
     };
     unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut lim) };
-    if (lim.rlim_cur as u64) < want {
+    if lim.rlim_cur < want {
         lim.rlim_cur = (want as libc::rlim_t).min(lim.rlim_max);
         unsafe { libc::setrlimit(libc::RLIMIT_NOFILE, &lim) };
     }
-    lim.rlim_cur as u64
+    lim.rlim_cur
 }
 
 /// A connection to `addr` from `from` (any of 127/8 is this host's loopback on Linux).

@@ -210,7 +210,6 @@ async fn suspended_sandboxes_hold_only_disk_and_resume_is_admitted() {
     };
     let create = |id: &'static str| {
         let store = store.clone();
-        let quota = quota.clone();
         async move {
             store
                 .insert_create_within(&sandbox(id, "t1"), &create_op(id), None, &quota, &budget)

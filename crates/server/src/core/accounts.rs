@@ -417,32 +417,6 @@ impl Core {
     }
 }
 
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn passwords_hash_and_verify_and_generated_ones_are_long() {
-        let h = hash_password("correct horse battery").unwrap();
-        assert!(h.starts_with("$argon2"), "{h}");
-        assert!(password_matches("correct horse battery", &h));
-        assert!(!password_matches("correct horse batterY", &h));
-        let (a, b) = (generate_password(), generate_password());
-        assert_eq!(a.len(), 24);
-        assert_ne!(a, b);
-    }
-
-    #[test]
-    fn tenant_names_are_plain() {
-        for ok in ["acme", "a", "team-7"] {
-            assert!(check_tenant_name(ok).is_ok(), "{ok}");
-        }
-        for bad in ["", "Acme", "-x", "a b", "a/b", &"x".repeat(64)] {
-            assert!(check_tenant_name(bad).is_err(), "{bad}");
-        }
-    }
-}
-
 /// Warm pools, as the admin sees and sizes them (`/v1/system` shows them to everyone).
 impl Core {
     pub fn pools(&self) -> Vec<crate::model::PoolInfo> {
@@ -498,3 +472,29 @@ impl Core {
 
 /// The most VMs one pool keeps.
 pub const MAX_POOL: usize = 64;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn passwords_hash_and_verify_and_generated_ones_are_long() {
+        let h = hash_password("correct horse battery").unwrap();
+        assert!(h.starts_with("$argon2"), "{h}");
+        assert!(password_matches("correct horse battery", &h));
+        assert!(!password_matches("correct horse batterY", &h));
+        let (a, b) = (generate_password(), generate_password());
+        assert_eq!(a.len(), 24);
+        assert_ne!(a, b);
+    }
+
+    #[test]
+    fn tenant_names_are_plain() {
+        for ok in ["acme", "a", "team-7"] {
+            assert!(check_tenant_name(ok).is_ok(), "{ok}");
+        }
+        for bad in ["", "Acme", "-x", "a b", "a/b", &"x".repeat(64)] {
+            assert!(check_tenant_name(bad).is_err(), "{bad}");
+        }
+    }
+}

@@ -130,6 +130,8 @@ pub async fn require_sandbox(
 }
 
 /// An RPC body within [`crate::MAX_JSON_BODY`]; a larger one is a 413 in Connect's error shape.
+// The error is the handler's finished answer, made at most once per request.
+#[allow(clippy::result_large_err)]
 fn rpc_body(body: Result<Bytes, axum::extract::rejection::BytesRejection>) -> Result<Bytes, Response> {
     body.map_err(|e| {
         let status = e.status();
@@ -436,6 +438,8 @@ where
 }
 
 /// What every RPC needs besides its sandbox: the calling user and the request message.
+// The error is the handler's finished answer, as for `rpc_body`.
+#[allow(clippy::result_large_err)]
 fn rpc_call(
     headers: &HeaderMap,
     body: Result<Bytes, axum::extract::rejection::BytesRejection>,

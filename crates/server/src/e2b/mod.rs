@@ -163,7 +163,7 @@ impl Watchers {
     /// Stop and forget `sandbox_id`'s watcher `id`; false when it has no such watcher.
     pub fn remove(&self, sandbox_id: &str, id: &str) -> bool {
         let mut map = lock(&self.map);
-        if !map.get(id).is_some_and(|w| w.sandbox_id == sandbox_id) {
+        if map.get(id).is_none_or(|w| w.sandbox_id != sandbox_id) {
             return false;
         }
         if let Some(w) = map.remove(id) {

@@ -761,7 +761,7 @@ pub(crate) async fn system_info(core: &Core, node_wide: bool) -> SystemInfo {
         version: env!("CARGO_PKG_VERSION").into(),
         accel: nodes.accel().await,
         runtimes: vec![nodes.runtime_name().into()],
-        capacity: node_wide.then(|| Capacity {
+        capacity: node_wide.then_some(Capacity {
             cpus: capacity.cpus,
             memory_mib: capacity.memory_mib,
             sandboxes_running: capacity.sandboxes_running,
