@@ -112,6 +112,12 @@ impl Server {
             .args(["serve", "--listen", &format!("127.0.0.1:{port}")])
             .args(extra)
             .env_remove("AIRLOCK_CONSOLE_PASSWORD");
+        // The tests' servers are single-tenant nodes: what the suite holds at once is bounded by
+        // the node's budget (503 when full), not by half of the machine's free disk, which varies
+        // between machines. Quotas have tests of their own; a test's own `--tenant-share` wins.
+        if !extra.contains(&"--tenant-share") {
+            cmd.args(["--tenant-share", "1"]);
+        }
         if let Some(password) = console_password {
             cmd.env("AIRLOCK_CONSOLE_PASSWORD", password);
         }

@@ -87,7 +87,9 @@ def airlock_server():
         os.remove(old)
     log = open(os.path.join(DATA, f"e2b-serve-{port}.log"), "w")
     # E2B_DEBUG clients reach the code interpreter at localhost:49999: airlock serves that port too.
-    serve = [BIN, "--data-dir", DATA, "serve", "--listen", f"127.0.0.1:{port}", "--e2b-debug-listen", "127.0.0.1:49999",
+    # A single-tenant node: the suite may use the whole node, not half of what disk is free.
+    serve = [BIN, "--data-dir", DATA, "serve", "--listen", f"127.0.0.1:{port}", "--tenant-share", "1",
+             "--e2b-debug-listen", "127.0.0.1:49999",
              # E2B_DOMAIN clients: HTTPS on :443 of the address the suite's wildcard DNS answers.
              "--e2b-domain", wildcard_dns.DOMAIN, "--tls-listen", f"{wildcard_dns.TLS_ADDR}:443",
              "--tls-cert", TLS_CERT, "--tls-key", TLS_KEY]
