@@ -1245,7 +1245,12 @@ impl Runtime {
         }
     }
 
+    /// A sandbox of the earlier process is found only once settled (it is put in the map
+    /// before it is marked settled): whoever finds it may rely on it being decided.
     pub fn get(&self, id: &str) -> Result<Arc<Sandbox>> {
+        if !self.is_settled(id) {
+            return Err(RuntimeError::UnknownSandbox(id.into()));
+        }
         self.inner
             .sandboxes
             .lock()
@@ -1303,7 +1308,11 @@ impl Runtime {
     }
 
     pub fn list(&self) -> Vec<Arc<Sandbox>> {
-        let mut v: Vec<_> = self.inner.sandboxes.lock().unwrap().values().cloned().collect();
+        let unsettled = self.inner.unsettled.lock().unwrap().clone();
+        let mut v: Vec<_> = (self.inner.sandboxes.lock().unwrap().values())
+            .filter(|sb| !unsettled.contains(sb.id()))
+            .cloned()
+            .collect();
         v.sort_by(|a, b| a.record.created_at.cmp(&b.record.created_at));
         v
     }

@@ -8,7 +8,8 @@ use crate::error::{CoreError, CoreResult};
 use crate::model::ErrorBody;
 use crate::model::{Operation, OperationKind, OperationState, Quota, SandboxState};
 use crate::nodes::{Nodes, VmState};
-use crate::store::{now_ms, rfc3339, CreateRecorded, NodeBudget, SandboxRow, Store};
+use crate::records::{now_ms, rfc3339, SandboxRecord};
+use crate::store::{CreateRecorded, NodeBudget, Store};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -30,27 +31,27 @@ pub enum Action {
     /// Record a new sandbox (if the tenant stays within its `quota` and the node's live
     /// sandboxes plus this one fit in `budget`) and boot it.
     Create {
-        sandbox: SandboxRow,
+        sandbox: SandboxRecord,
         idempotency_key: Option<String>,
         quota: Quota,
         budget: NodeBudget,
     },
     Delete {
-        sandbox: SandboxRow,
+        sandbox: SandboxRecord,
     },
     Pause {
-        sandbox: SandboxRow,
+        sandbox: SandboxRecord,
     },
     /// Save the sandbox to disk and end its VM.
     Suspend {
-        sandbox: SandboxRow,
+        sandbox: SandboxRecord,
     },
     /// Save a running sandbox as `snapshot` while it runs on. Recorded at once as being saved
     /// if `reserve_mib` fits the tenant's disk `quota` and the node's disk `budget` (like a
     /// create's admission; it holds that much until the save ends, then its size).
     Snapshot {
-        sandbox: SandboxRow,
-        snapshot: crate::store::SnapshotRow,
+        sandbox: SandboxRecord,
+        snapshot: crate::records::SnapshotRecord,
         reserve_mib: u64,
         quota: Quota,
         budget: NodeBudget,
@@ -58,7 +59,7 @@ pub enum Action {
     /// Run a paused sandbox again, or start a suspended one from its saved state: that needs its
     /// place, vcpu and memory again, so it is admitted under `quota` and `budget` like a create.
     Resume {
-        sandbox: SandboxRow,
+        sandbox: SandboxRecord,
         quota: Quota,
         budget: NodeBudget,
     },
@@ -321,7 +322,7 @@ impl Engine {
         }
     }
 
-    async fn submit_change(&self, sandbox: SandboxRow, kind: OperationKind) -> CoreResult<Submitted> {
+    async fn submit_change(&self, sandbox: SandboxRecord, kind: OperationKind) -> CoreResult<Submitted> {
         let op = new_operation(kind, &sandbox.id);
         self.store.insert_operation(&sandbox.tenant_id, &op).await?;
         let engine = self.clone();
@@ -392,7 +393,7 @@ impl Engine {
         }
     }
 
-    async fn run_create(&self, op: Operation, row: SandboxRow) {
+    async fn run_create(&self, op: Operation, row: SandboxRecord) {
         let _ = self.store.set_operation_state(&op.id, OperationState::Running).await;
         match self.nodes.create(&row).await {
             Ok(booted) => {
@@ -431,7 +432,7 @@ impl Engine {
 
     /// A sandbox made from a snapshot runs the processes its source ran: their sessions (as
     /// the source has them now) become its own, so both doors find them by pid and tag.
-    async fn inherit_sessions(&self, row: &SandboxRow, image: &str) {
+    async fn inherit_sessions(&self, row: &SandboxRecord, image: &str) {
         let copied = async {
             let Some(snapshot) = self.store.get_snapshot(&row.tenant_id, image).await? else {
                 return Ok(());
@@ -440,7 +441,7 @@ impl Engine {
                 if s.exited {
                     continue;
                 }
-                let copy = crate::store::SessionRow {
+                let copy = crate::records::SessionRecord {
                     id: format!("ses_{}", airlock_runtime::datadir::random_hex(8)),
                     sandbox_id: row.id.clone(),
                     ..s
@@ -476,11 +477,11 @@ impl Engine {
     /// record its size: from then on it holds that instead of its reserve. A save that fails
     /// leaves neither image nor record; one whose record went meanwhile (its tenant was
     /// deleted) leaves no image.
-    async fn run_snapshot(&self, op: Operation, mut snapshot: crate::store::SnapshotRow) {
+    async fn run_snapshot(&self, op: Operation, mut snapshot: crate::records::SnapshotRecord) {
         let _ = self.store.set_operation_state(&op.id, OperationState::Running).await;
         let saved = async {
             snapshot.bytes = self.nodes.save_image(&op.sandbox_id, &snapshot.id).await?;
-            if snapshot.kind == crate::store::SnapshotKind::Snapshot {
+            if snapshot.kind == crate::records::SnapshotKind::Snapshot {
                 snapshot.digest = Some(self.nodes.digest_image(&snapshot.id).await?);
             }
             if !self.store.snapshot_saved(&snapshot).await? {
@@ -831,7 +832,7 @@ impl Engine {
 
     /// A sandbox whose timeout passed: suspended if it asked for that (`on_timeout: suspend`,
     /// E2B's autoPause) and runs, else deleted. A suspend that fails deletes it after all.
-    async fn timed_out(&self, row: SandboxRow) {
+    async fn timed_out(&self, row: SandboxRecord) {
         let suspend = row.lifecycle.on_timeout == crate::model::OnTimeout::Suspend
             && matches!(row.state, SandboxState::Running | SandboxState::Paused);
         if !suspend {

@@ -18,6 +18,7 @@ pub mod native;
 pub mod node_egress;
 pub mod nodes;
 pub mod proxy;
+pub mod records;
 pub mod store;
 
 use axum::routing::{get, post};

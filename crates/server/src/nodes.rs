@@ -2,7 +2,7 @@
 //! tunnels) goes through `Nodes`. `LocalNode` runs VMs on this host with the runtime; a remote
 //! implementation (many hosts) will sit behind the same trait.
 
-use crate::store::SandboxRow;
+use crate::records::SandboxRecord;
 use airlock_runtime::template::TemplateStore;
 use airlock_runtime::{AgentClient, CreateSandbox, Resources, Runtime, RuntimeError};
 use async_trait::async_trait;
@@ -45,7 +45,7 @@ pub trait Nodes: Send + Sync {
     async fn accel(&self) -> String;
     fn templates(&self) -> &TemplateStore;
     /// Boot the VM of a recorded sandbox; returns once its agent answers.
-    async fn create(&self, sandbox: &SandboxRow) -> Result<Booted, RuntimeError>;
+    async fn create(&self, sandbox: &SandboxRecord) -> Result<Booted, RuntimeError>;
     /// Stop the VM and remove its disk; a VM that is already gone is not an error.
     async fn delete(&self, id: &str) -> Result<(), RuntimeError>;
     async fn pause(&self, id: &str) -> Result<(), RuntimeError>;
@@ -132,7 +132,7 @@ impl Nodes for LocalNode {
         self.runtime.templates()
     }
 
-    async fn create(&self, sandbox: &SandboxRow) -> Result<Booted, RuntimeError> {
+    async fn create(&self, sandbox: &SandboxRecord) -> Result<Booted, RuntimeError> {
         let lock = self.lock_for(&sandbox.id);
         let _guard = lock.lock().await;
         let sb = self

@@ -13,7 +13,8 @@ use airlock_runtime::vmm::pid_alive;
 use airlock_server::core::Config;
 use airlock_server::model::{Operation, OperationKind, OperationState, Resources, SandboxState};
 use airlock_server::nodes::Capacity;
-use airlock_server::store::{now_ms, rfc3339, KeyFormat, SandboxRow};
+use airlock_server::records::{now_ms, rfc3339, SandboxRecord};
+use airlock_server::store::KeyFormat;
 use axum::body::Body;
 use axum::http::Method;
 use common::*;
@@ -23,9 +24,9 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 /// A sandbox record as `Core::create_sandbox` makes it.
-fn sandbox_row(id: &str, tenant_id: &str) -> SandboxRow {
+fn sandbox_row(id: &str, tenant_id: &str) -> SandboxRecord {
     let r = airlock_runtime::Resources::default();
-    SandboxRow {
+    SandboxRecord {
         id: id.into(),
         tenant_id: tenant_id.into(),
         state: SandboxState::Creating,

@@ -6,7 +6,7 @@ mod common;
 use airlock_proto::Metrics;
 use airlock_server::core::metrics::Sample;
 use airlock_server::core::principal::signature;
-use airlock_server::store::now_ms;
+use airlock_server::records::now_ms;
 use axum::body::Body;
 use axum::http::Method;
 use common::*;

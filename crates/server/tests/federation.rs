@@ -88,7 +88,7 @@ fn make_keys(dir: &Path) -> Keys {
 }
 
 fn now() -> i64 {
-    airlock_server::store::now_ms() / 1000
+    airlock_server::records::now_ms() / 1000
 }
 
 fn claims() -> Value {

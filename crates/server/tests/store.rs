@@ -2,16 +2,17 @@
 //! before versioned migrations.
 
 use airlock_server::model::{Operation, OperationKind, OperationState, Quota, Resources, SandboxState};
+use airlock_server::records::{now_ms, rfc3339, SandboxRecord, SessionRecord, Tenant};
 use airlock_server::store::{
-    new_key, now_ms, rfc3339, token_hash, AccessHashes, CreateRecorded, E2bStore, KeyFormat, NodeBudget,
-    OperationStore, SandboxRow, SandboxStore, SessionRow, SqliteStore, StoreError, Tenant, TenantStore, TokenKind,
+    new_key, token_hash, AccessHashes, CreateRecorded, E2bStore, KeyFormat, NodeBudget, OperationStore, SandboxStore,
+    SqliteStore, StoreError, TenantStore, TokenKind,
 };
 use std::collections::BTreeMap;
 use std::path::Path;
 use std::sync::Arc;
 
-fn sandbox(id: &str, tenant: &str) -> SandboxRow {
-    SandboxRow {
+fn sandbox(id: &str, tenant: &str) -> SandboxRecord {
+    SandboxRecord {
         id: id.into(),
         tenant_id: tenant.into(),
         state: SandboxState::Creating,
@@ -328,7 +329,7 @@ async fn keys_access_tokens_sessions_and_aliases() {
     assert_eq!(store.e2b_alias("s1").await.unwrap().as_deref(), Some("base"));
     assert!(store.e2b_alias("nope").await.unwrap().is_none());
 
-    let mut s = SessionRow {
+    let mut s = SessionRecord {
         id: "ses1".into(),
         sandbox_id: "s1".into(),
         process_id: 7,
@@ -436,7 +437,7 @@ async fn a_database_from_before_migrations_is_upgraded_in_place() {
         let sb = store.sandbox_by_id("old1").await.unwrap().unwrap();
         assert_eq!(sb.metadata, BTreeMap::from([("team".to_string(), "x".to_string())]));
         // Sandboxes from before egress had no NIC: they read as sealed.
-        assert_eq!(sb.egress, airlock_server::store::EgressSpec::default());
+        assert_eq!(sb.egress, airlock_server::records::EgressSpec::default());
         assert!(sb.egress.sealed && sb.egress.profiles.is_empty());
         assert_eq!(store.e2b_alias("old1").await.unwrap().as_deref(), Some("base"));
         let other = store.sandbox_by_id("old2").await.unwrap().unwrap();
@@ -634,7 +635,7 @@ async fn another_process_closing_the_database_leaves_the_store_working() {
 #[tokio::test]
 async fn tenant_egress_policies_and_sandbox_egress_records_round_trip() {
     use airlock_egress::TenantPolicy;
-    use airlock_server::store::EgressSpec;
+    use airlock_server::records::EgressSpec;
     let (_dir, store) = fresh().await;
     store.create_key("acme", KeyFormat::Airlock).await.unwrap();
     let acme = store.tenant_by_name("acme").await.unwrap().unwrap();

@@ -5,7 +5,8 @@
 use super::{sign_in, Core};
 use crate::error::{CoreError, CoreResult, Kind};
 use crate::model::{AdminToken, AuditEntry, KeyView, NewKey, TenantSummary};
-use crate::store::{now_ms, rfc3339, token_hash, AuditFilter, AuditRecord, KeyFormat, KeyRecord};
+use crate::records::{now_ms, rfc3339, AuditRecord, KeyRecord};
+use crate::store::{token_hash, AuditFilter, KeyFormat};
 use argon2::password_hash::{PasswordHash, PasswordHasher, PasswordVerifier, SaltString};
 use argon2::Argon2;
 

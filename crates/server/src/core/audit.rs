@@ -9,7 +9,8 @@
 //! without its object (what varies when one caller names many objects), and past twice that it is
 //! written as its own row. A stop loses the counts not yet added (at most a minute's repeats).
 
-use crate::store::{AccountStore, AuditRecord, StoreError};
+use crate::records::AuditRecord;
+use crate::store::{AccountStore, StoreError};
 use std::collections::HashMap;
 use std::sync::Mutex;
 

@@ -22,7 +22,7 @@ use crate::model::{
     EffectiveEgressPolicy, EgressCounters, EgressDenial, EgressInfo, EgressProfileInfo, EgressReport, EgressRules,
     SandboxState,
 };
-use crate::store::{rfc3339, EgressSpec, SandboxRow, Tenant};
+use crate::records::{rfc3339, EgressSpec, SandboxRecord, Tenant};
 use airlock_egress::{Policy, Profiles, RawRules, RuleSet, SandboxEgress, SandboxLimits, TenantPolicy};
 use std::collections::HashMap;
 use std::net::IpAddr;
@@ -235,7 +235,7 @@ impl Core {
 
     /// A sandbox's egress state from its record. A profile the server no longer has is left out
     /// (with a warning): the sandbox can then reach less, never more.
-    fn build_egress(&self, row: &SandboxRow) -> Arc<SandboxEgress> {
+    fn build_egress(&self, row: &SandboxRecord) -> Arc<SandboxEgress> {
         let config = &self.config.egress;
         let profiles: Vec<&str> = row
             .egress
@@ -260,7 +260,7 @@ impl Core {
     }
 
     /// Register a new sandbox's egress (before its create is submitted, so an early end finds it).
-    pub(crate) fn register_egress(&self, row: &SandboxRow) {
+    pub(crate) fn register_egress(&self, row: &SandboxRecord) {
         self.egress.listen(self);
         self.egress.insert(self.build_egress(row));
     }
@@ -271,7 +271,7 @@ impl Core {
 
     /// The egress state of a live sandbox (what the plumbing serves), rebuilt from its record
     /// after a restart. `None` once it has ended.
-    pub async fn egress_of(&self, row: &SandboxRow) -> Option<Arc<SandboxEgress>> {
+    pub async fn egress_of(&self, row: &SandboxRecord) -> Option<Arc<SandboxEgress>> {
         if let Some(e) = self.egress.get(&row.id) {
             return Some(e);
         }

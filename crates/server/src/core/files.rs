@@ -4,7 +4,7 @@
 use super::uploads::Uploads;
 use super::Core;
 use crate::error::{CoreError, CoreResult, Kind};
-use crate::store::SandboxRow;
+use crate::records::SandboxRecord;
 use airlock_proto::{FileStat, MkdirResponse, WatchEvent};
 use airlock_runtime::agent::AgentError;
 use airlock_runtime::AgentClient;
@@ -40,7 +40,7 @@ pub struct Files {
 }
 
 impl Core {
-    pub async fn files(&self, sandbox: &SandboxRow) -> CoreResult<Files> {
+    pub async fn files(&self, sandbox: &SandboxRecord) -> CoreResult<Files> {
         Ok(Files {
             agent: self.agent_for(sandbox).await?,
             sandbox_id: sandbox.id.clone(),

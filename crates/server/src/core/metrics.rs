@@ -6,7 +6,7 @@
 use super::Core;
 use crate::error::{CoreError, CoreResult, Kind};
 use crate::model::SandboxState;
-use crate::store::SandboxRow;
+use crate::records::SandboxRecord;
 use airlock_proto::Metrics;
 use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -166,7 +166,7 @@ impl Core {
             .await
             .map_err(|e| CoreError::agent(Kind::Sandbox, id, e))?;
         let sample = Sample {
-            at_ms: crate::store::now_ms(),
+            at_ms: crate::records::now_ms(),
             metrics,
         };
         // A sandbox that ended meanwhile keeps no history.
@@ -189,11 +189,11 @@ impl Core {
     /// than [`SAMPLE_EVERY`] is sampled now, so a fresh one has a sample at once.
     pub async fn sandbox_metrics(
         &self,
-        row: &SandboxRow,
+        row: &SandboxRecord,
         start: Option<i64>,
         end: Option<i64>,
     ) -> CoreResult<Vec<Sample>> {
-        let now = crate::store::now_ms();
+        let now = crate::records::now_ms();
         let start_ms = start.map(secs_to_ms).unwrap_or(row.created_at_ms);
         // By default to the end of its life: everything sampled (on demand, below, too).
         let end_ms = end.map(|e| secs_to_ms(e).saturating_add(999)).unwrap_or(i64::MAX);

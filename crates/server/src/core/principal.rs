@@ -5,7 +5,8 @@
 use super::federation::{Federation, Refused, SignedIn};
 use super::Core;
 use crate::error::{CoreError, CoreResult, Kind};
-use crate::store::{token_hash, AccessHashes, SandboxRow, Tenant, TokenKind};
+use crate::records::{SandboxRecord, Tenant};
+use crate::store::{token_hash, AccessHashes, TokenKind};
 use axum::http::HeaderMap;
 use base64::Engine as _;
 use subtle::ConstantTimeEq;
@@ -95,7 +96,7 @@ pub enum Principal {
         signed_in: SignedIn,
     },
     Sandbox {
-        sandbox: SandboxRow,
+        sandbox: SandboxRecord,
         via: Via,
     },
 }
@@ -344,14 +345,14 @@ impl Core {
         matches!(self.store.tenant_by_key(value).await, Ok(Some(_)))
             || matches!(
                 self.store
-                    .admin_session(&token_hash(value), crate::store::now_ms())
+                    .admin_session(&token_hash(value), crate::records::now_ms())
                     .await,
                 Ok(Some(_))
             )
     }
 
     /// Check a signed URL (`/files?signature=...`) for `op` (`read`/`write`) on `sandbox`.
-    pub fn check_signed_url(&self, sandbox: &SandboxRow, url: &SignedUrl<'_>, op: &str) -> CoreResult<()> {
+    pub fn check_signed_url(&self, sandbox: &SandboxRecord, url: &SignedUrl<'_>, op: &str) -> CoreResult<()> {
         let token = self.access_token(&sandbox.id);
         let want = signature(url.path, op, url.user, &token, url.expiration);
         let got = url.signature.trim_end_matches('=');
@@ -360,7 +361,7 @@ impl Core {
             // (an expired but genuine one was made with the token, so it may say so).
             return Err(CoreError::not_found(Kind::Sandbox, &sandbox.id));
         }
-        if url.expiration.is_some_and(|e| e < crate::store::now_ms() / 1000) {
+        if url.expiration.is_some_and(|e| e < crate::records::now_ms() / 1000) {
             return Err(CoreError::Unauthenticated("signature expired".into()));
         }
         Ok(())
@@ -373,7 +374,7 @@ impl Core {
     /// whose access token makes the signature (one hash per live sandbox). The URL itself is
     /// still to be checked ([`Core::check_signed_url`]: its expiry). A signature no sandbox
     /// makes answers as a missing sandbox.
-    pub async fn sandbox_by_signed_url(&self, url: &SignedUrl<'_>, op: &str) -> CoreResult<SandboxRow> {
+    pub async fn sandbox_by_signed_url(&self, url: &SignedUrl<'_>, op: &str) -> CoreResult<SandboxRecord> {
         let got = url.signature.trim_end_matches('=');
         let missing = || CoreError::not_found(Kind::Sandbox, "");
         if !got.starts_with("v1_") {

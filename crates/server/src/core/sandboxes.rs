@@ -6,7 +6,8 @@ use super::{Core, Principal};
 use crate::engine::{Action, Submitted};
 use crate::error::{CoreError, CoreResult, Kind};
 use crate::model::{Operation, Resources, SandboxState};
-use crate::store::{now_ms, parse_page_token, SandboxFilter, SandboxRow, Tenant};
+use crate::records::{now_ms, SandboxRecord, Tenant};
+use crate::store::{parse_page_token, SandboxFilter};
 use airlock_runtime::AgentClient;
 use std::collections::BTreeMap;
 use std::time::Duration;
@@ -39,7 +40,7 @@ pub struct CreateSandbox {
     pub egress: EgressRequest,
     pub lifecycle: crate::model::Lifecycle,
     /// A fork's child: its parent's egress, exactly (`egress` is then unused).
-    pub inherit_egress: Option<crate::store::EgressSpec>,
+    pub inherit_egress: Option<crate::records::EgressSpec>,
 }
 
 #[derive(Debug, Clone)]
@@ -66,7 +67,7 @@ pub struct ListSandboxes {
 }
 
 pub struct Page {
-    pub sandboxes: Vec<SandboxRow>,
+    pub sandboxes: Vec<SandboxRecord>,
     pub next_page_token: Option<String>,
 }
 
@@ -229,7 +230,7 @@ impl Core {
             None => self.egress_for_create(principal, tenant, &req.egress).await?,
         };
         let now = now_ms();
-        let row = SandboxRow {
+        let row = SandboxRecord {
             id: airlock_runtime::datadir::random_hex(10),
             tenant_id: tenant.id.clone(),
             state: SandboxState::Creating,
@@ -301,7 +302,7 @@ impl Core {
     }
 
     /// A tenant's sandbox in any state; another tenant's answers like a missing one.
-    pub async fn sandbox(&self, tenant: &Tenant, id: &str) -> CoreResult<SandboxRow> {
+    pub async fn sandbox(&self, tenant: &Tenant, id: &str) -> CoreResult<SandboxRecord> {
         let row = self
             .store
             .get_sandbox(&tenant.id, id)
@@ -314,7 +315,7 @@ impl Core {
     /// pending): a record the recovery has yet to check against its VM may say `running` for a
     /// VM that is gone. Call only for a caller that proved its right to the sandbox (the wait,
     /// or its `unavailable`, would tell others that it exists).
-    pub async fn current(&self, row: SandboxRow) -> CoreResult<SandboxRow> {
+    pub async fn current(&self, row: SandboxRecord) -> CoreResult<SandboxRecord> {
         if !self.engine.recovering(&row.id) {
             return Ok(row);
         }
@@ -339,7 +340,7 @@ impl Core {
 
     /// A sandbox that is running, paused or suspended (what E2B calls a sandbox); others are
     /// missing.
-    pub async fn live_sandbox(&self, tenant: &Tenant, id: &str) -> CoreResult<SandboxRow> {
+    pub async fn live_sandbox(&self, tenant: &Tenant, id: &str) -> CoreResult<SandboxRecord> {
         match self.sandbox(tenant, id).await? {
             row if row.state.is_held_or_running() => Ok(row),
             _ => Err(CoreError::not_found(Kind::Sandbox, id)),
@@ -455,7 +456,7 @@ impl Core {
 
     /// Set the lifetime left to `timeout` from now. A paused sandbox's clock is stopped: it is
     /// what the sandbox will have once resumed.
-    pub async fn set_sandbox_timeout(&self, row: &SandboxRow, timeout: Duration) -> CoreResult<()> {
+    pub async fn set_sandbox_timeout(&self, row: &SandboxRecord, timeout: Duration) -> CoreResult<()> {
         let timeout = check_timeout("timeout", timeout)?;
         let ms = timeout.as_millis() as i64;
         if matches!(
@@ -470,7 +471,7 @@ impl Core {
     }
 
     /// Make the sandbox live at least `timeout` from now (never shortens it).
-    pub async fn extend_sandbox_timeout(&self, row: &SandboxRow, timeout: Duration) -> CoreResult<()> {
+    pub async fn extend_sandbox_timeout(&self, row: &SandboxRecord, timeout: Duration) -> CoreResult<()> {
         let timeout = check_timeout("timeout", timeout)?;
         let want = now_ms() + timeout.as_millis() as i64;
         if want > row.expires_at_ms {
@@ -482,7 +483,7 @@ impl Core {
     /// A suspend writes the sandbox's memory to the data dir: that place is charged to its
     /// tenant's disk quota and the node's disk budget before it starts (once: a sandbox whose
     /// timeout suspends it holds it from its create).
-    async fn admit_suspend(&self, row: &SandboxRow) -> CoreResult<()> {
+    async fn admit_suspend(&self, row: &SandboxRecord) -> CoreResult<()> {
         let quota = self.quota_of(&row.tenant_id).await?;
         let budget = self.config.budget(&self.nodes.capacity());
         if !self.store.admit_suspend(&row.id, &quota, &budget).await? {
@@ -498,7 +499,7 @@ impl Core {
 
     /// A resume of `row`, admitted (from suspended) under its tenant's quota and the node's
     /// budgets as they are now.
-    async fn resume_action(&self, row: SandboxRow) -> CoreResult<Action> {
+    async fn resume_action(&self, row: SandboxRecord) -> CoreResult<Action> {
         Ok(Action::Resume {
             quota: self.quota_of(&row.tenant_id).await?,
             budget: self.config.budget(&self.nodes.capacity()),
@@ -554,7 +555,7 @@ impl Core {
     }
 
     /// The guest agent of a running sandbox (resumed first if it is held and asked for that).
-    pub async fn agent_for(&self, row: &SandboxRow) -> CoreResult<AgentClient> {
+    pub async fn agent_for(&self, row: &SandboxRecord) -> CoreResult<AgentClient> {
         let held = matches!(
             row.state,
             SandboxState::Paused | SandboxState::Suspended | SandboxState::Resuming

@@ -4,7 +4,8 @@
 use super::sandboxes::{check_env, check_timeout};
 use super::Core;
 use crate::error::{CoreError, CoreResult, Kind};
-use crate::store::{now_ms, SandboxRow, SessionRow, Store};
+use crate::records::{now_ms, SandboxRecord, SessionRecord};
+use crate::store::Store;
 use airlock_proto::frame::{Event, EventKind};
 use airlock_proto::{ProcessInfo, ProcessSpec, ProcessState, PtySize};
 use airlock_runtime::AgentClient;
@@ -56,7 +57,7 @@ pub enum SessionEvent {
 /// A session with what the agent knows of its process right now.
 #[derive(Debug, Clone)]
 pub struct Running {
-    pub session: SessionRow,
+    pub session: SessionRecord,
     pub process: ProcessInfo,
 }
 
@@ -141,13 +142,13 @@ fn check_start(req: &StartSession) -> CoreResult<()> {
     check_env(&req.env)
 }
 
-fn guest(sandbox: &SandboxRow) -> impl Fn(airlock_runtime::agent::AgentError) -> CoreError + '_ {
+fn guest(sandbox: &SandboxRecord) -> impl Fn(airlock_runtime::agent::AgentError) -> CoreError + '_ {
     move |e| CoreError::agent(Kind::Process, &sandbox.id, e)
 }
 
 /// Record a session's exit, then keep only the newest `keep` exited sessions of its sandbox:
 /// what the store holds per sandbox stays bounded however many processes run.
-async fn record_exit(store: &dyn Store, row: &SessionRow, keep: u32) -> CoreResult<()> {
+async fn record_exit(store: &dyn Store, row: &SessionRecord, keep: u32) -> CoreResult<()> {
     store.finish_session(row).await?;
     if let Err(e) = store.prune_finished_sessions(&row.sandbox_id, keep).await {
         tracing::warn!(sandbox = %row.sandbox_id, "cannot prune exited sessions: {e}");
@@ -221,7 +222,7 @@ impl Core {
     /// still counts as running are checked against the agent first (their exits may not be
     /// recorded yet). Admission and the count of starts under way are one step per sandbox, so
     /// concurrent starts never overshoot the limit.
-    async fn admit_session(&self, sandbox: &SandboxRow, agent: &AgentClient) -> CoreResult<Admitted> {
+    async fn admit_session(&self, sandbox: &SandboxRecord, agent: &AgentClient) -> CoreResult<Admitted> {
         let limit = self
             .quota_of(&sandbox.tenant_id)
             .await?
@@ -261,7 +262,7 @@ impl Core {
 
     /// Record the exit of every session the store thinks runs whose process the agent reports
     /// ended, or no longer knows.
-    async fn record_exits(&self, sandbox: &SandboxRow, agent: &AgentClient) -> CoreResult<()> {
+    async fn record_exits(&self, sandbox: &SandboxRecord, agent: &AgentClient) -> CoreResult<()> {
         let procs: HashMap<u64, ProcessInfo> = agent
             .processes()
             .await
@@ -297,7 +298,7 @@ impl Core {
     /// `Config::max_sessions_per_sandbox` running sessions it is refused (exits are recorded
     /// with `record_exit`, which keeps only the newest `max_finished_sessions_per_sandbox`
     /// exited ones).
-    pub async fn start_session(&self, sandbox: &SandboxRow, req: StartSession) -> CoreResult<Running> {
+    pub async fn start_session(&self, sandbox: &SandboxRecord, req: StartSession) -> CoreResult<Running> {
         let (agent, running) = self.spawn_session(sandbox, req).await?;
         self.record_session(&agent, &running.session).await?;
         Ok(running)
@@ -308,9 +309,9 @@ impl Core {
     /// stream is read only after both, so an exit it carries updates a committed row.
     pub async fn start_session_events(
         &self,
-        sandbox: &SandboxRow,
+        sandbox: &SandboxRecord,
         req: StartSession,
-    ) -> CoreResult<(SessionRow, CoreResult<SessionEvents>)> {
+    ) -> CoreResult<(SessionRecord, CoreResult<SessionEvents>)> {
         let (agent, running) = self.spawn_session(sandbox, req).await?;
         let row = running.session;
         let (recorded, events) = tokio::join!(self.record_session(&agent, &row), agent.events(row.process_id, 0));
@@ -322,7 +323,7 @@ impl Core {
     }
 
     /// Admit and spawn a process; not yet recorded (see `record_session`).
-    async fn spawn_session(&self, sandbox: &SandboxRow, req: StartSession) -> CoreResult<(AgentClient, Running)> {
+    async fn spawn_session(&self, sandbox: &SandboxRecord, req: StartSession) -> CoreResult<(AgentClient, Running)> {
         check_start(&req)?;
         let agent = self.agent_for(sandbox).await?;
         let admitted = self.admit_session(sandbox, &agent).await?;
@@ -332,7 +333,7 @@ impl Core {
     }
 
     /// Store a started session; a process nobody can see must not run on.
-    async fn record_session(&self, agent: &AgentClient, row: &SessionRow) -> CoreResult<()> {
+    async fn record_session(&self, agent: &AgentClient, row: &SessionRecord) -> CoreResult<()> {
         if let Err(e) = self.store.insert_session(row).await {
             let _ = agent.signal(row.process_id, 9).await;
             return Err(e.into());
@@ -340,7 +341,12 @@ impl Core {
         Ok(())
     }
 
-    async fn spawn_process(&self, sandbox: &SandboxRow, agent: &AgentClient, req: StartSession) -> CoreResult<Running> {
+    async fn spawn_process(
+        &self,
+        sandbox: &SandboxRecord,
+        agent: &AgentClient,
+        req: StartSession,
+    ) -> CoreResult<Running> {
         let id = format!("ses_{}", airlock_runtime::datadir::random_hex(8));
         let mut env = sandbox.env.clone();
         env.extend(req.env);
@@ -356,7 +362,7 @@ impl Core {
             tag: Some(id.clone()),
         };
         let info = agent.spawn(&spec).await.map_err(guest(sandbox))?;
-        let session = SessionRow {
+        let session = SessionRecord {
             id,
             sandbox_id: sandbox.id.clone(),
             process_id: info.id,
@@ -376,7 +382,7 @@ impl Core {
     }
 
     /// One session of a sandbox, brought up to date.
-    pub async fn session(&self, sandbox: &SandboxRow, id: &str) -> CoreResult<SessionRow> {
+    pub async fn session(&self, sandbox: &SandboxRecord, id: &str) -> CoreResult<SessionRecord> {
         let row = self.session_record(sandbox, id).await?;
         self.refresh_session(sandbox, row).await
     }
@@ -384,14 +390,14 @@ impl Core {
     /// One session of a sandbox as the store has it, for a request that acts on its process
     /// (stream, stdin, signal, resize): the agent answers for the process itself, so asking it
     /// first whether the process exited would only add a round trip to every command.
-    pub async fn session_record(&self, sandbox: &SandboxRow, id: &str) -> CoreResult<SessionRow> {
+    pub async fn session_record(&self, sandbox: &SandboxRecord, id: &str) -> CoreResult<SessionRecord> {
         self.store
             .get_session(&sandbox.id, id)
             .await?
             .ok_or_else(|| CoreError::not_found(Kind::Session, id))
     }
 
-    pub async fn sessions(&self, sandbox: &SandboxRow) -> CoreResult<Vec<SessionRow>> {
+    pub async fn sessions(&self, sandbox: &SandboxRecord) -> CoreResult<Vec<SessionRecord>> {
         let mut out = Vec::new();
         for row in self.store.list_sessions(&sandbox.id).await? {
             out.push(self.refresh_session(sandbox, row).await?);
@@ -400,7 +406,7 @@ impl Core {
     }
 
     /// Record an exit the agent knows of but the store does not yet.
-    async fn refresh_session(&self, sandbox: &SandboxRow, mut row: SessionRow) -> CoreResult<SessionRow> {
+    async fn refresh_session(&self, sandbox: &SandboxRecord, mut row: SessionRecord) -> CoreResult<SessionRecord> {
         if row.exited || sandbox.state != crate::model::SandboxState::Running {
             return Ok(row);
         }
@@ -421,7 +427,7 @@ impl Core {
     }
 
     /// The running sessions with their processes (E2B's `List`).
-    pub async fn running_sessions(&self, sandbox: &SandboxRow) -> CoreResult<Vec<Running>> {
+    pub async fn running_sessions(&self, sandbox: &SandboxRecord) -> CoreResult<Vec<Running>> {
         let agent = self.agent_for(sandbox).await?;
         let mut out = Vec::new();
         for p in agent.processes().await.map_err(guest(sandbox))? {
@@ -437,7 +443,7 @@ impl Core {
     }
 
     /// The session of a process chosen by pid or tag; the newest wins when a pid was reused.
-    pub async fn find_session(&self, sandbox: &SandboxRow, sel: &Selector) -> CoreResult<Running> {
+    pub async fn find_session(&self, sandbox: &SandboxRecord, sel: &Selector) -> CoreResult<Running> {
         let agent = self.agent_for(sandbox).await?;
         let missing = || {
             let id = match sel {
@@ -482,7 +488,12 @@ impl Core {
 
     /// A session's events after `after` (its stdout, stderr and exit); the exit is recorded.
     /// Output the agent no longer kept is announced where it is missing ([`SessionEvent::Truncated`]).
-    pub async fn session_events(&self, sandbox: &SandboxRow, row: SessionRow, after: u64) -> CoreResult<SessionEvents> {
+    pub async fn session_events(
+        &self,
+        sandbox: &SandboxRecord,
+        row: SessionRecord,
+        after: u64,
+    ) -> CoreResult<SessionEvents> {
         let agent = self.agent_for(sandbox).await?;
         let events = agent.events(row.process_id, after).await.map_err(guest(sandbox))?;
         Ok(self.follow_events(sandbox, events.boxed(), row, after))
@@ -492,9 +503,9 @@ impl Core {
     /// (off the stream's path) and a gap in the sequence reported as `Truncated`.
     fn follow_events(
         &self,
-        sandbox: &SandboxRow,
+        sandbox: &SandboxRecord,
         events: BoxStream<'static, Result<Event, airlock_runtime::agent::AgentError>>,
-        row: SessionRow,
+        row: SessionRecord,
         after: u64,
     ) -> SessionEvents {
         let store = self.store.clone();
@@ -551,8 +562,8 @@ impl Core {
 
     pub async fn session_stdin(
         &self,
-        sandbox: &SandboxRow,
-        row: &SessionRow,
+        sandbox: &SandboxRecord,
+        row: &SessionRecord,
         data: Vec<u8>,
         eof: bool,
     ) -> CoreResult<()> {
@@ -566,12 +577,12 @@ impl Core {
         Ok(())
     }
 
-    pub async fn session_signal(&self, sandbox: &SandboxRow, row: &SessionRow, signal: i32) -> CoreResult<()> {
+    pub async fn session_signal(&self, sandbox: &SandboxRecord, row: &SessionRecord, signal: i32) -> CoreResult<()> {
         let agent = self.agent_for(sandbox).await?;
         agent.signal(row.process_id, signal).await.map_err(guest(sandbox))
     }
 
-    pub async fn session_resize(&self, sandbox: &SandboxRow, row: &SessionRow, size: PtySize) -> CoreResult<()> {
+    pub async fn session_resize(&self, sandbox: &SandboxRecord, row: &SessionRecord, size: PtySize) -> CoreResult<()> {
         if size.cols == 0 || size.rows == 0 {
             return Err(CoreError::invalid("pty", "cols and rows must be at least 1"));
         }

@@ -123,7 +123,7 @@ impl Attempt {
 
 impl Drop for Attempt {
     fn drop(&mut self) {
-        let now = crate::store::now_ms();
+        let now = crate::records::now_ms();
         let mut s = self.throttle.0.lock().unwrap_or_else(|e| e.into_inner());
         let end = |w: &mut Window| {
             w.in_flight = w.in_flight.saturating_sub(1);
@@ -186,7 +186,7 @@ mod tests {
     fn attempts_in_flight_count_and_failures_fill_the_window() {
         let t = Arc::new(SignInThrottle::default());
         // A failure is recorded when its attempt ends, at the time it ends.
-        let now = crate::store::now_ms();
+        let now = crate::records::now_ms();
         let held: Vec<Attempt> = (0..FAILURES_PER_CLIENT)
             .map(|_| t.reserve(ip("192.0.2.1"), now).unwrap())
             .collect();
@@ -209,7 +209,7 @@ mod tests {
     #[test]
     fn remote_addresses_share_a_ceiling_that_loopback_never_meets() {
         let t = Arc::new(SignInThrottle::default());
-        let now = crate::store::now_ms();
+        let now = crate::records::now_ms();
         for i in 0..FAILURES_REMOTE {
             drop(t.reserve(ip(&format!("203.0.113.{i}")), now).unwrap());
         }
@@ -230,7 +230,7 @@ mod tests {
     #[test]
     fn an_ipv6_client_is_its_slash_64() {
         let t = Arc::new(SignInThrottle::default());
-        let now = crate::store::now_ms();
+        let now = crate::records::now_ms();
         for i in 0..FAILURES_PER_CLIENT {
             drop(t.reserve(ip(&format!("2001:db8:0:1::{i:x}")), now).unwrap());
         }

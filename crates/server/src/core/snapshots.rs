@@ -6,7 +6,7 @@ use super::sandboxes::{acting_tenant, CreateSandbox, Created};
 use super::{Core, CoreError, CoreResult, Kind, Principal};
 use crate::engine::Action;
 use crate::model::{SandboxState, Snapshot};
-use crate::store::{now_ms, SnapshotKind, SnapshotRow, Tenant};
+use crate::records::{now_ms, SnapshotKind, SnapshotRecord, Tenant};
 use std::time::Duration;
 
 /// The most sandboxes one fork makes (E2B's limit too).
@@ -35,7 +35,7 @@ impl Core {
         sandbox_id: &str,
         name: Option<String>,
         kind: SnapshotKind,
-    ) -> CoreResult<SnapshotRow> {
+    ) -> CoreResult<SnapshotRecord> {
         if let Some(n) = &name {
             check_name(n)?;
             // A snapshot of that name the store refuses with its admission (atomically).
@@ -55,7 +55,7 @@ impl Core {
                 need: "only a running sandbox can be saved; resume it first".into(),
             });
         }
-        let snapshot = SnapshotRow {
+        let snapshot = SnapshotRecord {
             id: format!("snap_{}", airlock_runtime::datadir::random_hex(10)),
             tenant_id: tenant.id.clone(),
             name,
@@ -122,7 +122,7 @@ impl Core {
     }
 
     /// The tenant's snapshot by id, name or content digest.
-    pub async fn snapshot(&self, tenant: &Tenant, id: &str) -> CoreResult<SnapshotRow> {
+    pub async fn snapshot(&self, tenant: &Tenant, id: &str) -> CoreResult<SnapshotRecord> {
         match self.store.get_snapshot(&tenant.id, id).await? {
             Some(s) if s.kind == SnapshotKind::Snapshot => Ok(s),
             _ => Err(CoreError::not_found(Kind::Snapshot, id)),
@@ -130,7 +130,7 @@ impl Core {
     }
 
     /// The tenant's snapshots, oldest first (of one sandbox if given).
-    pub async fn list_snapshots(&self, tenant: &Tenant, sandbox_id: Option<&str>) -> CoreResult<Vec<SnapshotRow>> {
+    pub async fn list_snapshots(&self, tenant: &Tenant, sandbox_id: Option<&str>) -> CoreResult<Vec<SnapshotRecord>> {
         Ok(self.store.list_snapshots(&tenant.id, sandbox_id).await?)
     }
 
@@ -153,7 +153,7 @@ impl Core {
         r
     }
 
-    async fn remove_image(&self, s: &SnapshotRow) -> CoreResult<()> {
+    async fn remove_image(&self, s: &SnapshotRecord) -> CoreResult<()> {
         self.store.delete_snapshot(&s.tenant_id, &s.id).await?;
         self.nodes.delete_image(&s.id).await?;
         Ok(())

@@ -6,7 +6,7 @@
 use super::Core;
 use crate::error::{CoreError, CoreResult, Kind};
 use crate::model::{Quota, TenantInfo};
-use crate::store::{now_ms, Tenant};
+use crate::records::{now_ms, Tenant};
 
 impl Core {
     /// A tenant by name, for the platform account's routes (a missing one is a 404).

@@ -6,7 +6,7 @@ use crate::core::egress::EgressRequest;
 use crate::core::sandboxes::{check_timeout, Change, CreateSandbox, Created, ListSandboxes, DEFAULT_TIMEOUT};
 use crate::core::{templates, CoreError, Credentials, Principal, SandboxTokens};
 use crate::model::{Lifecycle, OnTimeout, OperationState, SandboxState};
-use crate::store::{rfc3339, SandboxRow, Tenant};
+use crate::records::{rfc3339, SandboxRecord, Tenant};
 use axum::extract::{Path, Query, Request, State};
 use axum::http::{HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
@@ -154,7 +154,7 @@ fn timeout_secs(seconds: Option<i64>) -> Duration {
     }
 }
 
-fn sandbox_json(state: &E2bState, row: &SandboxRow, tokens: &SandboxTokens, alias: &str) -> Value {
+fn sandbox_json(state: &E2bState, row: &SandboxRecord, tokens: &SandboxTokens, alias: &str) -> Value {
     json!({
         "templateID": alias,
         "sandboxID": row.id,
@@ -170,14 +170,14 @@ fn sandbox_json(state: &E2bState, row: &SandboxRow, tokens: &SandboxTokens, alia
 }
 
 /// The name the SDK created the sandbox with (or the alias of its template), for echoing back.
-async fn e2b_alias(state: &E2bState, row: &SandboxRow) -> Result<String> {
+async fn e2b_alias(state: &E2bState, row: &SandboxRecord) -> Result<String> {
     let recorded = state.core.store.e2b_alias(&row.id).await.map_err(CoreError::from)?;
     Ok(recorded
         .or_else(|| templates::alias_of(&row.template).map(String::from))
         .unwrap_or_else(|| row.template.clone()))
 }
 
-async fn detail_json(state: &E2bState, row: &SandboxRow, tokens: Option<&SandboxTokens>) -> Result<Value> {
+async fn detail_json(state: &E2bState, row: &SandboxRecord, tokens: Option<&SandboxTokens>) -> Result<Value> {
     let alias = e2b_alias(state, row).await?;
     let mut v = json!({
         "templateID": alias,

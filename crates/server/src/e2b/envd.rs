@@ -8,7 +8,7 @@ use crate::core::principal::SignedUrl;
 use crate::core::sandboxes::MAX_TIMEOUT;
 use crate::core::sessions::{parse_signal, signal_description, Running, Selector, SessionEvent, StartSession};
 use crate::core::{Accept, CoreError, Credentials, Kind, Principal, Via};
-use crate::store::SandboxRow;
+use crate::records::SandboxRecord;
 use airlock_proto::frame::EventKind;
 use airlock_proto::{FileKind, FileStat, ProcessState, WatchEventKind};
 use axum::body::Body;
@@ -42,7 +42,7 @@ fn header<'a>(h: &'a HeaderMap, name: &str) -> Option<&'a str> {
 /// The running sandbox a request is for (`E2b-Sandbox-Id`, else the one whose `X-Access-Token`
 /// it carries) and the principal that may use it. envd accepts only the sandbox's access token;
 /// `no_token` lets signed `/files` URLs through to their own check.
-async fn resolve(state: &E2bState, h: &HeaderMap, no_token: bool) -> Result<SandboxRow, Response> {
+async fn resolve(state: &E2bState, h: &HeaderMap, no_token: bool) -> Result<SandboxRecord, Response> {
     let id = header(h, "e2b-sandbox-id");
     // Never the traffic token: it opens the sandbox's ports, not its processes and files.
     let accept = Accept {
@@ -77,7 +77,7 @@ async fn resolve(state: &E2bState, h: &HeaderMap, no_token: bool) -> Result<Sand
 
 /// The sandbox an envd request is for, resolved by [`require_sandbox`] before any body is read.
 #[derive(Clone)]
-pub struct EnvdSandbox(pub SandboxRow);
+pub struct EnvdSandbox(pub SandboxRecord);
 
 /// Whether a `/files` request proves itself by a signed URL instead of a token.
 fn signed_url(h: &HeaderMap, q: &FilesQuery) -> bool {
@@ -225,7 +225,7 @@ fn entry_info(s: &FileStat) -> Value {
         "permissions": permissions(s.kind, s.mode),
         "owner": s.owner,
         "group": s.group,
-        "modifiedTime": crate::store::rfc3339(s.modified_ms as i64).replace(".000Z", "Z"),
+        "modifiedTime": crate::records::rfc3339(s.modified_ms as i64).replace(".000Z", "Z"),
     });
     if s.kind == FileKind::Symlink {
         v["isSymlink"] = json!(true);
@@ -339,7 +339,7 @@ const KILL_SETTLE: Duration = Duration::from_secs(2);
 /// killed then too, as envd bounds a started process's life by that deadline.
 fn process_stream(
     state: E2bState,
-    sandbox: SandboxRow,
+    sandbox: SandboxRecord,
     run: Running,
     keepalive: Duration,
     deadline: Option<tokio::time::Instant>,
@@ -816,7 +816,7 @@ fn files_error(e: impl Into<E2bError>) -> Response {
 /// `/files` accepts the access token, or a valid signed-URL signature instead.
 async fn files_target(
     state: &E2bState,
-    sandbox: SandboxRow,
+    sandbox: SandboxRecord,
     h: &HeaderMap,
     q: &FilesQuery,
     op: &str,

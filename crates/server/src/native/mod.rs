@@ -9,7 +9,7 @@ use crate::core::sandboxes::{Change, CreateSandbox, ListSandboxes};
 use crate::core::sessions::{parse_signal, signal_name, SessionEvent, SessionEvents, StartSession};
 use crate::core::{Core, CoreError, Credentials, Kind};
 use crate::model::*;
-use crate::store::{rfc3339, SandboxRow, SessionRow, Tenant};
+use crate::records::{rfc3339, SandboxRecord, SessionRecord, Tenant};
 use airlock_proto::frame::EventKind;
 use axum::extract::rejection::{JsonRejection, QueryRejection};
 use axum::extract::{FromRequest, FromRequestParts, Path, Request, State};
@@ -279,7 +279,7 @@ pub async fn list_sandboxes(
         )
         .await?;
     Ok(Json(SandboxList {
-        sandboxes: page.sandboxes.iter().map(SandboxRow::view).collect(),
+        sandboxes: page.sandboxes.iter().map(SandboxRecord::view).collect(),
         next_page_token: page.next_page_token,
     }))
 }
@@ -367,7 +367,7 @@ pub async fn resume_sandbox(
     Ok(accepted(core.change_sandbox(&principal, &id, Change::Resume).await?))
 }
 
-fn session_view(s: &SessionRow) -> Session {
+fn session_view(s: &SessionRecord) -> Session {
     Session {
         id: s.id.clone(),
         sandbox_id: s.sandbox_id.clone(),
@@ -455,7 +455,7 @@ pub async fn list_sessions(
 }
 
 /// A tenant's sandbox and one of its sessions as recorded (see `Core::session_record`).
-async fn session_of(core: &Core, tenant: &Tenant, id: &str, sid: &str) -> ApiResult<(SandboxRow, SessionRow)> {
+async fn session_of(core: &Core, tenant: &Tenant, id: &str, sid: &str) -> ApiResult<(SandboxRecord, SessionRecord)> {
     let sandbox = core.sandbox(tenant, id).await?;
     let session = core.session_record(&sandbox, sid).await?;
     Ok((sandbox, session))

@@ -15,28 +15,10 @@ mod sqlite;
 pub use sqlite::SqliteStore;
 
 use crate::model::ErrorBody;
-use crate::model::{Operation, OperationState, Quota, Resources, Sandbox, SandboxState, TenantUsage};
+use crate::model::{Operation, OperationState, Quota, SandboxState, TenantUsage};
+use crate::records::{AuditRecord, KeyRecord, SandboxRecord, SessionRecord, SnapshotRecord, Tenant};
 use async_trait::async_trait;
 use std::collections::BTreeMap;
-
-pub fn now_ms() -> i64 {
-    std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map(|d| d.as_millis() as i64)
-        .unwrap_or(0)
-}
-
-/// Milliseconds since the epoch as RFC 3339 (`2024-01-02T03:04:05.678Z`).
-///
-/// Total: times before 1970 read as the epoch, and times past the last millisecond of year 9999
-/// (which RFC 3339 cannot spell, and humantime's formatter refuses with an error that would panic
-/// `to_string`) as that millisecond. A guest sets file times, so they are never trusted.
-pub fn rfc3339(ms: i64) -> String {
-    /// 9999-12-31T23:59:59.999Z
-    const MAX_MS: i64 = 253_402_300_799_999;
-    let t = std::time::UNIX_EPOCH + std::time::Duration::from_millis(ms.clamp(0, MAX_MS) as u64);
-    humantime::format_rfc3339_millis(t).to_string()
-}
 
 /// An API key's public id: `key_` + the first 16 hex of its hash (reveals nothing of the key).
 pub fn key_id_of(key: &str) -> String {
@@ -75,111 +57,6 @@ pub fn token_hash(secret: &str) -> String {
     hex::encode(sha2::Sha256::digest(secret.as_bytes()))
 }
 
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Tenant {
-    pub id: String,
-    pub name: String,
-}
-
-/// A sandbox row with what the API shows plus what the engine needs.
-#[derive(Debug, Clone)]
-pub struct SandboxRow {
-    pub id: String,
-    pub tenant_id: String,
-    pub state: SandboxState,
-    pub template: String,
-    pub template_digest: String,
-    pub runtime: String,
-    pub accel: String,
-    pub resources: Resources,
-    pub env: BTreeMap<String, String>,
-    pub metadata: BTreeMap<String, String>,
-    pub created_at_ms: i64,
-    pub expires_at_ms: i64,
-    /// Its egress, fixed at create.
-    pub egress: EgressSpec,
-    /// How its VM started (none until it runs).
-    pub start: Option<crate::model::SandboxStart>,
-    pub lifecycle: crate::model::Lifecycle,
-    /// The lifetime it was created with (a sandbox its timeout suspended gets it again on resume).
-    pub timeout_ms: i64,
-    /// The snapshot it was made from, if any (its memory, processes and disk).
-    pub image_id: Option<String>,
-}
-
-/// A sandbox's egress as recorded at create and fixed for its life: the profiles chosen, whether
-/// it is sealed (no egress at all), and the tenant base policy it runs under (the tenant's as it
-/// was at create, narrowed by the create; later changes to the tenant's policy don't reach it).
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct EgressSpec {
-    pub profiles: Vec<String>,
-    pub sealed: bool,
-    pub tenant: airlock_egress::TenantPolicy,
-}
-
-impl Default for EgressSpec {
-    /// Sealed: nothing allowed (and what a sandbox from before egress reads as).
-    fn default() -> Self {
-        EgressSpec {
-            profiles: Vec::new(),
-            sealed: true,
-            tenant: airlock_egress::TenantPolicy::sealed(),
-        }
-    }
-}
-
-impl SandboxRow {
-    /// Whether a request to its guest (envd, a port, a file) is served: it runs, or it is held
-    /// and resumes on traffic (`auto_resume`; [`crate::core::Core::agent_for`] resumes it).
-    pub fn answers_requests(&self) -> bool {
-        match self.state {
-            SandboxState::Running => true,
-            SandboxState::Paused | SandboxState::Suspended | SandboxState::Resuming => self.lifecycle.auto_resume,
-            _ => false,
-        }
-    }
-
-    pub fn view(&self) -> Sandbox {
-        Sandbox {
-            id: self.id.clone(),
-            state: self.state,
-            template: self.template.clone(),
-            template_digest: self.template_digest.clone(),
-            runtime: self.runtime.clone(),
-            accel: self.accel.clone(),
-            resources: self.resources,
-            metadata: self.metadata.clone(),
-            created_at: rfc3339(self.created_at_ms),
-            expires_at: rfc3339(self.expires_at_ms),
-            egress: crate::model::SandboxEgress {
-                profiles: self.egress.profiles.clone(),
-                sealed: self.egress.sealed,
-            },
-            lifecycle: self.lifecycle,
-            start: self.start.clone(),
-        }
-    }
-}
-
-#[derive(Debug, Clone)]
-pub struct SessionRow {
-    pub id: String,
-    pub sandbox_id: String,
-    pub process_id: u64,
-    pub argv: Vec<String>,
-    pub cwd: String,
-    pub user: String,
-    pub pty: bool,
-    pub exit_code: Option<i32>,
-    pub signal: Option<i32>,
-    pub timed_out: bool,
-    pub exited: bool,
-    pub started_at_ms: i64,
-    pub ended_at_ms: Option<i64>,
-    /// The caller's own label for the process (e.g. an E2B process tag), if it gave one.
-    pub tag: Option<String>,
-}
-
 /// Opaque cursor of a sandbox list page: `<created_at_ms>.<id>` of the last row shown.
 pub fn parse_page_token(token: &str) -> Option<(i64, String)> {
     let (ms, id) = token.split_once('.')?;
@@ -187,7 +64,7 @@ pub fn parse_page_token(token: &str) -> Option<(i64, String)> {
 }
 
 /// The token for the page after `rows` (fetched with one row more than `limit`), if any.
-pub fn next_page_token(rows: &[SandboxRow], limit: u32) -> Option<String> {
+pub fn next_page_token(rows: &[SandboxRecord], limit: u32) -> Option<String> {
     (rows.len() > limit as usize).then(|| {
         let last = &rows[limit as usize - 1];
         format!("{}.{}", last.created_at_ms, last.id)
@@ -228,17 +105,6 @@ pub fn new_key(format: KeyFormat) -> String {
     };
     format!("{prefix}{}", airlock_runtime::datadir::random_hex(20))
 }
-
-/// The states of a sandbox that exists (a suspended one holds only its disk and saved memory: it
-/// counts against disk quotas and budgets, not against sandboxes, vcpu or memory).
-pub const LIVE_STATES: [SandboxState; 6] = [
-    SandboxState::Creating,
-    SandboxState::Running,
-    SandboxState::Paused,
-    SandboxState::Suspended,
-    SandboxState::Resuming,
-    SandboxState::Deleting,
-];
 
 #[derive(Debug, thiserror::Error)]
 pub enum StoreError {
@@ -349,7 +215,7 @@ pub trait SandboxStore: Send + Sync {
     /// each gets `New`, `Existing` or [`StoreError::QuotaExceeded`].
     async fn insert_create(
         &self,
-        sb: &SandboxRow,
+        sb: &SandboxRecord,
         op: &Operation,
         idempotency_key: Option<&str>,
         max_live: u32,
@@ -369,7 +235,7 @@ pub trait SandboxStore: Send + Sync {
     /// a budget, [`StoreError::NodeBudgetExceeded`] names the first budget exceeded.
     async fn insert_create_within(
         &self,
-        sb: &SandboxRow,
+        sb: &SandboxRecord,
         op: &Operation,
         idempotency_key: Option<&str>,
         quota: &Quota,
@@ -377,12 +243,12 @@ pub trait SandboxStore: Send + Sync {
     ) -> Result<CreateRecorded, StoreError>;
     /// What the tenant's live sandboxes hold, and its creates since `now_ms - 60 s`.
     async fn tenant_usage(&self, tenant_id: &str, now_ms: i64) -> Result<TenantUsage, StoreError>;
-    async fn get_sandbox(&self, tenant_id: &str, id: &str) -> Result<Option<SandboxRow>, StoreError>;
-    async fn sandbox_by_id(&self, id: &str) -> Result<Option<SandboxRow>, StoreError>;
+    async fn get_sandbox(&self, tenant_id: &str, id: &str) -> Result<Option<SandboxRecord>, StoreError>;
+    async fn sandbox_by_id(&self, id: &str) -> Result<Option<SandboxRecord>, StoreError>;
     /// One page (`limit + 1` rows, see [`next_page_token`]) of the tenant's sandboxes.
-    async fn list_sandboxes(&self, tenant_id: &str, filter: &SandboxFilter) -> Result<Vec<SandboxRow>, StoreError>;
+    async fn list_sandboxes(&self, tenant_id: &str, filter: &SandboxFilter) -> Result<Vec<SandboxRecord>, StoreError>;
     /// Every tenant's sandboxes in a [`LIVE_STATES`] state.
-    async fn live_sandboxes(&self) -> Result<Vec<SandboxRow>, StoreError>;
+    async fn live_sandboxes(&self) -> Result<Vec<SandboxRecord>, StoreError>;
     async fn count_live_sandboxes(&self, tenant_id: &str) -> Result<u32, StoreError>;
     /// Move a suspended sandbox to `resuming` if it fits the tenant's `quota` and the node's
     /// `budget` again (its place, vcpu and memory; its disk it holds already), atomically like
@@ -401,7 +267,7 @@ pub trait SandboxStore: Send + Sync {
     /// and how the VM started.
     async fn set_sandbox_boot(&self, id: &str, booted: &crate::model::Booted) -> Result<(), StoreError>;
     /// Running, paused or suspended sandboxes whose expiry is at or before `now_ms`.
-    async fn expired_sandboxes(&self, now_ms: i64) -> Result<Vec<SandboxRow>, StoreError>;
+    async fn expired_sandboxes(&self, now_ms: i64) -> Result<Vec<SandboxRecord>, StoreError>;
     async fn set_sandbox_expiry(&self, id: &str, expires_at_ms: i64) -> Result<(), StoreError>;
     /// The lifetime a paused sandbox has left: its clock stops while paused and resume restores it.
     async fn set_paused_remaining(&self, id: &str, remaining_ms: Option<i64>) -> Result<(), StoreError>;
@@ -411,16 +277,19 @@ pub trait SandboxStore: Send + Sync {
     async fn set_access_hashes(&self, sandbox_id: &str, hashes: &AccessHashes) -> Result<(), StoreError>;
     async fn access_hashes(&self, sandbox_id: &str) -> Result<Option<AccessHashes>, StoreError>;
     /// The sandbox that was issued a token of `kind` with this hash.
-    async fn sandbox_by_access_hash(&self, kind: TokenKind, token_hash: &str)
-        -> Result<Option<SandboxRow>, StoreError>;
+    async fn sandbox_by_access_hash(
+        &self,
+        kind: TokenKind,
+        token_hash: &str,
+    ) -> Result<Option<SandboxRecord>, StoreError>;
 
-    async fn insert_session(&self, s: &SessionRow) -> Result<(), StoreError>;
-    async fn get_session(&self, sandbox_id: &str, id: &str) -> Result<Option<SessionRow>, StoreError>;
-    async fn list_sessions(&self, sandbox_id: &str) -> Result<Vec<SessionRow>, StoreError>;
+    async fn insert_session(&self, s: &SessionRecord) -> Result<(), StoreError>;
+    async fn get_session(&self, sandbox_id: &str, id: &str) -> Result<Option<SessionRecord>, StoreError>;
+    async fn list_sessions(&self, sandbox_id: &str) -> Result<Vec<SessionRecord>, StoreError>;
     /// Record how the session's process ended (exit code, signal, timed out, end time).
-    async fn finish_session(&self, s: &SessionRow) -> Result<(), StoreError>;
+    async fn finish_session(&self, s: &SessionRecord) -> Result<(), StoreError>;
     /// The session of the agent process `process_id` (the latest, should the agent reuse ids).
-    async fn session_by_process(&self, sandbox_id: &str, process_id: u64) -> Result<Option<SessionRow>, StoreError>;
+    async fn session_by_process(&self, sandbox_id: &str, process_id: u64) -> Result<Option<SessionRecord>, StoreError>;
     /// Sessions of the sandbox not yet recorded as exited.
     async fn count_running_sessions(&self, sandbox_id: &str) -> Result<u32, StoreError>;
     /// Forget the sandbox's exited sessions but the `keep` that ended last; how many went.
@@ -447,46 +316,6 @@ pub trait OperationStore: Send + Sync {
     async fn open_delete_operation(&self, sandbox_id: &str) -> Result<Option<Operation>, StoreError>;
 }
 
-/// A snapshot as recorded: an image of a sandbox, owned by its tenant.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct SnapshotRow {
-    pub id: String,
-    pub tenant_id: String,
-    pub name: Option<String>,
-    pub kind: SnapshotKind,
-    pub sandbox_id: String,
-    pub template: String,
-    pub resources: Resources,
-    pub bytes: u64,
-    /// Content address, `sha256:<hex>` (snapshots; forks' images have none).
-    pub digest: Option<String>,
-    pub created_at_ms: i64,
-}
-
-impl SnapshotRow {
-    pub fn view(&self) -> crate::model::Snapshot {
-        crate::model::Snapshot {
-            id: self.id.clone(),
-            name: self.name.clone(),
-            sandbox_id: self.sandbox_id.clone(),
-            template: self.template.clone(),
-            resources: self.resources,
-            bytes: self.bytes,
-            digest: self.digest.clone(),
-            created_at: rfc3339(self.created_at_ms),
-        }
-    }
-}
-
-/// Why a snapshot exists.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum SnapshotKind {
-    /// Made by its tenant; kept until deleted.
-    Snapshot,
-    /// What a fork's children start from; removed once they have.
-    Fork,
-}
-
 /// What [`SnapshotStore::admit_snapshot`] decided.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum SnapshotAdmission {
@@ -507,25 +336,29 @@ pub trait SnapshotStore: Send + Sync {
     /// (`disk`)). A snapshot being saved is not listed or found by id or name.
     async fn admit_snapshot(
         &self,
-        snapshot: &SnapshotRow,
+        snapshot: &SnapshotRecord,
         reserve_mib: u64,
         quota: &Quota,
         budget: &NodeBudget,
     ) -> Result<SnapshotAdmission, StoreError>;
     /// A save is done: record its size and digest; the snapshot holds its size from now on.
     /// False when its record is gone (its tenant was deleted meanwhile).
-    async fn snapshot_saved(&self, snapshot: &SnapshotRow) -> Result<bool, StoreError>;
+    async fn snapshot_saved(&self, snapshot: &SnapshotRecord) -> Result<bool, StoreError>;
     /// The tenant's saved snapshot by id, name or content digest (the newest of equal ones).
-    async fn get_snapshot(&self, tenant_id: &str, id_or_name: &str) -> Result<Option<SnapshotRow>, StoreError>;
+    async fn get_snapshot(&self, tenant_id: &str, id_or_name: &str) -> Result<Option<SnapshotRecord>, StoreError>;
     /// The tenant's saved snapshots (not forks' images), oldest first, of one sandbox if given.
-    async fn list_snapshots(&self, tenant_id: &str, sandbox_id: Option<&str>) -> Result<Vec<SnapshotRow>, StoreError>;
+    async fn list_snapshots(
+        &self,
+        tenant_id: &str,
+        sandbox_id: Option<&str>,
+    ) -> Result<Vec<SnapshotRecord>, StoreError>;
     /// Every snapshot record of the tenant: saved or being saved, forks' images too.
-    async fn tenant_snapshots(&self, tenant_id: &str) -> Result<Vec<SnapshotRow>, StoreError>;
+    async fn tenant_snapshots(&self, tenant_id: &str) -> Result<Vec<SnapshotRecord>, StoreError>;
     /// Whether it was there.
     async fn delete_snapshot(&self, tenant_id: &str, id: &str) -> Result<bool, StoreError>;
     /// Every tenant's images a restart cut short, recorded before `before_ms`: forks' images
     /// (the fork stopped) and saves still under way.
-    async fn interrupted_images(&self, before_ms: i64) -> Result<Vec<SnapshotRow>, StoreError>;
+    async fn interrupted_images(&self, before_ms: i64) -> Result<Vec<SnapshotRecord>, StoreError>;
     /// The id of every snapshot of every tenant (being saved too).
     async fn snapshot_ids(&self) -> Result<Vec<String>, StoreError>;
 }
@@ -535,39 +368,6 @@ pub trait E2bStore: Send + Sync {
     /// The template name the E2B SDK created the sandbox with, echoed back as its `templateID`.
     async fn set_e2b_alias(&self, sandbox_id: &str, alias: &str) -> Result<(), StoreError>;
     async fn e2b_alias(&self, sandbox_id: &str) -> Result<Option<String>, StoreError>;
-}
-
-/// The whole store, as the server holds it.
-/// An API key as it is listed: never the key itself.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct KeyRecord {
-    /// `key_<16 hex>`, derived from the key's hash: what a key is listed and revoked by.
-    pub id: String,
-    pub tenant_id: String,
-    pub name: String,
-    /// The key's first 8 characters, to tell keys apart.
-    pub prefix: String,
-    pub created_at_ms: i64,
-    pub last_used_at_ms: Option<i64>,
-    pub revoked_at_ms: Option<i64>,
-}
-
-/// One audit row: who did what to which object, and how it ended.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct AuditRecord {
-    /// Increasing; `0` for a row not yet written.
-    pub seq: i64,
-    pub at_ms: i64,
-    /// `root@local`, `key:<key id>`, `sandbox:<id>` or `anonymous`.
-    pub actor: String,
-    pub tenant: Option<String>,
-    pub action: String,
-    pub object: Option<String>,
-    /// `ok` or the error code.
-    pub result: String,
-    /// How many times it happened: repeats of a refusal within about a minute of `at_ms` are
-    /// one row (see `core::audit`).
-    pub count: u64,
 }
 
 /// Which audit rows to read.
@@ -615,29 +415,7 @@ pub trait AccountStore: Send + Sync {
     async fn prune_audit(&self, before_ms: i64) -> Result<u64, StoreError>;
 }
 
+/// The whole store, as the server holds it.
 pub trait Store: TenantStore + SandboxStore + SnapshotStore + OperationStore + E2bStore + AccountStore {}
 
 impl<T: TenantStore + SandboxStore + SnapshotStore + OperationStore + E2bStore + AccountStore> Store for T {}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn rfc3339_is_total() {
-        assert_eq!(rfc3339(0), "1970-01-01T00:00:00.000Z");
-        assert_eq!(rfc3339(1_700_000_000_123), "2023-11-14T22:13:20.123Z");
-        for past in [-1, -86_400_000, i64::MIN] {
-            assert_eq!(rfc3339(past), "1970-01-01T00:00:00.000Z", "{past}");
-        }
-        // A guest's file mtime past year 9999 (u64::MAX read as i64 is -1: the epoch).
-        for future in [253_402_300_800_000, i64::MAX, u64::MAX as i64, (u64::MAX >> 1) as i64] {
-            let s = rfc3339(future);
-            assert!(
-                s == "9999-12-31T23:59:59.999Z" || s == "1970-01-01T00:00:00.000Z",
-                "{future}: {s}"
-            );
-        }
-        assert_eq!(rfc3339(i64::MAX), "9999-12-31T23:59:59.999Z");
-    }
-}

@@ -1,12 +1,12 @@
 //! [`SqliteStore`]: the store in one SQLite file (WAL, a small pool), migrated on open.
 
 use super::{
-    new_key, now_ms, rfc3339, token_hash, AccessHashes, AccountStore, AuditFilter, AuditRecord, CreateRecorded,
-    E2bStore, EgressSpec, KeyFormat, KeyRecord, NodeBudget, OperationStore, SandboxFilter, SandboxRow, SandboxStore,
-    SessionRow, StoreError, Tenant, TenantStore, TokenKind,
+    new_key, token_hash, AccessHashes, AccountStore, AuditFilter, CreateRecorded, E2bStore, KeyFormat, NodeBudget,
+    OperationStore, SandboxFilter, SandboxStore, StoreError, TenantStore, TokenKind,
 };
 use crate::model::ErrorBody;
 use crate::model::{Operation, OperationKind, OperationState, Quota, Resources, SandboxState, TenantUsage};
+use crate::records::{now_ms, rfc3339, AuditRecord, EgressSpec, KeyRecord, SandboxRecord, SessionRecord, Tenant};
 use async_trait::async_trait;
 use sqlx::sqlite::{SqliteConnectOptions, SqliteJournalMode, SqlitePool, SqlitePoolOptions};
 use sqlx::Row;
@@ -119,8 +119,8 @@ fn op_from_row(r: &sqlx::sqlite::SqliteRow) -> Operation {
     }
 }
 
-fn sandbox_from_row(r: &sqlx::sqlite::SqliteRow) -> SandboxRow {
-    SandboxRow {
+fn sandbox_from_row(r: &sqlx::sqlite::SqliteRow) -> SandboxRecord {
+    SandboxRecord {
         id: r.get("id"),
         tenant_id: r.get("tenant_id"),
         state: SandboxState::parse(r.get::<&str, _>("state")).unwrap_or(SandboxState::Failed),
@@ -174,8 +174,8 @@ fn egress_from_row(r: &sqlx::sqlite::SqliteRow) -> EgressSpec {
     }
 }
 
-fn session_from_row(r: &sqlx::sqlite::SqliteRow) -> SessionRow {
-    SessionRow {
+fn session_from_row(r: &sqlx::sqlite::SqliteRow) -> SessionRecord {
+    SessionRecord {
         id: r.get("id"),
         sandbox_id: r.get("sandbox_id"),
         process_id: r.get::<i64, _>("process_id") as u64,
@@ -651,7 +651,7 @@ impl TenantStore for SqliteStore {
 impl SandboxStore for SqliteStore {
     async fn insert_create_within(
         &self,
-        sb: &SandboxRow,
+        sb: &SandboxRecord,
         op: &Operation,
         idem: Option<&str>,
         quota: &Quota,
@@ -731,7 +731,7 @@ impl SandboxStore for SqliteStore {
         Ok(usage)
     }
 
-    async fn get_sandbox(&self, tenant_id: &str, id: &str) -> Result<Option<SandboxRow>, StoreError> {
+    async fn get_sandbox(&self, tenant_id: &str, id: &str) -> Result<Option<SandboxRecord>, StoreError> {
         let r = sqlx::query("SELECT * FROM sandboxes WHERE tenant_id = ? AND id = ?")
             .bind(tenant_id)
             .bind(id)
@@ -740,7 +740,7 @@ impl SandboxStore for SqliteStore {
         Ok(r.as_ref().map(sandbox_from_row))
     }
 
-    async fn sandbox_by_id(&self, id: &str) -> Result<Option<SandboxRow>, StoreError> {
+    async fn sandbox_by_id(&self, id: &str) -> Result<Option<SandboxRecord>, StoreError> {
         let r = sqlx::query("SELECT * FROM sandboxes WHERE id = ?")
             .bind(id)
             .fetch_optional(&self.pool)
@@ -748,7 +748,7 @@ impl SandboxStore for SqliteStore {
         Ok(r.as_ref().map(sandbox_from_row))
     }
 
-    async fn list_sandboxes(&self, tenant_id: &str, f: &SandboxFilter) -> Result<Vec<SandboxRow>, StoreError> {
+    async fn list_sandboxes(&self, tenant_id: &str, f: &SandboxFilter) -> Result<Vec<SandboxRecord>, StoreError> {
         // State, metadata, time and template are filtered here, after the SQL cursor; the page is
         // trimmed after.
         let query = if f.newest_first {
@@ -783,7 +783,7 @@ impl SandboxStore for SqliteStore {
             .collect())
     }
 
-    async fn live_sandboxes(&self) -> Result<Vec<SandboxRow>, StoreError> {
+    async fn live_sandboxes(&self) -> Result<Vec<SandboxRecord>, StoreError> {
         let rows = sqlx::query(&format!("SELECT * FROM sandboxes WHERE {LIVE}"))
             .fetch_all(&self.pool)
             .await?;
@@ -874,7 +874,7 @@ impl SandboxStore for SqliteStore {
         Ok(())
     }
 
-    async fn expired_sandboxes(&self, now: i64) -> Result<Vec<SandboxRow>, StoreError> {
+    async fn expired_sandboxes(&self, now: i64) -> Result<Vec<SandboxRecord>, StoreError> {
         let rows = sqlx::query(
             "SELECT * FROM sandboxes WHERE state IN ('running', 'paused', 'suspended') AND expires_at_ms <= ?",
         )
@@ -938,7 +938,7 @@ impl SandboxStore for SqliteStore {
         &self,
         kind: TokenKind,
         token_hash: &str,
-    ) -> Result<Option<SandboxRow>, StoreError> {
+    ) -> Result<Option<SandboxRecord>, StoreError> {
         let sql = match kind {
             TokenKind::Envd => {
                 "SELECT s.* FROM sandbox_access a JOIN sandboxes s ON s.id = a.sandbox_id WHERE a.token_hash = ?"
@@ -951,7 +951,7 @@ impl SandboxStore for SqliteStore {
         Ok(r.as_ref().map(sandbox_from_row))
     }
 
-    async fn insert_session(&self, s: &SessionRow) -> Result<(), StoreError> {
+    async fn insert_session(&self, s: &SessionRecord) -> Result<(), StoreError> {
         sqlx::query(
             "INSERT INTO sessions (id, sandbox_id, process_id, argv, cwd, user, pty, exit_code, signal, timed_out, exited, started_at_ms, ended_at_ms, tag)
              VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
@@ -975,7 +975,7 @@ impl SandboxStore for SqliteStore {
         Ok(())
     }
 
-    async fn get_session(&self, sandbox_id: &str, id: &str) -> Result<Option<SessionRow>, StoreError> {
+    async fn get_session(&self, sandbox_id: &str, id: &str) -> Result<Option<SessionRecord>, StoreError> {
         let r = sqlx::query("SELECT * FROM sessions WHERE sandbox_id = ? AND id = ?")
             .bind(sandbox_id)
             .bind(id)
@@ -984,7 +984,7 @@ impl SandboxStore for SqliteStore {
         Ok(r.as_ref().map(session_from_row))
     }
 
-    async fn list_sessions(&self, sandbox_id: &str) -> Result<Vec<SessionRow>, StoreError> {
+    async fn list_sessions(&self, sandbox_id: &str) -> Result<Vec<SessionRecord>, StoreError> {
         let rows = sqlx::query("SELECT * FROM sessions WHERE sandbox_id = ? ORDER BY started_at_ms, id")
             .bind(sandbox_id)
             .fetch_all(&self.pool)
@@ -992,7 +992,7 @@ impl SandboxStore for SqliteStore {
         Ok(rows.iter().map(session_from_row).collect())
     }
 
-    async fn finish_session(&self, s: &SessionRow) -> Result<(), StoreError> {
+    async fn finish_session(&self, s: &SessionRecord) -> Result<(), StoreError> {
         sqlx::query(
             "UPDATE sessions SET exit_code = ?, signal = ?, timed_out = ?, exited = 1, ended_at_ms = ? WHERE id = ?",
         )
@@ -1006,7 +1006,7 @@ impl SandboxStore for SqliteStore {
         Ok(())
     }
 
-    async fn session_by_process(&self, sandbox_id: &str, process_id: u64) -> Result<Option<SessionRow>, StoreError> {
+    async fn session_by_process(&self, sandbox_id: &str, process_id: u64) -> Result<Option<SessionRecord>, StoreError> {
         let r = sqlx::query(
             "SELECT * FROM sessions WHERE sandbox_id = ? AND process_id = ? ORDER BY started_at_ms DESC, id DESC LIMIT 1",
         )

@@ -13,7 +13,8 @@ use airlock_server::core::{Config, Core};
 use airlock_server::e2b::Watchers;
 use airlock_server::listen::Limits;
 use airlock_server::nodes::{Booted, Capacity, LocalNode, Nodes, VmState};
-use airlock_server::store::{SandboxRow, SqliteStore};
+use airlock_server::records::SandboxRecord;
+use airlock_server::store::SqliteStore;
 use airlock_server::AppState;
 use axum::body::{Body, Bytes};
 use axum::http::{Method, Request};
@@ -644,7 +645,7 @@ impl Nodes for TestNode {
     fn templates(&self) -> &airlock_runtime::template::TemplateStore {
         self.inner.templates()
     }
-    async fn create(&self, sandbox: &SandboxRow) -> Result<Booted, airlock_runtime::RuntimeError> {
+    async fn create(&self, sandbox: &SandboxRecord) -> Result<Booted, airlock_runtime::RuntimeError> {
         tokio::time::sleep(self.create_delay).await;
         self.inner.create(sandbox).await
     }

@@ -4,7 +4,8 @@
 
 use super::{DISK_HELD, HOLDS_VM, LIVE, RATE_WINDOW_MS};
 use crate::model::{Quota, TenantUsage};
-use crate::store::{now_ms, NodeBudget, StoreError};
+use crate::records::now_ms;
+use crate::store::{NodeBudget, StoreError};
 
 /// A tenant's usage, read inside `tx` (so admission sees what it decides on).
 pub(super) async fn usage_within(

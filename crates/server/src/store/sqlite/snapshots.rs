@@ -4,12 +4,13 @@
 use super::admission::admit_disk_within;
 use super::SqliteStore;
 use crate::model::{Quota, Resources};
-use crate::store::{NodeBudget, SnapshotAdmission, SnapshotKind, SnapshotRow, SnapshotStore, StoreError};
+use crate::records::{SnapshotKind, SnapshotRecord};
+use crate::store::{NodeBudget, SnapshotAdmission, SnapshotStore, StoreError};
 use async_trait::async_trait;
 use sqlx::Row;
 
-fn snapshot_from_row(r: &sqlx::sqlite::SqliteRow) -> SnapshotRow {
-    SnapshotRow {
+fn snapshot_from_row(r: &sqlx::sqlite::SqliteRow) -> SnapshotRecord {
+    SnapshotRecord {
         id: r.get("id"),
         tenant_id: r.get("tenant_id"),
         name: r.get("name"),
@@ -39,7 +40,7 @@ fn held_mib(bytes: u64) -> i64 {
 impl SnapshotStore for SqliteStore {
     async fn admit_snapshot(
         &self,
-        s: &SnapshotRow,
+        s: &SnapshotRecord,
         reserve_mib: u64,
         quota: &Quota,
         budget: &NodeBudget,
@@ -90,7 +91,7 @@ impl SnapshotStore for SqliteStore {
         Ok(SnapshotAdmission::Admitted)
     }
 
-    async fn snapshot_saved(&self, s: &SnapshotRow) -> Result<bool, StoreError> {
+    async fn snapshot_saved(&self, s: &SnapshotRecord) -> Result<bool, StoreError> {
         let done = sqlx::query(
             "UPDATE snapshots SET state = 'ready', bytes = ?, digest = ?, held_mib = ? WHERE tenant_id = ? AND id = ?",
         )
@@ -104,7 +105,7 @@ impl SnapshotStore for SqliteStore {
         Ok(done.rows_affected() == 1)
     }
 
-    async fn get_snapshot(&self, tenant_id: &str, id_or_name: &str) -> Result<Option<SnapshotRow>, StoreError> {
+    async fn get_snapshot(&self, tenant_id: &str, id_or_name: &str) -> Result<Option<SnapshotRecord>, StoreError> {
         let r = sqlx::query(
             "SELECT * FROM snapshots WHERE tenant_id = ? AND state = 'ready' AND (id = ? OR name = ? OR digest = ?)
              ORDER BY created_at_ms DESC LIMIT 1",
@@ -118,7 +119,11 @@ impl SnapshotStore for SqliteStore {
         Ok(r.as_ref().map(snapshot_from_row))
     }
 
-    async fn list_snapshots(&self, tenant_id: &str, sandbox_id: Option<&str>) -> Result<Vec<SnapshotRow>, StoreError> {
+    async fn list_snapshots(
+        &self,
+        tenant_id: &str,
+        sandbox_id: Option<&str>,
+    ) -> Result<Vec<SnapshotRecord>, StoreError> {
         let rows = sqlx::query(
             "SELECT * FROM snapshots WHERE tenant_id = ? AND kind = 'snapshot' AND state = 'ready'
              AND (? IS NULL OR sandbox_id = ?) ORDER BY created_at_ms, id",
@@ -131,7 +136,7 @@ impl SnapshotStore for SqliteStore {
         Ok(rows.iter().map(snapshot_from_row).collect())
     }
 
-    async fn tenant_snapshots(&self, tenant_id: &str) -> Result<Vec<SnapshotRow>, StoreError> {
+    async fn tenant_snapshots(&self, tenant_id: &str) -> Result<Vec<SnapshotRecord>, StoreError> {
         let rows = sqlx::query("SELECT * FROM snapshots WHERE tenant_id = ? ORDER BY created_at_ms, id")
             .bind(tenant_id)
             .fetch_all(&self.pool)
@@ -153,7 +158,7 @@ impl SnapshotStore for SqliteStore {
         Ok(rows.into_iter().map(|(id,)| id).collect())
     }
 
-    async fn interrupted_images(&self, before_ms: i64) -> Result<Vec<SnapshotRow>, StoreError> {
+    async fn interrupted_images(&self, before_ms: i64) -> Result<Vec<SnapshotRecord>, StoreError> {
         let rows =
             sqlx::query("SELECT * FROM snapshots WHERE (kind = 'fork' OR state = 'saving') AND created_at_ms < ?")
                 .bind(before_ms)

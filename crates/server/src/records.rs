@@ -1,0 +1,235 @@
+//! The domain's records: what the store persists and the core hands the doors (each door
+//! renders them in its own wire format). Plain data, no I/O.
+
+use crate::model::{Resources, Sandbox, SandboxState};
+use std::collections::BTreeMap;
+
+pub fn now_ms() -> i64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_millis() as i64)
+        .unwrap_or(0)
+}
+
+/// Milliseconds since the epoch as RFC 3339 (`2024-01-02T03:04:05.678Z`).
+///
+/// Total: times before 1970 read as the epoch, and times past the last millisecond of year 9999
+/// (which RFC 3339 cannot spell, and humantime's formatter refuses with an error that would panic
+/// `to_string`) as that millisecond. A guest sets file times, so they are never trusted.
+pub fn rfc3339(ms: i64) -> String {
+    /// 9999-12-31T23:59:59.999Z
+    const MAX_MS: i64 = 253_402_300_799_999;
+    let t = std::time::UNIX_EPOCH + std::time::Duration::from_millis(ms.clamp(0, MAX_MS) as u64);
+    humantime::format_rfc3339_millis(t).to_string()
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Tenant {
+    pub id: String,
+    pub name: String,
+}
+
+/// A sandbox as recorded, with what the API shows plus what the engine needs.
+#[derive(Debug, Clone)]
+pub struct SandboxRecord {
+    pub id: String,
+    pub tenant_id: String,
+    pub state: SandboxState,
+    pub template: String,
+    pub template_digest: String,
+    pub runtime: String,
+    pub accel: String,
+    pub resources: Resources,
+    pub env: BTreeMap<String, String>,
+    pub metadata: BTreeMap<String, String>,
+    pub created_at_ms: i64,
+    pub expires_at_ms: i64,
+    /// Its egress, fixed at create.
+    pub egress: EgressSpec,
+    /// How its VM started (none until it runs).
+    pub start: Option<crate::model::SandboxStart>,
+    pub lifecycle: crate::model::Lifecycle,
+    /// The lifetime it was created with (a sandbox its timeout suspended gets it again on resume).
+    pub timeout_ms: i64,
+    /// The snapshot it was made from, if any (its memory, processes and disk).
+    pub image_id: Option<String>,
+}
+
+/// A sandbox's egress as recorded at create and fixed for its life: the profiles chosen, whether
+/// it is sealed (no egress at all), and the tenant base policy it runs under (the tenant's as it
+/// was at create, narrowed by the create; later changes to the tenant's policy don't reach it).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct EgressSpec {
+    pub profiles: Vec<String>,
+    pub sealed: bool,
+    pub tenant: airlock_egress::TenantPolicy,
+}
+
+impl Default for EgressSpec {
+    /// Sealed: nothing allowed (and what a sandbox from before egress reads as).
+    fn default() -> Self {
+        EgressSpec {
+            profiles: Vec::new(),
+            sealed: true,
+            tenant: airlock_egress::TenantPolicy::sealed(),
+        }
+    }
+}
+
+impl SandboxRecord {
+    /// Whether a request to its guest (envd, a port, a file) is served: it runs, or it is held
+    /// and resumes on traffic (`auto_resume`; [`crate::core::Core::agent_for`] resumes it).
+    pub fn answers_requests(&self) -> bool {
+        match self.state {
+            SandboxState::Running => true,
+            SandboxState::Paused | SandboxState::Suspended | SandboxState::Resuming => self.lifecycle.auto_resume,
+            _ => false,
+        }
+    }
+
+    pub fn view(&self) -> Sandbox {
+        Sandbox {
+            id: self.id.clone(),
+            state: self.state,
+            template: self.template.clone(),
+            template_digest: self.template_digest.clone(),
+            runtime: self.runtime.clone(),
+            accel: self.accel.clone(),
+            resources: self.resources,
+            metadata: self.metadata.clone(),
+            created_at: rfc3339(self.created_at_ms),
+            expires_at: rfc3339(self.expires_at_ms),
+            egress: crate::model::SandboxEgress {
+                profiles: self.egress.profiles.clone(),
+                sealed: self.egress.sealed,
+            },
+            lifecycle: self.lifecycle,
+            start: self.start.clone(),
+        }
+    }
+}
+
+#[derive(Debug, Clone)]
+pub struct SessionRecord {
+    pub id: String,
+    pub sandbox_id: String,
+    pub process_id: u64,
+    pub argv: Vec<String>,
+    pub cwd: String,
+    pub user: String,
+    pub pty: bool,
+    pub exit_code: Option<i32>,
+    pub signal: Option<i32>,
+    pub timed_out: bool,
+    pub exited: bool,
+    pub started_at_ms: i64,
+    pub ended_at_ms: Option<i64>,
+    /// The caller's own label for the process (e.g. an E2B process tag), if it gave one.
+    pub tag: Option<String>,
+}
+
+/// The states of a sandbox that exists (a suspended one holds only its disk and saved memory: it
+/// counts against disk quotas and budgets, not against sandboxes, vcpu or memory).
+pub const LIVE_STATES: [SandboxState; 6] = [
+    SandboxState::Creating,
+    SandboxState::Running,
+    SandboxState::Paused,
+    SandboxState::Suspended,
+    SandboxState::Resuming,
+    SandboxState::Deleting,
+];
+
+/// A snapshot as recorded: an image of a sandbox, owned by its tenant.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SnapshotRecord {
+    pub id: String,
+    pub tenant_id: String,
+    pub name: Option<String>,
+    pub kind: SnapshotKind,
+    pub sandbox_id: String,
+    pub template: String,
+    pub resources: Resources,
+    pub bytes: u64,
+    /// Content address, `sha256:<hex>` (snapshots; forks' images have none).
+    pub digest: Option<String>,
+    pub created_at_ms: i64,
+}
+
+impl SnapshotRecord {
+    pub fn view(&self) -> crate::model::Snapshot {
+        crate::model::Snapshot {
+            id: self.id.clone(),
+            name: self.name.clone(),
+            sandbox_id: self.sandbox_id.clone(),
+            template: self.template.clone(),
+            resources: self.resources,
+            bytes: self.bytes,
+            digest: self.digest.clone(),
+            created_at: rfc3339(self.created_at_ms),
+        }
+    }
+}
+
+/// Why a snapshot exists.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SnapshotKind {
+    /// Made by its tenant; kept until deleted.
+    Snapshot,
+    /// What a fork's children start from; removed once they have.
+    Fork,
+}
+
+/// An API key as it is listed: never the key itself.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct KeyRecord {
+    /// `key_<16 hex>`, derived from the key's hash: what a key is listed and revoked by.
+    pub id: String,
+    pub tenant_id: String,
+    pub name: String,
+    /// The key's first 8 characters, to tell keys apart.
+    pub prefix: String,
+    pub created_at_ms: i64,
+    pub last_used_at_ms: Option<i64>,
+    pub revoked_at_ms: Option<i64>,
+}
+
+/// One audit row: who did what to which object, and how it ended.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct AuditRecord {
+    /// Increasing; `0` for a row not yet written.
+    pub seq: i64,
+    pub at_ms: i64,
+    /// `root@local`, `key:<key id>`, `sandbox:<id>` or `anonymous`.
+    pub actor: String,
+    pub tenant: Option<String>,
+    pub action: String,
+    pub object: Option<String>,
+    /// `ok` or the error code.
+    pub result: String,
+    /// How many times it happened: repeats of a refusal within about a minute of `at_ms` are
+    /// one row (see `core::audit`).
+    pub count: u64,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn rfc3339_is_total() {
+        assert_eq!(rfc3339(0), "1970-01-01T00:00:00.000Z");
+        assert_eq!(rfc3339(1_700_000_000_123), "2023-11-14T22:13:20.123Z");
+        for past in [-1, -86_400_000, i64::MIN] {
+            assert_eq!(rfc3339(past), "1970-01-01T00:00:00.000Z", "{past}");
+        }
+        // A guest's file mtime past year 9999 (u64::MAX read as i64 is -1: the epoch).
+        for future in [253_402_300_800_000, i64::MAX, u64::MAX as i64, (u64::MAX >> 1) as i64] {
+            let s = rfc3339(future);
+            assert!(
+                s == "9999-12-31T23:59:59.999Z" || s == "1970-01-01T00:00:00.000Z",
+                "{future}: {s}"
+            );
+        }
+        assert_eq!(rfc3339(i64::MAX), "9999-12-31T23:59:59.999Z");
+    }
+}
