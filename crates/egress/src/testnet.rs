@@ -92,7 +92,7 @@ impl Netns {
 
 /// Moves the calling thread into the namespace at `path`.
 pub fn enter(path: &str) -> io::Result<()> {
-    crate::serve::enter_netns(std::path::Path::new(path))
+    crate::netns::enter(std::path::Path::new(path))
 }
 
 impl Drop for Netns {
