@@ -43,8 +43,6 @@ mod resolve;
 mod sandbox;
 mod serve;
 pub mod sniff;
-#[doc(hidden)]
-pub mod testnet;
 mod uplink;
 
 pub use dns::{DnsConfig, DnsServer};
