@@ -4,7 +4,7 @@
 use super::{E2bError, E2bState, ENVD_VERSION};
 use crate::core::egress::EgressRequest;
 use crate::core::sandboxes::{check_timeout, Change, CreateSandbox, Created, ListSandboxes, DEFAULT_TIMEOUT};
-use crate::core::{templates, CoreError, Credentials, Principal, SandboxTokens};
+use crate::core::{CoreError, Credentials, Principal, SandboxTokens};
 use crate::model::{Lifecycle, OnTimeout, OperationState, SandboxState};
 use crate::records::{rfc3339, SandboxRecord, Tenant};
 use axum::extract::{Path, Query, Request, State};
@@ -171,10 +171,7 @@ fn sandbox_json(state: &E2bState, row: &SandboxRecord, tokens: &SandboxTokens, a
 
 /// The name the SDK created the sandbox with (or the alias of its template), for echoing back.
 async fn e2b_alias(state: &E2bState, row: &SandboxRecord) -> Result<String> {
-    let recorded = state.core.store.e2b_alias(&row.id).await.map_err(CoreError::from)?;
-    Ok(recorded
-        .or_else(|| templates::alias_of(&row.template).map(String::from))
-        .unwrap_or_else(|| row.template.clone()))
+    Ok(state.core.template_name_of(row).await?)
 }
 
 async fn detail_json(state: &E2bState, row: &SandboxRecord, tokens: Option<&SandboxTokens>) -> Result<Value> {
@@ -272,10 +269,9 @@ pub async fn create(
 /// it): the sandbox as the SDK reads it, with its access token, under the name it was made by.
 async fn started(state: &E2bState, tenant: &Tenant, created: Created, alias: &str) -> Result<Value> {
     let id = created.sandbox_id.clone();
-    let store_err = |e| E2bError::from(CoreError::from(e));
-    state.core.store.set_e2b_alias(&id, alias).await.map_err(store_err)?;
+    state.core.record_template_name(&id, alias).await?;
     let token = state.core.issue_access_token(&id).await?;
-    let done = state.core.engine.wait(&created.operation).await?;
+    let done = state.core.wait_operation(&created.operation).await?;
     if done.state != OperationState::Succeeded {
         return Err(failed(&done, "start"));
     }
@@ -411,8 +407,8 @@ pub async fn delete_template(
 /// `GET /templates/aliases/{alias}` (`Template.exists`): a template this server has under that
 /// name or alias, as the SDK reads it. Every template here is the platform's, so public.
 pub async fn template_alias(State(state): State<E2bState>, Path(alias): Path<String>) -> Result<Json<Value>> {
-    let template = state.core.resolve_template(&alias)?;
-    Ok(Json(json!({ "templateID": template.manifest.name, "public": true })))
+    let name = state.core.template_name(&alias)?;
+    Ok(Json(json!({ "templateID": name, "public": true })))
 }
 
 pub async fn get(
@@ -438,7 +434,7 @@ pub async fn kill(
 ) -> Result<StatusCode> {
     state.core.live_sandbox(&tenant, &id).await?;
     let op = state.core.delete_sandbox(&principal, &id).await?;
-    let done = state.core.engine.wait(&op).await?;
+    let done = state.core.wait_operation(&op).await?;
     match done.error {
         None => Ok(StatusCode::NO_CONTENT),
         Some(_) => Err(failed(&done, "stop")),

@@ -59,7 +59,7 @@ async fn resolve(state: &E2bState, h: &HeaderMap, no_token: bool) -> Result<Sand
         Ok(Principal::Sandbox {
             sandbox,
             via: Via::Unverified,
-        }) if state.core.engine.recovering(&sandbox.id) => return Ok(sandbox),
+        }) if state.core.settling(&sandbox.id) => return Ok(sandbox),
         Ok(Principal::Sandbox { sandbox, .. }) => sandbox,
         // A caller that proved nothing about the sandbox (no token, a wrong one, a sandbox never
         // opened to tokens) learns nothing either: exactly the answer for a missing one.

@@ -45,7 +45,7 @@ const WATCHER_SWEEP_EVERY: Duration = Duration::from_secs(60);
 /// Polling watchers (`CreateWatcher` / `GetWatcherEvents` / `RemoveWatcher`). Each buffers at
 /// most [`MAX_WATCH_EVENTS`] and [`MAX_WATCH_BYTES`] (the oldest go first), a sandbox holds at most
 /// [`MAX_WATCHERS_PER_SANDBOX`], and a sandbox's watchers go when it ends (the engine's
-/// [`crate::engine::Engine::ended`], and a periodic sweep against the store).
+/// [`Core::follow_ended`], and a periodic sweep).
 #[derive(Default)]
 pub struct Watchers {
     map: Mutex<HashMap<String, Watcher>>,
@@ -131,7 +131,7 @@ impl Watchers {
         if map.values().filter(|w| w.sandbox_id == sandbox_id).count() >= MAX_WATCHERS_PER_SANDBOX {
             return Err(no_room());
         }
-        let id = format!("w{}", airlock_runtime::datadir::random_hex(8));
+        let id = crate::core::random_id("w", 8);
         let queue = Arc::new(Mutex::new(WatchQueue::default()));
         let sink = queue.clone();
         let name = id.clone();
@@ -195,8 +195,8 @@ impl Watchers {
     async fn sweep(&self, core: &Core) {
         let ids: HashSet<String> = lock(&self.map).values().map(|w| w.sandbox_id.clone()).collect();
         for id in ids {
-            let live = match core.store.sandbox_by_id(&id).await {
-                Ok(row) => row.is_some_and(|r| r.state.is_held_or_running()),
+            let live = match core.sandbox_is_live(&id).await {
+                Ok(live) => live,
                 Err(_) => continue, // the store will answer next time
             };
             if !live {
@@ -212,7 +212,7 @@ impl Watchers {
             return;
         }
         let sweeper = core.clone();
-        core.engine.follow_ended(
+        core.follow_ended(
             Arc::downgrade(self),
             Duration::ZERO,
             WATCHER_SWEEP_EVERY,
