@@ -4,6 +4,7 @@
 use super::{E2bError, E2bState, ENVD_VERSION};
 use crate::core::egress::EgressRequest;
 use crate::core::sandboxes::{check_timeout, Change, CreateSandbox, Created, ListSandboxes, DEFAULT_TIMEOUT};
+use crate::core::snapshots::ListSnapshots;
 use crate::core::{CoreError, Credentials, Principal, SandboxTokens};
 use crate::model::{Lifecycle, OnTimeout, OperationState, SandboxState};
 use crate::records::{rfc3339, SandboxRecord, Tenant};
@@ -372,25 +373,38 @@ pub struct SnapshotsQuery {
     #[serde(rename = "sandboxID")]
     pub sandbox_id: Option<String>,
     pub name: Option<String>,
-    #[allow(dead_code)]
+    /// 1 to 100; 100 when absent, as E2B.
     pub limit: Option<u32>,
-    #[allow(dead_code)]
     pub next_token: Option<String>,
 }
 
-/// `GET /snapshots` (`list_snapshots`): the tenant's snapshots, all in one page.
+/// `GET /snapshots` (`list_snapshots`): a page of the tenant's snapshots, newest first; the
+/// next page's token in `X-Next-Token`, as E2B answers (the SDK's `has_next` reads it).
 pub async fn list_snapshots(
     State(state): State<E2bState>,
     Extension(tenant): Extension<Tenant>,
-    Query(q): Query<SnapshotsQuery>,
-) -> Result<Json<Value>> {
-    let rows = state.core.list_snapshots(&tenant, q.sandbox_id.as_deref()).await?;
-    let rows = rows
-        .iter()
-        .filter(|s| q.name.as_ref().is_none_or(|n| s.name.as_ref() == Some(n)))
-        .map(|s| snapshot_json(&s.view()))
-        .collect();
-    Ok(Json(Value::Array(rows)))
+    q: std::result::Result<Query<SnapshotsQuery>, axum::extract::rejection::QueryRejection>,
+) -> Result<Response> {
+    let Query(q) = q.map_err(|e| E2bError::bad_request(format!("bad snapshots query: {}", e.body_text())))?;
+    let page = state
+        .core
+        .list_snapshots_page(
+            &tenant,
+            ListSnapshots {
+                sandbox_id: q.sandbox_id,
+                name: q.name,
+                limit: q.limit.unwrap_or(100),
+                page_token: q.next_token,
+            },
+        )
+        .await?;
+    let items: Vec<Value> = page.snapshots.iter().map(|s| snapshot_json(&s.view())).collect();
+    let mut resp = Json(items).into_response();
+    if let Some(n) = page.next_page_token {
+        resp.headers_mut()
+            .insert("x-next-token", n.parse().expect("ascii token"));
+    }
+    Ok(resp)
 }
 
 /// `DELETE /templates/{id}` (`delete_snapshot`): a snapshot of the tenant's; templates are the
