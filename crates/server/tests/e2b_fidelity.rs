@@ -343,3 +343,65 @@ async fn the_snapshot_list_pages_with_x_next_token() {
     }
     server.delete(&sb.id).await;
 }
+
+/// A Start's `connect-timeout-ms` bounds the process's life (envd's semantics), and the core
+/// enforces it: the process ends at its timeout whether or not anyone reads its stream.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_started_process_ends_at_its_timeout_by_the_core() {
+    let dir = fresh();
+    let server = Server::start(dir.path(), 10, None).await;
+    let sb = server.e2b_sandbox().await;
+    let start = |timeout_ms: &'static str| {
+        let headers = [
+            ("x-access-token", sb.token.clone()),
+            ("e2b-sandbox-id", sb.id.clone()),
+            ("content-type", "application/connect+json".to_string()),
+            ("connect-protocol-version", "1".to_string()),
+            ("connect-timeout-ms", timeout_ms.to_string()),
+            ("keepalive-ping-interval", "1".to_string()),
+        ];
+        let server = &server;
+        async move {
+            let h: Vec<(&str, &str)> = headers.iter().map(|(k, v)| (*k, v.as_str())).collect();
+            let req = json!({ "process": { "cmd": "sleep", "args": ["30"] } });
+            let resp = server
+                .send(Method::POST, "/process.Process/Start", &h, Body::from(envelope(&req)))
+                .await;
+            assert_eq!(resp.status, 200);
+            ConnectStream {
+                body: futures_util::StreamExt::boxed(resp.body.into_data_stream()),
+                buf: Vec::new(),
+            }
+        }
+    };
+    let running = || async {
+        let (status, list) = server.envd_unary(&sb, "/process.Process/List", json!({})).await;
+        assert_eq!(status, 200, "{list}");
+        list["processes"].as_array().unwrap().len()
+    };
+
+    // Read to its end: the start, keepalives, then the deadline once the core ended it.
+    let began = std::time::Instant::now();
+    let mut stream = start("1500").await;
+    let (flags, first) = stream.next().await.unwrap();
+    assert_eq!(flags, 0);
+    assert!(first["event"]["start"]["pid"].as_u64().is_some(), "{first}");
+    let (flags, end) = stream.next_event().await.unwrap();
+    assert_eq!(flags, 0x02, "the stream ends with an error, not an end event: {end}");
+    assert_eq!(end["error"]["code"], "deadline_exceeded", "{end}");
+    assert!(
+        began.elapsed() >= std::time::Duration::from_millis(1400),
+        "{:?}",
+        began.elapsed()
+    );
+    // Ended by then: the client may list processes at once.
+    assert_eq!(running().await, 0);
+
+    // Nobody reads the stream: the process still ends at its timeout.
+    let stream = start("1000").await;
+    drop(stream);
+    assert_eq!(running().await, 1);
+    tokio::time::sleep(std::time::Duration::from_millis(1600)).await;
+    assert_eq!(running().await, 0, "the process outlived its timeout");
+    server.delete(&sb.id).await;
+}
