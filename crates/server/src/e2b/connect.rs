@@ -14,7 +14,7 @@ use serde::Serialize;
 
 pub const END_STREAM: u8 = 0x02;
 
-/// Connect's error codes (the SDK turns each into its exception, see e2b-wire.md §4.4).
+/// Connect's error codes (the SDK turns each into its exception: `e2b/envd/rpc.py`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
 #[serde(rename_all = "snake_case")]
 pub enum Code {

@@ -1,7 +1,9 @@
 //! The E2B door: the E2B control-plane API and envd (Connect RPC, `/files`, `/health`) on the
-//! same listener as `/v1`, translated onto the core's services. Wire details:
-//! shared/reference/e2b-wire.md. Errors: `E2bError` (control plane and `/files`: `{"code": <int>,
-//! "message"}`) and `connect::RpcError` (Connect), each made from a `CoreError` in one place.
+//! same listener as `/v1`, translated onto the core's services (the wire as E2B's Python SDK and
+//! e2b-dev/infra's `spec/openapi.yml` and `packages/envd/spec/` have it). Errors: `E2bError`
+//! (control plane and `/files`: `{"code": <int>, "message"}`) and `connect::RpcError` (Connect),
+//! each made from a `CoreError` in one place. It may use the core only: no store, engine, node or
+//! runtime handle.
 
 pub mod connect;
 pub mod control;

@@ -1,5 +1,6 @@
 //! envd's Connect messages (`process.Process`, `filesystem.Filesystem`) as protobuf's JSON
-//! mapping spells them (e2b-wire.md §4.2, §4.3): camelCase names (the proto's snake_case names
+//! mapping spells them (E2B's `process/process.proto`, `filesystem/filesystem.proto`, in
+//! e2b-dev/infra's `packages/envd/spec/`): camelCase names (the proto's snake_case names
 //! read too), int64 as strings, bytes as base64, enums by name. Requests read as leniently as
 //! protobuf's parser does (a null is the default; numbers as strings; unknown fields ignored).
 //! Pure wire types: no core calls here.
