@@ -203,6 +203,11 @@ impl Core {
     }
 }
 
+/// A fresh random id: `prefix`, then `bytes` random bytes in hex.
+pub fn random_id(prefix: &str, bytes: usize) -> String {
+    format!("{prefix}{}", airlock_runtime::datadir::random_hex(bytes))
+}
+
 /// `<data-dir>/server.secret` (0600, 32 random bytes), made on first start.
 pub fn load_or_create_secret(data_dir: &Path) -> std::io::Result<Vec<u8>> {
     use std::io::Write;

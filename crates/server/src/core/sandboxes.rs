@@ -326,6 +326,42 @@ impl Core {
             .ok_or_else(|| CoreError::not_found(Kind::Sandbox, &row.id))
     }
 
+    /// Whether a restart's recovery has yet to settle `id` (its record may not be true yet).
+    pub fn settling(&self, id: &str) -> bool {
+        self.engine.recovering(id)
+    }
+
+    /// Whether `id` is a sandbox that is running, paused or suspended, of whichever tenant; for
+    /// state a door keeps per sandbox, dropped once this is false.
+    pub async fn sandbox_is_live(&self, id: &str) -> CoreResult<bool> {
+        Ok(self
+            .store
+            .sandbox_by_id(id)
+            .await?
+            .is_some_and(|r| r.state.is_held_or_running()))
+    }
+
+    /// Wait until `op` has finished (succeeded or failed); `unavailable` past the engine's limit.
+    pub async fn wait_operation(&self, op: &Operation) -> CoreResult<Operation> {
+        self.engine.wait(op).await
+    }
+
+    /// Per-sandbox state a door keeps: `on_end` as each sandbox ends, `sweep` every `period`
+    /// (after `first`), for as long as `owner` lives (see [`crate::engine::Engine::follow_ended`]).
+    pub fn follow_ended<T, F>(
+        &self,
+        owner: std::sync::Weak<T>,
+        first: Duration,
+        period: Duration,
+        on_end: impl Fn(&T, &str) + Send + 'static,
+        sweep: impl Fn(std::sync::Arc<T>) -> F + Send + 'static,
+    ) where
+        T: Send + Sync + 'static,
+        F: std::future::Future<Output = ()> + Send + 'static,
+    {
+        self.engine.follow_ended(owner, first, period, on_end, sweep)
+    }
+
     /// An operation of the tenant's, as it is once the restart's recovery has settled its
     /// sandbox (an operation the restart interrupted is still open in the record until then).
     pub async fn operation(&self, tenant: &Tenant, id: &str) -> CoreResult<Operation> {
