@@ -278,10 +278,7 @@ impl Engine {
                 {
                     SnapshotAdmission::Admitted => {}
                     SnapshotAdmission::NameTaken => {
-                        return Err(CoreError::Conflict(format!(
-                            "a snapshot or template named {:?} exists",
-                            snapshot.name.as_deref().unwrap_or_default()
-                        )))
+                        return Err(crate::error::Conflict::NameTaken(snapshot.name.clone().unwrap_or_default()).into())
                     }
                     SnapshotAdmission::NoTenant => {
                         return Err(CoreError::not_found(crate::error::Kind::Tenant, &snapshot.tenant_id))

@@ -130,12 +130,12 @@ pub enum CoreError {
     /// Authenticated, but this credential may not do this (a tenant key on an admin route).
     #[error("{0}")]
     Forbidden(String),
-    /// The object exists already, or its state forbids the change.
-    #[error("{0}")]
-    Conflict(String),
-    /// A failure of the server itself that no caller can act on.
-    #[error("{0}")]
-    Internal(String),
+    /// The object exists already, or its state forbids the change: which, in `Conflict`.
+    #[error(transparent)]
+    Conflict(#[from] Conflict),
+    /// A failure of the server itself that no caller can act on, with its cause.
+    #[error(transparent)]
+    Internal(#[from] InternalError),
     /// The guest agent answered with an error about `kind` (a file, a process).
     #[error("{source}")]
     Guest { kind: Kind, source: AgentError },
@@ -151,6 +151,29 @@ pub enum CoreError {
 }
 
 pub type CoreResult<T> = Result<T, CoreError>;
+
+/// Why a change conflicts with what exists (409 `conflict` at both doors).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum Conflict {
+    /// A snapshot's name is taken by another snapshot or a template.
+    #[error("a snapshot or template named {0:?} exists")]
+    NameTaken(String),
+    #[error("tenant {0} exists")]
+    TenantExists(String),
+    /// `default` can't be deleted: it holds the server's bootstrap key.
+    #[error("tenant default holds the server's bootstrap key; revoke its keys instead")]
+    DefaultTenant,
+}
+
+/// A failure of the server itself (500 `internal`), keeping what caused it.
+#[derive(Debug, thiserror::Error)]
+pub enum InternalError {
+    #[error("hashing the console password: {0}")]
+    PasswordHash(#[source] argon2::password_hash::Error),
+    /// The upload semaphores were closed (they never are while the core lives).
+    #[error("upload slots closed")]
+    UploadSlotsClosed(#[source] tokio::sync::AcquireError),
+}
 
 /// Stable snake_case code and the HTTP status class of an error; doors start from this.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -5,6 +5,7 @@
 use super::sandboxes::{acting_tenant, CreateSandbox, Created};
 use super::{Core, CoreError, CoreResult, Kind, Principal};
 use crate::engine::Action;
+use crate::error::Conflict;
 use crate::model::{SandboxState, Snapshot};
 use crate::records::{now_ms, SnapshotKind, SnapshotRecord, Tenant};
 use std::time::Duration;
@@ -40,9 +41,7 @@ impl Core {
             check_name(n)?;
             // A snapshot of that name the store refuses with its admission (atomically).
             if self.resolve_template(n).is_ok() {
-                return Err(CoreError::Conflict(format!(
-                    "a snapshot or template named {n:?} exists"
-                )));
+                return Err(Conflict::NameTaken(n.clone()).into());
             }
         }
         let row = self.sandbox(tenant, sandbox_id).await?;

@@ -21,8 +21,22 @@ mod snapshots;
 
 use admission::{admit_disk_within, admit_within, usage_within};
 
-/// `state IN (...)` of the states of a sandbox that exists (see `super::LIVE_STATES`).
-const LIVE: &str = "state IN ('creating', 'running', 'paused', 'suspended', 'resuming', 'deleting')";
+/// `state IN (...)` of the states of a sandbox that exists, written from
+/// [`crate::records::LIVE_STATES`] (its one definition) wherever a query says `{LIVE}`.
+const LIVE: LiveStates = LiveStates;
+
+struct LiveStates;
+
+impl std::fmt::Display for LiveStates {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("state IN (")?;
+        for (i, s) in crate::records::LIVE_STATES.iter().enumerate() {
+            let sep = if i == 0 { "" } else { ", " };
+            write!(f, "{sep}'{}'", s.as_str())?;
+        }
+        f.write_str(")")
+    }
+}
 /// Per row of a live sandbox: 1 unless it is suspended (no VM: it holds its disk, no place, CPU
 /// or memory), for the sums of what counts against quotas and budgets.
 const HOLDS_VM: &str = "(CASE WHEN state = 'suspended' THEN 0 ELSE 1 END)";
