@@ -458,9 +458,7 @@ fn write_private(path: &std::path::Path, text: &str) -> anyhow::Result<()> {
 /// Signal number for a name like `SIGKILL` or `SIG40` (for the shell-style 128+n exit code); 0
 /// for one that names none. Names come from the server's one signal table.
 pub fn signal_number(name: &str) -> i32 {
-    airlock_server::signals::by_name(name)
-        .or_else(|| name.trim_start_matches("SIG").parse().ok())
-        .unwrap_or(0)
+    airlock_server::signals::number(name).unwrap_or(0)
 }
 
 fn print_json(v: &serde_json::Value) {

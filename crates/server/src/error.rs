@@ -139,9 +139,14 @@ pub enum CoreError {
     /// The guest agent answered with an error about `kind` (a file, a process).
     #[error("{source}")]
     Guest { kind: Kind, source: AgentError },
-    /// The guest agent does not answer (VM gone, channel down, hostile agent).
+    /// The guest agent does not answer (VM gone, channel down, hostile agent), or the sandbox did
+    /// not come back to answer; `reason` keeps the cause.
     #[error("sandbox {id} is unreachable: {reason}")]
-    Unreachable { id: String, reason: String },
+    Unreachable {
+        id: String,
+        #[source]
+        reason: Unreachable,
+    },
     #[error(transparent)]
     Runtime(RuntimeError),
     #[error("{0}")]
@@ -151,6 +156,23 @@ pub enum CoreError {
 }
 
 pub type CoreResult<T> = Result<T, CoreError>;
+
+/// Why a sandbox's agent can't be reached (502 `sandbox_unreachable` at both doors).
+#[derive(Debug, thiserror::Error)]
+pub enum Unreachable {
+    /// The channel to the agent failed (not an answer of the agent's own).
+    #[error("{0}")]
+    Agent(#[source] AgentError),
+    /// The node has no agent for it (its VM is gone or not running).
+    #[error("{0}")]
+    Node(#[source] RuntimeError),
+    /// A held sandbox a request reached did not resume: the operation's error message.
+    #[error("it did not resume: {0}")]
+    NotResumed(String),
+    /// A snapshot's save failed: the operation's error message.
+    #[error("it could not be saved: {0}")]
+    NotSaved(String),
+}
 
 /// Why a change conflicts with what exists (409 `conflict` at both doors).
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -274,7 +296,7 @@ impl CoreError {
             AgentError::Api { .. } => CoreError::Guest { kind, source: e },
             other => CoreError::Unreachable {
                 id: sandbox_id.into(),
-                reason: other.to_string(),
+                reason: Unreachable::Agent(other),
             },
         }
     }

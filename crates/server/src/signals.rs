@@ -15,6 +15,15 @@ pub fn by_name(name: &str) -> Option<i32> {
     Signal::from_str(&format!("SIG{bare}")).ok().map(|s| s as i32)
 }
 
+/// The number of a signal as [`name`] writes it: `SIGKILL` (or any name [`by_name`] takes) or
+/// `SIG40` (or `40`) for one without a name.
+pub fn number(name: &str) -> Option<i32> {
+    by_name(name).or_else(|| {
+        let n: i32 = name.trim().trim_start_matches("SIG").parse().ok()?;
+        NUMBERS.contains(&n).then_some(n)
+    })
+}
+
 /// `SIGKILL` for 9; `SIG<n>` for a number without a name.
 pub fn name(n: i32) -> String {
     Signal::try_from(n)
@@ -83,5 +92,10 @@ mod tests {
         assert_eq!(name(40), "SIG40");
         assert_eq!(description(15), "terminated");
         assert_eq!(description(40), "signal 40");
+        for n in NUMBERS {
+            assert_eq!(number(&name(n)), Some(n), "{n}");
+        }
+        assert_eq!(number("SIG0"), None);
+        assert_eq!(number("SIGNOPE"), None);
     }
 }

@@ -522,7 +522,7 @@ impl Core {
                             if let Some(e) = op.error {
                                 return Err(CoreError::Unreachable {
                                     id: id.into(),
-                                    reason: format!("it did not resume: {}", e.message),
+                                    reason: crate::error::Unreachable::NotResumed(e.message),
                                 });
                             }
                         }
@@ -566,7 +566,7 @@ impl Core {
         }
         self.nodes.agent(&row.id).await.map_err(|e| CoreError::Unreachable {
             id: row.id.clone(),
-            reason: e.to_string(),
+            reason: crate::error::Unreachable::Node(e),
         })
     }
 }

@@ -85,7 +85,7 @@ impl Core {
         if let Some(e) = op.error {
             return Err(CoreError::Unreachable {
                 id: sandbox_id.into(),
-                reason: format!("it could not be saved: {}", e.message),
+                reason: crate::error::Unreachable::NotSaved(e.message),
             });
         }
         self.store
