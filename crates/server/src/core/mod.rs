@@ -32,7 +32,7 @@ pub mod templates;
 pub mod tenants;
 pub mod uploads;
 
-pub use crate::error::{CoreError, CoreResult, Kind};
+pub use crate::error::{Conflict, CoreError, CoreResult, InternalError, Kind, Unreachable};
 pub use principal::{Accept, Credentials, Principal, SandboxTokens, Via, CREDENTIAL_HEADERS};
 
 use crate::engine::Engine;

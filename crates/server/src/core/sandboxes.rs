@@ -5,7 +5,7 @@ use super::egress::EgressRequest;
 use super::{Core, Principal};
 use crate::engine::{Action, Submitted};
 use crate::error::{CoreError, CoreResult, Kind};
-use crate::model::{Operation, Resources, SandboxState};
+use crate::model::{Operation, SandboxState};
 use crate::records::{now_ms, SandboxRecord, Tenant};
 use crate::store::{parse_page_token, SandboxFilter};
 use airlock_runtime::AgentClient;
@@ -174,11 +174,7 @@ impl Core {
         };
         let resources = match &snapshot {
             Some(s) => {
-                let fixed = airlock_runtime::Resources {
-                    vcpu: s.resources.vcpu,
-                    memory_mib: s.resources.memory_mib,
-                    disk_mib: s.resources.disk_mib,
-                };
+                let fixed = s.resources;
                 let asked = [
                     (req.vcpu, fixed.vcpu),
                     (req.memory_mib, fixed.memory_mib),
@@ -242,11 +238,7 @@ impl Core {
             template_digest: template.as_ref().map(|t| t.manifest.digest.clone()).unwrap_or_default(),
             runtime: runtime.into(),
             accel: self.nodes.accel().await,
-            resources: Resources {
-                vcpu: resources.vcpu,
-                memory_mib: resources.memory_mib,
-                disk_mib: resources.disk_mib,
-            },
+            resources,
             env: req.env,
             metadata: req.metadata,
             created_at_ms: now,
@@ -566,7 +558,7 @@ impl Core {
                             if let Some(e) = op.error {
                                 return Err(CoreError::Unreachable {
                                     id: id.into(),
-                                    reason: format!("it did not resume: {}", e.message),
+                                    reason: crate::error::Unreachable::NotResumed(e.message),
                                 });
                             }
                         }
@@ -610,7 +602,7 @@ impl Core {
         }
         self.nodes.agent(&row.id).await.map_err(|e| CoreError::Unreachable {
             id: row.id.clone(),
-            reason: e.to_string(),
+            reason: crate::error::Unreachable::Node(e),
         })
     }
 }

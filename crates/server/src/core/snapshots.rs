@@ -5,6 +5,7 @@
 use super::sandboxes::{acting_tenant, CreateSandbox, Created};
 use super::{Core, CoreError, CoreResult, Kind, Principal};
 use crate::engine::Action;
+use crate::error::Conflict;
 use crate::model::{SandboxState, Snapshot};
 use crate::records::{now_ms, SnapshotKind, SnapshotRecord, Tenant};
 use crate::store::parse_page_token;
@@ -60,9 +61,7 @@ impl Core {
             check_name(n)?;
             // A snapshot of that name the store refuses with its admission (atomically).
             if self.resolve_template(n).is_ok() {
-                return Err(CoreError::Conflict(format!(
-                    "a snapshot or template named {n:?} exists"
-                )));
+                return Err(Conflict::NameTaken(n.clone()).into());
             }
         }
         let row = self.sandbox(tenant, sandbox_id).await?;
@@ -106,7 +105,7 @@ impl Core {
         if let Some(e) = op.error {
             return Err(CoreError::Unreachable {
                 id: sandbox_id.into(),
-                reason: format!("it could not be saved: {}", e.message),
+                reason: crate::error::Unreachable::NotSaved(e.message),
             });
         }
         self.store

@@ -240,10 +240,18 @@ mod tests {
         let code = |e: CoreError| RpcError::from(e).code;
         assert_eq!(code(CoreError::not_found(Kind::Process, "pid 7")), Code::NotFound);
         assert_eq!(code(CoreError::invalid("pty", "x")), Code::InvalidArgument);
-        assert_eq!(code(CoreError::Conflict("x".into())), Code::FailedPrecondition);
+        assert_eq!(
+            code(CoreError::Conflict(crate::error::Conflict::DefaultTenant)),
+            Code::FailedPrecondition
+        );
         assert_eq!(code(CoreError::Unauthenticated("x".into())), Code::Unauthenticated);
         assert_eq!(code(CoreError::Unavailable("x".into())), Code::Unavailable);
-        assert_eq!(code(CoreError::Internal("x".into())), Code::Internal);
+        assert_eq!(
+            code(CoreError::Internal(crate::error::InternalError::PasswordHash(
+                argon2::password_hash::Error::Password,
+            ))),
+            Code::Internal
+        );
         assert_eq!(
             code(CoreError::SessionLimit {
                 sandbox: "s".into(),
