@@ -514,8 +514,8 @@ pub async fn serve(opts: ServeOptions) -> anyhow::Result<()> {
         });
     }
     // Requests about a sandbox the recovery has yet to settle wait for it (`Core::current`).
-    core.engine.start_recovery().await?;
-    core.engine.spawn_reaper();
+    core.engine().start_recovery().await?;
+    core.engine().spawn_reaper();
     core.spawn_metrics_sampler();
     let state = AppState {
         core,

@@ -473,6 +473,18 @@ pub struct Template {
     pub built_at: String,
 }
 
+impl From<airlock_runtime::template::TemplateManifest> for Template {
+    fn from(m: airlock_runtime::template::TemplateManifest) -> Self {
+        Template {
+            name: m.name,
+            digest: m.digest,
+            kernel_version: m.kernel_version,
+            size_bytes: m.size_bytes,
+            built_at: m.built_at,
+        }
+    }
+}
+
 #[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
 pub struct TemplateList {
     pub templates: Vec<Template>,

@@ -103,7 +103,7 @@ impl EgressHook for NodeEgress {
     async fn attach(&self, link: &SandboxLink) -> Result<EgressPorts, HookError> {
         let core = self.core().await?;
         let row = core
-            .store
+            .store()
             .sandbox_by_id(&link.id)
             .await?
             .ok_or_else(|| format!("sandbox {} is not in the store", link.id))?;

@@ -23,7 +23,7 @@ pub fn parse_sandbox_host(host: &str) -> Option<(u16, String)> {
     }
     let (port, id) = first.split_once('-')?;
     let port: u16 = port.parse().ok()?;
-    airlock_runtime::sandbox::valid_sandbox_id(id).then(|| (port, id.to_string()))
+    crate::core::valid_sandbox_id(id).then(|| (port, id.to_string()))
 }
 
 fn error(status: StatusCode, message: String) -> Response {
@@ -94,7 +94,7 @@ pub async fn code_interpreter_by_token(State(core): State<Core>, req: Request) -
     };
     match core.sandbox_principal(&creds, None, accept).await {
         Ok(Principal::Sandbox { sandbox, .. }) if creds.envd_token.is_some() || creds.traffic_token.is_some() => {
-            forward(core, sandbox.id, airlock_runtime::template::CODE_INTERPRETER_PORT, req).await
+            forward(core, sandbox.id, crate::core::CODE_INTERPRETER_PORT, req).await
         }
         _ => error(StatusCode::BAD_GATEWAY, "no sandbox has this X-Access-Token".into()),
     }

@@ -211,6 +211,14 @@ pub struct AuditRecord {
     pub count: u64,
 }
 
+/// Which audit rows to read.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct AuditFilter {
+    pub before_seq: Option<i64>,
+    pub tenant: Option<String>,
+    pub action: Option<String>,
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -148,7 +148,7 @@ async fn a_flood_of_bad_keys_writes_a_bounded_number_of_audit_rows() {
         action: Some("auth.key".into()),
         ..Default::default()
     };
-    let rows = core.store.audit(&filter, 1000).await.unwrap();
+    let rows = core.store().audit(&filter, 1000).await.unwrap();
     // One row a minute (two if the flood straddled a window).
     let minutes = started.elapsed().as_secs() / 60 + 2;
     eprintln!(

@@ -78,7 +78,7 @@ fn operation(kind: OperationKind, sandbox_id: &str) -> Operation {
 /// What a server that crashed in the middle of `kind` leaves in the store: the operation,
 /// recorded and marked running, never finished.
 async fn unfinished(server: &Server, kind: OperationKind, sandbox_id: &str) -> String {
-    let store = &server.core().store;
+    let store = &server.core().store();
     let op = operation(kind, sandbox_id);
     store.insert_operation(&server.tenant_id().await, &op).await.unwrap();
     store
@@ -91,7 +91,7 @@ async fn unfinished(server: &Server, kind: OperationKind, sandbox_id: &str) -> S
 /// A sandbox and its create operation recorded, the operation running, as a crash mid-create
 /// leaves them.
 async fn crashed_create(server: &Server, id: &str) -> String {
-    let store = &server.core().store;
+    let store = &server.core().store();
     let row = sandbox_row(id, &server.tenant_id().await);
     let op = operation(OperationKind::Create, id);
     store.insert_create(&row, &op, None, server.max).await.unwrap();

@@ -218,7 +218,7 @@ async fn metrics_windows_select_from_the_sampled_history() {
     let fresh = server.e2b_sandbox().await;
     let created = server
         .core()
-        .store
+        .store()
         .sandbox_by_id(&fresh.id)
         .await
         .unwrap()

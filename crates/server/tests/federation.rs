@@ -126,7 +126,7 @@ async fn signed_in_requests_verify_every_claim_and_only_they_pick_profiles() {
         ..Config::default()
     };
     let server = Server::start_full(tmp.path(), 20, None, Duration::ZERO, ROOMY, config).await;
-    server.core().store.create_tenant("acme").await.unwrap();
+    server.core().store().create_tenant("acme").await.unwrap();
 
     // Good tokens, both algorithms: signed in as tenant acme.
     for token in [
@@ -139,7 +139,7 @@ async fn signed_in_requests_verify_every_claim_and_only_they_pick_profiles() {
 
     // An issuer speaks only for the tenants it is bound to (`tenants`): a good token naming
     // another tenant, `default` included, is refused and audited.
-    server.core().store.create_tenant("beta").await.unwrap();
+    server.core().store().create_tenant("beta").await.unwrap();
     for other in ["default", "beta"] {
         let token = sign_rsa(&keys.rsa_pem, "rsa-1", &with(claims(), "org", json!(other)));
         let (status, body) = server.v1_as(&token, Method::GET, "/tenant", None).await;
@@ -161,7 +161,7 @@ async fn signed_in_requests_verify_every_claim_and_only_they_pick_profiles() {
             )
             .await;
         assert_eq!(status, 401, "{other} on the E2B door: {body}");
-        let rows = server.core().store.audit(&Default::default(), 1000).await.unwrap();
+        let rows = server.core().store().audit(&Default::default(), 1000).await.unwrap();
         assert!(
             rows.iter().any(|r| r.action == "auth.jwt"
                 && r.result == "unauthorized"
@@ -326,7 +326,7 @@ async fn signed_in_requests_verify_every_claim_and_only_they_pick_profiles() {
     assert!(err["message"].as_str().unwrap().contains("expired"), "{err}");
 
     // The audit log names the signed-in actor and the refused tokens, never a token.
-    let rows = server.core().store.audit(&Default::default(), 1000).await.unwrap();
+    let rows = server.core().store().audit(&Default::default(), 1000).await.unwrap();
     assert!(rows
         .iter()
         .any(|r| r.action == "sandbox.create" && r.actor == "jwt:https://idp.test#alice"));

@@ -241,7 +241,7 @@ async fn missing_and_foreign_sandboxes_answer_alike() {
     let native = server.running_sandbox().await;
     let other_key = server
         .core()
-        .store
+        .store()
         .create_key("other", KeyFormat::Airlock)
         .await
         .unwrap();
@@ -530,7 +530,7 @@ async fn the_store_is_private() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn e2b_control_routes_answer_another_tenants_sandbox_as_missing() {
     let server = Server::start_fresh(Limits::default()).await;
-    let other_key = server.core().store.create_key("other", KeyFormat::E2b).await.unwrap();
+    let other_key = server.core().store().create_key("other", KeyFormat::E2b).await.unwrap();
     let foreign = server.foreign_e2b_sandbox(&other_key).await;
     let missing = "nosuchsandbox0";
     let routes: [(Method, &str, &str); 8] = [

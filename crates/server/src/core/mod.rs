@@ -33,6 +33,10 @@ pub mod tenants;
 pub mod uploads;
 
 pub use crate::error::{Conflict, CoreError, CoreResult, InternalError, Kind, Unreachable};
+/// What a sandbox id looks like and the code interpreter's port, as the node defines them: the
+/// ingress routes by them without knowing the runtime.
+pub use airlock_runtime::sandbox::valid_sandbox_id;
+pub use airlock_runtime::template::CODE_INTERPRETER_PORT;
 pub use principal::{Accept, Credentials, Principal, SandboxTokens, Via, CREDENTIAL_HEADERS};
 
 use crate::engine::Engine;
@@ -163,9 +167,12 @@ impl Config {
 /// The core's handle: cheap to clone, shared by every door.
 #[derive(Clone)]
 pub struct Core {
-    pub store: Arc<dyn Store>,
-    pub nodes: Arc<dyn Nodes>,
-    pub engine: Engine,
+    /// The store, the node seam and the engine are the core's own: the doors reach them only
+    /// through the core's methods (the accessors below are for the server's assembly and
+    /// white-box tests).
+    store: Arc<dyn Store>,
+    nodes: Arc<dyn Nodes>,
+    engine: Engine,
     pub config: Arc<Config>,
     /// Derives sandbox access tokens (see `principal`).
     secret: Arc<[u8]>,
@@ -184,6 +191,21 @@ pub struct Core {
 }
 
 impl Core {
+    /// The store, for the server's assembly and white-box tests.
+    pub fn store(&self) -> &Arc<dyn Store> {
+        &self.store
+    }
+
+    /// The node seam, for the server's assembly and white-box tests.
+    pub fn nodes(&self) -> &Arc<dyn Nodes> {
+        &self.nodes
+    }
+
+    /// The operation engine, for the server's assembly (recovery, the reaper) and white-box tests.
+    pub fn engine(&self) -> &Engine {
+        &self.engine
+    }
+
     pub fn new(store: Arc<dyn Store>, nodes: Arc<dyn Nodes>, config: Config, secret: Vec<u8>) -> Self {
         let engine = Engine::new(store.clone(), nodes.clone()).with_recovery_wait(config.recovery_wait);
         let uploads = Arc::new(uploads::Uploads::new(config.uploads.clone()));
@@ -233,6 +255,27 @@ pub fn load_or_create_secret(data_dir: &Path) -> std::io::Result<Vec<u8>> {
     f.sync_all()?;
     std::fs::rename(&tmp, &path)?;
     Ok(secret)
+}
+
+impl Core {
+    /// What the server tells a caller about itself: version, accelerator, runtimes, egress
+    /// configuration; with `node_wide` (the platform account only) also the node's counts and
+    /// warm pools, every tenant's business together.
+    pub async fn system_info(&self, node_wide: bool) -> crate::model::SystemInfo {
+        let capacity = self.nodes.capacity();
+        crate::model::SystemInfo {
+            version: env!("CARGO_PKG_VERSION").into(),
+            accel: self.nodes.accel().await,
+            runtimes: vec![self.nodes.runtime_name().into()],
+            capacity: node_wide.then_some(crate::model::Capacity {
+                cpus: capacity.cpus,
+                memory_mib: capacity.memory_mib,
+                sandboxes_running: capacity.sandboxes_running,
+            }),
+            egress: self.egress_info(),
+            pools: node_wide.then(|| self.pools()),
+        }
+    }
 }
 
 #[cfg(test)]

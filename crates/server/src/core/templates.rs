@@ -57,13 +57,23 @@ impl Core {
             .unwrap_or_else(|| sandbox.template.clone()))
     }
 
-    pub fn templates(&self) -> Vec<TemplateManifest> {
+    /// The node's built templates as the doors show them.
+    pub fn templates(&self) -> Vec<crate::model::Template> {
+        self.manifests().into_iter().map(Into::into).collect()
+    }
+
+    /// One template by any name `resolve_template` knows, as the doors show it.
+    pub fn template(&self, name: &str) -> CoreResult<crate::model::Template> {
+        Ok(self.resolve_template(name)?.manifest.into())
+    }
+
+    fn manifests(&self) -> Vec<TemplateManifest> {
         self.nodes.templates().list()
     }
 
     /// Template names with their aliases, for error messages.
     pub fn template_names(&self) -> Vec<String> {
-        let mut names: Vec<String> = self.templates().into_iter().map(|m| m.name).collect();
+        let mut names: Vec<String> = self.manifests().into_iter().map(|m| m.name).collect();
         for (alias, t) in ALIASES {
             if names.iter().any(|n| n == t) && !names.iter().any(|n| n == alias) {
                 names.push(format!("{alias} (= {t})"));

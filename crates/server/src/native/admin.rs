@@ -213,7 +213,7 @@ pub async fn audit(
         entries: core
             .audit_log(
                 &admin,
-                &crate::store::AuditFilter {
+                &crate::records::AuditFilter {
                     before_seq: q.before,
                     tenant: q.tenant,
                     action: q.action,
@@ -228,7 +228,7 @@ pub async fn audit(
 #[utoipa::path(get, path = "/v1/admin/system", tag = "admin",
     responses((status = 200, body = SystemInfo), ApiErrors), security(("bearer" = [])))]
 pub async fn system(State(core): State<Core>, Extension(_admin): Extension<Admin>) -> axum::Json<SystemInfo> {
-    axum::Json(super::system_info(&core, true).await)
+    axum::Json(core.system_info(true).await)
 }
 
 /// The warm pools: size, ready and starting VMs, hits and misses (as `/v1/admin/system` shows

@@ -146,21 +146,11 @@ fn accepted(operation: Operation) -> (StatusCode, Json<OperationAccepted>) {
     (StatusCode::ACCEPTED, Json(OperationAccepted { operation, sandbox_id }))
 }
 
-fn template_view(m: airlock_runtime::template::TemplateManifest) -> Template {
-    Template {
-        name: m.name,
-        digest: m.digest,
-        kernel_version: m.kernel_version,
-        size_bytes: m.size_bytes,
-        built_at: m.built_at,
-    }
-}
-
 #[utoipa::path(get, path = "/v1/templates", tag = "templates",
     responses((status = 200, body = TemplateList), ApiErrors), security(("bearer" = [])))]
 pub async fn list_templates(State(core): State<Core>) -> Json<TemplateList> {
     Json(TemplateList {
-        templates: core.templates().into_iter().map(template_view).collect(),
+        templates: core.templates(),
     })
 }
 
@@ -168,7 +158,7 @@ pub async fn list_templates(State(core): State<Core>) -> Json<TemplateList> {
     responses((status = 200, body = Template), ApiErrors),
     security(("bearer" = [])))]
 pub async fn get_template(State(core): State<Core>, Path(name): Path<String>) -> ApiResult<Json<Template>> {
-    Ok(Json(template_view(core.resolve_template(&name)?.manifest)))
+    Ok(Json(core.template(&name)?))
 }
 
 /// What a tenant may know of the server: version, accelerator, runtimes, egress configuration.
@@ -177,24 +167,7 @@ pub async fn get_template(State(core): State<Core>, Path(name): Path<String>) ->
 #[utoipa::path(get, path = "/v1/system", tag = "system",
     responses((status = 200, body = SystemInfo), ApiErrors), security(("bearer" = [])))]
 pub async fn system(State(core): State<Core>) -> Json<SystemInfo> {
-    Json(system_info(&core, false).await)
-}
-
-pub(crate) async fn system_info(core: &Core, node_wide: bool) -> SystemInfo {
-    let nodes = &core.nodes;
-    let capacity = nodes.capacity();
-    SystemInfo {
-        version: env!("CARGO_PKG_VERSION").into(),
-        accel: nodes.accel().await,
-        runtimes: vec![nodes.runtime_name().into()],
-        capacity: node_wide.then_some(Capacity {
-            cpus: capacity.cpus,
-            memory_mib: capacity.memory_mib,
-            sandboxes_running: capacity.sandboxes_running,
-        }),
-        egress: core.egress_info(),
-        pools: node_wide.then(|| core.pools()),
-    }
+    Json(core.system_info(false).await)
 }
 
 pub async fn not_found(uri: axum::http::Uri) -> ApiError {

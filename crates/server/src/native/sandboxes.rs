@@ -67,12 +67,10 @@ pub async fn create_sandbox(
         )
         .await?;
     // The record as it is now: a replayed create may have finished long ago.
-    let operation = core
-        .store
-        .get_operation(&tenant.id, &created.operation.id)
-        .await
-        .map_err(CoreError::from)?
-        .unwrap_or(created.operation);
+    let operation = match core.operation(&tenant, &created.operation.id).await {
+        Err(CoreError::NotFound { .. }) => created.operation,
+        found => found?,
+    };
     Ok(accepted(operation))
 }
 

@@ -16,6 +16,7 @@ pub use sqlite::SqliteStore;
 
 use crate::model::ErrorBody;
 use crate::model::{Operation, OperationState, Quota, SandboxState, TenantUsage};
+pub use crate::records::AuditFilter;
 use crate::records::{AuditRecord, KeyRecord, SandboxRecord, SessionRecord, SnapshotRecord, Tenant};
 use async_trait::async_trait;
 use std::collections::BTreeMap;
@@ -354,14 +355,6 @@ pub trait E2bStore: Send + Sync {
     /// The template name the E2B SDK created the sandbox with, echoed back as its `templateID`.
     async fn set_e2b_alias(&self, sandbox_id: &str, alias: &str) -> Result<(), StoreError>;
     async fn e2b_alias(&self, sandbox_id: &str) -> Result<Option<String>, StoreError>;
-}
-
-/// Which audit rows to read.
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
-pub struct AuditFilter {
-    pub before_seq: Option<i64>,
-    pub tenant: Option<String>,
-    pub action: Option<String>,
 }
 
 /// Tenants as the platform administers them, their keys, the console account, admin sign-ins

@@ -179,11 +179,11 @@ impl Server {
                     SECRET.to_vec(),
                 );
                 if background {
-                    core.engine.start_recovery().await.unwrap();
+                    core.engine().start_recovery().await.unwrap();
                 } else {
-                    core.engine.recover().await.unwrap();
+                    core.engine().recover().await.unwrap();
                 }
-                core.engine.spawn_reaper();
+                core.engine().spawn_reaper();
                 core.spawn_metrics_sampler();
                 let watchers: Arc<Watchers> = Default::default();
                 let app = airlock_server::router(AppState {
@@ -244,7 +244,7 @@ impl Server {
     }
 
     pub async fn tenant_id(&self) -> String {
-        self.core().store.tenant_by_key(&self.key).await.unwrap().unwrap().id
+        self.core().store().tenant_by_key(&self.key).await.unwrap().unwrap().id
     }
 
     pub fn vm_pid(&self, id: &str) -> u32 {

@@ -63,7 +63,7 @@ async fn console_account_and_admin_routes() {
     let (status, body) = resp.json().await;
     assert_eq!((status, body["code"].as_str()), (429, Some("rate_limited")), "{body}");
     assert!(body["message"].as_str().unwrap().contains("failed sign-ins"), "{body}");
-    let rows = core.store.audit(&Default::default(), 100).await.unwrap();
+    let rows = core.store().audit(&Default::default(), 100).await.unwrap();
     assert!(rows.iter().any(|r| r.action == "login" && r.result == "throttled"));
     drop(core);
     // The window lives in memory: a restart forgives it.
@@ -142,7 +142,7 @@ async fn console_account_and_admin_routes() {
     assert_eq!((status, gone["sandboxes_deleting"].as_u64()), (202, Some(1)), "{gone}");
     assert_eq!(server.v1_as(&key, Method::GET, "/tenant", None).await.0, 401);
     let deadline = Instant::now() + Duration::from_secs(30);
-    while core.store.sandbox_by_id(&id).await.unwrap().unwrap().state != SandboxState::Deleted {
+    while core.store().sandbox_by_id(&id).await.unwrap().unwrap().state != SandboxState::Deleted {
         assert!(Instant::now() < deadline, "the tenant's sandbox was not deleted");
         tokio::time::sleep(Duration::from_millis(20)).await;
     }

@@ -575,7 +575,7 @@ async fn missing_sandbox_is_404_on_every_route() {
     let id = server.running_sandbox().await;
     let other = server
         .core()
-        .store
+        .store()
         .create_key("other", KeyFormat::Airlock)
         .await
         .unwrap();

@@ -21,7 +21,7 @@ const PROFILES: &str = r#"{"pypi": {"domains": ["pypi.org", "files.pythonhosted.
 async fn set_tenant_policy(server: &Server, json: &str) {
     let policy = airlock_egress::TenantPolicy::from_json(json).unwrap();
     let tenant = server.tenant_id().await;
-    server.core().store.set_egress_policy(&tenant, &policy).await.unwrap();
+    server.core().store().set_egress_policy(&tenant, &policy).await.unwrap();
 }
 
 /// `POST /v1/sandboxes` with extra headers; the sandbox is running when this returns.
@@ -167,7 +167,7 @@ async fn egress_report_shows_the_effective_policy_and_is_404_for_foreign_sandbox
     // Another tenant's sandbox answers exactly like a missing one.
     let other = server
         .core()
-        .store
+        .store()
         .create_key("other", KeyFormat::Airlock)
         .await
         .unwrap();

@@ -79,7 +79,7 @@ async fn snapshots_count_against_the_disk_quota_and_deleting_frees_it() {
     // Nothing of the refused one is left: no record, no image.
     let (_, list) = server.v1(Method::GET, "/snapshots", None).await;
     assert_eq!(list["snapshots"].as_array().unwrap().len(), 2, "{list}");
-    assert_eq!(server.core().nodes.image_ids().len(), 2);
+    assert_eq!(server.core().nodes().image_ids().len(), 2);
     // A fork's image is a snapshot too: refused alike.
     let (status, fork) = server
         .v1(
@@ -202,7 +202,7 @@ async fn a_new_tenant_of_a_deleted_ones_name_inherits_nothing() {
     };
     let made = core.create_tenant(&admin, "x").await.unwrap();
     assert_eq!(made.name, "x");
-    let old = core.store.tenant_by_name("x").await.unwrap().unwrap();
+    let old = core.store().tenant_by_name("x").await.unwrap().unwrap();
     assert_ne!(old.id, "x", "a new tenant's id is not its name");
     assert!(old.id.starts_with("tn_"), "{}", old.id);
     let key = core.mint_key(&admin, "x", "k", false).await.unwrap().key;
@@ -220,20 +220,20 @@ async fn a_new_tenant_of_a_deleted_ones_name_inherits_nothing() {
     assert!(image_dir.is_dir());
 
     // E2B state of its sandbox (the alias the SDK used).
-    core.store.set_e2b_alias(&id, "base").await.unwrap();
+    core.store().set_e2b_alias(&id, "base").await.unwrap();
 
     core.delete_tenant(&admin, "x").await.unwrap();
     assert!(!image_dir.exists(), "the deleted tenant's image is still on disk");
-    assert_eq!(core.store.e2b_alias(&id).await.unwrap(), None, "its E2B state stays");
-    assert!(core.store.tenant_snapshots(&old.id).await.unwrap().is_empty());
+    assert_eq!(core.store().e2b_alias(&id).await.unwrap(), None, "its E2B state stays");
+    assert!(core.store().tenant_snapshots(&old.id).await.unwrap().is_empty());
     let deadline = Instant::now() + Duration::from_secs(10);
-    while core.store.sandbox_by_id(&id).await.unwrap().unwrap().state != SandboxState::Deleted {
+    while core.store().sandbox_by_id(&id).await.unwrap().unwrap().state != SandboxState::Deleted {
         assert!(Instant::now() < deadline, "the tenant's sandbox was not deleted");
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
 
     core.create_tenant(&admin, "x").await.unwrap();
-    let new = core.store.tenant_by_name("x").await.unwrap().unwrap();
+    let new = core.store().tenant_by_name("x").await.unwrap().unwrap();
     assert_ne!(new.id, old.id);
     let key = core.mint_key(&admin, "x", "k", false).await.unwrap().key;
     let (status, list) = server.v1_as(&key, Method::GET, "/snapshots", None).await;
@@ -317,7 +317,7 @@ async fn a_tenant_gets_half_the_node_by_default() {
     // The other half is there for another tenant.
     let other = server
         .core()
-        .store
+        .store()
         .create_key("other", KeyFormat::Airlock)
         .await
         .unwrap();

@@ -173,7 +173,7 @@ async fn restart_finishes_deletes_and_fails_vms_that_died_meanwhile() {
     let delete_op = unfinished(&server, OperationKind::Delete, &deleting).await;
     server
         .core()
-        .store
+        .store()
         .set_sandbox_state(&deleting, SandboxState::Deleting)
         .await
         .unwrap();
@@ -230,7 +230,7 @@ async fn a_restart_serves_at_once_and_requests_wait_for_their_sandbox() {
     let quick = server.running_sandbox().await;
     let other_key = server
         .core()
-        .store
+        .store()
         .create_key("other", KeyFormat::Airlock)
         .await
         .unwrap();
@@ -255,7 +255,7 @@ async fn a_restart_serves_at_once_and_requests_wait_for_their_sandbox() {
     assert_eq!(server.sandbox_state(&quick).await, "running");
     server.assert_answers(&quick).await;
     assert!(started.elapsed() < Duration::from_secs(3), "a settled sandbox waited");
-    assert!(server.core().engine.recovering(&dead) && server.core().engine.recovering(&alive.id));
+    assert!(server.core().engine().recovering(&dead) && server.core().engine().recovering(&alive.id));
     // Another tenant learns nothing, at once.
     let asked = Instant::now();
     let (status, body) = server
@@ -279,7 +279,7 @@ async fn a_restart_serves_at_once_and_requests_wait_for_their_sandbox() {
     let asked = Instant::now();
     let release = async {
         tokio::time::sleep(Duration::from_millis(500)).await;
-        assert!(server.core().engine.recovering(&dead));
+        assert!(server.core().engine().recovering(&dead));
         hold.release(&dead);
     };
     let path = format!("/sandboxes/{dead}");
