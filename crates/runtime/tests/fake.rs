@@ -6,7 +6,7 @@ use airlock_proto::frame::EventKind;
 use airlock_proto::ProcessSpec;
 use airlock_runtime::fake;
 use airlock_runtime::vmm::pid_alive;
-use airlock_runtime::{AgentClient, CreateSandbox, Resources, Runtime, RuntimeError};
+use airlock_runtime::{AgentClient, CreateVm, Resources, Runtime, RuntimeError};
 use futures_util::StreamExt;
 use std::path::Path;
 use std::time::{Duration, Instant};
@@ -16,8 +16,8 @@ async fn node(dir: &Path) -> Runtime {
     Runtime::open(fake::options(dir)).await.unwrap()
 }
 
-fn seed(id: Option<&str>) -> CreateSandbox {
-    CreateSandbox {
+fn seed(id: Option<&str>) -> CreateVm {
+    CreateVm {
         id: id.map(Into::into),
         template: "seed".into(),
         resources: Resources::default(),
@@ -360,7 +360,7 @@ async fn typed_errors_for_ids() {
     let taken = rt.create(seed(Some("abcdef0123"))).await.err().unwrap();
     assert!(matches!(taken, RuntimeError::SandboxIdTaken(_)), "{taken}");
     let missing = rt
-        .create(CreateSandbox {
+        .create(CreateVm {
             template: "nope".into(),
             ..seed(None)
         })
@@ -370,7 +370,7 @@ async fn typed_errors_for_ids() {
     assert!(matches!(missing, RuntimeError::UnknownTemplate(_)), "{missing}");
     // A saved image that is gone (its snapshot's files removed) is a missing image, not template.
     let vanished = rt
-        .create(CreateSandbox {
+        .create(CreateVm {
             image: Some("0123456789abcdef".into()),
             ..seed(None)
         })

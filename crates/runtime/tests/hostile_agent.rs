@@ -10,7 +10,7 @@
 use airlock_proto::ErrorCode;
 use airlock_runtime::agent::{AgentError, Deadlines, ERROR_BODY_MAX, LIST_MAX, RECORD_MAX, WATCH_LINE_MAX};
 use airlock_runtime::fake::{self, Hostile};
-use airlock_runtime::{AgentClient, CreateSandbox, Resources, Runtime, Sandbox};
+use airlock_runtime::{AgentClient, CreateVm, Resources, Runtime, Vm};
 use futures_util::StreamExt;
 use std::future::Future;
 use std::sync::{Arc, Mutex};
@@ -39,8 +39,8 @@ fn status_kib(field: &str) -> u64 {
 struct Bench {
     _tmp: tempfile::TempDir,
     rt: Runtime,
-    good: Arc<Sandbox>,
-    bad: Arc<Sandbox>,
+    good: Arc<Vm>,
+    bad: Arc<Vm>,
     good_agent: AgentClient,
     /// A session to the bad sandbox opened while its agent still behaved.
     bad_agent: AgentClient,
@@ -50,7 +50,7 @@ async fn bench() -> Bench {
     let tmp = tempfile::tempdir().unwrap();
     fake::install_template(tmp.path(), "seed").unwrap();
     let rt = Runtime::open(fake::options(tmp.path())).await.unwrap();
-    let create = || CreateSandbox {
+    let create = || CreateVm {
         id: None,
         template: "seed".into(),
         resources: Resources::default(),

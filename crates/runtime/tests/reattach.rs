@@ -8,7 +8,7 @@
 mod common;
 
 use airlock_runtime::vmm::pid_alive;
-use airlock_runtime::{CreateSandbox, Runtime, RuntimeOptions};
+use airlock_runtime::{CreateVm, Runtime, RuntimeOptions};
 use common::*;
 
 const CHILD_ENV: &str = "AIRLOCK_REATTACH_CHILD";
@@ -23,7 +23,7 @@ fn child_creates_sandbox_and_exits() {
         let mut opts = RuntimeOptions::new(test_data_dir());
         opts.base_snapshots = false;
         let rt = Runtime::open(opts).await.unwrap();
-        let seed = || CreateSandbox {
+        let seed = || CreateVm {
             id: None,
             template: "seed".into(),
             resources: small(),

@@ -383,9 +383,9 @@ pub trait Vmm: Send + Sync {
     async fn resume(&self, vm: &VmHandle) -> Result<()>;
     /// Whether the guest's vCPUs are frozen.
     async fn is_paused(&self, vm: &VmHandle) -> Result<bool>;
-    /// Free what the driver holds for a VM outside its dir (the jail's cgroups), once its VMM
-    /// process is gone.
-    fn release(&self, _vm_dir: &Path) {}
+    /// Free what the driver holds for VM `id` (the id its [`VmSpec`] was started with) outside
+    /// its dir (the jail's cgroups), once its VMM process is gone.
+    fn release(&self, _id: &str) {}
     /// Free such leftovers of VMs not in `live` (after a crash), at start-up.
     fn sweep(&self, _live: &std::collections::HashSet<String>) {}
     /// The isolation its VMs run in, where the driver jails them.
