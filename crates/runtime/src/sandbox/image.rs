@@ -5,17 +5,19 @@
 //! working after its sandbox, template or base snapshot goes. `image.json` is written last: a dir
 //! without one is a save that did not finish.
 //!
-//! Saving one from a running VM, digesting it, listing and removing them are the runtime's
-//! (`impl Runtime` here); a create from one is the facade's. Uses `saved.rs` for the format.
+//! [`Images`] owns the images dir: saving one from a running VM, digesting, finding, listing
+//! and removing them (a create from one is the facade's). Uses `launch.rs`, `vm.rs` and
+//! `saved.rs` for the format.
 
-use super::launch::Source;
+use super::launch::{Launcher, Source};
 use super::saved::{copy_file, create_state_file, hold, Manifest, SavedMachine, SAVE_LIMIT};
-use super::Runtime;
+use super::vm::Vm;
 use crate::datadir::write_atomic;
 use crate::error::{Result, RuntimeError};
 use crate::vmm::{Accel, Resources, ResumeSpec};
 use serde::{Deserialize, Serialize};
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 use std::time::{Instant, SystemTime};
 
 pub const MANIFEST: &str = "image.json";
@@ -137,17 +139,34 @@ pub fn unfinished(root: &Path) -> Vec<PathBuf> {
         .collect()
 }
 
-impl Runtime {
+/// This node's saved images.
+pub struct Images {
+    launcher: Arc<Launcher>,
+}
+
+impl Images {
+    pub fn new(launcher: Arc<Launcher>) -> Self {
+        Self { launcher }
+    }
+
+    /// Remove the saves an earlier process did not finish.
+    pub fn remove_unfinished(&self) {
+        for dir in unfinished(&self.launcher.data.images()) {
+            tracing::info!("removing an unfinished image {}", dir.display());
+            let _ = std::fs::remove_dir_all(dir);
+        }
+    }
+
     /// The saved image `id`, if it exists and this VMM can load it.
-    pub fn image(&self, id: &str) -> Option<Image> {
-        let image = Image::find(&self.inner.launcher.data.images(), id)?;
-        let vmm = self.inner.launcher.vmm.snapshotting()?.build_id();
+    pub fn find(&self, id: &str) -> Option<Image> {
+        let image = Image::find(&self.launcher.data.images(), id)?;
+        let vmm = self.launcher.vmm.snapshotting()?.build_id();
         (image.manifest.vmm == vmm).then_some(image)
     }
 
     /// Ids of the saved images.
-    pub fn images(&self) -> Vec<String> {
-        std::fs::read_dir(self.inner.launcher.data.images())
+    pub fn ids(&self) -> Vec<String> {
+        std::fs::read_dir(self.launcher.data.images())
             .into_iter()
             .flatten()
             .flatten()
@@ -156,20 +175,20 @@ impl Runtime {
     }
 
     /// Remove image `id` (VMs made from it run on; a missing one is not an error).
-    pub fn delete_image(&self, id: &str) -> Result<()> {
-        remove(&self.inner.launcher.data.images(), id)
+    pub fn remove(&self, id: &str) -> Result<()> {
+        remove(&self.launcher.data.images(), id)
     }
 
-    /// Save VM `id` as image `image_id` while it runs on: it is stopped only while its memory
+    /// Save `sb` as image `image_id` while it runs on: it is stopped only while its memory
     /// is written and its disk copied, then runs again (a paused one stays paused), with its
     /// sessions intact. VMs made from the image ([`super::CreateVm::image`]) start with its
     /// memory, processes and files at that moment.
-    pub async fn save_image(&self, id: &str, image_id: &str) -> Result<Image> {
+    pub async fn save(&self, sb: &Vm, image_id: &str) -> Result<Image> {
         if !valid_image_id(image_id) {
             return Err(RuntimeError::InvalidSandboxId(image_id.into()));
         }
-        let l = &self.inner.launcher;
-        let sb = self.get(id)?;
+        let l = &self.launcher;
+        let id = sb.id();
         if sb.is_paused() {
             return Err(RuntimeError::NotRunning(format!("{id} (paused; resume it first)")));
         }
@@ -238,8 +257,8 @@ impl Runtime {
     /// Compute image `image_id`'s content address ([`Image::content_digest`]) and record it in
     /// its manifest; a digest recorded before is returned as it is. Off the save's path: the VM
     /// it came from runs meanwhile, and forks' images need none.
-    pub async fn digest_image(&self, image_id: &str) -> Result<String> {
-        let root = self.inner.launcher.data.images();
+    pub async fn digest(&self, image_id: &str) -> Result<String> {
+        let root = self.launcher.data.images();
         let image = Image::find(&root, image_id).ok_or_else(|| RuntimeError::UnknownImage(image_id.into()))?;
         if let Some(d) = &image.manifest.digest {
             return Ok(d.clone());

@@ -4,20 +4,24 @@
 //!
 //! - `vm.rs` (a VM and its record), `saved.rs` (the saved-machine shape), `console.rs`
 //!   (console trimming), `launch.rs` (starting one VM), `accel.rs` (the KVM probe);
-//! - `pools.rs` (warm pools) and `base_snapshot.rs` (base snapshots and their builds);
-//! - this file (the VMs in use, their exits);
-//! - `reconcile.rs` (after a restart), `suspend.rs` (pause, suspend, resume), `image.rs`
-//!   (saved images).
+//! - `registry.rs` (the VMs in use, suspended, unsettled; exits), `pools.rs` (warm pools),
+//!   `base_snapshot.rs` (base snapshots and their builds), `image.rs` (saved images);
+//! - this file, the facade;
+//! - `reconcile.rs` (after a restart), `suspend.rs` (pause, suspend, resume), `disk.rs` (the
+//!   node's disk space), each an `impl Runtime` over the parts below.
 //!
-//! One process per data dir; in the many-hosts layout this is the node daemon's core.
+//! A file uses only those above it in this list (`open` starts the reconcile). One runtime per
+//! data dir; in the many-hosts layout it is the node daemon's core.
 
 pub mod accel;
 pub mod base_snapshot;
 mod console;
+mod disk;
 pub mod image;
 pub mod launch;
 pub mod pools;
 pub mod reconcile;
+pub mod registry;
 pub mod saved;
 pub mod suspend;
 pub mod vm;
@@ -30,16 +34,17 @@ use crate::vmm::qemu::QemuVmm;
 use crate::vmm::{wait_exit, Accel, VmHandle, Vmm};
 use accel::AccelProbe;
 use base_snapshot::{BaseSnapshot, BaseSnapshots};
+use image::{Image, Images};
 use launch::{shape, Launcher, Purpose};
 use pools::{PoolKey, PoolStarter, PoolStatus, Pools};
-use reconcile::Settling;
-use std::collections::{BTreeMap, HashMap};
-use std::path::{Path, PathBuf};
-use std::sync::{Arc, Mutex, Weak};
+use registry::Registry;
+use std::collections::BTreeMap;
+use std::path::PathBuf;
+use std::sync::{Arc, Weak};
 use std::time::Duration;
-use suspend::Suspended;
 
 pub use crate::vmm::{Resources, MAX_DISK_MIB, MIN_MEMORY_MIB};
+pub use disk::DiskSpace;
 pub use reconcile::RECONCILE_AT_ONCE;
 pub use suspend::{SuspendRecord, SUSPEND_MARKER, SUSPEND_STATE};
 pub use vm::{valid_sandbox_id, Output, StartKind, Timing, Vm, VmRecord};
@@ -102,13 +107,9 @@ struct Inner {
     _lock: FileLock,
     launcher: Arc<Launcher>,
     accel: AccelProbe,
-    /// The VMs in use (running or paused), by id.
-    vms: Mutex<HashMap<String, Arc<Vm>>>,
-    /// Ids of VMs whose VMM exited on its own (not through `delete`), after their cleanup.
-    exits: tokio::sync::broadcast::Sender<String>,
-    settling: Settling,
+    registry: Registry,
     base_snapshots: Arc<BaseSnapshots>,
-    suspended: Suspended,
+    images: Images,
     pools: Arc<Pools>,
 }
 
@@ -152,21 +153,16 @@ impl Runtime {
             inner: Arc::new(Inner {
                 _lock: lock,
                 accel: AccelProbe::new(opts.accel),
-                vms: Mutex::default(),
-                exits: tokio::sync::broadcast::channel(256).0,
-                settling: Settling::default(),
+                registry: Registry::default(),
                 base_snapshots: Arc::new(BaseSnapshots::new(launcher.clone(), opts.base_snapshots)),
-                suspended: Suspended::default(),
+                images: Images::new(launcher.clone()),
                 pools: Arc::new(Pools::new(launcher.clone())),
                 launcher,
             }),
         };
         rt.inner.base_snapshots.remove_interrupted().await;
         rt.inner.base_snapshots.prune();
-        for dir in image::unfinished(&rt.inner.launcher.data.images()) {
-            tracing::info!("removing an unfinished image {}", dir.display());
-            let _ = std::fs::remove_dir_all(dir);
-        }
+        rt.inner.images.remove_unfinished();
         rt.prune_blobs();
         console::spawn_trimmer(Arc::downgrade(&rt.inner), rt.inner.launcher.data.sandboxes());
         let entries = rt.unsettled_entries();
@@ -205,7 +201,23 @@ impl Runtime {
     /// once the VM is gone from this runtime and its dir is removed. Deletes are not reported.
     /// Only exits after this call are seen.
     pub fn exits(&self) -> tokio::sync::broadcast::Receiver<String> {
-        self.inner.exits.subscribe()
+        self.inner.registry.exits()
+    }
+
+    /// Whether this runtime knows what became of VM `id` after a restart (re-attached or
+    /// removed); always true for VMs it created itself.
+    pub fn is_settled(&self, id: &str) -> bool {
+        self.inner.registry.is_settled(id)
+    }
+
+    /// Wait until VM `id` is settled (see [`RuntimeOptions::reconcile_in_background`]).
+    pub async fn settled(&self, id: &str) {
+        self.inner.registry.settled(id).await
+    }
+
+    /// Wait until every VM of the earlier process is settled.
+    pub async fn settled_all(&self) {
+        self.inner.registry.settled_all().await
     }
 
     /// The accelerator VMs use: forced, cached, or found by booting a KVM probe guest once.
@@ -226,7 +238,7 @@ impl Runtime {
     }
 
     fn adopt_vm(&self, vm: Arc<Vm>) -> Arc<Vm> {
-        self.inner.vms.lock().unwrap().insert(vm.id().to_string(), vm.clone());
+        self.inner.registry.insert(vm.clone());
         self.watch_vmm(vm.clone());
         vm
     }
@@ -246,17 +258,10 @@ impl Runtime {
                 return;
             }
             tracing::warn!(id = %vm.id(), pid, "VMM exited on its own; cleaning up the sandbox");
-            let removed = {
-                let mut map = inner.vms.lock().unwrap();
-                match map.get(vm.id()) {
-                    Some(cur) if Arc::ptr_eq(cur, &vm) => map.remove(vm.id()),
-                    _ => None,
-                }
-            };
-            if removed.is_some() {
+            if inner.registry.remove_if_current(&vm) {
                 inner.launcher.remove_network(vm.net.as_ref()).await;
                 let _ = inner.launcher.discard(vm.id(), &dir);
-                let _ = inner.exits.send(vm.id().to_string());
+                inner.registry.exited(vm.id());
             }
         });
     }
@@ -285,7 +290,9 @@ impl Runtime {
         let l = &self.inner.launcher;
         if let Some(image) = &req.image {
             let image = self
-                .image(image)
+                .inner
+                .images
+                .find(image)
                 .ok_or_else(|| RuntimeError::UnknownImage(image.clone()))?;
             let accel = image.manifest.accel;
             return l
@@ -386,84 +393,58 @@ impl Runtime {
         self.inner.launcher.templates.prune_blobs(&in_use);
     }
 
-    /// A VM of the earlier process is found only once settled (it is put in the map before it
-    /// is marked settled): whoever finds it may rely on it being decided.
+    /// VM `id` in use. One of the earlier process is found only once settled: whoever finds it
+    /// may rely on it being decided.
     pub fn get(&self, id: &str) -> Result<Arc<Vm>> {
-        if !self.is_settled(id) {
-            return Err(RuntimeError::UnknownSandbox(id.into()));
-        }
-        self.inner
-            .vms
-            .lock()
-            .unwrap()
-            .get(id)
-            .cloned()
-            .ok_or_else(|| RuntimeError::UnknownSandbox(id.into()))
+        self.inner.registry.get(id)
     }
 
     /// The VMs in use, oldest first (those of the earlier process once settled).
     pub fn list(&self) -> Vec<Arc<Vm>> {
-        let unsettled = self.inner.settling.unsettled();
-        let mut v: Vec<_> = (self.inner.vms.lock().unwrap().values())
-            .filter(|vm| !unsettled.contains(vm.id()))
-            .cloned()
-            .collect();
-        v.sort_by(|a, b| a.record.created_at.cmp(&b.record.created_at));
-        v
+        self.inner.registry.list()
     }
 
     /// Stop the VM and remove its dir (overlay, sockets, logs). Unknown ids are an error.
     pub async fn delete(&self, id: &str) -> Result<()> {
         let l = &self.inner.launcher;
-        if self.inner.suspended.remove(id).is_some() {
+        if self.inner.registry.unsuspend(id).is_some() {
             let dir = l.data.sandboxes().join(id);
             return l.discard(id, &dir).map_err(|e| RuntimeError::io(&dir, e));
         }
         let vm = self.get(id)?;
         vm.set_deleting(true);
         let stopped = l.vmm.stop(&vm.vm, Duration::from_secs(5)).await;
-        self.inner.vms.lock().unwrap().remove(id);
+        self.inner.registry.remove(id);
         l.remove_network(vm.net.as_ref()).await;
         l.discard(id, &vm.vm.dir).map_err(|e| RuntimeError::io(&vm.vm.dir, e))?;
         stopped
     }
 
-    /// The data dir filesystem's space: what is free (for an unprivileged writer, as statvfs
-    /// reports it), what this runtime's VMs already hold in it (allocated blocks of their dirs:
-    /// overlays, console logs, a suspended one's saved memory) and what saved images hold, and
-    /// what warm pool VMs may still write. A node's disk budget is the sum of the first three
-    /// less the last, since the VMs' and images' own growth comes out of what they hold plus
-    /// what is free, and a pool VM's disk grows to its full size before any record counts it.
-    pub fn disk_space(&self) -> DiskSpace {
-        let data = &self.inner.launcher.data;
-        let free_bytes = nix::sys::statvfs::statvfs(data.root())
-            .map(|s| s.blocks_available() * s.fragment_size())
-            .unwrap_or(0);
-        let root = data.sandboxes();
-        let held_bytes = self
-            .list()
-            .iter()
-            .map(|vm| vm.id().to_string())
-            .chain(self.suspended())
-            .map(|id| allocated_bytes(&root.join(id), false))
-            .sum::<u64>();
-        // An image's links to its template's files (and a VM's links to the image) are counted
-        // by no one: only files no other name holds are the image's own.
-        let images = data.images();
-        let image_bytes = self
-            .images()
-            .iter()
-            .map(|id| allocated_bytes(&images.join(id), true))
-            .sum::<u64>();
-        let pool_mib = self.inner.pools.unheld_disk_mib(|vm| {
-            (vm.record.resources.disk_mib as u64).saturating_sub(allocated_bytes(&vm.vm.dir, false) >> 20)
-        });
-        DiskSpace {
-            free_mib: free_bytes >> 20,
-            held_by_sandboxes_mib: held_bytes >> 20,
-            held_by_images_mib: image_bytes >> 20,
-            pool_unheld_mib: pool_mib,
-        }
+    /// The saved image `id`, if it exists and this VMM can load it.
+    pub fn image(&self, id: &str) -> Option<Image> {
+        self.inner.images.find(id)
+    }
+
+    /// Ids of the saved images.
+    pub fn images(&self) -> Vec<String> {
+        self.inner.images.ids()
+    }
+
+    /// Remove image `id` (VMs made from it run on; a missing one is not an error).
+    pub fn delete_image(&self, id: &str) -> Result<()> {
+        self.inner.images.remove(id)
+    }
+
+    /// Save VM `id` as image `image_id` while it runs on (see [`Images::save`]). VMs made from
+    /// the image ([`CreateVm::image`]) start with its memory, processes and files at that moment.
+    pub async fn save_image(&self, id: &str, image_id: &str) -> Result<Image> {
+        let vm = self.get(id)?;
+        self.inner.images.save(&vm, image_id).await
+    }
+
+    /// Compute image `image_id`'s content address and record it (see [`Images::digest`]).
+    pub async fn digest_image(&self, image_id: &str) -> Result<String> {
+        self.inner.images.digest(image_id).await
     }
 
     /// Keep `size` VMs of `template` with `resources` ready for creates to claim (0 empties the
@@ -525,31 +506,4 @@ impl PoolStarter for Starter {
         };
         Runtime { inner }.start_new(random_hex(10), &req, Purpose::Pool).await
     }
-}
-
-/// See [`Runtime::disk_space`].
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub struct DiskSpace {
-    pub free_mib: u64,
-    pub held_by_sandboxes_mib: u64,
-    /// Saved images' own files (their memory and disk), not their links to templates' files.
-    pub held_by_images_mib: u64,
-    /// What warm pool VMs (ready, starting or claimed) may still write: each one's full disk
-    /// less what its dir holds.
-    pub pool_unheld_mib: u64,
-}
-
-/// Blocks allocated to the files directly in `dir` (a VM or image dir is flat), in bytes; with
-/// `own_only`, only files no other link holds.
-fn allocated_bytes(dir: &Path, own_only: bool) -> u64 {
-    use std::os::unix::fs::MetadataExt;
-    let Ok(entries) = std::fs::read_dir(dir) else {
-        return 0;
-    };
-    entries
-        .flatten()
-        .filter_map(|e| e.metadata().ok())
-        .filter(|m| m.is_file() && (!own_only || m.nlink() == 1))
-        .map(|m| m.blocks() * 512)
-        .sum()
 }

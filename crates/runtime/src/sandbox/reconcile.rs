@@ -1,7 +1,8 @@
 //! After a restart: the VM dirs an earlier process left, each re-attached (a live VM, its
 //! network served again), kept as suspended, or removed; then the networks and jails a crash
-//! left without a VM. [`Settling`] owns which dirs are not yet decided (a VM of the earlier
-//! process is hidden from `get`/`list` until it is). Uses the facade's maps and `launch.rs`.
+//! left without a VM. Each dir is recorded unsettled in the registry until it is decided (a VM
+//! of the earlier process is hidden from `get`/`list` until then). Uses the facade, its
+//! registry and `launch.rs`.
 
 use super::suspend::SuspendRecord;
 use super::vm::VmRecord;
@@ -14,43 +15,11 @@ use crate::vmm::VmHandle;
 use futures_util::StreamExt;
 use std::collections::HashSet;
 use std::path::Path;
-use std::sync::{Mutex, Weak};
+use std::sync::Weak;
 use std::time::Duration;
 
 /// VMs of an earlier process reconciled at once after a restart.
 pub const RECONCILE_AT_ONCE: usize = 8;
-
-/// The VM dirs of an earlier process not yet reconciled (re-attached or removed).
-pub struct Settling {
-    unsettled: Mutex<HashSet<String>>,
-    /// Bumped whenever one of them is settled.
-    settled: tokio::sync::watch::Sender<u64>,
-}
-
-impl Default for Settling {
-    fn default() -> Self {
-        Self {
-            unsettled: Mutex::default(),
-            settled: tokio::sync::watch::channel(0).0,
-        }
-    }
-}
-
-impl Settling {
-    pub fn is_settled(&self, id: &str) -> bool {
-        !self.unsettled.lock().unwrap().contains(id)
-    }
-
-    /// The unsettled ids now.
-    pub fn unsettled(&self) -> HashSet<String> {
-        self.unsettled.lock().unwrap().clone()
-    }
-
-    fn settle(&self, id: &str) {
-        self.unsettled.lock().unwrap().remove(id);
-        self.settled.send_modify(|n| *n += 1);
-    }
-}
 
 impl Runtime {
     /// The VM dirs an earlier process left, each recorded as not yet settled.
@@ -61,38 +30,9 @@ impl Runtime {
             .flatten()
             .collect();
         self.inner
-            .settling
-            .unsettled
-            .lock()
-            .unwrap()
-            .extend(entries.iter().map(|e| e.file_name().to_string_lossy().into_owned()));
+            .registry
+            .unsettle(entries.iter().map(|e| e.file_name().to_string_lossy().into_owned()));
         entries
-    }
-
-    /// Whether this runtime knows what became of VM `id` after a restart (re-attached or
-    /// removed); always true for VMs it created itself.
-    pub fn is_settled(&self, id: &str) -> bool {
-        self.inner.settling.is_settled(id)
-    }
-
-    /// Wait until VM `id` is settled (see [`super::RuntimeOptions::reconcile_in_background`]).
-    pub async fn settled(&self, id: &str) {
-        let mut news = self.inner.settling.settled.subscribe();
-        while !self.is_settled(id) {
-            if news.changed().await.is_err() {
-                return;
-            }
-        }
-    }
-
-    /// Wait until every VM of the earlier process is settled.
-    pub async fn settled_all(&self) {
-        let mut news = self.inner.settling.settled.subscribe();
-        while !self.inner.settling.unsettled.lock().unwrap().is_empty() {
-            if news.changed().await.is_err() {
-                return;
-            }
-        }
     }
 
     /// VM dirs left from an earlier process: re-attach live VMs, remove the rest, up to
@@ -106,7 +46,7 @@ impl Runtime {
                     let Some(inner) = inner.upgrade() else { return };
                     let rt = Runtime { inner };
                     rt.reconcile_dir(&entry).await;
-                    rt.inner.settling.settle(&entry.file_name().to_string_lossy());
+                    rt.inner.registry.settle(&entry.file_name().to_string_lossy());
                 }
             })
             .await;
@@ -114,7 +54,7 @@ impl Runtime {
         // is settled. A VM dir still there is live or booting (a create may already run): its
         // network and jail stay.
         let Some(inner) = inner.upgrade() else { return };
-        let mut live: HashSet<String> = inner.vms.lock().unwrap().keys().cloned().collect();
+        let mut live: HashSet<String> = inner.registry.ids().into_iter().collect();
         live.extend(inner.base_snapshots.builder_ids());
         live.extend(
             std::fs::read_dir(inner.launcher.data.sandboxes())
@@ -151,7 +91,7 @@ impl Runtime {
             l.remove_network(link.as_ref()).await;
             l.vmm.release(&id);
             tracing::info!(id = %record.id, "found suspended");
-            self.inner.suspended.insert(record.clone());
+            self.inner.registry.suspend(record.clone());
             return;
         }
         match (record, vm) {

@@ -1,18 +1,17 @@
 //! Pause (vCPUs frozen in memory), resume, and suspend (the VM's whole state saved into its
 //! dir, its VMM ended, its memory and network freed) until a resume starts it again from there,
-//! also after a restart. [`Suspended`] owns the suspended VMs' records. Uses the facade's maps,
-//! `launch.rs` and `saved.rs` (a suspended VM is a [`SavedMachine`] in its own dir).
+//! also after a restart (the registry keeps the suspended VMs' records). Uses the facade, its
+//! registry, `launch.rs` and `saved.rs` (a suspended VM is a [`SavedMachine`] in its own dir).
 
 use super::launch::ready_or_died;
 use super::saved::{create_state_file, Manifest, SavedMachine, SAVE_LIMIT};
-use super::vm::{identity, Timing, Vm, VmRecord};
+use super::vm::{identity, Timing, Vm};
 use super::Runtime;
 use crate::agent::AgentClient;
 use crate::error::{Result, RuntimeError};
 use crate::vmm::{SnapshotRole, VmHandle, VmSpec};
 use serde::{Deserialize, Serialize};
-use std::collections::HashMap;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime};
 
 /// A suspended VM's marker in its dir ([`SuspendRecord`]); its state is [`SUSPEND_STATE`].
@@ -32,34 +31,6 @@ pub struct SuspendRecord {
 impl Manifest for SuspendRecord {
     const FILE: &'static str = SUSPEND_MARKER;
     const STATE: &'static str = SUSPEND_STATE;
-}
-
-/// The suspended VMs: no VMM, no network; their dir holds the saved state.
-#[derive(Default)]
-pub struct Suspended {
-    records: Mutex<HashMap<String, VmRecord>>,
-}
-
-impl Suspended {
-    pub fn insert(&self, record: VmRecord) {
-        self.records.lock().unwrap().insert(record.id.clone(), record);
-    }
-
-    pub fn contains(&self, id: &str) -> bool {
-        self.records.lock().unwrap().contains_key(id)
-    }
-
-    pub fn get(&self, id: &str) -> Option<VmRecord> {
-        self.records.lock().unwrap().get(id).cloned()
-    }
-
-    pub fn remove(&self, id: &str) -> Option<VmRecord> {
-        self.records.lock().unwrap().remove(id)
-    }
-
-    pub fn ids(&self) -> Vec<String> {
-        self.records.lock().unwrap().keys().cloned().collect()
-    }
 }
 
 impl Runtime {
@@ -87,12 +58,12 @@ impl Runtime {
     }
 
     pub fn is_suspended(&self, id: &str) -> bool {
-        self.inner.suspended.contains(id)
+        self.inner.registry.is_suspended(id)
     }
 
     /// Ids of the suspended VMs.
     pub fn suspended(&self) -> Vec<String> {
-        self.inner.suspended.ids()
+        self.inner.registry.suspended_ids()
     }
 
     /// Save a running (or paused) VM's whole state (RAM, devices) into its dir and end its
@@ -148,8 +119,8 @@ impl Runtime {
         )?
         .manifest;
         // Suspended before it leaves the running ones: it is never seen as gone.
-        self.inner.suspended.insert(vm.record.clone());
-        self.inner.vms.lock().unwrap().remove(id);
+        self.inner.registry.suspend(vm.record.clone());
+        self.inner.registry.remove(id);
         l.remove_network(vm.net.as_ref()).await;
         l.vmm.release(id);
         tracing::info!(%id, bytes = marker.state_bytes, ms = marker.save_ms, "suspended");
@@ -159,10 +130,10 @@ impl Runtime {
     /// A VM whose VMM is gone while it was meant to keep running: removed, as after a crash.
     async fn forget_gone(&self, vm: &Arc<Vm>) {
         let l = &self.inner.launcher;
-        self.inner.vms.lock().unwrap().remove(vm.id());
+        self.inner.registry.remove(vm.id());
         l.remove_network(vm.net.as_ref()).await;
         let _ = l.discard(vm.id(), &vm.vm.dir);
-        let _ = self.inner.exits.send(vm.id().to_string());
+        self.inner.registry.exited(vm.id());
     }
 
     /// Start a suspended VM again from its saved state, with a new network, and give it its
@@ -171,8 +142,8 @@ impl Runtime {
         let l = &self.inner.launcher;
         let mut record = self
             .inner
-            .suspended
-            .get(id)
+            .registry
+            .suspended(id)
             .ok_or_else(|| RuntimeError::UnknownSandbox(id.into()))?;
         let machine = record
             .machine
@@ -209,7 +180,7 @@ impl Runtime {
                 record.start_ms = started.elapsed().as_millis() as u64;
                 tracing::info!(%id, ms = record.start_ms, "resumed");
                 let vm = self.adopt(record, vm, link, Some(client), false);
-                self.inner.suspended.remove(id);
+                self.inner.registry.unsuspend(id);
                 Ok(vm)
             }
             Err(e) => {
