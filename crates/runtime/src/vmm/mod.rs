@@ -121,7 +121,7 @@ pub struct VmSpec {
     pub accel: Accel,
     /// The VM's NIC, if it has one.
     pub network: Option<NetAttach>,
-    /// Base snapshots (see `snapshot.rs`): what makes this VM a snapshot's builder or clone.
+    /// Base snapshots (see `sandbox/base_snapshot.rs`): what makes this VM a snapshot's builder or clone.
     pub snapshot: Option<SnapshotRole>,
 }
 
