@@ -402,6 +402,56 @@ impl BaseSnapshots {
 mod tests {
     use super::*;
 
+    /// A VMM that runs nothing and records what it is asked to release.
+    #[derive(Default)]
+    struct Releases(Mutex<Vec<String>>);
+
+    #[async_trait::async_trait]
+    impl crate::vmm::Vmm for Releases {
+        fn name(&self) -> &'static str {
+            "none"
+        }
+        async fn start(&self, _: &VmSpec) -> Result<VmHandle> {
+            unreachable!("nothing starts")
+        }
+        async fn stop(&self, _: &VmHandle, _: Duration) -> Result<()> {
+            Ok(())
+        }
+        fn is_running(&self, _: &VmHandle) -> bool {
+            false
+        }
+        async fn pause(&self, _: &VmHandle) -> Result<()> {
+            Ok(())
+        }
+        async fn resume(&self, _: &VmHandle) -> Result<()> {
+            Ok(())
+        }
+        async fn is_paused(&self, _: &VmHandle) -> Result<bool> {
+            Ok(false)
+        }
+        fn release(&self, id: &str) {
+            self.0.lock().unwrap().push(id.to_string());
+        }
+    }
+
+    #[tokio::test]
+    async fn an_interrupted_build_releases_the_jail_it_took_not_its_dir_name() {
+        let tmp = tempfile::tempdir().unwrap();
+        let data = crate::datadir::DataDir::open(tmp.path()).unwrap();
+        let vmm = Arc::new(Releases::default());
+        let launcher = Arc::new(Launcher {
+            templates: crate::template::TemplateStore::new(data.clone()),
+            data,
+            vmm: vmm.clone(),
+            net: None,
+            boot_timeout: Duration::from_secs(1),
+        });
+        let (id, dir) = new_build_dir(&launcher.data.snapshots()).unwrap();
+        BaseSnapshots::new(launcher, true).remove_interrupted().await;
+        assert_eq!(*vmm.0.lock().unwrap(), [id]);
+        assert!(!dir.exists());
+    }
+
     fn snapshot(root: &Path, key: &str, digest: &str, vmm: &str) {
         let dir = root.join(key);
         std::fs::create_dir_all(&dir).unwrap();
