@@ -440,6 +440,9 @@ mod tests {
         let data = crate::datadir::DataDir::open(tmp.path()).unwrap();
         let vmm = Arc::new(Releases::default());
         let launcher = Arc::new(Launcher {
+            lock: crate::datadir::FileLock::try_acquire(&tmp.path().join("runtime.lock"))
+                .unwrap()
+                .unwrap(),
             templates: crate::template::TemplateStore::new(data.clone()),
             data,
             vmm: vmm.clone(),

@@ -7,7 +7,7 @@
 use super::saved::{hold, SAVE_LIMIT};
 use super::vm::{identity, StartKind, Vm, VmRecord};
 use crate::agent::AgentClient;
-use crate::datadir::{random_hex, write_atomic, DataDir};
+use crate::datadir::{random_hex, write_atomic, DataDir, FileLock};
 use crate::error::{Result, RuntimeError};
 use crate::net::{Network, SandboxLink};
 use crate::template::{StartSpec, Template, TemplateStore};
@@ -74,8 +74,11 @@ impl Source<'_> {
     }
 }
 
-/// What every launch needs. Shared (an `Arc`) by the layers above.
+/// What every launch needs. Shared (an `Arc`) by the layers above: whatever still runs in the
+/// background (a base-snapshot build, a pool's refill) holds the data dir's lock through it.
 pub struct Launcher {
+    /// One runtime per data dir: a second one would adopt (and fight over) the same VMs.
+    pub lock: FileLock,
     pub data: DataDir,
     pub templates: TemplateStore,
     pub vmm: Arc<dyn Vmm>,

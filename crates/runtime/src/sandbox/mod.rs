@@ -104,7 +104,6 @@ pub struct CreateVm {
 }
 
 struct Inner {
-    _lock: FileLock,
     launcher: Arc<Launcher>,
     accel: AccelProbe,
     registry: Registry,
@@ -143,6 +142,7 @@ impl Runtime {
             None => None,
         };
         let launcher = Arc::new(Launcher {
+            lock,
             templates: TemplateStore::new(data.clone()),
             data,
             vmm,
@@ -151,7 +151,6 @@ impl Runtime {
         });
         let rt = Self {
             inner: Arc::new(Inner {
-                _lock: lock,
                 accel: AccelProbe::new(opts.accel),
                 registry: Registry::default(),
                 base_snapshots: Arc::new(BaseSnapshots::new(launcher.clone(), opts.base_snapshots)),
