@@ -147,7 +147,7 @@ async fn main() {
         let t = Instant::now();
         let sb = rt.create(seed(resources)).await.unwrap();
         airlock.push(ms(t.elapsed()));
-        let pid = sb.vm.pid;
+        let pid = sb.handle.pid;
         rt.delete(sb.id()).await.unwrap();
         wait_exit(pid, Duration::from_secs(5)).await;
         eprintln!(

@@ -263,7 +263,7 @@ print(addr, mask, mac, ','.join(gw), open('/etc/resolv.conf').read().strip())
     // Every sandbox's host side is its own, recorded with it.
     let link = sb.net.as_ref().unwrap();
     assert!(exists_netns(&link.netns) && exists_link(&link.host_if));
-    assert_eq!(SandboxLink::load(&sb.vm.dir).as_ref(), Some(link));
+    assert_eq!(SandboxLink::load(&sb.handle.dir).as_ref(), Some(link));
     assert_eq!(link.ports, EgressPorts::default());
 }
 
@@ -542,7 +542,7 @@ print(d.recv(100).decode())
 /// A VMM that dies on its own (kill -9) takes its sandbox's network with it.
 fn a_vmm_that_dies_takes_its_network_with_it() {
     let sb = create(&id("killed"), Plan::Wired).expect("sandbox boots");
-    let (pid, link, dir) = (sb.vm.pid, sb.net.clone().unwrap(), sb.vm.dir.clone());
+    let (pid, link, dir) = (sb.handle.pid, sb.net.clone().unwrap(), sb.handle.dir.clone());
     drop(sb);
     assert!(exists_netns(&link.netns) && exists_link(&link.host_if) && exists_host_table(&link.netns));
     nix::sys::signal::kill(

@@ -423,7 +423,7 @@ fn airlock_cgroups(pid: u32) -> Vec<std::path::PathBuf> {
 /// read-only, only the fds it was handed, and cgroups holding the VM's limits.
 fn qemu_runs_jailed() {
     let sb = shared();
-    let pid = sb.vm.pid;
+    let pid = sb.handle.pid;
     let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
     let field = |name: &str| {
         status
@@ -482,7 +482,7 @@ fn qemu_runs_jailed() {
             );
             continue;
         }
-        let ok = target.starts_with(&sb.vm.dir)
+        let ok = target.starts_with(&sb.handle.dir)
             || target.starts_with(data.join("blobs"))
             || t == "/dev/null"
             || t == "/dev/net/tun"
@@ -528,7 +528,7 @@ fn qemu_runs_jailed() {
 fn qemu_has_an_empty_network_namespace_of_its_own() {
     use std::os::unix::fs::MetadataExt;
     let sb = shared();
-    let pid = sb.vm.pid;
+    let pid = sb.handle.pid;
     let ns = |p: &str| std::fs::read_link(p).unwrap().display().to_string();
     let qemu_net = ns(&format!("/proc/{pid}/ns/net"));
     assert_ne!(
@@ -845,8 +845,8 @@ fn sandboxes_from_a_saved_image_have_its_processes_and_files_and_lives_of_their_
 fn delete_leaves_nothing_behind() {
     let rt = runtime();
     let sb = create();
-    let (pid, dir) = (sb.vm.pid, sb.vm.dir.clone());
-    assert!(pid_alive(pid) && dir.join("disk.qcow2").exists() && sb.vm.agent_socket.exists());
+    let (pid, dir) = (sb.handle.pid, sb.handle.dir.clone());
+    assert!(pid_alive(pid) && dir.join("disk.qcow2").exists() && sb.handle.agent_socket.exists());
     let cgroups = airlock_cgroups(pid);
     assert!(!cgroups.is_empty());
     block_on(rt.delete(sb.id())).unwrap();
@@ -865,7 +865,7 @@ fn delete_leaves_nothing_behind() {
 fn killed_vmm_is_cleaned_up() {
     let rt = runtime();
     let sb = create();
-    let (pid, dir, id) = (sb.vm.pid, sb.vm.dir.clone(), sb.id().to_string());
+    let (pid, dir, id) = (sb.handle.pid, sb.handle.dir.clone(), sb.id().to_string());
     let cgroups = airlock_cgroups(pid);
     drop(sb);
     nix::sys::signal::kill(

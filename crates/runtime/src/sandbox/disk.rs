@@ -33,7 +33,7 @@ impl Runtime {
             .map(|id| allocated_bytes(&images.join(id), true))
             .sum::<u64>();
         let pool_mib = self.inner.pools.unheld_disk_mib(|vm| {
-            (vm.record.resources.disk_mib as u64).saturating_sub(allocated_bytes(&vm.vm.dir, false) >> 20)
+            (vm.record.resources.disk_mib as u64).saturating_sub(allocated_bytes(&vm.handle.dir, false) >> 20)
         });
         DiskSpace {
             free_mib: free_bytes >> 20,

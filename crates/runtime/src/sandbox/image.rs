@@ -220,11 +220,11 @@ impl Images {
             let started = Instant::now();
             let state = dir.join(<ImageManifest as Manifest>::STATE);
             let to = create_state_file(&state)?;
-            let was_running = snapshotting.save_state(&sb.vm, to, SAVE_LIMIT).await?;
+            let was_running = snapshotting.save_state(&sb.handle, to, SAVE_LIMIT).await?;
             // Stopped, its images flushed: the overlay as it is now is the image's disk.
-            let copied = copy_file(&sb.vm.dir.join("disk.qcow2"), &disk).await;
+            let copied = copy_file(&sb.handle.dir.join("disk.qcow2"), &disk).await;
             if was_running {
-                l.vmm.resume(&sb.vm).await?;
+                l.vmm.resume(&sb.handle).await?;
             }
             copied?;
             let size = |p: &Path| std::fs::metadata(p).map(|m| m.len()).unwrap_or(0);

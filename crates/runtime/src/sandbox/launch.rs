@@ -252,9 +252,9 @@ impl Launcher {
 
     /// Stop a VM that never became a sandbox (a pool VM, a probe) and remove all it had.
     pub async fn discard_unadopted(&self, vm: &Vm) {
-        let _ = self.vmm.stop(&vm.vm, Duration::from_secs(2)).await;
+        let _ = self.vmm.stop(&vm.handle, Duration::from_secs(2)).await;
         self.remove_network(vm.net.as_ref()).await;
-        let _ = self.discard(vm.id(), &vm.vm.dir);
+        let _ = self.discard(vm.id(), &vm.handle.dir);
     }
 }
 

@@ -247,7 +247,7 @@ impl Runtime {
     /// (a server restart), its VMs are left for the next one to re-attach.
     fn watch_vmm(&self, vm: Arc<Vm>) {
         let rt = Arc::downgrade(&self.inner);
-        let (pid, dir) = (vm.vm.pid, vm.vm.dir.clone());
+        let (pid, dir) = (vm.handle.pid, vm.handle.dir.clone());
         let vm = Arc::downgrade(&vm);
         tokio::spawn(async move {
             while !wait_exit(pid, Duration::from_secs(3600)).await {}
@@ -412,10 +412,11 @@ impl Runtime {
         }
         let vm = self.get(id)?;
         vm.set_deleting(true);
-        let stopped = l.vmm.stop(&vm.vm, Duration::from_secs(5)).await;
+        let stopped = l.vmm.stop(&vm.handle, Duration::from_secs(5)).await;
         self.inner.registry.remove(id);
         l.remove_network(vm.net.as_ref()).await;
-        l.discard(id, &vm.vm.dir).map_err(|e| RuntimeError::io(&vm.vm.dir, e))?;
+        l.discard(id, &vm.handle.dir)
+            .map_err(|e| RuntimeError::io(&vm.handle.dir, e))?;
         stopped
     }
 

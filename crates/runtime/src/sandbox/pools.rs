@@ -177,7 +177,7 @@ impl Pools {
             let pool = pools.get_mut(&key)?;
             let got = loop {
                 match pool.ready.pop() {
-                    Some(vm) if self.launcher.vmm.is_running(&vm.vm) => break Some(vm),
+                    Some(vm) if self.launcher.vmm.is_running(&vm.handle) => break Some(vm),
                     Some(_) => continue,
                     None => break None,
                 }
@@ -236,7 +236,7 @@ impl Pools {
     /// (the caller adopts it); on failure the pool VM is discarded.
     pub async fn hand_out(&self, vm: Arc<Vm>, env: &BTreeMap<String, String>) -> Result<Arc<Vm>> {
         let started = Instant::now();
-        let dir = vm.vm.dir.clone();
+        let dir = vm.handle.dir.clone();
         let handed = async {
             let mut link = vm.net.clone();
             if let (Some(net), Some(l)) = (&self.launcher.net, link.as_mut()) {
@@ -257,7 +257,7 @@ impl Pools {
                 record.start_ms = started.elapsed().as_millis() as u64;
                 let _ = record.write(&dir);
                 let _ = std::fs::remove_file(dir.join(MARKER));
-                Ok(Vm::new(record, vm.vm.clone(), link, Some(client), false))
+                Ok(Vm::new(record, vm.handle.clone(), link, Some(client), false))
             }
             Err(e) => {
                 self.launcher.discard_unadopted(&vm).await;

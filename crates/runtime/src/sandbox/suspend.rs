@@ -38,7 +38,7 @@ impl Runtime {
     pub async fn pause(&self, id: &str) -> Result<()> {
         let vm = self.get(id)?;
         if !vm.is_paused() {
-            self.inner.launcher.vmm.pause(&vm.vm).await?;
+            self.inner.launcher.vmm.pause(&vm.handle).await?;
             vm.set_paused(true);
         }
         Ok(())
@@ -51,7 +51,7 @@ impl Runtime {
         }
         let vm = self.get(id)?;
         if vm.is_paused() {
-            self.inner.launcher.vmm.resume(&vm.vm).await?;
+            self.inner.launcher.vmm.resume(&vm.handle).await?;
             vm.set_paused(false);
         }
         Ok(())
@@ -83,14 +83,14 @@ impl Runtime {
             });
         }
         let started = Instant::now();
-        let dir = vm.vm.dir.clone();
+        let dir = vm.handle.dir.clone();
         vm.set_deleting(true);
         vm.end_session().await;
         let state = dir.join(SUSPEND_STATE);
         let partial = dir.join(format!("{SUSPEND_STATE}.tmp"));
         let saving = async {
             let to = create_state_file(&partial)?;
-            snapshotting.save_state(&vm.vm, to, SAVE_LIMIT).await?;
+            snapshotting.save_state(&vm.handle, to, SAVE_LIMIT).await?;
             std::fs::rename(&partial, &state).map_err(|e| RuntimeError::io(&state, e))?;
             std::fs::metadata(&state).map_err(|e| RuntimeError::io(&state, e))
         };
@@ -98,7 +98,7 @@ impl Runtime {
             Ok(meta) => meta,
             Err(e) => {
                 let _ = std::fs::remove_file(&partial);
-                if l.vmm.is_running(&vm.vm) {
+                if l.vmm.is_running(&vm.handle) {
                     // Not saved: it runs on as it was (`save_state` let it run again).
                     vm.set_deleting(false);
                 } else {
@@ -108,7 +108,7 @@ impl Runtime {
             }
         };
         // Saved: the VMM goes.
-        let _ = l.vmm.stop(&vm.vm, Duration::from_secs(5)).await;
+        let _ = l.vmm.stop(&vm.handle, Duration::from_secs(5)).await;
         let marker = SavedMachine::seal(
             dir.clone(),
             SuspendRecord {
@@ -132,7 +132,7 @@ impl Runtime {
         let l = &self.inner.launcher;
         self.inner.registry.remove(vm.id());
         l.remove_network(vm.net.as_ref()).await;
-        let _ = l.discard(vm.id(), &vm.vm.dir);
+        let _ = l.discard(vm.id(), &vm.handle.dir);
         self.inner.registry.exited(vm.id());
     }
 

@@ -93,7 +93,8 @@ pub struct Output {
 /// A running (or paused) VM of this node.
 pub struct Vm {
     pub record: VmRecord,
-    pub vm: VmHandle,
+    /// Its VMM process (pid, dir, sockets).
+    pub handle: VmHandle,
     /// Its network (namespace, veth, tables), when the runtime makes networks.
     pub net: Option<SandboxLink>,
     /// Connected lazily: a VM found paused after a restart has no session until it resumes.
@@ -114,7 +115,7 @@ impl Vm {
     ) -> Arc<Self> {
         Arc::new(Self {
             record,
-            vm,
+            handle: vm,
             net,
             agent: tokio::sync::Mutex::new(client),
             deleting: AtomicBool::new(false),
@@ -136,7 +137,8 @@ impl Vm {
         match guard.as_ref() {
             Some(c) if !c.is_closed() => Ok(c.clone()),
             _ => {
-                let (client, _) = AgentClient::connect_ready(&self.vm.agent_socket, Duration::from_secs(10)).await?;
+                let (client, _) =
+                    AgentClient::connect_ready(&self.handle.agent_socket, Duration::from_secs(10)).await?;
                 *guard = Some(client.clone());
                 Ok(client)
             }

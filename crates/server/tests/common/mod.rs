@@ -248,7 +248,7 @@ impl Server {
     }
 
     pub fn vm_pid(&self, id: &str) -> u32 {
-        self.runtime().get(id).expect("the sandbox's VM").vm.pid
+        self.runtime().get(id).expect("the sandbox's VM").handle.pid
     }
 
     // --- HTTP
