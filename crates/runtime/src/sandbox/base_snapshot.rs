@@ -79,7 +79,7 @@ impl SavedMachine<BaseSnapshotManifest> {
     }
 
     /// A clone of it, as a launch's source.
-    pub fn source<'a>(&self, template: &'a Template, resources: Resources) -> Source<'a> {
+    pub(crate) fn source<'a>(&self, template: &'a Template, resources: Resources) -> Source<'a> {
         Source::BaseSnapshot {
             template,
             resources,

@@ -68,7 +68,7 @@ impl SavedMachine<ImageManifest> {
     }
 
     /// A VM started from it, as a launch's source.
-    pub fn source(&self) -> Source<'_> {
+    pub(crate) fn source(&self) -> Source<'_> {
         let m = &self.manifest;
         Source::Image {
             template: &m.template,

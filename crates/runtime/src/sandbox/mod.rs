@@ -10,20 +10,22 @@
 //! - `reconcile.rs` (after a restart), `suspend.rs` (pause, suspend, resume), `disk.rs` (the
 //!   node's disk space), each an `impl Runtime` over the parts below.
 //!
-//! A file uses only those above it in this list (`open` starts the reconcile). One runtime per
-//! data dir; in the many-hosts layout it is the node daemon's core.
+//! A file uses only those above it in this list (besides: `open` starts the reconcile, which
+//! knows a suspended VM by `suspend.rs`'s marker). The launch, registry, probe, reconcile and
+//! suspend files are private; what callers need is re-exported here. One runtime per data dir;
+//! in the many-hosts layout it is the node daemon's core.
 
-pub mod accel;
+mod accel;
 pub mod base_snapshot;
 mod console;
 mod disk;
 pub mod image;
-pub mod launch;
+mod launch;
 pub mod pools;
-pub mod reconcile;
-pub mod registry;
+mod reconcile;
+mod registry;
 pub mod saved;
-pub mod suspend;
+mod suspend;
 pub mod vm;
 
 use crate::datadir::{random_hex, DataDir, FileLock};
