@@ -13,7 +13,7 @@ mod raw;
 use airlock_proto::ProcessSpec;
 use airlock_runtime::qemu::{Attach, QemuVmm};
 use airlock_runtime::vmm::{wait_exit, VmSpec};
-use airlock_runtime::{CreateSandbox, Resources, Runtime, RuntimeOptions};
+use airlock_runtime::{CreateVm, Resources, Runtime, RuntimeOptions};
 use clap::Parser;
 use std::io::{BufRead, BufReader, Write};
 use std::os::unix::net::UnixStream;
@@ -35,8 +35,8 @@ struct Args {
     out: PathBuf,
 }
 
-fn seed(resources: Resources) -> CreateSandbox {
-    CreateSandbox {
+fn seed(resources: Resources) -> CreateVm {
+    CreateVm {
         id: None,
         template: "seed".into(),
         resources,
@@ -147,7 +147,7 @@ async fn main() {
         let t = Instant::now();
         let sb = rt.create(seed(resources)).await.unwrap();
         airlock.push(ms(t.elapsed()));
-        let pid = sb.vm.pid;
+        let pid = sb.handle.pid;
         rt.delete(sb.id()).await.unwrap();
         wait_exit(pid, Duration::from_secs(5)).await;
         eprintln!(

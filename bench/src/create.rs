@@ -29,7 +29,7 @@ use airlock_proto::frame::EventKind;
 use airlock_proto::ProcessSpec;
 use airlock_runtime::agent::AgentClient;
 use airlock_runtime::qemu::{Attach, QemuVmm};
-use airlock_runtime::snapshot::{BaseSnapshot, SnapshotManifest};
+use airlock_runtime::sandbox::base_snapshot::{BaseSnapshot, BaseSnapshotManifest};
 use airlock_runtime::template::TemplateStore;
 use airlock_runtime::vmm::{SnapshotRole, VmSpec};
 use clap::Parser;
@@ -276,7 +276,7 @@ fn find_snapshot(data_dir: &Path, digest: &str, resources: &Value) -> Option<Bas
     std::fs::read_dir(&root).ok()?.flatten().find_map(|e| {
         let key = e.file_name().to_string_lossy().to_string();
         let snap = BaseSnapshot::find(&root, &key)?;
-        let m: &SnapshotManifest = &snap.manifest;
+        let m: &BaseSnapshotManifest = &snap.manifest;
         let r = &m.resources;
         (m.template_digest == digest
             && resources["vcpu"] == r.vcpu

@@ -71,7 +71,7 @@ impl DataDir {
     pub fn sandboxes(&self) -> PathBuf {
         self.root.join("sandboxes")
     }
-    /// Base snapshots, one dir per key (see `snapshot.rs`); private to the server.
+    /// Base snapshots, one dir per key (see `sandbox/base_snapshot.rs`); private to the server.
     pub fn snapshots(&self) -> PathBuf {
         self.root.join("snapshots")
     }

@@ -21,8 +21,16 @@ pub enum RuntimeError {
     DataDirInUse(String),
     #[error("template build failed: {0}")]
     TemplateBuild(String),
-    #[error("sandbox {id} failed to boot: {reason}")]
-    BootFailed { id: String, reason: String },
+    /// The VM did not get to its agent's READY: `stage` is what it was doing (boot, restore,
+    /// resume), `console` the tail of its console, `cause` what failed (none: the VMM exited).
+    #[error("sandbox {id} failed to {stage}: {}; console:\n{console}", cause.as_ref().map_or_else(|| "the VMM exited".to_string(), |c| c.to_string()))]
+    BootFailed {
+        id: String,
+        stage: &'static str,
+        console: String,
+        #[source]
+        cause: Option<Box<RuntimeError>>,
+    },
     #[error("sandbox {0} is not running")]
     NotRunning(String),
     #[error("guest agent: {0}")]
@@ -48,7 +56,7 @@ pub enum RuntimeError {
     StopFailed { pid: u32 },
     /// The VMM's jail (uid, mount namespace, cgroups) could not be set up.
     #[error("VMM jail: {0}")]
-    Jail(String),
+    Jail(#[from] crate::jail::JailError),
     /// The sandbox's network (namespace, tap, veth, nftables, egress hook) could not be made.
     #[error("sandbox network: {0}")]
     Network(#[from] crate::net::NetError),

@@ -36,7 +36,6 @@
 //! and makes the sandboxes' network namespaces), and `qemu-img` creating an overlay (it runs on
 //! files the server made, never on guest data).
 
-use crate::error::{Result, RuntimeError};
 use sha2::{Digest, Sha256};
 use std::collections::HashSet;
 use std::ffi::CString;
@@ -44,6 +43,7 @@ use std::os::fd::{AsRawFd, OwnedFd, RawFd};
 use std::os::unix::ffi::OsStrExt;
 use std::path::{Path, PathBuf};
 use std::sync::Mutex;
+use thiserror::Error;
 
 /// Memory a VMM needs beyond its guest's RAM: its own heap, device state, and under TCG the
 /// translated-code cache (bounded to [`TCG_TB_MIB`] so this stays true).
@@ -57,6 +57,36 @@ pub const VMM_EXTRA_PIDS: u32 = 128;
 pub const PID_FILE: &str = "vmm.pid";
 /// Most fds a VMM may be handed.
 const MAX_PASSED_FDS: usize = 16;
+
+/// Why a VMM's jail could not be set up (its configuration, uid, cgroups, fds or the spawn).
+#[derive(Debug, Error)]
+pub enum JailError {
+    /// An `AIRLOCK_VMM_UID_*` / `AIRLOCK_CGROUP_ROOT` setting that cannot be used.
+    #[error("{0}")]
+    Config(String),
+    #[error("every uid of {base}+{count} runs a VMM; raise AIRLOCK_VMM_UID_COUNT")]
+    NoFreeUid { base: u32, count: u32 },
+    #[error("cgroup {what} {}: {source}; run airlock as root, or delegate {} to its user", path.display(), delegate.display())]
+    Cgroup {
+        what: &'static str,
+        path: PathBuf,
+        delegate: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("a VMM is handed at most {MAX_PASSED_FDS} fds")]
+    TooManyFds,
+    #[error("the VMM driver has no jailer; open it through Runtime")]
+    NoJailer,
+    #[error("starting {} in its jail: {source}", binary.display())]
+    Spawn {
+        binary: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+}
+
+type Result<T, E = JailError> = std::result::Result<T, E>;
 
 #[derive(Debug, Clone)]
 pub struct JailConfig {
@@ -88,7 +118,7 @@ impl JailConfig {
                 Ok(v) => v
                     .parse()
                     .map(Some)
-                    .map_err(|_| RuntimeError::Jail(format!("{name}={v:?} is not a number; unset it or give a uid"))),
+                    .map_err(|_| JailError::Config(format!("{name}={v:?} is not a number; unset it or give a uid"))),
                 Err(_) => Ok(None),
             }
         };
@@ -99,14 +129,14 @@ impl JailConfig {
             c.uid_count = n;
         }
         if c.uid_base == 0 || c.uid_count == 0 || c.uid_base.checked_add(c.uid_count).is_none() {
-            return Err(RuntimeError::Jail(format!(
+            return Err(JailError::Config(format!(
                 "the VMM uid range {}+{} is empty, includes root or overflows",
                 c.uid_base, c.uid_count
             )));
         }
         if let Ok(r) = std::env::var("AIRLOCK_CGROUP_ROOT") {
             if r.is_empty() || r.contains('/') || r.starts_with('.') {
-                return Err(RuntimeError::Jail(format!(
+                return Err(JailError::Config(format!(
                     "AIRLOCK_CGROUP_ROOT={r:?} must be one directory name"
                 )));
             }
@@ -313,12 +343,11 @@ impl Jailer {
         let Some(version) = self.cgroups else {
             return Ok(vec![]);
         };
-        let fail = |what: &str, path: &Path, e: std::io::Error| {
-            RuntimeError::Jail(format!(
-                "cgroup {what} {}: {e}; run airlock as root, or delegate {} to its user",
-                path.display(),
-                Path::new(CGROUP_FS).join(&self.config.cgroup_root).display()
-            ))
+        let fail = |what: &'static str, path: &Path, source: std::io::Error| JailError::Cgroup {
+            what,
+            path: path.to_path_buf(),
+            delegate: Path::new(CGROUP_FS).join(&self.config.cgroup_root),
+            source,
         };
         let write = |path: PathBuf, value: String| -> Result<()> {
             std::fs::write(&path, value).map_err(|e| fail("write", &path, e))
@@ -389,10 +418,10 @@ impl Jailer {
                 return Ok(uid);
             }
         }
-        Err(RuntimeError::Jail(format!(
-            "every uid of {}+{} runs a VMM; raise AIRLOCK_VMM_UID_COUNT",
-            self.config.uid_base, self.config.uid_count
-        )))
+        Err(JailError::NoFreeUid {
+            base: self.config.uid_base,
+            count: self.config.uid_count,
+        })
     }
 
     /// Remove a VM's cgroups once its VMM is gone (a cgroup with a live process stays).
@@ -499,9 +528,7 @@ impl Prepared {
     /// Hand `fd` to the VMM; returns the number it has there.
     pub fn pass(&mut self, fd: OwnedFd) -> Result<RawFd> {
         if self.fds.len() == MAX_PASSED_FDS {
-            return Err(RuntimeError::Jail(format!(
-                "a VMM is handed at most {MAX_PASSED_FDS} fds"
-            )));
+            return Err(JailError::TooManyFds);
         }
         self.fds.push(fd);
         Ok(2 + self.fds.len() as RawFd)

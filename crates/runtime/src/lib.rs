@@ -1,6 +1,7 @@
 //! airlock's node runtime: one host's sandboxes.
 //!
-//! - `sandbox`: `Runtime` (create, find, re-attach after a restart, pause, delete)
+//! - `sandbox`: `Runtime` (create, find, re-attach after a restart, pause, suspend, delete), warm
+//!   pools, base snapshots and saved images, each in its own file
 //! - `vmm`: the `Vmm` trait and its drivers (`qemu`; `fake`, an in-memory one for tests)
 //! - `template`: template builds and the content-addressed store
 //! - `jail`: what every VMM process runs in (its own uid, read-only mounts, cgroups)
@@ -13,13 +14,10 @@
 pub mod agent;
 pub mod datadir;
 pub mod error;
-pub mod image;
 pub mod jail;
 pub mod net;
-pub mod pool;
 pub mod random;
 pub mod sandbox;
-pub mod snapshot;
 pub mod template;
 pub mod vmm;
 
@@ -29,5 +27,6 @@ pub use vmm::{qemu, qmp};
 
 pub use agent::AgentClient;
 pub use error::{Result, RuntimeError};
-pub use sandbox::{CreateSandbox, DiskSpace, Output, Resources, Runtime, RuntimeOptions, Sandbox};
+pub use sandbox::pools::{PoolKey, PoolStatus};
+pub use sandbox::{CreateVm, DiskSpace, Output, Resources, Runtime, RuntimeOptions, Vm};
 pub use vmm::Accel;

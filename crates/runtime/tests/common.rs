@@ -6,7 +6,7 @@
 
 use airlock_proto::ProcessSpec;
 use airlock_runtime::template::BuildOptions;
-use airlock_runtime::{CreateSandbox, Resources, Runtime, RuntimeOptions, Sandbox};
+use airlock_runtime::{CreateVm, Resources, Runtime, RuntimeOptions, Vm};
 use std::path::PathBuf;
 use std::sync::{Arc, OnceLock};
 
@@ -73,9 +73,9 @@ pub fn small() -> Resources {
     }
 }
 
-pub fn create() -> Arc<Sandbox> {
+pub fn create() -> Arc<Vm> {
     let rt = runtime();
-    block_on(rt.create(CreateSandbox {
+    block_on(rt.create(CreateVm {
         id: None,
         template: "seed".into(),
         resources: small(),
@@ -86,8 +86,8 @@ pub fn create() -> Arc<Sandbox> {
 }
 
 /// The sandbox tests share; it lives for the whole test process.
-pub fn shared() -> Arc<Sandbox> {
-    static SHARED: OnceLock<Arc<Sandbox>> = OnceLock::new();
+pub fn shared() -> Arc<Vm> {
+    static SHARED: OnceLock<Arc<Vm>> = OnceLock::new();
     SHARED.get_or_init(create).clone()
 }
 

@@ -6,7 +6,7 @@ use airlock_proto::frame::EventKind;
 use airlock_proto::ProcessSpec;
 use airlock_runtime::fake;
 use airlock_runtime::vmm::pid_alive;
-use airlock_runtime::{AgentClient, CreateSandbox, Resources, Runtime, RuntimeError};
+use airlock_runtime::{AgentClient, CreateVm, Resources, Runtime, RuntimeError};
 use futures_util::StreamExt;
 use std::path::Path;
 use std::time::{Duration, Instant};
@@ -16,8 +16,8 @@ async fn node(dir: &Path) -> Runtime {
     Runtime::open(fake::options(dir)).await.unwrap()
 }
 
-fn seed(id: Option<&str>) -> CreateSandbox {
-    CreateSandbox {
+fn seed(id: Option<&str>) -> CreateVm {
+    CreateVm {
         id: id.map(Into::into),
         template: "seed".into(),
         resources: Resources::default(),
@@ -55,8 +55,8 @@ async fn create_run_delete() {
     let rt = node(tmp.path()).await;
     assert_eq!(rt.runtime_name(), "fake");
     let sb = rt.create(seed(None)).await.unwrap();
-    assert!(pid_alive(sb.vm.pid));
-    assert_eq!(fake::live_vms(tmp.path()), vec![sb.vm.pid]);
+    assert!(pid_alive(sb.handle.pid));
+    assert_eq!(fake::live_vms(tmp.path()), vec![sb.handle.pid]);
 
     let out = sb.run(argv(&["echo", "hello", "world"])).await.unwrap();
     assert_eq!(out.stdout, b"hello world\n");
@@ -116,7 +116,7 @@ async fn create_run_delete() {
     assert_eq!(gone.code(), Some(airlock_proto::ErrorCode::NotFound));
     assert!(agent.metrics().await.unwrap().mem_total_bytes > 0);
 
-    let (pid, dir) = (sb.vm.pid, sb.vm.dir.clone());
+    let (pid, dir) = (sb.handle.pid, sb.handle.dir.clone());
     let mut exits = rt.exits();
     rt.delete(sb.id()).await.unwrap();
     assert!(!dir.exists());
@@ -135,11 +135,11 @@ async fn kill_9_is_reported_and_cleaned_up() {
     let other = rt.create(seed(None)).await.unwrap();
     let mut exits = rt.exits();
     let started = Instant::now();
-    fake::kill_vm(sb.vm.pid);
+    fake::kill_vm(sb.handle.pid);
     assert_eq!(next_exit(&mut exits).await, sb.id());
     eprintln!("kill -9 reported after {:?}", started.elapsed());
     assert!(matches!(rt.get(sb.id()), Err(RuntimeError::UnknownSandbox(_))));
-    assert!(!sb.vm.dir.exists());
+    assert!(!sb.handle.dir.exists());
     // The other sandbox is untouched.
     assert_eq!(other.run(argv(&["echo", "ok"])).await.unwrap().stdout, b"ok\n");
     rt.delete(other.id()).await.unwrap();
@@ -158,11 +158,11 @@ async fn poweroff_from_inside_is_reported() {
     agent.spawn(&argv(&["poweroff"])).await.unwrap();
     assert_eq!(next_exit(&mut exits).await, sb.id());
     assert!(matches!(rt.get(sb.id()), Err(RuntimeError::UnknownSandbox(_))));
-    assert!(!sb.vm.dir.exists());
+    assert!(!sb.handle.dir.exists());
 
     // The same through the test control.
     let sb = rt.create(seed(None)).await.unwrap();
-    assert!(fake::power_off(&sb.vm));
+    assert!(fake::power_off(&sb.handle));
     assert_eq!(next_exit(&mut exits).await, sb.id());
     assert!(rt.list().is_empty());
     assert_no_vms(tmp.path());
@@ -179,10 +179,10 @@ async fn restart_reattaches_running_and_paused_vms() {
     rt.pause(paused.id()).await.unwrap();
     assert!(paused.is_paused());
     // A frozen guest does not answer.
-    let frozen = AgentClient::connect_ready(&paused.vm.agent_socket, Duration::from_millis(300)).await;
+    let frozen = AgentClient::connect_ready(&paused.handle.agent_socket, Duration::from_millis(300)).await;
     assert!(frozen.is_err(), "a paused VM's agent answered");
     let (running_id, paused_id) = (running.id().to_string(), paused.id().to_string());
-    let pids = (running.vm.pid, paused.vm.pid);
+    let pids = (running.handle.pid, paused.handle.pid);
 
     // Restart: the old runtime goes away, a new one (with a new FakeVmm) opens the same dir.
     drop((running, paused, agent, rt));
@@ -190,7 +190,7 @@ async fn restart_reattaches_running_and_paused_vms() {
     assert_eq!(rt.list().len(), 2);
     let running = rt.get(&running_id).unwrap();
     let paused = rt.get(&paused_id).unwrap();
-    assert_eq!((running.vm.pid, paused.vm.pid), pids);
+    assert_eq!((running.handle.pid, paused.handle.pid), pids);
     // The running VM's agent still answers, and its processes are still there.
     let agent = running.agent().await.unwrap();
     let info = agent.process(sleeper.id).await.unwrap();
@@ -205,7 +205,7 @@ async fn restart_reattaches_running_and_paused_vms() {
 
     // A VM killed after the restart is reported by the new runtime.
     let mut exits = rt.exits();
-    fake::kill_vm(running.vm.pid);
+    fake::kill_vm(running.handle.pid);
     assert_eq!(next_exit(&mut exits).await, running_id);
 
     // A paused VM can be deleted.
@@ -229,7 +229,7 @@ async fn background_reconcile_settles_each_sandbox() {
     }
     rt.pause(sandboxes[0].id()).await.unwrap();
     let ids: Vec<String> = sandboxes.iter().map(|s| s.id().to_string()).collect();
-    let pids: Vec<u32> = sandboxes.iter().map(|s| s.vm.pid).collect();
+    let pids: Vec<u32> = sandboxes.iter().map(|s| s.handle.pid).collect();
     let dead = [1, 2];
     drop((sandboxes, rt));
     for i in dead {
@@ -261,7 +261,7 @@ async fn background_reconcile_settles_each_sandbox() {
             assert!(!tmp.path().join("sandboxes").join(id).exists(), "{i}");
         } else {
             let sb = rt.get(id).unwrap();
-            assert_eq!(sb.vm.pid, pids[i], "re-attached, not replaced");
+            assert_eq!(sb.handle.pid, pids[i], "re-attached, not replaced");
             assert_eq!(sb.is_paused(), i == 0);
         }
     }
@@ -302,7 +302,7 @@ async fn console_logs_are_trimmed_before_and_after_a_restart() {
     let tmp = tempfile::tempdir().unwrap();
     let rt = node(tmp.path()).await;
     let sb = rt.create(seed(None)).await.unwrap();
-    let log = sb.vm.console_log.clone();
+    let log = sb.handle.console_log.clone();
     let flood = |last: &str| {
         let mut f = std::fs::OpenOptions::new().append(true).open(&log).unwrap();
         let line = "a guest printing to its console forever\n".repeat(1024);
@@ -314,9 +314,9 @@ async fn console_logs_are_trimmed_before_and_after_a_restart() {
     flood("first flood ends\n");
     await_trimmed(&log).await;
     assert!(
-        sb.vm.console_tail(1).contains("first flood ends"),
+        sb.handle.console_tail(1).contains("first flood ends"),
         "{}",
-        sb.vm.console_tail(1)
+        sb.handle.console_tail(1)
     );
 
     // The VM outlives the runtime; the next one trims its log too.
@@ -326,7 +326,7 @@ async fn console_logs_are_trimmed_before_and_after_a_restart() {
     flood("second flood ends\n");
     await_trimmed(&log).await;
     let sb = rt.get(&id).unwrap();
-    assert!(sb.vm.console_tail(1).contains("second flood ends"));
+    assert!(sb.handle.console_tail(1).contains("second flood ends"));
     rt.delete(&id).await.unwrap();
     assert_no_vms(tmp.path());
 }
@@ -336,7 +336,7 @@ async fn restart_removes_dead_vms() {
     let tmp = tempfile::tempdir().unwrap();
     let rt = node(tmp.path()).await;
     let sb = rt.create(seed(None)).await.unwrap();
-    let (id, dir, pid) = (sb.id().to_string(), sb.vm.dir.clone(), sb.vm.pid);
+    let (id, dir, pid) = (sb.id().to_string(), sb.handle.dir.clone(), sb.handle.pid);
     drop((sb, rt));
     // Dies while no runtime watches it.
     fake::kill_vm(pid);
@@ -360,7 +360,7 @@ async fn typed_errors_for_ids() {
     let taken = rt.create(seed(Some("abcdef0123"))).await.err().unwrap();
     assert!(matches!(taken, RuntimeError::SandboxIdTaken(_)), "{taken}");
     let missing = rt
-        .create(CreateSandbox {
+        .create(CreateVm {
             template: "nope".into(),
             ..seed(None)
         })
@@ -370,7 +370,7 @@ async fn typed_errors_for_ids() {
     assert!(matches!(missing, RuntimeError::UnknownTemplate(_)), "{missing}");
     // A saved image that is gone (its snapshot's files removed) is a missing image, not template.
     let vanished = rt
-        .create(CreateSandbox {
+        .create(CreateVm {
             image: Some("0123456789abcdef".into()),
             ..seed(None)
         })
@@ -397,12 +397,12 @@ fn restart_with_a_new_tokio_runtime() {
     let (id, pid) = tokio_rt().block_on(async {
         let rt = node(tmp.path()).await;
         let sb = rt.create(seed(None)).await.unwrap();
-        (sb.id().to_string(), sb.vm.pid)
+        (sb.id().to_string(), sb.handle.pid)
     });
     tokio_rt().block_on(async {
         let rt = Runtime::open(fake::options(tmp.path())).await.unwrap();
         let sb = rt.get(&id).unwrap();
-        assert_eq!(sb.vm.pid, pid);
+        assert_eq!(sb.handle.pid, pid);
         assert_eq!(
             sb.run(argv(&["echo", "still", "here"])).await.unwrap().stdout,
             b"still here\n"

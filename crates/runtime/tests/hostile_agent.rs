@@ -10,7 +10,7 @@
 use airlock_proto::ErrorCode;
 use airlock_runtime::agent::{AgentError, Deadlines, ERROR_BODY_MAX, LIST_MAX, RECORD_MAX, WATCH_LINE_MAX};
 use airlock_runtime::fake::{self, Hostile};
-use airlock_runtime::{AgentClient, CreateSandbox, Resources, Runtime, Sandbox};
+use airlock_runtime::{AgentClient, CreateVm, Resources, Runtime, Vm};
 use futures_util::StreamExt;
 use std::future::Future;
 use std::sync::{Arc, Mutex};
@@ -39,8 +39,8 @@ fn status_kib(field: &str) -> u64 {
 struct Bench {
     _tmp: tempfile::TempDir,
     rt: Runtime,
-    good: Arc<Sandbox>,
-    bad: Arc<Sandbox>,
+    good: Arc<Vm>,
+    bad: Arc<Vm>,
     good_agent: AgentClient,
     /// A session to the bad sandbox opened while its agent still behaved.
     bad_agent: AgentClient,
@@ -50,7 +50,7 @@ async fn bench() -> Bench {
     let tmp = tempfile::tempdir().unwrap();
     fake::install_template(tmp.path(), "seed").unwrap();
     let rt = Runtime::open(fake::options(tmp.path())).await.unwrap();
-    let create = || CreateSandbox {
+    let create = || CreateVm {
         id: None,
         template: "seed".into(),
         resources: Resources::default(),
@@ -177,7 +177,10 @@ fn shown<T: std::fmt::Debug>(r: Result<T, AgentError>) -> Result<String, AgentEr
 async fn endless_reply_bodies_are_cut_at_their_limits() {
     let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
     let b = bench().await;
-    assert!(fake::set_hostile(&b.bad.vm, Some(Hostile::EndlessBody { status: 200 })));
+    assert!(fake::set_hostile(
+        &b.bad.handle,
+        Some(Hostile::EndlessBody { status: 200 })
+    ));
     let agent = b.bad_agent.clone();
     let within = Duration::from_secs(10);
     abuse(
@@ -197,7 +200,10 @@ async fn endless_reply_bodies_are_cut_at_their_limits() {
         protocol_error_naming(RECORD_MAX),
     )
     .await;
-    assert!(fake::set_hostile(&b.bad.vm, Some(Hostile::EndlessBody { status: 500 })));
+    assert!(fake::set_hostile(
+        &b.bad.handle,
+        Some(Hostile::EndlessBody { status: 500 })
+    ));
     let agent = b.bad_agent.clone();
     abuse(
         &b,
@@ -208,7 +214,7 @@ async fn endless_reply_bodies_are_cut_at_their_limits() {
     )
     .await;
     // The sandbox's agent behaves again: the same session answers.
-    fake::set_hostile(&b.bad.vm, None);
+    fake::set_hostile(&b.bad.handle, None);
     assert_eq!(b.bad_agent.stat("/tmp").await.unwrap().path, "/tmp");
     b.delete().await;
 }
@@ -225,7 +231,7 @@ async fn a_100_mib_watch_line_or_event_frame_ends_its_stream() {
         })
         .await
         .unwrap();
-    assert!(fake::set_hostile(&b.bad.vm, Some(Hostile::HugeLine)));
+    assert!(fake::set_hostile(&b.bad.handle, Some(Hostile::HugeLine)));
     let agent = b.bad_agent.clone();
     abuse(
         &b,
@@ -264,7 +270,7 @@ async fn a_100_mib_watch_line_or_event_frame_ends_its_stream() {
 async fn calls_never_answered_fail_at_their_deadline() {
     let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
     let b = bench().await;
-    assert!(fake::set_hostile(&b.bad.vm, Some(Hostile::Silent)));
+    assert!(fake::set_hostile(&b.bad.handle, Some(Hostile::Silent)));
     let margin = Duration::from_millis(800);
     let cases: Vec<(&str, Duration)> = vec![
         ("health", DEADLINES.call),
@@ -301,8 +307,8 @@ async fn calls_never_answered_fail_at_their_deadline() {
 async fn garbage_instead_of_http2_fails_the_session() {
     let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
     let b = bench().await;
-    assert!(fake::set_hostile(&b.bad.vm, Some(Hostile::Garbage)));
-    let socket = b.bad.vm.agent_socket.clone();
+    assert!(fake::set_hostile(&b.bad.handle, Some(Hostile::Garbage)));
+    let socket = b.bad.handle.agent_socket.clone();
     abuse(
         &b,
         "garbage after READY",
@@ -319,7 +325,7 @@ async fn garbage_instead_of_http2_fails_the_session() {
     .await;
     // The runtime's own session to that sandbox was opened before: it still works once the
     // agent behaves; the good one never noticed.
-    fake::set_hostile(&b.bad.vm, None);
+    fake::set_hostile(&b.bad.handle, None);
     assert!(b.bad_agent.health().await.is_ok());
     b.delete().await;
 }

@@ -9,7 +9,7 @@
 mod common;
 
 use airlock_runtime::net::{self, EgressHook, EgressPorts, NetError, SandboxLink};
-use airlock_runtime::{CreateSandbox, Runtime, RuntimeError, RuntimeOptions, Sandbox};
+use airlock_runtime::{CreateVm, Runtime, RuntimeError, RuntimeOptions, Vm};
 use async_trait::async_trait;
 use common::{argv, block_on, build_seed, small, test_data_dir};
 use libtest_mimic::Trial;
@@ -109,9 +109,9 @@ fn runtime() -> Runtime {
         .clone()
 }
 
-fn create(id: &str, plan: Plan) -> Result<Arc<Sandbox>, RuntimeError> {
+fn create(id: &str, plan: Plan) -> Result<Arc<Vm>, RuntimeError> {
     hook().plans.lock().unwrap().insert(id.into(), plan);
-    block_on(runtime().create(CreateSandbox {
+    block_on(runtime().create(CreateVm {
         id: Some(id.into()),
         template: "seed".into(),
         resources: small(),
@@ -125,15 +125,15 @@ fn id(name: &str) -> String {
 }
 
 /// The sandbox without egress the tests share.
-fn sealed() -> Arc<Sandbox> {
-    static SEALED: OnceLock<Arc<Sandbox>> = OnceLock::new();
+fn sealed() -> Arc<Vm> {
+    static SEALED: OnceLock<Arc<Vm>> = OnceLock::new();
     SEALED
         .get_or_init(|| create(&id("sealed"), Plan::Sealed).expect("sandbox boots"))
         .clone()
 }
 
 /// Run a Python script in the guest (as root); its stdout, trimmed.
-fn py(sb: &Sandbox, script: &str) -> String {
+fn py(sb: &Vm, script: &str) -> String {
     let out = block_on(sb.run(argv(&["python3", "-c", script]))).unwrap();
     assert_eq!(
         out.exit.exit_code,
@@ -144,7 +144,7 @@ fn py(sb: &Sandbox, script: &str) -> String {
     String::from_utf8_lossy(&out.stdout).trim().to_string()
 }
 
-fn counters(sb: &Sandbox) -> HashMap<String, u64> {
+fn counters(sb: &Vm) -> HashMap<String, u64> {
     let link = sb.net.as_ref().expect("the sandbox has a network");
     block_on(runtime().network().unwrap().counters(link))
         .unwrap()
@@ -263,7 +263,7 @@ print(addr, mask, mac, ','.join(gw), open('/etc/resolv.conf').read().strip())
     // Every sandbox's host side is its own, recorded with it.
     let link = sb.net.as_ref().unwrap();
     assert!(exists_netns(&link.netns) && exists_link(&link.host_if));
-    assert_eq!(SandboxLink::load(&sb.vm.dir).as_ref(), Some(link));
+    assert_eq!(SandboxLink::load(&sb.handle.dir).as_ref(), Some(link));
     assert_eq!(link.ports, EgressPorts::default());
 }
 
@@ -542,7 +542,7 @@ print(d.recv(100).decode())
 /// A VMM that dies on its own (kill -9) takes its sandbox's network with it.
 fn a_vmm_that_dies_takes_its_network_with_it() {
     let sb = create(&id("killed"), Plan::Wired).expect("sandbox boots");
-    let (pid, link, dir) = (sb.vm.pid, sb.net.clone().unwrap(), sb.vm.dir.clone());
+    let (pid, link, dir) = (sb.handle.pid, sb.net.clone().unwrap(), sb.handle.dir.clone());
     drop(sb);
     assert!(exists_netns(&link.netns) && exists_link(&link.host_if) && exists_host_table(&link.netns));
     nix::sys::signal::kill(

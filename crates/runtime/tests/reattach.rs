@@ -8,7 +8,7 @@
 mod common;
 
 use airlock_runtime::vmm::pid_alive;
-use airlock_runtime::{CreateSandbox, Runtime, RuntimeOptions};
+use airlock_runtime::{CreateVm, Runtime, RuntimeOptions};
 use common::*;
 
 const CHILD_ENV: &str = "AIRLOCK_REATTACH_CHILD";
@@ -23,7 +23,7 @@ fn child_creates_sandbox_and_exits() {
         let mut opts = RuntimeOptions::new(test_data_dir());
         opts.base_snapshots = false;
         let rt = Runtime::open(opts).await.unwrap();
-        let seed = || CreateSandbox {
+        let seed = || CreateVm {
             id: None,
             template: "seed".into(),
             resources: small(),
@@ -37,12 +37,16 @@ fn child_creates_sandbox_and_exits() {
             .write_file("/home/user/note.txt", None, &b"written before the restart"[..])
             .await
             .unwrap();
-        println!("SANDBOX_ID={} PID={}", sb.id(), sb.vm.pid);
+        println!("SANDBOX_ID={} PID={}", sb.id(), sb.handle.pid);
         // A second VM, as a crash between spawning the VMM and writing its record leaves it:
         // only the pid file its jailed child wrote before exec.
         let orphan = rt.create(seed()).await.unwrap();
-        std::fs::remove_file(airlock_runtime::vmm::VmHandle::record_path(&orphan.vm.dir)).unwrap();
-        println!("ORPHAN_PID={} ORPHAN_DIR={}", orphan.vm.pid, orphan.vm.dir.display());
+        std::fs::remove_file(airlock_runtime::vmm::VmHandle::record_path(&orphan.handle.dir)).unwrap();
+        println!(
+            "ORPHAN_PID={} ORPHAN_DIR={}",
+            orphan.handle.pid,
+            orphan.handle.dir.display()
+        );
         // Suspended with a file written and a process running that counts on.
         let held = rt.create(seed()).await.unwrap();
         let agent = held.agent().await.unwrap();
@@ -56,7 +60,7 @@ fn child_creates_sandbox_and_exits() {
             .await
             .unwrap();
         tokio::time::sleep(std::time::Duration::from_millis(500)).await;
-        let pid = held.vm.pid;
+        let pid = held.handle.pid;
         let timing = rt.suspend(held.id()).await.unwrap();
         assert!(!pid_alive(pid), "the suspended VM's QEMU still runs");
         assert!(rt.is_suspended(held.id()) && rt.get(held.id()).is_err());
@@ -119,7 +123,7 @@ fn vm_survives_its_creator_and_is_reattached() {
             assert!(!leftover, "a cgroup of the unrecorded VM is left in {}", c.display());
         }
         let sb = rt.get(&id).expect("re-attached after restart");
-        assert_eq!(sb.vm.pid, pid);
+        assert_eq!(sb.handle.pid, pid);
         let note = sb
             .agent()
             .await
@@ -138,7 +142,7 @@ fn vm_survives_its_creator_and_is_reattached() {
         assert!(counters.contains_key("spoofed"), "{counters:?}");
         let eth0 = sb.run(sh("cat /sys/class/net/eth0/operstate")).await.unwrap();
         assert_eq!(String::from_utf8_lossy(&eth0.stdout), "up\n");
-        let dir = sb.vm.dir.clone();
+        let dir = sb.handle.dir.clone();
         drop(sb);
         rt.delete(&id).await.unwrap();
         assert!(!pid_alive(pid) && !dir.exists());

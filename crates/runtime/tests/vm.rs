@@ -9,7 +9,7 @@ mod common;
 use airlock_proto::frame::EventKind;
 use airlock_proto::{ErrorCode, ProcessSpec, PtySize, WatchEventKind};
 use airlock_runtime::vmm::pid_alive;
-use airlock_runtime::{CreateSandbox, Resources, RuntimeError};
+use airlock_runtime::{CreateVm, Resources, RuntimeError};
 use common::*;
 use futures_util::StreamExt;
 use libtest_mimic::Trial;
@@ -423,7 +423,7 @@ fn airlock_cgroups(pid: u32) -> Vec<std::path::PathBuf> {
 /// read-only, only the fds it was handed, and cgroups holding the VM's limits.
 fn qemu_runs_jailed() {
     let sb = shared();
-    let pid = sb.vm.pid;
+    let pid = sb.handle.pid;
     let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
     let field = |name: &str| {
         status
@@ -482,7 +482,7 @@ fn qemu_runs_jailed() {
             );
             continue;
         }
-        let ok = target.starts_with(&sb.vm.dir)
+        let ok = target.starts_with(&sb.handle.dir)
             || target.starts_with(data.join("blobs"))
             || t == "/dev/null"
             || t == "/dev/net/tun"
@@ -528,7 +528,7 @@ fn qemu_runs_jailed() {
 fn qemu_has_an_empty_network_namespace_of_its_own() {
     use std::os::unix::fs::MetadataExt;
     let sb = shared();
-    let pid = sb.vm.pid;
+    let pid = sb.handle.pid;
     let ns = |p: &str| std::fs::read_link(p).unwrap().display().to_string();
     let qemu_net = ns(&format!("/proc/{pid}/ns/net"));
     assert_ne!(
@@ -648,7 +648,7 @@ fn creates_restore_from_a_base_snapshot_with_an_identity_of_their_own() {
     block_on(async {
         let mut seen = Vec::new();
         for sb in [&a, &b] {
-            assert_eq!(sb.record.start, airlock_runtime::sandbox::StartKind::Restore);
+            assert_eq!(sb.record.start, airlock_runtime::sandbox::StartKind::BaseSnapshot);
             eprintln!("restored {} in {} ms", sb.id(), sb.record.start_ms);
             let out = sb
                 .run(sh("hostname; cat /etc/machine-id; head -c 16 /dev/urandom | od -An -tx1 | tr -d ' \\n'; echo; date +%s"))
@@ -760,7 +760,7 @@ fn sandboxes_from_a_saved_image_have_its_processes_and_files_and_lives_of_their_
             async move {
                 let started = std::time::Instant::now();
                 let sb = rt
-                    .create(CreateSandbox {
+                    .create(CreateVm {
                         id: None,
                         template: String::new(),
                         resources: Resources::default(),
@@ -776,7 +776,7 @@ fn sandboxes_from_a_saved_image_have_its_processes_and_files_and_lives_of_their_
         let children = [fork(0).await, fork(1).await];
         let mut machine_ids = vec![parent.run(sh("cat /etc/machine-id")).await.unwrap().stdout];
         for (n, child) in children.iter().enumerate() {
-            assert_eq!(child.record.start, airlock_runtime::sandbox::StartKind::Snapshot);
+            assert_eq!(child.record.start, airlock_runtime::sandbox::StartKind::Image);
             assert_eq!(child.record.resources, parent.record.resources);
             let out = child
                 .run(sh(&format!(
@@ -845,8 +845,8 @@ fn sandboxes_from_a_saved_image_have_its_processes_and_files_and_lives_of_their_
 fn delete_leaves_nothing_behind() {
     let rt = runtime();
     let sb = create();
-    let (pid, dir) = (sb.vm.pid, sb.vm.dir.clone());
-    assert!(pid_alive(pid) && dir.join("disk.qcow2").exists() && sb.vm.agent_socket.exists());
+    let (pid, dir) = (sb.handle.pid, sb.handle.dir.clone());
+    assert!(pid_alive(pid) && dir.join("disk.qcow2").exists() && sb.handle.agent_socket.exists());
     let cgroups = airlock_cgroups(pid);
     assert!(!cgroups.is_empty());
     block_on(rt.delete(sb.id())).unwrap();
@@ -865,7 +865,7 @@ fn delete_leaves_nothing_behind() {
 fn killed_vmm_is_cleaned_up() {
     let rt = runtime();
     let sb = create();
-    let (pid, dir, id) = (sb.vm.pid, sb.vm.dir.clone(), sb.id().to_string());
+    let (pid, dir, id) = (sb.handle.pid, sb.handle.dir.clone(), sb.id().to_string());
     let cgroups = airlock_cgroups(pid);
     drop(sb);
     nix::sys::signal::kill(
@@ -899,7 +899,7 @@ fn killed_vmm_is_cleaned_up() {
 
 fn resources_are_honoured_and_validated() {
     let rt = runtime();
-    let sb = block_on(rt.create(CreateSandbox {
+    let sb = block_on(rt.create(CreateVm {
         id: None,
         template: "seed".into(),
         resources: Resources {
@@ -922,7 +922,7 @@ fn resources_are_honoured_and_validated() {
     assert!(v[2] > 2700 && v[2] <= 3000, "{text}");
     block_on(rt.delete(sb.id())).unwrap();
 
-    let bad = |r: Resources| match block_on(rt.create(CreateSandbox {
+    let bad = |r: Resources| match block_on(rt.create(CreateVm {
         id: None,
         template: "seed".into(),
         resources: r,
@@ -945,7 +945,7 @@ fn resources_are_honoured_and_validated() {
         ..small()
     })
     .contains("disk_mib must be at least"));
-    match block_on(rt.create(CreateSandbox {
+    match block_on(rt.create(CreateVm {
         id: None,
         template: "nonexistent".into(),
         resources: small(),
@@ -1044,5 +1044,5 @@ fn remove_all_sandboxes() {
         let _ = block_on(rt.delete(sb.id()));
     }
     // A base snapshot build still running would leave its network behind with the process.
-    block_on(rt.stop_snapshot_builds());
+    block_on(rt.stop_base_snapshot_builds());
 }

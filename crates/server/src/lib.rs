@@ -404,7 +404,7 @@ pub async fn serve(opts: ServeOptions) -> anyhow::Result<()> {
                 _ = term.recv() => {}
                 _ = int.recv() => {}
             }
-            runtime.stop_snapshot_builds().await;
+            runtime.stop_base_snapshot_builds().await;
             runtime.drain_pools().await;
             std::process::exit(0);
         });

@@ -524,8 +524,8 @@ pub struct PoolInfo {
 /// The /v1 view of what a node reports of a pool: the same fields, kept apart so the wire schema
 /// (and its documentation) does not follow the runtime's internal type, which a remote node
 /// will report in its own protocol.
-impl From<airlock_runtime::pool::PoolStatus> for PoolInfo {
-    fn from(p: airlock_runtime::pool::PoolStatus) -> Self {
+impl From<airlock_runtime::PoolStatus> for PoolInfo {
+    fn from(p: airlock_runtime::PoolStatus) -> Self {
         PoolInfo {
             template: p.template,
             resources: p.resources,

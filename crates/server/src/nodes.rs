@@ -3,8 +3,9 @@
 //! implementation (many hosts) will sit behind the same trait.
 
 use crate::records::SandboxRecord;
+use airlock_runtime::sandbox::StartKind;
 use airlock_runtime::template::TemplateStore;
-use airlock_runtime::{AgentClient, CreateSandbox, Resources, Runtime, RuntimeError};
+use airlock_runtime::{AgentClient, CreateVm, Resources, Runtime, RuntimeError};
 use async_trait::async_trait;
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
@@ -67,7 +68,7 @@ pub trait Nodes: Send + Sync {
     fn unclaim(&self, id: &str);
     /// Keep `size` VMs of `template` with `resources` ready.
     fn set_pool(&self, template: &str, resources: &crate::model::Resources, size: usize) -> Result<(), RuntimeError>;
-    fn pools(&self) -> Vec<airlock_runtime::pool::PoolStatus>;
+    fn pools(&self) -> Vec<airlock_runtime::PoolStatus>;
     /// Run a paused VM again, or start a suspended one from its saved state.
     async fn resume(&self, id: &str) -> Result<(), RuntimeError>;
     fn vm_state(&self, id: &str) -> VmState;
@@ -137,7 +138,7 @@ impl Nodes for LocalNode {
         let _guard = lock.lock().await;
         let sb = self
             .runtime
-            .create(CreateSandbox {
+            .create(CreateVm {
                 id: Some(sandbox.id.clone()),
                 template: sandbox.template.clone(),
                 resources: Resources {
@@ -154,10 +155,10 @@ impl Nodes for LocalNode {
             accel: sb.record.accel.to_string(),
             start: crate::model::SandboxStart {
                 from: match sb.record.start {
-                    airlock_runtime::sandbox::StartKind::Boot => "boot".into(),
-                    airlock_runtime::sandbox::StartKind::Restore => "restore".into(),
-                    airlock_runtime::sandbox::StartKind::Snapshot => "snapshot".into(),
-                    airlock_runtime::sandbox::StartKind::Pool => "pool".into(),
+                    StartKind::Boot => "boot".into(),
+                    StartKind::BaseSnapshot => "restore".into(),
+                    StartKind::Image => "snapshot".into(),
+                    StartKind::Pool => "pool".into(),
                 },
                 ms: sb.record.start_ms,
             },
@@ -228,7 +229,7 @@ impl Nodes for LocalNode {
         self.runtime.set_pool(template, runtime_resources(r), size).map(drop)
     }
 
-    fn pools(&self) -> Vec<airlock_runtime::pool::PoolStatus> {
+    fn pools(&self) -> Vec<airlock_runtime::PoolStatus> {
         self.runtime.pools()
     }
 

@@ -46,7 +46,7 @@ fn body_channel() -> (tokio::sync::mpsc::Sender<Result<Bytes, std::io::Error>>, 
 /// What the sandbox's fake agent has received in uploads so far.
 fn uploaded(server: &Server, id: &str) -> u64 {
     let sandbox = server.runtime().get(id).expect("the sandbox's VM");
-    fake::uploaded_bytes(&sandbox.vm).expect("a fake agent")
+    fake::uploaded_bytes(&sandbox.handle).expect("a fake agent")
 }
 
 /// Poll `cond` for up to `within`.

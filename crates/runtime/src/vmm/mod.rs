@@ -124,7 +124,7 @@ pub struct VmSpec {
     pub accel: Accel,
     /// The VM's NIC, if it has one.
     pub network: Option<NetAttach>,
-    /// Base snapshots (see `snapshot.rs`): what makes this VM a snapshot's builder or clone.
+    /// Base snapshots (see `sandbox/base_snapshot.rs`): what makes this VM a snapshot's builder or clone.
     pub snapshot: Option<SnapshotRole>,
 }
 
@@ -386,9 +386,9 @@ pub trait Vmm: Send + Sync {
     async fn resume(&self, vm: &VmHandle) -> Result<()>;
     /// Whether the guest's vCPUs are frozen.
     async fn is_paused(&self, vm: &VmHandle) -> Result<bool>;
-    /// Free what the driver holds for a VM outside its dir (the jail's cgroups), once its VMM
-    /// process is gone.
-    fn release(&self, _vm_dir: &Path) {}
+    /// Free what the driver holds for VM `id` (the id its [`VmSpec`] was started with) outside
+    /// its dir (the jail's cgroups), once its VMM process is gone.
+    fn release(&self, _id: &str) {}
     /// Free such leftovers of VMs not in `live` (after a crash), at start-up.
     fn sweep(&self, _live: &std::collections::HashSet<String>) {}
     /// The isolation its VMs run in, where the driver jails them.

@@ -453,10 +453,7 @@ impl Vmm for QemuVmm {
     }
 
     async fn start(&self, spec: &VmSpec) -> Result<VmHandle> {
-        let jailer = self
-            .jailer
-            .as_ref()
-            .ok_or_else(|| RuntimeError::Jail("the QEMU driver has no jailer; open it through Runtime".into()))?;
+        let jailer = self.jailer.as_ref().ok_or(crate::jail::JailError::NoJailer)?;
         let dir = &spec.dir;
         let files = VmFiles {
             overlay: dir.join("disk.qcow2"),
@@ -525,9 +522,10 @@ impl Vmm for QemuVmm {
             .stderr(log_err);
         // Not `-daemonize`: its intermediate processes would be left as zombies, and a direct
         // child can be reaped by pid when it exits. The jail puts it in its own session.
-        let child = jail
-            .spawn(cmd)
-            .map_err(|e| RuntimeError::Jail(format!("starting {} in its jail: {e}", self.binary.display())))?;
+        let child = jail.spawn(cmd).map_err(|source| crate::jail::JailError::Spawn {
+            binary: self.binary.clone(),
+            source,
+        })?;
         let pid = child.id();
         drop(child); // std does not wait on drop; `wait_exit` reaps it
         let handle = VmHandle {
@@ -587,9 +585,9 @@ impl Vmm for QemuVmm {
         cmdline.split(|b| *b == 0).any(|arg| arg == name.as_bytes())
     }
 
-    fn release(&self, vm_dir: &Path) {
-        if let (Some(jailer), Some(id)) = (&self.jailer, vm_dir.file_name()) {
-            jailer.release(&id.to_string_lossy());
+    fn release(&self, id: &str) {
+        if let Some(jailer) = &self.jailer {
+            jailer.release(id);
         }
     }
 

@@ -248,7 +248,7 @@ impl Server {
     }
 
     pub fn vm_pid(&self, id: &str) -> u32 {
-        self.runtime().get(id).expect("the sandbox's VM").vm.pid
+        self.runtime().get(id).expect("the sandbox's VM").handle.pid
     }
 
     // --- HTTP
@@ -597,7 +597,7 @@ impl FakeImages {
         state
             .set_len(FAKE_IMAGE_BYTES)
             .map_err(|e| airlock_runtime::RuntimeError::io(&dir, e))?;
-        std::fs::write(dir.join(airlock_runtime::image::MANIFEST), "{}")
+        std::fs::write(dir.join(airlock_runtime::sandbox::image::MANIFEST), "{}")
             .map_err(|e| airlock_runtime::RuntimeError::io(&dir, e))?;
         Ok(FAKE_IMAGE_BYTES)
     }
@@ -690,7 +690,7 @@ impl Nodes for TestNode {
     ) -> Result<(), airlock_runtime::RuntimeError> {
         self.inner.set_pool(template, r, size)
     }
-    fn pools(&self) -> Vec<airlock_runtime::pool::PoolStatus> {
+    fn pools(&self) -> Vec<airlock_runtime::PoolStatus> {
         self.inner.pools()
     }
     fn vm_state(&self, id: &str) -> VmState {

@@ -37,7 +37,7 @@ async fn crash_mid_create_after_the_boot_succeeds_it() {
     let rt = server.runtime();
     server
         .on_server(async move {
-            rt.create(airlock_runtime::CreateSandbox {
+            rt.create(airlock_runtime::CreateVm {
                 id: Some(id.into()),
                 template: "seed".into(),
                 resources: Default::default(),

@@ -4,11 +4,21 @@
 //! (`held/`: the frozen disks it sat on, kernel, initramfs, root filesystem), so an image keeps
 //! working after its sandbox, template or base snapshot goes. `image.json` is written last: a dir
 //! without one is a save that did not finish.
+//!
+//! [`Images`] owns the images dir: saving one from a running VM, digesting, finding, listing
+//! and removing them (a create from one is the facade's). Uses `launch.rs`, `vm.rs` and
+//! `saved.rs` for the format.
 
+use super::launch::{Launcher, Source};
+use super::saved::{copy_file, create_state_file, hold, Manifest, SavedMachine, SAVE_LIMIT};
+use super::vm::Vm;
+use crate::datadir::write_atomic;
 use crate::error::{Result, RuntimeError};
 use crate::vmm::{Accel, Resources, ResumeSpec};
 use serde::{Deserialize, Serialize};
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::{Instant, SystemTime};
 
 pub const MANIFEST: &str = "image.json";
 
@@ -37,25 +47,36 @@ pub struct ImageManifest {
     pub digest: Option<String>,
 }
 
-#[derive(Debug, Clone)]
-pub struct Image {
-    pub dir: PathBuf,
-    pub manifest: ImageManifest,
+impl Manifest for ImageManifest {
+    const FILE: &'static str = MANIFEST;
+    /// A parsed manifest is a finished save (it is written last).
+    fn complete(&self, _dir: &Path) -> bool {
+        true
+    }
 }
 
-impl Image {
-    pub fn state(&self) -> PathBuf {
-        self.dir.join("state")
-    }
+/// A saved image on disk.
+pub type Image = SavedMachine<ImageManifest>;
 
+impl SavedMachine<ImageManifest> {
     /// The image `id` under `root`, if its save finished.
     pub fn find(root: &Path, id: &str) -> Option<Self> {
         if !valid_image_id(id) {
             return None;
         }
-        let dir = root.join(id);
-        let manifest = serde_json::from_slice(&std::fs::read(dir.join(MANIFEST)).ok()?).ok()?;
-        Some(Self { dir, manifest })
+        Self::load(root.join(id))
+    }
+
+    /// A VM started from it, as a launch's source.
+    pub(crate) fn source(&self) -> Source<'_> {
+        let m = &self.manifest;
+        Source::Image {
+            template: &m.template,
+            template_digest: &m.template_digest,
+            resources: m.resources,
+            machine: &m.machine,
+            state: self.state(),
+        }
     }
 
     pub fn bytes(&self) -> u64 {
@@ -69,7 +90,7 @@ impl Image {
     /// Reads both files whole (about a second per 512 MiB here), so it runs off the save's path.
     pub fn content_digest(&self) -> Result<String> {
         let state = crate::template::sha256_file(&self.state())?;
-        let disk = crate::template::sha256_file(&self.dir.join("disk.qcow2"))?;
+        let disk = crate::template::sha256_file(&self.disk())?;
         let m = &self.manifest;
         let canonical = serde_json::json!({
             "format": "airlock-image/1",
@@ -116,6 +137,149 @@ pub fn unfinished(root: &Path) -> Vec<PathBuf> {
         .map(|e| e.path())
         .filter(|p| p.is_dir() && !p.join(MANIFEST).exists())
         .collect()
+}
+
+/// This node's saved images.
+pub struct Images {
+    launcher: Arc<Launcher>,
+}
+
+impl Images {
+    pub fn new(launcher: Arc<Launcher>) -> Self {
+        Self { launcher }
+    }
+
+    /// Remove the saves an earlier process did not finish.
+    pub fn remove_unfinished(&self) {
+        for dir in unfinished(&self.launcher.data.images()) {
+            tracing::info!("removing an unfinished image {}", dir.display());
+            let _ = std::fs::remove_dir_all(dir);
+        }
+    }
+
+    /// The saved image `id`, if it exists and this VMM can load it.
+    pub fn find(&self, id: &str) -> Option<Image> {
+        let image = Image::find(&self.launcher.data.images(), id)?;
+        let vmm = self.launcher.vmm.snapshotting()?.build_id();
+        (image.manifest.vmm == vmm).then_some(image)
+    }
+
+    /// Ids of the saved images.
+    pub fn ids(&self) -> Vec<String> {
+        std::fs::read_dir(self.launcher.data.images())
+            .into_iter()
+            .flatten()
+            .flatten()
+            .map(|e| e.file_name().to_string_lossy().into_owned())
+            .collect()
+    }
+
+    /// Remove image `id` (VMs made from it run on; a missing one is not an error).
+    pub fn remove(&self, id: &str) -> Result<()> {
+        remove(&self.launcher.data.images(), id)
+    }
+
+    /// Save `sb` as image `image_id` while it runs on: it is stopped only while its memory
+    /// is written and its disk copied, then runs again (a paused one stays paused), with its
+    /// sessions intact. VMs made from the image ([`super::CreateVm::image`]) start with its
+    /// memory, processes and files at that moment.
+    pub async fn save(&self, sb: &Vm, image_id: &str) -> Result<Image> {
+        if !valid_image_id(image_id) {
+            return Err(RuntimeError::InvalidSandboxId(image_id.into()));
+        }
+        let l = &self.launcher;
+        let id = sb.id();
+        if sb.is_paused() {
+            return Err(RuntimeError::NotRunning(format!("{id} (paused; resume it first)")));
+        }
+        let snapshotting = l.snapshotting("snapshot")?;
+        let machine = sb.record.machine.clone().ok_or_else(|| RuntimeError::ControlCommand {
+            command: "snapshot".into(),
+            reason: format!("sandbox {id} was started by an older server that did not record its machine"),
+        })?;
+        let dir = l.data.images().join(image_id);
+        std::fs::create_dir(&dir).map_err(|e| RuntimeError::io(&dir, e))?;
+        let disk = dir.join(<ImageManifest as Manifest>::DISK);
+        let saved = async {
+            let layers: Vec<PathBuf> = std::iter::once(disk.clone())
+                .chain(
+                    machine
+                        .layers
+                        .iter()
+                        .enumerate()
+                        .map(|(n, layer)| hold(&dir, &format!("layer-{n}.qcow2"), layer)),
+                )
+                .collect();
+            let image_machine = ResumeSpec {
+                layers,
+                kernel: hold(&dir, "kernel", &machine.kernel),
+                initrd: hold(&dir, "initrd", &machine.initrd),
+                rootfs: hold(&dir, "rootfs", &machine.rootfs),
+                ..machine.clone()
+            };
+            let started = Instant::now();
+            let state = dir.join(<ImageManifest as Manifest>::STATE);
+            let to = create_state_file(&state)?;
+            let was_running = snapshotting.save_state(&sb.handle, to, SAVE_LIMIT).await?;
+            // Stopped, its images flushed: the overlay as it is now is the image's disk.
+            let copied = copy_file(&sb.handle.dir.join("disk.qcow2"), &disk).await;
+            if was_running {
+                l.vmm.resume(&sb.handle).await?;
+            }
+            copied?;
+            let size = |p: &Path| std::fs::metadata(p).map(|m| m.len()).unwrap_or(0);
+            let manifest = ImageManifest {
+                id: image_id.to_string(),
+                source: id.to_string(),
+                template: sb.record.template.clone(),
+                template_digest: sb.record.template_digest.clone(),
+                resources: sb.record.resources,
+                accel: sb.record.accel,
+                vmm: snapshotting.build_id(),
+                machine: image_machine,
+                created_at: humantime::format_rfc3339_millis(SystemTime::now()).to_string(),
+                state_bytes: size(&state),
+                disk_bytes: size(&disk),
+                save_ms: started.elapsed().as_millis() as u64,
+                digest: None,
+            };
+            Image::seal(dir.clone(), manifest)
+        }
+        .await;
+        if saved.is_err() {
+            let _ = std::fs::remove_dir_all(&dir);
+        }
+        let image = saved?;
+        tracing::info!(%id, image = %image_id, ms = image.manifest.save_ms, bytes = image.bytes(), "image saved");
+        Ok(image)
+    }
+
+    /// Compute image `image_id`'s content address ([`Image::content_digest`]) and record it in
+    /// its manifest; a digest recorded before is returned as it is. Off the save's path: the VM
+    /// it came from runs meanwhile, and forks' images need none.
+    pub async fn digest(&self, image_id: &str) -> Result<String> {
+        let root = self.launcher.data.images();
+        let image = Image::find(&root, image_id).ok_or_else(|| RuntimeError::UnknownImage(image_id.into()))?;
+        if let Some(d) = &image.manifest.digest {
+            return Ok(d.clone());
+        }
+        tokio::task::spawn_blocking(move || {
+            let started = Instant::now();
+            let digest = image.content_digest()?;
+            let manifest = ImageManifest {
+                digest: Some(digest.clone()),
+                ..image.manifest.clone()
+            };
+            write_atomic(
+                &image.dir.join(MANIFEST),
+                &serde_json::to_vec_pretty(&manifest).expect("serializable"),
+            )?;
+            tracing::info!(image = %manifest.id, %digest, ms = started.elapsed().as_millis() as u64, "image digested");
+            Ok(digest)
+        })
+        .await
+        .map_err(|e| RuntimeError::io(&root, std::io::Error::other(e.to_string())))?
+    }
 }
 
 #[cfg(test)]
