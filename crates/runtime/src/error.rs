@@ -20,7 +20,7 @@ pub enum RuntimeError {
     #[error("data dir {0} is in use by another airlock process; stop it or pass another --data-dir")]
     DataDirInUse(String),
     #[error("template build failed: {0}")]
-    TemplateBuild(String),
+    TemplateBuild(#[from] crate::template::TemplateError),
     #[error("sandbox {id} failed to boot: {reason}")]
     BootFailed { id: String, reason: String },
     #[error("sandbox {0} is not running")]

@@ -129,10 +129,6 @@ pub struct SandboxLink {
 }
 
 impl SandboxLink {
-    /// Where the guest's DNS queries land, when wired.
-    pub fn dns_target(&self) -> Option<SocketAddrV4> {
-        self.ports.dns.map(|p| SocketAddrV4::new(self.host_addr, p))
-    }
     /// Where the guest's TCP connections land, when wired.
     pub fn proxy_target(&self) -> Option<SocketAddrV4> {
         self.ports.proxy.map(|p| SocketAddrV4::new(self.host_addr, p))
