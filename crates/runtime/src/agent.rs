@@ -16,6 +16,7 @@
 //!   their response headers.
 
 use airlock_proto::frame::{Decoder, Event};
+use airlock_proto::routes::{self, Route, WriteFile};
 use airlock_proto::{
     ErrorBody, ErrorCode, FileStat, Health, Metrics, MkdirRequest, MkdirResponse, ProcessInfo, ProcessSpec, PtySize,
     RenameRequest, SignalRequest, WatchEvent,
@@ -177,8 +178,14 @@ fn bytes_body(b: impl Into<Bytes>) -> ReqBody {
     Full::new(b.into()).map_err(|n| match n {}).boxed_unsync()
 }
 
-fn q(value: &str) -> String {
-    url::form_urlencoded::byte_serialize(value.as_bytes()).collect()
+/// The HTTP method of a route.
+fn method(route: &Route) -> Method {
+    match route.method() {
+        routes::Method::Get => Method::GET,
+        routes::Method::Post => Method::POST,
+        routes::Method::Put => Method::PUT,
+        routes::Method::Delete => Method::DELETE,
+    }
 }
 
 /// How a call's deadline runs (see [`Deadlines`]).
@@ -358,12 +365,12 @@ impl AgentClient {
     /// Send a request; the response once its headers are in, and when its body is due.
     async fn request(
         &self,
-        method: Method,
-        uri: &str,
+        route: &Route,
         body: ReqBody,
         clock: Clock,
     ) -> Result<(hyper::Response<Incoming>, Due), AgentError> {
-        let what = format!("{method} {uri}");
+        let uri = route.uri();
+        let what = format!("{} {uri}", route.method());
         let start = Instant::now();
         let (limit, waiting_since, body) = match clock {
             Clock::Agent(limit) => {
@@ -377,7 +384,7 @@ impl AgentClient {
             Clock::Headers(limit) => (limit, None, body),
         };
         let req = Request::builder()
-            .method(method)
+            .method(method(route))
             .uri(format!("http://agent{uri}"))
             .body(body)
             .expect("valid request");
@@ -428,44 +435,36 @@ impl AgentClient {
     }
 
     /// A call whose answer is only its status (the body, `{}`, is read and dropped).
-    async fn call(&self, method: Method, uri: &str, body: ReqBody) -> Result<(), AgentError> {
-        let what = format!("{method} {uri}");
-        let (resp, due) = self
-            .request(method, uri, body, Clock::Agent(self.deadlines.call))
-            .await?;
+    async fn call(&self, route: Route, body: ReqBody) -> Result<(), AgentError> {
+        let what = format!("{} {}", route.method(), route.uri());
+        let (resp, due) = self.request(&route, body, Clock::Agent(self.deadlines.call)).await?;
         collect_limited(resp.into_body(), RECORD_MAX, &what, due)
             .await
             .map(drop)
     }
 
     /// The response headers of a stream (events, file reads): the body is the caller's.
-    async fn open_stream(&self, uri: &str, limit: Duration) -> Result<Incoming, AgentError> {
-        let (resp, _) = self.request(Method::GET, uri, empty(), Clock::Agent(limit)).await?;
+    async fn open_stream(&self, route: Route, limit: Duration) -> Result<Incoming, AgentError> {
+        let (resp, _) = self.request(&route, empty(), Clock::Agent(limit)).await?;
         Ok(resp.into_body())
     }
 
     async fn call_json<T: serde::de::DeserializeOwned>(
         &self,
-        method: Method,
-        uri: &str,
+        route: Route,
         body: ReqBody,
         max: usize,
         limit: Duration,
     ) -> Result<T, AgentError> {
-        let what = format!("{method} {uri}");
-        let (resp, due) = self.request(method, uri, body, Clock::Agent(limit)).await?;
+        let what = format!("{} {}", route.method(), route.uri());
+        let (resp, due) = self.request(&route, body, Clock::Agent(limit)).await?;
         let bytes = collect_limited(resp.into_body(), max, &what, due).await?;
         serde_json::from_slice(&bytes).map_err(|e| AgentError::Protocol(format!("{what}: {e}")))
     }
 
     /// A call answered by one record.
-    async fn call_record<T: serde::de::DeserializeOwned>(
-        &self,
-        method: Method,
-        uri: &str,
-        body: ReqBody,
-    ) -> Result<T, AgentError> {
-        self.call_json(method, uri, body, RECORD_MAX, self.deadlines.call).await
+    async fn call_record<T: serde::de::DeserializeOwned>(&self, route: Route, body: ReqBody) -> Result<T, AgentError> {
+        self.call_json(route, body, RECORD_MAX, self.deadlines.call).await
     }
 
     fn json_body<T: serde::Serialize>(v: &T) -> ReqBody {
@@ -473,22 +472,17 @@ impl AgentClient {
     }
 
     pub async fn health(&self) -> Result<Health, AgentError> {
-        self.call_record(Method::GET, "/health", empty()).await
+        self.call_record(Route::Health, empty()).await
     }
 
     pub async fn metrics(&self) -> Result<Metrics, AgentError> {
-        self.call_record(Method::GET, "/metrics", empty()).await
+        self.call_record(Route::Metrics, empty()).await
     }
 
     /// Flush the guest's page cache to the disk.
     pub async fn sync(&self) -> Result<(), AgentError> {
         let (resp, due) = self
-            .request(
-                Method::POST,
-                "/system/sync",
-                empty(),
-                Clock::Agent(self.deadlines.slow_call),
-            )
+            .request(&Route::Sync, empty(), Clock::Agent(self.deadlines.slow_call))
             .await?;
         collect_limited(resp.into_body(), RECORD_MAX, "POST /system/sync", due)
             .await
@@ -497,27 +491,25 @@ impl AgentClient {
 
     /// Give the guest its identity (after every boot or restore; see `airlock_proto::Identity`).
     pub async fn set_identity(&self, identity: &airlock_proto::Identity) -> Result<(), AgentError> {
-        self.call(Method::POST, "/identity", Self::json_body(identity)).await
+        self.call(Route::Identity, Self::json_body(identity)).await
     }
 
     /// Ask the guest to sync and power off.
     pub async fn shutdown(&self) -> Result<(), AgentError> {
-        self.call(Method::POST, "/system/shutdown", empty()).await
+        self.call(Route::Shutdown, empty()).await
     }
 
     pub async fn spawn(&self, spec: &ProcessSpec) -> Result<ProcessInfo, AgentError> {
-        self.call_record(Method::POST, "/processes", Self::json_body(spec))
-            .await
+        self.call_record(Route::Spawn, Self::json_body(spec)).await
     }
 
     pub async fn processes(&self) -> Result<Vec<ProcessInfo>, AgentError> {
-        self.call_json(Method::GET, "/processes", empty(), LIST_MAX, self.deadlines.call)
+        self.call_json(Route::Processes, empty(), LIST_MAX, self.deadlines.call)
             .await
     }
 
     pub async fn process(&self, id: u64) -> Result<ProcessInfo, AgentError> {
-        self.call_record(Method::GET, &format!("/processes/{id}"), empty())
-            .await
+        self.call_record(Route::Process { id }, empty()).await
     }
 
     /// The process's events after `after` (0 = from the start), ending with its exit. The
@@ -530,7 +522,7 @@ impl AgentClient {
         after: u64,
     ) -> Result<impl Stream<Item = Result<Event, AgentError>> + Send + 'static, AgentError> {
         let body = self
-            .open_stream(&format!("/processes/{id}/events?after={after}"), self.deadlines.call)
+            .open_stream(Route::Events { id, after }, self.deadlines.call)
             .await?;
         Ok(futures_util::stream::unfold(
             (body, Decoder::default(), false),
@@ -566,23 +558,20 @@ impl AgentClient {
     }
 
     pub async fn write_stdin(&self, id: u64, data: impl Into<Bytes>) -> Result<(), AgentError> {
-        self.call(Method::POST, &format!("/processes/{id}/stdin"), bytes_body(data))
-            .await
+        self.call(Route::Stdin { id }, bytes_body(data)).await
     }
 
     pub async fn close_stdin(&self, id: u64) -> Result<(), AgentError> {
-        self.call(Method::POST, &format!("/processes/{id}/stdin/close"), empty())
-            .await
+        self.call(Route::CloseStdin { id }, empty()).await
     }
 
     pub async fn signal(&self, id: u64, signal: i32) -> Result<(), AgentError> {
         let body = Self::json_body(&SignalRequest { signal });
-        self.call(Method::POST, &format!("/processes/{id}/signal"), body).await
+        self.call(Route::Signal { id }, body).await
     }
 
     pub async fn resize(&self, id: u64, size: PtySize) -> Result<(), AgentError> {
-        self.call(Method::POST, &format!("/processes/{id}/resize"), Self::json_body(&size))
-            .await
+        self.call(Route::Resize { id }, Self::json_body(&size)).await
     }
 
     /// File content as a stream of chunks (each at most one HTTP/2 DATA frame). Long-lived by
@@ -592,7 +581,7 @@ impl AgentClient {
         path: &str,
     ) -> Result<impl Stream<Item = Result<Bytes, AgentError>> + Send + 'static, AgentError> {
         let body = self
-            .open_stream(&format!("/files?path={}", q(path)), self.deadlines.call)
+            .open_stream(Route::ReadFile { path: path.into() }, self.deadlines.call)
             .await?;
         Ok(body
             .into_data_stream()
@@ -601,11 +590,9 @@ impl AgentClient {
 
     /// A whole file, at most [`READ_FILE_MAX`] bytes, within the call deadline.
     pub async fn read_file(&self, path: &str) -> Result<Bytes, AgentError> {
-        let uri = format!("/files?path={}", q(path));
-        let (resp, due) = self
-            .request(Method::GET, &uri, empty(), Clock::Agent(self.deadlines.call))
-            .await?;
-        collect_limited(resp.into_body(), READ_FILE_MAX, &format!("GET {uri}"), due).await
+        let route = Route::ReadFile { path: path.into() };
+        let (resp, due) = self.request(&route, empty(), Clock::Agent(self.deadlines.call)).await?;
+        collect_limited(resp.into_body(), READ_FILE_MAX, &format!("GET {}", route.uri()), due).await
     }
 
     /// Write a file from a stream of chunks, creating parent directories. No deadline runs
@@ -631,23 +618,24 @@ impl AgentClient {
     where
         S: Stream<Item = Result<Bytes, std::io::Error>> + Send + 'static,
     {
-        let mut uri = format!("/files?path={}", q(path));
-        if let Some(u) = user {
-            uri.push_str(&format!("&user={}", q(u)));
-        }
+        let mut route = WriteFile {
+            path: path.into(),
+            user: user.map(Into::into),
+            ..Default::default()
+        };
         // The metadata (up to a few KiB, too much for a header) leads the body, its length in
         // the query.
         let lead = match metadata.is_empty() {
             true => None,
             false => {
                 let m = Bytes::from(serde_json::to_vec(metadata).expect("a map of strings"));
-                uri.push_str(&format!("&metadata_len={}", m.len()));
+                route.metadata_len = m.len();
                 Some(Ok(m))
             }
         };
         let data = futures_util::stream::iter(lead).chain(data);
         let body = BodyExt::boxed_unsync(StreamBody::new(data.map(|r| r.map(Frame::data))));
-        self.call_record(Method::PUT, &uri, body).await
+        self.call_record(Route::WriteFile(route), body).await
     }
 
     pub async fn write_file(
@@ -667,14 +655,15 @@ impl AgentClient {
     }
 
     pub async fn stat(&self, path: &str) -> Result<FileStat, AgentError> {
-        self.call_record(Method::GET, &format!("/files/stat?path={}", q(path)), empty())
-            .await
+        self.call_record(Route::Stat { path: path.into() }, empty()).await
     }
 
     pub async fn list(&self, path: &str, depth: u32) -> Result<Vec<FileStat>, AgentError> {
         self.call_json(
-            Method::GET,
-            &format!("/files/list?path={}&depth={depth}", q(path)),
+            Route::List {
+                path: path.into(),
+                depth,
+            },
             empty(),
             LIST_MAX,
             self.deadlines.slow_call,
@@ -687,12 +676,11 @@ impl AgentClient {
             path: path.into(),
             user: user.map(Into::into),
         });
-        self.call_record(Method::POST, "/files/mkdir", body).await
+        self.call_record(Route::Mkdir, body).await
     }
 
     pub async fn remove(&self, path: &str) -> Result<(), AgentError> {
-        self.call(Method::DELETE, &format!("/files?path={}", q(path)), empty())
-            .await
+        self.call(Route::Remove { path: path.into() }, empty()).await
     }
 
     pub async fn rename(&self, from: &str, to: &str) -> Result<FileStat, AgentError> {
@@ -700,7 +688,7 @@ impl AgentClient {
             from: from.into(),
             to: to.into(),
         });
-        self.call_record(Method::POST, "/files/rename", body).await
+        self.call_record(Route::Rename, body).await
     }
 
     /// A byte stream to `127.0.0.1:<port>` inside the guest (port forwarding). Closing the write
@@ -713,12 +701,7 @@ impl AgentClient {
         let upstream = tokio_util::io::ReaderStream::with_capacity(from_client, 64 << 10);
         let body = BodyExt::boxed_unsync(StreamBody::new(upstream.map(|r| r.map(Frame::data))));
         let (resp, _) = self
-            .request(
-                Method::POST,
-                &format!("/tcp/{port}"),
-                body,
-                Clock::Headers(self.deadlines.call),
-            )
+            .request(&Route::Tunnel { port }, body, Clock::Headers(self.deadlines.call))
             .await?;
         let downstream = resp
             .into_body()
@@ -750,11 +733,12 @@ impl AgentClient {
         recursive: bool,
         entries: bool,
     ) -> Result<impl Stream<Item = Result<WatchEvent, AgentError>> + Send + 'static, AgentError> {
-        let mut uri = format!("/files/watch?path={}&recursive={recursive}", q(path));
-        if entries {
-            uri.push_str("&entry=true");
-        }
-        let body = self.open_stream(&uri, self.deadlines.slow_call).await?;
+        let route = Route::Watch {
+            path: path.into(),
+            recursive,
+            entry: entries,
+        };
+        let body = self.open_stream(route, self.deadlines.slow_call).await?;
         Ok(futures_util::stream::unfold(
             (body, Vec::<u8>::new(), false),
             |(mut body, mut buf, done)| async move {
