@@ -1,4 +1,4 @@
-//! HTTP/2 routes the host calls. One handler per service call; bodies are JSON except file
+//! HTTP/2 routes the host calls (`airlock_proto::Route`, parsed here). One handler per route; bodies are JSON except file
 //! content (raw bytes) and process events (binary frames, see `airlock_proto::frame`).
 
 use crate::error::AgentError;
