@@ -1,5 +1,6 @@
-//! HTTP/2 routes the host calls (`airlock_proto::Route`, parsed here). One handler per route; bodies are JSON except file
-//! content (raw bytes) and process events (binary frames, see `airlock_proto::frame`).
+//! HTTP/2 routes the host calls (`airlock_proto::Route`, parsed here). One handler per route;
+//! bodies are JSON except file content (raw bytes) and process events (binary frames, see
+//! `airlock_proto::frame`).
 
 use crate::error::AgentError;
 use crate::files;
