@@ -1,7 +1,6 @@
 //! The agent's API as `AgentClient` methods, one per `airlock_proto::Route`.
 
-use super::session::*;
-use super::transport::*;
+use super::transport::{bytes_body, collect_limited, empty, Clock};
 use super::*;
 use airlock_proto::frame::{Decoder, Event};
 use airlock_proto::routes::{Route, WriteFile};

@@ -1,7 +1,7 @@
 //! The session on a VM's channel: the HELLO/READY resynchronization, then one HTTP/2
 //! connection that every clone of an `AgentClient` shares.
 
-use super::transport::*;
+use super::transport::ReqBody;
 use super::*;
 use airlock_proto::Health;
 use std::path::Path;

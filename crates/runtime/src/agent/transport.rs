@@ -2,7 +2,6 @@
 //! agent holds the call up ([`super::Deadlines`]), replies read within a size limit, error bodies
 //! turned into [`super::AgentError`].
 
-use super::session::*;
 use super::*;
 use airlock_proto::routes::{self, Route};
 use airlock_proto::ErrorBody;

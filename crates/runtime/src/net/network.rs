@@ -1,9 +1,7 @@
 //! `Network`: a runtime's sandbox networks, made, re-attached, removed and swept; the names
 //! of each sandbox's namespace and veth. Uses the pool, the rulesets and the kernel calls.
 
-use super::pool::*;
-use super::rules::*;
-use super::sys::*;
+use super::sys::{host_addresses, in_netns, open_tap, run, write_sysctl};
 use super::*;
 use airlock_proto::net as guest;
 use sha2::{Digest, Sha256};

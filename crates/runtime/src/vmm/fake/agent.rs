@@ -1,9 +1,9 @@
 //! The fake agents' registry (keyed by socket path, on a runtime of their own), the session
 //! start (HELLO/READY), HTTP/2 serving, and the hostile modes.
 
-use super::guest::*;
-use super::reply::*;
-use super::routes::*;
+use super::guest::Guest;
+use super::reply::Body;
+use super::routes::route;
 use super::*;
 use crate::vmm::wait_exit;
 use airlock_proto::Route;
@@ -37,7 +37,8 @@ pub(super) static AGENT_RUNTIME: LazyLock<tokio::runtime::Runtime> = LazyLock::n
         .expect("the fake agent runtime starts")
 });
 
-pub(super) fn guest(socket: &Path) -> Option<Arc<Guest>> {
+/// The fake guest whose agent serves `socket`, if this process runs one.
+pub(super) fn registered(socket: &Path) -> Option<Arc<Guest>> {
     GUESTS.lock().unwrap().get(socket).map(|r| r.guest.clone())
 }
 

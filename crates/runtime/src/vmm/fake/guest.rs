@@ -1,7 +1,7 @@
 //! The fake guest's state: its users, in-memory file system, processes and power.
 
-use super::process::*;
-use super::reply::*;
+use super::process::FakeProc;
+use super::reply::ApiErr;
 use super::*;
 use crate::datadir::random_hex;
 use crate::error::Result;

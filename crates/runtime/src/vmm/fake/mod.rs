@@ -36,12 +36,13 @@ mod vm;
 
 pub use vm::FakeVmm;
 
+use agent::registered;
+
 use crate::datadir::{write_atomic, DataDir};
 use crate::error::{Result, RuntimeError};
 use crate::sandbox::RuntimeOptions;
 use crate::template::{SeedRecipe, TemplateManifest};
 use crate::vmm::{pid_alive, Accel, VmHandle};
-use agent::*;
 use nix::sys::signal::{kill, Signal};
 use nix::unistd::Pid;
 use std::path::{Path, PathBuf};
@@ -135,7 +136,7 @@ pub fn kill_vm(pid: u32) {
 /// Power the VM off from inside: its process exits cleanly (status 0). False when this process
 /// has no fake agent for it. (Spawning `["poweroff"]` through the agent does the same.)
 pub fn power_off(vm: &VmHandle) -> bool {
-    match guest(&vm.agent_socket) {
+    match registered(&vm.agent_socket) {
         Some(g) => {
             g.power_off();
             true
@@ -161,7 +162,7 @@ pub enum Hostile {
 /// Switch the VM's agent to misbehave (`None`: behave again), for new calls and sessions.
 /// False when this process has no fake agent for it.
 pub fn set_hostile(vm: &VmHandle, mode: Option<Hostile>) -> bool {
-    match guest(&vm.agent_socket) {
+    match registered(&vm.agent_socket) {
         Some(g) => {
             *g.hostile.lock().unwrap() = mode;
             true
@@ -173,7 +174,7 @@ pub fn set_hostile(vm: &VmHandle, mode: Option<Hostile>) -> bool {
 /// The file bytes the VM's agent has received in uploads so far, counted as they arrive (before
 /// an upload has ended), metadata included. `None` when this process has no fake agent for it.
 pub fn uploaded_bytes(vm: &VmHandle) -> Option<u64> {
-    guest(&vm.agent_socket).map(|g| g.uploaded.load(Ordering::Relaxed))
+    registered(&vm.agent_socket).map(|g| g.uploaded.load(Ordering::Relaxed))
 }
 
 /// Pids of live fake VM processes whose sandbox dir is under `root` (e.g. a test's data dir).

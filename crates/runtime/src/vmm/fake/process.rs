@@ -1,7 +1,7 @@
 //! The fake agent's processes: the programs it knows, their events and signals.
 
-use super::guest::*;
-use super::reply::*;
+use super::guest::{now_ms, user, Guest};
+use super::reply::{ApiErr, Body};
 use super::*;
 use crate::error::Result;
 use airlock_proto::frame::{Event, EventKind, MAX_PAYLOAD};

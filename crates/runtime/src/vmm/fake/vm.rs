@@ -1,8 +1,8 @@
 //! The fake VMM: each "VM" a host process (`sh`) in its own session, paused on disk, its agent
 //! registered when it starts and stopped when it exits.
 
-use super::agent::*;
-use super::guest::*;
+use super::agent::{register, registered};
+use super::guest::Guest;
 use super::*;
 use crate::datadir::write_atomic;
 use crate::error::{Result, RuntimeError};
@@ -128,7 +128,7 @@ impl Vmm for FakeVmm {
         }
         let marker = paused_marker(&vm.dir);
         std::fs::write(&marker, b"").map_err(|e| RuntimeError::io(&marker, e))?;
-        if let Some(g) = guest(&vm.agent_socket) {
+        if let Some(g) = registered(&vm.agent_socket) {
             g.paused.send_replace(true);
         }
         Ok(())
@@ -143,7 +143,7 @@ impl Vmm for FakeVmm {
             Err(e) if e.kind() != std::io::ErrorKind::NotFound => return Err(RuntimeError::io(&marker, e)),
             _ => {}
         }
-        if let Some(g) = guest(&vm.agent_socket) {
+        if let Some(g) = registered(&vm.agent_socket) {
             g.paused.send_replace(false);
         }
         Ok(())
