@@ -455,21 +455,10 @@ fn write_private(path: &std::path::Path, text: &str) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// Signal number for a name like `SIGKILL` (for the shell-style 128+n exit code).
+/// Signal number for a name like `SIGKILL` or `SIG40` (for the shell-style 128+n exit code); 0
+/// for one that names none. Names come from the server's one signal table.
 pub fn signal_number(name: &str) -> i32 {
-    match name.trim_start_matches("SIG") {
-        "HUP" => 1,
-        "INT" => 2,
-        "QUIT" => 3,
-        "ABRT" => 6,
-        "KILL" => 9,
-        "USR1" => 10,
-        "USR2" => 12,
-        "PIPE" => 13,
-        "ALRM" => 14,
-        "TERM" => 15,
-        other => other.parse().unwrap_or(0),
-    }
+    airlock_server::signals::number(name).unwrap_or(0)
 }
 
 fn print_json(v: &serde_json::Value) {

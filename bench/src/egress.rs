@@ -1,6 +1,6 @@
 //! The egress proxy next to a direct veth path, in the same run, on the same test "internet".
 //!
-//! Namespaces (`airlock_egress::testnet`, TEST-NET addresses only): a sandbox namespace whose TCP
+//! Namespaces (`airlock_testnet`, TEST-NET addresses only): a sandbox namespace whose TCP
 //! is DNATed to the proxy in the host namespace (which resolves `allowed.test` through a test DNS
 //! server and dials it), and a direct namespace forwarded through the same host namespace to the
 //! same web server with no proxy. Samples alternate proxy/direct so drift hits both.
@@ -21,11 +21,11 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use airlock_egress::testnet::{Netns, TestDns, TestNet, TestWeb, GATEWAY, PROXY_PORT, UPLINK};
 use airlock_egress::{
     DnsConfig, DnsServer, EgressConfig, PlatformDenies, Policy, Profiles, Proxy, ProxyConfig, Resolver, SandboxEgress,
     SandboxLimits, TenantPolicy,
 };
+use airlock_testnet::{Netns, TestDns, TestNet, TestWeb, GATEWAY, PROXY_PORT, UPLINK};
 use clap::Parser;
 
 const SITE: Ipv4Addr = Ipv4Addr::new(203, 0, 113, 10);

@@ -35,6 +35,7 @@ mod dns;
 mod error;
 mod http1;
 mod log_limit;
+pub mod netns;
 mod policy;
 mod proxy;
 mod relay;
@@ -42,12 +43,11 @@ mod resolve;
 mod sandbox;
 mod serve;
 pub mod sniff;
-#[doc(hidden)]
-pub mod testnet;
 mod uplink;
 
 pub use dns::{DnsConfig, DnsServer};
 pub use error::{ConfigError, ResolvConfError, ResolveError};
+pub use netns::local_addresses;
 pub use policy::{
     normalize_domain, Decision, DeniedNameAddrs, EffectivePolicy, EgressConfig, PlatformDenies, Policy, Profile,
     Profiles, RawRules, RuleSet, TenantPolicy, PLATFORM_DENIED, PROFILES_ENV,
@@ -55,5 +55,5 @@ pub use policy::{
 pub use proxy::{OriginalDst, Proxy, ProxyConfig};
 pub use resolve::{Lookup, Resolver};
 pub use sandbox::{Denial, EgressCounters, EgressSnapshot, Path, SandboxEgress, SandboxLimits};
-pub use serve::{enter_netns, serve_sandbox, EgressTasks, SandboxSockets};
-pub use uplink::{local_addresses, Uplink};
+pub use serve::{serve_sandbox, EgressTasks, SandboxSockets};
+pub use uplink::Uplink;

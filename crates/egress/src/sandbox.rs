@@ -59,13 +59,16 @@ pub struct Denial {
     pub rule: String,
 }
 
-#[derive(Debug, Clone, Default, Serialize)]
+// A sandbox's decisions so far; also the /v1 API's `EgressCounters` (feature `openapi`; a doc
+// comment here would become its schema's description).
+#[derive(Debug, Clone, Default, Serialize, serde::Deserialize, PartialEq, Eq)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct EgressCounters {
     pub tcp_allowed: u64,
     pub tcp_denied: u64,
     pub dns_allowed: u64,
     pub dns_denied: u64,
-    /// `"allow <rule>"` / `"deny <rule>"` -> count.
+    /// `"allow <rule>"` / `"deny <rule>"` -> decisions.
     pub by_rule: BTreeMap<String, u64>,
 }
 

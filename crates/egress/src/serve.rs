@@ -5,13 +5,13 @@
 
 use std::io;
 use std::net::{IpAddr, SocketAddr};
-use std::os::fd::AsRawFd;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use tokio::task::JoinHandle;
 
 use crate::dns::DnsServer;
+use crate::netns;
 use crate::proxy::Proxy;
 use crate::sandbox::SandboxEgress;
 
@@ -28,9 +28,9 @@ impl SandboxSockets {
     /// Binds `gateway:53` (UDP and TCP) and `gateway:proxy_port` inside the namespace at
     /// `netns` (e.g. `/run/netns/<name>`). Non-blocking, ready for [`serve_sandbox`].
     pub fn bind_in_netns(netns: &Path, gateway: IpAddr, proxy_port: u16) -> io::Result<Self> {
-        let netns: PathBuf = netns.to_path_buf();
+        let path: PathBuf = netns.to_path_buf();
         std::thread::spawn(move || {
-            enter_netns(&netns)?;
+            netns::enter(&path)?;
             let dns_udp = std::net::UdpSocket::bind(SocketAddr::new(gateway, 53))?;
             let dns_tcp = std::net::TcpListener::bind(SocketAddr::new(gateway, 53))?;
             let proxy = std::net::TcpListener::bind(SocketAddr::new(gateway, proxy_port))?;
@@ -46,16 +46,6 @@ impl SandboxSockets {
         .join()
         .map_err(|_| io::Error::other("binding thread panicked"))?
     }
-}
-
-/// Moves the calling thread into the network namespace at `path` (only this thread).
-pub fn enter_netns(path: &Path) -> io::Result<()> {
-    let f = std::fs::File::open(path)?;
-    // SAFETY: a valid fd to a namespace file; setns affects only the calling thread.
-    if unsafe { libc::setns(f.as_raw_fd(), libc::CLONE_NEWNET) } != 0 {
-        return Err(io::Error::last_os_error());
-    }
-    Ok(())
 }
 
 /// The tasks serving one sandbox. Dropping it (or [`EgressTasks::stop`]) aborts them, which

@@ -16,6 +16,8 @@ use std::sync::{Arc, Mutex};
 
 use tokio::net::{TcpSocket, UdpSocket};
 
+use crate::netns;
+
 /// A socket the namespace thread is asked for.
 enum Request {
     Tcp { v6: bool },
@@ -64,7 +66,7 @@ impl Uplink {
         std::thread::Builder::new()
             .name("egress-uplink".into())
             .spawn(move || {
-                if let Err(e) = crate::serve::enter_netns(&ns) {
+                if let Err(e) = netns::enter(&ns) {
                     let _ = ready_tx.send(Err(e));
                     return;
                 }
@@ -74,7 +76,7 @@ impl Uplink {
                     let _ = reply.send(match req {
                         Request::Tcp { v6 } => Reply::Socket(new_tcp(v6)),
                         Request::Udp { bind } => Reply::Socket(std::net::UdpSocket::bind(bind).map(OwnedFd::from)),
-                        Request::Addresses => Reply::Addresses(local_addresses()),
+                        Request::Addresses => Reply::Addresses(netns::local_addresses()),
                     });
                 }
             })?;
@@ -131,7 +133,7 @@ impl Uplink {
     /// they are the host's, or the test uplink's).
     pub fn addresses(&self) -> io::Result<Vec<IpAddr>> {
         match &self.netns {
-            None => local_addresses(),
+            None => netns::local_addresses(),
             Some(t) => match self.ask(t, Request::Addresses)? {
                 Reply::Addresses(r) => r,
                 Reply::Socket(_) => unreachable!("asked for addresses"),
@@ -149,40 +151,6 @@ fn new_tcp(v6: bool) -> io::Result<OwnedFd> {
     }
     // SAFETY: a fresh fd nothing else owns.
     Ok(unsafe { OwnedFd::from_raw_fd(fd) })
-}
-
-/// Every IPv4 and IPv6 address on the calling thread's namespace's interfaces (`getifaddrs`).
-pub fn local_addresses() -> io::Result<Vec<IpAddr>> {
-    let mut head: *mut libc::ifaddrs = std::ptr::null_mut();
-    // SAFETY: getifaddrs fills `head` with a list freed below.
-    if unsafe { libc::getifaddrs(&mut head) } != 0 {
-        return Err(io::Error::last_os_error());
-    }
-    let mut out = Vec::new();
-    let mut cur = head;
-    while !cur.is_null() {
-        // SAFETY: a node of the list getifaddrs returned, alive until freeifaddrs.
-        let ifa = unsafe { &*cur };
-        if !ifa.ifa_addr.is_null() {
-            // SAFETY: ifa_addr points to a sockaddr whose family says its real type.
-            let family = unsafe { (*ifa.ifa_addr).sa_family } as libc::c_int;
-            if family == libc::AF_INET {
-                // SAFETY: AF_INET: a sockaddr_in.
-                let sin = unsafe { &*(ifa.ifa_addr as *const libc::sockaddr_in) };
-                out.push(IpAddr::from(sin.sin_addr.s_addr.to_ne_bytes()));
-            } else if family == libc::AF_INET6 {
-                // SAFETY: AF_INET6: a sockaddr_in6.
-                let sin6 = unsafe { &*(ifa.ifa_addr as *const libc::sockaddr_in6) };
-                out.push(IpAddr::from(sin6.sin6_addr.s6_addr));
-            }
-        }
-        cur = ifa.ifa_next;
-    }
-    // SAFETY: the list from getifaddrs above, freed once.
-    unsafe { libc::freeifaddrs(head) };
-    out.sort();
-    out.dedup();
-    Ok(out)
 }
 
 #[cfg(test)]

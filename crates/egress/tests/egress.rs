@@ -1,5 +1,5 @@
 //! The egress proxy and DNS responder against real sockets, in network namespaces built per test
-//! (`airlock_egress::testnet`): a "sandbox" namespace whose TCP is DNATed to the proxy, a "host"
+//! (`airlock_testnet`): a "sandbox" namespace whose TCP is DNATed to the proxy, a "host"
 //! namespace where the proxy and DNS responder run and dial from, and an "internet" namespace
 //! with an authoritative test DNS server and web servers on TEST-NET addresses. Needs root, `ip`
 //! and `nft`. Nothing is routed through the machine's own namespace.
@@ -10,8 +10,8 @@ use std::net::{IpAddr, Ipv4Addr, SocketAddr, TcpStream, UdpSocket};
 use std::sync::Arc;
 use std::time::Duration;
 
-use airlock_egress::testnet::{TestDns, TestNet, TestWeb, GATEWAY, PROXY_PORT, UPLINK};
 use airlock_egress::*;
+use airlock_testnet::{TestDns, TestNet, TestWeb, GATEWAY, PROXY_PORT, UPLINK};
 use hickory_proto::op::{Message, Query, ResponseCode};
 use hickory_proto::rr::{Name, RData, RecordType};
 

@@ -130,18 +130,23 @@ pub enum CoreError {
     /// Authenticated, but this credential may not do this (a tenant key on an admin route).
     #[error("{0}")]
     Forbidden(String),
-    /// The object exists already, or its state forbids the change.
-    #[error("{0}")]
-    Conflict(String),
-    /// A failure of the server itself that no caller can act on.
-    #[error("{0}")]
-    Internal(String),
+    /// The object exists already, or its state forbids the change: which, in `Conflict`.
+    #[error(transparent)]
+    Conflict(#[from] Conflict),
+    /// A failure of the server itself that no caller can act on, with its cause.
+    #[error(transparent)]
+    Internal(#[from] InternalError),
     /// The guest agent answered with an error about `kind` (a file, a process).
     #[error("{source}")]
     Guest { kind: Kind, source: AgentError },
-    /// The guest agent does not answer (VM gone, channel down, hostile agent).
+    /// The guest agent does not answer (VM gone, channel down, hostile agent), or the sandbox did
+    /// not come back to answer; `reason` keeps the cause.
     #[error("sandbox {id} is unreachable: {reason}")]
-    Unreachable { id: String, reason: String },
+    Unreachable {
+        id: String,
+        #[source]
+        reason: Unreachable,
+    },
     #[error(transparent)]
     Runtime(RuntimeError),
     #[error("{0}")]
@@ -151,6 +156,46 @@ pub enum CoreError {
 }
 
 pub type CoreResult<T> = Result<T, CoreError>;
+
+/// Why a sandbox's agent can't be reached (502 `sandbox_unreachable` at both doors).
+#[derive(Debug, thiserror::Error)]
+pub enum Unreachable {
+    /// The channel to the agent failed (not an answer of the agent's own).
+    #[error("{0}")]
+    Agent(#[source] AgentError),
+    /// The node has no agent for it (its VM is gone or not running).
+    #[error("{0}")]
+    Node(#[source] RuntimeError),
+    /// A held sandbox a request reached did not resume: the operation's error message.
+    #[error("it did not resume: {0}")]
+    NotResumed(String),
+    /// A snapshot's save failed: the operation's error message.
+    #[error("it could not be saved: {0}")]
+    NotSaved(String),
+}
+
+/// Why a change conflicts with what exists (409 `conflict` at both doors).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum Conflict {
+    /// A snapshot's name is taken by another snapshot or a template.
+    #[error("a snapshot or template named {0:?} exists")]
+    NameTaken(String),
+    #[error("tenant {0} exists")]
+    TenantExists(String),
+    /// `default` can't be deleted: it holds the server's bootstrap key.
+    #[error("tenant default holds the server's bootstrap key; revoke its keys instead")]
+    DefaultTenant,
+}
+
+/// A failure of the server itself (500 `internal`), keeping what caused it.
+#[derive(Debug, thiserror::Error)]
+pub enum InternalError {
+    #[error("hashing the console password: {0}")]
+    PasswordHash(#[source] argon2::password_hash::Error),
+    /// The upload semaphores were closed (they never are while the core lives).
+    #[error("upload slots closed")]
+    UploadSlotsClosed(#[source] tokio::sync::AcquireError),
+}
 
 /// Stable snake_case code and the HTTP status class of an error; doors start from this.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -251,7 +296,7 @@ impl CoreError {
             AgentError::Api { .. } => CoreError::Guest { kind, source: e },
             other => CoreError::Unreachable {
                 id: sandbox_id.into(),
-                reason: other.to_string(),
+                reason: Unreachable::Agent(other),
             },
         }
     }

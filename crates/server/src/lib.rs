@@ -19,6 +19,7 @@ pub mod node_egress;
 pub mod nodes;
 pub mod proxy;
 pub mod records;
+pub mod signals;
 pub mod store;
 
 use axum::routing::{get, post};

@@ -157,12 +157,8 @@ pub struct ResourcesSpec {
     pub disk_mib: Option<u32>,
 }
 
-#[derive(Debug, Clone, Copy, Serialize, Deserialize, ToSchema, PartialEq, Eq)]
-pub struct Resources {
-    pub vcpu: u32,
-    pub memory_mib: u32,
-    pub disk_mib: u32,
-}
+/// A sandbox's shape: the runtime's own type, documented as it is (one definition).
+pub use airlock_runtime::Resources;
 
 #[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
 #[serde(deny_unknown_fields)]
@@ -341,15 +337,8 @@ pub struct EffectiveEgressPolicy {
     pub profiles: BTreeMap<String, EgressRules>,
 }
 
-#[derive(Debug, Clone, Default, Serialize, Deserialize, ToSchema, PartialEq, Eq)]
-pub struct EgressCounters {
-    pub tcp_allowed: u64,
-    pub tcp_denied: u64,
-    pub dns_allowed: u64,
-    pub dns_denied: u64,
-    /// `"allow <rule>"` / `"deny <rule>"` -> decisions.
-    pub by_rule: BTreeMap<String, u64>,
-}
+/// A sandbox's egress decisions: the egress crate's own counters, documented as they are.
+pub use airlock_egress::EgressCounters;
 
 #[derive(Debug, Clone, Serialize, Deserialize, ToSchema, PartialEq, Eq)]
 pub struct EgressDenial {
@@ -518,6 +507,23 @@ pub struct PoolInfo {
     /// and shape that found it empty.
     pub hits: u64,
     pub misses: u64,
+}
+
+/// The /v1 view of what a node reports of a pool: the same fields, kept apart so the wire schema
+/// (and its documentation) does not follow the runtime's internal type, which a remote node
+/// will report in its own protocol.
+impl From<airlock_runtime::pool::PoolStatus> for PoolInfo {
+    fn from(p: airlock_runtime::pool::PoolStatus) -> Self {
+        PoolInfo {
+            template: p.template,
+            resources: p.resources,
+            size: p.size,
+            ready: p.ready,
+            starting: p.starting,
+            hits: p.hits,
+            misses: p.misses,
+        }
+    }
 }
 
 /// `PUT /v1/admin/pools`: a pool's size (0 empties it).
@@ -749,6 +755,22 @@ pub struct AuditEntry {
     /// How many times it happened: repeats of a refusal (the same actor, action, object and
     /// result) within about a minute of `at` are this one row.
     pub count: u64,
+}
+
+/// The wire differs from the record: `at` is RFC 3339 where the store keeps `at_ms`.
+impl From<crate::records::AuditRecord> for AuditEntry {
+    fn from(r: crate::records::AuditRecord) -> Self {
+        AuditEntry {
+            seq: r.seq,
+            at: crate::records::rfc3339(r.at_ms),
+            actor: r.actor,
+            tenant: r.tenant,
+            action: r.action,
+            object: r.object,
+            result: r.result,
+            count: r.count,
+        }
+    }
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]

@@ -273,3 +273,135 @@ async fn metrics_windows_select_from_the_sampled_history() {
     let (status, _) = server.e2b(Method::GET, &path, json!(null)).await;
     assert_eq!(status, 404);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_snapshot_list_pages_with_x_next_token() {
+    let dir = fresh();
+    let server = Server::start(dir.path(), 10, None).await;
+    let sb = server.e2b_sandbox().await;
+    let mut made = Vec::new();
+    for name in [json!({}), json!({ "name": "second" }), json!({})] {
+        let (status, snap) = server
+            .e2b(Method::POST, &format!("/sandboxes/{}/snapshots", sb.id), name)
+            .await;
+        assert_eq!(status, 201, "{snap}");
+        made.push(snap["snapshotID"].as_str().unwrap().to_string());
+        // Each a millisecond apart at least: the order is by creation time.
+        tokio::time::sleep(std::time::Duration::from_millis(5)).await;
+    }
+    let key = server.key.clone();
+    let list = |query: String| {
+        let headers = [("x-api-key", key.clone())];
+        let server = &server;
+        async move {
+            let h: Vec<(&str, &str)> = headers.iter().map(|(k, v)| (*k, v.as_str())).collect();
+            let resp = server
+                .send(Method::GET, &format!("/snapshots{query}"), &h, Body::empty())
+                .await;
+            let next = resp
+                .headers
+                .get("x-next-token")
+                .map(|v| v.to_str().unwrap().to_string());
+            let (status, body) = resp.json().await;
+            let ids: Vec<String> = body
+                .as_array()
+                .map(|a| {
+                    a.iter()
+                        .map(|s| s["snapshotID"].as_str().unwrap().to_string())
+                        .collect()
+                })
+                .unwrap_or_default();
+            (status, ids, next, body)
+        }
+    };
+
+    // Everything on one page by default, newest first, and no token: there is no next page.
+    let (status, all, next, body) = list(String::new()).await;
+    assert_eq!(status, 200, "{body}");
+    let newest_first: Vec<String> = made.iter().rev().cloned().collect();
+    assert_eq!(all, newest_first);
+    assert_eq!(next, None);
+
+    // Two a page: the token in X-Next-Token resumes after the page's last.
+    let (status, first, next, _) = list("?limit=2".into()).await;
+    assert_eq!((status, first.as_slice()), (200, &newest_first[..2]));
+    let token = next.expect("a next page");
+    let (status, second, next, _) = list(format!("?limit=2&nextToken={token}")).await;
+    assert_eq!((status, second.as_slice(), next), (200, &newest_first[2..], None));
+
+    // Filters apply before paging; a name picks its one snapshot.
+    let (_, named, next, _) = list("?name=second&limit=1".into()).await;
+    assert_eq!((named, next), (vec![made[1].clone()], None));
+    let (_, of_sandbox, _, _) = list(format!("?sandboxID={}&limit=100", sb.id)).await;
+    assert_eq!(of_sandbox, newest_first);
+
+    // A token this server never issued and limits out of range are 400s in E2B's error shape.
+    for q in ["?nextToken=junk", "?limit=0", "?limit=101", "?limit=many"] {
+        let (status, _, _, body) = list(q.into()).await;
+        assert_eq!(status, 400, "{q}: {body}");
+        assert!(body["code"] == 400 && body["message"].is_string(), "{q}: {body}");
+    }
+    server.delete(&sb.id).await;
+}
+
+/// A Start's `connect-timeout-ms` bounds the process's life (envd's semantics), and the core
+/// enforces it: the process ends at its timeout whether or not anyone reads its stream.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_started_process_ends_at_its_timeout_by_the_core() {
+    let dir = fresh();
+    let server = Server::start(dir.path(), 10, None).await;
+    let sb = server.e2b_sandbox().await;
+    let start = |timeout_ms: &'static str| {
+        let headers = [
+            ("x-access-token", sb.token.clone()),
+            ("e2b-sandbox-id", sb.id.clone()),
+            ("content-type", "application/connect+json".to_string()),
+            ("connect-protocol-version", "1".to_string()),
+            ("connect-timeout-ms", timeout_ms.to_string()),
+            ("keepalive-ping-interval", "1".to_string()),
+        ];
+        let server = &server;
+        async move {
+            let h: Vec<(&str, &str)> = headers.iter().map(|(k, v)| (*k, v.as_str())).collect();
+            let req = json!({ "process": { "cmd": "sleep", "args": ["30"] } });
+            let resp = server
+                .send(Method::POST, "/process.Process/Start", &h, Body::from(envelope(&req)))
+                .await;
+            assert_eq!(resp.status, 200);
+            ConnectStream {
+                body: futures_util::StreamExt::boxed(resp.body.into_data_stream()),
+                buf: Vec::new(),
+            }
+        }
+    };
+    let running = || async {
+        let (status, list) = server.envd_unary(&sb, "/process.Process/List", json!({})).await;
+        assert_eq!(status, 200, "{list}");
+        list["processes"].as_array().unwrap().len()
+    };
+
+    // Read to its end: the start, keepalives, then the deadline once the core ended it.
+    let began = std::time::Instant::now();
+    let mut stream = start("1500").await;
+    let (flags, first) = stream.next().await.unwrap();
+    assert_eq!(flags, 0);
+    assert!(first["event"]["start"]["pid"].as_u64().is_some(), "{first}");
+    let (flags, end) = stream.next_event().await.unwrap();
+    assert_eq!(flags, 0x02, "the stream ends with an error, not an end event: {end}");
+    assert_eq!(end["error"]["code"], "deadline_exceeded", "{end}");
+    assert!(
+        began.elapsed() >= std::time::Duration::from_millis(1400),
+        "{:?}",
+        began.elapsed()
+    );
+    // Ended by then: the client may list processes at once.
+    assert_eq!(running().await, 0);
+
+    // Nobody reads the stream: the process still ends at its timeout.
+    let stream = start("1000").await;
+    drop(stream);
+    assert_eq!(running().await, 1);
+    tokio::time::sleep(std::time::Duration::from_millis(1600)).await;
+    assert_eq!(running().await, 0, "the process outlived its timeout");
+    server.delete(&sb.id).await;
+}

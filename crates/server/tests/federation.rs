@@ -360,7 +360,7 @@ fn a_bad_issuers_file_is_refused_naming_the_entry() {
     let write = |v: Value| {
         let p = dir.path().join("issuers.json");
         std::fs::write(&p, v.to_string()).unwrap();
-        Federation::from_file(&p).map(|_| ()).unwrap_err()
+        Federation::from_file(&p).map(|_| ()).unwrap_err().to_string()
     };
     // An issuer must say which tenants it speaks for.
     let e = write(json!({"issuers": [{"issuer": "i", "audience": "a", "jwks_file": "/nope", "tenant_claim": "org"}]}));
@@ -455,7 +455,12 @@ async fn keys_come_from_an_issuers_url_and_are_fetched_again_on_reload() {
     assert!(federation.verify(&sign_rsa(&keys.rsa_pem, "rsa-1", &claims())).is_ok());
 
     // At start, keys that can't be fetched stop the server, naming the entry and the URL.
-    let e = load(issuers.clone()).await.unwrap().map(|_| ()).unwrap_err();
+    let e = load(issuers.clone())
+        .await
+        .unwrap()
+        .map(|_| ())
+        .unwrap_err()
+        .to_string();
     assert!(e.contains("issuers[0]") && e.contains("404"), "{e}");
     let closed = std::net::TcpListener::bind("127.0.0.1:0")
         .unwrap()
@@ -463,7 +468,12 @@ async fn keys_come_from_an_issuers_url_and_are_fetched_again_on_reload() {
         .unwrap()
         .port();
     std::fs::write(&issuers, config(format!("http://127.0.0.1:{closed}/jwks.json"))).unwrap();
-    let e = load(issuers.clone()).await.unwrap().map(|_| ()).unwrap_err();
+    let e = load(issuers.clone())
+        .await
+        .unwrap()
+        .map(|_| ())
+        .unwrap_err()
+        .to_string();
     assert!(
         e.contains("issuers[0]") && e.contains(&format!("127.0.0.1:{closed}")),
         "{e}"

@@ -36,7 +36,10 @@ impl std::fmt::Display for Accel {
 pub const MIN_MEMORY_MIB: u32 = 128;
 pub const MAX_DISK_MIB: u32 = 1 << 20;
 
+// A VM's shape; also the /v1 API's `Resources` (feature `openapi`; a doc comment here would
+// become its schema's description).
 #[derive(Debug, Clone, Copy, Serialize, Deserialize, PartialEq, Eq, Hash)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct Resources {
     pub vcpu: u32,
     pub memory_mib: u32,

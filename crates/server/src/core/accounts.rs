@@ -3,7 +3,7 @@
 //! log. Tenant API keys never reach these: an admin route wants an admin token.
 
 use super::{sign_in, Core};
-use crate::error::{CoreError, CoreResult, Kind};
+use crate::error::{Conflict, CoreError, CoreResult, InternalError, Kind};
 use crate::model::{AdminToken, AuditEntry, KeyView, NewKey, TenantSummary};
 use crate::records::{now_ms, rfc3339, AuditRecord, KeyRecord};
 use crate::store::{token_hash, AuditFilter, KeyFormat};
@@ -27,11 +27,11 @@ pub struct Admin {
 
 fn hash_password(password: &str) -> CoreResult<String> {
     let salt_bytes = hex::decode(airlock_runtime::datadir::random_hex(16)).expect("hex");
-    let salt = SaltString::encode_b64(&salt_bytes).map_err(|e| CoreError::Internal(e.to_string()))?;
+    let salt = SaltString::encode_b64(&salt_bytes).map_err(InternalError::PasswordHash)?;
     Argon2::default()
         .hash_password(password.as_bytes(), &salt)
         .map(|h| h.to_string())
-        .map_err(|e| CoreError::Internal(format!("hashing the console password: {e}")))
+        .map_err(|e| InternalError::PasswordHash(e).into())
 }
 
 fn password_matches(password: &str, hash: &str) -> bool {
@@ -218,19 +218,7 @@ impl Core {
         // The repeats counted so far are in the rows read.
         self.audits.flush(&*self.store).await?;
         let rows = self.store.audit(filter, limit.clamp(1, 1000)).await?;
-        Ok(rows
-            .into_iter()
-            .map(|r| AuditEntry {
-                seq: r.seq,
-                at: rfc3339(r.at_ms),
-                actor: r.actor,
-                tenant: r.tenant,
-                action: r.action,
-                object: r.object,
-                result: r.result,
-                count: r.count,
-            })
-            .collect())
+        Ok(rows.into_iter().map(AuditEntry::from).collect())
     }
 
     pub async fn create_tenant(&self, admin: &Admin, name: &str) -> CoreResult<TenantSummary> {
@@ -239,7 +227,7 @@ impl Core {
             self.store
                 .create_tenant(name)
                 .await?
-                .ok_or_else(|| CoreError::Conflict(format!("tenant {name} exists")))?;
+                .ok_or_else(|| Conflict::TenantExists(name.into()))?;
             Ok(TenantSummary {
                 name: name.into(),
                 created_at: rfc3339(now_ms()),
@@ -283,9 +271,7 @@ impl Core {
         let r = async {
             let t = self.tenant_named(name).await?;
             if t.name == "default" {
-                return Err(CoreError::Conflict(
-                    "tenant default holds the server's bootstrap key; revoke its keys instead".into(),
-                ));
+                return Err(Conflict::DefaultTenant.into());
             }
             // Keys first: nothing new starts while the sandboxes go.
             for k in self.store.list_keys(&t.id).await? {
@@ -421,23 +407,7 @@ impl Core {
 /// Warm pools, as the admin sees and sizes them (`/v1/system` shows them to everyone).
 impl Core {
     pub fn pools(&self) -> Vec<crate::model::PoolInfo> {
-        self.nodes
-            .pools()
-            .into_iter()
-            .map(|p| crate::model::PoolInfo {
-                template: p.template,
-                resources: crate::model::Resources {
-                    vcpu: p.resources.vcpu,
-                    memory_mib: p.resources.memory_mib,
-                    disk_mib: p.resources.disk_mib,
-                },
-                size: p.size,
-                ready: p.ready,
-                starting: p.starting,
-                hits: p.hits,
-                misses: p.misses,
-            })
-            .collect()
+        self.nodes.pools().into_iter().map(Into::into).collect()
     }
 
     /// Size a pool (0 empties it): its VMs start in the background and count against the

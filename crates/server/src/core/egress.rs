@@ -19,8 +19,7 @@
 use super::{Core, Principal};
 use crate::error::{CoreError, CoreResult};
 use crate::model::{
-    EffectiveEgressPolicy, EgressCounters, EgressDenial, EgressInfo, EgressProfileInfo, EgressReport, EgressRules,
-    SandboxState,
+    EffectiveEgressPolicy, EgressDenial, EgressInfo, EgressProfileInfo, EgressReport, EgressRules, SandboxState,
 };
 use crate::records::{rfc3339, EgressSpec, SandboxRecord, Tenant};
 use airlock_egress::{Policy, Profiles, RawRules, RuleSet, SandboxEgress, SandboxLimits, TenantPolicy};
@@ -305,13 +304,7 @@ impl Core {
                     .map(|(n, r)| (n.clone(), rules_view(r)))
                     .collect(),
             },
-            counters: EgressCounters {
-                tcp_allowed: snapshot.counters.tcp_allowed,
-                tcp_denied: snapshot.counters.tcp_denied,
-                dns_allowed: snapshot.counters.dns_allowed,
-                dns_denied: snapshot.counters.dns_denied,
-                by_rule: snapshot.counters.by_rule,
-            },
+            counters: snapshot.counters,
             recent_denials: snapshot
                 .recent_denials
                 .into_iter()

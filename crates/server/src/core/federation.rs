@@ -57,6 +57,95 @@ struct IssuerConfig {
     tenants: Option<Vec<String>>,
 }
 
+/// Why the issuers file can't be used: the file itself, or an entry of it (named by `place`).
+#[derive(Debug, thiserror::Error)]
+pub enum FederationError {
+    #[error("{}: {source}", path.display())]
+    Read {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("{}: {source}", path.display())]
+    Parse {
+        path: PathBuf,
+        #[source]
+        source: serde_json::Error,
+    },
+    /// `place` is `FILE: issuers[i]`.
+    #[error("{place}: {source}")]
+    Issuer {
+        place: String,
+        #[source]
+        source: IssuerError,
+    },
+}
+
+/// What is wrong with one issuer's entry.
+#[derive(Debug, thiserror::Error)]
+pub enum IssuerError {
+    #[error("`{0}` is empty")]
+    Empty(&'static str),
+    #[error(
+        "`tenants` is missing: list the tenants this issuer's tokens may name, \
+         e.g. \"tenants\": [\"acme\"] (a token naming any other is refused)"
+    )]
+    TenantsMissing,
+    #[error("`tenants`: {0}")]
+    Tenant(#[source] Box<super::CoreError>),
+    #[error("`jwks_url` {url:?}: {source}")]
+    Url {
+        url: String,
+        #[source]
+        source: url::ParseError,
+    },
+    #[error("`jwks_url` {0:?}: use https (plain http only to a loopback address)")]
+    PlainHttp(String),
+    #[error("give exactly one of `jwks_file` and `jwks_url`")]
+    KeySource,
+    #[error(transparent)]
+    Keys(#[from] KeysError),
+}
+
+/// Why an issuer's keys can't be read (at start: the server stops; on reload: the old keys stay).
+#[derive(Debug, thiserror::Error)]
+pub enum KeysError {
+    #[error("{}: {source}", path.display())]
+    ReadFile {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("{url}: {source}")]
+    Fetch {
+        url: String,
+        #[source]
+        source: Box<ureq::Error>,
+    },
+    #[error("{url}: {source}")]
+    ReadBody {
+        url: String,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("{0}: larger than {MAX_JWKS_BYTES} bytes")]
+    TooLarge(String),
+    #[error("{name}: not a JWKS: {source}")]
+    NotJwks {
+        name: String,
+        #[source]
+        source: serde_json::Error,
+    },
+    #[error("{name}: a key does not load: {source}")]
+    BadKey {
+        name: String,
+        #[source]
+        source: jsonwebtoken::errors::Error,
+    },
+    #[error("{0}: no RS256 or ES256 key in it")]
+    NoKey(String),
+}
+
 /// Where an issuer's keys are read from.
 #[derive(Debug)]
 enum KeySource {
@@ -65,11 +154,14 @@ enum KeySource {
 }
 
 impl KeySource {
-    fn of(c: &IssuerConfig) -> Result<Self, String> {
+    fn of(c: &IssuerConfig) -> Result<Self, IssuerError> {
         match (&c.jwks_file, &c.jwks_url) {
             (Some(path), None) => Ok(KeySource::File(path.clone())),
             (None, Some(url)) => {
-                let parsed = url::Url::parse(url).map_err(|e| format!("`jwks_url` {url:?}: {e}"))?;
+                let parsed = url::Url::parse(url).map_err(|source| IssuerError::Url {
+                    url: url.clone(),
+                    source,
+                })?;
                 let loopback = match parsed.host() {
                     Some(url::Host::Ipv4(ip)) => ip.is_loopback(),
                     Some(url::Host::Ipv6(ip)) => ip.is_loopback(),
@@ -79,30 +171,37 @@ impl KeySource {
                 match parsed.scheme() {
                     "https" => Ok(KeySource::Url(url.clone())),
                     "http" if loopback => Ok(KeySource::Url(url.clone())),
-                    _ => Err(format!(
-                        "`jwks_url` {url:?}: use https (plain http only to a loopback address)"
-                    )),
+                    _ => Err(IssuerError::PlainHttp(url.clone())),
                 }
             }
-            _ => Err("give exactly one of `jwks_file` and `jwks_url`".into()),
+            _ => Err(IssuerError::KeySource),
         }
     }
 
-    fn read(&self) -> Result<String, String> {
+    fn read(&self) -> Result<String, KeysError> {
         match self {
-            KeySource::File(path) => std::fs::read_to_string(path).map_err(|e| format!("{}: {e}", path.display())),
+            KeySource::File(path) => std::fs::read_to_string(path).map_err(|source| KeysError::ReadFile {
+                path: path.clone(),
+                source,
+            }),
             KeySource::Url(url) => {
                 use std::io::Read as _;
                 let agent = ureq::AgentBuilder::new().timeout(FETCH_TIMEOUT).redirects(0).build();
-                let response = agent.get(url).call().map_err(|e| format!("{url}: {e}"))?;
+                let response = agent.get(url).call().map_err(|e| KeysError::Fetch {
+                    url: url.clone(),
+                    source: Box::new(e),
+                })?;
                 let mut text = String::new();
                 response
                     .into_reader()
                     .take(MAX_JWKS_BYTES + 1)
                     .read_to_string(&mut text)
-                    .map_err(|e| format!("{url}: {e}"))?;
+                    .map_err(|source| KeysError::ReadBody {
+                        url: url.clone(),
+                        source,
+                    })?;
                 if text.len() as u64 > MAX_JWKS_BYTES {
-                    return Err(format!("{url}: larger than {MAX_JWKS_BYTES} bytes"));
+                    return Err(KeysError::TooLarge(url.clone()));
                 }
                 Ok(text)
             }
@@ -172,10 +271,13 @@ impl std::fmt::Debug for Federation {
 }
 
 /// Keys of a JWKS that can verify RS256 or ES256.
-fn load_keys(source: &KeySource) -> Result<Vec<(Option<String>, Algorithm, DecodingKey)>, String> {
+fn load_keys(source: &KeySource) -> Result<Vec<(Option<String>, Algorithm, DecodingKey)>, KeysError> {
     let text = source.read()?;
     let name = source.name();
-    let set: JwkSet = serde_json::from_str(&text).map_err(|e| format!("{name}: not a JWKS: {e}"))?;
+    let set: JwkSet = serde_json::from_str(&text).map_err(|source| KeysError::NotJwks {
+        name: name.clone(),
+        source,
+    })?;
     let mut keys = Vec::new();
     for jwk in &set.keys {
         use jsonwebtoken::jwk::AlgorithmParameters as P;
@@ -185,11 +287,14 @@ fn load_keys(source: &KeySource) -> Result<Vec<(Option<String>, Algorithm, Decod
             // Other key types can't verify the algorithms accepted here.
             _ => continue,
         };
-        let key = DecodingKey::from_jwk(jwk).map_err(|e| format!("{name}: a key does not load: {e}"))?;
+        let key = DecodingKey::from_jwk(jwk).map_err(|source| KeysError::BadKey {
+            name: name.clone(),
+            source,
+        })?;
         keys.push((jwk.common.key_id.clone(), alg, key));
     }
     if keys.is_empty() {
-        return Err(format!("{name}: no RS256 or ES256 key in it"));
+        return Err(KeysError::NoKey(name));
     }
     Ok(keys)
 }
@@ -197,46 +302,55 @@ fn load_keys(source: &KeySource) -> Result<Vec<(Option<String>, Algorithm, Decod
 impl Federation {
     /// Read the configuration and every issuer's keys; an error names the file and the entry.
     /// It may fetch keys over the network: call it off the async runtime's threads.
-    pub fn from_file(path: &Path) -> Result<Self, String> {
-        let text = std::fs::read_to_string(path).map_err(|e| format!("{}: {e}", path.display()))?;
-        let cfg: FileConfig = serde_json::from_str(&text).map_err(|e| format!("{}: {e}", path.display()))?;
+    pub fn from_file(path: &Path) -> Result<Self, FederationError> {
+        let text = std::fs::read_to_string(path).map_err(|source| FederationError::Read {
+            path: path.into(),
+            source,
+        })?;
+        let cfg: FileConfig = serde_json::from_str(&text).map_err(|source| FederationError::Parse {
+            path: path.into(),
+            source,
+        })?;
         let mut issuers = Vec::new();
         for (i, c) in cfg.issuers.into_iter().enumerate() {
-            let place = format!("{}: issuers[{i}]", path.display());
-            for (field, v) in [
-                ("issuer", &c.issuer),
-                ("audience", &c.audience),
-                ("tenant_claim", &c.tenant_claim),
-            ] {
-                if v.trim().is_empty() {
-                    return Err(format!("{place}: `{field}` is empty"));
-                }
-            }
-            match &c.tenants {
-                None => {
-                    return Err(format!(
-                        "{place}: `tenants` is missing: list the tenants this issuer's tokens may name, \
-                         e.g. \"tenants\": [\"acme\"] (a token naming any other is refused)"
-                    ))
-                }
-                Some(t) if t.is_empty() => return Err(format!("{place}: `tenants` is empty")),
-                Some(t) => {
-                    for name in t {
-                        super::accounts::check_tenant_name(name).map_err(|e| format!("{place}: `tenants`: {e}"))?;
-                    }
-                }
-            }
-            let source = KeySource::of(&c).map_err(|e| format!("{place}: {e}"))?;
-            let keys = load_keys(&source).map_err(|e| format!("{place}: {e}"))?;
-            issuers.push(Arc::new(Issuer {
-                config: c,
+            let issuer = Self::issuer(c).map_err(|source| FederationError::Issuer {
+                place: format!("{}: issuers[{i}]", path.display()),
                 source,
-                keys: RwLock::new(keys),
-            }));
+            })?;
+            issuers.push(Arc::new(issuer));
         }
         Ok(Federation {
             issuers,
             leeway_s: cfg.leeway_seconds.unwrap_or(DEFAULT_LEEWAY_S),
+        })
+    }
+
+    /// One entry of the file, checked, with its keys read.
+    fn issuer(c: IssuerConfig) -> Result<Issuer, IssuerError> {
+        for (field, v) in [
+            ("issuer", &c.issuer),
+            ("audience", &c.audience),
+            ("tenant_claim", &c.tenant_claim),
+        ] {
+            if v.trim().is_empty() {
+                return Err(IssuerError::Empty(field));
+            }
+        }
+        match &c.tenants {
+            None => return Err(IssuerError::TenantsMissing),
+            Some(t) if t.is_empty() => return Err(IssuerError::Empty("tenants")),
+            Some(t) => {
+                for name in t {
+                    super::accounts::check_tenant_name(name).map_err(|e| IssuerError::Tenant(Box::new(e)))?;
+                }
+            }
+        }
+        let source = KeySource::of(&c)?;
+        let keys = load_keys(&source)?;
+        Ok(Issuer {
+            config: c,
+            source,
+            keys: RwLock::new(keys),
         })
     }
 

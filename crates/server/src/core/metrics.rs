@@ -159,7 +159,7 @@ impl Core {
     async fn sample(&self, id: &str) -> CoreResult<Sample> {
         let agent = self.nodes.agent(id).await.map_err(|e| CoreError::Unreachable {
             id: id.into(),
-            reason: e.to_string(),
+            reason: crate::error::Unreachable::Node(e),
         })?;
         let metrics = agent
             .metrics()

@@ -32,7 +32,7 @@ pub mod templates;
 pub mod tenants;
 pub mod uploads;
 
-pub use crate::error::{CoreError, CoreResult, Kind};
+pub use crate::error::{Conflict, CoreError, CoreResult, InternalError, Kind, Unreachable};
 pub use principal::{Accept, Credentials, Principal, SandboxTokens, Via, CREDENTIAL_HEADERS};
 
 use crate::engine::Engine;
@@ -201,6 +201,11 @@ impl Core {
             uploads,
         }
     }
+}
+
+/// A fresh random id: `prefix`, then `bytes` random bytes in hex.
+pub fn random_id(prefix: &str, bytes: usize) -> String {
+    format!("{prefix}{}", airlock_runtime::datadir::random_hex(bytes))
 }
 
 /// `<data-dir>/server.secret` (0600, 32 random bytes), made on first start.

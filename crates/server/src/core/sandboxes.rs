@@ -5,7 +5,7 @@ use super::egress::EgressRequest;
 use super::{Core, Principal};
 use crate::engine::{Action, Submitted};
 use crate::error::{CoreError, CoreResult, Kind};
-use crate::model::{Operation, Resources, SandboxState};
+use crate::model::{Operation, SandboxState};
 use crate::records::{now_ms, SandboxRecord, Tenant};
 use crate::store::{parse_page_token, SandboxFilter};
 use airlock_runtime::AgentClient;
@@ -174,11 +174,7 @@ impl Core {
         };
         let resources = match &snapshot {
             Some(s) => {
-                let fixed = airlock_runtime::Resources {
-                    vcpu: s.resources.vcpu,
-                    memory_mib: s.resources.memory_mib,
-                    disk_mib: s.resources.disk_mib,
-                };
+                let fixed = s.resources;
                 let asked = [
                     (req.vcpu, fixed.vcpu),
                     (req.memory_mib, fixed.memory_mib),
@@ -242,11 +238,7 @@ impl Core {
             template_digest: template.as_ref().map(|t| t.manifest.digest.clone()).unwrap_or_default(),
             runtime: runtime.into(),
             accel: self.nodes.accel().await,
-            resources: Resources {
-                vcpu: resources.vcpu,
-                memory_mib: resources.memory_mib,
-                disk_mib: resources.disk_mib,
-            },
+            resources,
             env: req.env,
             metadata: req.metadata,
             created_at_ms: now,
@@ -324,6 +316,42 @@ impl Core {
             .sandbox_by_id(&row.id)
             .await?
             .ok_or_else(|| CoreError::not_found(Kind::Sandbox, &row.id))
+    }
+
+    /// Whether a restart's recovery has yet to settle `id` (its record may not be true yet).
+    pub fn settling(&self, id: &str) -> bool {
+        self.engine.recovering(id)
+    }
+
+    /// Whether `id` is a sandbox that is running, paused or suspended, of whichever tenant; for
+    /// state a door keeps per sandbox, dropped once this is false.
+    pub async fn sandbox_is_live(&self, id: &str) -> CoreResult<bool> {
+        Ok(self
+            .store
+            .sandbox_by_id(id)
+            .await?
+            .is_some_and(|r| r.state.is_held_or_running()))
+    }
+
+    /// Wait until `op` has finished (succeeded or failed); `unavailable` past the engine's limit.
+    pub async fn wait_operation(&self, op: &Operation) -> CoreResult<Operation> {
+        self.engine.wait(op).await
+    }
+
+    /// Per-sandbox state a door keeps: `on_end` as each sandbox ends, `sweep` every `period`
+    /// (after `first`), for as long as `owner` lives (see [`crate::engine::Engine::follow_ended`]).
+    pub fn follow_ended<T, F>(
+        &self,
+        owner: std::sync::Weak<T>,
+        first: Duration,
+        period: Duration,
+        on_end: impl Fn(&T, &str) + Send + 'static,
+        sweep: impl Fn(std::sync::Arc<T>) -> F + Send + 'static,
+    ) where
+        T: Send + Sync + 'static,
+        F: std::future::Future<Output = ()> + Send + 'static,
+    {
+        self.engine.follow_ended(owner, first, period, on_end, sweep)
     }
 
     /// An operation of the tenant's, as it is once the restart's recovery has settled its
@@ -530,7 +558,7 @@ impl Core {
                             if let Some(e) = op.error {
                                 return Err(CoreError::Unreachable {
                                     id: id.into(),
-                                    reason: format!("it did not resume: {}", e.message),
+                                    reason: crate::error::Unreachable::NotResumed(e.message),
                                 });
                             }
                         }
@@ -574,7 +602,7 @@ impl Core {
         }
         self.nodes.agent(&row.id).await.map_err(|e| CoreError::Unreachable {
             id: row.id.clone(),
-            reason: e.to_string(),
+            reason: crate::error::Unreachable::Node(e),
         })
     }
 }

@@ -5,6 +5,7 @@ use super::sandboxes::{check_env, check_timeout};
 use super::Core;
 use crate::error::{CoreError, CoreResult, Kind};
 use crate::records::{now_ms, SandboxRecord, SessionRecord};
+use crate::signals;
 use crate::store::Store;
 use airlock_proto::frame::{Event, EventKind};
 use airlock_proto::{ProcessInfo, ProcessSpec, ProcessState, PtySize};
@@ -61,65 +62,25 @@ pub struct Running {
     pub process: ProcessInfo,
 }
 
-/// (number, name, description as `strsignal`/Go print it).
-const SIGNALS: &[(i32, &str, &str)] = &[
-    (1, "SIGHUP", "hangup"),
-    (2, "SIGINT", "interrupt"),
-    (3, "SIGQUIT", "quit"),
-    (6, "SIGABRT", "aborted"),
-    (9, "SIGKILL", "killed"),
-    (10, "SIGUSR1", "user defined signal 1"),
-    (12, "SIGUSR2", "user defined signal 2"),
-    (13, "SIGPIPE", "broken pipe"),
-    (14, "SIGALRM", "alarm clock"),
-    (15, "SIGTERM", "terminated"),
-    (18, "SIGCONT", "continued"),
-    (19, "SIGSTOP", "stopped (signal)"),
-    (20, "SIGTSTP", "stopped"),
-    (28, "SIGWINCH", "window changed"),
-];
-
-/// `SIGTERM`, `TERM`, `term` or a number (`"15"`).
+/// `SIGTERM`, `TERM`, `term` or a number (`"15"`), by the one signal table (`crate::signals`).
 pub fn parse_signal(s: &str) -> CoreResult<i32> {
     let s = s.trim();
     if let Ok(n) = s.parse::<i32>() {
-        return if (1..=64).contains(&n) {
+        return if signals::NUMBERS.contains(&n) {
             Ok(n)
         } else {
             Err(CoreError::invalid("signal", format!("{n} is out of range (1 to 64)")))
         };
     }
-    let upper = s.to_ascii_uppercase();
-    let bare = upper.strip_prefix("SIG").unwrap_or(&upper);
-    SIGNALS
-        .iter()
-        .find(|(_, name, _)| &name[3..] == bare)
-        .map(|(n, _, _)| *n)
-        .ok_or_else(|| {
-            CoreError::invalid(
-                "signal",
-                format!("unknown signal {s:?}; use a name like SIGTERM or a number"),
-            )
-        })
+    signals::by_name(s).ok_or_else(|| {
+        CoreError::invalid(
+            "signal",
+            format!("unknown signal {s:?}; use a name like SIGTERM or a number"),
+        )
+    })
 }
 
-/// `SIGKILL` for 9; `SIG<n>` for signals without a name here.
-pub fn signal_name(n: i32) -> String {
-    SIGNALS
-        .iter()
-        .find(|(num, _, _)| *num == n)
-        .map(|(_, name, _)| name.to_string())
-        .unwrap_or_else(|| format!("SIG{n}"))
-}
-
-/// `killed` for 9, as Go and `strsignal` describe it; `signal <n>` otherwise.
-pub fn signal_description(n: i32) -> String {
-    SIGNALS
-        .iter()
-        .find(|(num, _, _)| *num == n)
-        .map(|(_, _, d)| d.to_string())
-        .unwrap_or_else(|| format!("signal {n}"))
-}
+pub use crate::signals::{description as signal_description, name as signal_name};
 
 fn check_start(req: &StartSession) -> CoreResult<()> {
     if req.argv.first().is_none_or(|a| a.is_empty()) {

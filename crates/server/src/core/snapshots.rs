@@ -5,12 +5,33 @@
 use super::sandboxes::{acting_tenant, CreateSandbox, Created};
 use super::{Core, CoreError, CoreResult, Kind, Principal};
 use crate::engine::Action;
+use crate::error::Conflict;
 use crate::model::{SandboxState, Snapshot};
 use crate::records::{now_ms, SnapshotKind, SnapshotRecord, Tenant};
+use crate::store::parse_page_token;
 use std::time::Duration;
 
 /// The most sandboxes one fork makes (E2B's limit too).
 pub const MAX_FORK: u32 = 20;
+
+/// A page of a tenant's snapshots, newest first (E2B's `GET /snapshots`).
+#[derive(Debug, Clone, Default)]
+pub struct ListSnapshots {
+    /// Only snapshots of this sandbox.
+    pub sandbox_id: Option<String>,
+    /// Only the snapshot of this name.
+    pub name: Option<String>,
+    /// 1 to 100.
+    pub limit: u32,
+    /// The previous page's `next_page_token`.
+    pub page_token: Option<String>,
+}
+
+pub struct SnapshotPage {
+    pub snapshots: Vec<SnapshotRecord>,
+    /// Set when there is a page after this one.
+    pub next_page_token: Option<String>,
+}
 
 /// A snapshot name: what a create names as its template, so nothing a template could be called.
 fn check_name(name: &str) -> CoreResult<()> {
@@ -40,9 +61,7 @@ impl Core {
             check_name(n)?;
             // A snapshot of that name the store refuses with its admission (atomically).
             if self.resolve_template(n).is_ok() {
-                return Err(CoreError::Conflict(format!(
-                    "a snapshot or template named {n:?} exists"
-                )));
+                return Err(Conflict::NameTaken(n.clone()).into());
             }
         }
         let row = self.sandbox(tenant, sandbox_id).await?;
@@ -86,7 +105,7 @@ impl Core {
         if let Some(e) = op.error {
             return Err(CoreError::Unreachable {
                 id: sandbox_id.into(),
-                reason: format!("it could not be saved: {}", e.message),
+                reason: crate::error::Unreachable::NotSaved(e.message),
             });
         }
         self.store
@@ -132,6 +151,39 @@ impl Core {
     /// The tenant's snapshots, oldest first (of one sandbox if given).
     pub async fn list_snapshots(&self, tenant: &Tenant, sandbox_id: Option<&str>) -> CoreResult<Vec<SnapshotRecord>> {
         Ok(self.store.list_snapshots(&tenant.id, sandbox_id).await?)
+    }
+
+    /// One page of the tenant's snapshots, newest first; the token resumes after the page's last
+    /// (its creation time and id), so snapshots made or deleted meanwhile shift nothing.
+    pub async fn list_snapshots_page(&self, tenant: &Tenant, q: ListSnapshots) -> CoreResult<SnapshotPage> {
+        if !(1..=100).contains(&q.limit) {
+            return Err(CoreError::invalid(
+                "limit",
+                format!("must be between 1 and 100, got {}", q.limit),
+            ));
+        }
+        let after = match q.page_token.as_deref().filter(|t| !t.is_empty()) {
+            None => None,
+            Some(t) => Some(
+                parse_page_token(t).ok_or_else(|| CoreError::invalid("nextToken", "not a token this server issued"))?,
+            ),
+        };
+        let mut rows = self.store.list_snapshots(&tenant.id, q.sandbox_id.as_deref()).await?;
+        rows.retain(|s| q.name.as_ref().is_none_or(|n| s.name.as_ref() == Some(n)));
+        rows.sort_by(|a, b| (b.created_at_ms, &b.id).cmp(&(a.created_at_ms, &a.id)));
+        if let Some((ms, id)) = &after {
+            rows.retain(|s| (s.created_at_ms, &s.id) < (*ms, id));
+        }
+        let limit = q.limit as usize;
+        let next_page_token = (rows.len() > limit).then(|| {
+            let last = &rows[limit - 1];
+            format!("{}.{}", last.created_at_ms, last.id)
+        });
+        rows.truncate(limit);
+        Ok(SnapshotPage {
+            snapshots: rows,
+            next_page_token,
+        })
     }
 
     /// Delete a snapshot; sandboxes made from it run on (they hold their own links to its disk).

@@ -3,6 +3,7 @@
 
 use super::Core;
 use crate::error::{CoreError, CoreResult, Kind};
+use crate::records::SandboxRecord;
 use airlock_runtime::template::{Template, TemplateManifest};
 
 /// Names other clients use for airlock templates: (alias, template). A built template of the same
@@ -34,6 +35,26 @@ impl Core {
                 id: name.into(),
                 hint: format!("; this server has: {}", self.template_names().join(", ")),
             })
+    }
+
+    /// The name of the template `name` resolves to (an alias, a digest: the template's own name).
+    pub fn template_name(&self, name: &str) -> CoreResult<String> {
+        Ok(self.resolve_template(name)?.manifest.name)
+    }
+
+    /// Remember the name a client created `sandbox_id` under (E2B's `templateID`, an alias or a
+    /// snapshot's id), to be echoed back as the client said it.
+    pub async fn record_template_name(&self, sandbox_id: &str, name: &str) -> CoreResult<()> {
+        Ok(self.store.set_e2b_alias(sandbox_id, name).await?)
+    }
+
+    /// The name a client knows `sandbox`'s template by: the one it was created under where that
+    /// was recorded, else the template's alias, else the template itself.
+    pub async fn template_name_of(&self, sandbox: &SandboxRecord) -> CoreResult<String> {
+        let recorded = self.store.e2b_alias(&sandbox.id).await?;
+        Ok(recorded
+            .or_else(|| alias_of(&sandbox.template).map(String::from))
+            .unwrap_or_else(|| sandbox.template.clone()))
     }
 
     pub fn templates(&self) -> Vec<TemplateManifest> {

@@ -4,7 +4,7 @@
 //! however stalled, leave room for others') and on the whole server; past a bound an upload waits
 //! a little for room, its body unread, then is refused with `too_many_uploads`.
 
-use crate::error::{CoreError, CoreResult};
+use crate::error::{CoreError, CoreResult, InternalError};
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -136,7 +136,7 @@ impl Uploads {
                     limit,
                     retry_after_s: self.limits.wait.as_secs().max(1),
                 })?
-                .map_err(|_| CoreError::Internal("upload slots closed".into()))?;
+                .map_err(InternalError::UploadSlotsClosed)?;
             slot.permits.push(permit);
         }
         Ok(slot)

@@ -4,7 +4,8 @@
 use super::{E2bError, E2bState, ENVD_VERSION};
 use crate::core::egress::EgressRequest;
 use crate::core::sandboxes::{check_timeout, Change, CreateSandbox, Created, ListSandboxes, DEFAULT_TIMEOUT};
-use crate::core::{templates, CoreError, Credentials, Principal, SandboxTokens};
+use crate::core::snapshots::ListSnapshots;
+use crate::core::{CoreError, Credentials, Principal, SandboxTokens};
 use crate::model::{Lifecycle, OnTimeout, OperationState, SandboxState};
 use crate::records::{rfc3339, SandboxRecord, Tenant};
 use axum::extract::{Path, Query, Request, State};
@@ -171,10 +172,7 @@ fn sandbox_json(state: &E2bState, row: &SandboxRecord, tokens: &SandboxTokens, a
 
 /// The name the SDK created the sandbox with (or the alias of its template), for echoing back.
 async fn e2b_alias(state: &E2bState, row: &SandboxRecord) -> Result<String> {
-    let recorded = state.core.store.e2b_alias(&row.id).await.map_err(CoreError::from)?;
-    Ok(recorded
-        .or_else(|| templates::alias_of(&row.template).map(String::from))
-        .unwrap_or_else(|| row.template.clone()))
+    Ok(state.core.template_name_of(row).await?)
 }
 
 async fn detail_json(state: &E2bState, row: &SandboxRecord, tokens: Option<&SandboxTokens>) -> Result<Value> {
@@ -272,10 +270,9 @@ pub async fn create(
 /// it): the sandbox as the SDK reads it, with its access token, under the name it was made by.
 async fn started(state: &E2bState, tenant: &Tenant, created: Created, alias: &str) -> Result<Value> {
     let id = created.sandbox_id.clone();
-    let store_err = |e| E2bError::from(CoreError::from(e));
-    state.core.store.set_e2b_alias(&id, alias).await.map_err(store_err)?;
+    state.core.record_template_name(&id, alias).await?;
     let token = state.core.issue_access_token(&id).await?;
-    let done = state.core.engine.wait(&created.operation).await?;
+    let done = state.core.wait_operation(&created.operation).await?;
     if done.state != OperationState::Succeeded {
         return Err(failed(&done, "start"));
     }
@@ -376,25 +373,38 @@ pub struct SnapshotsQuery {
     #[serde(rename = "sandboxID")]
     pub sandbox_id: Option<String>,
     pub name: Option<String>,
-    #[allow(dead_code)]
+    /// 1 to 100; 100 when absent, as E2B.
     pub limit: Option<u32>,
-    #[allow(dead_code)]
     pub next_token: Option<String>,
 }
 
-/// `GET /snapshots` (`list_snapshots`): the tenant's snapshots, all in one page.
+/// `GET /snapshots` (`list_snapshots`): a page of the tenant's snapshots, newest first; the
+/// next page's token in `X-Next-Token`, as E2B answers (the SDK's `has_next` reads it).
 pub async fn list_snapshots(
     State(state): State<E2bState>,
     Extension(tenant): Extension<Tenant>,
-    Query(q): Query<SnapshotsQuery>,
-) -> Result<Json<Value>> {
-    let rows = state.core.list_snapshots(&tenant, q.sandbox_id.as_deref()).await?;
-    let rows = rows
-        .iter()
-        .filter(|s| q.name.as_ref().is_none_or(|n| s.name.as_ref() == Some(n)))
-        .map(|s| snapshot_json(&s.view()))
-        .collect();
-    Ok(Json(Value::Array(rows)))
+    q: std::result::Result<Query<SnapshotsQuery>, axum::extract::rejection::QueryRejection>,
+) -> Result<Response> {
+    let Query(q) = q.map_err(|e| E2bError::bad_request(format!("bad snapshots query: {}", e.body_text())))?;
+    let page = state
+        .core
+        .list_snapshots_page(
+            &tenant,
+            ListSnapshots {
+                sandbox_id: q.sandbox_id,
+                name: q.name,
+                limit: q.limit.unwrap_or(100),
+                page_token: q.next_token,
+            },
+        )
+        .await?;
+    let items: Vec<Value> = page.snapshots.iter().map(|s| snapshot_json(&s.view())).collect();
+    let mut resp = Json(items).into_response();
+    if let Some(n) = page.next_page_token {
+        resp.headers_mut()
+            .insert("x-next-token", n.parse().expect("ascii token"));
+    }
+    Ok(resp)
 }
 
 /// `DELETE /templates/{id}` (`delete_snapshot`): a snapshot of the tenant's; templates are the
@@ -411,8 +421,8 @@ pub async fn delete_template(
 /// `GET /templates/aliases/{alias}` (`Template.exists`): a template this server has under that
 /// name or alias, as the SDK reads it. Every template here is the platform's, so public.
 pub async fn template_alias(State(state): State<E2bState>, Path(alias): Path<String>) -> Result<Json<Value>> {
-    let template = state.core.resolve_template(&alias)?;
-    Ok(Json(json!({ "templateID": template.manifest.name, "public": true })))
+    let name = state.core.template_name(&alias)?;
+    Ok(Json(json!({ "templateID": name, "public": true })))
 }
 
 pub async fn get(
@@ -438,7 +448,7 @@ pub async fn kill(
 ) -> Result<StatusCode> {
     state.core.live_sandbox(&tenant, &id).await?;
     let op = state.core.delete_sandbox(&principal, &id).await?;
-    let done = state.core.engine.wait(&op).await?;
+    let done = state.core.wait_operation(&op).await?;
     match done.error {
         None => Ok(StatusCode::NO_CONTENT),
         Some(_) => Err(failed(&done, "stop")),

@@ -1,7 +1,9 @@
 //! The E2B door: the E2B control-plane API and envd (Connect RPC, `/files`, `/health`) on the
-//! same listener as `/v1`, translated onto the core's services. Wire details:
-//! shared/reference/e2b-wire.md. Errors: `E2bError` (control plane and `/files`: `{"code": <int>,
-//! "message"}`) and `connect::RpcError` (Connect), each made from a `CoreError` in one place.
+//! same listener as `/v1`, translated onto the core's services (the wire as E2B's Python SDK and
+//! e2b-dev/infra's `spec/openapi.yml` and `packages/envd/spec/` have it). Errors: `E2bError`
+//! (control plane and `/files`: `{"code": <int>, "message"}`) and `connect::RpcError` (Connect),
+//! each made from a `CoreError` in one place. It may use the core only: no store, engine, node or
+//! runtime handle.
 
 pub mod connect;
 pub mod control;
@@ -12,8 +14,8 @@ use airlock_proto::ErrorCode;
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 use connect::RpcError;
+use envd::messages::FilesystemEvent;
 use futures_util::{Stream, StreamExt};
-use serde_json::Value;
 use std::collections::{HashMap, HashSet, VecDeque};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
@@ -45,7 +47,7 @@ const WATCHER_SWEEP_EVERY: Duration = Duration::from_secs(60);
 /// Polling watchers (`CreateWatcher` / `GetWatcherEvents` / `RemoveWatcher`). Each buffers at
 /// most [`MAX_WATCH_EVENTS`] and [`MAX_WATCH_BYTES`] (the oldest go first), a sandbox holds at most
 /// [`MAX_WATCHERS_PER_SANDBOX`], and a sandbox's watchers go when it ends (the engine's
-/// [`crate::engine::Engine::ended`], and a periodic sweep against the store).
+/// [`Core::follow_ended`], and a periodic sweep).
 #[derive(Default)]
 pub struct Watchers {
     map: Mutex<HashMap<String, Watcher>>,
@@ -64,14 +66,14 @@ struct Watcher {
 #[derive(Default)]
 struct WatchQueue {
     /// Each event with its size as JSON.
-    events: VecDeque<(Value, usize)>,
+    events: VecDeque<(FilesystemEvent, usize)>,
     bytes: usize,
     lost: u64,
 }
 
 impl WatchQueue {
-    fn push(&mut self, ev: Value, watcher: &str) {
-        let size = ev.to_string().len();
+    fn push(&mut self, ev: FilesystemEvent, watcher: &str) {
+        let size = serde_json::to_vec(&ev).map_or(0, |v| v.len());
         while !self.events.is_empty() && (self.events.len() >= MAX_WATCH_EVENTS || self.bytes + size > MAX_WATCH_BYTES)
         {
             if let Some((_, gone)) = self.events.pop_front() {
@@ -87,7 +89,7 @@ impl WatchQueue {
     }
 
     /// Every event kept, oldest first; the queue is empty after.
-    fn take(&mut self) -> Vec<Value> {
+    fn take(&mut self) -> Vec<FilesystemEvent> {
         self.bytes = 0;
         std::mem::take(&mut self.events).into_iter().map(|(ev, _)| ev).collect()
     }
@@ -95,7 +97,7 @@ impl WatchQueue {
 
 fn no_room() -> RpcError {
     RpcError::new(
-        "resource_exhausted",
+        connect::Code::ResourceExhausted,
         format!("a sandbox holds at most {MAX_WATCHERS_PER_SANDBOX} watchers; remove one first"),
     )
 }
@@ -105,11 +107,11 @@ fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
 }
 
 impl Watchers {
-    /// A new watcher of `sandbox_id` fed by `events` (already in envd's JSON); its id. Starts
+    /// A new watcher of `sandbox_id` fed by `events`; its id. Starts
     /// the cleanup of ended sandboxes' watchers on first use.
     pub fn create<S>(self: &Arc<Self>, core: &Core, sandbox_id: &str, events: S) -> Result<String, RpcError>
     where
-        S: Stream<Item = Value> + Send + 'static,
+        S: Stream<Item = FilesystemEvent> + Send + 'static,
     {
         self.listen(core);
         self.insert(sandbox_id, events)
@@ -125,13 +127,13 @@ impl Watchers {
 
     fn insert<S>(&self, sandbox_id: &str, events: S) -> Result<String, RpcError>
     where
-        S: Stream<Item = Value> + Send + 'static,
+        S: Stream<Item = FilesystemEvent> + Send + 'static,
     {
         let mut map = lock(&self.map);
         if map.values().filter(|w| w.sandbox_id == sandbox_id).count() >= MAX_WATCHERS_PER_SANDBOX {
             return Err(no_room());
         }
-        let id = format!("w{}", airlock_runtime::datadir::random_hex(8));
+        let id = crate::core::random_id("w", 8);
         let queue = Arc::new(Mutex::new(WatchQueue::default()));
         let sink = queue.clone();
         let name = id.clone();
@@ -153,7 +155,7 @@ impl Watchers {
     }
 
     /// Take the events of `sandbox_id`'s watcher `id`; `None` when it has no such watcher.
-    pub fn take_events(&self, sandbox_id: &str, id: &str) -> Option<Vec<Value>> {
+    pub fn take_events(&self, sandbox_id: &str, id: &str) -> Option<Vec<FilesystemEvent>> {
         let map = lock(&self.map);
         let w = map.get(id).filter(|w| w.sandbox_id == sandbox_id)?;
         let events = lock(&w.queue).take();
@@ -195,8 +197,8 @@ impl Watchers {
     async fn sweep(&self, core: &Core) {
         let ids: HashSet<String> = lock(&self.map).values().map(|w| w.sandbox_id.clone()).collect();
         for id in ids {
-            let live = match core.store.sandbox_by_id(&id).await {
-                Ok(row) => row.is_some_and(|r| r.state.is_held_or_running()),
+            let live = match core.sandbox_is_live(&id).await {
+                Ok(live) => live,
                 Err(_) => continue, // the store will answer next time
             };
             if !live {
@@ -212,7 +214,7 @@ impl Watchers {
             return;
         }
         let sweeper = core.clone();
-        core.engine.follow_ended(
+        core.follow_ended(
             Arc::downgrade(self),
             Duration::ZERO,
             WATCHER_SWEEP_EVERY,
@@ -295,25 +297,40 @@ impl IntoResponse for E2bError {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use serde_json::json;
+    use envd::messages::EventType;
+
+    fn ev(name: impl Into<String>) -> FilesystemEvent {
+        FilesystemEvent {
+            name: name.into(),
+            event_type: EventType::Create,
+            entry: None,
+        }
+    }
+
+    fn names<'a>(events: impl IntoIterator<Item = &'a FilesystemEvent>) -> Vec<&'a str> {
+        events.into_iter().map(|e| e.name.as_str()).collect()
+    }
 
     #[test]
     fn a_watchers_queue_keeps_the_newest_events() {
         let mut q = WatchQueue::default();
         for i in 0..MAX_WATCH_EVENTS + 5 {
-            q.push(json!(i), "w1");
+            q.push(ev(i.to_string()), "w1");
         }
         assert_eq!(q.events.len(), MAX_WATCH_EVENTS);
         assert_eq!(q.lost, 5);
-        assert_eq!(q.events.front().map(|e| &e.0), Some(&json!(5)));
-        assert_eq!(q.events.back().map(|e| &e.0), Some(&json!(MAX_WATCH_EVENTS + 4)));
+        assert_eq!(q.events.front().map(|e| e.0.name.as_str()), Some("5"));
+        assert_eq!(
+            q.events.back().map(|e| e.0.name.clone()),
+            Some((MAX_WATCH_EVENTS + 4).to_string())
+        );
     }
 
     #[test]
     fn a_watchers_queue_is_capped_in_bytes() {
         // Events as large as the agent sends them (a 64 KiB line): far fewer than the count cap
         // fill the byte cap, and the oldest go first as they do past the count.
-        let big = |i: usize| json!({ "name": format!("{i}/{}", "x".repeat(64 << 10)), "type": "EVENT_TYPE_CREATE" });
+        let big = |i: usize| ev(format!("{i}/{}", "x".repeat(64 << 10)));
         let n = 2 * MAX_WATCH_BYTES / (64 << 10);
         let mut q = WatchQueue::default();
         for i in 0..n {
@@ -327,7 +344,7 @@ mod tests {
             "{held} bytes held: the cap is used"
         );
         assert_eq!(q.lost as usize + q.events.len(), n);
-        assert_eq!(q.events.back().map(|e| &e.0), Some(&big(n - 1)));
+        assert_eq!(q.events.back().map(|e| e.0.name.clone()), Some(big(n - 1).name));
         // Taking the events frees their bytes: the queue fills again from empty.
         let taken = q.take();
         assert_eq!(taken.len() as u64 + q.lost, n as u64);
@@ -343,19 +360,17 @@ mod tests {
             ids.push(w.insert("sb1", futures_util::stream::pending()).unwrap());
         }
         let err = w.insert("sb1", futures_util::stream::pending()).unwrap_err();
-        assert_eq!(err.code, "resource_exhausted");
-        assert_eq!(w.check_room("sb1").unwrap_err().code, "resource_exhausted");
+        assert_eq!(err.code, connect::Code::ResourceExhausted);
+        assert_eq!(w.check_room("sb1").unwrap_err().code, connect::Code::ResourceExhausted);
         // Another sandbox has its own room.
-        let other = w
-            .insert("sb2", futures_util::stream::iter([json!({"name": "a"})]))
-            .unwrap();
+        let other = w.insert("sb2", futures_util::stream::iter([ev("a")])).unwrap();
         // A watcher is only its own sandbox's.
         assert!(w.take_events("sb1", &other).is_none());
         assert!(!w.remove("sb1", &other));
         tokio::task::yield_now().await;
         tokio::time::sleep(Duration::from_millis(20)).await;
-        assert_eq!(w.take_events("sb2", &other), Some(vec![json!({"name": "a"})]));
-        assert_eq!(w.take_events("sb2", &other), Some(vec![]));
+        assert_eq!(w.take_events("sb2", &other).as_ref().map(names), Some(vec!["a"]));
+        assert_eq!(w.take_events("sb2", &other).map(|e| e.len()), Some(0));
         // Removing one makes room again.
         assert!(w.remove("sb1", &ids[0]));
         w.insert("sb1", futures_util::stream::pending()).unwrap();

@@ -168,20 +168,6 @@ pub enum CreateRecorded {
     Existing(Operation),
 }
 
-impl CreateRecorded {
-    pub fn operation(&self) -> &Operation {
-        match self {
-            CreateRecorded::New(op) | CreateRecorded::Existing(op) => op,
-        }
-    }
-
-    pub fn into_operation(self) -> Operation {
-        match self {
-            CreateRecorded::New(op) | CreateRecorded::Existing(op) => op,
-        }
-    }
-}
-
 #[async_trait]
 pub trait TenantStore: Send + Sync {
     /// Whether tenant `default` has no key yet (a new store).

@@ -1,0 +1,396 @@
+//! The operation engine: every lifecycle change (create, delete, pause, suspend, resume) is submitted
+//! here as an `Action`, recorded as an `Operation`, and carried out in the background; callers
+//! `wait` for it when their door answers synchronously. On start, `recover` makes the store
+//! agree with the VMs that really exist; the reaper deletes expired sandboxes and marks those
+//! whose VM exited on its own as failed.
+
+use crate::error::{CoreError, CoreResult};
+use crate::model::ErrorBody;
+use crate::model::{Operation, OperationKind, OperationState, Quota, SandboxState};
+use crate::nodes::{Nodes, VmState};
+use crate::records::{now_ms, rfc3339, SandboxRecord};
+use crate::store::{CreateRecorded, NodeBudget, Store};
+use std::sync::Arc;
+use std::time::Duration;
+
+mod reaper;
+mod recover;
+mod run;
+
+/// How long a sandbox may stay paused in memory before it is deleted like an expired one.
+pub const MAX_PAUSE: Duration = Duration::from_secs(24 * 3600);
+/// How long a sandbox may stay suspended (on disk) before it is deleted like an expired one.
+pub const MAX_SUSPEND: Duration = Duration::from_secs(30 * 24 * 3600);
+/// How often the reaper looks for expired sandboxes.
+const REAP_EVERY: Duration = Duration::from_millis(500);
+/// How often it also sweeps for VMs that vanished without an exit notice (missed while busy).
+const SWEEP_EVERY_TICKS: u32 = 4;
+/// The longest a caller waits for an operation (a boot under TCG takes seconds; a stuck one
+/// must not hold a request forever).
+pub const WAIT_LIMIT: Duration = Duration::from_secs(300);
+
+/// A lifecycle change to carry out.
+#[derive(Debug, Clone)]
+pub enum Action {
+    /// Record a new sandbox (if the tenant stays within its `quota` and the node's live
+    /// sandboxes plus this one fit in `budget`) and boot it.
+    Create {
+        sandbox: SandboxRecord,
+        idempotency_key: Option<String>,
+        quota: Quota,
+        budget: NodeBudget,
+    },
+    Delete {
+        sandbox: SandboxRecord,
+    },
+    Pause {
+        sandbox: SandboxRecord,
+    },
+    /// Save the sandbox to disk and end its VM.
+    Suspend {
+        sandbox: SandboxRecord,
+    },
+    /// Save a running sandbox as `snapshot` while it runs on. Recorded at once as being saved
+    /// if `reserve_mib` fits the tenant's disk `quota` and the node's disk `budget` (like a
+    /// create's admission; it holds that much until the save ends, then its size).
+    Snapshot {
+        sandbox: SandboxRecord,
+        snapshot: crate::records::SnapshotRecord,
+        reserve_mib: u64,
+        quota: Quota,
+        budget: NodeBudget,
+    },
+    /// Run a paused sandbox again, or start a suspended one from its saved state: that needs its
+    /// place, vcpu and memory again, so it is admitted under `quota` and `budget` like a create.
+    Resume {
+        sandbox: SandboxRecord,
+        quota: Quota,
+        budget: NodeBudget,
+    },
+}
+
+#[derive(Debug, Clone)]
+pub struct Submitted {
+    pub operation: Operation,
+    /// False when an earlier operation answered instead (idempotent create, delete under way).
+    pub new: bool,
+}
+
+/// Sandboxes recovered at once after a restart.
+const RECOVER_AT_ONCE: usize = 8;
+/// The longest a request waits for its sandbox's recovery after a restart before it is
+/// answered `unavailable` (a node re-attaches a VM within its agent's 10 s connect timeout).
+pub const RECOVERY_WAIT: Duration = Duration::from_secs(20);
+
+/// What a restart still has to settle: the sandboxes whose record and VM are not yet checked
+/// against each other. Requests about one of them wait for it (see [`Engine::recovered`]).
+struct Recovery {
+    /// How long a request waits for its sandbox (`RECOVERY_WAIT` unless a test says otherwise).
+    wait: Duration,
+    /// Sandbox id -> its tenant's id.
+    pending: std::sync::Mutex<std::collections::HashMap<String, String>>,
+    /// Whether anything is left at all (the VMs no record claims are swept last).
+    under_way: std::sync::atomic::AtomicBool,
+}
+
+#[derive(Clone)]
+pub struct Engine {
+    store: Arc<dyn Store>,
+    nodes: Arc<dyn Nodes>,
+    recovery: Arc<Recovery>,
+    /// Bumped whenever a sandbox's recovery (or the whole recovery) finishes.
+    recovered: Arc<tokio::sync::watch::Sender<u64>>,
+    /// Bumped whenever an operation finishes, to wake `wait`ers.
+    finished: Arc<tokio::sync::watch::Sender<u64>>,
+    /// The id of every sandbox that reached `deleted` or `failed`, for state kept elsewhere
+    /// about a sandbox (a door's watchers) to go with it. See [`Engine::ended`].
+    ended: tokio::sync::broadcast::Sender<String>,
+    /// When this engine was made: images recorded before it and still unfinished were cut
+    /// short by a restart.
+    started_ms: i64,
+}
+
+fn new_operation(kind: OperationKind, sandbox_id: &str) -> Operation {
+    Operation {
+        id: format!("op_{}", airlock_runtime::datadir::random_hex(10)),
+        kind,
+        state: OperationState::Pending,
+        sandbox_id: sandbox_id.into(),
+        error: None,
+        created_at: rfc3339(now_ms()),
+        finished_at: None,
+    }
+}
+
+impl From<&CoreError> for ErrorBody {
+    fn from(e: &CoreError) -> Self {
+        ErrorBody {
+            code: e.code().code.into(),
+            message: e.to_string(),
+        }
+    }
+}
+
+fn interrupted() -> ErrorBody {
+    ErrorBody {
+        code: "interrupted".into(),
+        message: "the server stopped while this operation ran; nothing of it is left running".into(),
+    }
+}
+
+impl Engine {
+    pub fn new(store: Arc<dyn Store>, nodes: Arc<dyn Nodes>) -> Self {
+        Self {
+            store,
+            nodes,
+            recovery: Arc::new(Recovery {
+                wait: RECOVERY_WAIT,
+                pending: Default::default(),
+                under_way: Default::default(),
+            }),
+            recovered: Arc::new(tokio::sync::watch::channel(0).0),
+            finished: Arc::new(tokio::sync::watch::channel(0).0),
+            ended: tokio::sync::broadcast::channel(256).0,
+            started_ms: now_ms(),
+        }
+    }
+
+    /// The same engine, whose requests wait at most `wait` for a sandbox's recovery (before
+    /// any clone is taken).
+    pub fn with_recovery_wait(mut self, wait: Duration) -> Self {
+        if let Some(r) = Arc::get_mut(&mut self.recovery) {
+            r.wait = wait;
+        }
+        self
+    }
+
+    /// Sandboxes as they end (deleted or failed). A receiver that lags misses ids: it should
+    /// then check what it holds against the store.
+    pub fn ended(&self) -> tokio::sync::broadcast::Receiver<String> {
+        self.ended.subscribe()
+    }
+
+    /// For as long as `owner` lives (state a door or the core keeps per sandbox): `on_end` for
+    /// each sandbox that ends, and `sweep` every `period` (the first after `first`) and whenever
+    /// announcements were missed (the channel lagged). One task; it ends with `owner`.
+    pub fn follow_ended<T, F>(
+        &self,
+        owner: std::sync::Weak<T>,
+        first: Duration,
+        period: Duration,
+        on_end: impl Fn(&T, &str) + Send + 'static,
+        sweep: impl Fn(Arc<T>) -> F + Send + 'static,
+    ) where
+        T: Send + Sync + 'static,
+        F: std::future::Future<Output = ()> + Send + 'static,
+    {
+        use tokio::sync::broadcast::error::RecvError;
+        let mut ended = self.ended();
+        tokio::spawn(async move {
+            let mut tick = tokio::time::interval_at(tokio::time::Instant::now() + first, period);
+            tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+            loop {
+                let news = tokio::select! {
+                    r = ended.recv() => Some(r),
+                    _ = tick.tick() => None,
+                };
+                let Some(owner) = owner.upgrade() else { return };
+                match news {
+                    Some(Ok(id)) => on_end(&owner, &id),
+                    Some(Err(RecvError::Closed)) => return,
+                    Some(Err(RecvError::Lagged(_))) | None => sweep(owner).await,
+                }
+            }
+        });
+    }
+
+    fn announce(&self, id: &str, state: SandboxState) {
+        if matches!(state, SandboxState::Deleted | SandboxState::Failed) {
+            let _ = self.ended.send(id.to_string());
+        }
+    }
+
+    /// Record `action` as an operation and start it.
+    pub async fn submit(&self, action: Action) -> CoreResult<Submitted> {
+        match action {
+            Action::Create {
+                sandbox,
+                idempotency_key,
+                quota,
+                budget,
+            } => {
+                let op = new_operation(OperationKind::Create, &sandbox.id);
+                match self
+                    .store
+                    .insert_create_within(&sandbox, &op, idempotency_key.as_deref(), &quota, &budget)
+                    .await?
+                {
+                    CreateRecorded::Existing(prior) => Ok(Submitted {
+                        operation: prior,
+                        new: false,
+                    }),
+                    CreateRecorded::New(op) => {
+                        let engine = self.clone();
+                        let run = op.clone();
+                        tokio::spawn(async move { engine.run_create(run, sandbox).await });
+                        Ok(Submitted {
+                            operation: op,
+                            new: true,
+                        })
+                    }
+                }
+            }
+            Action::Delete { sandbox } => {
+                if let Some(open) = self
+                    .store
+                    .open_delete_operation(&sandbox.id)
+                    .await?
+                    .filter(|o| !o.state.is_final())
+                {
+                    return Ok(Submitted {
+                        operation: open,
+                        new: false,
+                    });
+                }
+                let op = new_operation(OperationKind::Delete, &sandbox.id);
+                self.store.insert_operation(&sandbox.tenant_id, &op).await?;
+                self.store
+                    .set_sandbox_state(&sandbox.id, SandboxState::Deleting)
+                    .await?;
+                let engine = self.clone();
+                let run = op.clone();
+                tokio::spawn(async move { engine.run_delete(run).await });
+                Ok(Submitted {
+                    operation: op,
+                    new: true,
+                })
+            }
+            Action::Pause { sandbox } => self.submit_change(sandbox, OperationKind::Pause).await,
+            Action::Suspend { sandbox } => self.submit_change(sandbox, OperationKind::Suspend).await,
+            Action::Snapshot {
+                sandbox,
+                snapshot,
+                reserve_mib,
+                quota,
+                budget,
+            } => {
+                use crate::store::SnapshotAdmission;
+                match self
+                    .store
+                    .admit_snapshot(&snapshot, reserve_mib, &quota, &budget)
+                    .await?
+                {
+                    SnapshotAdmission::Admitted => {}
+                    SnapshotAdmission::NameTaken => {
+                        return Err(crate::error::Conflict::NameTaken(snapshot.name.clone().unwrap_or_default()).into())
+                    }
+                    SnapshotAdmission::NoTenant => {
+                        return Err(CoreError::not_found(crate::error::Kind::Tenant, &snapshot.tenant_id))
+                    }
+                }
+                let op = new_operation(OperationKind::Snapshot, &sandbox.id);
+                if let Err(e) = self.store.insert_operation(&sandbox.tenant_id, &op).await {
+                    let _ = self.store.delete_snapshot(&snapshot.tenant_id, &snapshot.id).await;
+                    return Err(e.into());
+                }
+                let engine = self.clone();
+                let run = op.clone();
+                tokio::spawn(async move { engine.run_snapshot(run, snapshot).await });
+                Ok(Submitted {
+                    operation: op,
+                    new: true,
+                })
+            }
+            Action::Resume { sandbox, quota, budget } => {
+                if sandbox.state == SandboxState::Suspended
+                    && !self.store.admit_resume(&sandbox.id, &quota, &budget).await?
+                {
+                    return Err(CoreError::InvalidState {
+                        id: sandbox.id.clone(),
+                        state: self
+                            .store
+                            .sandbox_by_id(&sandbox.id)
+                            .await?
+                            .map_or(SandboxState::Deleted, |r| r.state),
+                        need: "only a suspended or paused sandbox can be resumed".into(),
+                    });
+                }
+                if sandbox.state == SandboxState::Suspended {
+                    self.announce(&sandbox.id, SandboxState::Resuming);
+                }
+                self.submit_change(sandbox, OperationKind::Resume).await
+            }
+        }
+    }
+
+    async fn submit_change(&self, sandbox: SandboxRecord, kind: OperationKind) -> CoreResult<Submitted> {
+        let op = new_operation(kind, &sandbox.id);
+        self.store.insert_operation(&sandbox.tenant_id, &op).await?;
+        let engine = self.clone();
+        let run = op.clone();
+        tokio::spawn(async move { engine.run_change(run).await });
+        Ok(Submitted {
+            operation: op,
+            new: true,
+        })
+    }
+
+    /// Wait until `op` has finished (at most `WAIT_LIMIT`); returns its final record.
+    pub async fn wait(&self, op: &Operation) -> CoreResult<Operation> {
+        let mut finished = self.finished.subscribe();
+        let deadline = tokio::time::Instant::now() + WAIT_LIMIT;
+        loop {
+            if tokio::time::Instant::now() >= deadline {
+                return Err(CoreError::Unavailable(format!(
+                    "operation {} is still running after {}; poll GET /v1/operations/{}",
+                    op.id,
+                    humantime::format_duration(WAIT_LIMIT),
+                    op.id
+                )));
+            }
+            if let Some(o) = self.store.operation_by_id(&op.id).await? {
+                if o.state.is_final() {
+                    return Ok(o);
+                }
+            }
+            // Woken by any finish; the timeout covers operations another process finishes.
+            let _ = tokio::time::timeout(Duration::from_secs(1), finished.changed()).await;
+        }
+    }
+
+    async fn finish(&self, op: &Operation, error: Option<ErrorBody>) {
+        let state = if error.is_none() {
+            OperationState::Succeeded
+        } else {
+            OperationState::Failed
+        };
+        if let Err(e) = self.store.finish_operation(&op.id, state, error.as_ref()).await {
+            tracing::error!(op = %op.id, "cannot record the end of the operation: {e}");
+        }
+        self.finished.send_modify(|n| *n += 1);
+    }
+
+    async fn set_state(&self, id: &str, state: SandboxState) {
+        if let Err(e) = self.store.set_sandbox_state(id, state).await {
+            tracing::error!(sandbox = %id, "cannot record state {}: {e}", state.as_str());
+        }
+        self.announce(id, state);
+    }
+
+    /// Move a sandbox on only from the states a change may leave; false when something else
+    /// (a delete) got there first.
+    async fn transition(&self, id: &str, from: &[SandboxState], to: SandboxState) -> bool {
+        match self.store.transition_sandbox(id, from, to).await {
+            Ok(moved) => {
+                if moved {
+                    self.announce(id, to);
+                }
+                moved
+            }
+            Err(e) => {
+                tracing::error!(sandbox = %id, "cannot record state {}: {e}", to.as_str());
+                false
+            }
+        }
+    }
+}

@@ -1,0 +1,107 @@
+//! The reaper: expired sandboxes deleted (or suspended, `on_timeout: suspend`), VMs that exited on
+//! their own failed, every tick.
+
+use super::*;
+
+impl Engine {
+    /// A sandbox whose VM exited on its own is failed (its quota slot is free again).
+    pub(super) async fn vm_exited(&self, id: &str) {
+        let live = [SandboxState::Running, SandboxState::Paused];
+        if self.transition(id, &live, SandboxState::Failed).await {
+            tracing::warn!(sandbox = %id, "its VM exited on its own; marking it failed");
+            let _ = self.store.set_paused_remaining(id, None).await;
+        }
+    }
+
+    /// Sandboxes the store thinks run, whose VM is gone, with no operation under way.
+    pub(super) async fn sweep(&self) -> CoreResult<()> {
+        let busy: std::collections::HashSet<String> = self
+            .store
+            .unfinished_operations()
+            .await?
+            .into_iter()
+            .map(|o| o.sandbox_id)
+            .collect();
+        for row in self.store.live_sandboxes().await? {
+            if matches!(row.state, SandboxState::Running | SandboxState::Paused)
+                && !busy.contains(&row.id)
+                && !self.recovering(&row.id)
+                && self.nodes.vm_state(&row.id) == VmState::Gone
+            {
+                self.vm_exited(&row.id).await;
+            }
+        }
+        Ok(())
+    }
+
+    /// A sandbox whose timeout passed: suspended if it asked for that (`on_timeout: suspend`,
+    /// E2B's autoPause) and runs, else deleted. A suspend that fails deletes it after all.
+    pub(super) async fn timed_out(&self, row: SandboxRecord) {
+        let suspend = row.lifecycle.on_timeout == crate::model::OnTimeout::Suspend
+            && matches!(row.state, SandboxState::Running | SandboxState::Paused);
+        if !suspend {
+            tracing::info!(sandbox = %row.id, "timeout passed; deleting");
+            let _ = self.submit(Action::Delete { sandbox: row }).await;
+            return;
+        }
+        tracing::info!(sandbox = %row.id, "timeout passed; suspending");
+        // Not picked again while it suspends; resumed, it gets its whole timeout again.
+        let held = async {
+            self.store
+                .set_sandbox_expiry(&row.id, now_ms() + MAX_SUSPEND.as_millis() as i64)
+                .await?;
+            self.store.set_paused_remaining(&row.id, Some(row.timeout_ms)).await
+        };
+        if let Err(e) = held.await {
+            tracing::error!(sandbox = %row.id, "cannot record the suspend clock: {e}");
+        }
+        let engine = self.clone();
+        tokio::spawn(async move {
+            let done = match engine.submit(Action::Suspend { sandbox: row.clone() }).await {
+                Ok(s) => engine.wait(&s.operation).await.ok().filter(|op| op.error.is_none()),
+                Err(_) => None,
+            };
+            if done.is_none() {
+                tracing::warn!(sandbox = %row.id, "suspend at timeout failed; deleting");
+                let _ = engine.store.set_paused_remaining(&row.id, None).await;
+                if let Ok(Some(now)) = engine.store.sandbox_by_id(&row.id).await {
+                    let _ = engine.submit(Action::Delete { sandbox: now }).await;
+                }
+            }
+        });
+    }
+
+    /// Delete sandboxes whose timeout passed; fail those whose VM exited on its own.
+    pub fn spawn_reaper(&self) {
+        let engine = self.clone();
+        let mut exits = self.nodes.exits();
+        tokio::spawn(async move {
+            loop {
+                match exits.recv().await {
+                    Ok(id) => engine.vm_exited(&id).await,
+                    Err(tokio::sync::broadcast::error::RecvError::Lagged(_)) => {
+                        let _ = engine.sweep().await;
+                    }
+                    Err(tokio::sync::broadcast::error::RecvError::Closed) => break,
+                }
+            }
+        });
+        let engine = self.clone();
+        tokio::spawn(async move {
+            let mut tick = 0u32;
+            loop {
+                tokio::time::sleep(REAP_EVERY).await;
+                tick = tick.wrapping_add(1);
+                if let Ok(expired) = engine.store.expired_sandboxes(now_ms()).await {
+                    // A sandbox the restart's recovery has yet to settle waits for it.
+                    for row in expired.into_iter().filter(|r| !engine.recovering(&r.id)) {
+                        engine.timed_out(row).await;
+                    }
+                }
+                if tick.is_multiple_of(SWEEP_EVERY_TICKS) {
+                    let _ = engine.sweep().await;
+                }
+            }
+        });
+    }
+}

@@ -1,0 +1,233 @@
+//! After a restart: settle every sandbox by what its VM really is, several at a time, while the
+//! listener already serves (`start_recovery`; a request waits in `recovered`); remove VMs and
+//! images no record claims.
+
+use super::*;
+
+impl Engine {
+    /// After a (possibly unclean) restart: finish or fail every open operation by what the VMs
+    /// really are, fail sandboxes whose VM is gone, and delete VMs no live record claims. Returns
+    /// when all of it is done; see [`Engine::start_recovery`] for a server that listens first.
+    pub async fn recover(&self) -> CoreResult<()> {
+        self.start_recovery().await?;
+        let mut news = self.recovered.subscribe();
+        while self.recovery.under_way.load(std::sync::atomic::Ordering::SeqCst) {
+            if news.changed().await.is_err() {
+                break;
+            }
+        }
+        Ok(())
+    }
+
+    /// Start the recovery (see [`Engine::recover`]) and return once every sandbox it must settle
+    /// is recorded as pending: requests about those wait for theirs ([`Engine::recovered`]),
+    /// others are served at once. Sandboxes are recovered several at a time, each as soon as the
+    /// node has re-attached (or lost) its VM; the VMs no live record claims go last.
+    pub async fn start_recovery(&self) -> CoreResult<()> {
+        let mut ops: std::collections::HashMap<String, Vec<Operation>> = Default::default();
+        for op in self.store.unfinished_operations().await? {
+            ops.entry(op.sandbox_id.clone()).or_default().push(op);
+        }
+        let mut pending = std::collections::HashMap::new();
+        for row in self.store.live_sandboxes().await? {
+            pending.insert(row.id.clone(), row.tenant_id.clone());
+        }
+        for id in ops.keys() {
+            if !pending.contains_key(id) {
+                if let Some(row) = self.store.sandbox_by_id(id).await? {
+                    pending.insert(id.clone(), row.tenant_id);
+                }
+            }
+        }
+        let ids: Vec<String> = pending.keys().cloned().collect();
+        self.recovery.pending.lock().unwrap().extend(pending);
+        self.recovery.under_way.store(true, std::sync::atomic::Ordering::SeqCst);
+        let engine = self.clone();
+        tokio::spawn(async move {
+            use futures_util::StreamExt;
+            futures_util::stream::iter(ids)
+                .for_each_concurrent(RECOVER_AT_ONCE, |id| {
+                    let engine = engine.clone();
+                    let ops = ops.remove(&id).unwrap_or_default();
+                    async move {
+                        engine.nodes.settled(&id).await;
+                        if let Err(e) = engine.recover_sandbox(&id, ops).await {
+                            tracing::error!(sandbox = %id, "cannot recover: {e}");
+                        }
+                        engine.recovery.pending.lock().unwrap().remove(&id);
+                        engine.recovered.send_modify(|n| *n += 1);
+                    }
+                })
+                .await;
+            engine.nodes.settled_all().await;
+            if let Err(e) = engine.sweep_unclaimed_vms().await {
+                tracing::error!("cannot sweep VMs without a record: {e}");
+            }
+            if let Err(e) = engine.sweep_images().await {
+                tracing::error!("cannot sweep images: {e}");
+            }
+            engine
+                .recovery
+                .under_way
+                .store(false, std::sync::atomic::Ordering::SeqCst);
+            engine.recovered.send_modify(|n| *n += 1);
+            tracing::info!("recovery after the restart finished");
+        });
+        Ok(())
+    }
+
+    /// Whether sandbox `id` is still being recovered after a restart.
+    pub fn recovering(&self, id: &str) -> bool {
+        self.recovery.pending.lock().unwrap().contains_key(id)
+    }
+
+    /// Wait (at most [`RECOVERY_WAIT`], or what `Config::recovery_wait` says) until the restart's recovery has settled every sandbox
+    /// `which` selects (by id and tenant id); `unavailable` if it has not by then. Immediate
+    /// when none is pending, which is always so once the recovery is over.
+    pub(super) async fn await_recovered(&self, which: impl Fn(&str, &str) -> bool, what: &str) -> CoreResult<()> {
+        let mut news = self.recovered.subscribe();
+        let deadline = tokio::time::Instant::now() + self.recovery.wait;
+        loop {
+            let left = self
+                .recovery
+                .pending
+                .lock()
+                .unwrap()
+                .iter()
+                .any(|(id, tenant)| which(id, tenant));
+            if !left {
+                return Ok(());
+            }
+            match tokio::time::timeout_at(deadline, news.changed()).await {
+                Ok(Ok(())) => {}
+                Ok(Err(_)) => return Ok(()),
+                Err(_) => {
+                    return Err(CoreError::Unavailable(format!(
+                        "{what} is still being recovered after a server restart; retry in a few seconds"
+                    )))
+                }
+            }
+        }
+    }
+
+    /// Wait for sandbox `id`'s recovery (see [`Engine::await_recovered`]).
+    pub async fn recovered(&self, id: &str) -> CoreResult<()> {
+        if !self.recovering(id) {
+            return Ok(());
+        }
+        self.await_recovered(|s, _| s == id, &format!("sandbox {id}")).await
+    }
+
+    /// Wait for the recovery of every sandbox of `tenant_id`.
+    pub async fn tenant_recovered(&self, tenant_id: &str) -> CoreResult<()> {
+        self.await_recovered(|_, t| t == tenant_id, "a sandbox of this tenant")
+            .await
+    }
+
+    /// Wait for the recovery of every sandbox (node-wide budgets count them all).
+    pub async fn all_recovered(&self) -> CoreResult<()> {
+        self.await_recovered(|_, _| true, "a sandbox on this node").await
+    }
+
+    /// One sandbox after a restart, once its node knows whether its VM is there: its open
+    /// operations finished or failed by what the VM is, and the sandbox failed if its VM is gone.
+    pub(super) async fn recover_sandbox(&self, id: &str, ops: Vec<Operation>) -> CoreResult<()> {
+        for op in ops {
+            let vm = self.nodes.vm_state(id);
+            match (op.kind, vm) {
+                (OperationKind::Delete, _) => {
+                    let engine = self.clone();
+                    tokio::spawn(async move { engine.run_delete(op).await });
+                    continue;
+                }
+                (OperationKind::Create, VmState::Running | VmState::Paused | VmState::Suspended) => {
+                    self.transition(id, &[SandboxState::Creating], SandboxState::Running)
+                        .await;
+                    self.settle_held(id, vm).await;
+                    self.finish(&op, None).await;
+                    tracing::info!(op = %op.id, "create finished before the restart: succeeded");
+                }
+                (OperationKind::Pause, VmState::Paused)
+                | (OperationKind::Suspend, VmState::Suspended)
+                | (OperationKind::Resume, VmState::Running) => {
+                    self.settle_held(id, vm).await;
+                    self.finish(&op, None).await;
+                    tracing::info!(op = %op.id, "finished before the restart: succeeded");
+                }
+                (OperationKind::Snapshot, _) => {
+                    // Saved or not, it is not recorded as saved: its record and image (if any)
+                    // go with the sweep.
+                    self.finish(&op, Some(interrupted())).await;
+                    tracing::warn!(op = %op.id, "snapshot interrupted by a restart");
+                }
+                (
+                    OperationKind::Pause | OperationKind::Suspend | OperationKind::Resume,
+                    VmState::Running | VmState::Paused | VmState::Suspended,
+                ) => {
+                    // It did not happen: the sandbox stays as its VM is.
+                    self.settle_held(id, vm).await;
+                    self.finish(&op, Some(interrupted())).await;
+                    tracing::warn!(op = %op.id, "interrupted by a restart before it took effect");
+                }
+                (_, VmState::Gone) => {
+                    self.set_state(id, SandboxState::Failed).await;
+                    self.finish(&op, Some(interrupted())).await;
+                    tracing::warn!(op = %op.id, "interrupted by a restart: failed");
+                }
+            }
+        }
+        if let Some(row) = self.store.sandbox_by_id(id).await? {
+            let held = [
+                SandboxState::Running,
+                SandboxState::Paused,
+                SandboxState::Suspended,
+                SandboxState::Resuming,
+            ];
+            if held.contains(&row.state) {
+                match self.nodes.vm_state(id) {
+                    VmState::Gone => {
+                        tracing::warn!(sandbox = %id, "its VM is gone; marking it failed");
+                        self.set_state(id, SandboxState::Failed).await;
+                    }
+                    vm => self.settle_held(id, vm).await,
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// VMs that no live record claims (left by a crash) are deleted.
+    pub(super) async fn sweep_unclaimed_vms(&self) -> CoreResult<()> {
+        for id in self.nodes.vm_ids() {
+            let live = self
+                .store
+                .sandbox_by_id(&id)
+                .await?
+                .is_some_and(|r| !matches!(r.state, SandboxState::Deleted | SandboxState::Failed));
+            if !live {
+                tracing::warn!(sandbox = %id, "VM without a live record; deleting it");
+                let _ = self.nodes.delete(&id).await;
+            }
+        }
+        Ok(())
+    }
+
+    /// Images no snapshot record claims, saves the restart cut short, and forks' images (the
+    /// restart cut the fork short; its children that started hold their own links). Only what
+    /// was recorded before this engine started: saves and forks since then are under way.
+    pub(super) async fn sweep_images(&self) -> CoreResult<()> {
+        for image in self.store.interrupted_images(self.started_ms).await? {
+            tracing::info!(image = %image.id, "removing an image a restart interrupted (a fork's or a save's)");
+            self.store.delete_snapshot(&image.tenant_id, &image.id).await?;
+            let _ = self.nodes.delete_image(&image.id).await;
+        }
+        let claimed: std::collections::HashSet<String> = self.store.snapshot_ids().await?.into_iter().collect();
+        for id in self.nodes.image_ids() {
+            if !claimed.contains(&id) {
+                tracing::warn!(image = %id, "image without a snapshot record; removing it");
+                let _ = self.nodes.delete_image(&id).await;
+            }
+        }
+        Ok(())
+    }
+}

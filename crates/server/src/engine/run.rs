@@ -1,0 +1,187 @@
+//! Carrying out an `Operation` in the background: create (with the sessions a snapshot's sandbox
+//! inherits), delete, snapshot, and the changes (pause, suspend, resume) through `Nodes`.
+
+use super::*;
+
+impl Engine {
+    pub(super) async fn run_create(&self, op: Operation, row: SandboxRecord) {
+        let _ = self.store.set_operation_state(&op.id, OperationState::Running).await;
+        match self.nodes.create(&row).await {
+            Ok(booted) => {
+                let _ = self.store.set_sandbox_boot(&row.id, &booted).await;
+                if let Some(image) = &row.image_id {
+                    self.inherit_sessions(&row, image).await;
+                }
+                // The lifetime asked for starts when the sandbox runs: a slow boot (a loaded
+                // host, TCG) is not charged to it. Set while still `creating`, which the
+                // reaper leaves alone.
+                let lifetime = row.expires_at_ms - row.created_at_ms;
+                let _ = self.store.set_sandbox_expiry(&row.id, now_ms() + lifetime).await;
+                if self
+                    .transition(&row.id, &[SandboxState::Creating], SandboxState::Running)
+                    .await
+                {
+                    tracing::info!(sandbox = %row.id, "created");
+                } else {
+                    // A delete was submitted during the boot, and may have found no VM yet: the
+                    // VM just booted is nobody's, so it goes (deleting twice is harmless).
+                    tracing::info!(sandbox = %row.id, "deleted while it booted; stopping its VM");
+                    if let Err(e) = self.nodes.delete(&row.id).await {
+                        tracing::warn!(sandbox = %row.id, "cannot stop the VM of a deleted sandbox: {e}");
+                    }
+                }
+                self.finish(&op, None).await;
+            }
+            Err(e) => {
+                tracing::warn!(sandbox = %row.id, "create failed: {e}");
+                self.transition(&row.id, &[SandboxState::Creating], SandboxState::Failed)
+                    .await;
+                self.finish(&op, Some((&CoreError::from(e)).into())).await;
+            }
+        }
+    }
+
+    /// A sandbox made from a snapshot runs the processes its source ran: their sessions (as
+    /// the source has them now) become its own, so both doors find them by pid and tag.
+    pub(super) async fn inherit_sessions(&self, row: &SandboxRecord, image: &str) {
+        let copied = async {
+            let Some(snapshot) = self.store.get_snapshot(&row.tenant_id, image).await? else {
+                return Ok(());
+            };
+            for s in self.store.list_sessions(&snapshot.sandbox_id).await? {
+                if s.exited {
+                    continue;
+                }
+                let copy = crate::records::SessionRecord {
+                    id: format!("ses_{}", airlock_runtime::datadir::random_hex(8)),
+                    sandbox_id: row.id.clone(),
+                    ..s
+                };
+                self.store.insert_session(&copy).await?;
+            }
+            Ok::<_, crate::store::StoreError>(())
+        };
+        if let Err(e) = copied.await {
+            tracing::warn!(sandbox = %row.id, "cannot record the sessions it inherited: {e}");
+        }
+    }
+
+    pub(super) async fn run_delete(&self, op: Operation) {
+        let id = op.sandbox_id.clone();
+        let _ = self.store.set_operation_state(&op.id, OperationState::Running).await;
+        match self.nodes.delete(&id).await {
+            Ok(()) => {
+                self.set_state(&id, SandboxState::Deleted).await;
+                let _ = self.store.set_paused_remaining(&id, None).await;
+                tracing::info!(sandbox = %id, "deleted");
+                self.finish(&op, None).await;
+            }
+            Err(e) => {
+                tracing::warn!(sandbox = %id, "delete failed: {e}");
+                self.set_state(&id, SandboxState::Failed).await;
+                self.finish(&op, Some((&CoreError::from(e)).into())).await;
+            }
+        }
+    }
+
+    /// Save the image, digest it (snapshots, while the sandbox runs on; forks need none), then
+    /// record its size: from then on it holds that instead of its reserve. A save that fails
+    /// leaves neither image nor record; one whose record went meanwhile (its tenant was
+    /// deleted) leaves no image.
+    pub(super) async fn run_snapshot(&self, op: Operation, mut snapshot: crate::records::SnapshotRecord) {
+        let _ = self.store.set_operation_state(&op.id, OperationState::Running).await;
+        let saved = async {
+            snapshot.bytes = self.nodes.save_image(&op.sandbox_id, &snapshot.id).await?;
+            if snapshot.kind == crate::records::SnapshotKind::Snapshot {
+                snapshot.digest = Some(self.nodes.digest_image(&snapshot.id).await?);
+            }
+            if !self.store.snapshot_saved(&snapshot).await? {
+                return Err(CoreError::not_found(crate::error::Kind::Snapshot, &snapshot.id));
+            }
+            Ok::<_, CoreError>(())
+        }
+        .await;
+        match saved {
+            Ok(()) => self.finish(&op, None).await,
+            Err(e) => {
+                tracing::warn!(sandbox = %op.sandbox_id, "snapshot failed: {e}");
+                let _ = self.store.delete_snapshot(&snapshot.tenant_id, &snapshot.id).await;
+                let _ = self.nodes.delete_image(&snapshot.id).await;
+                self.finish(&op, Some((&e).into())).await
+            }
+        }
+    }
+
+    /// Pause, suspend or resume (`op.kind`), then record what the VM is.
+    pub(super) async fn run_change(&self, op: Operation) {
+        let id = op.sandbox_id.clone();
+        let _ = self.store.set_operation_state(&op.id, OperationState::Running).await;
+        let result = match op.kind {
+            OperationKind::Pause => self.nodes.pause(&id).await,
+            OperationKind::Suspend => self.nodes.suspend(&id).await.map(drop),
+            _ => self.nodes.resume(&id).await,
+        };
+        match result {
+            Ok(()) => {
+                self.settle_held(&id, self.nodes.vm_state(&id)).await;
+                self.finish(&op, None).await;
+            }
+            Err(e) => {
+                // A resume that did not start the VM leaves it suspended; a failed suspend
+                // leaves it running (or, if its VM died, the reaper fails it).
+                if let VmState::Suspended | VmState::Running | VmState::Paused = self.nodes.vm_state(&id) {
+                    self.settle_held(&id, self.nodes.vm_state(&id)).await;
+                }
+                self.finish(&op, Some((&CoreError::from(e)).into())).await
+            }
+        }
+    }
+
+    /// Record the state a sandbox's VM is in now (running, paused, suspended), and stop (or
+    /// restart) its clock: a held sandbox keeps the lifetime it had left, and expires only after
+    /// `MAX_PAUSE` in memory or `MAX_SUSPEND` on disk. A sandbox being deleted stays so.
+    pub(super) async fn settle_held(&self, id: &str, vm: VmState) {
+        let live = [
+            SandboxState::Running,
+            SandboxState::Paused,
+            SandboxState::Suspended,
+            SandboxState::Resuming,
+        ];
+        let (to, hold_for) = match vm {
+            VmState::Running => (SandboxState::Running, None),
+            VmState::Paused => (SandboxState::Paused, Some(MAX_PAUSE)),
+            VmState::Suspended => (SandboxState::Suspended, Some(MAX_SUSPEND)),
+            VmState::Gone => return,
+        };
+        let Ok(Some(row)) = self.store.sandbox_by_id(id).await else {
+            return;
+        };
+        if row.state == to || !self.transition(id, &live, to).await {
+            return;
+        }
+        let now = now_ms();
+        let result = async {
+            if let Some(hold_for) = hold_for {
+                // The lifetime left is kept from when it first stopped running.
+                if self.store.paused_remaining(id).await?.is_none() {
+                    let remaining = (row.expires_at_ms - now).max(0);
+                    self.store.set_paused_remaining(id, Some(remaining)).await?;
+                }
+                self.store
+                    .set_sandbox_expiry(id, now + hold_for.as_millis() as i64)
+                    .await?;
+                Ok(())
+            } else {
+                if let Some(remaining) = self.store.paused_remaining(id).await? {
+                    self.store.set_sandbox_expiry(id, now + remaining).await?;
+                    self.store.set_paused_remaining(id, None).await?;
+                }
+                Ok::<_, crate::store::StoreError>(())
+            }
+        }
+        .await;
+        if let Err(e) = result {
+            tracing::error!(sandbox = %id, "cannot record the pause clock: {e}");
+        }
+    }
+}
