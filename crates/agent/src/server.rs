@@ -1,19 +1,22 @@
-//! HTTP/2 routes the host calls. One handler per service call; bodies are JSON except file
-//! content (raw bytes) and process events (binary frames, see `airlock_proto::frame`).
+//! HTTP/2 routes the host calls (`airlock_proto::Route`, parsed here). One handler per route;
+//! bodies are JSON except file content (raw bytes) and process events (binary frames, see
+//! `airlock_proto::frame`).
 
 use crate::error::AgentError;
 use crate::files;
 use crate::metrics::CpuSampler;
 use crate::process::Processes;
 use crate::users;
-use airlock_proto::{Health, MkdirRequest, MkdirResponse, ProcessSpec, PtySize, RenameRequest, SignalRequest};
+use airlock_proto::routes::WriteFile;
+use airlock_proto::{
+    Health, MkdirRequest, MkdirResponse, ProcessSpec, PtySize, RenameRequest, Route, RouteError, SignalRequest,
+};
 use bytes::{Bytes, BytesMut};
 use futures_util::StreamExt;
-use http::{Method, Request, Response, StatusCode};
+use http::{Request, Response, StatusCode};
 use http_body_util::{combinators::BoxBody, BodyExt, Full, StreamBody};
 use hyper::body::{Frame, Incoming};
 use serde::de::DeserializeOwned;
-use std::collections::HashMap;
 use std::convert::Infallible;
 use std::sync::Arc;
 use std::time::Instant;
@@ -65,19 +68,6 @@ fn error(e: AgentError) -> Response<Body> {
     json(status, &e.body())
 }
 
-fn query(req: &Request<Incoming>) -> HashMap<String, String> {
-    req.uri()
-        .query()
-        .map(|q| url::form_urlencoded::parse(q.as_bytes()).into_owned().collect())
-        .unwrap_or_default()
-}
-
-fn required<'a>(q: &'a HashMap<String, String>, key: &str) -> Result<&'a str, AgentError> {
-    q.get(key)
-        .map(String::as_str)
-        .ok_or_else(|| AgentError::invalid(format!("query parameter {key:?} is required")))
-}
-
 async fn read_json<T: DeserializeOwned>(req: Request<Incoming>) -> Result<T, AgentError> {
     let body = req
         .into_body()
@@ -93,11 +83,12 @@ pub async fn handle(agent: Arc<Agent>, req: Request<Incoming>) -> Result<Respons
 }
 
 async fn route(agent: Arc<Agent>, req: Request<Incoming>) -> Result<Response<Body>, AgentError> {
-    let path = req.uri().path().to_string();
-    let segs: Vec<&str> = path.trim_matches('/').split('/').collect();
-    let method = req.method().clone();
-    match (&method, segs.as_slice()) {
-        (&Method::GET, ["health"]) => Ok(json(
+    let route = Route::parse(req.method().as_str(), req.uri().path(), req.uri().query()).map_err(|e| match e {
+        RouteError::NotFound { .. } => AgentError::not_found(e.to_string()),
+        RouteError::Invalid(m) => AgentError::invalid(m),
+    })?;
+    match route {
+        Route::Health => Ok(json(
             StatusCode::OK,
             &Health {
                 version: env!("CARGO_PKG_VERSION").into(),
@@ -106,8 +97,8 @@ async fn route(agent: Arc<Agent>, req: Request<Incoming>) -> Result<Response<Bod
                 uptime_ms: agent.started.elapsed().as_millis() as u64,
             },
         )),
-        (&Method::GET, ["metrics"]) => Ok(json(StatusCode::OK, &agent.cpu.sample())),
-        (&Method::POST, ["system", "shutdown"]) => {
+        Route::Metrics => Ok(json(StatusCode::OK, &agent.cpu.sample())),
+        Route::Shutdown => {
             tokio::spawn(async {
                 tokio::time::sleep(std::time::Duration::from_millis(50)).await;
                 unsafe { libc::sync() };
@@ -115,85 +106,61 @@ async fn route(agent: Arc<Agent>, req: Request<Incoming>) -> Result<Response<Bod
             });
             Ok(json(StatusCode::ACCEPTED, &serde_json::json!({})))
         }
-        (&Method::POST, ["identity"]) => {
+        Route::Identity => {
             let identity: airlock_proto::Identity = read_json(req).await?;
             crate::boot::apply_identity(&identity)?;
             // A new boot id with the new machine id (as random, and public anyway).
             *agent.boot_id.lock().unwrap_or_else(|e| e.into_inner()) = identity.machine_id.clone();
             Ok(json(StatusCode::OK, &serde_json::json!({})))
         }
-        (&Method::POST, ["system", "sync"]) => {
+        Route::Sync => {
             tokio::task::spawn_blocking(|| unsafe { libc::sync() }).await.ok();
             Ok(json(StatusCode::OK, &serde_json::json!({})))
         }
-        (&Method::POST, ["processes"]) => {
+        Route::Spawn => {
             let spec: ProcessSpec = read_json(req).await?;
             let info = agent.processes.spawn(spec)?;
             Ok(json(StatusCode::CREATED, &info))
         }
-        (&Method::GET, ["processes"]) => Ok(json(StatusCode::OK, &agent.processes.list())),
-        (_, ["processes", id, rest @ ..]) => {
-            let id: u64 = id
-                .parse()
-                .map_err(|_| AgentError::invalid(format!("bad process id {id:?}")))?;
+        Route::Processes => Ok(json(StatusCode::OK, &agent.processes.list())),
+        Route::Process { id } => Ok(json(StatusCode::OK, &agent.processes.get(id)?.info())),
+        Route::Events { id, after } => Ok(event_stream(agent.processes.get(id)?, after)),
+        Route::Stdin { id } => {
             let proc = agent.processes.get(id)?;
-            match (&method, rest) {
-                (&Method::GET, []) => Ok(json(StatusCode::OK, &proc.info())),
-                (&Method::GET, ["events"]) => {
-                    let after: u64 = query(&req).get("after").and_then(|v| v.parse().ok()).unwrap_or(0);
-                    Ok(event_stream(proc, after))
+            let mut body = req.into_body();
+            while let Some(frame) = body.frame().await {
+                let frame = frame.map_err(|e| AgentError::invalid(format!("body: {e}")))?;
+                if let Ok(data) = frame.into_data() {
+                    proc.write_stdin(&data).await?;
                 }
-                (&Method::POST, ["stdin"]) => {
-                    let mut body = req.into_body();
-                    while let Some(frame) = body.frame().await {
-                        let frame = frame.map_err(|e| AgentError::invalid(format!("body: {e}")))?;
-                        if let Ok(data) = frame.into_data() {
-                            proc.write_stdin(&data).await?;
-                        }
-                    }
-                    Ok(json(StatusCode::OK, &serde_json::json!({})))
-                }
-                (&Method::POST, ["stdin", "close"]) => {
-                    proc.close_stdin().await?;
-                    Ok(json(StatusCode::OK, &serde_json::json!({})))
-                }
-                (&Method::POST, ["signal"]) => {
-                    let r: SignalRequest = read_json(req).await?;
-                    proc.signal(r.signal)?;
-                    Ok(json(StatusCode::OK, &serde_json::json!({})))
-                }
-                (&Method::POST, ["resize"]) => {
-                    let size: PtySize = read_json(req).await?;
-                    proc.resize(&size)?;
-                    Ok(json(StatusCode::OK, &serde_json::json!({})))
-                }
-                _ => Err(AgentError::not_found(format!("no route {method} {path}"))),
             }
-        }
-        (&Method::GET, ["files"]) => {
-            let p = files::clean_path(required(&query(&req), "path")?)?;
-            read_file(&p).await
-        }
-        (&Method::PUT, ["files"]) => write_file(req).await,
-        (&Method::DELETE, ["files"]) => {
-            let p = files::clean_path(required(&query(&req), "path")?)?;
-            files::remove(&p)?;
             Ok(json(StatusCode::OK, &serde_json::json!({})))
         }
-        (&Method::GET, ["files", "stat"]) => {
-            let p = files::clean_path(required(&query(&req), "path")?)?;
-            Ok(json(StatusCode::OK, &files::stat(&p)?))
+        Route::CloseStdin { id } => {
+            agent.processes.get(id)?.close_stdin().await?;
+            Ok(json(StatusCode::OK, &serde_json::json!({})))
         }
-        (&Method::GET, ["files", "list"]) => {
-            let q = query(&req);
-            let p = files::clean_path(required(&q, "path")?)?;
-            let depth = match q.get("depth") {
-                None => 1,
-                Some(d) => d.parse().map_err(|_| AgentError::invalid(format!("bad depth {d:?}")))?,
-            };
-            Ok(json(StatusCode::OK, &files::list(&p, depth)?))
+        Route::Signal { id } => {
+            let proc = agent.processes.get(id)?;
+            let r: SignalRequest = read_json(req).await?;
+            proc.signal(r.signal)?;
+            Ok(json(StatusCode::OK, &serde_json::json!({})))
         }
-        (&Method::POST, ["files", "mkdir"]) => {
+        Route::Resize { id } => {
+            let proc = agent.processes.get(id)?;
+            let size: PtySize = read_json(req).await?;
+            proc.resize(&size)?;
+            Ok(json(StatusCode::OK, &serde_json::json!({})))
+        }
+        Route::ReadFile { path } => read_file(&files::clean_path(&path)?).await,
+        Route::WriteFile(w) => write_file(w, req).await,
+        Route::Remove { path } => {
+            files::remove(&files::clean_path(&path)?)?;
+            Ok(json(StatusCode::OK, &serde_json::json!({})))
+        }
+        Route::Stat { path } => Ok(json(StatusCode::OK, &files::stat(&files::clean_path(&path)?)?)),
+        Route::List { path, depth } => Ok(json(StatusCode::OK, &files::list(&files::clean_path(&path)?, depth)?)),
+        Route::Mkdir => {
             let r: MkdirRequest = read_json(req).await?;
             let p = files::clean_path(&r.path)?;
             let owner = user_or_err(r.user.as_deref())?;
@@ -206,25 +173,14 @@ async fn route(agent: Arc<Agent>, req: Request<Incoming>) -> Result<Response<Bod
                 },
             ))
         }
-        (&Method::POST, ["files", "rename"]) => {
+        Route::Rename => {
             let r: RenameRequest = read_json(req).await?;
             let (from, to) = (files::clean_path(&r.from)?, files::clean_path(&r.to)?);
             files::rename(&from, &to)?;
             Ok(json(StatusCode::OK, &files::stat(&to)?))
         }
-        (&Method::POST, ["tcp", port]) => {
-            let port: u16 = port
-                .parse()
-                .map_err(|_| AgentError::invalid(format!("bad port {port:?}")))?;
-            tunnel(port, req).await
-        }
-        (&Method::GET, ["files", "watch"]) => {
-            let q = query(&req);
-            let p = files::clean_path(required(&q, "path")?)?;
-            let flag = |k: &str| q.get(k).is_some_and(|v| v == "true" || v == "1");
-            watch(&p, flag("recursive"), flag("entry"))
-        }
-        _ => Err(AgentError::not_found(format!("no route {method} {path}"))),
+        Route::Tunnel { port } => tunnel(port, req).await,
+        Route::Watch { path, recursive, entry } => watch(&files::clean_path(&path)?, recursive, entry),
     }
 }
 
@@ -283,10 +239,9 @@ async fn read_file(path: &std::path::Path) -> Result<Response<Body>, AgentError>
         .expect("valid response"))
 }
 
-async fn write_file(req: Request<Incoming>) -> Result<Response<Body>, AgentError> {
-    let q = query(&req);
-    let path = files::clean_path(required(&q, "path")?)?;
-    let owner = user_or_err(q.get("user").map(String::as_str))?;
+async fn write_file(w: WriteFile, req: Request<Incoming>) -> Result<Response<Body>, AgentError> {
+    let path = files::clean_path(&w.path)?;
+    let owner = user_or_err(w.user.as_deref())?;
     let shown = path.to_string_lossy().to_string();
     if let Some(parent) = path.parent() {
         files::mkdir_all(parent, owner.as_ref())?;
@@ -307,14 +262,10 @@ async fn write_file(req: Request<Incoming>) -> Result<Response<Body>, AgentError
     };
     // User metadata (`user.e2b.*` xattrs; JSON leading the body, `metadata_len` bytes)
     // replaces whatever the file had, as envd does.
-    let metadata_len = match q.get("metadata_len") {
-        None => 0,
-        Some(n) => n
-            .parse::<usize>()
-            .ok()
-            .filter(|n| *n <= METADATA_JSON_MAX)
-            .ok_or_else(|| AgentError::invalid(format!("bad metadata_len {n:?}")))?,
-    };
+    if w.metadata_len > METADATA_JSON_MAX {
+        return Err(AgentError::invalid(format!("bad metadata_len \"{}\"", w.metadata_len)));
+    }
+    let metadata_len = w.metadata_len;
     let staging = files::Staging::beside(&target);
     receive_upload(
         req.into_body(),
@@ -322,7 +273,7 @@ async fn write_file(req: Request<Incoming>) -> Result<Response<Body>, AgentError
         &target,
         &shown,
         owner.as_ref(),
-        q.get("mode"),
+        w.mode,
         metadata_len,
     )
     .await?;
@@ -341,7 +292,7 @@ async fn receive_upload(
     target: &std::path::Path,
     shown: &str,
     owner: Option<&users::User>,
-    mode: Option<&String>,
+    mode: Option<u32>,
     metadata_len: usize,
 ) -> Result<(), AgentError> {
     use std::os::unix::fs::PermissionsExt;
@@ -380,7 +331,7 @@ async fn receive_upload(
     let existing = std::fs::metadata(target).ok();
     // An explicit mode wins; otherwise an overwritten file keeps its mode (e.g. stays executable).
     let mode = match mode {
-        Some(m) => Some(u32::from_str_radix(m, 8).map_err(|_| AgentError::invalid(format!("bad octal mode {m:?}")))?),
+        Some(m) => Some(m),
         None => existing.as_ref().map(|m| m.permissions().mode() & 0o7777),
     };
     if let Some(mode) = mode {

@@ -7,6 +7,9 @@
 //! the host API translate onto these types, nothing else speaks to the guest.
 
 pub mod frame;
+pub mod routes;
+
+pub use routes::{Route, RouteError};
 
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;

@@ -20,7 +20,7 @@ pub enum RuntimeError {
     #[error("data dir {0} is in use by another airlock process; stop it or pass another --data-dir")]
     DataDirInUse(String),
     #[error("template build failed: {0}")]
-    TemplateBuild(String),
+    TemplateBuild(#[from] crate::template::TemplateError),
     /// The VM did not get to its agent's READY: `stage` is what it was doing (boot, restore,
     /// resume), `console` the tail of its console, `cause` what failed (none: the VMM exited).
     #[error("sandbox {id} failed to {stage}: {}; console:\n{console}", cause.as_ref().map_or_else(|| "the VMM exited".to_string(), |c| c.to_string()))]

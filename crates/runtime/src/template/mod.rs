@@ -1,0 +1,34 @@
+//! Templates: a kernel, an initramfs and an ext4 root filesystem, stored by content digest.
+//!
+//! `seed` is built here from Debian packages in layers, so a change costs what it should:
+//! - the kernel package is fetched with `apt-get download` and unpacked once per version;
+//! - the debootstrap base (tens of seconds) is cached by its recipe;
+//! - the agent + image assembly (`mkfs.ext4 -d`, about a second) is redone when the agent changes.
+//!
+//! A rebuild happens only when the recipe digest changes.
+//!
+//! - `recipes`: what each buildable template contains, and the recipe that digests it
+//! - `store`: the content-addressed store (manifests, blobs, lookup, prune)
+//! - `build`: one build, layer by layer, committed to the store
+//! - `kernel`, `debootstrap`, `packages` (apt, pip), `initramfs`: the builders
+//! - `command`, `progress`: running a build's commands, and what it shows while it runs
+
+mod build;
+mod command;
+mod debootstrap;
+mod error;
+mod initramfs;
+mod kernel;
+mod packages;
+mod progress;
+mod recipes;
+mod store;
+
+pub use build::BuildOptions;
+pub use debootstrap::{host_mirror, mirror_from_sources};
+pub use error::TemplateError;
+pub use initramfs::locate_agent;
+pub use kernel::{module_depends, resolve_modules};
+pub use recipes::{SeedRecipe, StartSpec, BASE, BUILDABLE, CODE_INTERPRETER, CODE_INTERPRETER_PORT, SEED};
+pub(crate) use store::sha256_file;
+pub use store::{parse_reference, Template, TemplateManifest, TemplateStore};
