@@ -13,6 +13,7 @@
 
 pub mod agent;
 pub mod datadir;
+mod digest;
 pub mod error;
 pub mod jail;
 pub mod net;

@@ -770,20 +770,6 @@ pub struct AuditEntry {
 }
 
 /// The wire differs from the record: `at` is RFC 3339 where the store keeps `at_ms`.
-impl From<crate::records::AuditRecord> for AuditEntry {
-    fn from(r: crate::records::AuditRecord) -> Self {
-        AuditEntry {
-            seq: r.seq,
-            at: crate::records::rfc3339(r.at_ms),
-            actor: r.actor,
-            tenant: r.tenant,
-            action: r.action,
-            object: r.object,
-            result: r.result,
-            count: r.count,
-        }
-    }
-}
 
 #[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
 pub struct AuditPage {

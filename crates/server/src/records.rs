@@ -219,6 +219,22 @@ pub struct AuditFilter {
     pub action: Option<String>,
 }
 
+/// An audit row as `/v1` shows it: the time in RFC 3339 where the store keeps milliseconds.
+impl From<AuditRecord> for crate::model::AuditEntry {
+    fn from(r: AuditRecord) -> Self {
+        crate::model::AuditEntry {
+            seq: r.seq,
+            at: rfc3339(r.at_ms),
+            actor: r.actor,
+            tenant: r.tenant,
+            action: r.action,
+            object: r.object,
+            result: r.result,
+            count: r.count,
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

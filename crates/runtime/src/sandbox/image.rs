@@ -89,8 +89,8 @@ impl SavedMachine<ImageManifest> {
     /// accelerator). Equal digests restore to the same machine; a changed byte changes it.
     /// Reads both files whole (about a second per 512 MiB here), so it runs off the save's path.
     pub fn content_digest(&self) -> Result<String> {
-        let state = crate::template::sha256_file(&self.state())?;
-        let disk = crate::template::sha256_file(&self.disk())?;
+        let state = crate::digest::sha256_file(&self.state())?;
+        let disk = crate::digest::sha256_file(&self.disk())?;
         let m = &self.manifest;
         let canonical = serde_json::json!({
             "format": "airlock-image/1",

@@ -10,10 +10,9 @@ use super::kernel::{kernel_version_of, resolve_kernel_package, resolve_modules};
 use super::packages::install_wheels;
 use super::progress::Progress;
 use super::recipes::{definition, SeedRecipe, TemplateDef, BUILDER_VERSION, GUEST_MODULES, SEED};
-use super::store::{
-    sha256_file, short, Template, TemplateManifest, TemplateStore, INITRD_FILE, KERNEL_FILE, ROOTFS_FILE,
-};
+use super::store::{short, Template, TemplateManifest, TemplateStore, INITRD_FILE, KERNEL_FILE, ROOTFS_FILE};
 use crate::datadir::{random_hex, FileLock};
+use crate::digest::sha256_file;
 use crate::error::{Result, RuntimeError};
 use sha2::{Digest, Sha256};
 use std::path::{Path, PathBuf};

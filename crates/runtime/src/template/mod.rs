@@ -30,5 +30,4 @@ pub use error::TemplateError;
 pub use initramfs::locate_agent;
 pub use kernel::{module_depends, resolve_modules};
 pub use recipes::{SeedRecipe, StartSpec, BASE, BUILDABLE, CODE_INTERPRETER, CODE_INTERPRETER_PORT, SEED};
-pub(crate) use store::sha256_file;
 pub use store::{parse_reference, Template, TemplateManifest, TemplateStore};

@@ -2,7 +2,7 @@
 //! packages, apt steps, pinned wheels and added files, and the `SeedRecipe` that digests it all.
 //! Pure data: uses nothing else of the runtime.
 
-use super::store::sha256_hex;
+use crate::digest::sha256_hex;
 use serde::{Deserialize, Serialize};
 
 pub const SEED: &str = "seed";

@@ -4,6 +4,7 @@
 
 use super::recipes::{SeedRecipe, StartSpec};
 use crate::datadir::{write_atomic, DataDir};
+use crate::digest::sha256_file;
 use crate::error::{Result, RuntimeError};
 use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
@@ -54,25 +55,6 @@ impl Template {
 
 pub struct TemplateStore {
     pub(super) data: DataDir,
-}
-
-pub(super) fn sha256_hex(data: &[u8]) -> String {
-    hex::encode(Sha256::digest(data))
-}
-
-pub(crate) fn sha256_file(path: &Path) -> Result<String> {
-    use std::io::Read;
-    let mut f = std::fs::File::open(path).map_err(|e| RuntimeError::io(path, e))?;
-    let mut h = Sha256::new();
-    let mut buf = vec![0u8; 1 << 20];
-    loop {
-        let n = f.read(&mut buf).map_err(|e| RuntimeError::io(path, e))?;
-        if n == 0 {
-            break;
-        }
-        h.update(&buf[..n]);
-    }
-    Ok(hex::encode(h.finalize()))
 }
 
 /// Split `name[:tag]`; only the `latest` tag exists today.

@@ -1,12 +1,10 @@
 //! The fake agent's processes: the programs it knows, their events and signals.
 
-use super::guest::{now_ms, user, Guest};
+use super::guest::{now_ms, user, Ctl, FakeProc, Guest};
 use super::reply::{ApiErr, Body};
-use super::*;
 use crate::error::Result;
-use airlock_proto::frame::{Event, EventKind, MAX_PAYLOAD};
 use airlock_proto::{ExitStatus, ProcessInfo, ProcessSpec, ProcessState};
-use bytes::{Bytes, BytesMut};
+use bytes::BytesMut;
 use http::{Response, StatusCode};
 use http_body_util::{BodyExt, StreamBody};
 use hyper::body::Frame;
@@ -15,90 +13,6 @@ use std::path::Path;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 use tokio::sync::{mpsc, watch};
-
-pub(super) enum Ctl {
-    Stdin(Bytes),
-    CloseStdin,
-    Signal(i32),
-}
-
-pub(super) struct FakeProc {
-    pub(super) info: Mutex<ProcessInfo>,
-    /// The event log and whether it is finished.
-    pub(super) log: Mutex<(Vec<Event>, bool)>,
-    pub(super) seq: watch::Sender<u64>,
-    pub(super) ctl: mpsc::UnboundedSender<Ctl>,
-    pub(super) merge_stderr: bool,
-}
-
-impl FakeProc {
-    pub(super) fn info(&self) -> ProcessInfo {
-        self.info.lock().unwrap().clone()
-    }
-
-    pub(super) fn stdin(&self, ctl: Ctl) -> Result<(), ApiErr> {
-        let info = self.info();
-        if !(info.stdin || info.pty) || info.state == ProcessState::Exited {
-            return Err(ApiErr::invalid("stdin of this process is closed or was not requested"));
-        }
-        self.ctl
-            .send(ctl)
-            .map_err(|_| ApiErr::invalid("stdin of this process is closed or was not requested"))
-    }
-
-    pub(super) fn push(&self, kind: EventKind) {
-        let mut log = self.log.lock().unwrap();
-        let seq = log.0.last().map_or(0, |e| e.seq) + 1;
-        log.0.push(Event { seq, kind });
-        // As the real agent: the oldest events go past the cap (the newest always stays).
-        let mut bytes: usize = log.0.iter().map(Event::wire_len).sum();
-        while bytes > RETAINED_OUTPUT && log.0.len() > 1 {
-            bytes -= log.0.remove(0).wire_len();
-        }
-        self.seq.send_replace(seq);
-    }
-
-    pub(super) fn output(&self, stderr: bool, data: &[u8]) {
-        for chunk in data.chunks(MAX_PAYLOAD) {
-            let b = Bytes::copy_from_slice(chunk);
-            self.push(if stderr && !self.merge_stderr {
-                EventKind::Stderr(b)
-            } else {
-                EventKind::Stdout(b)
-            });
-        }
-    }
-
-    pub(super) fn finish(&self, exit: ExitStatus) {
-        {
-            let mut info = self.info.lock().unwrap();
-            info.state = ProcessState::Exited;
-            info.exit = Some(exit.clone());
-            info.ended_at_ms = Some(now_ms());
-        }
-        self.push(EventKind::Exit(exit));
-        self.log.lock().unwrap().1 = true;
-        self.seq.send_modify(|_| {});
-    }
-
-    /// Events after `seq`, waiting for new ones; `None` once the log is finished and drained.
-    pub(super) async fn next_events(&self, seq: u64) -> Option<Vec<Event>> {
-        let mut rx = self.seq.subscribe();
-        loop {
-            {
-                let log = self.log.lock().unwrap();
-                let evs: Vec<Event> = log.0.iter().filter(|e| e.seq > seq).cloned().collect();
-                if !evs.is_empty() {
-                    return Some(evs);
-                }
-                if log.1 {
-                    return None;
-                }
-            }
-            rx.changed().await.ok()?;
-        }
-    }
-}
 
 /// What a fake process does.
 pub(super) enum Program {

@@ -1,7 +1,8 @@
 //! The fake agent's answer to each `airlock_proto::Route`, over the fake guest's state.
 
+use super::guest::Ctl;
 use super::guest::{now_ms, user, Guest, Node, USERS};
-use super::process::{event_stream, spawn, Ctl};
+use super::process::{event_stream, spawn};
 use super::reply::{body_bytes, clean_path, full, json, ok_empty, read_json, ApiErr, Body};
 use crate::error::Result;
 use airlock_proto::{
