@@ -2,9 +2,8 @@
 //! tunnels) goes through `Nodes`. `LocalNode` runs VMs on this host with the runtime; a remote
 //! implementation (many hosts) will sit behind the same trait.
 
-use crate::records::SandboxRecord;
 use airlock_runtime::sandbox::StartKind;
-use airlock_runtime::template::TemplateStore;
+use airlock_runtime::template::TemplateManifest;
 use airlock_runtime::{AgentClient, CreateVm, Resources, Runtime, RuntimeError};
 use async_trait::async_trait;
 use std::collections::HashMap;
@@ -23,6 +22,18 @@ pub enum VmState {
 }
 
 pub use crate::model::Booted;
+
+/// A VM a node is asked to start: the sandbox's id and what it starts from. Its own type, not
+/// the store's record, so a node on another host gets only this.
+#[derive(Debug, Clone)]
+pub struct VmRequest {
+    pub id: String,
+    pub template: String,
+    pub resources: Resources,
+    /// A saved image to start from instead of the template (a snapshot's or a fork's).
+    pub image_id: Option<String>,
+    pub env: std::collections::BTreeMap<String, String>,
+}
 
 /// What a node has, before the operator's overcommit and reserves (`core::Config::budget`).
 #[derive(Debug, Clone, Copy)]
@@ -44,9 +55,12 @@ pub trait Nodes: Send + Sync {
     fn runtime_name(&self) -> &'static str;
     /// `kvm` or `tcg`.
     async fn accel(&self) -> String;
-    fn templates(&self) -> &TemplateStore;
-    /// Boot the VM of a recorded sandbox; returns once its agent answers.
-    async fn create(&self, sandbox: &SandboxRecord) -> Result<Booted, RuntimeError>;
+    /// The node's built templates.
+    fn templates(&self) -> Vec<TemplateManifest>;
+    /// One template by name (`seed`, `seed:latest`) or digest (`sha256:<prefix>`).
+    fn template(&self, reference: &str) -> Option<TemplateManifest>;
+    /// Start the VM of a recorded sandbox; returns once its agent answers.
+    async fn create(&self, vm: &VmRequest) -> Result<Booted, RuntimeError>;
     /// Stop the VM and remove its disk; a VM that is already gone is not an error.
     async fn delete(&self, id: &str) -> Result<(), RuntimeError>;
     async fn pause(&self, id: &str) -> Result<(), RuntimeError>;
@@ -63,11 +77,11 @@ pub trait Nodes: Send + Sync {
     fn image_ids(&self) -> Vec<String>;
     /// A warm pool VM of `template` with `resources` for a create: its id becomes the
     /// sandbox's, and `create` with that id hands it out. None when the pool is empty or absent.
-    fn claim(&self, template: &str, resources: &crate::model::Resources) -> Option<String>;
+    fn claim(&self, template: &str, resources: &Resources) -> Option<String>;
     /// Give back a VM `claim` returned, for a create that did not go ahead.
     fn unclaim(&self, id: &str);
     /// Keep `size` VMs of `template` with `resources` ready.
-    fn set_pool(&self, template: &str, resources: &crate::model::Resources, size: usize) -> Result<(), RuntimeError>;
+    fn set_pool(&self, template: &str, resources: &Resources, size: usize) -> Result<(), RuntimeError>;
     fn pools(&self) -> Vec<airlock_runtime::PoolStatus>;
     /// Run a paused VM again, or start a suspended one from its saved state.
     async fn resume(&self, id: &str) -> Result<(), RuntimeError>;
@@ -85,14 +99,6 @@ pub trait Nodes: Send + Sync {
     fn exits(&self) -> broadcast::Receiver<String>;
     /// What this node has (admission derives its budgets from it, see `core::Config::budget`).
     fn capacity(&self) -> Capacity;
-}
-
-fn runtime_resources(r: &crate::model::Resources) -> Resources {
-    Resources {
-        vcpu: r.vcpu,
-        memory_mib: r.memory_mib,
-        disk_mib: r.disk_mib,
-    }
 }
 
 /// This host's VMs, through the runtime. Lifecycle changes of one VM run one at a time (a delete
@@ -129,11 +135,15 @@ impl Nodes for LocalNode {
         self.runtime.accel().await.to_string()
     }
 
-    fn templates(&self) -> &TemplateStore {
-        self.runtime.templates()
+    fn templates(&self) -> Vec<TemplateManifest> {
+        self.runtime.templates().list()
     }
 
-    async fn create(&self, sandbox: &SandboxRecord) -> Result<Booted, RuntimeError> {
+    fn template(&self, reference: &str) -> Option<TemplateManifest> {
+        self.runtime.templates().resolve(reference).ok().map(|t| t.manifest)
+    }
+
+    async fn create(&self, sandbox: &VmRequest) -> Result<Booted, RuntimeError> {
         let lock = self.lock_for(&sandbox.id);
         let _guard = lock.lock().await;
         let sb = self
@@ -141,11 +151,7 @@ impl Nodes for LocalNode {
             .create(CreateVm {
                 id: Some(sandbox.id.clone()),
                 template: sandbox.template.clone(),
-                resources: Resources {
-                    vcpu: sandbox.resources.vcpu,
-                    memory_mib: sandbox.resources.memory_mib,
-                    disk_mib: sandbox.resources.disk_mib,
-                },
+                resources: sandbox.resources,
                 image: sandbox.image_id.clone(),
                 env: sandbox.env.clone(),
             })
@@ -217,16 +223,16 @@ impl Nodes for LocalNode {
         self.runtime.images()
     }
 
-    fn claim(&self, template: &str, r: &crate::model::Resources) -> Option<String> {
-        self.runtime.claim(template, runtime_resources(r))
+    fn claim(&self, template: &str, r: &Resources) -> Option<String> {
+        self.runtime.claim(template, *r)
     }
 
     fn unclaim(&self, id: &str) {
         self.runtime.unclaim(id)
     }
 
-    fn set_pool(&self, template: &str, r: &crate::model::Resources, size: usize) -> Result<(), RuntimeError> {
-        self.runtime.set_pool(template, runtime_resources(r), size).map(drop)
+    fn set_pool(&self, template: &str, r: &Resources, size: usize) -> Result<(), RuntimeError> {
+        self.runtime.set_pool(template, *r, size).map(drop)
     }
 
     fn pools(&self) -> Vec<airlock_runtime::PoolStatus> {

@@ -301,7 +301,7 @@ impl Runtime {
                 .await;
         }
         let template = l.templates.resolve(&req.template)?;
-        req.resources.validate(&template)?;
+        req.resources.validate(&template.manifest)?;
         let accel = self.accel().await;
         let resources = shape(&template, req.resources);
         let limit = l.boot_timeout;

@@ -83,7 +83,7 @@ impl Pools {
     /// resources validated and shaped as a create's are).
     pub fn key(&self, template: &str, resources: Resources) -> Result<PoolKey> {
         let t = self.launcher.templates.resolve(template)?;
-        resources.validate(&t)?;
+        resources.validate(&t.manifest)?;
         Ok(PoolKey {
             template: t.manifest.name.clone(),
             resources: shape(&t, resources),

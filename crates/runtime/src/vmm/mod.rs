@@ -11,7 +11,7 @@ pub mod qemu;
 pub mod qmp;
 
 use crate::error::{Result, RuntimeError};
-use crate::template::Template;
+use crate::template::{Template, TemplateManifest};
 use async_trait::async_trait;
 use serde::{Deserialize, Serialize};
 use std::path::{Path, PathBuf};
@@ -58,12 +58,12 @@ impl Default for Resources {
 
 impl Resources {
     /// Check against the host and the template; the message names the field and the bound.
-    pub fn validate(&self, template: &Template) -> Result<()> {
+    pub fn validate(&self, template: &TemplateManifest) -> Result<()> {
         let host_cpus = std::thread::available_parallelism()
             .map(|n| n.get() as u32)
             .unwrap_or(1);
         let host_mem_mib = host_memory_mib().map_or(u32::MAX, |m| m as u32);
-        let min_disk = template.manifest.rootfs_bytes.div_ceil(1 << 20) as u32;
+        let min_disk = template.rootfs_bytes.div_ceil(1 << 20) as u32;
         let bad = |m: String| Err(RuntimeError::InvalidResources(m));
         if self.vcpu == 0 || self.vcpu > host_cpus {
             return bad(format!(
@@ -86,7 +86,7 @@ impl Resources {
         if self.disk_mib < min_disk {
             return bad(format!(
                 "disk_mib must be at least {min_disk} (the size of template {}'s image), got {}",
-                template.manifest.name, self.disk_mib
+                template.name, self.disk_mib
             ));
         }
         if self.disk_mib > MAX_DISK_MIB {

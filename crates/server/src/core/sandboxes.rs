@@ -232,10 +232,10 @@ impl Core {
             state: SandboxState::Creating,
             template: match (&snapshot, &template) {
                 (Some(s), _) => s.template.clone(),
-                (None, Some(t)) => t.manifest.name.clone(),
+                (None, Some(t)) => t.name.clone(),
                 (None, None) => unreachable!("a create without a snapshot resolved its template"),
             },
-            template_digest: template.as_ref().map(|t| t.manifest.digest.clone()).unwrap_or_default(),
+            template_digest: template.as_ref().map(|t| t.digest.clone()).unwrap_or_default(),
             runtime: runtime.into(),
             accel: self.nodes.accel().await,
             resources,
@@ -406,7 +406,7 @@ impl Core {
         let templates = match &q.template {
             None => Vec::new(),
             Some(t) => match self.resolve_template(t) {
-                Ok(found) => vec![found.manifest.name],
+                Ok(found) => vec![found.name],
                 Err(_) => vec![t.clone()],
             },
         };

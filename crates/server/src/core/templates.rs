@@ -4,7 +4,7 @@
 use super::Core;
 use crate::error::{CoreError, CoreResult, Kind};
 use crate::records::SandboxRecord;
-use airlock_runtime::template::{Template, TemplateManifest};
+use airlock_runtime::template::TemplateManifest;
 
 /// Names other clients use for airlock templates: (alias, template). A built template of the same
 /// name wins: E2B's `base` is airlock's `base` where that is built, else `seed`.
@@ -25,12 +25,11 @@ pub fn alias_of(template: &str) -> Option<&'static str> {
 }
 
 impl Core {
-    pub fn resolve_template(&self, name: &str) -> CoreResult<Template> {
-        let templates = self.nodes.templates();
-        templates
-            .resolve(name)
-            .or_else(|_| templates.resolve(canonical(name)))
-            .map_err(|_| CoreError::NotFound {
+    /// The template `name` names: a template's name or digest, or an alias.
+    pub fn resolve_template(&self, name: &str) -> CoreResult<TemplateManifest> {
+        (self.nodes.template(name))
+            .or_else(|| self.nodes.template(canonical(name)))
+            .ok_or_else(|| CoreError::NotFound {
                 kind: Kind::Template,
                 id: name.into(),
                 hint: format!("; this server has: {}", self.template_names().join(", ")),
@@ -39,7 +38,7 @@ impl Core {
 
     /// The name of the template `name` resolves to (an alias, a digest: the template's own name).
     pub fn template_name(&self, name: &str) -> CoreResult<String> {
-        Ok(self.resolve_template(name)?.manifest.name)
+        Ok(self.resolve_template(name)?.name)
     }
 
     /// Remember the name a client created `sandbox_id` under (E2B's `templateID`, an alias or a
@@ -64,11 +63,11 @@ impl Core {
 
     /// One template by any name `resolve_template` knows, as the doors show it.
     pub fn template(&self, name: &str) -> CoreResult<crate::model::Template> {
-        Ok(self.resolve_template(name)?.manifest.into())
+        Ok(self.resolve_template(name)?.into())
     }
 
     fn manifests(&self) -> Vec<TemplateManifest> {
-        self.nodes.templates().list()
+        self.nodes.templates()
     }
 
     /// Template names with their aliases, for error messages.

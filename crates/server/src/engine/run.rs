@@ -6,7 +6,14 @@ use super::*;
 impl Engine {
     pub(super) async fn run_create(&self, op: Operation, row: SandboxRecord) {
         let _ = self.store.set_operation_state(&op.id, OperationState::Running).await;
-        match self.nodes.create(&row).await {
+        let vm = crate::nodes::VmRequest {
+            id: row.id.clone(),
+            template: row.template.clone(),
+            resources: row.resources,
+            image_id: row.image_id.clone(),
+            env: row.env.clone(),
+        };
+        match self.nodes.create(&vm).await {
             Ok(booted) => {
                 let _ = self.store.set_sandbox_boot(&row.id, &booted).await;
                 if let Some(image) = &row.image_id {

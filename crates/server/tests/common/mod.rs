@@ -13,7 +13,6 @@ use airlock_server::core::{Config, Core};
 use airlock_server::e2b::Watchers;
 use airlock_server::listen::Limits;
 use airlock_server::nodes::{Booted, Capacity, LocalNode, Nodes, VmState};
-use airlock_server::records::SandboxRecord;
 use airlock_server::store::SqliteStore;
 use airlock_server::AppState;
 use axum::body::{Body, Bytes};
@@ -642,10 +641,16 @@ impl Nodes for TestNode {
     async fn accel(&self) -> String {
         self.inner.accel().await
     }
-    fn templates(&self) -> &airlock_runtime::template::TemplateStore {
+    fn templates(&self) -> Vec<airlock_runtime::template::TemplateManifest> {
         self.inner.templates()
     }
-    async fn create(&self, sandbox: &SandboxRecord) -> Result<Booted, airlock_runtime::RuntimeError> {
+    fn template(&self, reference: &str) -> Option<airlock_runtime::template::TemplateManifest> {
+        self.inner.template(reference)
+    }
+    async fn create(
+        &self,
+        sandbox: &airlock_server::nodes::VmRequest,
+    ) -> Result<Booted, airlock_runtime::RuntimeError> {
         tokio::time::sleep(self.create_delay).await;
         self.inner.create(sandbox).await
     }
