@@ -752,6 +752,8 @@ pub struct KeyList {
 }
 
 /// One audit row.
+// The wire differs from the record (`records::AuditRecord`): `at` is RFC 3339 where the store
+// keeps `at_ms` (a doc comment would become the schema's description).
 #[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
 pub struct AuditEntry {
     pub seq: i64,
@@ -768,8 +770,6 @@ pub struct AuditEntry {
     /// result) within about a minute of `at` are this one row.
     pub count: u64,
 }
-
-/// The wire differs from the record: `at` is RFC 3339 where the store keeps `at_ms`.
 
 #[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
 pub struct AuditPage {

@@ -146,6 +146,22 @@ fn body_rejected(e: axum::extract::rejection::BytesRejection) -> Response {
     (status, axum::Json(RpcError::new(code, e.body_text()))).into_response()
 }
 
+/// The start every RPC of a `service` shares: its method known (else `unimplemented`), its body
+/// read (else the rejection's answer).
+// The error is the handler's finished answer, made at most once per request.
+#[allow(clippy::result_large_err)]
+fn rpc_method<M>(
+    service: &str,
+    method: &str,
+    from_name: impl Fn(&str) -> Option<M>,
+    body: Result<Bytes, axum::extract::rejection::BytesRejection>,
+) -> Result<(M, Bytes), Response> {
+    let Some(m) = from_name(method) else {
+        return Err(RpcError::unimplemented(format!("{service}/{method} is not supported")).into_response());
+    };
+    Ok((m, body.map_err(body_rejected)?))
+}
+
 /// What every RPC needs besides its sandbox: the calling user and its request message.
 // The error is the handler's finished answer, made at most once per request.
 #[allow(clippy::result_large_err)]

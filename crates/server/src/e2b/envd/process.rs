@@ -285,12 +285,9 @@ pub async fn process_rpc(
     headers: HeaderMap,
     body: Result<Bytes, axum::extract::rejection::BytesRejection>,
 ) -> Response {
-    let Some(m) = Method::from_name(&method) else {
-        return RpcError::unimplemented(format!("process.Process/{method} is not supported")).into_response();
-    };
-    let body = match body {
-        Ok(b) => b,
-        Err(e) => return super::body_rejected(e),
+    let (m, body) = match super::rpc_method("process.Process", &method, Method::from_name, body) {
+        Ok(started) => started,
+        Err(answer) => return answer,
     };
     let call = Call {
         state: &state,
