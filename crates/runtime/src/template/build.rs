@@ -127,6 +127,7 @@ impl TemplateStore {
         Ok((t, true))
     }
 
+    // Each argument is one layer the build already made; a struct would only name them again.
     #[allow(clippy::too_many_arguments)]
     fn assemble(
         &self,

@@ -340,12 +340,11 @@ pub async fn pause(
     }
 }
 
+/// E2B's snapshot request. Its `memory` (whether the snapshot keeps memory) is not read:
+/// airlock's snapshots always do.
 #[derive(Debug, Default, Deserialize)]
 pub struct SnapshotBody {
     pub name: Option<String>,
-    /// Whether the snapshot keeps memory: airlock's always do.
-    #[allow(dead_code)]
-    pub memory: Option<Value>,
 }
 
 fn snapshot_json(s: &crate::model::Snapshot) -> Value {

@@ -132,6 +132,7 @@ impl Server {
         Self::start_listening(dir, max, key, create_delay, capacity, config, hold, Limits::default()).await
     }
 
+    // The one place every test server's knobs meet; the public constructors name them.
     #[allow(clippy::too_many_arguments)]
     async fn start_listening(
         dir: &Path,
