@@ -72,7 +72,7 @@ impl DataDir {
         self.root.join("sandboxes")
     }
     /// Base snapshots, one dir per key (see `sandbox/base_snapshot.rs`); private to the server.
-    pub fn snapshots(&self) -> PathBuf {
+    pub fn base_snapshots(&self) -> PathBuf {
         self.root.join("snapshots")
     }
     /// Images saved from running sandboxes (snapshots a tenant made, forks), one dir per id.

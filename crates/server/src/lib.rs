@@ -2,7 +2,7 @@
 //! ARCHITECTURE.md at the repository root shows the layers and where new code goes.
 //!
 //! - `native`, `e2b`: the doors (routes, wire formats, one error mapping each)
-//! - `proxy`: host routing and port forwarding into sandboxes
+//! - `ingress`: host routing and port forwarding into sandboxes
 //! - `core`: principal, sandbox/session/file/template services, `CoreError`
 //! - `engine`: operations (create, delete, pause, resume), recovery, the reaper
 //! - `store`: the control-plane database (SQLite; versioned migrations)
@@ -17,7 +17,7 @@ pub mod model;
 pub mod native;
 pub mod node_egress;
 pub mod nodes;
-pub mod proxy;
+pub mod ingress;
 pub mod records;
 pub mod signals;
 pub mod store;
@@ -233,7 +233,7 @@ pub fn router(state: AppState) -> Router {
             get(move || async move { ([("content-type", "application/json")], doc.clone()) }),
         )
         .fallback(native::not_found)
-        .layer(axum::middleware::from_fn_with_state(core.clone(), proxy::host_routing))
+        .layer(axum::middleware::from_fn_with_state(core.clone(), ingress::host_routing))
         // Bodies that are read whole stay small; the upload routes raise their own cap.
         .layer(axum::extract::DefaultBodyLimit::max(MAX_JSON_BODY))
 }
@@ -531,7 +531,7 @@ pub async fn serve(opts: ServeOptions) -> anyhow::Result<()> {
             .await
             .map_err(|e| anyhow::anyhow!("listen on {addr}: {e}"))?;
         let app = Router::new()
-            .fallback(proxy::code_interpreter_by_token)
+            .fallback(ingress::code_interpreter_by_token)
             .with_state(state.core.clone());
         tracing::info!("serving the code-interpreter port on http://{addr}");
         let limits = opts.limits;

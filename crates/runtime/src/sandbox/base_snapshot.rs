@@ -244,7 +244,7 @@ impl BaseSnapshots {
 
     /// The base snapshot `key`, if it is built.
     pub fn find(&self, key: &str) -> Option<BaseSnapshot> {
-        BaseSnapshot::find(&self.launcher.data.snapshots(), key)
+        BaseSnapshot::find(&self.launcher.data.base_snapshots(), key)
     }
 
     /// Ids of the builder VMs running now (their networks and jails are live).
@@ -287,7 +287,7 @@ impl BaseSnapshots {
         accel: Accel,
     ) -> Result<BaseSnapshot> {
         let l = &self.launcher;
-        let root = l.data.snapshots();
+        let root = l.data.base_snapshots();
         let (id, dir) = new_build_dir(&root)?;
         let mut link = None;
         let started = Instant::now();
@@ -370,7 +370,7 @@ impl BaseSnapshots {
     /// Builds an earlier process left unfinished (it crashed or was stopped): their VMs stopped,
     /// their networks, jails and dirs removed.
     pub async fn remove_interrupted(&self) {
-        let root = self.launcher.data.snapshots();
+        let root = self.launcher.data.base_snapshots();
         for entry in std::fs::read_dir(&root).into_iter().flatten().flatten() {
             let name = entry.file_name().to_string_lossy().to_string();
             let Some(id) = name.strip_prefix(BUILD_PREFIX) else {
@@ -388,7 +388,7 @@ impl BaseSnapshots {
         let l = &self.launcher;
         let digests: HashSet<String> = l.templates.list().into_iter().map(|m| m.digest).collect();
         let vmm = l.vmm.snapshotting().map(|s| s.build_id());
-        for dir in stale(&l.data.snapshots(), &digests, vmm.as_deref()) {
+        for dir in stale(&l.data.base_snapshots(), &digests, vmm.as_deref()) {
             tracing::info!(
                 "removing base snapshot {}: nothing restores from it any more",
                 dir.display()
@@ -449,7 +449,7 @@ mod tests {
             net: None,
             boot_timeout: Duration::from_secs(1),
         });
-        let (id, dir) = new_build_dir(&launcher.data.snapshots()).unwrap();
+        let (id, dir) = new_build_dir(&launcher.data.base_snapshots()).unwrap();
         BaseSnapshots::new(launcher, true).remove_interrupted().await;
         assert_eq!(*vmm.0.lock().unwrap(), [id]);
         assert!(!dir.exists());
