@@ -12,12 +12,12 @@ pub mod core;
 pub mod e2b;
 pub mod engine;
 pub mod error;
+pub mod ingress;
 pub mod listen;
 pub mod model;
 pub mod native;
 pub mod node_egress;
 pub mod nodes;
-pub mod ingress;
 pub mod records;
 pub mod signals;
 pub mod store;
@@ -233,7 +233,10 @@ pub fn router(state: AppState) -> Router {
             get(move || async move { ([("content-type", "application/json")], doc.clone()) }),
         )
         .fallback(native::not_found)
-        .layer(axum::middleware::from_fn_with_state(core.clone(), ingress::host_routing))
+        .layer(axum::middleware::from_fn_with_state(
+            core.clone(),
+            ingress::host_routing,
+        ))
         // Bodies that are read whole stay small; the upload routes raise their own cap.
         .layer(axum::extract::DefaultBodyLimit::max(MAX_JSON_BODY))
 }
