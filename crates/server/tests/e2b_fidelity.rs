@@ -345,7 +345,8 @@ async fn the_snapshot_list_pages_with_x_next_token() {
 }
 
 /// A Start's `connect-timeout-ms` bounds the process's life (envd's semantics), and the core
-/// enforces it: the process ends at its timeout whether or not anyone reads its stream.
+/// enforces it: the process ends at its timeout (less a margin, so the client hears of the end
+/// before its own read timeout fires) whether or not anyone reads its stream.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_started_process_ends_at_its_timeout_by_the_core() {
     let dir = fresh();
@@ -390,7 +391,7 @@ async fn a_started_process_ends_at_its_timeout_by_the_core() {
     assert_eq!(flags, 0x02, "the stream ends with an error, not an end event: {end}");
     assert_eq!(end["error"]["code"], "deadline_exceeded", "{end}");
     assert!(
-        began.elapsed() >= std::time::Duration::from_millis(1400),
+        began.elapsed() >= std::time::Duration::from_millis(1350),
         "{:?}",
         began.elapsed()
     );

@@ -66,17 +66,23 @@ fn connect_timeout_ms(h: &HeaderMap) -> Option<u64> {
         .map(|ms| ms.min(MAX_TIMEOUT.as_millis() as u64))
 }
 
-/// When a stream must say something: `connect-timeout-ms` less a margin, so it reaches the
-/// client before its own read timeout (set to the same value) fires.
-fn stream_deadline(h: &HeaderMap) -> Option<Instant> {
+/// `connect-timeout-ms` less a margin: when the process must be over and the stream must say
+/// so, for the answer to reach the client before its own read timeout (set to the same value)
+/// fires.
+fn deadline_ms(h: &HeaderMap) -> Option<u64> {
     let ms = connect_timeout_ms(h)?;
-    let margin = (ms / 10).min(500);
-    Instant::now().checked_add(Duration::from_millis(ms - margin))
+    Some(ms - (ms / 10).min(500))
 }
 
-/// envd bounds a started process's life by `connect-timeout-ms`: the core's session timeout.
+/// When a stream must say something (see [`deadline_ms`]).
+fn stream_deadline(h: &HeaderMap) -> Option<Instant> {
+    Instant::now().checked_add(Duration::from_millis(deadline_ms(h)?))
+}
+
+/// envd bounds a started process's life by `connect-timeout-ms`: the core's session timeout,
+/// ending at the stream's deadline so the client learns of the end before it gives up.
 fn process_timeout(h: &HeaderMap) -> Option<Duration> {
-    connect_timeout_ms(h).map(|ms| Duration::from_millis(ms).clamp(Duration::from_secs(1), MAX_TIMEOUT))
+    deadline_ms(h).map(|ms| Duration::from_millis(ms).clamp(Duration::from_secs(1), MAX_TIMEOUT))
 }
 
 /// The `pty.size` of a Start or Update request (80x24 where a side is missing).
@@ -440,7 +446,7 @@ mod tests {
         h.insert("keepalive-ping-interval", u64::MAX.to_string().parse().unwrap());
         let deadline = stream_deadline(&h).expect("a deadline");
         assert!(deadline <= Instant::now() + MAX_TIMEOUT);
-        assert_eq!(process_timeout(&h), Some(MAX_TIMEOUT));
+        assert_eq!(process_timeout(&h), Some(MAX_TIMEOUT - Duration::from_millis(500)));
         assert_eq!(keepalive_every(&h), Duration::from_secs(3600));
         h.insert("connect-timeout-ms", "-1".parse().unwrap());
         h.insert("keepalive-ping-interval", "0".parse().unwrap());
@@ -448,6 +454,12 @@ mod tests {
         assert_eq!(keepalive_every(&h), Duration::from_secs(50));
         h.insert("connect-timeout-ms", "200".parse().unwrap());
         assert_eq!(process_timeout(&h), Some(Duration::from_secs(1)), "at least a second");
+        h.insert("connect-timeout-ms", "2000".parse().unwrap());
+        assert_eq!(
+            process_timeout(&h),
+            Some(Duration::from_millis(1800)),
+            "over before the client gives up"
+        );
     }
 
     #[test]
