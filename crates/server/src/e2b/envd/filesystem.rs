@@ -14,7 +14,6 @@ use crate::core::files::Files;
 use crate::core::{CoreError, Kind};
 use crate::e2b::connect::{self, unary_response, RpcError};
 use crate::e2b::E2bState;
-use crate::records::SandboxRecord;
 use airlock_proto::{FileKind, FileStat, WatchEvent, WatchEventKind};
 use axum::extract::{Path, State};
 use axum::http::HeaderMap;
@@ -148,7 +147,7 @@ pub async fn filesystem_rpc(
         Ok(started) => started,
         Err(answer) => return answer,
     };
-    let call = Call {
+    let call = super::Call {
         state: &state,
         sandbox: &sandbox,
         headers: &headers,
@@ -161,28 +160,36 @@ pub async fn filesystem_rpc(
             },
             Err(r) => r,
         },
-        Method::Stat => call.unary(&body, |f, user, req| call.stat(f, user, req)).await,
-        Method::MakeDir => call.unary(&body, |f, user, req| call.make_dir(f, user, req)).await,
-        Method::Move => call.unary(&body, |f, user, req| call.rename(f, user, req)).await,
-        Method::ListDir => call.unary(&body, |f, user, req| call.list_dir(f, user, req)).await,
-        Method::Remove => call.unary(&body, |f, user, req| call.remove(f, user, req)).await,
-        Method::CreateWatcher => {
-            call.unary(&body, |f, user, req| call.create_watcher(f, user, req))
+        Method::Stat => {
+            call.unary_with_files(&body, |f, user, req| call.stat(f, user, req))
                 .await
         }
-        Method::GetWatcherEvents => call.unary(&body, |_, _, req| call.watcher_events(req)).await,
-        Method::RemoveWatcher => call.unary(&body, |_, _, req| call.remove_watcher(req)).await,
+        Method::MakeDir => {
+            call.unary_with_files(&body, |f, user, req| call.make_dir(f, user, req))
+                .await
+        }
+        Method::Move => {
+            call.unary_with_files(&body, |f, user, req| call.rename(f, user, req))
+                .await
+        }
+        Method::ListDir => {
+            call.unary_with_files(&body, |f, user, req| call.list_dir(f, user, req))
+                .await
+        }
+        Method::Remove => {
+            call.unary_with_files(&body, |f, user, req| call.remove(f, user, req))
+                .await
+        }
+        Method::CreateWatcher => {
+            call.unary_with_files(&body, |f, user, req| call.create_watcher(f, user, req))
+                .await
+        }
+        Method::GetWatcherEvents => call.unary_with_files(&body, |_, _, req| call.watcher_events(req)).await,
+        Method::RemoveWatcher => call.unary_with_files(&body, |_, _, req| call.remove_watcher(req)).await,
     }
 }
 
-/// One call's context: the sandbox and the request's headers.
-struct Call<'a> {
-    state: &'a E2bState,
-    sandbox: &'a SandboxRecord,
-    headers: &'a HeaderMap,
-}
-
-impl Call<'_> {
+impl super::Call<'_> {
     // The error is the handler's finished answer, made at most once per request.
     #[allow(clippy::result_large_err)]
     fn decode<T: serde::de::DeserializeOwned>(&self, body: &[u8], streaming: bool) -> Result<(String, T), Response> {
@@ -202,7 +209,7 @@ impl Call<'_> {
 
     /// Decode a unary request, run `f` on it with the sandbox's files, answer its response
     /// message or its error.
-    async fn unary<T, R, F, Fut>(&self, body: &[u8], f: F) -> Response
+    async fn unary_with_files<T, R, F, Fut>(&self, body: &[u8], f: F) -> Response
     where
         T: serde::de::DeserializeOwned,
         R: serde::Serialize,

@@ -146,6 +146,13 @@ fn body_rejected(e: axum::extract::rejection::BytesRejection) -> Response {
     (status, axum::Json(RpcError::new(code, e.body_text()))).into_response()
 }
 
+/// One RPC's context, shared by the services: each service's file adds its own methods.
+struct Call<'a> {
+    state: &'a E2bState,
+    sandbox: &'a SandboxRecord,
+    headers: &'a HeaderMap,
+}
+
 /// The start every RPC of a `service` shares: its method known (else `unimplemented`), its body
 /// read (else the rejection's answer).
 // The error is the handler's finished answer, made at most once per request.

@@ -295,7 +295,7 @@ pub async fn process_rpc(
         Ok(started) => started,
         Err(answer) => return answer,
     };
-    let call = Call {
+    let call = super::Call {
         state: &state,
         sandbox: &sandbox,
         headers: &headers,
@@ -317,14 +317,7 @@ pub async fn process_rpc(
     }
 }
 
-/// One call's context: the sandbox and the request's headers.
-struct Call<'a> {
-    state: &'a E2bState,
-    sandbox: &'a SandboxRecord,
-    headers: &'a HeaderMap,
-}
-
-impl Call<'_> {
+impl super::Call<'_> {
     /// Decode a unary request, run `f` on it, answer its response message or its error.
     async fn unary<T, R, F, Fut>(&self, body: &[u8], f: F) -> Response
     where
