@@ -11,7 +11,8 @@
 //! The server reaches it only through its node seam; the integration tests drive it directly
 //! against real QEMU VMs and against the fake VMM.
 
-pub mod agent;
+/// The guest agent's client lives in its own crate (a remote node's callers use it too).
+pub use airlock_agent_client as agent;
 pub mod datadir;
 mod digest;
 pub mod error;

@@ -3,10 +3,10 @@
 //! (`native::error::ApiError`, `e2b::E2bError`, `e2b::connect::RpcError`).
 
 use crate::model::SandboxState;
+use crate::nodes::NodeError;
 use crate::store::StoreError;
+use airlock_agent_client::AgentError;
 use airlock_proto::ErrorCode;
-use airlock_runtime::agent::AgentError;
-use airlock_runtime::RuntimeError;
 
 /// What a `NotFound` or an agent error was about.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -147,8 +147,9 @@ pub enum CoreError {
         #[source]
         reason: Unreachable,
     },
+    /// The node failed at what it was asked (see `NodeError` for what a caller can act on).
     #[error(transparent)]
-    Runtime(RuntimeError),
+    Node(NodeError),
     #[error("{0}")]
     Unavailable(String),
     #[error(transparent)]
@@ -165,7 +166,7 @@ pub enum Unreachable {
     Agent(#[source] AgentError),
     /// The node has no agent for it (its VM is gone or not running).
     #[error("{0}")]
-    Node(#[source] RuntimeError),
+    Node(#[source] NodeError),
     /// A held sandbox a request reached did not resume: the operation's error message.
     #[error("it did not resume: {0}")]
     NotResumed(String),
@@ -334,31 +335,21 @@ impl CoreError {
                 Some(ErrorCode::Internal) | None => c("guest_error", 500),
             },
             CoreError::Unreachable { .. } => c("sandbox_unreachable", 502),
-            CoreError::Runtime(e) => match e {
-                RuntimeError::BootFailed { .. }
-                | RuntimeError::TemplateStart { .. }
-                | RuntimeError::PortNotReady { .. } => c("boot_failed", 500),
-                RuntimeError::SandboxIdTaken(_) => c("conflict", 409),
-                RuntimeError::InvalidSandboxId(_) => c("invalid_argument", 422),
-                RuntimeError::NotRunning(_) => c("invalid_state", 409),
-                // The node has no sandbox link left: retry later or elsewhere, as for budgets.
-                RuntimeError::Network(airlock_runtime::net::NetError::PoolExhausted(_)) => c("unavailable", 503),
-                RuntimeError::Network(_) => c("network", 500),
-                // Every variant is named: a new one must be placed here deliberately.
-                RuntimeError::UnknownTemplate(_)
-                | RuntimeError::UnknownSandbox(_)
-                | RuntimeError::UnknownImage(_)
-                | RuntimeError::InvalidResources(_)
-                | RuntimeError::Agent(_)
-                | RuntimeError::QemuMissing(_)
-                | RuntimeError::DataDirNotWritable { .. }
-                | RuntimeError::DataDirInUse(_)
-                | RuntimeError::TemplateBuild(_)
-                | RuntimeError::ControlCommand { .. }
-                | RuntimeError::DiskCreate(_)
-                | RuntimeError::StopFailed { .. }
-                | RuntimeError::Jail(_)
-                | RuntimeError::Io { .. } => c("runtime", 500),
+            CoreError::Node(e) => match e {
+                NodeError::BootFailed(_) => c("boot_failed", 500),
+                NodeError::SandboxIdTaken(_) => c("conflict", 409),
+                NodeError::InvalidSandboxId(_) => c("invalid_argument", 422),
+                NodeError::NotRunning(_) => c("invalid_state", 409),
+                // The node has no room left: retry later or elsewhere, as for budgets.
+                NodeError::Exhausted(_) => c("unavailable", 503),
+                NodeError::Network(_) => c("network", 500),
+                // `From<NodeError>` makes these `NotFound`/`InvalidResources`; named so that a
+                // new variant must be placed here deliberately.
+                NodeError::UnknownTemplate(_)
+                | NodeError::UnknownSandbox(_)
+                | NodeError::UnknownImage(_)
+                | NodeError::InvalidResources(_)
+                | NodeError::Failed(_) => c("runtime", 500),
             },
             CoreError::Unavailable(_) => c("unavailable", 503),
             CoreError::Store(_) => c("internal", 500),
@@ -413,19 +404,19 @@ impl From<StoreError> for CoreError {
     }
 }
 
-/// Runtime conditions a caller can act on become their own variants; the rest stay `Runtime`.
-impl From<RuntimeError> for CoreError {
-    fn from(e: RuntimeError) -> Self {
+/// Node conditions a caller can act on become their own variants; the rest stay `Node`.
+impl From<NodeError> for CoreError {
+    fn from(e: NodeError) -> Self {
         match e {
-            RuntimeError::UnknownTemplate(name) => CoreError::NotFound {
+            NodeError::UnknownTemplate(name) => CoreError::NotFound {
                 kind: Kind::Template,
                 id: name,
                 hint: "; `airlock template ls` lists the templates".into(),
             },
-            RuntimeError::UnknownSandbox(id) => CoreError::not_found(Kind::Sandbox, id),
-            RuntimeError::UnknownImage(id) => CoreError::not_found(Kind::Snapshot, id),
-            RuntimeError::InvalidResources(m) => CoreError::InvalidResources(m),
-            other => CoreError::Runtime(other),
+            NodeError::UnknownSandbox(id) => CoreError::not_found(Kind::Sandbox, id),
+            NodeError::UnknownImage(id) => CoreError::not_found(Kind::Snapshot, id),
+            NodeError::InvalidResources(m) => CoreError::InvalidResources(m),
+            other => CoreError::Node(other),
         }
     }
 }

@@ -521,23 +521,6 @@ pub struct PoolInfo {
     pub misses: u64,
 }
 
-/// The /v1 view of what a node reports of a pool: the same fields, kept apart so the wire schema
-/// (and its documentation) does not follow the runtime's internal type, which a remote node
-/// will report in its own protocol.
-impl From<airlock_runtime::PoolStatus> for PoolInfo {
-    fn from(p: airlock_runtime::PoolStatus) -> Self {
-        PoolInfo {
-            template: p.template,
-            resources: p.resources,
-            size: p.size,
-            ready: p.ready,
-            starting: p.starting,
-            hits: p.hits,
-            misses: p.misses,
-        }
-    }
-}
-
 /// `PUT /v1/admin/pools`: a pool's size (0 empties it).
 #[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
 pub struct PoolRequest {

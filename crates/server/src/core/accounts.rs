@@ -407,7 +407,7 @@ impl Core {
 /// Warm pools, as the admin sees and sizes them (`/v1/system` shows them to everyone).
 impl Core {
     pub fn pools(&self) -> Vec<crate::model::PoolInfo> {
-        self.nodes.pools().into_iter().map(Into::into).collect()
+        self.nodes.pools()
     }
 
     /// Size a pool (0 empties it): its VMs start in the background and count against the

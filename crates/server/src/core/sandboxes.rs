@@ -6,9 +6,10 @@ use super::{Core, Principal};
 use crate::engine::{Action, Submitted};
 use crate::error::{CoreError, CoreResult, Kind};
 use crate::model::{Operation, SandboxState};
+use crate::nodes::NodeError;
 use crate::records::{now_ms, SandboxRecord, Tenant};
 use crate::store::{parse_page_token, SandboxFilter};
-use airlock_runtime::AgentClient;
+use airlock_agent_client::AgentClient;
 use std::collections::BTreeMap;
 use std::time::Duration;
 
@@ -191,7 +192,7 @@ impl Core {
             None => resources,
         };
         if let Some(template) = &template {
-            resources.validate(template)?;
+            resources.validate(template).map_err(NodeError::from)?;
         }
         let budget = self.config.budget(&self.nodes.capacity());
         for (field, asked, total, what) in [

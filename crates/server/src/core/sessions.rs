@@ -7,9 +7,9 @@ use crate::error::{CoreError, CoreResult, Kind};
 use crate::records::{now_ms, SandboxRecord, SessionRecord};
 use crate::signals;
 use crate::store::Store;
+use airlock_agent_client::AgentClient;
 use airlock_proto::frame::{Event, EventKind};
 use airlock_proto::{ProcessInfo, ProcessSpec, ProcessState, PtySize};
-use airlock_runtime::AgentClient;
 use futures_util::stream::BoxStream;
 use futures_util::StreamExt;
 use std::collections::{BTreeMap, HashMap};
@@ -103,7 +103,7 @@ fn check_start(req: &StartSession) -> CoreResult<()> {
     check_env(&req.env)
 }
 
-fn guest(sandbox: &SandboxRecord) -> impl Fn(airlock_runtime::agent::AgentError) -> CoreError + '_ {
+fn guest(sandbox: &SandboxRecord) -> impl Fn(airlock_agent_client::AgentError) -> CoreError + '_ {
     move |e| CoreError::agent(Kind::Process, &sandbox.id, e)
 }
 
@@ -465,7 +465,7 @@ impl Core {
     fn follow_events(
         &self,
         sandbox: &SandboxRecord,
-        events: BoxStream<'static, Result<Event, airlock_runtime::agent::AgentError>>,
+        events: BoxStream<'static, Result<Event, airlock_agent_client::AgentError>>,
         row: SessionRecord,
         after: u64,
     ) -> SessionEvents {

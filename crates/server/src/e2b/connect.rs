@@ -4,7 +4,8 @@
 //! `RpcError` is the door's one Connect error: a [`Code`] made from a `CoreError` in one
 //! exhaustive match, or from what the door itself refuses (a bad message, a missing method).
 
-use crate::core::CoreError;
+use crate::core::{CoreError, NodeError};
+
 use airlock_proto::ErrorCode;
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
@@ -131,12 +132,15 @@ impl From<CoreError> for RpcError {
                 Some(ErrorCode::PermissionDenied) => Code::PermissionDenied,
                 Some(ErrorCode::Internal) | None => Code::Internal,
             },
-            // The runtime's conditions as the core classifies them (the door knows no runtime).
-            CoreError::Runtime(..) => match e.code().code {
-                "invalid_argument" => Code::InvalidArgument,
-                "conflict" | "invalid_state" => Code::FailedPrecondition,
-                "unavailable" => Code::Unavailable,
-                _ => Code::Internal,
+            CoreError::Node(node) => match node {
+                NodeError::InvalidSandboxId(..) => Code::InvalidArgument,
+                NodeError::SandboxIdTaken(..) | NodeError::NotRunning(..) => Code::FailedPrecondition,
+                NodeError::Exhausted(..) => Code::Unavailable,
+                NodeError::UnknownTemplate(..) | NodeError::UnknownSandbox(..) | NodeError::UnknownImage(..) => {
+                    Code::NotFound
+                }
+                NodeError::InvalidResources(..) => Code::InvalidArgument,
+                NodeError::BootFailed(..) | NodeError::Network(..) | NodeError::Failed(..) => Code::Internal,
             },
         };
         RpcError::new(code, e.to_string())

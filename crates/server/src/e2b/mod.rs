@@ -8,11 +8,11 @@
 pub mod connect;
 pub mod control;
 pub mod envd;
+mod error;
 
-use crate::core::{Core, CoreError};
-use airlock_proto::ErrorCode;
-use axum::http::StatusCode;
-use axum::response::{IntoResponse, Response};
+pub use error::E2bError;
+
+use crate::core::Core;
 use connect::RpcError;
 use envd::messages::FilesystemEvent;
 use futures_util::{Stream, StreamExt};
@@ -234,63 +234,6 @@ impl Drop for Watchers {
         for w in lock(&self.map).values() {
             w.task.abort();
         }
-    }
-}
-
-/// An error as the SDK parses control-plane and `/files` answers: `{"code": <int>, "message"}`.
-#[derive(Debug)]
-pub struct E2bError {
-    pub status: StatusCode,
-    pub message: String,
-    /// `Retry-After`, in seconds, for a rate-limited request.
-    pub retry_after: Option<u64>,
-}
-
-impl E2bError {
-    pub fn new(status: StatusCode, message: impl Into<String>) -> Self {
-        Self {
-            status,
-            message: message.into(),
-            retry_after: None,
-        }
-    }
-    pub fn bad_request(m: impl Into<String>) -> Self {
-        Self::new(StatusCode::BAD_REQUEST, m)
-    }
-}
-
-/// The one mapping of core errors onto the E2B statuses its SDKs know. A refused option or value
-/// is the 400 they expect (never 422); envd's `/files` answers permission errors with 401.
-impl From<CoreError> for E2bError {
-    fn from(e: CoreError) -> Self {
-        let status = match &e {
-            CoreError::Guest { source, .. } if source.code() == Some(ErrorCode::PermissionDenied) => 401,
-            _ => match e.code().status {
-                422 => 400,
-                s => s,
-            },
-        };
-        Self {
-            retry_after: e.retry_after(),
-            ..Self::new(
-                StatusCode::from_u16(status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR),
-                e.to_string(),
-            )
-        }
-    }
-}
-
-impl IntoResponse for E2bError {
-    fn into_response(self) -> Response {
-        if self.status.is_server_error() {
-            tracing::error!("{}", self.message);
-        }
-        let body = serde_json::json!({ "code": self.status.as_u16(), "message": self.message });
-        let mut r = (self.status, axum::Json(body)).into_response();
-        if let Some(s) = self.retry_after {
-            r.headers_mut().insert(axum::http::header::RETRY_AFTER, s.into());
-        }
-        r
     }
 }
 

@@ -590,15 +590,17 @@ impl FakeImages {
         }
     }
 
-    fn save(&self, image_id: &str) -> Result<u64, airlock_runtime::RuntimeError> {
+    fn save(&self, image_id: &str) -> Result<u64, airlock_server::core::NodeError> {
         let dir = self.dir.join(image_id);
-        std::fs::create_dir_all(&dir).map_err(|e| airlock_runtime::RuntimeError::io(&dir, e))?;
-        let state = std::fs::File::create(dir.join("state")).map_err(|e| airlock_runtime::RuntimeError::io(&dir, e))?;
+        std::fs::create_dir_all(&dir)
+            .map_err(|e| airlock_server::core::NodeError::from(airlock_runtime::RuntimeError::io(&dir, e)))?;
+        let state = std::fs::File::create(dir.join("state"))
+            .map_err(|e| airlock_server::core::NodeError::from(airlock_runtime::RuntimeError::io(&dir, e)))?;
         state
             .set_len(FAKE_IMAGE_BYTES)
-            .map_err(|e| airlock_runtime::RuntimeError::io(&dir, e))?;
+            .map_err(|e| airlock_server::core::NodeError::from(airlock_runtime::RuntimeError::io(&dir, e)))?;
         std::fs::write(dir.join(airlock_runtime::sandbox::image::MANIFEST), "{}")
-            .map_err(|e| airlock_runtime::RuntimeError::io(&dir, e))?;
+            .map_err(|e| airlock_server::core::NodeError::from(airlock_runtime::RuntimeError::io(&dir, e)))?;
         Ok(FAKE_IMAGE_BYTES)
     }
 }
@@ -651,32 +653,32 @@ impl Nodes for TestNode {
     async fn create(
         &self,
         sandbox: &airlock_server::nodes::VmRequest,
-    ) -> Result<Booted, airlock_runtime::RuntimeError> {
+    ) -> Result<Booted, airlock_server::core::NodeError> {
         tokio::time::sleep(self.create_delay).await;
         self.inner.create(sandbox).await
     }
-    async fn delete(&self, id: &str) -> Result<(), airlock_runtime::RuntimeError> {
+    async fn delete(&self, id: &str) -> Result<(), airlock_server::core::NodeError> {
         self.inner.delete(id).await
     }
-    async fn pause(&self, id: &str) -> Result<(), airlock_runtime::RuntimeError> {
+    async fn pause(&self, id: &str) -> Result<(), airlock_server::core::NodeError> {
         self.inner.pause(id).await
     }
-    async fn suspend(&self, id: &str) -> Result<u64, airlock_runtime::RuntimeError> {
+    async fn suspend(&self, id: &str) -> Result<u64, airlock_server::core::NodeError> {
         self.inner.suspend(id).await
     }
-    async fn resume(&self, id: &str) -> Result<(), airlock_runtime::RuntimeError> {
+    async fn resume(&self, id: &str) -> Result<(), airlock_server::core::NodeError> {
         self.inner.resume(id).await
     }
-    async fn save_image(&self, id: &str, image_id: &str) -> Result<u64, airlock_runtime::RuntimeError> {
+    async fn save_image(&self, id: &str, image_id: &str) -> Result<u64, airlock_server::core::NodeError> {
         if self.inner.vm_state(id) != VmState::Running {
-            return Err(airlock_runtime::RuntimeError::NotRunning(id.into()));
+            return Err(airlock_server::core::NodeError::NotRunning(id.into()));
         }
         self.images.save(image_id)
     }
-    async fn delete_image(&self, image_id: &str) -> Result<(), airlock_runtime::RuntimeError> {
+    async fn delete_image(&self, image_id: &str) -> Result<(), airlock_server::core::NodeError> {
         self.inner.delete_image(image_id).await
     }
-    async fn digest_image(&self, image_id: &str) -> Result<String, airlock_runtime::RuntimeError> {
+    async fn digest_image(&self, image_id: &str) -> Result<String, airlock_server::core::NodeError> {
         Ok(format!("sha256:{}", airlock_server::store::token_hash(image_id)))
     }
     fn image_ids(&self) -> Vec<String> {
@@ -693,10 +695,10 @@ impl Nodes for TestNode {
         template: &str,
         r: &airlock_server::model::Resources,
         size: usize,
-    ) -> Result<(), airlock_runtime::RuntimeError> {
+    ) -> Result<(), airlock_server::core::NodeError> {
         self.inner.set_pool(template, r, size)
     }
-    fn pools(&self) -> Vec<airlock_runtime::PoolStatus> {
+    fn pools(&self) -> Vec<airlock_server::model::PoolInfo> {
         self.inner.pools()
     }
     fn vm_state(&self, id: &str) -> VmState {
@@ -716,7 +718,7 @@ impl Nodes for TestNode {
     fn vm_ids(&self) -> Vec<String> {
         self.inner.vm_ids()
     }
-    async fn agent(&self, id: &str) -> Result<airlock_runtime::AgentClient, airlock_runtime::RuntimeError> {
+    async fn agent(&self, id: &str) -> Result<airlock_agent_client::AgentClient, airlock_server::core::NodeError> {
         self.inner.agent(id).await
     }
     fn exits(&self) -> tokio::sync::broadcast::Receiver<String> {

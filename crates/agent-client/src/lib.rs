@@ -1,7 +1,7 @@
 //! Host side of the guest agent protocol: an HTTP/2 client over the VM's channel socket.
 //!
-//! The transport is any byte stream; today it is the unix socket QEMU exposes for the
-//! virtio-serial port. Each method is one call of `airlock_proto`'s API.
+//! The transport is any byte stream ([`AgentClient::handshake`]); on a node it is the unix socket
+//! QEMU exposes for the virtio-serial port ([`AgentClient::connect`]). Each method is one call of `airlock_proto`'s API.
 //!
 //! The guest is not trusted: root inside it can replace the agent and speak this protocol
 //! itself. So everything read from the channel is bounded, and a misbehaving agent can only fail
@@ -10,7 +10,7 @@
 //!   `*_MAX` constants), a watch line is capped, event frames are capped by
 //!   `airlock_proto::frame::MAX_PAYLOAD` (the decoder refuses a larger length prefix before
 //!   buffering its payload), response headers by hyper's HTTP/2 default (16 KiB), and data the
-//!   host has not read yet by the HTTP/2 flow-control windows set in [`AgentClient::connect`];
+//!   host has not read yet by the HTTP/2 flow-control windows set in [`AgentClient::handshake`];
 //! - in time: every call that waits for an answer has a deadline ([`Deadlines`]); streams that
 //!   are long-lived by design (events, watches, file reads, tunnels) only have a deadline for
 //!   their response headers.

@@ -23,7 +23,7 @@ pub(super) async fn start_session(stream: &mut BufReader<UnixStream>) -> Result<
     use tokio::io::{AsyncBufReadExt, AsyncWriteExt};
     let io_err = |e: std::io::Error| AgentError::Transport(format!("session start: {e}"));
     loop {
-        let nonce = crate::random::random_hex(8);
+        let nonce = nonce();
         stream
             .write_all(format!("{}{nonce}\n", airlock_proto::SESSION_HELLO).as_bytes())
             .await
@@ -62,6 +62,13 @@ pub(super) async fn start_session(stream: &mut BufReader<UnixStream>) -> Result<
     }
 }
 
+/// 8 random bytes in hex: tells this hello's `READY` from an older session's.
+fn nonce() -> String {
+    let mut buf = [0u8; 8];
+    getrandom::getrandom(&mut buf).expect("the kernel's CSPRNG is readable");
+    hex::encode(buf)
+}
+
 /// A connected agent session. Cheap to clone; all clones share one HTTP/2 connection.
 #[derive(Clone)]
 pub struct AgentClient {
@@ -81,13 +88,22 @@ impl AgentClient {
                 .map_err(|e| AgentError::Transport(format!("connect {}: {e}", socket.display())))?,
         );
         start_session(&mut stream).await?;
+        Self::handshake(stream).await
+    }
+
+    /// Speak HTTP/2 to the agent over `io`, a stream already at the start of a session: the
+    /// channel after its resynchronization here, or whatever carries it to a remote node.
+    pub async fn handshake<IO>(io: IO) -> Result<Self, AgentError>
+    where
+        IO: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static,
+    {
         // The windows bound what the agent can make the host buffer for replies it has not read
         // yet: 4 MiB per stream, 8 MiB for the connection.
         let (send, conn) = hyper::client::conn::http2::Builder::new(hyper_util::rt::TokioExecutor::new())
             .initial_stream_window_size(4 << 20)
             .initial_connection_window_size(8 << 20)
             .max_frame_size(256 << 10)
-            .handshake(hyper_util::rt::TokioIo::new(stream))
+            .handshake(hyper_util::rt::TokioIo::new(io))
             .await
             .map_err(|e| AgentError::Transport(format!("handshake: {e}")))?;
         let conn = tokio::spawn(async move {

@@ -1,6 +1,8 @@
 //! E2B control plane: `/sandboxes`, `/v2/sandboxes`, timeouts, metrics, connect; each a
 //! translation onto the core's sandbox services.
 
+mod wire;
+
 use super::{E2bError, E2bState, ENVD_VERSION};
 use crate::core::egress::EgressRequest;
 use crate::core::sandboxes::{check_timeout, Change, CreateSandbox, Created, ListSandboxes, DEFAULT_TIMEOUT};
@@ -12,10 +14,10 @@ use axum::extract::{Path, Query, Request, State};
 use axum::http::{HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::{Extension, Json};
-use serde::Deserialize;
-use serde_json::{json, Value};
-use std::collections::{BTreeMap, HashMap};
+use serde_json::Value;
+use std::collections::BTreeMap;
 use std::time::Duration;
+pub use wire::*;
 
 type Result<T> = std::result::Result<T, E2bError>;
 
@@ -31,39 +33,6 @@ pub async fn require_tenant(State(state): State<E2bState>, mut req: Request, nex
         }
         Err(e) => E2bError::from(e).into_response(),
     }
-}
-
-/// Request body of `POST /sandboxes` (`NewSandbox`). Unknown fields are kept to be refused loudly.
-#[derive(Debug, Deserialize)]
-#[serde(rename_all = "camelCase")]
-pub struct NewSandbox {
-    #[serde(rename = "templateID")]
-    pub template_id: String,
-    pub timeout: Option<i64>,
-    pub auto_pause: Option<bool>,
-    /// v2 only: whether an auto-pause keeps memory; airlock's suspend always keeps it.
-    pub auto_pause_memory: Option<bool>,
-    pub auto_resume: Option<Value>,
-    pub env_vars: Option<BTreeMap<String, String>>,
-    pub metadata: Option<BTreeMap<String, String>>,
-    pub secure: Option<bool>,
-    #[serde(rename = "allow_internet_access")]
-    pub allow_internet_access: Option<bool>,
-    pub network: Option<Network>,
-    pub mcp: Option<Value>,
-    pub volume_mounts: Option<Value>,
-    pub iam: Option<Value>,
-    #[serde(flatten)]
-    pub other: HashMap<String, Value>,
-}
-
-#[derive(Debug, Deserialize)]
-#[serde(rename_all = "camelCase")]
-pub struct Network {
-    pub allow_out: Option<Vec<String>>,
-    pub deny_out: Option<Vec<String>>,
-    pub allow_public_traffic: Option<bool>,
-    pub mask_request_host: Option<String>,
 }
 
 /// E2B's `lifecycle={"on_timeout": "pause", "auto_resume": ..}`, sent as `autoPause` and
@@ -155,19 +124,17 @@ fn timeout_secs(seconds: Option<i64>) -> Duration {
     }
 }
 
-fn sandbox_json(state: &E2bState, row: &SandboxRecord, tokens: &SandboxTokens, alias: &str) -> Value {
-    json!({
-        "templateID": alias,
-        "sandboxID": row.id,
-        "clientID": "airlock",
-        "alias": alias,
-        "envdVersion": ENVD_VERSION,
-        "envdAccessToken": tokens.envd,
-        // Sandbox ports are never public: this token (E2B-Traffic-Access-Token) opens them and
-        // nothing else; envd refuses it.
-        "trafficAccessToken": tokens.traffic,
-        "domain": state.domain.as_deref(),
-    })
+fn sandbox_reply(state: &E2bState, row: &SandboxRecord, tokens: SandboxTokens, alias: &str) -> SandboxReply {
+    SandboxReply {
+        template_id: alias.to_string(),
+        sandbox_id: row.id.clone(),
+        client_id: CLIENT_ID,
+        alias: alias.to_string(),
+        envd_version: ENVD_VERSION,
+        envd_access_token: tokens.envd,
+        traffic_access_token: tokens.traffic,
+        domain: state.domain.as_deref().map(String::from),
+    }
 }
 
 /// The name the SDK created the sandbox with (or the alias of its template), for echoing back.
@@ -175,35 +142,40 @@ async fn e2b_alias(state: &E2bState, row: &SandboxRecord) -> Result<String> {
     Ok(state.core.template_name_of(row).await?)
 }
 
-async fn detail_json(state: &E2bState, row: &SandboxRecord, tokens: Option<&SandboxTokens>) -> Result<Value> {
+async fn sandbox_detail(
+    state: &E2bState,
+    row: &SandboxRecord,
+    tokens: Option<&SandboxTokens>,
+) -> Result<SandboxDetail> {
     let alias = e2b_alias(state, row).await?;
-    let mut v = json!({
-        "templateID": alias,
-        "alias": alias,
-        "sandboxID": row.id,
-        "clientID": "airlock",
-        "startedAt": rfc3339(row.created_at_ms),
-        "endAt": rfc3339(row.expires_at_ms),
-        "cpuCount": row.resources.vcpu,
-        "memoryMB": row.resources.memory_mib,
-        "diskSizeMB": row.resources.disk_mib,
-        "state": if row.state == SandboxState::Running { "running" } else { "paused" },
-        "envdVersion": ENVD_VERSION,
-        "metadata": row.metadata,
-        "domain": state.domain.as_deref(),
-        "allowInternetAccess": !row.egress.sealed,
-        "lifecycle": {
-            "autoResume": row.lifecycle.auto_resume,
-            "onTimeout": match row.lifecycle.on_timeout {
+    Ok(SandboxDetail {
+        template_id: alias.clone(),
+        alias,
+        sandbox_id: row.id.clone(),
+        client_id: CLIENT_ID,
+        started_at: rfc3339(row.created_at_ms),
+        end_at: rfc3339(row.expires_at_ms),
+        cpu_count: row.resources.vcpu,
+        memory_mb: row.resources.memory_mib,
+        disk_size_mb: row.resources.disk_mib,
+        state: if row.state == SandboxState::Running {
+            "running"
+        } else {
+            "paused"
+        },
+        envd_version: ENVD_VERSION,
+        metadata: row.metadata.clone(),
+        domain: state.domain.as_deref().map(String::from),
+        allow_internet_access: !row.egress.sealed,
+        lifecycle: LifecycleReply {
+            auto_resume: row.lifecycle.auto_resume,
+            on_timeout: match row.lifecycle.on_timeout {
                 OnTimeout::Delete => "kill",
                 OnTimeout::Suspend => "pause",
             },
         },
-    });
-    if let Some(t) = tokens {
-        v["envdAccessToken"] = json!(t.envd);
-    }
-    Ok(v)
+        envd_access_token: tokens.map(|t| t.envd.clone()),
+    })
 }
 
 /// A body the SDK may leave out: its type's default then.
@@ -234,7 +206,7 @@ pub async fn create(
     Extension(principal): Extension<Principal>,
     headers: HeaderMap,
     body: axum::body::Bytes,
-) -> Result<(StatusCode, Json<Value>)> {
+) -> Result<(StatusCode, Json<SandboxReply>)> {
     let req: NewSandbox = parse_body(&body)?;
     refuse_unsupported(&req)?;
     check_template_id(&req.template_id)?;
@@ -268,7 +240,7 @@ pub async fn create(
 
 /// A create the E2B API answers once its sandbox runs (the engine does the work, we wait for
 /// it): the sandbox as the SDK reads it, with its access token, under the name it was made by.
-async fn started(state: &E2bState, tenant: &Tenant, created: Created, alias: &str) -> Result<Value> {
+async fn started(state: &E2bState, tenant: &Tenant, created: Created, alias: &str) -> Result<SandboxReply> {
     let id = created.sandbox_id.clone();
     state.core.record_template_name(&id, alias).await?;
     let token = state.core.issue_access_token(&id).await?;
@@ -277,14 +249,7 @@ async fn started(state: &E2bState, tenant: &Tenant, created: Created, alias: &st
         return Err(failed(&done, "start"));
     }
     let row = state.core.sandbox(tenant, &id).await?;
-    Ok(sandbox_json(state, &row, &token, alias))
-}
-
-#[derive(Debug, Default, Deserialize)]
-#[serde(rename_all = "camelCase")]
-pub struct ForkBody {
-    pub timeout: Option<i64>,
-    pub count: Option<u32>,
+    Ok(sandbox_reply(state, &row, token, alias))
 }
 
 /// `POST /sandboxes/{id}/fork` (newer SDKs' `fork`): the core's fork; each child is answered
@@ -295,7 +260,7 @@ pub async fn fork(
     Extension(principal): Extension<Principal>,
     Path(id): Path<String>,
     body: axum::body::Bytes,
-) -> Result<(StatusCode, Json<Value>)> {
+) -> Result<(StatusCode, Json<Vec<ForkResult>>)> {
     let b: ForkBody = parse_optional_body(&body)?;
     let timeout = b.timeout.map(|t| timeout_secs(Some(t)));
     let parent = state.core.live_sandbox(&tenant, &id).await?;
@@ -311,11 +276,14 @@ pub async fn fork(
             Err(e) => Err(E2bError::from(e)),
         };
         out.push(match result {
-            Ok(sandbox) => json!({ "sandbox": sandbox }),
-            Err(e) => json!({ "error": { "code": e.status.as_u16(), "message": e.message } }),
+            Ok(sandbox) => ForkResult::Sandbox(sandbox),
+            Err(e) => ForkResult::Error {
+                code: e.status.as_u16(),
+                message: e.message,
+            },
         });
     }
-    Ok((StatusCode::CREATED, Json(Value::Array(out))))
+    Ok((StatusCode::CREATED, Json(out)))
 }
 
 /// `POST /sandboxes/{id}/pause`: a suspend, as E2B's pause is (memory and processes saved to
@@ -340,17 +308,6 @@ pub async fn pause(
     }
 }
 
-/// E2B's snapshot request. Its `memory` (whether the snapshot keeps memory) is not read:
-/// airlock's snapshots always do.
-#[derive(Debug, Default, Deserialize)]
-pub struct SnapshotBody {
-    pub name: Option<String>,
-}
-
-fn snapshot_json(s: &crate::model::Snapshot) -> Value {
-    json!({ "snapshotID": s.id, "names": s.name.iter().collect::<Vec<_>>() })
-}
-
 /// `POST /sandboxes/{id}/snapshots` (`create_snapshot`): the core's snapshot, running processes
 /// and memory included; `Sandbox.create(<snapshot id>)` starts from it.
 pub async fn create_snapshot(
@@ -359,22 +316,11 @@ pub async fn create_snapshot(
     Extension(principal): Extension<Principal>,
     Path(id): Path<String>,
     body: axum::body::Bytes,
-) -> Result<(StatusCode, Json<Value>)> {
+) -> Result<(StatusCode, Json<SnapshotReply>)> {
     let b: SnapshotBody = parse_optional_body(&body)?;
     state.core.live_sandbox(&tenant, &id).await?;
     let made = state.core.create_snapshot(&principal, &id, b.name).await?;
-    Ok((StatusCode::CREATED, Json(snapshot_json(&made))))
-}
-
-#[derive(Debug, Deserialize)]
-#[serde(rename_all = "camelCase")]
-pub struct SnapshotsQuery {
-    #[serde(rename = "sandboxID")]
-    pub sandbox_id: Option<String>,
-    pub name: Option<String>,
-    /// 1 to 100; 100 when absent, as E2B.
-    pub limit: Option<u32>,
-    pub next_token: Option<String>,
+    Ok((StatusCode::CREATED, Json(SnapshotReply::from(&made))))
 }
 
 /// `GET /snapshots` (`list_snapshots`): a page of the tenant's snapshots, newest first; the
@@ -397,7 +343,7 @@ pub async fn list_snapshots(
             },
         )
         .await?;
-    let items: Vec<Value> = page.snapshots.iter().map(|s| snapshot_json(&s.view())).collect();
+    let items: Vec<SnapshotReply> = page.snapshots.iter().map(|s| SnapshotReply::from(&s.view())).collect();
     let mut resp = Json(items).into_response();
     if let Some(n) = page.next_page_token {
         resp.headers_mut()
@@ -419,16 +365,19 @@ pub async fn delete_template(
 
 /// `GET /templates/aliases/{alias}` (`Template.exists`): a template this server has under that
 /// name or alias, as the SDK reads it. Every template here is the platform's, so public.
-pub async fn template_alias(State(state): State<E2bState>, Path(alias): Path<String>) -> Result<Json<Value>> {
+pub async fn template_alias(State(state): State<E2bState>, Path(alias): Path<String>) -> Result<Json<TemplateAlias>> {
     let name = state.core.template_name(&alias)?;
-    Ok(Json(json!({ "templateID": name, "public": true })))
+    Ok(Json(TemplateAlias {
+        template_id: name,
+        public: true,
+    }))
 }
 
 pub async fn get(
     State(state): State<E2bState>,
     Extension(tenant): Extension<Tenant>,
     Path(id): Path<String>,
-) -> Result<Json<Value>> {
+) -> Result<Json<SandboxDetail>> {
     let row = state.core.live_sandbox(&tenant, &id).await?;
     // Re-issued, not just derived: a sandbox from before tokens were derived gets its new one.
     let token = if state.core.has_access_token(&id).await? {
@@ -436,7 +385,7 @@ pub async fn get(
     } else {
         None
     };
-    Ok(Json(detail_json(&state, &row, token.as_ref()).await?))
+    Ok(Json(sandbox_detail(&state, &row, token.as_ref()).await?))
 }
 
 pub async fn kill(
@@ -452,11 +401,6 @@ pub async fn kill(
         None => Ok(StatusCode::NO_CONTENT),
         Some(_) => Err(failed(&done, "stop")),
     }
-}
-
-#[derive(Debug, Default, Deserialize)]
-pub struct TimeoutBody {
-    pub timeout: Option<i64>,
 }
 
 pub async fn set_timeout(
@@ -477,7 +421,7 @@ pub async fn connect(
     Extension(principal): Extension<Principal>,
     Path(id): Path<String>,
     body: axum::body::Bytes,
-) -> Result<(StatusCode, Json<Value>)> {
+) -> Result<(StatusCode, Json<SandboxReply>)> {
     let b: TimeoutBody = parse_optional_body(&body)?;
     // Checked before anything changes: a bad timeout must not resume the sandbox.
     let timeout = check_timeout("timeout", timeout_secs(b.timeout))?;
@@ -497,21 +441,7 @@ pub async fn connect(
     let token = state.core.issue_access_token(&id).await?;
     let status = if resumed { StatusCode::CREATED } else { StatusCode::OK };
     let alias = e2b_alias(&state, &row).await?;
-    Ok((status, Json(sandbox_json(&state, &row, &token, &alias))))
-}
-
-#[derive(Debug, Deserialize)]
-#[serde(rename_all = "camelCase")]
-pub struct ListQuery {
-    pub metadata: Option<String>,
-    pub state: Option<String>,
-    pub limit: Option<u32>,
-    pub next_token: Option<String>,
-    /// `asc` or `desc` (the default, as E2B: newest first).
-    pub order: Option<String>,
-    pub started_after: Option<String>,
-    pub started_before: Option<String>,
-    pub template: Option<String>,
+    Ok((status, Json(sandbox_reply(&state, &row, token, &alias))))
 }
 
 /// An E2B list's time bound (ms since the epoch): RFC 3339 with `Z` or a `±HH:MM` offset, or
@@ -600,7 +530,7 @@ pub async fn list_v2(
         .await?;
     let mut items = Vec::with_capacity(page.sandboxes.len());
     for row in &page.sandboxes {
-        items.push(detail_json(&state, row, None).await?);
+        items.push(sandbox_detail(&state, row, None).await?);
     }
     let mut resp = Json(items).into_response();
     if let Some(n) = page.next_page_token {
@@ -612,39 +542,33 @@ pub async fn list_v2(
 
 /// `GET /sandboxes/{id}/metrics?start=&end=` (Unix seconds, both optional: the sandbox's life
 /// so far by default), from the core's sampled history.
-#[derive(Debug, Deserialize)]
-pub struct MetricsQuery {
-    pub start: Option<i64>,
-    pub end: Option<i64>,
-}
-
 pub async fn metrics(
     State(state): State<E2bState>,
     Extension(tenant): Extension<Tenant>,
     Path(id): Path<String>,
     q: std::result::Result<Query<MetricsQuery>, axum::extract::rejection::QueryRejection>,
-) -> Result<Json<Value>> {
+) -> Result<Json<Vec<MetricsSample>>> {
     let Query(q) = q.map_err(|e| E2bError::bad_request(format!("bad metrics query: {}", e.body_text())))?;
     let row = state.core.live_sandbox(&tenant, &id).await?;
     let samples = state.core.sandbox_metrics(&row, q.start, q.end).await?;
-    let items: Vec<Value> = samples
+    let items: Vec<MetricsSample> = samples
         .iter()
         .map(|s| {
             let m = &s.metrics;
-            json!({
-                "timestamp": rfc3339(s.at_ms),
-                "timestampUnix": s.at_ms.div_euclid(1000),
-                "cpuCount": m.cpu_count,
-                "cpuUsedPct": m.cpu_used_pct,
-                "memUsed": m.mem_used_bytes,
-                "memTotal": m.mem_total_bytes,
-                "memCache": 0,
-                "diskUsed": m.disk_used_bytes,
-                "diskTotal": m.disk_total_bytes,
-            })
+            MetricsSample {
+                timestamp: rfc3339(s.at_ms),
+                timestamp_unix: s.at_ms.div_euclid(1000),
+                cpu_count: m.cpu_count,
+                cpu_used_pct: m.cpu_used_pct,
+                mem_used: m.mem_used_bytes,
+                mem_total: m.mem_total_bytes,
+                mem_cache: 0,
+                disk_used: m.disk_used_bytes,
+                disk_total: m.disk_total_bytes,
+            }
         })
         .collect();
-    Ok(Json(Value::Array(items)))
+    Ok(Json(items))
 }
 
 #[cfg(test)]

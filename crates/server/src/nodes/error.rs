@@ -1,0 +1,69 @@
+//! What a node can fail with, in the seam's own terms: the conditions a caller acts on are
+//! variants; the node's own failure is kept whole as the cause, whatever the node's type (a
+//! local runtime's `RuntimeError` today, a remote node's reply tomorrow).
+
+use airlock_runtime::net::NetError;
+use airlock_runtime::RuntimeError;
+
+/// A node's failure, kept as the source of the variants that wrap one.
+pub type Cause = Box<dyn std::error::Error + Send + Sync>;
+
+#[derive(Debug, thiserror::Error)]
+pub enum NodeError {
+    #[error("unknown template {0:?}; `airlock template ls` lists the templates")]
+    UnknownTemplate(String),
+    #[error("no sandbox with id {0:?} on this node")]
+    UnknownSandbox(String),
+    #[error("no saved image with id {0:?}")]
+    UnknownImage(String),
+    #[error("invalid resources: {0}")]
+    InvalidResources(String),
+    #[error("invalid sandbox id {0:?}: use 8 to 40 lowercase letters and digits")]
+    InvalidSandboxId(String),
+    #[error("sandbox id {0:?} is already in use on this node")]
+    SandboxIdTaken(String),
+    #[error("sandbox {0} is not running")]
+    NotRunning(String),
+    /// The VM did not come up: its boot or restore failed, or the template's start process did.
+    #[error(transparent)]
+    BootFailed(Cause),
+    /// The node has no room for another VM now (no network slot left): later, or elsewhere.
+    #[error(transparent)]
+    Exhausted(Cause),
+    /// The sandbox's network (namespace, tap, nftables, egress hook) could not be made.
+    #[error(transparent)]
+    Network(Cause),
+    /// Anything else the node failed at (its VMM, jail, disk, agent).
+    #[error(transparent)]
+    Failed(Cause),
+}
+
+impl From<RuntimeError> for NodeError {
+    fn from(e: RuntimeError) -> Self {
+        match e {
+            RuntimeError::UnknownTemplate(t) => NodeError::UnknownTemplate(t),
+            RuntimeError::UnknownSandbox(id) => NodeError::UnknownSandbox(id),
+            RuntimeError::UnknownImage(id) => NodeError::UnknownImage(id),
+            RuntimeError::InvalidResources(m) => NodeError::InvalidResources(m),
+            RuntimeError::InvalidSandboxId(id) => NodeError::InvalidSandboxId(id),
+            RuntimeError::SandboxIdTaken(id) => NodeError::SandboxIdTaken(id),
+            RuntimeError::NotRunning(id) => NodeError::NotRunning(id),
+            e @ (RuntimeError::BootFailed { .. }
+            | RuntimeError::TemplateStart { .. }
+            | RuntimeError::PortNotReady { .. }) => NodeError::BootFailed(Box::new(e)),
+            e @ RuntimeError::Network(NetError::PoolExhausted(_)) => NodeError::Exhausted(Box::new(e)),
+            e @ RuntimeError::Network(_) => NodeError::Network(Box::new(e)),
+            // Every variant is named: a new one must be placed here deliberately.
+            e @ (RuntimeError::Agent(_)
+            | RuntimeError::QemuMissing(_)
+            | RuntimeError::DataDirNotWritable { .. }
+            | RuntimeError::DataDirInUse(_)
+            | RuntimeError::TemplateBuild(_)
+            | RuntimeError::ControlCommand { .. }
+            | RuntimeError::DiskCreate(_)
+            | RuntimeError::StopFailed { .. }
+            | RuntimeError::Jail(_)
+            | RuntimeError::Io { .. }) => NodeError::Failed(Box::new(e)),
+        }
+    }
+}

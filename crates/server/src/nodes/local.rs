@@ -1,0 +1,218 @@
+//! `LocalNode`: this host's VMs through the runtime, in the server's process (single-host mode).
+
+use super::{Booted, Capacity, NodeError, Nodes, PoolInfo, VmRequest, VmState};
+use airlock_agent_client::AgentClient;
+use airlock_runtime::sandbox::StartKind;
+use airlock_runtime::template::TemplateManifest;
+use airlock_runtime::{CreateVm, Resources, Runtime, RuntimeError};
+use async_trait::async_trait;
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+use tokio::sync::broadcast;
+
+/// This host's VMs, through the runtime. Lifecycle changes of one VM run one at a time (a delete
+/// waits for its create).
+pub struct LocalNode {
+    runtime: Runtime,
+    locks: Mutex<HashMap<String, Arc<tokio::sync::Mutex<()>>>>,
+}
+
+impl LocalNode {
+    pub fn new(runtime: Runtime) -> Self {
+        Self {
+            runtime,
+            locks: Mutex::default(),
+        }
+    }
+
+    pub fn runtime(&self) -> &Runtime {
+        &self.runtime
+    }
+
+    fn lock_for(&self, id: &str) -> Arc<tokio::sync::Mutex<()>> {
+        self.locks.lock().unwrap().entry(id.to_string()).or_default().clone()
+    }
+}
+
+#[async_trait]
+impl Nodes for LocalNode {
+    fn runtime_name(&self) -> &'static str {
+        self.runtime.runtime_name()
+    }
+
+    async fn accel(&self) -> String {
+        self.runtime.accel().await.to_string()
+    }
+
+    fn templates(&self) -> Vec<TemplateManifest> {
+        self.runtime.templates().list()
+    }
+
+    fn template(&self, reference: &str) -> Option<TemplateManifest> {
+        self.runtime.templates().resolve(reference).ok().map(|t| t.manifest)
+    }
+
+    async fn create(&self, sandbox: &VmRequest) -> Result<Booted, NodeError> {
+        let lock = self.lock_for(&sandbox.id);
+        let _guard = lock.lock().await;
+        let sb = self
+            .runtime
+            .create(CreateVm {
+                id: Some(sandbox.id.clone()),
+                template: sandbox.template.clone(),
+                resources: sandbox.resources,
+                image: sandbox.image_id.clone(),
+                env: sandbox.env.clone(),
+            })
+            .await?;
+        Ok(Booted {
+            template_digest: sb.record.template_digest.clone(),
+            accel: sb.record.accel.to_string(),
+            start: crate::model::SandboxStart {
+                from: match sb.record.start {
+                    StartKind::Boot => "boot".into(),
+                    StartKind::BaseSnapshot => "restore".into(),
+                    StartKind::Image => "snapshot".into(),
+                    StartKind::Pool => "pool".into(),
+                },
+                ms: sb.record.start_ms,
+            },
+        })
+    }
+
+    async fn delete(&self, id: &str) -> Result<(), NodeError> {
+        // A VM not yet re-attached would look gone, and stay behind.
+        self.runtime.settled(id).await;
+        let lock = self.lock_for(id);
+        let result = {
+            let _guard = lock.lock().await;
+            match self.runtime.delete(id).await {
+                Err(RuntimeError::UnknownSandbox(_)) | Ok(()) => Ok(()),
+                Err(e) => Err(NodeError::from(e)),
+            }
+        };
+        // Forget the lock unless another change already waits on it (it must keep excluding).
+        let mut locks = self.locks.lock().unwrap();
+        if locks.get(id).is_some_and(|l| Arc::strong_count(l) <= 2) {
+            locks.remove(id);
+        }
+        result
+    }
+
+    async fn pause(&self, id: &str) -> Result<(), NodeError> {
+        self.runtime.settled(id).await;
+        let lock = self.lock_for(id);
+        let _guard = lock.lock().await;
+        Ok(self.runtime.pause(id).await?)
+    }
+
+    async fn suspend(&self, id: &str) -> Result<u64, NodeError> {
+        self.runtime.settled(id).await;
+        let lock = self.lock_for(id);
+        let _guard = lock.lock().await;
+        Ok(self.runtime.suspend(id).await?.ms)
+    }
+
+    async fn save_image(&self, id: &str, image_id: &str) -> Result<u64, NodeError> {
+        self.runtime.settled(id).await;
+        let lock = self.lock_for(id);
+        let _guard = lock.lock().await;
+        Ok(self.runtime.save_image(id, image_id).await?.bytes())
+    }
+
+    async fn delete_image(&self, image_id: &str) -> Result<(), NodeError> {
+        Ok(self.runtime.delete_image(image_id)?)
+    }
+
+    async fn digest_image(&self, image_id: &str) -> Result<String, NodeError> {
+        Ok(self.runtime.digest_image(image_id).await?)
+    }
+
+    fn image_ids(&self) -> Vec<String> {
+        self.runtime.images()
+    }
+
+    fn claim(&self, template: &str, r: &Resources) -> Option<String> {
+        self.runtime.claim(template, *r)
+    }
+
+    fn unclaim(&self, id: &str) {
+        self.runtime.unclaim(id)
+    }
+
+    fn set_pool(&self, template: &str, r: &Resources, size: usize) -> Result<(), NodeError> {
+        self.runtime.set_pool(template, *r, size)?;
+        Ok(())
+    }
+
+    fn pools(&self) -> Vec<PoolInfo> {
+        self.runtime
+            .pools()
+            .into_iter()
+            .map(|p| PoolInfo {
+                template: p.template,
+                resources: p.resources,
+                size: p.size,
+                ready: p.ready,
+                starting: p.starting,
+                hits: p.hits,
+                misses: p.misses,
+            })
+            .collect()
+    }
+
+    async fn resume(&self, id: &str) -> Result<(), NodeError> {
+        self.runtime.settled(id).await;
+        let lock = self.lock_for(id);
+        let _guard = lock.lock().await;
+        Ok(self.runtime.resume(id).await?)
+    }
+
+    fn vm_state(&self, id: &str) -> VmState {
+        match self.runtime.get(id) {
+            Ok(sb) if sb.is_paused() => VmState::Paused,
+            Ok(_) => VmState::Running,
+            Err(_) if self.runtime.is_suspended(id) => VmState::Suspended,
+            Err(_) => VmState::Gone,
+        }
+    }
+
+    async fn settled(&self, id: &str) {
+        self.runtime.settled(id).await
+    }
+
+    async fn settled_all(&self) {
+        self.runtime.settled_all().await
+    }
+
+    fn vm_ids(&self) -> Vec<String> {
+        let mut ids: Vec<String> = self.runtime.list().iter().map(|s| s.id().to_string()).collect();
+        ids.extend(self.runtime.suspended());
+        ids
+    }
+
+    async fn agent(&self, id: &str) -> Result<AgentClient, NodeError> {
+        self.runtime.settled(id).await;
+        Ok(self.runtime.get(id)?.agent().await?)
+    }
+
+    fn exits(&self) -> broadcast::Receiver<String> {
+        self.runtime.exits()
+    }
+
+    fn capacity(&self) -> Capacity {
+        let disk = self.runtime.disk_space();
+        Capacity {
+            cpus: std::thread::available_parallelism()
+                .map(|n| n.get() as u32)
+                .unwrap_or(1),
+            // Pool VMs hold memory no sandbox record counts.
+            memory_mib: airlock_runtime::vmm::host_memory_mib()
+                .unwrap_or(0)
+                .saturating_sub(self.runtime.pool_memory_mib()),
+            sandboxes_running: self.runtime.list().len() as u32,
+            disk_free_mib: disk.free_mib.saturating_sub(disk.pool_unheld_mib),
+            disk_held_mib: disk.held_by_sandboxes_mib + disk.held_by_images_mib,
+        }
+    }
+}

@@ -1,0 +1,108 @@
+//! The node seam: everything that touches a VM (create, delete, pause, resume, agent calls, port
+//! tunnels) goes through `Nodes`. `LocalNode` runs VMs on this host with the runtime; a remote
+//! implementation (many hosts) will sit behind the same trait.
+
+mod error;
+mod local;
+
+pub use error::NodeError;
+pub use local::LocalNode;
+
+pub use crate::model::PoolInfo;
+use airlock_agent_client::AgentClient;
+use airlock_runtime::template::TemplateManifest;
+use airlock_runtime::Resources;
+use async_trait::async_trait;
+use tokio::sync::broadcast;
+
+/// What a node knows of a sandbox's VM right now.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum VmState {
+    Running,
+    Paused,
+    /// Saved to disk, no VM process (resume starts it again).
+    Suspended,
+    /// No VM (never booted, deleted, or exited on its own).
+    Gone,
+}
+
+pub use crate::model::Booted;
+
+/// A VM a node is asked to start: the sandbox's id and what it starts from. Its own type, not
+/// the store's record, so a node on another host gets only this.
+#[derive(Debug, Clone)]
+pub struct VmRequest {
+    pub id: String,
+    pub template: String,
+    pub resources: Resources,
+    /// A saved image to start from instead of the template (a snapshot's or a fork's).
+    pub image_id: Option<String>,
+    pub env: std::collections::BTreeMap<String, String>,
+}
+
+/// What a node has, before the operator's overcommit and reserves (`core::Config::budget`).
+#[derive(Debug, Clone, Copy)]
+pub struct Capacity {
+    pub cpus: u32,
+    pub memory_mib: u64,
+    pub sandboxes_running: u32,
+    /// Free space of the filesystem sandbox disks live on (statvfs, unprivileged), less what
+    /// warm pool VMs may still write (no record counts them).
+    pub disk_free_mib: u64,
+    /// Space the node's sandboxes and saved images already hold on it (their records count them
+    /// at full size; their files grow into the rest).
+    pub disk_held_mib: u64,
+}
+
+#[async_trait]
+pub trait Nodes: Send + Sync {
+    /// The VMM sandboxes run on (`qemu`).
+    fn runtime_name(&self) -> &'static str;
+    /// `kvm` or `tcg`.
+    async fn accel(&self) -> String;
+    /// The node's built templates.
+    fn templates(&self) -> Vec<TemplateManifest>;
+    /// One template by name (`seed`, `seed:latest`) or digest (`sha256:<prefix>`).
+    fn template(&self, reference: &str) -> Option<TemplateManifest>;
+    /// Start the VM of a recorded sandbox; returns once its agent answers.
+    async fn create(&self, vm: &VmRequest) -> Result<Booted, NodeError>;
+    /// Stop the VM and remove its disk; a VM that is already gone is not an error.
+    async fn delete(&self, id: &str) -> Result<(), NodeError>;
+    async fn pause(&self, id: &str) -> Result<(), NodeError>;
+    /// Save the VM's whole state to disk and end its process; returns how long it took (ms).
+    async fn suspend(&self, id: &str) -> Result<u64, NodeError>;
+    /// Save the VM as image `image_id` while it runs on (see `Runtime::save_image`); returns
+    /// the bytes it holds.
+    async fn save_image(&self, id: &str, image_id: &str) -> Result<u64, NodeError>;
+    /// Remove a saved image (a missing one is not an error).
+    async fn delete_image(&self, image_id: &str) -> Result<(), NodeError>;
+    /// Image `image_id`'s content address, `sha256:<hex>` (see `Runtime::digest_image`).
+    async fn digest_image(&self, image_id: &str) -> Result<String, NodeError>;
+    /// Every saved image this node has.
+    fn image_ids(&self) -> Vec<String>;
+    /// A warm pool VM of `template` with `resources` for a create: its id becomes the
+    /// sandbox's, and `create` with that id hands it out. None when the pool is empty or absent.
+    fn claim(&self, template: &str, resources: &Resources) -> Option<String>;
+    /// Give back a VM `claim` returned, for a create that did not go ahead.
+    fn unclaim(&self, id: &str);
+    /// Keep `size` VMs of `template` with `resources` ready.
+    fn set_pool(&self, template: &str, resources: &Resources, size: usize) -> Result<(), NodeError>;
+    /// The node's warm pools.
+    fn pools(&self) -> Vec<PoolInfo>;
+    /// Run a paused VM again, or start a suspended one from its saved state.
+    async fn resume(&self, id: &str) -> Result<(), NodeError>;
+    fn vm_state(&self, id: &str) -> VmState;
+    /// Wait until this node knows whether `id` has a VM: after a restart a node re-attaches
+    /// its VMs in the background, and until then `vm_state` says `Gone` for one it will adopt.
+    async fn settled(&self, id: &str);
+    /// Wait until every VM of the node's earlier life is re-attached or removed.
+    async fn settled_all(&self);
+    /// Every VM this node has: live, paused or suspended.
+    fn vm_ids(&self) -> Vec<String>;
+    /// The guest agent of a running VM (process and file calls, port tunnels).
+    async fn agent(&self, id: &str) -> Result<AgentClient, NodeError>;
+    /// Ids of VMs that exited on their own (crash, `kill -9`, powered off inside).
+    fn exits(&self) -> broadcast::Receiver<String>;
+    /// What this node has (admission derives its budgets from it, see `core::Config::budget`).
+    fn capacity(&self) -> Capacity;
+}
