@@ -20,6 +20,7 @@ mod session;
 mod transport;
 
 pub use session::AgentClient;
+pub use transport::ReqBody;
 
 use airlock_proto::ErrorCode;
 use std::time::Duration;

@@ -5,6 +5,7 @@ use super::transport::ReqBody;
 use super::*;
 use airlock_proto::Health;
 use std::path::Path;
+use std::sync::Arc;
 use std::time::Duration;
 use tokio::io::BufReader;
 use tokio::net::UnixStream;
@@ -76,6 +77,10 @@ pub struct AgentClient {
     pub(super) deadlines: Deadlines,
     /// The task driving the connection (see [`AgentClient::close`]).
     pub(super) conn: tokio::task::AbortHandle,
+    /// What each request's path follows: `http://agent` on the channel itself, a node's agent
+    /// route for a caller on another host ([`AgentClient::at`]).
+    pub(super) base: Arc<str>,
+    pub(super) authorization: Option<http::HeaderValue>,
 }
 
 impl AgentClient {
@@ -116,6 +121,8 @@ impl AgentClient {
             send,
             deadlines: Deadlines::default(),
             conn,
+            base: Arc::from("http://agent"),
+            authorization: None,
         })
     }
 
@@ -154,6 +161,17 @@ impl AgentClient {
     }
 
     /// The same session with other deadlines (tests use short ones).
+    /// The same connection, its calls sent under `base` (`http://node/vms/<id>/agent`) with
+    /// `authorization`: an agent reached through the node that holds its VM, which passes each
+    /// call on ([`AgentClient::forward`]).
+    pub fn at(&self, base: &str, authorization: Option<http::HeaderValue>) -> Self {
+        Self {
+            base: Arc::from(base.trim_end_matches('/')),
+            authorization,
+            ..self.clone()
+        }
+    }
+
     pub fn with_deadlines(mut self, deadlines: Deadlines) -> Self {
         self.deadlines = deadlines;
         self

@@ -16,7 +16,8 @@ use std::time::Duration;
 use tokio::sync::watch;
 use tokio::time::Instant;
 
-pub(super) type ReqBody = UnsyncBoxBody<Bytes, std::io::Error>;
+/// A request body of any call: bytes from any source.
+pub type ReqBody = UnsyncBoxBody<Bytes, std::io::Error>;
 
 pub(super) fn empty() -> ReqBody {
     Full::new(Bytes::new()).map_err(|n| match n {}).boxed_unsync()
@@ -125,6 +126,38 @@ pub(super) async fn collect_limited(body: Incoming, max: usize, what: &str, due:
 }
 
 impl AgentClient {
+    /// The request of `route` under this client's base, with its authorization.
+    fn build(&self, route: &Route, body: ReqBody) -> Request<ReqBody> {
+        let mut req = Request::builder()
+            .method(method(route))
+            .uri(format!("{}{}", self.base, route.uri()))
+            .body(body)
+            .expect("valid request");
+        if let Some(auth) = &self.authorization {
+            req.headers_mut().insert(http::header::AUTHORIZATION, auth.clone());
+        }
+        req
+    }
+
+    /// Pass one call of the agent's protocol through unchanged: whatever the agent answers
+    /// (an error body too) comes back as it is, for a caller on another host that reads it with
+    /// its own bounds. Only the response headers have a deadline here (`slow_call`: a `sync`
+    /// answers once the guest's disk has its data); the body streams as the caller reads it.
+    pub async fn forward(&self, route: &Route, body: ReqBody) -> Result<hyper::Response<Incoming>, AgentError> {
+        let what = format!("{} {}", route.method(), route.uri());
+        let limit = self.deadlines.slow_call;
+        let req = self.build(route, body);
+        let mut send = self.send.clone();
+        let exchange = async move {
+            send.ready().await?;
+            send.send_request(req).await
+        };
+        tokio::time::timeout(limit, exchange)
+            .await
+            .map_err(|_| late(&what, limit))?
+            .map_err(|e| AgentError::Transport(format!("{what}: {}", chain(&e))))
+    }
+
     /// Send a request; the response once its headers are in, and when its body is due.
     pub(super) async fn request(
         &self,
@@ -146,11 +179,7 @@ impl AgentClient {
             }
             Clock::Headers(limit) => (limit, None, body),
         };
-        let req = Request::builder()
-            .method(method(route))
-            .uri(format!("http://agent{uri}"))
-            .body(body)
-            .expect("valid request");
+        let req = self.build(route, body);
         let mut send = self.send.clone();
         let exchange = async move {
             send.ready().await?;

@@ -439,3 +439,79 @@ async fn opening_prunes_template_images_nothing_uses() {
     rt.delete(&id).await.unwrap();
     assert_no_vms(tmp.path());
 }
+
+/// An agent reached through its node: a stand-in for the node's agent route (parse the call,
+/// check the caller, `forward` it) on one end of a stream, a client `at` that route on the
+/// other. Calls, event streams, file reads and the agent's own errors pass through unchanged;
+/// a call without the node's token never reaches the agent.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn calls_forwarded_through_a_node_reach_the_agent_unchanged() {
+    use http_body_util::BodyExt;
+    use hyper::service::service_fn;
+    let tmp = tempfile::tempdir().unwrap();
+    let rt = node(tmp.path()).await;
+    let sb = rt.create(seed(None)).await.unwrap();
+    let local = sb.agent().await.unwrap();
+    let prefix = format!("/vms/{}/agent", sb.id());
+
+    let (node_end, caller_end) = tokio::io::duplex(1 << 20);
+    let service = service_fn(move |req: hyper::Request<hyper::body::Incoming>| {
+        let (local, prefix) = (local.clone(), prefix.clone());
+        async move {
+            let reply = |status: u16, body: &'static str| {
+                let body = http_body_util::Full::new(bytes::Bytes::from(body))
+                    .map_err(|n| match n {})
+                    .boxed_unsync();
+                Ok::<_, std::convert::Infallible>(hyper::Response::builder().status(status).body(body).unwrap())
+            };
+            if req.headers().get("authorization").map(|v| v.as_bytes()) != Some(b"Bearer node-token") {
+                return reply(401, r#"{"code":"internal","message":"no token"}"#);
+            }
+            let Some(path) = req.uri().path().strip_prefix(&prefix) else {
+                return reply(404, r#"{"code":"not_found","message":"no such vm"}"#);
+            };
+            let route = match airlock_proto::routes::Route::parse(req.method().as_str(), path, req.uri().query()) {
+                Ok(r) => r,
+                Err(_) => return reply(404, r#"{"code":"not_found","message":"no such route"}"#),
+            };
+            let body = req.into_body().map_err(std::io::Error::other).boxed_unsync();
+            match local.forward(&route, body).await {
+                Ok(resp) => Ok(resp.map(|b| b.map_err(std::io::Error::other).boxed_unsync())),
+                Err(_) => reply(502, r#"{"code":"internal","message":"agent unreachable"}"#),
+            }
+        }
+    });
+    tokio::spawn(async move {
+        let _ = hyper::server::conn::http2::Builder::new(hyper_util::rt::TokioExecutor::new())
+            .serve_connection(hyper_util::rt::TokioIo::new(node_end), service)
+            .await;
+    });
+    let remote = AgentClient::handshake(caller_end).await.unwrap();
+    let token = Some(http::HeaderValue::from_static("Bearer node-token"));
+    let agent = remote.at(&format!("http://node/vms/{}/agent/", sb.id()), token);
+
+    let p = agent.spawn(&argv(&["echo", "through the node"])).await.unwrap();
+    let events: Vec<_> = agent.events(p.id, 0).await.unwrap().collect().await;
+    let stdout: Vec<u8> = events
+        .iter()
+        .filter_map(|e| match &e.as_ref().unwrap().kind {
+            EventKind::Stdout(b) => Some(b.to_vec()),
+            _ => None,
+        })
+        .flatten()
+        .collect();
+    assert_eq!(stdout, b"through the node\n");
+    agent.write_file("/tmp/forwarded", None, &b"bytes"[..]).await.unwrap();
+    assert_eq!(&agent.read_file("/tmp/forwarded").await.unwrap()[..], b"bytes");
+    // The agent's own error, as it sent it.
+    let missing = agent.stat("/no/such/file").await.unwrap_err();
+    assert_eq!(missing.code(), Some(airlock_proto::ErrorCode::NotFound), "{missing}");
+    // Without the node's token the call stops at the node.
+    let refused = remote.at(&format!("http://node/vms/{}/agent", sb.id()), None);
+    assert!(matches!(
+        refused.health().await.unwrap_err(),
+        airlock_agent_client::AgentError::Api { status: 401, .. }
+    ));
+    rt.delete(sb.id()).await.unwrap();
+    assert_no_vms(tmp.path());
+}
