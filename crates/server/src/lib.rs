@@ -434,6 +434,7 @@ pub async fn serve(opts: ServeOptions) -> anyhow::Result<()> {
         };
         nodes
             .set_pool(template, &resources, *size)
+            .await
             .map_err(|e| anyhow::anyhow!("--warm-pool {template}={size}: {e}"))?;
         tracing::info!("warm pool: {size} VMs of {template}");
     }

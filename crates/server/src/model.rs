@@ -285,7 +285,7 @@ pub struct Sandbox {
 }
 
 /// What a boot settled.
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct Booted {
     pub template_digest: String,
     pub accel: String,

@@ -19,6 +19,9 @@ mod egress;
 mod quotas;
 #[path = "core/recovery.rs"]
 mod recovery;
+// The core over a node's HTTP face (issue 25).
+#[path = "core/remote.rs"]
+mod remote;
 
 use airlock_runtime::fake;
 use airlock_runtime::vmm::pid_alive;

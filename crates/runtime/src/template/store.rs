@@ -78,6 +78,19 @@ pub fn parse_reference(reference: &str) -> Result<(String, Option<String>)> {
     Ok((name.to_string(), None))
 }
 
+/// The manifest `reference` names among `manifests`, as [`TemplateStore::resolve`] finds it:
+/// for a caller that holds a node's manifests but not its store.
+pub fn find_manifest(manifests: &[TemplateManifest], reference: &str) -> Option<TemplateManifest> {
+    let (name, digest) = parse_reference(reference).ok()?;
+    manifests
+        .iter()
+        .find(|m| match &digest {
+            None => m.name == name,
+            Some(hex) => m.digest.trim_start_matches("sha256:").starts_with(hex.as_str()),
+        })
+        .cloned()
+}
+
 impl TemplateStore {
     pub fn new(data: DataDir) -> Self {
         Self { data }

@@ -428,7 +428,7 @@ impl Core {
                 memory_mib: spec.and_then(|r| r.memory_mib).unwrap_or(defaults.memory_mib),
                 disk_mib: spec.and_then(|r| r.disk_mib).unwrap_or(defaults.disk_mib),
             };
-            self.nodes.set_pool(&template.name, &resources, req.size)?;
+            self.nodes.set_pool(&template.name, &resources, req.size).await?;
             self.pools()
                 .into_iter()
                 .find(|p| p.template == template.name && p.size == req.size)

@@ -267,7 +267,7 @@ impl Core {
         crate::model::SystemInfo {
             version: env!("CARGO_PKG_VERSION").into(),
             accel: self.nodes.accel().await,
-            runtimes: vec![self.nodes.runtime_name().into()],
+            runtimes: vec![self.nodes.runtime_name()],
             capacity: node_wide.then_some(crate::model::Capacity {
                 cpus: capacity.cpus,
                 memory_mib: capacity.memory_mib,

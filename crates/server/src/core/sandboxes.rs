@@ -237,7 +237,7 @@ impl Core {
                 (None, None) => unreachable!("a create without a snapshot resolved its template"),
             },
             template_digest: template.as_ref().map(|t| t.digest.clone()).unwrap_or_default(),
-            runtime: runtime.into(),
+            runtime,
             accel: self.nodes.accel().await,
             resources,
             env: req.env,
@@ -254,7 +254,7 @@ impl Core {
         // sandbox's. A create that does not go ahead gives it back.
         let mut row = row;
         let pooled = match row.image_id {
-            None => self.nodes.claim(&row.template, &row.resources),
+            None => self.nodes.claim(&row.template, &row.resources).await,
             Some(_) => None,
         };
         if let Some(id) = &pooled {

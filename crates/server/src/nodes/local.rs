@@ -36,8 +36,8 @@ impl LocalNode {
 
 #[async_trait]
 impl Nodes for LocalNode {
-    fn runtime_name(&self) -> &'static str {
-        self.runtime.runtime_name()
+    fn runtime_name(&self) -> String {
+        self.runtime.runtime_name().into()
     }
 
     async fn accel(&self) -> String {
@@ -132,7 +132,7 @@ impl Nodes for LocalNode {
         self.runtime.images()
     }
 
-    fn claim(&self, template: &str, r: &Resources) -> Option<String> {
+    async fn claim(&self, template: &str, r: &Resources) -> Option<String> {
         self.runtime.claim(template, *r)
     }
 
@@ -140,7 +140,7 @@ impl Nodes for LocalNode {
         self.runtime.unclaim(id)
     }
 
-    fn set_pool(&self, template: &str, r: &Resources, size: usize) -> Result<(), NodeError> {
+    async fn set_pool(&self, template: &str, r: &Resources, size: usize) -> Result<(), NodeError> {
         self.runtime.set_pool(template, *r, size)?;
         Ok(())
     }

@@ -1,12 +1,17 @@
 //! The node seam: everything that touches a VM (create, delete, pause, resume, agent calls, port
-//! tunnels) goes through `Nodes`. `LocalNode` runs VMs on this host with the runtime; a remote
-//! implementation (many hosts) will sit behind the same trait.
+//! tunnels) goes through `Nodes`. `LocalNode` runs VMs on this host with the runtime;
+//! `serve::router` is a node's HTTP face over any `Nodes`, and `RemoteNode` the same trait
+//! over that face, from another host (`wire.rs`: its messages and tokens).
 
 mod error;
 mod local;
+mod remote;
+pub mod serve;
+pub mod wire;
 
 pub use error::NodeError;
 pub use local::LocalNode;
+pub use remote::RemoteNode;
 
 pub use crate::model::PoolInfo;
 use airlock_agent_client::AgentClient;
@@ -16,7 +21,8 @@ use async_trait::async_trait;
 use tokio::sync::broadcast;
 
 /// What a node knows of a sandbox's VM right now.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "snake_case")]
 pub enum VmState {
     Running,
     Paused,
@@ -30,7 +36,7 @@ pub use crate::model::Booted;
 
 /// A VM a node is asked to start: the sandbox's id and what it starts from. Its own type, not
 /// the store's record, so a node on another host gets only this.
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
 pub struct VmRequest {
     pub id: String,
     pub template: String,
@@ -41,7 +47,7 @@ pub struct VmRequest {
 }
 
 /// What a node has, before the operator's overcommit and reserves (`core::Config::budget`).
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone, Copy, serde::Serialize, serde::Deserialize)]
 pub struct Capacity {
     pub cpus: u32,
     pub memory_mib: u64,
@@ -57,7 +63,7 @@ pub struct Capacity {
 #[async_trait]
 pub trait Nodes: Send + Sync {
     /// The VMM sandboxes run on (`qemu`).
-    fn runtime_name(&self) -> &'static str;
+    fn runtime_name(&self) -> String;
     /// `kvm` or `tcg`.
     async fn accel(&self) -> String;
     /// The node's built templates.
@@ -82,11 +88,11 @@ pub trait Nodes: Send + Sync {
     fn image_ids(&self) -> Vec<String>;
     /// A warm pool VM of `template` with `resources` for a create: its id becomes the
     /// sandbox's, and `create` with that id hands it out. None when the pool is empty or absent.
-    fn claim(&self, template: &str, resources: &Resources) -> Option<String>;
+    async fn claim(&self, template: &str, resources: &Resources) -> Option<String>;
     /// Give back a VM `claim` returned, for a create that did not go ahead.
     fn unclaim(&self, id: &str);
     /// Keep `size` VMs of `template` with `resources` ready.
-    fn set_pool(&self, template: &str, resources: &Resources, size: usize) -> Result<(), NodeError>;
+    async fn set_pool(&self, template: &str, resources: &Resources, size: usize) -> Result<(), NodeError>;
     /// The node's warm pools.
     fn pools(&self) -> Vec<PoolInfo>;
     /// Run a paused VM again, or start a suspended one from its saved state.

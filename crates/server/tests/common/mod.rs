@@ -27,6 +27,8 @@ use std::time::{Duration, Instant};
 
 /// The same secret every life: access tokens issued before a restart stay valid.
 pub const SECRET: [u8; 32] = [7; 32];
+/// The cluster secret a test node face and its `RemoteNode` share.
+pub const NODE_SECRET: &[u8] = b"test cluster secret";
 
 // ---------------------------------------------------------------------------------------------
 // An in-process server
@@ -45,6 +47,8 @@ pub struct Server {
     pub watchers: Arc<Watchers>,
     /// The data dir, when this server made its own (`start_fresh`).
     pub tmp: Option<tempfile::TempDir>,
+    /// The node's HTTP face, when the core reaches its node through it.
+    pub node_face: Option<SocketAddr>,
 }
 
 /// A fresh data dir with the `seed` template.
@@ -108,7 +112,8 @@ impl Server {
             max_sandboxes_per_tenant: 8,
             ..Config::default()
         };
-        let mut server = Self::start_listening(tmp.path(), 8, None, Duration::ZERO, ROOMY, config, None, limits).await;
+        let mut server =
+            Self::start_listening(tmp.path(), 8, None, Duration::ZERO, ROOMY, config, None, limits, false).await;
         server.tmp = Some(tmp);
         server
     }
@@ -129,7 +134,36 @@ impl Server {
         config: Config,
         hold: Option<Arc<Hold>>,
     ) -> Server {
-        Self::start_listening(dir, max, key, create_delay, capacity, config, hold, Limits::default()).await
+        Self::start_listening(
+            dir,
+            max,
+            key,
+            create_delay,
+            capacity,
+            config,
+            hold,
+            Limits::default(),
+            false,
+        )
+        .await
+    }
+
+    /// `start`, with the node on the far side of its HTTP face: the core holds a `RemoteNode`
+    /// that calls the node's face (`nodes::serve`) over loopback, as an API replica calls a node
+    /// on another host.
+    pub async fn start_over_node_face(dir: &Path) -> Server {
+        Self::start_listening(
+            dir,
+            4,
+            None,
+            Duration::ZERO,
+            ROOMY,
+            Config::default(),
+            None,
+            Limits::default(),
+            true,
+        )
+        .await
     }
 
     // The one place every test server's knobs meet; the public constructors name them.
@@ -143,6 +177,7 @@ impl Server {
         config: Config,
         hold: Option<Arc<Hold>>,
         limits: Limits,
+        over_node_face: bool,
     ) -> Server {
         let tokio_rt = tokio::runtime::Builder::new_multi_thread()
             .worker_threads(2)
@@ -152,7 +187,7 @@ impl Server {
             .unwrap();
         let d = dir.to_path_buf();
         let known_key = key.map(String::from);
-        let (addr, key, core, runtime, watchers) = tokio_rt
+        let (addr, key, core, runtime, watchers, node_face) = tokio_rt
             .spawn(async move {
                 let background = hold.is_some();
                 let runtime = open_runtime(&d, background).await;
@@ -162,13 +197,26 @@ impl Server {
                     .unwrap();
                 let key = known_key.or(minted).expect("an admin key");
                 let local: Arc<dyn Nodes> = Arc::new(LocalNode::new(runtime.clone()));
-                let nodes: Arc<dyn Nodes> = Arc::new(TestNode {
+                let mut nodes: Arc<dyn Nodes> = Arc::new(TestNode {
                     inner: local,
                     create_delay,
                     capacity,
                     hold: hold.unwrap_or_default(),
                     images: FakeImages::under(&d),
                 });
+                let mut node_face = None;
+                if over_node_face {
+                    let face = airlock_server::nodes::serve::router(nodes, NODE_SECRET);
+                    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+                    let face_addr = listener.local_addr().unwrap();
+                    node_face = Some(face_addr);
+                    tokio::spawn(airlock_server::listen::serve(listener, face, None, Limits::default()));
+                    nodes = Arc::new(
+                        airlock_server::nodes::RemoteNode::connect(face_addr, NODE_SECRET)
+                            .await
+                            .unwrap(),
+                    );
+                }
                 let core = Core::new(
                     Arc::new(store),
                     nodes,
@@ -194,7 +242,7 @@ impl Server {
                 let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
                 let addr = listener.local_addr().unwrap();
                 tokio::spawn(airlock_server::listen::serve(listener, app, None, limits));
-                (addr, key, core, runtime, watchers)
+                (addr, key, core, runtime, watchers, node_face)
             })
             .await
             .unwrap();
@@ -208,6 +256,7 @@ impl Server {
             tokio: Some(tokio_rt),
             watchers,
             tmp: None,
+            node_face,
         }
     }
 
@@ -638,7 +687,7 @@ impl Hold {
 
 #[async_trait::async_trait]
 impl Nodes for TestNode {
-    fn runtime_name(&self) -> &'static str {
+    fn runtime_name(&self) -> String {
         self.inner.runtime_name()
     }
     async fn accel(&self) -> String {
@@ -684,19 +733,19 @@ impl Nodes for TestNode {
     fn image_ids(&self) -> Vec<String> {
         self.inner.image_ids()
     }
-    fn claim(&self, template: &str, r: &airlock_server::model::Resources) -> Option<String> {
-        self.inner.claim(template, r)
+    async fn claim(&self, template: &str, r: &airlock_server::model::Resources) -> Option<String> {
+        self.inner.claim(template, r).await
     }
     fn unclaim(&self, id: &str) {
         self.inner.unclaim(id)
     }
-    fn set_pool(
+    async fn set_pool(
         &self,
         template: &str,
         r: &airlock_server::model::Resources,
         size: usize,
     ) -> Result<(), airlock_server::core::NodeError> {
-        self.inner.set_pool(template, r, size)
+        self.inner.set_pool(template, r, size).await
     }
     fn pools(&self) -> Vec<airlock_server::model::PoolInfo> {
         self.inner.pools()

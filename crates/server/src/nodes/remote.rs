@@ -1,0 +1,418 @@
+//! `RemoteNode`: `Nodes` over another host's node face (`serve.rs`, routes in `wire.rs`).
+//!
+//! Lifecycle calls are calls to the node. `Nodes`' synchronous questions (its templates, pools,
+//! VMs' states, capacity) are answered from the node's last report, fetched every
+//! [`REPORT_EVERY`] and after every change this side asks for: a caller's view of a node is
+//! always a little stale, and the node admits on its own. Exits arrive on a long-lived stream.
+//! Agent calls go to the node's agent route over one HTTP/2 connection, which the node passes on.
+
+use super::wire::{
+    self, ClaimRequest, Claimed, Digest, ErrorReply, NodeReport, PoolSize, RemoteFailure, Saved, Took, PREFIX,
+};
+use super::{Booted, Capacity, NodeError, Nodes, PoolInfo, VmRequest, VmState};
+use airlock_agent_client::AgentClient;
+use airlock_runtime::template::TemplateManifest;
+use airlock_runtime::Resources;
+use async_trait::async_trait;
+use bytes::Bytes;
+use http_body_util::{BodyExt, Full};
+use hyper::{Method, Request};
+use hyper_util::client::legacy::{connect::HttpConnector, Client};
+use serde::de::DeserializeOwned;
+use serde::Serialize;
+use std::net::SocketAddr;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+use tokio::sync::broadcast;
+
+/// How often the node's report is fetched besides after each change.
+pub const REPORT_EVERY: Duration = Duration::from_secs(1);
+/// The longest a lifecycle call may take (a create restores or boots a VM; a suspend writes its
+/// memory to disk), and a report.
+const CALL_LIMIT: Duration = Duration::from_secs(600);
+const REPORT_LIMIT: Duration = Duration::from_secs(30);
+/// Largest reply read from a node (a report lists every VM and template it has).
+const REPLY_MAX: usize = 16 << 20;
+
+pub struct RemoteNode {
+    inner: Arc<Inner>,
+    /// The report refresher and the exits reader, ended with this value.
+    tasks: Vec<tokio::task::AbortHandle>,
+}
+
+struct Inner {
+    addr: SocketAddr,
+    secret: Arc<[u8]>,
+    http: Client<HttpConnector, Full<Bytes>>,
+    report: Mutex<NodeReport>,
+    exits: broadcast::Sender<String>,
+    /// The HTTP/2 connection agent calls share; made again once it closes.
+    agent: tokio::sync::Mutex<Option<AgentClient>>,
+}
+
+impl Drop for RemoteNode {
+    fn drop(&mut self) {
+        for t in &self.tasks {
+            t.abort();
+        }
+    }
+}
+
+fn unreachable(addr: SocketAddr, what: &str, e: impl std::fmt::Display) -> NodeError {
+    NodeError::Failed(Box::new(RemoteFailure(format!("node {addr}: {what}: {e}"))))
+}
+
+impl Inner {
+    fn url(&self, path: &str) -> String {
+        format!("http://{}{PREFIX}{path}", self.addr)
+    }
+
+    /// One call; its JSON answer, or the node's error as the variant it sent.
+    async fn call<T: DeserializeOwned>(
+        &self,
+        method: Method,
+        path: &str,
+        body: Option<&impl Serialize>,
+        limit: Duration,
+    ) -> Result<T, NodeError> {
+        let what = format!("{method} {path}");
+        let body = body.map_or_else(Bytes::new, |b| {
+            Bytes::from(serde_json::to_vec(b).expect("serializable"))
+        });
+        let req = Request::builder()
+            .method(method)
+            .uri(self.url(path))
+            .header(hyper::header::AUTHORIZATION, wire::token(&self.secret, wire::TOKEN_TTL))
+            .header(hyper::header::CONTENT_TYPE, "application/json")
+            .body(Full::new(body))
+            .expect("valid request");
+        let exchange = async {
+            let resp = self
+                .http
+                .request(req)
+                .await
+                .map_err(|e| unreachable(self.addr, &what, e))?;
+            let status = resp.status();
+            let bytes = http_body_util::Limited::new(resp.into_body(), REPLY_MAX)
+                .collect()
+                .await
+                .map_err(|e| unreachable(self.addr, &what, e))?
+                .to_bytes();
+            if status.is_success() {
+                serde_json::from_slice(&bytes).map_err(|e| unreachable(self.addr, &what, e))
+            } else {
+                Err(match serde_json::from_slice::<ErrorReply>(&bytes) {
+                    Ok(reply) => reply.into_error(),
+                    Err(_) => unreachable(self.addr, &what, format!("{status}")),
+                })
+            }
+        };
+        tokio::time::timeout(limit, exchange)
+            .await
+            .map_err(|_| unreachable(self.addr, &what, format!("no answer within {limit:?}")))?
+    }
+
+    async fn refresh(&self) -> Result<(), NodeError> {
+        let report: NodeReport = self.call(Method::GET, "/report", None::<&()>, REPORT_LIMIT).await?;
+        *self.report.lock().unwrap() = report;
+        Ok(())
+    }
+
+    /// A change went through: learn its effect now, not at the next periodic report.
+    async fn changed(&self) {
+        if let Err(e) = self.refresh().await {
+            tracing::warn!("node {}: report after a change: {e}", self.addr);
+        }
+    }
+
+    /// Read the node's exit stream, again after it ends, for as long as this node is held.
+    async fn follow_exits(self: Arc<Self>) {
+        loop {
+            if let Err(e) = self.read_exits().await {
+                tracing::debug!("node {}: exit stream: {e}", self.addr);
+            }
+            tokio::time::sleep(REPORT_EVERY).await;
+        }
+    }
+
+    async fn read_exits(&self) -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
+        let req = Request::builder()
+            .uri(self.url("/exits"))
+            .header(hyper::header::AUTHORIZATION, wire::token(&self.secret, wire::TOKEN_TTL))
+            .body(Full::new(Bytes::new()))?;
+        let mut body = self.http.request(req).await?.into_body();
+        let mut line = Vec::new();
+        while let Some(frame) = body.frame().await {
+            if let Ok(data) = frame?.into_data() {
+                for &b in data.iter() {
+                    if b == b'\n' {
+                        let _ = self.exits.send(String::from_utf8_lossy(&line).into_owned());
+                        line.clear();
+                    } else if line.len() < 256 {
+                        line.push(b);
+                    }
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+impl RemoteNode {
+    /// The node at `addr`, whose calls carry tokens of the cluster `secret`; fails when it does
+    /// not answer its first report.
+    pub async fn connect(addr: SocketAddr, secret: &[u8]) -> Result<Self, NodeError> {
+        let http = Client::builder(hyper_util::rt::TokioExecutor::new())
+            .http2_only(true)
+            .build_http();
+        let inner = Arc::new(Inner {
+            addr,
+            secret: Arc::from(secret),
+            http,
+            report: Mutex::new(NodeReport {
+                runtime_name: String::new(),
+                accel: String::new(),
+                capacity: Capacity {
+                    cpus: 0,
+                    memory_mib: 0,
+                    sandboxes_running: 0,
+                    disk_free_mib: 0,
+                    disk_held_mib: 0,
+                },
+                templates: Vec::new(),
+                pools: Vec::new(),
+                vms: Vec::new(),
+                images: Vec::new(),
+            }),
+            exits: broadcast::channel(1024).0,
+            agent: tokio::sync::Mutex::new(None),
+        });
+        inner.refresh().await?;
+        let refresher = {
+            let inner = Arc::downgrade(&inner);
+            tokio::spawn(async move {
+                loop {
+                    tokio::time::sleep(REPORT_EVERY).await;
+                    let Some(inner) = inner.upgrade() else { return };
+                    if let Err(e) = inner.refresh().await {
+                        tracing::debug!("node {}: report: {e}", inner.addr);
+                    }
+                }
+            })
+        };
+        let exits = tokio::spawn(inner.clone().follow_exits());
+        Ok(RemoteNode {
+            inner,
+            tasks: vec![refresher.abort_handle(), exits.abort_handle()],
+        })
+    }
+
+    fn report<T>(&self, f: impl FnOnce(&NodeReport) -> T) -> T {
+        f(&self.inner.report.lock().unwrap())
+    }
+}
+
+#[async_trait]
+impl Nodes for RemoteNode {
+    fn runtime_name(&self) -> String {
+        self.report(|r| r.runtime_name.clone())
+    }
+
+    async fn accel(&self) -> String {
+        self.report(|r| r.accel.clone())
+    }
+
+    fn templates(&self) -> Vec<TemplateManifest> {
+        self.report(|r| r.templates.clone())
+    }
+
+    fn template(&self, reference: &str) -> Option<TemplateManifest> {
+        self.report(|r| airlock_runtime::template::find_manifest(&r.templates, reference))
+    }
+
+    async fn create(&self, vm: &VmRequest) -> Result<Booted, NodeError> {
+        let booted = self.inner.call(Method::POST, "/vms", Some(vm), CALL_LIMIT).await;
+        self.inner.changed().await;
+        booted
+    }
+
+    async fn delete(&self, id: &str) -> Result<(), NodeError> {
+        let done = self
+            .inner
+            .call(Method::DELETE, &format!("/vms/{id}"), None::<&()>, CALL_LIMIT)
+            .await;
+        self.inner.changed().await;
+        done
+    }
+
+    async fn pause(&self, id: &str) -> Result<(), NodeError> {
+        let done = self
+            .inner
+            .call(Method::POST, &format!("/vms/{id}/pause"), None::<&()>, CALL_LIMIT)
+            .await;
+        self.inner.changed().await;
+        done
+    }
+
+    async fn suspend(&self, id: &str) -> Result<u64, NodeError> {
+        let took: Result<Took, _> = self
+            .inner
+            .call(Method::POST, &format!("/vms/{id}/suspend"), None::<&()>, CALL_LIMIT)
+            .await;
+        self.inner.changed().await;
+        Ok(took?.ms)
+    }
+
+    async fn save_image(&self, id: &str, image_id: &str) -> Result<u64, NodeError> {
+        let saved: Result<Saved, _> = self
+            .inner
+            .call(
+                Method::POST,
+                &format!("/vms/{id}/images/{image_id}"),
+                None::<&()>,
+                CALL_LIMIT,
+            )
+            .await;
+        self.inner.changed().await;
+        Ok(saved?.bytes)
+    }
+
+    async fn delete_image(&self, image_id: &str) -> Result<(), NodeError> {
+        let done = self
+            .inner
+            .call(Method::DELETE, &format!("/images/{image_id}"), None::<&()>, CALL_LIMIT)
+            .await;
+        self.inner.changed().await;
+        done
+    }
+
+    async fn digest_image(&self, image_id: &str) -> Result<String, NodeError> {
+        let d: Digest = self
+            .inner
+            .call(
+                Method::GET,
+                &format!("/images/{image_id}/digest"),
+                None::<&()>,
+                CALL_LIMIT,
+            )
+            .await?;
+        Ok(d.digest)
+    }
+
+    fn image_ids(&self) -> Vec<String> {
+        self.report(|r| r.images.clone())
+    }
+
+    async fn claim(&self, template: &str, resources: &Resources) -> Option<String> {
+        let req = ClaimRequest {
+            template: template.into(),
+            resources: *resources,
+        };
+        match self
+            .inner
+            .call::<Claimed>(Method::POST, "/claims", Some(&req), REPORT_LIMIT)
+            .await
+        {
+            Ok(c) => c.id,
+            // No pool VM then: the create boots or restores one of its own.
+            Err(e) => {
+                tracing::warn!("node {}: claim: {e}", self.inner.addr);
+                None
+            }
+        }
+    }
+
+    fn unclaim(&self, id: &str) {
+        let (inner, path) = (self.inner.clone(), format!("/claims/{id}"));
+        tokio::spawn(async move {
+            if let Err(e) = inner.call::<()>(Method::DELETE, &path, None::<&()>, REPORT_LIMIT).await {
+                tracing::warn!("node {}: unclaim: {e}", inner.addr);
+            }
+        });
+    }
+
+    async fn set_pool(&self, template: &str, resources: &Resources, size: usize) -> Result<(), NodeError> {
+        let req = PoolSize {
+            template: template.into(),
+            resources: *resources,
+            size,
+        };
+        let done = self.inner.call(Method::PUT, "/pools", Some(&req), REPORT_LIMIT).await;
+        self.inner.changed().await;
+        done
+    }
+
+    fn pools(&self) -> Vec<PoolInfo> {
+        self.report(|r| r.pools.clone())
+    }
+
+    async fn resume(&self, id: &str) -> Result<(), NodeError> {
+        let done = self
+            .inner
+            .call(Method::POST, &format!("/vms/{id}/resume"), None::<&()>, CALL_LIMIT)
+            .await;
+        self.inner.changed().await;
+        done
+    }
+
+    fn vm_state(&self, id: &str) -> VmState {
+        self.report(|r| r.vms.iter().find(|(vm, _)| vm == id).map_or(VmState::Gone, |(_, s)| *s))
+    }
+
+    async fn settled(&self, id: &str) {
+        let path = format!("/vms/{id}/settled");
+        if let Err(e) = self
+            .inner
+            .call::<()>(Method::POST, &path, None::<&()>, CALL_LIMIT)
+            .await
+        {
+            tracing::warn!("node {}: settled: {e}", self.inner.addr);
+        }
+        self.inner.changed().await;
+    }
+
+    async fn settled_all(&self) {
+        if let Err(e) = self
+            .inner
+            .call::<()>(Method::POST, "/settled", None::<&()>, CALL_LIMIT)
+            .await
+        {
+            tracing::warn!("node {}: settled: {e}", self.inner.addr);
+        }
+        self.inner.changed().await;
+    }
+
+    fn vm_ids(&self) -> Vec<String> {
+        self.report(|r| r.vms.iter().map(|(id, _)| id.clone()).collect())
+    }
+
+    async fn agent(&self, id: &str) -> Result<AgentClient, NodeError> {
+        let mut conn = self.inner.agent.lock().await;
+        let root = match conn.as_ref().filter(|c| !c.is_closed()) {
+            Some(c) => c.clone(),
+            None => {
+                let addr = self.inner.addr;
+                let stream = tokio::net::TcpStream::connect(addr)
+                    .await
+                    .map_err(|e| unreachable(addr, "agent connection", e))?;
+                let _ = stream.set_nodelay(true);
+                let c = AgentClient::handshake(stream)
+                    .await
+                    .map_err(|e| unreachable(addr, "agent connection", e))?;
+                *conn = Some(c.clone());
+                c
+            }
+        };
+        let token = hyper::header::HeaderValue::from_str(&wire::token(&self.inner.secret, wire::TOKEN_TTL))
+            .expect("a token is ASCII");
+        Ok(root.at(&self.inner.url(&format!("/vms/{id}/agent")), Some(token)))
+    }
+
+    fn exits(&self) -> broadcast::Receiver<String> {
+        self.inner.exits.subscribe()
+    }
+
+    fn capacity(&self) -> Capacity {
+        self.report(|r| r.capacity)
+    }
+}

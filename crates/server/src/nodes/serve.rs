@@ -1,0 +1,207 @@
+//! A node's HTTP face (the routes in `wire.rs`) over the node's own `Nodes`: what `RemoteNode`
+//! calls from another host. Every call needs a valid token of the cluster secret; the agent
+//! route passes only calls of the agent's protocol (parsed as an `airlock_proto::routes::Route`)
+//! on to the VM's agent.
+
+use super::wire::{ClaimRequest, Claimed, Digest, ErrorReply, NodeReport, PoolSize, Saved, Took, VmRequest, PREFIX};
+use super::{NodeError, Nodes};
+use axum::body::Body;
+use axum::extract::{OriginalUri, Path, Request, State};
+use axum::http::StatusCode;
+use axum::response::{IntoResponse, Response};
+use axum::routing::{any, delete, get, post, put};
+use axum::{Json, Router};
+use http_body_util::BodyExt;
+use std::sync::Arc;
+
+#[derive(Clone)]
+struct Face {
+    nodes: Arc<dyn Nodes>,
+    secret: Arc<[u8]>,
+}
+
+/// A `NodeError` as the wire carries it.
+struct Failure(NodeError);
+
+impl From<NodeError> for Failure {
+    fn from(e: NodeError) -> Self {
+        Failure(e)
+    }
+}
+
+impl IntoResponse for Failure {
+    fn into_response(self) -> Response {
+        let status = StatusCode::from_u16(ErrorReply::status(&self.0)).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
+        (status, Json(ErrorReply::of(&self.0))).into_response()
+    }
+}
+
+type Reply<T> = Result<Json<T>, Failure>;
+
+fn refused(status: StatusCode, code: &str, message: &str) -> Response {
+    let body = ErrorReply {
+        code: code.into(),
+        message: message.into(),
+    };
+    (status, Json(body)).into_response()
+}
+
+/// The node's face over `nodes`, every route needing a token of `secret`.
+pub fn router(nodes: Arc<dyn Nodes>, secret: &[u8]) -> Router {
+    let face = Face {
+        nodes,
+        secret: Arc::from(secret),
+    };
+    let routes = Router::new()
+        .route("/report", get(report))
+        .route("/vms", post(create))
+        .route("/vms/{id}", delete(remove))
+        .route("/vms/{id}/pause", post(pause))
+        .route("/vms/{id}/resume", post(resume))
+        .route("/vms/{id}/suspend", post(suspend))
+        .route("/vms/{id}/settled", post(settled))
+        .route("/settled", post(settled_all))
+        .route("/vms/{id}/images/{image}", post(save_image))
+        .route("/images/{image}", delete(delete_image))
+        .route("/images/{image}/digest", get(digest_image))
+        .route("/claims", post(claim))
+        .route("/claims/{id}", delete(unclaim))
+        .route("/pools", put(set_pool))
+        .route("/exits", get(exits))
+        .route("/vms/{id}/agent/{*route}", any(agent))
+        .layer(axum::middleware::from_fn_with_state(face.clone(), authorize))
+        .with_state(face);
+    Router::new().nest(PREFIX, routes)
+}
+
+async fn authorize(State(face): State<Face>, req: Request, next: axum::middleware::Next) -> Response {
+    let ok = req
+        .headers()
+        .get(axum::http::header::AUTHORIZATION)
+        .and_then(|v| v.to_str().ok())
+        .is_some_and(|v| super::wire::token_valid(&face.secret, v));
+    if !ok {
+        return refused(
+            StatusCode::UNAUTHORIZED,
+            "unauthorized",
+            "a valid node token is required",
+        );
+    }
+    next.run(req).await
+}
+
+async fn report(State(f): State<Face>) -> Json<NodeReport> {
+    let n = &f.nodes;
+    Json(NodeReport {
+        runtime_name: n.runtime_name(),
+        accel: n.accel().await,
+        capacity: n.capacity(),
+        templates: n.templates(),
+        pools: n.pools(),
+        vms: n.vm_ids().into_iter().map(|id| (id.clone(), n.vm_state(&id))).collect(),
+        images: n.image_ids(),
+    })
+}
+
+async fn create(State(f): State<Face>, Json(vm): Json<VmRequest>) -> Reply<super::Booted> {
+    Ok(Json(f.nodes.create(&vm).await?))
+}
+
+async fn remove(State(f): State<Face>, Path(id): Path<String>) -> Reply<()> {
+    Ok(Json(f.nodes.delete(&id).await?))
+}
+
+async fn pause(State(f): State<Face>, Path(id): Path<String>) -> Reply<()> {
+    Ok(Json(f.nodes.pause(&id).await?))
+}
+
+async fn resume(State(f): State<Face>, Path(id): Path<String>) -> Reply<()> {
+    Ok(Json(f.nodes.resume(&id).await?))
+}
+
+async fn suspend(State(f): State<Face>, Path(id): Path<String>) -> Reply<Took> {
+    Ok(Json(Took {
+        ms: f.nodes.suspend(&id).await?,
+    }))
+}
+
+async fn settled(State(f): State<Face>, Path(id): Path<String>) -> Json<()> {
+    f.nodes.settled(&id).await;
+    Json(())
+}
+
+async fn settled_all(State(f): State<Face>) -> Json<()> {
+    f.nodes.settled_all().await;
+    Json(())
+}
+
+async fn save_image(State(f): State<Face>, Path((id, image)): Path<(String, String)>) -> Reply<Saved> {
+    Ok(Json(Saved {
+        bytes: f.nodes.save_image(&id, &image).await?,
+    }))
+}
+
+async fn delete_image(State(f): State<Face>, Path(image): Path<String>) -> Reply<()> {
+    Ok(Json(f.nodes.delete_image(&image).await?))
+}
+
+async fn digest_image(State(f): State<Face>, Path(image): Path<String>) -> Reply<Digest> {
+    Ok(Json(Digest {
+        digest: f.nodes.digest_image(&image).await?,
+    }))
+}
+
+async fn claim(State(f): State<Face>, Json(c): Json<ClaimRequest>) -> Json<Claimed> {
+    Json(Claimed {
+        id: f.nodes.claim(&c.template, &c.resources).await,
+    })
+}
+
+async fn unclaim(State(f): State<Face>, Path(id): Path<String>) -> Json<()> {
+    f.nodes.unclaim(&id);
+    Json(())
+}
+
+async fn set_pool(State(f): State<Face>, Json(p): Json<PoolSize>) -> Reply<()> {
+    Ok(Json(f.nodes.set_pool(&p.template, &p.resources, p.size).await?))
+}
+
+/// The ids of VMs that exit from now on, a line each, for as long as the caller reads.
+async fn exits(State(f): State<Face>) -> Response {
+    let lines = futures_util::stream::unfold(f.nodes.exits(), |mut rx| async move {
+        loop {
+            match rx.recv().await {
+                Ok(id) => return Some((Ok::<_, std::io::Error>(format!("{id}\n")), rx)),
+                // A caller that fell behind lost some: it learns them from its next report.
+                Err(tokio::sync::broadcast::error::RecvError::Lagged(_)) => continue,
+                Err(tokio::sync::broadcast::error::RecvError::Closed) => return None,
+            }
+        }
+    });
+    Body::from_stream(lines).into_response()
+}
+
+/// One call of the agent's protocol, passed to the VM's agent and its answer passed back.
+async fn agent(
+    State(f): State<Face>,
+    Path((id, _)): Path<(String, String)>,
+    OriginalUri(uri): OriginalUri,
+    req: Request,
+) -> Response {
+    // The path as sent (percent-encoded, as the agent parses it), less the node's part.
+    let prefix = format!("{PREFIX}/vms/{id}/agent");
+    let path = uri.path().strip_prefix(prefix.as_str()).unwrap_or("/");
+    let route = match airlock_proto::routes::Route::parse(req.method().as_str(), path, uri.query()) {
+        Ok(r) => r,
+        Err(e) => return refused(StatusCode::NOT_FOUND, "not_found", &e.to_string()),
+    };
+    let client = match f.nodes.agent(&id).await {
+        Ok(c) => c,
+        Err(e) => return Failure(e).into_response(),
+    };
+    let body = req.into_body().map_err(std::io::Error::other).boxed_unsync();
+    match client.forward(&route, body).await {
+        Ok(resp) => resp.map(Body::new),
+        Err(e) => refused(StatusCode::BAD_GATEWAY, "agent_unreachable", &e.to_string()),
+    }
+}

@@ -1,0 +1,206 @@
+//! A node's HTTP face, stated once: its routes (under [`PREFIX`]), their messages, how a
+//! `NodeError` travels, and the short-lived tokens that every call carries.
+//!
+//! Routes (JSON bodies; an error is [`ErrorReply`] with a 4xx/5xx status):
+//! - `GET  /report` -> [`NodeReport`]: what the node has now (a caller's cache of it)
+//! - `POST /vms` [`VmRequest`] -> `Booted`; `DELETE /vms/{id}`
+//! - `POST /vms/{id}/pause|resume` -> `{}`; `POST /vms/{id}/suspend` -> [`Took`]
+//! - `POST /vms/{id}/settled`, `POST /settled` -> `{}` once known (after a node restart)
+//! - `POST /vms/{id}/images/{image}` -> [`Saved`]; `DELETE /images/{image}`;
+//!   `GET /images/{image}/digest` -> [`Digest`]
+//! - `POST /claims` [`ClaimRequest`] -> [`Claimed`]; `DELETE /claims/{id}`; `PUT /pools` [`PoolSize`]
+//! - `GET /exits` -> a stream of lines, one id each: VMs that exited on their own
+//! - any method `/vms/{id}/agent/<agent route>` -> the agent's own answer, passed through
+//!
+//! A token is `<expiry unix s>.<hex HMAC-SHA256(cluster secret, "airlock-node/v1:" + expiry)>`
+//! as `Authorization: Bearer`: minted per call by the caller, valid until its expiry and never
+//! for longer than [`TOKEN_TTL`] from now, so a leaked one soon ends.
+
+use super::{Capacity, NodeError, PoolInfo, VmState};
+use airlock_runtime::template::TemplateManifest;
+use airlock_runtime::Resources;
+use hmac::Mac;
+use serde::{Deserialize, Serialize};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+pub use super::VmRequest;
+
+/// Every route of the node's face is under it.
+pub const PREFIX: &str = "/node/v1";
+/// The longest a token may be valid for.
+pub const TOKEN_TTL: Duration = Duration::from_secs(300);
+const TOKEN_LABEL: &[u8] = b"airlock-node/v1:";
+
+/// What a node has now: the caller answers `Nodes`' synchronous questions from it.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct NodeReport {
+    pub runtime_name: String,
+    pub accel: String,
+    pub capacity: Capacity,
+    pub templates: Vec<TemplateManifest>,
+    pub pools: Vec<PoolInfo>,
+    /// Every VM the node has (live, paused, suspended), with its state.
+    pub vms: Vec<(String, VmState)>,
+    pub images: Vec<String>,
+}
+
+#[derive(Debug, Serialize, Deserialize)]
+pub struct Took {
+    pub ms: u64,
+}
+
+#[derive(Debug, Serialize, Deserialize)]
+pub struct Saved {
+    pub bytes: u64,
+}
+
+#[derive(Debug, Serialize, Deserialize)]
+pub struct Digest {
+    pub digest: String,
+}
+
+#[derive(Debug, Serialize, Deserialize)]
+pub struct ClaimRequest {
+    pub template: String,
+    pub resources: Resources,
+}
+
+#[derive(Debug, Serialize, Deserialize)]
+pub struct Claimed {
+    pub id: Option<String>,
+}
+
+#[derive(Debug, Serialize, Deserialize)]
+pub struct PoolSize {
+    pub template: String,
+    pub resources: Resources,
+    pub size: usize,
+}
+
+/// A `NodeError` on the wire: `code` names the variant, `message` is its text.
+#[derive(Debug, Serialize, Deserialize)]
+pub struct ErrorReply {
+    pub code: String,
+    pub message: String,
+}
+
+/// A failure a node reported, as its message (the node's own error stays there).
+#[derive(Debug, thiserror::Error)]
+#[error("{0}")]
+pub struct RemoteFailure(pub String);
+
+impl ErrorReply {
+    pub fn status(e: &NodeError) -> u16 {
+        match e {
+            NodeError::UnknownTemplate(_) | NodeError::UnknownSandbox(_) | NodeError::UnknownImage(_) => 404,
+            NodeError::InvalidResources(_) | NodeError::InvalidSandboxId(_) => 422,
+            NodeError::SandboxIdTaken(_) | NodeError::NotRunning(_) => 409,
+            NodeError::Exhausted(_) => 503,
+            NodeError::BootFailed(_) | NodeError::Network(_) | NodeError::Failed(_) => 500,
+        }
+    }
+
+    pub fn of(e: &NodeError) -> Self {
+        let (code, arg) = match e {
+            NodeError::UnknownTemplate(a) => ("unknown_template", a.clone()),
+            NodeError::UnknownSandbox(a) => ("unknown_sandbox", a.clone()),
+            NodeError::UnknownImage(a) => ("unknown_image", a.clone()),
+            NodeError::InvalidResources(a) => ("invalid_resources", a.clone()),
+            NodeError::InvalidSandboxId(a) => ("invalid_sandbox_id", a.clone()),
+            NodeError::SandboxIdTaken(a) => ("sandbox_id_taken", a.clone()),
+            NodeError::NotRunning(a) => ("not_running", a.clone()),
+            NodeError::BootFailed(c) => ("boot_failed", c.to_string()),
+            NodeError::Exhausted(c) => ("exhausted", c.to_string()),
+            NodeError::Network(c) => ("network", c.to_string()),
+            NodeError::Failed(c) => ("failed", c.to_string()),
+        };
+        ErrorReply {
+            code: code.into(),
+            message: arg,
+        }
+    }
+
+    /// The variant back; an unknown code is a `Failed` with the message.
+    pub fn into_error(self) -> NodeError {
+        let cause = |m: String| -> super::error::Cause { Box::new(RemoteFailure(m)) };
+        match self.code.as_str() {
+            "unknown_template" => NodeError::UnknownTemplate(self.message),
+            "unknown_sandbox" => NodeError::UnknownSandbox(self.message),
+            "unknown_image" => NodeError::UnknownImage(self.message),
+            "invalid_resources" => NodeError::InvalidResources(self.message),
+            "invalid_sandbox_id" => NodeError::InvalidSandboxId(self.message),
+            "sandbox_id_taken" => NodeError::SandboxIdTaken(self.message),
+            "not_running" => NodeError::NotRunning(self.message),
+            "boot_failed" => NodeError::BootFailed(cause(self.message)),
+            "exhausted" => NodeError::Exhausted(cause(self.message)),
+            "network" => NodeError::Network(cause(self.message)),
+            _ => NodeError::Failed(cause(self.message)),
+        }
+    }
+}
+
+fn unix_now() -> u64 {
+    SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_secs())
+}
+
+fn mac(secret: &[u8], expiry: u64) -> hmac::Hmac<sha2::Sha256> {
+    let mut mac = hmac::Hmac::<sha2::Sha256>::new_from_slice(secret).expect("any key length");
+    mac.update(TOKEN_LABEL);
+    mac.update(expiry.to_string().as_bytes());
+    mac
+}
+
+/// A token valid for `ttl` (at most [`TOKEN_TTL`]), as an `Authorization` value.
+pub fn token(secret: &[u8], ttl: Duration) -> String {
+    let expiry = unix_now() + ttl.min(TOKEN_TTL).as_secs();
+    let tag = hex::encode(mac(secret, expiry).finalize().into_bytes());
+    format!("Bearer {expiry}.{tag}")
+}
+
+/// Whether `authorization` carries a token of `secret` that is valid now.
+pub fn token_valid(secret: &[u8], authorization: &str) -> bool {
+    let Some((expiry, tag)) = authorization.strip_prefix("Bearer ").and_then(|t| t.split_once('.')) else {
+        return false;
+    };
+    let (Ok(expiry), Ok(tag)) = (expiry.parse::<u64>(), hex::decode(tag)) else {
+        return false;
+    };
+    let now = unix_now();
+    expiry >= now && expiry <= now + TOKEN_TTL.as_secs() && mac(secret, expiry).verify_slice(&tag).is_ok()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn tokens_are_checked_by_secret_tag_and_expiry() {
+        let t = token(b"cluster secret", Duration::from_secs(60));
+        assert!(token_valid(b"cluster secret", &t));
+        assert!(!token_valid(b"another secret", &t));
+        let (expiry, tag) = t.strip_prefix("Bearer ").unwrap().split_once('.').unwrap();
+        let later: u64 = expiry.parse::<u64>().unwrap() + 1;
+        assert!(
+            !token_valid(b"cluster secret", &format!("Bearer {later}.{tag}")),
+            "a changed expiry"
+        );
+        // Expired, and one valid for longer than TOKEN_TTL, both refused though correctly signed.
+        for expiry in [unix_now() - 1, unix_now() + TOKEN_TTL.as_secs() + 60] {
+            let tag = hex::encode(mac(b"cluster secret", expiry).finalize().into_bytes());
+            assert!(!token_valid(b"cluster secret", &format!("Bearer {expiry}.{tag}")));
+        }
+        assert!(!token_valid(b"cluster secret", "Bearer nonsense"));
+    }
+
+    #[test]
+    fn node_errors_keep_their_variant_across_the_wire() {
+        let e = NodeError::NotRunning("sb1".into());
+        let back = ErrorReply::of(&e).into_error();
+        assert!(matches!(back, NodeError::NotRunning(ref id) if id == "sb1"));
+        let e = NodeError::Exhausted(Box::new(RemoteFailure("no link left".into())));
+        assert_eq!(ErrorReply::status(&e), 503);
+        let back = ErrorReply::of(&e).into_error();
+        assert!(matches!(back, NodeError::Exhausted(_)));
+        assert_eq!(back.to_string(), "no link left");
+    }
+}
