@@ -1,5 +1,5 @@
 //! The `airlock` binary's own checks, without a server or a VM: egress configuration at startup.
-//! (The admin commands go through the API: `tests/api.rs` runs them against its server.)
+//! (The admin commands go through the API: `tests/api/cli.rs` runs them on the api suite's server.)
 
 use std::process::{Command, Output, Stdio};
 use std::time::{Duration, Instant};

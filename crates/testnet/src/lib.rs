@@ -118,6 +118,27 @@ fn sweep_stale() {
     }
 }
 
+/// A veth pair from `host` (end `host_end`, address `host_addr`) to `eth0` in `peer` (address
+/// `peer_addr`), both ends up.
+fn veth(host: &Netns, host_end: &str, host_addr: &str, peer: &Netns, peer_addr: &str) -> io::Result<()> {
+    host.ip(&[
+        "link",
+        "add",
+        host_end,
+        "type",
+        "veth",
+        "peer",
+        "name",
+        "eth0",
+        "netns",
+        peer.name(),
+    ])?;
+    host.ip(&["addr", "add", host_addr, "dev", host_end])?;
+    host.ip(&["link", "set", "dev", host_end, "up"])?;
+    peer.ip(&["addr", "add", peer_addr, "dev", "eth0"])?;
+    peer.ip(&["link", "set", "dev", "eth0", "up"])
+}
+
 static SEQ: AtomicUsize = AtomicUsize::new(0);
 
 /// The three (or four) namespaces and their links. Drop removes them all.
@@ -152,41 +173,11 @@ impl TestNet {
 
     fn wire(&self) -> io::Result<()> {
         let (s, h, i) = (&self.sandbox, &self.host, &self.internet);
-        h.ip(&[
-            "link",
-            "add",
-            "gw0",
-            "type",
-            "veth",
-            "peer",
-            "name",
-            "eth0",
-            "netns",
-            s.name(),
-        ])?;
-        h.ip(&["addr", "add", "192.0.2.1/26", "dev", "gw0"])?;
-        h.ip(&["link", "set", "dev", "gw0", "up"])?;
-        s.ip(&["addr", "add", "192.0.2.2/26", "dev", "eth0"])?;
-        s.ip(&["link", "set", "dev", "eth0", "up"])?;
+        veth(h, "gw0", "192.0.2.1/26", s, "192.0.2.2/26")?;
         s.ip(&["route", "add", "default", "via", "192.0.2.1"])?;
 
-        h.ip(&[
-            "link",
-            "add",
-            "up0",
-            "type",
-            "veth",
-            "peer",
-            "name",
-            "eth0",
-            "netns",
-            i.name(),
-        ])?;
-        h.ip(&["addr", "add", "198.51.100.1/24", "dev", "up0"])?;
-        h.ip(&["link", "set", "dev", "up0", "up"])?;
+        veth(h, "up0", "198.51.100.1/24", i, "198.51.100.2/24")?;
         h.ip(&["route", "add", "203.0.113.0/24", "via", "198.51.100.2"])?;
-        i.ip(&["addr", "add", "198.51.100.2/24", "dev", "eth0"])?;
-        i.ip(&["link", "set", "dev", "eth0", "up"])?;
 
         // Every TCP connection from the sandbox goes to the proxy, as the plumbing does it.
         let rules = format!(
@@ -197,22 +188,7 @@ impl TestNet {
         h.exec(&["nft", &rules])?;
 
         if let Some(d) = &self.direct {
-            h.ip(&[
-                "link",
-                "add",
-                "dir0",
-                "type",
-                "veth",
-                "peer",
-                "name",
-                "eth0",
-                "netns",
-                d.name(),
-            ])?;
-            h.ip(&["addr", "add", "192.0.2.65/26", "dev", "dir0"])?;
-            h.ip(&["link", "set", "dev", "dir0", "up"])?;
-            d.ip(&["addr", "add", "192.0.2.66/26", "dev", "eth0"])?;
-            d.ip(&["link", "set", "dev", "eth0", "up"])?;
+            veth(h, "dir0", "192.0.2.65/26", d, "192.0.2.66/26")?;
             d.ip(&["route", "add", "default", "via", "192.0.2.65"])?;
             i.ip(&["route", "add", "192.0.2.64/26", "via", "198.51.100.1"])?;
             h.exec(&["sysctl", "-q", "-w", "net.ipv4.ip_forward=1"])?;

@@ -1,0 +1,359 @@
+//! Servers on data dirs of their own: a crash mid-create and the restart, a warm pool, the
+//! admission quota under concurrent creates.
+
+use super::*;
+
+/// Restart safety on a data dir of its own (the blobs are hard links: templates are immutable).
+/// A sandbox suspended before the crash resumes after it with its files and processes.
+pub(crate) fn server_killed_mid_create_recovers_and_reattaches() {
+    let data = own_data_dir("restart");
+
+    let mut s1 = Server::start(&data);
+    let running = s1.create(json!({ "template": "seed", "timeout": "30m" }));
+    let held = s1.create(json!({ "template": "seed", "timeout": "30m" }));
+    let (status, r) = s1.call(
+        "PUT",
+        &format!("/v1/sandboxes/{held}/files?path=/home/user/kept.txt"),
+        Some(json!("kept")),
+    );
+    assert!((200..300).contains(&status), "{r}");
+    let across = s1.session(&held, json!({ "argv": ["sh", "-c", "sleep 3; echo after-resume"] }));
+    let qemu_of = |id: &str| -> Option<u64> {
+        let vm: Value =
+            serde_json::from_slice(&std::fs::read(data.join("sandboxes").join(id).join("vm.json")).ok()?).ok()?;
+        vm["pid"]
+            .as_u64()
+            .filter(|pid| Path::new(&format!("/proc/{pid}/cmdline")).exists())
+    };
+    let held_qemu = qemu_of(&held).expect("its VM runs");
+    let sb = s1.change(&held, "suspend");
+    assert_eq!(sb["state"], "suspended", "{sb}");
+    assert!(
+        !Path::new(&format!("/proc/{held_qemu}")).exists(),
+        "a suspended sandbox's QEMU is gone"
+    );
+    let (status, err) = s1.call(
+        "POST",
+        &format!("/v1/sandboxes/{held}/sessions"),
+        Some(json!({ "argv": ["true"] })),
+    );
+    assert_eq!((status, err["code"].as_str()), (409, Some("invalid_state")), "{err}");
+    let (_, r) = s1.call(
+        "POST",
+        "/v1/sandboxes",
+        Some(json!({ "template": "seed", "timeout": "30m" })),
+    );
+    let op_id = r["operation"]["id"].as_str().unwrap().to_string();
+    std::thread::sleep(Duration::from_millis(1200));
+    s1.kill9();
+
+    let mut s2 = Server::start(&data);
+    let op = s2.wait_op(&op_id);
+    assert!(op["state"] == "succeeded" || op["state"] == "failed", "{op}");
+    if op["state"] == "failed" {
+        assert_eq!(op["error"]["code"], "interrupted");
+    }
+    // The list matches the VMs that really exist.
+    let (_, list) = s2.call("GET", "/v1/sandboxes?state=running", None);
+    let mut listed: Vec<String> = list["sandboxes"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|x| x["id"].as_str().unwrap().to_string())
+        .collect();
+    let mut vms: Vec<String> = std::fs::read_dir(data.join("sandboxes"))
+        .unwrap()
+        .flatten()
+        .filter(|e| {
+            let vm: Value = serde_json::from_slice(&std::fs::read(e.path().join("vm.json")).unwrap_or_default())
+                .unwrap_or(Value::Null);
+            vm["pid"]
+                .as_u64()
+                .is_some_and(|pid| Path::new(&format!("/proc/{pid}/cmdline")).exists())
+        })
+        .map(|e| e.file_name().to_string_lossy().to_string())
+        .collect();
+    listed.sort();
+    vms.sort();
+    assert_eq!(listed, vms);
+    assert!(listed.contains(&running), "the running sandbox survived the crash");
+
+    // The VM that ran before the crash is re-attached and usable.
+    let sid = s2.session(&running, json!({ "argv": ["echo", "after restart"] }));
+    assert_eq!(
+        decode(&s2.events(&running, &sid, None, None), "stdout"),
+        "after restart\n"
+    );
+    // The suspended one is still suspended, and resumes as it was: its file, and the command
+    // started before the suspend finishes after the resume, on the same session.
+    let (_, sb) = s2.call("GET", &format!("/v1/sandboxes/{held}"), None);
+    assert_eq!(sb["state"], "suspended", "{sb}");
+    let sb = s2.change(&held, "resume");
+    assert_eq!(sb["state"], "running", "{sb}");
+    assert_eq!(
+        decode(&s2.events(&held, &across, None, None), "stdout"),
+        "after-resume\n"
+    );
+    let (status, body) = s2.call(
+        "GET",
+        &format!("/v1/sandboxes/{held}/files?path=/home/user/kept.txt"),
+        None,
+    );
+    assert_eq!((status, body), (200, json!("kept")));
+    listed.push(held);
+    for id in listed {
+        s2.delete(&id);
+    }
+    s2.stop();
+    let _ = std::fs::remove_dir_all(&data);
+}
+
+/// A warm pool keeps VMs ready; a create claims one (`start.from: pool`), it is fresh (nothing a
+/// sandbox before it wrote), the pool refills, the admin resizes it, and a stopped server leaves
+/// no pool VM behind.
+pub(crate) fn warm_pool_claims_are_fresh_and_refilled() {
+    let data = own_data_dir("pool");
+    // A first start (no cached verdict) probes KVM with a VM before the egress side is up: a
+    // sealed one, which waits for nothing (it once waited a minute for the core, then failed).
+    std::fs::remove_file(data.join("accel.json")).unwrap();
+    let mut s = Server::start_with(&data, &["--warm-pool", "seed=2"]);
+    let log = std::fs::read_to_string(&s.log).unwrap();
+    assert!(log.contains("probed in") && !log.contains("not ready in time"), "{log}");
+    let pool = |s: &Server| {
+        let (_, system) = s.admin_call("GET", "/v1/admin/system", None);
+        system["pools"][0].clone()
+    };
+    let wait_ready = |s: &Server, n: u64| {
+        let deadline = Instant::now() + Duration::from_secs(180);
+        while pool(s)["ready"].as_u64() != Some(n) {
+            assert!(Instant::now() < deadline, "pool not at {n}: {}", pool(s));
+            std::thread::sleep(Duration::from_millis(200));
+        }
+    };
+    wait_ready(&s, 2);
+    assert_eq!(pool(&s)["template"], "seed");
+    let first = s.create(json!({ "template": "seed" }));
+    let (_, sb) = s.call("GET", &format!("/v1/sandboxes/{first}"), None);
+    assert_eq!(sb["start"]["from"], "pool", "{sb}");
+    let probe = |s: &Server, id: &str, script: &str| {
+        let sid = s.session(id, json!({ "argv": ["sh", "-c", script] }));
+        decode(&s.events(id, &sid, None, None), "stdout")
+    };
+    assert_eq!(probe(&s, &first, "hostname"), format!("{first}\n"));
+    assert_eq!(probe(&s, &first, "echo used > /home/user/used.txt; echo ok"), "ok\n");
+    s.delete(&first);
+    // Refilled; every later claim is a VM nobody used.
+    wait_ready(&s, 2);
+    let (a, b) = (
+        s.create(json!({ "template": "seed" })),
+        s.create(json!({ "template": "seed" })),
+    );
+    let mut seen = vec![first.clone()];
+    for id in [&a, &b] {
+        let (_, sb) = s.call("GET", &format!("/v1/sandboxes/{id}"), None);
+        assert_eq!(sb["start"]["from"], "pool", "{sb}");
+        assert_eq!(
+            probe(&s, id, "cat /home/user/used.txt 2>/dev/null || echo fresh"),
+            "fresh\n"
+        );
+        assert!(!seen.contains(id));
+        seen.push(id.to_string());
+    }
+    assert!(pool(&s)["hits"].as_u64().unwrap() >= 3, "{}", pool(&s));
+    // The admin empties it: its VMs go.
+    let login = json!({ "username": "root@local", "password": CONSOLE_PASSWORD });
+    let (status, signed_in) = s.call_with("POST", "/v1/admin/login", Some(login), None, &[]);
+    assert_eq!(status, 200, "{signed_in}");
+    let token = signed_in["token"].as_str().unwrap().to_string();
+    let (status, resized) = s.call_with(
+        "PUT",
+        "/v1/admin/pools",
+        Some(json!({ "template": "seed", "size": 0 })),
+        Some(&token),
+        &[],
+    );
+    assert_eq!(status, 200, "{resized}");
+    wait_ready(&s, 0);
+    let pool_vms = || {
+        std::fs::read_dir(data.join("sandboxes"))
+            .unwrap()
+            .flatten()
+            .filter(|e| e.path().join("pool.json").exists())
+            .count()
+    };
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while pool_vms() != 0 {
+        assert!(Instant::now() < deadline, "pool VMs left after the pool was emptied");
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    // Refilled again (by the CLI this time), then the server stops: its pool VMs go with it.
+    let set = s.cli_ok(&["pool", "set", "seed", "1"]);
+    assert_eq!(
+        (set["template"].as_str(), set["size"].as_u64()),
+        (Some("seed"), Some(1)),
+        "{set}"
+    );
+    let refused = s.cli(&["pool", "set", "no-such-template", "1"]);
+    assert!(!refused.status.success());
+    assert!(
+        String::from_utf8_lossy(&refused.stderr).contains("no-such-template"),
+        "{refused:?}"
+    );
+    wait_ready(&s, 1);
+    let listed = s.cli_ok(&["pool", "ls"]);
+    assert_eq!(
+        (listed[0]["template"].as_str(), listed[0]["ready"].as_u64()),
+        (Some("seed"), Some(1)),
+        "{listed}"
+    );
+    let (status, _) = s.call("GET", "/v1/admin/pools", None);
+    assert_eq!(status, 403, "a tenant's key lists no pools through the admin API");
+    for id in [&a, &b] {
+        s.delete(id);
+    }
+    s.stop();
+    assert_eq!(pool_vms(), 0, "a stopped server leaves no pool VM");
+    let _ = std::fs::remove_dir_all(&data);
+}
+
+/// A server on a data dir of its own; dropping it deletes what it holds, stops it, removes the dir.
+struct OwnServer {
+    s: Server,
+    data: PathBuf,
+}
+
+impl OwnServer {
+    /// The templates are hard links to the shared data dir's (templates are immutable).
+    fn start(suffix: &str, extra: &[&str]) -> OwnServer {
+        let data = PathBuf::from(format!("{}-{suffix}", test_data_dir().display()));
+        let _ = std::fs::remove_dir_all(&data);
+        std::fs::create_dir_all(&data).unwrap();
+        server(); // the shared data dir has the template built
+        let src = test_data_dir();
+        let ok = Command::new("cp")
+            .arg("-al")
+            .arg(src.join("blobs"))
+            .arg(src.join("templates"))
+            .arg(&data)
+            .status()
+            .unwrap();
+        assert!(ok.success());
+        let _ = std::fs::copy(src.join("accel.json"), data.join("accel.json"));
+        OwnServer {
+            s: Server::start_with(&data, extra),
+            data,
+        }
+    }
+}
+
+impl Drop for OwnServer {
+    fn drop(&mut self) {
+        let s = &self.s;
+        for q in ["limit=100", "state=failed&limit=100"] {
+            let (_, list) = s.call("GET", &format!("/v1/sandboxes?{q}"), None);
+            for sb in list["sandboxes"].as_array().into_iter().flatten() {
+                let (_, r) = s.call(
+                    "DELETE",
+                    &format!("/v1/sandboxes/{}", sb["id"].as_str().unwrap_or("")),
+                    None,
+                );
+                if let Some(op) = r["operation"]["id"].as_str() {
+                    let deadline = Instant::now() + Duration::from_secs(60);
+                    while Instant::now() < deadline {
+                        let (_, o) = s.call("GET", &format!("/v1/operations/{op}"), None);
+                        if o["state"] == "succeeded" || o["state"] == "failed" {
+                            break;
+                        }
+                        std::thread::sleep(Duration::from_millis(100));
+                    }
+                }
+            }
+        }
+        self.s.stop();
+        let _ = std::fs::remove_dir_all(&self.data);
+    }
+}
+
+/// `--max-sandboxes 2`, ten concurrent creates over both doors: exactly two are admitted; a VM
+/// that dies gives its slot back.
+pub(crate) fn quota_is_exact_under_concurrent_creates_over_both_doors() {
+    let own = OwnServer::start("quota", &["--max-sandboxes", "2"]);
+    let s = &own.s;
+    let barrier = std::sync::Barrier::new(10);
+    let started = Instant::now();
+    let results: Vec<(&str, u16, Value)> = std::thread::scope(|scope| {
+        let handles: Vec<_> = (0..10)
+            .map(|i| {
+                let barrier = &barrier;
+                scope.spawn(move || {
+                    barrier.wait();
+                    if i % 2 == 0 {
+                        let (st, r) = s.call(
+                            "POST",
+                            "/v1/sandboxes",
+                            Some(json!({ "template": "seed", "timeout": "5m" })),
+                        );
+                        ("native", st, r)
+                    } else {
+                        let (st, r) = s.call_with(
+                            "POST",
+                            "/sandboxes",
+                            Some(json!({ "templateID": "base", "timeout": 300 })),
+                            None,
+                            &[("X-API-KEY", &s.key)],
+                        );
+                        ("e2b", st, r)
+                    }
+                })
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    println!("ten concurrent creates answered within {:?}", started.elapsed());
+    let summary: Vec<String> = results.iter().map(|(d, st, r)| format!("{d} {st} {r}")).collect();
+    let summary = summary.join("\n");
+    for (door, st, r) in &results {
+        if *door == "native" && *st == 202 {
+            assert_eq!(
+                s.wait_op(r["operation"]["id"].as_str().unwrap())["state"],
+                "succeeded",
+                "{r}"
+            );
+        }
+    }
+    let admitted = results
+        .iter()
+        .filter(|(door, st, _)| (*door == "native" && *st == 202) || (*door == "e2b" && *st == 201))
+        .count();
+    let refused = results.iter().filter(|(_, st, _)| *st == 429).count();
+    let by_door: Vec<String> = results.iter().map(|(d, st, _)| format!("{d} {st}")).collect();
+    println!("answers: {}", by_door.join(", "));
+    assert_eq!((admitted, refused), (2, 8), "{summary}");
+    for (door, _, r) in results.iter().filter(|(_, st, _)| *st == 429) {
+        let code = if *door == "native" {
+            json!("quota_exceeded")
+        } else {
+            json!(429)
+        };
+        assert_eq!(r["code"], code, "{door}: {r}");
+    }
+    let (_, list) = s.call("GET", "/v1/sandboxes?limit=100", None);
+    let live: Vec<String> = list["sandboxes"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|x| x["id"].as_str().unwrap().to_string())
+        .collect();
+    assert_eq!(live.len(), 2, "live after the burst: {live:?}\n{summary}");
+
+    // At the limit; one VM dies on its own: its slot is free again, and only that one.
+    let pid = qemu_pid(s, &live[0]);
+    assert_eq!(unsafe { libc::kill(pid, libc::SIGKILL) }, 0);
+    let took = wait_state(s, &live[0], "failed", Duration::from_secs(10))
+        .unwrap_or_else(|sb| panic!("not failed 10 s after kill -9 of its QEMU: {sb}"));
+    println!("quota server: failed {took:?} after kill -9");
+    s.create(json!({ "template": "seed", "timeout": "5m" }));
+    let (status, err) = s.call("POST", "/v1/sandboxes", Some(json!({ "template": "seed" })));
+    assert_eq!((status, err["code"].as_str()), (429, Some("quota_exceeded")), "{err}");
+    drop(own);
+}
