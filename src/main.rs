@@ -32,6 +32,10 @@ enum Command {
     Serve {
         #[arg(long, env = "AIRLOCK_LISTEN", default_value = "127.0.0.1:7420")]
         listen: SocketAddr,
+        /// The control-plane store: a Postgres URL (`postgres://USER[:PASSWORD]@HOST[:PORT]/DATABASE`,
+        /// which several hosts can share) [default: SQLite in the data dir].
+        #[arg(long, env = "AIRLOCK_STORE", value_parser = parse_store)]
+        store: Option<String>,
         /// Also serve E2B's code-interpreter port here (for `E2B_DEBUG=true` setups, where the
         /// SDK calls `localhost:49999`); requests are routed by `X-Access-Token`.
         #[arg(long, env = "AIRLOCK_E2B_DEBUG_LISTEN")]
@@ -181,6 +185,13 @@ fn parse_pool(s: &str) -> Result<(String, usize), String> {
         return Err(bad());
     }
     Ok((template.trim().to_string(), count))
+}
+
+/// A `--store` URL, checked before anything is built (a bad one names the form it wants).
+fn parse_store(s: &str) -> Result<String, String> {
+    airlock_server::store::PgStore::parse_url(s)
+        .map(|_| s.to_string())
+        .map_err(|e| e.to_string())
 }
 
 fn parse_share(s: &str) -> Result<f64, String> {
@@ -489,6 +500,7 @@ async fn run(cli: Cli) -> anyhow::Result<u8> {
     match cli.command {
         Command::Serve {
             listen,
+            store: store_url,
             max_sandboxes,
             max_vcpu,
             max_memory_mib,
@@ -529,6 +541,7 @@ async fn run(cli: Cli) -> anyhow::Result<u8> {
             airlock_server::serve(airlock_server::ServeOptions {
                 warm_pools,
                 listen,
+                store: store_url,
                 data_dir: cli.data_dir,
                 max_sandboxes_per_tenant: max_sandboxes,
                 max_vcpu_per_tenant: max_vcpu,
