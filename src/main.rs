@@ -34,7 +34,7 @@ enum Command {
         listen: SocketAddr,
         /// The control-plane store: a Postgres URL (`postgres://USER[:PASSWORD]@HOST[:PORT]/DATABASE`,
         /// which several hosts can share) [default: SQLite in the data dir].
-        #[arg(long, env = "AIRLOCK_STORE", value_parser = parse_store)]
+        #[arg(long, env = "AIRLOCK_STORE")]
         store: Option<String>,
         /// Also serve E2B's code-interpreter port here (for `E2B_DEBUG=true` setups, where the
         /// SDK calls `localhost:49999`); requests are routed by `X-Access-Token`.
@@ -185,13 +185,6 @@ fn parse_pool(s: &str) -> Result<(String, usize), String> {
         return Err(bad());
     }
     Ok((template.trim().to_string(), count))
-}
-
-/// A `--store` URL, checked before anything is built (a bad one names the form it wants).
-fn parse_store(s: &str) -> Result<String, String> {
-    airlock_server::store::PgStore::parse_url(s)
-        .map(|_| s.to_string())
-        .map_err(|e| e.to_string())
 }
 
 fn parse_share(s: &str) -> Result<f64, String> {
@@ -523,8 +516,12 @@ async fn run(cli: Cli) -> anyhow::Result<u8> {
             jwt_issuers,
             warm_pools,
         } => {
-            // First: a bad AIRLOCK_EGRESS_PROFILES stops the server before anything is built.
+            // First: a bad AIRLOCK_EGRESS_PROFILES or --store stops the server before anything
+            // is built (checked here, not by clap, which would echo the URL's password).
             let egress = airlock_server::egress_config_from_env()?;
+            if let Some(url) = &store_url {
+                airlock_server::store::PgStore::parse_url(url).map_err(|e| anyhow::anyhow!("--store: {e}"))?;
+            }
             let store = TemplateStore::new(DataDir::open(&cli.data_dir)?);
             if !store.exists(SEED) {
                 eprintln!("airlock: template `seed` is missing; building it first");

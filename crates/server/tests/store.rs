@@ -622,16 +622,23 @@ async fn a_bad_or_unreachable_postgres_url_says_what_to_fix() {
         .unwrap()
         .to_string();
     assert!(e.contains("not a Postgres URL") && !e.contains("secret"), "{e}");
-    // A port nothing listens on (bound, never accepted).
+    // A port nothing listens on (bound, never accepted), as `serve --store` opens it: an error
+    // (not a panic) with its cause, naming what to check.
     let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
     let port = l.local_addr().unwrap().port();
     drop(l);
-    let e = PgStore::connect(&format!("postgres://u:secret@127.0.0.1:{port}/db"))
+    let dir = tempfile::tempdir().unwrap();
+    let url = format!("postgres://u:secret@127.0.0.1:{port}/db");
+    let e = airlock_server::open_store(Some(&url), dir.path())
         .await
         .err()
         .unwrap()
         .to_string();
-    assert!(e.contains("cannot reach") && !e.contains("secret"), "{e}");
+    assert!(e.starts_with("--store: cannot reach") && !e.contains("secret"), "{e}");
+    assert!(e.contains("refused") && e.contains("check that it runs"), "{e}");
+    // Without --store: SQLite in the data dir.
+    drop(airlock_server::open_store(None, dir.path()).await.unwrap());
+    assert!(dir.path().join("airlock.db").exists());
 }
 
 #[path = "store/records.rs"]

@@ -11,6 +11,7 @@
 //! time and applied by [`SqliteStore::open`]; [`PgStore`] (a Postgres database that several
 //! hosts can share) has its own, `crates/server/migrations-postgres`, to the same end state.
 
+mod admit;
 mod postgres;
 mod sqlite;
 

@@ -16,7 +16,7 @@ use crate::model::{Operation, OperationKind, OperationState, Quota, Resources, S
 use crate::records::{now_ms, rfc3339, AuditRecord, EgressSpec, KeyRecord, SandboxRecord, SessionRecord, Tenant};
 use async_trait::async_trait;
 use sqlx::postgres::{PgConnectOptions, PgPool, PgPoolOptions, PgRow};
-use sqlx::{Postgres, Row, Transaction};
+use sqlx::{ConnectOptions, Connection, Postgres, Row, Transaction};
 use std::str::FromStr;
 use std::time::Duration;
 
@@ -95,15 +95,24 @@ impl PgStore {
     pub async fn connect(url: &str) -> Result<Self, PgOpenError> {
         let shown = redact_url(url);
         let opts = Self::parse_url(url)?;
+        // One connection first: its error says why (refused, no such database, auth), where
+        // the pool's would only say it timed out.
+        let unreachable = |source| PgOpenError::Unreachable {
+            url: shown.clone(),
+            source,
+        };
+        opts.connect()
+            .await
+            .map_err(unreachable)?
+            .close()
+            .await
+            .map_err(unreachable)?;
         let pool = PgPoolOptions::new()
             .max_connections(8)
             .acquire_timeout(Duration::from_secs(10))
             .connect_with(opts)
             .await
-            .map_err(|source| PgOpenError::Unreachable {
-                url: shown.clone(),
-                source,
-            })?;
+            .map_err(unreachable)?;
         MIGRATOR
             .run(&pool)
             .await
