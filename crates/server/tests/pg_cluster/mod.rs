@@ -1,12 +1,14 @@
-//! A real Postgres 15 for tests: `initdb` into a temp dir, started on a free loopback port
-//! (never 5432, where Debian's own cluster may listen) with its socket in that dir, stopped
-//! (`-m immediate`) and removed when the guard drops, a failed test's too. As root the server
-//! runs as the `postgres` user (initdb refuses root). Missing binaries fail the test, naming
-//! `scripts/install-host-deps`: CI installs them, so a skip would hide a broken setup.
+//! A real Postgres 15 for tests: a copy of one `initdb` (made once, kept in the target dir's
+//! tmp) in a temp dir, started on a free loopback port (never 5432, where Debian's own cluster
+//! may listen) with its socket in that dir, stopped (`-m immediate`) and removed when the guard
+//! drops, a failed test's too. As root the server runs as the `postgres` user (initdb refuses
+//! root). Missing binaries fail the test, naming `scripts/install-host-deps`: CI installs them,
+//! so a skip would hide a broken setup.
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
 const BIN: &str = "/usr/lib/postgresql/15/bin";
@@ -15,7 +17,7 @@ pub struct PgCluster {
     dir: PathBuf,
     port: u16,
     databases: AtomicU32,
-    /// How long initdb and the start took.
+    /// How long the copy and the start took (and initdb, for the first cluster of a target dir).
     pub started_in: Duration,
 }
 
@@ -54,6 +56,55 @@ fn free_port() -> u16 {
     l.local_addr().unwrap().port()
 }
 
+/// A data dir fresh from `initdb`, made once into the target dir's tmp and reused by every
+/// cluster (initdb takes a second or more, a copy a tenth of that). initdb runs in the system's
+/// temp dir (the postgres user may not reach the target dir: a clone under /root), its result
+/// is copied over and renamed into place, so a run stopped half way leaves no template.
+fn template() -> PathBuf {
+    static ONE_AT_A_TIME: Mutex<()> = Mutex::new(());
+    let _one = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
+    let tmp = Path::new(env!("CARGO_TARGET_TMPDIR"));
+    let dir = tmp.join("pg15-template");
+    if dir.join("PG_VERSION").exists() {
+        return dir;
+    }
+    let work = tempfile::Builder::new()
+        .prefix("airlock-initdb-")
+        .tempdir()
+        .expect("a temp dir");
+    if is_root() {
+        let mut chown = Command::new("chown");
+        chown.arg("postgres:postgres").arg(work.path());
+        run(chown, "chown initdb's dir to postgres").unwrap();
+    }
+    let made = work.path().join("data");
+    let mut initdb = pg_command("initdb");
+    initdb
+        .args([
+            "-A",
+            "trust",
+            "-U",
+            "airlock",
+            "-E",
+            "UTF8",
+            "--locale=C.UTF-8",
+            "--no-sync",
+            "-D",
+        ])
+        .arg(&made);
+    run(initdb, "initdb").unwrap();
+    let staged = tempfile::Builder::new()
+        .prefix("pg15-template-")
+        .tempdir_in(tmp)
+        .expect("a temp dir in the target dir");
+    let mut copy = Command::new("cp");
+    copy.arg("-a").arg(&made).arg(staged.path().join("data"));
+    run(copy, "copy initdb's data dir").unwrap();
+    // Another test binary made it meanwhile: keep theirs (ours goes with `staged`).
+    let _ = std::fs::rename(staged.path().join("data"), &dir);
+    dir
+}
+
 impl PgCluster {
     pub fn start() -> PgCluster {
         let t0 = Instant::now();
@@ -78,21 +129,10 @@ impl PgCluster {
             chown.arg("postgres:postgres").arg(&cluster.dir);
             run(chown, "chown the cluster's dir to postgres").unwrap();
         }
-        let mut initdb = pg_command("initdb");
-        initdb
-            .args([
-                "-A",
-                "trust",
-                "-U",
-                "airlock",
-                "-E",
-                "UTF8",
-                "--locale=C.UTF-8",
-                "--no-sync",
-                "-D",
-            ])
-            .arg(cluster.data());
-        run(initdb, "initdb").unwrap();
+        // `cp -a` keeps the owner (postgres, when we are root) and the data dir's 0700.
+        let mut copy = Command::new("cp");
+        copy.arg("-a").arg(template()).arg(cluster.data());
+        run(copy, "copy the initdb template").unwrap();
         // A port picked free can be taken before the server binds it: try another.
         let mut last = String::new();
         for _ in 0..3 {
