@@ -32,8 +32,8 @@ enum Command {
     Serve {
         #[arg(long, env = "AIRLOCK_LISTEN", default_value = "127.0.0.1:7420")]
         listen: SocketAddr,
-        /// The control-plane store: a Postgres URL (`postgres://USER[:PASSWORD]@HOST[:PORT]/DATABASE`,
-        /// which several hosts can share) [default: SQLite in the data dir].
+        /// The control-plane store: a Postgres database,
+        /// `postgres://USER[:PASSWORD]@HOST[:PORT]/DATABASE` [default: SQLite in the data dir].
         #[arg(long, env = "AIRLOCK_STORE")]
         store: Option<String>,
         /// Also serve E2B's code-interpreter port here (for `E2B_DEBUG=true` setups, where the

@@ -8,8 +8,8 @@
 //!
 //! Secrets are never stored: API keys and sandbox access tokens are kept as [`token_hash`]es.
 //! The schema is versioned by the SQL files in `crates/server/migrations`, embedded at build
-//! time and applied by [`SqliteStore::open`]; [`PgStore`] (a Postgres database that several
-//! hosts can share) has its own, `crates/server/migrations-postgres`, to the same end state.
+//! time and applied by [`SqliteStore::open`]; [`PgStore`] (a Postgres database) has
+//! its own, `crates/server/migrations-postgres`, to the same end state.
 
 mod admit;
 mod postgres;

@@ -1,5 +1,6 @@
-//! [`PgStore`]: the store in a Postgres database that several hosts can share, migrated on
-//! connect. The same semantics as [`super::SqliteStore`], file by file in `postgres/`.
+//! [`PgStore`]: the store in a Postgres database (the first step towards many hosts sharing
+//! one; its admissions still sum one node's budgets), migrated on connect. The same semantics
+//! as [`super::SqliteStore`], file by file in `postgres/`.
 //!
 //! Where SQLite takes its one write lock (`BEGIN IMMEDIATE`) this store takes one transaction-
 //! scoped advisory lock ([`PgStore::begin_locked`]): admission sums what every tenant's
