@@ -32,6 +32,10 @@ enum Command {
     Serve {
         #[arg(long, env = "AIRLOCK_LISTEN", default_value = "127.0.0.1:7420")]
         listen: SocketAddr,
+        /// The control-plane store: a Postgres database,
+        /// `postgres://USER[:PASSWORD]@HOST[:PORT]/DATABASE` [default: SQLite in the data dir].
+        #[arg(long, env = "AIRLOCK_STORE")]
+        store: Option<String>,
         /// Also serve E2B's code-interpreter port here (for `E2B_DEBUG=true` setups, where the
         /// SDK calls `localhost:49999`); requests are routed by `X-Access-Token`.
         #[arg(long, env = "AIRLOCK_E2B_DEBUG_LISTEN")]
@@ -489,6 +493,7 @@ async fn run(cli: Cli) -> anyhow::Result<u8> {
     match cli.command {
         Command::Serve {
             listen,
+            store: store_url,
             max_sandboxes,
             max_vcpu,
             max_memory_mib,
@@ -511,8 +516,12 @@ async fn run(cli: Cli) -> anyhow::Result<u8> {
             jwt_issuers,
             warm_pools,
         } => {
-            // First: a bad AIRLOCK_EGRESS_PROFILES stops the server before anything is built.
+            // First: a bad AIRLOCK_EGRESS_PROFILES or --store stops the server before anything
+            // is built (checked here, not by clap, which would echo the URL's password).
             let egress = airlock_server::egress_config_from_env()?;
+            if let Some(url) = &store_url {
+                airlock_server::store::PgStore::parse_url(url).map_err(|e| anyhow::anyhow!("--store: {e}"))?;
+            }
             let store = TemplateStore::new(DataDir::open(&cli.data_dir)?);
             if !store.exists(SEED) {
                 eprintln!("airlock: template `seed` is missing; building it first");
@@ -529,6 +538,7 @@ async fn run(cli: Cli) -> anyhow::Result<u8> {
             airlock_server::serve(airlock_server::ServeOptions {
                 warm_pools,
                 listen,
+                store: store_url,
                 data_dir: cli.data_dir,
                 max_sandboxes_per_tenant: max_sandboxes,
                 max_vcpu_per_tenant: max_vcpu,

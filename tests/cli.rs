@@ -1,4 +1,5 @@
-//! The `airlock` binary's own checks, without a server or a VM: egress configuration at startup.
+//! The `airlock` binary's own checks, without a server or a VM: egress configuration and the
+//! store's URL at startup.
 //! (The admin commands go through the API: `tests/api/cli.rs` runs them on the api suite's server.)
 
 use std::process::{Command, Output, Stdio};
@@ -10,6 +11,7 @@ fn airlock(data_dir: &std::path::Path, args: &[&str], env: &[(&str, &str)]) -> O
         .arg(data_dir)
         .args(args)
         .env_remove("AIRLOCK_EGRESS_PROFILES")
+        .env_remove("AIRLOCK_STORE")
         .stdin(Stdio::null())
         .stdout(Stdio::piped())
         .stderr(Stdio::piped());
@@ -52,6 +54,26 @@ fn a_wildcard_or_malformed_egress_profile_stops_serve_naming_the_entry() {
         assert!(!out.status.success(), "{profiles}: serve started");
         assert!(stderr.contains(entry), "{profiles}: {stderr}");
         assert!(stderr.contains("AIRLOCK_EGRESS_PROFILES"), "{profiles}: {stderr}");
+    }
+    // It stopped before building or opening anything.
+    assert!(!dir.path().join("airlock.db").exists());
+}
+
+#[test]
+fn a_store_url_that_is_not_postgres_stops_serve_naming_the_form() {
+    let dir = tempfile::tempdir().unwrap();
+    for url in ["mysql://u@127.0.0.1/db", "postgres://u:secret@127.0.0.1:notaport/db"] {
+        let out = airlock(dir.path(), &["serve", "--listen", "127.0.0.1:0", "--store", url], &[]);
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success(), "{url}: serve started");
+        assert!(
+            stderr.contains("postgres://USER[:PASSWORD]@HOST[:PORT]/DATABASE"),
+            "{url}: {stderr}"
+        );
+        assert!(
+            stderr.contains("--store") && !stderr.contains("secret"),
+            "{url}: {stderr}"
+        );
     }
     // It stopped before building or opening anything.
     assert!(!dir.path().join("airlock.db").exists());

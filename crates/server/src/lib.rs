@@ -244,6 +244,8 @@ pub fn router(state: AppState) -> Router {
 pub struct ServeOptions {
     pub listen: SocketAddr,
     pub data_dir: PathBuf,
+    /// The store: a Postgres URL (`postgres://...`), or `None` for SQLite in the data dir.
+    pub store: Option<String>,
     pub max_sandboxes_per_tenant: u32,
     /// A tenant's default vCPU, memory and disk quotas (`None`: `tenant_share` of the node's
     /// budget) and creates per minute (see `core::Config`).
@@ -274,6 +276,20 @@ pub struct ServeOptions {
     pub jwt_issuers: Option<PathBuf>,
     /// Warm pools to keep from the start: (template, VMs) at the default resources.
     pub warm_pools: Vec<(String, usize)>,
+}
+
+/// The store `serve` uses: Postgres at `url`, else SQLite in `<data-dir>/airlock.db`.
+pub async fn open_store(url: Option<&str>, data_dir: &std::path::Path) -> anyhow::Result<Arc<dyn store::Store>> {
+    Ok(match url {
+        None => Arc::new(store::SqliteStore::open(&data_dir.join("airlock.db")).await?),
+        Some(url) => {
+            let store = store::PgStore::connect(url)
+                .await
+                .map_err(|e| anyhow::anyhow!("--store: {e}"))?;
+            tracing::info!("store: Postgres at {}", store::redact_url(url));
+            Arc::new(store)
+        }
+    })
 }
 
 /// Where sandbox egress leaves the host.
@@ -413,7 +429,7 @@ pub async fn serve(opts: ServeOptions) -> anyhow::Result<()> {
         });
     }
     let root = runtime.data_dir().root().to_path_buf();
-    let store: Arc<dyn store::Store> = Arc::new(store::SqliteStore::open(&root.join("airlock.db")).await?);
+    let store = open_store(opts.store.as_deref(), &root).await?;
     if bootstrap_admin_key(&*store, &root, &opts.listen).await?.is_some() {
         tracing::info!(
             "created tenant `default` and its admin key in {}",

@@ -1,11 +1,15 @@
-//! The SQLite store on real files: the atomic quota, idempotency, and upgrading a database made
-//! before versioned migrations.
+//! The stores on real databases: the atomic quota, idempotency, every aggregate's round trips
+//! (`store/records.rs`), each test body on SQLite (a file) and on Postgres (a real Postgres 15,
+//! `pg_cluster`), and that both schemas agree; then what only SQLite has (`store/sqlite.rs`):
+//! upgrading a database made before versioned migrations, its WAL.
+
+mod pg_cluster;
 
 use airlock_server::model::{Operation, OperationKind, OperationState, Quota, Resources, SandboxState};
 use airlock_server::records::{now_ms, rfc3339, SandboxRecord, SessionRecord, Tenant};
 use airlock_server::store::{
-    new_key, token_hash, AccessHashes, CreateRecorded, E2bStore, KeyFormat, NodeBudget, OperationStore, SandboxStore,
-    SqliteStore, StoreError, TenantStore, TokenKind,
+    new_key, token_hash, AccessHashes, CreateRecorded, E2bStore, KeyFormat, NodeBudget, OperationStore, PgStore,
+    SandboxStore, SqliteStore, Store, StoreError, TenantStore, TokenKind,
 };
 use std::collections::BTreeMap;
 use std::path::Path;
@@ -49,15 +53,58 @@ fn create_op(sandbox_id: &str) -> Operation {
     }
 }
 
-async fn fresh() -> (tempfile::TempDir, Arc<SqliteStore>) {
-    let dir = tempfile::tempdir().unwrap();
-    let store = SqliteStore::open(&dir.path().join("airlock.db")).await.unwrap();
-    (dir, Arc::new(store))
+/// Where a test's stores live: SQLite files in a temp dir, or databases of a Postgres cluster
+/// of its own (stopped and removed when the test ends, passed or not).
+enum Backend {
+    Sqlite(tempfile::TempDir),
+    Postgres(pg_cluster::PgCluster),
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-async fn concurrent_creates_never_overshoot_the_limit() {
-    let (_dir, store) = fresh().await;
+impl Backend {
+    fn sqlite() -> Self {
+        Backend::Sqlite(tempfile::tempdir().unwrap())
+    }
+
+    fn postgres() -> Self {
+        let cluster = pg_cluster::PgCluster::start();
+        eprintln!("Postgres started in {:?}", cluster.started_in);
+        Backend::Postgres(cluster)
+    }
+
+    /// A new, empty store.
+    async fn store(&self) -> Arc<dyn Store> {
+        match self {
+            Backend::Sqlite(dir) => {
+                let path = dir
+                    .path()
+                    .join(format!("airlock-{}.db", airlock_runtime::datadir::random_hex(4)));
+                Arc::new(SqliteStore::open(&path).await.unwrap())
+            }
+            Backend::Postgres(cluster) => Arc::new(PgStore::connect(&cluster.database().await).await.unwrap()),
+        }
+    }
+}
+
+/// `name::sqlite` and `name::postgres`: one test body (`async fn(Backend)`) on each store.
+macro_rules! on_both {
+    ($name:ident) => {
+        mod $name {
+            #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+            async fn sqlite() {
+                super::$name(super::Backend::sqlite()).await
+            }
+            #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+            async fn postgres() {
+                super::$name(super::Backend::postgres()).await
+            }
+        }
+    };
+}
+
+on_both!(concurrent_creates_never_overshoot_the_limit);
+
+async fn concurrent_creates_never_overshoot_the_limit(b: Backend) {
+    let store = b.store().await;
     let tasks: Vec<_> = (0..10)
         .map(|i| {
             let store = store.clone();
@@ -90,9 +137,10 @@ async fn concurrent_creates_never_overshoot_the_limit() {
     assert!(matches!(r, Ok(CreateRecorded::New(_))));
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-async fn concurrent_creates_with_one_idempotency_key_make_one_sandbox() {
-    let (_dir, store) = fresh().await;
+on_both!(concurrent_creates_with_one_idempotency_key_make_one_sandbox);
+
+async fn concurrent_creates_with_one_idempotency_key_make_one_sandbox(b: Backend) {
+    let store = b.store().await;
     let tasks: Vec<_> = (0..10)
         .map(|i| {
             let store = store.clone();
@@ -121,9 +169,10 @@ async fn concurrent_creates_with_one_idempotency_key_make_one_sandbox() {
     assert_eq!(store.count_live_sandboxes("t1").await.unwrap(), 1);
 }
 
-#[tokio::test]
-async fn idempotency_key_returns_the_first_operation_and_only_live_states_count() {
-    let (_dir, store) = fresh().await;
+on_both!(idempotency_key_returns_the_first_operation_and_only_live_states_count);
+
+async fn idempotency_key_returns_the_first_operation_and_only_live_states_count(b: Backend) {
+    let store = b.store().await;
     let first = store
         .insert_create(&sandbox("a", "t1"), &create_op("a"), Some("key-1"), 1)
         .await
@@ -194,11 +243,12 @@ async fn idempotency_key_returns_the_first_operation_and_only_live_states_count(
     assert!(store.get_operation("t2", &first.id).await.unwrap().is_none());
 }
 
+on_both!(suspended_sandboxes_hold_only_disk_and_resume_is_admitted);
+
 /// A suspended sandbox holds its disk only: it leaves its place, vcpu and memory to others, and
 /// gets them back on resume only if they are free (the same atomic admission as a create).
-#[tokio::test]
-async fn suspended_sandboxes_hold_only_disk_and_resume_is_admitted() {
-    let (_dir, store) = fresh().await;
+async fn suspended_sandboxes_hold_only_disk_and_resume_is_admitted(b: Backend) {
+    let store = b.store().await;
     let quota = Quota {
         sandboxes: Some(1),
         disk_mib: Some(2048),
@@ -270,9 +320,10 @@ async fn suspended_sandboxes_hold_only_disk_and_resume_is_admitted() {
     assert_eq!(store.tenant_usage("t1", now_ms()).await.unwrap().sandboxes, 1);
 }
 
-#[tokio::test]
-async fn keys_access_tokens_sessions_and_aliases() {
-    let (_dir, store) = fresh().await;
+on_both!(keys_access_tokens_sessions_and_aliases);
+
+async fn keys_access_tokens_sessions_and_aliases(b: Backend) {
+    let store = b.store().await;
     assert!(store.needs_bootstrap().await.unwrap());
     let key = new_key(KeyFormat::Airlock);
     assert!(
@@ -358,153 +409,10 @@ async fn keys_access_tokens_sessions_and_aliases() {
     assert_eq!(store.list_sessions("s1").await.unwrap().len(), 1);
 }
 
-/// A database as the code before versioned migrations left it.
-async fn make_v0_database(path: &Path, key: &str, token: &str) {
-    use sqlx::sqlite::{SqliteConnectOptions, SqlitePoolOptions};
-    use std::str::FromStr;
-    let schema = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/tests/fixtures/schema-v0.sql")).unwrap();
-    let opts = SqliteConnectOptions::from_str(&format!("sqlite://{}", path.display()))
-        .unwrap()
-        .create_if_missing(true);
-    let pool = SqlitePoolOptions::new()
-        .max_connections(1)
-        .connect_with(opts)
-        .await
-        .unwrap();
-    sqlx::raw_sql(&schema).execute(&pool).await.unwrap();
-    let now = now_ms();
-    let rows = format!(
-        r#"
-INSERT INTO tenants (id, name, created_at_ms) VALUES ('default', 'default', {now});
-INSERT INTO api_keys (hash, tenant_id, prefix, created_at_ms) VALUES ('{key_hash}', 'default', '{prefix}', {now});
-INSERT INTO sandboxes (id, tenant_id, state, template, template_digest, runtime, accel, vcpu, memory_mib, disk_mib,
-  env, metadata, created_at_ms, expires_at_ms)
-  VALUES ('old1', 'default', 'running', 'seed', 'sha256:abc', 'qemu', 'tcg', 1, 512, 1024, '{{}}',
-  '{{"_e2b_template":"base","team":"x"}}', {now}, {later});
-INSERT INTO sandboxes (id, tenant_id, state, template, template_digest, runtime, accel, vcpu, memory_mib, disk_mib,
-  env, metadata, created_at_ms, expires_at_ms)
-  VALUES ('old2', 'default', 'running', 'seed', 'sha256:abc', 'qemu', 'tcg', 1, 512, 1024, '{{}}',
-  '{{"team":"y"}}', {now}, {later});
-INSERT INTO sandbox_tokens (sandbox_id, token) VALUES ('old1', '{token}');
-INSERT INTO sessions (id, sandbox_id, process_id, argv, cwd, user, pty, exit_code, signal, timed_out, exited,
-  started_at_ms, ended_at_ms) VALUES ('ses1', 'old1', 3, '["sh"]', '/', 'user', 0, NULL, NULL, 0, 0, {now}, NULL);
-INSERT INTO operations (id, tenant_id, kind, state, sandbox_id, error_code, error_message, idempotency_key,
-  created_at_ms, finished_at_ms) VALUES ('op_old', 'default', 'create', 'succeeded', 'old1', NULL, NULL, 'idem-old', {now}, {now});
-"#,
-        key_hash = token_hash(key),
-        prefix = &key[..8],
-        later = now + 60_000,
-    );
-    sqlx::raw_sql(&rows).execute(&pool).await.unwrap();
-    pool.close().await;
-}
-
-async fn table_exists(path: &Path, name: &str) -> bool {
-    use sqlx::Connection;
-    let mut c = sqlx::SqliteConnection::connect(&format!("sqlite://{}", path.display()))
-        .await
-        .unwrap();
-    let r: Option<(String,)> = sqlx::query_as("SELECT name FROM sqlite_master WHERE type = 'table' AND name = ?")
-        .bind(name)
-        .fetch_optional(&mut c)
-        .await
-        .unwrap();
-    r.is_some()
-}
-
-#[tokio::test]
-async fn a_database_from_before_migrations_is_upgraded_in_place() {
-    let dir = tempfile::tempdir().unwrap();
-    let path = dir.path().join("airlock.db");
-    let key = "ak_0123456789abcdef0123456789abcdef01234567";
-    let token = "0123456789abcdef0123456789abcdef";
-    make_v0_database(&path, key, token).await;
-    assert!(table_exists(&path, "sandbox_tokens").await);
-
-    for round in 0..2 {
-        // The second open finds everything migrated and changes nothing.
-        let store = SqliteStore::open(&path).await.unwrap();
-        assert_eq!(
-            store.tenant_by_key(key).await.unwrap().unwrap().id,
-            "default",
-            "round {round}"
-        );
-        assert!(
-            !store.bootstrap(&new_key(KeyFormat::Airlock)).await.unwrap(),
-            "the old key still counts"
-        );
-
-        let sb = store.sandbox_by_id("old1").await.unwrap().unwrap();
-        assert_eq!(sb.metadata, BTreeMap::from([("team".to_string(), "x".to_string())]));
-        // Sandboxes from before egress had no NIC: they read as sealed.
-        assert_eq!(sb.egress, airlock_server::records::EgressSpec::default());
-        assert!(sb.egress.sealed && sb.egress.profiles.is_empty());
-        assert_eq!(store.e2b_alias("old1").await.unwrap().as_deref(), Some("base"));
-        let other = store.sandbox_by_id("old2").await.unwrap().unwrap();
-        assert_eq!(other.metadata, BTreeMap::from([("team".to_string(), "y".to_string())]));
-        assert!(store.e2b_alias("old2").await.unwrap().is_none());
-
-        // A token from before traffic tokens: envd's only, until handed out again.
-        let legacy = AccessHashes {
-            envd: token_hash(token),
-            traffic: None,
-        };
-        assert_eq!(store.access_hashes("old1").await.unwrap(), Some(legacy));
-        assert_eq!(
-            store
-                .sandbox_by_access_hash(TokenKind::Envd, &token_hash(token))
-                .await
-                .unwrap()
-                .unwrap()
-                .id,
-            "old1"
-        );
-        assert!(
-            store
-                .sandbox_by_access_hash(TokenKind::Envd, token)
-                .await
-                .unwrap()
-                .is_none(),
-            "the plain token is gone"
-        );
-
-        let ses = store.get_session("old1", "ses1").await.unwrap().unwrap();
-        assert_eq!((ses.process_id, ses.tag), (3, None));
-
-        let op = store
-            .operation_by_idempotency_key("default", "idem-old")
-            .await
-            .unwrap()
-            .unwrap();
-        assert_eq!((op.id.as_str(), op.state), ("op_old", OperationState::Succeeded));
-        match store
-            .insert_create(&sandbox("new", "default"), &create_op("new"), Some("idem-old"), 10)
-            .await
-        {
-            Ok(CreateRecorded::Existing(op)) => assert_eq!(op.id, "op_old"),
-            other => panic!("unexpected {other:?}"),
-        }
-        assert_eq!(store.count_live_sandboxes("default").await.unwrap(), 2);
-        drop(store);
-        assert!(!table_exists(&path, "sandbox_tokens").await);
-    }
-}
-
-#[tokio::test]
-async fn a_new_database_has_no_legacy_token_table() {
-    let dir = tempfile::tempdir().unwrap();
-    let path = dir.path().join("airlock.db");
-    drop(SqliteStore::open(&path).await.unwrap());
-    assert!(!table_exists(&path, "sandbox_tokens").await);
-    assert!(table_exists(&path, "sandbox_access").await);
-    assert!(table_exists(&path, "e2b_sandboxes").await);
-    drop(SqliteStore::open(&path).await.unwrap());
-}
-
 /// A `TenantStore` that checks, at the moment a key is committed, that the credentials file
 /// already holds it.
 struct FileFirst<'a> {
-    inner: &'a SqliteStore,
+    inner: &'a dyn Store,
     dir: &'a Path,
     commits: std::sync::atomic::AtomicUsize,
 }
@@ -551,13 +459,14 @@ impl TenantStore for FileFirst<'_> {
     }
 }
 
-#[tokio::test]
-async fn the_admin_key_is_written_before_it_is_committed() {
+on_both!(the_admin_key_is_written_before_it_is_committed);
+
+async fn the_admin_key_is_written_before_it_is_committed(b: Backend) {
     let listen = "127.0.0.1:7420".parse().unwrap();
     let dir = tempfile::tempdir().unwrap();
-    let store = SqliteStore::open(&dir.path().join("airlock.db")).await.unwrap();
+    let store = b.store().await;
     let checked = FileFirst {
-        inner: &store,
+        inner: &*store,
         dir: dir.path(),
         commits: Default::default(),
     };
@@ -578,11 +487,11 @@ async fn the_admin_key_is_written_before_it_is_committed() {
     // A crash after the file was written and before the commit: the next start commits the
     // file's key instead of minting another.
     let dir = tempfile::tempdir().unwrap();
-    let store = SqliteStore::open(&dir.path().join("airlock.db")).await.unwrap();
+    let store = b.store().await;
     let orphan = new_key(KeyFormat::Airlock);
     airlock_server::write_credentials(dir.path(), &orphan, &listen).unwrap();
     assert!(store.tenant_by_key(&orphan).await.unwrap().is_none());
-    let got = airlock_server::bootstrap_admin_key(&store, dir.path(), &listen)
+    let got = airlock_server::bootstrap_admin_key(&*store, dir.path(), &listen)
         .await
         .unwrap();
     assert_eq!(got.as_deref(), Some(orphan.as_str()));
@@ -592,51 +501,26 @@ async fn the_admin_key_is_written_before_it_is_committed() {
         Some(orphan.as_str()),
         "the file is left as it was"
     );
-    assert!(airlock_server::bootstrap_admin_key(&store, dir.path(), &listen)
+    assert!(airlock_server::bootstrap_admin_key(&*store, dir.path(), &listen)
         .await
         .unwrap()
         .is_none());
 
     // A deleted credentials file with keys in the store: nothing new is minted or written.
     std::fs::remove_file(dir.path().join("credentials")).unwrap();
-    assert!(airlock_server::bootstrap_admin_key(&store, dir.path(), &listen)
+    assert!(airlock_server::bootstrap_admin_key(&*store, dir.path(), &listen)
         .await
         .unwrap()
         .is_none());
     assert!(!dir.path().join("credentials").exists());
 }
 
-/// Another process (the CLI's `key create`, here Python's sqlite3) that opens and closes the
-/// database while a server's store has it open must not take the server's WAL away: the store
-/// keeps its POSIX locks, so the other process never believes it is the last connection.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn another_process_closing_the_database_leaves_the_store_working() {
-    let dir = tempfile::tempdir().unwrap();
-    let path = dir.path().join("airlock.db");
-    let store = SqliteStore::open(&path).await.unwrap();
-    let op = create_op("aaaaaaaaaaaaaaaaaaaa");
-    store.insert_operation("t1", &op).await.unwrap();
-    let script = "import sqlite3, sys\nc = sqlite3.connect(sys.argv[1])\nc.execute('select count(*) from operations').fetchall()\nc.close()\n";
-    for round in 0..3 {
-        let out = std::process::Command::new("python3")
-            .args(["-c", script])
-            .arg(&path)
-            .output()
-            .expect("python3 runs");
-        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
-        let wal = Path::new(&format!("{}-wal", path.display())).exists();
-        assert!(wal, "round {round}: the -wal file was deleted under an open store");
-        let op = create_op(&format!("aaaaaaaaaaaaaaaaaaa{round}"));
-        store.insert_operation("t1", &op).await.unwrap();
-        assert!(store.operation_by_id(&op.id).await.unwrap().is_some());
-    }
-}
+on_both!(tenant_egress_policies_and_sandbox_egress_records_round_trip);
 
-#[tokio::test]
-async fn tenant_egress_policies_and_sandbox_egress_records_round_trip() {
+async fn tenant_egress_policies_and_sandbox_egress_records_round_trip(b: Backend) {
     use airlock_egress::TenantPolicy;
     use airlock_server::records::EgressSpec;
-    let (_dir, store) = fresh().await;
+    let store = b.store().await;
     store.create_key("acme", KeyFormat::Airlock).await.unwrap();
     let acme = store.tenant_by_name("acme").await.unwrap().unwrap();
     assert_eq!(acme.name, "acme");
@@ -671,3 +555,93 @@ async fn tenant_egress_policies_and_sandbox_egress_records_round_trip() {
     store.insert_create(&sealed, &create_op("eg2"), None, 10).await.unwrap();
     assert!(store.get_sandbox(&acme.id, "eg2").await.unwrap().unwrap().egress.sealed);
 }
+
+/// The Postgres schema holds the SQLite chain's end state: the same tables with the same
+/// columns (their types are each database's own).
+#[tokio::test]
+async fn both_schemas_hold_the_same_tables_and_columns() {
+    use std::collections::BTreeSet;
+    type Columns = BTreeMap<String, BTreeSet<String>>;
+    let collect = |rows: Vec<(String, String)>| -> Columns {
+        let mut t = Columns::new();
+        for (table, column) in rows {
+            t.entry(table).or_default().insert(column);
+        }
+        t
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("airlock.db");
+    drop(SqliteStore::open(&path).await.unwrap());
+    let sqlite = {
+        use sqlx::Connection;
+        let mut c = sqlx::SqliteConnection::connect(&format!("sqlite://{}", path.display()))
+            .await
+            .unwrap();
+        let rows: Vec<(String, String)> = sqlx::query_as(
+            "SELECT m.name, p.name FROM sqlite_master m JOIN pragma_table_info(m.name) p
+             WHERE m.type = 'table' AND m.name NOT LIKE 'sqlite_%'",
+        )
+        .fetch_all(&mut c)
+        .await
+        .unwrap();
+        collect(rows)
+    };
+    let cluster = pg_cluster::PgCluster::start();
+    let url = cluster.database().await;
+    drop(PgStore::connect(&url).await.unwrap());
+    let postgres = {
+        use sqlx::Connection;
+        let mut c = sqlx::PgConnection::connect(&url).await.unwrap();
+        let rows: Vec<(String, String)> = sqlx::query_as(
+            "SELECT table_name::TEXT, column_name::TEXT FROM information_schema.columns WHERE table_schema = 'public'",
+        )
+        .fetch_all(&mut c)
+        .await
+        .unwrap();
+        collect(rows)
+    };
+    assert!(
+        sqlite.contains_key("sandboxes") && sqlite.contains_key("audit"),
+        "{sqlite:?}"
+    );
+    assert_eq!(sqlite, postgres);
+}
+
+/// A bad URL and a server that is not there are errors that say what to fix.
+#[tokio::test]
+async fn a_bad_or_unreachable_postgres_url_says_what_to_fix() {
+    let e = PgStore::connect("mysql://u@127.0.0.1/db")
+        .await
+        .err()
+        .unwrap()
+        .to_string();
+    assert!(e.contains("postgres://USER"), "{e}");
+    let e = PgStore::connect("postgres://u:secret@127.0.0.1:notaport/db")
+        .await
+        .err()
+        .unwrap()
+        .to_string();
+    assert!(e.contains("not a Postgres URL") && !e.contains("secret"), "{e}");
+    // A port nothing listens on (bound, never accepted), as `serve --store` opens it: an error
+    // (not a panic) with its cause, naming what to check.
+    let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = l.local_addr().unwrap().port();
+    drop(l);
+    let dir = tempfile::tempdir().unwrap();
+    let url = format!("postgres://u:secret@127.0.0.1:{port}/db");
+    let e = airlock_server::open_store(Some(&url), dir.path())
+        .await
+        .err()
+        .unwrap()
+        .to_string();
+    assert!(e.starts_with("--store: cannot reach") && !e.contains("secret"), "{e}");
+    assert!(e.contains("refused") && e.contains("check that it runs"), "{e}");
+    // Without --store: SQLite in the data dir.
+    drop(airlock_server::open_store(None, dir.path()).await.unwrap());
+    assert!(dir.path().join("airlock.db").exists());
+}
+
+#[path = "store/records.rs"]
+mod records;
+#[path = "store/sqlite.rs"]
+mod sqlite;

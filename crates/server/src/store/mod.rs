@@ -3,15 +3,19 @@
 //! The traits split it by concern: [`TenantStore`] (tenants and API keys), [`SandboxStore`]
 //! (sandboxes, their access tokens and exec sessions), [`OperationStore`] (long-running
 //! operations) and [`E2bStore`] (state only the E2B door has). [`Store`] is all four, which is
-//! what the server holds (`Arc<dyn Store>`). No signature names a database type, so a Postgres
-//! store can implement them next to [`SqliteStore`], the embedded default.
+//! what the server holds (`Arc<dyn Store>`). No signature names a database type: [`SqliteStore`]
+//! (the embedded default) and [`PgStore`] implement them alike.
 //!
 //! Secrets are never stored: API keys and sandbox access tokens are kept as [`token_hash`]es.
 //! The schema is versioned by the SQL files in `crates/server/migrations`, embedded at build
-//! time and applied by [`SqliteStore::open`].
+//! time and applied by [`SqliteStore::open`]; [`PgStore`] (a Postgres database) has
+//! its own, `crates/server/migrations-postgres`, to the same end state.
 
+mod admit;
+mod postgres;
 mod sqlite;
 
+pub use postgres::{redact_url, PgOpenError, PgStore};
 pub use sqlite::SqliteStore;
 
 use crate::model::ErrorBody;
@@ -398,3 +402,62 @@ pub trait AccountStore: Send + Sync {
 pub trait Store: TenantStore + SandboxStore + SnapshotStore + OperationStore + E2bStore + AccountStore {}
 
 impl<T: TenantStore + SandboxStore + SnapshotStore + OperationStore + E2bStore + AccountStore> Store for T {}
+
+// What both SQL stores share: their errors, fragments of their queries (valid SQL on both) and row values
+// made the same way.
+
+impl From<sqlx::Error> for StoreError {
+    fn from(e: sqlx::Error) -> Self {
+        StoreError::backend(e)
+    }
+}
+
+impl From<sqlx::migrate::MigrateError> for StoreError {
+    fn from(e: sqlx::migrate::MigrateError) -> Self {
+        StoreError::backend(e)
+    }
+}
+
+/// `state IN (...)` of the states of a sandbox that exists, written from
+/// [`crate::records::LIVE_STATES`] (its one definition) wherever a query says `{LIVE}`.
+const LIVE: LiveStates = LiveStates;
+
+struct LiveStates;
+
+impl std::fmt::Display for LiveStates {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("state IN (")?;
+        for (i, s) in crate::records::LIVE_STATES.iter().enumerate() {
+            let sep = if i == 0 { "" } else { ", " };
+            write!(f, "{sep}'{}'", s.as_str())?;
+        }
+        f.write_str(")")
+    }
+}
+/// Per row of a live sandbox: 1 unless it is suspended (no VM: it holds its disk, no place, CPU
+/// or memory), for the sums of what counts against quotas and budgets.
+const HOLDS_VM: &str = "(CASE WHEN state = 'suspended' THEN 0 ELSE 1 END)";
+/// Per row of a live sandbox: the disk it holds, its overlay at full size plus the memory a
+/// suspend saved (or will: see `saved_mib`, migration 0012).
+const DISK_HELD: &str = "(disk_mib + saved_mib)";
+/// The window `creates_per_minute` counts in.
+const RATE_WINDOW_MS: i64 = 60_000;
+
+/// An operation's creation time in ms (now, should its RFC 3339 time not parse).
+fn op_created_ms(op: &Operation) -> i64 {
+    humantime::parse_rfc3339(&op.created_at)
+        .ok()
+        .and_then(|t| t.duration_since(std::time::UNIX_EPOCH).ok())
+        .map(|d| d.as_millis() as i64)
+        .unwrap_or_else(crate::records::now_ms)
+}
+
+/// A new tenant's id: opaque (`tn_` + 16 random hex), never its name, so a tenant made later
+/// under a deleted one's name shares nothing recorded under the old id. The bootstrap tenant
+/// `default` keeps the id `default` (stores before this had it; it can't be deleted).
+fn new_tenant_id(name: &str) -> String {
+    if name == "default" {
+        return name.into();
+    }
+    format!("tn_{}", airlock_runtime::datadir::random_hex(8))
+}

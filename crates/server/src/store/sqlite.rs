@@ -1,8 +1,9 @@
 //! [`SqliteStore`]: the store in one SQLite file (WAL, a small pool), migrated on open.
 
 use super::{
-    new_key, token_hash, AccessHashes, AccountStore, AuditFilter, CreateRecorded, E2bStore, KeyFormat, NodeBudget,
-    OperationStore, SandboxFilter, SandboxStore, StoreError, TenantStore, TokenKind,
+    new_key, new_tenant_id, op_created_ms, token_hash, AccessHashes, AccountStore, AuditFilter, CreateRecorded,
+    E2bStore, KeyFormat, NodeBudget, OperationStore, SandboxFilter, SandboxStore, StoreError, TenantStore, TokenKind,
+    DISK_HELD, HOLDS_VM, LIVE, RATE_WINDOW_MS,
 };
 use crate::model::ErrorBody;
 use crate::model::{Operation, OperationKind, OperationState, Quota, Resources, SandboxState, TenantUsage};
@@ -23,43 +24,6 @@ mod snapshots;
 mod tenants;
 
 use admission::{admit_disk_within, admit_within, usage_within};
-
-/// `state IN (...)` of the states of a sandbox that exists, written from
-/// [`crate::records::LIVE_STATES`] (its one definition) wherever a query says `{LIVE}`.
-const LIVE: LiveStates = LiveStates;
-
-struct LiveStates;
-
-impl std::fmt::Display for LiveStates {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str("state IN (")?;
-        for (i, s) in crate::records::LIVE_STATES.iter().enumerate() {
-            let sep = if i == 0 { "" } else { ", " };
-            write!(f, "{sep}'{}'", s.as_str())?;
-        }
-        f.write_str(")")
-    }
-}
-/// Per row of a live sandbox: 1 unless it is suspended (no VM: it holds its disk, no place, CPU
-/// or memory), for the sums of what counts against quotas and budgets.
-const HOLDS_VM: &str = "(CASE WHEN state = 'suspended' THEN 0 ELSE 1 END)";
-/// Per row of a live sandbox: the disk it holds, its overlay at full size plus the memory a
-/// suspend saved (or will: see `saved_mib`, migration 0012).
-const DISK_HELD: &str = "(disk_mib + saved_mib)";
-/// The window `creates_per_minute` counts in.
-const RATE_WINDOW_MS: i64 = 60_000;
-
-impl From<sqlx::Error> for StoreError {
-    fn from(e: sqlx::Error) -> Self {
-        StoreError::backend(e)
-    }
-}
-
-impl From<sqlx::migrate::MigrateError> for StoreError {
-    fn from(e: sqlx::migrate::MigrateError) -> Self {
-        StoreError::backend(e)
-    }
-}
 
 pub struct SqliteStore {
     pool: SqlitePool,
@@ -210,14 +174,6 @@ fn session_from_row(r: &sqlx::sqlite::SqliteRow) -> SessionRecord {
     }
 }
 
-fn op_created_ms(op: &Operation) -> i64 {
-    humantime::parse_rfc3339(&op.created_at)
-        .ok()
-        .and_then(|t| t.duration_since(std::time::UNIX_EPOCH).ok())
-        .map(|d| d.as_millis() as i64)
-        .unwrap_or_else(now_ms)
-}
-
 /// Make the database file (creating it empty if missing) and its -wal and -shm files 0600.
 /// Only before SQLite opens the file (see `open`).
 fn private_files(path: &Path) -> Result<(), StoreError> {
@@ -250,16 +206,6 @@ fn tighten(path: &Path) -> Result<(), StoreError> {
         }
     }
     Ok(())
-}
-
-/// A new tenant's id: opaque (`tn_` + 16 random hex), never its name, so a tenant made later
-/// under a deleted one's name shares nothing recorded under the old id. The bootstrap tenant
-/// `default` keeps the id `default` (stores before this had it; it can't be deleted).
-fn new_tenant_id(name: &str) -> String {
-    if name == "default" {
-        return name.into();
-    }
-    format!("tn_{}", airlock_runtime::datadir::random_hex(8))
 }
 
 /// Record `key`'s hash for `tenant` (created if new), inside the caller's transaction.

@@ -1,10 +1,14 @@
 //! Admission inside the store's transactions: what a tenant and the node hold (live sandboxes
 //! by their resources, suspended ones by their disk and saved memory, snapshots by what they
-//! hold), checked against the tenant's quota and the node's budgets before an insert.
+//! hold), checked against the tenant's quota and the node's budgets (`store/admit.rs`) before an
+//! insert.
 
 use super::{DISK_HELD, HOLDS_VM, LIVE, RATE_WINDOW_MS};
 use crate::model::{Quota, TenantUsage};
 use crate::records::now_ms;
+use crate::store::admit::{
+    check_budget, check_disk_budget, check_disk_quota, check_quota, rate_limit_reached, rate_limited, NodeUsage,
+};
 use crate::store::{NodeBudget, StoreError};
 
 /// A tenant's usage, read inside `tx` (so admission sees what it decides on).
@@ -45,7 +49,7 @@ pub(super) async fn usage_within(
 }
 
 /// What every tenant's live sandboxes and snapshots hold of the node: vCPUs, memory, disk.
-async fn node_usage_within(tx: &mut sqlx::Transaction<'_, sqlx::Sqlite>) -> Result<(u64, u64, u64), StoreError> {
+async fn node_usage_within(tx: &mut sqlx::Transaction<'_, sqlx::Sqlite>) -> Result<NodeUsage, StoreError> {
     let (vcpu, memory, disk): (i64, i64, i64) = sqlx::query_as(&format!(
         "SELECT COALESCE(SUM(vcpu * {HOLDS_VM}), 0), COALESCE(SUM(memory_mib * {HOLDS_VM}), 0),
             COALESCE(SUM({DISK_HELD}), 0)
@@ -57,7 +61,11 @@ async fn node_usage_within(tx: &mut sqlx::Transaction<'_, sqlx::Sqlite>) -> Resu
         .fetch_one(&mut **tx)
         .await?;
     let n = |v: i64| v.max(0) as u64;
-    Ok((n(vcpu), n(memory), n(disk) + n(snapshots)))
+    Ok(NodeUsage {
+        vcpu: n(vcpu),
+        memory_mib: n(memory),
+        disk_mib: n(disk) + n(snapshots),
+    })
 }
 
 /// Admission of `asked_mib` more disk inside `tx`: within the tenant's `disk_mib` quota and the
@@ -70,24 +78,8 @@ pub(super) async fn admit_disk_within(
     budget: &NodeBudget,
 ) -> Result<(), StoreError> {
     let usage = usage_within(tx, tenant_id, now_ms()).await?;
-    if let Some(limit) = quota.disk_mib.filter(|l| usage.disk_mib.saturating_add(asked_mib) > *l) {
-        return Err(StoreError::QuotaExceeded {
-            quota: "disk_mib",
-            used: usage.disk_mib,
-            asked: asked_mib,
-            limit,
-        });
-    }
-    let (_, _, used) = node_usage_within(tx).await?;
-    if used.saturating_add(asked_mib) > budget.disk_mib {
-        return Err(StoreError::NodeBudgetExceeded {
-            budget: "disk",
-            asked: asked_mib,
-            used,
-            total: budget.disk_mib,
-        });
-    }
-    Ok(())
+    check_disk_quota(usage.disk_mib, asked_mib, quota)?;
+    check_disk_budget(node_usage_within(tx).await?.disk_mib, asked_mib, budget)
 }
 
 /// Admission inside `tx`: a sandbox of `tenant_id` with resources `r` fits the tenant's `quota`
@@ -106,57 +98,22 @@ pub(super) async fn admit_within(
     let new = new_disk_mib.is_some();
     let disk_asked = new_disk_mib.unwrap_or(0);
     let usage = usage_within(tx, tenant_id, now).await?;
-    for (name, used, asked, limit) in [
-        ("sandboxes", usage.sandboxes as u64, 1, quota.sandboxes.map(u64::from)),
-        ("vcpu", usage.vcpu, r.vcpu as u64, quota.vcpu),
-        ("memory_mib", usage.memory_mib, r.memory_mib as u64, quota.memory_mib),
-        ("disk_mib", usage.disk_mib, disk_asked, quota.disk_mib),
-    ] {
-        if let Some(limit) = limit.filter(|l| used.saturating_add(asked) > *l) {
-            return Err(StoreError::QuotaExceeded {
-                quota: name,
-                used,
-                asked,
-                limit,
-            });
-        }
-    }
-    if let Some(limit) = quota.creates_per_minute.filter(|_| new) {
-        if usage.creates_last_minute >= limit {
-            // The window frees a place when the oldest create counted in it turns 60 s old.
-            let (oldest,): (Option<i64>,) = sqlx::query_as(
-                "SELECT MIN(created_at_ms) FROM (SELECT created_at_ms FROM operations
-                 WHERE tenant_id = ? AND kind = 'create' AND created_at_ms > ?
-                 ORDER BY created_at_ms DESC LIMIT ?)",
-            )
-            .bind(tenant_id)
-            .bind(now - RATE_WINDOW_MS)
-            .bind(limit as i64)
-            .fetch_one(&mut **tx)
-            .await?;
-            let free_at = oldest.unwrap_or(now) + RATE_WINDOW_MS;
-            return Err(StoreError::RateLimited {
-                limit,
-                retry_after_s: ((free_at - now).max(0) as u64).div_ceil(1000).max(1),
-            });
-        }
+    check_quota(&usage, r, disk_asked, quota)?;
+    if let Some(limit) = rate_limit_reached(&usage, quota).filter(|_| new) {
+        // The window frees a place when the oldest create counted in it turns 60 s old.
+        let (oldest,): (Option<i64>,) = sqlx::query_as(
+            "SELECT MIN(created_at_ms) FROM (SELECT created_at_ms FROM operations
+             WHERE tenant_id = ? AND kind = 'create' AND created_at_ms > ?
+             ORDER BY created_at_ms DESC LIMIT ?)",
+        )
+        .bind(tenant_id)
+        .bind(now - RATE_WINDOW_MS)
+        .bind(limit as i64)
+        .fetch_one(&mut **tx)
+        .await?;
+        return Err(rate_limited(limit, oldest, now));
     }
     // The node's budgets, summed over every tenant's live sandboxes and snapshots under the
     // same lock.
-    let (vcpu, memory, disk) = node_usage_within(tx).await?;
-    for (name, used, asked, total) in [
-        ("vcpu", vcpu, r.vcpu as u64, budget.vcpu),
-        ("memory", memory, r.memory_mib as u64, budget.memory_mib),
-        ("disk", disk, disk_asked, budget.disk_mib),
-    ] {
-        if used.saturating_add(asked) > total {
-            return Err(StoreError::NodeBudgetExceeded {
-                budget: name,
-                asked,
-                used,
-                total,
-            });
-        }
-    }
-    Ok(())
+    check_budget(node_usage_within(tx).await?, r, disk_asked, budget)
 }
