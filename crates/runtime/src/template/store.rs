@@ -11,9 +11,9 @@ use sha2::{Digest, Sha256};
 use std::collections::BTreeSet;
 use std::path::{Path, PathBuf};
 
-pub(super) const KERNEL_FILE: &str = "vmlinuz";
-pub(super) const INITRD_FILE: &str = "initrd.img";
-pub(super) const ROOTFS_FILE: &str = "rootfs.ext4";
+pub(crate) const KERNEL_FILE: &str = "vmlinuz";
+pub(crate) const INITRD_FILE: &str = "initrd.img";
+pub(crate) const ROOTFS_FILE: &str = "rootfs.ext4";
 
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
 pub struct TemplateManifest {
@@ -96,11 +96,16 @@ impl TemplateStore {
         Self { data }
     }
 
-    pub(super) fn manifest_path(&self, name: &str) -> PathBuf {
+    /// The data dir the store lives in (object storage stages pulls in its cache).
+    pub(crate) fn data(&self) -> &DataDir {
+        &self.data
+    }
+
+    pub(crate) fn manifest_path(&self, name: &str) -> PathBuf {
         self.data.templates().join(format!("{name}.json"))
     }
 
-    pub(super) fn load(&self, name: &str) -> Option<Template> {
+    pub(crate) fn load(&self, name: &str) -> Option<Template> {
         let text = std::fs::read(self.manifest_path(name)).ok()?;
         let manifest: TemplateManifest = serde_json::from_slice(&text).ok()?;
         let dir = self.data.blobs().join(manifest.digest.trim_start_matches("sha256:"));

@@ -1,0 +1,401 @@
+//! Templates through object storage (`objects.rs`): pushed from one data dir, pulled into
+//! another, verified, pulled again for nothing. Against a local dir, and against S3 as moto
+//! serves it on loopback (a Python venv the test makes once under the target dir). No VM.
+
+use airlock_runtime::datadir::DataDir;
+use airlock_runtime::fake;
+use airlock_runtime::objects::{Objects, ObjectsError, PushedTemplate, PART_SIZE, S3};
+use airlock_runtime::template::{TemplateManifest, TemplateStore};
+use object_store::aws::AmazonS3Builder;
+use object_store::{ObjectStore, PutMode, PutOptions};
+use sha2::{Digest, Sha256};
+use std::io::{Read, Write};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+const FILES: [&str; 3] = ["vmlinuz", "initrd.img", "rootfs.ext4"];
+
+/// A fake template whose digest is its content's, as a build makes it (`fake::install_template`
+/// names its blobs by the template's name), with `rootfs_bytes` of varied content.
+fn template(dir: &Path, name: &str, rootfs_bytes: usize, seed: u8) -> TemplateManifest {
+    let mut manifest = fake::install_template(dir, name).unwrap();
+    let data = DataDir::open(dir).unwrap();
+    let fake_dir = data.blobs().join(manifest.digest.trim_start_matches("sha256:"));
+    let rootfs: Vec<u8> = (0..rootfs_bytes).map(|i| (i % 251) as u8 ^ seed).collect();
+    std::fs::write(fake_dir.join("rootfs.ext4"), &rootfs).unwrap();
+    let mut h = Sha256::new();
+    let mut size = 0;
+    for f in FILES {
+        let bytes = std::fs::read(fake_dir.join(f)).unwrap();
+        size += bytes.len() as u64;
+        h.update(hex::encode(Sha256::digest(&bytes)).as_bytes());
+    }
+    let hex = hex::encode(h.finalize());
+    std::fs::rename(&fake_dir, data.blobs().join(&hex)).unwrap();
+    manifest.digest = format!("sha256:{hex}");
+    manifest.size_bytes = size;
+    manifest.rootfs_bytes = rootfs.len() as u64;
+    std::fs::write(
+        data.templates().join(format!("{name}.json")),
+        serde_json::to_vec_pretty(&manifest).unwrap(),
+    )
+    .unwrap();
+    manifest
+}
+
+fn store(dir: &Path) -> TemplateStore {
+    TemplateStore::new(DataDir::open(dir).unwrap())
+}
+
+fn same_files(a: &Path, b: &Path) {
+    for f in FILES {
+        assert!(
+            std::fs::read(a.join(f)).unwrap() == std::fs::read(b.join(f)).unwrap(),
+            "{f} differs"
+        );
+    }
+}
+
+/// Nothing of a failed pull in the data dir: no manifest, no blobs, no staging dir.
+fn nothing_pulled(dir: &Path) {
+    let data = DataDir::open(dir).unwrap();
+    for sub in [data.templates(), data.blobs(), data.cache()] {
+        let left: Vec<_> = std::fs::read_dir(&sub).unwrap().flatten().map(|e| e.path()).collect();
+        assert!(left.is_empty(), "left behind in {}: {left:?}", sub.display());
+    }
+}
+
+/// Push from one data dir, pull into two fresh ones (by name, by digest), again for nothing.
+async fn round_trip(objects: &Objects, rootfs_bytes: usize) -> TemplateManifest {
+    let (src, dst, other) = (
+        tempfile::tempdir().unwrap(),
+        tempfile::tempdir().unwrap(),
+        tempfile::tempdir().unwrap(),
+    );
+    let manifest = template(src.path(), "seed", rootfs_bytes, 7);
+    let local = store(src.path()).resolve("seed").unwrap();
+
+    let t = Instant::now();
+    let pushed = objects.push_template(&local).await.unwrap();
+    eprintln!("push of {} bytes: {:?}", manifest.size_bytes, t.elapsed());
+    assert_eq!(pushed.digest, manifest.digest);
+    assert!(
+        pushed.uploaded_bytes > manifest.size_bytes,
+        "blobs and manifest uploaded"
+    );
+    assert_eq!(
+        objects.push_template(&local).await.unwrap().uploaded_bytes,
+        0,
+        "second push"
+    );
+
+    let target = store(dst.path());
+    let t = Instant::now();
+    let pulled = objects.pull_template("seed", &target).await.unwrap();
+    eprintln!("pull of {} bytes: {:?}", manifest.size_bytes, t.elapsed());
+    assert_eq!(pulled.fetched_bytes, manifest.size_bytes);
+    assert_eq!(pulled.template.manifest, manifest);
+    let resolved = target.resolve("seed").unwrap();
+    assert_eq!(resolved.manifest, manifest);
+    same_files(&local.dir, &resolved.dir);
+    assert_eq!(
+        objects
+            .pull_template("seed:latest", &target)
+            .await
+            .unwrap()
+            .fetched_bytes,
+        0
+    );
+    assert_eq!(
+        DataDir::open(dst.path()).unwrap().cache().read_dir().unwrap().count(),
+        0
+    );
+
+    let by_digest = objects
+        .pull_template(&manifest.digest, &store(other.path()))
+        .await
+        .unwrap();
+    assert_eq!(by_digest.fetched_bytes, manifest.size_bytes);
+    same_files(&local.dir, &by_digest.template.dir);
+
+    let missing = objects.pull_template("nothing", &store(other.path())).await;
+    assert!(matches!(missing, Err(ObjectsError::NotFound(_))), "{missing:?}");
+    manifest
+}
+
+#[tokio::test]
+async fn local_dir_round_trip() {
+    let remote = tempfile::tempdir().unwrap();
+    let objects = Objects::local(remote.path()).unwrap();
+    round_trip(&objects, 64 << 10).await;
+    let hex_dirs: Vec<_> = std::fs::read_dir(remote.path().join("templates"))
+        .unwrap()
+        .flatten()
+        .collect();
+    assert_eq!(hex_dirs.len(), 1);
+    let mut stored: Vec<String> = std::fs::read_dir(hex_dirs[0].path())
+        .unwrap()
+        .flatten()
+        .map(|e| e.file_name().to_string_lossy().into_owned())
+        .collect();
+    stored.sort();
+    assert_eq!(stored, ["initrd.img", "manifest.json", "rootfs.ext4", "vmlinuz"]);
+    assert!(remote.path().join("names/seed").exists());
+}
+
+/// A blob whose bytes are not what the manifest says: the pull fails typed and leaves nothing.
+#[tokio::test]
+async fn corrupt_blob_is_refused() {
+    let (remote, src, dst) = (
+        tempfile::tempdir().unwrap(),
+        tempfile::tempdir().unwrap(),
+        tempfile::tempdir().unwrap(),
+    );
+    let objects = Objects::local(remote.path()).unwrap();
+    let manifest = template(src.path(), "seed", 64 << 10, 1);
+    objects
+        .push_template(&store(src.path()).resolve("seed").unwrap())
+        .await
+        .unwrap();
+    let hex = manifest.digest.trim_start_matches("sha256:");
+    let blob = remote.path().join(format!("templates/{hex}/rootfs.ext4"));
+    let mut bytes = std::fs::read(&blob).unwrap();
+    bytes[1000] ^= 0xff;
+    std::fs::write(&blob, &bytes).unwrap();
+
+    let target = store(dst.path());
+    let err = objects.pull_template("seed", &target).await.unwrap_err();
+    assert!(
+        matches!(&err, ObjectsError::DigestMismatch { what, .. } if what.starts_with("rootfs.ext4")),
+        "{err:?}"
+    );
+    assert!(target.resolve("seed").is_err());
+    nothing_pulled(dst.path());
+
+    // A longer blob is cut off at the manifest's size, and refused the same way.
+    bytes.extend_from_slice(&[0; 4096]);
+    std::fs::write(&blob, &bytes).unwrap();
+    let err = objects.pull_template("seed", &target).await.unwrap_err();
+    assert!(matches!(err, ObjectsError::DigestMismatch { .. }), "{err:?}");
+    nothing_pulled(dst.path());
+}
+
+/// A manifest whose file digests do not make its digest, or whose name is a path, is refused
+/// before anything is downloaded.
+#[tokio::test]
+async fn forged_manifest_is_refused() {
+    let (remote, src, dst) = (
+        tempfile::tempdir().unwrap(),
+        tempfile::tempdir().unwrap(),
+        tempfile::tempdir().unwrap(),
+    );
+    let objects = Objects::local(remote.path()).unwrap();
+    let manifest = template(src.path(), "seed", 4096, 2);
+    objects
+        .push_template(&store(src.path()).resolve("seed").unwrap())
+        .await
+        .unwrap();
+    let hex = manifest.digest.trim_start_matches("sha256:");
+    let path = remote.path().join(format!("templates/{hex}/manifest.json"));
+    let original: PushedTemplate = serde_json::from_slice(&std::fs::read(&path).unwrap()).unwrap();
+
+    let mut forged = original.clone();
+    forged.files[2].sha256 = "0".repeat(64);
+    std::fs::write(&path, serde_json::to_vec(&forged).unwrap()).unwrap();
+    let err = objects.pull_template("seed", &store(dst.path())).await.unwrap_err();
+    assert!(matches!(err, ObjectsError::DigestMismatch { .. }), "{err:?}");
+    nothing_pulled(dst.path());
+
+    let mut forged = original;
+    forged.manifest.name = "../../etc".into();
+    std::fs::write(&path, serde_json::to_vec(&forged).unwrap()).unwrap();
+    let err = objects.pull_template("seed", &store(dst.path())).await.unwrap_err();
+    assert!(matches!(err, ObjectsError::BadManifest { .. }), "{err:?}");
+    nothing_pulled(dst.path());
+}
+
+/// A local template whose files are not its digest is never published.
+#[tokio::test]
+async fn corrupt_local_template_is_not_pushed() {
+    let (remote, src) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+    let objects = Objects::local(remote.path()).unwrap();
+    template(src.path(), "seed", 4096, 3);
+    let local = store(src.path()).resolve("seed").unwrap();
+    std::fs::write(local.kernel(), b"another kernel\n").unwrap();
+    let err = objects.push_template(&local).await.unwrap_err();
+    assert!(matches!(err, ObjectsError::DigestMismatch { .. }), "{err:?}");
+    assert_eq!(std::fs::read_dir(remote.path()).unwrap().count(), 0);
+}
+
+/// Two hosts pushing one digest at once both succeed (conditional creates of the same bytes).
+async fn concurrent_pushes(objects: &Objects) {
+    let (a, b, dst) = (
+        tempfile::tempdir().unwrap(),
+        tempfile::tempdir().unwrap(),
+        tempfile::tempdir().unwrap(),
+    );
+    let ma = template(a.path(), "twin", 256 << 10, 4);
+    let mb = template(b.path(), "twin", 256 << 10, 4);
+    assert_eq!(ma.digest, mb.digest);
+    let (ta, tb) = (
+        store(a.path()).resolve("twin").unwrap(),
+        store(b.path()).resolve("twin").unwrap(),
+    );
+    let (ra, rb) = tokio::join!(objects.push_template(&ta), objects.push_template(&tb));
+    assert_eq!(ra.unwrap().digest, rb.unwrap().digest);
+    let pulled = objects.pull_template("twin", &store(dst.path())).await.unwrap();
+    same_files(&ta.dir, &pulled.template.dir);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn concurrent_pushes_of_one_digest() {
+    let remote = tempfile::tempdir().unwrap();
+    concurrent_pushes(&Objects::local(remote.path()).unwrap()).await;
+}
+
+// ---- S3, as moto serves it ----
+
+/// moto's server, stopped by its PID when the test ends, failed or not.
+struct Moto {
+    child: Child,
+    endpoint: String,
+}
+
+impl Drop for Moto {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// What the test venv holds; a change makes the venv anew.
+const MOTO: [&str; 3] = ["moto[s3]==5.2.5", "flask==3.1.3", "flask-cors==6.0.5"];
+
+/// The venv with moto, made once under the target dir and reused; one without the marker
+/// naming these packages (older, or a run stopped while making it) is made anew.
+fn moto_venv() -> PathBuf {
+    let venv = Path::new(env!("CARGO_TARGET_TMPDIR")).join("moto-venv");
+    let done = venv.join(".airlock-wants");
+    let wants = MOTO.join(" ");
+    if std::fs::read_to_string(&done).is_ok_and(|have| have == wants) {
+        return venv;
+    }
+    let _ = std::fs::remove_dir_all(&venv);
+    let run = |cmd: &mut Command, what: &str| {
+        let out = cmd.output().unwrap_or_else(|e| panic!("{what}: {e}"));
+        assert!(
+            out.status.success(),
+            "{what} failed ({}): {}{}\nfix: install python3 with its venv module and pip (scripts/install-host-deps installs python3-venv)",
+            out.status,
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
+    };
+    run(
+        Command::new("python3").args(["-m", "venv"]).arg(&venv),
+        "python3 -m venv",
+    );
+    run(
+        Command::new(venv.join("bin/pip"))
+            .args(["install", "--quiet"])
+            .args(MOTO),
+        "pip install moto into the test venv",
+    );
+    std::fs::write(&done, wants).unwrap();
+    venv
+}
+
+fn start_moto() -> Moto {
+    let venv = moto_venv();
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let t = Instant::now();
+    let child = Command::new(venv.join("bin/moto_server"))
+        .args(["-H", "127.0.0.1", "-p", &port.to_string()])
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .expect("start moto_server");
+    let mut moto = Moto {
+        child,
+        endpoint: format!("http://127.0.0.1:{port}"),
+    };
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        if let Some(status) = moto.child.try_wait().unwrap() {
+            panic!("moto_server exited at start: {status}");
+        }
+        if std::net::TcpStream::connect(("127.0.0.1", port)).is_ok() {
+            break;
+        }
+        assert!(Instant::now() < deadline, "moto_server did not listen within 30 s");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    eprintln!("moto started in {:?}", t.elapsed());
+    // moto takes an unsigned bucket create.
+    let mut conn = std::net::TcpStream::connect(("127.0.0.1", port)).unwrap();
+    write!(
+        conn,
+        "PUT /airlock HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nContent-Length: 0\r\nConnection: close\r\n\r\n"
+    )
+    .unwrap();
+    let mut answer = String::new();
+    conn.read_to_string(&mut answer).unwrap();
+    assert!(answer.starts_with("HTTP/1.1 200"), "bucket create: {answer}");
+    moto
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn s3_round_trip() {
+    let moto = start_moto();
+    let objects = Objects::s3(&S3 {
+        endpoint: Some(moto.endpoint.clone()),
+        bucket: "airlock".into(),
+        region: "us-east-1".into(),
+        access_key_id: "test".into(),
+        secret_access_key: "test".into(),
+    })
+    .unwrap();
+    // Above one part: the rootfs goes up in three parts.
+    let manifest = round_trip(&objects, 2 * PART_SIZE + (1 << 20)).await;
+
+    // What the bucket holds, read beside the API: a multipart ETag ends in its part count, and
+    // the store refuses a second create of an object (what lets two hosts push one digest).
+    let raw = AmazonS3Builder::new()
+        .with_endpoint(&moto.endpoint)
+        .with_allow_http(true)
+        .with_bucket_name("airlock")
+        .with_region("us-east-1")
+        .with_access_key_id("test")
+        .with_secret_access_key("test")
+        .build()
+        .unwrap();
+    let hex = manifest.digest.trim_start_matches("sha256:");
+    let rootfs = raw.head(&format!("templates/{hex}/rootfs.ext4").into()).await.unwrap();
+    assert!(
+        rootfs.e_tag.as_deref().unwrap_or("").ends_with("-3\""),
+        "{:?}",
+        rootfs.e_tag
+    );
+    let create = PutOptions {
+        mode: PutMode::Create,
+        ..Default::default()
+    };
+    let again = raw
+        .put_opts(
+            &format!("templates/{hex}/manifest.json").into(),
+            b"{}".to_vec().into(),
+            create,
+        )
+        .await;
+    assert!(
+        matches!(again, Err(object_store::Error::AlreadyExists { .. })),
+        "{again:?}"
+    );
+
+    concurrent_pushes(&objects).await;
+}
