@@ -6,7 +6,8 @@
 //! - `template`: template builds and the content-addressed store
 //! - `jail`: what every VMM process runs in (its own uid, read-only mounts, cgroups)
 //! - `agent`: the client of the guest agent (HTTP/2 over the VM's channel)
-//! - `objects`: templates in object storage (S3, or a local dir), shared between hosts
+//! - `objects`: templates and saved images in object storage (S3, or a local dir), shared
+//!   between hosts
 //! - `net`: each sandbox's network namespace, tap, veth and nftables, and the egress hook
 //!
 //! The server reaches it only through its node seam; the integration tests drive it directly

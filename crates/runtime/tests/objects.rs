@@ -4,8 +4,11 @@
 
 use airlock_runtime::datadir::DataDir;
 use airlock_runtime::fake;
-use airlock_runtime::objects::{Objects, ObjectsError, PushedTemplate, PART_SIZE, S3};
+use airlock_runtime::objects::{Objects, ObjectsError, Pushed, PushedImage, PushedTemplate, PART_SIZE, S3};
+use airlock_runtime::sandbox::image::{Image, ImageManifest};
 use airlock_runtime::template::{TemplateManifest, TemplateStore};
+use airlock_runtime::vmm::{Accel, ResumeSpec};
+use airlock_runtime::Resources;
 use object_store::aws::AmazonS3Builder;
 use object_store::{ObjectStore, PutMode, PutOptions};
 use sha2::{Digest, Sha256};
@@ -254,6 +257,251 @@ async fn concurrent_pushes_of_one_digest() {
     concurrent_pushes(&Objects::local(remote.path()).unwrap()).await;
 }
 
+// ---- saved images ----
+
+const IMAGE_FILES: [&str; 6] = [
+    "state",
+    "disk.qcow2",
+    "held/layer-0.qcow2",
+    "held/kernel",
+    "held/initrd",
+    "held/rootfs",
+];
+
+/// A saved image as `Images::save` lays it out (its machine on links in `held/`), with
+/// `state_bytes` of varied memory and the rootfs `rootfs`.
+fn image(data_dir: &Path, id: &str, state_bytes: usize, rootfs: &[u8]) -> Image {
+    let root = DataDir::open(data_dir).unwrap().images();
+    let dir = root.join(id);
+    std::fs::create_dir_all(dir.join("held")).unwrap();
+    let state: Vec<u8> = (0..state_bytes).map(|i| (i % 241) as u8).collect();
+    for (file, content) in IMAGE_FILES
+        .iter()
+        .zip([&state[..], b"overlay", b"base layer", b"kernel", b"initrd", rootfs])
+    {
+        std::fs::write(dir.join(file), content).unwrap();
+    }
+    let manifest = ImageManifest {
+        id: id.into(),
+        source: "sb0123456789".into(),
+        template: "seed".into(),
+        template_digest: format!("sha256:{}", "a".repeat(64)),
+        resources: Resources::default(),
+        accel: Accel::Tcg,
+        vmm: "fake".into(),
+        machine: ResumeSpec {
+            cmdline: "console=ttyS0".into(),
+            memory_backend: true,
+            layers: vec![dir.join("disk.qcow2"), dir.join("held/layer-0.qcow2")],
+            kernel: dir.join("held/kernel"),
+            initrd: dir.join("held/initrd"),
+            rootfs: dir.join("held/rootfs"),
+        },
+        created_at: "2026-12-02T17:00:00Z".into(),
+        state_bytes: state.len() as u64,
+        disk_bytes: 7,
+        save_ms: 3,
+        digest: None,
+    };
+    std::fs::write(dir.join("image.json"), serde_json::to_vec_pretty(&manifest).unwrap()).unwrap();
+    Image::find(&root, id).unwrap()
+}
+
+fn images_dir(dir: &Path) -> PathBuf {
+    DataDir::open(dir).unwrap().images()
+}
+
+fn bytes_of(dir: &Path) -> u64 {
+    IMAGE_FILES
+        .iter()
+        .map(|f| std::fs::metadata(dir.join(f)).unwrap().len())
+        .sum()
+}
+
+async fn image_round_trip(objects: &Objects, state_bytes: usize) {
+    let (src, dst, other) = (
+        tempfile::tempdir().unwrap(),
+        tempfile::tempdir().unwrap(),
+        tempfile::tempdir().unwrap(),
+    );
+    let rootfs = vec![9u8; 256 << 10];
+    let mut saved = image(src.path(), "snap_one", state_bytes, &rootfs);
+    // As `Images::digest` records it after the save; the pull checks the files against it.
+    saved.manifest.digest = Some(saved.content_digest().unwrap());
+    std::fs::write(
+        saved.dir.join("image.json"),
+        serde_json::to_vec_pretty(&saved.manifest).unwrap(),
+    )
+    .unwrap();
+    let size = bytes_of(&saved.dir);
+
+    let t = Instant::now();
+    let pushed = objects.push_image(&saved).await.unwrap();
+    eprintln!("image push of {size} bytes: {:?}", t.elapsed());
+    assert!(pushed.uploaded_bytes > size, "files and manifest uploaded");
+    assert_eq!(
+        objects.push_image(&saved).await.unwrap(),
+        Pushed {
+            uploaded_bytes: 0,
+            ..pushed.clone()
+        }
+    );
+
+    // Another image on the same rootfs: only what differs goes up.
+    let sibling = image(src.path(), "snap_two", 1000, &rootfs);
+    let second = objects.push_image(&sibling).await.unwrap();
+    assert!(second.uploaded_bytes < rootfs.len() as u64, "{second:?}");
+
+    let t = Instant::now();
+    let pulled = objects
+        .pull_image("snap_one", &DataDir::open(dst.path()).unwrap())
+        .await
+        .unwrap();
+    eprintln!("image pull of {size} bytes: {:?}", t.elapsed());
+    assert_eq!(pulled.fetched_bytes, size);
+    let found = Image::find(&images_dir(dst.path()), "snap_one").expect("the pulled image loads");
+    assert_eq!(found.dir, images_dir(dst.path()).join("snap_one"));
+    for f in IMAGE_FILES {
+        assert!(
+            std::fs::read(saved.dir.join(f)).unwrap() == std::fs::read(found.dir.join(f)).unwrap(),
+            "{f}"
+        );
+    }
+    // The machine is this host's: every path inside the pulled dir.
+    let m = &found.manifest.machine;
+    for p in m.layers.iter().chain([&m.kernel, &m.initrd, &m.rootfs]) {
+        assert!(p.starts_with(&found.dir) && p.exists(), "{}", p.display());
+    }
+    assert_eq!(
+        ImageManifest {
+            machine: saved.manifest.machine.clone(),
+            ..found.manifest.clone()
+        },
+        saved.manifest
+    );
+    let again = objects
+        .pull_image("snap_one", &DataDir::open(dst.path()).unwrap())
+        .await
+        .unwrap();
+    assert_eq!(again.fetched_bytes, 0);
+    assert_eq!(
+        DataDir::open(dst.path()).unwrap().cache().read_dir().unwrap().count(),
+        0
+    );
+
+    let by_digest = objects
+        .pull_image(&pushed.digest, &DataDir::open(other.path()).unwrap())
+        .await
+        .unwrap();
+    assert_eq!(by_digest.image.manifest.id, "snap_one");
+    let missing = objects
+        .pull_image("snap_none", &DataDir::open(other.path()).unwrap())
+        .await;
+    assert!(matches!(missing, Err(ObjectsError::NotFound(_))), "{missing:?}");
+}
+
+#[tokio::test]
+async fn image_local_dir_round_trip() {
+    let remote = tempfile::tempdir().unwrap();
+    image_round_trip(&Objects::local(remote.path()).unwrap(), 64 << 10).await;
+}
+
+/// A changed file, a changed manifest, a forged one naming paths outside the dir: refused,
+/// nothing left behind.
+#[tokio::test]
+async fn corrupt_image_is_refused() {
+    let (remote, src, dst) = (
+        tempfile::tempdir().unwrap(),
+        tempfile::tempdir().unwrap(),
+        tempfile::tempdir().unwrap(),
+    );
+    let objects = Objects::local(remote.path()).unwrap();
+    let saved = image(src.path(), "snap_bad", 4096, b"rootfs");
+    let pushed = objects.push_image(&saved).await.unwrap();
+    let hex = pushed.digest.trim_start_matches("sha256:");
+    let manifest_path = remote.path().join(format!("images/{hex}/manifest.json"));
+    let original: PushedImage = serde_json::from_slice(&std::fs::read(&manifest_path).unwrap()).unwrap();
+    let data = DataDir::open(dst.path()).unwrap();
+    let nothing = || {
+        assert_eq!(images_dir(dst.path()).read_dir().unwrap().count(), 0);
+        assert_eq!(data.cache().read_dir().unwrap().count(), 0);
+    };
+
+    let state = original.files.iter().find(|f| f.name == "state").unwrap();
+    let blob = remote.path().join(format!("files/{}", state.sha256));
+    let good = std::fs::read(&blob).unwrap();
+    let mut bad = good.clone();
+    bad[10] ^= 1;
+    std::fs::write(&blob, &bad).unwrap();
+    let err = objects.pull_image("snap_bad", &data).await.unwrap_err();
+    assert!(
+        matches!(&err, ObjectsError::DigestMismatch { what, .. } if what.starts_with("state")),
+        "{err:?}"
+    );
+    nothing();
+    std::fs::write(&blob, &good).unwrap();
+
+    let mut changed = original.clone();
+    changed.manifest.resources.memory_mib *= 2;
+    std::fs::write(&manifest_path, serde_json::to_vec_pretty(&changed).unwrap()).unwrap();
+    let err = objects.pull_image("snap_bad", &data).await.unwrap_err();
+    assert!(matches!(err, ObjectsError::DigestMismatch { .. }), "{err:?}");
+    nothing();
+
+    // Manifests stored under their own digests: one naming a file outside the dir, one whose
+    // content digest is not its files'.
+    let forge = |pushed: &PushedImage| {
+        let json = serde_json::to_vec_pretty(pushed).unwrap();
+        let hex = hex::encode(Sha256::digest(&json));
+        std::fs::create_dir_all(remote.path().join(format!("images/{hex}"))).unwrap();
+        std::fs::write(remote.path().join(format!("images/{hex}/manifest.json")), &json).unwrap();
+        format!("sha256:{hex}")
+    };
+    let mut escaping = original.clone();
+    escaping.files[0].name = "../../escaped".into();
+    let err = objects.pull_image(&forge(&escaping), &data).await.unwrap_err();
+    assert!(matches!(err, ObjectsError::BadManifest { .. }), "{err:?}");
+    nothing();
+    let mut misdigested = original;
+    misdigested.manifest.digest = Some(format!("sha256:{}", "0".repeat(64)));
+    let err = objects.pull_image(&forge(&misdigested), &data).await.unwrap_err();
+    assert!(
+        matches!(&err, ObjectsError::DigestMismatch { what, .. } if what == "its content"),
+        "{err:?}"
+    );
+    nothing();
+}
+
+/// An image on a file outside its dir cannot move; one whose id is taken here is not pulled
+/// over it.
+#[tokio::test]
+async fn image_refusals() {
+    let (remote, src, dst) = (
+        tempfile::tempdir().unwrap(),
+        tempfile::tempdir().unwrap(),
+        tempfile::tempdir().unwrap(),
+    );
+    let objects = Objects::local(remote.path()).unwrap();
+    let mut outside = image(src.path(), "snap_out", 100, b"rootfs");
+    outside.manifest.machine.kernel = src.path().join("elsewhere");
+    let err = objects.push_image(&outside).await.unwrap_err();
+    assert!(matches!(err, ObjectsError::NotSelfContained { .. }), "{err:?}");
+
+    let saved = image(src.path(), "snap_same", 100, b"rootfs");
+    objects.push_image(&saved).await.unwrap();
+    let here = image(dst.path(), "snap_same", 200, b"another rootfs");
+    let err = objects
+        .pull_image("snap_same", &DataDir::open(dst.path()).unwrap())
+        .await
+        .unwrap_err();
+    assert!(matches!(err, ObjectsError::ImageIdTaken(_)), "{err:?}");
+    assert_eq!(
+        std::fs::read(here.state()).unwrap().len(),
+        200,
+        "the image here is kept"
+    );
+}
+
 // ---- S3, as moto serves it ----
 
 /// moto's server, stopped by its PID when the test ends, failed or not.
@@ -398,4 +646,5 @@ async fn s3_round_trip() {
     );
 
     concurrent_pushes(&objects).await;
+    image_round_trip(&objects, PART_SIZE + 4096).await;
 }

@@ -1,10 +1,12 @@
-//! Templates in object storage, so that many hosts share what one built: S3 (or an S3-compatible
-//! store), or a local dir on a single host. Content-addressed like the local store:
+//! Templates and saved images in object storage, so that many hosts share what one made: S3
+//! (or an S3-compatible store), or a local dir on a single host. Content-addressed:
 //!
 //! ```text
-//! templates/<hex>/{vmlinuz,initrd.img,rootfs.ext4}   the blobs, uploaded first
+//! templates/<hex>/{vmlinuz,initrd.img,rootfs.ext4}   a template's blobs, uploaded first
 //! templates/<hex>/manifest.json                      `PushedTemplate`, uploaded after its blobs
 //! names/<name>                                       `sha256:<hex>`: the name's current digest
+//! files/<sha256>, images/<hex>/manifest.json,        an image's files, its manifest, its id's
+//! image-ids/<id>                                     digest (`image.rs`)
 //! ```
 //!
 //! Blobs and manifests are created only where absent (a HEAD first, then a conditional create),
@@ -30,6 +32,9 @@ use sha2::{Digest, Sha256};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+mod image;
+pub use image::{PulledImage, PushedImage};
 
 /// Files larger than this go up in parts of this size (S3's smallest part is 5 MiB).
 pub const PART_SIZE: usize = 5 << 20;
@@ -59,14 +64,20 @@ pub enum ObjectsError {
     },
     #[error("local template store: {0}")]
     Local(#[from] RuntimeError),
-    #[error("no template {0:?} in object storage")]
+    #[error("no template or image {0:?} in object storage")]
     NotFound(String),
-    #[error("invalid template reference {0:?}: use a name or sha256:<64 hex digits>")]
+    #[error("invalid reference {0:?}: use a template name or image id, or sha256:<64 hex digits>")]
     BadReference(String),
-    #[error("object {path} is not a template manifest airlock wrote: {reason}")]
+    #[error("object {path} is not a manifest airlock wrote: {reason}")]
     BadManifest { path: String, reason: String },
+    /// An image whose machine uses a file outside its dir (a link that could not be made at
+    /// save): it would not run anywhere else.
+    #[error("image {id} uses {path}, outside its dir: it cannot move to another host")]
+    NotSelfContained { id: String, path: PathBuf },
+    #[error("another image {0:?} is already on this host")]
+    ImageIdTaken(String),
     /// Content that is not what its digest says: a corrupt or tampered object (or local blob).
-    #[error("template {digest}: {what} has digest {actual}, expected {expected}")]
+    #[error("{digest}: {what} has digest {actual}, expected {expected}")]
     DigestMismatch {
         digest: String,
         what: String,
@@ -160,7 +171,8 @@ impl Objects {
     /// template is never published.
     pub async fn push_template(&self, template: &Template) -> Result<Pushed> {
         let digest = template.manifest.digest.clone();
-        let files = describe_files(template.dir.clone()).await?;
+        let names = FILES.iter().map(|f| f.to_string()).collect();
+        let files = describe_files(template.dir.clone(), names).await?;
         let actual = content_digest(&files);
         if actual != digest {
             return Err(ObjectsError::DigestMismatch {
@@ -203,7 +215,9 @@ impl Objects {
     }
 
     /// Make `reference` (a name or `sha256:<hex>`) a template of `local`, downloading only what
-    /// it lacks, every file verified before anything enters the store.
+    /// it lacks, every file verified before anything enters the store. A local template of
+    /// that name and another digest is replaced, as a rebuild replaces it (its blobs stay
+    /// until the runtime prunes unnamed ones).
     pub async fn pull_template(&self, reference: &str, local: &TemplateStore) -> Result<Pulled> {
         let hex = self.resolve(reference).await?;
         let manifest_path = format!("templates/{hex}/manifest.json");
@@ -225,13 +239,18 @@ impl Objects {
         let mut fetched = 0;
         // The store renames whole blob dirs into place: one that exists is complete.
         if !dir.exists() {
-            let staging = Staging::new(data.cache().join(format!("objects-pull-{}", random_hex(8))))?;
+            let staging = Staging::new(data)?;
             for file in &pushed.files {
-                fetched += self
-                    .download(&hex, file, &staging.dir.join(&file.name), &manifest.digest)
-                    .await?;
+                let path = ObjectPath::from(format!("templates/{hex}/{}", file.name));
+                let to = staging.dir.join(&file.name);
+                fetched += self.download(&path, file, &to, 0o644, &manifest.digest).await?;
             }
-            staging.commit(&dir)?;
+            // A racing pull that got there first made the same dir.
+            if let Err(e) = staging.commit(&dir) {
+                if !FILES.iter().all(|f| dir.join(f).exists()) {
+                    return Err(io(&dir)(e));
+                }
+            }
         }
         write_atomic(
             &local.manifest_path(&manifest.name),
@@ -251,8 +270,12 @@ impl Objects {
                 .ok_or_else(|| ObjectsError::BadReference(reference.to_string()));
         }
         let (name, _) = parse_reference(reference).map_err(|_| ObjectsError::BadReference(reference.to_string()))?;
-        let path = format!("names/{name}");
-        let text = self.get_small(&path, reference).await?;
+        self.pointer(&format!("names/{name}"), reference).await
+    }
+
+    /// The hex digest the pointer object at `path` holds (`sha256:<hex>`).
+    async fn pointer(&self, path: &str, reference: &str) -> Result<String> {
+        let text = self.get_small(path, reference).await?;
         String::from_utf8(text)
             .ok()
             .and_then(|s| {
@@ -262,7 +285,7 @@ impl Objects {
                     .map(String::from)
             })
             .ok_or(ObjectsError::BadManifest {
-                path,
+                path: path.to_string(),
                 reason: "not a sha256:<hex> digest".into(),
             })
     }
@@ -319,16 +342,22 @@ impl Objects {
         }
     }
 
-    /// Stream one blob to `to`, hashing as it comes; more bytes than the manifest says stop it.
-    async fn download(&self, hex: &str, file: &PushedFile, to: &Path, digest: &str) -> Result<u64> {
-        let path = ObjectPath::from(format!("templates/{hex}/{}", file.name));
-        let got = self.store.get(&path).await.map_err(store_err("get", &path))?;
+    /// Stream the object at `path` to a new file `to` of `mode`, hashing as it comes; more
+    /// bytes than `file` says stop it. `digest` names what it belongs to in an error.
+    async fn download(&self, path: &ObjectPath, file: &PushedFile, to: &Path, mode: u32, digest: &str) -> Result<u64> {
+        let got = self.store.get(path).await.map_err(store_err("get", path))?;
         let mut stream = got.into_stream();
-        let mut out = tokio::fs::File::create(to).await.map_err(io(to))?;
+        let mut out = tokio::fs::OpenOptions::new()
+            .write(true)
+            .create_new(true)
+            .mode(mode)
+            .open(to)
+            .await
+            .map_err(io(to))?;
         let mut hasher = Sha256::new();
         let mut received = 0u64;
         while let Some(chunk) = stream.next().await {
-            let chunk = chunk.map_err(store_err("get", &path))?;
+            let chunk = chunk.map_err(store_err("get", path))?;
             received += chunk.len() as u64;
             if received > file.size {
                 break;
@@ -384,16 +413,16 @@ async fn feed(writer: &mut WriteMultipart, path: &ObjectPath, file: &Path) -> Re
     }
 }
 
-/// Each file's digest and size (off the async threads: a rootfs is large).
-async fn describe_files(dir: PathBuf) -> Result<Vec<PushedFile>> {
+/// The digest and size of each of `names` in `dir` (off the async threads: a rootfs is large).
+async fn describe_files(dir: PathBuf, names: Vec<String>) -> Result<Vec<PushedFile>> {
     tokio::task::spawn_blocking(move || {
-        FILES
-            .iter()
+        names
+            .into_iter()
             .map(|name| {
-                let path = dir.join(name);
+                let path = dir.join(&name);
                 let size = std::fs::metadata(&path).map_err(io(&path))?.len();
                 Ok(PushedFile {
-                    name: name.to_string(),
+                    name,
                     sha256: sha256_file(&path)?,
                     size,
                 })
@@ -472,21 +501,17 @@ struct Staging {
 }
 
 impl Staging {
-    fn new(dir: PathBuf) -> Result<Self> {
+    fn new(data: &crate::datadir::DataDir) -> Result<Self> {
+        let dir = data.cache().join(format!("objects-pull-{}", random_hex(8)));
         std::fs::create_dir_all(&dir).map_err(io(&dir))?;
         Ok(Self { dir, committed: false })
     }
 
-    /// Rename into `to`; a racing pull that got there first made the same dir.
-    fn commit(mut self, to: &Path) -> Result<()> {
-        match std::fs::rename(&self.dir, to) {
-            Ok(()) => {
-                self.committed = true;
-                Ok(())
-            }
-            Err(_) if FILES.iter().all(|f| to.join(f).exists()) => Ok(()),
-            Err(e) => Err(io(to)(e)),
-        }
+    /// Rename into `to` (which must not exist); dropped, not renamed, on an error.
+    fn commit(mut self, to: &Path) -> std::io::Result<()> {
+        std::fs::rename(&self.dir, to)?;
+        self.committed = true;
+        Ok(())
     }
 }
 
