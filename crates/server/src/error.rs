@@ -343,6 +343,8 @@ impl CoreError {
                 // The node has no room left: retry later or elsewhere, as for budgets.
                 NodeError::Exhausted(_) => c("unavailable", 503),
                 NodeError::Network(_) => c("network", 500),
+                // Its VMs' fate is unknown: retry later (or elsewhere, once there are others).
+                NodeError::Unreachable(_) => c("node_unreachable", 503),
                 // `From<NodeError>` makes these `NotFound`/`InvalidResources`; named so that a
                 // new variant must be placed here deliberately.
                 NodeError::UnknownTemplate(_)

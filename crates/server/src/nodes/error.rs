@@ -33,6 +33,10 @@ pub enum NodeError {
     /// The sandbox's network (namespace, tap, nftables, egress hook) could not be made.
     #[error(transparent)]
     Network(Cause),
+    /// The node did not answer (down, cut off, or past the call's deadline): the VM's fate is
+    /// unknown, not failed.
+    #[error(transparent)]
+    Unreachable(Cause),
     /// Anything else the node failed at (its VMM, jail, disk, agent).
     #[error(transparent)]
     Failed(Cause),

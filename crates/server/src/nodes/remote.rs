@@ -58,8 +58,18 @@ impl Drop for RemoteNode {
     }
 }
 
+/// The node did not answer.
 fn unreachable(addr: SocketAddr, what: &str, e: impl std::fmt::Display) -> NodeError {
-    NodeError::Failed(Box::new(RemoteFailure(format!("node {addr}: {what}: {e}"))))
+    NodeError::Unreachable(Box::new(RemoteFailure(format!(
+        "node {addr} did not answer {what}: {e}"
+    ))))
+}
+
+/// The node answered, but not in its protocol.
+fn garbled(addr: SocketAddr, what: &str, e: impl std::fmt::Display) -> NodeError {
+    NodeError::Failed(Box::new(RemoteFailure(format!(
+        "node {addr}: bad answer to {what}: {e}"
+    ))))
 }
 
 impl Inner {
@@ -99,11 +109,11 @@ impl Inner {
                 .map_err(|e| unreachable(self.addr, &what, e))?
                 .to_bytes();
             if status.is_success() {
-                serde_json::from_slice(&bytes).map_err(|e| unreachable(self.addr, &what, e))
+                serde_json::from_slice(&bytes).map_err(|e| garbled(self.addr, &what, e))
             } else {
                 Err(match serde_json::from_slice::<ErrorReply>(&bytes) {
                     Ok(reply) => reply.into_error(),
-                    Err(_) => unreachable(self.addr, &what, format!("{status}")),
+                    Err(_) => garbled(self.addr, &what, status),
                 })
             }
         };

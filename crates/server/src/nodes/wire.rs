@@ -95,7 +95,7 @@ impl ErrorReply {
             NodeError::UnknownTemplate(_) | NodeError::UnknownSandbox(_) | NodeError::UnknownImage(_) => 404,
             NodeError::InvalidResources(_) | NodeError::InvalidSandboxId(_) => 422,
             NodeError::SandboxIdTaken(_) | NodeError::NotRunning(_) => 409,
-            NodeError::Exhausted(_) => 503,
+            NodeError::Exhausted(_) | NodeError::Unreachable(_) => 503,
             NodeError::BootFailed(_) | NodeError::Network(_) | NodeError::Failed(_) => 500,
         }
     }
@@ -112,6 +112,7 @@ impl ErrorReply {
             NodeError::BootFailed(c) => ("boot_failed", c.to_string()),
             NodeError::Exhausted(c) => ("exhausted", c.to_string()),
             NodeError::Network(c) => ("network", c.to_string()),
+            NodeError::Unreachable(c) => ("unreachable", c.to_string()),
             NodeError::Failed(c) => ("failed", c.to_string()),
         };
         ErrorReply {
@@ -134,6 +135,7 @@ impl ErrorReply {
             "boot_failed" => NodeError::BootFailed(cause(self.message)),
             "exhausted" => NodeError::Exhausted(cause(self.message)),
             "network" => NodeError::Network(cause(self.message)),
+            "unreachable" => NodeError::Unreachable(cause(self.message)),
             _ => NodeError::Failed(cause(self.message)),
         }
     }

@@ -112,3 +112,23 @@ async fn reqwest_like_get(addr: std::net::SocketAddr, path: &str) -> u16 {
         .unwrap();
     send.send_request(req).await.unwrap().status().as_u16()
 }
+
+/// A node that does not answer is `Unreachable` (503 at the doors), not a failure of the node.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_node_that_does_not_answer_is_unreachable() {
+    let gone = {
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        l.local_addr().unwrap()
+    };
+    let err = RemoteNode::connect(gone, NODE_SECRET)
+        .await
+        .err()
+        .expect("nothing listens");
+    assert!(
+        matches!(err, airlock_server::core::NodeError::Unreachable(_)),
+        "{err:?}"
+    );
+    let core = airlock_server::core::CoreError::from(err);
+    assert_eq!(core.code().code, "node_unreachable");
+    assert_eq!(core.code().status, 503);
+}
