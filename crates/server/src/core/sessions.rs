@@ -260,8 +260,10 @@ impl Core {
     /// with `record_exit`, which keeps only the newest `max_finished_sessions_per_sandbox`
     /// exited ones).
     pub async fn start_session(&self, sandbox: &SandboxRecord, req: StartSession) -> CoreResult<Running> {
-        let (agent, running) = self.spawn_session(sandbox, req).await?;
-        self.record_session(&agent, &running.session).await?;
+        let (agent, running, admitted) = self.spawn_session(sandbox, req).await?;
+        let recorded = self.record_session(&agent, &running.session).await;
+        admitted.release().await;
+        recorded?;
         Ok(running)
     }
 
@@ -273,9 +275,10 @@ impl Core {
         sandbox: &SandboxRecord,
         req: StartSession,
     ) -> CoreResult<(SessionRecord, CoreResult<SessionEvents>)> {
-        let (agent, running) = self.spawn_session(sandbox, req).await?;
+        let (agent, running, admitted) = self.spawn_session(sandbox, req).await?;
         let row = running.session;
         let (recorded, events) = tokio::join!(self.record_session(&agent, &row), agent.events(row.process_id, 0));
+        admitted.release().await;
         recorded?;
         let events = events
             .map_err(guest(sandbox))
@@ -283,14 +286,24 @@ impl Core {
         Ok((row, events))
     }
 
-    /// Admit and spawn a process; not yet recorded (see `record_session`).
-    async fn spawn_session(&self, sandbox: &SandboxRecord, req: StartSession) -> CoreResult<(AgentClient, Running)> {
+    /// Admit and spawn a process; not yet recorded (see `record_session`). Its admission is
+    /// handed back to be released once the session is recorded: until then the store does not
+    /// count it, and a start admitted meanwhile would take its place too.
+    async fn spawn_session(
+        &self,
+        sandbox: &SandboxRecord,
+        req: StartSession,
+    ) -> CoreResult<(AgentClient, Running, Admitted)> {
         check_start(&req)?;
         let agent = self.agent_for(sandbox).await?;
         let admitted = self.admit_session(sandbox, &agent).await?;
-        let started = self.spawn_process(sandbox, &agent, req).await;
-        admitted.release().await;
-        Ok((agent, started?))
+        match self.spawn_process(sandbox, &agent, req).await {
+            Ok(started) => Ok((agent, started, admitted)),
+            Err(e) => {
+                admitted.release().await;
+                Err(e)
+            }
+        }
     }
 
     /// Store a started session; a process nobody can see must not run on.
