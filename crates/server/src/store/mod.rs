@@ -93,6 +93,18 @@ pub struct SandboxFilter {
     pub templates: Vec<String>,
 }
 
+impl SandboxFilter {
+    /// Whether `s` passes the filters a store applies after its cursor query (states,
+    /// metadata, creation times, templates): one definition for every store.
+    pub fn matches(&self, s: &SandboxRecord) -> bool {
+        (self.states.is_empty() || self.states.contains(&s.state))
+            && self.metadata.iter().all(|(k, v)| s.metadata.get(k) == Some(v))
+            && self.created_from_ms.is_none_or(|t| s.created_at_ms >= t)
+            && self.created_before_ms.is_none_or(|t| s.created_at_ms < t)
+            && (self.templates.is_empty() || self.templates.contains(&s.template))
+    }
+}
+
 /// How a minted key is spelled; both are 160 random bits and work on both doors.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum KeyFormat {

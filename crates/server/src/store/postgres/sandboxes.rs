@@ -133,11 +133,7 @@ impl SandboxStore for PgStore {
         Ok(rows
             .iter()
             .map(sandbox_from_row)
-            .filter(|s| f.states.is_empty() || f.states.contains(&s.state))
-            .filter(|s| f.metadata.iter().all(|(k, v)| s.metadata.get(k) == Some(v)))
-            .filter(|s| f.created_from_ms.is_none_or(|t| s.created_at_ms >= t))
-            .filter(|s| f.created_before_ms.is_none_or(|t| s.created_at_ms < t))
-            .filter(|s| f.templates.is_empty() || f.templates.contains(&s.template))
+            .filter(|s| f.matches(s))
             .take(f.limit as usize + 1)
             .collect())
     }
