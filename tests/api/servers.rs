@@ -223,22 +223,9 @@ struct OwnServer {
 }
 
 impl OwnServer {
-    /// The templates are hard links to the shared data dir's (templates are immutable).
+    /// On a data dir of its own (`own_data_dir`: templates hard-linked from the shared one).
     fn start(suffix: &str, extra: &[&str]) -> OwnServer {
-        let data = PathBuf::from(format!("{}-{suffix}", test_data_dir().display()));
-        let _ = std::fs::remove_dir_all(&data);
-        std::fs::create_dir_all(&data).unwrap();
-        server(); // the shared data dir has the template built
-        let src = test_data_dir();
-        let ok = Command::new("cp")
-            .arg("-al")
-            .arg(src.join("blobs"))
-            .arg(src.join("templates"))
-            .arg(&data)
-            .status()
-            .unwrap();
-        assert!(ok.success());
-        let _ = std::fs::copy(src.join("accel.json"), data.join("accel.json"));
+        let data = own_data_dir(suffix);
         OwnServer {
             s: Server::start_with(&data, extra),
             data,
