@@ -135,6 +135,20 @@ impl Inner {
         }
     }
 
+    /// A change this side asks for (a lifecycle call, bounded by `limit`), then the node's
+    /// report learnt at once, whether or not the change went through.
+    async fn change<T: DeserializeOwned>(
+        &self,
+        method: Method,
+        path: &str,
+        body: Option<&impl Serialize>,
+        limit: Duration,
+    ) -> Result<T, NodeError> {
+        let result = self.call(method, path, body, limit).await;
+        self.changed().await;
+        result
+    }
+
     /// Read the node's exit stream, again after it ends, for as long as this node is held.
     async fn follow_exits(self: Arc<Self>) {
         loop {
@@ -241,59 +255,34 @@ impl Nodes for RemoteNode {
     }
 
     async fn create(&self, vm: &VmRequest) -> Result<Booted, NodeError> {
-        let booted = self.inner.call(Method::POST, "/vms", Some(vm), CALL_LIMIT).await;
-        self.inner.changed().await;
-        booted
+        self.inner.change(Method::POST, "/vms", Some(vm), CALL_LIMIT).await
     }
 
     async fn delete(&self, id: &str) -> Result<(), NodeError> {
-        let done = self
-            .inner
-            .call(Method::DELETE, &format!("/vms/{id}"), None::<&()>, CALL_LIMIT)
-            .await;
-        self.inner.changed().await;
-        done
+        let path = format!("/vms/{id}");
+        self.inner.change(Method::DELETE, &path, None::<&()>, CALL_LIMIT).await
     }
 
     async fn pause(&self, id: &str) -> Result<(), NodeError> {
-        let done = self
-            .inner
-            .call(Method::POST, &format!("/vms/{id}/pause"), None::<&()>, CALL_LIMIT)
-            .await;
-        self.inner.changed().await;
-        done
+        let path = format!("/vms/{id}/pause");
+        self.inner.change(Method::POST, &path, None::<&()>, CALL_LIMIT).await
     }
 
     async fn suspend(&self, id: &str) -> Result<u64, NodeError> {
-        let took: Result<Took, _> = self
-            .inner
-            .call(Method::POST, &format!("/vms/{id}/suspend"), None::<&()>, CALL_LIMIT)
-            .await;
-        self.inner.changed().await;
-        Ok(took?.ms)
+        let path = format!("/vms/{id}/suspend");
+        let took: Took = self.inner.change(Method::POST, &path, None::<&()>, CALL_LIMIT).await?;
+        Ok(took.ms)
     }
 
     async fn save_image(&self, id: &str, image_id: &str) -> Result<u64, NodeError> {
-        let saved: Result<Saved, _> = self
-            .inner
-            .call(
-                Method::POST,
-                &format!("/vms/{id}/images/{image_id}"),
-                None::<&()>,
-                CALL_LIMIT,
-            )
-            .await;
-        self.inner.changed().await;
-        Ok(saved?.bytes)
+        let path = format!("/vms/{id}/images/{image_id}");
+        let saved: Saved = self.inner.change(Method::POST, &path, None::<&()>, CALL_LIMIT).await?;
+        Ok(saved.bytes)
     }
 
     async fn delete_image(&self, image_id: &str) -> Result<(), NodeError> {
-        let done = self
-            .inner
-            .call(Method::DELETE, &format!("/images/{image_id}"), None::<&()>, CALL_LIMIT)
-            .await;
-        self.inner.changed().await;
-        done
+        let path = format!("/images/{image_id}");
+        self.inner.change(Method::DELETE, &path, None::<&()>, CALL_LIMIT).await
     }
 
     async fn digest_image(&self, image_id: &str) -> Result<String, NodeError> {
@@ -347,9 +336,7 @@ impl Nodes for RemoteNode {
             resources: *resources,
             size,
         };
-        let done = self.inner.call(Method::PUT, "/pools", Some(&req), REPORT_LIMIT).await;
-        self.inner.changed().await;
-        done
+        self.inner.change(Method::PUT, "/pools", Some(&req), REPORT_LIMIT).await
     }
 
     fn pools(&self) -> Vec<PoolInfo> {
@@ -357,12 +344,8 @@ impl Nodes for RemoteNode {
     }
 
     async fn resume(&self, id: &str) -> Result<(), NodeError> {
-        let done = self
-            .inner
-            .call(Method::POST, &format!("/vms/{id}/resume"), None::<&()>, CALL_LIMIT)
-            .await;
-        self.inner.changed().await;
-        done
+        let path = format!("/vms/{id}/resume");
+        self.inner.change(Method::POST, &path, None::<&()>, CALL_LIMIT).await
     }
 
     fn vm_state(&self, id: &str) -> VmState {
