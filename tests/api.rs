@@ -180,6 +180,10 @@ fn main() {
             lifecycle::a_vm_that_dies_is_failed_and_frees_its_slot,
         ),
         t(
+            "a_replica_drives_a_node_in_its_own_process",
+            servers::a_replica_drives_a_node_in_its_own_process,
+        ),
+        t(
             "quota_is_exact_under_concurrent_creates_over_both_doors",
             servers::quota_is_exact_under_concurrent_creates_over_both_doors,
         ),

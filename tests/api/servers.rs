@@ -2,6 +2,7 @@
 //! admission quota under concurrent creates.
 
 use super::*;
+use std::process::Stdio;
 
 /// Restart safety on a data dir of its own (the blobs are hard links: templates are immutable).
 /// A sandbox suspended before the crash resumes after it with its files and processes.
@@ -343,4 +344,136 @@ pub(crate) fn quota_is_exact_under_concurrent_creates_over_both_doors() {
     let (status, err) = s.call("POST", "/v1/sandboxes", Some(json!({ "template": "seed" })));
     assert_eq!((status, err["code"].as_str()), (429, Some("quota_exceeded")), "{err}");
     drop(own);
+}
+
+/// `airlock node` in a process of its own and `airlock serve --node` over it (what a replica on
+/// another host does, here over loopback): a sandbox is created, runs a command, takes and gives
+/// a file, and its egress is decided on the node (the node's counters reach the report); a
+/// server whose secret differs is refused; the node's VMs go with their sandboxes.
+pub(crate) fn a_replica_drives_a_node_in_its_own_process() {
+    let node_data = own_data_dir("node");
+    let api_data = own_data_dir("replica");
+    // The replica has no runtime: it must not need the templates.
+    let _ = std::fs::remove_dir_all(api_data.join("templates"));
+    let secret = node_data.join("cluster.secret");
+    std::fs::write(&secret, "a cluster secret of at least thirty-two bytes\n").unwrap();
+    let port = free_port();
+    let node_addr = format!("127.0.0.1:{port}");
+    let log = std::fs::File::create(node_data.join("node.log")).unwrap();
+    let mut node = ChildGuard(
+        Command::new(BIN)
+            .arg("--data-dir")
+            .arg(&node_data)
+            .args(["node", "--listen", &node_addr, "--secret-file"])
+            .arg(&secret)
+            .stdin(Stdio::null())
+            .stdout(log.try_clone().unwrap())
+            .stderr(log)
+            .spawn()
+            .unwrap(),
+    );
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while std::net::TcpStream::connect(&node_addr).is_err() {
+        assert!(
+            Instant::now() < deadline,
+            "the node did not listen; see {}",
+            node_data.display()
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    // A short secret is refused by name before anything starts.
+    let short = node_data.join("short.secret");
+    std::fs::write(&short, "short").unwrap();
+    let out = Command::new(BIN)
+        .arg("--data-dir")
+        .arg(&api_data)
+        .args(["serve", "--node", &node_addr, "--node-secret-file"])
+        .arg(&short)
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success() && err.contains("at least 32"), "{err}");
+    // Another cluster's secret: the node refuses it, and the server says so and stops.
+    let other = node_data.join("other.secret");
+    std::fs::write(&other, "another cluster's secret, also long enough").unwrap();
+    let out = Command::new(BIN)
+        .arg("--data-dir")
+        .arg(&api_data)
+        .args([
+            "serve",
+            "--listen",
+            &format!("127.0.0.1:{}", free_port()),
+            "--node",
+            &node_addr,
+        ])
+        .arg("--node-secret-file")
+        .arg(&other)
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        !out.status.success() && err.contains("a valid node token is required"),
+        "{err}"
+    );
+
+    let s = Server::start_with(
+        &api_data,
+        &["--node", &node_addr, "--node-secret-file", secret.to_str().unwrap()],
+    );
+    let id = s.create(json!({ "template": "seed", "timeout": "10m" }));
+    assert!(
+        node_data.join("sandboxes").join(&id).exists(),
+        "the VM runs on the node"
+    );
+    assert!(!api_data.join("sandboxes").join(&id).exists());
+    let sid = s.session(
+        &id,
+        json!({ "argv": ["sh", "-c", "echo hello from $(hostname); getent hosts blocked.test || echo refused"] }),
+    );
+    assert_eq!(
+        decode(&s.events(&id, &sid, None, None), "stdout"),
+        format!("hello from {id}\nrefused\n")
+    );
+    let (status, _) = s.call(
+        "PUT",
+        &format!("/v1/sandboxes/{id}/files?path=/home/user/x.txt"),
+        Some(json!("across")),
+    );
+    assert!((200..300).contains(&status));
+    let (status, body) = s.call("GET", &format!("/v1/sandboxes/{id}/files?path=/home/user/x.txt"), None);
+    assert_eq!((status, body), (200, json!("across")));
+    // Decided on the node: the spec beside its VMs, the denial counted there.
+    assert!(node_data.join("egress").join(format!("{id}.json")).exists());
+    let (_, r) = s.call("GET", &format!("/v1/sandboxes/{id}/egress"), None);
+    assert!(r["counters"]["dns_denied"].as_u64().unwrap_or(0) >= 1, "{r}");
+    assert!(r["recent_denials"].to_string().contains("blocked.test"), "{r}");
+    s.delete(&id);
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while node_data.join("sandboxes").join(&id).exists() {
+        assert!(Instant::now() < deadline, "the node kept the deleted sandbox's VM");
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    assert!(!node_data.join("egress").join(format!("{id}.json")).exists());
+    drop(s);
+    node.stop();
+    let _ = std::fs::remove_dir_all(&node_data);
+    let _ = std::fs::remove_dir_all(&api_data);
+}
+
+/// A child process ended (SIGTERM, then waited for) when dropped, also after a failed assert.
+struct ChildGuard(std::process::Child);
+
+impl ChildGuard {
+    fn stop(&mut self) {
+        if matches!(self.0.try_wait(), Ok(None)) {
+            unsafe { libc::kill(self.0.id() as i32, libc::SIGTERM) };
+            let _ = self.0.wait();
+        }
+    }
+}
+
+impl Drop for ChildGuard {
+    fn drop(&mut self) {
+        self.stop();
+    }
 }

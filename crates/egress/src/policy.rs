@@ -237,7 +237,9 @@ pub fn normalize_domain(input: &str) -> Result<String, String> {
 }
 
 /// A tenant's base policy: what it allows every sandbox, and what it denies over any profile.
-#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize)]
+/// Read back (a node is handed a sandbox's) with every entry checked again.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(try_from = "RawTenantPolicy")]
 pub struct TenantPolicy {
     pub allow: RuleSet,
     pub deny: RuleSet,
@@ -250,6 +252,14 @@ struct RawTenantPolicy {
     allow: RawRules,
     #[serde(default)]
     deny: RawRules,
+}
+
+impl TryFrom<RawTenantPolicy> for TenantPolicy {
+    type Error = ConfigError;
+
+    fn try_from(raw: RawTenantPolicy) -> Result<Self, ConfigError> {
+        Self::from_raw(&raw.allow, &raw.deny)
+    }
 }
 
 impl TenantPolicy {

@@ -43,14 +43,14 @@ impl Default for SandboxLimits {
 }
 
 /// Which door a decision came through.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Serialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Serialize, serde::Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum Path {
     Dns,
     Tcp,
 }
 
-#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, serde::Deserialize)]
 pub struct Denial {
     pub at_unix_ms: u64,
     pub path: Path,
@@ -72,7 +72,7 @@ pub struct EgressCounters {
     pub by_rule: BTreeMap<String, u64>,
 }
 
-#[derive(Debug, Clone, Serialize)]
+#[derive(Debug, Clone, Serialize, serde::Deserialize)]
 pub struct EgressSnapshot {
     pub sandbox: String,
     pub profiles: Vec<String>,

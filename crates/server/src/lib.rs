@@ -16,7 +16,7 @@ pub mod ingress;
 pub mod listen;
 pub mod model;
 pub mod native;
-pub mod node_egress;
+pub mod node_daemon;
 pub mod nodes;
 pub mod records;
 pub mod signals;
@@ -276,7 +276,13 @@ pub struct ServeOptions {
     pub jwt_issuers: Option<PathBuf>,
     /// Warm pools to keep from the start: (template, VMs) at the default resources.
     pub warm_pools: Vec<(String, usize)>,
+    /// A node on another host (its face's address and the cluster secret) instead of this
+    /// host's runtime in this process.
+    pub remote_node: Option<(SocketAddr, Vec<u8>)>,
 }
+
+pub use airlock_egress::EgressConfig;
+pub use node_daemon::EgressUplink;
 
 /// The store `serve` uses: Postgres at `url`, else SQLite in `<data-dir>/airlock.db`.
 pub async fn open_store(url: Option<&str>, data_dir: &std::path::Path) -> anyhow::Result<Arc<dyn store::Store>> {
@@ -290,54 +296,6 @@ pub async fn open_store(url: Option<&str>, data_dir: &std::path::Path) -> anyhow
             Arc::new(store)
         }
     })
-}
-
-/// Where sandbox egress leaves the host.
-#[derive(Debug, Clone, Default)]
-pub struct EgressUplink {
-    /// The resolver allowed names are looked up with (default: /etc/resolv.conf's first).
-    pub dns: Option<SocketAddr>,
-    /// A network namespace (under /run/netns) to make lookups and dials in, instead of the
-    /// process's own.
-    pub netns: Option<String>,
-}
-
-/// The node's egress side for `uplink`, and the platform denies completed with the addresses
-/// of the host (and of the uplink namespace): a sandbox must never reach the machine itself.
-fn node_egress(
-    uplink: &EgressUplink,
-    config: &mut airlock_egress::EgressConfig,
-) -> anyhow::Result<Arc<node_egress::NodeEgress>> {
-    use airlock_egress::{local_addresses, PlatformDenies, ProxyConfig, Resolver, Uplink};
-    let namespace = match &uplink.netns {
-        Some(name) => Uplink::netns(&std::path::Path::new("/run/netns").join(name))
-            .map_err(|e| anyhow::anyhow!("--egress-uplink-netns {name}: {e}"))?,
-        None => Uplink::host(),
-    };
-    let resolver = match uplink.dns {
-        Some(addr) => Resolver::new(addr, std::time::Duration::from_secs(5)),
-        None if uplink.netns.is_some() => {
-            anyhow::bail!("--egress-uplink-netns needs --egress-dns: the host's resolver is not in that namespace")
-        }
-        None => Resolver::system().map_err(|e| anyhow::anyhow!("egress DNS: {e}; pass --egress-dns <ip:port>"))?,
-    }
-    .with_uplink(namespace.clone());
-    let mut host = local_addresses()?;
-    host.extend(namespace.addresses()?);
-    tracing::info!(
-        "egress: lookups via {}, dials from {:?}, {} host addresses denied",
-        resolver.upstream(),
-        namespace,
-        host.len()
-    );
-    config.platform = Arc::new(PlatformDenies::new(host));
-    Ok(node_egress::NodeEgress::new(
-        Arc::new(resolver),
-        ProxyConfig {
-            uplink: namespace,
-            ..ProxyConfig::default()
-        },
-    ))
 }
 
 /// The egress configuration: profiles from `AIRLOCK_EGRESS_PROFILES` (a wildcard or malformed
@@ -395,40 +353,35 @@ pub async fn serve(opts: ServeOptions) -> anyhow::Result<()> {
         }
         None => Default::default(),
     };
-    let mut egress = opts.egress;
-    let mut runtime_opts = airlock_runtime::RuntimeOptions {
-        reconcile_in_background: true,
-        ..airlock_runtime::RuntimeOptions::new(&opts.data_dir)
-    };
-    // Without sandbox networks (`AIRLOCK_SANDBOX_NETWORK=off`) there is nothing to serve.
-    let hook = match runtime_opts.network.as_mut() {
-        Some(network) => {
-            let hook = node_egress(&opts.egress_uplink, &mut egress)?;
-            network.egress = Some(hook.clone());
-            Some(hook)
+    // The node: this host's (the VMs of the last run re-attached in the background, so the
+    // listener binds at once however many there are), or one on another host.
+    use nodes::Nodes as _;
+    let (nodes, egress): (Arc<dyn nodes::Nodes>, _) = match opts.remote_node {
+        None => {
+            let (node, egress) = node_daemon::open_local_node(node_daemon::NodeOptions {
+                data_dir: opts.data_dir.clone(),
+                egress: opts.egress,
+                egress_uplink: opts.egress_uplink,
+                warm_pools: opts.warm_pools,
+            })
+            .await?;
+            (node, egress)
         }
-        None => None,
+        Some((addr, secret)) => {
+            let node = nodes::RemoteNode::connect(addr, &secret)
+                .await
+                .map_err(|e| anyhow::anyhow!("--node {addr}: {e}"))?;
+            tracing::info!(
+                "node at {addr}: {} with accel {}",
+                node.runtime_name(),
+                node.accel().await
+            );
+            node_daemon::set_pools(&node, &opts.warm_pools).await?;
+            (Arc::new(node) as Arc<dyn nodes::Nodes>, opts.egress)
+        }
     };
-    let runtime = airlock_runtime::Runtime::open(runtime_opts).await?;
-    // Sandboxes' VMs outlive the server by design; a base snapshot's builder must not (a restart
-    // would only remove it), so a stop ends it first.
-    {
-        let runtime = runtime.clone();
-        tokio::spawn(async move {
-            use tokio::signal::unix::{signal, SignalKind};
-            let (Ok(mut term), Ok(mut int)) = (signal(SignalKind::terminate()), signal(SignalKind::interrupt())) else {
-                return;
-            };
-            tokio::select! {
-                _ = term.recv() => {}
-                _ = int.recv() => {}
-            }
-            runtime.stop_base_snapshot_builds().await;
-            runtime.drain_pools().await;
-            std::process::exit(0);
-        });
-    }
-    let root = runtime.data_dir().root().to_path_buf();
+    let root = opts.data_dir.clone();
+    std::fs::create_dir_all(&root).map_err(|e| anyhow::anyhow!("{}: {e}", root.display()))?;
     let store = open_store(opts.store.as_deref(), &root).await?;
     if bootstrap_admin_key(&*store, &root, &opts.listen).await?.is_some() {
         tracing::info!(
@@ -436,24 +389,8 @@ pub async fn serve(opts: ServeOptions) -> anyhow::Result<()> {
             root.join("credentials").display()
         );
     }
-    let accel = runtime.accel().await;
-    tracing::info!("runtime {} with accel {accel}", runtime.runtime_name());
     let secret = core::load_or_create_secret(&root)
         .map_err(|e| anyhow::anyhow!("{}: {e}", root.join("server.secret").display()))?;
-    let nodes: Arc<dyn nodes::Nodes> = Arc::new(nodes::LocalNode::new(runtime));
-    let defaults = airlock_runtime::Resources::default();
-    for (template, size) in &opts.warm_pools {
-        let resources = model::Resources {
-            vcpu: defaults.vcpu,
-            memory_mib: defaults.memory_mib,
-            disk_mib: defaults.disk_mib,
-        };
-        nodes
-            .set_pool(template, &resources, *size)
-            .await
-            .map_err(|e| anyhow::anyhow!("--warm-pool {template}={size}: {e}"))?;
-        tracing::info!("warm pool: {size} VMs of {template}");
-    }
     let config = core::Config {
         max_sandboxes_per_tenant: opts.max_sandboxes_per_tenant,
         max_vcpu_per_tenant: opts.max_vcpu_per_tenant,
@@ -496,9 +433,6 @@ pub async fn serve(opts: ServeOptions) -> anyhow::Result<()> {
         config.egress.profiles.defaults().join(", ")
     );
     let core = core::Core::new(store, nodes, config, secret);
-    if let Some(hook) = &hook {
-        hook.bind_core(core.clone());
-    }
     {
         use core::accounts::PASSWORD_ENV;
         let chosen = std::env::var(PASSWORD_ENV).ok();

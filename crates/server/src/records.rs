@@ -58,11 +58,28 @@ pub struct SandboxRecord {
 /// A sandbox's egress as recorded at create and fixed for its life: the profiles chosen, whether
 /// it is sealed (no egress at all), and the tenant base policy it runs under (the tenant's as it
 /// was at create, narrowed by the create; later changes to the tenant's policy don't reach it).
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct EgressSpec {
     pub profiles: Vec<String>,
     pub sealed: bool,
     pub tenant: airlock_egress::TenantPolicy,
+}
+
+impl EgressSpec {
+    /// The policy it gives under `config`, and the profiles it names that `config` lacks, which
+    /// are left out: a sandbox then reaches less, never more.
+    pub fn policy(&self, config: &airlock_egress::EgressConfig) -> (airlock_egress::Policy, Vec<String>) {
+        let (known, missing): (Vec<&String>, Vec<&String>) =
+            self.profiles.iter().partition(|n| config.profiles.get(n).is_some());
+        let tenant = if self.sealed {
+            airlock_egress::TenantPolicy::sealed()
+        } else {
+            self.tenant.clone()
+        };
+        let known: Vec<&str> = known.into_iter().map(String::as_str).collect();
+        let policy = airlock_egress::Policy::new(config, tenant, &known).expect("only configured profiles are named");
+        (policy, missing.into_iter().cloned().collect())
+    }
 }
 
 impl Default for EgressSpec {

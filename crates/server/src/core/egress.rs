@@ -1,7 +1,7 @@
 //! Egress, the server side (issue 10): what a new sandbox may reach (its profiles and the tenant
-//! policy it runs under, decided here once for both doors), the registry of live sandboxes'
-//! [`SandboxEgress`] (counters, recent denials; what the egress plumbing will serve), and the
-//! report `GET /v1/sandboxes/{id}/egress` shows.
+//! policy it runs under, decided here once for both doors, and carried to the node with the
+//! create: the node serves it, and keeps the counters and recent denials), and the report
+//! `GET /v1/sandboxes/{id}/egress` shows.
 //!
 //! The rules:
 //! - A create gets the server's default profiles. `X-Airlock-Egress-Profiles: a,b` selects others
@@ -18,21 +18,13 @@
 
 use super::{Core, Principal};
 use crate::error::{CoreError, CoreResult};
-use crate::model::{
-    EffectiveEgressPolicy, EgressDenial, EgressInfo, EgressProfileInfo, EgressReport, EgressRules, SandboxState,
-};
-use crate::records::{rfc3339, EgressSpec, SandboxRecord, Tenant};
-use airlock_egress::{Policy, Profiles, RawRules, RuleSet, SandboxEgress, SandboxLimits, TenantPolicy};
-use std::collections::HashMap;
+use crate::model::{EffectiveEgressPolicy, EgressDenial, EgressInfo, EgressProfileInfo, EgressReport, EgressRules};
+use crate::records::{rfc3339, EgressSpec, Tenant};
+use airlock_egress::{EgressSnapshot, Policy, Profiles, RawRules, RuleSet, TenantPolicy};
 use std::net::IpAddr;
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex};
-use std::time::Duration;
 
 /// The header a signed-in create selects profiles with.
 pub const PROFILES_HEADER: &str = "x-airlock-egress-profiles";
-/// How often the registry is checked against the store besides the engine's end-of-sandbox news.
-const SWEEP_EVERY: Duration = Duration::from_secs(60);
 
 /// What a create asks of egress, from either door.
 #[derive(Debug, Clone, Default)]
@@ -93,73 +85,6 @@ pub(crate) fn rules_view(r: &RuleSet) -> EgressRules {
         ips: r.ips.iter().map(|i| i.to_string()).collect(),
         cidrs: r.cidrs.iter().map(|c| c.to_string()).collect(),
     }
-}
-
-/// The `SandboxEgress` of every live sandbox, by sandbox id: made at create (or, after a restart,
-/// from the sandbox's record when first asked for), gone when the sandbox ends.
-#[derive(Default)]
-pub struct EgressRegistry {
-    map: Mutex<HashMap<String, Arc<SandboxEgress>>>,
-    /// Whether the task that drops ended sandboxes runs.
-    listening: AtomicBool,
-}
-
-impl EgressRegistry {
-    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<String, Arc<SandboxEgress>>> {
-        self.map.lock().unwrap_or_else(|e| e.into_inner())
-    }
-
-    pub fn get(&self, sandbox_id: &str) -> Option<Arc<SandboxEgress>> {
-        self.lock().get(sandbox_id).cloned()
-    }
-
-    pub fn len(&self) -> usize {
-        self.lock().len()
-    }
-
-    pub fn is_empty(&self) -> bool {
-        self.len() == 0
-    }
-
-    fn insert(&self, e: Arc<SandboxEgress>) -> Arc<SandboxEgress> {
-        self.lock().entry(e.id().to_string()).or_insert(e).clone()
-    }
-
-    fn remove(&self, sandbox_id: &str) {
-        self.lock().remove(sandbox_id);
-    }
-
-    /// Once: follow the engine's ended sandboxes (and sweep now and then) while the core lives.
-    fn listen(self: &Arc<Self>, core: &Core) {
-        if self.listening.swap(true, Ordering::AcqRel) {
-            return;
-        }
-        let store = core.store.clone();
-        core.engine.follow_ended(
-            Arc::downgrade(self),
-            SWEEP_EVERY,
-            SWEEP_EVERY,
-            |registry, id| registry.remove(id),
-            move |registry: Arc<Self>| {
-                let store = store.clone();
-                async move {
-                    let ids: Vec<String> = registry.lock().keys().cloned().collect();
-                    for id in ids {
-                        // A sandbox without a row yet is one being created.
-                        if let Ok(Some(row)) = store.sandbox_by_id(&id).await {
-                            if !is_live(row.state) {
-                                registry.remove(&id);
-                            }
-                        }
-                    }
-                }
-            },
-        );
-    }
-}
-
-fn is_live(state: SandboxState) -> bool {
-    !matches!(state, SandboxState::Deleted | SandboxState::Failed)
 }
 
 impl Core {
@@ -232,65 +157,20 @@ impl Core {
         })
     }
 
-    /// A sandbox's egress state from its record. A profile the server no longer has is left out
-    /// (with a warning): the sandbox can then reach less, never more.
-    fn build_egress(&self, row: &SandboxRecord) -> Arc<SandboxEgress> {
-        let config = &self.config.egress;
-        let profiles: Vec<&str> = row
-            .egress
-            .profiles
-            .iter()
-            .map(String::as_str)
-            .filter(|n| {
-                let known = config.profiles.get(n).is_some();
-                if !known {
-                    tracing::warn!(sandbox = %row.id, "egress profile {n:?} is no longer configured; left out");
-                }
-                known
-            })
-            .collect();
-        let tenant = if row.egress.sealed {
-            TenantPolicy::sealed()
-        } else {
-            row.egress.tenant.clone()
-        };
-        let policy = Policy::new(config, tenant, &profiles).expect("only configured profiles are named");
-        SandboxEgress::new(row.id.clone(), policy, SandboxLimits::default())
-    }
-
-    /// Register a new sandbox's egress (before its create is submitted, so an early end finds it).
-    pub(crate) fn register_egress(&self, row: &SandboxRecord) {
-        self.egress.listen(self);
-        self.egress.insert(self.build_egress(row));
-    }
-
-    pub(crate) fn unregister_egress(&self, sandbox_id: &str) {
-        self.egress.remove(sandbox_id);
-    }
-
-    /// The egress state of a live sandbox (what the plumbing serves), rebuilt from its record
-    /// after a restart. `None` once it has ended.
-    pub async fn egress_of(&self, row: &SandboxRecord) -> Option<Arc<SandboxEgress>> {
-        if let Some(e) = self.egress.get(&row.id) {
-            return Some(e);
-        }
-        if !is_live(row.state) {
-            return None;
-        }
-        self.egress.listen(self);
-        Some(self.egress.insert(self.build_egress(row)))
-    }
-
-    /// `GET .../egress`: the effective policy, the counters and the recent denials. An ended
-    /// sandbox shows its recorded policy with nothing counted.
+    /// `GET .../egress`: the effective policy, and from the sandbox's node the counters and the
+    /// recent denials. A sandbox its node no longer has (ended) shows nothing counted.
     pub async fn egress_report(&self, tenant: &Tenant, id: &str) -> CoreResult<EgressReport> {
         let row = self.sandbox(tenant, id).await?;
-        let egress = match self.egress_of(&row).await {
-            Some(e) => e,
-            None => self.build_egress(&row),
-        };
-        let effective = egress.policy().effective();
-        let snapshot = egress.snapshot();
+        // Under this server's configuration (the node applies its own, which the cluster keeps
+        // equal: see `EgressConfig::digest`).
+        let (policy, _) = row.egress.policy(&self.config.egress);
+        let snapshot = self.nodes.egress(&row.id).await.unwrap_or_else(|| EgressSnapshot {
+            sandbox: row.id.clone(),
+            profiles: Vec::new(),
+            counters: Default::default(),
+            recent_denials: Vec::new(),
+        });
+        let effective = policy.effective();
         Ok(EgressReport {
             sandbox_id: row.id.clone(),
             policy: EffectiveEgressPolicy {

@@ -14,8 +14,8 @@
 //! - `metrics`: each sandbox's sampled metrics history, for windows of it
 //! - `templates`: template names and aliases
 //! - `tenants`: a tenant's quotas (its own over the server's defaults) and usage
-//! - `egress`: a new sandbox's egress (profiles, the tenant policy, narrowing), the registry of
-//!   live sandboxes' egress state, the report
+//! - `egress`: a new sandbox's egress (profiles, the tenant policy, narrowing), carried to its
+//!   node with the create; the report
 
 pub mod accounts;
 pub mod audit;
@@ -179,8 +179,6 @@ pub struct Core {
     secret: Arc<[u8]>,
     /// Session starts under way, per sandbox (see `sessions`).
     starts: Arc<sessions::Starts>,
-    /// Every live sandbox's egress state (see `egress`).
-    pub egress: Arc<egress::EgressRegistry>,
     /// The console account's sign-in windows, per client address (see `sign_in`).
     sign_ins: Arc<sign_in::SignInThrottle>,
     /// Refusals' audit rows still counting repeats (see `audit`).
@@ -217,7 +215,6 @@ impl Core {
             config: Arc::new(config),
             secret: secret.into(),
             starts: Default::default(),
-            egress: Default::default(),
             sign_ins: Default::default(),
             audits: Default::default(),
             metrics: Default::default(),

@@ -260,10 +260,7 @@ impl Core {
         if let Some(id) = &pooled {
             row.id = id.clone();
         }
-        // Registered before the create runs, so the end of a quick failure finds it.
-        let id = row.id.clone();
         let quota = self.quota(tenant).await?;
-        self.register_egress(&row);
         let submitted = self
             .engine
             .submit(Action::Create {
@@ -279,13 +276,9 @@ impl Core {
                 self.nodes.unclaim(id);
             }
         };
-        let Submitted { operation, new } = submitted.inspect_err(|_| {
-            self.unregister_egress(&id);
-            unclaim();
-        })?;
+        let Submitted { operation, new } = submitted.inspect_err(|_| unclaim())?;
         if !new {
             // An earlier create answered: this row was never recorded.
-            self.unregister_egress(&id);
             unclaim();
         }
         Ok(Created {

@@ -12,6 +12,7 @@ impl Engine {
             resources: row.resources,
             image_id: row.image_id.clone(),
             env: row.env.clone(),
+            egress: row.egress.clone(),
         };
         match self.nodes.create(&vm).await {
             Ok(booted) => {

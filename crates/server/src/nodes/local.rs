@@ -1,6 +1,6 @@
 //! `LocalNode`: this host's VMs through the runtime, in the server's process (single-host mode).
 
-use super::{Booted, Capacity, NodeError, Nodes, PoolInfo, VmRequest, VmState};
+use super::{Booted, Capacity, NodeEgress, NodeError, Nodes, PoolInfo, VmRequest, VmState};
 use airlock_agent_client::AgentClient;
 use airlock_runtime::sandbox::StartKind;
 use airlock_runtime::template::TemplateManifest;
@@ -14,13 +14,29 @@ use tokio::sync::broadcast;
 /// waits for its create).
 pub struct LocalNode {
     runtime: Runtime,
+    /// Its VMs' egress (None without sandbox networks).
+    egress: Option<Arc<NodeEgress>>,
     locks: Mutex<HashMap<String, Arc<tokio::sync::Mutex<()>>>>,
 }
 
 impl LocalNode {
-    pub fn new(runtime: Runtime) -> Self {
+    /// `egress` must be the hook the runtime's networks were opened with.
+    pub fn new(runtime: Runtime, egress: Option<Arc<NodeEgress>>) -> Self {
+        if let Some(egress) = &egress {
+            // Specs left by VMs that are gone (a crash between a spec and its VM, or a VM
+            // removed while the node was down), once the last run's VMs are settled.
+            let (runtime, egress) = (runtime.clone(), egress.clone());
+            let started = std::time::SystemTime::now();
+            tokio::spawn(async move {
+                runtime.settled_all().await;
+                let mut live: Vec<String> = runtime.list().iter().map(|s| s.id().to_string()).collect();
+                live.extend(runtime.suspended());
+                egress.sweep(&live, started);
+            });
+        }
         Self {
             runtime,
+            egress,
             locks: Mutex::default(),
         }
     }
@@ -55,7 +71,16 @@ impl Nodes for LocalNode {
     async fn create(&self, sandbox: &VmRequest) -> Result<Booted, NodeError> {
         let lock = self.lock_for(&sandbox.id);
         let _guard = lock.lock().await;
-        let sb = self
+        // Checked before the spec is written, which would replace that VM's.
+        if self.runtime.get(&sandbox.id).is_ok() || self.runtime.is_suspended(&sandbox.id) {
+            return Err(NodeError::SandboxIdTaken(sandbox.id.clone()));
+        }
+        if let Some(egress) = &self.egress {
+            egress
+                .prepare(&sandbox.id, &sandbox.egress)
+                .map_err(|e| NodeError::Network(Box::new(e)))?;
+        }
+        let created = self
             .runtime
             .create(CreateVm {
                 id: Some(sandbox.id.clone()),
@@ -64,7 +89,16 @@ impl Nodes for LocalNode {
                 image: sandbox.image_id.clone(),
                 env: sandbox.env.clone(),
             })
-            .await?;
+            .await;
+        let sb = match created {
+            Ok(sb) => sb,
+            Err(e) => {
+                if let Some(egress) = &self.egress {
+                    egress.forget(&sandbox.id);
+                }
+                return Err(e.into());
+            }
+        };
         Ok(Booted {
             template_digest: sb.record.template_digest.clone(),
             accel: sb.record.accel.to_string(),
@@ -87,7 +121,12 @@ impl Nodes for LocalNode {
         let result = {
             let _guard = lock.lock().await;
             match self.runtime.delete(id).await {
-                Err(RuntimeError::UnknownSandbox(_)) | Ok(()) => Ok(()),
+                Err(RuntimeError::UnknownSandbox(_)) | Ok(()) => {
+                    if let Some(egress) = &self.egress {
+                        egress.forget(id);
+                    }
+                    Ok(())
+                }
                 Err(e) => Err(NodeError::from(e)),
             }
         };
@@ -198,6 +237,10 @@ impl Nodes for LocalNode {
 
     fn exits(&self) -> broadcast::Receiver<String> {
         self.runtime.exits()
+    }
+
+    async fn egress(&self, id: &str) -> Option<airlock_egress::EgressSnapshot> {
+        self.egress.as_ref()?.report(id)
     }
 
     fn capacity(&self) -> Capacity {

@@ -1,14 +1,17 @@
 //! The node seam: everything that touches a VM (create, delete, pause, resume, agent calls, port
 //! tunnels) goes through `Nodes`. `LocalNode` runs VMs on this host with the runtime;
 //! `serve::router` is a node's HTTP face over any `Nodes`, and `RemoteNode` the same trait
-//! over that face, from another host (`wire.rs`: its messages and tokens).
+//! over that face, from another host (`wire.rs`: its messages and tokens). `NodeEgress` serves
+//! each VM's egress on the node, from the spec its create carried.
 
+mod egress;
 mod error;
 mod local;
 mod remote;
 pub mod serve;
 pub mod wire;
 
+pub use egress::NodeEgress;
 pub use error::NodeError;
 pub use local::LocalNode;
 pub use remote::RemoteNode;
@@ -44,6 +47,9 @@ pub struct VmRequest {
     /// A saved image to start from instead of the template (a snapshot's or a fork's).
     pub image_id: Option<String>,
     pub env: std::collections::BTreeMap<String, String>,
+    /// What its network may reach, as the core decided it: the node applies it alone.
+    #[serde(default)]
+    pub egress: crate::records::EgressSpec,
 }
 
 /// What a node has, before the operator's overcommit and reserves (`core::Config::budget`).
@@ -109,6 +115,9 @@ pub trait Nodes: Send + Sync {
     async fn agent(&self, id: &str) -> Result<AgentClient, NodeError>;
     /// Ids of VMs that exited on their own (crash, `kill -9`, powered off inside).
     fn exits(&self) -> broadcast::Receiver<String>;
+    /// VM `id`'s egress counters and recent denials (None when the node lacks it or serves no
+    /// egress).
+    async fn egress(&self, id: &str) -> Option<airlock_egress::EgressSnapshot>;
     /// What this node has (admission derives its budgets from it, see `core::Config::budget`).
     fn capacity(&self) -> Capacity;
 }

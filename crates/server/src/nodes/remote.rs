@@ -405,6 +405,17 @@ impl Nodes for RemoteNode {
         self.inner.exits.subscribe()
     }
 
+    async fn egress(&self, id: &str) -> Option<airlock_egress::EgressSnapshot> {
+        let path = format!("/vms/{id}/egress");
+        match self.inner.call(Method::GET, &path, None::<&()>, REPORT_LIMIT).await {
+            Ok(report) => report,
+            Err(e) => {
+                tracing::warn!("node {}: egress of {id}: {e}", self.inner.addr);
+                None
+            }
+        }
+    }
+
     fn capacity(&self) -> Capacity {
         self.report(|r| r.capacity)
     }

@@ -67,6 +67,7 @@ pub fn router(nodes: Arc<dyn Nodes>, secret: &[u8]) -> Router {
         .route("/claims", post(claim))
         .route("/claims/{id}", delete(unclaim))
         .route("/pools", put(set_pool))
+        .route("/vms/{id}/egress", get(egress))
         .route("/exits", get(exits))
         .route("/vms/{id}/agent/{*route}", any(agent))
         .layer(axum::middleware::from_fn_with_state(face.clone(), authorize))
@@ -164,6 +165,10 @@ async fn unclaim(State(f): State<Face>, Path(id): Path<String>) -> Json<()> {
 
 async fn set_pool(State(f): State<Face>, Json(p): Json<PoolSize>) -> Reply<()> {
     Ok(Json(f.nodes.set_pool(&p.template, &p.resources, p.size).await?))
+}
+
+async fn egress(State(f): State<Face>, Path(id): Path<String>) -> Json<Option<airlock_egress::EgressSnapshot>> {
+    Json(f.nodes.egress(&id).await)
 }
 
 /// The ids of VMs that exit from now on, a line each, for as long as the caller reads.

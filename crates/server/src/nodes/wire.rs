@@ -9,6 +9,7 @@
 //! - `POST /vms/{id}/images/{image}` -> [`Saved`]; `DELETE /images/{image}`;
 //!   `GET /images/{image}/digest` -> [`Digest`]
 //! - `POST /claims` [`ClaimRequest`] -> [`Claimed`]; `DELETE /claims/{id}`; `PUT /pools` [`PoolSize`]
+//! - `GET /vms/{id}/egress` -> `Option<EgressSnapshot>`: its egress counters and recent denials
 //! - `GET /exits` -> a stream of lines, one id each: VMs that exited on their own
 //! - any method `/vms/{id}/agent/<agent route>` -> the agent's own answer, passed through
 //!

@@ -12,7 +12,7 @@ use airlock_runtime::{fake, Runtime, RuntimeError};
 use airlock_server::core::{Config, Core};
 use airlock_server::e2b::Watchers;
 use airlock_server::listen::Limits;
-use airlock_server::nodes::{Booted, Capacity, LocalNode, Nodes, VmState};
+use airlock_server::nodes::{Booted, Capacity, LocalNode, NodeEgress, Nodes, VmState};
 use airlock_server::store::SqliteStore;
 use airlock_server::AppState;
 use axum::body::{Body, Bytes};
@@ -49,6 +49,8 @@ pub struct Server {
     pub tmp: Option<tempfile::TempDir>,
     /// The node's HTTP face, when the core reaches its node through it.
     pub node_face: Option<SocketAddr>,
+    /// The node's egress side (its specs and counters; the fake VMM has no networks to serve).
+    pub node_egress: Arc<NodeEgress>,
 }
 
 /// A fresh data dir with the `seed` template.
@@ -187,7 +189,7 @@ impl Server {
             .unwrap();
         let d = dir.to_path_buf();
         let known_key = key.map(String::from);
-        let (addr, key, core, runtime, watchers, node_face) = tokio_rt
+        let (addr, key, core, runtime, watchers, node_face, node_egress) = tokio_rt
             .spawn(async move {
                 let background = hold.is_some();
                 let runtime = open_runtime(&d, background).await;
@@ -196,7 +198,17 @@ impl Server {
                     .await
                     .unwrap();
                 let key = known_key.or(minted).expect("an admin key");
-                let local: Arc<dyn Nodes> = Arc::new(LocalNode::new(runtime.clone()));
+                let node_egress = NodeEgress::new(
+                    Arc::new(airlock_egress::Resolver::new(
+                        "127.0.0.1:53".parse().unwrap(),
+                        Duration::from_secs(1),
+                    )),
+                    airlock_egress::ProxyConfig::default(),
+                    config.egress.clone(),
+                    d.join("egress"),
+                )
+                .unwrap();
+                let local: Arc<dyn Nodes> = Arc::new(LocalNode::new(runtime.clone(), Some(node_egress.clone())));
                 let mut nodes: Arc<dyn Nodes> = Arc::new(TestNode {
                     inner: local,
                     create_delay,
@@ -242,7 +254,7 @@ impl Server {
                 let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
                 let addr = listener.local_addr().unwrap();
                 tokio::spawn(airlock_server::listen::serve(listener, app, None, limits));
-                (addr, key, core, runtime, watchers, node_face)
+                (addr, key, core, runtime, watchers, node_face, node_egress)
             })
             .await
             .unwrap();
@@ -257,6 +269,7 @@ impl Server {
             watchers,
             tmp: None,
             node_face,
+            node_egress,
         }
     }
 
@@ -772,6 +785,9 @@ impl Nodes for TestNode {
     }
     fn exits(&self) -> tokio::sync::broadcast::Receiver<String> {
         self.inner.exits()
+    }
+    async fn egress(&self, id: &str) -> Option<airlock_egress::EgressSnapshot> {
+        self.inner.egress(id).await
     }
     fn capacity(&self) -> Capacity {
         Capacity {

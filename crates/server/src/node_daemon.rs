@@ -1,0 +1,169 @@
+//! Assembling a node: this host's runtime with its sandbox networks and egress, as `LocalNode`.
+//! Used by `serve` in single-host mode (the node in the server's process) and by `airlock node`
+//! ([`serve_node`]: the node's HTTP face, for API replicas on other hosts).
+
+use crate::nodes::{self, LocalNode, NodeEgress, Nodes};
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+/// Where sandbox egress leaves the host.
+#[derive(Debug, Clone, Default)]
+pub struct EgressUplink {
+    /// The resolver allowed names are looked up with (default: /etc/resolv.conf's first).
+    pub dns: Option<SocketAddr>,
+    /// A network namespace (under /run/netns) to make lookups and dials in, instead of the
+    /// process's own.
+    pub netns: Option<String>,
+}
+
+/// What a node is opened with.
+pub struct NodeOptions {
+    pub data_dir: PathBuf,
+    /// Egress profiles and the always-denied ranges (`egress_config_from_env`); the host's
+    /// addresses join the denies when the node opens.
+    pub egress: airlock_egress::EgressConfig,
+    /// Where sandboxes' lookups and connections leave from.
+    pub egress_uplink: EgressUplink,
+    /// Warm pools to keep from the start: (template, VMs) at the default resources.
+    pub warm_pools: Vec<(String, usize)>,
+}
+
+/// The shortest cluster secret a node or a replica accepts.
+pub const MIN_SECRET_BYTES: usize = 32;
+
+/// The cluster secret in `path` (surrounding whitespace ignored): node tokens are derived from it.
+pub fn read_cluster_secret(path: &Path) -> anyhow::Result<Vec<u8>> {
+    let bytes = std::fs::read(path).map_err(|e| anyhow::anyhow!("the cluster secret {}: {e}", path.display()))?;
+    let secret = bytes.trim_ascii().to_vec();
+    if secret.len() < MIN_SECRET_BYTES {
+        anyhow::bail!(
+            "the cluster secret {} holds {} bytes; it needs at least {MIN_SECRET_BYTES} (e.g. `head -c 32 /dev/urandom | base64 > {}`)",
+            path.display(),
+            secret.len(),
+            path.display()
+        );
+    }
+    Ok(secret)
+}
+
+/// This host's node: the runtime (re-attaching the VMs of the last run in the background), its
+/// networks served by a `NodeEgress`, the warm pools. Returns the egress configuration completed
+/// with the host's addresses. A SIGTERM or SIGINT stops base snapshot builds and pool VMs and
+/// exits; sandboxes' VMs outlive the process by design.
+pub async fn open_local_node(opts: NodeOptions) -> anyhow::Result<(Arc<LocalNode>, airlock_egress::EgressConfig)> {
+    let mut egress = opts.egress;
+    let mut runtime_opts = airlock_runtime::RuntimeOptions {
+        reconcile_in_background: true,
+        ..airlock_runtime::RuntimeOptions::new(&opts.data_dir)
+    };
+    // Without sandbox networks (`AIRLOCK_SANDBOX_NETWORK=off`) there is nothing to serve.
+    let hook = match runtime_opts.network.as_mut() {
+        Some(network) => {
+            let hook = node_egress(&opts.egress_uplink, &mut egress, &opts.data_dir)?;
+            network.egress = Some(hook.clone());
+            Some(hook)
+        }
+        None => None,
+    };
+    let runtime = airlock_runtime::Runtime::open(runtime_opts).await?;
+    // A base snapshot's builder must not outlive the process (a restart would only remove it),
+    // so a stop ends it first.
+    {
+        let runtime = runtime.clone();
+        tokio::spawn(async move {
+            use tokio::signal::unix::{signal, SignalKind};
+            let (Ok(mut term), Ok(mut int)) = (signal(SignalKind::terminate()), signal(SignalKind::interrupt())) else {
+                return;
+            };
+            tokio::select! {
+                _ = term.recv() => {}
+                _ = int.recv() => {}
+            }
+            runtime.stop_base_snapshot_builds().await;
+            runtime.drain_pools().await;
+            std::process::exit(0);
+        });
+    }
+    let accel = runtime.accel().await;
+    tracing::info!("runtime {} with accel {accel}", runtime.runtime_name());
+    let node = Arc::new(LocalNode::new(runtime, hook));
+    set_pools(&*node, &opts.warm_pools).await?;
+    Ok((node, egress))
+}
+
+/// Keep `pools` (template, size) at the default resources on `node`.
+pub async fn set_pools(node: &dyn Nodes, pools: &[(String, usize)]) -> anyhow::Result<()> {
+    let defaults = airlock_runtime::Resources::default();
+    for (template, size) in pools {
+        node.set_pool(template, &defaults, *size)
+            .await
+            .map_err(|e| anyhow::anyhow!("--warm-pool {template}={size}: {e}"))?;
+        tracing::info!("warm pool: {size} VMs of {template}");
+    }
+    Ok(())
+}
+
+/// `airlock node`: this host's node, its face served on `listen` to callers with tokens of
+/// `secret`, until the process is stopped.
+pub async fn serve_node(
+    opts: NodeOptions,
+    listen: SocketAddr,
+    secret: Vec<u8>,
+    limits: crate::listen::Limits,
+) -> anyhow::Result<()> {
+    // Bound before the runtime opens, so a taken address fails at once.
+    let listener = tokio::net::TcpListener::bind(listen)
+        .await
+        .map_err(|e| anyhow::anyhow!("listen on {listen}: {e}"))?;
+    let (node, egress) = open_local_node(opts).await?;
+    tracing::info!(
+        "node: serving on {listen} (HTTP/2, cluster tokens); egress digest {}",
+        egress.digest()
+    );
+    let face = nodes::serve::router(node, &secret);
+    Ok(crate::listen::serve(listener, face, None, limits).await?)
+}
+
+/// The node's egress side for `uplink`, and the platform denies completed with the addresses
+/// of the host (and of the uplink namespace): a sandbox must never reach the machine itself.
+fn node_egress(
+    uplink: &EgressUplink,
+    config: &mut airlock_egress::EgressConfig,
+    data_dir: &Path,
+) -> anyhow::Result<Arc<NodeEgress>> {
+    use airlock_egress::{local_addresses, PlatformDenies, ProxyConfig, Resolver, Uplink};
+    let namespace = match &uplink.netns {
+        Some(name) => Uplink::netns(&Path::new("/run/netns").join(name))
+            .map_err(|e| anyhow::anyhow!("--egress-uplink-netns {name}: {e}"))?,
+        None => Uplink::host(),
+    };
+    let resolver = match uplink.dns {
+        Some(addr) => Resolver::new(addr, std::time::Duration::from_secs(5)),
+        None if uplink.netns.is_some() => {
+            anyhow::bail!("--egress-uplink-netns needs --egress-dns: the host's resolver is not in that namespace")
+        }
+        None => Resolver::system().map_err(|e| anyhow::anyhow!("egress DNS: {e}; pass --egress-dns <ip:port>"))?,
+    }
+    .with_uplink(namespace.clone());
+    let mut host = local_addresses()?;
+    host.extend(namespace.addresses()?);
+    tracing::info!(
+        "egress: lookups via {}, dials from {:?}, {} host addresses denied",
+        resolver.upstream(),
+        namespace,
+        host.len()
+    );
+    config.platform = Arc::new(PlatformDenies::new(host));
+    let dir = data_dir.join("egress");
+    NodeEgress::new(
+        Arc::new(resolver),
+        ProxyConfig {
+            uplink: namespace,
+            ..ProxyConfig::default()
+        },
+        config.clone(),
+        dir.clone(),
+    )
+    .map_err(|e| anyhow::anyhow!("{}: {e}", dir.display()))
+}

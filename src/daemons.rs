@@ -1,0 +1,266 @@
+//! The two long-running commands: `serve` (the API, with this host's node in its process or a
+//! node on another host) and `node` (this host's node alone, for API replicas elsewhere).
+
+use airlock_runtime::datadir::DataDir;
+use airlock_runtime::template::{BuildOptions, TemplateStore, SEED};
+use clap::Args;
+use std::io::IsTerminal;
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+
+#[derive(Args)]
+pub struct ServeArgs {
+    #[arg(long, env = "AIRLOCK_LISTEN", default_value = "127.0.0.1:7420")]
+    listen: SocketAddr,
+    /// The control-plane store: a Postgres database,
+    /// `postgres://USER[:PASSWORD]@HOST[:PORT]/DATABASE` [default: SQLite in the data dir].
+    #[arg(long, env = "AIRLOCK_STORE")]
+    store: Option<String>,
+    /// Also serve E2B's code-interpreter port here (for `E2B_DEBUG=true` setups, where the
+    /// SDK calls `localhost:49999`); requests are routed by `X-Access-Token`.
+    #[arg(long, env = "AIRLOCK_E2B_DEBUG_LISTEN")]
+    e2b_debug_listen: Option<SocketAddr>,
+    /// The E2B domain, for `E2B_DOMAIN=<domain>` setups: the API answers as `api.<domain>`,
+    /// sandbox ports as `<port>-<sandbox id>.<domain>` (point wildcard DNS at this host).
+    #[arg(long, env = "AIRLOCK_E2B_DOMAIN")]
+    e2b_domain: Option<String>,
+    /// Also serve HTTPS here (same routes); needs --tls-cert and --tls-key.
+    #[arg(long, env = "AIRLOCK_TLS_LISTEN", requires_all = ["tls_cert", "tls_key"])]
+    tls_listen: Option<SocketAddr>,
+    /// PEM certificate chain for --tls-listen (e.g. for `*.<domain>` and `<domain>`).
+    #[arg(long, env = "AIRLOCK_TLS_CERT", requires = "tls_listen")]
+    tls_cert: Option<PathBuf>,
+    /// PEM private key for --tls-listen.
+    #[arg(long, env = "AIRLOCK_TLS_KEY", requires = "tls_listen")]
+    tls_key: Option<PathBuf>,
+    /// Accept `Authorization: Bearer <JWT>` from the issuers in this JSON file (issuer,
+    /// audience, a JWKS file, the claim naming the tenant, the tenants it may name); such
+    /// callers are signed in.
+    #[arg(long, env = "AIRLOCK_JWT_ISSUERS")]
+    jwt_issuers: Option<PathBuf>,
+    /// Live sandboxes one tenant may have at once (429 `quota_exceeded` past it), unless the
+    /// admin sets the tenant's own quota.
+    #[arg(long, env = "AIRLOCK_MAX_SANDBOXES", default_value_t = 20)]
+    max_sandboxes: u32,
+    /// vCPUs one tenant's live sandboxes may hold together, unless the admin sets the
+    /// tenant's own quota [default: --tenant-share of the node's vCPU budget].
+    #[arg(long, env = "AIRLOCK_MAX_VCPU", value_parser = clap::value_parser!(u64).range(1..))]
+    max_vcpu: Option<u64>,
+    /// Memory (MiB) one tenant's live sandboxes may hold together [default: --tenant-share
+    /// of the node's memory budget].
+    #[arg(long, env = "AIRLOCK_MAX_MEMORY_MIB", value_parser = clap::value_parser!(u64).range(1..))]
+    max_memory_mib: Option<u64>,
+    /// Disk (MiB) one tenant's sandboxes, saved memory and snapshots may hold together
+    /// [default: --tenant-share of the node's disk budget].
+    #[arg(long, env = "AIRLOCK_MAX_DISK_MIB", value_parser = clap::value_parser!(u64).range(1..))]
+    max_disk_mib: Option<u64>,
+    /// The part of each node budget (vCPUs, memory, disk) a tenant gets where neither its
+    /// own quota nor --max-vcpu, --max-memory-mib or --max-disk-mib says otherwise (1: no
+    /// limit but the node's budgets, for a single tenant).
+    #[arg(long, env = "AIRLOCK_TENANT_SHARE", default_value_t = airlock_server::core::DEFAULT_TENANT_SHARE, value_parser = parse_share)]
+    tenant_share: f64,
+    /// Creates one tenant may make in any 60 seconds (429 `rate_limited` past it), unless
+    /// the admin sets the tenant's own quota.
+    #[arg(long, env = "AIRLOCK_MAX_CREATES_PER_MINUTE", default_value_t = airlock_server::core::DEFAULT_MAX_CREATES_PER_MINUTE, value_parser = clap::value_parser!(u32).range(1..))]
+    max_creates_per_minute: u32,
+    /// Processes (sessions) one sandbox may run at once (429 `quota_exceeded` past it).
+    #[arg(long, env = "AIRLOCK_MAX_SESSIONS", default_value_t = airlock_server::core::DEFAULT_MAX_SESSIONS_PER_SANDBOX)]
+    max_sessions: u32,
+    /// The node's vCPU budget is its CPUs times this; past it creates get 503
+    /// `node_budget_exceeded`.
+    #[arg(long, env = "AIRLOCK_VCPU_OVERCOMMIT", default_value_t = airlock_server::core::DEFAULT_VCPU_OVERCOMMIT, value_parser = parse_overcommit)]
+    vcpu_overcommit: f64,
+    /// Memory kept for the host; live sandboxes' memory sums to at most the rest.
+    #[arg(long, env = "AIRLOCK_MEMORY_RESERVE_MIB", default_value_t = airlock_server::core::DEFAULT_MEMORY_RESERVE_MIB)]
+    memory_reserve_mib: u64,
+    /// Disk kept free in the data dir's filesystem; live sandboxes' disks (at full size) sum
+    /// to at most the rest, and no create is admitted below it.
+    #[arg(long, env = "AIRLOCK_DISK_RESERVE_MIB", default_value_t = airlock_server::core::DEFAULT_DISK_RESERVE_MIB)]
+    disk_reserve_mib: u64,
+    /// Use the node at this address (`airlock node --listen`) instead of running VMs in this
+    /// process; needs --node-secret-file.
+    #[arg(long, env = "AIRLOCK_NODE", requires = "node_secret_file")]
+    node: Option<SocketAddr>,
+    /// The cluster secret node tokens are derived from (the node's --secret-file; at least 32
+    /// bytes).
+    #[arg(long, env = "AIRLOCK_NODE_SECRET_FILE", requires = "node")]
+    node_secret_file: Option<PathBuf>,
+    #[command(flatten)]
+    host: HostArgs,
+    #[command(flatten)]
+    conns: ConnectionArgs,
+}
+
+/// What a node needs of its host: where egress leaves from, warm pools.
+#[derive(Args)]
+pub struct HostArgs {
+    /// The DNS server sandboxes' allowed names are resolved with (default: the first
+    /// `nameserver` of /etc/resolv.conf).
+    #[arg(long, env = "AIRLOCK_EGRESS_DNS")]
+    egress_dns: Option<SocketAddr>,
+    /// Make sandboxes' lookups and connections from this network namespace (a name under
+    /// /run/netns) instead of the host's own network: a separate uplink, or a test's
+    /// "internet".
+    #[arg(long, env = "AIRLOCK_EGRESS_UPLINK_NETNS")]
+    egress_uplink_netns: Option<String>,
+    /// Keep VMs of a template ready for creates to claim, at the default resources:
+    /// `TEMPLATE=COUNT`, repeatable or comma-separated (the admin resizes them with
+    /// `PUT /v1/admin/pools`).
+    #[arg(long = "warm-pool", env = "AIRLOCK_WARM_POOLS", value_delimiter = ',', value_parser = parse_pool)]
+    warm_pools: Vec<(String, usize)>,
+}
+
+#[derive(Args)]
+pub struct ConnectionArgs {
+    /// Open connections per listener; past it new ones wait in the listen backlog.
+    #[arg(long, env = "AIRLOCK_MAX_CONNECTIONS", default_value_t = airlock_server::listen::MAX_CONNECTIONS)]
+    max_connections: usize,
+    /// Open connections per client address (an IPv6 /64) on each listener; past it a new one
+    /// is reset at once. Behind a reverse proxy every client is the proxy: raise it there.
+    #[arg(long, env = "AIRLOCK_MAX_CONNECTIONS_PER_CLIENT", default_value_t = airlock_server::listen::MAX_CONNECTIONS_PER_CLIENT)]
+    max_connections_per_client: usize,
+}
+
+#[derive(Args)]
+pub struct NodeArgs {
+    /// Where the node's face listens (API replicas call it; keep it on the cluster's network).
+    #[arg(long, env = "AIRLOCK_NODE_LISTEN")]
+    listen: SocketAddr,
+    /// The cluster secret callers' tokens are derived from (at least 32 bytes; the same file
+    /// as every replica's --node-secret-file).
+    #[arg(long, env = "AIRLOCK_NODE_SECRET_FILE")]
+    secret_file: PathBuf,
+    #[command(flatten)]
+    host: HostArgs,
+    #[command(flatten)]
+    conns: ConnectionArgs,
+}
+
+impl HostArgs {
+    fn node_options(
+        self,
+        data_dir: PathBuf,
+        egress: airlock_server::EgressConfig,
+    ) -> airlock_server::node_daemon::NodeOptions {
+        airlock_server::node_daemon::NodeOptions {
+            data_dir,
+            egress,
+            egress_uplink: airlock_server::EgressUplink {
+                dns: self.egress_dns,
+                netns: self.egress_uplink_netns,
+            },
+            warm_pools: self.warm_pools,
+        }
+    }
+}
+
+impl ConnectionArgs {
+    fn limits(&self) -> airlock_server::listen::Limits {
+        airlock_server::listen::Limits {
+            max_connections: self.max_connections,
+            max_connections_per_client: self.max_connections_per_client,
+            ..Default::default()
+        }
+    }
+}
+
+/// Build `seed` into the data dir unless it is there (a node's sandboxes start from it).
+async fn ensure_seed(data_dir: &Path) -> anyhow::Result<()> {
+    let store = TemplateStore::new(DataDir::open(data_dir)?);
+    if !store.exists(SEED) {
+        eprintln!("airlock: template `seed` is missing; building it first");
+        crate::build_template(
+            data_dir,
+            SEED.into(),
+            BuildOptions {
+                progress: std::io::stderr().is_terminal(),
+                ..Default::default()
+            },
+        )
+        .await?;
+    }
+    Ok(())
+}
+
+impl ServeArgs {
+    pub async fn run(self, data_dir: PathBuf) -> anyhow::Result<()> {
+        // First: a bad AIRLOCK_EGRESS_PROFILES, --store or secret stops the server before
+        // anything is built (checked here, not by clap, which would echo the URL's password).
+        let egress = airlock_server::egress_config_from_env()?;
+        if let Some(url) = &self.store {
+            airlock_server::store::PgStore::parse_url(url).map_err(|e| anyhow::anyhow!("--store: {e}"))?;
+        }
+        let remote_node = match (self.node, &self.node_secret_file) {
+            (Some(addr), Some(path)) => Some((addr, airlock_server::node_daemon::read_cluster_secret(path)?)),
+            _ => None,
+        };
+        if remote_node.is_none() {
+            ensure_seed(&data_dir).await?;
+        }
+        let limits = self.conns.limits();
+        let node = self.host.node_options(data_dir.clone(), egress.clone());
+        airlock_server::serve(airlock_server::ServeOptions {
+            warm_pools: node.warm_pools,
+            listen: self.listen,
+            store: self.store,
+            data_dir,
+            max_sandboxes_per_tenant: self.max_sandboxes,
+            max_vcpu_per_tenant: self.max_vcpu,
+            max_memory_mib_per_tenant: self.max_memory_mib,
+            max_disk_mib_per_tenant: self.max_disk_mib,
+            tenant_share: self.tenant_share,
+            max_creates_per_minute: self.max_creates_per_minute,
+            max_sessions_per_sandbox: self.max_sessions,
+            vcpu_overcommit: self.vcpu_overcommit,
+            memory_reserve_mib: self.memory_reserve_mib,
+            disk_reserve_mib: self.disk_reserve_mib,
+            e2b_debug_listen: self.e2b_debug_listen,
+            e2b_domain: self.e2b_domain,
+            tls: match (self.tls_listen, self.tls_cert, self.tls_key) {
+                (Some(listen), Some(cert), Some(key)) => Some(airlock_server::TlsOptions { listen, cert, key }),
+                _ => None,
+            },
+            limits,
+            egress,
+            egress_uplink: node.egress_uplink,
+            jwt_issuers: self.jwt_issuers,
+            remote_node,
+        })
+        .await
+    }
+}
+
+impl NodeArgs {
+    pub async fn run(self, data_dir: PathBuf) -> anyhow::Result<()> {
+        let egress = airlock_server::egress_config_from_env()?;
+        let secret = airlock_server::node_daemon::read_cluster_secret(&self.secret_file)?;
+        ensure_seed(&data_dir).await?;
+        let limits = self.conns.limits();
+        let node = self.host.node_options(data_dir, egress);
+        airlock_server::node_daemon::serve_node(node, self.listen, secret, limits).await
+    }
+}
+
+fn parse_pool(s: &str) -> Result<(String, usize), String> {
+    let bad = || format!("{s:?} is not TEMPLATE=COUNT (e.g. seed=2)");
+    let (template, count) = s.split_once('=').ok_or_else(bad)?;
+    let count: usize = count.trim().parse().map_err(|_| bad())?;
+    if template.trim().is_empty() || count > airlock_server::core::accounts::MAX_POOL {
+        return Err(bad());
+    }
+    Ok((template.trim().to_string(), count))
+}
+
+fn parse_share(s: &str) -> Result<f64, String> {
+    match s.parse::<f64>() {
+        Ok(f) if f.is_finite() && f > 0.0 && f <= 1.0 => Ok(f),
+        _ => Err(format!("{s:?} is not a share above 0 and at most 1 (e.g. 0.5)")),
+    }
+}
+
+fn parse_overcommit(s: &str) -> Result<f64, String> {
+    match s.parse::<f64>() {
+        Ok(f) if f.is_finite() && f > 0.0 && f <= 64.0 => Ok(f),
+        _ => Err(format!("{s:?} is not a factor between 0 and 64 (e.g. 4 or 1.5)")),
+    }
+}
