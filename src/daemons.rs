@@ -78,12 +78,18 @@ pub struct ServeArgs {
     #[arg(long, env = "AIRLOCK_DISK_RESERVE_MIB", default_value_t = airlock_server::core::DEFAULT_DISK_RESERVE_MIB)]
     disk_reserve_mib: u64,
     /// Use the node at this address (`airlock node --listen`) instead of running VMs in this
-    /// process; needs --node-secret-file.
-    #[arg(long, env = "AIRLOCK_NODE", requires = "node_secret_file")]
-    node: Option<SocketAddr>,
+    /// process; repeatable or comma-separated for many hosts (a sandbox goes to the best node
+    /// that admits it); needs --node-secret-file. Each node's address is its name: keep it.
+    #[arg(
+        long = "node",
+        env = "AIRLOCK_NODES",
+        value_delimiter = ',',
+        requires = "node_secret_file"
+    )]
+    nodes: Vec<SocketAddr>,
     /// The cluster secret node tokens are derived from (the node's --secret-file; at least 32
     /// bytes).
-    #[arg(long, env = "AIRLOCK_NODE_SECRET_FILE", requires = "node")]
+    #[arg(long, env = "AIRLOCK_NODE_SECRET_FILE", requires = "nodes")]
     node_secret_file: Option<PathBuf>,
     #[command(flatten)]
     host: HostArgs,
@@ -190,11 +196,11 @@ impl ServeArgs {
         if let Some(url) = &self.store {
             airlock_server::store::PgStore::parse_url(url).map_err(|e| anyhow::anyhow!("--store: {e}"))?;
         }
-        let remote_node = match (self.node, &self.node_secret_file) {
-            (Some(addr), Some(path)) => Some((addr, airlock_server::node_daemon::read_cluster_secret(path)?)),
-            _ => None,
+        let node_secret = match &self.node_secret_file {
+            Some(path) => airlock_server::node_daemon::read_cluster_secret(path)?,
+            None => Vec::new(),
         };
-        if remote_node.is_none() {
+        if self.nodes.is_empty() {
             ensure_seed(&data_dir).await?;
         }
         let limits = self.conns.limits();
@@ -224,7 +230,8 @@ impl ServeArgs {
             egress,
             egress_uplink: node.egress_uplink,
             jwt_issuers: self.jwt_issuers,
-            remote_node,
+            remote_nodes: self.nodes,
+            node_secret,
         })
         .await
     }

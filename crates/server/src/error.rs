@@ -102,6 +102,9 @@ pub enum CoreError {
         limit: usize,
         retry_after_s: u64,
     },
+    /// No node takes the sandbox: each node's reason (its budget, or why it takes none now).
+    #[error("no node can take this sandbox: {0}")]
+    NoNodeFits(String),
     /// This node has no room left for the sandbox in one of its budgets (`vcpu`, `memory`,
     /// `disk`), whoever holds the rest: it comes back as sandboxes are deleted.
     #[error("this node's {budget} budget is exhausted: the sandbox asks for {asked} {unit}, {left} {unit} of {total} {unit} are left{hint}")]
@@ -318,6 +321,7 @@ impl CoreError {
             // 503, not 429: the caller is within its own quota; the node is full (for everyone)
             // until sandboxes go, and a client or balancer retries later or elsewhere.
             CoreError::NodeBudgetExceeded { .. } => c("node_budget_exceeded", 503),
+            CoreError::NoNodeFits(_) => c("no_node_fits", 503),
             CoreError::Unsupported { .. } => c("unsupported", 422),
             CoreError::Egress(_) => c("invalid_egress", 400),
             CoreError::EgressNotAllowed { .. } => c("egress_not_allowed", 400),

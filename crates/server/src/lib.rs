@@ -276,13 +276,38 @@ pub struct ServeOptions {
     pub jwt_issuers: Option<PathBuf>,
     /// Warm pools to keep from the start: (template, VMs) at the default resources.
     pub warm_pools: Vec<(String, usize)>,
-    /// A node on another host (its face's address and the cluster secret) instead of this
-    /// host's runtime in this process.
-    pub remote_node: Option<(SocketAddr, Vec<u8>)>,
+    /// Nodes on other hosts (their faces' addresses), instead of this host's runtime in this
+    /// process; a cluster when there are several.
+    pub remote_nodes: Vec<SocketAddr>,
+    /// The cluster secret the remote nodes' tokens are derived from.
+    pub node_secret: Vec<u8>,
 }
 
 pub use airlock_egress::EgressConfig;
 pub use node_daemon::EgressUplink;
+
+/// The nodes at `addrs` as one cluster, each named by its address. One that does not answer
+/// now is kept (placement skips it until it does); none answering is an error naming each.
+async fn connect_nodes(addrs: &[SocketAddr], secret: &[u8]) -> anyhow::Result<nodes::Cluster> {
+    use nodes::Nodes as _;
+    let mut members: Vec<(String, Arc<dyn nodes::Nodes>)> = Vec::new();
+    let mut down = Vec::new();
+    for addr in addrs {
+        let node = nodes::RemoteNode::open(*addr, secret).await;
+        match node.members().into_iter().next().and_then(|m| m.refuses) {
+            Some(why) => {
+                tracing::warn!("--node {addr}: {why}");
+                down.push(format!("--node {addr}: {why}"));
+            }
+            None => tracing::info!("node {addr}: {} with accel {}", node.runtime_name(), node.accel().await),
+        }
+        members.push((addr.to_string(), Arc::new(node)));
+    }
+    if down.len() == addrs.len() {
+        anyhow::bail!("no node answers: {}", down.join("; "));
+    }
+    Ok(nodes::Cluster::new(members))
+}
 
 /// The store `serve` uses: Postgres at `url`, else SQLite in `<data-dir>/airlock.db`.
 pub async fn open_store(url: Option<&str>, data_dir: &std::path::Path) -> anyhow::Result<Arc<dyn store::Store>> {
@@ -355,9 +380,8 @@ pub async fn serve(opts: ServeOptions) -> anyhow::Result<()> {
     };
     // The node: this host's (the VMs of the last run re-attached in the background, so the
     // listener binds at once however many there are), or one on another host.
-    use nodes::Nodes as _;
-    let (nodes, egress): (Arc<dyn nodes::Nodes>, _) = match opts.remote_node {
-        None => {
+    let (nodes, egress): (Arc<dyn nodes::Nodes>, _) = match opts.remote_nodes.is_empty() {
+        true => {
             let (node, egress) = node_daemon::open_local_node(node_daemon::NodeOptions {
                 data_dir: opts.data_dir.clone(),
                 egress: opts.egress,
@@ -367,17 +391,10 @@ pub async fn serve(opts: ServeOptions) -> anyhow::Result<()> {
             .await?;
             (node, egress)
         }
-        Some((addr, secret)) => {
-            let node = nodes::RemoteNode::connect(addr, &secret)
-                .await
-                .map_err(|e| anyhow::anyhow!("--node {addr}: {e}"))?;
-            tracing::info!(
-                "node at {addr}: {} with accel {}",
-                node.runtime_name(),
-                node.accel().await
-            );
-            node_daemon::set_pools(&node, &opts.warm_pools).await?;
-            (Arc::new(node) as Arc<dyn nodes::Nodes>, opts.egress)
+        false => {
+            let cluster = connect_nodes(&opts.remote_nodes, &opts.node_secret).await?;
+            node_daemon::set_pools(&cluster, &opts.warm_pools).await?;
+            (Arc::new(cluster) as Arc<dyn nodes::Nodes>, opts.egress)
         }
     };
     let root = opts.data_dir.clone();

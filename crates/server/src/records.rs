@@ -53,6 +53,9 @@ pub struct SandboxRecord {
     pub timeout_ms: i64,
     /// The snapshot it was made from, if any (its memory, processes and disk).
     pub image_id: Option<String>,
+    /// The node it was placed on (`Nodes::members`' name; '' for the one node of single-host
+    /// mode). Its budgets count it.
+    pub node: String,
 }
 
 /// A sandbox's egress as recorded at create and fixed for its life: the profiles chosen, whether

@@ -9,6 +9,9 @@ mod common;
 // Disk held by snapshots and saved memory, tenants' ids, default quotas (issue 23).
 #[path = "core/budgets.rs"]
 mod budgets;
+// Many nodes behind many replicas (issue 25).
+#[path = "core/cluster.rs"]
+mod cluster;
 #[path = "core/console.rs"]
 mod console;
 #[path = "core/doors.rs"]
@@ -63,6 +66,7 @@ fn sandbox_row(id: &str, tenant_id: &str) -> SandboxRecord {
         lifecycle: Default::default(),
         timeout_ms: 300_000,
         image_id: None,
+        node: String::new(),
     }
 }
 

@@ -38,6 +38,7 @@ fn sandbox(id: &str, tenant: &str) -> SandboxRecord {
         lifecycle: Default::default(),
         timeout_ms: 300_000,
         image_id: None,
+        node: String::new(),
     }
 }
 
@@ -318,6 +319,48 @@ async fn suspended_sandboxes_hold_only_disk_and_resume_is_admitted(b: Backend) {
         SandboxState::Resuming
     );
     assert_eq!(store.tenant_usage("t1", now_ms()).await.unwrap().sandboxes, 1);
+}
+
+on_both!(a_nodes_budget_counts_only_the_sandboxes_placed_on_it);
+
+/// Many hosts: each create names its node, and a node's budgets sum only what is on it, so a
+/// full node refuses while another with room admits (placement then tries the next).
+async fn a_nodes_budget_counts_only_the_sandboxes_placed_on_it(b: Backend) {
+    let store = b.store().await;
+    let budget = NodeBudget {
+        vcpu: 64,
+        memory_mib: 2 * 512,
+        disk_mib: 1 << 20,
+    };
+    let on = |id: &str, node: &str| SandboxRecord {
+        node: node.into(),
+        ..sandbox(id, "t1")
+    };
+    for (id, node) in [("a1", "node-a"), ("a2", "node-a"), ("b1", "node-b")] {
+        let r = store
+            .insert_create_within(&on(id, node), &create_op(id), None, &Quota::default(), &budget)
+            .await;
+        assert!(matches!(r, Ok(CreateRecorded::New(_))), "{id}: {r:?}");
+    }
+    let r = store
+        .insert_create_within(&on("a3", "node-a"), &create_op("a3"), None, &Quota::default(), &budget)
+        .await;
+    assert!(
+        matches!(
+            r,
+            Err(StoreError::NodeBudgetExceeded {
+                budget: "memory",
+                used: 1024,
+                ..
+            })
+        ),
+        "{r:?}"
+    );
+    let r = store
+        .insert_create_within(&on("b2", "node-b"), &create_op("b2"), None, &Quota::default(), &budget)
+        .await;
+    assert!(matches!(r, Ok(CreateRecorded::New(_))), "{r:?}");
+    assert_eq!(store.sandbox_by_id("b2").await.unwrap().unwrap().node, "node-b");
 }
 
 on_both!(keys_access_tokens_sessions_and_aliases);

@@ -14,6 +14,7 @@
 //! - `metrics`: each sandbox's sampled metrics history, for windows of it
 //! - `templates`: template names and aliases
 //! - `tenants`: a tenant's quotas (its own over the server's defaults) and usage
+//! - `placement`: which node a new sandbox goes to, and each node's budgets
 //! - `egress`: a new sandbox's egress (profiles, the tenant policy, narrowing), carried to its
 //!   node with the create; the report
 
@@ -23,6 +24,7 @@ pub mod egress;
 pub mod federation;
 pub mod files;
 pub mod metrics;
+mod placement;
 pub mod principal;
 pub mod sandboxes;
 pub mod sessions;

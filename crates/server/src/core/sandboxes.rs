@@ -2,7 +2,7 @@
 //! lifecycle requests, which the operation engine carries out.
 
 use super::egress::EgressRequest;
-use super::{Core, Principal};
+use super::{placement, Core, Principal};
 use crate::engine::{Action, Submitted};
 use crate::error::{CoreError, CoreResult, Kind};
 use crate::model::{Operation, SandboxState};
@@ -194,7 +194,7 @@ impl Core {
         if let Some(template) = &template {
             resources.validate(template).map_err(NodeError::from)?;
         }
-        let budget = self.config.budget(&self.nodes.capacity());
+        let budget = self.largest_budget();
         for (field, asked, total, what) in [
             (
                 "vcpu",
@@ -249,6 +249,7 @@ impl Core {
             lifecycle: req.lifecycle,
             timeout_ms: timeout.as_millis() as i64,
             image_id: snapshot.map(|s| s.id),
+            node: String::new(),
         };
         // A warm pool's VM, where one is ready for this template and shape: its id is the
         // sandbox's. A create that does not go ahead gives it back.
@@ -261,16 +262,39 @@ impl Core {
             row.id = id.clone();
         }
         let quota = self.quota(tenant).await?;
-        let submitted = self
-            .engine
-            .submit(Action::Create {
-                sandbox: row,
-                idempotency_key: req.idempotency_key,
-                quota,
-                budget,
-            })
-            .await
-            .map_err(|e| e.for_tenant(&tenant.name));
+        // Where its pool VM or its snapshot's image is, it must go; else the best node that
+        // admits it.
+        let pinned = match (&pooled, &row.image_id) {
+            (Some(id), _) | (None, Some(id)) => self.nodes.owner(id),
+            (None, None) => None,
+        };
+        let (candidates, mut reasons) = self.candidates(pinned.as_deref());
+        let mut submitted = None;
+        let mut last = None;
+        for m in candidates {
+            row.node = m.name.clone();
+            let result = self
+                .engine
+                .submit(Action::Create {
+                    sandbox: row.clone(),
+                    idempotency_key: req.idempotency_key.clone(),
+                    quota,
+                    budget: self.config.budget(&m.capacity),
+                })
+                .await
+                .map_err(|e| e.for_tenant(&tenant.name));
+            match result {
+                Err(e) if placement::node_refused(&e) => {
+                    reasons.push((m.name.clone(), placement::reason(&e)));
+                    last = Some(e);
+                }
+                other => {
+                    submitted = Some(other);
+                    break;
+                }
+            }
+        }
+        let submitted = submitted.unwrap_or_else(|| Err(placement::refused_everywhere(reasons, last)));
         let unclaim = || {
             if let Some(id) = &pooled {
                 self.nodes.unclaim(id);
@@ -507,7 +531,7 @@ impl Core {
     /// timeout suspends it holds it from its create).
     async fn admit_suspend(&self, row: &SandboxRecord) -> CoreResult<()> {
         let quota = self.quota_of(&row.tenant_id).await?;
-        let budget = self.config.budget(&self.nodes.capacity());
+        let budget = self.budget_of(&row.node);
         if !self.store.admit_suspend(&row.id, &quota, &budget).await? {
             let now = self.store.sandbox_by_id(&row.id).await?;
             return Err(CoreError::InvalidState {
@@ -524,7 +548,7 @@ impl Core {
     async fn resume_action(&self, row: SandboxRecord) -> CoreResult<Action> {
         Ok(Action::Resume {
             quota: self.quota_of(&row.tenant_id).await?,
-            budget: self.config.budget(&self.nodes.capacity()),
+            budget: self.budget_of(&row.node),
             sandbox: row,
         })
     }

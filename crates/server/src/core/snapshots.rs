@@ -89,6 +89,7 @@ impl Core {
         // Its size is known only once saved; until then it holds the most a save writes (the
         // sandbox's disk copied whole and its memory), so a burst of saves can't overshoot.
         let reserve_mib = row.resources.disk_mib as u64 + row.resources.memory_mib as u64;
+        let budget = self.budget_of(&row.node);
         let op = self
             .engine
             .submit(Action::Snapshot {
@@ -96,7 +97,7 @@ impl Core {
                 snapshot: snapshot.clone(),
                 reserve_mib,
                 quota: self.quota(tenant).await?,
-                budget: self.config.budget(&self.nodes.capacity()),
+                budget,
             })
             .await
             .map_err(|e| e.for_tenant(&tenant.name))?

@@ -117,9 +117,10 @@ impl From<CoreError> for RpcError {
             | CoreError::TooManyUploads { .. } => Code::ResourceExhausted,
             // The node is full or not ready, or the sandbox does not answer: the SDK's "likely
             // due to sandbox timeout".
-            CoreError::NodeBudgetExceeded { .. } | CoreError::Unreachable { .. } | CoreError::Unavailable(..) => {
-                Code::Unavailable
-            }
+            CoreError::NodeBudgetExceeded { .. }
+            | CoreError::NoNodeFits(..)
+            | CoreError::Unreachable { .. }
+            | CoreError::Unavailable(..) => Code::Unavailable,
             CoreError::Unauthenticated(..) => Code::Unauthenticated,
             CoreError::Forbidden(..) => Code::PermissionDenied,
             CoreError::Internal(..) | CoreError::Store(..) => Code::Internal,

@@ -48,7 +48,9 @@ impl From<CoreError> for E2bError {
             | CoreError::SessionLimit { .. }
             | CoreError::TooManyUploads { .. } => S::TOO_MANY_REQUESTS,
             // The node is full for everyone: retry later or elsewhere.
-            CoreError::NodeBudgetExceeded { .. } | CoreError::Unavailable(..) => S::SERVICE_UNAVAILABLE,
+            CoreError::NodeBudgetExceeded { .. } | CoreError::NoNodeFits(..) | CoreError::Unavailable(..) => {
+                S::SERVICE_UNAVAILABLE
+            }
             CoreError::Unauthenticated(..) => S::UNAUTHORIZED,
             CoreError::Forbidden(..) => S::FORBIDDEN,
             CoreError::Internal(..) | CoreError::Store(..) => S::INTERNAL_SERVER_ERROR,

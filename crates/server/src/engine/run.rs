@@ -13,6 +13,7 @@ impl Engine {
             image_id: row.image_id.clone(),
             env: row.env.clone(),
             egress: row.egress.clone(),
+            node: row.node.clone(),
         };
         match self.nodes.create(&vm).await {
             Ok(booted) => {

@@ -4,6 +4,7 @@
 //! over that face, from another host (`wire.rs`: its messages and tokens). `NodeEgress` serves
 //! each VM's egress on the node, from the spec its create carried.
 
+mod cluster;
 mod egress;
 mod error;
 mod local;
@@ -11,6 +12,7 @@ mod remote;
 pub mod serve;
 pub mod wire;
 
+pub use cluster::Cluster;
 pub use egress::NodeEgress;
 pub use error::NodeError;
 pub use local::LocalNode;
@@ -50,6 +52,20 @@ pub struct VmRequest {
     /// What its network may reach, as the core decided it: the node applies it alone.
     #[serde(default)]
     pub egress: crate::records::EgressSpec,
+    /// The member placement chose ([`Member::name`]); a `Cluster` sends the create there.
+    #[serde(default)]
+    pub node: String,
+}
+
+/// A node placement may choose, as [`Nodes::members`] lists it.
+#[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
+pub struct Member {
+    /// Its name in sandbox records: '' for the one node of single-host mode, else the name the
+    /// cluster knows it by.
+    pub name: String,
+    pub capacity: Capacity,
+    /// Why it takes no new sandbox now (it does not answer, it drains), or None.
+    pub refuses: Option<String>,
 }
 
 /// What a node has, before the operator's overcommit and reserves (`core::Config::budget`).
@@ -120,4 +136,16 @@ pub trait Nodes: Send + Sync {
     async fn egress(&self, id: &str) -> Option<airlock_egress::EgressSnapshot>;
     /// What this node has (admission derives its budgets from it, see `core::Config::budget`).
     fn capacity(&self) -> Capacity;
+    /// The nodes placement chooses from: one (this), or a cluster's.
+    fn members(&self) -> Vec<Member> {
+        vec![Member {
+            name: String::new(),
+            capacity: self.capacity(),
+            refuses: None,
+        }]
+    }
+    /// The member that has VM, claimed pool VM or saved image `id`, where known.
+    fn owner(&self, _id: &str) -> Option<String> {
+        Some(String::new())
+    }
 }

@@ -45,6 +45,8 @@ struct Inner {
     secret: Arc<[u8]>,
     http: Client<HttpConnector, Full<Bytes>>,
     report: Mutex<NodeReport>,
+    /// Why the last report failed, until one succeeds again (placement skips the node then).
+    down: Mutex<Option<String>>,
     exits: broadcast::Sender<String>,
     /// The HTTP/2 connection agent calls share; made again once it closes.
     agent: tokio::sync::Mutex<Option<AgentClient>>,
@@ -123,9 +125,20 @@ impl Inner {
     }
 
     async fn refresh(&self) -> Result<(), NodeError> {
-        let report: NodeReport = self.call(Method::GET, "/report", None::<&()>, REPORT_LIMIT).await?;
-        *self.report.lock().unwrap() = report;
-        Ok(())
+        match self
+            .call::<NodeReport>(Method::GET, "/report", None::<&()>, REPORT_LIMIT)
+            .await
+        {
+            Ok(report) => {
+                *self.report.lock().unwrap() = report;
+                *self.down.lock().unwrap() = None;
+                Ok(())
+            }
+            Err(e) => {
+                *self.down.lock().unwrap() = Some(e.to_string());
+                Err(e)
+            }
+        }
     }
 
     /// A change went through: learn its effect now, not at the next periodic report.
@@ -186,6 +199,17 @@ impl RemoteNode {
     /// The node at `addr`, whose calls carry tokens of the cluster `secret`; fails when it does
     /// not answer its first report.
     pub async fn connect(addr: SocketAddr, secret: &[u8]) -> Result<Self, NodeError> {
+        let node = Self::open(addr, secret).await;
+        let down = node.inner.down.lock().unwrap().clone();
+        match down {
+            Some(why) => Err(NodeError::Unreachable(Box::new(RemoteFailure(why)))),
+            None => Ok(node),
+        }
+    }
+
+    /// The node at `addr` whether or not it answers now: until it does, it has nothing and
+    /// placement skips it ([`Nodes::members`] says why).
+    pub async fn open(addr: SocketAddr, secret: &[u8]) -> Self {
         let http = Client::builder(hyper_util::rt::TokioExecutor::new())
             .http2_only(true)
             .build_http();
@@ -208,10 +232,11 @@ impl RemoteNode {
                 vms: Vec::new(),
                 images: Vec::new(),
             }),
+            down: Mutex::new(None),
             exits: broadcast::channel(1024).0,
             agent: tokio::sync::Mutex::new(None),
         });
-        inner.refresh().await?;
+        let _ = inner.refresh().await;
         let refresher = {
             let inner = Arc::downgrade(&inner);
             tokio::spawn(async move {
@@ -225,10 +250,10 @@ impl RemoteNode {
             })
         };
         let exits = tokio::spawn(inner.clone().follow_exits());
-        Ok(RemoteNode {
+        RemoteNode {
             inner,
             tasks: vec![refresher.abort_handle(), exits.abort_handle()],
-        })
+        }
     }
 
     fn report<T>(&self, f: impl FnOnce(&NodeReport) -> T) -> T {
@@ -418,5 +443,13 @@ impl Nodes for RemoteNode {
 
     fn capacity(&self) -> Capacity {
         self.report(|r| r.capacity)
+    }
+
+    fn members(&self) -> Vec<super::Member> {
+        vec![super::Member {
+            name: String::new(),
+            capacity: self.capacity(),
+            refuses: self.inner.down.lock().unwrap().clone(),
+        }]
     }
 }

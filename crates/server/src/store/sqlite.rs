@@ -128,6 +128,7 @@ fn sandbox_from_row(r: &sqlx::sqlite::SqliteRow) -> SandboxRecord {
         },
         timeout_ms: r.get("timeout_ms"),
         image_id: r.get("image_id"),
+        node: r.get("node"),
         start: r
             .get::<Option<String>, _>("started_from")
             .map(|from| crate::model::SandboxStart {

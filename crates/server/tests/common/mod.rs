@@ -33,6 +33,70 @@ pub const NODE_SECRET: &[u8] = b"test cluster secret";
 // ---------------------------------------------------------------------------------------------
 // An in-process server
 
+pub mod cluster;
+
+/// A node on `dir` over the fake VMM (its runtime re-attaching in the background if asked),
+/// with an egress side under `egress` (the fake VMM has no networks: it keeps specs and
+/// counters only), as a [`TestNode`] of `capacity`.
+pub async fn test_node(
+    dir: &Path,
+    egress: &airlock_egress::EgressConfig,
+    capacity: Capacity,
+    create_delay: Duration,
+    hold: Arc<Hold>,
+    background: bool,
+) -> (Arc<dyn Nodes>, Runtime, Arc<NodeEgress>) {
+    let runtime = open_runtime(dir, background).await;
+    let node_egress = NodeEgress::new(
+        Arc::new(airlock_egress::Resolver::new(
+            "127.0.0.1:53".parse().unwrap(),
+            Duration::from_secs(1),
+        )),
+        airlock_egress::ProxyConfig::default(),
+        egress.clone(),
+        dir.join("egress"),
+    )
+    .unwrap();
+    let local: Arc<dyn Nodes> = Arc::new(LocalNode::new(runtime.clone(), Some(node_egress.clone())));
+    let node = Arc::new(TestNode {
+        inner: local,
+        create_delay,
+        capacity,
+        hold,
+        images: FakeImages::under(dir),
+    });
+    (node, runtime, node_egress)
+}
+
+/// A core over `store` and `nodes`, recovered, its reaper and sampler running, its routes served
+/// on loopback: (address, core, the E2B door's watchers).
+pub async fn serve_core(
+    store: Arc<dyn airlock_server::store::Store>,
+    nodes: Arc<dyn Nodes>,
+    config: Config,
+    background: bool,
+    limits: Limits,
+) -> (SocketAddr, Core, Arc<Watchers>) {
+    let core = Core::new(store, nodes, config, SECRET.to_vec());
+    if background {
+        core.engine().start_recovery().await.unwrap();
+    } else {
+        core.engine().recover().await.unwrap();
+    }
+    core.engine().spawn_reaper();
+    core.spawn_metrics_sampler();
+    let watchers: Arc<Watchers> = Default::default();
+    let app = airlock_server::router(AppState {
+        core: core.clone(),
+        watchers: watchers.clone(),
+        e2b_domain: None,
+    });
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(airlock_server::listen::serve(listener, app, None, limits));
+    (addr, core, watchers)
+}
+
 pub struct Server {
     pub dir: PathBuf,
     pub max: u32,
@@ -49,8 +113,9 @@ pub struct Server {
     pub tmp: Option<tempfile::TempDir>,
     /// The node's HTTP face, when the core reaches its node through it.
     pub node_face: Option<SocketAddr>,
-    /// The node's egress side (its specs and counters; the fake VMM has no networks to serve).
-    pub node_egress: Arc<NodeEgress>,
+    /// The node's egress side (its specs and counters; the fake VMM has no networks to serve);
+    /// none for a replica of a cluster.
+    pub node_egress: Option<Arc<NodeEgress>>,
 }
 
 /// A fresh data dir with the `seed` template.
@@ -192,30 +257,21 @@ impl Server {
         let (addr, key, core, runtime, watchers, node_face, node_egress) = tokio_rt
             .spawn(async move {
                 let background = hold.is_some();
-                let runtime = open_runtime(&d, background).await;
                 let store = SqliteStore::open(&d.join("airlock.db")).await.unwrap();
                 let minted = airlock_server::bootstrap_admin_key(&store, &d, &"127.0.0.1:0".parse().unwrap())
                     .await
                     .unwrap();
                 let key = known_key.or(minted).expect("an admin key");
-                let node_egress = NodeEgress::new(
-                    Arc::new(airlock_egress::Resolver::new(
-                        "127.0.0.1:53".parse().unwrap(),
-                        Duration::from_secs(1),
-                    )),
-                    airlock_egress::ProxyConfig::default(),
-                    config.egress.clone(),
-                    d.join("egress"),
-                )
-                .unwrap();
-                let local: Arc<dyn Nodes> = Arc::new(LocalNode::new(runtime.clone(), Some(node_egress.clone())));
-                let mut nodes: Arc<dyn Nodes> = Arc::new(TestNode {
-                    inner: local,
-                    create_delay,
+                let (node, runtime, node_egress) = test_node(
+                    &d,
+                    &config.egress,
                     capacity,
-                    hold: hold.unwrap_or_default(),
-                    images: FakeImages::under(&d),
-                });
+                    create_delay,
+                    hold.unwrap_or_default(),
+                    background,
+                )
+                .await;
+                let mut nodes = node;
                 let mut node_face = None;
                 if over_node_face {
                     let face = airlock_server::nodes::serve::router(nodes, NODE_SECRET);
@@ -229,31 +285,11 @@ impl Server {
                             .unwrap(),
                     );
                 }
-                let core = Core::new(
-                    Arc::new(store),
-                    nodes,
-                    Config {
-                        max_sandboxes_per_tenant: max,
-                        ..config
-                    },
-                    SECRET.to_vec(),
-                );
-                if background {
-                    core.engine().start_recovery().await.unwrap();
-                } else {
-                    core.engine().recover().await.unwrap();
-                }
-                core.engine().spawn_reaper();
-                core.spawn_metrics_sampler();
-                let watchers: Arc<Watchers> = Default::default();
-                let app = airlock_server::router(AppState {
-                    core: core.clone(),
-                    watchers: watchers.clone(),
-                    e2b_domain: None,
-                });
-                let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-                let addr = listener.local_addr().unwrap();
-                tokio::spawn(airlock_server::listen::serve(listener, app, None, limits));
+                let config = Config {
+                    max_sandboxes_per_tenant: max,
+                    ..config
+                };
+                let (addr, core, watchers) = serve_core(Arc::new(store), nodes, config, background, limits).await;
                 (addr, key, core, runtime, watchers, node_face, node_egress)
             })
             .await
@@ -269,7 +305,7 @@ impl Server {
             watchers,
             tmp: None,
             node_face,
-            node_egress,
+            node_egress: Some(node_egress),
         }
     }
 
@@ -298,6 +334,10 @@ impl Server {
 
     pub fn runtime(&self) -> Runtime {
         self.runtime.clone().unwrap()
+    }
+
+    pub fn node_egress(&self) -> &NodeEgress {
+        self.node_egress.as_deref().expect("a server with its own node")
     }
 
     /// Run `f` on this server's tokio runtime (runtime calls spawn tasks that belong to it).

@@ -130,7 +130,7 @@ async fn egress_report_shows_the_effective_policy_and_is_404_for_foreign_sandbox
     let id = server.running_sandbox().await;
     // Carried to the node with the create: the node holds it (what its egress side serves),
     // kept beside its VMs for a restart.
-    assert!(server.node_egress.report(&id).is_some());
+    assert!(server.node_egress().report(&id).is_some());
     let spec = server.dir.join("egress").join(format!("{id}.json"));
     let kept: Value = serde_json::from_slice(&std::fs::read(&spec).unwrap()).unwrap();
     assert_eq!(kept["tenant"]["allow"]["domains"], json!(["api.example.com"]), "{kept}");
@@ -189,14 +189,14 @@ async fn egress_report_shows_the_effective_policy_and_is_404_for_foreign_sandbox
     // Gone from the node with its VM; the recorded policy still shows.
     server.delete(&id).await;
     assert!(
-        server.node_egress.report(&id).is_none(),
+        server.node_egress().report(&id).is_none(),
         "the sandbox's egress outlived it"
     );
     assert!(!spec.exists());
     let after = egress_report(&server, &id).await;
     assert_eq!(after["policy"]["tenant_allow"], r["policy"]["tenant_allow"]);
     assert!(
-        server.node_egress.report(&id).is_none(),
+        server.node_egress().report(&id).is_none(),
         "a report does not bring it back"
     );
     server.stop().await;
@@ -352,7 +352,7 @@ async fn e2b_network_options_only_narrow_the_tenant_policy() {
         after["sandboxes"].as_array().unwrap().len()
     );
     assert_eq!(
-        server.node_egress.held(),
+        server.node_egress().held(),
         made.len(),
         "refused creates leave no egress state"
     );

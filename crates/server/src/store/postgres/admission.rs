@@ -47,18 +47,21 @@ pub(super) async fn usage_within(c: &mut PgConnection, tenant_id: &str, now: i64
     })
 }
 
-/// What every tenant's live sandboxes and snapshots hold of the node: vCPUs, memory, disk.
-async fn node_usage_within(c: &mut PgConnection) -> Result<NodeUsage, StoreError> {
+/// What every tenant's live sandboxes and snapshots on `node` hold of it: vCPUs, memory, disk.
+async fn node_usage_within(c: &mut PgConnection, node: &str) -> Result<NodeUsage, StoreError> {
     let (vcpu, memory, disk): (i64, i64, i64) = sqlx::query_as(&format!(
         "SELECT COALESCE(SUM(vcpu * {HOLDS_VM}), 0)::BIGINT, COALESCE(SUM(memory_mib * {HOLDS_VM}), 0)::BIGINT,
             COALESCE(SUM({DISK_HELD}), 0)::BIGINT
-         FROM sandboxes WHERE {LIVE}"
+         FROM sandboxes WHERE {LIVE} AND node = $1"
     ))
+    .bind(node)
     .fetch_one(&mut *c)
     .await?;
-    let (snapshots,): (i64,) = sqlx::query_as("SELECT COALESCE(SUM(held_mib), 0)::BIGINT FROM snapshots")
-        .fetch_one(&mut *c)
-        .await?;
+    let (snapshots,): (i64,) =
+        sqlx::query_as("SELECT COALESCE(SUM(held_mib), 0)::BIGINT FROM snapshots WHERE node = $1")
+            .bind(node)
+            .fetch_one(&mut *c)
+            .await?;
     let n = |v: i64| v.max(0) as u64;
     Ok(NodeUsage {
         vcpu: n(vcpu),
@@ -68,21 +71,22 @@ async fn node_usage_within(c: &mut PgConnection) -> Result<NodeUsage, StoreError
 }
 
 /// Admission of `asked_mib` more disk on `c`: within the tenant's `disk_mib` quota and the
-/// node's disk budget, next to what every live sandbox and snapshot holds.
+/// disk budget of `node`, next to what every live sandbox and snapshot on it holds.
 pub(super) async fn admit_disk_within(
     c: &mut PgConnection,
     tenant_id: &str,
     asked_mib: u64,
     quota: &Quota,
+    node: &str,
     budget: &NodeBudget,
 ) -> Result<(), StoreError> {
     let usage = usage_within(c, tenant_id, now_ms()).await?;
     check_disk_quota(usage.disk_mib, asked_mib, quota)?;
-    check_disk_budget(node_usage_within(c).await?.disk_mib, asked_mib, budget)
+    check_disk_budget(node_usage_within(c, node).await?.disk_mib, asked_mib, budget)
 }
 
 /// Admission on `c`: a sandbox of `tenant_id` with resources `r` fits the tenant's `quota` and
-/// the node's `budget` next to every live sandbox and snapshot. A `new` one also counts its
+/// the `budget` of `node` next to every live sandbox and snapshot on it. A `new` one also counts its
 /// disk (`new_disk_mib`: its disk, and its memory if its timeout suspends it) and a create
 /// against the rate limit; one resuming from suspended already holds its disk.
 pub(super) async fn admit_within(
@@ -90,6 +94,7 @@ pub(super) async fn admit_within(
     tenant_id: &str,
     r: &crate::model::Resources,
     quota: &Quota,
+    node: &str,
     budget: &NodeBudget,
     new_disk_mib: Option<u64>,
 ) -> Result<(), StoreError> {
@@ -114,5 +119,5 @@ pub(super) async fn admit_within(
     }
     // The node's budgets, summed over every tenant's live sandboxes and snapshots under the
     // same lock.
-    check_budget(node_usage_within(c).await?, r, disk_asked, budget)
+    check_budget(node_usage_within(c, node).await?, r, disk_asked, budget)
 }

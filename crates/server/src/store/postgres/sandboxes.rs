@@ -35,10 +35,19 @@ impl SandboxStore for PgStore {
             crate::model::OnTimeout::Delete => 0,
         };
         let disk = sb.resources.disk_mib as u64 + saved_mib;
-        admit_within(&mut tx, &sb.tenant_id, &sb.resources, quota, budget, Some(disk)).await?;
+        admit_within(
+            &mut tx,
+            &sb.tenant_id,
+            &sb.resources,
+            quota,
+            &sb.node,
+            budget,
+            Some(disk),
+        )
+        .await?;
         sqlx::query(
-            "INSERT INTO sandboxes (id, tenant_id, state, template, template_digest, runtime, accel, vcpu, memory_mib, disk_mib, env, metadata, created_at_ms, expires_at_ms, egress_profiles, egress_sealed, egress_policy, on_timeout, auto_resume, timeout_ms, image_id, saved_mib)
-             VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11::jsonb, $12::jsonb, $13, $14, $15::jsonb, $16, $17::jsonb, $18, $19, $20, $21, $22)",
+            "INSERT INTO sandboxes (id, tenant_id, state, template, template_digest, runtime, accel, vcpu, memory_mib, disk_mib, env, metadata, created_at_ms, expires_at_ms, egress_profiles, egress_sealed, egress_policy, on_timeout, auto_resume, timeout_ms, image_id, saved_mib, node)
+             VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11::jsonb, $12::jsonb, $13, $14, $15::jsonb, $16, $17::jsonb, $18, $19, $20, $21, $22, $23)",
         )
         .bind(&sb.id)
         .bind(&sb.tenant_id)
@@ -62,6 +71,7 @@ impl SandboxStore for PgStore {
         .bind(sb.timeout_ms)
         .bind(&sb.image_id)
         .bind(saved_mib as i64)
+        .bind(&sb.node)
         .execute(&mut *tx)
         .await?;
         sqlx::query(
@@ -165,7 +175,7 @@ impl SandboxStore for PgStore {
             return Ok(false);
         };
         let sb = sandbox_from_row(&row);
-        admit_within(&mut tx, &sb.tenant_id, &sb.resources, quota, budget, None).await?;
+        admit_within(&mut tx, &sb.tenant_id, &sb.resources, quota, &sb.node, budget, None).await?;
         sqlx::query("UPDATE sandboxes SET state = 'resuming' WHERE id = $1")
             .bind(id)
             .execute(&mut *tx)
@@ -176,18 +186,18 @@ impl SandboxStore for PgStore {
 
     async fn admit_suspend(&self, id: &str, quota: &Quota, budget: &NodeBudget) -> Result<bool, StoreError> {
         let mut tx = self.begin_locked().await?;
-        let row: Option<(String, i64, i64)> = sqlx::query_as(
-            "SELECT tenant_id, memory_mib, saved_mib FROM sandboxes WHERE id = $1 AND state IN ('running', 'paused')",
+        let row: Option<(String, i64, i64, String)> = sqlx::query_as(
+            "SELECT tenant_id, memory_mib, saved_mib, node FROM sandboxes WHERE id = $1 AND state IN ('running', 'paused')",
         )
         .bind(id)
         .fetch_optional(&mut *tx)
         .await?;
-        let Some((tenant_id, memory_mib, saved_mib)) = row else {
+        let Some((tenant_id, memory_mib, saved_mib, node)) = row else {
             return Ok(false);
         };
         if saved_mib < memory_mib {
             let asked = (memory_mib - saved_mib).max(0) as u64;
-            admit_disk_within(&mut tx, &tenant_id, asked, quota, budget).await?;
+            admit_disk_within(&mut tx, &tenant_id, asked, quota, &node, budget).await?;
             sqlx::query("UPDATE sandboxes SET saved_mib = memory_mib WHERE id = $1")
                 .bind(id)
                 .execute(&mut *tx)

@@ -65,10 +65,16 @@ impl SnapshotStore for PgStore {
                 return Ok(SnapshotAdmission::NameTaken);
             }
         }
-        admit_disk_within(&mut tx, &s.tenant_id, reserve_mib, quota, budget).await?;
+        // Its image is saved on its sandbox's node, whose disk budget it counts against.
+        let (node,): (String,) = sqlx::query_as("SELECT node FROM sandboxes WHERE id = $1")
+            .bind(&s.sandbox_id)
+            .fetch_optional(&mut *tx)
+            .await?
+            .unwrap_or_default();
+        admit_disk_within(&mut tx, &s.tenant_id, reserve_mib, quota, &node, budget).await?;
         sqlx::query(
-            "INSERT INTO snapshots (id, tenant_id, name, kind, sandbox_id, template, vcpu, memory_mib, disk_mib, bytes, digest, created_at_ms, state, held_mib)
-             VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, 'saving', $13)",
+            "INSERT INTO snapshots (id, tenant_id, name, kind, sandbox_id, template, vcpu, memory_mib, disk_mib, bytes, digest, created_at_ms, state, held_mib, node)
+             VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, 'saving', $13, $14)",
         )
         .bind(&s.id)
         .bind(&s.tenant_id)
@@ -86,6 +92,7 @@ impl SnapshotStore for PgStore {
         .bind(&s.digest)
         .bind(s.created_at_ms)
         .bind(reserve_mib.min(i64::MAX as u64) as i64)
+        .bind(&node)
         .execute(&mut *tx)
         .await?;
         tx.commit().await?;

@@ -48,16 +48,18 @@ pub(super) async fn usage_within(
     })
 }
 
-/// What every tenant's live sandboxes and snapshots hold of the node: vCPUs, memory, disk.
-async fn node_usage_within(tx: &mut sqlx::Transaction<'_, sqlx::Sqlite>) -> Result<NodeUsage, StoreError> {
+/// What every tenant's live sandboxes and snapshots on `node` hold of it: vCPUs, memory, disk.
+async fn node_usage_within(tx: &mut sqlx::Transaction<'_, sqlx::Sqlite>, node: &str) -> Result<NodeUsage, StoreError> {
     let (vcpu, memory, disk): (i64, i64, i64) = sqlx::query_as(&format!(
         "SELECT COALESCE(SUM(vcpu * {HOLDS_VM}), 0), COALESCE(SUM(memory_mib * {HOLDS_VM}), 0),
             COALESCE(SUM({DISK_HELD}), 0)
-         FROM sandboxes WHERE {LIVE}"
+         FROM sandboxes WHERE {LIVE} AND node = ?"
     ))
+    .bind(node)
     .fetch_one(&mut **tx)
     .await?;
-    let (snapshots,): (i64,) = sqlx::query_as("SELECT COALESCE(SUM(held_mib), 0) FROM snapshots")
+    let (snapshots,): (i64,) = sqlx::query_as("SELECT COALESCE(SUM(held_mib), 0) FROM snapshots WHERE node = ?")
+        .bind(node)
         .fetch_one(&mut **tx)
         .await?;
     let n = |v: i64| v.max(0) as u64;
@@ -69,21 +71,22 @@ async fn node_usage_within(tx: &mut sqlx::Transaction<'_, sqlx::Sqlite>) -> Resu
 }
 
 /// Admission of `asked_mib` more disk inside `tx`: within the tenant's `disk_mib` quota and the
-/// node's disk budget, next to what every live sandbox and snapshot holds.
+/// disk budget of `node`, next to what every live sandbox and snapshot on it holds.
 pub(super) async fn admit_disk_within(
     tx: &mut sqlx::Transaction<'_, sqlx::Sqlite>,
     tenant_id: &str,
     asked_mib: u64,
     quota: &Quota,
+    node: &str,
     budget: &NodeBudget,
 ) -> Result<(), StoreError> {
     let usage = usage_within(tx, tenant_id, now_ms()).await?;
     check_disk_quota(usage.disk_mib, asked_mib, quota)?;
-    check_disk_budget(node_usage_within(tx).await?.disk_mib, asked_mib, budget)
+    check_disk_budget(node_usage_within(tx, node).await?.disk_mib, asked_mib, budget)
 }
 
 /// Admission inside `tx`: a sandbox of `tenant_id` with resources `r` fits the tenant's `quota`
-/// and the node's `budget` next to every live sandbox and snapshot. A `new` one also counts its
+/// and the `budget` of `node` next to every live sandbox and snapshot on it. A `new` one also counts its
 /// disk (`new_disk_mib`: its disk, and its memory if its timeout suspends it) and a create
 /// against the rate limit; one resuming from suspended already holds its disk.
 pub(super) async fn admit_within(
@@ -91,6 +94,7 @@ pub(super) async fn admit_within(
     tenant_id: &str,
     r: &crate::model::Resources,
     quota: &Quota,
+    node: &str,
     budget: &NodeBudget,
     new_disk_mib: Option<u64>,
 ) -> Result<(), StoreError> {
@@ -115,5 +119,5 @@ pub(super) async fn admit_within(
     }
     // The node's budgets, summed over every tenant's live sandboxes and snapshots under the
     // same lock.
-    check_budget(node_usage_within(tx).await?, r, disk_asked, budget)
+    check_budget(node_usage_within(tx, node).await?, r, disk_asked, budget)
 }

@@ -36,10 +36,19 @@ impl SandboxStore for SqliteStore {
             crate::model::OnTimeout::Delete => 0,
         };
         let disk = sb.resources.disk_mib as u64 + saved_mib;
-        admit_within(&mut tx, &sb.tenant_id, &sb.resources, quota, budget, Some(disk)).await?;
+        admit_within(
+            &mut tx,
+            &sb.tenant_id,
+            &sb.resources,
+            quota,
+            &sb.node,
+            budget,
+            Some(disk),
+        )
+        .await?;
         sqlx::query(
-            "INSERT INTO sandboxes (id, tenant_id, state, template, template_digest, runtime, accel, vcpu, memory_mib, disk_mib, env, metadata, created_at_ms, expires_at_ms, egress_profiles, egress_sealed, egress_policy, on_timeout, auto_resume, timeout_ms, image_id, saved_mib)
-             VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+            "INSERT INTO sandboxes (id, tenant_id, state, template, template_digest, runtime, accel, vcpu, memory_mib, disk_mib, env, metadata, created_at_ms, expires_at_ms, egress_profiles, egress_sealed, egress_policy, on_timeout, auto_resume, timeout_ms, image_id, saved_mib, node)
+             VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
         )
         .bind(&sb.id)
         .bind(&sb.tenant_id)
@@ -63,6 +72,7 @@ impl SandboxStore for SqliteStore {
         .bind(sb.timeout_ms)
         .bind(&sb.image_id)
         .bind(saved_mib as i64)
+        .bind(&sb.node)
         .execute(&mut *tx)
         .await?;
         sqlx::query(
@@ -163,7 +173,7 @@ impl SandboxStore for SqliteStore {
             return Ok(false);
         };
         let sb = sandbox_from_row(&row);
-        admit_within(&mut tx, &sb.tenant_id, &sb.resources, quota, budget, None).await?;
+        admit_within(&mut tx, &sb.tenant_id, &sb.resources, quota, &sb.node, budget, None).await?;
         sqlx::query("UPDATE sandboxes SET state = 'resuming' WHERE id = ?")
             .bind(id)
             .execute(&mut *tx)
@@ -174,18 +184,18 @@ impl SandboxStore for SqliteStore {
 
     async fn admit_suspend(&self, id: &str, quota: &Quota, budget: &NodeBudget) -> Result<bool, StoreError> {
         let mut tx = self.pool.begin_with("BEGIN IMMEDIATE").await?;
-        let row: Option<(String, i64, i64)> = sqlx::query_as(
-            "SELECT tenant_id, memory_mib, saved_mib FROM sandboxes WHERE id = ? AND state IN ('running', 'paused')",
+        let row: Option<(String, i64, i64, String)> = sqlx::query_as(
+            "SELECT tenant_id, memory_mib, saved_mib, node FROM sandboxes WHERE id = ? AND state IN ('running', 'paused')",
         )
         .bind(id)
         .fetch_optional(&mut *tx)
         .await?;
-        let Some((tenant_id, memory_mib, saved_mib)) = row else {
+        let Some((tenant_id, memory_mib, saved_mib, node)) = row else {
             return Ok(false);
         };
         if saved_mib < memory_mib {
             let asked = (memory_mib - saved_mib).max(0) as u64;
-            admit_disk_within(&mut tx, &tenant_id, asked, quota, budget).await?;
+            admit_disk_within(&mut tx, &tenant_id, asked, quota, &node, budget).await?;
             sqlx::query("UPDATE sandboxes SET saved_mib = memory_mib WHERE id = ?")
                 .bind(id)
                 .execute(&mut *tx)

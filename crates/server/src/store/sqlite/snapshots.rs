@@ -64,10 +64,16 @@ impl SnapshotStore for SqliteStore {
                 return Ok(SnapshotAdmission::NameTaken);
             }
         }
-        admit_disk_within(&mut tx, &s.tenant_id, reserve_mib, quota, budget).await?;
+        // Its image is saved on its sandbox's node, whose disk budget it counts against.
+        let (node,): (String,) = sqlx::query_as("SELECT node FROM sandboxes WHERE id = ?")
+            .bind(&s.sandbox_id)
+            .fetch_optional(&mut *tx)
+            .await?
+            .unwrap_or_default();
+        admit_disk_within(&mut tx, &s.tenant_id, reserve_mib, quota, &node, budget).await?;
         sqlx::query(
-            "INSERT INTO snapshots (id, tenant_id, name, kind, sandbox_id, template, vcpu, memory_mib, disk_mib, bytes, digest, created_at_ms, state, held_mib)
-             VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, 'saving', ?)",
+            "INSERT INTO snapshots (id, tenant_id, name, kind, sandbox_id, template, vcpu, memory_mib, disk_mib, bytes, digest, created_at_ms, state, held_mib, node)
+             VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, 'saving', ?, ?)",
         )
         .bind(&s.id)
         .bind(&s.tenant_id)
@@ -85,6 +91,7 @@ impl SnapshotStore for SqliteStore {
         .bind(&s.digest)
         .bind(s.created_at_ms)
         .bind(reserve_mib.min(i64::MAX as u64) as i64)
+        .bind(&node)
         .execute(&mut *tx)
         .await?;
         tx.commit().await?;

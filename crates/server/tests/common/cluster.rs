@@ -1,0 +1,109 @@
+//! A cluster in-process: nodes (each a fake-VMM runtime behind its HTTP face, in a tokio runtime
+//! of its own, so dropping one is that node dying with its VMs) and API replicas (each a core
+//! over a `Cluster` of `RemoteNode`s, in its own tokio runtime) sharing one SQLite store, as
+//! replicas share Postgres.
+
+use super::*;
+use airlock_server::nodes::{Cluster, RemoteNode};
+
+/// One node of a test cluster.
+pub struct ClusterNode {
+    /// Its face's address, which is also its name in sandbox records.
+    pub addr: SocketAddr,
+    pub dir: PathBuf,
+    tokio: Option<tokio::runtime::Runtime>,
+}
+
+impl ClusterNode {
+    /// A node on `dir` with `capacity`, its face on `127.0.0.1:port` (0: any free port).
+    pub async fn start(dir: &Path, capacity: Capacity, port: u16) -> ClusterNode {
+        let tokio_rt = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(1)
+            .thread_name("airlock-test-node")
+            .enable_all()
+            .build()
+            .unwrap();
+        let d = dir.to_path_buf();
+        let addr = tokio_rt
+            .spawn(async move {
+                let egress = Config::default().egress;
+                let (node, _runtime, _egress) =
+                    test_node(&d, &egress, capacity, Duration::ZERO, Default::default(), true).await;
+                let face = airlock_server::nodes::serve::router(node, NODE_SECRET);
+                let listener = tokio::net::TcpListener::bind(("127.0.0.1", port)).await.unwrap();
+                let addr = listener.local_addr().unwrap();
+                tokio::spawn(airlock_server::listen::serve(listener, face, None, Limits::default()));
+                addr
+            })
+            .await
+            .unwrap();
+        ClusterNode {
+            addr,
+            dir: dir.to_path_buf(),
+            tokio: Some(tokio_rt),
+        }
+    }
+
+    /// The node dies at once: its face, its connections and its (fake) VMs go.
+    pub fn kill(mut self) {
+        if let Some(rt) = self.tokio.take() {
+            rt.shutdown_background();
+        }
+    }
+}
+
+impl Drop for ClusterNode {
+    fn drop(&mut self) {
+        if let Some(rt) = self.tokio.take() {
+            rt.shutdown_background();
+        }
+    }
+}
+
+impl Server {
+    /// An API replica: a core over a `Cluster` of the nodes at `nodes`, its store the SQLite
+    /// file in `dir` (shared with the other replicas on `dir`), with `config`.
+    pub async fn start_replica(dir: &Path, nodes: &[SocketAddr], key: Option<&str>, config: Config) -> Server {
+        let tokio_rt = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(2)
+            .thread_name("airlock-test-replica")
+            .enable_all()
+            .build()
+            .unwrap();
+        let (d, nodes, known_key) = (dir.to_path_buf(), nodes.to_vec(), key.map(String::from));
+        let (addr, key, core, watchers) = tokio_rt
+            .spawn(async move {
+                let store = SqliteStore::open(&d.join("airlock.db")).await.unwrap();
+                let minted = airlock_server::bootstrap_admin_key(&store, &d, &"127.0.0.1:0".parse().unwrap())
+                    .await
+                    .unwrap();
+                let key = known_key
+                    .or(minted)
+                    .or_else(|| airlock_server::read_credentials_key(&d).unwrap())
+                    .expect("an admin key");
+                let mut members: Vec<(String, Arc<dyn Nodes>)> = Vec::new();
+                for addr in nodes {
+                    members.push((addr.to_string(), Arc::new(RemoteNode::open(addr, NODE_SECRET).await)));
+                }
+                let cluster: Arc<dyn Nodes> = Arc::new(Cluster::new(members));
+                let (addr, core, watchers) =
+                    serve_core(Arc::new(store), cluster, config, false, Limits::default()).await;
+                (addr, key, core, watchers)
+            })
+            .await
+            .unwrap();
+        Server {
+            dir: dir.to_path_buf(),
+            max: 0,
+            addr,
+            key,
+            core: Some(core),
+            runtime: None,
+            tokio: Some(tokio_rt),
+            watchers,
+            tmp: None,
+            node_face: None,
+            node_egress: None,
+        }
+    }
+}

@@ -1,0 +1,139 @@
+//! Many nodes behind many replicas (issue 25): two API replicas over one store, three nodes
+//! each behind its face, every replica holding a `Cluster` of the three. Placement spreads and
+//! refuses with every node's reason; a sandbox on any node answers through either replica; a
+//! node that dies is skipped by new creates.
+
+use super::common::cluster::ClusterNode;
+use super::common::*;
+use airlock_runtime::fake;
+use airlock_server::core::Config;
+use airlock_server::nodes::Capacity;
+use axum::http::Method;
+use serde_json::Value;
+use std::collections::BTreeMap;
+use std::time::{Duration, Instant};
+
+/// A node whose budgets fit exactly four default sandboxes (512 MiB each, no memory reserve).
+const FITS_FOUR: Capacity = Capacity {
+    memory_mib: 4 * 512,
+    ..ROOMY
+};
+
+fn replica_config() -> Config {
+    Config {
+        memory_reserve_mib: 0,
+        disk_reserve_mib: 0,
+        tenant_share: 1.0,
+        max_sandboxes_per_tenant: 100,
+        max_creates_per_minute: 1000,
+        ..Config::default()
+    }
+}
+
+async fn node_of(server: &Server, id: &str) -> String {
+    let row = server.core().store().sandbox_by_id(id).await.unwrap().unwrap();
+    row.node
+}
+
+/// A create no node takes: 503 `no_node_fits`; its message.
+async fn refused_create(via: &Server) -> String {
+    let (status, body) = via
+        .v1(
+            Method::POST,
+            "/sandboxes",
+            Some(serde_json::json!({ "template": "seed" })),
+        )
+        .await;
+    assert_eq!(status, 503, "{body}");
+    assert_eq!(body["code"], "no_node_fits", "{body}");
+    body["message"].as_str().unwrap().to_string()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn creates_spread_over_nodes_refuse_with_every_reason_and_route_through_any_replica() {
+    let (store_dir, dirs) = (fresh(), [fresh(), fresh(), fresh()]);
+    let mut nodes = Vec::new();
+    for d in &dirs {
+        nodes.push(ClusterNode::start(d.path(), FITS_FOUR, 0).await);
+    }
+    let addrs: Vec<_> = nodes.iter().map(|n| n.addr).collect();
+    let a = Server::start_replica(store_dir.path(), &addrs, None, replica_config()).await;
+    let b = Server::start_replica(store_dir.path(), &addrs, Some(&a.key), replica_config()).await;
+
+    // 12 creates through alternating replicas: 4 on each node, each VM where its record says.
+    let mut ids = Vec::new();
+    for i in 0..12 {
+        let via = if i % 2 == 0 { &a } else { &b };
+        ids.push(via.running_sandbox().await);
+    }
+    let mut per_node: BTreeMap<String, Vec<String>> = BTreeMap::new();
+    for id in &ids {
+        per_node.entry(node_of(&a, id).await).or_default().push(id.clone());
+    }
+    let counts: Vec<usize> = per_node.values().map(Vec::len).collect();
+    assert_eq!(counts, vec![4, 4, 4], "{per_node:?}");
+    for n in &nodes {
+        assert_eq!(fake::live_vms(&n.dir).len(), 4, "node {}", n.addr);
+        assert!(per_node.contains_key(&n.addr.to_string()));
+    }
+
+    // The 13th: 503, naming every node and why.
+    let message = refused_create(&b).await;
+    for n in &nodes {
+        assert!(
+            message.contains(&format!("node {}: this node's memory budget", n.addr)),
+            "{message}"
+        );
+    }
+
+    // A sandbox of the third node answers through either replica, a session and a file each.
+    let third = &per_node[&nodes[2].addr.to_string()][0];
+    for via in [&a, &b] {
+        via.assert_answers(third).await;
+        let path = format!("/sandboxes/{third}/files?path=/home/user/f.txt");
+        let (status, _) = via.v1(Method::PUT, &path, Some(Value::String("x".into()))).await;
+        assert!(status < 300, "{status}");
+        let (status, got) = via.v1(Method::GET, &path, None).await;
+        assert_eq!((status, got), (200, Value::String("x".into())));
+    }
+
+    // A node dies: placement skips it within seconds; deleting one elsewhere makes room there.
+    let dead = nodes.pop().unwrap();
+    let dead_name = dead.addr.to_string();
+    dead.kill();
+    let deadline = Instant::now() + Duration::from_secs(15);
+    loop {
+        let members = a.core().nodes().members();
+        let m = members.iter().find(|m| m.name == dead_name).unwrap();
+        if m.refuses.is_some() {
+            break;
+        }
+        assert!(Instant::now() < deadline, "the dead node is still taken for live");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let freed = per_node[&nodes[0].addr.to_string()][0].clone();
+    a.delete(&freed).await;
+    let again = a.running_sandbox().await;
+    assert_eq!(node_of(&a, &again).await, nodes[0].addr.to_string());
+    let message = refused_create(&a).await;
+    assert!(
+        message.contains(&format!("node {dead_name}: node {dead_name} did not answer")),
+        "{message}"
+    );
+
+    // Clean up: the live nodes' sandboxes through the replicas, the dead node's VMs by hand.
+    for id in ids.iter().filter(|id| **id != freed).chain([&again]) {
+        if node_of(&a, id).await != dead_name {
+            b.delete(id).await;
+        }
+    }
+    for pid in fake::live_vms(dirs[2].path()) {
+        fake::kill_vm(pid);
+    }
+    a.stop().await;
+    b.stop().await;
+    drop(nodes);
+    for d in &dirs {
+        assert_no_vms(d.path());
+    }
+}
