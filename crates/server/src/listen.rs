@@ -473,6 +473,19 @@ impl<S: AsyncWrite + Unpin> AsyncWrite for Watched<S> {
     }
 }
 
+/// How much of a refused request's body is read (and dropped) before the refusal is sent.
+const DRAIN_BYTES: usize = 1 << 20;
+const DRAIN_TIME: Duration = Duration::from_secs(2);
+
+/// A refusal sent before the request's body was read (an upload to a missing sandbox, bad
+/// metadata): a client still sending the body (HTTP/1, chunks) sees a connection closed under it
+/// as a broken pipe and never reads the reason, so a small body is read first. A large or slow
+/// one is not waited for.
+pub async fn drained(body: axum::body::Body, refusal: axum::response::Response) -> axum::response::Response {
+    let _ = tokio::time::timeout(DRAIN_TIME, axum::body::to_bytes(body, DRAIN_BYTES)).await;
+    refusal
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

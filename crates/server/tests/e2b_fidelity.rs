@@ -119,6 +119,43 @@ async fn uploads_set_file_metadata_and_stat_reads_it_back() {
     server.delete(&sb.id).await;
 }
 
+/// A refusal that comes before the body is read (bad metadata here) still reaches a client that
+/// sends its body late, chunk by chunk: the server reads the small body first instead of closing
+/// the connection under it (which the client saw as a broken pipe, not the 400).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_refused_upload_reads_its_body_before_it_answers() {
+    use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
+    let dir = fresh();
+    let server = Server::start(dir.path(), 10, None).await;
+    let sb = server.e2b_sandbox().await;
+    let mut conn = tokio::net::TcpStream::connect(server.addr).await.unwrap();
+    let head = format!(
+        "POST /files?path=/home/user/late.txt HTTP/1.1\r\nhost: {}\r\nx-access-token: {}\r\n\
+         e2b-sandbox-id: {}\r\ncontent-type: application/octet-stream\r\nx-metadata-k: {}\r\n\
+         transfer-encoding: chunked\r\n\r\n",
+        server.addr,
+        sb.token,
+        sb.id,
+        "v".repeat(5000)
+    );
+    conn.write_all(head.as_bytes()).await.unwrap();
+    tokio::time::sleep(std::time::Duration::from_millis(300)).await;
+    // Two writes: on a connection the server closed, the first draws a reset, the second fails.
+    for chunk in [&b"1\r\nx\r\n"[..], b"0\r\n\r\n"] {
+        conn.write_all(chunk).await.expect("the server still reads the body");
+        tokio::time::sleep(std::time::Duration::from_millis(200)).await;
+    }
+    let mut answer = vec![0; 4096];
+    let n = conn
+        .read(&mut answer)
+        .await
+        .expect("the refusal, not a reset connection");
+    let answer = String::from_utf8_lossy(&answer[..n]);
+    assert!(answer.starts_with("HTTP/1.1 400"), "{answer}");
+    assert!(answer.contains("exceeds"), "{answer}");
+    server.delete(&sb.id).await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_signed_url_without_a_sandbox_id_finds_its_sandbox() {
     let dir = fresh();

@@ -68,10 +68,16 @@ pub async fn write_file(
     Path(id): Path<String>,
     ApiQuery(q): ApiQuery<PathQuery>,
     body: axum::body::Body,
-) -> ApiResult<Json<FileInfo>> {
-    let files = files_of(&core, &tenant, &id).await?;
+) -> Response {
+    let files = match files_of(&core, &tenant, &id).await {
+        Ok(files) => files,
+        Err(e) => return crate::listen::drained(body, e.into_response()).await,
+    };
     let data = body.into_data_stream().map(|r| r.map_err(std::io::Error::other));
-    Ok(Json(file_info(files.write(&q.path, "user", data).await?)))
+    match files.write(&q.path, "user", data).await {
+        Ok(stat) => Json(file_info(stat)).into_response(),
+        Err(e) => ApiError::from(e).into_response(),
+    }
 }
 
 #[utoipa::path(delete, path = "/v1/sandboxes/{id}/files", tag = "files", params(("id" = String, Path), PathQuery),

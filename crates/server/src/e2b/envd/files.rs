@@ -7,6 +7,7 @@ use crate::core::files::Files;
 use crate::core::principal::SignedUrl;
 use crate::core::{CoreError, Kind};
 use crate::e2b::{E2bError, E2bState};
+use crate::listen::drained;
 use crate::records::SandboxRecord;
 use airlock_proto::FileStat;
 use axum::body::Body;
@@ -127,6 +128,29 @@ pub async fn files_get(
     }
 }
 
+/// What an upload checks before it reads the body: the target's `Files` and the
+/// `X-Metadata-<key>: <value>` headers (newer SDKs' `metadata=`) as the written files' metadata.
+async fn upload_target(
+    state: &E2bState,
+    sandbox: SandboxRecord,
+    headers: &HeaderMap,
+    q: &FilesQuery,
+) -> Result<(Files, BTreeMap<String, String>), Response> {
+    let files = files_target(state, sandbox, headers, q, "write").await?;
+    // gzip was decoded by the route's layer; anything still encoded is a coding we lack.
+    if let Some(coding) = header(headers, "content-encoding").filter(|c| !c.eq_ignore_ascii_case("identity")) {
+        return Err(files_error(E2bError::bad_request(format!(
+            "Content-Encoding {coding:?} is not supported; send the bytes as they are or gzip them"
+        ))));
+    }
+    let metadata = crate::core::files::check_metadata(headers.iter().filter_map(|(name, value)| {
+        let key = name.as_str().strip_prefix(METADATA_HEADER).filter(|k| !k.is_empty())?;
+        Some((key.to_string(), String::from_utf8_lossy(value.as_bytes()).into_owned()))
+    }))
+    .map_err(|e| files_error(E2bError::bad_request(format!("invalid {e}"))))?;
+    Ok((files, metadata))
+}
+
 /// `POST /files`: each file streams to the agent as it arrives; the written files' `WriteInfo`s.
 pub async fn files_post(
     State(state): State<E2bState>,
@@ -135,26 +159,12 @@ pub async fn files_post(
     Query(q): Query<FilesQuery>,
     req: axum::extract::Request,
 ) -> Response {
-    let files = match files_target(&state, sandbox, &headers, &q, "write").await {
+    let (files, metadata) = match upload_target(&state, sandbox, &headers, &q).await {
         Ok(x) => x,
-        Err(r) => return r,
+        Err(refusal) => return drained(req.into_body(), refusal).await,
     };
     let signed = signed_url(&headers, &q);
     let user = q.username.clone().unwrap_or_else(|| "user".into());
-    // gzip was decoded by the route's layer; anything still encoded is a coding we lack.
-    if let Some(coding) = header(&headers, "content-encoding").filter(|c| !c.eq_ignore_ascii_case("identity")) {
-        return files_error(E2bError::bad_request(format!(
-            "Content-Encoding {coding:?} is not supported; send the bytes as they are or gzip them"
-        )));
-    }
-    // `X-Metadata-<key>: <value>` headers (newer SDKs' `metadata=`): the written files' metadata.
-    let metadata = match crate::core::files::check_metadata(headers.iter().filter_map(|(name, value)| {
-        let key = name.as_str().strip_prefix(METADATA_HEADER).filter(|k| !k.is_empty())?;
-        Some((key.to_string(), String::from_utf8_lossy(value.as_bytes()).into_owned()))
-    })) {
-        Ok(m) => m,
-        Err(e) => return files_error(E2bError::bad_request(format!("invalid {e}"))),
-    };
     let content_type = header(&headers, "content-type").unwrap_or("").to_ascii_lowercase();
     let mut written = Vec::new();
     if content_type.starts_with("multipart/form-data") {
@@ -207,7 +217,11 @@ pub async fn files_post(
         }
     } else {
         let Some(dest) = q.path.as_deref().map(|p| abs_path(p, &user)) else {
-            return files_error(E2bError::bad_request("query parameter `path` is required"));
+            return drained(
+                req.into_body(),
+                files_error(E2bError::bad_request("query parameter `path` is required")),
+            )
+            .await;
         };
         // A body that breaks off (a corrupt gzip stream, a dropped client, past the cap) is the
         // upload's fault: remember why, so the reply is a 400 (413) naming it rather than a 502
