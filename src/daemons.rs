@@ -87,9 +87,14 @@ pub struct ServeArgs {
         requires = "node_secret_file"
     )]
     nodes: Vec<SocketAddr>,
+    /// Find nodes by resolving this name every few seconds (`HOST:PORT`, e.g. a Kubernetes
+    /// headless Service of the node DaemonSet): each joins under the name it reports (`node
+    /// --name`); one no longer listed takes no new sandbox. Needs --node-secret-file.
+    #[arg(long, env = "AIRLOCK_NODES_DNS", requires = "node_secret_file")]
+    nodes_dns: Option<String>,
     /// The cluster secret node tokens are derived from (the node's --secret-file; at least 32
     /// bytes).
-    #[arg(long, env = "AIRLOCK_NODE_SECRET_FILE", requires = "nodes")]
+    #[arg(long, env = "AIRLOCK_NODE_SECRET_FILE")]
     node_secret_file: Option<PathBuf>,
     #[command(flatten)]
     host: HostArgs,
@@ -136,6 +141,10 @@ pub struct NodeArgs {
     /// as every replica's --node-secret-file).
     #[arg(long, env = "AIRLOCK_NODE_SECRET_FILE")]
     secret_file: PathBuf,
+    /// The node's name in the cluster (what sandbox records keep: keep it across restarts)
+    /// [default: the host name].
+    #[arg(long, env = "AIRLOCK_NODE_NAME")]
+    name: Option<String>,
     #[command(flatten)]
     host: HostArgs,
     #[command(flatten)]
@@ -200,7 +209,10 @@ impl ServeArgs {
             Some(path) => airlock_server::node_daemon::read_cluster_secret(path)?,
             None => Vec::new(),
         };
-        if self.nodes.is_empty() {
+        if self.node_secret_file.is_some() && self.nodes.is_empty() && self.nodes_dns.is_none() {
+            anyhow::bail!("--node-secret-file is for remote nodes: name them with --node or --nodes-dns");
+        }
+        if self.nodes.is_empty() && self.nodes_dns.is_none() {
             ensure_seed(&data_dir).await?;
         }
         let limits = self.conns.limits();
@@ -231,6 +243,7 @@ impl ServeArgs {
             egress_uplink: node.egress_uplink,
             jwt_issuers: self.jwt_issuers,
             remote_nodes: self.nodes,
+            nodes_dns: self.nodes_dns,
             node_secret,
         })
         .await
@@ -244,7 +257,8 @@ impl NodeArgs {
         ensure_seed(&data_dir).await?;
         let limits = self.conns.limits();
         let node = self.host.node_options(data_dir, egress);
-        airlock_server::node_daemon::serve_node(node, self.listen, secret, limits).await
+        let name = self.name.unwrap_or_else(airlock_server::node_daemon::host_name);
+        airlock_server::node_daemon::serve_node(node, name, self.listen, secret, limits).await
     }
 }
 

@@ -279,6 +279,9 @@ pub struct ServeOptions {
     /// Nodes on other hosts (their faces' addresses), instead of this host's runtime in this
     /// process; a cluster when there are several.
     pub remote_nodes: Vec<SocketAddr>,
+    /// A DNS name (`host:port`) whose addresses are the cluster's nodes, asked again every few
+    /// seconds (a Kubernetes headless Service), besides or instead of `remote_nodes`.
+    pub nodes_dns: Option<String>,
     /// The cluster secret the remote nodes' tokens are derived from.
     pub node_secret: Vec<u8>,
 }
@@ -287,8 +290,9 @@ pub use airlock_egress::EgressConfig;
 pub use node_daemon::EgressUplink;
 
 /// The nodes at `addrs` as one cluster, each named by its address. One that does not answer
-/// now is kept (placement skips it until it does); none answering is an error naming each.
-async fn connect_nodes(addrs: &[SocketAddr], secret: &[u8]) -> anyhow::Result<nodes::Cluster> {
+/// now is kept (placement skips it until it does); none answering is an error naming each,
+/// unless discovery will find more (`more_later`).
+async fn connect_nodes(addrs: &[SocketAddr], secret: &[u8], more_later: bool) -> anyhow::Result<nodes::Cluster> {
     use nodes::Nodes as _;
     let mut members: Vec<(String, Arc<dyn nodes::Nodes>)> = Vec::new();
     let mut down = Vec::new();
@@ -303,7 +307,7 @@ async fn connect_nodes(addrs: &[SocketAddr], secret: &[u8]) -> anyhow::Result<no
         }
         members.push((addr.to_string(), Arc::new(node)));
     }
-    if down.len() == addrs.len() {
+    if !addrs.is_empty() && down.len() == addrs.len() && !more_later {
         anyhow::bail!("no node answers: {}", down.join("; "));
     }
     Ok(nodes::Cluster::new(members))
@@ -380,7 +384,7 @@ pub async fn serve(opts: ServeOptions) -> anyhow::Result<()> {
     };
     // The node: this host's (the VMs of the last run re-attached in the background, so the
     // listener binds at once however many there are), or one on another host.
-    let (nodes, egress): (Arc<dyn nodes::Nodes>, _) = match opts.remote_nodes.is_empty() {
+    let (nodes, egress): (Arc<dyn nodes::Nodes>, _) = match opts.remote_nodes.is_empty() && opts.nodes_dns.is_none() {
         true => {
             let (node, egress) = node_daemon::open_local_node(node_daemon::NodeOptions {
                 data_dir: opts.data_dir.clone(),
@@ -392,9 +396,26 @@ pub async fn serve(opts: ServeOptions) -> anyhow::Result<()> {
             (node, egress)
         }
         false => {
-            let cluster = connect_nodes(&opts.remote_nodes, &opts.node_secret).await?;
-            node_daemon::set_pools(&cluster, &opts.warm_pools).await?;
-            (Arc::new(cluster) as Arc<dyn nodes::Nodes>, opts.egress)
+            let cluster =
+                Arc::new(connect_nodes(&opts.remote_nodes, &opts.node_secret, opts.nodes_dns.is_some()).await?);
+            if let Some(target) = opts.nodes_dns.clone() {
+                let secret: Arc<[u8]> = Arc::from(opts.node_secret.as_slice());
+                let mut discovery = nodes::discovery::Discovery::default();
+                match nodes::discovery::resolve(&target).await {
+                    Ok(found) => discovery.round(&cluster, found, &secret).await,
+                    Err(e) => tracing::warn!(
+                        "--nodes-dns {target}: {e}; asked again every {:?}",
+                        nodes::discovery::ROUND
+                    ),
+                }
+                let weak = Arc::downgrade(&cluster);
+                tokio::spawn(discovery.follow(weak, secret, move || {
+                    let target = target.clone();
+                    async move { nodes::discovery::resolve(&target).await }
+                }));
+            }
+            node_daemon::set_pools(&*cluster, &opts.warm_pools).await?;
+            (cluster as Arc<dyn nodes::Nodes>, opts.egress)
         }
     };
     let root = opts.data_dir.clone();

@@ -29,6 +29,13 @@ pub struct NodeOptions {
     pub warm_pools: Vec<(String, usize)>,
 }
 
+/// This host's name, the default name of its node.
+pub fn host_name() -> String {
+    std::fs::read_to_string("/proc/sys/kernel/hostname")
+        .map(|h| h.trim().to_string())
+        .unwrap_or_default()
+}
+
 /// The shortest cluster secret a node or a replica accepts.
 pub const MIN_SECRET_BYTES: usize = 32;
 
@@ -108,6 +115,7 @@ pub async fn set_pools(node: &dyn Nodes, pools: &[(String, usize)]) -> anyhow::R
 /// `secret`, until the process is stopped.
 pub async fn serve_node(
     opts: NodeOptions,
+    name: String,
     listen: SocketAddr,
     secret: Vec<u8>,
     limits: crate::listen::Limits,
@@ -118,10 +126,10 @@ pub async fn serve_node(
         .map_err(|e| anyhow::anyhow!("listen on {listen}: {e}"))?;
     let (node, egress) = open_local_node(opts).await?;
     tracing::info!(
-        "node: serving on {listen} (HTTP/2, cluster tokens); egress digest {}",
+        "node {name}: serving on {listen} (HTTP/2, cluster tokens); egress digest {}",
         egress.digest()
     );
-    let face = nodes::serve::router(node, &secret);
+    let face = nodes::serve::router(node, &secret, &name);
     Ok(crate::listen::serve(listener, face, None, limits).await?)
 }
 

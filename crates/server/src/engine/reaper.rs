@@ -27,6 +27,7 @@ impl Engine {
                 && !busy.contains(&row.id)
                 && !self.recovering(&row.id)
                 && self.nodes.vm_state(&row.id) == VmState::Gone
+                && self.nodes.vm_gone(&row.id).await
             {
                 self.vm_exited(&row.id).await;
             }

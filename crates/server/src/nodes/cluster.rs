@@ -13,25 +13,35 @@ use airlock_agent_client::AgentClient;
 use airlock_runtime::template::TemplateManifest;
 use airlock_runtime::Resources;
 use async_trait::async_trait;
-use std::collections::HashMap;
+use std::collections::{BTreeSet, HashMap};
 use std::sync::{Arc, Mutex};
 use tokio::sync::broadcast;
 
+/// The nodes by name, as one snapshot (calls clone it and never hold a lock across a call).
+type Members = Arc<Vec<(String, Arc<dyn Nodes>)>>;
+
 pub struct Cluster {
-    members: Vec<(String, Arc<dyn Nodes>)>,
-    /// VMs, claimed pool VMs and images this cluster sent somewhere, by id: their member's index.
-    placed: Mutex<HashMap<String, usize>>,
+    members: Mutex<Members>,
+    /// Members discovery no longer lists (not ready, going away): kept for the calls about
+    /// their VMs, never chosen for new ones.
+    unlisted: Mutex<BTreeSet<String>>,
+    /// VMs, claimed pool VMs and images this cluster sent somewhere, by id: their member's name.
+    placed: Mutex<HashMap<String, String>>,
     exits: broadcast::Sender<String>,
-    /// The exit forwarders, ended with the cluster.
-    tasks: Vec<tokio::task::AbortHandle>,
+    /// Each member's exit forwarder, by name, ended with it or with the cluster.
+    forwarders: Mutex<HashMap<String, tokio::task::AbortHandle>>,
 }
 
 impl Drop for Cluster {
     fn drop(&mut self) {
-        for t in &self.tasks {
+        for t in lock(&self.forwarders).values() {
             t.abort();
         }
     }
+}
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
 }
 
 /// The error for a call about `id` that no member has.
@@ -42,52 +52,85 @@ fn unknown(id: &str) -> NodeError {
 impl Cluster {
     /// The nodes by name (names are what sandbox records keep: keep them stable).
     pub fn new(members: Vec<(String, Arc<dyn Nodes>)>) -> Self {
-        let exits = broadcast::channel(1024).0;
-        let tasks = members
-            .iter()
-            .map(|(_, node)| {
-                let (mut rx, tx) = (node.exits(), exits.clone());
-                tokio::spawn(async move {
-                    loop {
-                        match rx.recv().await {
-                            Ok(id) => {
-                                let _ = tx.send(id);
-                            }
-                            Err(broadcast::error::RecvError::Lagged(_)) => continue,
-                            Err(broadcast::error::RecvError::Closed) => return,
-                        }
-                    }
-                })
-                .abort_handle()
-            })
-            .collect();
-        Cluster {
-            members,
+        let cluster = Cluster {
+            members: Mutex::new(Arc::new(Vec::new())),
+            unlisted: Mutex::default(),
             placed: Mutex::default(),
-            exits,
-            tasks,
+            exits: broadcast::channel(1024).0,
+            forwarders: Mutex::default(),
+        };
+        for (name, node) in members {
+            cluster.upsert(name, node);
         }
+        cluster
     }
 
-    fn placed(&self) -> std::sync::MutexGuard<'_, HashMap<String, usize>> {
-        self.placed.lock().unwrap_or_else(|e| e.into_inner())
+    /// Add node `name`, or replace it (a node back at a new address): calls about its VMs go
+    /// to `node` from now on, and it is listed again.
+    pub fn upsert(&self, name: String, node: Arc<dyn Nodes>) {
+        let forwarder = {
+            let (mut rx, tx) = (node.exits(), self.exits.clone());
+            tokio::spawn(async move {
+                loop {
+                    match rx.recv().await {
+                        Ok(id) => {
+                            let _ = tx.send(id);
+                        }
+                        Err(broadcast::error::RecvError::Lagged(_)) => continue,
+                        Err(broadcast::error::RecvError::Closed) => return,
+                    }
+                }
+            })
+            .abort_handle()
+        };
+        if let Some(old) = lock(&self.forwarders).insert(name.clone(), forwarder) {
+            old.abort();
+        }
+        let mut members = lock(&self.members);
+        let mut next: Vec<(String, Arc<dyn Nodes>)> = members.iter().filter(|(n, _)| *n != name).cloned().collect();
+        next.push((name.clone(), node));
+        *members = Arc::new(next);
+        lock(&self.unlisted).remove(&name);
     }
 
-    /// The index of the member that has VM (or pool VM, or image) `id`.
-    fn index_of(&self, id: &str) -> Option<usize> {
-        if let Some(i) = self.placed().get(id) {
-            return Some(*i);
-        }
-        let found = self
-            .members
+    /// Which members discovery lists now; the others take no new sandbox.
+    pub fn set_listed(&self, listed: &BTreeSet<String>) {
+        let all = self.snapshot();
+        *lock(&self.unlisted) = all
             .iter()
-            .position(|(_, n)| n.vm_state(id) != VmState::Gone || n.image_ids().iter().any(|i| i == id))?;
-        self.placed().insert(id.to_string(), found);
+            .map(|(n, _)| n.clone())
+            .filter(|n| !listed.contains(n))
+            .collect();
+    }
+
+    /// The member names and the node each has now.
+    pub fn snapshot(&self) -> Members {
+        lock(&self.members).clone()
+    }
+
+    fn placed(&self) -> std::sync::MutexGuard<'_, HashMap<String, String>> {
+        lock(&self.placed)
+    }
+
+    /// The member that has VM (or pool VM, or image) `id`: its name and node.
+    fn find(&self, id: &str) -> Option<(String, Arc<dyn Nodes>)> {
+        let members = self.snapshot();
+        let placed = self.placed().get(id).cloned();
+        if let Some(name) = placed {
+            if let Some(m) = members.iter().find(|(n, _)| *n == name) {
+                return Some(m.clone());
+            }
+        }
+        let found = members
+            .iter()
+            .find(|(_, n)| n.vm_state(id) != VmState::Gone || n.image_ids().iter().any(|i| i == id))?
+            .clone();
+        self.placed().insert(id.to_string(), found.0.clone());
         Some(found)
     }
 
-    fn route(&self, id: &str) -> Result<&Arc<dyn Nodes>, NodeError> {
-        self.index_of(id).map(|i| &self.members[i].1).ok_or_else(|| unknown(id))
+    fn route(&self, id: &str) -> Result<Arc<dyn Nodes>, NodeError> {
+        self.find(id).map(|(_, n)| n).ok_or_else(|| unknown(id))
     }
 
     fn forget(&self, id: &str) {
@@ -98,19 +141,23 @@ impl Cluster {
 #[async_trait]
 impl Nodes for Cluster {
     fn runtime_name(&self) -> String {
-        self.members.first().map(|(_, n)| n.runtime_name()).unwrap_or_default()
+        self.snapshot()
+            .first()
+            .map(|(_, n)| n.runtime_name())
+            .unwrap_or_default()
     }
 
     async fn accel(&self) -> String {
-        match self.members.first() {
-            Some((_, n)) => n.accel().await,
+        let first = self.snapshot().first().map(|(_, n)| n.clone());
+        match first {
+            Some(n) => n.accel().await,
             None => String::new(),
         }
     }
 
     fn templates(&self) -> Vec<TemplateManifest> {
         let mut all: Vec<TemplateManifest> = Vec::new();
-        for (_, n) in &self.members {
+        for (_, n) in self.snapshot().iter() {
             for t in n.templates() {
                 if !all.iter().any(|a| a.digest == t.digest && a.name == t.name) {
                     all.push(t);
@@ -121,25 +168,26 @@ impl Nodes for Cluster {
     }
 
     fn template(&self, reference: &str) -> Option<TemplateManifest> {
-        self.members.iter().find_map(|(_, n)| n.template(reference))
+        self.snapshot().iter().find_map(|(_, n)| n.template(reference))
     }
 
     async fn create(&self, vm: &VmRequest) -> Result<Booted, NodeError> {
-        let Some(i) = self.members.iter().position(|(name, _)| *name == vm.node) else {
+        let members = self.snapshot();
+        let Some((name, node)) = members.iter().find(|(name, _)| *name == vm.node) else {
             return Err(NodeError::Failed(Box::new(super::wire::RemoteFailure(format!(
                 "no node named {:?} in this cluster",
                 vm.node
             )))));
         };
-        self.placed().insert(vm.id.clone(), i);
-        self.members[i].1.create(vm).await
+        self.placed().insert(vm.id.clone(), name.clone());
+        node.create(vm).await
     }
 
     async fn delete(&self, id: &str) -> Result<(), NodeError> {
-        let Some(i) = self.index_of(id) else {
+        let Some((_, node)) = self.find(id) else {
             return Ok(());
         };
-        self.members[i].1.delete(id).await?;
+        node.delete(id).await?;
         self.forget(id);
         Ok(())
     }
@@ -153,38 +201,43 @@ impl Nodes for Cluster {
     }
 
     async fn save_image(&self, id: &str, image_id: &str) -> Result<u64, NodeError> {
-        let i = self.index_of(id).ok_or_else(|| unknown(id))?;
-        let bytes = self.members[i].1.save_image(id, image_id).await?;
-        self.placed().insert(image_id.to_string(), i);
+        let (name, node) = self.find(id).ok_or_else(|| unknown(id))?;
+        let bytes = node.save_image(id, image_id).await?;
+        self.placed().insert(image_id.to_string(), name);
         Ok(bytes)
     }
 
     async fn delete_image(&self, image_id: &str) -> Result<(), NodeError> {
-        let Some(i) = self.index_of(image_id) else {
+        let Some((_, node)) = self.find(image_id) else {
             return Ok(());
         };
-        self.members[i].1.delete_image(image_id).await?;
+        node.delete_image(image_id).await?;
         self.forget(image_id);
         Ok(())
     }
 
     async fn digest_image(&self, image_id: &str) -> Result<String, NodeError> {
-        match self.index_of(image_id) {
-            Some(i) => self.members[i].1.digest_image(image_id).await,
+        match self.find(image_id) {
+            Some((_, node)) => node.digest_image(image_id).await,
             None => Err(NodeError::UnknownImage(image_id.to_string())),
         }
     }
 
     fn image_ids(&self) -> Vec<String> {
-        self.members.iter().flat_map(|(_, n)| n.image_ids()).collect()
+        self.snapshot().iter().flat_map(|(_, n)| n.image_ids()).collect()
     }
 
     /// A pool VM from the member with the most free memory that has one ready.
     async fn claim(&self, template: &str, resources: &Resources) -> Option<String> {
-        let mut order: Vec<usize> = (0..self.members.len()).collect();
-        order.sort_by_key(|i| std::cmp::Reverse(self.members[*i].1.capacity().memory_mib));
-        for i in order {
-            let (_, node) = &self.members[i];
+        let unlisted = lock(&self.unlisted).clone();
+        let mut order: Vec<(String, Arc<dyn Nodes>)> = self
+            .snapshot()
+            .iter()
+            .filter(|(n, _)| !unlisted.contains(n))
+            .cloned()
+            .collect();
+        order.sort_by_key(|(_, n)| std::cmp::Reverse(n.capacity().memory_mib));
+        for (name, node) in order {
             let ready = node
                 .pools()
                 .iter()
@@ -193,7 +246,7 @@ impl Nodes for Cluster {
                 continue;
             }
             if let Some(id) = node.claim(template, resources).await {
-                self.placed().insert(id.clone(), i);
+                self.placed().insert(id.clone(), name);
                 return Some(id);
             }
         }
@@ -201,22 +254,22 @@ impl Nodes for Cluster {
     }
 
     fn unclaim(&self, id: &str) {
-        if let Some(i) = self.index_of(id) {
-            self.members[i].1.unclaim(id);
+        if let Some((_, node)) = self.find(id) {
+            node.unclaim(id);
             self.forget(id);
         }
     }
 
     /// Every member keeps the pool.
     async fn set_pool(&self, template: &str, resources: &Resources, size: usize) -> Result<(), NodeError> {
-        for (_, n) in &self.members {
+        for (_, n) in self.snapshot().iter() {
             n.set_pool(template, resources, size).await?;
         }
         Ok(())
     }
 
     fn pools(&self) -> Vec<PoolInfo> {
-        self.members.iter().flat_map(|(_, n)| n.pools()).collect()
+        self.snapshot().iter().flat_map(|(_, n)| n.pools()).collect()
     }
 
     async fn resume(&self, id: &str) -> Result<(), NodeError> {
@@ -224,23 +277,32 @@ impl Nodes for Cluster {
     }
 
     fn vm_state(&self, id: &str) -> VmState {
-        match self.index_of(id) {
-            Some(i) => self.members[i].1.vm_state(id),
+        match self.find(id) {
+            Some((_, node)) => node.vm_state(id),
             None => VmState::Gone,
         }
     }
 
+    /// Gone from every member, each asked now.
+    async fn vm_gone(&self, id: &str) -> bool {
+        let members = self.snapshot();
+        let answers = futures_util::future::join_all(members.iter().map(|(_, n)| n.vm_gone(id))).await;
+        answers.into_iter().all(|gone| gone)
+    }
+
     /// Every member settles what it knows of `id` (a restarted node may not list it yet).
     async fn settled(&self, id: &str) {
-        futures_util::future::join_all(self.members.iter().map(|(_, n)| n.settled(id))).await;
+        let members = self.snapshot();
+        futures_util::future::join_all(members.iter().map(|(_, n)| n.settled(id))).await;
     }
 
     async fn settled_all(&self) {
-        futures_util::future::join_all(self.members.iter().map(|(_, n)| n.settled_all())).await;
+        let members = self.snapshot();
+        futures_util::future::join_all(members.iter().map(|(_, n)| n.settled_all())).await;
     }
 
     fn vm_ids(&self) -> Vec<String> {
-        self.members.iter().flat_map(|(_, n)| n.vm_ids()).collect()
+        self.snapshot().iter().flat_map(|(_, n)| n.vm_ids()).collect()
     }
 
     async fn agent(&self, id: &str) -> Result<AgentClient, NodeError> {
@@ -260,7 +322,7 @@ impl Nodes for Cluster {
             disk_free_mib: 0,
             disk_held_mib: 0,
         };
-        for (_, n) in &self.members {
+        for (_, n) in self.snapshot().iter() {
             let c = n.capacity();
             sum.cpus += c.cpus;
             sum.memory_mib += c.memory_mib;
@@ -276,20 +338,25 @@ impl Nodes for Cluster {
     }
 
     fn members(&self) -> Vec<Member> {
-        self.members
+        let unlisted = lock(&self.unlisted).clone();
+        self.snapshot()
             .iter()
             .map(|(name, n)| {
                 let one = n.members().into_iter().next();
+                let refuses = match unlisted.contains(name) {
+                    true => Some("not listed by discovery (not ready, or going away)".to_string()),
+                    false => one.and_then(|m| m.refuses),
+                };
                 Member {
                     name: name.clone(),
                     capacity: n.capacity(),
-                    refuses: one.and_then(|m| m.refuses),
+                    refuses,
                 }
             })
             .collect()
     }
 
     fn owner(&self, id: &str) -> Option<String> {
-        self.index_of(id).map(|i| self.members[i].0.clone())
+        self.find(id).map(|(name, _)| name)
     }
 }

@@ -218,6 +218,7 @@ impl RemoteNode {
             secret: Arc::from(secret),
             http,
             report: Mutex::new(NodeReport {
+                name: String::new(),
                 runtime_name: String::new(),
                 accel: String::new(),
                 capacity: Capacity {
@@ -254,6 +255,11 @@ impl RemoteNode {
             inner,
             tasks: vec![refresher.abort_handle(), exits.abort_handle()],
         }
+    }
+
+    /// The name the node reports (empty until it answers).
+    pub fn reported_name(&self) -> String {
+        self.report(|r| r.name.clone())
     }
 
     fn report<T>(&self, f: impl FnOnce(&NodeReport) -> T) -> T {
@@ -375,6 +381,10 @@ impl Nodes for RemoteNode {
 
     fn vm_state(&self, id: &str) -> VmState {
         self.report(|r| r.vms.iter().find(|(vm, _)| vm == id).map_or(VmState::Gone, |(_, s)| *s))
+    }
+
+    async fn vm_gone(&self, id: &str) -> bool {
+        self.inner.refresh().await.is_ok() && self.vm_state(id) == VmState::Gone
     }
 
     async fn settled(&self, id: &str) {

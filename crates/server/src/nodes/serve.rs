@@ -18,6 +18,7 @@ use std::sync::Arc;
 struct Face {
     nodes: Arc<dyn Nodes>,
     secret: Arc<[u8]>,
+    name: Arc<str>,
 }
 
 /// A `NodeError` as the wire carries it.
@@ -46,11 +47,12 @@ fn refused(status: StatusCode, code: &str, message: &str) -> Response {
     (status, Json(body)).into_response()
 }
 
-/// The node's face over `nodes`, every route needing a token of `secret`.
-pub fn router(nodes: Arc<dyn Nodes>, secret: &[u8]) -> Router {
+/// The face of node `name` over `nodes`, every route needing a token of `secret`.
+pub fn router(nodes: Arc<dyn Nodes>, secret: &[u8], name: &str) -> Router {
     let face = Face {
         nodes,
         secret: Arc::from(secret),
+        name: Arc::from(name),
     };
     let routes = Router::new()
         .route("/report", get(report))
@@ -94,6 +96,7 @@ async fn authorize(State(face): State<Face>, req: Request, next: axum::middlewar
 async fn report(State(f): State<Face>) -> Json<NodeReport> {
     let n = &f.nodes;
     Json(NodeReport {
+        name: f.name.to_string(),
         runtime_name: n.runtime_name(),
         accel: n.accel().await,
         capacity: n.capacity(),

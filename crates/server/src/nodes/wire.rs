@@ -35,6 +35,10 @@ const TOKEN_LABEL: &[u8] = b"airlock-node/v1:";
 /// What a node has now: the caller answers `Nodes`' synchronous questions from it.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct NodeReport {
+    /// The name the node was started with (`airlock node --name`): its identity in a cluster
+    /// found by discovery, kept across restarts and new addresses.
+    #[serde(default)]
+    pub name: String,
     pub runtime_name: String,
     pub accel: String,
     pub capacity: Capacity,

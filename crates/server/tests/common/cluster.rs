@@ -17,6 +17,12 @@ pub struct ClusterNode {
 impl ClusterNode {
     /// A node on `dir` with `capacity`, its face on `127.0.0.1:port` (0: any free port).
     pub async fn start(dir: &Path, capacity: Capacity, port: u16) -> ClusterNode {
+        Self::start_named(dir, capacity, port, "test-node").await
+    }
+
+    /// [`ClusterNode::start`] for a node that reports `name`.
+    pub async fn start_named(dir: &Path, capacity: Capacity, port: u16, name: &str) -> ClusterNode {
+        let name = name.to_string();
         let tokio_rt = tokio::runtime::Builder::new_multi_thread()
             .worker_threads(1)
             .thread_name("airlock-test-node")
@@ -29,7 +35,7 @@ impl ClusterNode {
                 let egress = Config::default().egress;
                 let (node, _runtime, _egress) =
                     test_node(&d, &egress, capacity, Duration::ZERO, Default::default(), true).await;
-                let face = airlock_server::nodes::serve::router(node, NODE_SECRET);
+                let face = airlock_server::nodes::serve::router(node, NODE_SECRET, &name);
                 let listener = tokio::net::TcpListener::bind(("127.0.0.1", port)).await.unwrap();
                 let addr = listener.local_addr().unwrap();
                 tokio::spawn(airlock_server::listen::serve(listener, face, None, Limits::default()));
@@ -71,7 +77,7 @@ impl Server {
             .build()
             .unwrap();
         let (d, nodes, known_key) = (dir.to_path_buf(), nodes.to_vec(), key.map(String::from));
-        let (addr, key, core, watchers) = tokio_rt
+        let (addr, key, core, watchers, cluster) = tokio_rt
             .spawn(async move {
                 let store = SqliteStore::open(&d.join("airlock.db")).await.unwrap();
                 let minted = airlock_server::bootstrap_admin_key(&store, &d, &"127.0.0.1:0".parse().unwrap())
@@ -85,10 +91,10 @@ impl Server {
                 for addr in nodes {
                     members.push((addr.to_string(), Arc::new(RemoteNode::open(addr, NODE_SECRET).await)));
                 }
-                let cluster: Arc<dyn Nodes> = Arc::new(Cluster::new(members));
+                let cluster = Arc::new(Cluster::new(members));
                 let (addr, core, watchers) =
-                    serve_core(Arc::new(store), cluster, config, false, Limits::default()).await;
-                (addr, key, core, watchers)
+                    serve_core(Arc::new(store), cluster.clone(), config, false, Limits::default()).await;
+                (addr, key, core, watchers, cluster)
             })
             .await
             .unwrap();
@@ -104,6 +110,7 @@ impl Server {
             tmp: None,
             node_face: None,
             node_egress: None,
+            cluster: Some(cluster),
         }
     }
 }

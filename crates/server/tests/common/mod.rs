@@ -116,6 +116,8 @@ pub struct Server {
     /// The node's egress side (its specs and counters; the fake VMM has no networks to serve);
     /// none for a replica of a cluster.
     pub node_egress: Option<Arc<NodeEgress>>,
+    /// A replica's cluster of nodes.
+    pub cluster: Option<Arc<airlock_server::nodes::Cluster>>,
 }
 
 /// A fresh data dir with the `seed` template.
@@ -274,7 +276,7 @@ impl Server {
                 let mut nodes = node;
                 let mut node_face = None;
                 if over_node_face {
-                    let face = airlock_server::nodes::serve::router(nodes, NODE_SECRET);
+                    let face = airlock_server::nodes::serve::router(nodes, NODE_SECRET, "test-node");
                     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
                     let face_addr = listener.local_addr().unwrap();
                     node_face = Some(face_addr);
@@ -306,6 +308,7 @@ impl Server {
             tmp: None,
             node_face,
             node_egress: Some(node_egress),
+            cluster: None,
         }
     }
 

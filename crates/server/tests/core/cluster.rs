@@ -137,3 +137,58 @@ async fn creates_spread_over_nodes_refuse_with_every_reason_and_route_through_an
         assert_no_vms(d.path());
     }
 }
+
+/// Discovery (`serve --nodes-dns`): nodes join under the names they report; one no longer
+/// listed takes no new sandbox; a node back at a new address under its name replaces its old
+/// entry and its sandboxes answer through it again (the node re-adopted its VMs).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn discovered_nodes_join_by_name_and_a_node_back_at_a_new_address_keeps_its_sandboxes() {
+    use airlock_server::nodes::discovery::Discovery;
+    let (store_dir, dir_a, dir_b) = (fresh(), fresh(), fresh());
+    let a = ClusterNode::start_named(dir_a.path(), FITS_FOUR, 0, "node-a").await;
+    let b = ClusterNode::start_named(dir_b.path(), FITS_FOUR, 0, "node-b").await;
+    let replica = Server::start_replica(store_dir.path(), &[], None, replica_config()).await;
+    let cluster = replica.cluster.clone().unwrap();
+    let mut discovery = Discovery::default();
+    discovery.round(&cluster, vec![a.addr, b.addr], NODE_SECRET).await;
+    let names = |s: &Server| -> Vec<(String, bool)> {
+        let mut m: Vec<_> = s
+            .core()
+            .nodes()
+            .members()
+            .into_iter()
+            .map(|m| (m.name, m.refuses.is_none()))
+            .collect();
+        m.sort();
+        m
+    };
+    assert_eq!(names(&replica), vec![("node-a".into(), true), ("node-b".into(), true)]);
+
+    // node-b leaves the listing: no new sandbox goes there.
+    discovery.round(&cluster, vec![a.addr], NODE_SECRET).await;
+    assert_eq!(names(&replica), vec![("node-a".into(), true), ("node-b".into(), false)]);
+    let mut ids = Vec::new();
+    for _ in 0..3 {
+        let id = replica.running_sandbox().await;
+        assert_eq!(node_of(&replica, &id).await, "node-a");
+        ids.push(id);
+    }
+
+    // node-a dies and comes back on another port with its data dir: it re-adopts its VMs and
+    // discovery points its name at the new address.
+    let old_addr = a.addr;
+    a.kill();
+    let a = ClusterNode::start_named(dir_a.path(), FITS_FOUR, 0, "node-a").await;
+    assert_ne!(a.addr, old_addr);
+    discovery.round(&cluster, vec![a.addr, b.addr], NODE_SECRET).await;
+    for id in &ids {
+        replica.assert_answers(id).await;
+    }
+    for id in &ids {
+        replica.delete(id).await;
+    }
+    replica.stop().await;
+    drop((a, b));
+    assert_no_vms(dir_a.path());
+    assert_no_vms(dir_b.path());
+}
