@@ -228,6 +228,7 @@ pub fn router(state: AppState) -> Router {
         .nest("/v1", v1)
         .merge(e2b_api)
         .merge(envd)
+        .route("/readyz", get(native::readyz).with_state(core.clone()))
         .route(
             "/openapi-m1.json",
             get(move || async move { ([("content-type", "application/json")], doc.clone()) }),

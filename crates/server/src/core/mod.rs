@@ -257,7 +257,36 @@ pub fn load_or_create_secret(data_dir: &Path) -> std::io::Result<Vec<u8>> {
     Ok(secret)
 }
 
+/// How long readiness waits for the store.
+const READY_WITHIN: std::time::Duration = std::time::Duration::from_secs(2);
+
+/// What a ready replica answers: how many nodes take sandboxes now (none is still ready: a
+/// create then says why with `no_node_fits`, which beats a connection refused).
+#[derive(Debug, serde::Serialize)]
+pub struct Readiness {
+    pub nodes_ready: usize,
+    pub nodes: usize,
+}
+
 impl Core {
+    /// Whether this replica can serve: its store answers within [`READY_WITHIN`].
+    pub async fn readiness(&self) -> CoreResult<Readiness> {
+        match tokio::time::timeout(READY_WITHIN, self.store.needs_bootstrap()).await {
+            Ok(Ok(_)) => {}
+            Ok(Err(e)) => return Err(CoreError::Unavailable(format!("the store does not answer: {e}"))),
+            Err(_) => {
+                return Err(CoreError::Unavailable(format!(
+                    "the store does not answer within {READY_WITHIN:?}"
+                )))
+            }
+        }
+        let members = self.nodes.members();
+        Ok(Readiness {
+            nodes_ready: members.iter().filter(|m| m.refuses.is_none()).count(),
+            nodes: members.len(),
+        })
+    }
+
     /// What the server tells a caller about itself: version, accelerator, runtimes, egress
     /// configuration; with `node_wide` (the platform account only) also the node's counts and
     /// warm pools, every tenant's business together.

@@ -170,6 +170,12 @@ pub async fn system(State(core): State<Core>) -> Json<SystemInfo> {
     Json(core.system_info(false).await)
 }
 
+/// `GET /readyz` (no credentials; for a load balancer's or Kubernetes' readiness probe): 200
+/// with the node counts while the store answers, else 503 `unavailable`.
+pub async fn readyz(State(core): State<Core>) -> ApiResult<Json<crate::core::Readiness>> {
+    Ok(Json(core.readiness().await?))
+}
+
 pub async fn not_found(uri: axum::http::Uri) -> ApiError {
     CoreError::not_found(Kind::Route, uri.path()).into()
 }

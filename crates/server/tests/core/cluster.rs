@@ -8,6 +8,7 @@ use super::common::*;
 use airlock_runtime::fake;
 use airlock_server::core::Config;
 use airlock_server::nodes::Capacity;
+use axum::body::Body;
 use axum::http::Method;
 use serde_json::Value;
 use std::collections::BTreeMap;
@@ -111,6 +112,12 @@ async fn creates_spread_over_nodes_refuse_with_every_reason_and_route_through_an
         assert!(Instant::now() < deadline, "the dead node is still taken for live");
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
+    // Readiness (no credentials): the store answers; two of three nodes take sandboxes.
+    let (status, ready) = a.json(Method::GET, "/readyz", &[], Body::empty()).await;
+    assert_eq!(
+        (status, ready),
+        (200, serde_json::json!({ "nodes_ready": 2, "nodes": 3 }))
+    );
     let freed = per_node[&nodes[0].addr.to_string()][0].clone();
     a.delete(&freed).await;
     let again = a.running_sandbox().await;
