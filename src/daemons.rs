@@ -145,6 +145,17 @@ pub struct NodeArgs {
     /// [default: the host name].
     #[arg(long, env = "AIRLOCK_NODE_NAME")]
     name: Option<String>,
+    /// Creates this node runs at once; past it, it refuses (`capacity`) and the replica places
+    /// the sandbox on another node.
+    #[arg(long, env = "AIRLOCK_MAX_STARTS", default_value_t = airlock_server::node_daemon::DEFAULT_MAX_STARTS, value_parser = clap::value_parser!(u64).range(1..))]
+    max_starts: u64,
+    /// The node's own vCPU budget is its CPUs times this (it refuses creates past it, whatever
+    /// a replica's view of it).
+    #[arg(long, env = "AIRLOCK_VCPU_OVERCOMMIT", default_value_t = airlock_server::core::DEFAULT_VCPU_OVERCOMMIT, value_parser = parse_overcommit)]
+    vcpu_overcommit: f64,
+    /// Memory the node keeps for its host; its VMs' memory sums to at most the rest.
+    #[arg(long, env = "AIRLOCK_MEMORY_RESERVE_MIB", default_value_t = airlock_server::core::DEFAULT_MEMORY_RESERVE_MIB)]
+    memory_reserve_mib: u64,
     #[command(flatten)]
     host: HostArgs,
     #[command(flatten)]
@@ -258,7 +269,12 @@ impl NodeArgs {
         let limits = self.conns.limits();
         let node = self.host.node_options(data_dir, egress);
         let name = self.name.unwrap_or_else(airlock_server::node_daemon::host_name);
-        airlock_server::node_daemon::serve_node(node, name, self.listen, secret, limits).await
+        let rules = airlock_server::nodes::NodeRules {
+            max_starts: self.max_starts as usize,
+            vcpu_overcommit: self.vcpu_overcommit,
+            memory_reserve_mib: self.memory_reserve_mib,
+        };
+        airlock_server::node_daemon::serve_node(node, name, self.listen, secret, rules, limits).await
     }
 }
 

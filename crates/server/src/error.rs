@@ -349,6 +349,8 @@ impl CoreError {
                 NodeError::Network(_) => c("network", 500),
                 // Its VMs' fate is unknown: retry later (or elsewhere, once there are others).
                 NodeError::Unreachable(_) => c("node_unreachable", 503),
+                // Every node a create was offered to turned it away (see `nodes/admission.rs`).
+                NodeError::Refused(..) => c("node_refused", 503),
                 // `From<NodeError>` makes these `NotFound`/`InvalidResources`; named so that a
                 // new variant must be placed here deliberately.
                 NodeError::UnknownTemplate(_)

@@ -36,6 +36,10 @@ pub fn host_name() -> String {
         .unwrap_or_default()
 }
 
+/// Creates a node runs at once by default (`airlock node --max-starts`): each boot is CPU-bound
+/// for seconds, and more at once only slows all of them.
+pub const DEFAULT_MAX_STARTS: u64 = 4;
+
 /// The shortest cluster secret a node or a replica accepts.
 pub const MIN_SECRET_BYTES: usize = 32;
 
@@ -118,6 +122,7 @@ pub async fn serve_node(
     name: String,
     listen: SocketAddr,
     secret: Vec<u8>,
+    rules: nodes::NodeRules,
     limits: crate::listen::Limits,
 ) -> anyhow::Result<()> {
     // Bound before the runtime opens, so a taken address fails at once.
@@ -129,7 +134,7 @@ pub async fn serve_node(
         "node {name}: serving on {listen} (HTTP/2, cluster tokens); egress digest {}",
         egress.digest()
     );
-    let face = nodes::serve::router(node, &secret, &name);
+    let face = nodes::serve::router(node, &secret, &name, Some(rules));
     Ok(crate::listen::serve(listener, face, None, limits).await?)
 }
 

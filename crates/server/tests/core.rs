@@ -139,6 +139,6 @@ fn node(cpus: u32, memory_mib: u64, disk_free_mib: u64) -> Capacity {
         memory_mib,
         sandboxes_running: 0,
         disk_free_mib,
-        disk_held_mib: 0,
+        ..Capacity::default()
     }
 }

@@ -361,6 +361,24 @@ async fn a_nodes_budget_counts_only_the_sandboxes_placed_on_it(b: Backend) {
         .await;
     assert!(matches!(r, Ok(CreateRecorded::New(_))), "{r:?}");
     assert_eq!(store.sandbox_by_id("b2").await.unwrap().unwrap().node, "node-b");
+
+    // A node refused a2 by its own admission: it moves only where the store's budgets take it.
+    let r = store.move_creating("a2", "node-b", &budget).await;
+    assert!(
+        matches!(r, Err(StoreError::NodeBudgetExceeded { budget: "memory", .. })),
+        "{r:?}"
+    );
+    assert!(store.move_creating("a2", "node-c", &budget).await.unwrap());
+    assert_eq!(store.sandbox_by_id("a2").await.unwrap().unwrap().node, "node-c");
+    // Node a's budget counts it no longer.
+    let r = store
+        .insert_create_within(&on("a3", "node-a"), &create_op("a3"), None, &Quota::default(), &budget)
+        .await;
+    assert!(matches!(r, Ok(CreateRecorded::New(_))), "{r:?}");
+    // One no longer creating stays where it is.
+    store.set_sandbox_state("a1", SandboxState::Running).await.unwrap();
+    assert!(!store.move_creating("a1", "node-c", &budget).await.unwrap());
+    assert_eq!(store.sandbox_by_id("a1").await.unwrap().unwrap().node, "node-a");
 }
 
 on_both!(keys_access_tokens_sessions_and_aliases);

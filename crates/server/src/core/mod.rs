@@ -24,7 +24,7 @@ pub mod egress;
 pub mod federation;
 pub mod files;
 pub mod metrics;
-mod placement;
+pub(crate) mod placement;
 pub mod principal;
 pub mod sandboxes;
 pub mod sessions;
@@ -315,9 +315,9 @@ mod tests {
         Capacity {
             cpus,
             memory_mib,
-            sandboxes_running: 0,
             disk_free_mib,
             disk_held_mib,
+            ..Capacity::default()
         }
     }
 

@@ -271,21 +271,26 @@ impl Core {
         let (candidates, mut reasons) = self.candidates(pinned.as_deref());
         let mut submitted = None;
         let mut last = None;
-        for m in candidates {
-            row.node = m.name.clone();
+        let budgets: Vec<(String, crate::store::NodeBudget)> = candidates
+            .iter()
+            .map(|m| (m.name.clone(), self.config.budget(&m.capacity)))
+            .collect();
+        for (i, (name, budget)) in budgets.iter().enumerate() {
+            row.node = name.clone();
             let result = self
                 .engine
                 .submit(Action::Create {
                     sandbox: row.clone(),
                     idempotency_key: req.idempotency_key.clone(),
                     quota,
-                    budget: self.config.budget(&m.capacity),
+                    budget: *budget,
+                    fallbacks: budgets[i + 1..].to_vec(),
                 })
                 .await
                 .map_err(|e| e.for_tenant(&tenant.name));
             match result {
                 Err(e) if placement::node_refused(&e) => {
-                    reasons.push((m.name.clone(), placement::reason(&e)));
+                    reasons.push((name.clone(), placement::reason(&e)));
                     last = Some(e);
                 }
                 other => {

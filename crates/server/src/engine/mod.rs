@@ -39,6 +39,9 @@ pub enum Action {
         idempotency_key: Option<String>,
         quota: Quota,
         budget: NodeBudget,
+        /// Where to place it next, in order, with each node's budgets, if its node refuses it
+        /// by its own admission (a replica's view of a node is stale).
+        fallbacks: Vec<(String, NodeBudget)>,
     },
     Delete {
         sandbox: SandboxRecord,
@@ -218,6 +221,7 @@ impl Engine {
                 idempotency_key,
                 quota,
                 budget,
+                fallbacks,
             } => {
                 let op = new_operation(OperationKind::Create, &sandbox.id);
                 match self
@@ -232,7 +236,7 @@ impl Engine {
                     CreateRecorded::New(op) => {
                         let engine = self.clone();
                         let run = op.clone();
-                        tokio::spawn(async move { engine.run_create(run, sandbox).await });
+                        tokio::spawn(async move { engine.run_create(run, sandbox, fallbacks).await });
                         Ok(Submitted {
                             operation: op,
                             new: true,

@@ -4,7 +4,7 @@
 use super::*;
 
 impl Engine {
-    pub(super) async fn run_create(&self, op: Operation, row: SandboxRecord) {
+    pub(super) async fn run_create(&self, op: Operation, row: SandboxRecord, fallbacks: Vec<(String, NodeBudget)>) {
         let _ = self.store.set_operation_state(&op.id, OperationState::Running).await;
         let vm = crate::nodes::VmRequest {
             id: row.id.clone(),
@@ -15,7 +15,7 @@ impl Engine {
             egress: row.egress.clone(),
             node: row.node.clone(),
         };
-        match self.nodes.create(&vm).await {
+        match self.create_placed(vm, fallbacks).await {
             Ok(booted) => {
                 let _ = self.store.set_sandbox_boot(&row.id, &booted).await;
                 if let Some(image) = &row.image_id {
@@ -45,7 +45,47 @@ impl Engine {
                 tracing::warn!(sandbox = %row.id, "create failed: {e}");
                 self.transition(&row.id, &[SandboxState::Creating], SandboxState::Failed)
                     .await;
-                self.finish(&op, Some((&CoreError::from(e)).into())).await;
+                self.finish(&op, Some((&e).into())).await;
+            }
+        }
+    }
+
+    /// Create `vm` on its node; while a node refuses it by its own admission, move it to the
+    /// next of `fallbacks` that the store's budgets admit, and try there. Every refusal is named
+    /// in the error when none takes it.
+    async fn create_placed(
+        &self,
+        mut vm: crate::nodes::VmRequest,
+        fallbacks: Vec<(String, NodeBudget)>,
+    ) -> Result<crate::model::Booted, CoreError> {
+        let mut reasons = Vec::new();
+        let mut next = fallbacks.into_iter();
+        loop {
+            let refusal = match self.nodes.create(&vm).await {
+                Err(e @ crate::nodes::NodeError::Refused(..)) => CoreError::from(e),
+                other => return other.map_err(CoreError::from),
+            };
+            tracing::info!(sandbox = %vm.id, node = %vm.node, "node refused the create: {refusal}");
+            reasons.push((vm.node.clone(), refusal.to_string()));
+            loop {
+                let Some((node, budget)) = next.next() else {
+                    return Err(crate::core::placement::refused_everywhere(reasons, Some(refusal)));
+                };
+                match self.store.move_creating(&vm.id, &node, &budget).await {
+                    Ok(true) => {
+                        vm.node = node;
+                        break;
+                    }
+                    // Deleted meanwhile: the refusal stands.
+                    Ok(false) => return Err(refusal),
+                    Err(e) => {
+                        let e = CoreError::from(e);
+                        if !crate::core::placement::node_refused(&e) {
+                            return Err(e);
+                        }
+                        reasons.push((node, e.to_string()));
+                    }
+                }
             }
         }
     }

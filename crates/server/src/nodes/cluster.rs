@@ -315,19 +315,15 @@ impl Nodes for Cluster {
 
     /// The members' together (what the tenants' default quotas share).
     fn capacity(&self) -> Capacity {
-        let mut sum = Capacity {
-            cpus: 0,
-            memory_mib: 0,
-            sandboxes_running: 0,
-            disk_free_mib: 0,
-            disk_held_mib: 0,
-        };
+        let mut sum = Capacity::default();
         for (_, n) in self.snapshot().iter() {
             let c = n.capacity();
             sum.cpus += c.cpus;
             sum.memory_mib += c.memory_mib;
             sum.sandboxes_running += c.sandboxes_running;
             sum.disk_free_mib += c.disk_free_mib;
+            sum.vcpu_held += c.vcpu_held;
+            sum.memory_held_mib += c.memory_held_mib;
             sum.disk_held_mib += c.disk_held_mib;
         }
         sum

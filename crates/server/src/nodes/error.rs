@@ -33,6 +33,9 @@ pub enum NodeError {
     /// The sandbox's network (namespace, tap, nftables, egress hook) could not be made.
     #[error(transparent)]
     Network(Cause),
+    /// The node turned the VM away by its own admission (see `admission.rs`): place it elsewhere.
+    #[error("{1}")]
+    Refused(super::Refusal, String),
     /// The node did not answer (down, cut off, or past the call's deadline): the VM's fate is
     /// unknown, not failed.
     #[error(transparent)]

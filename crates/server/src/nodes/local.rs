@@ -245,6 +245,7 @@ impl Nodes for LocalNode {
 
     fn capacity(&self) -> Capacity {
         let disk = self.runtime.disk_space();
+        let vms = self.runtime.list();
         Capacity {
             cpus: std::thread::available_parallelism()
                 .map(|n| n.get() as u32)
@@ -253,9 +254,11 @@ impl Nodes for LocalNode {
             memory_mib: airlock_runtime::vmm::host_memory_mib()
                 .unwrap_or(0)
                 .saturating_sub(self.runtime.pool_memory_mib()),
-            sandboxes_running: self.runtime.list().len() as u32,
+            sandboxes_running: vms.len() as u32,
             disk_free_mib: disk.free_mib.saturating_sub(disk.pool_unheld_mib),
             disk_held_mib: disk.held_by_sandboxes_mib + disk.held_by_images_mib,
+            vcpu_held: vms.iter().map(|vm| u64::from(vm.record.resources.vcpu)).sum(),
+            memory_held_mib: vms.iter().map(|vm| u64::from(vm.record.resources.memory_mib)).sum(),
         }
     }
 }

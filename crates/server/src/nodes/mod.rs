@@ -4,6 +4,7 @@
 //! over that face, from another host (`wire.rs`: its messages and tokens). `NodeEgress` serves
 //! each VM's egress on the node, from the spec its create carried.
 
+mod admission;
 mod cluster;
 pub mod discovery;
 mod egress;
@@ -13,6 +14,7 @@ mod remote;
 pub mod serve;
 pub mod wire;
 
+pub use admission::{Admission, NodeRules, Refusal};
 pub use cluster::Cluster;
 pub use egress::NodeEgress;
 pub use error::NodeError;
@@ -70,7 +72,7 @@ pub struct Member {
 }
 
 /// What a node has, before the operator's overcommit and reserves (`core::Config::budget`).
-#[derive(Debug, Clone, Copy, serde::Serialize, serde::Deserialize)]
+#[derive(Debug, Clone, Copy, Default, serde::Serialize, serde::Deserialize)]
 pub struct Capacity {
     pub cpus: u32,
     pub memory_mib: u64,
@@ -81,6 +83,12 @@ pub struct Capacity {
     /// Space the node's sandboxes and saved images already hold on it (their records count them
     /// at full size; their files grow into the rest).
     pub disk_held_mib: u64,
+    /// vCPUs and memory its VMs hold now (running or paused; warm pool VMs are already out of
+    /// `memory_mib`): what the node's own admission counts.
+    #[serde(default)]
+    pub vcpu_held: u64,
+    #[serde(default)]
+    pub memory_held_mib: u64,
 }
 
 #[async_trait]

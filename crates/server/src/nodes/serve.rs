@@ -4,7 +4,7 @@
 //! on to the VM's agent.
 
 use super::wire::{ClaimRequest, Claimed, Digest, ErrorReply, NodeReport, PoolSize, Saved, Took, VmRequest, PREFIX};
-use super::{NodeError, Nodes};
+use super::{Admission, NodeError, NodeRules, Nodes};
 use axum::body::Body;
 use axum::extract::{OriginalUri, Path, Request, State};
 use axum::http::StatusCode;
@@ -19,6 +19,8 @@ struct Face {
     nodes: Arc<dyn Nodes>,
     secret: Arc<[u8]>,
     name: Arc<str>,
+    /// The node's own admission of creates (None: the caller's is exact, as in tests of it).
+    admission: Option<Arc<Admission>>,
 }
 
 /// A `NodeError` as the wire carries it.
@@ -43,16 +45,19 @@ fn refused(status: StatusCode, code: &str, message: &str) -> Response {
     let body = ErrorReply {
         code: code.into(),
         message: message.into(),
+        reason: None,
     };
     (status, Json(body)).into_response()
 }
 
-/// The face of node `name` over `nodes`, every route needing a token of `secret`.
-pub fn router(nodes: Arc<dyn Nodes>, secret: &[u8], name: &str) -> Router {
+/// The face of node `name` over `nodes`, every route needing a token of `secret`; with
+/// `rules`, it admits each create by them first.
+pub fn router(nodes: Arc<dyn Nodes>, secret: &[u8], name: &str, rules: Option<NodeRules>) -> Router {
     let face = Face {
         nodes,
         secret: Arc::from(secret),
         name: Arc::from(name),
+        admission: rules.map(|r| Arc::new(Admission::new(r))),
     };
     let routes = Router::new()
         .route("/report", get(report))
@@ -108,6 +113,11 @@ async fn report(State(f): State<Face>) -> Json<NodeReport> {
 }
 
 async fn create(State(f): State<Face>, Json(vm): Json<VmRequest>) -> Reply<super::Booted> {
+    // Held until the create returns: by then the VM counts among the node's own, or is gone.
+    let _ticket = match &f.admission {
+        Some(a) => Some(a.admit(&f.nodes.capacity(), &vm)?),
+        None => None,
+    };
     Ok(Json(f.nodes.create(&vm).await?))
 }
 

@@ -82,11 +82,14 @@ pub struct PoolSize {
     pub size: usize,
 }
 
-/// A `NodeError` on the wire: `code` names the variant, `message` is its text.
+/// A `NodeError` on the wire: `code` names the variant, `message` is its text; a refusal
+/// (`refused`) carries its `reason`.
 #[derive(Debug, Serialize, Deserialize)]
 pub struct ErrorReply {
     pub code: String,
     pub message: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub reason: Option<super::Refusal>,
 }
 
 /// A failure a node reported, as its message (the node's own error stays there).
@@ -100,7 +103,7 @@ impl ErrorReply {
             NodeError::UnknownTemplate(_) | NodeError::UnknownSandbox(_) | NodeError::UnknownImage(_) => 404,
             NodeError::InvalidResources(_) | NodeError::InvalidSandboxId(_) => 422,
             NodeError::SandboxIdTaken(_) | NodeError::NotRunning(_) => 409,
-            NodeError::Exhausted(_) | NodeError::Unreachable(_) => 503,
+            NodeError::Exhausted(_) | NodeError::Unreachable(_) | NodeError::Refused(..) => 503,
             NodeError::BootFailed(_) | NodeError::Network(_) | NodeError::Failed(_) => 500,
         }
     }
@@ -119,10 +122,15 @@ impl ErrorReply {
             NodeError::Network(c) => ("network", c.to_string()),
             NodeError::Unreachable(c) => ("unreachable", c.to_string()),
             NodeError::Failed(c) => ("failed", c.to_string()),
+            NodeError::Refused(_, m) => ("refused", m.clone()),
         };
         ErrorReply {
             code: code.into(),
             message: arg,
+            reason: match e {
+                NodeError::Refused(reason, _) => Some(*reason),
+                _ => None,
+            },
         }
     }
 
@@ -141,6 +149,10 @@ impl ErrorReply {
             "exhausted" => NodeError::Exhausted(cause(self.message)),
             "network" => NodeError::Network(cause(self.message)),
             "unreachable" => NodeError::Unreachable(cause(self.message)),
+            "refused" => match self.reason {
+                Some(reason) => NodeError::Refused(reason, self.message),
+                None => NodeError::Failed(cause(self.message)),
+            },
             _ => NodeError::Failed(cause(self.message)),
         }
     }
@@ -209,5 +221,9 @@ mod tests {
         let back = ErrorReply::of(&e).into_error();
         assert!(matches!(back, NodeError::Exhausted(_)));
         assert_eq!(back.to_string(), "no link left");
+        let e = NodeError::Refused(super::super::Refusal::Capacity, "full".into());
+        assert_eq!(ErrorReply::status(&e), 503);
+        let back = ErrorReply::of(&e).into_error();
+        assert!(matches!(back, NodeError::Refused(super::super::Refusal::Capacity, ref m) if m == "full"));
     }
 }

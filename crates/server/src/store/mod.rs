@@ -253,6 +253,10 @@ pub trait SandboxStore: Send + Sync {
     /// Every tenant's sandboxes in a [`LIVE_STATES`] state.
     async fn live_sandboxes(&self) -> Result<Vec<SandboxRecord>, StoreError>;
     async fn count_live_sandboxes(&self, tenant_id: &str) -> Result<u32, StoreError>;
+    /// Place a sandbox still `creating` on `node` instead (its first node refused it) if it fits
+    /// that node's `budget` next to what every sandbox and snapshot there holds. False when it
+    /// is no longer creating (a delete came first); the tenant's quota counts it already.
+    async fn move_creating(&self, id: &str, node: &str, budget: &NodeBudget) -> Result<bool, StoreError>;
     /// Move a suspended sandbox to `resuming` if it fits the tenant's `quota` and the node's
     /// `budget` again (its place, vcpu and memory; its disk it holds already), atomically like
     /// a create's admission. False when it is not suspended.

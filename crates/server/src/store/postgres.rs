@@ -30,7 +30,7 @@ mod sandboxes;
 mod snapshots;
 mod tenants;
 
-use admission::{admit_disk_within, admit_within, usage_within};
+use admission::{admit_disk_within, admit_within, node_admits_within, usage_within};
 
 /// The advisory lock of every admission and of the writes SQLite serializes: "airlock" in ASCII.
 const WRITE_LOCK: i64 = 0x61_6972_6c6f_636b;

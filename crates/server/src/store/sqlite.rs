@@ -23,7 +23,7 @@ mod sandboxes;
 mod snapshots;
 mod tenants;
 
-use admission::{admit_disk_within, admit_within, usage_within};
+use admission::{admit_disk_within, admit_within, node_admits_within, usage_within};
 
 pub struct SqliteStore {
     pool: SqlitePool,

@@ -22,6 +22,17 @@ impl ClusterNode {
 
     /// [`ClusterNode::start`] for a node that reports `name`.
     pub async fn start_named(dir: &Path, capacity: Capacity, port: u16, name: &str) -> ClusterNode {
+        Self::start_ruled(dir, capacity, port, name, None).await
+    }
+
+    /// [`ClusterNode::start_named`] for a node that admits creates by `rules` itself.
+    pub async fn start_ruled(
+        dir: &Path,
+        capacity: Capacity,
+        port: u16,
+        name: &str,
+        rules: Option<airlock_server::nodes::NodeRules>,
+    ) -> ClusterNode {
         let name = name.to_string();
         let tokio_rt = tokio::runtime::Builder::new_multi_thread()
             .worker_threads(1)
@@ -35,7 +46,7 @@ impl ClusterNode {
                 let egress = Config::default().egress;
                 let (node, _runtime, _egress) =
                     test_node(&d, &egress, capacity, Duration::ZERO, Default::default(), true).await;
-                let face = airlock_server::nodes::serve::router(node, NODE_SECRET, &name);
+                let face = airlock_server::nodes::serve::router(node, NODE_SECRET, &name, rules);
                 let listener = tokio::net::TcpListener::bind(("127.0.0.1", port)).await.unwrap();
                 let addr = listener.local_addr().unwrap();
                 tokio::spawn(airlock_server::listen::serve(listener, face, None, Limits::default()));

@@ -276,7 +276,7 @@ impl Server {
                 let mut nodes = node;
                 let mut node_face = None;
                 if over_node_face {
-                    let face = airlock_server::nodes::serve::router(nodes, NODE_SECRET, "test-node");
+                    let face = airlock_server::nodes::serve::router(nodes, NODE_SECRET, "test-node", None);
                     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
                     let face_addr = listener.local_addr().unwrap();
                     node_face = Some(face_addr);
@@ -664,6 +664,8 @@ pub const ROOMY: Capacity = Capacity {
     sandboxes_running: 0,
     disk_free_mib: 1 << 40,
     disk_held_mib: 0,
+    vcpu_held: 0,
+    memory_held_mib: 0,
 };
 
 /// A node that has `capacity`, whose creates start `create_delay` late, which reports the
@@ -833,8 +835,11 @@ impl Nodes for TestNode {
         self.inner.egress(id).await
     }
     fn capacity(&self) -> Capacity {
+        let inner = self.inner.capacity();
         Capacity {
-            sandboxes_running: self.inner.capacity().sandboxes_running,
+            sandboxes_running: inner.sandboxes_running,
+            vcpu_held: inner.vcpu_held,
+            memory_held_mib: inner.memory_held_mib,
             ..self.capacity
         }
     }

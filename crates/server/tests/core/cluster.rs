@@ -199,3 +199,63 @@ async fn discovered_nodes_join_by_name_and_a_node_back_at_a_new_address_keeps_it
     assert_no_vms(dir_a.path());
     assert_no_vms(dir_b.path());
 }
+
+/// A node admits creates by its own budgets, whatever a replica's view of it: one that refuses
+/// (`capacity`) sends the create to the next node, and a create every node refuses fails naming
+/// each node's reason.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_node_refuses_past_its_own_budget_and_the_create_goes_to_the_next_node() {
+    use airlock_server::nodes::NodeRules;
+    let (store_dir, dirs) = (fresh(), [fresh(), fresh()]);
+    // The replica's budgets (no reserve) fit four on each; the nodes' own keep a reserve:
+    // node "a" takes one sandbox, node "b" three.
+    let rules = |reserve_mib| {
+        Some(NodeRules {
+            max_starts: 4,
+            vcpu_overcommit: 8.0,
+            memory_reserve_mib: reserve_mib,
+        })
+    };
+    let a = ClusterNode::start_ruled(dirs[0].path(), FITS_FOUR, 0, "a", rules(3 * 512)).await;
+    let b = ClusterNode::start_ruled(dirs[1].path(), FITS_FOUR, 0, "b", rules(512)).await;
+    let replica = Server::start_replica(store_dir.path(), &[a.addr, b.addr], None, replica_config()).await;
+
+    // Four creates: placement offers "a" more than once (by load), "a" refuses all but the
+    // first, and every create runs, recorded where its VM is.
+    let mut ids = Vec::new();
+    for _ in 0..4 {
+        ids.push(replica.running_sandbox().await);
+    }
+    assert_eq!(fake::live_vms(&a.dir).len(), 1);
+    assert_eq!(fake::live_vms(&b.dir).len(), 3);
+    let mut on_a = 0;
+    for id in &ids {
+        if node_of(&replica, id).await == a.addr.to_string() {
+            on_a += 1;
+        }
+    }
+    assert_eq!(on_a, 1);
+
+    // The replica still sees room on both (its budgets fit four each); both nodes refuse.
+    let (id, op) = replica.create_native().await;
+    let op = replica.wait_op(&op).await;
+    assert_eq!(op["state"], "failed", "{op}");
+    assert_eq!(op["error"]["code"], "no_node_fits", "{op}");
+    let message = op["error"]["message"].as_str().unwrap();
+    for n in [&a, &b] {
+        assert!(
+            message.contains(&format!("node {}: this node's memory budget", n.addr)),
+            "{message}"
+        );
+    }
+    assert_eq!(replica.sandbox_state(&id).await, "failed");
+
+    for id in &ids {
+        replica.delete(id).await;
+    }
+    replica.stop().await;
+    drop((a, b));
+    for d in &dirs {
+        assert_no_vms(d.path());
+    }
+}

@@ -85,6 +85,26 @@ pub(super) async fn admit_disk_within(
     check_disk_budget(node_usage_within(c, node).await?.disk_mib, asked_mib, budget)
 }
 
+/// Whether `node`'s budgets take sandbox `sb` (placed elsewhere until now) next to what every
+/// sandbox and snapshot on it holds, on `c`.
+pub(super) async fn node_admits_within(
+    c: &mut PgConnection,
+    sb: &crate::records::SandboxRecord,
+    node: &str,
+    budget: &NodeBudget,
+) -> Result<(), StoreError> {
+    let (held,): (i64,) = sqlx::query_as(&format!("SELECT {DISK_HELD} FROM sandboxes WHERE id = $1"))
+        .bind(&sb.id)
+        .fetch_one(&mut *c)
+        .await?;
+    check_budget(
+        node_usage_within(c, node).await?,
+        &sb.resources,
+        held.max(0) as u64,
+        budget,
+    )
+}
+
 /// Admission on `c`: a sandbox of `tenant_id` with resources `r` fits the tenant's `quota` and
 /// the `budget` of `node` next to every live sandbox and snapshot on it. A `new` one also counts its
 /// disk (`new_disk_mib`: its disk, and its memory if its timeout suspends it) and a create

@@ -165,6 +165,26 @@ impl SandboxStore for PgStore {
         Ok(n.0 as u32)
     }
 
+    async fn move_creating(&self, id: &str, node: &str, budget: &NodeBudget) -> Result<bool, StoreError> {
+        let mut tx = self.begin_locked().await?;
+        let Some(row) = sqlx::query("SELECT * FROM sandboxes WHERE id = $1 AND state = 'creating'")
+            .bind(id)
+            .fetch_optional(&mut *tx)
+            .await?
+        else {
+            return Ok(false);
+        };
+        let sb = sandbox_from_row(&row);
+        node_admits_within(&mut tx, &sb, node, budget).await?;
+        sqlx::query("UPDATE sandboxes SET node = $1 WHERE id = $2")
+            .bind(node)
+            .bind(id)
+            .execute(&mut *tx)
+            .await?;
+        tx.commit().await?;
+        Ok(true)
+    }
+
     async fn admit_resume(&self, id: &str, quota: &Quota, budget: &NodeBudget) -> Result<bool, StoreError> {
         let mut tx = self.begin_locked().await?;
         let Some(row) = sqlx::query("SELECT * FROM sandboxes WHERE id = $1 AND state = 'suspended'")

@@ -70,6 +70,26 @@ async fn node_usage_within(tx: &mut sqlx::Transaction<'_, sqlx::Sqlite>, node: &
     })
 }
 
+/// Whether `node`'s budgets take sandbox `sb` (placed elsewhere until now) next to what every
+/// sandbox and snapshot on it holds, inside `tx`.
+pub(super) async fn node_admits_within(
+    tx: &mut sqlx::Transaction<'_, sqlx::Sqlite>,
+    sb: &crate::records::SandboxRecord,
+    node: &str,
+    budget: &NodeBudget,
+) -> Result<(), StoreError> {
+    let (held,): (i64,) = sqlx::query_as(&format!("SELECT {DISK_HELD} FROM sandboxes WHERE id = ?"))
+        .bind(&sb.id)
+        .fetch_one(&mut **tx)
+        .await?;
+    check_budget(
+        node_usage_within(tx, node).await?,
+        &sb.resources,
+        held.max(0) as u64,
+        budget,
+    )
+}
+
 /// Admission of `asked_mib` more disk inside `tx`: within the tenant's `disk_mib` quota and the
 /// disk budget of `node`, next to what every live sandbox and snapshot on it holds.
 pub(super) async fn admit_disk_within(

@@ -163,6 +163,26 @@ impl SandboxStore for SqliteStore {
         Ok(n.0 as u32)
     }
 
+    async fn move_creating(&self, id: &str, node: &str, budget: &NodeBudget) -> Result<bool, StoreError> {
+        let mut tx = self.pool.begin_with("BEGIN IMMEDIATE").await?;
+        let Some(row) = sqlx::query("SELECT * FROM sandboxes WHERE id = ? AND state = 'creating'")
+            .bind(id)
+            .fetch_optional(&mut *tx)
+            .await?
+        else {
+            return Ok(false);
+        };
+        let sb = sandbox_from_row(&row);
+        node_admits_within(&mut tx, &sb, node, budget).await?;
+        sqlx::query("UPDATE sandboxes SET node = ? WHERE id = ?")
+            .bind(node)
+            .bind(id)
+            .execute(&mut *tx)
+            .await?;
+        tx.commit().await?;
+        Ok(true)
+    }
+
     async fn admit_resume(&self, id: &str, quota: &Quota, budget: &NodeBudget) -> Result<bool, StoreError> {
         let mut tx = self.pool.begin_with("BEGIN IMMEDIATE").await?;
         let Some(row) = sqlx::query("SELECT * FROM sandboxes WHERE id = ? AND state = 'suspended'")
