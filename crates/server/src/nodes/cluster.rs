@@ -30,6 +30,9 @@ pub struct Cluster {
     exits: broadcast::Sender<String>,
     /// Each member's exit forwarder, by name, ended with it or with the cluster.
     forwarders: Mutex<HashMap<String, tokio::task::AbortHandle>>,
+    /// The warm pools every member keeps (template, resources, size), for members that join
+    /// later.
+    pools: Mutex<Vec<(String, Resources, usize)>>,
 }
 
 impl Drop for Cluster {
@@ -58,6 +61,7 @@ impl Cluster {
             placed: Mutex::default(),
             exits: broadcast::channel(1024).0,
             forwarders: Mutex::default(),
+            pools: Mutex::default(),
         };
         for (name, node) in members {
             cluster.upsert(name, node);
@@ -85,6 +89,18 @@ impl Cluster {
         };
         if let Some(old) = lock(&self.forwarders).insert(name.clone(), forwarder) {
             old.abort();
+        }
+        // It keeps the pools the others keep.
+        let pools = lock(&self.pools).clone();
+        if !pools.is_empty() {
+            let (node, name) = (node.clone(), name.clone());
+            tokio::spawn(async move {
+                for (template, resources, size) in pools {
+                    if let Err(e) = node.set_pool(&template, &resources, size).await {
+                        tracing::warn!("node {name}: warm pool of {template}: {e}");
+                    }
+                }
+            });
         }
         let mut members = lock(&self.members);
         let mut next: Vec<(String, Arc<dyn Nodes>)> = members.iter().filter(|(n, _)| *n != name).cloned().collect();
@@ -260,8 +276,15 @@ impl Nodes for Cluster {
         }
     }
 
-    /// Every member keeps the pool.
+    /// Every member keeps the pool, and every member that joins later.
     async fn set_pool(&self, template: &str, resources: &Resources, size: usize) -> Result<(), NodeError> {
+        {
+            let mut pools = lock(&self.pools);
+            pools.retain(|(t, r, _)| !(t == template && r == resources));
+            if size > 0 {
+                pools.push((template.to_string(), *resources, size));
+            }
+        }
         for (_, n) in self.snapshot().iter() {
             n.set_pool(template, resources, size).await?;
         }

@@ -151,6 +151,7 @@ async fn creates_spread_over_nodes_refuse_with_every_reason_and_route_through_an
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn discovered_nodes_join_by_name_and_a_node_back_at_a_new_address_keeps_its_sandboxes() {
     use airlock_server::nodes::discovery::Discovery;
+    use airlock_server::nodes::Nodes as _;
     let (store_dir, dir_a, dir_b) = (fresh(), fresh(), fresh());
     let a = ClusterNode::start_named(dir_a.path(), FITS_FOUR, 0, "node-a").await;
     let b = ClusterNode::start_named(dir_b.path(), FITS_FOUR, 0, "node-b").await;
@@ -181,6 +182,10 @@ async fn discovered_nodes_join_by_name_and_a_node_back_at_a_new_address_keeps_it
         ids.push(id);
     }
 
+    // A warm pool the cluster keeps: every member keeps it, and so does one that joins later.
+    let resources = airlock_runtime::Resources::default();
+    replica.core().nodes().set_pool("seed", &resources, 1).await.unwrap();
+
     // node-a dies and comes back on another port with its data dir: it re-adopts its VMs and
     // discovery points its name at the new address.
     let old_addr = a.addr;
@@ -191,6 +196,22 @@ async fn discovered_nodes_join_by_name_and_a_node_back_at_a_new_address_keeps_it
     for id in &ids {
         replica.assert_answers(id).await;
     }
+    let deadline = Instant::now() + Duration::from_secs(15);
+    while cluster
+        .pools()
+        .iter()
+        .filter(|p| p.template == "seed" && p.size == 1)
+        .count()
+        < 2
+    {
+        assert!(
+            Instant::now() < deadline,
+            "the rejoined node keeps no pool: {:?}",
+            cluster.pools()
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    replica.core().nodes().set_pool("seed", &resources, 0).await.unwrap();
     for id in &ids {
         replica.delete(id).await;
     }
