@@ -273,6 +273,7 @@ impl NodeArgs {
             max_starts: self.max_starts as usize,
             vcpu_overcommit: self.vcpu_overcommit,
             memory_reserve_mib: self.memory_reserve_mib,
+            expiry_grace: airlock_server::node_daemon::EXPIRY_GRACE,
         };
         airlock_server::node_daemon::serve_node(node, name, self.listen, secret, rules, limits).await
     }

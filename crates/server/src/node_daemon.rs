@@ -40,6 +40,9 @@ pub fn host_name() -> String {
 /// for seconds, and more at once only slows all of them.
 pub const DEFAULT_MAX_STARTS: u64 = 4;
 
+/// How long after a sandbox's timeout a node ends it itself: a live replica acts first.
+pub const EXPIRY_GRACE: std::time::Duration = std::time::Duration::from_secs(3);
+
 /// The shortest cluster secret a node or a replica accepts.
 pub const MIN_SECRET_BYTES: usize = 32;
 

@@ -516,7 +516,7 @@ impl Core {
         ) {
             self.store.set_paused_remaining(&row.id, Some(ms)).await?;
         } else {
-            self.store.set_sandbox_expiry(&row.id, now_ms() + ms).await?;
+            self.engine.set_expiry(row, now_ms() + ms).await?;
         }
         Ok(())
     }
@@ -526,7 +526,7 @@ impl Core {
         let timeout = check_timeout("timeout", timeout)?;
         let want = now_ms() + timeout.as_millis() as i64;
         if want > row.expires_at_ms {
-            self.store.set_sandbox_expiry(&row.id, want).await?;
+            self.engine.set_expiry(row, want).await?;
         }
         Ok(())
     }

@@ -48,9 +48,7 @@ impl Engine {
         tracing::info!(sandbox = %row.id, "timeout passed; suspending");
         // Not picked again while it suspends; resumed, it gets its whole timeout again.
         let held = async {
-            self.store
-                .set_sandbox_expiry(&row.id, now_ms() + MAX_SUSPEND.as_millis() as i64)
-                .await?;
+            self.set_expiry(&row, now_ms() + MAX_SUSPEND.as_millis() as i64).await?;
             self.store.set_paused_remaining(&row.id, Some(row.timeout_ms)).await
         };
         if let Err(e) = held.await {

@@ -185,6 +185,11 @@ impl Engine {
             ];
             if held.contains(&row.state) {
                 match self.nodes.vm_state(id) {
+                    // Its timeout passed while no replica ran: its node ended it (`nodes/expiry.rs`).
+                    VmState::Gone if row.expires_at_ms <= now_ms() => {
+                        tracing::info!(sandbox = %id, "its timeout passed and its VM is gone; deleted");
+                        self.set_state(id, SandboxState::Deleted).await;
+                    }
                     VmState::Gone => {
                         tracing::warn!(sandbox = %id, "its VM is gone; marking it failed");
                         self.set_state(id, SandboxState::Failed).await;

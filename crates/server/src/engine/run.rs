@@ -25,7 +25,7 @@ impl Engine {
                 // host, TCG) is not charged to it. Set while still `creating`, which the
                 // reaper leaves alone.
                 let lifetime = row.expires_at_ms - row.created_at_ms;
-                let _ = self.store.set_sandbox_expiry(&row.id, now_ms() + lifetime).await;
+                let _ = self.set_expiry(&row, now_ms() + lifetime).await;
                 if self
                     .transition(&row.id, &[SandboxState::Creating], SandboxState::Running)
                     .await
@@ -48,6 +48,21 @@ impl Engine {
                 self.finish(&op, Some((&e).into())).await;
             }
         }
+    }
+
+    /// Record when sandbox `row` times out, and tell its node, which ends the VM itself if no
+    /// replica does by then (`nodes/expiry.rs`); a node that cannot be told leaves it to the
+    /// replicas' reaper, as before.
+    pub(crate) async fn set_expiry(&self, row: &SandboxRecord, at_ms: i64) -> Result<(), crate::store::StoreError> {
+        self.store.set_sandbox_expiry(&row.id, at_ms).await?;
+        let deadline = crate::nodes::Deadline {
+            at_ms,
+            suspend: row.lifecycle.on_timeout == crate::model::OnTimeout::Suspend,
+        };
+        if let Err(e) = self.nodes.set_deadline(&row.id, Some(deadline)).await {
+            tracing::warn!(sandbox = %row.id, "its node did not take its deadline: {e}");
+        }
+        Ok(())
     }
 
     /// Create `vm` on its node; while a node refuses it by its own admission, move it to the
@@ -216,13 +231,11 @@ impl Engine {
                     let remaining = (row.expires_at_ms - now).max(0);
                     self.store.set_paused_remaining(id, Some(remaining)).await?;
                 }
-                self.store
-                    .set_sandbox_expiry(id, now + hold_for.as_millis() as i64)
-                    .await?;
+                self.set_expiry(&row, now + hold_for.as_millis() as i64).await?;
                 Ok(())
             } else {
                 if let Some(remaining) = self.store.paused_remaining(id).await? {
-                    self.store.set_sandbox_expiry(id, now + remaining).await?;
+                    self.set_expiry(&row, now + remaining).await?;
                     self.store.set_paused_remaining(id, None).await?;
                 }
                 Ok::<_, crate::store::StoreError>(())

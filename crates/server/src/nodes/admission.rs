@@ -17,13 +17,15 @@ pub enum Refusal {
     Capacity,
 }
 
-/// What a node admits: at most `max_starts` creates at once, its VMs' vCPUs within its CPUs
-/// times `vcpu_overcommit`, their memory within its own less `memory_reserve_mib`.
+/// What a node enforces itself: at most `max_starts` creates at once, its VMs' vCPUs within its
+/// CPUs times `vcpu_overcommit`, their memory within its own less `memory_reserve_mib`; and a
+/// VM whose timeout passed `expiry_grace` ago ended (`expiry.rs`).
 #[derive(Debug, Clone, Copy)]
 pub struct NodeRules {
     pub max_starts: usize,
     pub vcpu_overcommit: f64,
     pub memory_reserve_mib: u64,
+    pub expiry_grace: std::time::Duration,
 }
 
 pub struct Admission {
@@ -135,6 +137,7 @@ mod tests {
             max_starts: 2,
             vcpu_overcommit: 4.0,
             memory_reserve_mib: 512,
+            expiry_grace: std::time::Duration::from_secs(3),
         };
         let a = Admission::new(rules);
         let now = node(2048, 512);
@@ -160,6 +163,7 @@ mod tests {
             max_starts: 8,
             vcpu_overcommit: 1.5,
             memory_reserve_mib: 0,
+            expiry_grace: std::time::Duration::from_secs(3),
         });
         let now = Capacity {
             vcpu_held: 2,

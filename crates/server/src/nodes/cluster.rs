@@ -356,6 +356,10 @@ impl Nodes for Cluster {
         self.route(id).ok()?.egress(id).await
     }
 
+    async fn set_deadline(&self, id: &str, deadline: Option<super::Deadline>) -> Result<(), NodeError> {
+        self.route(id)?.set_deadline(id, deadline).await
+    }
+
     fn members(&self) -> Vec<Member> {
         let unlisted = lock(&self.unlisted).clone();
         self.snapshot()

@@ -9,6 +9,7 @@ mod cluster;
 pub mod discovery;
 mod egress;
 mod error;
+mod expiry;
 mod local;
 mod remote;
 pub mod serve;
@@ -18,6 +19,7 @@ pub use admission::{Admission, NodeRules, Refusal};
 pub use cluster::Cluster;
 pub use egress::NodeEgress;
 pub use error::NodeError;
+pub use expiry::Expiry;
 pub use local::LocalNode;
 pub use remote::RemoteNode;
 
@@ -58,6 +60,15 @@ pub struct VmRequest {
     /// The member placement chose ([`Member::name`]); a `Cluster` sends the create there.
     #[serde(default)]
     pub node: String,
+}
+
+/// When a sandbox's timeout passes, and what it does then.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct Deadline {
+    /// Unix milliseconds.
+    pub at_ms: i64,
+    /// Suspended (`on_timeout: suspend`) rather than deleted.
+    pub suspend: bool,
 }
 
 /// A node placement may choose, as [`Nodes::members`] lists it.
@@ -148,6 +159,13 @@ pub trait Nodes: Send + Sync {
     /// VM `id`'s egress counters and recent denials (None when the node lacks it or serves no
     /// egress).
     async fn egress(&self, id: &str) -> Option<airlock_egress::EgressSnapshot>;
+    /// When VM `id`'s sandbox times out (None: it does not now), for a node that enforces it
+    /// itself while no replica does (`expiry.rs`). A node in the server's own process has no
+    /// need: the server's reaper is there whenever the node is.
+    async fn set_deadline(&self, id: &str, deadline: Option<Deadline>) -> Result<(), NodeError> {
+        let _ = (id, deadline);
+        Ok(())
+    }
     /// What this node has (admission derives its budgets from it, see `core::Config::budget`).
     fn capacity(&self) -> Capacity;
     /// The nodes placement chooses from: one (this), or a cluster's.

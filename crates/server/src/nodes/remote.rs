@@ -434,6 +434,11 @@ impl Nodes for RemoteNode {
         self.inner.exits.subscribe()
     }
 
+    async fn set_deadline(&self, id: &str, deadline: Option<super::Deadline>) -> Result<(), NodeError> {
+        let path = format!("/vms/{id}/deadline");
+        self.inner.call(Method::PUT, &path, Some(&deadline), REPORT_LIMIT).await
+    }
+
     async fn egress(&self, id: &str) -> Option<airlock_egress::EgressSnapshot> {
         let path = format!("/vms/{id}/egress");
         match self.inner.call(Method::GET, &path, None::<&()>, REPORT_LIMIT).await {

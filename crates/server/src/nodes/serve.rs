@@ -4,7 +4,7 @@
 //! on to the VM's agent.
 
 use super::wire::{ClaimRequest, Claimed, Digest, ErrorReply, NodeReport, PoolSize, Saved, Took, VmRequest, PREFIX};
-use super::{Admission, NodeError, NodeRules, Nodes};
+use super::{Admission, Expiry, NodeError, NodeRules, Nodes};
 use axum::body::Body;
 use axum::extract::{OriginalUri, Path, Request, State};
 use axum::http::StatusCode;
@@ -21,6 +21,8 @@ struct Face {
     name: Arc<str>,
     /// The node's own admission of creates (None: the caller's is exact, as in tests of it).
     admission: Option<Arc<Admission>>,
+    /// The node's own enforcement of timeouts (with `admission`).
+    expiry: Option<Arc<Expiry>>,
 }
 
 /// A `NodeError` as the wire carries it.
@@ -51,9 +53,10 @@ fn refused(status: StatusCode, code: &str, message: &str) -> Response {
 }
 
 /// The face of node `name` over `nodes`, every route needing a token of `secret`; with
-/// `rules`, it admits each create by them first.
+/// `rules`, it admits each create by them first and ends VMs whose timeout passed itself.
 pub fn router(nodes: Arc<dyn Nodes>, secret: &[u8], name: &str, rules: Option<NodeRules>) -> Router {
     let face = Face {
+        expiry: rules.map(|r| Expiry::start(nodes.clone(), r.expiry_grace)),
         nodes,
         secret: Arc::from(secret),
         name: Arc::from(name),
@@ -75,6 +78,7 @@ pub fn router(nodes: Arc<dyn Nodes>, secret: &[u8], name: &str, rules: Option<No
         .route("/claims/{id}", delete(unclaim))
         .route("/pools", put(set_pool))
         .route("/vms/{id}/egress", get(egress))
+        .route("/vms/{id}/deadline", put(set_deadline))
         .route("/exits", get(exits))
         .route("/vms/{id}/agent/{*route}", any(agent))
         .layer(axum::middleware::from_fn_with_state(face.clone(), authorize))
@@ -122,7 +126,23 @@ async fn create(State(f): State<Face>, Json(vm): Json<VmRequest>) -> Reply<super
 }
 
 async fn remove(State(f): State<Face>, Path(id): Path<String>) -> Reply<()> {
-    Ok(Json(f.nodes.delete(&id).await?))
+    f.nodes.delete(&id).await?;
+    if let Some(expiry) = &f.expiry {
+        expiry.set(&id, None);
+    }
+    Ok(Json(()))
+}
+
+async fn set_deadline(
+    State(f): State<Face>,
+    Path(id): Path<String>,
+    Json(deadline): Json<Option<super::Deadline>>,
+) -> Reply<()> {
+    match &f.expiry {
+        Some(expiry) => expiry.set(&id, deadline),
+        None => f.nodes.set_deadline(&id, deadline).await?,
+    }
+    Ok(Json(()))
 }
 
 async fn pause(State(f): State<Face>, Path(id): Path<String>) -> Reply<()> {

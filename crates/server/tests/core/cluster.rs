@@ -235,6 +235,7 @@ async fn a_node_refuses_past_its_own_budget_and_the_create_goes_to_the_next_node
             max_starts: 4,
             vcpu_overcommit: 8.0,
             memory_reserve_mib: reserve_mib,
+            expiry_grace: Duration::from_secs(3),
         })
     };
     let a = ClusterNode::start_ruled(dirs[0].path(), FITS_FOUR, 0, "a", rules(3 * 512)).await;
@@ -279,4 +280,50 @@ async fn a_node_refuses_past_its_own_budget_and_the_create_goes_to_the_next_node
     for d in &dirs {
         assert_no_vms(d.path());
     }
+}
+
+/// A node ends a sandbox whose timeout passed by itself while no replica is up to do it (issue
+/// 25, check 7), and a replica started later records it deleted, not failed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_node_ends_an_expired_sandbox_while_no_replica_runs() {
+    use airlock_server::nodes::NodeRules;
+    let (store_dir, dir) = (fresh(), fresh());
+    let rules = NodeRules {
+        max_starts: 4,
+        vcpu_overcommit: 8.0,
+        memory_reserve_mib: 0,
+        expiry_grace: Duration::from_secs(3),
+    };
+    let node = ClusterNode::start_ruled(dir.path(), FITS_FOUR, 0, "n", Some(rules)).await;
+    let replica = Server::start_replica(store_dir.path(), &[node.addr], None, replica_config()).await;
+    let (status, body) = replica
+        .v1(
+            Method::POST,
+            "/sandboxes",
+            Some(serde_json::json!({ "template": "seed", "timeout": "5s" })),
+        )
+        .await;
+    assert_eq!(status, 202, "{body}");
+    let id = body["sandbox_id"].as_str().unwrap().to_string();
+    let op = replica.wait_op(body["operation"]["id"].as_str().unwrap()).await;
+    assert_eq!(op["state"], "succeeded", "{op}");
+    let running = Instant::now();
+    let key = replica.key.clone();
+    replica.stop().await;
+
+    // No replica: the node ends it 5 s + its 3 s grace after it started running.
+    while !fake::live_vms(&node.dir).is_empty() {
+        assert!(
+            running.elapsed() < Duration::from_secs(10),
+            "the node still runs an expired sandbox"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert!(running.elapsed() >= Duration::from_secs(5), "ended before its timeout");
+
+    let back = Server::start_replica(store_dir.path(), &[node.addr], Some(&key), replica_config()).await;
+    assert_eq!(back.sandbox_state(&id).await, "deleted");
+    back.stop().await;
+    drop(node);
+    assert_no_vms(dir.path());
 }
