@@ -269,7 +269,7 @@ pub struct Readiness {
 }
 
 impl Core {
-    /// Whether this replica can serve: its store answers within [`READY_WITHIN`].
+    /// Whether this replica can serve: its store answers within `READY_WITHIN` (2 s).
     pub async fn readiness(&self) -> CoreResult<Readiness> {
         match tokio::time::timeout(READY_WITHIN, self.store.needs_bootstrap()).await {
             Ok(Ok(_)) => {}

@@ -3,7 +3,9 @@
 //!
 //! Routes (JSON bodies; an error is [`ErrorReply`] with a 4xx/5xx status):
 //! - `GET  /report` -> [`NodeReport`]: what the node has now (a caller's cache of it)
-//! - `POST /vms` [`VmRequest`] -> `Booted`; `DELETE /vms/{id}`
+//! - `POST /vms` [`VmRequest`] -> `Booted`, or 503 `refused` with its `reason` (the node's own
+//!   admission); `DELETE /vms/{id}`
+//! - `PUT /vms/{id}/deadline` `Option<Deadline>` -> `{}`: when the node ends it if no replica does
 //! - `POST /vms/{id}/pause|resume` -> `{}`; `POST /vms/{id}/suspend` -> [`Took`]
 //! - `POST /vms/{id}/settled`, `POST /settled` -> `{}` once known (after a node restart)
 //! - `POST /vms/{id}/images/{image}` -> [`Saved`]; `DELETE /images/{image}`;
