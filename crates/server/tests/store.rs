@@ -8,7 +8,7 @@ mod pg_cluster;
 use airlock_server::model::{Operation, OperationKind, OperationState, Quota, Resources, SandboxState};
 use airlock_server::records::{now_ms, rfc3339, SandboxRecord, SessionRecord, Tenant};
 use airlock_server::store::{
-    new_key, token_hash, AccessHashes, CreateRecorded, E2bStore, KeyFormat, NodeBudget, OperationStore, PgStore,
+    new_key, token_hash, AccessHashes, CreateRecorded, E2bStore, KeyFormat, Lease, NodeBudget, OperationStore, PgStore,
     SandboxStore, SqliteStore, Store, StoreError, TenantStore, TokenKind,
 };
 use std::collections::BTreeMap;
@@ -86,6 +86,34 @@ impl Backend {
     }
 }
 
+impl Backend {
+    /// Stores over one new database, one per lease (as replicas, or the lives of one server).
+    async fn stores(&self, leases: &[Lease]) -> Vec<Arc<dyn Store>> {
+        let mut stores: Vec<Arc<dyn Store>> = Vec::new();
+        match self {
+            Backend::Sqlite(dir) => {
+                let path = dir
+                    .path()
+                    .join(format!("airlock-{}.db", airlock_runtime::datadir::random_hex(4)));
+                for lease in leases {
+                    stores.push(Arc::new(
+                        SqliteStore::open(&path).await.unwrap().with_lease(lease.clone()),
+                    ));
+                }
+            }
+            Backend::Postgres(cluster) => {
+                let url = cluster.database().await;
+                for lease in leases {
+                    stores.push(Arc::new(
+                        PgStore::connect(&url).await.unwrap().with_lease(lease.clone()),
+                    ));
+                }
+            }
+        }
+        stores
+    }
+}
+
 /// `name::sqlite` and `name::postgres`: one test body (`async fn(Backend)`) on each store.
 macro_rules! on_both {
     ($name:ident) => {
@@ -136,6 +164,81 @@ async fn concurrent_creates_never_overshoot_the_limit(b: Backend) {
         .insert_create(&sandbox("other", "t2"), &create_op("other"), None, 2)
         .await;
     assert!(matches!(r, Ok(CreateRecorded::New(_))));
+}
+
+on_both!(an_operation_is_leased_to_one_replica_until_its_lease_lapses);
+
+/// Operations are leased (issue 25): a replica takes over only what lapsed, concurrent
+/// take-overs split it without overlap, renewing keeps a lease, and a restarted single-host
+/// server takes its own at once.
+async fn an_operation_is_leased_to_one_replica_until_its_lease_lapses(b: Backend) {
+    let short = Lease {
+        ms: 300,
+        ..Lease::replica()
+    };
+    let stores = b.stores(&[short, Lease::replica(), Lease::replica()]).await;
+    let (dying, r2, r3) = (&stores[0], &stores[1], &stores[2]);
+    dying
+        .insert_create(&sandbox("sb1", "t1"), &create_op("sb1"), None, 10)
+        .await
+        .unwrap();
+    dying.insert_operation("t1", &create_op("sb2")).await.unwrap();
+    // Leased: neither another replica nor its own-too take-over gets it.
+    assert!(r2.claim_operations(false).await.unwrap().is_empty());
+    assert!(r3.claim_operations(true).await.unwrap().is_empty());
+    // Lapsed: claims racing from two replicas take each operation exactly once.
+    tokio::time::sleep(std::time::Duration::from_millis(400)).await;
+    let claims: Vec<_> = (0..8)
+        .map(|i| {
+            let store = stores[1 + i % 2].clone();
+            tokio::spawn(async move { store.claim_operations(false).await.unwrap() })
+        })
+        .collect();
+    let mut taken = Vec::new();
+    for c in claims {
+        taken.extend(c.await.unwrap().into_iter().map(|o| o.id));
+    }
+    taken.sort();
+    assert_eq!(taken, vec!["op_sb1".to_string(), "op_sb2".to_string()]);
+    // The replica that lapsed renews in vain: the leases stay with their new holders.
+    dying.renew_leases(&taken).await.unwrap();
+    tokio::time::sleep(std::time::Duration::from_millis(400)).await;
+    assert!(r2.claim_operations(false).await.unwrap().is_empty());
+    assert!(r3.claim_operations(false).await.unwrap().is_empty());
+    // A finished operation is no one's.
+    r2.finish_operation("op_sb1", OperationState::Succeeded, None)
+        .await
+        .unwrap();
+    r3.finish_operation("op_sb1", OperationState::Succeeded, None)
+        .await
+        .unwrap();
+    r2.finish_operation("op_sb2", OperationState::Succeeded, None)
+        .await
+        .unwrap();
+
+    // A single-host server's next life takes its own at once, whatever their lease says.
+    let lives = b
+        .stores(&[
+            Lease {
+                holder: Lease::LOCAL.into(),
+                ms: 60_000,
+            },
+            Lease {
+                holder: Lease::LOCAL.into(),
+                ms: 60_000,
+            },
+        ])
+        .await;
+    lives[0].insert_operation("t1", &create_op("sb3")).await.unwrap();
+    assert!(lives[1].claim_operations(false).await.unwrap().is_empty());
+    let own: Vec<String> = lives[1]
+        .claim_operations(true)
+        .await
+        .unwrap()
+        .into_iter()
+        .map(|o| o.id)
+        .collect();
+    assert_eq!(own, vec!["op_sb3".to_string()]);
 }
 
 on_both!(concurrent_creates_with_one_idempotency_key_make_one_sandbox);

@@ -111,6 +111,31 @@ pub struct Engine {
     /// When this engine was made: images recorded before it and still unfinished were cut
     /// short by a restart.
     started_ms: i64,
+    /// The operations this process runs now, whose leases it renews (`store::LEASE_MS`); one
+    /// whose task ended without finishing it lapses, and a replica takes it over.
+    running: RunningOps,
+}
+
+/// Operation id -> how many tasks of this process carry it out now (a recovery hands a
+/// delete on to its run).
+type RunningOps = Arc<std::sync::Mutex<std::collections::HashMap<String, u32>>>;
+
+/// An operation this engine runs, while it does: counted in [`Engine::running`].
+struct Running {
+    ops: RunningOps,
+    id: String,
+}
+
+impl Drop for Running {
+    fn drop(&mut self) {
+        let mut ops = self.ops.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(n) = ops.get_mut(&self.id) {
+            *n -= 1;
+            if *n == 0 {
+                ops.remove(&self.id);
+            }
+        }
+    }
 }
 
 fn new_operation(kind: OperationKind, sandbox_id: &str) -> Operation {
@@ -155,6 +180,30 @@ impl Engine {
             finished: Arc::new(tokio::sync::watch::channel(0).0),
             ended: tokio::sync::broadcast::channel(256).0,
             started_ms: now_ms(),
+            running: Default::default(),
+        }
+    }
+
+    /// Run `work` (carrying out `op`) in the background, renewing `op`'s lease until it ends.
+    fn start(&self, op: &Operation, work: impl std::future::Future<Output = ()> + Send + 'static) {
+        let running = self.running(&op.id);
+        tokio::spawn(async move {
+            work.await;
+            drop(running);
+        });
+    }
+
+    /// Count `id` as run here until the guard goes.
+    fn running(&self, id: &str) -> Running {
+        *self
+            .running
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .entry(id.to_string())
+            .or_default() += 1;
+        Running {
+            ops: self.running.clone(),
+            id: id.to_string(),
         }
     }
 
@@ -236,7 +285,7 @@ impl Engine {
                     CreateRecorded::New(op) => {
                         let engine = self.clone();
                         let run = op.clone();
-                        tokio::spawn(async move { engine.run_create(run, sandbox, fallbacks).await });
+                        self.start(&op, async move { engine.run_create(run, sandbox, fallbacks).await });
                         Ok(Submitted {
                             operation: op,
                             new: true,
@@ -263,7 +312,7 @@ impl Engine {
                     .await?;
                 let engine = self.clone();
                 let run = op.clone();
-                tokio::spawn(async move { engine.run_delete(run).await });
+                self.start(&op, async move { engine.run_delete(run).await });
                 Ok(Submitted {
                     operation: op,
                     new: true,
@@ -299,7 +348,7 @@ impl Engine {
                 }
                 let engine = self.clone();
                 let run = op.clone();
-                tokio::spawn(async move { engine.run_snapshot(run, snapshot).await });
+                self.start(&op, async move { engine.run_snapshot(run, snapshot).await });
                 Ok(Submitted {
                     operation: op,
                     new: true,
@@ -332,7 +381,7 @@ impl Engine {
         self.store.insert_operation(&sandbox.tenant_id, &op).await?;
         let engine = self.clone();
         let run = op.clone();
-        tokio::spawn(async move { engine.run_change(run).await });
+        self.start(&op, async move { engine.run_change(run).await });
         Ok(Submitted {
             operation: op,
             new: true,

@@ -70,7 +70,8 @@ impl Engine {
         });
     }
 
-    /// Delete sandboxes whose timeout passed; fail those whose VM exited on its own.
+    /// Delete sandboxes whose timeout passed; fail those whose VM exited on its own; take over
+    /// operations whose lease lapsed and renew the leases of those this process runs.
     pub fn spawn_reaper(&self) {
         let engine = self.clone();
         let mut exits = self.nodes.exits();
@@ -99,6 +100,29 @@ impl Engine {
                 }
                 if tick.is_multiple_of(SWEEP_EVERY_TICKS) {
                     let _ = engine.sweep().await;
+                    if !engine.recovery.under_way.load(std::sync::atomic::Ordering::SeqCst) {
+                        if let Err(e) = engine.take_over().await {
+                            tracing::warn!("cannot look for operations to take over: {e}");
+                        }
+                    }
+                }
+            }
+        });
+        // The leases of what this process runs, renewed well before they lapse.
+        let engine = self.clone();
+        tokio::spawn(async move {
+            let every = Duration::from_millis(engine.store.lease().ms.max(3) as u64 / 3);
+            loop {
+                tokio::time::sleep(every).await;
+                let ids: Vec<String> = engine
+                    .running
+                    .lock()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .keys()
+                    .cloned()
+                    .collect();
+                if let Err(e) = engine.store.renew_leases(&ids).await {
+                    tracing::warn!("cannot renew the leases of {} operations: {e}", ids.len());
                 }
             }
         });

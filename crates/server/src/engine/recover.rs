@@ -24,13 +24,32 @@ impl Engine {
     /// others are served at once. Sandboxes are recovered several at a time, each as soon as the
     /// node has re-attached (or lost) its VM; the VMs no live record claims go last.
     pub async fn start_recovery(&self) -> CoreResult<()> {
+        // The operations of this server's earlier life and of replicas whose leases lapsed;
+        // a sandbox another replica is changing now is that replica's to settle.
+        let claimed = self.store.claim_operations(true).await?;
+        let ours: std::collections::HashSet<&str> = claimed.iter().map(|o| o.id.as_str()).collect();
+        let busy: std::collections::HashSet<String> = self
+            .store
+            .unfinished_operations()
+            .await?
+            .into_iter()
+            .filter(|o| !ours.contains(o.id.as_str()))
+            .map(|o| o.sandbox_id)
+            .collect();
         let mut ops: std::collections::HashMap<String, Vec<Operation>> = Default::default();
-        for op in self.store.unfinished_operations().await? {
+        let mut running: std::collections::HashMap<String, Vec<Running>> = Default::default();
+        for op in claimed {
+            running
+                .entry(op.sandbox_id.clone())
+                .or_default()
+                .push(self.running(&op.id));
             ops.entry(op.sandbox_id.clone()).or_default().push(op);
         }
         let mut pending = std::collections::HashMap::new();
         for row in self.store.live_sandboxes().await? {
-            pending.insert(row.id.clone(), row.tenant_id.clone());
+            if !busy.contains(&row.id) {
+                pending.insert(row.id.clone(), row.tenant_id.clone());
+            }
         }
         for id in ops.keys() {
             if !pending.contains_key(id) {
@@ -49,11 +68,13 @@ impl Engine {
                 .for_each_concurrent(RECOVER_AT_ONCE, |id| {
                     let engine = engine.clone();
                     let ops = ops.remove(&id).unwrap_or_default();
+                    let running = running.remove(&id);
                     async move {
                         engine.nodes.settled(&id).await;
                         if let Err(e) = engine.recover_sandbox(&id, ops).await {
                             tracing::error!(sandbox = %id, "cannot recover: {e}");
                         }
+                        drop(running);
                         engine.recovery.pending.lock().unwrap().remove(&id);
                         engine.recovered.send_modify(|n| *n += 1);
                     }
@@ -73,6 +94,28 @@ impl Engine {
             engine.recovered.send_modify(|n| *n += 1);
             tracing::info!("recovery after the restart finished");
         });
+        Ok(())
+    }
+
+    /// Take over the operations whose lease lapsed (their replica died, or their task ended
+    /// without finishing them): each settled by what its VM is now, as after a restart.
+    pub(super) async fn take_over(&self) -> CoreResult<()> {
+        let mut ops: std::collections::HashMap<String, Vec<Operation>> = Default::default();
+        for op in self.store.claim_operations(false).await? {
+            tracing::warn!(op = %op.id, sandbox = %op.sandbox_id, "its lease lapsed; taking it over");
+            ops.entry(op.sandbox_id.clone()).or_default().push(op);
+        }
+        for (id, ops) in ops {
+            let running: Vec<Running> = ops.iter().map(|o| self.running(&o.id)).collect();
+            let engine = self.clone();
+            tokio::spawn(async move {
+                engine.nodes.settled(&id).await;
+                if let Err(e) = engine.recover_sandbox(&id, ops).await {
+                    tracing::error!(sandbox = %id, "cannot take over its operations: {e}");
+                }
+                drop(running);
+            });
+        }
         Ok(())
     }
 
@@ -133,11 +176,17 @@ impl Engine {
     /// operations finished or failed by what the VM is, and the sandbox failed if its VM is gone.
     pub(super) async fn recover_sandbox(&self, id: &str, ops: Vec<Operation>) -> CoreResult<()> {
         for op in ops {
-            let vm = self.nodes.vm_state(id);
+            // Asked now: a view from an earlier report may predate what another replica did.
+            let Some(vm) = self.nodes.vm_state_now(id).await else {
+                // Its lease lapses and a later take-over asks again.
+                tracing::warn!(op = %op.id, "its node cannot say what the VM is; left for later");
+                continue;
+            };
             match (op.kind, vm) {
                 (OperationKind::Delete, _) => {
                     let engine = self.clone();
-                    tokio::spawn(async move { engine.run_delete(op).await });
+                    let run = op.clone();
+                    self.start(&op, async move { engine.run_delete(run).await });
                     continue;
                 }
                 (OperationKind::Create, VmState::Running | VmState::Paused | VmState::Suspended) => {
@@ -184,7 +233,10 @@ impl Engine {
                 SandboxState::Resuming,
             ];
             if held.contains(&row.state) {
-                match self.nodes.vm_state(id) {
+                let Some(vm) = self.nodes.vm_state_now(id).await else {
+                    return Ok(());
+                };
+                match vm {
                     // Its timeout passed while no replica ran: its node ended it (`nodes/expiry.rs`).
                     VmState::Gone if row.expires_at_ms <= now_ms() => {
                         tracing::info!(sandbox = %id, "its timeout passed and its VM is gone; deleted");
@@ -221,7 +273,20 @@ impl Engine {
     /// restart cut the fork short; its children that started hold their own links). Only what
     /// was recorded before this engine started: saves and forks since then are under way.
     pub(super) async fn sweep_images(&self) -> CoreResult<()> {
+        // A save another replica runs now is its own (its sandbox has an operation leased).
+        let unfinished = self.store.unfinished_operations().await?;
+        let busy: std::collections::HashSet<String> = {
+            let running = self.running.lock().unwrap_or_else(|e| e.into_inner());
+            unfinished
+                .into_iter()
+                .filter(|o| !running.contains_key(&o.id))
+                .map(|o| o.sandbox_id)
+                .collect()
+        };
         for image in self.store.interrupted_images(self.started_ms).await? {
+            if busy.contains(&image.sandbox_id) {
+                continue;
+            }
             tracing::info!(image = %image.id, "removing an image a restart interrupted (a fork's or a save's)");
             self.store.delete_snapshot(&image.tenant_id, &image.id).await?;
             let _ = self.nodes.delete_image(&image.id).await;

@@ -306,11 +306,15 @@ impl Nodes for Cluster {
         }
     }
 
-    /// Gone from every member, each asked now.
-    async fn vm_gone(&self, id: &str) -> bool {
+    /// Every member asked now: the state of the one that has it, `Gone` only when every member
+    /// says so, None when one that might have it cannot say.
+    async fn vm_state_now(&self, id: &str) -> Option<VmState> {
         let members = self.snapshot();
-        let answers = futures_util::future::join_all(members.iter().map(|(_, n)| n.vm_gone(id))).await;
-        answers.into_iter().all(|gone| gone)
+        let answers = futures_util::future::join_all(members.iter().map(|(_, n)| n.vm_state_now(id))).await;
+        if let Some(held) = answers.iter().flatten().find(|s| **s != VmState::Gone) {
+            return Some(*held);
+        }
+        answers.into_iter().collect::<Option<Vec<_>>>().map(|_| VmState::Gone)
     }
 
     /// Every member settles what it knows of `id` (a restarted node may not list it yet).

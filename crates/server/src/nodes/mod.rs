@@ -140,10 +140,14 @@ pub trait Nodes: Send + Sync {
     /// Run a paused VM again, or start a suspended one from its saved state.
     async fn resume(&self, id: &str) -> Result<(), NodeError>;
     fn vm_state(&self, id: &str) -> VmState;
-    /// Whether `id` has no VM, asked of the node now: a view kept from an earlier report may
-    /// predate a VM another replica just made. `false` when the node cannot say.
+    /// What `id`'s VM is, asked of the node now (a view kept from an earlier report may predate
+    /// a VM another replica just made); None when the node cannot say.
+    async fn vm_state_now(&self, id: &str) -> Option<VmState> {
+        Some(self.vm_state(id))
+    }
+    /// Whether `id` has no VM, asked of the node now; `false` when the node cannot say.
     async fn vm_gone(&self, id: &str) -> bool {
-        self.vm_state(id) == VmState::Gone
+        self.vm_state_now(id).await == Some(VmState::Gone)
     }
     /// Wait until this node knows whether `id` has a VM: after a restart a node re-attaches
     /// its VMs in the background, and until then `vm_state` says `Gone` for one it will adopt.

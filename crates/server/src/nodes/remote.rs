@@ -377,8 +377,8 @@ impl Nodes for RemoteNode {
         self.report(|r| r.vms.iter().find(|(vm, _)| vm == id).map_or(VmState::Gone, |(_, s)| *s))
     }
 
-    async fn vm_gone(&self, id: &str) -> bool {
-        self.inner.refresh().await.is_ok() && self.vm_state(id) == VmState::Gone
+    async fn vm_state_now(&self, id: &str) -> Option<VmState> {
+        self.inner.refresh().await.ok().map(|_| self.vm_state(id))
     }
 
     async fn settled(&self, id: &str) {

@@ -116,21 +116,38 @@ async fn report(State(f): State<Face>) -> Json<NodeReport> {
     })
 }
 
+/// Carry a change out to its end even if its caller goes away (a replica that dies mid-call):
+/// the VM is then whole or gone, and the replica that takes the operation over finds which.
+async fn to_completion<T: Send + 'static>(
+    change: impl std::future::Future<Output = Result<T, NodeError>> + Send + 'static,
+) -> Reply<T> {
+    match tokio::spawn(change).await {
+        Ok(done) => Ok(Json(done?)),
+        Err(e) => Err(Failure(NodeError::Failed(Box::new(e)))),
+    }
+}
+
 async fn create(State(f): State<Face>, Json(vm): Json<VmRequest>) -> Reply<super::Booted> {
-    // Held until the create returns: by then the VM counts among the node's own, or is gone.
-    let _ticket = match &f.admission {
-        Some(a) => Some(a.admit(&f.nodes.capacity(), &vm)?),
-        None => None,
-    };
-    Ok(Json(f.nodes.create(&vm).await?))
+    to_completion(async move {
+        // Held until the create returns: by then the VM counts among the node's own, or is gone.
+        let _ticket = match &f.admission {
+            Some(a) => Some(a.admit(&f.nodes.capacity(), &vm)?),
+            None => None,
+        };
+        f.nodes.create(&vm).await
+    })
+    .await
 }
 
 async fn remove(State(f): State<Face>, Path(id): Path<String>) -> Reply<()> {
-    f.nodes.delete(&id).await?;
-    if let Some(expiry) = &f.expiry {
-        expiry.set(&id, None);
-    }
-    Ok(Json(()))
+    to_completion(async move {
+        f.nodes.delete(&id).await?;
+        if let Some(expiry) = &f.expiry {
+            expiry.set(&id, None);
+        }
+        Ok(())
+    })
+    .await
 }
 
 async fn set_deadline(
@@ -146,17 +163,20 @@ async fn set_deadline(
 }
 
 async fn pause(State(f): State<Face>, Path(id): Path<String>) -> Reply<()> {
-    Ok(Json(f.nodes.pause(&id).await?))
+    to_completion(async move { f.nodes.pause(&id).await }).await
 }
 
 async fn resume(State(f): State<Face>, Path(id): Path<String>) -> Reply<()> {
-    Ok(Json(f.nodes.resume(&id).await?))
+    to_completion(async move { f.nodes.resume(&id).await }).await
 }
 
 async fn suspend(State(f): State<Face>, Path(id): Path<String>) -> Reply<Took> {
-    Ok(Json(Took {
-        ms: f.nodes.suspend(&id).await?,
-    }))
+    to_completion(async move {
+        Ok(Took {
+            ms: f.nodes.suspend(&id).await?,
+        })
+    })
+    .await
 }
 
 async fn settled(State(f): State<Face>, Path(id): Path<String>) -> Json<()> {
@@ -170,13 +190,16 @@ async fn settled_all(State(f): State<Face>) -> Json<()> {
 }
 
 async fn save_image(State(f): State<Face>, Path((id, image)): Path<(String, String)>) -> Reply<Saved> {
-    Ok(Json(Saved {
-        bytes: f.nodes.save_image(&id, &image).await?,
-    }))
+    to_completion(async move {
+        Ok(Saved {
+            bytes: f.nodes.save_image(&id, &image).await?,
+        })
+    })
+    .await
 }
 
 async fn delete_image(State(f): State<Face>, Path(image): Path<String>) -> Reply<()> {
-    Ok(Json(f.nodes.delete_image(&image).await?))
+    to_completion(async move { f.nodes.delete_image(&image).await }).await
 }
 
 async fn digest_image(State(f): State<Face>, Path(image): Path<String>) -> Reply<Digest> {

@@ -321,6 +321,55 @@ pub trait OperationStore: Send + Sync {
     async fn unfinished_operations(&self) -> Result<Vec<Operation>, StoreError>;
     /// The sandbox's latest delete operation, whatever its state.
     async fn open_delete_operation(&self, sandbox_id: &str) -> Result<Option<Operation>, StoreError>;
+    /// Take the lease of every unfinished operation whose lease lapsed (and, with `own_too`, of
+    /// those this store's [`Lease::holder`] held in an earlier life: a restarted single-host
+    /// server), for [`LEASE_MS`]; returns them, oldest first. Each is taken by one caller only
+    /// (Postgres: `FOR UPDATE SKIP LOCKED`).
+    async fn claim_operations(&self, own_too: bool) -> Result<Vec<Operation>, StoreError>;
+    /// Extend the leases this holder has of `ids` by [`LEASE_MS`] from now (a lease another
+    /// holder took meanwhile stays its own).
+    async fn renew_leases(&self, ids: &[String]) -> Result<(), StoreError>;
+    /// Whose leases this store takes, and for how long.
+    fn lease(&self) -> &Lease;
+}
+
+/// How long an operation's lease lasts unless renewed: how soon another replica takes over
+/// the operations of one that died. Renewed every third of it.
+pub const LEASE_MS: i64 = 10_000;
+
+/// Who leases the operations a store records ([`OperationStore::claim_operations`]): every
+/// operation inserted through a store is leased to its holder for [`LEASE_MS`].
+#[derive(Debug, Clone)]
+pub struct Lease {
+    /// [`Lease::LOCAL`] for a single-host server (one process per data dir: a restart takes over
+    /// its own operations at once), else a random id per process.
+    pub holder: String,
+    /// How long a lease lasts unless renewed ([`LEASE_MS`]).
+    pub ms: i64,
+}
+
+impl Lease {
+    pub const LOCAL: &'static str = "local";
+
+    /// A holder of its own: one of many replicas.
+    pub fn replica() -> Self {
+        Lease {
+            holder: format!("replica-{}", airlock_runtime::datadir::random_hex(8)),
+            ms: LEASE_MS,
+        }
+    }
+
+    fn local() -> Self {
+        Lease {
+            holder: Self::LOCAL.into(),
+            ms: LEASE_MS,
+        }
+    }
+
+    /// When a lease taken now lapses.
+    fn until(&self) -> i64 {
+        crate::records::now_ms() + self.ms
+    }
 }
 
 /// What [`SnapshotStore::admit_snapshot`] decided.

@@ -9,8 +9,8 @@
 
 use super::{
     new_key, new_tenant_id, op_created_ms, token_hash, AccessHashes, AccountStore, AuditFilter, CreateRecorded,
-    E2bStore, KeyFormat, NodeBudget, OperationStore, SandboxFilter, SandboxStore, StoreError, TenantStore, TokenKind,
-    DISK_HELD, HOLDS_VM, LIVE, RATE_WINDOW_MS,
+    E2bStore, KeyFormat, Lease, NodeBudget, OperationStore, SandboxFilter, SandboxStore, StoreError, TenantStore,
+    TokenKind, DISK_HELD, HOLDS_VM, LIVE, RATE_WINDOW_MS,
 };
 use crate::model::ErrorBody;
 use crate::model::{Operation, OperationKind, OperationState, Quota, Resources, SandboxState, TenantUsage};
@@ -77,6 +77,7 @@ pub fn redact_url(url: &str) -> String {
 
 pub struct PgStore {
     pool: PgPool,
+    lease: Lease,
 }
 
 impl PgStore {
@@ -118,7 +119,16 @@ impl PgStore {
             .run(&pool)
             .await
             .map_err(|source| PgOpenError::Migrate { url: shown, source })?;
-        Ok(Self { pool })
+        Ok(Self {
+            pool,
+            lease: Lease::replica(),
+        })
+    }
+
+    /// The same store, leasing the operations it records as `lease` (see [`Lease`]).
+    pub fn with_lease(mut self, lease: Lease) -> Self {
+        self.lease = lease;
+        self
     }
 
     /// A transaction holding [`WRITE_LOCK`] until it ends (committed or dropped). READ
@@ -303,7 +313,8 @@ fn key_from_row(r: &PgRow) -> Result<KeyRecord, StoreError> {
 impl OperationStore for PgStore {
     async fn insert_operation(&self, tenant_id: &str, op: &Operation) -> Result<(), StoreError> {
         sqlx::query(
-            "INSERT INTO operations (id, tenant_id, kind, state, sandbox_id, created_at_ms) VALUES ($1, $2, $3, $4, $5, $6)",
+            "INSERT INTO operations (id, tenant_id, kind, state, sandbox_id, created_at_ms, lease_holder, lease_until_ms) \
+             VALUES ($1, $2, $3, $4, $5, $6, $7, $8)",
         )
         .bind(&op.id)
         .bind(tenant_id)
@@ -311,6 +322,8 @@ impl OperationStore for PgStore {
         .bind(op.state.as_str())
         .bind(&op.sandbox_id)
         .bind(op_created_ms(op))
+        .bind(&self.lease.holder)
+        .bind(self.lease.until())
         .execute(&self.pool)
         .await?;
         Ok(())
@@ -386,6 +399,42 @@ impl OperationStore for PgStore {
         .fetch_optional(&self.pool)
         .await?;
         Ok(r.as_ref().map(op_from_row))
+    }
+
+    async fn claim_operations(&self, own_too: bool) -> Result<Vec<Operation>, StoreError> {
+        let now = now_ms();
+        // Rows another replica is claiming this moment are skipped, not waited for.
+        let mut rows = sqlx::query(
+            "UPDATE operations SET lease_holder = $1, lease_until_ms = $2 WHERE id IN ( \
+               SELECT id FROM operations WHERE state IN ('pending', 'running') \
+               AND (lease_until_ms < $3 OR ($4 AND lease_holder = $1)) FOR UPDATE SKIP LOCKED) \
+             RETURNING *",
+        )
+        .bind(&self.lease.holder)
+        .bind(now + self.lease.ms)
+        .bind(now)
+        .bind(own_too)
+        .fetch_all(&self.pool)
+        .await?;
+        rows.sort_by_key(|r| r.get::<i64, _>("created_at_ms"));
+        Ok(rows.iter().map(op_from_row).collect())
+    }
+
+    fn lease(&self) -> &Lease {
+        &self.lease
+    }
+
+    async fn renew_leases(&self, ids: &[String]) -> Result<(), StoreError> {
+        if ids.is_empty() {
+            return Ok(());
+        }
+        sqlx::query("UPDATE operations SET lease_until_ms = $1 WHERE lease_holder = $2 AND id = ANY($3)")
+            .bind(self.lease.until())
+            .bind(&self.lease.holder)
+            .bind(ids)
+            .execute(&self.pool)
+            .await?;
+        Ok(())
     }
 }
 

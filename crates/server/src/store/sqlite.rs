@@ -2,8 +2,8 @@
 
 use super::{
     new_key, new_tenant_id, op_created_ms, token_hash, AccessHashes, AccountStore, AuditFilter, CreateRecorded,
-    E2bStore, KeyFormat, NodeBudget, OperationStore, SandboxFilter, SandboxStore, StoreError, TenantStore, TokenKind,
-    DISK_HELD, HOLDS_VM, LIVE, RATE_WINDOW_MS,
+    E2bStore, KeyFormat, Lease, NodeBudget, OperationStore, SandboxFilter, SandboxStore, StoreError, TenantStore,
+    TokenKind, DISK_HELD, HOLDS_VM, LIVE, RATE_WINDOW_MS,
 };
 use crate::model::ErrorBody;
 use crate::model::{Operation, OperationKind, OperationState, Quota, Resources, SandboxState, TenantUsage};
@@ -27,6 +27,7 @@ use admission::{admit_disk_within, admit_within, node_admits_within, usage_withi
 
 pub struct SqliteStore {
     pool: SqlitePool,
+    lease: Lease,
 }
 
 impl SqliteStore {
@@ -43,13 +44,23 @@ impl SqliteStore {
             .busy_timeout(std::time::Duration::from_secs(5));
         let pool = SqlitePoolOptions::new().max_connections(4).connect_with(opts).await?;
         MIGRATOR.run(&pool).await?;
-        let store = Self { pool };
+        let store = Self {
+            pool,
+            lease: Lease::local(),
+        };
         store.hash_legacy_tokens().await?;
         // Only chmod now: opening (and closing) the file outside SQLite while the pool has it
         // open would drop this process's POSIX locks on it, and another process closing its
         // connection would then think it is the last and delete the -wal and -shm under us.
         tighten(path)?;
         Ok(store)
+    }
+
+    /// The same store, leasing the operations it records as `lease` (one of many replicas on
+    /// one file, as tests run them; a server alone on its data dir keeps [`Lease::LOCAL`]).
+    pub fn with_lease(mut self, lease: Lease) -> Self {
+        self.lease = lease;
+        self
     }
 
     /// Move the plain tokens of the pre-migration `sandbox_tokens` table into `sandbox_access`
@@ -276,7 +287,8 @@ fn key_from_row(r: &sqlx::sqlite::SqliteRow) -> Result<KeyRecord, StoreError> {
 impl OperationStore for SqliteStore {
     async fn insert_operation(&self, tenant_id: &str, op: &Operation) -> Result<(), StoreError> {
         sqlx::query(
-            "INSERT INTO operations (id, tenant_id, kind, state, sandbox_id, created_at_ms) VALUES (?, ?, ?, ?, ?, ?)",
+            "INSERT INTO operations (id, tenant_id, kind, state, sandbox_id, created_at_ms, lease_holder, lease_until_ms) \
+             VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
         )
         .bind(&op.id)
         .bind(tenant_id)
@@ -284,6 +296,8 @@ impl OperationStore for SqliteStore {
         .bind(op.state.as_str())
         .bind(&op.sandbox_id)
         .bind(op_created_ms(op))
+        .bind(&self.lease.holder)
+        .bind(self.lease.until())
         .execute(&self.pool)
         .await?;
         Ok(())
@@ -358,6 +372,43 @@ impl OperationStore for SqliteStore {
         .fetch_optional(&self.pool)
         .await?;
         Ok(r.as_ref().map(op_from_row))
+    }
+
+    async fn claim_operations(&self, own_too: bool) -> Result<Vec<Operation>, StoreError> {
+        let now = now_ms();
+        let mut rows = sqlx::query(
+            "UPDATE operations SET lease_holder = ?1, lease_until_ms = ?2 \
+             WHERE state IN ('pending', 'running') AND (lease_until_ms < ?3 OR (?4 AND lease_holder = ?1)) \
+             RETURNING *",
+        )
+        .bind(&self.lease.holder)
+        .bind(now + self.lease.ms)
+        .bind(now)
+        .bind(own_too)
+        .fetch_all(&self.pool)
+        .await?;
+        rows.sort_by_key(|r| r.get::<i64, _>("created_at_ms"));
+        Ok(rows.iter().map(op_from_row).collect())
+    }
+
+    fn lease(&self) -> &Lease {
+        &self.lease
+    }
+
+    async fn renew_leases(&self, ids: &[String]) -> Result<(), StoreError> {
+        if ids.is_empty() {
+            return Ok(());
+        }
+        sqlx::query(
+            "UPDATE operations SET lease_until_ms = ? \
+             WHERE lease_holder = ? AND id IN (SELECT value FROM json_each(?))",
+        )
+        .bind(self.lease.until())
+        .bind(&self.lease.holder)
+        .bind(serde_json::to_string(ids).unwrap_or_default())
+        .execute(&self.pool)
+        .await?;
+        Ok(())
     }
 }
 

@@ -33,6 +33,22 @@ impl ClusterNode {
         name: &str,
         rules: Option<airlock_server::nodes::NodeRules>,
     ) -> ClusterNode {
+        Self::start_full(dir, capacity, port, name, rules, Duration::ZERO).await
+    }
+
+    /// [`ClusterNode::start`] for a node whose creates take `create_delay` longer.
+    pub async fn start_slow(dir: &Path, capacity: Capacity, create_delay: Duration) -> ClusterNode {
+        Self::start_full(dir, capacity, 0, "test-node", None, create_delay).await
+    }
+
+    async fn start_full(
+        dir: &Path,
+        capacity: Capacity,
+        port: u16,
+        name: &str,
+        rules: Option<airlock_server::nodes::NodeRules>,
+        create_delay: Duration,
+    ) -> ClusterNode {
         let name = name.to_string();
         let tokio_rt = tokio::runtime::Builder::new_multi_thread()
             .worker_threads(1)
@@ -45,7 +61,7 @@ impl ClusterNode {
             .spawn(async move {
                 let egress = Config::default().egress;
                 let (node, _runtime, _egress) =
-                    test_node(&d, &egress, capacity, Duration::ZERO, Default::default(), true).await;
+                    test_node(&d, &egress, capacity, create_delay, Default::default(), true).await;
                 let face = airlock_server::nodes::serve::router(node, NODE_SECRET, &name, rules);
                 let listener = tokio::net::TcpListener::bind(("127.0.0.1", port)).await.unwrap();
                 let addr = listener.local_addr().unwrap();
@@ -90,7 +106,11 @@ impl Server {
         let (d, nodes, known_key) = (dir.to_path_buf(), nodes.to_vec(), key.map(String::from));
         let (addr, key, core, watchers, cluster) = tokio_rt
             .spawn(async move {
-                let store = SqliteStore::open(&d.join("airlock.db")).await.unwrap();
+                // One file for all replicas, as Postgres is; each leases as a replica of its own.
+                let store = SqliteStore::open(&d.join("airlock.db"))
+                    .await
+                    .unwrap()
+                    .with_lease(airlock_server::store::Lease::replica());
                 let minted = airlock_server::bootstrap_admin_key(&store, &d, &"127.0.0.1:0".parse().unwrap())
                     .await
                     .unwrap();

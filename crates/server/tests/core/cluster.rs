@@ -327,3 +327,49 @@ async fn a_node_ends_an_expired_sandbox_while_no_replica_runs() {
     drop(node);
     assert_no_vms(dir.path());
 }
+
+/// Replicas share operations through their leases (issue 25, check 3): a replica that starts
+/// while another's create runs leaves it alone, and the create of a replica that died mid-call
+/// is taken over once its lease lapses, ending by what the node did, once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_replica_leaves_anothers_operations_alone_and_takes_them_over_when_it_dies() {
+    let (store_dir, node_dir) = (fresh(), fresh());
+    let node = ClusterNode::start_slow(node_dir.path(), ROOMY, Duration::from_secs(3)).await;
+    let a = Server::start_replica(store_dir.path(), &[node.addr], None, replica_config()).await;
+
+    // B's recovery runs while A's create is under way on the node: it is A's to finish.
+    let (first, op) = a.create_native().await;
+    let b = Server::start_replica(store_dir.path(), &[node.addr], Some(&a.key), replica_config()).await;
+    let done = b.wait_op(&op).await;
+    assert_eq!(done["state"], "succeeded", "{done}");
+    assert_eq!(b.sandbox_state(&first).await, "running");
+
+    // A dies while the node boots its second create; the node finishes it all the same, and
+    // B takes the operation over once A's lease lapses.
+    let (second, op) = a.create_native().await;
+    // Well inside the node's 3 s boot: A's call has reached it.
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let died = Instant::now();
+    a.stop().await;
+    let done = loop {
+        let now = b.operation(&op).await;
+        if now["state"] == "succeeded" || now["state"] == "failed" {
+            break now;
+        }
+        assert!(
+            died.elapsed() < Duration::from_secs(15),
+            "still open 15 s after its replica died: {now}"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    };
+    let took = died.elapsed();
+    assert_eq!(done["state"], "succeeded", "{done}");
+    assert_eq!(b.sandbox_state(&second).await, "running");
+    assert_eq!(node_of(&b, &second).await, node.addr.to_string());
+    eprintln!("a dead replica's create ended {took:?} after it died");
+
+    for id in [&first, &second] {
+        b.delete(id).await;
+    }
+    b.stop().await;
+}

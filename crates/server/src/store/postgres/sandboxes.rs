@@ -75,7 +75,8 @@ impl SandboxStore for PgStore {
         .execute(&mut *tx)
         .await?;
         sqlx::query(
-            "INSERT INTO operations (id, tenant_id, kind, state, sandbox_id, idempotency_key, created_at_ms) VALUES ($1, $2, $3, $4, $5, $6, $7)",
+            "INSERT INTO operations (id, tenant_id, kind, state, sandbox_id, idempotency_key, created_at_ms, \
+             lease_holder, lease_until_ms) VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9)",
         )
         .bind(&op.id)
         .bind(&sb.tenant_id)
@@ -84,6 +85,8 @@ impl SandboxStore for PgStore {
         .bind(&op.sandbox_id)
         .bind(idem)
         .bind(op_created_ms(op))
+        .bind(&self.lease.holder)
+        .bind(self.lease.until())
         .execute(&mut *tx)
         .await?;
         tx.commit().await?;

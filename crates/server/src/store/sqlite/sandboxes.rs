@@ -76,7 +76,8 @@ impl SandboxStore for SqliteStore {
         .execute(&mut *tx)
         .await?;
         sqlx::query(
-            "INSERT INTO operations (id, tenant_id, kind, state, sandbox_id, idempotency_key, created_at_ms) VALUES (?, ?, ?, ?, ?, ?, ?)",
+            "INSERT INTO operations (id, tenant_id, kind, state, sandbox_id, idempotency_key, created_at_ms, \
+             lease_holder, lease_until_ms) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
         )
         .bind(&op.id)
         .bind(&sb.tenant_id)
@@ -85,6 +86,8 @@ impl SandboxStore for SqliteStore {
         .bind(&op.sandbox_id)
         .bind(idem)
         .bind(op_created_ms(op))
+        .bind(&self.lease.holder)
+        .bind(self.lease.until())
         .execute(&mut *tx)
         .await?;
         tx.commit().await?;
