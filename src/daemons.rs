@@ -267,14 +267,15 @@ impl NodeArgs {
         let secret = airlock_server::node_daemon::read_cluster_secret(&self.secret_file)?;
         ensure_seed(&data_dir).await?;
         let limits = self.conns.limits();
-        let node = self.host.node_options(data_dir, egress);
-        let name = self.name.unwrap_or_else(airlock_server::node_daemon::host_name);
         let rules = airlock_server::nodes::NodeRules {
             max_starts: self.max_starts as usize,
             vcpu_overcommit: self.vcpu_overcommit,
             memory_reserve_mib: self.memory_reserve_mib,
             expiry_grace: airlock_server::node_daemon::EXPIRY_GRACE,
+            deadlines: Some(data_dir.join("deadlines")),
         };
+        let node = self.host.node_options(data_dir, egress);
+        let name = self.name.unwrap_or_else(airlock_server::node_daemon::host_name);
         airlock_server::node_daemon::serve_node(node, name, self.listen, secret, rules, limits).await
     }
 }

@@ -137,7 +137,8 @@ pub async fn serve_node(
         "node {name}: serving on {listen} (HTTP/2, cluster tokens); egress digest {}",
         egress.digest()
     );
-    let face = nodes::serve::router(node, &secret, &name, Some(rules));
+    let face = nodes::serve::router(node, &secret, &name, Some(rules))
+        .map_err(|e| anyhow::anyhow!("the node's deadlines dir: {e}"))?;
     Ok(crate::listen::serve(listener, face, None, limits).await?)
 }
 

@@ -114,6 +114,8 @@ pub struct Engine {
     /// The operations this process runs now, whose leases it renews (`store::LEASE_MS`); one
     /// whose task ended without finishing it lapses, and a replica takes it over.
     running: RunningOps,
+    /// Sandboxes whose node did not take their latest deadline (`Engine::set_expiry`).
+    deadlines_unsent: Arc<std::sync::Mutex<std::collections::HashSet<String>>>,
 }
 
 /// Operation id -> how many tasks of this process carry it out now (a recovery hands a
@@ -181,6 +183,7 @@ impl Engine {
             ended: tokio::sync::broadcast::channel(256).0,
             started_ms: now_ms(),
             running: Default::default(),
+            deadlines_unsent: Default::default(),
         }
     }
 

@@ -100,6 +100,7 @@ impl Engine {
                 }
                 if tick.is_multiple_of(SWEEP_EVERY_TICKS) {
                     let _ = engine.sweep().await;
+                    engine.resend_deadlines().await;
                     if !engine.recovery.under_way.load(std::sync::atomic::Ordering::SeqCst) {
                         if let Err(e) = engine.take_over().await {
                             tracing::warn!("cannot look for operations to take over: {e}");

@@ -60,9 +60,40 @@ impl Engine {
             suspend: row.lifecycle.on_timeout == crate::model::OnTimeout::Suspend,
         };
         if let Err(e) = self.nodes.set_deadline(&row.id, Some(deadline)).await {
+            // Its node would act on the old one: the reaper tells it again (`resend_deadlines`).
             tracing::warn!(sandbox = %row.id, "its node did not take its deadline: {e}");
+            self.deadlines_unsent
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .insert(row.id.clone());
         }
         Ok(())
+    }
+
+    /// Tell the nodes the deadlines they did not take when they changed (a node unreachable
+    /// for a moment), as the store has them now.
+    pub(super) async fn resend_deadlines(&self) {
+        let ids: Vec<String> = std::mem::take(&mut *self.deadlines_unsent.lock().unwrap_or_else(|e| e.into_inner()))
+            .into_iter()
+            .collect();
+        for id in ids {
+            let Ok(Some(row)) = self.store.sandbox_by_id(&id).await else {
+                continue;
+            };
+            if !matches!(row.state, SandboxState::Running | SandboxState::Paused) {
+                continue;
+            }
+            let deadline = crate::nodes::Deadline {
+                at_ms: row.expires_at_ms,
+                suspend: row.lifecycle.on_timeout == crate::model::OnTimeout::Suspend,
+            };
+            if self.nodes.set_deadline(&id, Some(deadline)).await.is_err() {
+                self.deadlines_unsent
+                    .lock()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .insert(id);
+            }
+        }
     }
 
     /// Create `vm` on its node; while a node refuses it by its own admission, move it to the

@@ -19,13 +19,15 @@ pub enum Refusal {
 
 /// What a node enforces itself: at most `max_starts` creates at once, its VMs' vCPUs within its
 /// CPUs times `vcpu_overcommit`, their memory within its own less `memory_reserve_mib`; and a
-/// VM whose timeout passed `expiry_grace` ago ended (`expiry.rs`).
-#[derive(Debug, Clone, Copy)]
+/// VM whose timeout passed `expiry_grace` ago ended (`expiry.rs`), its deadline kept in
+/// `deadlines` across restarts (None: in memory only).
+#[derive(Debug, Clone)]
 pub struct NodeRules {
     pub max_starts: usize,
     pub vcpu_overcommit: f64,
     pub memory_reserve_mib: u64,
     pub expiry_grace: std::time::Duration,
+    pub deadlines: Option<std::path::PathBuf>,
 }
 
 pub struct Admission {
@@ -138,6 +140,7 @@ mod tests {
             vcpu_overcommit: 4.0,
             memory_reserve_mib: 512,
             expiry_grace: std::time::Duration::from_secs(3),
+            deadlines: None,
         };
         let a = Admission::new(rules);
         let now = node(2048, 512);
@@ -164,6 +167,7 @@ mod tests {
             vcpu_overcommit: 1.5,
             memory_reserve_mib: 0,
             expiry_grace: std::time::Duration::from_secs(3),
+            deadlines: None,
         });
         let now = Capacity {
             vcpu_held: 2,

@@ -53,10 +53,15 @@ fn refused(status: StatusCode, code: &str, message: &str) -> Response {
 }
 
 /// The face of node `name` over `nodes`, every route needing a token of `secret`; with
-/// `rules`, it admits each create by them first and ends VMs whose timeout passed itself.
-pub fn router(nodes: Arc<dyn Nodes>, secret: &[u8], name: &str, rules: Option<NodeRules>) -> Router {
+/// `rules`, it admits each create by them first and ends VMs whose timeout passed itself (an
+/// error: the dir it keeps their deadlines in cannot be made).
+pub fn router(nodes: Arc<dyn Nodes>, secret: &[u8], name: &str, rules: Option<NodeRules>) -> std::io::Result<Router> {
+    let expiry = match &rules {
+        Some(r) => Some(Expiry::start(nodes.clone(), r.expiry_grace, r.deadlines.clone())?),
+        None => None,
+    };
     let face = Face {
-        expiry: rules.map(|r| Expiry::start(nodes.clone(), r.expiry_grace)),
+        expiry,
         nodes,
         secret: Arc::from(secret),
         name: Arc::from(name),
@@ -83,7 +88,7 @@ pub fn router(nodes: Arc<dyn Nodes>, secret: &[u8], name: &str, rules: Option<No
         .route("/vms/{id}/agent/{*route}", any(agent))
         .layer(axum::middleware::from_fn_with_state(face.clone(), authorize))
         .with_state(face);
-    Router::new().nest(PREFIX, routes)
+    Ok(Router::new().nest(PREFIX, routes))
 }
 
 async fn authorize(State(face): State<Face>, req: Request, next: axum::middleware::Next) -> Response {

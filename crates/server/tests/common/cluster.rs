@@ -62,7 +62,7 @@ impl ClusterNode {
                 let egress = Config::default().egress;
                 let (node, _runtime, _egress) =
                     test_node(&d, &egress, capacity, create_delay, Default::default(), true).await;
-                let face = airlock_server::nodes::serve::router(node, NODE_SECRET, &name, rules);
+                let face = airlock_server::nodes::serve::router(node, NODE_SECRET, &name, rules).unwrap();
                 let listener = tokio::net::TcpListener::bind(("127.0.0.1", port)).await.unwrap();
                 let addr = listener.local_addr().unwrap();
                 tokio::spawn(airlock_server::listen::serve(listener, face, None, Limits::default()));

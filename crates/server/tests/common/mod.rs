@@ -245,7 +245,7 @@ impl Server {
                 let mut nodes = node;
                 let mut node_face = None;
                 if over_node_face {
-                    let face = airlock_server::nodes::serve::router(nodes, NODE_SECRET, "test-node", None);
+                    let face = airlock_server::nodes::serve::router(nodes, NODE_SECRET, "test-node", None).unwrap();
                     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
                     let face_addr = listener.local_addr().unwrap();
                     node_face = Some(face_addr);

@@ -236,6 +236,7 @@ async fn a_node_refuses_past_its_own_budget_and_the_create_goes_to_the_next_node
             vcpu_overcommit: 8.0,
             memory_reserve_mib: reserve_mib,
             expiry_grace: Duration::from_secs(3),
+            deadlines: None,
         })
     };
     let a = ClusterNode::start_ruled(dirs[0].path(), FITS_FOUR, 0, "a", rules(3 * 512)).await;
@@ -283,7 +284,8 @@ async fn a_node_refuses_past_its_own_budget_and_the_create_goes_to_the_next_node
 }
 
 /// A node ends a sandbox whose timeout passed by itself while no replica is up to do it (issue
-/// 25, check 7), and a replica started later records it deleted, not failed.
+/// 25, check 7), also after a restart of its own, and a replica started later records it
+/// deleted, not failed.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_node_ends_an_expired_sandbox_while_no_replica_runs() {
     use airlock_server::nodes::NodeRules;
@@ -293,8 +295,9 @@ async fn a_node_ends_an_expired_sandbox_while_no_replica_runs() {
         vcpu_overcommit: 8.0,
         memory_reserve_mib: 0,
         expiry_grace: Duration::from_secs(3),
+        deadlines: Some(dir.path().join("deadlines")),
     };
-    let node = ClusterNode::start_ruled(dir.path(), FITS_FOUR, 0, "n", Some(rules)).await;
+    let node = ClusterNode::start_ruled(dir.path(), FITS_FOUR, 0, "n", Some(rules.clone())).await;
     let replica = Server::start_replica(store_dir.path(), &[node.addr], None, replica_config()).await;
     let (status, body) = replica
         .v1(
@@ -310,6 +313,10 @@ async fn a_node_ends_an_expired_sandbox_while_no_replica_runs() {
     let running = Instant::now();
     let key = replica.key.clone();
     replica.stop().await;
+    // The node restarts meanwhile: it keeps the deadline it was told and its VM.
+    let port = node.addr.port();
+    node.kill();
+    let node = ClusterNode::start_ruled(dir.path(), FITS_FOUR, port, "n", Some(rules)).await;
 
     // No replica: the node ends it 5 s + its 3 s grace after it started running.
     while !fake::live_vms(&node.dir).is_empty() {
@@ -372,4 +379,59 @@ async fn a_replica_leaves_anothers_operations_alone_and_takes_them_over_when_it_
         b.delete(id).await;
     }
     b.stop().await;
+}
+
+/// A deadline its node missed (unreachable when the timeout moved) reaches it once it is back:
+/// the replica tells it again, so the node does not end the sandbox by the old one.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_deadline_the_node_missed_reaches_it_once_it_is_back() {
+    use airlock_server::nodes::NodeRules;
+    let (store_dir, dir) = (fresh(), fresh());
+    let rules = NodeRules {
+        max_starts: 4,
+        vcpu_overcommit: 8.0,
+        memory_reserve_mib: 0,
+        expiry_grace: Duration::from_secs(3),
+        deadlines: Some(dir.path().join("deadlines")),
+    };
+    let node = ClusterNode::start_ruled(dir.path(), FITS_FOUR, 0, "n", Some(rules.clone())).await;
+    let replica = Server::start_replica(store_dir.path(), &[node.addr], None, replica_config()).await;
+    let (status, body) = replica
+        .v1(
+            Method::POST,
+            "/sandboxes",
+            Some(serde_json::json!({ "template": "seed", "timeout": "5s" })),
+        )
+        .await;
+    assert_eq!(status, 202, "{body}");
+    let id = body["sandbox_id"].as_str().unwrap().to_string();
+    let op = replica.wait_op(body["operation"]["id"].as_str().unwrap()).await;
+    assert_eq!(op["state"], "succeeded", "{op}");
+    let running = Instant::now();
+
+    // The node is down while the timeout moves to a minute; it comes back with the old one.
+    let port = node.addr.port();
+    node.kill();
+    let (status, body) = replica
+        .e2b(
+            Method::POST,
+            &format!("/sandboxes/{id}/timeout"),
+            serde_json::json!({ "timeout": 60 }),
+        )
+        .await;
+    assert!(status < 300, "{status} {body}");
+    let node = ClusterNode::start_ruled(dir.path(), FITS_FOUR, port, "n", Some(rules)).await;
+
+    // Past the old deadline and its grace: the VM runs on.
+    tokio::time::sleep(Duration::from_secs(10).saturating_sub(running.elapsed())).await;
+    assert_eq!(
+        fake::live_vms(&node.dir).len(),
+        1,
+        "the node ended it by the deadline it missed"
+    );
+    assert_eq!(replica.sandbox_state(&id).await, "running");
+    replica.delete(&id).await;
+    replica.stop().await;
+    drop(node);
+    assert_no_vms(dir.path());
 }
