@@ -283,23 +283,20 @@ async fn a_node_refuses_past_its_own_budget_and_the_create_goes_to_the_next_node
     }
 }
 
-/// A node ends a sandbox whose timeout passed by itself while no replica is up to do it (issue
-/// 25, check 7), also after a restart of its own, and a replica started later records it
-/// deleted, not failed.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_node_ends_an_expired_sandbox_while_no_replica_runs() {
-    use airlock_server::nodes::NodeRules;
-    let (store_dir, dir) = (fresh(), fresh());
-    let rules = NodeRules {
+/// A node's rules that end timed-out VMs 3 s late, their deadlines kept under `dir`.
+fn expiring_rules(dir: &std::path::Path) -> airlock_server::nodes::NodeRules {
+    airlock_server::nodes::NodeRules {
         max_starts: 4,
         vcpu_overcommit: 8.0,
         memory_reserve_mib: 0,
         expiry_grace: Duration::from_secs(3),
-        deadlines: Some(dir.path().join("deadlines")),
-    };
-    let node = ClusterNode::start_ruled(dir.path(), FITS_FOUR, 0, "n", Some(rules.clone())).await;
-    let replica = Server::start_replica(store_dir.path(), &[node.addr], None, replica_config()).await;
-    let (status, body) = replica
+        deadlines: Some(dir.join("deadlines")),
+    }
+}
+
+/// A running sandbox made through `via` with a 5 s timeout.
+async fn five_second_sandbox(via: &Server) -> String {
+    let (status, body) = via
         .v1(
             Method::POST,
             "/sandboxes",
@@ -307,9 +304,21 @@ async fn a_node_ends_an_expired_sandbox_while_no_replica_runs() {
         )
         .await;
     assert_eq!(status, 202, "{body}");
-    let id = body["sandbox_id"].as_str().unwrap().to_string();
-    let op = replica.wait_op(body["operation"]["id"].as_str().unwrap()).await;
+    let op = via.wait_op(body["operation"]["id"].as_str().unwrap()).await;
     assert_eq!(op["state"], "succeeded", "{op}");
+    body["sandbox_id"].as_str().unwrap().to_string()
+}
+
+/// A node ends a sandbox whose timeout passed by itself while no replica is up to do it (issue
+/// 25, check 7), also after a restart of its own, and a replica started later records it
+/// deleted, not failed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_node_ends_an_expired_sandbox_while_no_replica_runs() {
+    let (store_dir, dir) = (fresh(), fresh());
+    let rules = expiring_rules(dir.path());
+    let node = ClusterNode::start_ruled(dir.path(), FITS_FOUR, 0, "n", Some(rules.clone())).await;
+    let replica = Server::start_replica(store_dir.path(), &[node.addr], None, replica_config()).await;
+    let id = five_second_sandbox(&replica).await;
     let running = Instant::now();
     let key = replica.key.clone();
     replica.stop().await;
@@ -385,28 +394,11 @@ async fn a_replica_leaves_anothers_operations_alone_and_takes_them_over_when_it_
 /// the replica tells it again, so the node does not end the sandbox by the old one.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_deadline_the_node_missed_reaches_it_once_it_is_back() {
-    use airlock_server::nodes::NodeRules;
     let (store_dir, dir) = (fresh(), fresh());
-    let rules = NodeRules {
-        max_starts: 4,
-        vcpu_overcommit: 8.0,
-        memory_reserve_mib: 0,
-        expiry_grace: Duration::from_secs(3),
-        deadlines: Some(dir.path().join("deadlines")),
-    };
+    let rules = expiring_rules(dir.path());
     let node = ClusterNode::start_ruled(dir.path(), FITS_FOUR, 0, "n", Some(rules.clone())).await;
     let replica = Server::start_replica(store_dir.path(), &[node.addr], None, replica_config()).await;
-    let (status, body) = replica
-        .v1(
-            Method::POST,
-            "/sandboxes",
-            Some(serde_json::json!({ "template": "seed", "timeout": "5s" })),
-        )
-        .await;
-    assert_eq!(status, 202, "{body}");
-    let id = body["sandbox_id"].as_str().unwrap().to_string();
-    let op = replica.wait_op(body["operation"]["id"].as_str().unwrap()).await;
-    assert_eq!(op["state"], "succeeded", "{op}");
+    let id = five_second_sandbox(&replica).await;
     let running = Instant::now();
 
     // The node is down while the timeout moves to a minute; it comes back with the old one.
