@@ -156,6 +156,10 @@ pub struct NodeArgs {
     /// Memory the node keeps for its host; its VMs' memory sums to at most the rest.
     #[arg(long, env = "AIRLOCK_MEMORY_RESERVE_MIB", default_value_t = airlock_server::core::DEFAULT_MEMORY_RESERVE_MIB)]
     memory_reserve_mib: u64,
+    /// On SIGTERM the node refuses new sandboxes and the replicas suspend its own; after this
+    /// many seconds it suspends what still runs itself, then exits 0.
+    #[arg(long, env = "AIRLOCK_DRAIN_SECONDS", default_value_t = airlock_server::node_daemon::DRAIN_BUDGET.as_secs())]
+    drain_seconds: u64,
     #[command(flatten)]
     host: HostArgs,
     #[command(flatten)]
@@ -276,7 +280,8 @@ impl NodeArgs {
         };
         let node = self.host.node_options(data_dir, egress);
         let name = self.name.unwrap_or_else(airlock_server::node_daemon::host_name);
-        airlock_server::node_daemon::serve_node(node, name, self.listen, secret, rules, limits).await
+        let drain = std::time::Duration::from_secs(self.drain_seconds);
+        airlock_server::node_daemon::serve_node(node, name, self.listen, secret, rules, drain, limits).await
     }
 }
 

@@ -349,7 +349,9 @@ pub(crate) fn quota_is_exact_under_concurrent_creates_over_both_doors() {
 /// `airlock node` in a process of its own and `airlock serve --node` over it (what a replica on
 /// another host does, here over loopback): a sandbox is created, runs a command, takes and gives
 /// a file, and its egress is decided on the node (the node's counters reach the report); a
-/// server whose secret differs is refused; the node's VMs go with their sandboxes.
+/// server whose secret differs is refused; a node stopped drains (its sandbox suspended by the
+/// replica, exit 0) and the sandbox resumes whole once it is back; the node's VMs go with their
+/// sandboxes.
 pub(crate) fn a_replica_drives_a_node_in_its_own_process() {
     let node_data = own_data_dir("node");
     let api_data = own_data_dir("replica");
@@ -359,28 +361,36 @@ pub(crate) fn a_replica_drives_a_node_in_its_own_process() {
     std::fs::write(&secret, "a cluster secret of at least thirty-two bytes\n").unwrap();
     let port = free_port();
     let node_addr = format!("127.0.0.1:{port}");
-    let log = std::fs::File::create(node_data.join("node.log")).unwrap();
-    let mut node = ChildGuard(
-        Command::new(BIN)
-            .arg("--data-dir")
-            .arg(&node_data)
-            .args(["node", "--listen", &node_addr, "--secret-file"])
-            .arg(&secret)
-            .stdin(Stdio::null())
-            .stdout(log.try_clone().unwrap())
-            .stderr(log)
-            .spawn()
-            .unwrap(),
-    );
-    let deadline = Instant::now() + Duration::from_secs(60);
-    while std::net::TcpStream::connect(&node_addr).is_err() {
-        assert!(
-            Instant::now() < deadline,
-            "the node did not listen; see {}",
-            node_data.display()
+    let start_node = || {
+        let log = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(node_data.join("node.log"))
+            .unwrap();
+        let node = ChildGuard(
+            Command::new(BIN)
+                .arg("--data-dir")
+                .arg(&node_data)
+                .args(["node", "--listen", &node_addr, "--secret-file"])
+                .arg(&secret)
+                .stdin(Stdio::null())
+                .stdout(log.try_clone().unwrap())
+                .stderr(log)
+                .spawn()
+                .unwrap(),
         );
-        std::thread::sleep(Duration::from_millis(100));
-    }
+        let deadline = Instant::now() + Duration::from_secs(60);
+        while std::net::TcpStream::connect(&node_addr).is_err() {
+            assert!(
+                Instant::now() < deadline,
+                "the node did not listen; see {}",
+                node_data.display()
+            );
+            std::thread::sleep(Duration::from_millis(100));
+        }
+        node
+    };
+    let mut node = start_node();
     // A short secret is refused by name before anything starts.
     let short = node_data.join("short.secret");
     std::fs::write(&short, "short").unwrap();
@@ -447,6 +457,38 @@ pub(crate) fn a_replica_drives_a_node_in_its_own_process() {
     let (_, r) = s.call("GET", &format!("/v1/sandboxes/{id}/egress"), None);
     assert!(r["counters"]["dns_denied"].as_u64().unwrap_or(0) >= 1, "{r}");
     assert!(r["recent_denials"].to_string().contains("blocked.test"), "{r}");
+
+    // The node is stopped (SIGTERM): it drains. The replica suspends its sandbox (a process
+    // running, the file written) and the node exits 0; back, the sandbox resumes whole.
+    s.session(&id, json!({ "argv": ["sleep", "3600"] }));
+    let stopping = Instant::now();
+    assert_eq!(unsafe { libc::kill(node.0.id() as i32, libc::SIGTERM) }, 0);
+    let exit = loop {
+        if let Some(status) = node.0.try_wait().unwrap() {
+            break status;
+        }
+        assert!(
+            stopping.elapsed() < Duration::from_secs(120),
+            "the node still drains after 120 s; see {}",
+            node_data.join("node.log").display()
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    };
+    assert!(exit.success(), "the node exited {exit:?} after its drain");
+    println!("node: drained and exited 0 in {:?}", stopping.elapsed());
+    wait_state(&s, &id, "suspended", Duration::from_secs(10)).unwrap_or_else(|sb| panic!("not suspended: {sb}"));
+    let mut node = start_node();
+    let (status, body) = s.call("POST", &format!("/v1/sandboxes/{id}/resume"), None);
+    assert_eq!(status, 202, "{body}");
+    let op = s.wait_op(body["operation"]["id"].as_str().unwrap());
+    assert_eq!(op["state"], "succeeded", "{op}");
+    let (status, body) = s.call("GET", &format!("/v1/sandboxes/{id}/files?path=/home/user/x.txt"), None);
+    assert_eq!((status, body), (200, json!("across")));
+    let sid = s.session(&id, json!({ "argv": ["pgrep", "-x", "sleep"] }));
+    assert!(
+        !decode(&s.events(&id, &sid, None, None), "stdout").trim().is_empty(),
+        "the process running before the drain is gone"
+    );
     s.delete(&id);
     let deadline = Instant::now() + Duration::from_secs(30);
     while node_data.join("sandboxes").join(&id).exists() {

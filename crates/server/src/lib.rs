@@ -394,6 +394,7 @@ pub async fn serve(opts: ServeOptions) -> anyhow::Result<()> {
                 warm_pools: opts.warm_pools,
             })
             .await?;
+            node_daemon::exit_on_stop(node.clone(), || async {});
             (node, egress)
         }
         false => {

@@ -63,8 +63,7 @@ pub fn read_cluster_secret(path: &Path) -> anyhow::Result<Vec<u8>> {
 
 /// This host's node: the runtime (re-attaching the VMs of the last run in the background), its
 /// networks served by a `NodeEgress`, the warm pools. Returns the egress configuration completed
-/// with the host's addresses. A SIGTERM or SIGINT stops base snapshot builds and pool VMs and
-/// exits; sandboxes' VMs outlive the process by design.
+/// with the host's addresses. Its owner says what a stop does ([`exit_on_stop`]).
 pub async fn open_local_node(opts: NodeOptions) -> anyhow::Result<(Arc<LocalNode>, airlock_egress::EgressConfig)> {
     let mut egress = opts.egress;
     let mut runtime_opts = airlock_runtime::RuntimeOptions {
@@ -81,29 +80,75 @@ pub async fn open_local_node(opts: NodeOptions) -> anyhow::Result<(Arc<LocalNode
         None => None,
     };
     let runtime = airlock_runtime::Runtime::open(runtime_opts).await?;
-    // A base snapshot's builder must not outlive the process (a restart would only remove it),
-    // so a stop ends it first.
-    {
-        let runtime = runtime.clone();
-        tokio::spawn(async move {
-            use tokio::signal::unix::{signal, SignalKind};
-            let (Ok(mut term), Ok(mut int)) = (signal(SignalKind::terminate()), signal(SignalKind::interrupt())) else {
-                return;
-            };
-            tokio::select! {
-                _ = term.recv() => {}
-                _ = int.recv() => {}
-            }
-            runtime.stop_base_snapshot_builds().await;
-            runtime.drain_pools().await;
-            std::process::exit(0);
-        });
-    }
     let accel = runtime.accel().await;
     tracing::info!("runtime {} with accel {accel}", runtime.runtime_name());
     let node = Arc::new(LocalNode::new(runtime, hook));
     set_pools(&*node, &opts.warm_pools).await?;
     Ok((node, egress))
+}
+
+/// On SIGTERM or SIGINT: `first` (a node's drain), then base snapshot builds and pool VMs are
+/// stopped (a builder must not outlive the process: a restart would only remove it) and the
+/// process exits 0. Sandboxes' VMs outlive the process by design.
+pub fn exit_on_stop<F>(node: Arc<LocalNode>, first: impl FnOnce() -> F + Send + 'static)
+where
+    F: std::future::Future<Output = ()> + Send + 'static,
+{
+    tokio::spawn(async move {
+        use tokio::signal::unix::{signal, SignalKind};
+        let (Ok(mut term), Ok(mut int)) = (signal(SignalKind::terminate()), signal(SignalKind::interrupt())) else {
+            return;
+        };
+        tokio::select! {
+            _ = term.recv() => {}
+            _ = int.recv() => {}
+        }
+        first().await;
+        node.runtime().stop_base_snapshot_builds().await;
+        node.runtime().drain_pools().await;
+        std::process::exit(0);
+    });
+}
+
+/// How long a stopping node waits for the replicas to take its sandboxes off it before it
+/// suspends the rest to its own disk (`airlock node --drain-seconds`); the chart's termination
+/// grace is longer.
+pub const DRAIN_BUDGET: std::time::Duration = std::time::Duration::from_secs(300);
+
+/// A node's drain: `face` refuses every start and reports `draining`, so the replicas place
+/// nothing here and suspend what runs here; after `budget`, what still runs is suspended by the
+/// node itself. Returns once no VM of `node` runs.
+pub async fn drain(face: &nodes::serve::NodeFace, node: &dyn Nodes, budget: std::time::Duration) {
+    face.drain();
+    tracing::info!(
+        "stopping: draining (starts refused; the replicas take the sandboxes off this node, for at most {budget:?})"
+    );
+    let deadline = tokio::time::Instant::now() + budget;
+    loop {
+        let live: Vec<String> = node
+            .vm_ids()
+            .into_iter()
+            .filter(|id| matches!(node.vm_state(id), nodes::VmState::Running | nodes::VmState::Paused))
+            .collect();
+        if live.is_empty() {
+            tracing::info!("drained: no sandbox runs on this node");
+            return;
+        }
+        if tokio::time::Instant::now() >= deadline {
+            tracing::warn!(
+                "{} sandboxes still run after the drain budget; suspending them here",
+                live.len()
+            );
+            for id in live {
+                match node.suspend(&id).await {
+                    Ok(ms) => tracing::info!(vm = %id, "suspended to this node's disk in {ms} ms"),
+                    Err(e) => tracing::warn!(vm = %id, "cannot suspend it: {e}"),
+                }
+            }
+            return;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(500)).await;
+    }
 }
 
 /// Keep `pools` (template, size) at the default resources on `node`.
@@ -126,6 +171,7 @@ pub async fn serve_node(
     listen: SocketAddr,
     secret: Vec<u8>,
     rules: nodes::NodeRules,
+    drain_budget: std::time::Duration,
     limits: crate::listen::Limits,
 ) -> anyhow::Result<()> {
     // Bound before the runtime opens, so a taken address fails at once.
@@ -137,9 +183,13 @@ pub async fn serve_node(
         "node {name}: serving on {listen} (HTTP/2, cluster tokens); egress digest {}",
         egress.digest()
     );
-    let face = nodes::serve::router(node, &secret, &name, Some(rules))
+    let face = nodes::serve::NodeFace::new(node.clone(), &secret, &name, Some(rules))
         .map_err(|e| anyhow::anyhow!("the node's deadlines dir: {e}"))?;
-    Ok(crate::listen::serve(listener, face, None, limits).await?)
+    let drained = (face.clone(), node.clone());
+    exit_on_stop(node, move || async move {
+        drain(&drained.0, &*drained.1, drain_budget).await
+    });
+    Ok(crate::listen::serve(listener, face.router(), None, limits).await?)
 }
 
 /// The node's egress side for `uplink`, and the platform denies completed with the addresses

@@ -116,6 +116,8 @@ pub struct Engine {
     running: RunningOps,
     /// Sandboxes whose node did not take their latest deadline (`Engine::set_expiry`).
     deadlines_unsent: Arc<std::sync::Mutex<std::collections::HashSet<String>>>,
+    /// Sandboxes of draining nodes this engine suspended already (`Engine::drain_sweep`).
+    drain_tried: Arc<std::sync::Mutex<std::collections::HashSet<String>>>,
 }
 
 /// Operation id -> how many tasks of this process carry it out now (a recovery hands a
@@ -184,6 +186,7 @@ impl Engine {
             started_ms: now_ms(),
             running: Default::default(),
             deadlines_unsent: Default::default(),
+            drain_tried: Default::default(),
         }
     }
 

@@ -35,6 +35,48 @@ impl Engine {
         Ok(())
     }
 
+    /// Sandboxes running on a node that drains are suspended (on its disk: resumed when it is
+    /// back), so it can stop. Moving them through object storage to another node is to come.
+    pub(super) async fn drain_sweep(&self) -> CoreResult<()> {
+        let draining: std::collections::HashSet<String> = self
+            .nodes
+            .members()
+            .into_iter()
+            .filter(|m| m.draining)
+            .map(|m| m.name)
+            .collect();
+        let tried = std::mem::take(&mut *self.drain_tried.lock().unwrap_or_else(|e| e.into_inner()));
+        if draining.is_empty() {
+            return Ok(());
+        }
+        let busy: std::collections::HashSet<String> = self
+            .store
+            .unfinished_operations()
+            .await?
+            .into_iter()
+            .map(|o| o.sandbox_id)
+            .collect();
+        // One suspend per sandbox for as long as its node drains: one that failed is left to
+        // the node's own at the end of its drain budget.
+        let mut kept = std::collections::HashSet::new();
+        for row in self.store.live_sandboxes().await? {
+            if !draining.contains(&row.node) {
+                continue;
+            }
+            if tried.contains(&row.id) {
+                kept.insert(row.id.clone());
+                continue;
+            }
+            if matches!(row.state, SandboxState::Running | SandboxState::Paused) && !busy.contains(&row.id) {
+                tracing::info!(sandbox = %row.id, node = %row.node, "its node drains; suspending it");
+                kept.insert(row.id.clone());
+                self.submit(Action::Suspend { sandbox: row }).await?;
+            }
+        }
+        *self.drain_tried.lock().unwrap_or_else(|e| e.into_inner()) = kept;
+        Ok(())
+    }
+
     /// A sandbox whose timeout passed: suspended if it asked for that (`on_timeout: suspend`,
     /// E2B's autoPause) and runs, else deleted. A suspend that fails deletes it after all.
     pub(super) async fn timed_out(&self, row: SandboxRecord) {
@@ -101,6 +143,9 @@ impl Engine {
                 if tick.is_multiple_of(SWEEP_EVERY_TICKS) {
                     let _ = engine.sweep().await;
                     engine.resend_deadlines().await;
+                    if let Err(e) = engine.drain_sweep().await {
+                        tracing::warn!("cannot take sandboxes off draining nodes: {e}");
+                    }
                     if !engine.recovery.under_way.load(std::sync::atomic::Ordering::SeqCst) {
                         if let Err(e) = engine.take_over().await {
                             tracing::warn!("cannot look for operations to take over: {e}");

@@ -15,6 +15,8 @@ use std::sync::Mutex;
 pub enum Refusal {
     /// Too many starts under way, or no room in its vCPU or memory budget now.
     Capacity,
+    /// The node is stopping (SIGTERM): it takes no new VM, and its own go elsewhere.
+    Draining,
 }
 
 /// What a node enforces itself: at most `max_starts` creates at once, its VMs' vCPUs within its

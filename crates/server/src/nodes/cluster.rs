@@ -370,6 +370,7 @@ impl Nodes for Cluster {
             .iter()
             .map(|(name, n)| {
                 let one = n.members().into_iter().next();
+                let draining = one.as_ref().is_some_and(|m| m.draining);
                 let refuses = match unlisted.contains(name) {
                     true => Some("not listed by discovery (not ready, or going away)".to_string()),
                     false => one.and_then(|m| m.refuses),
@@ -378,6 +379,7 @@ impl Nodes for Cluster {
                     name: name.clone(),
                     capacity: n.capacity(),
                     refuses,
+                    draining,
                 }
             })
             .collect()

@@ -80,6 +80,9 @@ pub struct Member {
     pub capacity: Capacity,
     /// Why it takes no new sandbox now (it does not answer, it drains), or None.
     pub refuses: Option<String>,
+    /// It is stopping: its sandboxes are to be taken off it (`Engine::drain_sweep`).
+    #[serde(default)]
+    pub draining: bool,
 }
 
 /// What a node has, before the operator's overcommit and reserves (`core::Config::budget`).
@@ -178,6 +181,7 @@ pub trait Nodes: Send + Sync {
             name: String::new(),
             capacity: self.capacity(),
             refuses: None,
+            draining: false,
         }]
     }
     /// The member that has VM, claimed pool VM or saved image `id`, where known.

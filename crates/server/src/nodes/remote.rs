@@ -226,6 +226,7 @@ impl RemoteNode {
                 pools: Vec::new(),
                 vms: Vec::new(),
                 images: Vec::new(),
+                draining: false,
             }),
             down: Mutex::new(None),
             exits: broadcast::channel(1024).0,
@@ -458,7 +459,11 @@ impl Nodes for RemoteNode {
         vec![super::Member {
             name: String::new(),
             capacity: self.capacity(),
-            refuses: self.inner.down.lock().unwrap().clone(),
+            refuses: self.inner.down.lock().unwrap().clone().or_else(|| {
+                self.report(|r| r.draining)
+                    .then(|| "draining: it is stopping and takes no new sandbox".to_string())
+            }),
+            draining: self.report(|r| r.draining),
         }]
     }
 }

@@ -23,6 +23,25 @@ struct Face {
     admission: Option<Arc<Admission>>,
     /// The node's own enforcement of timeouts (with `admission`).
     expiry: Option<Arc<Expiry>>,
+    /// Set once the node stops ([`NodeFace::drain`]): every start is refused from then on.
+    draining: Arc<std::sync::atomic::AtomicBool>,
+}
+
+impl Face {
+    fn draining(&self) -> bool {
+        self.draining.load(std::sync::atomic::Ordering::SeqCst)
+    }
+
+    /// A VM may start here (a create, a resume): refused only while the node drains.
+    fn admit_start(&self) -> Result<(), NodeError> {
+        match self.draining() {
+            true => Err(NodeError::Refused(
+                super::Refusal::Draining,
+                "this node is draining: it starts no VM; place the sandbox elsewhere".into(),
+            )),
+            false => Ok(()),
+        }
+    }
 }
 
 /// A `NodeError` as the wire carries it.
@@ -56,39 +75,61 @@ fn refused(status: StatusCode, code: &str, message: &str) -> Response {
 /// `rules`, it admits each create by them first and ends VMs whose timeout passed itself (an
 /// error: the dir it keeps their deadlines in cannot be made).
 pub fn router(nodes: Arc<dyn Nodes>, secret: &[u8], name: &str, rules: Option<NodeRules>) -> std::io::Result<Router> {
-    let expiry = match &rules {
-        Some(r) => Some(Expiry::start(nodes.clone(), r.expiry_grace, r.deadlines.clone())?),
-        None => None,
-    };
-    let face = Face {
-        expiry,
-        nodes,
-        secret: Arc::from(secret),
-        name: Arc::from(name),
-        admission: rules.map(|r| Arc::new(Admission::new(r))),
-    };
-    let routes = Router::new()
-        .route("/report", get(report))
-        .route("/vms", post(create))
-        .route("/vms/{id}", delete(remove))
-        .route("/vms/{id}/pause", post(pause))
-        .route("/vms/{id}/resume", post(resume))
-        .route("/vms/{id}/suspend", post(suspend))
-        .route("/vms/{id}/settled", post(settled))
-        .route("/settled", post(settled_all))
-        .route("/vms/{id}/images/{image}", post(save_image))
-        .route("/images/{image}", delete(delete_image))
-        .route("/images/{image}/digest", get(digest_image))
-        .route("/claims", post(claim))
-        .route("/claims/{id}", delete(unclaim))
-        .route("/pools", put(set_pool))
-        .route("/vms/{id}/egress", get(egress))
-        .route("/vms/{id}/deadline", put(set_deadline))
-        .route("/exits", get(exits))
-        .route("/vms/{id}/agent/{*route}", any(agent))
-        .layer(axum::middleware::from_fn_with_state(face.clone(), authorize))
-        .with_state(face);
-    Ok(Router::new().nest(PREFIX, routes))
+    Ok(NodeFace::new(nodes, secret, name, rules)?.router())
+}
+
+/// A node's face, kept by the daemon that serves it to drain it when it stops.
+#[derive(Clone)]
+pub struct NodeFace(Face);
+
+impl NodeFace {
+    /// See [`router`].
+    pub fn new(nodes: Arc<dyn Nodes>, secret: &[u8], name: &str, rules: Option<NodeRules>) -> std::io::Result<Self> {
+        let expiry = match &rules {
+            Some(r) => Some(Expiry::start(nodes.clone(), r.expiry_grace, r.deadlines.clone())?),
+            None => None,
+        };
+        Ok(NodeFace(Face {
+            expiry,
+            nodes,
+            secret: Arc::from(secret),
+            name: Arc::from(name),
+            admission: rules.map(|r| Arc::new(Admission::new(r))),
+            draining: Default::default(),
+        }))
+    }
+
+    /// From now on every start (create, resume) is refused `draining`, and the report says so:
+    /// replicas place nothing here and move what runs here elsewhere.
+    pub fn drain(&self) {
+        self.0.draining.store(true, std::sync::atomic::Ordering::SeqCst);
+    }
+
+    pub fn router(&self) -> Router {
+        let face = self.0.clone();
+        let routes = Router::new()
+            .route("/report", get(report))
+            .route("/vms", post(create))
+            .route("/vms/{id}", delete(remove))
+            .route("/vms/{id}/pause", post(pause))
+            .route("/vms/{id}/resume", post(resume))
+            .route("/vms/{id}/suspend", post(suspend))
+            .route("/vms/{id}/settled", post(settled))
+            .route("/settled", post(settled_all))
+            .route("/vms/{id}/images/{image}", post(save_image))
+            .route("/images/{image}", delete(delete_image))
+            .route("/images/{image}/digest", get(digest_image))
+            .route("/claims", post(claim))
+            .route("/claims/{id}", delete(unclaim))
+            .route("/pools", put(set_pool))
+            .route("/vms/{id}/egress", get(egress))
+            .route("/vms/{id}/deadline", put(set_deadline))
+            .route("/exits", get(exits))
+            .route("/vms/{id}/agent/{*route}", any(agent))
+            .layer(axum::middleware::from_fn_with_state(face.clone(), authorize))
+            .with_state(face);
+        Router::new().nest(PREFIX, routes)
+    }
 }
 
 async fn authorize(State(face): State<Face>, req: Request, next: axum::middleware::Next) -> Response {
@@ -118,6 +159,7 @@ async fn report(State(f): State<Face>) -> Json<NodeReport> {
         pools: n.pools(),
         vms: n.vm_ids().into_iter().map(|id| (id.clone(), n.vm_state(&id))).collect(),
         images: n.image_ids(),
+        draining: f.draining(),
     })
 }
 
@@ -133,6 +175,7 @@ async fn to_completion<T: Send + 'static>(
 }
 
 async fn create(State(f): State<Face>, Json(vm): Json<VmRequest>) -> Reply<super::Booted> {
+    f.admit_start()?;
     to_completion(async move {
         // Held until the create returns: by then the VM counts among the node's own, or is gone.
         let _ticket = match &f.admission {
@@ -172,6 +215,7 @@ async fn pause(State(f): State<Face>, Path(id): Path<String>) -> Reply<()> {
 }
 
 async fn resume(State(f): State<Face>, Path(id): Path<String>) -> Reply<()> {
+    f.admit_start()?;
     to_completion(async move { f.nodes.resume(&id).await }).await
 }
 

@@ -49,6 +49,9 @@ pub struct NodeReport {
     /// Every VM the node has (live, paused, suspended), with its state.
     pub vms: Vec<(String, VmState)>,
     pub images: Vec<String>,
+    /// It is stopping: it starts nothing, and its sandboxes are to move elsewhere.
+    #[serde(default)]
+    pub draining: bool,
 }
 
 #[derive(Debug, Serialize, Deserialize)]

@@ -11,6 +11,9 @@ pub struct ClusterNode {
     /// Its face's address, which is also its name in sandbox records.
     pub addr: SocketAddr,
     pub dir: PathBuf,
+    /// Its face (to drain it) and the node behind it.
+    pub face: airlock_server::nodes::serve::NodeFace,
+    pub node: Arc<dyn Nodes>,
     tokio: Option<tokio::runtime::Runtime>,
 }
 
@@ -57,24 +60,46 @@ impl ClusterNode {
             .build()
             .unwrap();
         let d = dir.to_path_buf();
-        let addr = tokio_rt
+        let (addr, face, node) = tokio_rt
             .spawn(async move {
                 let egress = Config::default().egress;
                 let (node, _runtime, _egress) =
                     test_node(&d, &egress, capacity, create_delay, Default::default(), true).await;
-                let face = airlock_server::nodes::serve::router(node, NODE_SECRET, &name, rules).unwrap();
+                let face =
+                    airlock_server::nodes::serve::NodeFace::new(node.clone(), NODE_SECRET, &name, rules).unwrap();
                 let listener = tokio::net::TcpListener::bind(("127.0.0.1", port)).await.unwrap();
                 let addr = listener.local_addr().unwrap();
-                tokio::spawn(airlock_server::listen::serve(listener, face, None, Limits::default()));
-                addr
+                tokio::spawn(airlock_server::listen::serve(
+                    listener,
+                    face.router(),
+                    None,
+                    Limits::default(),
+                ));
+                (addr, face, node)
             })
             .await
             .unwrap();
         ClusterNode {
             addr,
             dir: dir.to_path_buf(),
+            face,
+            node,
             tokio: Some(tokio_rt),
         }
+    }
+
+    /// Stop as `airlock node` does on SIGTERM, waiting at most `budget` for the replicas
+    /// (`node_daemon::drain`); returns how long it took.
+    pub async fn drain(&self, budget: Duration) -> Duration {
+        let (face, node) = (self.face.clone(), self.node.clone());
+        let started = Instant::now();
+        self.tokio
+            .as_ref()
+            .unwrap()
+            .spawn(async move { airlock_server::node_daemon::drain(&face, &*node, budget).await })
+            .await
+            .unwrap();
+        started.elapsed()
     }
 
     /// The node dies at once: its face, its connections and its (fake) VMs go.

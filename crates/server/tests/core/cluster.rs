@@ -7,7 +7,7 @@ use super::common::cluster::ClusterNode;
 use super::common::*;
 use airlock_runtime::fake;
 use airlock_server::core::Config;
-use airlock_server::nodes::Capacity;
+use airlock_server::nodes::{Capacity, Nodes};
 use axum::body::Body;
 use axum::http::Method;
 use serde_json::Value;
@@ -426,4 +426,72 @@ async fn a_deadline_the_node_missed_reaches_it_once_it_is_back() {
     replica.stop().await;
     drop(node);
     assert_no_vms(dir.path());
+}
+
+/// A node that stops drains (issue 25, check 5; its end to end with real VMs, suspended and
+/// resumed, is in `tests/api/servers.rs`): it reports `draining` and refuses every start, so
+/// new sandboxes go to the other node; a resume there is refused; its drain ends once its
+/// budget is spent (the fake VMM cannot suspend, so nothing takes its VMs off it here).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_draining_node_takes_nothing_new() {
+    let (store_dir, dirs) = (fresh(), [fresh(), fresh()]);
+    let a = ClusterNode::start(dirs[0].path(), ROOMY, 0).await;
+    let b = ClusterNode::start(dirs[1].path(), ROOMY, 0).await;
+    let replica = Server::start_replica(store_dir.path(), &[a.addr, b.addr], None, replica_config()).await;
+    let mut ids = Vec::new();
+    let on_a = loop {
+        assert!(ids.len() < 12, "placement never chose node a");
+        let id = replica.running_sandbox().await;
+        ids.push(id.clone());
+        if node_of(&replica, &id).await == a.addr.to_string() {
+            break id;
+        }
+    };
+    let took = a.drain(Duration::from_secs(1)).await;
+    assert!(took < Duration::from_secs(5), "{took:?}");
+    let cluster = replica.cluster.clone().unwrap();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while !cluster.members().iter().any(|m| m.draining) {
+        assert!(Instant::now() < deadline, "no replica saw node a draining");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let a_seen = cluster
+        .members()
+        .into_iter()
+        .find(|m| m.name == a.addr.to_string())
+        .unwrap();
+    assert!(
+        a_seen.refuses.as_deref().unwrap_or("").contains("draining"),
+        "{a_seen:?}"
+    );
+    for _ in 0..3 {
+        let id = replica.running_sandbox().await;
+        assert_eq!(node_of(&replica, &id).await, b.addr.to_string());
+        ids.push(id);
+    }
+    // A start asked of it all the same is refused by its own admission.
+    let (status, body) = replica
+        .v1(Method::POST, &format!("/sandboxes/{on_a}/pause"), None)
+        .await;
+    assert_eq!(status, 202, "{body}");
+    let op = replica.wait_op(body["operation"]["id"].as_str().unwrap()).await;
+    assert_eq!(op["state"], "succeeded", "{op}");
+    let (status, body) = replica
+        .v1(Method::POST, &format!("/sandboxes/{on_a}/resume"), None)
+        .await;
+    let refusal = match status {
+        202 => replica.wait_op(body["operation"]["id"].as_str().unwrap()).await,
+        _ => body,
+    };
+    assert!(refusal.to_string().contains("draining"), "{status} {refusal}");
+    assert_eq!(replica.sandbox_state(&on_a).await, "paused");
+
+    for id in &ids {
+        replica.delete(id).await;
+    }
+    replica.stop().await;
+    drop((a, b));
+    for d in &dirs {
+        assert_no_vms(d.path());
+    }
 }
