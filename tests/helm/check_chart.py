@@ -111,8 +111,9 @@ def check(objs, setting, help_of):
     # Kubernetes node, given time to stop.
     assert node["spec"]["updateStrategy"]["type"] == "OnDelete"
     nspec = node["spec"]["template"]["spec"]
-    assert nspec["terminationGracePeriodSeconds"] >= 300
     (n,) = nspec["containers"]
+    drain = int(env_of(n)["AIRLOCK_DRAIN_SECONDS"]["value"])
+    assert nspec["terminationGracePeriodSeconds"] > drain >= 60, "the node is killed before its drain ends"
     assert n["args"][0] == "node"
     assert n["securityContext"]["privileged"] is True
     nenv = env_of(n)

@@ -13,15 +13,15 @@ impl Engine {
         }
     }
 
+    /// Sandboxes with an operation under way (here or on another replica).
+    async fn busy_sandboxes(&self) -> CoreResult<std::collections::HashSet<String>> {
+        let ops = self.store.unfinished_operations().await?;
+        Ok(ops.into_iter().map(|o| o.sandbox_id).collect())
+    }
+
     /// Sandboxes the store thinks run, whose VM is gone, with no operation under way.
     pub(super) async fn sweep(&self) -> CoreResult<()> {
-        let busy: std::collections::HashSet<String> = self
-            .store
-            .unfinished_operations()
-            .await?
-            .into_iter()
-            .map(|o| o.sandbox_id)
-            .collect();
+        let busy = self.busy_sandboxes().await?;
         for row in self.store.live_sandboxes().await? {
             if matches!(row.state, SandboxState::Running | SandboxState::Paused)
                 && !busy.contains(&row.id)
@@ -49,13 +49,7 @@ impl Engine {
         if draining.is_empty() {
             return Ok(());
         }
-        let busy: std::collections::HashSet<String> = self
-            .store
-            .unfinished_operations()
-            .await?
-            .into_iter()
-            .map(|o| o.sandbox_id)
-            .collect();
+        let busy = self.busy_sandboxes().await?;
         // One suspend per sandbox for as long as its node drains: one that failed is left to
         // the node's own at the end of its drain budget.
         let mut kept = std::collections::HashSet::new();
