@@ -241,6 +241,26 @@ async fn an_operation_is_leased_to_one_replica_until_its_lease_lapses(b: Backend
     assert_eq!(own, vec!["op_sb3".to_string()]);
 }
 
+on_both!(a_duty_is_held_by_one_replica_until_its_lease_lapses);
+
+/// A duty (the reaper's) is one replica's at a time, renewed by it, taken over once it lapses.
+async fn a_duty_is_held_by_one_replica_until_its_lease_lapses(b: Backend) {
+    let short = Lease {
+        ms: 300,
+        ..Lease::replica()
+    };
+    let stores = b.stores(&[short, Lease::replica(), Lease::replica()]).await;
+    assert!(stores[0].lead("reaper").await.unwrap());
+    assert!(stores[0].lead("reaper").await.unwrap(), "its holder keeps it");
+    assert!(!stores[1].lead("reaper").await.unwrap());
+    assert!(stores[1].lead("other").await.unwrap(), "duties are apart");
+    tokio::time::sleep(std::time::Duration::from_millis(400)).await;
+    // Lapsed: two replicas race for it, one gets it.
+    let (x, y) = tokio::join!(stores[1].lead("reaper"), stores[2].lead("reaper"));
+    assert!(x.unwrap() ^ y.unwrap());
+    assert!(!stores[0].lead("reaper").await.unwrap(), "its old holder lost it");
+}
+
 on_both!(concurrent_creates_with_one_idempotency_key_make_one_sandbox);
 
 async fn concurrent_creates_with_one_idempotency_key_make_one_sandbox(b: Backend) {

@@ -1,7 +1,12 @@
 //! The reaper: expired sandboxes deleted (or suspended, `on_timeout: suspend`), VMs that exited on
-//! their own failed, every tick.
+//! their own failed, every tick, by one replica at a time; operations whose lease lapsed taken
+//! over and leases renewed by every replica.
 
 use super::*;
+
+/// The duty ([`crate::store::OperationStore::lead`]) of reaping expired sandboxes and sweeping
+/// for gone VMs and draining nodes.
+const REAPER_DUTY: &str = "reaper";
 
 impl Engine {
     /// A sandbox whose VM exited on its own is failed (its quota slot is free again).
@@ -128,18 +133,31 @@ impl Engine {
             loop {
                 tokio::time::sleep(REAP_EVERY).await;
                 tick = tick.wrapping_add(1);
-                if let Ok(expired) = engine.store.expired_sandboxes(now_ms()).await {
-                    // A sandbox the restart's recovery has yet to settle waits for it.
-                    for row in expired.into_iter().filter(|r| !engine.recovering(&r.id)) {
-                        engine.timed_out(row).await;
+                // One replica at a time reaps and sweeps (the others would only submit the same
+                // deletes and suspends again); another takes the duty over once its lease lapses.
+                let leads = match engine.store.lead(REAPER_DUTY).await {
+                    Ok(leads) => leads,
+                    Err(e) => {
+                        tracing::warn!("cannot take the reaper's duty: {e}");
+                        false
+                    }
+                };
+                if leads {
+                    if let Ok(expired) = engine.store.expired_sandboxes(now_ms()).await {
+                        // A sandbox the restart's recovery has yet to settle waits for it.
+                        for row in expired.into_iter().filter(|r| !engine.recovering(&r.id)) {
+                            engine.timed_out(row).await;
+                        }
                     }
                 }
                 if tick.is_multiple_of(SWEEP_EVERY_TICKS) {
-                    let _ = engine.sweep().await;
-                    engine.resend_deadlines().await;
-                    if let Err(e) = engine.drain_sweep().await {
-                        tracing::warn!("cannot take sandboxes off draining nodes: {e}");
+                    if leads {
+                        let _ = engine.sweep().await;
+                        if let Err(e) = engine.drain_sweep().await {
+                            tracing::warn!("cannot take sandboxes off draining nodes: {e}");
+                        }
                     }
+                    engine.resend_deadlines().await;
                     if !engine.recovery.under_way.load(std::sync::atomic::Ordering::SeqCst) {
                         if let Err(e) = engine.take_over().await {
                             tracing::warn!("cannot look for operations to take over: {e}");

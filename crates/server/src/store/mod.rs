@@ -331,7 +331,16 @@ pub trait OperationStore: Send + Sync {
     async fn renew_leases(&self, ids: &[String]) -> Result<(), StoreError>;
     /// Whose leases this store takes, and for how long.
     fn lease(&self) -> &Lease;
+    /// Take or keep `duty` (work one replica does at a time) for this store's lease: true when
+    /// this holder has it now, for [`Lease::ms`] from now; false while another holds it.
+    async fn lead(&self, duty: &str) -> Result<bool, StoreError>;
 }
+
+/// Take or keep a duty: one statement both stores run (`?` placeholders for SQLite, numbered
+/// for Postgres): the row is written only if it is free, lapsed or this holder's.
+const LEAD: &str = "INSERT INTO duties (duty, holder, until_ms) VALUES ($1, $2, $3) \
+     ON CONFLICT (duty) DO UPDATE SET holder = excluded.holder, until_ms = excluded.until_ms \
+     WHERE duties.until_ms < $4 OR duties.holder = excluded.holder";
 
 /// How long an operation's lease lasts unless renewed: how soon another replica takes over
 /// the operations of one that died. Renewed every third of it.

@@ -3,7 +3,7 @@
 use super::{
     new_key, new_tenant_id, op_created_ms, token_hash, AccessHashes, AccountStore, AuditFilter, CreateRecorded,
     E2bStore, KeyFormat, Lease, NodeBudget, OperationStore, SandboxFilter, SandboxStore, StoreError, TenantStore,
-    TokenKind, DISK_HELD, HOLDS_VM, LIVE, RATE_WINDOW_MS,
+    TokenKind, DISK_HELD, HOLDS_VM, LEAD, LIVE, RATE_WINDOW_MS,
 };
 use crate::model::ErrorBody;
 use crate::model::{Operation, OperationKind, OperationState, Quota, Resources, SandboxState, TenantUsage};
@@ -393,6 +393,18 @@ impl OperationStore for SqliteStore {
 
     fn lease(&self) -> &Lease {
         &self.lease
+    }
+
+    async fn lead(&self, duty: &str) -> Result<bool, StoreError> {
+        let now = now_ms();
+        let done = sqlx::query(LEAD)
+            .bind(duty)
+            .bind(&self.lease.holder)
+            .bind(now + self.lease.ms)
+            .bind(now)
+            .execute(&self.pool)
+            .await?;
+        Ok(done.rows_affected() == 1)
     }
 
     async fn renew_leases(&self, ids: &[String]) -> Result<(), StoreError> {
