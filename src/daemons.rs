@@ -2,6 +2,7 @@
 //! node on another host) and `node` (this host's node alone, for API replicas elsewhere).
 
 use airlock_runtime::datadir::DataDir;
+use airlock_runtime::objects::{Objects, ObjectsError, S3};
 use airlock_runtime::template::{BuildOptions, TemplateStore, SEED};
 use clap::Args;
 use std::io::IsTerminal;
@@ -156,6 +157,18 @@ pub struct NodeArgs {
     /// Memory the node keeps for its host; its VMs' memory sums to at most the rest.
     #[arg(long, env = "AIRLOCK_MEMORY_RESERVE_MIB", default_value_t = airlock_server::core::DEFAULT_MEMORY_RESERVE_MIB)]
     memory_reserve_mib: u64,
+    /// Object storage the node shares templates through: a local dir (`file:///path`, or
+    /// just `/path`) or an S3 bucket (`s3://bucket`, its keys in AWS_ACCESS_KEY_ID and
+    /// AWS_SECRET_ACCESS_KEY). A node lacking `seed` pulls it from there (every file checked
+    /// against its digest) rather than build it; one that builds it puts it there.
+    #[arg(long, env = "AIRLOCK_OBJECTS")]
+    objects: Option<String>,
+    /// An S3-compatible store's endpoint (`http://host:port`) for an `s3://` --objects
+    /// [default: AWS, by region].
+    #[arg(long, env = "AIRLOCK_S3_ENDPOINT")]
+    s3_endpoint: Option<String>,
+    #[arg(long, env = "AIRLOCK_S3_REGION", default_value = "us-east-1")]
+    s3_region: String,
     /// On SIGTERM the node refuses new sandboxes and the replicas suspend its own; after this
     /// many seconds it suspends what still runs itself, then exits 0.
     #[arg(long, env = "AIRLOCK_DRAIN_SECONDS", default_value_t = airlock_server::node_daemon::DRAIN_BUDGET.as_secs())]
@@ -209,6 +222,58 @@ async fn ensure_seed(data_dir: &Path) -> anyhow::Result<()> {
         )
         .await?;
     }
+    Ok(())
+}
+
+/// Object storage at `url` (see `airlock node --objects`).
+fn open_objects(url: &str, endpoint: Option<String>, region: &str) -> anyhow::Result<Objects> {
+    if let Some(bucket) = url.strip_prefix("s3://") {
+        let bucket = bucket.trim_end_matches('/');
+        if bucket.is_empty() || bucket.contains('/') {
+            anyhow::bail!("{url:?} names no bucket: use s3://BUCKET");
+        }
+        let var = |name: &str| std::env::var(name).ok().filter(|v| !v.is_empty());
+        let key = |name: &str| var(name).ok_or_else(|| anyhow::anyhow!("{url} needs {name} set"));
+        return Ok(Objects::s3(&S3 {
+            endpoint,
+            bucket: bucket.to_string(),
+            region: region.to_string(),
+            access_key_id: key("AWS_ACCESS_KEY_ID")?,
+            secret_access_key: key("AWS_SECRET_ACCESS_KEY")?,
+        })?);
+    }
+    let path = Path::new(url.strip_prefix("file://").unwrap_or(url));
+    if !path.is_absolute() {
+        anyhow::bail!("{url:?} is neither s3://BUCKET nor an absolute path (file:///path)");
+    }
+    Ok(Objects::local(path)?)
+}
+
+/// `seed` in the data dir from `objects` if it has one (only the files the data dir lacks are
+/// fetched, each checked); else built here and put there for the other nodes.
+async fn seed_through(objects: &Objects, data_dir: &Path) -> anyhow::Result<()> {
+    let store = TemplateStore::new(DataDir::open(data_dir)?);
+    match objects.pull_template(SEED, &store).await {
+        Ok(pulled) => {
+            eprintln!(
+                "airlock: template `seed` {} from object storage ({} bytes fetched)",
+                pulled.template.manifest.digest, pulled.fetched_bytes
+            );
+            return Ok(());
+        }
+        Err(ObjectsError::NotFound(_)) => {}
+        Err(e) => anyhow::bail!("template `seed` from object storage: {e}"),
+    }
+    ensure_seed(data_dir).await?;
+    let seed = store.resolve(SEED)?;
+    let pushed = objects
+        .push_template(&seed)
+        .await
+        .map_err(|e| anyhow::anyhow!("template `seed` into object storage: {e}"))?;
+    eprintln!(
+        "airlock: template `seed` {} put in object storage ({} bytes uploaded)",
+        pushed.digest, pushed.uploaded_bytes
+    );
     Ok(())
 }
 
@@ -269,7 +334,14 @@ impl NodeArgs {
     pub async fn run(self, data_dir: PathBuf) -> anyhow::Result<()> {
         let egress = airlock_server::egress_config_from_env()?;
         let secret = airlock_server::node_daemon::read_cluster_secret(&self.secret_file)?;
-        ensure_seed(&data_dir).await?;
+        match &self.objects {
+            Some(url) => {
+                let objects = open_objects(url, self.s3_endpoint.clone(), &self.s3_region)
+                    .map_err(|e| anyhow::anyhow!("--objects: {e}"))?;
+                seed_through(&objects, &data_dir).await?;
+            }
+            None => ensure_seed(&data_dir).await?,
+        }
         let limits = self.conns.limits();
         let rules = airlock_server::nodes::NodeRules {
             max_starts: self.max_starts as usize,

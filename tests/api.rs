@@ -184,6 +184,10 @@ fn main() {
             servers::a_replica_drives_a_node_in_its_own_process,
         ),
         t(
+            "a_cold_node_pulls_seed_from_object_storage",
+            servers::a_cold_node_pulls_seed_from_object_storage,
+        ),
+        t(
             "quota_is_exact_under_concurrent_creates_over_both_doors",
             servers::quota_is_exact_under_concurrent_creates_over_both_doors,
         ),

@@ -361,36 +361,8 @@ pub(crate) fn a_replica_drives_a_node_in_its_own_process() {
     std::fs::write(&secret, "a cluster secret of at least thirty-two bytes\n").unwrap();
     let port = free_port();
     let node_addr = format!("127.0.0.1:{port}");
-    let start_node = || {
-        let log = std::fs::OpenOptions::new()
-            .create(true)
-            .append(true)
-            .open(node_data.join("node.log"))
-            .unwrap();
-        let node = ChildGuard(
-            Command::new(BIN)
-                .arg("--data-dir")
-                .arg(&node_data)
-                .args(["node", "--listen", &node_addr, "--secret-file"])
-                .arg(&secret)
-                .stdin(Stdio::null())
-                .stdout(log.try_clone().unwrap())
-                .stderr(log)
-                .spawn()
-                .unwrap(),
-        );
-        let deadline = Instant::now() + Duration::from_secs(60);
-        while std::net::TcpStream::connect(&node_addr).is_err() {
-            assert!(
-                Instant::now() < deadline,
-                "the node did not listen; see {}",
-                node_data.display()
-            );
-            std::thread::sleep(Duration::from_millis(100));
-        }
-        node
-    };
-    let mut node = start_node();
+    let start = || start_node(&node_data, &node_addr, &secret, &[]);
+    let mut node = start();
     // A short secret is refused by name before anything starts.
     let short = node_data.join("short.secret");
     std::fs::write(&short, "short").unwrap();
@@ -477,7 +449,7 @@ pub(crate) fn a_replica_drives_a_node_in_its_own_process() {
     assert!(exit.success(), "the node exited {exit:?} after its drain");
     println!("node: drained and exited 0 in {:?}", stopping.elapsed());
     wait_state(&s, &id, "suspended", Duration::from_secs(10)).unwrap_or_else(|sb| panic!("not suspended: {sb}"));
-    let mut node = start_node();
+    let mut node = start();
     let (status, body) = s.call("POST", &format!("/v1/sandboxes/{id}/resume"), None);
     assert_eq!(status, 202, "{body}");
     let op = s.wait_op(body["operation"]["id"].as_str().unwrap());
@@ -500,6 +472,103 @@ pub(crate) fn a_replica_drives_a_node_in_its_own_process() {
     node.stop();
     let _ = std::fs::remove_dir_all(&node_data);
     let _ = std::fs::remove_dir_all(&api_data);
+}
+
+/// `airlock node` on `data`, listening on `addr` with `secret` (and `extra` flags), its output
+/// appended to `data/node.log`; returns once it listens.
+fn start_node(data: &Path, addr: &str, secret: &Path, extra: &[&str]) -> ChildGuard {
+    let log = std::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(data.join("node.log"))
+        .unwrap();
+    let node = ChildGuard(
+        Command::new(BIN)
+            .arg("--data-dir")
+            .arg(data)
+            .args(["node", "--listen", addr, "--secret-file"])
+            .arg(secret)
+            .args(extra)
+            .stdin(Stdio::null())
+            .stdout(log.try_clone().unwrap())
+            .stderr(log)
+            .spawn()
+            .unwrap(),
+    );
+    let deadline = Instant::now() + Duration::from_secs(120);
+    while std::net::TcpStream::connect(addr).is_err() {
+        assert!(
+            Instant::now() < deadline,
+            "the node did not listen; see {}",
+            data.join("node.log").display()
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    node
+}
+
+/// Object storage shares `seed` between nodes (issue 25, check 6): a node that has it puts it
+/// there as it starts; a node with an empty data dir pulls it (every file checked against the
+/// digest) rather than build it, and once it has it fetches nothing more; a sandbox runs on it.
+pub(crate) fn a_cold_node_pulls_seed_from_object_storage() {
+    let warm = own_data_dir("warm-node");
+    let cold = PathBuf::from(format!("{}-cold-node", test_data_dir().display()));
+    let objects = PathBuf::from(format!("{}-objects", test_data_dir().display()));
+    for dir in [&cold, &objects] {
+        let _ = std::fs::remove_dir_all(dir);
+        std::fs::create_dir_all(dir).unwrap();
+    }
+    let secret = warm.join("cluster.secret");
+    std::fs::write(&secret, "a cluster secret of at least thirty-two bytes\n").unwrap();
+    let flag = format!("file://{}", objects.display());
+    let addr = format!("127.0.0.1:{}", free_port());
+    let log = |data: &Path| std::fs::read_to_string(data.join("node.log")).unwrap_or_default();
+    let seed_digest = |data: &Path| {
+        let manifest: Value =
+            serde_json::from_slice(&std::fs::read(data.join("templates/seed.json")).unwrap()).unwrap();
+        manifest["digest"].as_str().unwrap().to_string()
+    };
+
+    let mut node = start_node(&warm, &addr, &secret, &["--objects", &flag]);
+    node.stop();
+    assert!(log(&warm).contains("put in object storage"), "{}", log(&warm));
+    let digest = seed_digest(&warm);
+
+    let mut node = start_node(&cold, &addr, &secret, &["--objects", &flag]);
+    node.stop();
+    let fetched = |text: &str| -> Vec<u64> {
+        text.lines()
+            .filter_map(|l| l.split_once("from object storage (")?.1.split(' ').next()?.parse().ok())
+            .collect()
+    };
+    assert_eq!(seed_digest(&cold), digest);
+    let first = fetched(&log(&cold));
+    assert!(first.len() == 1 && first[0] > 1 << 20, "{}", log(&cold));
+    let mut node = start_node(&cold, &addr, &secret, &["--objects", &flag]);
+    assert_eq!(
+        fetched(&log(&cold)),
+        vec![first[0], 0],
+        "the second start fetched again"
+    );
+    println!("cold node: pulled seed {digest}: {} bytes, then 0", first[0]);
+
+    let api_data = own_data_dir("cold-replica");
+    let s = Server::start_with(
+        &api_data,
+        &["--node", &addr, "--node-secret-file", secret.to_str().unwrap()],
+    );
+    let id = s.create(json!({ "template": "seed", "timeout": "5m" }));
+    let sid = s.session(&id, json!({ "argv": ["echo", "from the cold node"] }));
+    assert_eq!(
+        decode(&s.events(&id, &sid, None, None), "stdout"),
+        "from the cold node\n"
+    );
+    s.delete(&id);
+    drop(s);
+    node.stop();
+    for dir in [&warm, &cold, &objects, &api_data] {
+        let _ = std::fs::remove_dir_all(dir);
+    }
 }
 
 /// A child process ended (SIGTERM, then waited for) when dropped, also after a failed assert.

@@ -129,6 +129,15 @@ def check(objs, setting, help_of):
     else:
         assert host["/dev/kvm"] == "CharDevice" and "/dev/kvm" in nmounts
 
+    # Object storage: the bucket and its keys by reference, or nothing.
+    if setting.startswith("objects.url="):
+        assert nenv["AIRLOCK_OBJECTS"]["value"] == "s3://airlock-templates"
+        assert nenv["AIRLOCK_S3_ENDPOINT"]["value"] == "http://objects:9000"
+        for key in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"):
+            assert nenv[key]["valueFrom"]["secretKeyRef"] == {"name": "airlock-objects", "key": key}
+    else:
+        assert "AIRLOCK_OBJECTS" not in nenv and "AWS_SECRET_ACCESS_KEY" not in nenv
+
     # Every AIRLOCK_* variable is one the binary reads in that role.
     for container, sub in ((a, "serve"), (n, "node")):
         for name in env_of(container):
@@ -147,7 +156,7 @@ def main():
         return helps[sub]
 
     files = sorted(out.glob("*.yaml"))
-    assert len(files) == 6, files
+    assert len(files) == 8, files
     for f in files:
         setting = f.stem.split("-", 1)[1]
         check(objects(f), setting, help_of)

@@ -806,11 +806,13 @@ async fn a_bad_or_unreachable_postgres_url_says_what_to_fix() {
         .unwrap()
         .to_string();
     assert!(e.contains("not a Postgres URL") && !e.contains("secret"), "{e}");
-    // A port nothing listens on (bound, never accepted), as `serve --store` opens it: an error
-    // (not a panic) with its cause, naming what to check.
-    let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-    let port = l.local_addr().unwrap().port();
-    drop(l);
+    // A port nothing listens on, as `serve --store` opens it: an error (not a panic) with its
+    // cause, naming what to check. The port stays bound (never listening) until then, so a
+    // Postgres another test starts meanwhile can't take it.
+    let held = socket2::Socket::new(socket2::Domain::IPV4, socket2::Type::STREAM, None).unwrap();
+    held.bind(&std::net::SocketAddr::from(([127, 0, 0, 1], 0)).into())
+        .unwrap();
+    let port = held.local_addr().unwrap().as_socket().unwrap().port();
     let dir = tempfile::tempdir().unwrap();
     let url = format!("postgres://u:secret@127.0.0.1:{port}/db");
     let e = airlock_server::open_store(Some(&url), dir.path())
@@ -820,6 +822,7 @@ async fn a_bad_or_unreachable_postgres_url_says_what_to_fix() {
         .to_string();
     assert!(e.starts_with("--store: cannot reach") && !e.contains("secret"), "{e}");
     assert!(e.contains("refused") && e.contains("check that it runs"), "{e}");
+    drop(held);
     // Without --store: SQLite in the data dir.
     drop(airlock_server::open_store(None, dir.path()).await.unwrap());
     assert!(dir.path().join("airlock.db").exists());
