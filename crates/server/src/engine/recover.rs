@@ -70,11 +70,7 @@ impl Engine {
                     let ops = ops.remove(&id).unwrap_or_default();
                     let running = running.remove(&id);
                     async move {
-                        engine.nodes.settled(&id).await;
-                        if let Err(e) = engine.recover_sandbox(&id, ops).await {
-                            tracing::error!(sandbox = %id, "cannot recover: {e}");
-                        }
-                        drop(running);
+                        engine.settle_claimed(&id, ops, running.unwrap_or_default()).await;
                         engine.recovery.pending.lock().unwrap().remove(&id);
                         engine.recovered.send_modify(|n| *n += 1);
                     }
@@ -108,15 +104,19 @@ impl Engine {
         for (id, ops) in ops {
             let running: Vec<Running> = ops.iter().map(|o| self.running(&o.id)).collect();
             let engine = self.clone();
-            tokio::spawn(async move {
-                engine.nodes.settled(&id).await;
-                if let Err(e) = engine.recover_sandbox(&id, ops).await {
-                    tracing::error!(sandbox = %id, "cannot take over its operations: {e}");
-                }
-                drop(running);
-            });
+            tokio::spawn(async move { engine.settle_claimed(&id, ops, running).await });
         }
         Ok(())
+    }
+
+    /// Sandbox `id` with the operations this engine claimed of it (counted as run here by
+    /// `running` until it is done), once its node knows whether its VM is there.
+    async fn settle_claimed(&self, id: &str, ops: Vec<Operation>, running: Vec<Running>) {
+        self.nodes.settled(id).await;
+        if let Err(e) = self.recover_sandbox(id, ops).await {
+            tracing::error!(sandbox = %id, "cannot recover: {e}");
+        }
+        drop(running);
     }
 
     /// Whether sandbox `id` is still being recovered after a restart.

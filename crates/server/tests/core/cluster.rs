@@ -294,6 +294,18 @@ fn expiring_rules(dir: &std::path::Path) -> airlock_server::nodes::NodeRules {
     }
 }
 
+/// A node that ends timed-out VMs itself (on `dir`), a replica over it (its store in
+/// `store_dir`), and a running sandbox with a 5 s timeout on them.
+async fn node_enforcing_a_five_second_sandbox(
+    store_dir: &std::path::Path,
+    dir: &std::path::Path,
+) -> (ClusterNode, Server, String) {
+    let node = ClusterNode::start_ruled(dir, FITS_FOUR, 0, "n", Some(expiring_rules(dir))).await;
+    let replica = Server::start_replica(store_dir, &[node.addr], None, replica_config()).await;
+    let id = five_second_sandbox(&replica).await;
+    (node, replica, id)
+}
+
 /// A running sandbox made through `via` with a 5 s timeout.
 async fn five_second_sandbox(via: &Server) -> String {
     let (status, body) = via
@@ -315,17 +327,14 @@ async fn five_second_sandbox(via: &Server) -> String {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_node_ends_an_expired_sandbox_while_no_replica_runs() {
     let (store_dir, dir) = (fresh(), fresh());
-    let rules = expiring_rules(dir.path());
-    let node = ClusterNode::start_ruled(dir.path(), FITS_FOUR, 0, "n", Some(rules.clone())).await;
-    let replica = Server::start_replica(store_dir.path(), &[node.addr], None, replica_config()).await;
-    let id = five_second_sandbox(&replica).await;
+    let (node, replica, id) = node_enforcing_a_five_second_sandbox(store_dir.path(), dir.path()).await;
     let running = Instant::now();
     let key = replica.key.clone();
     replica.stop().await;
     // The node restarts meanwhile: it keeps the deadline it was told and its VM.
     let port = node.addr.port();
     node.kill();
-    let node = ClusterNode::start_ruled(dir.path(), FITS_FOUR, port, "n", Some(rules)).await;
+    let node = ClusterNode::start_ruled(dir.path(), FITS_FOUR, port, "n", Some(expiring_rules(dir.path()))).await;
 
     // No replica: the node ends it 5 s + its 3 s grace after it started running.
     while !fake::live_vms(&node.dir).is_empty() {
@@ -395,10 +404,7 @@ async fn a_replica_leaves_anothers_operations_alone_and_takes_them_over_when_it_
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_deadline_the_node_missed_reaches_it_once_it_is_back() {
     let (store_dir, dir) = (fresh(), fresh());
-    let rules = expiring_rules(dir.path());
-    let node = ClusterNode::start_ruled(dir.path(), FITS_FOUR, 0, "n", Some(rules.clone())).await;
-    let replica = Server::start_replica(store_dir.path(), &[node.addr], None, replica_config()).await;
-    let id = five_second_sandbox(&replica).await;
+    let (node, replica, id) = node_enforcing_a_five_second_sandbox(store_dir.path(), dir.path()).await;
     let running = Instant::now();
 
     // The node is down while the timeout moves to a minute; it comes back with the old one.
@@ -412,7 +418,7 @@ async fn a_deadline_the_node_missed_reaches_it_once_it_is_back() {
         )
         .await;
     assert!(status < 300, "{status} {body}");
-    let node = ClusterNode::start_ruled(dir.path(), FITS_FOUR, port, "n", Some(rules)).await;
+    let node = ClusterNode::start_ruled(dir.path(), FITS_FOUR, port, "n", Some(expiring_rules(dir.path()))).await;
 
     // Past the old deadline and its grace: the VM runs on.
     tokio::time::sleep(Duration::from_secs(10).saturating_sub(running.elapsed())).await;
