@@ -157,10 +157,11 @@ pub struct NodeArgs {
     /// Memory the node keeps for its host; its VMs' memory sums to at most the rest.
     #[arg(long, env = "AIRLOCK_MEMORY_RESERVE_MIB", default_value_t = airlock_server::core::DEFAULT_MEMORY_RESERVE_MIB)]
     memory_reserve_mib: u64,
-    /// Object storage the node shares templates through: a local dir (`file:///path`, or
-    /// just `/path`) or an S3 bucket (`s3://bucket`, its keys in AWS_ACCESS_KEY_ID and
-    /// AWS_SECRET_ACCESS_KEY). A node lacking `seed` pulls it from there (every file checked
-    /// against its digest) rather than build it; one that builds it puts it there.
+    /// Object storage the node shares templates and moving sandboxes through: a local dir
+    /// (`file:///path`, or just `/path`) or an S3 bucket (`s3://bucket`, its keys in
+    /// AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY). A node lacking `seed` pulls it from there
+    /// (every file checked against its digest) rather than build it; one that builds it puts it
+    /// there. A draining node parks its sandboxes there, for other nodes to resume.
     #[arg(long, env = "AIRLOCK_OBJECTS")]
     objects: Option<String>,
     /// An S3-compatible store's endpoint (`http://host:port`) for an `s3://` --objects
@@ -169,8 +170,9 @@ pub struct NodeArgs {
     s3_endpoint: Option<String>,
     #[arg(long, env = "AIRLOCK_S3_REGION", default_value = "us-east-1")]
     s3_region: String,
-    /// On SIGTERM the node refuses new sandboxes and the replicas suspend its own; after this
-    /// many seconds it suspends what still runs itself, then exits 0.
+    /// On SIGTERM the node refuses new sandboxes and the replicas take its own off it (parked
+    /// in --objects for another node, else suspended here); after this many seconds it
+    /// suspends what still runs itself, then exits 0.
     #[arg(long, env = "AIRLOCK_DRAIN_SECONDS", default_value_t = airlock_server::node_daemon::DRAIN_BUDGET.as_secs())]
     drain_seconds: u64,
     #[command(flatten)]
@@ -193,6 +195,7 @@ impl HostArgs {
                 netns: self.egress_uplink_netns,
             },
             warm_pools: self.warm_pools,
+            objects: None,
         }
     }
 }
@@ -334,14 +337,18 @@ impl NodeArgs {
     pub async fn run(self, data_dir: PathBuf) -> anyhow::Result<()> {
         let egress = airlock_server::egress_config_from_env()?;
         let secret = airlock_server::node_daemon::read_cluster_secret(&self.secret_file)?;
-        match &self.objects {
+        let objects = match &self.objects {
             Some(url) => {
                 let objects = open_objects(url, self.s3_endpoint.clone(), &self.s3_region)
                     .map_err(|e| anyhow::anyhow!("--objects: {e}"))?;
                 seed_through(&objects, &data_dir).await?;
+                Some(objects)
             }
-            None => ensure_seed(&data_dir).await?,
-        }
+            None => {
+                ensure_seed(&data_dir).await?;
+                None
+            }
+        };
         let limits = self.conns.limits();
         let rules = airlock_server::nodes::NodeRules {
             max_starts: self.max_starts as usize,
@@ -350,7 +357,10 @@ impl NodeArgs {
             expiry_grace: airlock_server::node_daemon::EXPIRY_GRACE,
             deadlines: Some(data_dir.join("deadlines")),
         };
-        let node = self.host.node_options(data_dir, egress);
+        let node = airlock_server::node_daemon::NodeOptions {
+            objects,
+            ..self.host.node_options(data_dir, egress)
+        };
         let name = self.name.unwrap_or_else(airlock_server::node_daemon::host_name);
         let drain = std::time::Duration::from_secs(self.drain_seconds);
         airlock_server::node_daemon::serve_node(node, name, self.listen, secret, rules, drain, limits).await

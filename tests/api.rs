@@ -188,6 +188,10 @@ fn main() {
             servers::a_cold_node_pulls_seed_from_object_storage,
         ),
         t(
+            "a_draining_nodes_sandboxes_move_to_another_node",
+            servers::a_draining_nodes_sandboxes_move_to_another_node,
+        ),
+        t(
             "quota_is_exact_under_concurrent_creates_over_both_doors",
             servers::quota_is_exact_under_concurrent_creates_over_both_doors,
         ),

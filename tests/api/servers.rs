@@ -434,19 +434,7 @@ pub(crate) fn a_replica_drives_a_node_in_its_own_process() {
     // running, the file written) and the node exits 0; back, the sandbox resumes whole.
     s.session(&id, json!({ "argv": ["sleep", "3600"] }));
     let stopping = Instant::now();
-    assert_eq!(unsafe { libc::kill(node.0.id() as i32, libc::SIGTERM) }, 0);
-    let exit = loop {
-        if let Some(status) = node.0.try_wait().unwrap() {
-            break status;
-        }
-        assert!(
-            stopping.elapsed() < Duration::from_secs(120),
-            "the node still drains after 120 s; see {}",
-            node_data.join("node.log").display()
-        );
-        std::thread::sleep(Duration::from_millis(100));
-    };
-    assert!(exit.success(), "the node exited {exit:?} after its drain");
+    node.drain(&node_data, Duration::from_secs(120));
     println!("node: drained and exited 0 in {:?}", stopping.elapsed());
     wait_state(&s, &id, "suspended", Duration::from_secs(10)).unwrap_or_else(|sb| panic!("not suspended: {sb}"));
     let mut node = start();
@@ -571,10 +559,124 @@ pub(crate) fn a_cold_node_pulls_seed_from_object_storage() {
     }
 }
 
+/// A node's drain moves its sandboxes (issue 25, check 5): two sandboxes on node A (B not up
+/// yet), each with a file written and a process running; SIGTERM to A. The replica parks both
+/// in object storage (saved, uploaded, ended on A) and starts them again on B, which pulls
+/// them; A exits 0. On B each has its file and its process, and A keeps nothing of them.
+pub(crate) fn a_draining_nodes_sandboxes_move_to_another_node() {
+    let a_data = own_data_dir("node-a");
+    let b_data = own_data_dir("node-b");
+    let objects = PathBuf::from(format!("{}-moves", test_data_dir().display()));
+    let _ = std::fs::remove_dir_all(&objects);
+    std::fs::create_dir_all(&objects).unwrap();
+    let secret = a_data.join("cluster.secret");
+    std::fs::write(&secret, "a cluster secret of at least thirty-two bytes\n").unwrap();
+    let flag = format!("file://{}", objects.display());
+    let (a_addr, b_addr) = (
+        format!("127.0.0.1:{}", free_port()),
+        format!("127.0.0.1:{}", free_port()),
+    );
+    let node_flags = ["--objects", flag.as_str(), "--drain-seconds", "90"];
+    let mut a = start_node(&a_data, &a_addr, &secret, &node_flags);
+    let api_data = own_data_dir("moves-replica");
+    let s = Server::start_with(
+        &api_data,
+        &[
+            "--node",
+            &a_addr,
+            "--node",
+            &b_addr,
+            "--node-secret-file",
+            secret.to_str().unwrap(),
+        ],
+    );
+    // B does not answer yet: both land on A.
+    let ids: Vec<String> = (0..2)
+        .map(|_| s.create(json!({ "template": "seed", "timeout": "10m" })))
+        .collect();
+    for (n, id) in ids.iter().enumerate() {
+        assert!(a_data.join("sandboxes").join(id).exists(), "{id} is not on node A");
+        let (status, _) = s.call(
+            "PUT",
+            &format!("/v1/sandboxes/{id}/files?path=/home/user/moved.txt"),
+            Some(json!(format!("written on A, #{n}"))),
+        );
+        assert!((200..300).contains(&status));
+        s.session(id, json!({ "argv": ["sleep", "3600"] }));
+    }
+    let b = start_node(&b_data, &b_addr, &secret, &node_flags);
+
+    let stopping = Instant::now();
+    a.drain(&a_data, Duration::from_secs(180));
+    let drained = stopping.elapsed();
+    for id in &ids {
+        wait_state(&s, id, "running", Duration::from_secs(120)).unwrap_or_else(|sb| {
+            panic!(
+                "{id} did not run again: {sb}; see {}",
+                b_data.join("node.log").display()
+            )
+        });
+    }
+    let moved = stopping.elapsed();
+    println!("drain: node A exited 0 after {drained:?}; both sandboxes ran on B after {moved:?}");
+    for (n, id) in ids.iter().enumerate() {
+        assert!(b_data.join("sandboxes").join(id).exists(), "{id} is not on node B");
+        assert!(!a_data.join("sandboxes").join(id).exists(), "node A kept {id}");
+        let (status, body) = s.call(
+            "GET",
+            &format!("/v1/sandboxes/{id}/files?path=/home/user/moved.txt"),
+            None,
+        );
+        assert_eq!((status, body), (200, json!(format!("written on A, #{n}"))));
+        let sid = s.session(id, json!({ "argv": ["pgrep", "-x", "sleep"] }));
+        assert!(
+            !decode(&s.events(id, &sid, None, None), "stdout").trim().is_empty(),
+            "the process {id} ran on A is gone"
+        );
+    }
+    // The images were the move's only: neither node keeps a copy.
+    for data in [&a_data, &b_data] {
+        let left: Vec<_> = std::fs::read_dir(data.join("images"))
+            .into_iter()
+            .flatten()
+            .flatten()
+            .collect();
+        assert!(left.is_empty(), "{} keeps {left:?}", data.display());
+    }
+    let log = std::fs::read_to_string(b_data.join("node.log")).unwrap_or_default();
+    assert_eq!(log.matches("pulled the parked VM's image").count(), 2, "{log}");
+    for id in &ids {
+        s.delete(id);
+    }
+    drop(s);
+    drop(b);
+    for dir in [&a_data, &b_data, &objects, &api_data] {
+        let _ = std::fs::remove_dir_all(dir);
+    }
+}
+
 /// A child process ended (SIGTERM, then waited for) when dropped, also after a failed assert.
 struct ChildGuard(std::process::Child);
 
 impl ChildGuard {
+    /// SIGTERM to a node on `data`, and its exit 0 once drained, within `within`.
+    fn drain(&mut self, data: &Path, within: Duration) {
+        let stopping = Instant::now();
+        assert_eq!(unsafe { libc::kill(self.0.id() as i32, libc::SIGTERM) }, 0);
+        let exit = loop {
+            if let Some(status) = self.0.try_wait().unwrap() {
+                break status;
+            }
+            assert!(
+                stopping.elapsed() < within,
+                "the node still drains after {within:?}; see {}",
+                data.join("node.log").display()
+            );
+            std::thread::sleep(Duration::from_millis(100));
+        };
+        assert!(exit.success(), "the node exited {exit:?} after its drain");
+    }
+
     fn stop(&mut self) {
         if matches!(self.0.try_wait(), Ok(None)) {
             unsafe { libc::kill(self.0.id() as i32, libc::SIGTERM) };

@@ -372,6 +372,16 @@ async fn image_round_trip(objects: &Objects, state_bytes: usize) {
     for p in m.layers.iter().chain([&m.kernel, &m.initrd, &m.rootfs]) {
         assert!(p.starts_with(&found.dir) && p.exists(), "{}", p.display());
     }
+    // The VMM's uid opens the template's files again by path (as a template's, 0644); the
+    // guest's memory and disk stay the server's only.
+    use std::os::unix::fs::PermissionsExt;
+    let mode = |p: &Path| std::fs::metadata(p).unwrap().permissions().mode() & 0o777;
+    for p in [&m.kernel, &m.initrd, &m.rootfs] {
+        assert_eq!(mode(p), 0o644, "{}", p.display());
+    }
+    for p in [found.state(), found.disk()] {
+        assert_eq!(mode(&p), 0o600, "{}", p.display());
+    }
     assert_eq!(
         ImageManifest {
             machine: saved.manifest.machine.clone(),

@@ -351,6 +351,8 @@ impl CoreError {
                 NodeError::Unreachable(_) => c("node_unreachable", 503),
                 // Every node a create was offered to turned it away (see `nodes/admission.rs`).
                 NodeError::Refused(..) => c("node_refused", 503),
+                // Never a caller's request: the engine falls back (a suspend on its own disk).
+                NodeError::Unsupported(_) => c("unavailable", 503),
                 // `From<NodeError>` makes these `NotFound`/`InvalidResources`; named so that a
                 // new variant must be placed here deliberately.
                 NodeError::UnknownTemplate(_)

@@ -392,6 +392,7 @@ pub async fn serve(opts: ServeOptions) -> anyhow::Result<()> {
                 egress: opts.egress,
                 egress_uplink: opts.egress_uplink,
                 warm_pools: opts.warm_pools,
+                objects: None,
             })
             .await?;
             node_daemon::exit_on_stop(node.clone(), || async {});
@@ -511,6 +512,7 @@ pub async fn serve(opts: ServeOptions) -> anyhow::Result<()> {
     core.engine().start_recovery().await?;
     core.engine().spawn_reaper();
     core.spawn_metrics_sampler();
+    core.spawn_rehoming();
     let state = AppState {
         core,
         watchers: Default::default(),

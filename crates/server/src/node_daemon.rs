@@ -27,6 +27,8 @@ pub struct NodeOptions {
     pub egress_uplink: EgressUplink,
     /// Warm pools to keep from the start: (template, VMs) at the default resources.
     pub warm_pools: Vec<(String, usize)>,
+    /// Object storage to park VMs in for other nodes, and to start theirs from (`--objects`).
+    pub objects: Option<airlock_runtime::objects::Objects>,
 }
 
 /// This host's name, the default name of its node.
@@ -82,7 +84,11 @@ pub async fn open_local_node(opts: NodeOptions) -> anyhow::Result<(Arc<LocalNode
     let runtime = airlock_runtime::Runtime::open(runtime_opts).await?;
     let accel = runtime.accel().await;
     tracing::info!("runtime {} with accel {accel}", runtime.runtime_name());
-    let node = Arc::new(LocalNode::new(runtime, hook));
+    let mut node = LocalNode::new(runtime, hook);
+    if let Some(objects) = opts.objects {
+        node = node.with_objects(objects);
+    }
+    let node = Arc::new(node);
     set_pools(&*node, &opts.warm_pools).await?;
     Ok((node, egress))
 }

@@ -58,6 +58,17 @@ pub struct SandboxRecord {
     pub node: String,
 }
 
+/// Where a suspended sandbox waits while on no node: a draining node parked it in object
+/// storage (`Nodes::park`), and any node with the same machine fingerprint resumes it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ParkedImage {
+    pub image: String,
+    pub fingerprint: String,
+    /// It ran when its node drained: the replicas start it again elsewhere at once
+    /// (`Core::spawn_rehoming`), since its tenant never asked it to stop.
+    pub resume: bool,
+}
+
 /// A sandbox's egress as recorded at create and fixed for its life: the profiles chosen, whether
 /// it is sealed (no egress at all), and the tenant base policy it runs under (the tenant's as it
 /// was at create, narrowed by the create; later changes to the tenant's policy don't reach it).

@@ -397,7 +397,7 @@ async fn suspended_sandboxes_hold_only_disk_and_resume_is_admitted(b: Backend) {
         Err(StoreError::QuotaExceeded { quota: "sandboxes", .. })
     ));
     // Not suspended: nothing to admit.
-    assert!(!store.admit_resume("a", &quota, &budget).await.unwrap());
+    assert!(!store.admit_resume("a", "", &quota, &budget).await.unwrap());
     store.set_sandbox_state("a", SandboxState::Suspended).await.unwrap();
     assert_eq!(store.tenant_usage("t1", now_ms()).await.unwrap().sandboxes, 0);
     assert_eq!(store.tenant_usage("t1", now_ms()).await.unwrap().memory_mib, 0);
@@ -412,7 +412,7 @@ async fn suspended_sandboxes_hold_only_disk_and_resume_is_admitted(b: Backend) {
     store.set_sandbox_state("b", SandboxState::Running).await.unwrap();
     // `b` runs in the tenant's one place: `a` cannot resume until it goes.
     assert!(matches!(
-        store.admit_resume("a", &quota, &budget).await,
+        store.admit_resume("a", "", &quota, &budget).await,
         Err(StoreError::QuotaExceeded { quota: "sandboxes", .. })
     ));
     assert_eq!(
@@ -432,11 +432,11 @@ async fn suspended_sandboxes_hold_only_disk_and_resume_is_admitted(b: Backend) {
     assert!(matches!(other("x").await, Ok(CreateRecorded::New(_))));
     assert!(matches!(other("y").await, Ok(CreateRecorded::New(_))));
     assert!(matches!(
-        store.admit_resume("a", &quota, &budget).await,
+        store.admit_resume("a", "", &quota, &budget).await,
         Err(StoreError::NodeBudgetExceeded { budget: "memory", .. })
     ));
     store.set_sandbox_state("y", SandboxState::Failed).await.unwrap();
-    assert!(store.admit_resume("a", &quota, &budget).await.unwrap());
+    assert!(store.admit_resume("a", "", &quota, &budget).await.unwrap());
     assert_eq!(
         store.sandbox_by_id("a").await.unwrap().unwrap().state,
         SandboxState::Resuming
@@ -486,12 +486,12 @@ async fn a_nodes_budget_counts_only_the_sandboxes_placed_on_it(b: Backend) {
     assert_eq!(store.sandbox_by_id("b2").await.unwrap().unwrap().node, "node-b");
 
     // A node refused a2 by its own admission: it moves only where the store's budgets take it.
-    let r = store.move_creating("a2", "node-b", &budget).await;
+    let r = store.move_starting("a2", "node-b", &budget).await;
     assert!(
         matches!(r, Err(StoreError::NodeBudgetExceeded { budget: "memory", .. })),
         "{r:?}"
     );
-    assert!(store.move_creating("a2", "node-c", &budget).await.unwrap());
+    assert!(store.move_starting("a2", "node-c", &budget).await.unwrap());
     assert_eq!(store.sandbox_by_id("a2").await.unwrap().unwrap().node, "node-c");
     // Node a's budget counts it no longer.
     let r = store
@@ -500,8 +500,39 @@ async fn a_nodes_budget_counts_only_the_sandboxes_placed_on_it(b: Backend) {
     assert!(matches!(r, Ok(CreateRecorded::New(_))), "{r:?}");
     // One no longer creating stays where it is.
     store.set_sandbox_state("a1", SandboxState::Running).await.unwrap();
-    assert!(!store.move_creating("a1", "node-c", &budget).await.unwrap());
+    assert!(!store.move_starting("a1", "node-c", &budget).await.unwrap());
     assert_eq!(store.sandbox_by_id("a1").await.unwrap().unwrap().node, "node-a");
+
+    // Parked in object storage by its draining node, b1's resume is admitted on whichever node
+    // placement offers it.
+    store.set_sandbox_state("b1", SandboxState::Suspended).await.unwrap();
+    let parked = airlock_server::records::ParkedImage {
+        image: "park-0123456789ab".into(),
+        fingerprint: "tcg-0123456789abcdef".into(),
+        resume: true,
+    };
+    store.set_sandbox_parked("b1", Some(&parked)).await.unwrap();
+    assert_eq!(store.sandbox_parked("b1").await.unwrap(), Some(parked));
+    assert_eq!(store.sandbox_parked("b2").await.unwrap(), None);
+    let ids = |rows: Vec<SandboxRecord>| rows.into_iter().map(|r| r.id).collect::<Vec<_>>();
+    assert_eq!(ids(store.parked_to_resume().await.unwrap()), ["b1"]);
+    let r = store.admit_resume("b1", "node-a", &Quota::default(), &budget).await;
+    assert!(
+        matches!(r, Err(StoreError::NodeBudgetExceeded { budget: "memory", .. })),
+        "node a is full: {r:?}"
+    );
+    assert!(store
+        .admit_resume("b1", "node-e", &Quota::default(), &budget)
+        .await
+        .unwrap());
+    let row = store.sandbox_by_id("b1").await.unwrap().unwrap();
+    assert_eq!((row.state, row.node.as_str()), (SandboxState::Resuming, "node-e"));
+    assert!(store.parked_to_resume().await.unwrap().is_empty(), "resuming already");
+    // Node e refused it by its own admission: a resuming sandbox moves like a creating one.
+    assert!(store.move_starting("b1", "node-f", &budget).await.unwrap());
+    store.set_sandbox_parked("b1", None).await.unwrap();
+    assert_eq!(store.sandbox_parked("b1").await.unwrap(), None);
+    assert_eq!(store.sandbox_by_id("b1").await.unwrap().unwrap().node, "node-f");
 }
 
 on_both!(keys_access_tokens_sessions_and_aliases);

@@ -111,8 +111,15 @@ impl Objects {
                 std::fs::create_dir_all(parent).map_err(io(parent))?;
             }
             let path = ObjectPath::from(format!("files/{}", file.sha256));
-            // The state holds the guest's memory: the server's only, as a save makes it.
-            fetched += self.download(&path, file, &to, 0o600, &format!("image {id}")).await?;
+            fetched += self
+                .download(
+                    &path,
+                    file,
+                    &to,
+                    file_mode(&pushed.manifest, &file.name),
+                    &format!("image {id}"),
+                )
+                .await?;
         }
         let manifest = ImageManifest {
             machine: rebased(&pushed.manifest, &dir),
@@ -146,6 +153,17 @@ impl Objects {
             image: Image { dir, manifest },
             fetched_bytes: fetched,
         })
+    }
+}
+
+/// The mode a pulled image's file gets: the template's kernel, initramfs and root filesystem
+/// are readable by the VMM's own uid as the template's files are (it opens them again by
+/// `/proc/self/fd`); the guest's memory and disks stay the server's only, as a save makes them.
+fn file_mode(relative: &ImageManifest, name: &str) -> u32 {
+    let m = &relative.machine;
+    match [&m.kernel, &m.initrd, &m.rootfs].iter().any(|p| p.as_os_str() == name) {
+        true => 0o644,
+        false => 0o600,
     }
 }
 

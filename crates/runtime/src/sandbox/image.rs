@@ -179,11 +179,12 @@ impl Images {
         remove(&self.launcher.data.images(), id)
     }
 
-    /// Save `sb` as image `image_id` while it runs on: it is stopped only while its memory
-    /// is written and its disk copied, then runs again (a paused one stays paused), with its
-    /// sessions intact. VMs made from the image ([`super::CreateVm::image`]) start with its
+    /// Save `sb` as image `image_id`: it is stopped only while its memory is written and its
+    /// disk copied, then runs again if `run_on` (with its sessions intact), else stays stopped
+    /// for its caller to end it (a VM moving to another host: nothing it does after the save
+    /// may be lost). VMs made from the image ([`super::CreateVm::image`]) start with its
     /// memory, processes and files at that moment.
-    pub async fn save(&self, sb: &Vm, image_id: &str) -> Result<Image> {
+    pub async fn save(&self, sb: &Vm, image_id: &str, run_on: bool) -> Result<Image> {
         if !valid_image_id(image_id) {
             return Err(RuntimeError::InvalidSandboxId(image_id.into()));
         }
@@ -223,7 +224,7 @@ impl Images {
             let was_running = snapshotting.save_state(&sb.handle, to, SAVE_LIMIT).await?;
             // Stopped, its images flushed: the overlay as it is now is the image's disk.
             let copied = copy_file(&sb.handle.dir.join("disk.qcow2"), &disk).await;
-            if was_running {
+            if was_running && (run_on || copied.is_err()) {
                 l.vmm.resume(&sb.handle).await?;
             }
             copied?;

@@ -441,7 +441,43 @@ impl Runtime {
     /// the image ([`CreateVm::image`]) start with its memory, processes and files at that moment.
     pub async fn save_image(&self, id: &str, image_id: &str) -> Result<Image> {
         let vm = self.get(id)?;
-        self.inner.images.save(&vm, image_id).await
+        self.inner.images.save(&vm, image_id, true).await
+    }
+
+    /// Save VM `id` as image `image_id` and leave it paused, for it to start again from the
+    /// image on another host: nothing it does after the save can be lost, since it does not
+    /// run on (a paused one is run for the save). Its caller then deletes it, or resumes it
+    /// here if the move does not go ahead. When the save fails the VM is as it was.
+    pub async fn save_paused(&self, id: &str, image_id: &str) -> Result<Image> {
+        let vm = self.get(id)?;
+        let was_paused = vm.is_paused();
+        if was_paused {
+            self.resume(id).await?;
+        }
+        let saved = self.inner.images.save(&vm, image_id, false).await;
+        // Saved, its VMM stays stopped (`save_state` leaves it so); not saved, it runs on.
+        if saved.is_ok() {
+            vm.set_paused(true);
+        } else if was_paused {
+            let _ = self.pause(id).await;
+        }
+        saved
+    }
+
+    /// What a saved VM needs of the machine that starts it again, as one short digest: the
+    /// accelerator, the VMM build and, under KVM (the guest sees the host's CPU), the host's
+    /// CPU model and flags. Images move only between nodes with equal fingerprints.
+    pub async fn fingerprint(&self) -> String {
+        let accel = self.accel().await;
+        let vmm = match self.inner.launcher.vmm.snapshotting() {
+            Some(s) => s.build_id(),
+            None => self.runtime_name().to_string(),
+        };
+        let cpu = match accel {
+            crate::vmm::Accel::Kvm => host_cpu(),
+            crate::vmm::Accel::Tcg => String::new(),
+        };
+        fingerprint_of(&accel.to_string(), &vmm, &cpu)
     }
 
     /// Compute image `image_id`'s content address and record it (see [`Images::digest`]).
@@ -487,6 +523,26 @@ impl Runtime {
     fn pool_starter(&self) -> Arc<dyn PoolStarter> {
         Arc::new(Starter(Arc::downgrade(&self.inner)))
     }
+}
+
+/// The host CPU's model and flags (`/proc/cpuinfo`'s first processor), as a KVM guest sees them.
+fn host_cpu() -> String {
+    let info = std::fs::read_to_string("/proc/cpuinfo").unwrap_or_default();
+    let field = |name: &str| {
+        info.lines()
+            .find(|l| l.split(':').next().is_some_and(|k| k.trim() == name))
+            .and_then(|l| l.split_once(':'))
+            .map(|(_, v)| v.trim().to_string())
+            .unwrap_or_default()
+    };
+    format!("{}|{}", field("model name"), field("flags"))
+}
+
+/// `sha256:` and the first 16 hex digits of the digest over the three parts.
+fn fingerprint_of(accel: &str, vmm: &str, cpu: &str) -> String {
+    let canonical = serde_json::json!({"accel": accel, "vmm": vmm, "cpu": cpu}).to_string();
+    let hex = crate::digest::sha256_hex(canonical.as_bytes());
+    format!("{accel}-{}", &hex[..16])
 }
 
 /// Starts pool VMs as a create would, without keeping the runtime alive.

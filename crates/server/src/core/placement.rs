@@ -6,7 +6,7 @@
 //! no node takes is refused with every node's reason.
 
 use super::Core;
-use crate::error::CoreError;
+use crate::error::{CoreError, CoreResult};
 use crate::nodes::Member;
 use crate::store::NodeBudget;
 
@@ -64,6 +64,95 @@ impl Core {
             open.insert(0, first);
         }
         (open, refused)
+    }
+
+    /// [`Core::candidates`] for a VM saved on machine `fingerprint`: nodes of another machine
+    /// refuse it.
+    pub(crate) fn candidates_matching(&self, fingerprint: &str) -> (Vec<Member>, Vec<(String, String)>) {
+        let (open, mut refused) = self.candidates(None);
+        let (same, other): (Vec<Member>, Vec<Member>) = open.into_iter().partition(|m| m.fingerprint == fingerprint);
+        for m in other {
+            refused.push((
+                m.name,
+                format!(
+                    "incompatible: it was saved on machine {fingerprint}; this node is {}",
+                    m.fingerprint
+                ),
+            ));
+        }
+        (same, refused)
+    }
+
+    /// Offer a start to each of `candidates` in turn (`submit(node, its budget, the rest as
+    /// fallbacks)`) until one is not refused by its budget; when all are, the refusal names
+    /// every node's reason.
+    pub(crate) async fn offer<F, Fut, T>(
+        &self,
+        (candidates, mut reasons): (Vec<Member>, Vec<(String, String)>),
+        mut submit: F,
+    ) -> CoreResult<T>
+    where
+        F: FnMut(String, NodeBudget, Vec<(String, NodeBudget)>) -> Fut,
+        Fut: std::future::Future<Output = CoreResult<T>>,
+    {
+        let budgets: Vec<(String, NodeBudget)> = candidates
+            .iter()
+            .map(|m| (m.name.clone(), self.config.budget(&m.capacity)))
+            .collect();
+        let mut last = None;
+        for (i, (name, budget)) in budgets.iter().enumerate() {
+            match submit(name.clone(), *budget, budgets[i + 1..].to_vec()).await {
+                Err(e) if node_refused(&e) => {
+                    reasons.push((name.clone(), reason(&e)));
+                    last = Some(e);
+                }
+                other => return other,
+            }
+        }
+        Err(refused_everywhere(reasons, last))
+    }
+}
+
+/// How often parked sandboxes that ran are offered to the nodes again.
+const REHOME_EVERY: std::time::Duration = std::time::Duration::from_secs(2);
+/// The least time between two resumes of the same parked sandbox (none fitted anywhere).
+const REHOME_RETRY: std::time::Duration = std::time::Duration::from_secs(15);
+
+impl Core {
+    /// Start again, on another node, every sandbox a draining node parked while it ran (its
+    /// tenant never asked it to stop), for as long as the core lives. Any replica may: the
+    /// store admits each resume once. One whose resume fails (no node fits now) is tried again
+    /// after [`REHOME_RETRY`].
+    pub fn spawn_rehoming(&self) {
+        let core = self.clone();
+        tokio::spawn(async move {
+            let mut tried: std::collections::HashMap<String, tokio::time::Instant> = Default::default();
+            loop {
+                tokio::time::sleep(REHOME_EVERY).await;
+                let Ok(parked) = core.store.parked_to_resume().await else {
+                    continue;
+                };
+                let now = tokio::time::Instant::now();
+                tried.retain(|id, at| parked.iter().any(|r| r.id == *id) && now.duration_since(*at) < REHOME_RETRY);
+                for row in parked {
+                    if tried.contains_key(&row.id) {
+                        continue;
+                    }
+                    tried.insert(row.id.clone(), now);
+                    let id = row.id.clone();
+                    let outcome = match core.submit_resume(row).await {
+                        Ok(_) => "ok",
+                        // Another replica's resume got there first.
+                        Err(CoreError::InvalidState { .. }) => continue,
+                        Err(e) => {
+                            tracing::warn!(sandbox = %id, "cannot start the parked sandbox again: {e}");
+                            "failed"
+                        }
+                    };
+                    core.audit("rehome", None, "sandbox.resume", Some(&id), outcome).await;
+                }
+            }
+        });
     }
 }
 

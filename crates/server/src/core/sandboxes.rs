@@ -2,7 +2,7 @@
 //! lifecycle requests, which the operation engine carries out.
 
 use super::egress::EgressRequest;
-use super::{placement, Core, Principal};
+use super::{Core, Principal};
 use crate::engine::{Action, Submitted};
 use crate::error::{CoreError, CoreResult, Kind};
 use crate::model::{Operation, SandboxState};
@@ -268,38 +268,20 @@ impl Core {
             (Some(id), _) | (None, Some(id)) => self.nodes.owner(id),
             (None, None) => None,
         };
-        let (candidates, mut reasons) = self.candidates(pinned.as_deref());
-        let mut submitted = None;
-        let mut last = None;
-        let budgets: Vec<(String, crate::store::NodeBudget)> = candidates
-            .iter()
-            .map(|m| (m.name.clone(), self.config.budget(&m.capacity)))
-            .collect();
-        for (i, (name, budget)) in budgets.iter().enumerate() {
-            row.node = name.clone();
-            let result = self
-                .engine
-                .submit(Action::Create {
-                    sandbox: row.clone(),
+        let candidates = self.candidates(pinned.as_deref());
+        let submitted = self
+            .offer(candidates, |node, budget, fallbacks| {
+                let sandbox = SandboxRecord { node, ..row.clone() };
+                let action = Action::Create {
+                    sandbox,
                     idempotency_key: req.idempotency_key.clone(),
                     quota,
-                    budget: *budget,
-                    fallbacks: budgets[i + 1..].to_vec(),
-                })
-                .await
-                .map_err(|e| e.for_tenant(&tenant.name));
-            match result {
-                Err(e) if placement::node_refused(&e) => {
-                    reasons.push((name.clone(), placement::reason(&e)));
-                    last = Some(e);
-                }
-                other => {
-                    submitted = Some(other);
-                    break;
-                }
-            }
-        }
-        let submitted = submitted.unwrap_or_else(|| Err(placement::refused_everywhere(reasons, last)));
+                    budget,
+                    fallbacks,
+                };
+                async { self.engine.submit(action).await.map_err(|e| e.for_tenant(&tenant.name)) }
+            })
+            .await;
         let unclaim = || {
             if let Some(id) = &pooled {
                 self.nodes.unclaim(id);
@@ -494,7 +476,14 @@ impl Core {
                 self.admit_suspend(&row).await.map_err(|e| e.for_tenant(&tenant.name))?;
                 Action::Suspend { sandbox: row }
             }
-            Change::Resume => self.resume_action(row).await?,
+            Change::Resume => {
+                let op = self
+                    .submit_resume(row)
+                    .await
+                    .map_err(|e| e.for_tenant(&tenant.name))?
+                    .operation;
+                return self.engine.wait(&op).await;
+            }
         };
         let op = self
             .engine
@@ -548,14 +537,38 @@ impl Core {
         Ok(())
     }
 
-    /// A resume of `row`, admitted (from suspended) under its tenant's quota and the node's
-    /// budgets as they are now.
-    async fn resume_action(&self, row: SandboxRecord) -> CoreResult<Action> {
-        Ok(Action::Resume {
-            quota: self.quota_of(&row.tenant_id).await?,
-            budget: self.budget_of(&row.node),
-            sandbox: row,
+    /// Resume `row`, admitted (from suspended) under its tenant's quota and the node's budgets
+    /// as they are now: on its own node, or, parked in object storage, placed like a create
+    /// on the nodes whose machine matches the one it was saved on.
+    pub(super) async fn submit_resume(&self, row: SandboxRecord) -> CoreResult<crate::engine::Submitted> {
+        let quota = self.quota_of(&row.tenant_id).await?;
+        let parked = match row.state {
+            SandboxState::Suspended => self.store.sandbox_parked(&row.id).await?,
+            _ => None,
+        };
+        let Some(parked) = parked else {
+            let budget = self.budget_of(&row.node);
+            return self
+                .engine
+                .submit(Action::Resume {
+                    sandbox: row,
+                    quota,
+                    budget,
+                    fallbacks: Vec::new(),
+                })
+                .await;
+        };
+        let candidates = self.candidates_matching(&parked.fingerprint);
+        self.offer(candidates, |node, budget, fallbacks| {
+            let action = Action::Resume {
+                sandbox: SandboxRecord { node, ..row.clone() },
+                quota,
+                budget,
+                fallbacks,
+            };
+            self.engine.submit(action)
         })
+        .await
     }
 
     /// Resume a held sandbox that asked for it (`auto_resume`) because a request reached it;
@@ -571,8 +584,7 @@ impl Core {
             match row.state {
                 SandboxState::Running => return Ok(()),
                 SandboxState::Paused | SandboxState::Suspended => {
-                    let action = self.resume_action(row).await?;
-                    match self.engine.submit(action).await {
+                    match self.submit_resume(row).await {
                         Ok(submitted) => {
                             let op = self.engine.wait(&submitted.operation).await?;
                             let outcome = if op.error.is_none() { "ok" } else { "failed" };

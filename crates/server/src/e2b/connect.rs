@@ -136,7 +136,10 @@ impl From<CoreError> for RpcError {
             CoreError::Node(node) => match node {
                 NodeError::InvalidSandboxId(..) => Code::InvalidArgument,
                 NodeError::SandboxIdTaken(..) | NodeError::NotRunning(..) => Code::FailedPrecondition,
-                NodeError::Exhausted(..) | NodeError::Unreachable(..) | NodeError::Refused(..) => Code::Unavailable,
+                NodeError::Exhausted(..)
+                | NodeError::Unreachable(..)
+                | NodeError::Refused(..)
+                | NodeError::Unsupported(..) => Code::Unavailable,
                 NodeError::UnknownTemplate(..) | NodeError::UnknownSandbox(..) | NodeError::UnknownImage(..) => {
                     Code::NotFound
                 }

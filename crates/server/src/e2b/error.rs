@@ -68,9 +68,10 @@ impl From<CoreError> for E2bError {
                 }
                 NodeError::InvalidSandboxId(..) | NodeError::InvalidResources(..) => S::BAD_REQUEST,
                 NodeError::SandboxIdTaken(..) | NodeError::NotRunning(..) => S::CONFLICT,
-                NodeError::Exhausted(..) | NodeError::Unreachable(..) | NodeError::Refused(..) => {
-                    S::SERVICE_UNAVAILABLE
-                }
+                NodeError::Exhausted(..)
+                | NodeError::Unreachable(..)
+                | NodeError::Refused(..)
+                | NodeError::Unsupported(..) => S::SERVICE_UNAVAILABLE,
                 NodeError::BootFailed(..) | NodeError::Network(..) | NodeError::Failed(..) => S::INTERNAL_SERVER_ERROR,
             },
         };

@@ -64,11 +64,14 @@ pub enum Action {
         budget: NodeBudget,
     },
     /// Run a paused sandbox again, or start a suspended one from its saved state: that needs its
-    /// place, vcpu and memory again, so it is admitted under `quota` and `budget` like a create.
+    /// place, vcpu and memory again, so it is admitted under `quota` and `budget` of
+    /// `sandbox.node` like a create. A parked one (on no node) starts on `sandbox.node`, and
+    /// if that node refuses it, on the next of `fallbacks` as a create would.
     Resume {
         sandbox: SandboxRecord,
         quota: Quota,
         budget: NodeBudget,
+        fallbacks: Vec<(String, NodeBudget)>,
     },
 }
 
@@ -360,9 +363,17 @@ impl Engine {
                     new: true,
                 })
             }
-            Action::Resume { sandbox, quota, budget } => {
+            Action::Resume {
+                sandbox,
+                quota,
+                budget,
+                fallbacks,
+            } => {
                 if sandbox.state == SandboxState::Suspended
-                    && !self.store.admit_resume(&sandbox.id, &quota, &budget).await?
+                    && !self
+                        .store
+                        .admit_resume(&sandbox.id, &sandbox.node, &quota, &budget)
+                        .await?
                 {
                     return Err(CoreError::InvalidState {
                         id: sandbox.id.clone(),
@@ -376,6 +387,20 @@ impl Engine {
                 }
                 if sandbox.state == SandboxState::Suspended {
                     self.announce(&sandbox.id, SandboxState::Resuming);
+                    if let Some(parked) = self.store.sandbox_parked(&sandbox.id).await? {
+                        let op = new_operation(OperationKind::Resume, &sandbox.id);
+                        self.store.insert_operation(&sandbox.tenant_id, &op).await?;
+                        let engine = self.clone();
+                        let run = op.clone();
+                        self.start(
+                            &op,
+                            async move { engine.run_unpark(run, sandbox, parked, fallbacks).await },
+                        );
+                        return Ok(Submitted {
+                            operation: op,
+                            new: true,
+                        });
+                    }
                 }
                 self.submit_change(sandbox, OperationKind::Resume).await
             }

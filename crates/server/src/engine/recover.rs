@@ -173,8 +173,10 @@ impl Engine {
     }
 
     /// One sandbox after a restart, once its node knows whether its VM is there: its open
-    /// operations finished or failed by what the VM is, and the sandbox failed if its VM is gone.
+    /// operations finished or failed by what the VM is, and the sandbox failed if its VM is gone
+    /// (unless it is parked in object storage: then it waits there, suspended).
     pub(super) async fn recover_sandbox(&self, id: &str, ops: Vec<Operation>) -> CoreResult<()> {
+        let parked = self.store.sandbox_parked(id).await?.is_some();
         for op in ops {
             // Asked now: a view from an earlier report may predate what another replica did.
             let Some(vm) = self.nodes.vm_state_now(id).await else {
@@ -218,6 +220,19 @@ impl Engine {
                     self.finish(&op, Some(interrupted())).await;
                     tracing::warn!(op = %op.id, "interrupted by a restart before it took effect");
                 }
+                // Its park went through (the image is recorded before the node is asked).
+                (OperationKind::Suspend, VmState::Gone) if parked => {
+                    self.settle_held(id, VmState::Suspended).await;
+                    self.finish(&op, None).await;
+                    tracing::info!(op = %op.id, "parked before the restart: succeeded");
+                }
+                // Its move to another node did not happen: it is still parked.
+                (OperationKind::Resume, VmState::Gone) if parked => {
+                    self.transition(id, &[SandboxState::Resuming], SandboxState::Suspended)
+                        .await;
+                    self.finish(&op, Some(interrupted())).await;
+                    tracing::warn!(op = %op.id, "interrupted by a restart before it took effect");
+                }
                 (_, VmState::Gone) => {
                     self.set_state(id, SandboxState::Failed).await;
                     self.finish(&op, Some(interrupted())).await;
@@ -236,7 +251,10 @@ impl Engine {
                 let Some(vm) = self.nodes.vm_state_now(id).await else {
                     return Ok(());
                 };
+                let parked = self.store.sandbox_parked(id).await?.is_some();
                 match vm {
+                    // Parked in object storage: suspended, on no node.
+                    VmState::Gone if parked => self.settle_held(id, VmState::Suspended).await,
                     // Its timeout passed while no replica ran: its node ended it (`nodes/expiry.rs`).
                     VmState::Gone if row.expires_at_ms <= now_ms() => {
                         tracing::info!(sandbox = %id, "its timeout passed and its VM is gone; deleted");
@@ -246,7 +264,13 @@ impl Engine {
                         tracing::warn!(sandbox = %id, "its VM is gone; marking it failed");
                         self.set_state(id, SandboxState::Failed).await;
                     }
-                    vm => self.settle_held(id, vm).await,
+                    vm => {
+                        // A park or a move that did not finish: the VM is where it runs.
+                        if parked {
+                            self.store.set_sandbox_parked(id, None).await?;
+                        }
+                        self.settle_held(id, vm).await
+                    }
                 }
             }
         }

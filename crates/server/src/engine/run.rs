@@ -14,6 +14,7 @@ impl Engine {
             env: row.env.clone(),
             egress: row.egress.clone(),
             node: row.node.clone(),
+            moved_from: None,
         };
         match self.create_placed(vm, fallbacks).await {
             Ok(booted) => {
@@ -117,7 +118,7 @@ impl Engine {
                 let Some((node, budget)) = next.next() else {
                     return Err(crate::core::placement::refused_everywhere(reasons, Some(refusal)));
                 };
-                match self.store.move_creating(&vm.id, &node, &budget).await {
+                match self.store.move_starting(&vm.id, &node, &budget).await {
                     Ok(true) => {
                         vm.node = node;
                         break;
@@ -207,18 +208,24 @@ impl Engine {
         }
     }
 
-    /// Pause, suspend or resume (`op.kind`), then record what the VM is.
+    /// Pause, suspend or resume (`op.kind`), then record what the VM is. A suspend on a
+    /// draining node that can park it parks it in object storage instead, for another node to
+    /// resume ([`Engine::run_unpark`]).
     pub(super) async fn run_change(&self, op: Operation) {
         let id = op.sandbox_id.clone();
         let _ = self.store.set_operation_state(&op.id, OperationState::Running).await;
         let result = match op.kind {
-            OperationKind::Pause => self.nodes.pause(&id).await,
-            OperationKind::Suspend => self.nodes.suspend(&id).await.map(drop),
-            _ => self.nodes.resume(&id).await,
+            OperationKind::Pause => self.nodes.pause(&id).await.map(|()| None),
+            OperationKind::Suspend => match self.parking_on(&id).await {
+                Some(parked) => self.park(&id, parked).await.map(|()| Some(VmState::Suspended)),
+                None => self.nodes.suspend(&id).await.map(|_| None),
+            },
+            _ => self.nodes.resume(&id).await.map(|()| None),
         };
         match result {
-            Ok(()) => {
-                self.settle_held(&id, self.nodes.vm_state(&id)).await;
+            Ok(state) => {
+                self.settle_held(&id, state.unwrap_or_else(|| self.nodes.vm_state(&id)))
+                    .await;
                 self.finish(&op, None).await;
             }
             Err(e) => {
@@ -228,6 +235,91 @@ impl Engine {
                     self.settle_held(&id, self.nodes.vm_state(&id)).await;
                 }
                 self.finish(&op, Some((&CoreError::from(e)).into())).await
+            }
+        }
+    }
+
+    /// Where sandbox `id` would be parked if its node drains and can park it: a new image
+    /// id, the node's fingerprint, and whether it is to run again (it runs now).
+    async fn parking_on(&self, id: &str) -> Option<crate::records::ParkedImage> {
+        let row = self.store.sandbox_by_id(id).await.ok()??;
+        let node = self
+            .nodes
+            .members()
+            .into_iter()
+            .find(|m| m.name == row.node && m.draining && m.parks)?;
+        Some(crate::records::ParkedImage {
+            image: format!("park-{}", airlock_runtime::datadir::random_hex(12)),
+            fingerprint: node.fingerprint,
+            resume: row.state == SandboxState::Running,
+        })
+    }
+
+    /// Park sandbox `id` in object storage as `parked`, its VM ended. The image is recorded
+    /// first, so a replica that takes the operation over and finds the VM gone knows where it
+    /// went.
+    async fn park(&self, id: &str, mut parked: crate::records::ParkedImage) -> Result<(), crate::nodes::NodeError> {
+        let store_failed = |e: crate::store::StoreError| crate::nodes::NodeError::Failed(Box::new(e));
+        self.store
+            .set_sandbox_parked(id, Some(&parked))
+            .await
+            .map_err(store_failed)?;
+        match self.nodes.park(id, &parked.image).await {
+            Ok(p) => {
+                tracing::info!(sandbox = %id, image = %parked.image, bytes = p.bytes, "parked in object storage");
+                if p.fingerprint != parked.fingerprint {
+                    parked.fingerprint = p.fingerprint;
+                    self.store
+                        .set_sandbox_parked(id, Some(&parked))
+                        .await
+                        .map_err(store_failed)?;
+                }
+                Ok(())
+            }
+            Err(e) => {
+                // Not parked: its VM runs on where it was.
+                if self.nodes.vm_state_now(id).await != Some(VmState::Gone) {
+                    let _ = self.store.set_sandbox_parked(id, None).await;
+                }
+                Err(e)
+            }
+        }
+    }
+
+    /// Resume a parked sandbox: its image started on `row.node` (admitted there already), or
+    /// on the next of `fallbacks` while a node refuses it. One that starts nowhere stays
+    /// suspended and parked.
+    pub(super) async fn run_unpark(
+        &self,
+        op: Operation,
+        row: SandboxRecord,
+        parked: crate::records::ParkedImage,
+        fallbacks: Vec<(String, NodeBudget)>,
+    ) {
+        let _ = self.store.set_operation_state(&op.id, OperationState::Running).await;
+        let vm = crate::nodes::VmRequest {
+            id: row.id.clone(),
+            template: row.template.clone(),
+            resources: row.resources,
+            image_id: Some(parked.image.clone()),
+            env: row.env.clone(),
+            egress: row.egress.clone(),
+            node: row.node.clone(),
+            moved_from: Some(parked.fingerprint.clone()),
+        };
+        match self.create_placed(vm, fallbacks).await {
+            Ok(booted) => {
+                let _ = self.store.set_sandbox_boot(&row.id, &booted).await;
+                let _ = self.store.set_sandbox_parked(&row.id, None).await;
+                tracing::info!(sandbox = %row.id, image = %parked.image, "resumed from object storage");
+                self.settle_held(&row.id, VmState::Running).await;
+                self.finish(&op, None).await;
+            }
+            Err(e) => {
+                tracing::warn!(sandbox = %row.id, "resume from object storage failed: {e}");
+                self.transition(&row.id, &[SandboxState::Resuming], SandboxState::Suspended)
+                    .await;
+                self.finish(&op, Some((&e).into())).await;
             }
         }
     }

@@ -17,6 +17,8 @@ pub enum Refusal {
     Capacity,
     /// The node is stopping (SIGTERM): it takes no new VM, and its own go elsewhere.
     Draining,
+    /// A VM saved on another machine (CPU, VMM build, accelerator) that this one cannot start.
+    Incompatible,
 }
 
 /// What a node enforces itself: at most `max_starts` creates at once, its VMs' vCPUs within its
@@ -48,6 +50,18 @@ pub struct Ticket<'a> {
 impl Drop for Ticket<'_> {
     fn drop(&mut self) {
         self.admission.starting().remove(&self.id);
+    }
+}
+
+/// Whether `vm` can start on a node whose machine is `here`: one moving in from another node
+/// only where its saved machine matches.
+pub fn machine_fits(here: &str, vm: &VmRequest) -> Result<(), NodeError> {
+    match &vm.moved_from {
+        Some(from) if from != here => Err(NodeError::Refused(
+            Refusal::Incompatible,
+            format!("incompatible: it was saved on machine {from}; this node is {here} (CPU, VMM build or accelerator differ)"),
+        )),
+        _ => Ok(()),
     }
 }
 
@@ -120,7 +134,22 @@ mod tests {
             env: Default::default(),
             egress: Default::default(),
             node: String::new(),
+            moved_from: None,
         }
+    }
+
+    #[test]
+    fn a_vm_moving_in_needs_the_machine_it_was_saved_on() {
+        let mut moving = vm("x", 1, 128);
+        assert!(machine_fits("kvm-aaaa", &moving).is_ok(), "a new VM goes anywhere");
+        moving.moved_from = Some("kvm-aaaa".into());
+        assert!(machine_fits("kvm-aaaa", &moving).is_ok());
+        let e = machine_fits("kvm-bbbb", &moving).err().unwrap();
+        assert!(matches!(e, NodeError::Refused(Refusal::Incompatible, _)), "{e}");
+        assert_eq!(
+            e.to_string(),
+            "incompatible: it was saved on machine kvm-aaaa; this node is kvm-bbbb (CPU, VMM build or accelerator differ)"
+        );
     }
 
     fn node(memory_mib: u64, memory_held_mib: u64) -> Capacity {

@@ -223,6 +223,13 @@ impl Nodes for Cluster {
         Ok(bytes)
     }
 
+    async fn park(&self, id: &str, image_id: &str) -> Result<super::Parked, NodeError> {
+        let (_, node) = self.find(id).ok_or_else(|| unknown(id))?;
+        let parked = node.park(id, image_id).await?;
+        self.forget(id);
+        Ok(parked)
+    }
+
     async fn delete_image(&self, image_id: &str) -> Result<(), NodeError> {
         let Some((_, node)) = self.find(image_id) else {
             return Ok(());
@@ -369,17 +376,22 @@ impl Nodes for Cluster {
         self.snapshot()
             .iter()
             .map(|(name, n)| {
-                let one = n.members().into_iter().next();
-                let draining = one.as_ref().is_some_and(|m| m.draining);
+                let one = n.members().into_iter().next().unwrap_or_else(|| Member {
+                    name: String::new(),
+                    capacity: n.capacity(),
+                    refuses: None,
+                    draining: false,
+                    fingerprint: String::new(),
+                    parks: false,
+                });
                 let refuses = match unlisted.contains(name) {
                     true => Some("not listed by discovery (not ready, or going away)".to_string()),
-                    false => one.and_then(|m| m.refuses),
+                    false => one.refuses,
                 };
                 Member {
                     name: name.clone(),
-                    capacity: n.capacity(),
                     refuses,
-                    draining,
+                    ..one
                 }
             })
             .collect()

@@ -36,6 +36,9 @@ pub enum NodeError {
     /// The node turned the VM away by its own admission (see `admission.rs`): place it elsewhere.
     #[error("{1}")]
     Refused(super::Refusal, String),
+    /// The node cannot do this at all (how it was set up): ask another.
+    #[error("this node cannot {0}")]
+    Unsupported(String),
     /// The node did not answer (down, cut off, or past the call's deadline): the VM's fate is
     /// unknown, not failed.
     #[error(transparent)]

@@ -2,6 +2,7 @@
 
 use super::{Booted, Capacity, NodeEgress, NodeError, Nodes, PoolInfo, VmRequest, VmState};
 use airlock_agent_client::AgentClient;
+use airlock_runtime::objects::{Objects, ObjectsError};
 use airlock_runtime::sandbox::StartKind;
 use airlock_runtime::template::TemplateManifest;
 use airlock_runtime::{CreateVm, Resources, Runtime, RuntimeError};
@@ -16,6 +17,8 @@ pub struct LocalNode {
     runtime: Runtime,
     /// Its VMs' egress (None without sandbox networks).
     egress: Option<Arc<NodeEgress>>,
+    /// Where it parks VMs for other nodes and finds those parked elsewhere (None: it does not).
+    objects: Option<Objects>,
     locks: Mutex<HashMap<String, Arc<tokio::sync::Mutex<()>>>>,
 }
 
@@ -37,8 +40,15 @@ impl LocalNode {
         Self {
             runtime,
             egress,
+            objects: None,
             locks: Mutex::default(),
         }
+    }
+
+    /// The same node, parking VMs in `objects` and starting those parked there by other nodes.
+    pub fn with_objects(mut self, objects: Objects) -> Self {
+        self.objects = Some(objects);
+        self
     }
 
     pub fn runtime(&self) -> &Runtime {
@@ -75,6 +85,24 @@ impl Nodes for LocalNode {
         if self.runtime.get(&sandbox.id).is_ok() || self.runtime.is_suspended(&sandbox.id) {
             return Err(NodeError::SandboxIdTaken(sandbox.id.clone()));
         }
+        // A VM parked by another node: its image is pulled (every file checked) unless here.
+        let moved = match (&sandbox.moved_from, &sandbox.image_id) {
+            (Some(_), Some(image)) => Some(image.clone()),
+            _ => None,
+        };
+        if let Some(image) = &moved {
+            if self.runtime.image(image).is_none() {
+                let objects = self
+                    .objects
+                    .as_ref()
+                    .ok_or_else(|| NodeError::Unsupported("start a parked VM: it has no object storage".into()))?;
+                let pulled = objects
+                    .pull_image(image, self.runtime.data_dir())
+                    .await
+                    .map_err(objects_error)?;
+                tracing::info!(vm = %sandbox.id, %image, bytes = pulled.fetched_bytes, "pulled the parked VM's image");
+            }
+        }
         if let Some(egress) = &self.egress {
             egress
                 .prepare(&sandbox.id, &sandbox.egress)
@@ -90,6 +118,10 @@ impl Nodes for LocalNode {
                 env: sandbox.env.clone(),
             })
             .await;
+        // The VM holds its own links to what it runs on; the copy would only take disk.
+        if let Some(image) = &moved {
+            let _ = self.runtime.delete_image(image);
+        }
         let sb = match created {
             Ok(sb) => sb,
             Err(e) => {
@@ -157,6 +189,49 @@ impl Nodes for LocalNode {
         let lock = self.lock_for(id);
         let _guard = lock.lock().await;
         Ok(self.runtime.save_image(id, image_id).await?.bytes())
+    }
+
+    async fn park(&self, id: &str, image_id: &str) -> Result<super::Parked, NodeError> {
+        let objects = self
+            .objects
+            .as_ref()
+            .ok_or_else(|| NodeError::Unsupported("park a VM: it has no object storage".into()))?;
+        self.runtime.settled(id).await;
+        let lock = self.lock_for(id);
+        let _guard = lock.lock().await;
+        let was_paused = self.vm_state(id) == VmState::Paused;
+        let image = self.runtime.save_paused(id, image_id).await?;
+        let pushed = objects.push_image(&image).await;
+        // The local copy goes either way: the pushed one is the image now.
+        let _ = self.runtime.delete_image(image_id);
+        match pushed {
+            Ok(p) => {
+                tracing::info!(vm = %id, image = %image_id, uploaded = p.uploaded_bytes, "parked in object storage");
+                self.runtime.delete(id).await?;
+                if let Some(egress) = &self.egress {
+                    egress.forget(id);
+                }
+                Ok(super::Parked {
+                    bytes: image.bytes(),
+                    fingerprint: self.runtime.fingerprint().await,
+                })
+            }
+            Err(e) => {
+                // Not moved: it runs on here as it was.
+                if !was_paused {
+                    let _ = self.runtime.resume(id).await;
+                }
+                Err(objects_error(e))
+            }
+        }
+    }
+
+    async fn fingerprint(&self) -> String {
+        self.runtime.fingerprint().await
+    }
+
+    fn parks(&self) -> bool {
+        self.objects.is_some()
     }
 
     async fn delete_image(&self, image_id: &str) -> Result<(), NodeError> {
@@ -260,5 +335,14 @@ impl Nodes for LocalNode {
             vcpu_held: vms.iter().map(|vm| u64::from(vm.record.resources.vcpu)).sum(),
             memory_held_mib: vms.iter().map(|vm| u64::from(vm.record.resources.memory_mib)).sum(),
         }
+    }
+}
+
+/// Object storage's failure as the node's: a missing image is one, the rest the node's own.
+fn objects_error(e: ObjectsError) -> NodeError {
+    match e {
+        ObjectsError::NotFound(id) => NodeError::UnknownImage(id),
+        ObjectsError::Local(e) => e.into(),
+        e => NodeError::Failed(Box::new(e)),
     }
 }

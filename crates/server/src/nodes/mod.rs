@@ -60,6 +60,20 @@ pub struct VmRequest {
     /// The member placement chose ([`Member::name`]); a `Cluster` sends the create there.
     #[serde(default)]
     pub node: String,
+    /// Set for a VM moving here from another node (`image_id` is the image [`Nodes::park`]
+    /// left in object storage): the fingerprint of the machine it was saved on. A node whose
+    /// own differs refuses it `incompatible`; one that lacks the image pulls it first.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub moved_from: Option<String>,
+}
+
+/// A VM [`Nodes::park`] saved to object storage and ended.
+#[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
+pub struct Parked {
+    /// The image's bytes (memory and disk) in object storage.
+    pub bytes: u64,
+    /// The machine it was saved on ([`Nodes::fingerprint`]): only an equal one starts it.
+    pub fingerprint: String,
 }
 
 /// When a sandbox's timeout passes, and what it does then.
@@ -83,6 +97,12 @@ pub struct Member {
     /// It is stopping: its sandboxes are to be taken off it (`Engine::drain_sweep`).
     #[serde(default)]
     pub draining: bool,
+    /// Its machine ([`Nodes::fingerprint`]): a parked VM resumes only on an equal one.
+    #[serde(default)]
+    pub fingerprint: String,
+    /// It can park a VM in object storage ([`Nodes::park`]), for another node to resume.
+    #[serde(default)]
+    pub parks: bool,
 }
 
 /// What a node has, before the operator's overcommit and reserves (`core::Config::budget`).
@@ -125,6 +145,22 @@ pub trait Nodes: Send + Sync {
     /// Save the VM as image `image_id` while it runs on (see `Runtime::save_image`); returns
     /// the bytes it holds.
     async fn save_image(&self, id: &str, image_id: &str) -> Result<u64, NodeError>;
+    /// Save VM `id` as image `image_id` into object storage and end it here, for a node with
+    /// an equal fingerprint to start it again ([`VmRequest::moved_from`]). When it fails the
+    /// VM is as it was. A node without object storage answers `Unsupported`.
+    async fn park(&self, id: &str, image_id: &str) -> Result<Parked, NodeError> {
+        let _ = (id, image_id);
+        Err(NodeError::Unsupported("park a VM: it has no object storage".into()))
+    }
+    /// Whether it can [`Nodes::park`] VMs (it has object storage).
+    fn parks(&self) -> bool {
+        false
+    }
+    /// What a VM saved here needs of the machine that starts it again (see
+    /// `Runtime::fingerprint`).
+    async fn fingerprint(&self) -> String {
+        String::new()
+    }
     /// Remove a saved image (a missing one is not an error).
     async fn delete_image(&self, image_id: &str) -> Result<(), NodeError>;
     /// Image `image_id`'s content address, `sha256:<hex>` (see `Runtime::digest_image`).
@@ -182,6 +218,8 @@ pub trait Nodes: Send + Sync {
             capacity: self.capacity(),
             refuses: None,
             draining: false,
+            fingerprint: String::new(),
+            parks: false,
         }]
     }
     /// The member that has VM, claimed pool VM or saved image `id`, where known.

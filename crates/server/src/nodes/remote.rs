@@ -227,6 +227,8 @@ impl RemoteNode {
                 vms: Vec::new(),
                 images: Vec::new(),
                 draining: false,
+                fingerprint: String::new(),
+                parks: false,
             }),
             down: Mutex::new(None),
             exits: broadcast::channel(1024).0,
@@ -304,6 +306,19 @@ impl Nodes for RemoteNode {
         let path = format!("/vms/{id}/images/{image_id}");
         let saved: Saved = self.inner.change(Method::POST, &path, None::<&()>, CALL_LIMIT).await?;
         Ok(saved.bytes)
+    }
+
+    async fn park(&self, id: &str, image_id: &str) -> Result<super::Parked, NodeError> {
+        let path = format!("/vms/{id}/park/{image_id}");
+        self.inner.change(Method::POST, &path, None::<&()>, CALL_LIMIT).await
+    }
+
+    async fn fingerprint(&self) -> String {
+        self.report(|r| r.fingerprint.clone())
+    }
+
+    fn parks(&self) -> bool {
+        self.report(|r| r.parks)
     }
 
     async fn delete_image(&self, image_id: &str) -> Result<(), NodeError> {
@@ -464,6 +479,8 @@ impl Nodes for RemoteNode {
                     .then(|| "draining: it is stopping and takes no new sandbox".to_string())
             }),
             draining: self.report(|r| r.draining),
+            fingerprint: self.report(|r| r.fingerprint.clone()),
+            parks: self.report(|r| r.parks),
         }]
     }
 }

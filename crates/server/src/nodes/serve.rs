@@ -117,6 +117,7 @@ impl NodeFace {
             .route("/vms/{id}/settled", post(settled))
             .route("/settled", post(settled_all))
             .route("/vms/{id}/images/{image}", post(save_image))
+            .route("/vms/{id}/park/{image}", post(park))
             .route("/images/{image}", delete(delete_image))
             .route("/images/{image}/digest", get(digest_image))
             .route("/claims", post(claim))
@@ -160,6 +161,8 @@ async fn report(State(f): State<Face>) -> Json<NodeReport> {
         vms: n.vm_ids().into_iter().map(|id| (id.clone(), n.vm_state(&id))).collect(),
         images: n.image_ids(),
         draining: f.draining(),
+        fingerprint: n.fingerprint().await,
+        parks: n.parks(),
     })
 }
 
@@ -176,6 +179,9 @@ async fn to_completion<T: Send + 'static>(
 
 async fn create(State(f): State<Face>, Json(vm): Json<VmRequest>) -> Reply<super::Booted> {
     f.admit_start()?;
+    if vm.moved_from.is_some() {
+        super::admission::machine_fits(&f.nodes.fingerprint().await, &vm)?;
+    }
     to_completion(async move {
         // Held until the create returns: by then the VM counts among the node's own, or is gone.
         let _ticket = match &f.admission {
@@ -243,6 +249,17 @@ async fn save_image(State(f): State<Face>, Path((id, image)): Path<(String, Stri
         Ok(Saved {
             bytes: f.nodes.save_image(&id, &image).await?,
         })
+    })
+    .await
+}
+
+async fn park(State(f): State<Face>, Path((id, image)): Path<(String, String)>) -> Reply<super::Parked> {
+    to_completion(async move {
+        let parked = f.nodes.park(&id, &image).await?;
+        if let Some(expiry) = &f.expiry {
+            expiry.set(&id, None);
+        }
+        Ok(parked)
     })
     .await
 }

@@ -8,6 +8,7 @@
 //! - `PUT /vms/{id}/deadline` `Option<Deadline>` -> `{}`: when the node ends it if no replica does
 //! - `POST /vms/{id}/pause|resume` -> `{}`; `POST /vms/{id}/suspend` -> [`Took`]
 //! - `POST /vms/{id}/settled`, `POST /settled` -> `{}` once known (after a node restart)
+//! - `POST /vms/{id}/park/{image}` -> `Parked`: saved to object storage, ended here
 //! - `POST /vms/{id}/images/{image}` -> [`Saved`]; `DELETE /images/{image}`;
 //!   `GET /images/{image}/digest` -> [`Digest`]
 //! - `POST /claims` [`ClaimRequest`] -> [`Claimed`]; `DELETE /claims/{id}`; `PUT /pools` [`PoolSize`]
@@ -52,6 +53,12 @@ pub struct NodeReport {
     /// It is stopping: it starts nothing, and its sandboxes are to move elsewhere.
     #[serde(default)]
     pub draining: bool,
+    /// Its machine: a VM parked elsewhere starts here only if it was saved on an equal one.
+    #[serde(default)]
+    pub fingerprint: String,
+    /// It has object storage to park VMs in.
+    #[serde(default)]
+    pub parks: bool,
 }
 
 #[derive(Debug, Serialize, Deserialize)]
@@ -108,6 +115,7 @@ impl ErrorReply {
             NodeError::UnknownTemplate(_) | NodeError::UnknownSandbox(_) | NodeError::UnknownImage(_) => 404,
             NodeError::InvalidResources(_) | NodeError::InvalidSandboxId(_) => 422,
             NodeError::SandboxIdTaken(_) | NodeError::NotRunning(_) => 409,
+            NodeError::Unsupported(_) => 501,
             NodeError::Exhausted(_) | NodeError::Unreachable(_) | NodeError::Refused(..) => 503,
             NodeError::BootFailed(_) | NodeError::Network(_) | NodeError::Failed(_) => 500,
         }
@@ -122,6 +130,7 @@ impl ErrorReply {
             NodeError::InvalidSandboxId(a) => ("invalid_sandbox_id", a.clone()),
             NodeError::SandboxIdTaken(a) => ("sandbox_id_taken", a.clone()),
             NodeError::NotRunning(a) => ("not_running", a.clone()),
+            NodeError::Unsupported(a) => ("unsupported", a.clone()),
             NodeError::BootFailed(c) => ("boot_failed", c.to_string()),
             NodeError::Exhausted(c) => ("exhausted", c.to_string()),
             NodeError::Network(c) => ("network", c.to_string()),
@@ -150,6 +159,7 @@ impl ErrorReply {
             "invalid_sandbox_id" => NodeError::InvalidSandboxId(self.message),
             "sandbox_id_taken" => NodeError::SandboxIdTaken(self.message),
             "not_running" => NodeError::NotRunning(self.message),
+            "unsupported" => NodeError::Unsupported(self.message),
             "boot_failed" => NodeError::BootFailed(cause(self.message)),
             "exhausted" => NodeError::Exhausted(cause(self.message)),
             "network" => NodeError::Network(cause(self.message)),

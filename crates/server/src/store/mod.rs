@@ -21,7 +21,7 @@ pub use sqlite::SqliteStore;
 use crate::model::ErrorBody;
 use crate::model::{Operation, OperationState, Quota, SandboxState, TenantUsage};
 pub use crate::records::AuditFilter;
-use crate::records::{AuditRecord, KeyRecord, SandboxRecord, SessionRecord, SnapshotRecord, Tenant};
+use crate::records::{AuditRecord, KeyRecord, ParkedImage, SandboxRecord, SessionRecord, SnapshotRecord, Tenant};
 use async_trait::async_trait;
 use std::collections::BTreeMap;
 
@@ -253,14 +253,22 @@ pub trait SandboxStore: Send + Sync {
     /// Every tenant's sandboxes in a [`LIVE_STATES`] state.
     async fn live_sandboxes(&self) -> Result<Vec<SandboxRecord>, StoreError>;
     async fn count_live_sandboxes(&self, tenant_id: &str) -> Result<u32, StoreError>;
-    /// Place a sandbox still `creating` on `node` instead (its first node refused it) if it fits
-    /// that node's `budget` next to what every sandbox and snapshot there holds. False when it
-    /// is no longer creating (a delete came first); the tenant's quota counts it already.
-    async fn move_creating(&self, id: &str, node: &str, budget: &NodeBudget) -> Result<bool, StoreError>;
-    /// Move a suspended sandbox to `resuming` if it fits the tenant's `quota` and the node's
-    /// `budget` again (its place, vcpu and memory; its disk it holds already), atomically like
-    /// a create's admission. False when it is not suspended.
-    async fn admit_resume(&self, id: &str, quota: &Quota, budget: &NodeBudget) -> Result<bool, StoreError>;
+    /// Place a sandbox still `creating` or `resuming` on `node` instead (its first node
+    /// refused it) if it fits that node's `budget` next to what every sandbox and snapshot there
+    /// holds. False when it is no longer starting (a delete came first); the tenant's quota
+    /// counts it already.
+    async fn move_starting(&self, id: &str, node: &str, budget: &NodeBudget) -> Result<bool, StoreError>;
+    /// Move a suspended sandbox to `resuming` on `node` (its own, or any for a parked one) if
+    /// it fits the tenant's `quota` and that node's `budget` again (its place, vcpu and memory;
+    /// its disk it holds already), atomically like a create's admission. False when it is not
+    /// suspended.
+    async fn admit_resume(&self, id: &str, node: &str, quota: &Quota, budget: &NodeBudget) -> Result<bool, StoreError>;
+    /// Record sandbox `id` as parked in object storage (on no node since), or no longer.
+    async fn set_sandbox_parked(&self, id: &str, parked: Option<&ParkedImage>) -> Result<(), StoreError>;
+    /// Where sandbox `id` is parked, if it is.
+    async fn sandbox_parked(&self, id: &str) -> Result<Option<ParkedImage>, StoreError>;
+    /// Suspended sandboxes parked with `resume` set: to start again on another node.
+    async fn parked_to_resume(&self) -> Result<Vec<SandboxRecord>, StoreError>;
     /// Before a running or paused sandbox is suspended: charge the memory its suspend saves
     /// (its `memory_mib`) to the tenant's disk quota and the node's disk budget, atomically like
     /// a create's admission, unless it holds that place already (its timeout suspends it, or an

@@ -3,6 +3,7 @@
 //! `LIVE` states of `super`.
 
 use super::*;
+use crate::records::ParkedImage;
 
 #[async_trait]
 impl SandboxStore for PgStore {
@@ -168,9 +169,9 @@ impl SandboxStore for PgStore {
         Ok(n.0 as u32)
     }
 
-    async fn move_creating(&self, id: &str, node: &str, budget: &NodeBudget) -> Result<bool, StoreError> {
+    async fn move_starting(&self, id: &str, node: &str, budget: &NodeBudget) -> Result<bool, StoreError> {
         let mut tx = self.begin_locked().await?;
-        let Some(row) = sqlx::query("SELECT * FROM sandboxes WHERE id = $1 AND state = 'creating'")
+        let Some(row) = sqlx::query("SELECT * FROM sandboxes WHERE id = $1 AND state IN ('creating', 'resuming')")
             .bind(id)
             .fetch_optional(&mut *tx)
             .await?
@@ -188,7 +189,7 @@ impl SandboxStore for PgStore {
         Ok(true)
     }
 
-    async fn admit_resume(&self, id: &str, quota: &Quota, budget: &NodeBudget) -> Result<bool, StoreError> {
+    async fn admit_resume(&self, id: &str, node: &str, quota: &Quota, budget: &NodeBudget) -> Result<bool, StoreError> {
         let mut tx = self.begin_locked().await?;
         let Some(row) = sqlx::query("SELECT * FROM sandboxes WHERE id = $1 AND state = 'suspended'")
             .bind(id)
@@ -198,8 +199,9 @@ impl SandboxStore for PgStore {
             return Ok(false);
         };
         let sb = sandbox_from_row(&row);
-        admit_within(&mut tx, &sb.tenant_id, &sb.resources, quota, &sb.node, budget, None).await?;
-        sqlx::query("UPDATE sandboxes SET state = 'resuming' WHERE id = $1")
+        admit_within(&mut tx, &sb.tenant_id, &sb.resources, quota, node, budget, None).await?;
+        sqlx::query("UPDATE sandboxes SET state = 'resuming', node = $1 WHERE id = $2")
+            .bind(node)
             .bind(id)
             .execute(&mut *tx)
             .await?;
@@ -295,6 +297,49 @@ impl SandboxStore for PgStore {
         };
         q.execute(&self.pool).await?;
         Ok(())
+    }
+
+    async fn set_sandbox_parked(&self, id: &str, parked: Option<&ParkedImage>) -> Result<(), StoreError> {
+        let q = match parked {
+            Some(p) => {
+                sqlx::query("UPDATE sandboxes SET parked_image = $1, parked_on = $2, parked_resume = $3 WHERE id = $4")
+                    .bind(&p.image)
+                    .bind(&p.fingerprint)
+                    .bind(i32::from(p.resume))
+                    .bind(id)
+            }
+            None => sqlx::query(
+                "UPDATE sandboxes SET parked_image = NULL, parked_on = NULL, parked_resume = 0 WHERE id = $1",
+            )
+            .bind(id),
+        };
+        q.execute(&self.pool).await?;
+        Ok(())
+    }
+
+    async fn sandbox_parked(&self, id: &str) -> Result<Option<ParkedImage>, StoreError> {
+        let r: Option<(Option<String>, Option<String>, i32)> =
+            sqlx::query_as("SELECT parked_image, parked_on, parked_resume FROM sandboxes WHERE id = $1")
+                .bind(id)
+                .fetch_optional(&self.pool)
+                .await?;
+        Ok(match r {
+            Some((Some(image), fingerprint, resume)) => Some(ParkedImage {
+                image,
+                fingerprint: fingerprint.unwrap_or_default(),
+                resume: resume != 0,
+            }),
+            _ => None,
+        })
+    }
+
+    async fn parked_to_resume(&self) -> Result<Vec<SandboxRecord>, StoreError> {
+        let rows = sqlx::query(
+            "SELECT * FROM sandboxes WHERE state = 'suspended' AND parked_image IS NOT NULL AND parked_resume = 1",
+        )
+        .fetch_all(&self.pool)
+        .await?;
+        Ok(rows.iter().map(sandbox_from_row).collect())
     }
 
     async fn paused_remaining(&self, id: &str) -> Result<Option<i64>, StoreError> {

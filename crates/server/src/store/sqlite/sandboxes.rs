@@ -3,6 +3,7 @@
 //! `LIVE` states of `super`.
 
 use super::*;
+use crate::records::ParkedImage;
 
 #[async_trait]
 impl SandboxStore for SqliteStore {
@@ -166,9 +167,9 @@ impl SandboxStore for SqliteStore {
         Ok(n.0 as u32)
     }
 
-    async fn move_creating(&self, id: &str, node: &str, budget: &NodeBudget) -> Result<bool, StoreError> {
+    async fn move_starting(&self, id: &str, node: &str, budget: &NodeBudget) -> Result<bool, StoreError> {
         let mut tx = self.pool.begin_with("BEGIN IMMEDIATE").await?;
-        let Some(row) = sqlx::query("SELECT * FROM sandboxes WHERE id = ? AND state = 'creating'")
+        let Some(row) = sqlx::query("SELECT * FROM sandboxes WHERE id = ? AND state IN ('creating', 'resuming')")
             .bind(id)
             .fetch_optional(&mut *tx)
             .await?
@@ -186,7 +187,7 @@ impl SandboxStore for SqliteStore {
         Ok(true)
     }
 
-    async fn admit_resume(&self, id: &str, quota: &Quota, budget: &NodeBudget) -> Result<bool, StoreError> {
+    async fn admit_resume(&self, id: &str, node: &str, quota: &Quota, budget: &NodeBudget) -> Result<bool, StoreError> {
         let mut tx = self.pool.begin_with("BEGIN IMMEDIATE").await?;
         let Some(row) = sqlx::query("SELECT * FROM sandboxes WHERE id = ? AND state = 'suspended'")
             .bind(id)
@@ -196,8 +197,9 @@ impl SandboxStore for SqliteStore {
             return Ok(false);
         };
         let sb = sandbox_from_row(&row);
-        admit_within(&mut tx, &sb.tenant_id, &sb.resources, quota, &sb.node, budget, None).await?;
-        sqlx::query("UPDATE sandboxes SET state = 'resuming' WHERE id = ?")
+        admit_within(&mut tx, &sb.tenant_id, &sb.resources, quota, node, budget, None).await?;
+        sqlx::query("UPDATE sandboxes SET state = 'resuming', node = ? WHERE id = ?")
+            .bind(node)
             .bind(id)
             .execute(&mut *tx)
             .await?;
@@ -288,6 +290,49 @@ impl SandboxStore for SqliteStore {
         };
         q.execute(&self.pool).await?;
         Ok(())
+    }
+
+    async fn set_sandbox_parked(&self, id: &str, parked: Option<&ParkedImage>) -> Result<(), StoreError> {
+        let q = match parked {
+            Some(p) => {
+                sqlx::query("UPDATE sandboxes SET parked_image = ?, parked_on = ?, parked_resume = ? WHERE id = ?")
+                    .bind(&p.image)
+                    .bind(&p.fingerprint)
+                    .bind(i32::from(p.resume))
+                    .bind(id)
+            }
+            None => sqlx::query(
+                "UPDATE sandboxes SET parked_image = NULL, parked_on = NULL, parked_resume = 0 WHERE id = ?",
+            )
+            .bind(id),
+        };
+        q.execute(&self.pool).await?;
+        Ok(())
+    }
+
+    async fn sandbox_parked(&self, id: &str) -> Result<Option<ParkedImage>, StoreError> {
+        let r: Option<(Option<String>, Option<String>, i32)> =
+            sqlx::query_as("SELECT parked_image, parked_on, parked_resume FROM sandboxes WHERE id = ?")
+                .bind(id)
+                .fetch_optional(&self.pool)
+                .await?;
+        Ok(match r {
+            Some((Some(image), fingerprint, resume)) => Some(ParkedImage {
+                image,
+                fingerprint: fingerprint.unwrap_or_default(),
+                resume: resume != 0,
+            }),
+            _ => None,
+        })
+    }
+
+    async fn parked_to_resume(&self) -> Result<Vec<SandboxRecord>, StoreError> {
+        let rows = sqlx::query(
+            "SELECT * FROM sandboxes WHERE state = 'suspended' AND parked_image IS NOT NULL AND parked_resume = 1",
+        )
+        .fetch_all(&self.pool)
+        .await?;
+        Ok(rows.iter().map(sandbox_from_row).collect())
     }
 
     async fn paused_remaining(&self, id: &str) -> Result<Option<i64>, StoreError> {
