@@ -97,6 +97,11 @@ pub struct ServeArgs {
     /// bytes).
     #[arg(long, env = "AIRLOCK_NODE_SECRET_FILE")]
     node_secret_file: Option<PathBuf>,
+    /// Many hosts: a node that no replica has had an answer from for this many seconds is
+    /// judged dead; its running and paused sandboxes become `lost` (its suspended ones wait for
+    /// it), and if it comes back, its VMs of them are removed.
+    #[arg(long, env = "AIRLOCK_NODE_GRACE_SECONDS", default_value_t = airlock_server::engine::NODE_GRACE.as_secs())]
+    node_grace_seconds: u64,
     #[command(flatten)]
     host: HostArgs,
     #[command(flatten)]
@@ -328,6 +333,7 @@ impl ServeArgs {
             remote_nodes: self.nodes,
             nodes_dns: self.nodes_dns,
             node_secret,
+            node_grace: std::time::Duration::from_secs(self.node_grace_seconds.max(1)),
         })
         .await
     }

@@ -610,6 +610,12 @@ pub(crate) fn a_draining_nodes_sandboxes_move_to_another_node() {
     a.drain(&a_data, Duration::from_secs(180));
     let drained = stopping.elapsed();
     for id in &ids {
+        // Until its VM is on B: the replica may record the park a moment after A exits.
+        let deadline = Instant::now() + Duration::from_secs(120);
+        while !b_data.join("sandboxes").join(id).exists() {
+            assert!(Instant::now() < deadline, "{id} never reached node B");
+            std::thread::sleep(Duration::from_millis(100));
+        }
         wait_state(&s, id, "running", Duration::from_secs(120)).unwrap_or_else(|sb| {
             panic!(
                 "{id} did not run again: {sb}; see {}",
@@ -643,8 +649,20 @@ pub(crate) fn a_draining_nodes_sandboxes_move_to_another_node() {
             .collect();
         assert!(left.is_empty(), "{} keeps {left:?}", data.display());
     }
+    // B has `seed`: of each image only the sandbox's own memory and disk came down.
     let log = std::fs::read_to_string(b_data.join("node.log")).unwrap_or_default();
-    assert_eq!(log.matches("pulled the parked VM's image").count(), 2, "{log}");
+    let pulled: Vec<u64> = log
+        .lines()
+        .filter(|l| l.contains("pulled the parked VM's image"))
+        .filter_map(|l| l.split("bytes=").nth(1)?.split_whitespace().next()?.parse().ok())
+        .collect();
+    let seed: Value = serde_json::from_slice(&std::fs::read(b_data.join("templates/seed.json")).unwrap()).unwrap();
+    let rootfs = seed["rootfs_bytes"].as_u64().unwrap();
+    assert!(
+        pulled.len() == 2 && pulled.iter().all(|b| *b < rootfs),
+        "pulled {pulled:?} bytes; the root filesystem alone is {rootfs}: {log}"
+    );
+    println!("moved: each image pulled {pulled:?} bytes (seed's root filesystem, {rootfs} bytes, linked)");
     for id in &ids {
         s.delete(id);
     }

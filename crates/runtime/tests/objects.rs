@@ -416,6 +416,71 @@ async fn image_local_dir_round_trip() {
     image_round_trip(&Objects::local(remote.path()).unwrap(), 64 << 10).await;
 }
 
+/// A host that has the template an image sits on links its files rather than download them:
+/// only the image's own (memory, disks) come down. One whose files do not make up the digest
+/// the image names downloads them all.
+#[tokio::test]
+async fn an_image_pull_links_the_template_this_host_has() {
+    use std::os::unix::fs::MetadataExt;
+    let (remote, src, dst) = (
+        tempfile::tempdir().unwrap(),
+        tempfile::tempdir().unwrap(),
+        tempfile::tempdir().unwrap(),
+    );
+    let objects = Objects::local(remote.path()).unwrap();
+    let t = template(dst.path(), "seed", 512 << 10, 7);
+    let blobs = DataDir::open(dst.path())
+        .unwrap()
+        .blobs()
+        .join(t.digest.trim_start_matches("sha256:"));
+    let on_template = |id: &str, digest: &str| {
+        let mut saved = image(src.path(), id, 64 << 10, b"");
+        for (held, file) in ["held/kernel", "held/initrd", "held/rootfs"].iter().zip(FILES) {
+            std::fs::copy(blobs.join(file), saved.dir.join(held)).unwrap();
+        }
+        saved.manifest.template_digest = digest.to_string();
+        std::fs::write(
+            saved.dir.join("image.json"),
+            serde_json::to_vec_pretty(&saved.manifest).unwrap(),
+        )
+        .unwrap();
+        saved
+    };
+    let saved = on_template("snap_linked", &t.digest);
+    let own: u64 = ["state", "disk.qcow2", "held/layer-0.qcow2"]
+        .iter()
+        .map(|f| std::fs::metadata(saved.dir.join(f)).unwrap().len())
+        .sum();
+    objects.push_image(&saved).await.unwrap();
+    let pulled = objects
+        .pull_image("snap_linked", &DataDir::open(dst.path()).unwrap())
+        .await
+        .unwrap();
+    assert_eq!(pulled.fetched_bytes, own, "only the image's own files come down");
+    let m = &pulled.image.manifest.machine;
+    for (held, file) in [&m.kernel, &m.initrd, &m.rootfs].into_iter().zip(FILES) {
+        let (a, b) = (
+            std::fs::metadata(held).unwrap(),
+            std::fs::metadata(blobs.join(file)).unwrap(),
+        );
+        assert_eq!(
+            (a.dev(), a.ino()),
+            (b.dev(), b.ino()),
+            "{} is not the template's",
+            held.display()
+        );
+    }
+
+    // Named by another digest (its files are not that template's): all downloaded.
+    let other = on_template("snap_unlinked", &format!("sha256:{}", "b".repeat(64)));
+    objects.push_image(&other).await.unwrap();
+    let pulled = objects
+        .pull_image("snap_unlinked", &DataDir::open(dst.path()).unwrap())
+        .await
+        .unwrap();
+    assert_eq!(pulled.fetched_bytes, bytes_of(&other.dir));
+}
+
 /// A changed file, a changed manifest, a forged one naming paths outside the dir: refused,
 /// nothing left behind.
 #[tokio::test]

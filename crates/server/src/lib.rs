@@ -285,6 +285,9 @@ pub struct ServeOptions {
     pub nodes_dns: Option<String>,
     /// The cluster secret the remote nodes' tokens are derived from.
     pub node_secret: Vec<u8>,
+    /// How long every replica must have had no answer from a node before its running
+    /// sandboxes are lost.
+    pub node_grace: std::time::Duration,
 }
 
 pub use airlock_egress::EgressConfig;
@@ -443,6 +446,7 @@ pub async fn serve(opts: ServeOptions) -> anyhow::Result<()> {
         memory_reserve_mib: opts.memory_reserve_mib,
         disk_reserve_mib: opts.disk_reserve_mib,
         max_sessions_per_sandbox: opts.max_sessions_per_sandbox,
+        node_grace: opts.node_grace,
         egress,
         federation: federation.clone(),
         ..core::Config::default()

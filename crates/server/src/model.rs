@@ -23,6 +23,9 @@ pub enum SandboxState {
     Deleting,
     Deleted,
     Failed,
+    /// Its node stopped answering every replica for longer than the grace (many hosts): its VM
+    /// is presumed gone, and is removed if that node comes back.
+    Lost,
 }
 
 impl SandboxState {
@@ -44,6 +47,7 @@ impl SandboxState {
             SandboxState::Deleting => "deleting",
             SandboxState::Deleted => "deleted",
             SandboxState::Failed => "failed",
+            SandboxState::Lost => "lost",
         }
     }
     pub fn parse(s: &str) -> Option<Self> {
@@ -56,6 +60,7 @@ impl SandboxState {
             "deleting" => SandboxState::Deleting,
             "deleted" => SandboxState::Deleted,
             "failed" => SandboxState::Failed,
+            "lost" => SandboxState::Lost,
             _ => return None,
         })
     }

@@ -136,7 +136,10 @@ pub async fn drain(face: &nodes::serve::NodeFace, node: &dyn Nodes, budget: std:
             .into_iter()
             .filter(|id| matches!(node.vm_state(id), nodes::VmState::Running | nodes::VmState::Paused))
             .collect();
-        if live.is_empty() {
+        // A replica's park or suspend is answered before the exit: the replica records it
+        // by that answer.
+        if live.is_empty() && face.changes_under_way() == 0 {
+            tokio::time::sleep(std::time::Duration::from_millis(500)).await;
             tracing::info!("drained: no sandbox runs on this node");
             return;
         }

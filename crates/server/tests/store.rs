@@ -863,3 +863,32 @@ async fn a_bad_or_unreachable_postgres_url_says_what_to_fix() {
 mod records;
 #[path = "store/sqlite.rs"]
 mod sqlite;
+
+on_both!(each_replica_records_its_own_view_of_each_node);
+
+/// What each replica sees of a node is its own row: a silence keeps the time it began until
+/// an answer clears it, and only views asked lately are read.
+async fn each_replica_records_its_own_view_of_each_node(b: Backend) {
+    use airlock_server::store::NodeSeen;
+    let stores = b.stores(&[Lease::replica(), Lease::replica()]).await;
+    let (r1, r2) = (&stores[0], &stores[1]);
+    let view = |replica: &Arc<dyn Store>, since: Option<i64>| NodeSeen {
+        node: "n1".into(),
+        replica: replica.lease().holder.clone(),
+        unanswered_since_ms: since,
+    };
+    r1.observe_node("n1", false, 1_000).await.unwrap();
+    r1.observe_node("n1", false, 3_000).await.unwrap();
+    r2.observe_node("n1", true, 3_000).await.unwrap();
+    r2.observe_node("n2", true, 500).await.unwrap();
+    let mut seen = r1.node_observations(1_000).await.unwrap();
+    seen.sort_by(|a, b| a.replica.cmp(&b.replica));
+    let mut want = vec![view(r1, Some(1_000)), view(r2, None)];
+    want.sort_by(|a, b| a.replica.cmp(&b.replica));
+    assert_eq!(seen, want, "n2 was asked before 1000 ms");
+    // An answer clears the silence; a new one starts from then.
+    r1.observe_node("n1", true, 4_000).await.unwrap();
+    r1.observe_node("n1", false, 5_000).await.unwrap();
+    let seen = r2.node_observations(5_000).await.unwrap();
+    assert_eq!(seen, vec![view(r1, Some(5_000))]);
+}

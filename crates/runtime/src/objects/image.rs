@@ -13,7 +13,7 @@ use crate::sandbox::saved::Manifest;
 use object_store::path::Path as ObjectPath;
 use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
-use std::collections::BTreeSet;
+use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Component, Path, PathBuf};
 
 /// `images/<hex>/manifest.json`, `<hex>` the sha256 of these bytes.
@@ -105,10 +105,16 @@ impl Objects {
         let dir = root.join(&id);
         let staging = Staging::new(data)?;
         let mut fetched = 0;
+        let have = local_template_files(&pushed, data);
         for file in &pushed.files {
             let to = staging.dir.join(&file.name);
             if let Some(parent) = to.parent() {
                 std::fs::create_dir_all(parent).map_err(io(parent))?;
+            }
+            if let Some(local) = have.get(&file.name) {
+                if std::fs::hard_link(local, &to).is_ok() {
+                    continue;
+                }
             }
             let path = ObjectPath::from(format!("files/{}", file.sha256));
             fetched += self
@@ -154,6 +160,34 @@ impl Objects {
             fetched_bytes: fetched,
         })
     }
+}
+
+/// The files of this host's template that an image's kernel, initramfs and root filesystem
+/// are, by their names in the image: only when the pushed digests of those three make up the
+/// template digest the image names, so they are the bytes of the local blob dir of that
+/// digest (content-addressed, checked when it was built or pulled). A pull links them rather
+/// than download them again.
+fn local_template_files(pushed: &PushedImage, data: &DataDir) -> BTreeMap<String, PathBuf> {
+    let m = &pushed.manifest.machine;
+    let names = [&m.kernel, &m.initrd, &m.rootfs].map(|p| p.to_string_lossy().into_owned());
+    let digests: Option<Vec<&str>> = names
+        .iter()
+        .map(|n| pushed.files.iter().find(|f| f.name == *n).map(|f| f.sha256.as_str()))
+        .collect();
+    let Some(digests) = digests else {
+        return BTreeMap::new();
+    };
+    let hex = hex::encode(Sha256::digest(digests.concat().as_bytes()));
+    if pushed.manifest.template_digest != format!("sha256:{hex}") {
+        return BTreeMap::new();
+    }
+    let blobs = data.blobs().join(&hex);
+    names
+        .into_iter()
+        .zip(super::FILES)
+        .map(|(name, file)| (name, blobs.join(file)))
+        .filter(|(_, path)| path.is_file())
+        .collect()
 }
 
 /// The mode a pulled image's file gets: the template's kernel, initramfs and root filesystem

@@ -79,6 +79,9 @@ pub struct Config {
     /// After a restart, how long a request about a sandbox the recovery has not yet settled
     /// waits for it before it is answered `unavailable` (503).
     pub recovery_wait: std::time::Duration,
+    /// Many hosts: how long every replica must have had no answer from a node before its
+    /// running sandboxes are lost.
+    pub node_grace: std::time::Duration,
     /// The platform's always-denied ranges and the egress profiles (`AIRLOCK_EGRESS_PROFILES`).
     pub egress: airlock_egress::EgressConfig,
     /// Issuers whose JWTs sign callers in (`--jwt-issuers`); none by default.
@@ -102,6 +105,7 @@ impl Default for Config {
             max_sessions_per_sandbox: DEFAULT_MAX_SESSIONS_PER_SANDBOX,
             max_finished_sessions_per_sandbox: DEFAULT_MAX_FINISHED_SESSIONS_PER_SANDBOX,
             recovery_wait: crate::engine::RECOVERY_WAIT,
+            node_grace: crate::engine::NODE_GRACE,
             egress: airlock_egress::EgressConfig::new(
                 airlock_egress::PlatformDenies::new(Vec::new()),
                 airlock_egress::Profiles::default(),
@@ -208,7 +212,9 @@ impl Core {
     }
 
     pub fn new(store: Arc<dyn Store>, nodes: Arc<dyn Nodes>, config: Config, secret: Vec<u8>) -> Self {
-        let engine = Engine::new(store.clone(), nodes.clone()).with_recovery_wait(config.recovery_wait);
+        let engine = Engine::new(store.clone(), nodes.clone())
+            .with_recovery_wait(config.recovery_wait)
+            .with_node_grace(config.node_grace);
         let uploads = Arc::new(uploads::Uploads::new(config.uploads.clone()));
         Self {
             store,

@@ -14,6 +14,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 mod reaper;
+pub use reaper::NODE_GRACE;
 mod recover;
 mod run;
 
@@ -121,6 +122,9 @@ pub struct Engine {
     deadlines_unsent: Arc<std::sync::Mutex<std::collections::HashSet<String>>>,
     /// Sandboxes of draining nodes this engine suspended already (`Engine::drain_sweep`).
     drain_tried: Arc<std::sync::Mutex<std::collections::HashSet<String>>>,
+    /// How long a node must leave every replica unanswered before its running sandboxes are
+    /// lost (`reaper::NODE_GRACE` unless configured).
+    node_grace: Duration,
 }
 
 /// Operation id -> how many tasks of this process carry it out now (a recovery hands a
@@ -190,7 +194,14 @@ impl Engine {
             running: Default::default(),
             deadlines_unsent: Default::default(),
             drain_tried: Default::default(),
+            node_grace: reaper::NODE_GRACE,
         }
+    }
+
+    /// The same engine, judging a node's running sandboxes lost after `grace` unanswered.
+    pub fn with_node_grace(mut self, grace: Duration) -> Self {
+        self.node_grace = grace;
+        self
     }
 
     /// Run `work` (carrying out `op`) in the background, renewing `op`'s lease until it ends.
@@ -266,7 +277,7 @@ impl Engine {
     }
 
     fn announce(&self, id: &str, state: SandboxState) {
-        if matches!(state, SandboxState::Deleted | SandboxState::Failed) {
+        if matches!(state, SandboxState::Deleted | SandboxState::Failed | SandboxState::Lost) {
             let _ = self.ended.send(id.to_string());
         }
     }

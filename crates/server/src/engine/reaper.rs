@@ -8,6 +8,33 @@ use super::*;
 /// for gone VMs and draining nodes.
 const REAPER_DUTY: &str = "reaper";
 
+/// How long every replica must have had no answer from a node before its running sandboxes
+/// are judged lost (`Config::node_grace`, `serve --node-grace-seconds`): a node back within it
+/// keeps them.
+pub const NODE_GRACE: Duration = Duration::from_secs(60);
+/// A replica's view of a node counts while it asked the node this recently (it asks every
+/// sweep): one that stopped asking (it died) is no witness.
+const WITNESS_WITHIN_MS: i64 = 10_000;
+
+/// The nodes that every replica asking lately has had no answer from for at least `grace_ms`:
+/// at least one witness, and none that saw the node answer meanwhile.
+pub(crate) fn unanswering(
+    seen: &[crate::store::NodeSeen],
+    now_ms: i64,
+    grace_ms: i64,
+) -> std::collections::BTreeSet<String> {
+    let mut verdict: std::collections::BTreeMap<&str, bool> = Default::default();
+    for s in seen {
+        let silent = s.unanswered_since_ms.is_some_and(|since| since <= now_ms - grace_ms);
+        *verdict.entry(&s.node).or_insert(true) &= silent;
+    }
+    verdict
+        .into_iter()
+        .filter(|(_, dead)| *dead)
+        .map(|(node, _)| node.to_string())
+        .collect()
+}
+
 impl Engine {
     /// A sandbox whose VM exited on its own is failed (its quota slot is free again).
     pub(super) async fn vm_exited(&self, id: &str) {
@@ -73,6 +100,83 @@ impl Engine {
             }
         }
         *self.drain_tried.lock().unwrap_or_else(|e| e.into_inner()) = kept;
+        Ok(())
+    }
+
+    /// Record what this replica sees of each node now (whether it answered its last report).
+    pub(super) async fn observe_nodes(&self) {
+        let now = now_ms();
+        for m in self.nodes.members().into_iter().filter(|m| !m.name.is_empty()) {
+            if let Err(e) = self.store.observe_node(&m.name, m.answering, now).await {
+                tracing::warn!(node = %m.name, "cannot record what this replica sees of it: {e}");
+                return;
+            }
+        }
+    }
+
+    /// The running and paused sandboxes of nodes every replica has had no answer from for the
+    /// grace are lost: their VMs went with the node (a host that died) or are cut off from
+    /// every replica. Suspended ones stay: their state is on that node's disk, and they resume
+    /// once it is back. The node's VMs of lost sandboxes go if it comes back (`reap_disowned`).
+    pub(super) async fn lose_dead_nodes(&self) -> CoreResult<()> {
+        let now = now_ms();
+        let seen = self.store.node_observations(now - WITNESS_WITHIN_MS).await?;
+        let dead = unanswering(&seen, now, self.node_grace.as_millis() as i64);
+        if dead.is_empty() {
+            return Ok(());
+        }
+        let busy = self.busy_sandboxes().await?;
+        for row in self.store.live_sandboxes().await? {
+            if !dead.contains(&row.node)
+                || !matches!(row.state, SandboxState::Running | SandboxState::Paused)
+                || busy.contains(&row.id)
+            {
+                continue;
+            }
+            // A park whose answer was lost with its node: the image is what is left of it.
+            if self.store.sandbox_parked(&row.id).await?.is_some() {
+                tracing::warn!(sandbox = %row.id, node = %row.node, "its node went while parking it; suspended, parked");
+                self.settle_held(&row.id, VmState::Suspended).await;
+                continue;
+            }
+            let from = [SandboxState::Running, SandboxState::Paused];
+            if self.transition(&row.id, &from, SandboxState::Lost).await {
+                tracing::warn!(sandbox = %row.id, node = %row.node, "its node has not answered any replica for {:?}; lost", self.node_grace);
+                let _ = self.store.set_paused_remaining(&row.id, None).await;
+            }
+        }
+        Ok(())
+    }
+
+    /// VMs the store has disowned (their sandbox lost, deleted or failed, no operation under
+    /// way) on nodes that answer: a node back after its sandboxes were judged lost. Never on
+    /// missing evidence: a VM without any record is left to a replica's start.
+    pub(super) async fn reap_disowned(&self) -> CoreResult<()> {
+        let busy = self.busy_sandboxes().await?;
+        let answering: std::collections::HashSet<String> = self
+            .nodes
+            .members()
+            .into_iter()
+            .filter(|m| m.answering)
+            .map(|m| m.name)
+            .collect();
+        for id in self.nodes.vm_ids() {
+            if busy.contains(&id) || !self.nodes.owner(&id).is_some_and(|n| answering.contains(&n)) {
+                continue;
+            }
+            let Some(row) = self.store.sandbox_by_id(&id).await? else {
+                continue;
+            };
+            if matches!(
+                row.state,
+                SandboxState::Lost | SandboxState::Deleted | SandboxState::Failed
+            ) {
+                tracing::warn!(sandbox = %id, state = row.state.as_str(), "its node still has its VM; removing it");
+                if let Err(e) = self.nodes.delete(&id).await {
+                    tracing::warn!(sandbox = %id, "cannot remove the VM: {e}");
+                }
+            }
+        }
         Ok(())
     }
 
@@ -151,8 +255,15 @@ impl Engine {
                     }
                 }
                 if tick.is_multiple_of(SWEEP_EVERY_TICKS) {
+                    engine.observe_nodes().await;
                     if leads {
                         let _ = engine.sweep().await;
+                        if let Err(e) = engine.lose_dead_nodes().await {
+                            tracing::warn!("cannot judge the nodes that do not answer: {e}");
+                        }
+                        if let Err(e) = engine.reap_disowned().await {
+                            tracing::warn!("cannot remove disowned VMs: {e}");
+                        }
                         if let Err(e) = engine.drain_sweep().await {
                             tracing::warn!("cannot take sandboxes off draining nodes: {e}");
                         }
@@ -184,5 +295,44 @@ impl Engine {
                 }
             }
         });
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::store::NodeSeen;
+
+    fn seen(node: &str, replica: &str, since: Option<i64>) -> NodeSeen {
+        NodeSeen {
+            node: node.into(),
+            replica: replica.into(),
+            unanswered_since_ms: since,
+        }
+    }
+
+    #[test]
+    fn a_node_is_dead_only_when_every_witness_lost_it_for_the_whole_grace() {
+        let (now, grace) = (100_000, 30_000);
+        let judged = |s: &[NodeSeen]| unanswering(s, now, grace).into_iter().collect::<Vec<_>>();
+        // Both replicas have had no answer for 40 s and 31 s.
+        assert_eq!(
+            judged(&[seen("n1", "r1", Some(60_000)), seen("n1", "r2", Some(69_000))]),
+            ["n1"]
+        );
+        // One still sees it answer (a cut between the other replica and the node).
+        assert!(judged(&[seen("n1", "r1", Some(60_000)), seen("n1", "r2", None)]).is_empty());
+        // Silent for less than the grace to one of them.
+        assert!(judged(&[seen("n1", "r1", Some(60_000)), seen("n1", "r2", Some(80_000))]).is_empty());
+        // Nodes are judged each on their own evidence.
+        assert_eq!(
+            judged(&[
+                seen("n1", "r1", None),
+                seen("n2", "r1", Some(1)),
+                seen("n3", "r1", Some(99_000))
+            ]),
+            ["n2"]
+        );
+        assert!(judged(&[]).is_empty(), "no witness, no verdict");
     }
 }

@@ -276,13 +276,21 @@ impl Engine {
                 }
                 Ok(())
             }
-            Err(e) => {
-                // Not parked: its VM runs on where it was.
-                if self.nodes.vm_state_now(id).await != Some(VmState::Gone) {
-                    let _ = self.store.set_sandbox_parked(id, None).await;
+            Err(e) => match self.nodes.vm_state_now(id).await {
+                // The node ends the VM only once its image is pushed: parked, the answer lost.
+                Some(VmState::Gone) => {
+                    tracing::info!(sandbox = %id, image = %parked.image, "parked in object storage (its node's answer was lost: {e})");
+                    Ok(())
                 }
-                Err(e)
-            }
+                // Not parked: its VM runs on where it was.
+                Some(_) => {
+                    let _ = self.store.set_sandbox_parked(id, None).await;
+                    Err(e)
+                }
+                // Its node cannot say: the record stays, and the reaper settles it by whether
+                // the node comes back with the VM (`lose_dead_nodes`, `recover_sandbox`).
+                None => Err(e),
+            },
         }
     }
 

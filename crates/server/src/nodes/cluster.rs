@@ -383,6 +383,7 @@ impl Nodes for Cluster {
                     draining: false,
                     fingerprint: String::new(),
                     parks: false,
+                    answering: false,
                 });
                 let refuses = match unlisted.contains(name) {
                     true => Some("not listed by discovery (not ready, or going away)".to_string()),

@@ -103,6 +103,10 @@ pub struct Member {
     /// It can park a VM in object storage ([`Nodes::park`]), for another node to resume.
     #[serde(default)]
     pub parks: bool,
+    /// It answered its last report: what each replica records of it (`Engine::observe_nodes`),
+    /// from which a node is judged dead.
+    #[serde(default)]
+    pub answering: bool,
 }
 
 /// What a node has, before the operator's overcommit and reserves (`core::Config::budget`).
@@ -220,6 +224,7 @@ pub trait Nodes: Send + Sync {
             draining: false,
             fingerprint: String::new(),
             parks: false,
+            answering: true,
         }]
     }
     /// The member that has VM, claimed pool VM or saved image `id`, where known.

@@ -471,10 +471,13 @@ impl Nodes for RemoteNode {
     }
 
     fn members(&self) -> Vec<super::Member> {
+        // Read once: a guard held to the end of the literal would deadlock a second read.
+        let down = self.inner.down.lock().unwrap().clone();
         vec![super::Member {
             name: String::new(),
             capacity: self.capacity(),
-            refuses: self.inner.down.lock().unwrap().clone().or_else(|| {
+            answering: down.is_none(),
+            refuses: down.or_else(|| {
                 self.report(|r| r.draining)
                     .then(|| "draining: it is stopping and takes no new sandbox".to_string())
             }),

@@ -25,6 +25,8 @@ struct Face {
     expiry: Option<Arc<Expiry>>,
     /// Set once the node stops ([`NodeFace::drain`]): every start is refused from then on.
     draining: Arc<std::sync::atomic::AtomicBool>,
+    /// Changes under way ([`to_completion`]): a stopping node answers them before it exits.
+    changing: Arc<std::sync::atomic::AtomicUsize>,
 }
 
 impl Face {
@@ -96,7 +98,13 @@ impl NodeFace {
             name: Arc::from(name),
             admission: rules.map(|r| Arc::new(Admission::new(r))),
             draining: Default::default(),
+            changing: Default::default(),
         }))
+    }
+
+    /// Changes under way (a replica's park, suspend, delete) whose caller awaits the answer.
+    pub fn changes_under_way(&self) -> usize {
+        self.0.changing.load(std::sync::atomic::Ordering::SeqCst)
     }
 
     /// From now on every start (create, resume) is refused `draining`, and the report says so:
@@ -168,10 +176,20 @@ async fn report(State(f): State<Face>) -> Json<NodeReport> {
 
 /// Carry a change out to its end even if its caller goes away (a replica that dies mid-call):
 /// the VM is then whole or gone, and the replica that takes the operation over finds which.
+/// Counted in `changing` while it runs.
 async fn to_completion<T: Send + 'static>(
+    changing: Arc<std::sync::atomic::AtomicUsize>,
     change: impl std::future::Future<Output = Result<T, NodeError>> + Send + 'static,
 ) -> Reply<T> {
-    match tokio::spawn(change).await {
+    use std::sync::atomic::Ordering;
+    changing.fetch_add(1, Ordering::SeqCst);
+    let done = tokio::spawn(async move {
+        let done = change.await;
+        changing.fetch_sub(1, Ordering::SeqCst);
+        done
+    })
+    .await;
+    match done {
         Ok(done) => Ok(Json(done?)),
         Err(e) => Err(Failure(NodeError::Failed(Box::new(e)))),
     }
@@ -182,7 +200,7 @@ async fn create(State(f): State<Face>, Json(vm): Json<VmRequest>) -> Reply<super
     if vm.moved_from.is_some() {
         super::admission::machine_fits(&f.nodes.fingerprint().await, &vm)?;
     }
-    to_completion(async move {
+    to_completion(f.changing.clone(), async move {
         // Held until the create returns: by then the VM counts among the node's own, or is gone.
         let _ticket = match &f.admission {
             Some(a) => Some(a.admit(&f.nodes.capacity(), &vm)?),
@@ -194,7 +212,7 @@ async fn create(State(f): State<Face>, Json(vm): Json<VmRequest>) -> Reply<super
 }
 
 async fn remove(State(f): State<Face>, Path(id): Path<String>) -> Reply<()> {
-    to_completion(async move {
+    to_completion(f.changing.clone(), async move {
         f.nodes.delete(&id).await?;
         if let Some(expiry) = &f.expiry {
             expiry.set(&id, None);
@@ -217,16 +235,16 @@ async fn set_deadline(
 }
 
 async fn pause(State(f): State<Face>, Path(id): Path<String>) -> Reply<()> {
-    to_completion(async move { f.nodes.pause(&id).await }).await
+    to_completion(f.changing.clone(), async move { f.nodes.pause(&id).await }).await
 }
 
 async fn resume(State(f): State<Face>, Path(id): Path<String>) -> Reply<()> {
     f.admit_start()?;
-    to_completion(async move { f.nodes.resume(&id).await }).await
+    to_completion(f.changing.clone(), async move { f.nodes.resume(&id).await }).await
 }
 
 async fn suspend(State(f): State<Face>, Path(id): Path<String>) -> Reply<Took> {
-    to_completion(async move {
+    to_completion(f.changing.clone(), async move {
         Ok(Took {
             ms: f.nodes.suspend(&id).await?,
         })
@@ -245,7 +263,7 @@ async fn settled_all(State(f): State<Face>) -> Json<()> {
 }
 
 async fn save_image(State(f): State<Face>, Path((id, image)): Path<(String, String)>) -> Reply<Saved> {
-    to_completion(async move {
+    to_completion(f.changing.clone(), async move {
         Ok(Saved {
             bytes: f.nodes.save_image(&id, &image).await?,
         })
@@ -254,7 +272,7 @@ async fn save_image(State(f): State<Face>, Path((id, image)): Path<(String, Stri
 }
 
 async fn park(State(f): State<Face>, Path((id, image)): Path<(String, String)>) -> Reply<super::Parked> {
-    to_completion(async move {
+    to_completion(f.changing.clone(), async move {
         let parked = f.nodes.park(&id, &image).await?;
         if let Some(expiry) = &f.expiry {
             expiry.set(&id, None);
@@ -265,7 +283,7 @@ async fn park(State(f): State<Face>, Path((id, image)): Path<(String, String)>) 
 }
 
 async fn delete_image(State(f): State<Face>, Path(image): Path<String>) -> Reply<()> {
-    to_completion(async move { f.nodes.delete_image(&image).await }).await
+    to_completion(f.changing.clone(), async move { f.nodes.delete_image(&image).await }).await
 }
 
 async fn digest_image(State(f): State<Face>, Path(image): Path<String>) -> Reply<Digest> {

@@ -342,7 +342,30 @@ pub trait OperationStore: Send + Sync {
     /// Take or keep `duty` (work one replica does at a time) for this store's lease: true when
     /// this holder has it now, for [`Lease::ms`] from now; false while another holds it.
     async fn lead(&self, duty: &str) -> Result<bool, StoreError>;
+    /// Record that this store's lease holder (a replica) asked `node` at `now_ms`, and whether
+    /// it answered.
+    async fn observe_node(&self, node: &str, answered: bool, now_ms: i64) -> Result<(), StoreError>;
+    /// What every replica saw of every node, of those that asked at or after `since_ms`.
+    async fn node_observations(&self, since_ms: i64) -> Result<Vec<NodeSeen>, StoreError>;
 }
+
+/// One replica's view of one node ([`OperationStore::observe_node`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct NodeSeen {
+    pub node: String,
+    pub replica: String,
+    /// Since when it has not answered this replica; None: it answered the last time.
+    pub unanswered_since_ms: Option<i64>,
+}
+
+/// [`OperationStore::observe_node`], one statement both stores run: an answer clears the
+/// silence, a silence keeps the time it began.
+const OBSERVE_NODE: &str = "INSERT INTO node_seen (node, replica, asked_ms, unanswered_since_ms) \
+     VALUES ($1, $2, $3, $4) ON CONFLICT (node, replica) DO UPDATE SET asked_ms = excluded.asked_ms, \
+     unanswered_since_ms = CASE WHEN excluded.unanswered_since_ms IS NULL THEN NULL \
+     ELSE COALESCE(node_seen.unanswered_since_ms, excluded.unanswered_since_ms) END";
+/// [`OperationStore::node_observations`].
+const NODE_OBSERVATIONS: &str = "SELECT node, replica, unanswered_since_ms FROM node_seen WHERE asked_ms >= $1";
 
 /// Take or keep a duty: one statement both stores run (`?` placeholders for SQLite, numbered
 /// for Postgres): the row is written only if it is free, lapsed or this holder's.

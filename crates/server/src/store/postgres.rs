@@ -10,7 +10,7 @@
 use super::{
     new_key, new_tenant_id, op_created_ms, token_hash, AccessHashes, AccountStore, AuditFilter, CreateRecorded,
     E2bStore, KeyFormat, Lease, NodeBudget, OperationStore, SandboxFilter, SandboxStore, StoreError, TenantStore,
-    TokenKind, DISK_HELD, HOLDS_VM, LEAD, LIVE, RATE_WINDOW_MS,
+    TokenKind, DISK_HELD, HOLDS_VM, LEAD, LIVE, NODE_OBSERVATIONS, OBSERVE_NODE, RATE_WINDOW_MS,
 };
 use crate::model::ErrorBody;
 use crate::model::{Operation, OperationKind, OperationState, Quota, Resources, SandboxState, TenantUsage};
@@ -434,6 +434,32 @@ impl OperationStore for PgStore {
             .execute(&self.pool)
             .await?;
         Ok(done.rows_affected() == 1)
+    }
+
+    async fn observe_node(&self, node: &str, answered: bool, now_ms: i64) -> Result<(), StoreError> {
+        sqlx::query(OBSERVE_NODE)
+            .bind(node)
+            .bind(&self.lease.holder)
+            .bind(now_ms)
+            .bind((!answered).then_some(now_ms))
+            .execute(&self.pool)
+            .await?;
+        Ok(())
+    }
+
+    async fn node_observations(&self, since_ms: i64) -> Result<Vec<super::NodeSeen>, StoreError> {
+        let rows: Vec<(String, String, Option<i64>)> = sqlx::query_as(NODE_OBSERVATIONS)
+            .bind(since_ms)
+            .fetch_all(&self.pool)
+            .await?;
+        Ok(rows
+            .into_iter()
+            .map(|(node, replica, unanswered_since_ms)| super::NodeSeen {
+                node,
+                replica,
+                unanswered_since_ms,
+            })
+            .collect())
     }
 
     async fn renew_leases(&self, ids: &[String]) -> Result<(), StoreError> {

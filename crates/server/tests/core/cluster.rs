@@ -501,3 +501,65 @@ async fn a_draining_node_takes_nothing_new() {
         assert_no_vms(d.path());
     }
 }
+
+/// A node that stops answering (issue 25, check 4): back within the grace, it keeps its
+/// sandboxes; silent to every replica for longer, its running sandboxes are `lost` (the other
+/// node's run on), and once it is back its VMs of them are removed, never run again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_node_silent_past_the_grace_loses_its_sandboxes_and_their_vms_go_when_it_is_back() {
+    let (store_dir, dirs) = (fresh(), [fresh(), fresh()]);
+    let config = || Config {
+        node_grace: Duration::from_secs(6),
+        ..replica_config()
+    };
+    let mut nodes = vec![
+        ClusterNode::start(dirs[0].path(), FITS_FOUR, 0).await,
+        ClusterNode::start(dirs[1].path(), FITS_FOUR, 0).await,
+    ];
+    let addrs: Vec<_> = nodes.iter().map(|n| n.addr).collect();
+    let a = Server::start_replica(store_dir.path(), &addrs, None, config()).await;
+    let b = Server::start_replica(store_dir.path(), &addrs, Some(&a.key), config()).await;
+    // One sandbox on each node.
+    let mut on: BTreeMap<String, String> = BTreeMap::new();
+    while on.len() < 2 {
+        let id = a.running_sandbox().await;
+        on.entry(node_of(&a, &id).await).or_insert(id);
+    }
+    let (silent, other) = (addrs[0].to_string(), addrs[1].to_string());
+
+    // Down for a moment (a restart): nothing is lost, its VM is re-adopted.
+    let port = addrs[0].port();
+    nodes.remove(0).kill();
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    nodes.insert(0, ClusterNode::start(dirs[0].path(), FITS_FOUR, port).await);
+    tokio::time::sleep(Duration::from_secs(8)).await;
+    assert_eq!(a.sandbox_state(&on[&silent]).await, "running");
+    b.assert_answers(&on[&silent]).await;
+
+    // Down past the grace: lost, through either replica; the other node's sandbox runs on.
+    nodes.remove(0).kill();
+    let down = Instant::now();
+    while a.sandbox_state(&on[&silent]).await != "lost" {
+        assert!(down.elapsed() < Duration::from_secs(20), "not lost after 20 s");
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    assert!(down.elapsed() >= Duration::from_secs(6), "lost within the grace");
+    println!("lost after {:?} (grace 6 s)", down.elapsed());
+    assert_eq!(b.sandbox_state(&on[&silent]).await, "lost");
+    assert_eq!(b.sandbox_state(&on[&other]).await, "running");
+    b.assert_answers(&on[&other]).await;
+
+    // Back: its VM of the lost sandbox goes, and the sandbox stays lost.
+    let back = ClusterNode::start(dirs[0].path(), FITS_FOUR, port).await;
+    let returned = Instant::now();
+    while !fake::live_vms(&back.dir).is_empty() {
+        assert!(
+            returned.elapsed() < Duration::from_secs(15),
+            "the lost sandbox's VM still runs"
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    assert_eq!(a.sandbox_state(&on[&silent]).await, "lost");
+    a.stop().await;
+    b.stop().await;
+}
