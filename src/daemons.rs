@@ -91,8 +91,22 @@ pub struct ServeArgs {
     /// Find nodes by resolving this name every few seconds (`HOST:PORT`, e.g. a Kubernetes
     /// headless Service of the node DaemonSet): each joins under the name it reports (`node
     /// --name`); one no longer listed takes no new sandbox. Needs --node-secret-file.
-    #[arg(long, env = "AIRLOCK_NODES_DNS", requires = "node_secret_file")]
+    #[arg(
+        long,
+        env = "AIRLOCK_NODES_DNS",
+        requires = "node_secret_file",
+        conflicts_with = "nodes_kube"
+    )]
     nodes_dns: Option<String>,
+    /// Find nodes through the Kubernetes API (the pod's service account, or the kubeconfig):
+    /// the pods of this namespace that match this label selector and are Ready, at
+    /// --nodes-kube-port; one on a cordoned Kubernetes node takes no new sandbox and its
+    /// sandboxes are taken off it. Needs --node-secret-file.
+    #[arg(long, env = "AIRLOCK_NODES_KUBE", requires = "node_secret_file")]
+    nodes_kube: Option<String>,
+    /// The port the node pods' faces listen on (`airlock node --listen`), for --nodes-kube.
+    #[arg(long, env = "AIRLOCK_NODES_KUBE_PORT", default_value_t = 7701)]
+    nodes_kube_port: u16,
     /// The cluster secret node tokens are derived from (the node's --secret-file; at least 32
     /// bytes).
     #[arg(long, env = "AIRLOCK_NODE_SECRET_FILE")]
@@ -297,10 +311,11 @@ impl ServeArgs {
             Some(path) => airlock_server::node_daemon::read_cluster_secret(path)?,
             None => Vec::new(),
         };
-        if self.node_secret_file.is_some() && self.nodes.is_empty() && self.nodes_dns.is_none() {
-            anyhow::bail!("--node-secret-file is for remote nodes: name them with --node or --nodes-dns");
+        let remote = !self.nodes.is_empty() || self.nodes_dns.is_some() || self.nodes_kube.is_some();
+        if self.node_secret_file.is_some() && !remote {
+            anyhow::bail!("--node-secret-file is for remote nodes: name them with --node, --nodes-dns or --nodes-kube");
         }
-        if self.nodes.is_empty() && self.nodes_dns.is_none() {
+        if !remote {
             ensure_seed(&data_dir).await?;
         }
         let limits = self.conns.limits();
@@ -332,6 +347,7 @@ impl ServeArgs {
             jwt_issuers: self.jwt_issuers,
             remote_nodes: self.nodes,
             nodes_dns: self.nodes_dns,
+            nodes_kube: self.nodes_kube.map(|selector| (selector, self.nodes_kube_port)),
             node_secret,
             node_grace: std::time::Duration::from_secs(self.node_grace_seconds.max(1)),
         })

@@ -98,7 +98,28 @@ def check(objs, setting, help_of):
     assert node_service["spec"]["clusterIP"] == "None"
     assert selects(node_service["spec"]["selector"], node_labels)
     assert not selects(node_service["spec"]["selector"], api_labels)
-    assert env["AIRLOCK_NODES_DNS"]["value"] == "rel-airlock-node.sandboxes.svc.cluster.local:7421"
+    pod_spec = api["spec"]["template"]["spec"]
+    if setting == "api.discovery=dns":
+        assert env["AIRLOCK_NODES_DNS"]["value"] == "rel-airlock-node.sandboxes.svc.cluster.local:7421"
+        assert "AIRLOCK_NODES_KUBE" not in env and pod_spec["automountServiceAccountToken"] is False
+        assert not any(k in ("Role", "ClusterRole", "ServiceAccount") for k, _ in objs)
+    else:
+        # Or the Kubernetes API: the node pods by their labels, under a ServiceAccount that may
+        # list pods here and read hosts, nothing more.
+        assert "AIRLOCK_NODES_DNS" not in env
+        selector = dict(kv.split("=") for kv in env["AIRLOCK_NODES_KUBE"]["value"].split(","))
+        assert selects(selector, node_labels) and not selects(selector, api_labels), selector
+        assert env["AIRLOCK_NODES_KUBE_PORT"]["value"] == "7421"
+        account = pod_spec["serviceAccountName"]
+        assert ("ServiceAccount", account) in objs
+        role = objs[("Role", account)]
+        assert role["rules"] == [{"apiGroups": [""], "resources": ["pods"], "verbs": ["list"]}]
+        cluster_role = one(objs, "ClusterRole")
+        assert cluster_role["rules"] == [{"apiGroups": [""], "resources": ["nodes"], "verbs": ["get"]}]
+        for kind, bound in (("RoleBinding", role), ("ClusterRoleBinding", cluster_role)):
+            binding = one(objs, kind)
+            assert binding["roleRef"]["name"] == bound["metadata"]["name"]
+            assert binding["subjects"] == [{"kind": "ServiceAccount", "name": account, "namespace": "sandboxes"}]
     api_service = objs[("Service", "rel-airlock-api")]
     assert api_service["spec"]["type"] in SERVICE_TYPES
     assert selects(api_service["spec"]["selector"], api_labels)
@@ -156,7 +177,7 @@ def main():
         return helps[sub]
 
     files = sorted(out.glob("*.yaml"))
-    assert len(files) == 8, files
+    assert len(files) == 10, files
     for f in files:
         setting = f.stem.split("-", 1)[1]
         check(objects(f), setting, help_of)

@@ -283,6 +283,9 @@ pub struct ServeOptions {
     /// A DNS name (`host:port`) whose addresses are the cluster's nodes, asked again every few
     /// seconds (a Kubernetes headless Service), besides or instead of `remote_nodes`.
     pub nodes_dns: Option<String>,
+    /// Or the Kubernetes API's pods of this namespace that match a label selector, their nodes
+    /// at a port (`serve --nodes-kube`).
+    pub nodes_kube: Option<(String, u16)>,
     /// The cluster secret the remote nodes' tokens are derived from.
     pub node_secret: Vec<u8>,
     /// How long every replica must have had no answer from a node before its running
@@ -388,7 +391,8 @@ pub async fn serve(opts: ServeOptions) -> anyhow::Result<()> {
     };
     // The node: this host's (the VMs of the last run re-attached in the background, so the
     // listener binds at once however many there are), or one on another host.
-    let (nodes, egress): (Arc<dyn nodes::Nodes>, _) = match opts.remote_nodes.is_empty() && opts.nodes_dns.is_none() {
+    let single_host = opts.remote_nodes.is_empty() && opts.nodes_dns.is_none() && opts.nodes_kube.is_none();
+    let (nodes, egress): (Arc<dyn nodes::Nodes>, _) = match single_host {
         true => {
             let (node, egress) = node_daemon::open_local_node(node_daemon::NodeOptions {
                 data_dir: opts.data_dir.clone(),
@@ -402,22 +406,28 @@ pub async fn serve(opts: ServeOptions) -> anyhow::Result<()> {
             (node, egress)
         }
         false => {
-            let cluster =
-                Arc::new(connect_nodes(&opts.remote_nodes, &opts.node_secret, opts.nodes_dns.is_some()).await?);
-            if let Some(target) = opts.nodes_dns.clone() {
+            use nodes::discovery::{Discovery, Source, ROUND};
+            let source = match (opts.nodes_dns.clone(), &opts.nodes_kube) {
+                (Some(target), _) => Some(Source::Dns(target)),
+                (None, Some((selector, port))) => Some(Source::Kube(Box::new(
+                    nodes::kube::KubeNodes::from_environment(selector, *port)
+                        .await
+                        .map_err(|e| anyhow::anyhow!("--nodes-kube: the Kubernetes API: {e}"))?,
+                ))),
+                (None, None) => None,
+            };
+            let cluster = Arc::new(connect_nodes(&opts.remote_nodes, &opts.node_secret, source.is_some()).await?);
+            if let Some(source) = source {
                 let secret: Arc<[u8]> = Arc::from(opts.node_secret.as_slice());
-                let mut discovery = nodes::discovery::Discovery::default();
-                match nodes::discovery::resolve(&target).await {
+                let mut discovery = Discovery::default();
+                match source.list().await {
                     Ok(found) => discovery.round(&cluster, found, &secret).await,
-                    Err(e) => tracing::warn!(
-                        "--nodes-dns {target}: {e}; asked again every {:?}",
-                        nodes::discovery::ROUND
-                    ),
+                    Err(e) => tracing::warn!("discovery: {e}; asked again every {ROUND:?}"),
                 }
                 let weak = Arc::downgrade(&cluster);
                 tokio::spawn(discovery.follow(weak, secret, move || {
-                    let target = target.clone();
-                    async move { nodes::discovery::resolve(&target).await }
+                    let source = source.clone();
+                    async move { source.list().await }
                 }));
             }
             node_daemon::set_pools(&*cluster, &opts.warm_pools).await?;

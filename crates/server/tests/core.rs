@@ -18,6 +18,8 @@ mod console;
 mod doors;
 #[path = "core/egress.rs"]
 mod egress;
+#[path = "core/kube.rs"]
+mod kube;
 #[path = "core/quotas.rs"]
 mod quotas;
 #[path = "core/recovery.rs"]

@@ -25,6 +25,9 @@ pub struct Cluster {
     /// Members discovery no longer lists (not ready, going away): kept for the calls about
     /// their VMs, never chosen for new ones.
     unlisted: Mutex<BTreeSet<String>>,
+    /// Members whose host is being drained (a cordoned Kubernetes node): they take no new
+    /// sandbox, and their sandboxes are taken off them as from a draining node.
+    cordoned: Mutex<BTreeSet<String>>,
     /// VMs, claimed pool VMs and images this cluster sent somewhere, by id: their member's name.
     placed: Mutex<HashMap<String, String>>,
     exits: broadcast::Sender<String>,
@@ -58,6 +61,7 @@ impl Cluster {
         let cluster = Cluster {
             members: Mutex::new(Arc::new(Vec::new())),
             unlisted: Mutex::default(),
+            cordoned: Mutex::default(),
             placed: Mutex::default(),
             exits: broadcast::channel(1024).0,
             forwarders: Mutex::default(),
@@ -117,6 +121,11 @@ impl Cluster {
             .map(|(n, _)| n.clone())
             .filter(|n| !listed.contains(n))
             .collect();
+    }
+
+    /// Which members' hosts are being drained now (discovery's view of them).
+    pub fn set_cordoned(&self, cordoned: BTreeSet<String>) {
+        *lock(&self.cordoned) = cordoned;
     }
 
     /// The member names and the node each has now.
@@ -253,10 +262,11 @@ impl Nodes for Cluster {
     /// A pool VM from the member with the most free memory that has one ready.
     async fn claim(&self, template: &str, resources: &Resources) -> Option<String> {
         let unlisted = lock(&self.unlisted).clone();
+        let cordoned = lock(&self.cordoned).clone();
         let mut order: Vec<(String, Arc<dyn Nodes>)> = self
             .snapshot()
             .iter()
-            .filter(|(n, _)| !unlisted.contains(n))
+            .filter(|(n, _)| !unlisted.contains(n) && !cordoned.contains(n))
             .cloned()
             .collect();
         order.sort_by_key(|(_, n)| std::cmp::Reverse(n.capacity().memory_mib));
@@ -373,6 +383,7 @@ impl Nodes for Cluster {
 
     fn members(&self) -> Vec<Member> {
         let unlisted = lock(&self.unlisted).clone();
+        let cordoned = lock(&self.cordoned).clone();
         self.snapshot()
             .iter()
             .map(|(name, n)| {
@@ -385,13 +396,17 @@ impl Nodes for Cluster {
                     parks: false,
                     answering: false,
                 });
-                let refuses = match unlisted.contains(name) {
-                    true => Some("not listed by discovery (not ready, or going away)".to_string()),
-                    false => one.refuses,
+                let refuses = if unlisted.contains(name) {
+                    Some("not listed by discovery (not ready, or going away)".to_string())
+                } else if cordoned.contains(name) {
+                    Some("cordoned: its host is being drained".to_string())
+                } else {
+                    one.refuses
                 };
                 Member {
                     name: name.clone(),
                     refuses,
+                    draining: one.draining || cordoned.contains(name),
                     ..one
                 }
             })

@@ -16,8 +16,44 @@ use std::time::Duration;
 pub const ROUND: Duration = Duration::from_secs(5);
 
 /// The addresses `target` (`host:port`) resolves to now.
-pub async fn resolve(target: &str) -> std::io::Result<Vec<SocketAddr>> {
-    Ok(tokio::net::lookup_host(target).await?.collect())
+pub async fn resolve(target: &str) -> Result<Vec<Listed>, String> {
+    match tokio::net::lookup_host(target).await {
+        Ok(addrs) => Ok(addrs.map(Listed::serving).collect()),
+        Err(e) => Err(format!("{target}: {e}")),
+    }
+}
+
+/// A node a source lists: where it answers, and whether its host is being drained (a
+/// cordoned Kubernetes node; a DNS answer never says so).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Listed {
+    pub addr: SocketAddr,
+    pub cordoned: bool,
+}
+
+impl Listed {
+    /// An address a DNS answer holds.
+    pub fn serving(addr: SocketAddr) -> Self {
+        Listed { addr, cordoned: false }
+    }
+}
+
+/// Where a cluster's nodes are listed: a DNS name (`serve --nodes-dns`), or the Kubernetes
+/// API (`serve --nodes-kube`).
+#[derive(Clone)]
+pub enum Source {
+    Dns(String),
+    Kube(Box<super::kube::KubeNodes>),
+}
+
+impl Source {
+    /// The nodes listed now.
+    pub async fn list(&self) -> Result<Vec<Listed>, String> {
+        match self {
+            Source::Dns(target) => resolve(target).await,
+            Source::Kube(kube) => kube.list().await.map_err(|e| format!("the Kubernetes API: {e}")),
+        }
+    }
 }
 
 /// What discovery knows between rounds: each address seen and the name its node reported.
@@ -28,9 +64,10 @@ pub struct Discovery {
 
 impl Discovery {
     /// One round: `listed` is what the source answered now.
-    pub async fn round(&mut self, cluster: &Cluster, listed: Vec<SocketAddr>, secret: &[u8]) {
-        self.known.retain(|addr, _| listed.contains(addr));
-        for addr in &listed {
+    pub async fn round(&mut self, cluster: &Cluster, listed: Vec<Listed>, secret: &[u8]) {
+        let addrs: Vec<SocketAddr> = listed.iter().map(|l| l.addr).collect();
+        self.known.retain(|addr, _| addrs.contains(addr));
+        for addr in &addrs {
             if self.known.contains_key(addr) {
                 continue;
             }
@@ -50,13 +87,19 @@ impl Discovery {
         }
         let names: BTreeSet<String> = self.known.values().cloned().collect();
         cluster.set_listed(&names);
+        let cordoned = listed
+            .iter()
+            .filter(|l| l.cordoned)
+            .filter_map(|l| self.known.get(&l.addr).cloned())
+            .collect();
+        cluster.set_cordoned(cordoned);
     }
 
     /// Rounds every [`ROUND`] for as long as `cluster` lives, the addresses from `source`.
     pub async fn follow<F, Fut>(mut self, cluster: std::sync::Weak<Cluster>, secret: Arc<[u8]>, source: F)
     where
         F: Fn() -> Fut,
-        Fut: Future<Output = std::io::Result<Vec<SocketAddr>>>,
+        Fut: Future<Output = Result<Vec<Listed>, String>>,
     {
         loop {
             tokio::time::sleep(ROUND).await;

@@ -10,6 +10,7 @@ pub mod discovery;
 mod egress;
 mod error;
 mod expiry;
+pub mod kube;
 mod local;
 mod remote;
 pub mod serve;

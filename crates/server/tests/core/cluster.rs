@@ -15,12 +15,12 @@ use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
 
 /// A node whose budgets fit exactly four default sandboxes (512 MiB each, no memory reserve).
-const FITS_FOUR: Capacity = Capacity {
+pub(crate) const FITS_FOUR: Capacity = Capacity {
     memory_mib: 4 * 512,
     ..ROOMY
 };
 
-fn replica_config() -> Config {
+pub(crate) fn replica_config() -> Config {
     Config {
         memory_reserve_mib: 0,
         disk_reserve_mib: 0,
@@ -31,7 +31,16 @@ fn replica_config() -> Config {
     }
 }
 
-async fn node_of(server: &Server, id: &str) -> String {
+/// Addresses as a DNS answer lists them.
+fn listed(addrs: &[std::net::SocketAddr]) -> Vec<airlock_server::nodes::discovery::Listed> {
+    addrs
+        .iter()
+        .copied()
+        .map(airlock_server::nodes::discovery::Listed::serving)
+        .collect()
+}
+
+pub(crate) async fn node_of(server: &Server, id: &str) -> String {
     let row = server.core().store().sandbox_by_id(id).await.unwrap().unwrap();
     row.node
 }
@@ -158,7 +167,7 @@ async fn discovered_nodes_join_by_name_and_a_node_back_at_a_new_address_keeps_it
     let replica = Server::start_replica(store_dir.path(), &[], None, replica_config()).await;
     let cluster = replica.cluster.clone().unwrap();
     let mut discovery = Discovery::default();
-    discovery.round(&cluster, vec![a.addr, b.addr], NODE_SECRET).await;
+    discovery.round(&cluster, listed(&[a.addr, b.addr]), NODE_SECRET).await;
     let names = |s: &Server| -> Vec<(String, bool)> {
         let mut m: Vec<_> = s
             .core()
@@ -173,7 +182,7 @@ async fn discovered_nodes_join_by_name_and_a_node_back_at_a_new_address_keeps_it
     assert_eq!(names(&replica), vec![("node-a".into(), true), ("node-b".into(), true)]);
 
     // node-b leaves the listing: no new sandbox goes there.
-    discovery.round(&cluster, vec![a.addr], NODE_SECRET).await;
+    discovery.round(&cluster, listed(&[a.addr]), NODE_SECRET).await;
     assert_eq!(names(&replica), vec![("node-a".into(), true), ("node-b".into(), false)]);
     let mut ids = Vec::new();
     for _ in 0..3 {
@@ -192,7 +201,7 @@ async fn discovered_nodes_join_by_name_and_a_node_back_at_a_new_address_keeps_it
     a.kill();
     let a = ClusterNode::start_named(dir_a.path(), FITS_FOUR, 0, "node-a").await;
     assert_ne!(a.addr, old_addr);
-    discovery.round(&cluster, vec![a.addr, b.addr], NODE_SECRET).await;
+    discovery.round(&cluster, listed(&[a.addr, b.addr]), NODE_SECRET).await;
     for id in &ids {
         replica.assert_answers(id).await;
     }
