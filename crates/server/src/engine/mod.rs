@@ -332,7 +332,8 @@ impl Engine {
                     .await?;
                 let engine = self.clone();
                 let run = op.clone();
-                self.start(&op, async move { engine.run_delete(run).await });
+                let lost = sandbox.state == SandboxState::Lost;
+                self.start(&op, async move { engine.run_delete(run, lost).await });
                 Ok(Submitted {
                     operation: op,
                     new: true,

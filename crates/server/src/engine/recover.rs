@@ -188,7 +188,7 @@ impl Engine {
                 (OperationKind::Delete, _) => {
                     let engine = self.clone();
                     let run = op.clone();
-                    self.start(&op, async move { engine.run_delete(run).await });
+                    self.start(&op, async move { engine.run_delete(run, false).await });
                     continue;
                 }
                 (OperationKind::Create, VmState::Running | VmState::Paused | VmState::Suspended) => {

@@ -162,10 +162,16 @@ impl Engine {
         }
     }
 
-    pub(super) async fn run_delete(&self, op: Operation) {
+    /// Stop the sandbox's VM and record it deleted. A `lost` one's node does not answer: it is
+    /// recorded deleted at once, and its VM goes if that node comes back (`reap_disowned`).
+    pub(super) async fn run_delete(&self, op: Operation, lost: bool) {
         let id = op.sandbox_id.clone();
         let _ = self.store.set_operation_state(&op.id, OperationState::Running).await;
-        match self.nodes.delete(&id).await {
+        let stopped = match lost {
+            true => Ok(()),
+            false => self.nodes.delete(&id).await,
+        };
+        match stopped {
             Ok(()) => {
                 self.set_state(&id, SandboxState::Deleted).await;
                 let _ = self.store.set_paused_remaining(&id, None).await;

@@ -513,7 +513,8 @@ async fn a_draining_node_takes_nothing_new() {
 
 /// A node that stops answering (issue 25, check 4): back within the grace, it keeps its
 /// sandboxes; silent to every replica for longer, its running sandboxes are `lost` (the other
-/// node's run on), and once it is back its VMs of them are removed, never run again.
+/// node's run on), a lost one is deleted without its node, and once the node is back its VM
+/// of it is removed, never run again.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_node_silent_past_the_grace_loses_its_sandboxes_and_their_vms_go_when_it_is_back() {
     let (store_dir, dirs) = (fresh(), [fresh(), fresh()]);
@@ -558,7 +559,14 @@ async fn a_node_silent_past_the_grace_loses_its_sandboxes_and_their_vms_go_when_
     assert_eq!(b.sandbox_state(&on[&other]).await, "running");
     b.assert_answers(&on[&other]).await;
 
-    // Back: its VM of the lost sandbox goes, and the sandbox stays lost.
+    // Deleted while its node is down: recorded at once (there is no node to ask).
+    let (status, body) = b.v1(Method::DELETE, &format!("/sandboxes/{}", on[&silent]), None).await;
+    assert_eq!(status, 202, "{body}");
+    let op = b.wait_op(body["operation"]["id"].as_str().unwrap()).await;
+    assert_eq!(op["state"], "succeeded", "{op}");
+    assert_eq!(a.sandbox_state(&on[&silent]).await, "deleted");
+
+    // Back: its VM of that sandbox goes, never to run again.
     let back = ClusterNode::start(dirs[0].path(), FITS_FOUR, port).await;
     let returned = Instant::now();
     while !fake::live_vms(&back.dir).is_empty() {
@@ -568,7 +576,7 @@ async fn a_node_silent_past_the_grace_loses_its_sandboxes_and_their_vms_go_when_
         );
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
-    assert_eq!(a.sandbox_state(&on[&silent]).await, "lost");
+    assert_eq!(a.sandbox_state(&on[&silent]).await, "deleted");
     a.stop().await;
     b.stop().await;
 }
