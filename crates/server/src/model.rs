@@ -37,6 +37,12 @@ impl SandboxState {
         )
     }
 
+    /// Deleted, failed or lost: it has no VM to keep, and whatever is kept about it elsewhere
+    /// goes with it.
+    pub fn is_ended(self) -> bool {
+        matches!(self, SandboxState::Deleted | SandboxState::Failed | SandboxState::Lost)
+    }
+
     pub fn as_str(self) -> &'static str {
         match self {
             SandboxState::Creating => "creating",

@@ -277,7 +277,7 @@ impl Engine {
     }
 
     fn announce(&self, id: &str, state: SandboxState) {
-        if matches!(state, SandboxState::Deleted | SandboxState::Failed | SandboxState::Lost) {
+        if state.is_ended() {
             let _ = self.ended.send(id.to_string());
         }
     }

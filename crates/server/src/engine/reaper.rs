@@ -167,10 +167,7 @@ impl Engine {
             let Some(row) = self.store.sandbox_by_id(&id).await? else {
                 continue;
             };
-            if matches!(
-                row.state,
-                SandboxState::Lost | SandboxState::Deleted | SandboxState::Failed
-            ) {
+            if row.state.is_ended() {
                 tracing::warn!(sandbox = %id, state = row.state.as_str(), "its node still has its VM; removing it");
                 if let Err(e) = self.nodes.delete(&id).await {
                     tracing::warn!(sandbox = %id, "cannot remove the VM: {e}");

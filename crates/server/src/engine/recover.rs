@@ -280,12 +280,11 @@ impl Engine {
     /// VMs that no live record claims (left by a crash) are deleted.
     pub(super) async fn sweep_unclaimed_vms(&self) -> CoreResult<()> {
         for id in self.nodes.vm_ids() {
-            let live = self.store.sandbox_by_id(&id).await?.is_some_and(|r| {
-                !matches!(
-                    r.state,
-                    SandboxState::Deleted | SandboxState::Failed | SandboxState::Lost
-                )
-            });
+            let live = self
+                .store
+                .sandbox_by_id(&id)
+                .await?
+                .is_some_and(|r| !r.state.is_ended());
             if !live {
                 tracing::warn!(sandbox = %id, "VM without a live record; deleting it");
                 let _ = self.nodes.delete(&id).await;
