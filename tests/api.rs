@@ -49,43 +49,8 @@ fn shared() -> &'static str {
 /// An empty data dir of its own (`<shared>-<suffix>`) with the shared one's templates, as hard
 /// links (templates are immutable), so a server on it starts without building `seed`.
 fn own_data_dir(suffix: &str) -> PathBuf {
-    let data = PathBuf::from(format!("{}-{suffix}", test_data_dir().display()));
-    end_vms_left_in(&data);
-    let _ = std::fs::remove_dir_all(&data);
-    std::fs::create_dir_all(&data).unwrap();
     server(); // the shared data dir has the template built
-    let src = test_data_dir();
-    let ok = Command::new("cp")
-        .arg("-al")
-        .arg(src.join("blobs"))
-        .arg(src.join("templates"))
-        .arg(&data)
-        .status()
-        .unwrap();
-    assert!(ok.success());
-    let _ = std::fs::copy(src.join("accel.json"), data.join("accel.json"));
-    data
-}
-
-/// End the VMs a failed earlier run left in `data` (VMs outlive their server by design, and the
-/// dir is about to go): each by the pid it recorded, if that process still names the dir.
-fn end_vms_left_in(data: &Path) {
-    for dir in std::fs::read_dir(data.join("sandboxes"))
-        .into_iter()
-        .flatten()
-        .flatten()
-    {
-        let Some(pid) = std::fs::read_to_string(dir.path().join("vmm.pid"))
-            .ok()
-            .and_then(|p| p.trim().parse::<i32>().ok())
-        else {
-            continue;
-        };
-        let cmdline = std::fs::read(format!("/proc/{pid}/cmdline")).unwrap_or_default();
-        if pid > 1 && String::from_utf8_lossy(&cmdline).contains(&*dir.path().to_string_lossy()) {
-            unsafe { libc::kill(pid, libc::SIGKILL) };
-        }
-    }
+    data_dir_with_templates(suffix)
 }
 
 fn main() {

@@ -3,29 +3,6 @@
 
 use super::*;
 
-/// A raw HTTP/1.1 GET with our own Host header (as wildcard DNS would deliver it).
-fn get_with_host(s: &Server, host: &str, path: &str, headers: &[(&str, &str)]) -> (u16, String) {
-    use std::io::{Read, Write};
-    let addr = s.url.trim_start_matches("http://");
-    let mut conn = std::net::TcpStream::connect(addr).unwrap();
-    conn.set_read_timeout(Some(Duration::from_secs(60))).unwrap();
-    let mut req = format!("GET {path} HTTP/1.1\r\nHost: {host}\r\nConnection: close\r\n");
-    for (k, v) in headers {
-        req.push_str(&format!("{k}: {v}\r\n"));
-    }
-    req.push_str("\r\n");
-    conn.write_all(req.as_bytes()).unwrap();
-    let mut raw = Vec::new();
-    let _ = conn.read_to_end(&mut raw);
-    let text = String::from_utf8_lossy(&raw).to_string();
-    let status = text.split_whitespace().nth(1).and_then(|c| c.parse().ok()).unwrap_or(0);
-    let body = text
-        .split_once("\r\n\r\n")
-        .map(|(_, b)| b.to_string())
-        .unwrap_or_default();
-    (status, body)
-}
-
 pub(crate) fn ports_and_envd_are_reachable_by_host_name() {
     let s = server();
     let id = shared();

@@ -432,3 +432,78 @@ pub fn put_file(s: &Server, id: &str, path: &str, body: &[u8]) {
         .send_bytes(body);
     assert!(r.is_ok(), "upload {path}: {r:?}");
 }
+
+/// An empty data dir `<shared>-<suffix>` with the shared one's templates (built there first),
+/// as hard links (templates are immutable), so a server or node on it starts without building
+/// `seed`. What an earlier run left in it goes first ([`end_vms_left_in`]).
+pub fn data_dir_with_templates(suffix: &str) -> PathBuf {
+    let data = PathBuf::from(format!("{}-{suffix}", test_data_dir().display()));
+    end_vms_left_in(&data);
+    let _ = std::fs::remove_dir_all(&data);
+    std::fs::create_dir_all(&data).unwrap();
+    let src = test_data_dir();
+    let ok = Command::new("cp")
+        .arg("-al")
+        .arg(src.join("blobs"))
+        .arg(src.join("templates"))
+        .arg(&data)
+        .status()
+        .unwrap();
+    assert!(ok.success());
+    let _ = std::fs::copy(src.join("accel.json"), data.join("accel.json"));
+    data
+}
+
+/// End the VMs a failed earlier run left in `data` (VMs outlive their server by design, and the
+/// dir is about to go): each by the pid it recorded, if that process still names the dir; and
+/// remove their networks (a server or node on `data` named them).
+pub fn end_vms_left_in(data: &Path) {
+    for dir in std::fs::read_dir(data.join("sandboxes"))
+        .into_iter()
+        .flatten()
+        .flatten()
+    {
+        if let Some(pid) = std::fs::read_to_string(dir.path().join("vmm.pid"))
+            .ok()
+            .and_then(|p| p.trim().parse::<i32>().ok())
+        {
+            let cmdline = std::fs::read(format!("/proc/{pid}/cmdline")).unwrap_or_default();
+            if pid > 1 && String::from_utf8_lossy(&cmdline).contains(&*dir.path().to_string_lossy()) {
+                unsafe { libc::kill(pid, libc::SIGKILL) };
+            }
+        }
+        let (netns, _) = airlock_runtime::net::names(data, &dir.file_name().to_string_lossy());
+        if Path::new("/run/netns").join(&netns).exists() {
+            let _ = Command::new("ip").args(["netns", "del", &netns]).status();
+            // Its host table, for a server that ran in this namespace (a node in a namespace
+            // of its own took its table with it).
+            let _ = Command::new("nft")
+                .args(["delete", "table", "inet", &netns])
+                .stderr(Stdio::null())
+                .status();
+        }
+    }
+}
+
+/// A raw HTTP/1.1 GET with our own Host header (as wildcard DNS would deliver it).
+pub fn get_with_host(s: &Server, host: &str, path: &str, headers: &[(&str, &str)]) -> (u16, String) {
+    use std::io::{Read, Write};
+    let addr = s.url.trim_start_matches("http://");
+    let mut conn = std::net::TcpStream::connect(addr).unwrap();
+    conn.set_read_timeout(Some(Duration::from_secs(60))).unwrap();
+    let mut req = format!("GET {path} HTTP/1.1\r\nHost: {host}\r\nConnection: close\r\n");
+    for (k, v) in headers {
+        req.push_str(&format!("{k}: {v}\r\n"));
+    }
+    req.push_str("\r\n");
+    conn.write_all(req.as_bytes()).unwrap();
+    let mut raw = Vec::new();
+    let _ = conn.read_to_end(&mut raw);
+    let text = String::from_utf8_lossy(&raw).to_string();
+    let status = text.split_whitespace().nth(1).and_then(|c| c.parse().ok()).unwrap_or(0);
+    let body = text
+        .split_once("\r\n\r\n")
+        .map(|(_, b)| b.to_string())
+        .unwrap_or_default();
+    (status, body)
+}

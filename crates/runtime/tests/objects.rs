@@ -9,13 +9,12 @@ use airlock_runtime::sandbox::image::{Image, ImageManifest};
 use airlock_runtime::template::{TemplateManifest, TemplateStore};
 use airlock_runtime::vmm::{Accel, ResumeSpec};
 use airlock_runtime::Resources;
+use airlock_testnet::s3::Moto;
 use object_store::aws::AmazonS3Builder;
 use object_store::{ObjectStore, PutMode, PutOptions};
 use sha2::{Digest, Sha256};
-use std::io::{Read, Write};
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 const FILES: [&str; 3] = ["vmlinuz", "initrd.img", "rootfs.ext4"];
 
@@ -579,96 +578,9 @@ async fn image_refusals() {
 
 // ---- S3, as moto serves it ----
 
-/// moto's server, stopped by its PID when the test ends, failed or not.
-struct Moto {
-    child: Child,
-    endpoint: String,
-}
-
-impl Drop for Moto {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
-/// What the test venv holds; a change makes the venv anew.
-const MOTO: [&str; 3] = ["moto[s3]==5.2.5", "flask==3.1.3", "flask-cors==6.0.5"];
-
-/// The venv with moto, made once under the target dir and reused; one without the marker
-/// naming these packages (older, or a run stopped while making it) is made anew.
-fn moto_venv() -> PathBuf {
-    let venv = Path::new(env!("CARGO_TARGET_TMPDIR")).join("moto-venv");
-    let done = venv.join(".airlock-wants");
-    let wants = MOTO.join(" ");
-    if std::fs::read_to_string(&done).is_ok_and(|have| have == wants) {
-        return venv;
-    }
-    let _ = std::fs::remove_dir_all(&venv);
-    let run = |cmd: &mut Command, what: &str| {
-        let out = cmd.output().unwrap_or_else(|e| panic!("{what}: {e}"));
-        assert!(
-            out.status.success(),
-            "{what} failed ({}): {}{}\nfix: install python3 with its venv module and pip (scripts/install-host-deps installs python3-venv)",
-            out.status,
-            String::from_utf8_lossy(&out.stdout),
-            String::from_utf8_lossy(&out.stderr)
-        );
-    };
-    run(
-        Command::new("python3").args(["-m", "venv"]).arg(&venv),
-        "python3 -m venv",
-    );
-    run(
-        Command::new(venv.join("bin/pip"))
-            .args(["install", "--quiet"])
-            .args(MOTO),
-        "pip install moto into the test venv",
-    );
-    std::fs::write(&done, wants).unwrap();
-    venv
-}
-
 fn start_moto() -> Moto {
-    let venv = moto_venv();
-    let port = std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port();
-    let t = Instant::now();
-    let child = Command::new(venv.join("bin/moto_server"))
-        .args(["-H", "127.0.0.1", "-p", &port.to_string()])
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .spawn()
-        .expect("start moto_server");
-    let mut moto = Moto {
-        child,
-        endpoint: format!("http://127.0.0.1:{port}"),
-    };
-    let deadline = Instant::now() + Duration::from_secs(30);
-    loop {
-        if let Some(status) = moto.child.try_wait().unwrap() {
-            panic!("moto_server exited at start: {status}");
-        }
-        if std::net::TcpStream::connect(("127.0.0.1", port)).is_ok() {
-            break;
-        }
-        assert!(Instant::now() < deadline, "moto_server did not listen within 30 s");
-        std::thread::sleep(Duration::from_millis(50));
-    }
-    eprintln!("moto started in {:?}", t.elapsed());
-    // moto takes an unsigned bucket create.
-    let mut conn = std::net::TcpStream::connect(("127.0.0.1", port)).unwrap();
-    write!(
-        conn,
-        "PUT /airlock HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nContent-Length: 0\r\nConnection: close\r\n\r\n"
-    )
-    .unwrap();
-    let mut answer = String::new();
-    conn.read_to_string(&mut answer).unwrap();
-    assert!(answer.starts_with("HTTP/1.1 200"), "bucket create: {answer}");
+    let moto = Moto::start(Path::new(env!("CARGO_TARGET_TMPDIR")), [127, 0, 0, 1].into()).expect("moto");
+    eprintln!("moto started in {:?}", moto.started_in);
     moto
 }
 

@@ -14,6 +14,9 @@
 //!  direct ns (optional, for the bench's baseline): eth0 192.0.2.66/26 <-> dir0 192.0.2.65/26, forwarded
 //! ```
 //!
+//! Beside it, test scaffolding of the same kind: [`Fabric`] (a cluster's hosts in namespaces on
+//! a bridge, `fabric.rs`) and [`s3::Moto`] (an S3 server, `s3.rs`).
+//!
 //! Namespaces are named `egt-<pid>-<n>-<role>` and deleted on drop (also when a test panics);
 //! ones left by a dead process are deleted by the next [`TestNet::new`].
 
@@ -24,9 +27,12 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::thread::JoinHandle;
 
 mod dns;
+mod fabric;
+pub mod s3;
 mod web;
 
 pub use dns::TestDns;
+pub use fabric::{Fabric, FABRIC_GATEWAY};
 pub use web::{Served, TestWeb};
 
 pub const GATEWAY: Ipv4Addr = Ipv4Addr::new(192, 0, 2, 1);
@@ -118,10 +124,14 @@ fn sweep_stale() {
     }
 }
 
-/// A veth pair from `host` (end `host_end`, address `host_addr`) to `eth0` in `peer` (address
-/// `peer_addr`), both ends up.
-fn veth(host: &Netns, host_end: &str, host_addr: &str, peer: &Netns, peer_addr: &str) -> io::Result<()> {
-    host.ip(&[
+/// A veth pair from `host` (the machine's own namespace with None), its end there named
+/// `host_end`, to `eth0` in `peer`; both ends down.
+fn veth_to(host: Option<&Netns>, host_end: &str, peer: &Netns) -> io::Result<()> {
+    let mut args = vec!["ip"];
+    if let Some(h) = host {
+        args.extend(["-n", h.name()]);
+    }
+    args.extend([
         "link",
         "add",
         host_end,
@@ -132,7 +142,14 @@ fn veth(host: &Netns, host_end: &str, host_addr: &str, peer: &Netns, peer_addr: 
         "eth0",
         "netns",
         peer.name(),
-    ])?;
+    ]);
+    run(&args)
+}
+
+/// A veth pair from `host` (end `host_end`, address `host_addr`) to `eth0` in `peer` (address
+/// `peer_addr`), both ends up.
+fn veth(host: &Netns, host_end: &str, host_addr: &str, peer: &Netns, peer_addr: &str) -> io::Result<()> {
+    veth_to(Some(host), host_end, peer)?;
     host.ip(&["addr", "add", host_addr, "dev", host_end])?;
     host.ip(&["link", "set", "dev", host_end, "up"])?;
     peer.ip(&["addr", "add", peer_addr, "dev", "eth0"])?;

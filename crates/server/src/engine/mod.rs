@@ -207,10 +207,10 @@ impl Engine {
     /// Run `work` (carrying out `op`) in the background, renewing `op`'s lease until it ends.
     fn start(&self, op: &Operation, work: impl std::future::Future<Output = ()> + Send + 'static) {
         let running = self.running(&op.id);
-        tokio::spawn(async move {
+        tokio::spawn(crate::nodes::wire::OPERATION.scope(op.id.clone(), async move {
             work.await;
             drop(running);
-        });
+        }));
     }
 
     /// Count `id` as run here until the guard goes.

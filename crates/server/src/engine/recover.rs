@@ -112,10 +112,16 @@ impl Engine {
     /// Sandbox `id` with the operations this engine claimed of it (counted as run here by
     /// `running` until it is done), once its node knows whether its VM is there.
     async fn settle_claimed(&self, id: &str, ops: Vec<Operation>, running: Vec<Running>) {
-        self.nodes.settled(id).await;
-        if let Err(e) = self.recover_sandbox(id, ops).await {
-            tracing::error!(sandbox = %id, "cannot recover: {e}");
-        }
+        // The node's calls name the operation taken over (the first, when there are several).
+        let op = ops.first().map(|o| o.id.clone()).unwrap_or_default();
+        crate::nodes::wire::OPERATION
+            .scope(op, async {
+                self.nodes.settled(id).await;
+                if let Err(e) = self.recover_sandbox(id, ops).await {
+                    tracing::error!(sandbox = %id, "cannot recover: {e}");
+                }
+            })
+            .await;
         drop(running);
     }
 

@@ -5,8 +5,10 @@
 //! name on the sandbox); the cluster only carries each call to the right node. A create goes to
 //! the member its `VmRequest` names. Every other call about a VM or an image goes to the node
 //! that has it: the one this cluster placed it on or claimed it from, else the one whose report
-//! lists it (after a replica restart, or for what another replica placed). A VM no node lists
-//! is gone, as on one node.
+//! lists it (after a replica restart, or for what another replica placed), else the one that
+//! says it has it when all are asked now (reports are up to a few seconds old). A node that
+//! answers it no longer has the VM (another replica moved it) is passed over for the one that
+//! has it now. A VM no node has is gone, as on one node.
 
 use super::{Booted, Capacity, Member, NodeError, Nodes, PoolInfo, VmRequest, VmState};
 use airlock_agent_client::AgentClient;
@@ -154,8 +156,43 @@ impl Cluster {
         Some(found)
     }
 
-    fn route(&self, id: &str) -> Result<Arc<dyn Nodes>, NodeError> {
-        self.find(id).map(|(_, n)| n).ok_or_else(|| unknown(id))
+    /// [`Cluster::find`], else the member that says it has VM `id` when every member is asked
+    /// now: another replica may have placed or moved it since the last reports.
+    async fn locate(&self, id: &str) -> Option<(String, Arc<dyn Nodes>)> {
+        match self.find(id) {
+            Some(found) => Some(found),
+            None => self.ask_all(id).await,
+        }
+    }
+
+    /// The member whose VM `id` is, asked of every member now.
+    async fn ask_all(&self, id: &str) -> Option<(String, Arc<dyn Nodes>)> {
+        let members = self.snapshot();
+        let answers = futures_util::future::join_all(members.iter().map(|(_, n)| n.vm_state_now(id))).await;
+        let (found, _) = members
+            .iter()
+            .zip(answers)
+            .find(|(_, state)| state.is_some_and(|s| s != VmState::Gone))?;
+        self.placed().insert(id.to_string(), found.0.clone());
+        Some(found.clone())
+    }
+
+    /// `call` on the node that has VM `id`; if that node no longer has it (another replica
+    /// moved it), on the one that has it now.
+    async fn on_holder<T, F, Fut>(&self, id: &str, call: F) -> Result<T, NodeError>
+    where
+        F: Fn(Arc<dyn Nodes>) -> Fut,
+        Fut: std::future::Future<Output = Result<T, NodeError>>,
+    {
+        let (_, node) = self.locate(id).await.ok_or_else(|| unknown(id))?;
+        match call(node).await {
+            Err(NodeError::UnknownSandbox(_)) => {
+                self.forget(id);
+                let (_, node) = self.ask_all(id).await.ok_or_else(|| unknown(id))?;
+                call(node).await
+            }
+            done => done,
+        }
     }
 
     fn forget(&self, id: &str) {
@@ -209,7 +246,7 @@ impl Nodes for Cluster {
     }
 
     async fn delete(&self, id: &str) -> Result<(), NodeError> {
-        let Some((_, node)) = self.find(id) else {
+        let Some((_, node)) = self.locate(id).await else {
             return Ok(());
         };
         node.delete(id).await?;
@@ -218,22 +255,22 @@ impl Nodes for Cluster {
     }
 
     async fn pause(&self, id: &str) -> Result<(), NodeError> {
-        self.route(id)?.pause(id).await
+        self.on_holder(id, |n| async move { n.pause(id).await }).await
     }
 
     async fn suspend(&self, id: &str) -> Result<u64, NodeError> {
-        self.route(id)?.suspend(id).await
+        self.on_holder(id, |n| async move { n.suspend(id).await }).await
     }
 
     async fn save_image(&self, id: &str, image_id: &str) -> Result<u64, NodeError> {
-        let (name, node) = self.find(id).ok_or_else(|| unknown(id))?;
+        let (name, node) = self.locate(id).await.ok_or_else(|| unknown(id))?;
         let bytes = node.save_image(id, image_id).await?;
         self.placed().insert(image_id.to_string(), name);
         Ok(bytes)
     }
 
     async fn park(&self, id: &str, image_id: &str) -> Result<super::Parked, NodeError> {
-        let (_, node) = self.find(id).ok_or_else(|| unknown(id))?;
+        let (_, node) = self.locate(id).await.ok_or_else(|| unknown(id))?;
         let parked = node.park(id, image_id).await?;
         self.forget(id);
         Ok(parked)
@@ -313,7 +350,7 @@ impl Nodes for Cluster {
     }
 
     async fn resume(&self, id: &str) -> Result<(), NodeError> {
-        self.route(id)?.resume(id).await
+        self.on_holder(id, |n| async move { n.resume(id).await }).await
     }
 
     fn vm_state(&self, id: &str) -> VmState {
@@ -350,7 +387,7 @@ impl Nodes for Cluster {
     }
 
     async fn agent(&self, id: &str) -> Result<AgentClient, NodeError> {
-        self.route(id)?.agent(id).await
+        self.on_holder(id, |n| async move { n.agent(id).await }).await
     }
 
     fn exits(&self) -> broadcast::Receiver<String> {
@@ -374,11 +411,12 @@ impl Nodes for Cluster {
     }
 
     async fn egress(&self, id: &str) -> Option<airlock_egress::EgressSnapshot> {
-        self.route(id).ok()?.egress(id).await
+        self.locate(id).await?.1.egress(id).await
     }
 
     async fn set_deadline(&self, id: &str, deadline: Option<super::Deadline>) -> Result<(), NodeError> {
-        self.route(id)?.set_deadline(id, deadline).await
+        self.on_holder(id, |n| async move { n.set_deadline(id, deadline).await })
+            .await
     }
 
     fn members(&self) -> Vec<Member> {

@@ -30,7 +30,13 @@ pub const REPORT_EVERY: Duration = Duration::from_secs(1);
 /// The longest a lifecycle call may take (a create restores or boots a VM; a suspend writes its
 /// memory to disk), and a report.
 const CALL_LIMIT: Duration = Duration::from_secs(600);
-const REPORT_LIMIT: Duration = Duration::from_secs(30);
+/// A report is read from memory on the node: one that takes longer is from a node cut off
+/// (its packets dropped, no reset), which placement must skip within seconds.
+const REPORT_LIMIT: Duration = Duration::from_secs(5);
+/// HTTP/2 pings on an idle connection, and how long one may go unanswered before the
+/// connection (and every stream on it: a session's output, an exit stream) is given up.
+const PING_EVERY: Duration = Duration::from_secs(10);
+const PING_LIMIT: Duration = Duration::from_secs(10);
 /// Largest reply read from a node (a report lists every VM and template it has).
 const REPLY_MAX: usize = 16 << 20;
 
@@ -91,13 +97,15 @@ impl Inner {
         let body = body.map_or_else(Bytes::new, |b| {
             Bytes::from(serde_json::to_vec(b).expect("serializable"))
         });
-        let req = Request::builder()
+        let mut req = Request::builder()
             .method(method)
             .uri(self.url(path))
             .header(hyper::header::AUTHORIZATION, wire::token(&self.secret, wire::TOKEN_TTL))
-            .header(hyper::header::CONTENT_TYPE, "application/json")
-            .body(Full::new(body))
-            .expect("valid request");
+            .header(hyper::header::CONTENT_TYPE, "application/json");
+        if let Some(op) = wire::current_operation() {
+            req = req.header(wire::OPERATION_HEADER, op);
+        }
+        let req = req.body(Full::new(body)).expect("valid request");
         let exchange = async {
             let resp = self
                 .http
@@ -212,6 +220,10 @@ impl RemoteNode {
     pub async fn open(addr: SocketAddr, secret: &[u8]) -> Self {
         let http = Client::builder(hyper_util::rt::TokioExecutor::new())
             .http2_only(true)
+            .timer(hyper_util::rt::TokioTimer::new())
+            .http2_keep_alive_interval(PING_EVERY)
+            .http2_keep_alive_timeout(PING_LIMIT)
+            .http2_keep_alive_while_idle(true)
             .build_http();
         let inner = Arc::new(Inner {
             addr,

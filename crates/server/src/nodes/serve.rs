@@ -135,6 +135,7 @@ impl NodeFace {
             .route("/vms/{id}/deadline", put(set_deadline))
             .route("/exits", get(exits))
             .route("/vms/{id}/agent/{*route}", any(agent))
+            .layer(axum::middleware::from_fn(log_change))
             .layer(axum::middleware::from_fn_with_state(face.clone(), authorize))
             .with_state(face);
         Router::new().nest(PREFIX, routes)
@@ -153,6 +154,23 @@ async fn authorize(State(face): State<Face>, req: Request, next: axum::middlewar
             "unauthorized",
             "a valid node token is required",
         );
+    }
+    next.run(req).await
+}
+
+/// One line per change a caller asks for (not reads, not the agent's traffic), with the
+/// operation it is made for: what this node was asked to do for which operation. Written as
+/// the call arrives, as its caller may go before the answer.
+async fn log_change(req: Request, next: axum::middleware::Next) -> Response {
+    let (method, path) = (req.method(), req.uri().path());
+    if method != axum::http::Method::GET && !path.contains("/agent/") {
+        let op = req
+            .headers()
+            .get(super::wire::OPERATION_HEADER)
+            .and_then(|v| v.to_str().ok())
+            .filter(|v| v.len() <= 64)
+            .unwrap_or("-");
+        tracing::info!(op = %op, "change: {method} {path}");
     }
     next.run(req).await
 }

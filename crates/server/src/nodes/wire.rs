@@ -19,6 +19,9 @@
 //! A token is `<expiry unix s>.<hex HMAC-SHA256(cluster secret, "airlock-node/v1:" + expiry)>`
 //! as `Authorization: Bearer`: minted per call by the caller, valid until its expiry and never
 //! for longer than [`TOKEN_TTL`] from now, so a leaked one soon ends.
+//!
+//! A call made for an operation carries its id in [`OPERATION_HEADER`], and the node logs each
+//! change with it: what a node did for which operation, read across hosts.
 
 use super::{Capacity, NodeError, PoolInfo, VmState};
 use airlock_runtime::template::TemplateManifest;
@@ -34,6 +37,18 @@ pub const PREFIX: &str = "/node/v1";
 /// The longest a token may be valid for.
 pub const TOKEN_TTL: Duration = Duration::from_secs(300);
 const TOKEN_LABEL: &[u8] = b"airlock-node/v1:";
+/// The operation a call is made for (its id), when it is made for one.
+pub const OPERATION_HEADER: &str = "airlock-operation";
+
+tokio::task_local! {
+    /// The operation the current task carries out: calls to nodes made in it name it.
+    pub static OPERATION: String;
+}
+
+/// The operation the current task carries out, if it carries one out.
+pub fn current_operation() -> Option<String> {
+    OPERATION.try_with(|op| op.clone()).ok().filter(|op| !op.is_empty())
+}
 
 /// What a node has now: the caller answers `Nodes`' synchronous questions from it.
 #[derive(Debug, Clone, Serialize, Deserialize)]
