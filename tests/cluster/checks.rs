@@ -62,7 +62,8 @@ pub fn creates_spread_over_the_nodes_and_the_next_is_refused_with_every_reason()
 }
 
 /// Check 2 [VM]: a sandbox on the third node answers the same through either replica: a session
-/// and its stream (resumed on the other replica with `Last-Event-ID`), files, and a port.
+/// and its stream (resumed on the other replica with `Last-Event-ID`), files, and a port; and
+/// an E2B watcher made through one replica is polled through the other.
 pub fn a_sandbox_on_the_third_node_answers_alike_through_either_replica() {
     let guard = cluster();
     let c = guard.as_ref().unwrap();
@@ -126,6 +127,69 @@ pub fn a_sandbox_on_the_third_node_answers_alike_through_either_replica() {
     }
     assert!(c.nodes[2].has(&id) && !c.nodes[0].has(&id) && !c.nodes[1].has(&id));
     a.delete(&id);
+
+    // An E2B sandbox's polling watcher, made through A and polled and removed through B (the
+    // node keeps its events, not the replica that made it).
+    let (status, made) = e2b(a, "POST", "/sandboxes", None, Some(json!({ "templateID": "seed" })));
+    assert_eq!(status, 201, "{made}");
+    let sb = made["sandboxID"].as_str().unwrap().to_string();
+    let token = made["envdAccessToken"].as_str().unwrap().to_string();
+    let envd = |s: &Server, method: &str, body: Value| {
+        let (status, answer) = e2b(
+            s,
+            "POST",
+            &format!("/filesystem.Filesystem/{method}"),
+            Some((&sb, &token)),
+            Some(body),
+        );
+        assert_eq!(status, 200, "{method}: {answer}");
+        answer
+    };
+    let made = envd(a, "CreateWatcher", json!({ "path": "/home/user" }));
+    let watcher = made["watcherId"].as_str().expect("a watcher id").to_string();
+    let (status, _) = b.call(
+        "PUT",
+        &format!("/v1/sandboxes/{sb}/files?path=/home/user/seen.txt"),
+        Some(json!("x")),
+    );
+    assert!((200..300).contains(&status));
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let mut names = Vec::new();
+    while !names.iter().any(|n| n == "seen.txt") {
+        assert!(Instant::now() < deadline, "no event for seen.txt through B: {names:?}");
+        let got = envd(b, "GetWatcherEvents", json!({ "watcherId": watcher }));
+        for ev in got["events"].as_array().cloned().unwrap_or_default() {
+            names.push(ev["name"].as_str().unwrap_or_default().to_string());
+        }
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    envd(b, "RemoveWatcher", json!({ "watcherId": watcher }));
+    let (status, gone) = e2b(
+        a,
+        "POST",
+        "/filesystem.Filesystem/GetWatcherEvents",
+        Some((&sb, &token)),
+        Some(json!({ "watcherId": watcher })),
+    );
+    assert_eq!((status, gone["code"].as_str()), (404, Some("not_found")), "{gone}");
+    assert_eq!(e2b(b, "DELETE", &format!("/sandboxes/{sb}"), None, None).0, 204);
+}
+
+/// A call of the E2B door of `s`: its control plane with the API key, or (with `envd`: the
+/// sandbox and its access token) envd's Connect RPC in JSON.
+fn e2b(s: &Server, method: &str, path: &str, envd: Option<(&str, &str)>, body: Option<Value>) -> (u16, Value) {
+    match envd {
+        Some((sandbox, token)) => {
+            let headers = [
+                ("E2b-Sandbox-Id", sandbox),
+                ("E2b-Sandbox-Port", "49983"),
+                ("X-Access-Token", token),
+                ("Connect-Protocol-Version", "1"),
+            ];
+            s.call_with(method, path, body, None, &headers)
+        }
+        None => s.call_with(method, path, body, None, &[("X-API-Key", &s.key)]),
+    }
 }
 
 /// What a worker of the burst saw of one operation.

@@ -94,6 +94,9 @@ pub enum CoreError {
     /// server allows at once.
     #[error("sandbox {sandbox} has {running} running sessions, its tenant's quota of {limit} (sessions_per_sandbox); wait for one to exit or kill one first")]
     SessionLimit { sandbox: String, running: u32, limit: u32 },
+    /// A sandbox holds as many file watchers as its node keeps for one.
+    #[error("sandbox {sandbox} holds {limit} watchers, the most allowed; remove one first")]
+    WatcherLimit { sandbox: String, limit: usize },
     /// As many uploads as allowed are under way (`scope`: to this sandbox, for this tenant, on
     /// this server), and none ended while this one waited.
     #[error("{limit} uploads are under way {scope}, the most allowed; retry when one has ended")]
@@ -314,7 +317,9 @@ impl CoreError {
             CoreError::InvalidField { .. } => c("invalid_argument", 422),
             CoreError::InvalidResources(_) => c("invalid_resources", 422),
             CoreError::InvalidState { .. } => c("invalid_state", 409),
-            CoreError::QuotaExceeded { .. } | CoreError::SessionLimit { .. } => c("quota_exceeded", 429),
+            CoreError::QuotaExceeded { .. } | CoreError::SessionLimit { .. } | CoreError::WatcherLimit { .. } => {
+                c("quota_exceeded", 429)
+            }
             CoreError::RateLimited { .. } | CoreError::SignInThrottled { .. } => c("rate_limited", 429),
             // At every scope: a busy server is a reason to slow down, not a failure of it.
             CoreError::TooManyUploads { .. } => c("too_many_uploads", 429),

@@ -25,12 +25,10 @@ pub mod store;
 use axum::routing::{get, post};
 use axum::Router;
 
-/// Everything the server's routes share: the core, and the E2B door's own state.
+/// Everything the server's routes share: the core, and the E2B door's domain.
 #[derive(Clone)]
 pub struct AppState {
     pub core: core::Core,
-    /// The E2B door's polling file watchers.
-    pub watchers: Arc<e2b::Watchers>,
     /// The E2B domain (`api.<domain>`, `<port>-<id>.<domain>`) returned to SDKs, if configured.
     pub e2b_domain: Option<Arc<str>>,
 }
@@ -95,7 +93,6 @@ pub fn router(state: AppState) -> Router {
     let core = state.core.clone();
     let e2b_state = e2b::E2bState {
         core: state.core.clone(),
-        watchers: state.watchers.clone(),
         domain: state.e2b_domain.clone(),
     };
     let v1 = Router::new()
@@ -529,7 +526,6 @@ pub async fn serve(opts: ServeOptions) -> anyhow::Result<()> {
     core.spawn_rehoming();
     let state = AppState {
         core,
-        watchers: Default::default(),
         e2b_domain: opts.e2b_domain.map(Into::into),
     };
     let listener = tokio::net::TcpListener::bind(opts.listen)

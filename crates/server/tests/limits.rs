@@ -462,44 +462,6 @@ async fn missing_and_foreign_sandboxes_answer_alike() {
     server.delete_as(&other_key, &foreign).await;
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_sandboxs_watchers_go_with_it() {
-    let server = Server::start_fresh(Limits::default()).await;
-    let E2bSandbox { id, .. } = server.e2b_sandbox().await;
-    let E2bSandbox { id: keep, .. } = server.e2b_sandbox().await;
-    let (core, watchers) = (server.core().clone(), server.watchers.clone());
-    let (i, k) = (id.clone(), keep.clone());
-    server
-        .tokio
-        .as_ref()
-        .unwrap()
-        .spawn(async move {
-            for _ in 0..3 {
-                watchers.create(&core, &i, futures_util::stream::pending()).unwrap();
-            }
-            watchers.create(&core, &k, futures_util::stream::pending()).unwrap();
-        })
-        .await
-        .unwrap();
-    assert_eq!((server.watchers.count(&id), server.watchers.count(&keep)), (3, 1));
-    server.delete(&id).await;
-    let deadline = Instant::now() + Duration::from_secs(5);
-    while server.watchers.count(&id) > 0 {
-        assert!(
-            Instant::now() < deadline,
-            "the deleted sandbox's watchers are still there"
-        );
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
-    assert_eq!(server.watchers.count(&keep), 1, "another sandbox's watchers stay");
-    server.delete(&keep).await;
-    let deadline = Instant::now() + Duration::from_secs(5);
-    while server.watchers.count(&keep) > 0 {
-        assert!(Instant::now() < deadline);
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
-}
-
 #[tokio::test]
 async fn the_store_is_private() {
     let mode = |p: &Path| std::fs::metadata(p).unwrap().permissions().mode() & 0o777;

@@ -4,6 +4,7 @@
 use super::uploads::Uploads;
 use super::Core;
 use crate::error::{CoreError, CoreResult, Kind};
+use crate::nodes::{WatchSpec, WatchStart};
 use crate::records::SandboxRecord;
 use airlock_agent_client::AgentClient;
 use airlock_agent_client::AgentError;
@@ -47,6 +48,58 @@ impl Core {
             tenant_id: sandbox.tenant_id.clone(),
             uploads: self.uploads.clone(),
         })
+    }
+}
+
+/// Polling file watchers (E2B's `CreateWatcher`): kept on the sandbox's node, so a poll through
+/// any replica finds the events (`nodes/watches.rs`).
+impl Core {
+    /// Watch `spec` in `sandbox` (running: the caller has its files); the watcher's id.
+    pub async fn watch_start(&self, sandbox: &SandboxRecord, spec: &WatchSpec) -> CoreResult<String> {
+        let unreachable = |e| CoreError::Unreachable {
+            id: sandbox.id.clone(),
+            reason: crate::error::Unreachable::Node(e),
+        };
+        match self.nodes.watch_start(&sandbox.id, spec).await.map_err(unreachable)? {
+            WatchStart::Started { watch } => Ok(watch),
+            WatchStart::Full { limit } => Err(CoreError::WatcherLimit {
+                sandbox: sandbox.id.clone(),
+                limit,
+            }),
+            WatchStart::Refused { status, code, message } => Err(CoreError::agent(
+                Kind::File,
+                &sandbox.id,
+                AgentError::Api { status, code, message },
+            )),
+        }
+    }
+
+    /// What watcher `watch` of `sandbox` saw since the last take.
+    pub async fn watch_take(&self, sandbox: &SandboxRecord, watch: &str) -> CoreResult<super::WatchTaken> {
+        self.nodes
+            .watch_take(&sandbox.id, watch)
+            .await
+            .map_err(|e| CoreError::Unreachable {
+                id: sandbox.id.clone(),
+                reason: crate::error::Unreachable::Node(e),
+            })?
+            .ok_or_else(|| CoreError::not_found(Kind::Watcher, watch))
+    }
+
+    /// Stop watcher `watch` of `sandbox`.
+    pub async fn watch_stop(&self, sandbox: &SandboxRecord, watch: &str) -> CoreResult<()> {
+        let stopped = self
+            .nodes
+            .watch_stop(&sandbox.id, watch)
+            .await
+            .map_err(|e| CoreError::Unreachable {
+                id: sandbox.id.clone(),
+                reason: crate::error::Unreachable::Node(e),
+            })?;
+        match stopped {
+            true => Ok(()),
+            false => Err(CoreError::not_found(Kind::Watcher, watch)),
+        }
     }
 }
 

@@ -35,7 +35,8 @@ pub mod tenants;
 pub mod uploads;
 
 pub use crate::error::{Conflict, CoreError, CoreResult, InternalError, Kind, Unreachable};
-pub use crate::nodes::NodeError;
+pub use crate::nodes::watches::Taken as WatchTaken;
+pub use crate::nodes::{NodeError, WatchSpec};
 /// What a sandbox id looks like and the code interpreter's port, as the node defines them: the
 /// ingress routes by them without knowing the runtime.
 pub use airlock_runtime::sandbox::valid_sandbox_id;

@@ -114,6 +114,7 @@ impl From<CoreError> for RpcError {
             | CoreError::RateLimited { .. }
             | CoreError::SignInThrottled { .. }
             | CoreError::SessionLimit { .. }
+            | CoreError::WatcherLimit { .. }
             | CoreError::TooManyUploads { .. } => Code::ResourceExhausted,
             // The node is full or not ready, or the sandbox does not answer: the SDK's "likely
             // due to sandbox timeout".

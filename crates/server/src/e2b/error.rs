@@ -46,6 +46,7 @@ impl From<CoreError> for E2bError {
             | CoreError::RateLimited { .. }
             | CoreError::SignInThrottled { .. }
             | CoreError::SessionLimit { .. }
+            | CoreError::WatcherLimit { .. }
             | CoreError::TooManyUploads { .. } => S::TOO_MANY_REQUESTS,
             // The node is full for everyone: retry later or elsewhere.
             CoreError::NodeBudgetExceeded { .. } | CoreError::NoNodeFits(..) | CoreError::Unavailable(..) => {

@@ -414,6 +414,21 @@ impl Nodes for Cluster {
         self.locate(id).await?.1.egress(id).await
     }
 
+    async fn watch_start(&self, id: &str, spec: &super::WatchSpec) -> Result<super::WatchStart, NodeError> {
+        self.on_holder(id, |n| async move { n.watch_start(id, spec).await })
+            .await
+    }
+
+    async fn watch_take(&self, id: &str, watch: &str) -> Result<Option<super::watches::Taken>, NodeError> {
+        self.on_holder(id, |n| async move { n.watch_take(id, watch).await })
+            .await
+    }
+
+    async fn watch_stop(&self, id: &str, watch: &str) -> Result<bool, NodeError> {
+        self.on_holder(id, |n| async move { n.watch_stop(id, watch).await })
+            .await
+    }
+
     async fn set_deadline(&self, id: &str, deadline: Option<super::Deadline>) -> Result<(), NodeError> {
         self.on_holder(id, |n| async move { n.set_deadline(id, deadline).await })
             .await

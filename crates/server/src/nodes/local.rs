@@ -20,6 +20,8 @@ pub struct LocalNode {
     /// Where it parks VMs for other nodes and finds those parked elsewhere (None: it does not).
     objects: Option<Objects>,
     locks: Mutex<HashMap<String, Arc<tokio::sync::Mutex<()>>>>,
+    /// Its VMs' polling watches.
+    watches: super::watches::Watches,
 }
 
 impl LocalNode {
@@ -42,6 +44,7 @@ impl LocalNode {
             egress,
             objects: None,
             locks: Mutex::default(),
+            watches: Default::default(),
         }
     }
 
@@ -157,6 +160,7 @@ impl Nodes for LocalNode {
                     if let Some(egress) = &self.egress {
                         egress.forget(id);
                     }
+                    self.watches.end_vm(id);
                     Ok(())
                 }
                 Err(e) => Err(NodeError::from(e)),
@@ -211,6 +215,7 @@ impl Nodes for LocalNode {
                 if let Some(egress) = &self.egress {
                     egress.forget(id);
                 }
+                self.watches.end_vm(id);
                 Ok(super::Parked {
                     bytes: image.bytes(),
                     fingerprint: self.runtime.fingerprint().await,
@@ -316,6 +321,19 @@ impl Nodes for LocalNode {
 
     async fn egress(&self, id: &str) -> Option<airlock_egress::EgressSnapshot> {
         self.egress.as_ref()?.report(id)
+    }
+
+    async fn watch_start(&self, id: &str, spec: &super::WatchSpec) -> Result<super::WatchStart, NodeError> {
+        let agent = self.agent(id).await?;
+        self.watches.start(id, &agent, spec).await
+    }
+
+    async fn watch_take(&self, id: &str, watch: &str) -> Result<Option<super::watches::Taken>, NodeError> {
+        Ok(self.watches.take(id, watch))
+    }
+
+    async fn watch_stop(&self, id: &str, watch: &str) -> Result<bool, NodeError> {
+        Ok(self.watches.stop(id, watch))
     }
 
     fn capacity(&self) -> Capacity {

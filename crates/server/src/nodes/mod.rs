@@ -14,6 +14,7 @@ pub mod kube;
 mod local;
 mod remote;
 pub mod serve;
+pub mod watches;
 pub mod wire;
 
 pub use admission::{Admission, NodeRules, Refusal};
@@ -23,6 +24,7 @@ pub use error::NodeError;
 pub use expiry::Expiry;
 pub use local::LocalNode;
 pub use remote::RemoteNode;
+pub use watches::{WatchSpec, WatchStart};
 
 pub use crate::model::PoolInfo;
 use airlock_agent_client::AgentClient;
@@ -207,6 +209,13 @@ pub trait Nodes: Send + Sync {
     /// VM `id`'s egress counters and recent denials (None when the node lacks it or serves no
     /// egress).
     async fn egress(&self, id: &str) -> Option<airlock_egress::EgressSnapshot>;
+    /// Watch `spec` in VM `id`, its events kept on this node until taken (`watches.rs`).
+    async fn watch_start(&self, id: &str, spec: &WatchSpec) -> Result<WatchStart, NodeError>;
+    /// The events VM `id`'s watch `watch` saw since the last take (and what it watches); None:
+    /// it has no such watch.
+    async fn watch_take(&self, id: &str, watch: &str) -> Result<Option<watches::Taken>, NodeError>;
+    /// Stop VM `id`'s watch `watch`; false: it has no such watch.
+    async fn watch_stop(&self, id: &str, watch: &str) -> Result<bool, NodeError>;
     /// When VM `id`'s sandbox times out (None: it does not now), for a node that enforces it
     /// itself while no replica does (`expiry.rs`). A node in the server's own process has no
     /// need: the server's reaper is there whenever the node is.

@@ -33,6 +33,8 @@ const CALL_LIMIT: Duration = Duration::from_secs(600);
 /// A report is read from memory on the node: one that takes longer is from a node cut off
 /// (its packets dropped, no reset), which placement must skip within seconds.
 const REPORT_LIMIT: Duration = Duration::from_secs(5);
+/// A watch's start (the guest's agent arms it).
+const WATCH_LIMIT: Duration = Duration::from_secs(30);
 /// HTTP/2 pings on an idle connection, and how long one may go unanswered before the
 /// connection (and every stream on it: a session's output, an exit stream) is given up.
 const PING_EVERY: Duration = Duration::from_secs(10);
@@ -465,6 +467,21 @@ impl Nodes for RemoteNode {
     async fn set_deadline(&self, id: &str, deadline: Option<super::Deadline>) -> Result<(), NodeError> {
         let path = format!("/vms/{id}/deadline");
         self.inner.call(Method::PUT, &path, Some(&deadline), REPORT_LIMIT).await
+    }
+
+    async fn watch_start(&self, id: &str, spec: &super::WatchSpec) -> Result<super::WatchStart, NodeError> {
+        let path = format!("/vms/{id}/watches");
+        self.inner.call(Method::POST, &path, Some(spec), WATCH_LIMIT).await
+    }
+
+    async fn watch_take(&self, id: &str, watch: &str) -> Result<Option<super::watches::Taken>, NodeError> {
+        let path = format!("/vms/{id}/watches/{watch}/take");
+        self.inner.call(Method::POST, &path, None::<&()>, REPORT_LIMIT).await
+    }
+
+    async fn watch_stop(&self, id: &str, watch: &str) -> Result<bool, NodeError> {
+        let path = format!("/vms/{id}/watches/{watch}");
+        self.inner.call(Method::DELETE, &path, None::<&()>, REPORT_LIMIT).await
     }
 
     async fn egress(&self, id: &str) -> Option<airlock_egress::EgressSnapshot> {

@@ -132,6 +132,9 @@ impl NodeFace {
             .route("/claims/{id}", delete(unclaim))
             .route("/pools", put(set_pool))
             .route("/vms/{id}/egress", get(egress))
+            .route("/vms/{id}/watches", post(watch_start))
+            .route("/vms/{id}/watches/{watch}/take", post(watch_take))
+            .route("/vms/{id}/watches/{watch}", delete(watch_stop))
             .route("/vms/{id}/deadline", put(set_deadline))
             .route("/exits", get(exits))
             .route("/vms/{id}/agent/{*route}", any(agent))
@@ -163,7 +166,8 @@ async fn authorize(State(face): State<Face>, req: Request, next: axum::middlewar
 /// the call arrives, as its caller may go before the answer.
 async fn log_change(req: Request, next: axum::middleware::Next) -> Response {
     let (method, path) = (req.method(), req.uri().path());
-    if method != axum::http::Method::GET && !path.contains("/agent/") {
+    // Polls of a watch are reads too, however often they come.
+    if method != axum::http::Method::GET && !path.contains("/agent/") && !path.ends_with("/take") {
         let op = req
             .headers()
             .get(super::wire::OPERATION_HEADER)
@@ -367,4 +371,23 @@ async fn agent(
         Ok(resp) => resp.map(Body::new),
         Err(e) => refused(StatusCode::BAD_GATEWAY, "agent_unreachable", &e.to_string()),
     }
+}
+
+async fn watch_start(
+    State(f): State<Face>,
+    Path(id): Path<String>,
+    Json(spec): Json<super::WatchSpec>,
+) -> Reply<super::WatchStart> {
+    Ok(Json(f.nodes.watch_start(&id, &spec).await?))
+}
+
+async fn watch_take(
+    State(f): State<Face>,
+    Path((id, watch)): Path<(String, String)>,
+) -> Reply<Option<super::watches::Taken>> {
+    Ok(Json(f.nodes.watch_take(&id, &watch).await?))
+}
+
+async fn watch_stop(State(f): State<Face>, Path((id, watch)): Path<(String, String)>) -> Reply<bool> {
+    Ok(Json(f.nodes.watch_stop(&id, &watch).await?))
 }

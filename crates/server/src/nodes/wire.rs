@@ -13,6 +13,8 @@
 //!   `GET /images/{image}/digest` -> [`Digest`]
 //! - `POST /claims` [`ClaimRequest`] -> [`Claimed`]; `DELETE /claims/{id}`; `PUT /pools` [`PoolSize`]
 //! - `GET /vms/{id}/egress` -> `Option<EgressSnapshot>`: its egress counters and recent denials
+//! - `POST /vms/{id}/watches` `WatchSpec` -> `WatchStart`; `POST /vms/{id}/watches/{w}/take` ->
+//!   `Option<Taken>` (None: no such watch); `DELETE /vms/{id}/watches/{w}` -> `bool`
 //! - `GET /exits` -> a stream of lines, one id each: VMs that exited on their own
 //! - any method `/vms/{id}/agent/<agent route>` -> the agent's own answer, passed through
 //!

@@ -129,7 +129,7 @@ impl Server {
             .build()
             .unwrap();
         let (d, nodes, known_key) = (dir.to_path_buf(), nodes.to_vec(), key.map(String::from));
-        let (addr, key, core, watchers, cluster) = tokio_rt
+        let (addr, key, core, cluster) = tokio_rt
             .spawn(async move {
                 // One file for all replicas, as Postgres is; each leases as a replica of its own.
                 let store = SqliteStore::open(&d.join("airlock.db"))
@@ -148,9 +148,8 @@ impl Server {
                     members.push((addr.to_string(), Arc::new(RemoteNode::open(addr, NODE_SECRET).await)));
                 }
                 let cluster = Arc::new(Cluster::new(members));
-                let (addr, core, watchers) =
-                    serve_core(Arc::new(store), cluster.clone(), config, false, Limits::default()).await;
-                (addr, key, core, watchers, cluster)
+                let (addr, core) = serve_core(Arc::new(store), cluster.clone(), config, false, Limits::default()).await;
+                (addr, key, core, cluster)
             })
             .await
             .unwrap();
@@ -162,7 +161,6 @@ impl Server {
             core: Some(core),
             runtime: None,
             tokio: Some(tokio_rt),
-            watchers,
             tmp: None,
             node_face: None,
             node_egress: None,

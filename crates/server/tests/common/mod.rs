@@ -10,7 +10,6 @@
 
 use airlock_runtime::{fake, Runtime, RuntimeError};
 use airlock_server::core::{Config, Core};
-use airlock_server::e2b::Watchers;
 use airlock_server::listen::Limits;
 use airlock_server::nodes::{Booted, Capacity, LocalNode, NodeEgress, Nodes, VmState};
 use airlock_server::store::SqliteStore;
@@ -38,14 +37,14 @@ mod node;
 pub use node::*;
 
 /// A core over `store` and `nodes`, recovered, its reaper and sampler running, its routes served
-/// on loopback: (address, core, the E2B door's watchers).
+/// on loopback: (address, core).
 pub async fn serve_core(
     store: Arc<dyn airlock_server::store::Store>,
     nodes: Arc<dyn Nodes>,
     config: Config,
     background: bool,
     limits: Limits,
-) -> (SocketAddr, Core, Arc<Watchers>) {
+) -> (SocketAddr, Core) {
     let core = Core::new(store, nodes, config, SECRET.to_vec());
     if background {
         core.engine().start_recovery().await.unwrap();
@@ -54,16 +53,14 @@ pub async fn serve_core(
     }
     core.engine().spawn_reaper();
     core.spawn_metrics_sampler();
-    let watchers: Arc<Watchers> = Default::default();
     let app = airlock_server::router(AppState {
         core: core.clone(),
-        watchers: watchers.clone(),
         e2b_domain: None,
     });
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();
     tokio::spawn(airlock_server::listen::serve(listener, app, None, limits));
-    (addr, core, watchers)
+    (addr, core)
 }
 
 pub struct Server {
@@ -76,8 +73,6 @@ pub struct Server {
     /// The runtime the server's `LocalNode` wraps (a clone: the same VMs).
     pub runtime: Option<Runtime>,
     pub tokio: Option<tokio::runtime::Runtime>,
-    /// The E2B door's watchers, as the router holds them.
-    pub watchers: Arc<Watchers>,
     /// The data dir, when this server made its own (`start_fresh`).
     pub tmp: Option<tempfile::TempDir>,
     /// The node's HTTP face, when the core reaches its node through it.
@@ -225,7 +220,7 @@ impl Server {
             .unwrap();
         let d = dir.to_path_buf();
         let known_key = key.map(String::from);
-        let (addr, key, core, runtime, watchers, node_face, node_egress) = tokio_rt
+        let (addr, key, core, runtime, node_face, node_egress) = tokio_rt
             .spawn(async move {
                 let background = hold.is_some();
                 let store = SqliteStore::open(&d.join("airlock.db")).await.unwrap();
@@ -260,8 +255,8 @@ impl Server {
                     max_sandboxes_per_tenant: max,
                     ..config
                 };
-                let (addr, core, watchers) = serve_core(Arc::new(store), nodes, config, background, limits).await;
-                (addr, key, core, runtime, watchers, node_face, node_egress)
+                let (addr, core) = serve_core(Arc::new(store), nodes, config, background, limits).await;
+                (addr, key, core, runtime, node_face, node_egress)
             })
             .await
             .unwrap();
@@ -273,7 +268,6 @@ impl Server {
             core: Some(core),
             runtime: Some(runtime),
             tokio: Some(tokio_rt),
-            watchers,
             tmp: None,
             node_face,
             node_egress: Some(node_egress),

@@ -213,6 +213,23 @@ impl Nodes for TestNode {
     async fn egress(&self, id: &str) -> Option<airlock_egress::EgressSnapshot> {
         self.inner.egress(id).await
     }
+    async fn watch_start(
+        &self,
+        id: &str,
+        spec: &airlock_server::nodes::WatchSpec,
+    ) -> Result<airlock_server::nodes::WatchStart, airlock_server::core::NodeError> {
+        self.inner.watch_start(id, spec).await
+    }
+    async fn watch_take(
+        &self,
+        id: &str,
+        watch: &str,
+    ) -> Result<Option<airlock_server::nodes::watches::Taken>, airlock_server::core::NodeError> {
+        self.inner.watch_take(id, watch).await
+    }
+    async fn watch_stop(&self, id: &str, watch: &str) -> Result<bool, airlock_server::core::NodeError> {
+        self.inner.watch_stop(id, watch).await
+    }
     fn capacity(&self) -> Capacity {
         let inner = self.inner.capacity();
         Capacity {

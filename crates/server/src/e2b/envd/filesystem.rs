@@ -11,7 +11,7 @@ use super::messages::{
 };
 use super::{abs_path, async_stream, keepalive_every, rpc_request, sandbox_gone, stream_response, EnvdSandbox};
 use crate::core::files::Files;
-use crate::core::{CoreError, Kind};
+use crate::core::WatchSpec;
 use crate::e2b::connect::{self, unary_response, RpcError};
 use crate::e2b::E2bState;
 use airlock_proto::{FileKind, FileStat, WatchEvent, WatchEventKind};
@@ -304,40 +304,28 @@ impl super::Call<'_> {
 
     async fn create_watcher(
         &self,
-        files: Files,
+        _files: Files,
         user: String,
         req: CreateWatcherRequest,
     ) -> Result<CreateWatcherResponse, RpcError> {
-        let watchers = &self.state.watchers;
-        watchers.check_room(&self.sandbox.id)?;
-        let root = abs_path(&req.path, &user);
-        let events = files
-            .watch(&root, req.recursive, req.include_entry)
-            .await?
-            .take_while(|ev| std::future::ready(ev.is_ok()))
-            .filter_map(move |ev| std::future::ready(ev.ok().map(|ev| watch_event(&ev, &root))));
-        let watcher_id = watchers.create(&self.state.core, &self.sandbox.id, events)?;
+        let spec = WatchSpec {
+            path: abs_path(&req.path, &user),
+            recursive: req.recursive,
+            entries: req.include_entry,
+        };
+        let watcher_id = self.state.core.watch_start(self.sandbox, &spec).await?;
         Ok(CreateWatcherResponse { watcher_id })
     }
 
-    fn missing_watcher(id: &str) -> RpcError {
-        RpcError::from(CoreError::not_found(Kind::Watcher, id))
-    }
-
     async fn watcher_events(&self, req: GetWatcherEventsRequest) -> Result<GetWatcherEventsResponse, RpcError> {
-        let events = self
-            .state
-            .watchers
-            .take_events(&self.sandbox.id, &req.watcher_id)
-            .ok_or_else(|| Self::missing_watcher(&req.watcher_id))?;
+        let taken = self.state.core.watch_take(self.sandbox, &req.watcher_id).await?;
+        let events = taken.events.iter().map(|ev| watch_event(ev, &taken.path)).collect();
         Ok(GetWatcherEventsResponse { events })
     }
 
     async fn remove_watcher(&self, req: RemoveWatcherRequest) -> Result<RemoveWatcherResponse, RpcError> {
-        match self.state.watchers.remove(&self.sandbox.id, &req.watcher_id) {
-            true => Ok(RemoveWatcherResponse {}),
-            false => Err(Self::missing_watcher(&req.watcher_id)),
-        }
+        self.state.core.watch_stop(self.sandbox, &req.watcher_id).await?;
+        Ok(RemoveWatcherResponse {})
     }
 }
 
