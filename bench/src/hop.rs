@@ -8,9 +8,15 @@
 //! - **exec round trip**: `true` on a warm sandbox, as one call (the session answered as its
 //!   event stream, read to the exit).
 //!
-//! Rounds alternate the two setups, so drift hits both. It starts the three servers itself, each
-//! on a data dir of its own under `--work` holding hard links of `--seed-from`'s templates, and
-//! stops them (by their pids) at the end.
+//! - **creates per second, 3 nodes next to 1**: a burst of `--burst` concurrent creates (each to
+//!   its sandbox running) through a replica over one node and through a replica over three, the
+//!   wall time of the whole burst. On one machine the three nodes share its CPUs: this measures
+//!   what spreading costs or gains in the control plane and the nodes' admission (at most
+//!   `--max-starts` starts at once per node), not added hardware.
+//!
+//! Rounds alternate the setups, so drift hits both. It starts the servers itself, each on a data
+//! dir of its own under `--work` holding hard links of `--seed-from`'s templates, and stops them
+//! (by their pids) at the end.
 //!
 //! ```text
 //! cargo run --release -p airlock-bench --bin hop-bench -- --airlock target/release/airlock \
@@ -44,6 +50,12 @@ struct Args {
     rounds: usize,
     #[arg(long, default_value_t = 50)]
     execs: usize,
+    /// Creates at once in each burst.
+    #[arg(long, default_value_t = 6)]
+    burst: usize,
+    /// Bursts per side.
+    #[arg(long, default_value_t = 5)]
+    bursts: usize,
     #[arg(long, default_value = "bench/results")]
     out: PathBuf,
 }
@@ -168,10 +180,50 @@ fn main() {
         500_000,
         "serve.log",
     );
+    // Two more nodes, and a replica over all three, for the bursts.
+    let mut spread_nodes = vec![node_addr.clone()];
+    let mut _more_nodes = Vec::new();
+    for (n, uid_base) in [(2, 600_000), (3, 700_000)] {
+        let dir = data_dir(&args.work, &format!("node{n}"), &args.seed_from);
+        let addr = format!("127.0.0.1:{}", free_port());
+        _more_nodes.push(start(
+            &args.airlock,
+            &dir,
+            &["node", "--listen", &addr, "--secret-file", &secret],
+            uid_base,
+            "node.log",
+        ));
+        while std::net::TcpStream::connect(&addr).is_err() {
+            std::thread::sleep(Duration::from_millis(100));
+        }
+        spread_nodes.push(addr);
+    }
+    let spread_dir = args.work.join("replica3");
+    std::fs::create_dir_all(&spread_dir).unwrap();
+    let spread_port = free_port();
+    let _spread = start(
+        &args.airlock,
+        &spread_dir,
+        &[
+            &[
+                "serve",
+                "--listen",
+                &listen(spread_port),
+                "--node",
+                &spread_nodes.join(","),
+            ][..],
+            &["--node-secret-file", &secret],
+            &shared[..],
+        ]
+        .concat(),
+        800_000,
+        "serve.log",
+    );
     let sides = [
         ("single-host", api_of(&single_dir, single_port)),
         ("replica + node", api_of(&replica_dir, replica_port)),
     ];
+    let spread = api_of(&spread_dir, spread_port);
 
     // The first create on each side builds its base snapshot: not measured.
     for (name, api) in &sides {
@@ -220,6 +272,25 @@ fn main() {
         api.delete(&warm[i]);
     }
 
+    // Bursts: 1 node next to 3, alternating. Each node builds its base snapshot first.
+    for _ in 0..spread_nodes.len() {
+        burst(&spread, spread_nodes.len()).expect("a first burst");
+    }
+    let bursters = [("1 node", &sides[1].1), ("3 nodes", &spread)];
+    let mut rates: Vec<Vec<f64>> = vec![Vec::new(), Vec::new()];
+    let mut burst_failed = [0usize; 2];
+    for _ in 0..args.bursts {
+        for (i, (_, api)) in bursters.iter().enumerate() {
+            match burst(api, args.burst) {
+                Ok(wall) => rates[i].push(args.burst as f64 / wall.as_secs_f64()),
+                Err(e) => {
+                    eprintln!("{}: burst: {e}", bursters[i].0);
+                    burst_failed[i] += 1;
+                }
+            }
+        }
+    }
+
     let p50 = |v: &Value| v["p50_ms"].as_f64().unwrap_or(f64::NAN);
     let p95 = |v: &Value| v["p95_ms"].as_f64().unwrap_or(f64::NAN);
     let mut report = json!({
@@ -253,6 +324,27 @@ fn main() {
         "| ratio (replica + node / single-host), p50 | {ratio_tti:.3} | {ratio_exec:.3} |\n\nMachine: {}\n",
         report["machine"]
     ));
+    md.push_str(&format!(
+        "\n{} bursts of {} concurrent creates per side, alternating (creates per second, each burst to its last sandbox running):\n\n| | creates/s p50 | min | max |\n| --- | --- | --- | --- |\n",
+        args.bursts, args.burst
+    ));
+    for (i, (name, _)) in bursters.iter().enumerate() {
+        let mut r = rates[i].clone();
+        r.sort_by(|a, b| a.total_cmp(b));
+        let median = r.get(r.len() / 2).copied().unwrap_or(f64::NAN);
+        let (min, max) = (
+            r.first().copied().unwrap_or(f64::NAN),
+            r.last().copied().unwrap_or(f64::NAN),
+        );
+        md.push_str(&format!("| {name} | {median:.2} | {min:.2} | {max:.2} |\n"));
+        report["creates_per_second"][*name] = json!({
+            "p50": median, "min": min, "max": max, "samples": rates[i], "failures": burst_failed[i],
+        });
+    }
+    let rate = |name: &str| report["creates_per_second"][name]["p50"].as_f64().unwrap_or(f64::NAN);
+    let ratio_burst = rate("3 nodes") / rate("1 node");
+    report["ratio_p50"]["creates_per_second_3_over_1"] = json!(ratio_burst);
+    md.push_str(&format!("| ratio (3 nodes / 1 node), p50 | {ratio_burst:.3} | | |\n"));
     println!("{md}");
     let stamp = humantime::format_rfc3339_seconds(std::time::SystemTime::now())
         .to_string()
@@ -268,4 +360,22 @@ fn main() {
     .unwrap();
     std::fs::write(base.with_extension("md"), md).unwrap();
     println!("wrote {}.json and .md", base.display());
+}
+
+/// `n` creates at once through `api`, each to its sandbox running, then deleted: the wall time
+/// of the creates.
+fn burst(api: &Api, n: usize) -> Result<Duration, String> {
+    let t = Instant::now();
+    let made: Vec<Result<String, String>> = std::thread::scope(|s| {
+        let all: Vec<_> = (0..n).map(|_| s.spawn(|| api.create("seed"))).collect();
+        all.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    let wall = t.elapsed();
+    std::thread::scope(|s| {
+        for id in made.iter().flatten() {
+            s.spawn(move || api.delete(id));
+        }
+    });
+    made.into_iter().collect::<Result<Vec<_>, _>>()?;
+    Ok(wall)
 }

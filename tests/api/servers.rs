@@ -649,6 +649,14 @@ pub(crate) fn a_draining_nodes_sandboxes_move_to_another_node() {
             .collect();
         assert!(left.is_empty(), "{} keeps {left:?}", data.display());
     }
+    // Nor does object storage: each image (the guest's memory among it) left with its move.
+    let left: Vec<_> = std::fs::read_dir(objects.join("image-ids"))
+        .into_iter()
+        .flatten()
+        .flatten()
+        .map(|e| e.file_name())
+        .collect();
+    assert!(left.is_empty(), "object storage keeps the moved images {left:?}");
     // B has `seed`: of each image only the sandbox's own memory and disk came down.
     let log = std::fs::read_to_string(b_data.join("node.log")).unwrap_or_default();
     let pulled: Vec<u64> = log

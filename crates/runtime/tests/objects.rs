@@ -407,6 +407,24 @@ async fn image_round_trip(objects: &Objects, state_bytes: usize) {
         .pull_image("snap_none", &DataDir::open(other.path()).unwrap())
         .await;
     assert!(matches!(missing, Err(ObjectsError::NotFound(_))), "{missing:?}");
+
+    // Moved on: snap_one leaves the store (its memory, its pointer, its manifest). Its disk
+    // holds the same bytes as snap_two's and stays, as do the template's files snap_two sits on.
+    assert_eq!(objects.delete_image("snap_one").await.unwrap(), 3);
+    assert_eq!(objects.delete_image("snap_one").await.unwrap(), 0, "gone already");
+    let fresh = tempfile::tempdir().unwrap();
+    let fresh = DataDir::open(fresh.path()).unwrap();
+    for reference in ["snap_one", pushed.digest.as_str()] {
+        let gone = objects.pull_image(reference, &fresh).await;
+        assert!(matches!(gone, Err(ObjectsError::NotFound(_))), "{reference}: {gone:?}");
+    }
+    let kept = objects.pull_image("snap_two", &fresh).await.unwrap();
+    assert_eq!(kept.image.manifest.id, "snap_two");
+    assert_eq!(objects.delete_image("snap_two").await.unwrap(), 4);
+    assert!(matches!(
+        objects.delete_image("../x").await,
+        Err(ObjectsError::BadReference(_))
+    ));
 }
 
 #[tokio::test]

@@ -10,6 +10,7 @@ use super::{io, is_hex64, store_err, Objects, ObjectsError, Pushed, PushedFile, 
 use crate::datadir::{write_atomic, DataDir};
 use crate::sandbox::image::{valid_image_id, Image, ImageManifest, MANIFEST};
 use crate::sandbox::saved::Manifest;
+use futures_util::StreamExt;
 use object_store::path::Path as ObjectPath;
 use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
@@ -62,6 +63,79 @@ impl Objects {
             digest,
             uploaded_bytes: uploaded,
         })
+    }
+
+    /// Delete image `id` from the store once it has moved on: the files that are its own (the
+    /// guest's memory and its disk; the machine's other files are a template's, which other
+    /// images share), its manifest, then the pointer to it (last: a retry still finds the
+    /// rest). What is missing is gone already. How many objects went.
+    pub async fn delete_image(&self, id: &str) -> Result<usize> {
+        if !valid_image_id(id) {
+            return Err(ObjectsError::BadReference(id.to_string()));
+        }
+        let id_path = format!("image-ids/{id}");
+        let hex = match self.pointer(&id_path, id).await {
+            Ok(hex) => hex,
+            Err(ObjectsError::NotFound(_)) => return Ok(0),
+            Err(e) => return Err(e),
+        };
+        let manifest_path = format!("images/{hex}/manifest.json");
+        let mut doomed = Vec::new();
+        match self.get_small(&manifest_path, id).await {
+            Ok(bytes) => {
+                if let Ok(pushed) = serde_json::from_slice::<PushedImage>(&bytes) {
+                    let own = [<ImageManifest as Manifest>::STATE, <ImageManifest as Manifest>::DISK];
+                    // Files are content-addressed: one another image names too stays.
+                    let kept = self.files_of_images_but(&hex).await?;
+                    doomed.extend(
+                        pushed
+                            .files
+                            .iter()
+                            .filter(|f| own.contains(&f.name.as_str()) && is_hex64(&f.sha256))
+                            .filter(|f| !kept.contains(&f.sha256))
+                            .map(|f| format!("files/{}", f.sha256)),
+                    );
+                }
+                doomed.push(manifest_path);
+            }
+            Err(ObjectsError::NotFound(_)) => {}
+            Err(e) => return Err(e),
+        }
+        doomed.push(id_path);
+        let mut gone = 0;
+        for path in doomed {
+            let path = ObjectPath::from(path);
+            match self.store.delete(&path).await {
+                Ok(()) => gone += 1,
+                Err(object_store::Error::NotFound { .. }) => {}
+                Err(e) => return Err(store_err("delete", &path)(e)),
+            }
+        }
+        Ok(gone)
+    }
+
+    /// The files every image in the store but `images/<except>` names (each manifest read: the
+    /// images in the store are the few that are moving between nodes).
+    async fn files_of_images_but(&self, except: &str) -> Result<BTreeSet<String>> {
+        let prefix = ObjectPath::from("images");
+        let mut listing = self.store.list(Some(&prefix));
+        let mut files = BTreeSet::new();
+        while let Some(meta) = listing.next().await {
+            let meta = meta.map_err(store_err("list", &prefix))?;
+            let path = meta.location.to_string();
+            if !path.ends_with("/manifest.json") || path == format!("images/{except}/manifest.json") {
+                continue;
+            }
+            let bytes = match self.get_small(&path, &path).await {
+                Ok(bytes) => bytes,
+                Err(ObjectsError::NotFound(_)) => continue,
+                Err(e) => return Err(e),
+            };
+            if let Ok(pushed) = serde_json::from_slice::<PushedImage>(&bytes) {
+                files.extend(pushed.files.into_iter().map(|f| f.sha256));
+            }
+        }
+        Ok(files)
     }
 
     /// Make `reference` (an image id, or the `sha256:<hex>` a push returned) an image in

@@ -3,6 +3,9 @@
 
 use super::*;
 
+/// How long a create waits, at most, for a node busy with other starts (see `create_placed`).
+const BUSY_WAIT: Duration = Duration::from_secs(30);
+
 impl Engine {
     pub(super) async fn run_create(&self, op: Operation, row: SandboxRecord, fallbacks: Vec<(String, NodeBudget)>) {
         let _ = self.store.set_operation_state(&op.id, OperationState::Running).await;
@@ -98,24 +101,47 @@ impl Engine {
     }
 
     /// Create `vm` on its node; while a node refuses it by its own admission, move it to the
-    /// next of `fallbacks` that the store's budgets admit, and try there. Every refusal is named
-    /// in the error when none takes it.
+    /// next of `fallbacks` that the store's budgets admit, and try there. A node busy with as
+    /// many starts as it takes at once (they end within seconds) is asked again, with a growing
+    /// pause, for up to [`BUSY_WAIT`] once no other node is left: a burst queues rather than
+    /// fails. Every node's last refusal is named in the error when none takes it.
     async fn create_placed(
         &self,
         mut vm: crate::nodes::VmRequest,
         fallbacks: Vec<(String, NodeBudget)>,
     ) -> Result<crate::model::Booted, CoreError> {
-        let mut reasons = Vec::new();
+        let started = tokio::time::Instant::now();
+        let mut pause = Duration::from_millis(100);
+        let mut reasons: Vec<(String, String)> = Vec::new();
         let mut next = fallbacks.into_iter();
         loop {
-            let refusal = match self.nodes.create(&vm).await {
-                Err(e @ crate::nodes::NodeError::Refused(..)) => CoreError::from(e),
+            let (refusal, busy) = match self.nodes.create(&vm).await {
+                Err(e @ crate::nodes::NodeError::Refused(reason, _)) => {
+                    (CoreError::from(e), reason == crate::nodes::Refusal::Busy)
+                }
                 other => return other.map_err(CoreError::from),
             };
             tracing::info!(sandbox = %vm.id, node = %vm.node, "node refused the create: {refusal}");
+            reasons.retain(|(node, _)| *node != vm.node);
             reasons.push((vm.node.clone(), refusal.to_string()));
             loop {
                 let Some((node, budget)) = next.next() else {
+                    if busy && started.elapsed() < BUSY_WAIT {
+                        tokio::time::sleep(pause).await;
+                        pause = (pause * 2).min(Duration::from_secs(1));
+                        // Unless it was deleted meanwhile: then the refusal stands.
+                        let starting = self
+                            .store
+                            .sandbox_by_id(&vm.id)
+                            .await
+                            .ok()
+                            .flatten()
+                            .is_some_and(|r| matches!(r.state, SandboxState::Creating | SandboxState::Resuming));
+                        if !starting {
+                            return Err(refusal);
+                        }
+                        break;
+                    }
                     return Err(crate::core::placement::refused_everywhere(reasons, Some(refusal)));
                 };
                 match self.store.move_starting(&vm.id, &node, &budget).await {

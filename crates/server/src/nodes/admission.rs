@@ -13,8 +13,11 @@ use std::sync::Mutex;
 #[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum Refusal {
-    /// Too many starts under way, or no room in its vCPU or memory budget now.
+    /// No room in its vCPU or memory budget now.
     Capacity,
+    /// As many starts under way as it takes at once: one frees within seconds (the replica
+    /// asks again rather than fail the create).
+    Busy,
     /// The node is stopping (SIGTERM): it takes no new VM, and its own go elsewhere.
     Draining,
     /// A VM saved on another machine (CPU, VMM build, accelerator) that this one cannot start.
@@ -85,11 +88,14 @@ impl Admission {
     pub fn admit(&self, now: &Capacity, vm: &VmRequest) -> Result<Ticket<'_>, NodeError> {
         let mut starting = self.starting();
         if starting.len() >= self.rules.max_starts {
-            return Err(capacity(format!(
-                "{} starts under way on this node (it takes at most {} at once)",
-                starting.len(),
-                self.rules.max_starts
-            )));
+            return Err(NodeError::Refused(
+                Refusal::Busy,
+                format!(
+                    "{} starts under way on this node (it takes at most {} at once)",
+                    starting.len(),
+                    self.rules.max_starts
+                ),
+            ));
         }
         let (vcpu_held, memory_held) = starting
             .values()
@@ -179,7 +185,7 @@ mod tests {
         let one = a.admit(&now, &vm("one", 1, 512)).unwrap();
         let two = a.admit(&now, &vm("two", 1, 512)).unwrap();
         let e = a.admit(&now, &vm("three", 1, 128)).err().unwrap();
-        assert!(matches!(e, NodeError::Refused(Refusal::Capacity, _)), "{e}");
+        assert!(matches!(e, NodeError::Refused(Refusal::Busy, _)), "{e}");
         assert!(e.to_string().contains("2 starts under way"), "{e}");
         drop(one);
         let e = a.admit(&now, &vm("three", 1, 1024)).err().unwrap();

@@ -134,6 +134,15 @@ impl Nodes for LocalNode {
                 return Err(e.into());
             }
         };
+        // Moved: the parked copy (the guest's memory among it) leaves object storage too.
+        if let (Some(image), Some(objects)) = (&moved, &self.objects) {
+            match objects.delete_image(image).await {
+                Ok(n) => {
+                    tracing::info!(vm = %sandbox.id, %image, objects = n, "deleted the parked image from object storage")
+                }
+                Err(e) => tracing::warn!(vm = %sandbox.id, %image, "the parked image stays in object storage: {e}"),
+            }
+        }
         Ok(Booted {
             template_digest: sb.record.template_digest.clone(),
             accel: sb.record.accel.to_string(),

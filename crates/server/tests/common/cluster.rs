@@ -44,6 +44,16 @@ impl ClusterNode {
         Self::start_full(dir, capacity, 0, "test-node", None, create_delay).await
     }
 
+    /// [`ClusterNode::start_ruled`] for a node whose creates take `create_delay` longer.
+    pub async fn start_ruled_slow(
+        dir: &Path,
+        capacity: Capacity,
+        rules: airlock_server::nodes::NodeRules,
+        create_delay: Duration,
+    ) -> ClusterNode {
+        Self::start_full(dir, capacity, 0, "test-node", Some(rules), create_delay).await
+    }
+
     async fn start_full(
         dir: &Path,
         capacity: Capacity,

@@ -292,6 +292,32 @@ async fn a_node_refuses_past_its_own_budget_and_the_create_goes_to_the_next_node
     }
 }
 
+/// A burst past what a node starts at once queues: the node refuses the extra creates `busy`,
+/// and the replica asks it again (no other node is left) until each runs.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_burst_past_a_nodes_starts_at_once_waits_for_it() {
+    let (store_dir, dir) = (fresh(), fresh());
+    let rules = airlock_server::nodes::NodeRules {
+        max_starts: 1,
+        ..expiring_rules(dir.path())
+    };
+    let node = ClusterNode::start_ruled_slow(dir.path(), FITS_FOUR, rules, Duration::from_millis(700)).await;
+    let replica = Server::start_replica(store_dir.path(), &[node.addr], None, replica_config()).await;
+    let mut ops = Vec::new();
+    for _ in 0..3 {
+        ops.push(replica.create_native().await);
+    }
+    for (id, op) in &ops {
+        let op = replica.wait_op(op).await;
+        assert_eq!(op["state"], "succeeded", "{id}: {op}");
+    }
+    assert_eq!(fake::live_vms(&node.dir).len(), 3);
+    for (id, _) in &ops {
+        replica.delete(id).await;
+    }
+    replica.stop().await;
+}
+
 /// A node's rules that end timed-out VMs 3 s late, their deadlines kept under `dir`.
 fn expiring_rules(dir: &std::path::Path) -> airlock_server::nodes::NodeRules {
     airlock_server::nodes::NodeRules {
