@@ -892,3 +892,76 @@ async fn each_replica_records_its_own_view_of_each_node(b: Backend) {
     let seen = r2.node_observations(5_000).await.unwrap();
     assert_eq!(seen, vec![view(r1, Some(5_000))]);
 }
+
+on_both!(replicas_share_the_sign_in_windows);
+
+/// The console's sign-in throttle counts in the store: attempts reserved at once through two
+/// replicas never pass a window's limit, and failures through one fill the window for both.
+async fn replicas_share_the_sign_in_windows(b: Backend) {
+    use airlock_server::store::{SignInAttempt, SignInFull};
+    let stores = b.stores(&[Lease::replica(), Lease::replica()]).await;
+    let now = 1_000_000;
+    let ids: Vec<String> = (0..12).map(|i| format!("sia_{i}")).collect();
+    let tasks: Vec<_> = ids
+        .iter()
+        .enumerate()
+        .map(|(i, id)| {
+            let (store, id) = (stores[i % 2].clone(), id.clone());
+            tokio::spawn(async move {
+                let attempt = SignInAttempt {
+                    id: &id,
+                    client: "192.0.2.1",
+                    remote: true,
+                    now_ms: now,
+                    window_ms: 60_000,
+                    per_client: 5,
+                    remote_max: 20,
+                };
+                store.reserve_sign_in(&attempt).await.unwrap().is_ok()
+            })
+        })
+        .collect();
+    let mut reserved = Vec::new();
+    for (id, t) in ids.iter().zip(tasks) {
+        if t.await.unwrap() {
+            reserved.push(id.clone());
+        }
+    }
+    assert_eq!(reserved.len(), 5, "{reserved:?}");
+    // They fail: the window is full of failures, through either replica, until the oldest
+    // leaves it.
+    for (i, id) in reserved.iter().enumerate() {
+        stores[i % 2].end_sign_in(id, true, now + 10 + i as i64).await.unwrap();
+    }
+    let attempt = |id: &'static str, at: i64| SignInAttempt {
+        id,
+        client: "192.0.2.1",
+        remote: true,
+        now_ms: at,
+        window_ms: 60_000,
+        per_client: 5,
+        remote_max: 20,
+    };
+    for store in &stores {
+        assert_eq!(
+            store.reserve_sign_in(&attempt("late", now + 1_000)).await.unwrap(),
+            Err(SignInFull {
+                remote: false,
+                wait_ms: 60_000 + 10 - 1_000
+            })
+        );
+    }
+    assert_eq!(
+        stores[1]
+            .reserve_sign_in(&attempt("later", now + 60_011))
+            .await
+            .unwrap(),
+        Ok(())
+    );
+    // A success leaves no trace in the window.
+    stores[1].end_sign_in("later", false, now + 60_012).await.unwrap();
+    assert_eq!(
+        stores[0].reserve_sign_in(&attempt("next", now + 60_013)).await.unwrap(),
+        Ok(())
+    );
+}

@@ -116,7 +116,7 @@ impl Core {
     ) -> CoreResult<AdminToken> {
         // Reserved before argon2 runs: a guesser gets a handful of tries a minute however many
         // it sends at once, and can't keep the blocking pool busy with hashes either.
-        let attempt = match self.sign_ins.reserve(client, now_ms()) {
+        let attempt = match sign_in::reserve(&self.store, client, now_ms()).await? {
             Ok(a) => a,
             Err((scope, retry_after_s)) => {
                 self.audit("anonymous", None, "login", None, "throttled").await;

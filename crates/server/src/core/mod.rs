@@ -186,8 +186,6 @@ pub struct Core {
     secret: Arc<[u8]>,
     /// Session starts under way, per sandbox (see `sessions`).
     starts: Arc<sessions::Starts>,
-    /// The console account's sign-in windows, per client address (see `sign_in`).
-    sign_ins: Arc<sign_in::SignInThrottle>,
     /// Refusals' audit rows still counting repeats (see `audit`).
     audits: Arc<audit::AuditCoalescer>,
     /// Every live sandbox's recent metrics (see `metrics`).
@@ -224,7 +222,6 @@ impl Core {
             config: Arc::new(config),
             secret: secret.into(),
             starts: Default::default(),
-            sign_ins: Default::default(),
             audits: Default::default(),
             metrics: Default::default(),
             uploads,

@@ -12,13 +12,12 @@
 //! The address is the connection's peer: behind a reverse proxy on the same host every client
 //! is that proxy's loopback address (one shared window, outside the remote ceiling), so such a
 //! setup should let the proxy throttle its clients. Forwarded-for headers are never trusted.
-//! In memory: a restart forgives. The map holds only addresses with failures or attempts in the
-//! window: at most the remote ceiling's worth of remote ones, and as many loopback ones as
-//! argon2 can evaluate in a window.
+//! The windows are in the store (`AccountStore::reserve_sign_in`): every replica counts in the
+//! same ones, so more replicas give a guesser no more tries.
 
-use std::collections::{HashMap, VecDeque};
+use crate::store::{SignInAttempt, Store, StoreError};
 use std::net::{IpAddr, Ipv6Addr};
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 
 /// Failed sign-ins one client address may have in a window (attempts in flight included).
 pub const FAILURES_PER_CLIENT: usize = 5;
@@ -33,44 +32,6 @@ pub enum Scope {
     Client,
     /// Every remote address together.
     Remote,
-}
-
-#[derive(Default)]
-struct Window {
-    failures: VecDeque<i64>,
-    in_flight: usize,
-}
-
-impl Window {
-    fn expire(&mut self, now: i64) {
-        while self.failures.front().is_some_and(|t| now - t >= WINDOW_MS) {
-            self.failures.pop_front();
-        }
-    }
-
-    /// Seconds until the window has room again, if it is full (`allowed` attempts).
-    fn full(&mut self, now: i64, allowed: usize) -> Option<u64> {
-        self.expire(now);
-        if self.failures.len() + self.in_flight < allowed {
-            return None;
-        }
-        // Full of attempts in flight alone: they end within a hash's time.
-        let wait = match self.failures.front() {
-            Some(oldest) if self.failures.len() >= allowed => oldest + WINDOW_MS - now,
-            _ => 1000,
-        };
-        Some((wait.max(0) as u64).div_ceil(1000).max(1))
-    }
-
-    fn is_empty(&self) -> bool {
-        self.failures.is_empty() && self.in_flight == 0
-    }
-}
-
-#[derive(Default)]
-struct State {
-    clients: HashMap<IpAddr, Window>,
-    remote: Window,
 }
 
 /// A client of the throttle: its window's key, and whether the remote ceiling applies.
@@ -103,15 +64,11 @@ impl Client {
     }
 }
 
-/// The console account's sign-in windows.
-#[derive(Default)]
-pub struct SignInThrottle(Mutex<State>);
-
 /// A reserved sign-in attempt: counted as in flight until it ends. Dropped without
 /// [`Attempt::succeeded`] it is a failure (also when the request goes away mid-hash).
 pub struct Attempt {
-    throttle: Arc<SignInThrottle>,
-    client: Client,
+    store: Arc<dyn Store>,
+    id: String,
     succeeded: bool,
 }
 
@@ -123,55 +80,47 @@ impl Attempt {
 
 impl Drop for Attempt {
     fn drop(&mut self) {
-        let now = crate::records::now_ms();
-        let mut s = self.throttle.0.lock().unwrap_or_else(|e| e.into_inner());
-        let end = |w: &mut Window| {
-            w.in_flight = w.in_flight.saturating_sub(1);
-            if !self.succeeded {
-                w.failures.push_back(now);
-            }
+        let Ok(rt) = tokio::runtime::Handle::try_current() else {
+            return;
         };
-        if let Some(w) = s.clients.get_mut(&self.client.key) {
-            end(w);
-        }
-        if self.client.remote {
-            end(&mut s.remote);
-        }
+        let (store, id, failed) = (self.store.clone(), std::mem::take(&mut self.id), !self.succeeded);
+        rt.spawn(async move {
+            if let Err(e) = store.end_sign_in(&id, failed, crate::records::now_ms()).await {
+                tracing::warn!("sign-in attempt {id}: cannot record its end: {e}");
+            }
+        });
     }
 }
 
-impl SignInThrottle {
-    /// Reserve an attempt from `addr`, or the seconds to wait and which window is full.
-    pub fn reserve(self: &Arc<Self>, addr: Option<IpAddr>, now: i64) -> Result<Attempt, (Scope, u64)> {
-        let client = Client::of(addr);
-        let mut s = self.0.lock().unwrap_or_else(|e| e.into_inner());
-        // Forget clients whose window emptied, so the map holds only recent ones.
-        if s.clients.len() > 64 {
-            s.clients.retain(|_, w| {
-                w.expire(now);
-                !w.is_empty()
-            });
-        }
-        if let Some(wait) = s
-            .clients
-            .get_mut(&client.key)
-            .and_then(|w| w.full(now, FAILURES_PER_CLIENT))
-        {
-            return Err((Scope::Client, wait));
-        }
-        if client.remote {
-            if let Some(wait) = s.remote.full(now, FAILURES_REMOTE) {
-                return Err((Scope::Remote, wait));
-            }
-            s.remote.in_flight += 1;
-        }
-        s.clients.entry(client.key).or_default().in_flight += 1;
-        Ok(Attempt {
-            throttle: self.clone(),
-            client,
+/// Reserve an attempt from `addr` at `now`, or the seconds to wait and which window is full.
+pub async fn reserve(
+    store: &Arc<dyn Store>,
+    addr: Option<IpAddr>,
+    now: i64,
+) -> Result<Result<Attempt, (Scope, u64)>, StoreError> {
+    let client = Client::of(addr);
+    let id = crate::core::random_id("sia_", 12);
+    let key = client.key.to_string();
+    let attempt = SignInAttempt {
+        id: &id,
+        client: &key,
+        remote: client.remote,
+        now_ms: now,
+        window_ms: WINDOW_MS,
+        per_client: FAILURES_PER_CLIENT,
+        remote_max: FAILURES_REMOTE,
+    };
+    Ok(match store.reserve_sign_in(&attempt).await? {
+        Ok(()) => Ok(Attempt {
+            store: store.clone(),
+            id,
             succeeded: false,
-        })
-    }
+        }),
+        Err(full) => Err((
+            if full.remote { Scope::Remote } else { Scope::Client },
+            (full.wait_ms.max(0) as u64).div_ceil(1000).max(1),
+        )),
+    })
 }
 
 #[cfg(test)]
@@ -182,72 +131,74 @@ mod tests {
         Some(s.parse().unwrap())
     }
 
-    #[test]
-    fn attempts_in_flight_count_and_failures_fill_the_window() {
-        let t = Arc::new(SignInThrottle::default());
-        // A failure is recorded when its attempt ends, at the time it ends.
+    async fn store() -> (tempfile::TempDir, Arc<dyn Store>) {
+        let dir = tempfile::tempdir().unwrap();
+        let store = crate::store::SqliteStore::open(&dir.path().join("airlock.db"))
+            .await
+            .unwrap();
+        (dir, Arc::new(store))
+    }
+
+    /// Until the dropped attempts' ends are recorded (they are spawned).
+    async fn settle() {
+        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+    }
+
+    #[tokio::test]
+    async fn attempts_in_flight_count_and_failures_fill_the_window() {
+        let (_dir, t) = store().await;
         let now = crate::records::now_ms();
-        let held: Vec<Attempt> = (0..FAILURES_PER_CLIENT)
-            .map(|_| t.reserve(ip("192.0.2.1"), now).unwrap())
-            .collect();
+        let mut held = Vec::new();
+        for _ in 0..FAILURES_PER_CLIENT {
+            held.push(reserve(&t, ip("192.0.2.1"), now).await.unwrap().unwrap());
+        }
         // Five in flight: the sixth waits, though nothing has failed yet.
-        assert_eq!(t.reserve(ip("192.0.2.1"), now).err(), Some((Scope::Client, 1)));
+        assert_eq!(
+            reserve(&t, ip("192.0.2.1"), now).await.unwrap().err(),
+            Some((Scope::Client, 1))
+        );
         drop(held);
-        // The failures carry the wall time of the drop, which a busy machine puts past `now`.
+        settle().await;
+        // A failure is recorded when its attempt ends, at the time it ends.
         let ended = crate::records::now_ms();
-        let (scope, wait) = t.reserve(ip("192.0.2.1"), ended + 1000).err().unwrap();
+        let (scope, wait) = reserve(&t, ip("192.0.2.1"), ended + 1000).await.unwrap().err().unwrap();
         assert!(scope == Scope::Client && (58..=59).contains(&wait), "{wait}");
         assert!(
-            t.reserve(ip("192.0.2.1"), ended + WINDOW_MS).is_ok(),
+            reserve(&t, ip("192.0.2.1"), ended + WINDOW_MS).await.unwrap().is_ok(),
             "the window moved on"
         );
         // A success is no failure.
-        let t = Arc::new(SignInThrottle::default());
+        let (_dir, t) = store().await;
         for _ in 0..10 {
-            t.reserve(ip("192.0.2.1"), now).unwrap().succeeded();
+            reserve(&t, ip("192.0.2.1"), now).await.unwrap().unwrap().succeeded();
+            settle().await;
         }
     }
 
-    #[test]
-    fn remote_addresses_share_a_ceiling_that_loopback_never_meets() {
-        let t = Arc::new(SignInThrottle::default());
+    #[tokio::test]
+    async fn remote_addresses_share_a_ceiling_that_loopback_never_meets() {
+        let (_dir, t) = store().await;
         let now = crate::records::now_ms();
         for i in 0..FAILURES_REMOTE {
-            drop(t.reserve(ip(&format!("203.0.113.{i}")), now).unwrap());
+            drop(reserve(&t, ip(&format!("203.0.113.{i}")), now).await.unwrap().unwrap());
         }
-        assert_eq!(
-            t.reserve(ip("198.51.100.1"), now).err().map(|e| e.0),
-            Some(Scope::Remote)
-        );
-        assert_eq!(
-            t.reserve(ip("2001:db8::1"), now).err().map(|e| e.0),
-            Some(Scope::Remote)
-        );
-        assert_eq!(t.reserve(None, now).err().map(|e| e.0), Some(Scope::Remote));
-        assert!(t.reserve(ip("127.0.0.1"), now).is_ok());
-        assert!(t.reserve(ip("::1"), now).is_ok());
-        assert!(t.reserve(ip("::ffff:127.0.0.1"), now).is_ok());
+        settle().await;
+        for remote in [ip("198.51.100.1"), ip("2001:db8::1"), None] {
+            let refused = reserve(&t, remote, now).await.unwrap().err().map(|e| e.0);
+            assert_eq!(refused, Some(Scope::Remote), "{remote:?}");
+        }
+        for local in ["127.0.0.1", "::1", "::ffff:127.0.0.1"] {
+            assert!(reserve(&t, ip(local), now).await.unwrap().is_ok(), "{local}");
+        }
     }
 
     #[test]
-    fn an_ipv6_client_is_its_slash_64() {
-        let t = Arc::new(SignInThrottle::default());
-        let now = crate::records::now_ms();
-        for i in 0..FAILURES_PER_CLIENT {
-            drop(t.reserve(ip(&format!("2001:db8:0:1::{i:x}")), now).unwrap());
-        }
-        assert_eq!(
-            t.reserve(ip("2001:db8:0:1:ffff::1"), now).err().map(|e| e.0),
-            Some(Scope::Client)
-        );
-        assert!(t.reserve(ip("2001:db8:0:2::1"), now).is_ok());
+    fn an_ipv6_client_is_its_slash_64_and_an_ipv4_one_its_address() {
+        let key = |s: &str| Client::of(ip(s));
+        assert_eq!(key("2001:db8:0:1::1").key, key("2001:db8:0:1:ffff::1").key);
+        assert_ne!(key("2001:db8:0:1::1").key, key("2001:db8:0:2::1").key);
         // An IPv4 client seen on a dual-stack listener is the same client.
-        for _ in 0..FAILURES_PER_CLIENT {
-            drop(t.reserve(ip("192.0.2.9"), now).unwrap());
-        }
-        assert_eq!(
-            t.reserve(ip("::ffff:192.0.2.9"), now).err().map(|e| e.0),
-            Some(Scope::Client)
-        );
+        assert_eq!(key("::ffff:192.0.2.9"), key("192.0.2.9"));
+        assert!(key("192.0.2.9").remote && !key("::1").remote && Client::of(None).remote);
     }
 }

@@ -367,6 +367,119 @@ const OBSERVE_NODE: &str = "INSERT INTO node_seen (node, replica, asked_ms, unan
 /// [`OperationStore::node_observations`].
 const NODE_OBSERVATIONS: &str = "SELECT node, replica, unanswered_since_ms FROM node_seen WHERE asked_ms >= $1";
 
+/// A console sign-in attempt to reserve ([`AccountStore::reserve_sign_in`]).
+#[derive(Debug, Clone)]
+pub struct SignInAttempt<'a> {
+    pub id: &'a str,
+    /// Its client's window (an address, or an IPv6 /64).
+    pub client: &'a str,
+    /// It also counts in the remote clients' window.
+    pub remote: bool,
+    pub now_ms: i64,
+    pub window_ms: i64,
+    /// Attempts one client's window holds.
+    pub per_client: usize,
+    /// Attempts the remote clients' window holds.
+    pub remote_max: usize,
+}
+
+/// A full sign-in window: the remote clients' (else the client's own), and the ms until it
+/// has room.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SignInFull {
+    pub remote: bool,
+    pub wait_ms: i64,
+}
+
+/// [`AccountStore::reserve_sign_in`]'s statements, one text for both stores.
+const SIGN_IN_PRUNE: &str = "DELETE FROM sign_in_attempts WHERE at_ms <= $1";
+const SIGN_IN_OF_CLIENT: &str = "SELECT failed, at_ms FROM sign_in_attempts WHERE client = $1";
+const SIGN_IN_OF_REMOTES: &str = "SELECT failed, at_ms FROM sign_in_attempts WHERE remote = 1";
+const SIGN_IN_INSERT: &str =
+    "INSERT INTO sign_in_attempts (id, client, remote, at_ms, failed) VALUES ($1, $2, $3, $4, 0)";
+const SIGN_IN_FAILED: &str = "UPDATE sign_in_attempts SET failed = 1, at_ms = $2 WHERE id = $1";
+const SIGN_IN_SUCCEEDED: &str = "DELETE FROM sign_in_attempts WHERE id = $1";
+
+/// Whether a window holding `rows` (failed, at_ms) has no room for one more of `allowed`
+/// attempts at `now`: the ms until it has (its oldest failure leaving it; a window full of
+/// attempts in flight alone has room within a hash's time).
+fn sign_in_window_full(rows: &[(i64, i64)], now: i64, window: i64, allowed: usize) -> Option<i64> {
+    if rows.len() < allowed {
+        return None;
+    }
+    let failures = rows.iter().filter(|(failed, _)| *failed != 0).map(|(_, at)| *at);
+    Some(
+        match rows.iter().filter(|(failed, _)| *failed != 0).count() >= allowed {
+            true => failures.min().unwrap_or(now) + window - now,
+            false => 1000,
+        },
+    )
+}
+
+/// [`AccountStore::reserve_sign_in`] in transaction `$tx` of either store (the statements
+/// are the same text; only the transaction's type differs).
+macro_rules! reserve_sign_in_in {
+    ($tx:expr, $a:expr) => {{
+        let a: &$crate::store::SignInAttempt<'_> = $a;
+        sqlx::query($crate::store::SIGN_IN_PRUNE)
+            .bind(a.now_ms - a.window_ms)
+            .execute(&mut *$tx)
+            .await?;
+        let mine: Vec<(i64, i64)> = sqlx::query_as($crate::store::SIGN_IN_OF_CLIENT)
+            .bind(a.client)
+            .fetch_all(&mut *$tx)
+            .await?;
+        let full = match $crate::store::sign_in_window_full(&mine, a.now_ms, a.window_ms, a.per_client) {
+            Some(wait_ms) => Some($crate::store::SignInFull { remote: false, wait_ms }),
+            None if a.remote => {
+                let remotes: Vec<(i64, i64)> = sqlx::query_as($crate::store::SIGN_IN_OF_REMOTES)
+                    .fetch_all(&mut *$tx)
+                    .await?;
+                $crate::store::sign_in_window_full(&remotes, a.now_ms, a.window_ms, a.remote_max)
+                    .map(|wait_ms| $crate::store::SignInFull { remote: true, wait_ms })
+            }
+            None => None,
+        };
+        match full {
+            Some(full) => Err(full),
+            None => {
+                sqlx::query($crate::store::SIGN_IN_INSERT)
+                    .bind(a.id)
+                    .bind(a.client)
+                    .bind(i64::from(a.remote))
+                    .bind(a.now_ms)
+                    .execute(&mut *$tx)
+                    .await?;
+                Ok(())
+            }
+        }
+    }};
+}
+use reserve_sign_in_in;
+
+/// [`AccountStore::end_sign_in`] on `$pool` of either store.
+macro_rules! end_sign_in_on {
+    ($pool:expr, $id:expr, $failed:expr, $now:expr) => {{
+        match $failed {
+            true => {
+                sqlx::query($crate::store::SIGN_IN_FAILED)
+                    .bind($id)
+                    .bind($now)
+                    .execute($pool)
+                    .await?
+            }
+            false => {
+                sqlx::query($crate::store::SIGN_IN_SUCCEEDED)
+                    .bind($id)
+                    .execute($pool)
+                    .await?
+            }
+        };
+        Ok(())
+    }};
+}
+use end_sign_in_on;
+
 /// Take or keep a duty: one statement both stores run (`?` placeholders for SQLite, numbered
 /// for Postgres): the row is written only if it is free, lapsed or this holder's.
 const LEAD: &str = "INSERT INTO duties (duty, holder, until_ms) VALUES ($1, $2, $3) \
@@ -492,6 +605,14 @@ pub trait AccountStore: Send + Sync {
         -> Result<(), StoreError>;
     /// The account an unexpired admin token (by its hash) belongs to; expired ones are removed.
     async fn admin_session(&self, token_hash: &str, now_ms: i64) -> Result<Option<String>, StoreError>;
+    /// Reserve a console sign-in attempt (`core/sign_in.rs`): unless `attempt.client`'s window,
+    /// or (for a remote client) the remote clients' window, already holds as many attempts as
+    /// it allows (failed ones and ones in flight, within the window before `now_ms`), record
+    /// this one in flight. Every replica counts in the same windows.
+    async fn reserve_sign_in(&self, attempt: &SignInAttempt<'_>) -> Result<Result<(), SignInFull>, StoreError>;
+    /// End sign-in attempt `id`: a failure counts in its windows from `now_ms`, a success
+    /// leaves them.
+    async fn end_sign_in(&self, id: &str, failed: bool, now_ms: i64) -> Result<(), StoreError>;
     /// Write an audit row (with its `count`); its `seq`.
     async fn insert_audit(&self, record: &AuditRecord) -> Result<i64, StoreError>;
     /// Add `by` to the count of audit row `seq` (repeats of it, coalesced).

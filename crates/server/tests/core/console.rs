@@ -66,9 +66,21 @@ async fn console_account_and_admin_routes() {
     let rows = core.store().audit(&Default::default(), 100).await.unwrap();
     assert!(rows.iter().any(|r| r.action == "login" && r.result == "throttled"));
     drop(core);
-    // The window lives in memory: a restart forgives it.
+    // The window is in the store, which every replica shares: a restart does not forgive it.
     let server = server.restart().await;
     let core = server.core().clone();
+    let (status, body) = login(&server, "root@local", &generated).await;
+    assert_eq!((status, body["code"].as_str()), (429, Some("rate_limited")), "{body}");
+    // The minute passes (its failures leave the window, as they would by then).
+    {
+        use sqlx::Connection;
+        let url = format!("sqlite://{}", tmp.path().join("airlock.db").display());
+        let mut db = sqlx::SqliteConnection::connect(&url).await.unwrap();
+        sqlx::query("UPDATE sign_in_attempts SET at_ms = at_ms - 60000")
+            .execute(&mut db)
+            .await
+            .unwrap();
+    }
     let (status, body) = login(&server, "root", &generated).await;
     assert_eq!(
         (status, body["code"].as_str()),

@@ -105,6 +105,21 @@ impl AccountStore for PgStore {
         Ok(())
     }
 
+    async fn reserve_sign_in(
+        &self,
+        attempt: &super::super::SignInAttempt<'_>,
+    ) -> Result<Result<(), super::super::SignInFull>, StoreError> {
+        // Replicas reserve one at a time: the count and the insert are one step.
+        let mut tx = self.begin_locked().await?;
+        let reserved = super::super::reserve_sign_in_in!(tx, attempt);
+        tx.commit().await?;
+        Ok(reserved)
+    }
+
+    async fn end_sign_in(&self, id: &str, failed: bool, now_ms: i64) -> Result<(), StoreError> {
+        super::super::end_sign_in_on!(&self.pool, id, failed, now_ms)
+    }
+
     async fn insert_admin_session(
         &self,
         token_hash: &str,
