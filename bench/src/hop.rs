@@ -134,8 +134,48 @@ fn api_of(dir: &Path, port: u16) -> Api {
     }
 }
 
+/// The VMs a stopped earlier run left under `work` (VMs outlive their server by design; its
+/// dirs are about to go): each ended by the pid it recorded, if that process still names its
+/// dir.
+fn end_vms_left_in(work: &Path) {
+    for server in std::fs::read_dir(work).into_iter().flatten().flatten() {
+        for vm in std::fs::read_dir(server.path().join("sandboxes"))
+            .into_iter()
+            .flatten()
+            .flatten()
+        {
+            let Some(pid) = std::fs::read_to_string(vm.path().join("vmm.pid"))
+                .ok()
+                .and_then(|p| p.trim().parse::<i32>().ok())
+            else {
+                continue;
+            };
+            let cmdline = std::fs::read(format!("/proc/{pid}/cmdline")).unwrap_or_default();
+            if pid > 1 && String::from_utf8_lossy(&cmdline).contains(&*vm.path().to_string_lossy()) {
+                unsafe { libc::kill(pid, libc::SIGKILL) };
+            }
+        }
+    }
+}
+
+/// Until no server under `work` has a VM left (the deletes asked for are done), at most a
+/// minute: a server stopped mid-delete would leave its VM behind.
+fn until_no_vms(work: &Path) {
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let busy =
+        || {
+            std::fs::read_dir(work).into_iter().flatten().flatten().any(|server| {
+                std::fs::read_dir(server.path().join("sandboxes")).is_ok_and(|mut vms| vms.next().is_some())
+            })
+        };
+    while busy() && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(200));
+    }
+}
+
 fn main() {
     let args = Args::parse();
+    end_vms_left_in(&args.work);
     let _ = std::fs::remove_dir_all(&args.work);
     let secret = args.work.join("cluster.secret");
     std::fs::create_dir_all(&args.work).unwrap();
@@ -360,6 +400,7 @@ fn main() {
     .unwrap();
     std::fs::write(base.with_extension("md"), md).unwrap();
     println!("wrote {}.json and .md", base.display());
+    until_no_vms(&args.work);
 }
 
 /// `n` creates at once through `api`, each to its sandbox running, then deleted: the wall time
