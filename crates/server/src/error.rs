@@ -297,6 +297,14 @@ impl CoreError {
         }
     }
 
+    /// Sandbox `sandbox_id`'s node could not carry a call about it out.
+    pub fn node(sandbox_id: &str, e: crate::nodes::NodeError) -> Self {
+        CoreError::Unreachable {
+            id: sandbox_id.into(),
+            reason: Unreachable::Node(e),
+        }
+    }
+
     /// An agent error while addressing `kind`; transport failures mean the sandbox is unreachable.
     pub fn agent(kind: Kind, sandbox_id: &str, e: AgentError) -> Self {
         match e {

@@ -56,11 +56,8 @@ impl Core {
 impl Core {
     /// Watch `spec` in `sandbox` (running: the caller has its files); the watcher's id.
     pub async fn watch_start(&self, sandbox: &SandboxRecord, spec: &WatchSpec) -> CoreResult<String> {
-        let unreachable = |e| CoreError::Unreachable {
-            id: sandbox.id.clone(),
-            reason: crate::error::Unreachable::Node(e),
-        };
-        match self.nodes.watch_start(&sandbox.id, spec).await.map_err(unreachable)? {
+        let started = self.nodes.watch_start(&sandbox.id, spec).await;
+        match started.map_err(|e| CoreError::node(&sandbox.id, e))? {
             WatchStart::Started { watch } => Ok(watch),
             WatchStart::Full { limit } => Err(CoreError::WatcherLimit {
                 sandbox: sandbox.id.clone(),
@@ -79,24 +76,14 @@ impl Core {
         self.nodes
             .watch_take(&sandbox.id, watch)
             .await
-            .map_err(|e| CoreError::Unreachable {
-                id: sandbox.id.clone(),
-                reason: crate::error::Unreachable::Node(e),
-            })?
+            .map_err(|e| CoreError::node(&sandbox.id, e))?
             .ok_or_else(|| CoreError::not_found(Kind::Watcher, watch))
     }
 
     /// Stop watcher `watch` of `sandbox`.
     pub async fn watch_stop(&self, sandbox: &SandboxRecord, watch: &str) -> CoreResult<()> {
-        let stopped = self
-            .nodes
-            .watch_stop(&sandbox.id, watch)
-            .await
-            .map_err(|e| CoreError::Unreachable {
-                id: sandbox.id.clone(),
-                reason: crate::error::Unreachable::Node(e),
-            })?;
-        match stopped {
+        let stopped = self.nodes.watch_stop(&sandbox.id, watch).await;
+        match stopped.map_err(|e| CoreError::node(&sandbox.id, e))? {
             true => Ok(()),
             false => Err(CoreError::not_found(Kind::Watcher, watch)),
         }

@@ -157,10 +157,7 @@ impl Core {
 
     /// Sample one running sandbox now and record it.
     async fn sample(&self, id: &str) -> CoreResult<Sample> {
-        let agent = self.nodes.agent(id).await.map_err(|e| CoreError::Unreachable {
-            id: id.into(),
-            reason: crate::error::Unreachable::Node(e),
-        })?;
+        let agent = self.nodes.agent(id).await.map_err(|e| CoreError::node(id, e))?;
         let metrics = agent
             .metrics()
             .await

@@ -635,10 +635,7 @@ impl Core {
                 },
             });
         }
-        self.nodes.agent(&row.id).await.map_err(|e| CoreError::Unreachable {
-            id: row.id.clone(),
-            reason: crate::error::Unreachable::Node(e),
-        })
+        self.nodes.agent(&row.id).await.map_err(|e| CoreError::node(&row.id, e))
     }
 }
 

@@ -407,13 +407,15 @@ fn sign_in_window_full(rows: &[(i64, i64)], now: i64, window: i64, allowed: usiz
     if rows.len() < allowed {
         return None;
     }
-    let failures = rows.iter().filter(|(failed, _)| *failed != 0).map(|(_, at)| *at);
-    Some(
-        match rows.iter().filter(|(failed, _)| *failed != 0).count() >= allowed {
-            true => failures.min().unwrap_or(now) + window - now,
-            false => 1000,
-        },
-    )
+    let failures: Vec<i64> = rows
+        .iter()
+        .filter(|(failed, _)| *failed != 0)
+        .map(|(_, at)| *at)
+        .collect();
+    Some(match failures.iter().min() {
+        Some(oldest) if failures.len() >= allowed => oldest + window - now,
+        _ => 1000,
+    })
 }
 
 /// [`AccountStore::reserve_sign_in`] in transaction `$tx` of either store (the statements
