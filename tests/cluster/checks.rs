@@ -62,8 +62,8 @@ pub fn creates_spread_over_the_nodes_and_the_next_is_refused_with_every_reason()
 }
 
 /// Check 2 [VM]: a sandbox on the third node answers the same through either replica: a session
-/// and its stream (resumed on the other replica with `Last-Event-ID`), files, and a port; and
-/// an E2B watcher made through one replica is polled through the other.
+/// and its stream (resumed on the other replica with `Last-Event-ID`), files, its session limit,
+/// and a port; and an E2B watcher made through one replica is polled through the other.
 pub fn a_sandbox_on_the_third_node_answers_alike_through_either_replica() {
     let guard = cluster();
     let c = guard.as_ref().unwrap();
@@ -84,6 +84,40 @@ pub fn a_sandbox_on_the_third_node_answers_alike_through_either_replica() {
         let (status, got) = r.call("GET", &format!("/v1/sandboxes/{id}/files?path=/home/user/x.txt"), None);
         assert_eq!((status, got), (200, json!(text)));
     }
+
+    // The sandbox's session limit holds across replicas: six starts at once, alternating, with
+    // room for three (each replica admits through the store, not on its own count).
+    let quota = |limit: Value| {
+        let (status, q) = a.admin_call(
+            "PUT",
+            "/v1/admin/tenants/default/quota",
+            Some(json!({ "sessions_per_sandbox": limit })),
+        );
+        assert_eq!(status, 200, "{q}");
+    };
+    quota(json!(3));
+    let answers: Vec<(u16, Value)> = std::thread::scope(|scope| {
+        let starts: Vec<_> = (0..6)
+            .map(|i| {
+                let (via, id) = ([a, b][i % 2], &id);
+                scope.spawn(move || {
+                    via.call(
+                        "POST",
+                        &format!("/v1/sandboxes/{id}/sessions"),
+                        Some(json!({ "argv": ["sleep", "2"] })),
+                    )
+                })
+            })
+            .collect();
+        starts.into_iter().map(|t| t.join().unwrap()).collect()
+    });
+    let admitted = answers.iter().filter(|(status, _)| *status == 201).count();
+    let refused = answers
+        .iter()
+        .filter(|(status, body)| (*status, body["code"].as_str()) == (429, Some("quota_exceeded")))
+        .count();
+    assert_eq!((admitted, refused), (3, 3), "{answers:?}");
+    quota(Value::Null);
 
     // A stream read in part through A resumes through B after the last event A gave.
     let sid = a.session(

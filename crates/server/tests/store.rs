@@ -596,20 +596,8 @@ async fn keys_access_tokens_sessions_and_aliases(b: Backend) {
     assert!(store.e2b_alias("nope").await.unwrap().is_none());
 
     let mut s = SessionRecord {
-        id: "ses1".into(),
-        sandbox_id: "s1".into(),
-        process_id: 7,
-        argv: vec!["sleep".into(), "1".into()],
-        cwd: "/".into(),
-        user: "user".into(),
-        pty: false,
-        exit_code: None,
-        signal: None,
-        timed_out: false,
-        exited: false,
-        started_at_ms: now_ms(),
-        ended_at_ms: None,
         tag: Some("my-tag".into()),
+        ..running_session("ses1", "s1", 7)
     };
     store.insert_session(&s).await.unwrap();
     let got = store.session_by_process("s1", 7).await.unwrap().unwrap();
@@ -622,6 +610,26 @@ async fn keys_access_tokens_sessions_and_aliases(b: Backend) {
     assert!(got.exited);
     assert_eq!(got.exit_code, Some(0));
     assert_eq!(store.list_sessions("s1").await.unwrap().len(), 1);
+}
+
+/// A session of `sandbox_id` whose process `process_id` runs.
+fn running_session(id: &str, sandbox_id: &str, process_id: u64) -> SessionRecord {
+    SessionRecord {
+        id: id.into(),
+        sandbox_id: sandbox_id.into(),
+        process_id,
+        argv: vec!["sleep".into(), "1".into()],
+        cwd: "/".into(),
+        user: "user".into(),
+        pty: false,
+        exit_code: None,
+        signal: None,
+        timed_out: false,
+        exited: false,
+        started_at_ms: now_ms(),
+        ended_at_ms: None,
+        tag: None,
+    }
 }
 
 /// A `TenantStore` that checks, at the moment a key is committed, that the credentials file
@@ -964,4 +972,83 @@ async fn replicas_share_the_sign_in_windows(b: Backend) {
         stores[0].reserve_sign_in(&attempt("next", now + 60_013)).await.unwrap(),
         Ok(())
     );
+}
+
+on_both!(replicas_share_a_sandboxs_session_starts);
+
+/// A sandbox's session limit counts in the store: starts reserved at once through two replicas,
+/// with one session already running, never pass it; an ended start gives its place back, and one
+/// whose replica never ended it stops counting at its hold.
+async fn replicas_share_a_sandboxs_session_starts(b: Backend) {
+    use airlock_server::store::SessionStart;
+    let stores = b.stores(&[Lease::replica(), Lease::replica()]).await;
+    stores[0]
+        .insert_create(&sandbox("s1", "t1"), &create_op("s1"), None, 10)
+        .await
+        .unwrap();
+    stores[1]
+        .insert_session(&running_session("ses1", "s1", 7))
+        .await
+        .unwrap();
+    let now = 1_000_000;
+    let start = |id: &'static str, at: i64| SessionStart {
+        id,
+        sandbox_id: "s1",
+        limit: 4,
+        now_ms: at,
+        until_ms: at + 60_000,
+    };
+    let ids: Vec<&'static str> = vec!["st0", "st1", "st2", "st3", "st4", "st5", "st6", "st7"];
+    let tasks: Vec<_> = ids
+        .iter()
+        .enumerate()
+        .map(|(i, id)| {
+            let (store, id) = (stores[i % 2].clone(), *id);
+            tokio::spawn(async move { store.reserve_session_start(&start(id, now)).await.unwrap().is_ok() })
+        })
+        .collect();
+    let mut reserved = Vec::new();
+    for (id, t) in ids.iter().zip(tasks) {
+        if t.await.unwrap() {
+            reserved.push(*id);
+        }
+    }
+    assert_eq!(
+        reserved.len(),
+        3,
+        "one running session and 3 starts fill 4: {reserved:?}"
+    );
+    for store in &stores {
+        assert_eq!(
+            store.reserve_session_start(&start("late", now + 1)).await.unwrap(),
+            Err(4)
+        );
+    }
+    // One ends (its session recorded elsewhere, or failed): its place is free for either.
+    stores[1].end_session_start(reserved[0]).await.unwrap();
+    assert_eq!(
+        stores[0].reserve_session_start(&start("next", now + 2)).await.unwrap(),
+        Ok(())
+    );
+    // The rest were never ended (their replica died): they stop counting at their hold.
+    assert_eq!(
+        stores[1]
+            .reserve_session_start(&start("held", now + 59_999))
+            .await
+            .unwrap(),
+        Err(4)
+    );
+    assert_eq!(
+        stores[1]
+            .reserve_session_start(&start("lapsed", now + 60_000))
+            .await
+            .unwrap(),
+        Ok(())
+    );
+    // Other sandboxes are not counted with it.
+    let other = SessionStart {
+        sandbox_id: "s2",
+        ..start("other", now + 60_000)
+    };
+    assert_eq!(stores[0].reserve_session_start(&other).await.unwrap(), Ok(()));
 }

@@ -184,8 +184,6 @@ pub struct Core {
     pub config: Arc<Config>,
     /// Derives sandbox access tokens (see `principal`).
     secret: Arc<[u8]>,
-    /// Session starts under way, per sandbox (see `sessions`).
-    starts: Arc<sessions::Starts>,
     /// Refusals' audit rows still counting repeats (see `audit`).
     audits: Arc<audit::AuditCoalescer>,
     /// Every live sandbox's recent metrics (see `metrics`).
@@ -221,7 +219,6 @@ impl Core {
             engine,
             config: Arc::new(config),
             secret: secret.into(),
-            starts: Default::default(),
             audits: Default::default(),
             metrics: Default::default(),
             uploads,

@@ -6,14 +6,14 @@ use super::Core;
 use crate::error::{CoreError, CoreResult, Kind};
 use crate::records::{now_ms, SandboxRecord, SessionRecord};
 use crate::signals;
-use crate::store::Store;
+use crate::store::{SessionStart, Store};
 use airlock_agent_client::AgentClient;
 use airlock_proto::frame::{Event, EventKind};
 use airlock_proto::{ProcessInfo, ProcessSpec, ProcessState, PtySize};
 use futures_util::stream::BoxStream;
 use futures_util::StreamExt;
 use std::collections::{BTreeMap, HashMap};
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::Duration;
 
 /// A request to start a process, from either door.
@@ -117,46 +117,21 @@ async fn record_exit(store: &dyn Store, row: &SessionRecord, keep: u32) -> CoreR
     Ok(())
 }
 
-/// Session starts under way, per sandbox: with the sessions the store has not seen exit, they
-/// are what `Config::max_sessions_per_sandbox` bounds. A sandbox's entry holds the number of
-/// its starts between admission and the session's record; it goes when that is zero.
-#[derive(Default)]
-pub struct Starts {
-    map: Mutex<HashMap<String, Arc<tokio::sync::Mutex<u32>>>>,
-}
+/// How long a session start's reservation counts at most: past it, a start whose replica died
+/// before ending it gives its place back. A start's agent calls end well within it.
+const START_HOLD_MS: i64 = 60_000;
 
-impl Starts {
-    fn gate(&self, sandbox_id: &str) -> Arc<tokio::sync::Mutex<u32>> {
-        self.map
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .entry(sandbox_id.to_string())
-            .or_default()
-            .clone()
-    }
-
-    /// Forget a sandbox's entry once no start holds or waits for it.
-    fn forget_if_idle(&self, sandbox_id: &str, gate: Arc<tokio::sync::Mutex<u32>>) {
-        let mut map = self.map.lock().unwrap_or_else(|p| p.into_inner());
-        // Ours and the map's: nobody else can reach it (clones are taken under this lock).
-        if Arc::strong_count(&gate) == 2 && gate.try_lock().is_ok_and(|n| *n == 0) {
-            map.remove(sandbox_id);
-        }
-    }
-}
-
-/// One admitted start: counted until its session is recorded (or it failed).
+/// One admitted start: a reservation in the store, counted with the sandbox's running sessions
+/// until its session is recorded (or it failed), by every replica alike.
 struct Admitted {
-    starts: Arc<Starts>,
-    sandbox_id: String,
-    gate: Option<Arc<tokio::sync::Mutex<u32>>>,
+    store: Arc<dyn Store>,
+    id: Option<String>,
 }
 
 impl Admitted {
     async fn release(mut self) {
-        if let Some(gate) = self.gate.take() {
-            *gate.lock().await -= 1;
-            self.starts.forget_if_idle(&self.sandbox_id, gate);
+        if let Some(id) = self.id.take() {
+            end_start(&*self.store, &id).await;
         }
     }
 }
@@ -164,60 +139,61 @@ impl Admitted {
 impl Drop for Admitted {
     /// A start dropped half-way (its request went away) still gives its place back.
     fn drop(&mut self) {
-        // Without a runtime (it is shutting down) there is nobody left to count for.
+        // Without a runtime (it is shutting down) the reservation lapses at its hold.
         let Ok(rt) = tokio::runtime::Handle::try_current() else {
             return;
         };
-        if let Some(gate) = self.gate.take() {
-            let (starts, id) = (self.starts.clone(), self.sandbox_id.clone());
-            rt.spawn(async move {
-                *gate.lock().await -= 1;
-                starts.forget_if_idle(&id, gate);
-            });
+        if let Some(id) = self.id.take() {
+            let store = self.store.clone();
+            rt.spawn(async move { end_start(&*store, &id).await });
         }
+    }
+}
+
+async fn end_start(store: &dyn Store, id: &str) {
+    if let Err(e) = store.end_session_start(id).await {
+        tracing::warn!(start = id, "cannot end a session start (it lapses on its own): {e}");
     }
 }
 
 impl Core {
     /// Admit one more session of `sandbox`, or refuse it with `SessionLimit`. Sessions the store
     /// still counts as running are checked against the agent first (their exits may not be
-    /// recorded yet). Admission and the count of starts under way are one step per sandbox, so
-    /// concurrent starts never overshoot the limit.
+    /// recorded yet). The store reserves the start in one step per sandbox, so concurrent
+    /// starts through any replica never overshoot the limit.
     async fn admit_session(&self, sandbox: &SandboxRecord, agent: &AgentClient) -> CoreResult<Admitted> {
         let limit = self
             .quota_of(&sandbox.tenant_id)
             .await?
             .sessions_per_sandbox
             .unwrap_or(u32::MAX);
-        let gate = self.starts.gate(&sandbox.id);
-        let admitted = async {
-            let mut starting = gate.lock().await;
-            let mut running = self.store.count_running_sessions(&sandbox.id).await? + *starting;
-            if running >= limit {
-                self.record_exits(sandbox, agent).await?;
-                running = self.store.count_running_sessions(&sandbox.id).await? + *starting;
-            }
-            if running >= limit {
-                return Err(CoreError::SessionLimit {
-                    sandbox: sandbox.id.clone(),
-                    running,
-                    limit,
-                });
-            }
-            *starting += 1;
-            Ok(())
+        let id = format!("start_{}", airlock_runtime::datadir::random_hex(8));
+        let reserve = || {
+            let now_ms = now_ms();
+            let start = SessionStart {
+                id: &id,
+                sandbox_id: &sandbox.id,
+                limit,
+                now_ms,
+                until_ms: now_ms + START_HOLD_MS,
+            };
+            async move { self.store.reserve_session_start(&start).await }
+        };
+        let mut reserved = reserve().await?;
+        if reserved.is_err() {
+            self.record_exits(sandbox, agent).await?;
+            reserved = reserve().await?;
         }
-        .await;
-        match admitted {
+        match reserved {
             Ok(()) => Ok(Admitted {
-                starts: self.starts.clone(),
-                sandbox_id: sandbox.id.clone(),
-                gate: Some(gate),
+                store: self.store.clone(),
+                id: Some(id),
             }),
-            Err(e) => {
-                self.starts.forget_if_idle(&sandbox.id, gate);
-                Err(e)
-            }
+            Err(running) => Err(CoreError::SessionLimit {
+                sandbox: sandbox.id.clone(),
+                running,
+                limit,
+            }),
         }
     }
 

@@ -309,6 +309,13 @@ pub trait SandboxStore: Send + Sync {
     async fn count_running_sessions(&self, sandbox_id: &str) -> Result<u32, StoreError>;
     /// Forget the sandbox's exited sessions but the `keep` that ended last; how many went.
     async fn prune_finished_sessions(&self, sandbox_id: &str, keep: u32) -> Result<u64, StoreError>;
+    /// Reserve one more session of a sandbox (`core/sessions.rs`): unless its running sessions
+    /// and the starts reserved before reach `start.limit` (then `Err` with how many they are).
+    /// One step per sandbox on either store, so starts through any number of replicas never pass
+    /// the limit.
+    async fn reserve_session_start(&self, start: &SessionStart<'_>) -> Result<Result<(), u32>, StoreError>;
+    /// The start is over: its session recorded, or it failed.
+    async fn end_session_start(&self, id: &str) -> Result<(), StoreError>;
 }
 
 #[async_trait]
@@ -481,6 +488,54 @@ macro_rules! end_sign_in_on {
     }};
 }
 use end_sign_in_on;
+
+/// A session start to reserve ([`SandboxStore::reserve_session_start`]).
+#[derive(Debug, Clone)]
+pub struct SessionStart<'a> {
+    pub id: &'a str,
+    pub sandbox_id: &'a str,
+    /// Sessions the sandbox may hold at once: running and starting.
+    pub limit: u32,
+    pub now_ms: i64,
+    /// When the reservation stops counting should its replica die before ending it.
+    pub until_ms: i64,
+}
+
+/// [`SandboxStore::reserve_session_start`]'s statements, one text for both stores.
+const SESSION_STARTS_PRUNE: &str = "DELETE FROM session_starts WHERE until_ms <= $1";
+const SESSIONS_HELD: &str = "SELECT (SELECT COUNT(*) FROM sessions WHERE sandbox_id = $1 AND NOT exited) \
+     + (SELECT COUNT(*) FROM session_starts WHERE sandbox_id = $1)";
+const SESSION_START_INSERT: &str = "INSERT INTO session_starts (id, sandbox_id, until_ms) VALUES ($1, $2, $3)";
+const SESSION_START_END: &str = "DELETE FROM session_starts WHERE id = $1";
+
+/// [`SandboxStore::reserve_session_start`] in transaction `$tx` of either store, which holds
+/// the sandbox's starts still meanwhile.
+macro_rules! reserve_session_start_in {
+    ($tx:expr, $s:expr) => {{
+        let s: &$crate::store::SessionStart<'_> = $s;
+        sqlx::query($crate::store::SESSION_STARTS_PRUNE)
+            .bind(s.now_ms)
+            .execute(&mut *$tx)
+            .await?;
+        let (held,): (i64,) = sqlx::query_as($crate::store::SESSIONS_HELD)
+            .bind(s.sandbox_id)
+            .fetch_one(&mut *$tx)
+            .await?;
+        let held = u32::try_from(held).unwrap_or(u32::MAX);
+        if held >= s.limit {
+            Err(held)
+        } else {
+            sqlx::query($crate::store::SESSION_START_INSERT)
+                .bind(s.id)
+                .bind(s.sandbox_id)
+                .bind(s.until_ms)
+                .execute(&mut *$tx)
+                .await?;
+            Ok(())
+        }
+    }};
+}
+use reserve_session_start_in;
 
 /// Take or keep a duty: one statement both stores run (`?` placeholders for SQLite, numbered
 /// for Postgres): the row is written only if it is free, lapsed or this holder's.

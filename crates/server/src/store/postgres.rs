@@ -12,6 +12,7 @@ use super::{
     E2bStore, KeyFormat, Lease, NodeBudget, OperationStore, SandboxFilter, SandboxStore, StoreError, TenantStore,
     TokenKind, DISK_HELD, HOLDS_VM, LEAD, LIVE, NODE_OBSERVATIONS, OBSERVE_NODE, RATE_WINDOW_MS,
 };
+use super::{reserve_session_start_in, SessionStart, SESSION_START_END};
 use crate::model::ErrorBody;
 use crate::model::{Operation, OperationKind, OperationState, Quota, Resources, SandboxState, TenantUsage};
 use crate::records::{now_ms, rfc3339, AuditRecord, EgressSpec, KeyRecord, SandboxRecord, SessionRecord, Tenant};
@@ -34,6 +35,9 @@ use admission::{admit_disk_within, admit_within, node_admits_within, usage_withi
 
 /// The advisory lock of every admission and of the writes SQLite serializes: "airlock" in ASCII.
 const WRITE_LOCK: i64 = 0x61_6972_6c6f_636b;
+/// The class of the advisory locks a sandbox's session starts take, with the hash of its id
+/// (two 32-bit keys: apart from [`WRITE_LOCK`]'s space).
+const SESSION_STARTS_LOCK: i32 = 0x6169_7273;
 
 /// Why a Postgres store could not be opened, naming what to fix.
 #[derive(Debug, thiserror::Error)]

@@ -475,4 +475,23 @@ impl SandboxStore for PgStore {
         .await?;
         Ok(r.rows_affected())
     }
+
+    async fn reserve_session_start(&self, start: &SessionStart<'_>) -> Result<Result<(), u32>, StoreError> {
+        // This sandbox's starts queue here (its own lock, not the store's write lock: starts
+        // of other sandboxes go on), so the count and the insert see one state.
+        let mut tx = self.pool.begin().await?;
+        sqlx::query("SELECT pg_advisory_xact_lock($1, hashtext($2))")
+            .bind(SESSION_STARTS_LOCK)
+            .bind(start.sandbox_id)
+            .execute(&mut *tx)
+            .await?;
+        let reserved = reserve_session_start_in!(tx, start);
+        tx.commit().await?;
+        Ok(reserved)
+    }
+
+    async fn end_session_start(&self, id: &str) -> Result<(), StoreError> {
+        sqlx::query(SESSION_START_END).bind(id).execute(&self.pool).await?;
+        Ok(())
+    }
 }

@@ -469,4 +469,17 @@ impl SandboxStore for SqliteStore {
         .await?;
         Ok(r.rows_affected())
     }
+
+    async fn reserve_session_start(&self, start: &SessionStart<'_>) -> Result<Result<(), u32>, StoreError> {
+        // The write lock up front: the count and the insert see one state.
+        let mut tx = self.pool.begin_with("BEGIN IMMEDIATE").await?;
+        let reserved = reserve_session_start_in!(tx, start);
+        tx.commit().await?;
+        Ok(reserved)
+    }
+
+    async fn end_session_start(&self, id: &str) -> Result<(), StoreError> {
+        sqlx::query(SESSION_START_END).bind(id).execute(&self.pool).await?;
+        Ok(())
+    }
 }
