@@ -562,7 +562,9 @@ pub(crate) fn a_cold_node_pulls_seed_from_object_storage() {
 /// A node's drain moves its sandboxes (issue 25, check 5): two sandboxes on node A (B not up
 /// yet), each with a file written and a process running; SIGTERM to A. The replica parks both
 /// in object storage (saved, uploaded, ended on A) and starts them again on B, which pulls
-/// them; A exits 0. On B each has its file and its process, and A keeps nothing of them.
+/// them; A exits 0. On B each has its file and its process, and A keeps nothing of them. A
+/// third, paused, stays parked (its tenant stopped it); deleted so, its image leaves object
+/// storage too.
 pub(crate) fn a_draining_nodes_sandboxes_move_to_another_node() {
     let a_data = own_data_dir("node-a");
     let b_data = own_data_dir("node-b");
@@ -604,6 +606,10 @@ pub(crate) fn a_draining_nodes_sandboxes_move_to_another_node() {
         assert!((200..300).contains(&status));
         s.session(id, json!({ "argv": ["sleep", "3600"] }));
     }
+    let paused = s.create(json!({ "template": "seed", "timeout": "10m" }));
+    let (status, r) = s.call("POST", &format!("/v1/sandboxes/{paused}/pause"), None);
+    assert_eq!(status, 202, "{r}");
+    assert_eq!(s.wait_op(r["operation"]["id"].as_str().unwrap())["state"], "succeeded");
     let b = start_node(&b_data, &b_addr, &secret, &node_flags);
 
     let stopping = Instant::now();
@@ -650,13 +656,30 @@ pub(crate) fn a_draining_nodes_sandboxes_move_to_another_node() {
         assert!(left.is_empty(), "{} keeps {left:?}", data.display());
     }
     // Nor does object storage: each image (the guest's memory among it) left with its move.
-    let left: Vec<_> = std::fs::read_dir(objects.join("image-ids"))
-        .into_iter()
-        .flatten()
-        .flatten()
-        .map(|e| e.file_name())
-        .collect();
-    assert!(left.is_empty(), "object storage keeps the moved images {left:?}");
+    // The paused one's alone stays, for its resume.
+    let parked = || -> Vec<_> {
+        std::fs::read_dir(objects.join("image-ids"))
+            .into_iter()
+            .flatten()
+            .flatten()
+            .map(|e| e.file_name())
+            .collect()
+    };
+    assert_eq!(
+        parked().len(),
+        1,
+        "object storage keeps the moved images: {:?}",
+        parked()
+    );
+    let (_, sb) = s.call("GET", &format!("/v1/sandboxes/{paused}"), None);
+    assert_eq!(sb["state"], "suspended", "{sb}");
+    assert!(!b_data.join("sandboxes").join(&paused).exists());
+    s.delete(&paused);
+    assert!(
+        parked().is_empty(),
+        "the deleted sandbox's parked image stays: {:?}",
+        parked()
+    );
     // B has `seed`: of each image only the sandbox's own memory and disk came down.
     let log = std::fs::read_to_string(b_data.join("node.log")).unwrap_or_default();
     let pulled: Vec<u64> = log

@@ -67,6 +67,15 @@ impl Engine {
         Ok(())
     }
 
+    /// The images of sandboxes that ended parked, left in object storage when no node could
+    /// remove them at the time.
+    pub(super) async fn sweep_parked(&self) -> CoreResult<()> {
+        for (id, image) in self.store.parked_of_ended().await? {
+            self.delete_parked(&id, &image).await;
+        }
+        Ok(())
+    }
+
     /// Sandboxes running on a node that drains are suspended (on its disk: resumed when it is
     /// back), so it can stop. Moving them through object storage to another node is to come.
     pub(super) async fn drain_sweep(&self) -> CoreResult<()> {
@@ -263,6 +272,9 @@ impl Engine {
                         }
                         if let Err(e) = engine.drain_sweep().await {
                             tracing::warn!("cannot take sandboxes off draining nodes: {e}");
+                        }
+                        if let Err(e) = engine.sweep_parked().await {
+                            tracing::warn!("cannot look for the parked images of ended sandboxes: {e}");
                         }
                     }
                     engine.resend_deadlines().await;

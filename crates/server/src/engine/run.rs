@@ -202,6 +202,9 @@ impl Engine {
                 self.set_state(&id, SandboxState::Deleted).await;
                 let _ = self.store.set_paused_remaining(&id, None).await;
                 tracing::info!(sandbox = %id, "deleted");
+                if let Ok(Some(parked)) = self.store.sandbox_parked(&id).await {
+                    self.delete_parked(&id, &parked.image).await;
+                }
                 self.finish(&op, None).await;
             }
             Err(e) => {
@@ -209,6 +212,18 @@ impl Engine {
                 self.set_state(&id, SandboxState::Failed).await;
                 self.finish(&op, Some((&CoreError::from(e)).into())).await;
             }
+        }
+    }
+
+    /// Remove the image sandbox `id` ended parked with from object storage, then its record of
+    /// it; one that stays (no node could) is tried again by the reaper (`sweep_parked`).
+    pub(super) async fn delete_parked(&self, id: &str, image: &str) {
+        match self.nodes.delete_parked(image).await {
+            Ok(()) => {
+                tracing::info!(sandbox = %id, %image, "its parked image is deleted");
+                let _ = self.store.set_sandbox_parked(id, None).await;
+            }
+            Err(e) => tracing::warn!(sandbox = %id, %image, "its parked image stays in object storage for now: {e}"),
         }
     }
 

@@ -285,6 +285,23 @@ impl Nodes for Cluster {
         Ok(())
     }
 
+    /// On the first member with object storage that does it: any can, the image is on none.
+    async fn delete_parked(&self, image_id: &str) -> Result<(), NodeError> {
+        let mut failed = None;
+        for (name, node) in self.snapshot().iter().filter(|(_, n)| n.parks()) {
+            match node.delete_parked(image_id).await {
+                Ok(()) => return Ok(()),
+                Err(e) => {
+                    tracing::debug!(node = %name, image = image_id, "cannot delete a parked image: {e}");
+                    failed = Some(e);
+                }
+            }
+        }
+        Err(failed.unwrap_or_else(|| {
+            NodeError::Unsupported(format!("delete parked image {image_id}: no node has object storage"))
+        }))
+    }
+
     async fn digest_image(&self, image_id: &str) -> Result<String, NodeError> {
         match self.find(image_id) {
             Some((_, node)) => node.digest_image(image_id).await,

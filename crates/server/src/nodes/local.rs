@@ -252,6 +252,20 @@ impl Nodes for LocalNode {
         Ok(self.runtime.delete_image(image_id)?)
     }
 
+    async fn delete_parked(&self, image_id: &str) -> Result<(), NodeError> {
+        let objects = self
+            .objects
+            .as_ref()
+            .ok_or_else(|| NodeError::Unsupported("delete a parked image: it has no object storage".into()))?;
+        let gone = objects.delete_image(image_id).await.map_err(objects_error)?;
+        tracing::info!(
+            image = image_id,
+            objects = gone,
+            "deleted a parked image from object storage"
+        );
+        Ok(())
+    }
+
     async fn digest_image(&self, image_id: &str) -> Result<String, NodeError> {
         Ok(self.runtime.digest_image(image_id).await?)
     }

@@ -170,6 +170,13 @@ pub trait Nodes: Send + Sync {
     }
     /// Remove a saved image (a missing one is not an error).
     async fn delete_image(&self, image_id: &str) -> Result<(), NodeError>;
+    /// Remove a parked VM's image from object storage, for a sandbox that ended parked (a
+    /// missing one is not an error).
+    async fn delete_parked(&self, image_id: &str) -> Result<(), NodeError> {
+        Err(NodeError::Unsupported(format!(
+            "delete parked image {image_id}: it has no object storage"
+        )))
+    }
     /// Image `image_id`'s content address, `sha256:<hex>` (see `Runtime::digest_image`).
     async fn digest_image(&self, image_id: &str) -> Result<String, NodeError>;
     /// Every saved image this node has.

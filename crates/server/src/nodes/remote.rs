@@ -340,6 +340,11 @@ impl Nodes for RemoteNode {
         self.inner.change(Method::DELETE, &path, None::<&()>, CALL_LIMIT).await
     }
 
+    async fn delete_parked(&self, image_id: &str) -> Result<(), NodeError> {
+        let path = format!("/parked/{image_id}");
+        self.inner.change(Method::DELETE, &path, None::<&()>, CALL_LIMIT).await
+    }
+
     async fn digest_image(&self, image_id: &str) -> Result<String, NodeError> {
         let d: Digest = self
             .inner

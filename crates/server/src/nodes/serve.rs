@@ -128,6 +128,7 @@ impl NodeFace {
             .route("/vms/{id}/park/{image}", post(park))
             .route("/images/{image}", delete(delete_image))
             .route("/images/{image}/digest", get(digest_image))
+            .route("/parked/{image}", delete(delete_parked))
             .route("/claims", post(claim))
             .route("/claims/{id}", delete(unclaim))
             .route("/pools", put(set_pool))
@@ -306,6 +307,10 @@ async fn park(State(f): State<Face>, Path((id, image)): Path<(String, String)>) 
 
 async fn delete_image(State(f): State<Face>, Path(image): Path<String>) -> Reply<()> {
     to_completion(f.changing.clone(), async move { f.nodes.delete_image(&image).await }).await
+}
+
+async fn delete_parked(State(f): State<Face>, Path(image): Path<String>) -> Reply<()> {
+    to_completion(f.changing.clone(), async move { f.nodes.delete_parked(&image).await }).await
 }
 
 async fn digest_image(State(f): State<Face>, Path(image): Path<String>) -> Reply<Digest> {

@@ -269,6 +269,9 @@ pub trait SandboxStore: Send + Sync {
     async fn sandbox_parked(&self, id: &str) -> Result<Option<ParkedImage>, StoreError>;
     /// Suspended sandboxes parked with `resume` set: to start again on another node.
     async fn parked_to_resume(&self) -> Result<Vec<SandboxRecord>, StoreError>;
+    /// Sandboxes that ended (deleted, failed) while parked: (id, image) of each image still to
+    /// remove from object storage.
+    async fn parked_of_ended(&self) -> Result<Vec<(String, String)>, StoreError>;
     /// Before a running or paused sandbox is suspended: charge the memory its suspend saves
     /// (its `memory_mib`) to the tenant's disk quota and the node's disk budget, atomically like
     /// a create's admission, unless it holds that place already (its timeout suspends it, or an
@@ -488,6 +491,10 @@ macro_rules! end_sign_in_on {
     }};
 }
 use end_sign_in_on;
+
+/// [`SandboxStore::parked_of_ended`], one statement both stores run.
+const PARKED_OF_ENDED: &str =
+    "SELECT id, parked_image FROM sandboxes WHERE state IN ('deleted', 'failed') AND parked_image IS NOT NULL";
 
 /// A session start to reserve ([`SandboxStore::reserve_session_start`]).
 #[derive(Debug, Clone)]

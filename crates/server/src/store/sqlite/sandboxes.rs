@@ -335,6 +335,10 @@ impl SandboxStore for SqliteStore {
         Ok(rows.iter().map(sandbox_from_row).collect())
     }
 
+    async fn parked_of_ended(&self) -> Result<Vec<(String, String)>, StoreError> {
+        Ok(sqlx::query_as(PARKED_OF_ENDED).fetch_all(&self.pool).await?)
+    }
+
     async fn paused_remaining(&self, id: &str) -> Result<Option<i64>, StoreError> {
         let r: Option<(i64,)> = sqlx::query_as("SELECT remaining_ms FROM paused_lifetimes WHERE sandbox_id = ?")
             .bind(id)
