@@ -65,6 +65,93 @@ def _free_port():
     return port
 
 
+def _wait_up(url, proc, log, path="/openapi-m1.json", ready=lambda body: True):
+    deadline = time.time() + 120
+    while True:
+        try:
+            with urllib.request.urlopen(url + path, timeout=2) as r:
+                if ready(r.read()):
+                    return
+        except Exception:
+            pass
+        if time.time() > deadline or proc.poll() is not None:
+            raise RuntimeError(f"airlock did not come up at {url}; see {log}")
+        time.sleep(0.2)
+
+
+def _stop(procs, cleanups):
+    """SIGTERM to each process, the last started first, then the cleanups in turn."""
+    for proc in reversed(procs):
+        if proc.poll() is None:
+            proc.terminate()
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+    for cleanup in cleanups:
+        cleanup()
+
+
+PG_BIN = "/usr/lib/postgresql/15/bin"
+
+
+def _start_postgres(cleanups):
+    """A throwaway Postgres (the store the replicas share); its URL. Stopped by a cleanup."""
+    work = tempfile.mkdtemp(prefix="airlock-e2b-pg-")
+    cleanups.append(lambda: shutil.rmtree(work, ignore_errors=True))
+    as_pg = []
+    if os.geteuid() == 0:
+        shutil.chown(work, "postgres", "postgres")
+        as_pg = ["runuser", "-u", "postgres", "--"]
+    data = os.path.join(work, "data")
+    subprocess.run([*as_pg, f"{PG_BIN}/initdb", "-A", "trust", "-U", "airlock", "-E", "UTF8", "--locale=C.UTF-8",
+                    "--no-sync", "-D", data], check=True, stdout=subprocess.DEVNULL)
+    port = _free_port()
+    subprocess.run([*as_pg, f"{PG_BIN}/pg_ctl", "-D", data, "-l", os.path.join(work, "log"), "-o",
+                    f"-c listen_addresses=127.0.0.1 -p {port} -k {work} -c fsync=off", "-w", "-t", "30", "start"],
+                   check=True, stdout=subprocess.DEVNULL)
+    cleanups.insert(0, lambda: subprocess.run([*as_pg, f"{PG_BIN}/pg_ctl", "-D", data, "-m", "immediate", "-w",
+                                               "stop"], stdout=subprocess.DEVNULL))
+    return f"postgres://airlock@127.0.0.1:{port}/postgres"
+
+
+def _start_replicas(port, e2b, egress, log, procs, cleanups):
+    """Many hosts (issue 25): the suite's sandboxes on an `airlock node` process (the suite's
+    data dir, its templates), placed by two `serve --store postgres://...` replicas; the SDK
+    talks to the second only, which holds no VM: every call crosses to the node."""
+    store = _start_postgres(cleanups)
+    work = tempfile.mkdtemp(prefix="airlock-e2b-replicas-")
+    cleanups.append(lambda: shutil.rmtree(work, ignore_errors=True))
+    secret = os.path.join(work, "cluster.secret")
+    with open(secret, "w") as f:
+        f.write(os.urandom(32).hex() + "\n")
+    node = f"127.0.0.1:{_free_port()}"
+    procs.append(subprocess.Popen([BIN, "--data-dir", DATA, "node", "--listen", node, "--secret-file", secret,
+                                   "--drain-seconds", "10", *egress], stdout=log, stderr=log))
+    deadline = time.time() + 120
+    while True:
+        try:
+            socket.create_connection(tuple([node.split(":")[0], int(node.split(":")[1])]), timeout=1).close()
+            break
+        except OSError:
+            if time.time() > deadline or procs[-1].poll() is not None:
+                raise RuntimeError(f"airlock node did not listen; see {log.name}")
+            time.sleep(0.2)
+    dirs = [os.path.join(work, r) for r in ("a", "b")]
+    for i, (d, p) in enumerate(zip(dirs, (_free_port(), port))):
+        os.makedirs(d)
+        if i > 0:
+            # Every replica has the same server secret and key (a Kubernetes Secret's).
+            for f in ("server.secret", "credentials"):
+                shutil.copy(os.path.join(dirs[0], f), os.path.join(d, f))
+        serve = [BIN, "--data-dir", d, "serve", "--listen", f"127.0.0.1:{p}", "--tenant-share", "1",
+                 "--store", store, "--node", node, "--node-secret-file", secret]
+        procs.append(subprocess.Popen(serve + (e2b if i > 0 else []), stdout=log, stderr=log))
+        _wait_up(f"http://127.0.0.1:{p}", procs[-1], log.name, "/readyz",
+                 lambda body: json.loads(body or b"{}").get("nodes_ready", 0) >= 1)
+
+
 def _native(url, key, method, path):
     req = urllib.request.Request(url + path, method=method, headers={"Authorization": "Bearer " + key})
     with urllib.request.urlopen(req, timeout=60) as r:
@@ -87,37 +174,36 @@ def airlock_server():
         os.remove(old)
     log = open(os.path.join(DATA, f"e2b-serve-{port}.log"), "w")
     # E2B_DEBUG clients reach the code interpreter at localhost:49999: airlock serves that port too.
-    # A single-tenant node: the suite may use the whole node, not half of what disk is free.
-    serve = [BIN, "--data-dir", DATA, "serve", "--listen", f"127.0.0.1:{port}", "--tenant-share", "1",
-             "--e2b-debug-listen", "127.0.0.1:49999",
-             # E2B_DOMAIN clients: HTTPS on :443 of the address the suite's wildcard DNS answers.
-             "--e2b-domain", wildcard_dns.DOMAIN, "--tls-listen", f"{wildcard_dns.TLS_ADDR}:443",
-             "--tls-cert", TLS_CERT, "--tls-key", TLS_KEY]
+    e2b = ["--e2b-debug-listen", "127.0.0.1:49999",
+           # E2B_DOMAIN clients: HTTPS on :443 of the address the suite's wildcard DNS answers.
+           "--e2b-domain", wildcard_dns.DOMAIN, "--tls-listen", f"{wildcard_dns.TLS_ADDR}:443",
+           "--tls-cert", TLS_CERT, "--tls-key", TLS_KEY]
     internet, internet_dir, net = _start_internet()
-    serve += ["--egress-uplink-netns", net["uplink_netns"], "--egress-dns", net["dns"]]
+    egress = ["--egress-uplink-netns", net["uplink_netns"], "--egress-dns", net["dns"]]
     dns = wildcard_dns.start_dns_server()
-    proc = subprocess.Popen(serve, stdout=log, stderr=log)
-    deadline = time.time() + 120
-    while True:
-        try:
-            urllib.request.urlopen(url + "/openapi-m1.json", timeout=2)
-            break
-        except Exception:
-            if time.time() > deadline or proc.poll() is not None:
-                raise RuntimeError(f"airlock serve did not come up; see {log.name}")
-            time.sleep(0.2)
-    # `--e2b`: the `e2b_<hex>` shape, which e2b 2.26 to 2.5x insist on; the others take any key.
-    key = _admin(url, "key", "create", "--e2b", "--name", "e2b-suite")
-    _set_tenant_policy(url, TENANT_ALLOWS)
-    os.environ["E2B_API_KEY"] = key
-    if os.environ.get("E2B_SUITE_ROUTE") == "domain":
-        # The whole suite over E2B_DOMAIN + TLS (SDKs older than E2B_SANDBOX_URL need this).
-        os.environ["E2B_DOMAIN"] = wildcard_dns.DOMAIN
-    else:
-        # The settings the README tells E2B users to set (API and envd share one port).
-        os.environ["E2B_API_URL"] = url
-        os.environ["E2B_SANDBOX_URL"] = url
+    # Stopped last first, whatever happens below.
+    procs = []
+    cleanups = []
     try:
+        if os.environ.get("E2B_SUITE_ROUTE") == "replica":
+            _start_replicas(port, e2b, egress, log, procs, cleanups)
+        else:
+            # A single-tenant node: the suite may use the whole node, not half of what disk is free.
+            serve = [BIN, "--data-dir", DATA, "serve", "--listen", f"127.0.0.1:{port}", "--tenant-share", "1",
+                     *e2b, *egress]
+            procs.append(subprocess.Popen(serve, stdout=log, stderr=log))
+            _wait_up(url, procs[-1], log.name)
+        # `--e2b`: the `e2b_<hex>` shape, which e2b 2.26 to 2.5x insist on; the others take any key.
+        key = _admin(url, "key", "create", "--e2b", "--name", "e2b-suite")
+        _set_tenant_policy(url, TENANT_ALLOWS)
+        os.environ["E2B_API_KEY"] = key
+        if os.environ.get("E2B_SUITE_ROUTE") == "domain":
+            # The whole suite over E2B_DOMAIN + TLS (SDKs older than E2B_SANDBOX_URL need this).
+            os.environ["E2B_DOMAIN"] = wildcard_dns.DOMAIN
+        else:
+            # The settings the README tells E2B users to set (API and envd share one port).
+            os.environ["E2B_API_URL"] = url
+            os.environ["E2B_SANDBOX_URL"] = url
         yield {"url": url, "key": key, "internet": net}
         _set_tenant_policy(url, ())
         # VMs outlive the server by design: delete what the tests left, then stop it.
@@ -129,8 +215,7 @@ def airlock_server():
     finally:
         # Even when the cleanup above fails, the server stops (the next one would find the
         # data dir locked); VMs it leaves are removed by the next server's start.
-        proc.terminate()
-        proc.wait(timeout=30)
+        _stop(procs, cleanups)
         for server in dns:
             server.stop()
         internet.stdin.close()  # it removes its namespaces
