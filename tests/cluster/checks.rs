@@ -26,8 +26,8 @@ fn create_on(c: &Cluster, n: usize, timeout: &str) -> String {
     found
 }
 
-/// Check 1 [VM]: each node's budget fits two sandboxes; six creates through alternating replicas
-/// land two on each node, and the seventh is refused 503 with every node's reason.
+/// Check 1 [VM]: each node's budget fits four sandboxes; twelve creates through alternating
+/// replicas land four on each node, and the thirteenth is refused 503 with every node's reason.
 pub fn creates_spread_over_the_nodes_and_the_next_is_refused_with_every_reason() {
     let guard = cluster();
     let c = guard.as_ref().unwrap();

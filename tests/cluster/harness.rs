@@ -22,8 +22,8 @@ pub const NODES: usize = 3;
 const NODE_PORT: u16 = 7701;
 /// A node silent to every replica this long loses its running sandboxes.
 pub const NODE_GRACE: Duration = Duration::from_secs(20);
-/// What each node's memory budget fits: two default sandboxes (512 MiB each).
-pub const FITS: usize = 2;
+/// What each node's memory budget fits: four default sandboxes (512 MiB each).
+pub const FITS: usize = 4;
 
 static CLUSTER: Mutex<Option<Cluster>> = Mutex::new(None);
 
