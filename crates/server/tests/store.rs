@@ -899,6 +899,9 @@ async fn each_replica_records_its_own_view_of_each_node(b: Backend) {
     r1.observe_node("n1", false, 5_000).await.unwrap();
     let seen = r2.node_observations(5_000).await.unwrap();
     assert_eq!(seen, vec![view(r1, Some(5_000))]);
+    // Views whose replica last asked long ago are forgotten; the rest stay.
+    assert_eq!(r2.forget_node_observations(4_000).await.unwrap(), 2, "r2's two views");
+    assert_eq!(r1.node_observations(0).await.unwrap(), vec![view(r1, Some(5_000))]);
 }
 
 on_both!(replicas_share_the_sign_in_windows);

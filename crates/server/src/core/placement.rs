@@ -115,37 +115,50 @@ impl Core {
 
 /// How often parked sandboxes that ran are offered to the nodes again.
 const REHOME_EVERY: std::time::Duration = std::time::Duration::from_secs(2);
-/// The least time between two resumes of the same parked sandbox (none fitted anywhere).
+/// The least time between two resumes of the same parked sandbox (none fitted anywhere), doubled
+/// after each failure up to [`REHOME_RETRY_MAX`]: a sandbox no node can take for long leaves a
+/// failed operation now and then, not every 15 s.
 const REHOME_RETRY: std::time::Duration = std::time::Duration::from_secs(15);
+const REHOME_RETRY_MAX: std::time::Duration = std::time::Duration::from_secs(600);
+
+/// When a parked sandbox's `failures`-th failed resume may be tried again.
+fn rehome_backoff(failures: u32) -> std::time::Duration {
+    REHOME_RETRY.saturating_mul(1 << failures.min(10)).min(REHOME_RETRY_MAX)
+}
 
 impl Core {
     /// Start again, on another node, every sandbox a draining node parked while it ran (its
     /// tenant never asked it to stop), for as long as the core lives. Any replica may: the
     /// store admits each resume once. One whose resume fails (no node fits now) is tried again
-    /// after [`REHOME_RETRY`].
+    /// after [`rehome_backoff`].
     pub fn spawn_rehoming(&self) {
         let core = self.clone();
         tokio::spawn(async move {
-            let mut tried: std::collections::HashMap<String, tokio::time::Instant> = Default::default();
+            // Per parked sandbox: when it was last tried and how many tries failed in a row.
+            let mut tried: std::collections::HashMap<String, (tokio::time::Instant, u32)> = Default::default();
             loop {
                 tokio::time::sleep(REHOME_EVERY).await;
                 let Ok(parked) = core.store.parked_to_resume().await else {
                     continue;
                 };
                 let now = tokio::time::Instant::now();
-                tried.retain(|id, at| parked.iter().any(|r| r.id == *id) && now.duration_since(*at) < REHOME_RETRY);
+                // Kept while it resumes too (it is not parked then): a resume that fails on its
+                // node counts as a failed try.
+                tried.retain(|_, (at, _)| now.duration_since(*at) < 2 * REHOME_RETRY_MAX);
                 for row in parked {
-                    if tried.contains_key(&row.id) {
-                        continue;
-                    }
-                    tried.insert(row.id.clone(), now);
+                    let failures = match tried.get(&row.id) {
+                        Some((at, n)) if now.duration_since(*at) < rehome_backoff(n.saturating_sub(1)) => continue,
+                        Some((_, n)) => *n,
+                        None => 0,
+                    };
+                    tried.insert(row.id.clone(), (now, failures + 1));
                     let id = row.id.clone();
                     let outcome = match core.submit_resume(row).await {
                         Ok(_) => "ok",
                         // Another replica's resume got there first.
                         Err(CoreError::InvalidState { .. }) => continue,
                         Err(e) => {
-                            tracing::warn!(sandbox = %id, "cannot start the parked sandbox again: {e}");
+                            tracing::warn!(sandbox = %id, tries = failures + 1, "cannot start the parked sandbox again: {e}");
                             "failed"
                         }
                     };
@@ -182,4 +195,16 @@ pub(crate) fn node_refused(e: &CoreError) -> bool {
 /// What happened to `candidate`, for the refusal's reasons.
 pub(crate) fn reason(e: &CoreError) -> String {
     e.to_string()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_parked_sandbox_no_node_takes_is_tried_ever_less_often() {
+        let secs: Vec<u64> = (0..8).map(|n| rehome_backoff(n).as_secs()).collect();
+        assert_eq!(secs, vec![15, 30, 60, 120, 240, 480, 600, 600]);
+        assert_eq!(rehome_backoff(u32::MAX), REHOME_RETRY_MAX);
+    }
 }

@@ -15,6 +15,8 @@ pub const NODE_GRACE: Duration = Duration::from_secs(60);
 /// A replica's view of a node counts while it asked the node this recently (it asks every
 /// sweep): one that stopped asking (it died) is no witness.
 const WITNESS_WITHIN_MS: i64 = 10_000;
+/// Views of nodes older than this are forgotten (their replica or node is long gone).
+const FORGET_VIEWS_AFTER_MS: i64 = 3_600_000;
 
 /// The nodes that every replica asking lately has had no answer from for at least `grace_ms`:
 /// at least one witness, and none that saw the node answer meanwhile.
@@ -276,6 +278,10 @@ impl Engine {
                         if let Err(e) = engine.sweep_parked().await {
                             tracing::warn!("cannot look for the parked images of ended sandboxes: {e}");
                         }
+                        let _ = engine
+                            .store
+                            .forget_node_observations(now_ms() - FORGET_VIEWS_AFTER_MS)
+                            .await;
                     }
                     engine.resend_deadlines().await;
                     if !engine.recovery.under_way.load(std::sync::atomic::Ordering::SeqCst) {

@@ -357,6 +357,9 @@ pub trait OperationStore: Send + Sync {
     async fn observe_node(&self, node: &str, answered: bool, now_ms: i64) -> Result<(), StoreError>;
     /// What every replica saw of every node, of those that asked at or after `since_ms`.
     async fn node_observations(&self, since_ms: i64) -> Result<Vec<NodeSeen>, StoreError>;
+    /// Forget what replicas that last asked before `before_ms` saw (gone replicas, gone
+    /// nodes); how many views went.
+    async fn forget_node_observations(&self, before_ms: i64) -> Result<u64, StoreError>;
 }
 
 /// One replica's view of one node ([`OperationStore::observe_node`]).
@@ -374,6 +377,8 @@ const OBSERVE_NODE: &str = "INSERT INTO node_seen (node, replica, asked_ms, unan
      VALUES ($1, $2, $3, $4) ON CONFLICT (node, replica) DO UPDATE SET asked_ms = excluded.asked_ms, \
      unanswered_since_ms = CASE WHEN excluded.unanswered_since_ms IS NULL THEN NULL \
      ELSE COALESCE(node_seen.unanswered_since_ms, excluded.unanswered_since_ms) END";
+/// [`OperationStore::forget_node_observations`].
+const FORGET_NODE_SEEN: &str = "DELETE FROM node_seen WHERE asked_ms < $1";
 /// [`OperationStore::node_observations`].
 const NODE_OBSERVATIONS: &str = "SELECT node, replica, unanswered_since_ms FROM node_seen WHERE asked_ms >= $1";
 

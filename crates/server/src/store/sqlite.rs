@@ -5,7 +5,7 @@ use super::{
     E2bStore, KeyFormat, Lease, NodeBudget, OperationStore, SandboxFilter, SandboxStore, StoreError, TenantStore,
     TokenKind, DISK_HELD, HOLDS_VM, LEAD, LIVE, NODE_OBSERVATIONS, OBSERVE_NODE, RATE_WINDOW_MS,
 };
-use super::{reserve_session_start_in, SessionStart, PARKED_OF_ENDED, SESSION_START_END};
+use super::{reserve_session_start_in, SessionStart, FORGET_NODE_SEEN, PARKED_OF_ENDED, SESSION_START_END};
 use crate::model::ErrorBody;
 use crate::model::{Operation, OperationKind, OperationState, Quota, Resources, SandboxState, TenantUsage};
 use crate::records::{now_ms, rfc3339, AuditRecord, EgressSpec, KeyRecord, SandboxRecord, SessionRecord, Tenant};
@@ -432,6 +432,14 @@ impl OperationStore for SqliteStore {
                 unanswered_since_ms,
             })
             .collect())
+    }
+
+    async fn forget_node_observations(&self, before_ms: i64) -> Result<u64, StoreError> {
+        let done = sqlx::query(FORGET_NODE_SEEN)
+            .bind(before_ms)
+            .execute(&self.pool)
+            .await?;
+        Ok(done.rows_affected())
     }
 
     async fn renew_leases(&self, ids: &[String]) -> Result<(), StoreError> {
