@@ -85,6 +85,9 @@ enum Command {
         #[command(subcommand)]
         command: PoolCommand,
     },
+    /// The nodes as the server sees them: each one's state (ready, draining, refusing with its
+    /// reason, unreachable), machine and capacity (admin; through the API; JSON).
+    Nodes,
     /// Check the host and report what sandboxes would run with (QEMU, accelerator, isolation,
     /// templates).
     Doctor,
@@ -621,6 +624,10 @@ async fn run(cli: Cli) -> anyhow::Result<u8> {
                 PoolCommand::Ls => admin.json("GET", "/v1/admin/pools", None)?,
             };
             print_json(&out);
+        }
+        Command::Nodes => {
+            let admin = client::Client::admin(&data_dir)?;
+            print_json(&admin.json("GET", "/v1/admin/nodes", None)?);
         }
         Command::Doctor => {
             let rt = Runtime::open(RuntimeOptions::new(&cli.data_dir)).await?;

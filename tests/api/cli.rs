@@ -271,6 +271,19 @@ pub(crate) fn admin_cli_manages_tenants_keys_quotas_and_policies() {
         "{info}"
     );
 
+    // The nodes: single-host mode has one, in the server, ready.
+    let nodes = s.cli_ok(&["nodes"]);
+    assert_eq!(
+        (
+            nodes[0]["name"].as_str(),
+            nodes[0]["state"].as_str(),
+            nodes.as_array().map(Vec::len)
+        ),
+        (Some(""), Some("ready"), Some(1)),
+        "{nodes}"
+    );
+    assert!(nodes[0]["cpus"].as_u64() >= Some(1), "{nodes}");
+
     // Egress policy: normalized, wildcards and malformed entries refused by name.
     let set = s.cli_ok(&[
         "tenant",

@@ -488,6 +488,28 @@ pub fn a_killed_node_re_adopts_and_a_cut_off_one_loses_its_sandbox() {
 
     c.nodes[1].kill9();
     let marked = until_ready(c, 2, Duration::from_secs(15));
+    // The operator's list says which, and why.
+    let (status, nodes) = c.replicas[1].admin_call("GET", "/v1/admin/nodes", None);
+    assert_eq!(status, 200, "{nodes}");
+    let states: Vec<(&str, &str, bool)> = nodes
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|n| {
+            let reason = n["reason"].as_str().is_some();
+            (n["name"].as_str().unwrap(), n["state"].as_str().unwrap(), reason)
+        })
+        .collect();
+    let names: Vec<String> = c.nodes.iter().map(|n| n.name()).collect();
+    assert_eq!(
+        states,
+        vec![
+            (names[0].as_str(), "ready", false),
+            (names[1].as_str(), "unreachable", true),
+            (names[2].as_str(), "ready", false)
+        ],
+        "{nodes}"
+    );
     let others: Vec<String> = (0..2).map(|i| create(&c.replicas[i], "10m")).collect();
     for id in &others {
         assert_ne!(c.holder(id), 1, "a create went to the dead node");

@@ -50,6 +50,7 @@ use utoipa::OpenApi;
         native::admin::delete_tenant, native::admin::get_quota, native::admin::put_quota, native::admin::get_policy,
         native::admin::put_policy, native::admin::create_key, native::admin::list_keys, native::admin::revoke_key,
         native::admin::audit, native::admin::put_pool, native::admin::list_pools, native::admin::system,
+        native::admin::list_nodes,
     ),
     components(schemas(model::OutputEvent, model::ExitedEvent, model::TruncatedEvent)),
     modifiers(&BearerAuth),
@@ -149,6 +150,7 @@ pub fn router(state: AppState) -> Router {
         )
         .route("/pools", get(native::admin::list_pools).put(native::admin::put_pool))
         .route("/system", get(native::admin::system))
+        .route("/nodes", get(native::admin::list_nodes))
         .route(
             "/tenants/{name}",
             get(native::admin::get_tenant).delete(native::admin::delete_tenant),

@@ -564,6 +564,37 @@ pub struct Capacity {
     pub sandboxes_running: u32,
 }
 
+/// `GET /v1/admin/nodes`: one node as the replica answering sees it now.
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema, PartialEq, Eq)]
+pub struct NodeInfo {
+    /// Its name in sandbox records ('' for single-host mode's one node, in the server).
+    pub name: String,
+    /// `ready`; `draining` (its sandboxes are being taken off it); `refusing` (it answers but
+    /// takes no new sandbox: `reason` says why); `unreachable` (its last report failed; its
+    /// running sandboxes are lost once every replica has had no answer for the grace).
+    pub state: NodeState,
+    /// Why it takes no new sandbox now, if it does not.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub reason: Option<String>,
+    /// Its machine: a parked sandbox resumes only on a node of the same.
+    pub fingerprint: String,
+    /// It has object storage: on drain its sandboxes move to another node.
+    pub parks: bool,
+    pub cpus: u32,
+    pub memory_mib: u64,
+    pub disk_free_mib: u64,
+    pub sandboxes_running: u32,
+}
+
+#[derive(Debug, Clone, Copy, Serialize, Deserialize, ToSchema, PartialEq, Eq)]
+#[serde(rename_all = "snake_case")]
+pub enum NodeState {
+    Ready,
+    Draining,
+    Refusing,
+    Unreachable,
+}
+
 /// Event payloads on a session's SSE stream (`event:` names in parentheses).
 #[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
 pub struct OutputEvent {

@@ -83,6 +83,34 @@ impl Core {
         (same, refused)
     }
 
+    /// Every node as this replica sees it now (`GET /v1/admin/nodes`).
+    pub fn nodes_info(&self) -> Vec<crate::model::NodeInfo> {
+        use crate::model::NodeState;
+        let mut nodes: Vec<_> = self
+            .nodes
+            .members()
+            .into_iter()
+            .map(|m| crate::model::NodeInfo {
+                state: match (&m.refuses, m.answering, m.draining) {
+                    (_, false, _) => NodeState::Unreachable,
+                    (_, true, true) => NodeState::Draining,
+                    (Some(_), true, false) => NodeState::Refusing,
+                    (None, true, false) => NodeState::Ready,
+                },
+                reason: m.refuses,
+                fingerprint: m.fingerprint,
+                parks: m.parks,
+                cpus: m.capacity.cpus,
+                memory_mib: m.capacity.memory_mib,
+                disk_free_mib: m.capacity.disk_free_mib,
+                sandboxes_running: m.capacity.sandboxes_running,
+                name: m.name,
+            })
+            .collect();
+        nodes.sort_by(|a, b| a.name.cmp(&b.name));
+        nodes
+    }
+
     /// Offer a start to each of `candidates` in turn (`submit(node, its budget, the rest as
     /// fallbacks)`) until one is not refused by its budget; when all are, the refusal names
     /// every node's reason.

@@ -239,6 +239,14 @@ pub async fn list_pools(State(core): State<Core>, Extension(_admin): Extension<A
     axum::Json(core.pools())
 }
 
+/// The nodes as this replica sees them now: each one's state (ready, draining, refusing with
+/// its reason, unreachable), machine and capacity.
+#[utoipa::path(get, path = "/v1/admin/nodes", tag = "admin",
+    responses((status = 200, body = Vec<NodeInfo>), ApiErrors), security(("bearer" = [])))]
+pub async fn list_nodes(State(core): State<Core>, Extension(_admin): Extension<Admin>) -> axum::Json<Vec<NodeInfo>> {
+    axum::Json(core.nodes_info())
+}
+
 /// Size a warm pool: `size` VMs of `template` (with `resources`) kept ready for creates to claim.
 #[utoipa::path(put, path = "/v1/admin/pools", tag = "admin", request_body = PoolRequest,
     responses((status = 200, body = PoolInfo), ApiErrors), security(("bearer" = [])))]
