@@ -524,6 +524,7 @@ pub async fn serve(opts: ServeOptions) -> anyhow::Result<()> {
     // Requests about a sandbox the recovery has yet to settle wait for it (`Core::current`).
     core.engine().start_recovery().await?;
     core.engine().spawn_reaper();
+    core.engine().spawn_news();
     core.spawn_metrics_sampler();
     core.spawn_rehoming();
     let state = AppState {

@@ -1055,3 +1055,30 @@ async fn replicas_share_a_sandboxs_session_starts(b: Backend) {
     };
     assert_eq!(stores[0].reserve_session_start(&other).await.unwrap(), Ok(()));
 }
+
+on_both!(news_reaches_the_other_replicas_only);
+
+/// What a replica publishes reaches every other replica listening on the store (Postgres:
+/// LISTEN/NOTIFY), in order, and not itself; SQLite, one process, has no one to tell.
+async fn news_reaches_the_other_replicas_only(b: Backend) {
+    use airlock_server::store::News;
+    use futures_util::StreamExt;
+    let stores = b.stores(&[Lease::replica(), Lease::replica()]).await;
+    let Some(mut heard) = stores[1].listen().await.unwrap() else {
+        assert!(matches!(b, Backend::Sqlite(_)), "Postgres listens");
+        stores[0].publish(&News::SandboxEnded("s1".into())).await.unwrap();
+        return;
+    };
+    let sent = [News::OperationFinished("op_1".into()), News::SandboxEnded("s1".into())];
+    // Its own is not news to it.
+    stores[1].publish(&News::SandboxEnded("own".into())).await.unwrap();
+    for news in &sent {
+        stores[0].publish(news).await.unwrap();
+    }
+    let mut got = Vec::new();
+    while got.len() < sent.len() {
+        let next = tokio::time::timeout(std::time::Duration::from_secs(10), heard.next()).await;
+        got.push(next.expect("news within 10 s").expect("the stream goes on"));
+    }
+    assert_eq!(got, sent.to_vec());
+}

@@ -279,7 +279,43 @@ impl Engine {
     fn announce(&self, id: &str, state: SandboxState) {
         if state.is_ended() {
             let _ = self.ended.send(id.to_string());
+            self.publish(crate::store::News::SandboxEnded(id.to_string()));
         }
+    }
+
+    /// Tell the other replicas (off the caller's path: news is a hint, never a step).
+    fn publish(&self, news: crate::store::News) {
+        let store = self.store.clone();
+        tokio::spawn(async move {
+            if let Err(e) = store.publish(&news).await {
+                tracing::debug!("cannot tell the other replicas {news:?}: {e}");
+            }
+        });
+    }
+
+    /// Hear the other replicas' news for as long as the process runs: an operation one of them
+    /// finished wakes this one's waiters, a sandbox one of them ended is announced here too.
+    pub fn spawn_news(&self) {
+        let engine = self.clone();
+        tokio::spawn(async move {
+            use futures_util::StreamExt;
+            let mut news = match engine.store.listen().await {
+                Ok(Some(news)) => news,
+                Ok(None) => return,
+                Err(e) => {
+                    tracing::warn!("cannot hear the other replicas (waiters and sweeps look for themselves): {e}");
+                    return;
+                }
+            };
+            while let Some(n) = news.next().await {
+                match n {
+                    crate::store::News::OperationFinished(_) => engine.finished.send_modify(|n| *n += 1),
+                    crate::store::News::SandboxEnded(id) => {
+                        let _ = engine.ended.send(id);
+                    }
+                }
+            }
+        });
     }
 
     /// Record `action` as an operation and start it.
@@ -464,6 +500,7 @@ impl Engine {
             tracing::error!(op = %op.id, "cannot record the end of the operation: {e}");
         }
         self.finished.send_modify(|n| *n += 1);
+        self.publish(crate::store::News::OperationFinished(op.id.clone()));
     }
 
     async fn set_state(&self, id: &str, state: SandboxState) {

@@ -360,6 +360,53 @@ pub trait OperationStore: Send + Sync {
     /// Forget what replicas that last asked before `before_ms` saw (gone replicas, gone
     /// nodes); how many views went.
     async fn forget_node_observations(&self, before_ms: i64) -> Result<u64, StoreError>;
+    /// Tell the other replicas sharing this store `news` (Postgres: NOTIFY). SQLite has no
+    /// other replica to tell.
+    async fn publish(&self, _news: &News) -> Result<(), StoreError> {
+        Ok(())
+    }
+    /// The other replicas' news as it comes (Postgres: LISTEN), None on SQLite. News sent
+    /// while the connection is down is lost: what waits on it also looks for itself now and then.
+    async fn listen(&self) -> Result<Option<futures_util::stream::BoxStream<'static, News>>, StoreError> {
+        Ok(None)
+    }
+}
+
+/// What one replica tells the others sharing its store ([`OperationStore::publish`]), so they
+/// learn it at once instead of at their next look.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum News {
+    /// An operation reached its final state: whoever waits for it may read it now.
+    OperationFinished(String),
+    /// A sandbox ended (deleted, failed, lost): what a replica keeps of it can go.
+    SandboxEnded(String),
+}
+
+/// The Postgres channel news goes on.
+const NEWS_CHANNEL: &str = "airlock_news";
+
+impl News {
+    /// `<sender> <kind> <id>`: a replica skips its own.
+    fn encode(&self, sender: &str) -> String {
+        match self {
+            News::OperationFinished(id) => format!("{sender} finished {id}"),
+            News::SandboxEnded(id) => format!("{sender} ended {id}"),
+        }
+    }
+
+    /// News from another sender than `me`; None for its own or what it cannot read.
+    fn decode(payload: &str, me: &str) -> Option<News> {
+        let mut parts = payload.splitn(3, ' ');
+        let (sender, kind, id) = (parts.next()?, parts.next()?, parts.next()?);
+        if sender == me || id.is_empty() {
+            return None;
+        }
+        match kind {
+            "finished" => Some(News::OperationFinished(id.to_string())),
+            "ended" => Some(News::SandboxEnded(id.to_string())),
+            _ => None,
+        }
+    }
 }
 
 /// One replica's view of one node ([`OperationStore::observe_node`]).

@@ -12,7 +12,9 @@ use super::{
     E2bStore, KeyFormat, Lease, NodeBudget, OperationStore, SandboxFilter, SandboxStore, StoreError, TenantStore,
     TokenKind, DISK_HELD, HOLDS_VM, LEAD, LIVE, NODE_OBSERVATIONS, OBSERVE_NODE, RATE_WINDOW_MS,
 };
-use super::{reserve_session_start_in, SessionStart, FORGET_NODE_SEEN, PARKED_OF_ENDED, SESSION_START_END};
+use super::{
+    reserve_session_start_in, News, SessionStart, FORGET_NODE_SEEN, NEWS_CHANNEL, PARKED_OF_ENDED, SESSION_START_END,
+};
 use crate::model::ErrorBody;
 use crate::model::{Operation, OperationKind, OperationState, Quota, Resources, SandboxState, TenantUsage};
 use crate::records::{now_ms, rfc3339, AuditRecord, EgressSpec, KeyRecord, SandboxRecord, SessionRecord, Tenant};
@@ -472,6 +474,39 @@ impl OperationStore for PgStore {
             .execute(&self.pool)
             .await?;
         Ok(done.rows_affected())
+    }
+
+    async fn publish(&self, news: &News) -> Result<(), StoreError> {
+        sqlx::query("SELECT pg_notify($1, $2)")
+            .bind(NEWS_CHANNEL)
+            .bind(news.encode(&self.lease.holder))
+            .execute(&self.pool)
+            .await?;
+        Ok(())
+    }
+
+    async fn listen(&self) -> Result<Option<futures_util::stream::BoxStream<'static, News>>, StoreError> {
+        use futures_util::StreamExt;
+        let mut listener = sqlx::postgres::PgListener::connect_with(&self.pool).await?;
+        listener.listen(NEWS_CHANNEL).await?;
+        let me = self.lease.holder.clone();
+        let news = futures_util::stream::unfold((listener, me), |(mut listener, me)| async move {
+            loop {
+                match listener.recv().await {
+                    Ok(n) => {
+                        if let Some(news) = News::decode(n.payload(), &me) {
+                            return Some((news, (listener, me)));
+                        }
+                    }
+                    // It reconnects on the next call; what was sent meanwhile is lost.
+                    Err(e) => {
+                        tracing::warn!("the store's news: {e}");
+                        tokio::time::sleep(Duration::from_secs(1)).await;
+                    }
+                }
+            }
+        });
+        Ok(Some(news.boxed()))
     }
 
     async fn renew_leases(&self, ids: &[String]) -> Result<(), StoreError> {
