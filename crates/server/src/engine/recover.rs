@@ -305,16 +305,24 @@ impl Engine {
     pub(super) async fn sweep_images(&self) -> CoreResult<()> {
         // A save another replica runs now is its own (its sandbox has an operation leased).
         let unfinished = self.store.unfinished_operations().await?;
-        let busy: std::collections::HashSet<String> = {
+        let others: Vec<Operation> = {
             let running = self.running.lock().unwrap_or_else(|e| e.into_inner());
             unfinished
                 .into_iter()
                 .filter(|o| !running.contains_key(&o.id))
-                .map(|o| o.sandbox_id)
                 .collect()
         };
+        let busy: std::collections::HashSet<&str> = others.iter().map(|o| o.sandbox_id.as_str()).collect();
+        // A fork's image is in use until its children have started from it: their creates
+        // (another replica's, or one to take over) start from it.
+        let mut starts_from = std::collections::HashSet::new();
+        for o in others.iter().filter(|o| o.kind == OperationKind::Create) {
+            if let Some(image) = self.store.sandbox_by_id(&o.sandbox_id).await?.and_then(|c| c.image_id) {
+                starts_from.insert(image);
+            }
+        }
         for image in self.store.interrupted_images(self.started_ms).await? {
-            if busy.contains(&image.sandbox_id) {
+            if busy.contains(image.sandbox_id.as_str()) || starts_from.contains(&image.id) {
                 continue;
             }
             tracing::info!(image = %image.id, "removing an image a restart interrupted (a fork's or a save's)");

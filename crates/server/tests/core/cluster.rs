@@ -606,3 +606,65 @@ async fn a_node_silent_past_the_grace_loses_its_sandboxes_and_their_vms_go_when_
     a.stop().await;
     b.stop().await;
 }
+
+/// A fork's image stays until its children have started from it, also when another replica
+/// starts meanwhile: that replica's sweep of the images a restart cut short passes over one an
+/// unfinished create starts from (a fork is no operation of its own; its children's creates
+/// are). The fake VMM restores no image, so the fork is recorded as one leaves the store
+/// between its save and its child's start; the real fork is tests/api's.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_replica_starting_mid_fork_leaves_the_forks_image_alone() {
+    use airlock_server::model::{Operation, OperationKind, OperationState, Quota, SandboxState};
+    use airlock_server::records::{now_ms, rfc3339, SandboxRecord, SnapshotKind, SnapshotRecord};
+    use airlock_server::store::NodeBudget;
+    let (store_dir, node_dir) = (fresh(), fresh());
+    let node = ClusterNode::start(node_dir.path(), ROOMY, 0).await;
+    let a = Server::start_replica(store_dir.path(), &[node.addr], None, replica_config()).await;
+    let parent = a.running_sandbox().await;
+    let store = a.core().store();
+    let row = store.sandbox_by_id(&parent).await.unwrap().unwrap();
+    let image = SnapshotRecord {
+        id: "snap_0123456789abcdef0123".into(),
+        tenant_id: row.tenant_id.clone(),
+        name: None,
+        kind: SnapshotKind::Fork,
+        sandbox_id: parent.clone(),
+        template: row.template.clone(),
+        resources: row.resources,
+        bytes: 0,
+        digest: None,
+        created_at_ms: now_ms(),
+    };
+    store
+        .admit_snapshot(&image, 0, &Quota::default(), &NodeBudget::UNLIMITED)
+        .await
+        .unwrap();
+    assert!(store.snapshot_saved(&image).await.unwrap());
+    // Its child's create: recorded (leased by A, which runs it), not yet finished.
+    let child = SandboxRecord {
+        id: "0123456789abcdef0123".into(),
+        state: SandboxState::Creating,
+        image_id: Some(image.id.clone()),
+        ..row.clone()
+    };
+    let op = Operation {
+        id: "op_0123456789abcdef0123".into(),
+        kind: OperationKind::Create,
+        state: OperationState::Pending,
+        sandbox_id: child.id.clone(),
+        error: None,
+        created_at: rfc3339(now_ms()),
+        finished_at: None,
+    };
+    store.insert_create(&child, &op, None, 100).await.unwrap();
+    tokio::time::sleep(Duration::from_millis(5)).await;
+
+    // B starts, recovers and sweeps within A's lease of the create.
+    let b = Server::start_replica(store_dir.path(), &[node.addr], Some(&a.key), replica_config()).await;
+    assert!(
+        store.get_snapshot(&image.tenant_id, &image.id).await.unwrap().is_some(),
+        "B removed the image A's child starts from"
+    );
+    a.stop().await;
+    b.stop().await;
+}
