@@ -15,6 +15,9 @@ pub const NODE_GRACE: Duration = Duration::from_secs(60);
 /// A replica's view of a node counts while it asked the node this recently (it asks every
 /// sweep): one that stopped asking (it died) is no witness.
 const WITNESS_WITHIN_MS: i64 = 10_000;
+/// Saves' and forks' images older than this with no operation at them are left over (see
+/// [`Engine::sweep_interrupted_images`]).
+const FORK_IMAGES_KEPT_MS: i64 = 600_000;
 /// Views of nodes older than this are forgotten (their replica or node is long gone).
 const FORGET_VIEWS_AFTER_MS: i64 = 3_600_000;
 
@@ -282,6 +285,11 @@ impl Engine {
                             .store
                             .forget_node_observations(now_ms() - FORGET_VIEWS_AFTER_MS)
                             .await;
+                        // A fork whose replica died leaves its image; one older than any fork
+                        // takes, with no create still starting from it, goes.
+                        if let Err(e) = engine.sweep_interrupted_images(now_ms() - FORK_IMAGES_KEPT_MS).await {
+                            tracing::warn!("cannot sweep the images of interrupted forks and saves: {e}");
+                        }
                     }
                     engine.resend_deadlines().await;
                     if !engine.recovery.under_way.load(std::sync::atomic::Ordering::SeqCst) {

@@ -299,10 +299,26 @@ impl Engine {
         Ok(())
     }
 
-    /// Images no snapshot record claims, saves the restart cut short, and forks' images (the
-    /// restart cut the fork short; its children that started hold their own links). Only what
-    /// was recorded before this engine started: saves and forks since then are under way.
+    /// Images no record claims (a snapshot's, or a parked sandbox's on its way to or from object
+    /// storage), and [`Engine::sweep_interrupted_images`] of what was recorded before this
+    /// engine started: saves and forks since then are under way.
     pub(super) async fn sweep_images(&self) -> CoreResult<()> {
+        self.sweep_interrupted_images(self.started_ms).await?;
+        let mut claimed: std::collections::HashSet<String> = self.store.snapshot_ids().await?.into_iter().collect();
+        claimed.extend(self.store.parked_images().await?);
+        for id in self.nodes.image_ids() {
+            if !claimed.contains(&id) {
+                tracing::warn!(image = %id, "image without a record; removing it");
+                let _ = self.nodes.delete_image(&id).await;
+            }
+        }
+        Ok(())
+    }
+
+    /// Saves and forks' images recorded before `before_ms` that no operation is still at: a
+    /// save a restart cut short, a fork whose replica died before removing its image (its
+    /// children that started hold their own links).
+    pub(super) async fn sweep_interrupted_images(&self, before_ms: i64) -> CoreResult<()> {
         // A save another replica runs now is its own (its sandbox has an operation leased).
         let unfinished = self.store.unfinished_operations().await?;
         let others: Vec<Operation> = {
@@ -321,20 +337,13 @@ impl Engine {
                 starts_from.insert(image);
             }
         }
-        for image in self.store.interrupted_images(self.started_ms).await? {
+        for image in self.store.interrupted_images(before_ms).await? {
             if busy.contains(image.sandbox_id.as_str()) || starts_from.contains(&image.id) {
                 continue;
             }
             tracing::info!(image = %image.id, "removing an image a restart interrupted (a fork's or a save's)");
             self.store.delete_snapshot(&image.tenant_id, &image.id).await?;
             let _ = self.nodes.delete_image(&image.id).await;
-        }
-        let claimed: std::collections::HashSet<String> = self.store.snapshot_ids().await?.into_iter().collect();
-        for id in self.nodes.image_ids() {
-            if !claimed.contains(&id) {
-                tracing::warn!(image = %id, "image without a snapshot record; removing it");
-                let _ = self.nodes.delete_image(&id).await;
-            }
         }
         Ok(())
     }

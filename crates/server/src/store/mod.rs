@@ -272,6 +272,8 @@ pub trait SandboxStore: Send + Sync {
     /// Sandboxes that ended (deleted, failed) while parked: (id, image) of each image still to
     /// remove from object storage.
     async fn parked_of_ended(&self) -> Result<Vec<(String, String)>, StoreError>;
+    /// Every image a sandbox is parked as (or is being parked or unparked as).
+    async fn parked_images(&self) -> Result<Vec<String>, StoreError>;
     /// Before a running or paused sandbox is suspended: charge the memory its suspend saves
     /// (its `memory_mib`) to the tenant's disk quota and the node's disk budget, atomically like
     /// a create's admission, unless it holds that place already (its timeout suspends it, or an
@@ -544,6 +546,8 @@ macro_rules! end_sign_in_on {
 }
 use end_sign_in_on;
 
+/// [`SandboxStore::parked_images`], one statement both stores run.
+const PARKED_IMAGES: &str = "SELECT parked_image FROM sandboxes WHERE parked_image IS NOT NULL";
 /// [`SandboxStore::parked_of_ended`], one statement both stores run.
 const PARKED_OF_ENDED: &str =
     "SELECT id, parked_image FROM sandboxes WHERE state IN ('deleted', 'failed') AND parked_image IS NOT NULL";

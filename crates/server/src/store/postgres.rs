@@ -13,7 +13,8 @@ use super::{
     TokenKind, DISK_HELD, HOLDS_VM, LEAD, LIVE, NODE_OBSERVATIONS, OBSERVE_NODE, RATE_WINDOW_MS,
 };
 use super::{
-    reserve_session_start_in, News, SessionStart, FORGET_NODE_SEEN, NEWS_CHANNEL, PARKED_OF_ENDED, SESSION_START_END,
+    reserve_session_start_in, News, SessionStart, FORGET_NODE_SEEN, NEWS_CHANNEL, PARKED_IMAGES, PARKED_OF_ENDED,
+    SESSION_START_END,
 };
 use crate::model::ErrorBody;
 use crate::model::{Operation, OperationKind, OperationState, Quota, Resources, SandboxState, TenantUsage};

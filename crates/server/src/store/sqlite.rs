@@ -5,7 +5,9 @@ use super::{
     E2bStore, KeyFormat, Lease, NodeBudget, OperationStore, SandboxFilter, SandboxStore, StoreError, TenantStore,
     TokenKind, DISK_HELD, HOLDS_VM, LEAD, LIVE, NODE_OBSERVATIONS, OBSERVE_NODE, RATE_WINDOW_MS,
 };
-use super::{reserve_session_start_in, SessionStart, FORGET_NODE_SEEN, PARKED_OF_ENDED, SESSION_START_END};
+use super::{
+    reserve_session_start_in, SessionStart, FORGET_NODE_SEEN, PARKED_IMAGES, PARKED_OF_ENDED, SESSION_START_END,
+};
 use crate::model::ErrorBody;
 use crate::model::{Operation, OperationKind, OperationState, Quota, Resources, SandboxState, TenantUsage};
 use crate::records::{now_ms, rfc3339, AuditRecord, EgressSpec, KeyRecord, SandboxRecord, SessionRecord, Tenant};

@@ -346,6 +346,11 @@ impl SandboxStore for PgStore {
         Ok(sqlx::query_as(PARKED_OF_ENDED).fetch_all(&self.pool).await?)
     }
 
+    async fn parked_images(&self) -> Result<Vec<String>, StoreError> {
+        let rows: Vec<(String,)> = sqlx::query_as(PARKED_IMAGES).fetch_all(&self.pool).await?;
+        Ok(rows.into_iter().map(|(image,)| image).collect())
+    }
+
     async fn paused_remaining(&self, id: &str) -> Result<Option<i64>, StoreError> {
         let r: Option<(i64,)> = sqlx::query_as("SELECT remaining_ms FROM paused_lifetimes WHERE sandbox_id = $1")
             .bind(id)
