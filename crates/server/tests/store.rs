@@ -205,16 +205,21 @@ async fn an_operation_is_leased_to_one_replica_until_its_lease_lapses(b: Backend
     tokio::time::sleep(std::time::Duration::from_millis(400)).await;
     assert!(r2.claim_operations(false).await.unwrap().is_empty());
     assert!(r3.claim_operations(false).await.unwrap().is_empty());
-    // A finished operation is no one's.
-    r2.finish_operation("op_sb1", OperationState::Succeeded, None)
+    // Nor does the lapsed one's late end count: the new holder's stands.
+    assert!(!dying
+        .finish_operation("op_sb1", OperationState::Failed, None)
         .await
-        .unwrap();
-    r3.finish_operation("op_sb1", OperationState::Succeeded, None)
-        .await
-        .unwrap();
-    r2.finish_operation("op_sb2", OperationState::Succeeded, None)
-        .await
-        .unwrap();
+        .unwrap());
+    let op = r2.operation_by_id("op_sb1").await.unwrap().unwrap();
+    assert!(!op.state.is_final(), "{op:?}");
+    // Its holder ends each (whichever replica took it); a finished operation is no one's.
+    let mut ended = 0;
+    for id in ["op_sb1", "op_sb2"] {
+        for r in [r2, r3] {
+            ended += r.finish_operation(id, OperationState::Succeeded, None).await.unwrap() as usize;
+        }
+    }
+    assert_eq!(ended, 2, "each by its holder alone");
 
     // A single-host server's next life takes its own at once, whatever their lease says.
     let lives = b

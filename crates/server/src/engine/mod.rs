@@ -496,8 +496,12 @@ impl Engine {
         } else {
             OperationState::Failed
         };
-        if let Err(e) = self.store.finish_operation(&op.id, state, error.as_ref()).await {
-            tracing::error!(op = %op.id, "cannot record the end of the operation: {e}");
+        match self.store.finish_operation(&op.id, state, error.as_ref()).await {
+            Ok(true) => {}
+            // This replica stalled past its lease and another took the operation over: its
+            // end is the one recorded, not this late one.
+            Ok(false) => tracing::warn!(op = %op.id, "another replica took the operation over; its end stands"),
+            Err(e) => tracing::error!(op = %op.id, "cannot record the end of the operation: {e}"),
         }
         self.finished.send_modify(|n| *n += 1);
         self.publish(crate::store::News::OperationFinished(op.id.clone()));

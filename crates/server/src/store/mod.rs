@@ -330,12 +330,14 @@ pub trait OperationStore: Send + Sync {
     /// Any tenant's operation: for the engine, which has no tenant in hand.
     async fn operation_by_id(&self, id: &str) -> Result<Option<Operation>, StoreError>;
     async fn operation_by_idempotency_key(&self, tenant_id: &str, key: &str) -> Result<Option<Operation>, StoreError>;
+    /// Record how an operation ended, if this store's [`Lease::holder`] still holds it: false
+    /// when another replica took it over (this one stalled past its lease), whose end stands.
     async fn finish_operation(
         &self,
         id: &str,
         state: OperationState,
         error: Option<&ErrorBody>,
-    ) -> Result<(), StoreError>;
+    ) -> Result<bool, StoreError>;
     async fn set_operation_state(&self, id: &str, state: OperationState) -> Result<(), StoreError>;
     /// Pending or running operations, oldest first: what a restart must settle.
     async fn unfinished_operations(&self) -> Result<Vec<Operation>, StoreError>;

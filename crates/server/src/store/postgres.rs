@@ -367,18 +367,20 @@ impl OperationStore for PgStore {
         id: &str,
         state: OperationState,
         error: Option<&ErrorBody>,
-    ) -> Result<(), StoreError> {
-        sqlx::query(
-            "UPDATE operations SET state = $1, error_code = $2, error_message = $3, finished_at_ms = $4 WHERE id = $5",
+    ) -> Result<bool, StoreError> {
+        let done = sqlx::query(
+            "UPDATE operations SET state = $1, error_code = $2, error_message = $3, finished_at_ms = $4 \
+             WHERE id = $5 AND lease_holder = $6",
         )
         .bind(state.as_str())
         .bind(error.map(|e| e.code.clone()))
         .bind(error.map(|e| e.message.clone()))
         .bind(now_ms())
         .bind(id)
+        .bind(&self.lease.holder)
         .execute(&self.pool)
         .await?;
-        Ok(())
+        Ok(done.rows_affected() == 1)
     }
 
     async fn set_operation_state(&self, id: &str, state: OperationState) -> Result<(), StoreError> {

@@ -337,18 +337,20 @@ impl OperationStore for SqliteStore {
         id: &str,
         state: OperationState,
         error: Option<&ErrorBody>,
-    ) -> Result<(), StoreError> {
-        sqlx::query(
-            "UPDATE operations SET state = ?, error_code = ?, error_message = ?, finished_at_ms = ? WHERE id = ?",
+    ) -> Result<bool, StoreError> {
+        let done = sqlx::query(
+            "UPDATE operations SET state = ?, error_code = ?, error_message = ?, finished_at_ms = ? \
+             WHERE id = ? AND lease_holder = ?",
         )
         .bind(state.as_str())
         .bind(error.map(|e| e.code.clone()))
         .bind(error.map(|e| e.message.clone()))
         .bind(now_ms())
         .bind(id)
+        .bind(&self.lease.holder)
         .execute(&self.pool)
         .await?;
-        Ok(())
+        Ok(done.rows_affected() == 1)
     }
 
     async fn set_operation_state(&self, id: &str, state: OperationState) -> Result<(), StoreError> {
