@@ -607,6 +607,39 @@ async fn a_node_silent_past_the_grace_loses_its_sandboxes_and_their_vms_go_when_
     b.stop().await;
 }
 
+/// A fork's image, saved, of sandbox `parent`, as `Core::fork_sandbox` records it.
+async fn record_fork_image(
+    store: &dyn airlock_server::store::Store,
+    parent: &airlock_server::records::SandboxRecord,
+    id: &str,
+    created_at_ms: i64,
+) -> airlock_server::records::SnapshotRecord {
+    use airlock_server::records::{SnapshotKind, SnapshotRecord};
+    let image = SnapshotRecord {
+        id: id.into(),
+        tenant_id: parent.tenant_id.clone(),
+        name: None,
+        kind: SnapshotKind::Fork,
+        sandbox_id: parent.id.clone(),
+        template: parent.template.clone(),
+        resources: parent.resources,
+        bytes: 0,
+        digest: None,
+        created_at_ms,
+    };
+    store
+        .admit_snapshot(
+            &image,
+            0,
+            &airlock_server::model::Quota::default(),
+            &airlock_server::store::NodeBudget::UNLIMITED,
+        )
+        .await
+        .unwrap();
+    assert!(store.snapshot_saved(&image).await.unwrap());
+    image
+}
+
 /// A fork's image stays until its children have started from it, also when another replica
 /// starts meanwhile: that replica's sweep of the images a restart cut short passes over one an
 /// unfinished create starts from (a fork is no operation of its own; its children's creates
@@ -614,32 +647,15 @@ async fn a_node_silent_past_the_grace_loses_its_sandboxes_and_their_vms_go_when_
 /// between its save and its child's start; the real fork is tests/api's.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_replica_starting_mid_fork_leaves_the_forks_image_alone() {
-    use airlock_server::model::{Operation, OperationKind, OperationState, Quota, SandboxState};
-    use airlock_server::records::{now_ms, rfc3339, SandboxRecord, SnapshotKind, SnapshotRecord};
-    use airlock_server::store::NodeBudget;
+    use airlock_server::model::{Operation, OperationKind, OperationState, SandboxState};
+    use airlock_server::records::{now_ms, rfc3339, SandboxRecord};
     let (store_dir, node_dir) = (fresh(), fresh());
     let node = ClusterNode::start(node_dir.path(), ROOMY, 0).await;
     let a = Server::start_replica(store_dir.path(), &[node.addr], None, replica_config()).await;
     let parent = a.running_sandbox().await;
     let store = a.core().store();
     let row = store.sandbox_by_id(&parent).await.unwrap().unwrap();
-    let image = SnapshotRecord {
-        id: "snap_0123456789abcdef0123".into(),
-        tenant_id: row.tenant_id.clone(),
-        name: None,
-        kind: SnapshotKind::Fork,
-        sandbox_id: parent.clone(),
-        template: row.template.clone(),
-        resources: row.resources,
-        bytes: 0,
-        digest: None,
-        created_at_ms: now_ms(),
-    };
-    store
-        .admit_snapshot(&image, 0, &Quota::default(), &NodeBudget::UNLIMITED)
-        .await
-        .unwrap();
-    assert!(store.snapshot_saved(&image).await.unwrap());
+    let image = record_fork_image(store.as_ref(), &row, "snap_0123456789abcdef0123", now_ms()).await;
     // Its child's create: recorded (leased by A, which runs it), not yet finished.
     let child = SandboxRecord {
         id: "0123456789abcdef0123".into(),
@@ -667,4 +683,35 @@ async fn a_replica_starting_mid_fork_leaves_the_forks_image_alone() {
     );
     a.stop().await;
     b.stop().await;
+}
+
+/// A fork whose replica died before removing its image leaves it to the reaper's holder: once
+/// it is older than any fork takes (10 min) and no create starts from it, it goes without a
+/// restart; a younger one stays.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dead_forks_image_goes_without_a_restart() {
+    use airlock_server::records::now_ms;
+    let (store_dir, node_dir) = (fresh(), fresh());
+    let node = ClusterNode::start(node_dir.path(), ROOMY, 0).await;
+    let a = Server::start_replica(store_dir.path(), &[node.addr], None, replica_config()).await;
+    let parent = a.running_sandbox().await;
+    let store = a.core().store();
+    let row = store.sandbox_by_id(&parent).await.unwrap().unwrap();
+    // Recorded after A started (its start's sweep is over), as a fork of a replica since dead.
+    let old = record_fork_image(
+        store.as_ref(),
+        &row,
+        "snap_00000000000000000old",
+        now_ms() - 11 * 60_000,
+    )
+    .await;
+    let young = record_fork_image(store.as_ref(), &row, "snap_0000000000000000young", now_ms() - 60_000).await;
+    let deadline = Instant::now() + Duration::from_secs(15);
+    while store.get_snapshot(&old.tenant_id, &old.id).await.unwrap().is_some() {
+        assert!(Instant::now() < deadline, "the dead fork's image is still recorded");
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    assert!(store.get_snapshot(&young.tenant_id, &young.id).await.unwrap().is_some());
+    a.delete(&parent).await;
+    a.stop().await;
 }
