@@ -607,6 +607,19 @@ async fn a_node_silent_past_the_grace_loses_its_sandboxes_and_their_vms_go_when_
     b.stop().await;
 }
 
+/// A node on `node_dir`, a replica over it (its store in `store_dir`), and the record of a
+/// running sandbox made through it.
+async fn a_replica_and_a_running_sandbox(
+    store_dir: &std::path::Path,
+    node_dir: &std::path::Path,
+) -> (ClusterNode, Server, airlock_server::records::SandboxRecord) {
+    let node = ClusterNode::start(node_dir, ROOMY, 0).await;
+    let a = Server::start_replica(store_dir, &[node.addr], None, replica_config()).await;
+    let id = a.running_sandbox().await;
+    let row = a.core().store().sandbox_by_id(&id).await.unwrap().unwrap();
+    (node, a, row)
+}
+
 /// A fork's image, saved, of sandbox `parent`, as `Core::fork_sandbox` records it.
 async fn record_fork_image(
     store: &dyn airlock_server::store::Store,
@@ -650,11 +663,8 @@ async fn a_replica_starting_mid_fork_leaves_the_forks_image_alone() {
     use airlock_server::model::{Operation, OperationKind, OperationState, SandboxState};
     use airlock_server::records::{now_ms, rfc3339, SandboxRecord};
     let (store_dir, node_dir) = (fresh(), fresh());
-    let node = ClusterNode::start(node_dir.path(), ROOMY, 0).await;
-    let a = Server::start_replica(store_dir.path(), &[node.addr], None, replica_config()).await;
-    let parent = a.running_sandbox().await;
+    let (node, a, row) = a_replica_and_a_running_sandbox(store_dir.path(), node_dir.path()).await;
     let store = a.core().store();
-    let row = store.sandbox_by_id(&parent).await.unwrap().unwrap();
     let image = record_fork_image(store.as_ref(), &row, "snap_0123456789abcdef0123", now_ms()).await;
     // Its child's create: recorded (leased by A, which runs it), not yet finished.
     let child = SandboxRecord {
@@ -692,11 +702,8 @@ async fn a_replica_starting_mid_fork_leaves_the_forks_image_alone() {
 async fn a_dead_forks_image_goes_without_a_restart() {
     use airlock_server::records::now_ms;
     let (store_dir, node_dir) = (fresh(), fresh());
-    let node = ClusterNode::start(node_dir.path(), ROOMY, 0).await;
-    let a = Server::start_replica(store_dir.path(), &[node.addr], None, replica_config()).await;
-    let parent = a.running_sandbox().await;
-    let store = a.core().store();
-    let row = store.sandbox_by_id(&parent).await.unwrap().unwrap();
+    let (_node, a, row) = a_replica_and_a_running_sandbox(store_dir.path(), node_dir.path()).await;
+    let (parent, store) = (row.id.clone(), a.core().store());
     // Recorded after A started (its start's sweep is over), as a fork of a replica since dead.
     let old = record_fork_image(
         store.as_ref(),
