@@ -144,16 +144,7 @@ fn end_vms_left_in(work: &Path) {
             .flatten()
             .flatten()
         {
-            let Some(pid) = std::fs::read_to_string(vm.path().join("vmm.pid"))
-                .ok()
-                .and_then(|p| p.trim().parse::<i32>().ok())
-            else {
-                continue;
-            };
-            let cmdline = std::fs::read(format!("/proc/{pid}/cmdline")).unwrap_or_default();
-            if pid > 1 && String::from_utf8_lossy(&cmdline).contains(&*vm.path().to_string_lossy()) {
-                unsafe { libc::kill(pid, libc::SIGKILL) };
-            }
+            airlock_testnet::end_vmm_of(&vm.path());
         }
     }
 }

@@ -463,15 +463,7 @@ pub fn end_vms_left_in(data: &Path) {
         .flatten()
         .flatten()
     {
-        if let Some(pid) = std::fs::read_to_string(dir.path().join("vmm.pid"))
-            .ok()
-            .and_then(|p| p.trim().parse::<i32>().ok())
-        {
-            let cmdline = std::fs::read(format!("/proc/{pid}/cmdline")).unwrap_or_default();
-            if pid > 1 && String::from_utf8_lossy(&cmdline).contains(&*dir.path().to_string_lossy()) {
-                unsafe { libc::kill(pid, libc::SIGKILL) };
-            }
-        }
+        airlock_testnet::end_vmm_of(&dir.path());
         let (netns, _) = airlock_runtime::net::names(data, &dir.file_name().to_string_lossy());
         if Path::new("/run/netns").join(&netns).exists() {
             let _ = Command::new("ip").args(["netns", "del", &netns]).status();

@@ -15,7 +15,8 @@
 //! ```
 //!
 //! Beside it, test scaffolding of the same kind: [`Fabric`] (a cluster's hosts in namespaces on
-//! a bridge, `fabric.rs`) and [`s3::Moto`] (an S3 server, `s3.rs`).
+//! a bridge, `fabric.rs`), [`s3::Moto`] (an S3 server, `s3.rs`) and [`end_vmm_of`] (a VM a
+//! stopped test server left, `leftovers.rs`).
 //!
 //! Namespaces are named `egt-<pid>-<n>-<role>` and deleted on drop (also when a test panics);
 //! ones left by a dead process are deleted by the next [`TestNet::new`].
@@ -28,11 +29,13 @@ use std::thread::JoinHandle;
 
 mod dns;
 mod fabric;
+mod leftovers;
 pub mod s3;
 mod web;
 
 pub use dns::TestDns;
 pub use fabric::{Fabric, FABRIC_GATEWAY};
+pub use leftovers::end_vmm_of;
 pub use web::{Served, TestWeb};
 
 pub const GATEWAY: Ipv4Addr = Ipv4Addr::new(192, 0, 2, 1);
