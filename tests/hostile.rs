@@ -25,7 +25,6 @@ use common::*;
 use serde_json::{json, Value};
 use std::io::BufRead;
 use std::path::{Path, PathBuf};
-use std::process::Command;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 use std::time::{Duration, Instant};
@@ -82,21 +81,11 @@ fn suite() -> &'static Suite {
                 .and_then(|p| p.strip_prefix(&prefix))
                 .and_then(|p| p.parse::<u32>().ok());
             if pid.is_some_and(|pid| !Path::new(&format!("/proc/{pid}")).exists()) {
+                end_vms_left_in(&path);
                 let _ = std::fs::remove_dir_all(&path);
             }
         }
-        let data = PathBuf::from(format!("{prefix}{}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&data);
-        std::fs::create_dir_all(&data).unwrap();
-        let linked = Command::new("cp")
-            .arg("-al")
-            .arg(shared.join("blobs"))
-            .arg(shared.join("templates"))
-            .arg(&data)
-            .status()
-            .unwrap();
-        assert!(linked.success());
-        let _ = std::fs::copy(shared.join("accel.json"), data.join("accel.json"));
+        let data = data_dir_with_templates(&format!("hostile-{}", std::process::id()));
         let s = Server::start(&data);
         let _ = STARTED.set((s.child.id(), data.clone()));
 
