@@ -200,6 +200,11 @@ impl Core {
     /// Record the exit of every session the store thinks runs whose process the agent reports
     /// ended, or no longer knows.
     async fn record_exits(&self, sandbox: &SandboxRecord, agent: &AgentClient) -> CoreResult<()> {
+        // The sessions first, then the agent's processes: a session is recorded only after its
+        // process started, so each one read here is in the agent's answer unless it is long
+        // over. Asked the other way round, a start recorded meanwhile (through any replica)
+        // would look forgotten and be marked exited while it runs.
+        let sessions = self.store.list_sessions(&sandbox.id).await?;
         let procs: HashMap<u64, ProcessInfo> = agent
             .processes()
             .await
@@ -207,7 +212,7 @@ impl Core {
             .into_iter()
             .map(|p| (p.id, p))
             .collect();
-        for mut row in self.store.list_sessions(&sandbox.id).await? {
+        for mut row in sessions {
             if row.exited {
                 continue;
             }
