@@ -310,8 +310,6 @@ pub trait SandboxStore: Send + Sync {
     async fn finish_session(&self, s: &SessionRecord) -> Result<(), StoreError>;
     /// The session of the agent process `process_id` (the latest, should the agent reuse ids).
     async fn session_by_process(&self, sandbox_id: &str, process_id: u64) -> Result<Option<SessionRecord>, StoreError>;
-    /// Sessions of the sandbox not yet recorded as exited.
-    async fn count_running_sessions(&self, sandbox_id: &str) -> Result<u32, StoreError>;
     /// Forget the sandbox's exited sessions but the `keep` that ended last; how many went.
     async fn prune_finished_sessions(&self, sandbox_id: &str, keep: u32) -> Result<u64, StoreError>;
     /// Reserve one more session of a sandbox (`core/sessions.rs`): unless its running sessions

@@ -464,14 +464,6 @@ impl SandboxStore for PgStore {
         Ok(r.as_ref().map(session_from_row))
     }
 
-    async fn count_running_sessions(&self, sandbox_id: &str) -> Result<u32, StoreError> {
-        let n: (i64,) = sqlx::query_as("SELECT COUNT(*) FROM sessions WHERE sandbox_id = $1 AND NOT exited")
-            .bind(sandbox_id)
-            .fetch_one(&self.pool)
-            .await?;
-        Ok(n.0 as u32)
-    }
-
     async fn prune_finished_sessions(&self, sandbox_id: &str, keep: u32) -> Result<u64, StoreError> {
         let r = sqlx::query(
             "DELETE FROM sessions WHERE sandbox_id = $1 AND exited AND id NOT IN (
