@@ -132,7 +132,8 @@ def _start_replicas(port, e2b, egress, log, procs, cleanups):
     deadline = time.time() + 120
     while True:
         try:
-            socket.create_connection(tuple([node.split(":")[0], int(node.split(":")[1])]), timeout=1).close()
+            host, node_port = node.split(":")
+            socket.create_connection((host, int(node_port)), timeout=1).close()
             break
         except OSError:
             if time.time() > deadline or procs[-1].poll() is not None:
