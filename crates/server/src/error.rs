@@ -357,6 +357,9 @@ impl CoreError {
                 NodeError::SandboxIdTaken(_) => c("conflict", 409),
                 NodeError::InvalidSandboxId(_) => c("invalid_argument", 422),
                 NodeError::NotRunning(_) => c("invalid_state", 409),
+                // Internal calls (a reaper's, a stalled replica's) that the node turned away;
+                // named here so a new variant is placed deliberately.
+                NodeError::StaleRun(_) | NodeError::Fenced(_) => c("conflict", 409),
                 // The node has no room left: retry later or elsewhere, as for budgets.
                 NodeError::Exhausted(_) => c("unavailable", 503),
                 NodeError::Network(_) => c("network", 500),

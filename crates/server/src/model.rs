@@ -301,6 +301,9 @@ pub struct Booted {
     pub template_digest: String,
     pub accel: String,
     pub start: SandboxStart,
+    /// Which start of the sandbox on its node this is (`nodes::VmReport::run`).
+    #[serde(default)]
+    pub run: String,
 }
 
 /// How a sandbox's VM started.

@@ -56,6 +56,8 @@ pub struct SandboxRecord {
     /// The node it was placed on (`Nodes::members`' name; '' for the one node of single-host
     /// mode). Its budgets count it.
     pub node: String,
+    /// Which start on that node its VM is (`nodes::VmReport::run`); '' until it runs.
+    pub run: String,
 }
 
 /// Where a suspended sandbox waits while on no node: a draining node parked it in object

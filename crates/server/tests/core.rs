@@ -27,6 +27,9 @@ mod recovery;
 // The core over a node's HTTP face (issue 25).
 #[path = "core/remote.rs"]
 mod remote;
+// Runs of a sandbox's VM, and deletes that name one (issue 25).
+#[path = "core/runs.rs"]
+mod runs;
 
 use airlock_runtime::fake;
 use airlock_runtime::vmm::pid_alive;
@@ -69,6 +72,7 @@ fn sandbox_row(id: &str, tenant_id: &str) -> SandboxRecord {
         timeout_ms: 300_000,
         image_id: None,
         node: String::new(),
+        run: String::new(),
     }
 }
 

@@ -39,6 +39,7 @@ fn sandbox(id: &str, tenant: &str) -> SandboxRecord {
         timeout_ms: 300_000,
         image_id: None,
         node: String::new(),
+        run: String::new(),
     }
 }
 
@@ -196,7 +197,10 @@ async fn an_operation_is_leased_to_one_replica_until_its_lease_lapses(b: Backend
         .collect();
     let mut taken = Vec::new();
     for c in claims {
-        taken.extend(c.await.unwrap().into_iter().map(|o| o.id));
+        for claimed in c.await.unwrap() {
+            assert_eq!(claimed.epoch, 2, "a lease taken over is the operation's second");
+            taken.push(claimed.op.id);
+        }
     }
     taken.sort();
     assert_eq!(taken, vec!["op_sb1".to_string(), "op_sb2".to_string()]);
@@ -241,7 +245,7 @@ async fn an_operation_is_leased_to_one_replica_until_its_lease_lapses(b: Backend
         .await
         .unwrap()
         .into_iter()
-        .map(|o| o.id)
+        .map(|c| c.op.id)
         .collect();
     assert_eq!(own, vec!["op_sb3".to_string()]);
 }

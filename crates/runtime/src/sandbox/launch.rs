@@ -133,6 +133,7 @@ impl Launcher {
             start_ms: 0,
             machine_id: random_hex(16),
             machine: None,
+            run: random_hex(8),
         };
         let mut link = None;
         let started = Instant::now();

@@ -400,6 +400,14 @@ impl Runtime {
         self.inner.registry.get(id)
     }
 
+    /// The run of VM `id` ([`VmRecord::run`]), live or suspended; None: no such VM.
+    pub fn run_of(&self, id: &str) -> Option<String> {
+        match self.get(id) {
+            Ok(vm) => Some(vm.record.run.clone()),
+            Err(_) => self.inner.registry.suspended(id).map(|r| r.run),
+        }
+    }
+
     /// The VMs in use, oldest first (those of the earlier process once settled).
     pub fn list(&self) -> Vec<Arc<Vm>> {
         self.inner.registry.list()

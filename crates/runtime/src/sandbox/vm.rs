@@ -43,6 +43,12 @@ pub struct VmRecord {
     /// starts again. Absent in records of an older server (such a VM cannot suspend).
     #[serde(default)]
     pub machine: Option<ResumeSpec>,
+    /// This start of the sandbox on this node (random, new for every VM started here; a pause
+    /// or suspend and resume keep it). A caller names it so a change meant for an earlier run
+    /// of the same id (a reaper's, read from an old report) cannot end a newer one. Empty in
+    /// records of an older server.
+    #[serde(default)]
+    pub run: String,
 }
 
 impl VmRecord {

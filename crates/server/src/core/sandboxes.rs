@@ -250,6 +250,7 @@ impl Core {
             timeout_ms: timeout.as_millis() as i64,
             image_id: snapshot.map(|s| s.id),
             node: String::new(),
+            run: String::new(),
         };
         // A warm pool's VM, where one is ready for this template and shape: its id is the
         // sandbox's. A create that does not go ahead gives it back.
@@ -635,7 +636,10 @@ impl Core {
                 },
             });
         }
-        self.nodes.agent(&row.id).await.map_err(|e| CoreError::node(&row.id, e))
+        self.nodes
+            .agent_of_run(&row.id, &row.node, &row.run)
+            .await
+            .map_err(|e| CoreError::node(&row.id, e))
     }
 }
 

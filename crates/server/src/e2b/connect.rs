@@ -136,7 +136,10 @@ impl From<CoreError> for RpcError {
             },
             CoreError::Node(node) => match node {
                 NodeError::InvalidSandboxId(..) => Code::InvalidArgument,
-                NodeError::SandboxIdTaken(..) | NodeError::NotRunning(..) => Code::FailedPrecondition,
+                NodeError::SandboxIdTaken(..)
+                | NodeError::NotRunning(..)
+                | NodeError::StaleRun(..)
+                | NodeError::Fenced(..) => Code::FailedPrecondition,
                 NodeError::Exhausted(..)
                 | NodeError::Unreachable(..)
                 | NodeError::Refused(..)

@@ -68,7 +68,10 @@ impl From<CoreError> for E2bError {
                     S::NOT_FOUND
                 }
                 NodeError::InvalidSandboxId(..) | NodeError::InvalidResources(..) => S::BAD_REQUEST,
-                NodeError::SandboxIdTaken(..) | NodeError::NotRunning(..) => S::CONFLICT,
+                NodeError::SandboxIdTaken(..)
+                | NodeError::NotRunning(..)
+                | NodeError::StaleRun(..)
+                | NodeError::Fenced(..) => S::CONFLICT,
                 NodeError::Exhausted(..)
                 | NodeError::Unreachable(..)
                 | NodeError::Refused(..)

@@ -125,6 +125,11 @@ pub struct Engine {
     /// How long a node must leave every replica unanswered before its running sandboxes are
     /// lost (`reaper::NODE_GRACE` unless configured).
     node_grace: Duration,
+    /// VMs `reap_disowned` found on a node their live sandbox's record does not name (node, id,
+    /// run), since when: removed once so for `node_grace`.
+    disowned: Arc<std::sync::Mutex<std::collections::HashMap<reaper::Disowned, std::time::Instant>>>,
+    /// Operation id -> the epoch of the lease this engine took it over with, until it ends.
+    epochs: Arc<std::sync::Mutex<std::collections::HashMap<String, i64>>>,
 }
 
 /// Operation id -> how many tasks of this process carry it out now (a recovery hands a
@@ -195,6 +200,8 @@ impl Engine {
             deadlines_unsent: Default::default(),
             drain_tried: Default::default(),
             node_grace: reaper::NODE_GRACE,
+            disowned: Default::default(),
+            epochs: Default::default(),
         }
     }
 
@@ -207,10 +214,32 @@ impl Engine {
     /// Run `work` (carrying out `op`) in the background, renewing `op`'s lease until it ends.
     fn start(&self, op: &Operation, work: impl std::future::Future<Output = ()> + Send + 'static) {
         let running = self.running(&op.id);
-        tokio::spawn(crate::nodes::wire::OPERATION.scope(op.id.clone(), async move {
+        tokio::spawn(crate::nodes::wire::OPERATION.scope(self.carried(&op.id), async move {
             work.await;
             drop(running);
         }));
+    }
+
+    /// Operation `id` as this engine's calls to nodes name it: with the epoch of its lease here
+    /// (1 unless this engine took it over).
+    pub(super) fn carried(&self, id: &str) -> crate::nodes::wire::Carried {
+        let epoch = self.epochs.lock().unwrap_or_else(|e| e.into_inner()).get(id).copied();
+        crate::nodes::wire::Carried {
+            id: id.to_string(),
+            epoch: epoch.unwrap_or(1),
+        }
+    }
+
+    /// The operations of `claimed`, their epochs kept for [`Engine::carried`].
+    pub(super) fn took(&self, claimed: Vec<crate::store::Claimed>) -> Vec<Operation> {
+        let mut epochs = self.epochs.lock().unwrap_or_else(|e| e.into_inner());
+        claimed
+            .into_iter()
+            .map(|c| {
+                epochs.insert(c.op.id.clone(), c.epoch);
+                c.op
+            })
+            .collect()
     }
 
     /// Count `id` as run here until the guard goes.
@@ -503,6 +532,7 @@ impl Engine {
             Ok(false) => tracing::warn!(op = %op.id, "another replica took the operation over; its end stands"),
             Err(e) => tracing::error!(op = %op.id, "cannot record the end of the operation: {e}"),
         }
+        self.epochs.lock().unwrap_or_else(|e| e.into_inner()).remove(&op.id);
         self.finished.send_modify(|n| *n += 1);
         self.publish(crate::store::News::OperationFinished(op.id.clone()));
     }

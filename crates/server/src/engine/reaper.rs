@@ -21,6 +21,9 @@ const FORK_IMAGES_KEPT_MS: i64 = 600_000;
 /// Views of nodes older than this are forgotten (their replica or node is long gone).
 const FORGET_VIEWS_AFTER_MS: i64 = 3_600_000;
 
+/// A VM on a node its sandbox's record does not name: (node, sandbox id, run).
+pub(super) type Disowned = (String, String, String);
+
 /// The nodes that every replica asking lately has had no answer from for at least `grace_ms`:
 /// at least one witness, and none that saw the node answer meanwhile.
 pub(crate) fn unanswering(
@@ -162,9 +165,12 @@ impl Engine {
         Ok(())
     }
 
-    /// VMs the store has disowned (their sandbox lost, deleted or failed, no operation under
-    /// way) on nodes that answer: a node back after its sandboxes were judged lost. Never on
-    /// missing evidence: a VM without any record is left to a replica's start.
+    /// VMs the store has disowned, on nodes that answer, with no operation under way at their
+    /// sandbox: its sandbox ended (lost, deleted, failed: a node back after its sandboxes were
+    /// judged lost) or runs elsewhere (another node, another run of the id), the latter only once
+    /// seen so for the node grace. Each delete names the run the report showed, so a VM started
+    /// since is left. Never on missing evidence: a VM without any record is left to a replica's
+    /// start.
     pub(super) async fn reap_disowned(&self) -> CoreResult<()> {
         let busy = self.busy_sandboxes().await?;
         let answering: std::collections::HashSet<String> = self
@@ -174,21 +180,52 @@ impl Engine {
             .filter(|m| m.answering)
             .map(|m| m.name)
             .collect();
-        for id in self.nodes.vm_ids() {
-            if busy.contains(&id) || !self.nodes.owner(&id).is_some_and(|n| answering.contains(&n)) {
+        let mut still_disowned = std::collections::HashMap::new();
+        for (node, vm) in self.nodes.vm_reports() {
+            if busy.contains(&vm.id) || !answering.contains(&node) {
                 continue;
             }
-            let Some(row) = self.store.sandbox_by_id(&id).await? else {
+            let Some(row) = self.store.sandbox_by_id(&vm.id).await? else {
                 continue;
             };
-            if row.state.is_ended() {
-                tracing::warn!(sandbox = %id, state = row.state.as_str(), "its node still has its VM; removing it");
-                if let Err(e) = self.nodes.delete(&id).await {
-                    tracing::warn!(sandbox = %id, "cannot remove the VM: {e}");
+            let why = if row.state.is_ended() {
+                format!("its sandbox is {}", row.state.as_str())
+            } else if row.node != node {
+                format!("its sandbox is on node {:?}", row.node)
+            } else if !row.run.is_empty() && !vm.run.is_empty() && row.run != vm.run {
+                format!("its sandbox is run {}", row.run)
+            } else {
+                continue;
+            };
+            if !row.state.is_ended() {
+                let key = (node.clone(), vm.id.clone(), vm.run.clone());
+                let first = self.disowned_since(&key);
+                still_disowned.insert(key, first);
+                if first.elapsed() < self.node_grace {
+                    continue;
                 }
             }
+            tracing::warn!(sandbox = %vm.id, %node, run = %vm.run, "{why}, yet this node has a VM of it; removing that VM");
+            match self
+                .nodes
+                .delete(&vm.id, Some(vm.run.as_str()).filter(|r| !r.is_empty()))
+                .await
+            {
+                Ok(()) => {}
+                Err(crate::nodes::NodeError::StaleRun(_)) => {
+                    tracing::info!(sandbox = %vm.id, %node, "the VM is a newer run than the report showed; left")
+                }
+                Err(e) => tracing::warn!(sandbox = %vm.id, %node, "cannot remove the VM: {e}"),
+            }
         }
+        *self.disowned.lock().unwrap_or_else(|e| e.into_inner()) = still_disowned;
         Ok(())
+    }
+
+    /// Since when this replica has seen VM `key` (node, id, run) disowned.
+    fn disowned_since(&self, key: &Disowned) -> std::time::Instant {
+        let seen = self.disowned.lock().unwrap_or_else(|e| e.into_inner());
+        seen.get(key).copied().unwrap_or_else(std::time::Instant::now)
     }
 
     /// A sandbox whose timeout passed: suspended if it asked for that (`on_timeout: suspend`,

@@ -26,7 +26,7 @@ impl Engine {
     pub async fn start_recovery(&self) -> CoreResult<()> {
         // The operations of this server's earlier life and of replicas whose leases lapsed;
         // a sandbox another replica is changing now is that replica's to settle.
-        let claimed = self.store.claim_operations(true).await?;
+        let claimed = self.took(self.store.claim_operations(true).await?);
         let ours: std::collections::HashSet<&str> = claimed.iter().map(|o| o.id.as_str()).collect();
         let busy: std::collections::HashSet<String> = self
             .store
@@ -97,7 +97,7 @@ impl Engine {
     /// without finishing them): each settled by what its VM is now, as after a restart.
     pub(super) async fn take_over(&self) -> CoreResult<()> {
         let mut ops: std::collections::HashMap<String, Vec<Operation>> = Default::default();
-        for op in self.store.claim_operations(false).await? {
+        for op in self.took(self.store.claim_operations(false).await?) {
             tracing::warn!(op = %op.id, sandbox = %op.sandbox_id, "its lease lapsed; taking it over");
             ops.entry(op.sandbox_id.clone()).or_default().push(op);
         }
@@ -113,7 +113,7 @@ impl Engine {
     /// `running` until it is done), once its node knows whether its VM is there.
     async fn settle_claimed(&self, id: &str, ops: Vec<Operation>, running: Vec<Running>) {
         // The node's calls name the operation taken over (the first, when there are several).
-        let op = ops.first().map(|o| o.id.clone()).unwrap_or_default();
+        let op = ops.first().map_or_else(|| self.carried(""), |o| self.carried(&o.id));
         crate::nodes::wire::OPERATION
             .scope(op, async {
                 self.nodes.settled(id).await;
@@ -285,15 +285,19 @@ impl Engine {
 
     /// VMs that no live record claims (left by a crash) are deleted.
     pub(super) async fn sweep_unclaimed_vms(&self) -> CoreResult<()> {
-        for id in self.nodes.vm_ids() {
+        for (_, vm) in self.nodes.vm_reports() {
             let live = self
                 .store
-                .sandbox_by_id(&id)
+                .sandbox_by_id(&vm.id)
                 .await?
                 .is_some_and(|r| !r.state.is_ended());
             if !live {
-                tracing::warn!(sandbox = %id, "VM without a live record; deleting it");
-                let _ = self.nodes.delete(&id).await;
+                tracing::warn!(sandbox = %vm.id, "VM without a live record; deleting it");
+                // Only the run seen here: one started since (by another replica) stays.
+                let _ = self
+                    .nodes
+                    .delete(&vm.id, Some(vm.run.as_str()).filter(|r| !r.is_empty()))
+                    .await;
             }
         }
         Ok(())

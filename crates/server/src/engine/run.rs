@@ -39,7 +39,8 @@ impl Engine {
                     // A delete was submitted during the boot, and may have found no VM yet: the
                     // VM just booted is nobody's, so it goes (deleting twice is harmless).
                     tracing::info!(sandbox = %row.id, "deleted while it booted; stopping its VM");
-                    if let Err(e) = self.nodes.delete(&row.id).await {
+                    let run = Some(booted.run.as_str()).filter(|r| !r.is_empty());
+                    if let Err(e) = self.nodes.delete(&row.id, run).await {
                         tracing::warn!(sandbox = %row.id, "cannot stop the VM of a deleted sandbox: {e}");
                     }
                 }
@@ -195,7 +196,7 @@ impl Engine {
         let _ = self.store.set_operation_state(&op.id, OperationState::Running).await;
         let stopped = match lost {
             true => Ok(()),
-            false => self.nodes.delete(&id).await,
+            false => self.nodes.delete(&id, None).await,
         };
         match stopped {
             Ok(()) => {

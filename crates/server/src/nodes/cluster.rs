@@ -10,7 +10,7 @@
 //! answers it no longer has the VM (another replica moved it) is passed over for the one that
 //! has it now. A VM no node has is gone, as on one node.
 
-use super::{Booted, Capacity, Member, NodeError, Nodes, PoolInfo, VmRequest, VmState};
+use super::{Booted, Capacity, Member, NodeError, Nodes, PoolInfo, VmReport, VmRequest, VmState};
 use airlock_agent_client::AgentClient;
 use airlock_runtime::template::TemplateManifest;
 use airlock_runtime::Resources;
@@ -245,12 +245,26 @@ impl Nodes for Cluster {
         node.create(vm).await
     }
 
-    async fn delete(&self, id: &str) -> Result<(), NodeError> {
-        let Some((_, node)) = self.locate(id).await else {
+    /// With `run`, on the member that reported that run of `id` (a leftover on one node while
+    /// the sandbox runs on another is ended there, not where the sandbox runs).
+    async fn delete(&self, id: &str, run: Option<&str>) -> Result<(), NodeError> {
+        let reported = run.and_then(|run| {
+            let members = self.snapshot();
+            members
+                .iter()
+                .find(|(_, n)| n.vm_run(id).as_deref() == Some(run))
+                .cloned()
+        });
+        let Some((name, node)) = (match reported {
+            Some(found) => Some(found),
+            None => self.locate(id).await,
+        }) else {
             return Ok(());
         };
-        node.delete(id).await?;
-        self.forget(id);
+        node.delete(id, run).await?;
+        if self.placed().get(id) == Some(&name) {
+            self.forget(id);
+        }
         Ok(())
     }
 
@@ -403,8 +417,38 @@ impl Nodes for Cluster {
         self.snapshot().iter().flat_map(|(_, n)| n.vm_ids()).collect()
     }
 
+    fn vm_run(&self, id: &str) -> Option<String> {
+        self.find(id).and_then(|(_, node)| node.vm_run(id))
+    }
+
+    fn vm_reports(&self) -> Vec<(String, VmReport)> {
+        let members = self.snapshot();
+        members
+            .iter()
+            .flat_map(|(name, n)| n.vm_reports().into_iter().map(|(_, vm)| (name.clone(), vm)))
+            .collect()
+    }
+
     async fn agent(&self, id: &str) -> Result<AgentClient, NodeError> {
         self.on_holder(id, |n| async move { n.agent(id).await }).await
+    }
+
+    async fn agent_of_run(&self, id: &str, node: &str, run: &str) -> Result<AgentClient, NodeError> {
+        let members = self.snapshot();
+        let recorded = members
+            .iter()
+            .find(|(name, n)| name == node && (run.is_empty() || n.vm_run(id).as_deref() == Some(run)));
+        match recorded {
+            Some((name, n)) => {
+                self.placed().insert(id.to_string(), name.clone());
+                match n.agent(id).await {
+                    // Moved since its report: wherever it is now.
+                    Err(NodeError::UnknownSandbox(_)) => self.agent(id).await,
+                    done => done,
+                }
+            }
+            None => self.agent(id).await,
+        }
     }
 
     fn exits(&self) -> broadcast::Receiver<String> {

@@ -24,6 +24,14 @@ pub enum NodeError {
     SandboxIdTaken(String),
     #[error("sandbox {0} is not running")]
     NotRunning(String),
+    /// The change named a run of the sandbox ([`crate::nodes::VmReport::run`]) other than the
+    /// one this node has: it was meant for an earlier run, and the VM is left as it is.
+    #[error("sandbox {0}'s VM on this node is another run than the one named; it is left as it is")]
+    StaleRun(String),
+    /// The change was sent for an operation that another caller has since taken over (its
+    /// lease epoch is older than one this node has seen): the caller no longer holds it.
+    #[error("operation {0} has been taken over by another replica; this call is refused")]
+    Fenced(String),
     /// The VM did not come up: its boot or restore failed, or the template's start process did.
     #[error(transparent)]
     BootFailed(Cause),

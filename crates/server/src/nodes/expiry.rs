@@ -154,7 +154,7 @@ async fn tick(expiry: Weak<Expiry>, nodes: Arc<dyn Nodes>) {
             }
             let done = match deadline.suspend {
                 true => nodes.suspend(&id).await.map(drop),
-                false => nodes.delete(&id).await,
+                false => nodes.delete(&id, None).await,
             };
             match done {
                 Ok(()) => {

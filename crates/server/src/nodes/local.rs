@@ -61,6 +61,21 @@ impl LocalNode {
     fn lock_for(&self, id: &str) -> Arc<tokio::sync::Mutex<()>> {
         self.locks.lock().unwrap().entry(id.to_string()).or_default().clone()
     }
+
+    /// End VM `id` and what the node keeps for it (its egress, its watches); one already gone
+    /// is not an error. The caller holds its lock.
+    async fn delete_vm(&self, id: &str) -> Result<(), NodeError> {
+        match self.runtime.delete(id).await {
+            Err(RuntimeError::UnknownSandbox(_)) | Ok(()) => {
+                if let Some(egress) = &self.egress {
+                    egress.forget(id);
+                }
+                self.watches.end_vm(id);
+                Ok(())
+            }
+            Err(e) => Err(NodeError::from(e)),
+        }
+    }
 }
 
 #[async_trait]
@@ -155,24 +170,21 @@ impl Nodes for LocalNode {
                 },
                 ms: sb.record.start_ms,
             },
+            run: sb.record.run.clone(),
         })
     }
 
-    async fn delete(&self, id: &str) -> Result<(), NodeError> {
+    async fn delete(&self, id: &str, run: Option<&str>) -> Result<(), NodeError> {
         // A VM not yet re-attached would look gone, and stay behind.
         self.runtime.settled(id).await;
         let lock = self.lock_for(id);
         let result = {
             let _guard = lock.lock().await;
-            match self.runtime.delete(id).await {
-                Err(RuntimeError::UnknownSandbox(_)) | Ok(()) => {
-                    if let Some(egress) = &self.egress {
-                        egress.forget(id);
-                    }
-                    self.watches.end_vm(id);
-                    Ok(())
-                }
-                Err(e) => Err(NodeError::from(e)),
+            // Checked under the VM's lock: no start of the id can come in between.
+            let stale = run.is_some_and(|run| self.runtime.run_of(id).is_some_and(|have| have != run));
+            match stale {
+                true => Err(NodeError::StaleRun(id.into())),
+                false => self.delete_vm(id).await,
             }
         };
         // Forget the lock unless another change already waits on it (it must keep excluding).
@@ -220,11 +232,7 @@ impl Nodes for LocalNode {
         match pushed {
             Ok(p) => {
                 tracing::info!(vm = %id, image = %image_id, uploaded = p.uploaded_bytes, "parked in object storage");
-                self.runtime.delete(id).await?;
-                if let Some(egress) = &self.egress {
-                    egress.forget(id);
-                }
-                self.watches.end_vm(id);
+                self.delete_vm(id).await?;
                 Ok(super::Parked {
                     bytes: image.bytes(),
                     fingerprint: self.runtime.fingerprint().await,
@@ -325,6 +333,10 @@ impl Nodes for LocalNode {
 
     async fn settled_all(&self) {
         self.runtime.settled_all().await
+    }
+
+    fn vm_run(&self, id: &str) -> Option<String> {
+        self.runtime.run_of(id)
     }
 
     fn vm_ids(&self) -> Vec<String> {

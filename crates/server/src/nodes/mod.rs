@@ -47,6 +47,18 @@ pub enum VmState {
 
 pub use crate::model::Booted;
 
+/// A VM in a node's report ([`wire::NodeReport::vms`]).
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct VmReport {
+    pub id: String,
+    pub state: VmState,
+    /// Which start of the sandbox on that node it is (random, new for every VM the node
+    /// starts; kept through pause, suspend and resume). A reaper acting on a report names it,
+    /// so its delete cannot end a VM started after the report ([`NodeError::StaleRun`]).
+    #[serde(default)]
+    pub run: String,
+}
+
 /// A VM a node is asked to start: the sandbox's id and what it starts from. Its own type, not
 /// the store's record, so a node on another host gets only this.
 #[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
@@ -144,8 +156,10 @@ pub trait Nodes: Send + Sync {
     fn template(&self, reference: &str) -> Option<TemplateManifest>;
     /// Start the VM of a recorded sandbox; returns once its agent answers.
     async fn create(&self, vm: &VmRequest) -> Result<Booted, NodeError>;
-    /// Stop the VM and remove its disk; a VM that is already gone is not an error.
-    async fn delete(&self, id: &str) -> Result<(), NodeError>;
+    /// Stop the VM and remove its disk; a VM that is already gone is not an error. With `run`,
+    /// only the VM of that run ([`VmReport::run`]): another run of the id is left as it is and
+    /// answers [`NodeError::StaleRun`].
+    async fn delete(&self, id: &str, run: Option<&str>) -> Result<(), NodeError>;
     async fn pause(&self, id: &str) -> Result<(), NodeError>;
     /// Save the VM's whole state to disk and end its process; returns how long it took (ms).
     async fn suspend(&self, id: &str) -> Result<u64, NodeError>;
@@ -209,8 +223,37 @@ pub trait Nodes: Send + Sync {
     async fn settled_all(&self);
     /// Every VM this node has: live, paused or suspended.
     fn vm_ids(&self) -> Vec<String>;
+    /// The run of VM `id` ([`VmReport::run`]) as last known; None when it has no VM (or the
+    /// node cannot say).
+    fn vm_run(&self, id: &str) -> Option<String> {
+        let _ = id;
+        None
+    }
+    /// Every VM, with the member that has it ([`Member::name`]): what a reaper compares with
+    /// the records.
+    fn vm_reports(&self) -> Vec<(String, VmReport)> {
+        self.vm_ids()
+            .into_iter()
+            .map(|id| {
+                let vm = VmReport {
+                    state: self.vm_state(&id),
+                    run: self.vm_run(&id).unwrap_or_default(),
+                    id,
+                };
+                (String::new(), vm)
+            })
+            .collect()
+    }
     /// The guest agent of a running VM (process and file calls, port tunnels).
     async fn agent(&self, id: &str) -> Result<AgentClient, NodeError>;
+    /// [`Nodes::agent`] for a sandbox whose record places it on member `node` as run `run`
+    /// ('' when not known yet): that member, when its report lists that run of `id`; else
+    /// wherever `agent` finds it (a report may predate a move). A leftover VM of the id on
+    /// another node is never asked instead.
+    async fn agent_of_run(&self, id: &str, node: &str, run: &str) -> Result<AgentClient, NodeError> {
+        let _ = (node, run);
+        self.agent(id).await
+    }
     /// Ids of VMs that exited on their own (crash, `kill -9`, powered off inside).
     fn exits(&self) -> broadcast::Receiver<String>;
     /// VM `id`'s egress counters and recent denials (None when the node lacks it or serves no

@@ -105,7 +105,9 @@ impl Inner {
             .header(hyper::header::AUTHORIZATION, wire::token(&self.secret, wire::TOKEN_TTL))
             .header(hyper::header::CONTENT_TYPE, "application/json");
         if let Some(op) = wire::current_operation() {
-            req = req.header(wire::OPERATION_HEADER, op);
+            req = req
+                .header(wire::OPERATION_HEADER, op.id)
+                .header(wire::EPOCH_HEADER, op.epoch.to_string());
         }
         let req = req.body(Full::new(body)).expect("valid request");
         let exchange = async {
@@ -300,8 +302,13 @@ impl Nodes for RemoteNode {
         self.inner.change(Method::POST, "/vms", Some(vm), CALL_LIMIT).await
     }
 
-    async fn delete(&self, id: &str) -> Result<(), NodeError> {
-        let path = format!("/vms/{id}");
+    async fn delete(&self, id: &str, run: Option<&str>) -> Result<(), NodeError> {
+        let path = match run {
+            // A run id is hex (`VmRecord::run`): nothing to escape; anything else is refused.
+            Some(run) if run.bytes().all(|b| b.is_ascii_hexdigit()) => format!("/vms/{id}?run={run}"),
+            Some(_) => return Err(NodeError::StaleRun(id.into())),
+            None => format!("/vms/{id}"),
+        };
         self.inner.change(Method::DELETE, &path, None::<&()>, CALL_LIMIT).await
     }
 
@@ -409,7 +416,7 @@ impl Nodes for RemoteNode {
     }
 
     fn vm_state(&self, id: &str) -> VmState {
-        self.report(|r| r.vms.iter().find(|(vm, _)| vm == id).map_or(VmState::Gone, |(_, s)| *s))
+        self.report(|r| r.vms.iter().find(|vm| vm.id == id).map_or(VmState::Gone, |vm| vm.state))
     }
 
     async fn vm_state_now(&self, id: &str) -> Option<VmState> {
@@ -440,7 +447,11 @@ impl Nodes for RemoteNode {
     }
 
     fn vm_ids(&self) -> Vec<String> {
-        self.report(|r| r.vms.iter().map(|(id, _)| id.clone()).collect())
+        self.report(|r| r.vms.iter().map(|vm| vm.id.clone()).collect())
+    }
+
+    fn vm_run(&self, id: &str) -> Option<String> {
+        self.report(|r| r.vms.iter().find(|vm| vm.id == id).map(|vm| vm.run.clone()))
     }
 
     async fn agent(&self, id: &str) -> Result<AgentClient, NodeError> {

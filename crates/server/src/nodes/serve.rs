@@ -27,6 +27,8 @@ struct Face {
     draining: Arc<std::sync::atomic::AtomicBool>,
     /// Changes under way ([`to_completion`]): a stopping node answers them before it exits.
     changing: Arc<std::sync::atomic::AtomicUsize>,
+    /// The highest lease epoch each operation's calls carried ([`fence`]), and when.
+    epochs: Arc<std::sync::Mutex<std::collections::HashMap<String, (i64, std::time::Instant)>>>,
 }
 
 impl Face {
@@ -99,6 +101,7 @@ impl NodeFace {
             admission: rules.map(|r| Arc::new(Admission::new(r))),
             draining: Default::default(),
             changing: Default::default(),
+            epochs: Default::default(),
         }))
     }
 
@@ -139,6 +142,7 @@ impl NodeFace {
             .route("/vms/{id}/deadline", put(set_deadline))
             .route("/exits", get(exits))
             .route("/vms/{id}/agent/{*route}", any(agent))
+            .layer(axum::middleware::from_fn_with_state(face.clone(), fence))
             .layer(axum::middleware::from_fn(log_change))
             .layer(axum::middleware::from_fn_with_state(face.clone(), authorize))
             .with_state(face);
@@ -162,13 +166,60 @@ async fn authorize(State(face): State<Face>, req: Request, next: axum::middlewar
     next.run(req).await
 }
 
-/// One line per change a caller asks for (not reads, not the agent's traffic), with the
-/// operation it is made for: what this node was asked to do for which operation. Written as
-/// the call arrives, as its caller may go before the answer.
+/// A change: not a read, not the agent's traffic, not a poll of a watch (a read too, however
+/// often it comes).
+fn is_change(req: &Request) -> bool {
+    let (method, path) = (req.method(), req.uri().path());
+    method != axum::http::Method::GET && !path.contains("/agent/") && !path.ends_with("/take")
+}
+
+/// How long a node remembers an operation's epoch: far past any lease ([`crate::store::LEASE_MS`])
+/// a stalled caller could still hold a call through.
+const EPOCHS_KEPT: std::time::Duration = std::time::Duration::from_secs(3600);
+
+/// Fencing: a change made for an operation whose lease epoch is lower than one this node has
+/// seen for it is refused 409 `fenced`; its caller stalled past its lease and another replica
+/// drives the operation now. Calls without an operation (a reaper's, a read) pass.
+async fn fence(State(face): State<Face>, req: Request, next: axum::middleware::Next) -> Response {
+    match face.fenced(&req) {
+        Some(op) => Failure(NodeError::Fenced(op)).into_response(),
+        None => next.run(req).await,
+    }
+}
+
+impl Face {
+    /// The operation `req` is made for, if its epoch is lower than one seen for it; else
+    /// None, its epoch recorded.
+    fn fenced(&self, req: &Request) -> Option<String> {
+        let header = |name: &str| req.headers().get(name).and_then(|v| v.to_str().ok());
+        let (op, epoch) = match (header(super::wire::OPERATION_HEADER), header(super::wire::EPOCH_HEADER)) {
+            (Some(op), Some(epoch)) if op.len() <= 64 && is_change(req) => (op, epoch.parse::<i64>().ok()?),
+            _ => return None,
+        };
+        let mut epochs = self.epochs.lock().unwrap_or_else(|e| e.into_inner());
+        let now = std::time::Instant::now();
+        if epochs.len() > 4096 {
+            epochs.retain(|_, (_, at)| now.duration_since(*at) < EPOCHS_KEPT);
+        }
+        match epochs.get(op) {
+            Some((seen, _)) if *seen > epoch => {
+                tracing::warn!(%op, epoch, seen, "refused a change of a lease since taken over");
+                Some(op.to_string())
+            }
+            _ => {
+                epochs.insert(op.to_string(), (epoch, now));
+                None
+            }
+        }
+    }
+}
+
+/// One line per change a caller asks for, with the operation it is made for: what this node
+/// was asked to do for which operation. Written as the call arrives, as its caller may go
+/// before the answer.
 async fn log_change(req: Request, next: axum::middleware::Next) -> Response {
     let (method, path) = (req.method(), req.uri().path());
-    // Polls of a watch are reads too, however often they come.
-    if method != axum::http::Method::GET && !path.contains("/agent/") && !path.ends_with("/take") {
+    if is_change(&req) {
         let op = req
             .headers()
             .get(super::wire::OPERATION_HEADER)
@@ -189,7 +240,7 @@ async fn report(State(f): State<Face>) -> Json<NodeReport> {
         capacity: n.capacity(),
         templates: n.templates(),
         pools: n.pools(),
-        vms: n.vm_ids().into_iter().map(|id| (id.clone(), n.vm_state(&id))).collect(),
+        vms: n.vm_reports().into_iter().map(|(_, vm)| vm).collect(),
         images: n.image_ids(),
         draining: f.draining(),
         fingerprint: n.fingerprint().await,
@@ -234,9 +285,19 @@ async fn create(State(f): State<Face>, Json(vm): Json<VmRequest>) -> Reply<super
     .await
 }
 
-async fn remove(State(f): State<Face>, Path(id): Path<String>) -> Reply<()> {
+/// `DELETE /vms/{id}?run=R`: only that run of the VM.
+#[derive(serde::Deserialize)]
+struct RunQuery {
+    run: Option<String>,
+}
+
+async fn remove(
+    State(f): State<Face>,
+    Path(id): Path<String>,
+    axum::extract::Query(q): axum::extract::Query<RunQuery>,
+) -> Reply<()> {
     to_completion(f.changing.clone(), async move {
-        f.nodes.delete(&id).await?;
+        f.nodes.delete(&id, q.run.as_deref()).await?;
         if let Some(expiry) = &f.expiry {
             expiry.set(&id, None);
         }

@@ -4,7 +4,8 @@
 //! Routes (JSON bodies; an error is [`ErrorReply`] with a 4xx/5xx status):
 //! - `GET  /report` -> [`NodeReport`]: what the node has now (a caller's cache of it)
 //! - `POST /vms` [`VmRequest`] -> `Booted`, or 503 `refused` with its `reason` (the node's own
-//!   admission); `DELETE /vms/{id}`
+//!   admission); `DELETE /vms/{id}[?run=R]` (with `run`: 409 `stale_run` if its VM is another
+//!   run)
 //! - `PUT /vms/{id}/deadline` `Option<Deadline>` -> `{}`: when the node ends it if no replica does
 //! - `POST /vms/{id}/pause|resume` -> `{}`; `POST /vms/{id}/suspend` -> [`Took`]
 //! - `POST /vms/{id}/settled`, `POST /settled` -> `{}` once known (after a node restart)
@@ -23,9 +24,11 @@
 //! for longer than [`TOKEN_TTL`] from now, so a leaked one soon ends.
 //!
 //! A call made for an operation carries its id in [`OPERATION_HEADER`], and the node logs each
-//! change with it: what a node did for which operation, read across hosts.
+//! change with it: what a node did for which operation, read across hosts. Its lease's epoch in
+//! [`EPOCH_HEADER`] fences it: a change with an epoch lower than the node has seen for that
+//! operation is refused 409 `fenced`.
 
-use super::{Capacity, NodeError, PoolInfo, VmState};
+use super::{Capacity, NodeError, PoolInfo};
 use airlock_runtime::template::TemplateManifest;
 use airlock_runtime::Resources;
 use hmac::Mac;
@@ -41,15 +44,27 @@ pub const TOKEN_TTL: Duration = Duration::from_secs(300);
 const TOKEN_LABEL: &[u8] = b"airlock-node/v1:";
 /// The operation a call is made for (its id), when it is made for one.
 pub const OPERATION_HEADER: &str = "airlock-operation";
+/// With [`OPERATION_HEADER`]: the epoch of the caller's lease of it (`store::Claimed`). A node
+/// refuses a change whose epoch is lower than one it saw for the same operation: the caller
+/// stalled past its lease, and another replica drives the operation now.
+pub const EPOCH_HEADER: &str = "airlock-operation-epoch";
+
+/// An operation a task carries out, as its calls to nodes name it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Carried {
+    pub id: String,
+    /// The epoch of the lease it runs under (1: the lease it was made with).
+    pub epoch: i64,
+}
 
 tokio::task_local! {
     /// The operation the current task carries out: calls to nodes made in it name it.
-    pub static OPERATION: String;
+    pub static OPERATION: Carried;
 }
 
 /// The operation the current task carries out, if it carries one out.
-pub fn current_operation() -> Option<String> {
-    OPERATION.try_with(|op| op.clone()).ok().filter(|op| !op.is_empty())
+pub fn current_operation() -> Option<Carried> {
+    OPERATION.try_with(|op| op.clone()).ok().filter(|op| !op.id.is_empty())
 }
 
 /// What a node has now: the caller answers `Nodes`' synchronous questions from it.
@@ -64,8 +79,8 @@ pub struct NodeReport {
     pub capacity: Capacity,
     pub templates: Vec<TemplateManifest>,
     pub pools: Vec<PoolInfo>,
-    /// Every VM the node has (live, paused, suspended), with its state.
-    pub vms: Vec<(String, VmState)>,
+    /// Every VM the node has (live, paused, suspended), with its state and run.
+    pub vms: Vec<super::VmReport>,
     pub images: Vec<String>,
     /// It is stopping: it starts nothing, and its sandboxes are to move elsewhere.
     #[serde(default)]
@@ -131,7 +146,9 @@ impl ErrorReply {
         match e {
             NodeError::UnknownTemplate(_) | NodeError::UnknownSandbox(_) | NodeError::UnknownImage(_) => 404,
             NodeError::InvalidResources(_) | NodeError::InvalidSandboxId(_) => 422,
-            NodeError::SandboxIdTaken(_) | NodeError::NotRunning(_) => 409,
+            NodeError::SandboxIdTaken(_) | NodeError::NotRunning(_) | NodeError::StaleRun(_) | NodeError::Fenced(_) => {
+                409
+            }
             NodeError::Unsupported(_) => 501,
             NodeError::Exhausted(_) | NodeError::Unreachable(_) | NodeError::Refused(..) => 503,
             NodeError::BootFailed(_) | NodeError::Network(_) | NodeError::Failed(_) => 500,
@@ -147,6 +164,8 @@ impl ErrorReply {
             NodeError::InvalidSandboxId(a) => ("invalid_sandbox_id", a.clone()),
             NodeError::SandboxIdTaken(a) => ("sandbox_id_taken", a.clone()),
             NodeError::NotRunning(a) => ("not_running", a.clone()),
+            NodeError::StaleRun(a) => ("stale_run", a.clone()),
+            NodeError::Fenced(a) => ("fenced", a.clone()),
             NodeError::Unsupported(a) => ("unsupported", a.clone()),
             NodeError::BootFailed(c) => ("boot_failed", c.to_string()),
             NodeError::Exhausted(c) => ("exhausted", c.to_string()),
@@ -176,6 +195,8 @@ impl ErrorReply {
             "invalid_sandbox_id" => NodeError::InvalidSandboxId(self.message),
             "sandbox_id_taken" => NodeError::SandboxIdTaken(self.message),
             "not_running" => NodeError::NotRunning(self.message),
+            "stale_run" => NodeError::StaleRun(self.message),
+            "fenced" => NodeError::Fenced(self.message),
             "unsupported" => NodeError::Unsupported(self.message),
             "boot_failed" => NodeError::BootFailed(cause(self.message)),
             "exhausted" => NodeError::Exhausted(cause(self.message)),

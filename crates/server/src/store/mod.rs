@@ -344,8 +344,8 @@ pub trait OperationStore: Send + Sync {
     /// Take the lease of every unfinished operation whose lease lapsed (and, with `own_too`, of
     /// those this store's [`Lease::holder`] held in an earlier life: a restarted single-host
     /// server), for [`LEASE_MS`]; returns them, oldest first. Each is taken by one caller only
-    /// (Postgres: `FOR UPDATE SKIP LOCKED`).
-    async fn claim_operations(&self, own_too: bool) -> Result<Vec<Operation>, StoreError>;
+    /// (Postgres: `FOR UPDATE SKIP LOCKED`), its lease's epoch raised by one.
+    async fn claim_operations(&self, own_too: bool) -> Result<Vec<Claimed>, StoreError>;
     /// Extend the leases this holder has of `ids` by [`LEASE_MS`] from now (a lease another
     /// holder took meanwhile stays its own).
     async fn renew_leases(&self, ids: &[String]) -> Result<(), StoreError>;
@@ -599,6 +599,15 @@ macro_rules! reserve_session_start_in {
     }};
 }
 use reserve_session_start_in;
+
+/// An operation [`OperationStore::claim_operations`] took, with its lease's epoch: 1 for the
+/// lease it was inserted with, one more for each claim since. Calls to nodes made for it carry
+/// the epoch, and a node refuses one lower than it has seen (`nodes/serve.rs`).
+#[derive(Debug, Clone)]
+pub struct Claimed {
+    pub op: Operation,
+    pub epoch: i64,
+}
 
 /// Take or keep a duty: one statement both stores run (`?` placeholders for SQLite, numbered
 /// for Postgres): the row is written only if it is free, lapsed or this holder's.

@@ -206,6 +206,7 @@ fn sandbox_from_row(r: &PgRow) -> SandboxRecord {
         timeout_ms: r.get("timeout_ms"),
         image_id: r.get("image_id"),
         node: r.get("node"),
+        run: r.get("run"),
         start: r
             .get::<Option<String>, _>("started_from")
             .map(|from| crate::model::SandboxStart {
@@ -410,11 +411,11 @@ impl OperationStore for PgStore {
         Ok(r.as_ref().map(op_from_row))
     }
 
-    async fn claim_operations(&self, own_too: bool) -> Result<Vec<Operation>, StoreError> {
+    async fn claim_operations(&self, own_too: bool) -> Result<Vec<super::Claimed>, StoreError> {
         let now = now_ms();
         // Rows another replica is claiming this moment are skipped, not waited for.
         let mut rows = sqlx::query(
-            "UPDATE operations SET lease_holder = $1, lease_until_ms = $2 WHERE id IN ( \
+            "UPDATE operations SET lease_holder = $1, lease_until_ms = $2, lease_epoch = lease_epoch + 1 WHERE id IN ( \
                SELECT id FROM operations WHERE state IN ('pending', 'running') \
                AND (lease_until_ms < $3 OR ($4 AND lease_holder = $1)) FOR UPDATE SKIP LOCKED) \
              RETURNING *",
@@ -426,7 +427,13 @@ impl OperationStore for PgStore {
         .fetch_all(&self.pool)
         .await?;
         rows.sort_by_key(|r| r.get::<i64, _>("created_at_ms"));
-        Ok(rows.iter().map(op_from_row).collect())
+        Ok(rows
+            .iter()
+            .map(|r| super::Claimed {
+                op: op_from_row(r),
+                epoch: r.get("lease_epoch"),
+            })
+            .collect())
     }
 
     fn lease(&self) -> &Lease {

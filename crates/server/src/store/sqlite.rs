@@ -143,6 +143,7 @@ fn sandbox_from_row(r: &sqlx::sqlite::SqliteRow) -> SandboxRecord {
         timeout_ms: r.get("timeout_ms"),
         image_id: r.get("image_id"),
         node: r.get("node"),
+        run: r.get("run"),
         start: r
             .get::<Option<String>, _>("started_from")
             .map(|from| crate::model::SandboxStart {
@@ -379,10 +380,10 @@ impl OperationStore for SqliteStore {
         Ok(r.as_ref().map(op_from_row))
     }
 
-    async fn claim_operations(&self, own_too: bool) -> Result<Vec<Operation>, StoreError> {
+    async fn claim_operations(&self, own_too: bool) -> Result<Vec<super::Claimed>, StoreError> {
         let now = now_ms();
         let mut rows = sqlx::query(
-            "UPDATE operations SET lease_holder = ?1, lease_until_ms = ?2 \
+            "UPDATE operations SET lease_holder = ?1, lease_until_ms = ?2, lease_epoch = lease_epoch + 1 \
              WHERE state IN ('pending', 'running') AND (lease_until_ms < ?3 OR (?4 AND lease_holder = ?1)) \
              RETURNING *",
         )
@@ -393,7 +394,13 @@ impl OperationStore for SqliteStore {
         .fetch_all(&self.pool)
         .await?;
         rows.sort_by_key(|r| r.get::<i64, _>("created_at_ms"));
-        Ok(rows.iter().map(op_from_row).collect())
+        Ok(rows
+            .iter()
+            .map(|r| super::Claimed {
+                op: op_from_row(r),
+                epoch: r.get("lease_epoch"),
+            })
+            .collect())
     }
 
     fn lease(&self) -> &Lease {

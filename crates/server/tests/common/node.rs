@@ -143,8 +143,8 @@ impl Nodes for TestNode {
         tokio::time::sleep(self.create_delay).await;
         self.inner.create(sandbox).await
     }
-    async fn delete(&self, id: &str) -> Result<(), airlock_server::core::NodeError> {
-        self.inner.delete(id).await
+    async fn delete(&self, id: &str, run: Option<&str>) -> Result<(), airlock_server::core::NodeError> {
+        self.inner.delete(id, run).await
     }
     async fn pause(&self, id: &str) -> Result<(), airlock_server::core::NodeError> {
         self.inner.pause(id).await
@@ -203,6 +203,9 @@ impl Nodes for TestNode {
     }
     fn vm_ids(&self) -> Vec<String> {
         self.inner.vm_ids()
+    }
+    fn vm_run(&self, id: &str) -> Option<String> {
+        self.inner.vm_run(id)
     }
     async fn agent(&self, id: &str) -> Result<airlock_agent_client::AgentClient, airlock_server::core::NodeError> {
         self.inner.agent(id).await

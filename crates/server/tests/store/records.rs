@@ -319,10 +319,12 @@ async fn sandboxes_list_page_expire_and_keep_their_records(b: Backend) {
             from: "restore".into(),
             ms: 42,
         },
+        run: "0123456789abcdef".into(),
     };
     store.set_sandbox_boot("sb_a", &booted).await.unwrap();
     let a = store.get_sandbox("t1", "sb_a").await.unwrap().unwrap();
     assert_eq!((a.template_digest.as_str(), a.accel.as_str()), ("sha256:def", "kvm"));
+    assert_eq!(a.run, "0123456789abcdef", "the run its node started");
     assert_eq!(a.start.map(|s| (s.from, s.ms)), Some(("restore".to_string(), 42)));
     assert!(store.get_sandbox("t2", "sb_a").await.unwrap().is_none());
 

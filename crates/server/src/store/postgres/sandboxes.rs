@@ -254,12 +254,13 @@ impl SandboxStore for PgStore {
 
     async fn set_sandbox_boot(&self, id: &str, booted: &crate::model::Booted) -> Result<(), StoreError> {
         sqlx::query(
-            "UPDATE sandboxes SET template_digest = $1, accel = $2, started_from = $3, start_ms = $4 WHERE id = $5",
+            "UPDATE sandboxes SET template_digest = $1, accel = $2, started_from = $3, start_ms = $4, run = $5 WHERE id = $6",
         )
         .bind(&booted.template_digest)
         .bind(&booted.accel)
         .bind(&booted.start.from)
         .bind(booted.start.ms as i64)
+        .bind(&booted.run)
         .bind(id)
         .execute(&self.pool)
         .await?;

@@ -251,14 +251,17 @@ impl SandboxStore for SqliteStore {
     }
 
     async fn set_sandbox_boot(&self, id: &str, booted: &crate::model::Booted) -> Result<(), StoreError> {
-        sqlx::query("UPDATE sandboxes SET template_digest = ?, accel = ?, started_from = ?, start_ms = ? WHERE id = ?")
-            .bind(&booted.template_digest)
-            .bind(&booted.accel)
-            .bind(&booted.start.from)
-            .bind(booted.start.ms as i64)
-            .bind(id)
-            .execute(&self.pool)
-            .await?;
+        sqlx::query(
+            "UPDATE sandboxes SET template_digest = ?, accel = ?, started_from = ?, start_ms = ?, run = ? WHERE id = ?",
+        )
+        .bind(&booted.template_digest)
+        .bind(&booted.accel)
+        .bind(&booted.start.from)
+        .bind(booted.start.ms as i64)
+        .bind(&booted.run)
+        .bind(id)
+        .execute(&self.pool)
+        .await?;
         Ok(())
     }
 
