@@ -180,9 +180,15 @@ pub struct NodeArgs {
     /// (`file:///path`, or just `/path`) or an S3 bucket (`s3://bucket`, its keys in
     /// AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY). A node lacking `seed` pulls it from there
     /// (every file checked against its digest) rather than build it; one that builds it puts it
-    /// there. A draining node parks its sandboxes there, for other nodes to resume.
+    /// there. A draining node parks its sandboxes there, for other nodes to resume, and
+    /// tenants' snapshots go there too; a node pulls a template it lacks from there at its
+    /// first create of it.
     #[arg(long, env = "AIRLOCK_OBJECTS")]
     objects: Option<String>,
+    /// A template built on this host (`airlock template build NAME`) to put in --objects at
+    /// start, unless a template of that name is there already; repeat it for several.
+    #[arg(long = "share-template", value_name = "NAME")]
+    share_templates: Vec<String>,
     /// An S3-compatible store's endpoint (`http://host:port`) for an `s3://` --objects
     /// [default: AWS, by region].
     #[arg(long, env = "AIRLOCK_S3_ENDPOINT")]
@@ -269,6 +275,35 @@ fn open_objects(url: &str, endpoint: Option<String>, region: &str) -> anyhow::Re
         anyhow::bail!("{url:?} is neither s3://BUCKET nor an absolute path (file:///path)");
     }
     Ok(Objects::local(path)?)
+}
+
+/// Templates `names` (built here) into `objects` where it has no template of the name yet, for
+/// the other nodes to pull at their first create of one. A name there already is left as it
+/// is: a node's restart must not turn it back to an older build.
+async fn share_templates(objects: &Objects, data_dir: &Path, names: &[String]) -> anyhow::Result<()> {
+    let store = TemplateStore::new(DataDir::open(data_dir)?);
+    for name in names {
+        let template = store.resolve(name).map_err(|e| {
+            anyhow::anyhow!("--share-template {name}: {e}; build it first (`airlock template build {name}`)")
+        })?;
+        let there = objects
+            .template_digest(name)
+            .await
+            .map_err(|e| anyhow::anyhow!("--share-template {name}: {e}"))?;
+        if let Some(digest) = there {
+            eprintln!("airlock: template `{name}` is in object storage already ({digest}); left as it is");
+            continue;
+        }
+        let pushed = objects
+            .push_template(&template)
+            .await
+            .map_err(|e| anyhow::anyhow!("--share-template {name}: {e}"))?;
+        eprintln!(
+            "airlock: template `{name}` {} put in object storage ({} bytes uploaded)",
+            pushed.digest, pushed.uploaded_bytes
+        );
+    }
+    Ok(())
 }
 
 /// `seed` in the data dir from `objects` if it has one (only the files the data dir lacks are
@@ -364,6 +399,7 @@ impl NodeArgs {
                 let objects = open_objects(url, self.s3_endpoint.clone(), &self.s3_region)
                     .map_err(|e| anyhow::anyhow!("--objects: {e}"))?;
                 seed_through(&objects, &data_dir).await?;
+                share_templates(&objects, &data_dir, &self.share_templates).await?;
                 Some(objects)
             }
             None => {

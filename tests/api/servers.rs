@@ -564,7 +564,8 @@ pub(crate) fn a_cold_node_pulls_seed_from_object_storage() {
 /// in object storage (saved, uploaded, ended on A) and starts them again on B, which pulls
 /// them; A exits 0. On B each has its file and its process, and A keeps nothing of them. A
 /// third, paused, stays parked (its tenant stopped it); deleted so, its image leaves object
-/// storage too.
+/// storage too. A snapshot taken on A outlives A: it starts on B, which pulls its image once,
+/// and deleted, it leaves B and object storage.
 pub(crate) fn a_draining_nodes_sandboxes_move_to_another_node() {
     let a_data = own_data_dir("node-a");
     let b_data = own_data_dir("node-b");
@@ -606,6 +607,11 @@ pub(crate) fn a_draining_nodes_sandboxes_move_to_another_node() {
         assert!((200..300).contains(&status));
         s.session(id, json!({ "argv": ["sleep", "3600"] }));
     }
+    let saving = Instant::now();
+    let (status, snap) = s.call("POST", &format!("/v1/sandboxes/{}/snapshots", ids[0]), None);
+    assert_eq!(status, 201, "{snap}");
+    println!("snapshot on A, saved and shared, in {:?}", saving.elapsed());
+    let snap_id = snap["id"].as_str().unwrap().to_string();
     let paused = s.create(json!({ "template": "seed", "timeout": "10m" }));
     let (status, r) = s.call("POST", &format!("/v1/sandboxes/{paused}/pause"), None);
     assert_eq!(status, 202, "{r}");
@@ -646,17 +652,19 @@ pub(crate) fn a_draining_nodes_sandboxes_move_to_another_node() {
             "the process {id} ran on A is gone"
         );
     }
-    // The images were the move's only: neither node keeps a copy.
-    for data in [&a_data, &b_data] {
-        let left: Vec<_> = std::fs::read_dir(data.join("images"))
+    // The images were the move's only: neither node keeps a copy (A only its snapshot's).
+    let images = |data: &Path| -> Vec<String> {
+        std::fs::read_dir(data.join("images"))
             .into_iter()
             .flatten()
             .flatten()
-            .collect();
-        assert!(left.is_empty(), "{} keeps {left:?}", data.display());
-    }
+            .map(|e| e.file_name().to_string_lossy().into_owned())
+            .collect()
+    };
+    assert_eq!(images(&a_data), vec![snap_id.clone()]);
+    assert!(images(&b_data).is_empty(), "B keeps {:?}", images(&b_data));
     // Nor does object storage: each image (the guest's memory among it) left with its move.
-    // The paused one's alone stays, for its resume.
+    // The paused one's stays, for its resume, and the snapshot's.
     let parked = || -> Vec<_> {
         std::fs::read_dir(objects.join("image-ids"))
             .into_iter()
@@ -667,8 +675,30 @@ pub(crate) fn a_draining_nodes_sandboxes_move_to_another_node() {
     };
     assert_eq!(
         parked().len(),
-        1,
+        2,
         "object storage keeps the moved images: {:?}",
+        parked()
+    );
+    // The snapshot outlives A: it starts on B, with what A's sandbox had then.
+    let starting = Instant::now();
+    let child = s.create(json!({ "template": snap_id.as_str(), "timeout": "10m" }));
+    println!("a sandbox from it on B (image pulled) in {:?}", starting.elapsed());
+    assert!(b_data.join("sandboxes").join(&child).exists(), "{child} is not on B");
+    let (status, body) = s.call(
+        "GET",
+        &format!("/v1/sandboxes/{child}/files?path=/home/user/moved.txt"),
+        None,
+    );
+    assert_eq!((status, body), (200, json!("written on A, #0")));
+    s.delete(&child);
+    assert_eq!(images(&b_data), vec![snap_id.clone()], "B keeps its copy for the next");
+    let (status, _) = s.call("DELETE", &format!("/v1/snapshots/{snap_id}"), None);
+    assert_eq!(status, 204);
+    assert!(images(&b_data).is_empty(), "B keeps {:?}", images(&b_data));
+    assert_eq!(
+        parked().len(),
+        1,
+        "the snapshot stays in object storage: {:?}",
         parked()
     );
     let (_, sb) = s.call("GET", &format!("/v1/sandboxes/{paused}"), None);
@@ -682,18 +712,25 @@ pub(crate) fn a_draining_nodes_sandboxes_move_to_another_node() {
     );
     // B has `seed`: of each image only the sandbox's own memory and disk came down.
     let log = std::fs::read_to_string(b_data.join("node.log")).unwrap_or_default();
-    let pulled: Vec<u64> = log
-        .lines()
-        .filter(|l| l.contains("pulled the parked VM's image"))
-        .filter_map(|l| l.split("bytes=").nth(1)?.split_whitespace().next()?.parse().ok())
-        .collect();
+    let pulled_bytes = |what: &str| -> Vec<u64> {
+        log.lines()
+            .filter(|l| l.contains(what))
+            .filter_map(|l| l.split("bytes=").nth(1)?.split_whitespace().next()?.parse().ok())
+            .collect()
+    };
+    let pulled = pulled_bytes("pulled the parked VM's image");
+    let snapshot_pulled = pulled_bytes("pulled the shared snapshot's image");
     let seed: Value = serde_json::from_slice(&std::fs::read(b_data.join("templates/seed.json")).unwrap()).unwrap();
     let rootfs = seed["rootfs_bytes"].as_u64().unwrap();
     assert!(
         pulled.len() == 2 && pulled.iter().all(|b| *b < rootfs),
         "pulled {pulled:?} bytes; the root filesystem alone is {rootfs}: {log}"
     );
-    println!("moved: each image pulled {pulled:?} bytes (seed's root filesystem, {rootfs} bytes, linked)");
+    assert!(
+        snapshot_pulled.len() == 1 && snapshot_pulled[0] < rootfs,
+        "the snapshot pulled {snapshot_pulled:?} bytes: {log}"
+    );
+    println!("moved: each image pulled {pulled:?} bytes (seed's root filesystem, {rootfs} bytes, linked); the snapshot {snapshot_pulled:?}");
     for id in &ids {
         s.delete(id);
     }

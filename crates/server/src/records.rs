@@ -186,6 +186,9 @@ pub struct SnapshotRecord {
     /// Content address, `sha256:<hex>` (snapshots; forks' images have none).
     pub digest: Option<String>,
     pub created_at_ms: i64,
+    /// Its image is in object storage too (`Nodes::share_image`), saved on the machine of this
+    /// fingerprint: any node of that machine starts a sandbox from it. None: on its node only.
+    pub shared: Option<String>,
 }
 
 impl SnapshotRecord {

@@ -30,6 +30,9 @@ mod remote;
 // Runs of a sandbox's VM, and deletes that name one (issue 25).
 #[path = "core/runs.rs"]
 mod runs;
+// Templates and snapshots nodes share through object storage (issue 25).
+#[path = "core/shared.rs"]
+mod shared;
 
 use airlock_runtime::fake;
 use airlock_runtime::vmm::pid_alive;

@@ -262,6 +262,15 @@ impl Objects {
         })
     }
 
+    /// The digest (`sha256:<hex>`) template `name` points at in the store; None: no such name.
+    pub async fn template_digest(&self, name: &str) -> Result<Option<String>> {
+        match self.resolve(name).await {
+            Ok(hex) => Ok(Some(format!("sha256:{hex}"))),
+            Err(ObjectsError::NotFound(_)) => Ok(None),
+            Err(e) => Err(e),
+        }
+    }
+
     /// The hex digest `reference` names in the store.
     async fn resolve(&self, reference: &str) -> Result<String> {
         if let Some(hex) = reference.strip_prefix("sha256:") {

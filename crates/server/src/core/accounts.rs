@@ -287,7 +287,7 @@ impl Core {
             // Images first: one that can't be removed keeps its record (and the tenant), so a
             // retry finds it. A save still under way finds its record gone and removes its own.
             for s in self.store.tenant_snapshots(&t.id).await? {
-                self.nodes.delete_image(&s.id).await?;
+                self.delete_image_everywhere(&s).await?;
                 self.store.delete_snapshot(&t.id, &s.id).await?;
             }
             self.store.delete_tenant(&t.id).await?;

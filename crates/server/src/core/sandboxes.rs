@@ -248,7 +248,7 @@ impl Core {
             start: None,
             lifecycle: req.lifecycle,
             timeout_ms: timeout.as_millis() as i64,
-            image_id: snapshot.map(|s| s.id),
+            image_id: snapshot.as_ref().map(|s| s.id.clone()),
             node: String::new(),
             run: String::new(),
         };
@@ -264,12 +264,23 @@ impl Core {
         }
         let quota = self.quota(tenant).await?;
         // Where its pool VM or its snapshot's image is, it must go; else the best node that
-        // admits it.
+        // admits it. A shared snapshot starts on any node of its machine, best on one that has
+        // its image already.
         let pinned = match (&pooled, &row.image_id) {
             (Some(id), _) | (None, Some(id)) => self.nodes.owner(id),
             (None, None) => None,
         };
-        let candidates = self.candidates(pinned.as_deref());
+        let candidates = match snapshot.as_ref().and_then(|s| s.shared.as_deref()) {
+            Some(machine) if pooled.is_none() => {
+                let (mut open, refused) = self.candidates_matching(machine);
+                if let Some(at) = open.iter().position(|m| pinned.as_deref() == Some(m.name.as_str())) {
+                    let holder = open.remove(at);
+                    open.insert(0, holder);
+                }
+                (open, refused)
+            }
+            _ => self.candidates(pinned.as_deref()),
+        };
         let submitted = self
             .offer(candidates, |node, budget, fallbacks| {
                 let sandbox = SandboxRecord { node, ..row.clone() };

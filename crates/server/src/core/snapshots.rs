@@ -85,6 +85,7 @@ impl Core {
             bytes: 0,
             digest: None,
             created_at_ms: now_ms(),
+            shared: None,
         };
         // Its size is known only once saved; until then it holds the most a save writes (the
         // sandbox's disk copied whole and its memory), so a burst of saves can't overshoot.
@@ -208,7 +209,18 @@ impl Core {
 
     async fn remove_image(&self, s: &SnapshotRecord) -> CoreResult<()> {
         self.store.delete_snapshot(&s.tenant_id, &s.id).await?;
+        self.delete_image_everywhere(s).await
+    }
+
+    /// Snapshot `s`'s image off every node that has it and, shared, out of object storage.
+    pub(crate) async fn delete_image_everywhere(&self, s: &SnapshotRecord) -> CoreResult<()> {
         self.nodes.delete_image(&s.id).await?;
+        if s.shared.is_some() {
+            match self.nodes.delete_parked(&s.id).await {
+                Ok(()) | Err(crate::nodes::NodeError::Unsupported(_)) => {}
+                Err(e) => tracing::warn!(snapshot = %s.id, "its image stays in object storage: {e}"),
+            }
+        }
         Ok(())
     }
 

@@ -327,6 +327,9 @@ impl Engine {
                         if let Err(e) = engine.sweep_interrupted_images(now_ms() - FORK_IMAGES_KEPT_MS).await {
                             tracing::warn!("cannot sweep the images of interrupted forks and saves: {e}");
                         }
+                        if let Err(e) = engine.sweep_unclaimed_images().await {
+                            tracing::warn!("cannot sweep the images no record claims: {e}");
+                        }
                     }
                     engine.resend_deadlines().await;
                     if !engine.recovery.under_way.load(std::sync::atomic::Ordering::SeqCst) {

@@ -308,9 +308,19 @@ impl Engine {
     /// engine started: saves and forks since then are under way.
     pub(super) async fn sweep_images(&self) -> CoreResult<()> {
         self.sweep_interrupted_images(self.started_ms).await?;
+        self.sweep_unclaimed_images().await
+    }
+
+    /// Images on the nodes that no record claims. Every image is recorded before it is made (a
+    /// save's, a fork's, a park's), so one unclaimed is left over: by a crash, or on a node that
+    /// did not answer when its record went (a shared snapshot's copy).
+    pub(super) async fn sweep_unclaimed_images(&self) -> CoreResult<()> {
+        // The images first, then the claims: an image listed was recorded before it was made,
+        // so a claim read after the list has it (unless it went since, and the image with it).
+        let images = self.nodes.image_ids();
         let mut claimed: std::collections::HashSet<String> = self.store.snapshot_ids().await?.into_iter().collect();
         claimed.extend(self.store.parked_images().await?);
-        for id in self.nodes.image_ids() {
+        for id in images {
             if !claimed.contains(&id) {
                 tracing::warn!(image = %id, "image without a record; removing it");
                 let _ = self.nodes.delete_image(&id).await;

@@ -9,6 +9,17 @@ const BUSY_WAIT: Duration = Duration::from_secs(30);
 impl Engine {
     pub(super) async fn run_create(&self, op: Operation, row: SandboxRecord, fallbacks: Vec<(String, NodeBudget)>) {
         let _ = self.store.set_operation_state(&op.id, OperationState::Running).await;
+        // A shared snapshot's image starts on any node of its machine, pulled where it lacks.
+        let shared = match &row.image_id {
+            Some(image) => match self.store.get_snapshot(&row.tenant_id, image).await {
+                Ok(snapshot) => snapshot.and_then(|s| s.shared),
+                Err(e) => {
+                    tracing::warn!(sandbox = %row.id, %image, "cannot read its snapshot: {e}");
+                    None
+                }
+            },
+            None => None,
+        };
         let vm = crate::nodes::VmRequest {
             id: row.id.clone(),
             template: row.template.clone(),
@@ -17,7 +28,8 @@ impl Engine {
             env: row.env.clone(),
             egress: row.egress.clone(),
             node: row.node.clone(),
-            moved_from: None,
+            keep_image: shared.is_some(),
+            moved_from: shared,
         };
         match self.create_placed(vm, fallbacks).await {
             Ok(booted) => {
@@ -238,6 +250,15 @@ impl Engine {
             snapshot.bytes = self.nodes.save_image(&op.sandbox_id, &snapshot.id).await?;
             if snapshot.kind == crate::records::SnapshotKind::Snapshot {
                 snapshot.digest = Some(self.nodes.digest_image(&snapshot.id).await?);
+                // Into object storage too, where its node has one: it then outlives the node.
+                snapshot.shared = match self.nodes.share_image(&snapshot.id).await {
+                    Ok(shared) => Some(shared.fingerprint),
+                    Err(crate::nodes::NodeError::Unsupported(_)) => None,
+                    Err(e) => {
+                        tracing::warn!(snapshot = %snapshot.id, "stays on its node alone: cannot put it in object storage: {e}");
+                        None
+                    }
+                };
             }
             if !self.store.snapshot_saved(&snapshot).await? {
                 return Err(CoreError::not_found(crate::error::Kind::Snapshot, &snapshot.id));
@@ -362,6 +383,7 @@ impl Engine {
             egress: row.egress.clone(),
             node: row.node.clone(),
             moved_from: Some(parked.fingerprint.clone()),
+            keep_image: false,
         };
         match self.create_placed(vm, fallbacks).await {
             Ok(booted) => {

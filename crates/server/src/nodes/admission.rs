@@ -141,6 +141,7 @@ mod tests {
             egress: Default::default(),
             node: String::new(),
             moved_from: None,
+            keep_image: false,
         }
     }
 

@@ -290,11 +290,37 @@ impl Nodes for Cluster {
         Ok(parked)
     }
 
+    async fn share_image(&self, image_id: &str) -> Result<super::Parked, NodeError> {
+        let (_, node) = self
+            .find(image_id)
+            .ok_or_else(|| NodeError::UnknownImage(image_id.into()))?;
+        node.share_image(image_id).await
+    }
+
+    /// On every member that lists it (a shared snapshot's copies too), and on the one it is
+    /// known on. A member that does not answer keeps its copy, which the replicas' sweep of
+    /// unclaimed images removes once it is back.
     async fn delete_image(&self, image_id: &str) -> Result<(), NodeError> {
-        let Some((_, node)) = self.find(image_id) else {
-            return Ok(());
-        };
-        node.delete_image(image_id).await?;
+        let members = self.snapshot();
+        let mut holders: Vec<Arc<dyn Nodes>> = members
+            .iter()
+            .filter(|(_, n)| n.image_ids().iter().any(|i| i == image_id))
+            .map(|(_, n)| n.clone())
+            .collect();
+        if holders.is_empty() {
+            holders.extend(self.find(image_id).map(|(_, n)| n));
+        }
+        for node in holders {
+            match node.delete_image(image_id).await {
+                Err(NodeError::Unreachable(e)) => {
+                    tracing::warn!(
+                        image = image_id,
+                        "a node that does not answer keeps its copy for now: {e}"
+                    )
+                }
+                done => done?,
+            }
+        }
         self.forget(image_id);
         Ok(())
     }

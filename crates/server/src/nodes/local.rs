@@ -103,6 +103,19 @@ impl Nodes for LocalNode {
         if self.runtime.get(&sandbox.id).is_ok() || self.runtime.is_suspended(&sandbox.id) {
             return Err(NodeError::SandboxIdTaken(sandbox.id.clone()));
         }
+        // A template another node built: pulled from object storage (every file checked).
+        if sandbox.image_id.is_none() && self.runtime.templates().resolve(&sandbox.template).is_err() {
+            if let Some(objects) = &self.objects {
+                match objects.pull_template(&sandbox.template, self.runtime.templates()).await {
+                    Ok(pulled) => {
+                        tracing::info!(template = %sandbox.template, digest = %pulled.template.manifest.digest, bytes = pulled.fetched_bytes, "pulled the template")
+                    }
+                    // Not there either: the runtime names the unknown template.
+                    Err(ObjectsError::NotFound(_) | ObjectsError::BadReference(_)) => {}
+                    Err(e) => return Err(objects_error(e)),
+                }
+            }
+        }
         // A VM parked by another node: its image is pulled (every file checked) unless here.
         let moved = match (&sandbox.moved_from, &sandbox.image_id) {
             (Some(_), Some(image)) => Some(image.clone()),
@@ -118,7 +131,14 @@ impl Nodes for LocalNode {
                     .pull_image(image, self.runtime.data_dir())
                     .await
                     .map_err(objects_error)?;
-                tracing::info!(vm = %sandbox.id, %image, bytes = pulled.fetched_bytes, "pulled the parked VM's image");
+                match sandbox.keep_image {
+                    true => {
+                        tracing::info!(vm = %sandbox.id, %image, bytes = pulled.fetched_bytes, "pulled the shared snapshot's image")
+                    }
+                    false => {
+                        tracing::info!(vm = %sandbox.id, %image, bytes = pulled.fetched_bytes, "pulled the parked VM's image")
+                    }
+                }
             }
         }
         if let Some(egress) = &self.egress {
@@ -136,8 +156,9 @@ impl Nodes for LocalNode {
                 env: sandbox.env.clone(),
             })
             .await;
-        // The VM holds its own links to what it runs on; the copy would only take disk.
-        if let Some(image) = &moved {
+        // A parked VM's image was for this start alone: the VM holds its own links to what it
+        // runs on, and the copy would only take disk. A shared snapshot's stays for the next.
+        if let Some(image) = moved.as_ref().filter(|_| !sandbox.keep_image) {
             let _ = self.runtime.delete_image(image);
         }
         let sb = match created {
@@ -150,7 +171,7 @@ impl Nodes for LocalNode {
             }
         };
         // Moved: the parked copy (the guest's memory among it) leaves object storage too.
-        if let (Some(image), Some(objects)) = (&moved, &self.objects) {
+        if let (Some(image), Some(objects), false) = (&moved, &self.objects, sandbox.keep_image) {
             match objects.delete_image(image).await {
                 Ok(n) => {
                     tracing::info!(vm = %sandbox.id, %image, objects = n, "deleted the parked image from object storage")
@@ -254,6 +275,23 @@ impl Nodes for LocalNode {
 
     fn parks(&self) -> bool {
         self.objects.is_some()
+    }
+
+    async fn share_image(&self, image_id: &str) -> Result<super::Parked, NodeError> {
+        let objects = self
+            .objects
+            .as_ref()
+            .ok_or_else(|| NodeError::Unsupported(format!("share image {image_id}: it has no object storage")))?;
+        let image = self
+            .runtime
+            .image(image_id)
+            .ok_or_else(|| NodeError::UnknownImage(image_id.into()))?;
+        let pushed = objects.push_image(&image).await.map_err(objects_error)?;
+        tracing::info!(image = %image_id, uploaded = pushed.uploaded_bytes, "shared in object storage");
+        Ok(super::Parked {
+            bytes: image.bytes(),
+            fingerprint: self.runtime.fingerprint().await,
+        })
     }
 
     async fn delete_image(&self, image_id: &str) -> Result<(), NodeError> {

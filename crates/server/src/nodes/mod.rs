@@ -80,9 +80,15 @@ pub struct VmRequest {
     /// own differs refuses it `incompatible`; one that lacks the image pulls it first.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub moved_from: Option<String>,
+    /// With `moved_from`: the image is a snapshot's, shared ([`Nodes::share_image`]), not a
+    /// parked VM's: the node keeps its copy (the next create from it here pulls nothing) and
+    /// object storage keeps the image.
+    #[serde(default)]
+    pub keep_image: bool,
 }
 
-/// A VM [`Nodes::park`] saved to object storage and ended.
+/// A VM [`Nodes::park`] saved to object storage and ended (or an image
+/// [`Nodes::share_image`] put there).
 #[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
 pub struct Parked {
     /// The image's bytes (memory and disk) in object storage.
@@ -173,6 +179,15 @@ pub trait Nodes: Send + Sync {
         let _ = (id, image_id);
         Err(NodeError::Unsupported("park a VM: it has no object storage".into()))
     }
+    /// Put saved image `image_id` into object storage as well (a snapshot's, so that it outlives
+    /// this node): any node of an equal fingerprint can then start from it
+    /// ([`VmRequest::moved_from`] with [`VmRequest::keep_image`]). A node without object
+    /// storage answers `Unsupported`.
+    async fn share_image(&self, image_id: &str) -> Result<Parked, NodeError> {
+        Err(NodeError::Unsupported(format!(
+            "share image {image_id}: it has no object storage"
+        )))
+    }
     /// Whether it can [`Nodes::park`] VMs (it has object storage).
     fn parks(&self) -> bool {
         false
@@ -184,8 +199,8 @@ pub trait Nodes: Send + Sync {
     }
     /// Remove a saved image (a missing one is not an error).
     async fn delete_image(&self, image_id: &str) -> Result<(), NodeError>;
-    /// Remove a parked VM's image from object storage, for a sandbox that ended parked (a
-    /// missing one is not an error).
+    /// Remove an image from object storage: a parked VM's, for a sandbox that ended parked, or
+    /// a shared snapshot's (a missing one is not an error).
     async fn delete_parked(&self, image_id: &str) -> Result<(), NodeError> {
         Err(NodeError::Unsupported(format!(
             "delete parked image {image_id}: it has no object storage"

@@ -334,6 +334,11 @@ impl Nodes for RemoteNode {
         self.inner.change(Method::POST, &path, None::<&()>, CALL_LIMIT).await
     }
 
+    async fn share_image(&self, image_id: &str) -> Result<super::Parked, NodeError> {
+        let path = format!("/images/{image_id}/share");
+        self.inner.change(Method::POST, &path, None::<&()>, CALL_LIMIT).await
+    }
+
     async fn fingerprint(&self) -> String {
         self.report(|r| r.fingerprint.clone())
     }

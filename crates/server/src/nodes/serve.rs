@@ -130,6 +130,7 @@ impl NodeFace {
             .route("/vms/{id}/images/{image}", post(save_image))
             .route("/vms/{id}/park/{image}", post(park))
             .route("/images/{image}", delete(delete_image))
+            .route("/images/{image}/share", post(share_image))
             .route("/images/{image}/digest", get(digest_image))
             .route("/parked/{image}", delete(delete_parked))
             .route("/claims", post(claim))
@@ -368,6 +369,10 @@ async fn park(State(f): State<Face>, Path((id, image)): Path<(String, String)>) 
 
 async fn delete_image(State(f): State<Face>, Path(image): Path<String>) -> Reply<()> {
     to_completion(f.changing.clone(), async move { f.nodes.delete_image(&image).await }).await
+}
+
+async fn share_image(State(f): State<Face>, Path(image): Path<String>) -> Reply<super::Parked> {
+    to_completion(f.changing.clone(), async move { f.nodes.share_image(&image).await }).await
 }
 
 async fn delete_parked(State(f): State<Face>, Path(image): Path<String>) -> Reply<()> {

@@ -11,6 +11,7 @@
 //! - `POST /vms/{id}/settled`, `POST /settled` -> `{}` once known (after a node restart)
 //! - `POST /vms/{id}/park/{image}` -> `Parked`: saved to object storage, ended here
 //! - `POST /vms/{id}/images/{image}` -> [`Saved`]; `DELETE /images/{image}`;
+//!   `POST /images/{image}/share` -> `Parked`: put in object storage too (a snapshot's);
 //!   `GET /images/{image}/digest` -> [`Digest`]
 //! - `POST /claims` [`ClaimRequest`] -> [`Claimed`]; `DELETE /claims/{id}`; `PUT /pools` [`PoolSize`]
 //! - `GET /vms/{id}/egress` -> `Option<EgressSnapshot>`: its egress counters and recent denials

@@ -639,6 +639,7 @@ async fn record_fork_image(
         bytes: 0,
         digest: None,
         created_at_ms,
+        shared: None,
     };
     store
         .admit_snapshot(

@@ -14,7 +14,7 @@ use axum::body::Body;
 use axum::http::Method;
 use std::time::{Duration, Instant};
 
-fn vm_request(id: &str) -> VmRequest {
+pub(crate) fn vm_request(id: &str) -> VmRequest {
     VmRequest {
         id: id.into(),
         template: "seed".into(),
@@ -24,6 +24,7 @@ fn vm_request(id: &str) -> VmRequest {
         egress: Default::default(),
         node: String::new(),
         moved_from: None,
+        keep_image: false,
     }
 }
 

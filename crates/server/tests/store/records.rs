@@ -141,6 +141,7 @@ async fn snapshots_are_admitted_saved_found_and_counted(b: Backend) {
         bytes: 0,
         digest: None,
         created_at_ms: now_ms() - 1000,
+        shared: None,
     };
     let quota = Quota {
         disk_mib: Some(4000),
@@ -203,9 +204,16 @@ async fn snapshots_are_admitted_saved_found_and_counted(b: Backend) {
     let saved = SnapshotRecord {
         bytes: (3 << 20) + 1,
         digest: Some("sha256:aa".into()),
+        shared: Some("machine-x".into()),
         ..a.clone()
     };
     assert!(store.snapshot_saved(&saved).await.unwrap());
+    let got = store.get_snapshot(&t.id, "snap_a").await.unwrap().unwrap();
+    assert_eq!(
+        got.shared.as_deref(),
+        Some("machine-x"),
+        "shared, and where it was saved"
+    );
     let usage = store.tenant_usage(&t.id, now_ms()).await.unwrap();
     assert_eq!((usage.snapshots, usage.snapshot_disk_mib, usage.disk_mib), (1, 4, 4));
     for by in ["snap_a", "first", "sha256:aa"] {

@@ -28,6 +28,7 @@ fn snapshot_from_row(r: &sqlx::postgres::PgRow) -> SnapshotRecord {
         bytes: r.get::<i64, _>("bytes").max(0) as u64,
         digest: r.get("digest"),
         created_at_ms: r.get("created_at_ms"),
+        shared: r.get("shared_fingerprint"),
     }
 }
 
@@ -101,11 +102,13 @@ impl SnapshotStore for PgStore {
 
     async fn snapshot_saved(&self, s: &SnapshotRecord) -> Result<bool, StoreError> {
         let done = sqlx::query(
-            "UPDATE snapshots SET state = 'ready', bytes = $1, digest = $2, held_mib = $3 WHERE tenant_id = $4 AND id = $5",
+            "UPDATE snapshots SET state = 'ready', bytes = $1, digest = $2, held_mib = $3, shared_fingerprint = $4 \
+             WHERE tenant_id = $5 AND id = $6",
         )
         .bind(s.bytes.min(i64::MAX as u64) as i64)
         .bind(&s.digest)
         .bind(held_mib(s.bytes))
+        .bind(&s.shared)
         .bind(&s.tenant_id)
         .bind(&s.id)
         .execute(&self.pool)

@@ -28,6 +28,7 @@ fn snapshot_from_row(r: &sqlx::sqlite::SqliteRow) -> SnapshotRecord {
         bytes: r.get::<i64, _>("bytes").max(0) as u64,
         digest: r.get("digest"),
         created_at_ms: r.get("created_at_ms"),
+        shared: r.get("shared_fingerprint"),
     }
 }
 
@@ -100,11 +101,13 @@ impl SnapshotStore for SqliteStore {
 
     async fn snapshot_saved(&self, s: &SnapshotRecord) -> Result<bool, StoreError> {
         let done = sqlx::query(
-            "UPDATE snapshots SET state = 'ready', bytes = ?, digest = ?, held_mib = ? WHERE tenant_id = ? AND id = ?",
+            "UPDATE snapshots SET state = 'ready', bytes = ?, digest = ?, held_mib = ?, shared_fingerprint = ? \
+             WHERE tenant_id = ? AND id = ?",
         )
         .bind(s.bytes.min(i64::MAX as u64) as i64)
         .bind(&s.digest)
         .bind(held_mib(s.bytes))
+        .bind(&s.shared)
         .bind(&s.tenant_id)
         .bind(&s.id)
         .execute(&self.pool)
