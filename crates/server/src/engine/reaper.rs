@@ -206,11 +206,7 @@ impl Engine {
                 }
             }
             tracing::warn!(sandbox = %vm.id, %node, run = %vm.run, "{why}, yet this node has a VM of it; removing that VM");
-            match self
-                .nodes
-                .delete(&vm.id, Some(vm.run.as_str()).filter(|r| !r.is_empty()))
-                .await
-            {
+            match self.nodes.delete(&vm.id, crate::nodes::named_run(&vm.run)).await {
                 Ok(()) => {}
                 Err(crate::nodes::NodeError::StaleRun(_)) => {
                     tracing::info!(sandbox = %vm.id, %node, "the VM is a newer run than the report showed; left")

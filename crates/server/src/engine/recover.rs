@@ -294,10 +294,7 @@ impl Engine {
             if !live {
                 tracing::warn!(sandbox = %vm.id, "VM without a live record; deleting it");
                 // Only the run seen here: one started since (by another replica) stays.
-                let _ = self
-                    .nodes
-                    .delete(&vm.id, Some(vm.run.as_str()).filter(|r| !r.is_empty()))
-                    .await;
+                let _ = self.nodes.delete(&vm.id, crate::nodes::named_run(&vm.run)).await;
             }
         }
         Ok(())

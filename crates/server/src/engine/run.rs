@@ -51,8 +51,7 @@ impl Engine {
                     // A delete was submitted during the boot, and may have found no VM yet: the
                     // VM just booted is nobody's, so it goes (deleting twice is harmless).
                     tracing::info!(sandbox = %row.id, "deleted while it booted; stopping its VM");
-                    let run = Some(booted.run.as_str()).filter(|r| !r.is_empty());
-                    if let Err(e) = self.nodes.delete(&row.id, run).await {
+                    if let Err(e) = self.nodes.delete(&row.id, crate::nodes::named_run(&booted.run)).await {
                         tracing::warn!(sandbox = %row.id, "cannot stop the VM of a deleted sandbox: {e}");
                     }
                 }

@@ -131,14 +131,11 @@ impl Nodes for LocalNode {
                     .pull_image(image, self.runtime.data_dir())
                     .await
                     .map_err(objects_error)?;
-                match sandbox.keep_image {
-                    true => {
-                        tracing::info!(vm = %sandbox.id, %image, bytes = pulled.fetched_bytes, "pulled the shared snapshot's image")
-                    }
-                    false => {
-                        tracing::info!(vm = %sandbox.id, %image, bytes = pulled.fetched_bytes, "pulled the parked VM's image")
-                    }
-                }
+                let whose = match sandbox.keep_image {
+                    true => "the shared snapshot's",
+                    false => "the parked VM's",
+                };
+                tracing::info!(vm = %sandbox.id, %image, bytes = pulled.fetched_bytes, "pulled {whose} image");
             }
         }
         if let Some(egress) = &self.egress {

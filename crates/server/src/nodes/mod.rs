@@ -47,6 +47,12 @@ pub enum VmState {
 
 pub use crate::model::Booted;
 
+/// Run `run` as a delete names it ([`Nodes::delete`]): '' (a VM an older node started, which
+/// has none) names no run.
+pub fn named_run(run: &str) -> Option<&str> {
+    Some(run).filter(|r| !r.is_empty())
+}
+
 /// A VM in a node's report ([`wire::NodeReport::vms`]).
 #[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct VmReport {
