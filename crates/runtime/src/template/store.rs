@@ -148,7 +148,7 @@ impl TemplateStore {
     /// makes. Returns the template and the one of that name it replaced, if that was another
     /// image: the previous image stays while sandboxes may use it; the runtime prunes
     /// unreferenced ones when it opens (see `prune_blobs`).
-    pub(super) fn commit(
+    pub(crate) fn commit(
         &self,
         out: &Path,
         manifest: impl FnOnce(String, u64, u64) -> TemplateManifest,

@@ -38,7 +38,7 @@ pub use vm::FakeVmm;
 
 use agent::registered;
 
-use crate::datadir::{write_atomic, DataDir};
+use crate::datadir::DataDir;
 use crate::error::{Result, RuntimeError};
 use crate::sandbox::RuntimeOptions;
 use crate::template::{SeedRecipe, TemplateManifest};
@@ -75,49 +75,45 @@ pub fn install_template(data_dir: &Path, name: &str) -> Result<TemplateManifest>
         ("initrd.img", b"fake initrd\n"),
         ("rootfs.ext4", &rootfs),
     ];
-    // Its digest as a real template's is made (the sha256 of its files' hex digests, in this
-    // order), so object storage takes and checks it as one.
-    let hex = {
-        use sha2::Digest;
-        let mut all = sha2::Sha256::new();
-        for (_, content) in blobs {
-            all.update(hex::encode(sha2::Sha256::digest(content)).as_bytes());
-        }
-        hex::encode(all.finalize())
-    };
-    let dir = data.blobs().join(&hex);
-    std::fs::create_dir_all(&dir).map_err(|e| RuntimeError::io(&dir, e))?;
+    // Committed as a build commits a real one (its digest made from its files), so object
+    // storage takes and checks it as one.
+    let out = data
+        .cache()
+        .join(format!("fake-template-{parsed}-{}", crate::datadir::random_hex(4)));
+    std::fs::create_dir_all(&out).map_err(|e| RuntimeError::io(&out, e))?;
     for (file, content) in blobs {
-        std::fs::write(dir.join(file), content).map_err(|e| RuntimeError::io(dir.join(file), e))?;
+        std::fs::write(out.join(file), content).map_err(|e| RuntimeError::io(out.join(file), e))?;
     }
-    let manifest = TemplateManifest {
-        name: parsed.clone(),
-        digest: format!("sha256:{hex}"),
-        kernel_version: "fake".into(),
-        built_at: humantime::format_rfc3339_millis(SystemTime::now()).to_string(),
-        size_bytes: blobs.iter().map(|(_, c)| c.len() as u64).sum(),
-        rootfs_bytes: rootfs.len() as u64,
-        recipe_digest: "fake".into(),
-        recipe: SeedRecipe {
+    let committed =
+        crate::template::TemplateStore::new(data).commit(&out, |digest, size_bytes, rootfs_bytes| TemplateManifest {
             name: parsed.clone(),
-            suite: "fake".into(),
-            variant: "fake".into(),
-            packages: Vec::new(),
-            mirror: String::new(),
-            kernel_package: "fake".into(),
-            modules: Vec::new(),
-            agent_sha256: String::new(),
-            files_sha256: String::new(),
-            wheels: Vec::new(),
-            apt: Vec::new(),
+            digest,
+            kernel_version: "fake".into(),
+            built_at: humantime::format_rfc3339_millis(SystemTime::now()).to_string(),
+            size_bytes,
+            rootfs_bytes,
+            recipe_digest: "fake".into(),
+            recipe: SeedRecipe {
+                name: parsed.clone(),
+                suite: "fake".into(),
+                variant: "fake".into(),
+                packages: Vec::new(),
+                mirror: String::new(),
+                kernel_package: "fake".into(),
+                modules: Vec::new(),
+                agent_sha256: String::new(),
+                files_sha256: String::new(),
+                wheels: Vec::new(),
+                apt: Vec::new(),
+                start: None,
+                builder_version: 0,
+            },
             start: None,
-            builder_version: 0,
-        },
-        start: None,
-    };
-    let path = data.templates().join(format!("{parsed}.json"));
-    write_atomic(&path, &serde_json::to_vec_pretty(&manifest).expect("serializable"))?;
-    Ok(manifest)
+        });
+    // An install of blobs already there leaves its own copy behind.
+    let _ = std::fs::remove_dir_all(&out);
+    let (template, _) = committed?;
+    Ok(template.manifest)
 }
 
 /// Runtime options for a fake node on `data_dir`: a new `FakeVmm`, TCG forced (no KVM probe),
