@@ -3,7 +3,7 @@
 //! One server (and one read-only sandbox) is shared by the tests: `server()` and `shared()`
 //! here, with the data dirs of their own that some tests start servers on, and the custom `main`
 //! (libtest-mimic) that lists the tests and cleans up after them. The tests are in `api/` by
-//! concern (sessions, lifecycle, snapshots, ports, errors, servers, cli); the harness (`Server`)
+//! concern (sessions, lifecycle, snapshots, ports, errors, servers, cli, templates); the harness (`Server`)
 //! is `common/`, shared with `hostile.rs`.
 
 #[path = "api/cli.rs"]
@@ -21,6 +21,8 @@ mod servers;
 mod sessions;
 #[path = "api/snapshots.rs"]
 mod snapshots;
+#[path = "api/templates.rs"]
+mod templates;
 
 use base64::Engine as _;
 use common::*;
@@ -167,6 +169,14 @@ fn main() {
         t(
             "admin_cli_manages_tenants_keys_quotas_and_policies",
             cli::admin_cli_manages_tenants_keys_quotas_and_policies,
+        ),
+        t(
+            "a_dockerfile_builds_a_template_that_starts_restored",
+            templates::a_dockerfile_builds_a_template_that_starts_restored,
+        ),
+        t(
+            "a_failing_step_names_itself_and_bad_definitions_are_refused",
+            templates::a_failing_step_names_itself_and_bad_definitions_are_refused,
         ),
     ];
     let conclusion = libtest_mimic::run(&args, tests);

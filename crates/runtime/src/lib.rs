@@ -33,5 +33,7 @@ pub use vmm::{qemu, qmp};
 pub use agent::AgentClient;
 pub use error::{Result, RuntimeError};
 pub use sandbox::pools::{PoolKey, PoolStatus};
-pub use sandbox::{CreateVm, DiskSpace, Output, Resources, Runtime, RuntimeOptions, Vm};
+pub use sandbox::{
+    start_template_process, Capture, CreateVm, DiskSpace, Output, Resources, Runtime, RuntimeOptions, Vm,
+};
 pub use vmm::Accel;

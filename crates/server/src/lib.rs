@@ -45,7 +45,8 @@ use utoipa::OpenApi;
         native::create_snapshot, native::list_snapshots, native::get_snapshot, native::delete_snapshot, native::get_operation,
         native::create_session, native::list_sessions, native::get_session, native::stream_session, native::session_stdin,
         native::session_signal, native::session_resize, native::read_file, native::write_file, native::delete_file, native::list_files,
-        native::list_templates, native::get_template, native::system,
+        native::list_templates, native::get_template, native::build_template, native::delete_template,
+        native::upload_context, native::list_builds, native::get_build, native::build_logs, native::system,
         native::admin::login, native::admin::create_tenant, native::admin::list_tenants, native::admin::get_tenant,
         native::admin::delete_tenant, native::admin::get_quota, native::admin::put_quota, native::admin::get_policy,
         native::admin::put_policy, native::admin::create_key, native::admin::list_keys, native::admin::revoke_key,
@@ -133,8 +134,18 @@ pub fn router(state: AppState) -> Router {
             ),
         )
         .route("/sandboxes/{id}/files/list", get(native::list_files))
-        .route("/templates", get(native::list_templates))
-        .route("/templates/{name}", get(native::get_template))
+        .route("/templates", get(native::list_templates).post(native::build_template))
+        .route(
+            "/templates/contexts",
+            post(native::upload_context).layer(axum::extract::DefaultBodyLimit::disable()),
+        )
+        .route(
+            "/templates/{name}",
+            get(native::get_template).delete(native::delete_template),
+        )
+        .route("/builds", get(native::list_builds))
+        .route("/builds/{id}", get(native::get_build))
+        .route("/builds/{id}/logs", get(native::build_logs))
         .route("/system", get(native::system))
         .fallback(native::not_found)
         .route_layer(axum::middleware::from_fn_with_state(
@@ -193,6 +204,16 @@ pub fn router(state: AppState) -> Router {
         .route("/snapshots", get(e2b::control::list_snapshots))
         .route("/templates/{id}", axum::routing::delete(e2b::control::delete_template))
         .route("/templates/aliases/{alias}", get(e2b::control::template_alias))
+        // E2B's template builder (the SDK's `Template.build`).
+        .route("/v3/templates", post(e2b::control::create_template))
+        .route("/templates/{id}/files/{hash}", get(e2b::control::file_link))
+        .route("/v2/templates/{id}/builds/{build}", post(e2b::control::start_build))
+        .route("/templates/{id}/builds/{build}/status", get(e2b::control::build_status))
+        .route(
+            "/templates/tags",
+            post(e2b::control::assign_tags).delete(e2b::control::remove_tags),
+        )
+        .route("/templates/{id}/tags", get(e2b::control::get_tags))
         // Newer SDKs (e.g. 2.63) create and connect through the v2 paths; same semantics.
         .route("/v2/sandboxes", get(e2b::control::list_v2).post(e2b::control::create))
         .route("/v2/sandboxes/{id}/connect", post(e2b::control::connect))
@@ -200,6 +221,13 @@ pub fn router(state: AppState) -> Router {
             e2b_state.clone(),
             e2b::control::require_tenant,
         ))
+        .with_state(e2b_state.clone());
+    // An upload link carries its own authority (signed), not an API key: E2B's presigned URLs.
+    let e2b_uploads = Router::new()
+        .route(
+            "/templates/{id}/files/{hash}",
+            axum::routing::put(e2b::control::upload).layer(axum::extract::DefaultBodyLimit::disable()),
+        )
         .with_state(e2b_state.clone());
     let envd = Router::new()
         .route("/process.Process/{method}", post(e2b::envd::process_rpc))
@@ -226,6 +254,7 @@ pub fn router(state: AppState) -> Router {
         .nest("/v1/admin", admin)
         .nest("/v1", v1)
         .merge(e2b_api)
+        .merge(e2b_uploads)
         .merge(envd)
         .route("/readyz", get(native::readyz).with_state(core.clone()))
         .route(
@@ -458,6 +487,7 @@ pub async fn serve(opts: ServeOptions) -> anyhow::Result<()> {
         node_grace: opts.node_grace,
         egress,
         federation: federation.clone(),
+        build_contexts: Some(root.join("build-contexts")),
         ..core::Config::default()
     };
     let capacity = nodes.capacity();
@@ -527,6 +557,7 @@ pub async fn serve(opts: ServeOptions) -> anyhow::Result<()> {
     core.engine().spawn_news();
     core.spawn_metrics_sampler();
     core.spawn_rehoming();
+    core.spawn_build_sweeper();
     let state = AppState {
         core,
         e2b_domain: opts.e2b_domain.map(Into::into),

@@ -485,6 +485,11 @@ pub struct Template {
     pub kernel_version: String,
     pub size_bytes: u64,
     pub built_at: String,
+    /// A tenant's own template: its tag and the build that serves it (absent on platform ones).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tag: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub build_id: Option<String>,
 }
 
 impl From<airlock_runtime::template::TemplateManifest> for Template {
@@ -495,6 +500,8 @@ impl From<airlock_runtime::template::TemplateManifest> for Template {
             kernel_version: m.kernel_version,
             size_bytes: m.size_bytes,
             built_at: m.built_at,
+            tag: None,
+            build_id: None,
         }
     }
 }
@@ -812,4 +819,161 @@ pub struct TenantEgressPolicy {
     pub allow: EgressRules,
     #[serde(default)]
     pub deny: EgressRules,
+}
+
+/// A step of a template build: `RUN [cmd, user?]`, `COPY [src, dest, user?, mode?]` (with
+/// `filesHash`, an uploaded context), `ENV [k1, v1, ...]`, `WORKDIR [path]`, `USER [name]`. The
+/// same shape as E2B's build steps: both doors take it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, ToSchema)]
+pub struct BuildStep {
+    #[serde(rename = "type")]
+    pub kind: StepKind,
+    #[serde(default)]
+    pub args: Vec<String>,
+    /// COPY: the uploaded context (its sha256, as `POST /v1/templates/contexts` answered).
+    #[serde(
+        default,
+        rename = "filesHash",
+        alias = "files_hash",
+        skip_serializing_if = "Option::is_none"
+    )]
+    pub files_hash: Option<String>,
+    /// Run it even if a cached result exists.
+    #[serde(default)]
+    pub force: bool,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, ToSchema)]
+#[serde(rename_all = "UPPERCASE")]
+pub enum StepKind {
+    Run,
+    Copy,
+    Env,
+    Workdir,
+    User,
+}
+
+impl StepKind {
+    pub fn name(self) -> &'static str {
+        match self {
+            StepKind::Run => "RUN",
+            StepKind::Copy => "COPY",
+            StepKind::Env => "ENV",
+            StepKind::Workdir => "WORKDIR",
+            StepKind::User => "USER",
+        }
+    }
+}
+
+/// A template build: a Dockerfile (with `context` for its COPY lines) or `from` and `steps`.
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
+pub struct BuildTemplateRequest {
+    /// `name[:tag]` (tag `default` when none).
+    pub name: String,
+    /// The parent template (a platform template or one of the tenant's); with `dockerfile`, its FROM.
+    #[serde(default)]
+    pub from: Option<String>,
+    #[serde(default)]
+    pub steps: Vec<BuildStep>,
+    /// A Dockerfile (FROM, RUN, COPY, ADD of local files, ENV, WORKDIR, USER, ARG, CMD, ENTRYPOINT).
+    #[serde(default)]
+    pub dockerfile: Option<String>,
+    /// The uploaded context the Dockerfile's COPY lines copy from.
+    #[serde(default)]
+    pub context: Option<String>,
+    /// Started in every sandbox of the template (restored running, from its base snapshot).
+    #[serde(default)]
+    pub start_cmd: Option<String>,
+    /// A command that exits 0 once the start command is ready.
+    #[serde(default)]
+    pub ready_cmd: Option<String>,
+    /// Rebuild every step.
+    #[serde(default)]
+    pub force: bool,
+    #[serde(default)]
+    pub vcpu: Option<u32>,
+    #[serde(default)]
+    pub memory_mib: Option<u32>,
+    #[serde(default)]
+    pub disk_mib: Option<u32>,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
+pub struct BuildFailure {
+    pub message: String,
+    /// `base`, the step's number (1-based), or `finalize`.
+    pub step: String,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
+pub struct TemplateBuild {
+    pub id: String,
+    pub name: String,
+    pub tag: String,
+    /// `waiting`, `building`, `ready` or `error`.
+    pub status: String,
+    /// The step running now, or the last one.
+    pub step: Option<String>,
+    pub error: Option<BuildFailure>,
+    pub digest: Option<String>,
+    pub created_at: String,
+    pub finished_at: Option<String>,
+}
+
+impl From<crate::records::BuildRecord> for TemplateBuild {
+    fn from(b: crate::records::BuildRecord) -> Self {
+        TemplateBuild {
+            error: b.error.map(|message| BuildFailure {
+                message,
+                step: b.error_step.unwrap_or_default(),
+            }),
+            id: b.id,
+            name: b.name,
+            tag: b.tag,
+            status: b.status.as_str().into(),
+            step: b.step,
+            digest: b.digest,
+            created_at: crate::records::rfc3339(b.created_at_ms),
+            finished_at: b.finished_at_ms.map(crate::records::rfc3339),
+        }
+    }
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
+pub struct BuildLogLine {
+    /// Its place in the build's log, from 0 (an SSE event's id).
+    pub seq: i64,
+    pub at: String,
+    pub level: String,
+    pub step: String,
+    pub message: String,
+}
+
+impl From<crate::records::BuildLogEntry> for BuildLogLine {
+    fn from(e: crate::records::BuildLogEntry) -> Self {
+        BuildLogLine {
+            seq: e.seq,
+            at: crate::records::rfc3339(e.at_ms),
+            level: e.level,
+            step: e.step,
+            message: e.message,
+        }
+    }
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
+pub struct BuildLogs {
+    pub build: TemplateBuild,
+    pub entries: Vec<BuildLogLine>,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
+pub struct BuildList {
+    pub builds: Vec<TemplateBuild>,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
+pub struct ContextUploaded {
+    /// Name it in COPY steps (`filesHash`) or as a Dockerfile build's `context`.
+    pub hash: String,
 }

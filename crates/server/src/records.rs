@@ -293,3 +293,82 @@ mod tests {
         assert_eq!(rfc3339(i64::MAX), "9999-12-31T23:59:59.999Z");
     }
 }
+
+/// Where a template build is (E2B's vocabulary, which the native door shares).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum BuildStatus {
+    /// Recorded; its build VM is being admitted or started.
+    Waiting,
+    Building,
+    Ready,
+    /// It failed, was cancelled, or its replica stopped while it ran.
+    Error,
+}
+
+impl BuildStatus {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            BuildStatus::Waiting => "waiting",
+            BuildStatus::Building => "building",
+            BuildStatus::Ready => "ready",
+            BuildStatus::Error => "error",
+        }
+    }
+
+    pub fn parse(s: &str) -> Self {
+        match s {
+            "waiting" => BuildStatus::Waiting,
+            "building" => BuildStatus::Building,
+            "ready" => BuildStatus::Ready,
+            _ => BuildStatus::Error,
+        }
+    }
+
+    pub fn ended(self) -> bool {
+        matches!(self, BuildStatus::Ready | BuildStatus::Error)
+    }
+}
+
+/// A build of a tenant's template `name:tag`, as recorded. The template is the newest ready
+/// build of its name and tag.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct BuildRecord {
+    pub id: String,
+    pub tenant_id: String,
+    pub name: String,
+    pub tag: String,
+    pub status: BuildStatus,
+    /// The definition as the core parsed it (JSON).
+    pub definition: String,
+    /// What its content came from (parent digest and steps): an equal key is the same build.
+    pub cache_key: Option<String>,
+    /// The built image's name in the nodes' template stores, once ready.
+    pub template: Option<String>,
+    pub digest: Option<String>,
+    /// The built image's manifest in the nodes' stores (JSON), once ready.
+    pub manifest: Option<String>,
+    /// The node it was built on.
+    pub node: String,
+    /// The sandbox its steps run in while it builds.
+    pub sandbox_id: Option<String>,
+    /// The step running now (`base`, `1`..`N`, `finalize`).
+    pub step: Option<String>,
+    pub error: Option<String>,
+    pub error_step: Option<String>,
+    pub created_at_ms: i64,
+    pub finished_at_ms: Option<i64>,
+    pub heartbeat_ms: i64,
+}
+
+/// One line of a build's log.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
+pub struct BuildLogEntry {
+    /// Its place in the build's log, from 0.
+    pub seq: i64,
+    pub at_ms: i64,
+    /// `debug`, `info`, `warn` or `error`.
+    pub level: String,
+    pub step: String,
+    pub message: String,
+}

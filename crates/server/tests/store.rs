@@ -876,6 +876,8 @@ async fn a_bad_or_unreachable_postgres_url_says_what_to_fix() {
     assert!(dir.path().join("airlock.db").exists());
 }
 
+#[path = "store/builds.rs"]
+mod builds;
 #[path = "store/records.rs"]
 mod records;
 #[path = "store/sqlite.rs"]

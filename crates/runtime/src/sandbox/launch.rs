@@ -341,44 +341,94 @@ pub async fn ready_or_died(
     }
 }
 
-/// Run a template's start process and wait until its port accepts connections.
+/// Run a template's start process and wait until it is ready: its port accepts connections,
+/// or its ready command exits 0 (polled every second, as a built template's check is).
 pub async fn start_template_process(client: &AgentClient, start: &StartSpec, limit: Duration) -> Result<()> {
     let limit = limit.max(TEMPLATE_START_LIMIT);
     let spec = ProcessSpec {
         argv: start.argv.clone(),
         user: Some(start.user.clone()),
+        cwd: start.cwd.clone(),
+        env: start.env.clone(),
         tag: Some("airlock-template-start".into()),
         ..Default::default()
     };
     let info = client.spawn(&spec).await?;
     let deadline = Instant::now() + limit;
     loop {
-        if client.tunnel(start.ready_port).await.is_ok() {
+        if ready(client, start).await {
             return Ok(());
         }
         let p = client.process(info.id).await?;
-        if p.state == airlock_proto::ProcessState::Exited {
-            let mut out = Vec::new();
-            let mut events = Box::pin(client.events(info.id, 0).await?);
-            while let Some(Ok(ev)) = events.next().await {
-                if let EventKind::Stdout(b) | EventKind::Stderr(b) = ev.kind {
-                    out.extend_from_slice(&b);
-                }
-            }
-            let tail = String::from_utf8_lossy(&out[out.len().saturating_sub(2000)..]).to_string();
+        // A start command that ends well (`echo`) leaves the ready check to decide.
+        let failed =
+            p.state == airlock_proto::ProcessState::Exited && p.exit.as_ref().is_none_or(|e| e.exit_code != Some(0));
+        if failed || (p.state == airlock_proto::ProcessState::Exited && start.ready_cmd.is_none()) {
+            let out = process_output(client, info.id).await;
             return Err(RuntimeError::TemplateStart {
                 argv: start.argv.clone(),
-                output: tail,
+                output: out,
             });
         }
         if Instant::now() > deadline {
-            return Err(RuntimeError::PortNotReady {
-                port: start.ready_port,
-                waited_ms: limit.as_millis() as u64,
+            return Err(match &start.ready_cmd {
+                Some(cmd) => RuntimeError::TemplateStart {
+                    argv: start.argv.clone(),
+                    output: format!("the ready command {cmd:?} did not succeed within {} s", limit.as_secs()),
+                },
+                None => RuntimeError::PortNotReady {
+                    port: start.ready_port,
+                    waited_ms: limit.as_millis() as u64,
+                },
             });
         }
-        tokio::time::sleep(Duration::from_millis(100)).await;
+        let pause = if start.ready_cmd.is_some() { 1000 } else { 100 };
+        tokio::time::sleep(Duration::from_millis(pause)).await;
     }
+}
+
+/// Whether `start`'s ready check passes now.
+async fn ready(client: &AgentClient, start: &StartSpec) -> bool {
+    let Some(cmd) = &start.ready_cmd else {
+        return start.ready_port == 0 || client.tunnel(start.ready_port).await.is_ok();
+    };
+    let spec = ProcessSpec {
+        argv: vec!["/bin/bash".into(), "-l".into(), "-c".into(), cmd.clone()],
+        user: Some(start.user.clone()),
+        cwd: start.cwd.clone(),
+        env: start.env.clone(),
+        timeout_ms: Some(30_000),
+        ..Default::default()
+    };
+    let Ok(info) = client.spawn(&spec).await else {
+        return false;
+    };
+    let Ok(mut events) = client.events(info.id, 0).await.map(Box::pin) else {
+        return false;
+    };
+    while let Some(Ok(ev)) = events.next().await {
+        if let EventKind::Exit(status) = ev.kind {
+            return status.exit_code == Some(0);
+        }
+    }
+    false
+}
+
+/// The last 2000 bytes process `id` wrote.
+async fn process_output(client: &AgentClient, id: u64) -> String {
+    let mut out = Vec::new();
+    if let Ok(events) = client.events(id, 0).await {
+        let mut events = Box::pin(events);
+        while let Some(Ok(ev)) = events.next().await {
+            if let EventKind::Stdout(b) | EventKind::Stderr(b) = ev.kind {
+                out.extend_from_slice(&b);
+                if out.len() > 64 * 1024 {
+                    out.drain(..out.len() - 2000);
+                }
+            }
+        }
+    }
+    String::from_utf8_lossy(&out[out.len().saturating_sub(2000)..]).to_string()
 }
 
 /// The resources a VM of `template` gets: its disk at least the template's image.

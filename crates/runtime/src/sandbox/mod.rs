@@ -17,6 +17,7 @@
 
 mod accel;
 pub mod base_snapshot;
+mod capture;
 mod console;
 mod disk;
 pub mod image;
@@ -46,7 +47,9 @@ use std::sync::{Arc, Weak};
 use std::time::Duration;
 
 pub use crate::vmm::{Resources, MAX_DISK_MIB, MIN_MEMORY_MIB};
+pub use capture::Capture;
 pub use disk::DiskSpace;
+pub use launch::start_template_process;
 pub use reconcile::RECONCILE_AT_ONCE;
 pub use suspend::{SuspendRecord, SUSPEND_MARKER, SUSPEND_STATE};
 pub use vm::{valid_sandbox_id, Output, StartKind, Timing, Vm, VmRecord};
@@ -164,6 +167,7 @@ impl Runtime {
         rt.inner.base_snapshots.remove_interrupted().await;
         rt.inner.base_snapshots.prune();
         rt.inner.images.remove_unfinished();
+        rt.remove_unfinished_captures();
         rt.prune_blobs();
         console::spawn_trimmer(Arc::downgrade(&rt.inner), rt.inner.launcher.data.sandboxes());
         let entries = rt.unsettled_entries();

@@ -199,6 +199,7 @@ impl TemplateStore {
             recipe_digest: recipe_digest.into(),
             recipe: recipe.clone(),
             start: def.start.clone(),
+            built: None,
         })?;
         if let Some(old) = old {
             progress.log(&format!(

@@ -30,5 +30,5 @@ pub use error::TemplateError;
 pub use initramfs::locate_agent;
 pub use kernel::{module_depends, resolve_modules};
 pub use recipes::{SeedRecipe, StartSpec, BASE, BUILDABLE, CODE_INTERPRETER, CODE_INTERPRETER_PORT, SEED};
-pub use store::{find_manifest, parse_reference, Template, TemplateManifest, TemplateStore};
+pub use store::{find_manifest, parse_reference, Built, Template, TemplateManifest, TemplateStore};
 pub(crate) use store::{INITRD_FILE, KERNEL_FILE, ROOTFS_FILE};

@@ -7,11 +7,13 @@ use serde::{Deserialize, Serialize};
 
 pub const SEED: &str = "seed";
 /// `seed` plus what code written for E2B's `base` assumes: git, curl, a `python` command, pip and
-/// venv, node and npm. `seed` itself stays minimal.
+/// venv, node and npm, and `ss` (iproute2: E2B's builder waits for a port with it). `seed`
+/// itself stays minimal.
 pub const BASE: &str = "base";
 const BASE_EXTRA_PACKAGES: &[&str] = &[
     "git",
     "curl",
+    "iproute2",
     "python-is-python3",
     "python3-pip",
     "python3-venv",
@@ -94,12 +96,22 @@ pub(super) const GUEST_MODULES: &[&str] = &[
 ];
 const SEED_PACKAGES: &[&str] = &["python3", "procps", "sudo", "ca-certificates", "less"];
 
-/// A process a template runs once the guest is up, and the port that says it is ready.
+/// A process a template runs once the guest is up, and what says it is ready: its port
+/// accepting connections, or a command exiting 0 (a built template's ready check). The added
+/// fields are left out when unset, so the recipes (and digests) of the built-in templates stay.
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
 pub struct StartSpec {
     pub argv: Vec<String>,
     pub user: String,
+    /// 0: no port to wait for.
     pub ready_port: u16,
+    /// A shell command run as `user` until it exits 0.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ready_cmd: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cwd: Option<String>,
+    #[serde(default, skip_serializing_if = "std::collections::BTreeMap::is_empty")]
+    pub env: std::collections::BTreeMap<String, String>,
 }
 
 /// Everything that decides what a template image contains.
@@ -202,6 +214,9 @@ pub(super) fn definition(name: &str) -> Option<TemplateDef> {
                 ],
                 user: "user".into(),
                 ready_port: CODE_INTERPRETER_PORT,
+                ready_cmd: None,
+                cwd: None,
+                env: Default::default(),
             }),
         }),
         _ => None,

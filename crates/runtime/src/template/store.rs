@@ -32,6 +32,22 @@ pub struct TemplateManifest {
     /// Started after boot; the sandbox is ready once its port answers.
     #[serde(default)]
     pub start: Option<StartSpec>,
+    /// Set for a template built from another in a VM (`Runtime::capture_template`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub built: Option<Built>,
+}
+
+/// What a built template keeps of its build: where it came from and what its sandboxes'
+/// processes default to (the build's last USER, WORKDIR and ENV).
+#[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq, Eq)]
+pub struct Built {
+    /// The parent template's digest.
+    pub parent: String,
+    pub user: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub workdir: Option<String>,
+    #[serde(default, skip_serializing_if = "std::collections::BTreeMap::is_empty")]
+    pub env: std::collections::BTreeMap<String, String>,
 }
 
 /// A resolved template on disk.

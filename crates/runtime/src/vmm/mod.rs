@@ -399,6 +399,16 @@ pub trait Vmm: Send + Sync {
     fn snapshotting(&self) -> Option<&dyn Snapshotting> {
         None
     }
+    /// Write a stopped VM's whole disk (its overlay over every image under it) as one raw
+    /// image at `to`: what a template build keeps (`Runtime::capture_template`).
+    async fn export_disk(&self, vm: &VmHandle, to: &Path) -> Result<()> {
+        let _ = to;
+        Err(RuntimeError::DiskCreate(format!(
+            "the {} VMM cannot export VM {}'s disk",
+            self.name(),
+            vm.dir.display()
+        )))
+    }
 }
 
 /// The last step of every driver's `stop`: SIGKILL, then wait for the exit.

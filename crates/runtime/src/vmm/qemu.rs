@@ -22,6 +22,8 @@ pub const QEMU_BINARY: &str = "qemu-system-x86_64";
 pub const SANDBOX: &str = "on,obsolete=deny,elevateprivileges=deny,spawn=deny,resourcecontrol=deny";
 /// Longest unix socket path the kernel accepts (sun_path is 108 bytes with the NUL).
 const MAX_SOCKET_PATH: usize = 107;
+/// The VM's writable disk in its dir: a qcow2 overlay on the template's image (or a chain).
+const OVERLAY_FILE: &str = "disk.qcow2";
 
 #[derive(Debug, Clone)]
 pub struct QemuVmm {
@@ -456,7 +458,7 @@ impl Vmm for QemuVmm {
         let jailer = self.jailer.as_ref().ok_or(crate::jail::JailError::NoJailer)?;
         let dir = &spec.dir;
         let files = VmFiles {
-            overlay: dir.join("disk.qcow2"),
+            overlay: dir.join(OVERLAY_FILE),
             agent_socket: dir.join("agent.sock"),
             qmp_socket: dir.join("qmp.sock"),
             console: dir.join("console.log"),
@@ -603,6 +605,27 @@ impl Vmm for QemuVmm {
 
     fn snapshotting(&self) -> Option<&dyn Snapshotting> {
         Some(self)
+    }
+
+    async fn export_disk(&self, vm: &VmHandle, to: &Path) -> Result<()> {
+        // The overlay's header names its backing chain by host paths (the VM's `held/` links):
+        // qemu-img follows them. Zeros stay holes (`-S`), so the image is as sparse as the disk.
+        let overlay = vm.dir.join(OVERLAY_FILE);
+        let out = Command::new("qemu-img")
+            .args(["convert", "-q", "-f", "qcow2", "-O", "raw"])
+            .arg(&overlay)
+            .arg(to)
+            .output()
+            .await
+            .map_err(|e| RuntimeError::QemuMissing(format!("qemu-img ({e})")))?;
+        if !out.status.success() {
+            return Err(RuntimeError::DiskCreate(format!(
+                "qemu-img convert {}: {}",
+                overlay.display(),
+                String::from_utf8_lossy(&out.stderr).trim()
+            )));
+        }
+        Ok(())
     }
 }
 

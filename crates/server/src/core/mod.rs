@@ -20,6 +20,7 @@
 
 pub mod accounts;
 pub mod audit;
+pub mod builds;
 pub mod egress;
 pub mod federation;
 pub mod files;
@@ -89,6 +90,8 @@ pub struct Config {
     pub federation: federation::Federation,
     /// Uploads under way at once, per sandbox, per tenant and on the whole server.
     pub uploads: uploads::UploadLimits,
+    /// Where uploaded build contexts are kept (per tenant); None: builds cannot COPY.
+    pub build_contexts: Option<std::path::PathBuf>,
 }
 
 impl Default for Config {
@@ -113,6 +116,7 @@ impl Default for Config {
             ),
             federation: Default::default(),
             uploads: Default::default(),
+            build_contexts: None,
         }
     }
 }

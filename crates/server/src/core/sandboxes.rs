@@ -123,7 +123,7 @@ fn check_metadata(m: &BTreeMap<String, String>) -> CoreResult<()> {
 
 impl Core {
     /// Admit a sandbox and submit its create; with a known idempotency key, the earlier one.
-    async fn create_sandbox_unaudited(
+    pub(super) async fn create_sandbox_unaudited(
         &self,
         principal: &Principal,
         tenant: &Tenant,
@@ -165,8 +165,15 @@ impl Core {
         let snapshot = self.store.get_snapshot(&tenant.id, &req.template).await?;
         let template = match &snapshot {
             Some(s) => self.resolve_template(&s.template).ok(),
-            None => Some(self.resolve_template(&req.template)?),
+            None => Some(self.resolve_template_for(tenant, &req.template).await?),
         };
+        // A built template's ENV, under what the create asks.
+        let mut req = req;
+        if let Some(built) = template.as_ref().and_then(|t| t.built.as_ref()) {
+            for (k, v) in &built.env {
+                req.env.entry(k.clone()).or_insert_with(|| v.clone());
+            }
+        }
         let defaults = airlock_runtime::Resources::default();
         let resources = airlock_runtime::Resources {
             vcpu: req.vcpu.unwrap_or(defaults.vcpu),

@@ -27,13 +27,11 @@ pub fn alias_of(template: &str) -> Option<&'static str> {
 impl Core {
     /// The template `name` names: a template's name or digest, or an alias.
     pub fn resolve_template(&self, name: &str) -> CoreResult<TemplateManifest> {
-        (self.nodes.template(name))
-            .or_else(|| self.nodes.template(canonical(name)))
-            .ok_or_else(|| CoreError::NotFound {
-                kind: Kind::Template,
-                id: name.into(),
-                hint: format!("; this server has: {}", self.template_names().join(", ")),
-            })
+        self.platform_template(name).ok_or_else(|| CoreError::NotFound {
+            kind: Kind::Template,
+            id: name.into(),
+            hint: format!("; this server has: {}", self.template_names().join(", ")),
+        })
     }
 
     /// The name of the template `name` resolves to (an alias, a digest: the template's own name).
@@ -66,8 +64,11 @@ impl Core {
         Ok(self.resolve_template(name)?.into())
     }
 
+    /// The platform's templates (a tenant's builds are its own: `builds`).
     fn manifests(&self) -> Vec<TemplateManifest> {
-        self.nodes.templates()
+        let mut all = self.nodes.templates();
+        all.retain(|m| !m.name.starts_with(super::builds::BUILT_PREFIX));
+        all
     }
 
     /// Template names with their aliases, for error messages.

@@ -7,11 +7,13 @@ mod files;
 mod sandboxes;
 mod sessions;
 mod snapshots;
+mod templates;
 
 pub use files::*;
 pub use sandboxes::*;
 pub use sessions::*;
 pub use snapshots::*;
+pub use templates::*;
 
 use crate::core::egress::EgressRequest;
 use crate::core::sandboxes::{Change, CreateSandbox, ListSandboxes};
@@ -144,21 +146,6 @@ fn parse_duration(field: &str, v: &str) -> ApiResult<Duration> {
 fn accepted(operation: Operation) -> (StatusCode, Json<OperationAccepted>) {
     let sandbox_id = operation.sandbox_id.clone();
     (StatusCode::ACCEPTED, Json(OperationAccepted { operation, sandbox_id }))
-}
-
-#[utoipa::path(get, path = "/v1/templates", tag = "templates",
-    responses((status = 200, body = TemplateList), ApiErrors), security(("bearer" = [])))]
-pub async fn list_templates(State(core): State<Core>) -> Json<TemplateList> {
-    Json(TemplateList {
-        templates: core.templates(),
-    })
-}
-
-#[utoipa::path(get, path = "/v1/templates/{name}", tag = "templates", params(("name" = String, Path)),
-    responses((status = 200, body = Template), ApiErrors),
-    security(("bearer" = [])))]
-pub async fn get_template(State(core): State<Core>, Path(name): Path<String>) -> ApiResult<Json<Template>> {
-    Ok(Json(core.template(&name)?))
 }
 
 /// What a tenant may know of the server: version, accelerator, runtimes, egress configuration.

@@ -283,6 +283,23 @@ impl Nodes for Cluster {
         Ok(bytes)
     }
 
+    async fn capture_template(&self, id: &str, capture: &super::Capture) -> Result<TemplateManifest, NodeError> {
+        let (_, node) = self.locate(id).await.ok_or_else(|| unknown(id))?;
+        let manifest = node.capture_template(id, capture).await?;
+        self.forget(id);
+        Ok(manifest)
+    }
+
+    /// On every member; one that does not answer keeps its copy (unused: no record names it).
+    async fn remove_template(&self, name: &str) -> Result<(), NodeError> {
+        for (member, node) in self.snapshot().iter() {
+            if let Err(e) = node.remove_template(name).await {
+                tracing::warn!(%member, template = name, "the template stays on this node for now: {e}");
+            }
+        }
+        Ok(())
+    }
+
     async fn park(&self, id: &str, image_id: &str) -> Result<super::Parked, NodeError> {
         let (_, node) = self.locate(id).await.ok_or_else(|| unknown(id))?;
         let parked = node.park(id, image_id).await?;

@@ -234,6 +234,22 @@ impl Nodes for LocalNode {
         Ok(self.runtime.save_image(id, image_id).await?.bytes())
     }
 
+    async fn capture_template(&self, id: &str, capture: &super::Capture) -> Result<TemplateManifest, NodeError> {
+        self.runtime.settled(id).await;
+        let lock = self.lock_for(id);
+        let _guard = lock.lock().await;
+        let manifest = self.runtime.capture_template(id, capture.clone()).await?;
+        if let Some(objects) = &self.objects {
+            let template = self.runtime.templates().resolve(&manifest.name)?;
+            objects.push_template(&template).await.map_err(objects_error)?;
+        }
+        Ok(manifest)
+    }
+
+    async fn remove_template(&self, name: &str) -> Result<(), NodeError> {
+        Ok(self.runtime.remove_template(name)?)
+    }
+
     async fn park(&self, id: &str, image_id: &str) -> Result<super::Parked, NodeError> {
         let objects = self
             .objects

@@ -29,6 +29,7 @@ pub use watches::{WatchSpec, WatchStart};
 pub use crate::model::PoolInfo;
 use airlock_agent_client::AgentClient;
 use airlock_runtime::template::TemplateManifest;
+pub use airlock_runtime::Capture;
 use airlock_runtime::Resources;
 use async_trait::async_trait;
 use tokio::sync::broadcast;
@@ -202,6 +203,19 @@ pub trait Nodes: Send + Sync {
     /// `Runtime::fingerprint`).
     async fn fingerprint(&self) -> String {
         String::new()
+    }
+    /// End VM `id` and keep its disk as template `capture.name` on its node
+    /// (`Runtime::capture_template`); a node with object storage puts it there too, for the
+    /// others to pull at their first create of it. The VM is gone afterwards, whatever the outcome.
+    async fn capture_template(&self, id: &str, capture: &Capture) -> Result<TemplateManifest, NodeError> {
+        let _ = (id, capture);
+        Err(NodeError::Unsupported("build templates".into()))
+    }
+    /// Remove template `name` from every node that has it: sandboxes made from it run on (a
+    /// missing one is not an error).
+    async fn remove_template(&self, name: &str) -> Result<(), NodeError> {
+        let _ = name;
+        Ok(())
     }
     /// Remove a saved image (a missing one is not an error).
     async fn delete_image(&self, image_id: &str) -> Result<(), NodeError>;

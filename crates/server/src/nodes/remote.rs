@@ -329,6 +329,16 @@ impl Nodes for RemoteNode {
         Ok(saved.bytes)
     }
 
+    async fn capture_template(&self, id: &str, capture: &super::Capture) -> Result<TemplateManifest, NodeError> {
+        let path = format!("/vms/{id}/capture");
+        self.inner.change(Method::POST, &path, Some(capture), CALL_LIMIT).await
+    }
+
+    async fn remove_template(&self, name: &str) -> Result<(), NodeError> {
+        let path = format!("/templates/{name}");
+        self.inner.change(Method::DELETE, &path, None::<&()>, CALL_LIMIT).await
+    }
+
     async fn park(&self, id: &str, image_id: &str) -> Result<super::Parked, NodeError> {
         let path = format!("/vms/{id}/park/{image_id}");
         self.inner.change(Method::POST, &path, None::<&()>, CALL_LIMIT).await

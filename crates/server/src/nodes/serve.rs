@@ -5,6 +5,7 @@
 
 use super::wire::{ClaimRequest, Claimed, Digest, ErrorReply, NodeReport, PoolSize, Saved, Took, VmRequest, PREFIX};
 use super::{Admission, Expiry, NodeError, NodeRules, Nodes};
+use airlock_runtime::template::TemplateManifest;
 use axum::body::Body;
 use axum::extract::{OriginalUri, Path, Request, State};
 use axum::http::StatusCode;
@@ -130,6 +131,8 @@ impl NodeFace {
             .route("/vms/{id}/images/{image}", post(save_image))
             .route("/vms/{id}/park/{image}", post(park))
             .route("/images/{image}", delete(delete_image))
+            .route("/vms/{id}/capture", post(capture_template))
+            .route("/templates/{name}", delete(remove_template))
             .route("/images/{image}/share", post(share_image))
             .route("/images/{image}/digest", get(digest_image))
             .route("/parked/{image}", delete(delete_parked))
@@ -365,6 +368,25 @@ async fn park(State(f): State<Face>, Path((id, image)): Path<(String, String)>) 
         Ok(parked)
     })
     .await
+}
+
+async fn capture_template(
+    State(f): State<Face>,
+    Path(id): Path<String>,
+    Json(capture): Json<super::Capture>,
+) -> Reply<TemplateManifest> {
+    to_completion(f.changing.clone(), async move {
+        let manifest = f.nodes.capture_template(&id, &capture).await?;
+        if let Some(expiry) = &f.expiry {
+            expiry.set(&id, None);
+        }
+        Ok(manifest)
+    })
+    .await
+}
+
+async fn remove_template(State(f): State<Face>, Path(name): Path<String>) -> Reply<()> {
+    to_completion(f.changing.clone(), async move { f.nodes.remove_template(&name).await }).await
 }
 
 async fn delete_image(State(f): State<Face>, Path(image): Path<String>) -> Reply<()> {

@@ -12,9 +12,11 @@
 //! its own, `crates/server/migrations-postgres`, to the same end state.
 
 mod admit;
+pub mod builds;
 mod postgres;
 mod sqlite;
 
+pub use builds::BuildStore;
 pub use postgres::{redact_url, PgOpenError, PgStore};
 pub use sqlite::SqliteStore;
 
@@ -754,9 +756,15 @@ pub trait AccountStore: Send + Sync {
 }
 
 /// The whole store, as the server holds it.
-pub trait Store: TenantStore + SandboxStore + SnapshotStore + OperationStore + E2bStore + AccountStore {}
+pub trait Store:
+    TenantStore + SandboxStore + SnapshotStore + OperationStore + E2bStore + AccountStore + BuildStore
+{
+}
 
-impl<T: TenantStore + SandboxStore + SnapshotStore + OperationStore + E2bStore + AccountStore> Store for T {}
+impl<T: TenantStore + SandboxStore + SnapshotStore + OperationStore + E2bStore + AccountStore + BuildStore> Store
+    for T
+{
+}
 
 // What both SQL stores share: their errors, fragments of their queries (valid SQL on both) and row values
 // made the same way.

@@ -555,3 +555,5 @@ impl E2bStore for PgStore {
         Ok(r.map(|r| r.0))
     }
 }
+
+super::builds::impl_build_store!(PgStore);

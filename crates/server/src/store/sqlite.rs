@@ -492,3 +492,5 @@ impl E2bStore for SqliteStore {
         Ok(r.map(|r| r.0))
     }
 }
+
+super::builds::impl_build_store!(SqliteStore);

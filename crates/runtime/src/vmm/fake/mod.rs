@@ -109,6 +109,7 @@ pub fn install_template(data_dir: &Path, name: &str) -> Result<TemplateManifest>
                 builder_version: 0,
             },
             start: None,
+            built: None,
         });
     // An install of blobs already there leaves its own copy behind.
     let _ = std::fs::remove_dir_all(&out);

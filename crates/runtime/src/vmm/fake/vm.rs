@@ -155,6 +155,13 @@ impl Vmm for FakeVmm {
         }
         Ok(paused_marker(&vm.dir).exists())
     }
+
+    /// A fake VM writes nothing to a disk: its disk is its template's image as it was.
+    async fn export_disk(&self, vm: &VmHandle, to: &Path) -> Result<()> {
+        let from = vm.dir.join("held").join("rootfs");
+        std::fs::copy(&from, to).map_err(|e| RuntimeError::io(&from, e))?;
+        Ok(())
+    }
 }
 
 pub(super) fn control_failed(command: &str, vm: &VmHandle) -> RuntimeError {

@@ -1,6 +1,7 @@
 //! E2B control plane: `/sandboxes`, `/v2/sandboxes`, timeouts, metrics, connect; each a
 //! translation onto the core's sandbox services.
 
+mod templates;
 mod wire;
 
 use super::{E2bError, E2bState, ENVD_VERSION};
@@ -17,6 +18,7 @@ use axum::{Extension, Json};
 use serde_json::Value;
 use std::collections::BTreeMap;
 use std::time::Duration;
+pub use templates::*;
 pub use wire::*;
 
 type Result<T> = std::result::Result<T, E2bError>;
@@ -352,20 +354,35 @@ pub async fn list_snapshots(
     Ok(resp)
 }
 
-/// `DELETE /templates/{id}` (`delete_snapshot`): a snapshot of the tenant's; templates are the
-/// platform's and are not deleted through the E2B door.
+/// `DELETE /templates/{id}`: the tenant's template of that name (every tag and build), else its
+/// snapshot (`delete_snapshot`). Platform templates are not deleted through the E2B door.
 pub async fn delete_template(
     State(state): State<E2bState>,
     Extension(principal): Extension<Principal>,
     Path(id): Path<String>,
 ) -> Result<StatusCode> {
-    state.core.delete_snapshot(&principal, &id).await?;
+    if state.core.has_tenant_template(&principal, &id).await? {
+        state.core.delete_tenant_template(&principal, &id).await?;
+    } else {
+        state.core.delete_snapshot(&principal, &id).await?;
+    }
     Ok(StatusCode::NO_CONTENT)
 }
 
-/// `GET /templates/aliases/{alias}` (`Template.exists`): a template this server has under that
-/// name or alias, as the SDK reads it. Every template here is the platform's, so public.
-pub async fn template_alias(State(state): State<E2bState>, Path(alias): Path<String>) -> Result<Json<TemplateAlias>> {
+/// `GET /templates/aliases/{alias}` (`Template.exists`): a platform template under that name or
+/// alias (public), or one of the tenant's own.
+pub async fn template_alias(
+    State(state): State<E2bState>,
+    Extension(principal): Extension<Principal>,
+    Path(alias): Path<String>,
+) -> Result<Json<TemplateAlias>> {
+    if state.core.has_tenant_template(&principal, &alias).await? {
+        let (name, _) = crate::core::builds::split_name(&alias)?;
+        return Ok(Json(TemplateAlias {
+            template_id: name,
+            public: false,
+        }));
+    }
     let name = state.core.template_name(&alias)?;
     Ok(Json(TemplateAlias {
         template_id: name,

@@ -259,3 +259,126 @@ mod tests {
         assert_eq!(v["lifecycle"], json!({"autoResume": false, "onTimeout": "kill"}));
     }
 }
+
+/// Request body of `POST /v3/templates` (`TemplateBuildRequestV3`).
+#[derive(Debug, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct NewTemplate {
+    pub name: Option<String>,
+    /// Older SDKs' spelling of `name`.
+    pub alias: Option<String>,
+    pub tags: Option<Vec<String>>,
+    pub cpu_count: Option<u32>,
+    #[serde(rename = "memoryMB")]
+    pub memory_mb: Option<u32>,
+    #[serde(flatten)]
+    pub other: HashMap<String, Value>,
+}
+
+/// Reply of `POST /v3/templates`; the SDK needs every field.
+#[derive(Debug, Serialize)]
+pub struct TemplateCreated {
+    #[serde(rename = "templateID")]
+    pub template_id: String,
+    #[serde(rename = "buildID")]
+    pub build_id: String,
+    pub public: bool,
+    pub names: Vec<String>,
+    pub aliases: Vec<String>,
+    pub tags: Vec<String>,
+}
+
+/// Reply of `GET /templates/{id}/files/{hash}`: whether the context is here, and where to PUT
+/// it (always given: a forced upload needs it too).
+#[derive(Debug, Serialize)]
+pub struct FileLink {
+    pub present: bool,
+    pub url: String,
+}
+
+/// Request body of `POST /v2/templates/{id}/builds/{buildID}` (`TemplateBuildStartV2`).
+#[derive(Debug, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct TemplateBuildStart {
+    pub from_image: Option<String>,
+    pub from_template: Option<String>,
+    pub from_image_registry: Option<Value>,
+    pub force: Option<bool>,
+    pub start_cmd: Option<String>,
+    pub ready_cmd: Option<String>,
+    #[serde(default)]
+    pub steps: Vec<crate::model::BuildStep>,
+    #[serde(flatten)]
+    pub other: HashMap<String, Value>,
+}
+
+/// Query of `GET /templates/{id}/builds/{buildID}/status`.
+#[derive(Debug, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct BuildStatusQuery {
+    pub logs_offset: Option<i64>,
+    pub limit: Option<i64>,
+}
+
+#[derive(Debug, Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct BuildLogEntry {
+    pub timestamp: String,
+    pub level: String,
+    pub message: String,
+    pub step: String,
+}
+
+#[derive(Debug, Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct BuildReason {
+    pub message: String,
+    pub step: String,
+    pub log_entries: Vec<BuildLogEntry>,
+}
+
+/// Reply of the build status call (`TemplateBuildInfo`).
+#[derive(Debug, Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct BuildStatusReply {
+    #[serde(rename = "templateID")]
+    pub template_id: String,
+    #[serde(rename = "buildID")]
+    pub build_id: String,
+    pub status: String,
+    pub logs: Vec<String>,
+    pub log_entries: Vec<BuildLogEntry>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub reason: Option<BuildReason>,
+}
+
+/// Request body of `POST /templates/tags`.
+#[derive(Debug, Deserialize)]
+pub struct AssignTags {
+    pub target: String,
+    pub tags: Vec<String>,
+}
+
+#[derive(Debug, Serialize)]
+pub struct TagsAssigned {
+    #[serde(rename = "buildID")]
+    pub build_id: String,
+    pub tags: Vec<String>,
+}
+
+/// Request body of `DELETE /templates/tags`.
+#[derive(Debug, Deserialize)]
+pub struct RemoveTags {
+    pub name: String,
+    pub tags: Vec<String>,
+}
+
+/// One entry of `GET /templates/{id}/tags`.
+#[derive(Debug, Serialize)]
+pub struct TagInfo {
+    pub tag: String,
+    #[serde(rename = "buildID")]
+    pub build_id: String,
+    #[serde(rename = "createdAt")]
+    pub created_at: String,
+}

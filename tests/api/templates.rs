@@ -1,0 +1,308 @@
+//! Custom templates through `/v1/templates`: a Dockerfile with RUN, COPY, ENV, WORKDIR, USER and
+//! a start command builds in a microVM; a sandbox of it starts with the file, the env and the
+//! start process up; a failing step names itself; an unchanged rebuild is cached; another
+//! tenant sees none of it; bad Dockerfiles are 422s naming the line.
+
+use super::*;
+
+/// `files` (path, content) packed as a tar by the host's `tar`.
+fn tar_of(files: &[(&str, &str)]) -> Vec<u8> {
+    let dir = tempfile::tempdir().unwrap();
+    for (path, content) in files {
+        let p = dir.path().join(path);
+        std::fs::create_dir_all(p.parent().unwrap()).unwrap();
+        std::fs::write(p, content).unwrap();
+    }
+    let out = Command::new("tar")
+        .arg("-c")
+        .arg("-C")
+        .arg(dir.path())
+        .arg(".")
+        .output()
+        .unwrap();
+    assert!(out.status.success());
+    out.stdout
+}
+
+fn upload_context(s: &Server, key: &str, tar: &[u8]) -> String {
+    let resp = ureq::post(&format!("{}/v1/templates/contexts", s.url))
+        .set("Authorization", &format!("Bearer {key}"))
+        .set("Content-Type", "application/octet-stream")
+        .send_bytes(tar)
+        .unwrap();
+    assert_eq!(resp.status(), 201);
+    let body: Value = resp.into_json().unwrap();
+    body["hash"].as_str().unwrap().to_string()
+}
+
+/// Poll build `id` until it ends (ready or error); returns it.
+fn wait_build(s: &Server, id: &str) -> Value {
+    wait_build_of(s, &s.key, id)
+}
+
+fn wait_build_of(s: &Server, key: &str, id: &str) -> Value {
+    let deadline = Instant::now() + Duration::from_secs(900);
+    loop {
+        let (status, b) = s.call_with("GET", &format!("/v1/builds/{id}"), None, Some(key), &[]);
+        assert_eq!(status, 200, "{b}");
+        if b["status"] == "ready" || b["status"] == "error" {
+            return b;
+        }
+        assert!(Instant::now() < deadline, "build {id} never ended: {b}");
+        std::thread::sleep(Duration::from_millis(500));
+    }
+}
+
+/// Every log line of build `id`, through the SSE stream (which ends with the build).
+fn log_lines(s: &Server, id: &str) -> Vec<Value> {
+    let resp = ureq::get(&format!("{}/v1/builds/{id}/logs", s.url))
+        .set("Authorization", &format!("Bearer {}", s.key))
+        .set("Accept", "text/event-stream")
+        .timeout(Duration::from_secs(60))
+        .call()
+        .unwrap();
+    let mut lines = Vec::new();
+    let mut event = String::new();
+    for line in std::io::BufRead::lines(std::io::BufReader::new(resp.into_reader())) {
+        let line = line.unwrap();
+        if let Some(e) = line.strip_prefix("event:") {
+            event = e.trim().to_string();
+        } else if let Some(d) = line.strip_prefix("data:") {
+            if event == "end" {
+                break;
+            }
+            lines.push(serde_json::from_str(d.trim()).unwrap());
+        }
+    }
+    lines
+}
+
+/// Run `cmd` in sandbox `id` with bash; (stdout, exit code).
+fn sh(s: &Server, id: &str, cmd: &str) -> (String, i64) {
+    let sid = s.session(id, json!({ "argv": ["bash", "-lc", cmd], "timeout": "60s" }));
+    let events = s.events(id, &sid, None, None);
+    let code = events.last().unwrap().2["exit_code"].as_i64().unwrap_or(-1);
+    (decode(&events, "stdout"), code)
+}
+
+pub(crate) fn a_dockerfile_builds_a_template_that_starts_restored() {
+    let s = server();
+    let name = format!("api-app-{}", std::process::id());
+    let context = upload_context(
+        s,
+        &s.key,
+        &tar_of(&[
+            ("app/hello.txt", "hello from the context\n"),
+            ("app/lib/mod.py", "X = 1\n"),
+        ]),
+    );
+    let dockerfile = "\
+FROM seed
+ARG WHO=builder
+RUN echo \"built by $WHO\" && echo to-stderr >&2 && echo marker > /etc/airlock-built
+COPY app/ /opt/app/
+ENV GREETING=hello DERIVED=$GREETING-x
+WORKDIR /opt/app
+USER user
+RUN whoami > /home/user/whoami.txt
+CMD [\"python3\", \"-m\", \"http.server\", \"8000\"]
+";
+    let started = Instant::now();
+    let (status, build) = s.call(
+        "POST",
+        "/v1/templates",
+        Some(json!({
+            "name": format!("{name}:v1"),
+            "dockerfile": dockerfile,
+            "context": context,
+            "ready_cmd": "python3 -c 'import socket; socket.create_connection((\"127.0.0.1\", 8000))'",
+        })),
+    );
+    assert_eq!(status, 202, "{build}");
+    let id = build["id"].as_str().unwrap().to_string();
+    let done = wait_build(s, &id);
+    let cold = started.elapsed();
+    assert_eq!(done["status"], "ready", "{done}");
+    let lines = log_lines(s, &id);
+    let text: Vec<&str> = lines.iter().map(|l| l["message"].as_str().unwrap()).collect();
+    assert!(text.contains(&"built by builder"), "{text:?}");
+    // Step 3: after the Dockerfile's implied `USER root` and `WORKDIR /`.
+    assert!(
+        lines.iter().any(|l| l["message"] == "to-stderr" && l["step"] == "3"),
+        "{lines:?}"
+    );
+    eprintln!("cold build {} ms", cold.as_millis());
+
+    // Listed as the tenant's, with its tag; a sandbox of it has the files, the env, the user's
+    // file and the start process serving.
+    let (_, list) = s.call("GET", "/v1/templates", None);
+    assert!(
+        list["templates"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .any(|t| t["name"] == name.as_str() && t["tag"] == "v1"),
+        "{list}"
+    );
+    let sb = s.create(json!({ "template": format!("{name}:v1"), "timeout": "10m" }));
+    let (_, got) = s.call("GET", &format!("/v1/sandboxes/{sb}"), None);
+    assert_eq!(got["start"]["from"], "restore", "the first create restores: {got}");
+    let (out, code) = sh(
+        s,
+        &sb,
+        "cat /opt/app/hello.txt /opt/app/lib/mod.py /etc/airlock-built /home/user/whoami.txt; echo $GREETING $DERIVED; \
+         stat -c %U /opt/app/hello.txt; \
+         python3 -c \"import urllib.request; print(urllib.request.urlopen('http://127.0.0.1:8000/hello.txt').read().decode(), end='')\"",
+    );
+    assert_eq!(code, 0, "{out}");
+    assert_eq!(
+        out,
+        "hello from the context\nX = 1\nmarker\nuser\nhello hello-x\nroot\nhello from the context\n"
+    );
+
+    // The same definition again: the built template at once, no VM.
+    let again = Instant::now();
+    let (status, cached) = s.call(
+        "POST",
+        "/v1/templates",
+        Some(json!({
+            "name": format!("{name}:v2"),
+            "dockerfile": dockerfile,
+            "context": context,
+            "ready_cmd": "python3 -c 'import socket; socket.create_connection((\"127.0.0.1\", 8000))'",
+        })),
+    );
+    assert_eq!((status, cached["status"].as_str()), (202, Some("ready")), "{cached}");
+    assert_eq!(cached["digest"], done["digest"]);
+    eprintln!("cached build {} ms", again.elapsed().as_millis());
+
+    // Another tenant: none of it, as if missing.
+    let tenant = format!("tpl-other-{}", std::process::id());
+    s.cli_ok(&["tenant", "create", &tenant]);
+    let other = s.cli_ok(&["key", "create", "--tenant", &tenant]);
+    let other = other.as_str().unwrap();
+    let (status, body) = s.call_with("GET", &format!("/v1/templates/{name}:v1"), None, Some(other), &[]);
+    assert_eq!(status, 404, "{body}");
+    let (status, body) = s.call_with("GET", &format!("/v1/builds/{id}"), None, Some(other), &[]);
+    assert_eq!(status, 404, "{body}");
+    let (status, body) = s.call_with(
+        "POST",
+        "/v1/sandboxes",
+        Some(json!({ "template": format!("{name}:v1") })),
+        Some(other),
+        &[],
+    );
+    assert_eq!(
+        (status, body["code"].as_str()),
+        (404, Some("template_not_found")),
+        "{body}"
+    );
+    let (status, body) = s.call_with(
+        "POST",
+        "/v1/sandboxes",
+        Some(json!({ "template": format!("build-{id}") })),
+        Some(other),
+        &[],
+    );
+    assert_eq!(status, 404, "{body}");
+    // Its own build of the same content is not a cache hit of the first tenant's.
+    let (status, body) = s.call_with(
+        "POST",
+        "/v1/templates",
+        Some(json!({ "name": name, "from": "seed", "steps": [{"type": "RUN", "args": ["true"]}] })),
+        Some(other),
+        &[],
+    );
+    assert_eq!(status, 202, "{body}");
+    assert_ne!(body["status"], "ready", "no cache hit across tenants: {body}");
+    let theirs = wait_build_of(s, other, body["id"].as_str().unwrap());
+    assert_eq!(theirs["status"], "ready", "{theirs}");
+
+    // Deleting the template leaves its sandbox running.
+    let (status, body) = s.call("DELETE", &format!("/v1/templates/{name}"), None);
+    assert_eq!(status, 204, "{body}");
+    let (status, _) = s.call("GET", &format!("/v1/templates/{name}:v1"), None);
+    assert_eq!(status, 404);
+    assert_eq!(sh(s, &sb, "cat /etc/airlock-built"), ("marker\n".into(), 0));
+    s.delete(&sb);
+}
+
+pub(crate) fn a_failing_step_names_itself_and_bad_definitions_are_refused() {
+    let s = server();
+    let name = format!("api-fail-{}", std::process::id());
+    let (status, build) = s.call(
+        "POST",
+        "/v1/templates",
+        Some(json!({
+            "name": name,
+            "from": "seed",
+            "steps": [
+                {"type": "ENV", "args": ["A", "1"]},
+                {"type": "RUN", "args": ["echo about to fail; echo boom >&2; exit 3"]},
+                {"type": "RUN", "args": ["echo never"]},
+            ],
+        })),
+    );
+    assert_eq!(status, 202, "{build}");
+    let id = build["id"].as_str().unwrap();
+    let done = wait_build(s, id);
+    assert_eq!(done["status"], "error", "{done}");
+    assert_eq!(done["error"]["step"], "2", "{done}");
+    assert_eq!(
+        done["error"]["message"],
+        "failed to run command 'echo about to fail; echo boom >&2; exit 3': command failed: exit status 3"
+    );
+    let lines = log_lines(s, id);
+    assert!(
+        lines.iter().any(|l| l["message"] == "boom" && l["step"] == "2"),
+        "{lines:?}"
+    );
+    assert!(!lines.iter().any(|l| l["message"] == "never"), "{lines:?}");
+    // Its build sandbox is gone.
+    let (_, list) = s.call("GET", "/v1/sandboxes", None);
+    assert!(
+        !list.to_string().contains(id),
+        "the build's sandbox outlived it: {list}"
+    );
+
+    for (dockerfile, needle) in [
+        (
+            "FROM seed\nHEALTHCHECK CMD true\n",
+            "line 2: HEALTHCHECK is not supported",
+        ),
+        (
+            "FROM seed AS a\nRUN true\n",
+            "line 1: FROM ... AS: multi-stage builds are not supported",
+        ),
+        ("FROM seed\nRUN true\nFROM seed\n", "line 3: a second FROM"),
+        ("FROM no-such-template\nRUN true\n", "not found"),
+    ] {
+        let (status, body) = s.call(
+            "POST",
+            "/v1/templates",
+            Some(json!({ "name": name, "dockerfile": dockerfile })),
+        );
+        assert_eq!(
+            (status, body["code"].as_str()),
+            (422, Some("invalid_argument")),
+            "{dockerfile}: {body}"
+        );
+        assert!(
+            body["message"].as_str().unwrap().contains(needle),
+            "{dockerfile}: {body}"
+        );
+    }
+    // A platform template's name is not the tenant's to take.
+    let (status, body) = s.call(
+        "POST",
+        "/v1/templates",
+        Some(json!({ "name": "seed", "from": "seed", "steps": [] })),
+    );
+    assert_eq!(status, 409, "{body}");
+    let (status, body) = s.call(
+        "POST",
+        "/v1/templates",
+        Some(json!({ "name": "Bad Name", "from": "seed" })),
+    );
+    assert_eq!(status, 422, "{body}");
+}
