@@ -178,6 +178,14 @@ fn main() {
             "a_failing_step_names_itself_and_bad_definitions_are_refused",
             templates::a_failing_step_names_itself_and_bad_definitions_are_refused,
         ),
+        t(
+            "a_denied_host_is_named_and_a_build_over_quota_is_refused",
+            templates::a_denied_host_is_named_and_a_build_over_quota_is_refused,
+        ),
+        t(
+            "a_server_killed_mid_build_leaves_nothing_behind",
+            templates::a_server_killed_mid_build_leaves_nothing_behind,
+        ),
     ];
     let conclusion = libtest_mimic::run(&args, tests);
     cleanup();

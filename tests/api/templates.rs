@@ -306,3 +306,123 @@ pub(crate) fn a_failing_step_names_itself_and_bad_definitions_are_refused() {
     );
     assert_eq!(status, 422, "{body}");
 }
+
+/// A RUN that reaches for a host the tenant's egress does not allow fails naming the denial; a
+/// build past the tenant's quota is refused before anything starts.
+pub(crate) fn a_denied_host_is_named_and_a_build_over_quota_is_refused() {
+    let s = server();
+    let (status, build) = s.call(
+        "POST",
+        "/v1/templates",
+        Some(json!({
+            "name": format!("api-denied-{}", std::process::id()),
+            "from": "seed",
+            "steps": [{"type": "RUN", "args": [
+                "timeout 10 python3 -c \"import urllib.request; urllib.request.urlopen('http://pypi.org/simple/', timeout=5)\""
+            ]}],
+        })),
+    );
+    assert_eq!(status, 202, "{build}");
+    let done = wait_build(s, build["id"].as_str().unwrap());
+    assert_eq!(done["status"], "error", "{done}");
+    let message = done["error"]["message"].as_str().unwrap();
+    assert!(
+        message.contains("egress denied by the tenant's policy") && message.contains("pypi.org"),
+        "{message}"
+    );
+
+    let tenant = format!("tpl-quota-{}", std::process::id());
+    s.cli_ok(&["tenant", "create", &tenant]);
+    s.cli_ok(&["tenant", "quota", "set", "--tenant", &tenant, "--memory-mib", "256"]);
+    let key = s.cli_ok(&["key", "create", "--tenant", &tenant]);
+    let (status, body) = s.call_with(
+        "POST",
+        "/v1/templates",
+        Some(json!({ "name": "over", "from": "seed", "steps": [{"type": "RUN", "args": ["true"]}] })),
+        Some(key.as_str().unwrap()),
+        &[],
+    );
+    assert_eq!((status, body["code"].as_str()), (429, Some("quota_exceeded")), "{body}");
+    let (_, builds) = s.call_with("GET", "/v1/builds", None, Some(key.as_str().unwrap()), &[]);
+    assert_eq!(
+        builds["builds"],
+        json!([]),
+        "a refused build leaves no record: {builds}"
+    );
+}
+
+/// `kill -9` of the server while a build runs: after a restart the build ends `error`, its
+/// build sandbox (and VM) is gone, and no half template or capture is left.
+pub(crate) fn a_server_killed_mid_build_leaves_nothing_behind() {
+    let data = own_data_dir("build-kill");
+    // Its templates are the shared data dir's (other tests' builds among them): only new ones count.
+    let built_before = built_templates(&data);
+    let mut s1 = Server::start(&data);
+    let (status, build) = s1.call(
+        "POST",
+        "/v1/templates",
+        Some(json!({
+            "name": "killed",
+            "from": "seed",
+            "steps": [{"type": "RUN", "args": ["echo started; sleep 300"]}],
+        })),
+    );
+    assert_eq!(status, 202, "{build}");
+    let id = build["id"].as_str().unwrap().to_string();
+    let deadline = Instant::now() + Duration::from_secs(120);
+    loop {
+        let (_, b) = s1.call("GET", &format!("/v1/builds/{id}"), None);
+        if b["step"] == "1" {
+            break;
+        }
+        assert!(Instant::now() < deadline && b["status"] != "error", "{b}");
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    let (_, list) = s1.call("GET", "/v1/sandboxes", None);
+    let sandbox = list["sandboxes"][0]["id"].as_str().unwrap().to_string();
+    s1.kill9();
+
+    let s2 = Server::start(&data);
+    let deadline = Instant::now() + Duration::from_secs(120);
+    let ended = loop {
+        let (_, b) = s2.call("GET", &format!("/v1/builds/{id}"), None);
+        if b["status"] == "error" {
+            break b;
+        }
+        assert!(Instant::now() < deadline, "the build never ended: {b}");
+        std::thread::sleep(Duration::from_millis(500));
+    };
+    assert!(
+        ended["error"]["message"].as_str().unwrap().contains("interrupted"),
+        "{ended}"
+    );
+    wait_state(&s2, &sandbox, "deleted", Duration::from_secs(60)).expect("the build sandbox is deleted");
+    assert!(!data.join("sandboxes").join(&sandbox).exists(), "its VM's dir is gone");
+    let pgrep = Command::new("pgrep").args(["-f", &sandbox]).output().unwrap();
+    assert!(pgrep.stdout.is_empty(), "no process of its VM is left");
+    let leftovers: Vec<String> = built_templates(&data)
+        .into_iter()
+        .filter(|n| !built_before.contains(n))
+        .chain(
+            std::fs::read_dir(data.join("cache"))
+                .into_iter()
+                .flatten()
+                .flatten()
+                .map(|e| e.file_name().to_string_lossy().to_string())
+                .filter(|n| n.starts_with("capture-")),
+        )
+        .collect();
+    assert!(leftovers.is_empty(), "{leftovers:?}");
+    drop(s2);
+}
+
+/// Names of the built templates in data dir `data`'s template store.
+fn built_templates(data: &std::path::Path) -> Vec<String> {
+    std::fs::read_dir(data.join("templates"))
+        .into_iter()
+        .flatten()
+        .flatten()
+        .map(|e| e.file_name().to_string_lossy().to_string())
+        .filter(|n| n.starts_with("build-"))
+        .collect()
+}

@@ -277,6 +277,29 @@ async fn steps(
         .map_err(|e| failed("finalize", format!("the template could not be saved: {e}")))
 }
 
+/// The build sandbox's egress denials since `since_ms` (its own host name's lookups aside), as
+/// `path destination (rule)`, at most 5.
+async fn denials_since(core: &Core, sandbox: &str, since_ms: i64) -> Vec<String> {
+    let Some(snapshot) = core.nodes.egress(sandbox).await else {
+        return Vec::new();
+    };
+    let mut out: Vec<String> = Vec::new();
+    for d in snapshot.recent_denials {
+        if (d.at_unix_ms as i64) < since_ms || d.destination.starts_with(sandbox) {
+            continue;
+        }
+        let path = match d.path {
+            airlock_egress::Path::Dns => "dns",
+            airlock_egress::Path::Tcp => "tcp",
+        };
+        let line = format!("{path} {} ({})", d.destination, d.rule);
+        if !out.contains(&line) && out.len() < 5 {
+            out.push(line);
+        }
+    }
+    out
+}
+
 /// Record where `build` is (its heartbeat renewed with it); false when its record is gone.
 async fn save(core: &Core, build: &mut BuildRecord) -> bool {
     build.heartbeat_ms = now_ms();
@@ -304,16 +327,30 @@ async fn run_step(
             let cmd = &step.args[0];
             let user = step.args.get(1).filter(|u| !u.is_empty()).unwrap_or(&ctx.user).clone();
             let ctx = Context { user, ..ctx.clone() };
-            shell(agent, &ctx, cmd, &[], n, log).await.map_err(|e| {
-                let why = match e {
-                    Shell::Exit(code) => format!("exit status {code}"),
-                    Shell::Spawn(e) if e.contains("user") => {
-                        format!("unauthenticated: invalid username: '{}'", ctx.user)
-                    }
-                    Shell::Spawn(e) => e,
-                };
-                failed(n, format!("failed to run command '{cmd}': command failed: {why}"))
-            })
+            let since = now_ms();
+            let Err(e) = shell(agent, &ctx, cmd, &[], n, log).await else {
+                return Ok(());
+            };
+            let why = match e {
+                Shell::Exit(code) => format!("exit status {code}"),
+                Shell::Spawn(e) if e.contains("user") => {
+                    format!("unauthenticated: invalid username: '{}'", ctx.user)
+                }
+                Shell::Spawn(e) => e,
+            };
+            let mut message = format!("failed to run command '{cmd}': command failed: {why}");
+            // What the tenant's egress policy refused meanwhile: the likely cause, named.
+            let denied = denials_since(core, build.sandbox_id.as_deref().unwrap_or_default(), since).await;
+            for d in &denied {
+                log.line("warn", n, &format!("egress denied: {d}"));
+            }
+            if !denied.is_empty() {
+                message.push_str(&format!(
+                    " (egress denied by the tenant's policy: {})",
+                    denied.join(", ")
+                ));
+            }
+            Err(failed(n, message))
         }
         StepKind::Env => {
             for pair in step.args.chunks(2) {
