@@ -103,6 +103,32 @@ impl Client {
         }
     }
 
+    /// POST `bytes` as the body (`application/octet-stream`); the answer as JSON.
+    pub fn upload(&self, path: &str, bytes: Vec<u8>) -> Result<Value> {
+        let req = self
+            .agent
+            .post(&format!("{}{}", self.base, path))
+            .set("Authorization", &format!("Bearer {}", self.key))
+            .set("Content-Type", "application/octet-stream");
+        match req.send_bytes(&bytes) {
+            Ok(r) => r.into_json().context("response is not JSON"),
+            Err(ureq::Error::Status(code, r)) => {
+                let body: Value = r.into_json().unwrap_or(Value::Null);
+                bail!(
+                    "{} ({}, HTTP {code})",
+                    body["message"].as_str().unwrap_or("request failed"),
+                    body["code"].as_str().unwrap_or("error")
+                )
+            }
+            Err(e) => Err(anyhow!("cannot reach airlock at {}: {e}", self.base)),
+        }
+    }
+
+    /// GET `path` as a server-sent event stream.
+    pub fn stream_get(&self, path: &str) -> Result<ureq::Response> {
+        self.call_accepting("GET", path, None, "text/event-stream")
+    }
+
     pub fn json(&self, method: &str, path: &str, body: Option<Value>) -> Result<Value> {
         let r = self.call(method, path, body)?;
         if r.status() == 204 {

@@ -3,11 +3,12 @@
 
 mod client;
 mod daemons;
+mod templates;
 
 use airlock_runtime::datadir::DEFAULT_DATA_DIR;
 use airlock_runtime::template::{BuildOptions, TemplateStore, SEED};
 use airlock_runtime::{datadir::DataDir, Runtime, RuntimeOptions};
-use anyhow::Context;
+use anyhow::{bail, Context};
 use clap::{Parser, Subcommand};
 use serde_json::json;
 use std::io::IsTerminal;
@@ -124,10 +125,21 @@ impl ExecOpts {
 
 #[derive(Subcommand)]
 enum TemplateCommand {
-    /// Build a template (`seed` or `code-interpreter-v1`); skipped when its recipe is unchanged.
+    /// Build a platform template here (`seed`, `base`, `code-interpreter-v1`; skipped when its
+    /// recipe is unchanged), or with `-t name[:tag]` your own from a Dockerfile, on the server in
+    /// a microVM: `airlock template build -f Dockerfile -t app:v1 DIR`.
     Build {
-        #[arg(default_value = SEED)]
-        name: String,
+        /// The platform template to build, or with `-t` the build context (default `.`).
+        target: Option<String>,
+        /// Your template's name (`name[:tag]`): build it from a Dockerfile on the server.
+        #[arg(short = 't', long = "tag")]
+        tag: Option<String>,
+        /// The Dockerfile (default: `Dockerfile` in the context).
+        #[arg(short = 'f', long = "file")]
+        file: Option<PathBuf>,
+        /// Run every step again (no cached result).
+        #[arg(long)]
+        no_cache: bool,
         /// Debian mirror for debootstrap (default: the host's apt sources).
         #[arg(long, env = "AIRLOCK_DEBIAN_MIRROR")]
         mirror: Option<String>,
@@ -138,8 +150,13 @@ enum TemplateCommand {
         #[arg(long)]
         force: bool,
     },
-    /// List templates with their digests.
+    /// List templates with their digests: the server's and yours (the local store when no
+    /// server answers).
     Ls,
+    /// Delete your template (every tag); sandboxes made from it run on.
+    Rm { name: String },
+    /// Print a build's log (following it until it ends).
+    Logs { build: String },
 }
 
 #[derive(Subcommand)]
@@ -390,23 +407,57 @@ async fn run(cli: Cli) -> anyhow::Result<u8> {
         Command::Template {
             command:
                 TemplateCommand::Build {
-                    name,
+                    target,
+                    tag,
+                    file,
+                    no_cache,
                     mirror,
                     agent,
                     force,
                 },
+        } => match tag {
+            Some(tag) => {
+                let dir = PathBuf::from(target.unwrap_or_else(|| ".".into()));
+                let dockerfile = file.unwrap_or_else(|| dir.join("Dockerfile"));
+                let c = client()?;
+                tokio::task::spawn_blocking(move || templates::build(&c, &dockerfile, &dir, &tag, no_cache || force))
+                    .await??;
+            }
+            None => {
+                if file.is_some() || no_cache {
+                    bail!("-f and --no-cache build your own template: name it with -t name[:tag]");
+                }
+                let opts = BuildOptions {
+                    mirror,
+                    agent,
+                    progress: std::io::stderr().is_terminal(),
+                    force,
+                };
+                build_template(&cli.data_dir, target.unwrap_or_else(|| SEED.into()), opts).await?;
+            }
+        },
+        Command::Template {
+            command: TemplateCommand::Rm { name },
         } => {
-            let opts = BuildOptions {
-                mirror,
-                agent,
-                progress: std::io::stderr().is_terminal(),
-                force,
-            };
-            build_template(&cli.data_dir, name, opts).await?;
+            client()?.json("DELETE", &format!("/v1/templates/{name}"), None)?;
+            println!("deleted {name}");
+        }
+        Command::Template {
+            command: TemplateCommand::Logs { build },
+        } => {
+            let c = client()?;
+            let end = tokio::task::spawn_blocking(move || templates::follow(&c, &build)).await??;
+            println!("{}", serde_json::to_string_pretty(&end)?);
         }
         Command::Template {
             command: TemplateCommand::Ls,
         } => {
+            if let Some(listed) = client().ok().map(|c| templates::list(&c)) {
+                match listed {
+                    Ok(()) => return Ok(0),
+                    Err(e) => eprintln!("airlock: {e}; the templates built here:"),
+                }
+            }
             let store = TemplateStore::new(DataDir::open(&cli.data_dir)?);
             println!("{:<12} {:<73} {:<24} {:>9}  BUILT", "NAME", "DIGEST", "KERNEL", "SIZE");
             for m in store.list() {

@@ -186,6 +186,10 @@ fn main() {
             "a_server_killed_mid_build_leaves_nothing_behind",
             templates::a_server_killed_mid_build_leaves_nothing_behind,
         ),
+        t(
+            "the_cli_builds_lists_and_removes_a_template",
+            templates::the_cli_builds_lists_and_removes_a_template,
+        ),
     ];
     let conclusion = libtest_mimic::run(&args, tests);
     cleanup();

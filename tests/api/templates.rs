@@ -426,3 +426,47 @@ fn built_templates(data: &std::path::Path) -> Vec<String> {
         .filter(|n| n.starts_with("build-"))
         .collect()
 }
+
+/// The CLI: `airlock template build -f Dockerfile -t name:tag DIR` prints the build's log as it
+/// runs and the template at the end; `ls` lists it; a failing build exits non-zero naming its
+/// step; `rm` deletes it.
+pub(crate) fn the_cli_builds_lists_and_removes_a_template() {
+    let s = server();
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::write(dir.path().join("greeting.txt"), "hi from the cli\n").unwrap();
+    std::fs::create_dir(dir.path().join(".git")).unwrap();
+    std::fs::write(dir.path().join(".git").join("secret"), "not sent").unwrap();
+    std::fs::write(
+        dir.path().join("Dockerfile"),
+        "FROM seed\nCOPY . /srv/\nRUN cat /srv/greeting.txt && test ! -e /srv/.git\n",
+    )
+    .unwrap();
+    let name = format!("cli-app-{}", std::process::id());
+    let dir_arg = dir.path().to_str().unwrap();
+    let out = s.cli(&["template", "build", "-t", &format!("{name}:v1"), dir_arg]);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{stderr}");
+    assert!(stderr.contains("hi from the cli"), "the log is shown: {stderr}");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(stdout.starts_with(&format!("{name}:v1 sha256:")), "{stdout}");
+    let ls = s.cli(&["template", "ls"]);
+    let listed = String::from_utf8_lossy(&ls.stdout);
+    assert!(
+        listed.contains(&name) && listed.contains("v1") && listed.contains("seed"),
+        "{listed}"
+    );
+
+    std::fs::write(dir.path().join("Dockerfile.bad"), "FROM seed\nRUN exit 7\n").unwrap();
+    let bad = dir.path().join("Dockerfile.bad");
+    let out = s.cli(&["template", "build", "-f", bad.to_str().unwrap(), "-t", &name, dir_arg]);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "{stderr}");
+    assert!(
+        stderr.contains("the build failed at step 3: failed to run command 'exit 7': command failed: exit status 7"),
+        "{stderr}"
+    );
+    let out = s.cli(&["template", "rm", &name]);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let ls = s.cli(&["template", "ls"]);
+    assert!(!String::from_utf8_lossy(&ls.stdout).contains(&name));
+}
