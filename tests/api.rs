@@ -190,6 +190,10 @@ fn main() {
             "the_cli_builds_lists_and_removes_a_template",
             templates::the_cli_builds_lists_and_removes_a_template,
         ),
+        t(
+            "a_changed_copy_reuses_every_step_before_it",
+            templates::a_changed_copy_reuses_every_step_before_it,
+        ),
     ];
     let conclusion = libtest_mimic::run(&args, tests);
     cleanup();

@@ -470,3 +470,59 @@ pub(crate) fn the_cli_builds_lists_and_removes_a_template() {
     let ls = s.cli(&["template", "ls"]);
     assert!(!String::from_utf8_lossy(&ls.stdout).contains(&name));
 }
+
+/// The step cache: a second build whose COPY's context changed starts from the VM saved after
+/// the steps before it (their output not run again), and the template has both the cached
+/// steps' work and the new files. Both builds' times are printed, not asserted.
+pub(crate) fn a_changed_copy_reuses_every_step_before_it() {
+    let s = server();
+    let name = format!("api-steps-{}", std::process::id());
+    let dockerfile = format!(
+        "FROM seed\nRUN echo slow-step-{} && sleep 3 && echo kept > /etc/kept\nCOPY app/ /opt/app/\nRUN cat /opt/app/version.txt\n",
+        std::process::id()
+    );
+    let mut took = Vec::new();
+    let mut builds = Vec::new();
+    for version in ["one", "two"] {
+        let context = upload_context(s, &s.key, &tar_of(&[("app/version.txt", version)]));
+        let started = Instant::now();
+        let (status, build) = s.call(
+            "POST",
+            "/v1/templates",
+            Some(json!({ "name": format!("{name}:{version}"), "dockerfile": dockerfile, "context": context })),
+        );
+        assert_eq!(status, 202, "{build}");
+        let done = wait_build(s, build["id"].as_str().unwrap());
+        assert_eq!(done["status"], "ready", "{done}");
+        took.push(started.elapsed());
+        builds.push(build["id"].as_str().unwrap().to_string());
+    }
+    eprintln!(
+        "first build {} ms, second (one changed COPY) {} ms",
+        took[0].as_millis(),
+        took[1].as_millis()
+    );
+    let second = log_lines(s, &builds[1]);
+    let text: Vec<String> = second
+        .iter()
+        .map(|l| format!("{} {}", l["step"].as_str().unwrap(), l["message"].as_str().unwrap()))
+        .collect();
+    // Steps 1-3 (USER root, WORKDIR /, the slow RUN) come from the cache; the COPY and after run.
+    assert!(
+        text.iter().any(|l| l.starts_with("3 CACHED RUN echo slow-step")),
+        "{text:?}"
+    );
+    assert!(
+        !text.iter().any(|l| l.starts_with("3 slow-step")),
+        "the cached RUN ran again: {text:?}"
+    );
+    assert!(text.iter().any(|l| l == "5 two"), "{text:?}");
+    let sb = s.create(json!({ "template": format!("{name}:two"), "timeout": "5m" }));
+    assert_eq!(
+        sh(s, &sb, "cat /etc/kept /opt/app/version.txt"),
+        ("kept\ntwo".into(), 0)
+    );
+    s.delete(&sb);
+    let (status, _) = s.call("DELETE", &format!("/v1/templates/{name}"), None);
+    assert_eq!(status, 204);
+}

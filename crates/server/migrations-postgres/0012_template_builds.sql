@@ -43,3 +43,19 @@ CREATE TABLE template_tags (
     assigned_at_ms BIGINT NOT NULL,
     PRIMARY KEY (tenant_id, name, tag, build_id)
 );
+-- The step cache: the build VM saved (an image on `node`) after a step, under the key of
+-- everything that made it (parent digest, shape, each step so far); per tenant. `context` is
+-- the user, workdir and env the steps so far left (JSON).
+CREATE TABLE template_build_cache (
+    tenant_id TEXT NOT NULL,
+    cache_key TEXT NOT NULL,
+    image_id TEXT NOT NULL,
+    template TEXT NOT NULL,
+    vcpu BIGINT NOT NULL,
+    memory_mib BIGINT NOT NULL,
+    disk_mib BIGINT NOT NULL,
+    context TEXT NOT NULL,
+    node TEXT NOT NULL DEFAULT '',
+    used_at_ms BIGINT NOT NULL,
+    PRIMARY KEY (tenant_id, cache_key)
+);

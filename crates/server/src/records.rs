@@ -372,3 +372,19 @@ pub struct BuildLogEntry {
     pub step: String,
     pub message: String,
 }
+
+/// A build VM saved after a step (the step cache), under the key of what made it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct CachedStep {
+    pub tenant_id: String,
+    pub cache_key: String,
+    /// The saved image (on `node`).
+    pub image_id: String,
+    /// The template the build started from (what the image's machine is).
+    pub template: String,
+    pub resources: Resources,
+    /// The user, workdir and env the steps so far left (JSON).
+    pub context: String,
+    pub node: String,
+    pub used_at_ms: i64,
+}

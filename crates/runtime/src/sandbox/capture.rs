@@ -55,7 +55,14 @@ impl Runtime {
                     ))
                 })?;
             std::fs::create_dir_all(&staging).map_err(|e| RuntimeError::io(&staging, e))?;
-            l.vmm.export_disk(&vm.handle, &staging.join(ROOTFS_FILE)).await?;
+            let held = vm.handle.dir.join("held");
+            let (layers, rootfs) = match &vm.record.machine {
+                Some(m) => (m.layers.clone(), m.rootfs.clone()),
+                None => (Vec::new(), held.join("rootfs")),
+            };
+            l.vmm
+                .export_disk(&vm.handle, &layers, &rootfs, &staging.join(ROOTFS_FILE))
+                .await?;
             for (held, file) in [("kernel", KERNEL_FILE), ("initrd", INITRD_FILE)] {
                 let from = vm.handle.dir.join("held").join(held);
                 let to = staging.join(file);

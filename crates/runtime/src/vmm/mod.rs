@@ -399,10 +399,12 @@ pub trait Vmm: Send + Sync {
     fn snapshotting(&self) -> Option<&dyn Snapshotting> {
         None
     }
-    /// Write a stopped VM's whole disk (its overlay over every image under it) as one raw
-    /// image at `to`: what a template build keeps (`Runtime::capture_template`).
-    async fn export_disk(&self, vm: &VmHandle, to: &Path) -> Result<()> {
-        let _ = to;
+    /// Write a stopped VM's whole disk (its overlay over the frozen qcow2 `layers`, nearest
+    /// first, over the template's raw `rootfs`) as one raw image at `to`: what a template build
+    /// keeps (`Runtime::capture_template`). The chain is given: the images' headers may name
+    /// paths of VMs long gone (an image saved from one).
+    async fn export_disk(&self, vm: &VmHandle, layers: &[PathBuf], rootfs: &Path, to: &Path) -> Result<()> {
+        let _ = (layers, rootfs, to);
         Err(RuntimeError::DiskCreate(format!(
             "the {} VMM cannot export VM {}'s disk",
             self.name(),

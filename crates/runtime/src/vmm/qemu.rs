@@ -607,13 +607,26 @@ impl Vmm for QemuVmm {
         Some(self)
     }
 
-    async fn export_disk(&self, vm: &VmHandle, to: &Path) -> Result<()> {
-        // The overlay's header names its backing chain by host paths (the VM's `held/` links):
-        // qemu-img follows them. Zeros stay holes (`-S`), so the image is as sparse as the disk.
+    async fn export_disk(&self, vm: &VmHandle, layers: &[PathBuf], rootfs: &Path, to: &Path) -> Result<()> {
+        // The chain spelled out as the VM ran it; zeros stay holes, so the image is as sparse
+        // as the disk.
         let overlay = vm.dir.join(OVERLAY_FILE);
+        let file = |at: &str, path: &Path| {
+            format!(
+                "{at}file.driver=file,{at}file.filename={}",
+                opt_value(&path.to_string_lossy())
+            )
+        };
+        let mut opts = format!("driver=qcow2,{}", file("", &overlay));
+        let mut at = "backing.".to_string();
+        for layer in layers {
+            opts.push_str(&format!(",{at}driver=qcow2,{}", file(&at, layer)));
+            at.push_str("backing.");
+        }
+        opts.push_str(&format!(",{at}driver=raw,{}", file(&at, rootfs)));
         let out = Command::new("qemu-img")
-            .args(["convert", "-q", "-f", "qcow2", "-O", "raw"])
-            .arg(&overlay)
+            .args(["convert", "-q", "--image-opts", "-O", "raw"])
+            .arg(&opts)
             .arg(to)
             .output()
             .await

@@ -42,6 +42,9 @@ pub struct CreateSandbox {
     pub lifecycle: crate::model::Lifecycle,
     /// A fork's child: its parent's egress, exactly (`egress` is then unused).
     pub inherit_egress: Option<crate::records::EgressSpec>,
+    /// Start from this saved image (a build's cached step) as from a snapshot: its template
+    /// and resources; `template` is then unused.
+    pub from_saved: Option<crate::records::SnapshotRecord>,
 }
 
 #[derive(Debug, Clone)]
@@ -162,7 +165,10 @@ impl Core {
             }
         }
         // One of the tenant's snapshots (by id or name) before a template of that name.
-        let snapshot = self.store.get_snapshot(&tenant.id, &req.template).await?;
+        let snapshot = match req.from_saved.clone() {
+            Some(saved) => Some(saved),
+            None => self.store.get_snapshot(&tenant.id, &req.template).await?,
+        };
         let template = match &snapshot {
             Some(s) => self.resolve_template(&s.template).ok(),
             None => Some(self.resolve_template_for(tenant, &req.template).await?),

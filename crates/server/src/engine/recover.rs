@@ -317,6 +317,7 @@ impl Engine {
         let images = self.nodes.image_ids();
         let mut claimed: std::collections::HashSet<String> = self.store.snapshot_ids().await?.into_iter().collect();
         claimed.extend(self.store.parked_images().await?);
+        claimed.extend(self.store.cached_step_images().await?);
         for id in images {
             if !claimed.contains(&id) {
                 tracing::warn!(image = %id, "image without a record; removing it");

@@ -63,6 +63,7 @@ pub async fn create_sandbox(
                     auto_resume: req.auto_resume.unwrap_or(false),
                 },
                 inherit_egress: None,
+                from_saved: None,
             },
         )
         .await?;

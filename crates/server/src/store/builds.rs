@@ -1,7 +1,7 @@
 //! [`BuildStore`]: template builds and their logs (migrations sqlite 0023, pg 0012). The
 //! statements are valid on both stores, so one macro implements the trait for each.
 
-use crate::records::{BuildLogEntry, BuildRecord, BuildStatus};
+use crate::records::{BuildLogEntry, BuildRecord, BuildStatus, CachedStep};
 use crate::store::StoreError;
 use async_trait::async_trait;
 
@@ -51,6 +51,16 @@ pub trait BuildStore: Send + Sync {
         step: &str,
         now_ms: i64,
     ) -> Result<bool, StoreError>;
+    /// Record a step cache entry (replacing one of its key), before its image is saved: an
+    /// image is claimed by a record before it exists.
+    async fn put_cached_step(&self, step: &CachedStep) -> Result<(), StoreError>;
+    /// The tenant's cache entry `key`, its use recorded now.
+    async fn cached_step(&self, tenant_id: &str, key: &str, now_ms: i64) -> Result<Option<CachedStep>, StoreError>;
+    /// The tenant's cache entries, most recently used first.
+    async fn cached_steps(&self, tenant_id: &str) -> Result<Vec<CachedStep>, StoreError>;
+    async fn drop_cached_step(&self, tenant_id: &str, key: &str) -> Result<(), StoreError>;
+    /// Every tenant's cached steps' images (what the sweep of unclaimed images keeps).
+    async fn cached_step_images(&self) -> Result<Vec<String>, StoreError>;
     /// Renew a running build's heartbeat.
     async fn beat_build(&self, id: &str, now_ms: i64) -> Result<(), StoreError>;
     /// Append `entries` (their `seq` is assigned here, after the build's last).
@@ -105,6 +115,42 @@ impl From<BuildRow> for BuildRecord {
         }
     }
 }
+
+#[derive(sqlx::FromRow)]
+pub(super) struct CacheRow {
+    tenant_id: String,
+    cache_key: String,
+    image_id: String,
+    template: String,
+    vcpu: i64,
+    memory_mib: i64,
+    disk_mib: i64,
+    context: String,
+    node: String,
+    used_at_ms: i64,
+}
+
+impl From<CacheRow> for CachedStep {
+    fn from(r: CacheRow) -> Self {
+        CachedStep {
+            tenant_id: r.tenant_id,
+            cache_key: r.cache_key,
+            image_id: r.image_id,
+            template: r.template,
+            resources: crate::model::Resources {
+                vcpu: r.vcpu as u32,
+                memory_mib: r.memory_mib as u32,
+                disk_mib: r.disk_mib as u32,
+            },
+            context: r.context,
+            node: r.node,
+            used_at_ms: r.used_at_ms,
+        }
+    }
+}
+
+pub(super) const CACHE_COLUMNS: &str =
+    "tenant_id, cache_key, image_id, template, vcpu, memory_mib, disk_mib, context, node, used_at_ms";
 
 #[derive(sqlx::FromRow)]
 pub(super) struct LogRow {
@@ -416,6 +462,81 @@ macro_rules! impl_build_store {
                 .execute(&self.pool)
                 .await?;
                 Ok(done.rows_affected() > 0)
+            }
+
+            async fn put_cached_step(&self, c: &$crate::records::CachedStep) -> Result<(), $crate::store::StoreError> {
+                sqlx::query("DELETE FROM template_build_cache WHERE tenant_id = $1 AND cache_key = $2")
+                    .bind(&c.tenant_id)
+                    .bind(&c.cache_key)
+                    .execute(&self.pool)
+                    .await?;
+                sqlx::query(
+                    "INSERT INTO template_build_cache (tenant_id, cache_key, image_id, template, vcpu, memory_mib, \
+                     disk_mib, context, node, used_at_ms) VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10)",
+                )
+                .bind(&c.tenant_id)
+                .bind(&c.cache_key)
+                .bind(&c.image_id)
+                .bind(&c.template)
+                .bind(c.resources.vcpu as i64)
+                .bind(c.resources.memory_mib as i64)
+                .bind(c.resources.disk_mib as i64)
+                .bind(&c.context)
+                .bind(&c.node)
+                .bind(c.used_at_ms)
+                .execute(&self.pool)
+                .await?;
+                Ok(())
+            }
+
+            async fn cached_step(
+                &self,
+                tenant_id: &str,
+                key: &str,
+                now_ms: i64,
+            ) -> Result<Option<$crate::records::CachedStep>, $crate::store::StoreError> {
+                sqlx::query("UPDATE template_build_cache SET used_at_ms = $3 WHERE tenant_id = $1 AND cache_key = $2")
+                    .bind(tenant_id)
+                    .bind(key)
+                    .bind(now_ms)
+                    .execute(&self.pool)
+                    .await?;
+                let q = format!(
+                    "SELECT {} FROM template_build_cache WHERE tenant_id = $1 AND cache_key = $2",
+                    $crate::store::builds::CACHE_COLUMNS
+                );
+                let row: Option<$crate::store::builds::CacheRow> =
+                    sqlx::query_as(&q).bind(tenant_id).bind(key).fetch_optional(&self.pool).await?;
+                Ok(row.map(Into::into))
+            }
+
+            async fn cached_steps(
+                &self,
+                tenant_id: &str,
+            ) -> Result<Vec<$crate::records::CachedStep>, $crate::store::StoreError> {
+                let q = format!(
+                    "SELECT {} FROM template_build_cache WHERE tenant_id = $1 ORDER BY used_at_ms DESC, cache_key",
+                    $crate::store::builds::CACHE_COLUMNS
+                );
+                let rows: Vec<$crate::store::builds::CacheRow> =
+                    sqlx::query_as(&q).bind(tenant_id).fetch_all(&self.pool).await?;
+                Ok(rows.into_iter().map(Into::into).collect())
+            }
+
+            async fn drop_cached_step(&self, tenant_id: &str, key: &str) -> Result<(), $crate::store::StoreError> {
+                sqlx::query("DELETE FROM template_build_cache WHERE tenant_id = $1 AND cache_key = $2")
+                    .bind(tenant_id)
+                    .bind(key)
+                    .execute(&self.pool)
+                    .await?;
+                Ok(())
+            }
+
+            async fn cached_step_images(&self) -> Result<Vec<String>, $crate::store::StoreError> {
+                let rows: Vec<(String,)> = sqlx::query_as("SELECT image_id FROM template_build_cache")
+                    .fetch_all(&self.pool)
+                    .await?;
+                Ok(rows.into_iter().map(|r| r.0).collect())
             }
 
             async fn beat_build(&self, id: &str, now_ms: i64) -> Result<(), $crate::store::StoreError> {

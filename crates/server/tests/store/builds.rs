@@ -120,4 +120,50 @@ async fn builds_tags_logs_and_stalls(b: Backend) {
     assert!(store.build_logs("b2", 0, 100).await.unwrap().is_empty());
     assert!(store.tags_of("t1", "app").await.unwrap().is_empty());
     assert!(!store.update_build(&second).await.unwrap(), "its record is gone");
+
+    // The step cache: per tenant, by key, its use recorded; every image claimed.
+    let step = |key: &str, image: &str, at: i64| airlock_server::records::CachedStep {
+        tenant_id: "t1".into(),
+        cache_key: key.into(),
+        image_id: image.into(),
+        template: "seed".into(),
+        resources: Resources {
+            vcpu: 1,
+            memory_mib: 512,
+            disk_mib: 1400,
+        },
+        context: "{}".into(),
+        node: String::new(),
+        used_at_ms: at,
+    };
+    store.put_cached_step(&step("k1", "step_a", now - 100)).await.unwrap();
+    store.put_cached_step(&step("k2", "step_b", now - 50)).await.unwrap();
+    assert!(
+        store.cached_step("t2", "k1", now).await.unwrap().is_none(),
+        "per tenant"
+    );
+    let hit = store.cached_step("t1", "k1", now).await.unwrap().unwrap();
+    assert_eq!(
+        (hit.image_id.as_str(), hit.resources.disk_mib, hit.used_at_ms),
+        ("step_a", 1400, now)
+    );
+    let order: Vec<String> = store
+        .cached_steps("t1")
+        .await
+        .unwrap()
+        .into_iter()
+        .map(|c| c.cache_key)
+        .collect();
+    assert_eq!(order, vec!["k1", "k2"], "most recently used first");
+    let mut images = store.cached_step_images().await.unwrap();
+    images.sort();
+    assert_eq!(images, vec!["step_a", "step_b"]);
+    store.put_cached_step(&step("k1", "step_c", now)).await.unwrap();
+    assert_eq!(
+        store.cached_step("t1", "k1", now).await.unwrap().unwrap().image_id,
+        "step_c",
+        "replaced"
+    );
+    store.drop_cached_step("t1", "k1").await.unwrap();
+    assert!(store.cached_step("t1", "k1", now).await.unwrap().is_none());
 }

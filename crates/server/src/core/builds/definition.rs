@@ -136,6 +136,27 @@ impl Definition {
     }
 }
 
+/// The step cache's keys of `def`: `[0]` its start (the parent's digest, the context the steps
+/// begin in, the build VM's shape), then one per step, each over the one before it and the step
+/// (a COPY by its context's hash). A changed step changes its key and every later one.
+pub fn step_keys(def: &Definition, parent_digest: &str, context: &str, shape: &str) -> Vec<String> {
+    let mut keys = Vec::with_capacity(def.steps.len() + 1);
+    let mut h = Sha256::new();
+    h.update(format!("airlock-step-v1\n{parent_digest}\n{context}\n{shape}").as_bytes());
+    keys.push(format!("sha256:{}", hex::encode(h.finalize())));
+    for s in &def.steps {
+        let mut h = Sha256::new();
+        h.update(keys.last().expect("one at least").as_bytes());
+        h.update(
+            serde_json::json!([s.kind.name(), s.args, s.files_hash])
+                .to_string()
+                .as_bytes(),
+        );
+        keys.push(format!("sha256:{}", hex::encode(h.finalize())));
+    }
+    keys
+}
+
 pub fn is_sha256_hex(s: &str) -> bool {
     s.len() == 64 && s.bytes().all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b))
 }
@@ -463,6 +484,22 @@ mod tests {
         )])
         .validate()
         .is_ok());
+    }
+
+    #[test]
+    fn step_keys_chain() {
+        let a = parse_dockerfile("FROM base\nRUN echo a\nRUN echo b\n", None).unwrap();
+        let b = parse_dockerfile("FROM base\nRUN echo a\nRUN echo c\n", None).unwrap();
+        let (ka, kb) = (step_keys(&a, "p", "{}", "1"), step_keys(&b, "p", "{}", "1"));
+        assert_eq!(ka.len(), a.steps.len() + 1);
+        assert_eq!(ka[..4], kb[..4], "the steps before the changed one keep their keys");
+        assert_ne!(ka[4], kb[4]);
+        assert_ne!(ka[5], kb[5], "and every later one changes");
+        assert_ne!(
+            step_keys(&a, "p", "{}", "2")[1],
+            ka[1],
+            "another shape is another cache"
+        );
     }
 
     #[test]

@@ -365,6 +365,49 @@ impl Core {
             self.store.append_build_logs(&build.id, &[line]).await?;
             return Ok(());
         }
+        // The build VM's shape: as asked; its disk its parent's image and a GiB to grow in.
+        let defaults = airlock_runtime::Resources::default();
+        let shape = crate::model::Resources {
+            vcpu: def.vcpu.unwrap_or(defaults.vcpu),
+            memory_mib: def.memory_mib.unwrap_or(defaults.memory_mib),
+            disk_mib: def
+                .disk_mib
+                .unwrap_or((parent.rootfs_bytes.div_ceil(1 << 20) + BUILD_HEADROOM_MIB) as u32),
+        };
+        let start_context = context_of(&parent);
+        let keys = definition::step_keys(
+            &def,
+            &parent.digest,
+            &serde_json::to_string(&start_context).expect("serializable"),
+            &serde_json::to_string(&shape).expect("serializable"),
+        );
+        // The deepest step whose result is cached, no step up to it forced: the build resumes
+        // from its saved VM.
+        let mut resume = None;
+        if !def.force {
+            let last_unforced = def.steps.iter().position(|s| s.force).unwrap_or(def.steps.len());
+            for i in (1..=last_unforced).rev() {
+                if let Some(hit) = self.store.cached_step(&tenant.id, &keys[i], now_ms()).await? {
+                    if let Ok(context) = serde_json::from_str::<run::Context>(&hit.context) {
+                        resume = Some((i, hit, context));
+                        break;
+                    }
+                }
+            }
+        }
+        let from_saved = resume.as_ref().map(|(_, hit, _)| crate::records::SnapshotRecord {
+            id: hit.image_id.clone(),
+            tenant_id: tenant.id.clone(),
+            name: None,
+            kind: crate::records::SnapshotKind::Snapshot,
+            sandbox_id: String::new(),
+            template: hit.template.clone(),
+            resources: hit.resources,
+            bytes: 0,
+            digest: None,
+            created_at_ms: hit.used_at_ms,
+            shared: None,
+        });
         let created = self
             .create_sandbox_unaudited(
                 principal,
@@ -372,13 +415,9 @@ impl Core {
                 CreateSandbox {
                     template: def.from.clone(),
                     runtime: None,
-                    vcpu: def.vcpu,
-                    memory_mib: def.memory_mib,
-                    // The template's image is the build VM's whole disk: its parent's and a
-                    // GiB to grow in, unless asked.
-                    disk_mib: def.disk_mib.or(Some(
-                        (parent.rootfs_bytes.div_ceil(1 << 20) + BUILD_HEADROOM_MIB) as u32,
-                    )),
+                    vcpu: Some(shape.vcpu),
+                    memory_mib: Some(shape.memory_mib),
+                    disk_mib: Some(shape.disk_mib),
                     timeout: Some(BUILD_LIMIT + Duration::from_secs(300)),
                     env: Default::default(),
                     metadata: [("airlock.build".to_string(), build.id.clone())].into(),
@@ -386,9 +425,17 @@ impl Core {
                     egress: Default::default(),
                     lifecycle: Default::default(),
                     inherit_egress: None,
+                    from_saved,
                 },
             )
             .await?;
+        let start = run::Start {
+            from_step: resume.as_ref().map_or(0, |(i, _, _)| *i),
+            context: resume.map_or(start_context, |(_, _, c)| c),
+            keys,
+            template: parent.name.clone(),
+            shape,
+        };
         build.sandbox_id = Some(created.sandbox_id.clone());
         build.status = BuildStatus::Building;
         build.heartbeat_ms = now_ms();
@@ -404,6 +451,7 @@ impl Core {
             build.clone(),
             def,
             parent,
+            start,
             created.operation,
         ));
         Ok(())

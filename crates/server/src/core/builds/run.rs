@@ -31,12 +31,29 @@ const BEAT: Duration = Duration::from_secs(3);
 const GUEST_STAGING: &str = "/tmp/.airlock-build";
 
 /// What the steps so far made the build's processes run as.
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
 pub(super) struct Context {
     pub user: String,
     pub workdir: Option<String>,
     pub env: BTreeMap<String, String>,
 }
+
+/// Where a build's steps start: after the deepest cached one (`from_step` steps done, `context`
+/// as they left it), with the step cache's keys (`keys[i]`: after step i) and the build VM's
+/// template and shape (what a cached step's saved VM is).
+pub(super) struct Start {
+    pub from_step: usize,
+    pub context: Context,
+    pub keys: Vec<String>,
+    pub template: String,
+    pub shape: crate::model::Resources,
+}
+
+/// The ids of cached steps' images.
+pub const CACHED_STEP_PREFIX: &str = "step_";
+
+/// Cached steps a tenant keeps; the least recently used go (their images with them).
+const MAX_CACHED_STEPS: usize = 16;
 
 /// A failed step: its place (`base`, `1`..`N`, `finalize`) and what went wrong.
 #[derive(Debug)]
@@ -124,6 +141,7 @@ pub(super) async fn run(
     mut build: BuildRecord,
     def: Definition,
     parent: TemplateManifest,
+    start: Start,
     create: Operation,
 ) {
     let mut log = Log::new(core.clone(), &build.id);
@@ -137,7 +155,11 @@ pub(super) async fn run(
             }
         })
     };
-    let outcome = tokio::time::timeout(BUILD_LIMIT, steps(&core, &mut build, &def, &parent, &create, &mut log)).await;
+    let outcome = tokio::time::timeout(
+        BUILD_LIMIT,
+        steps(&core, &mut build, &def, &parent, start, &create, &mut log),
+    )
+    .await;
     let outcome = outcome.unwrap_or_else(|_| {
         Err(failed(
             build.step.as_deref().unwrap_or("base"),
@@ -194,6 +216,7 @@ async fn steps(
     build: &mut BuildRecord,
     def: &Definition,
     parent: &TemplateManifest,
+    start: Start,
     create: &Operation,
     log: &mut Log,
 ) -> Result<TemplateManifest, StepError> {
@@ -220,8 +243,11 @@ async fn steps(
         ),
     );
     log.flush().await;
-    let mut ctx = super::context_of(parent);
-    for (i, step) in def.steps.iter().enumerate() {
+    let mut ctx = start.context.clone();
+    for (i, step) in def.steps.iter().enumerate().take(start.from_step) {
+        log.line("info", &(i + 1).to_string(), &format!("CACHED {}", describe(step)));
+    }
+    for (i, step) in def.steps.iter().enumerate().skip(start.from_step) {
         let n = (i + 1).to_string();
         build.step = Some(n.clone());
         if !save(core, build).await {
@@ -233,6 +259,14 @@ async fn steps(
         log.flush().await;
         r?;
         log.line("debug", &n, &format!("done in {} ms", at.elapsed().as_millis()));
+        // What a RUN or COPY made is kept for a later build of the same steps.
+        if matches!(step.kind, StepKind::Run | StepKind::Copy) && i + 1 < def.steps.len() {
+            let at = Instant::now();
+            match cache_step(core, build, &sandbox, &start, i + 1, &ctx).await {
+                Ok(()) => log.line("debug", &n, &format!("cached in {} ms", at.elapsed().as_millis())),
+                Err(e) => log.line("warn", &n, &format!("not cached: {e}")),
+            }
+        }
     }
     build.step = Some("finalize".into());
     save(core, build).await;
@@ -275,6 +309,41 @@ async fn steps(
         .capture_template(&sandbox, &capture)
         .await
         .map_err(|e| failed("finalize", format!("the template could not be saved: {e}")))
+}
+
+/// Save the build VM after step `done` (1-based) as the step cache's entry `start.keys[done]`:
+/// recorded first (an image is claimed before it exists), then saved while it runs on; the
+/// tenant's least recently used entries past [`MAX_CACHED_STEPS`] go.
+async fn cache_step(
+    core: &Core,
+    build: &BuildRecord,
+    sandbox: &str,
+    start: &Start,
+    done: usize,
+    ctx: &Context,
+) -> CoreResult<()> {
+    let entry = crate::records::CachedStep {
+        tenant_id: build.tenant_id.clone(),
+        cache_key: start.keys[done].clone(),
+        image_id: format!("{CACHED_STEP_PREFIX}{}", airlock_runtime::random::random_hex(10)),
+        template: start.template.clone(),
+        resources: start.shape,
+        context: serde_json::to_string(ctx).expect("serializable"),
+        node: String::new(),
+        used_at_ms: now_ms(),
+    };
+    core.store.put_cached_step(&entry).await?;
+    if let Err(e) = core.nodes.save_image(sandbox, &entry.image_id).await {
+        let _ = core.store.drop_cached_step(&entry.tenant_id, &entry.cache_key).await;
+        let _ = core.nodes.delete_image(&entry.image_id).await;
+        return Err(CoreError::Node(e));
+    }
+    let all = core.store.cached_steps(&build.tenant_id).await?;
+    for old in all.iter().skip(MAX_CACHED_STEPS) {
+        core.store.drop_cached_step(&old.tenant_id, &old.cache_key).await?;
+        let _ = core.nodes.delete_image(&old.image_id).await;
+    }
+    Ok(())
 }
 
 /// The build sandbox's egress denials since `since_ms` (its own host name's lookups aside), as
