@@ -5,6 +5,19 @@
 
 use super::*;
 
+/// A value no earlier run used: steps holding it are built, never taken from the step cache
+/// (which outlives a run on the same data dir).
+fn nonce() -> String {
+    format!(
+        "{}-{}",
+        std::process::id(),
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap()
+            .as_nanos()
+    )
+}
+
 /// `files` (path, content) packed as a tar by the host's `tar`.
 fn tar_of(files: &[(&str, &str)]) -> Vec<u8> {
     let dir = tempfile::tempdir().unwrap();
@@ -96,17 +109,23 @@ pub(crate) fn a_dockerfile_builds_a_template_that_starts_restored() {
             ("app/lib/mod.py", "X = 1\n"),
         ]),
     );
-    let dockerfile = "\
+    // New content every run (the step cache outlives a run on the same data dir): the RUN's
+    // output is logged only when it runs.
+    let dockerfile = format!(
+        "\
 FROM seed
 ARG WHO=builder
-RUN echo \"built by $WHO\" && echo to-stderr >&2 && echo marker > /etc/airlock-built
+RUN echo \"built by $WHO\" && echo to-stderr >&2 && echo marker > /etc/airlock-built && echo {}
 COPY app/ /opt/app/
 ENV GREETING=hello DERIVED=$GREETING-x
 WORKDIR /opt/app
 USER user
 RUN whoami > /home/user/whoami.txt
 CMD [\"python3\", \"-m\", \"http.server\", \"8000\"]
-";
+",
+        nonce()
+    );
+    let dockerfile = dockerfile.as_str();
     let started = Instant::now();
     let (status, build) = s.call(
         "POST",
@@ -438,7 +457,10 @@ pub(crate) fn the_cli_builds_lists_and_removes_a_template() {
     std::fs::write(dir.path().join(".git").join("secret"), "not sent").unwrap();
     std::fs::write(
         dir.path().join("Dockerfile"),
-        "FROM seed\nCOPY . /srv/\nRUN cat /srv/greeting.txt && test ! -e /srv/.git\n",
+        format!(
+            "FROM seed\nCOPY . /srv/\nRUN cat /srv/greeting.txt && test ! -e /srv/.git && echo {}\n",
+            nonce()
+        ),
     )
     .unwrap();
     let name = format!("cli-app-{}", std::process::id());
@@ -479,7 +501,7 @@ pub(crate) fn a_changed_copy_reuses_every_step_before_it() {
     let name = format!("api-steps-{}", std::process::id());
     let dockerfile = format!(
         "FROM seed\nRUN echo slow-step-{} && sleep 3 && echo kept > /etc/kept\nCOPY app/ /opt/app/\nRUN cat /opt/app/version.txt\n",
-        std::process::id()
+        nonce()
     );
     let mut took = Vec::new();
     let mut builds = Vec::new();
