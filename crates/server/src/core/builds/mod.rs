@@ -386,8 +386,15 @@ impl Core {
         let mut resume = None;
         if !def.force {
             let last_unforced = def.steps.iter().position(|s| s.force).unwrap_or(def.steps.len());
+            let images = self.nodes.image_ids();
             for i in (1..=last_unforced).rev() {
                 if let Some(hit) = self.store.cached_step(&tenant.id, &keys[i], now_ms()).await? {
+                    // Its image went (a node lost it): the entry goes, a shallower one may do.
+                    if !images.contains(&hit.image_id) {
+                        tracing::warn!(image = %hit.image_id, "a cached step's image is gone; dropping the entry");
+                        self.store.drop_cached_step(&tenant.id, &hit.cache_key).await?;
+                        continue;
+                    }
                     if let Ok(context) = serde_json::from_str::<run::Context>(&hit.context) {
                         resume = Some((i, hit, context));
                         break;
