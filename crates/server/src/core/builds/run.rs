@@ -169,11 +169,16 @@ pub(super) async fn run(
     beat.abort();
     if let Some(sandbox) = build.sandbox_id.clone() {
         if let Ok(tenant) = crate::core::sandboxes::acting_tenant(&principal) {
-            // A capture already ended its VM; the record still goes through the engine.
-            if let Err(e) = core.delete_sandbox_by("build", tenant, &sandbox).await {
-                if !matches!(e, CoreError::NotFound { .. }) {
-                    tracing::warn!(build = %build.id, %sandbox, "the build sandbox was not deleted: {e}");
+            // A capture already ended its VM; the record still goes through the engine. The
+            // build ends once its sandbox is gone: an ended build leaves nothing running.
+            match core.delete_sandbox_by("build", tenant, &sandbox).await {
+                Ok(op) => {
+                    if let Err(e) = core.wait_operation(&op).await {
+                        tracing::warn!(build = %build.id, %sandbox, "the build sandbox's delete did not end: {e}");
+                    }
                 }
+                Err(CoreError::NotFound { .. }) => {}
+                Err(e) => tracing::warn!(build = %build.id, %sandbox, "the build sandbox was not deleted: {e}"),
             }
         }
     }
