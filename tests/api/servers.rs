@@ -533,6 +533,11 @@ pub(crate) fn a_cold_node_pulls_seed_from_object_storage() {
     let first = fetched(&log(&cold));
     assert!(first.len() == 1 && first[0] > 1 << 20, "{}", log(&cold));
     let mut node = start_node(&cold, &addr, &secret, &["--objects", &flag]);
+    // The node may answer before its log has the line (a flake seen under load): wait for it.
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while fetched(&log(&cold)).len() < 2 && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(200));
+    }
     assert_eq!(
         fetched(&log(&cold)),
         vec![first[0], 0],
