@@ -39,6 +39,16 @@ pub struct ServeArgs {
     /// callers are signed in.
     #[arg(long, env = "AIRLOCK_JWT_ISSUERS")]
     jwt_issuers: Option<PathBuf>,
+    /// Pull a registry's images from a mirror instead: `REGISTRY=MIRROR` (`docker.io=
+    /// http://127.0.0.1:5000`; `http://` for a mirror without TLS), repeatable or
+    /// comma-separated.
+    #[arg(long = "registry-mirror", env = "AIRLOCK_REGISTRY_MIRRORS", value_delimiter = ',', value_parser = parse_mirror)]
+    registry_mirrors: Vec<(String, String)>,
+    /// Registries (`host`, `host:port`, or `*` for any) that image builds may pull from
+    /// directly, repeatable or comma-separated [default: none, only the mirrors]. A pull is
+    /// the server's own connection: allow only registries a tenant may make it reach.
+    #[arg(long = "registry-allow", env = "AIRLOCK_REGISTRY_ALLOW", value_delimiter = ',')]
+    registry_allow: Vec<String>,
     /// Live sandboxes one tenant may have at once (429 `quota_exceeded` past it), unless the
     /// admin sets the tenant's own quota.
     #[arg(long, env = "AIRLOCK_MAX_SANDBOXES", default_value_t = 20)]
@@ -380,6 +390,10 @@ impl ServeArgs {
             egress,
             egress_uplink: node.egress_uplink,
             jwt_issuers: self.jwt_issuers,
+            registries: airlock_runtime::template::Registries {
+                mirrors: self.registry_mirrors.into_iter().collect(),
+                allow: self.registry_allow,
+            },
             remote_nodes: self.nodes,
             nodes_dns: self.nodes_dns,
             nodes_kube: self.nodes_kube.map(|selector| (selector, self.nodes_kube_port)),
@@ -422,6 +436,17 @@ impl NodeArgs {
         let name = self.name.unwrap_or_else(airlock_server::node_daemon::host_name);
         let drain = std::time::Duration::from_secs(self.drain_seconds);
         airlock_server::node_daemon::serve_node(node, name, self.listen, secret, rules, drain, limits).await
+    }
+}
+
+fn parse_mirror(s: &str) -> Result<(String, String), String> {
+    match s.split_once('=') {
+        Some((registry, mirror)) if !registry.trim().is_empty() && !mirror.trim().is_empty() => {
+            Ok((registry.trim().to_string(), mirror.trim().to_string()))
+        }
+        _ => Err(format!(
+            "{s:?}: expected REGISTRY=MIRROR, e.g. docker.io=http://127.0.0.1:5000"
+        )),
     }
 }
 

@@ -194,6 +194,10 @@ fn main() {
             "a_changed_copy_reuses_every_step_before_it",
             templates::a_changed_copy_reuses_every_step_before_it,
         ),
+        t(
+            "a_dockerfile_from_a_local_registry_builds",
+            templates::a_dockerfile_from_a_local_registry_builds,
+        ),
     ];
     let conclusion = libtest_mimic::run(&args, tests);
     cleanup();

@@ -548,3 +548,91 @@ pub(crate) fn a_changed_copy_reuses_every_step_before_it() {
     let (status, _) = s.call("DELETE", &format!("/v1/templates/{name}"), None);
     assert_eq!(status, 204);
 }
+
+/// An OCI image as the parent: a Dockerfile `FROM <local registry>/...` pulls it (two layers,
+/// whiteouts applied), runs RUN and COPY in it with `/bin/sh` (busybox has no bash), and a
+/// sandbox of it starts; the image's env is the template's. Again from the same image: no pull
+/// of new content, the build cached. An image the registry lacks, and a registry the server may
+/// not reach, are 422s naming the image.
+pub(crate) fn a_dockerfile_from_a_local_registry_builds() {
+    use airlock_testnet::registry::{busybox_image, Registry};
+    let s = server();
+    let registry = Registry::start().expect("the test registry");
+    let layers = busybox_image().expect("busybox layers");
+    let config = json!({ "config": {
+        "Env": ["PATH=/usr/sbin:/usr/bin:/sbin:/bin", "FROM_IMAGE=yes"],
+        "WorkingDir": "/",
+    }});
+    let pushed = Instant::now();
+    registry.push("tiny/busybox:1", &layers, config).expect("push");
+    eprintln!("pushed the image in {} ms", pushed.elapsed().as_millis());
+    let n = nonce();
+    let context = upload_context(s, &s.key, &tar_of(&[("app/hello.txt", &format!("hello {n}\n"))]));
+    let name = format!("api-img-{}", std::process::id());
+    let dockerfile = format!(
+        "FROM {}/tiny/busybox:1\nRUN echo built-{n} > /etc/built && ls /etc > /etc/listing\nCOPY app/ /srv/app/\nENV GREETING=hi\n",
+        registry.host()
+    );
+    let started = Instant::now();
+    let (status, build) = s.call(
+        "POST",
+        "/v1/templates",
+        Some(json!({ "name": name, "dockerfile": dockerfile, "context": context })),
+    );
+    assert_eq!(status, 202, "{build}");
+    let id = build["id"].as_str().unwrap().to_string();
+    let done = wait_build(s, &id);
+    let lines = log_lines(s, &id);
+    assert_eq!(done["status"], "ready", "{done}: {lines:?}");
+    eprintln!("image build {} ms", started.elapsed().as_millis());
+    let text: Vec<&str> = lines.iter().map(|l| l["message"].as_str().unwrap()).collect();
+    assert!(text.iter().any(|l| l.contains("/bin/sh")), "{text:?}");
+
+    let sb = s.create(json!({ "template": name, "timeout": "10m" }));
+    let sid = s.session(
+        &sb,
+        json!({ "argv": ["/bin/sh", "-c",
+            "cat /etc/built /srv/app/hello.txt; grep -c layer-2 /etc/listing; ls /etc/removed-by-layer-2 2>&1 | grep -c 'No such'; ls -A /opt/emptied | wc -l; echo $FROM_IMAGE $GREETING; id -un"],
+            "timeout": "60s" }),
+    );
+    let events = s.events(&sb, &sid, None, None);
+    let out = decode(&events, "stdout");
+    assert_eq!(
+        events.last().unwrap().2["exit_code"],
+        0,
+        "{out} {}",
+        decode(&events, "stderr")
+    );
+    assert_eq!(out, format!("built-{n}\nhello {n}\n1\n1\n0\nyes hi\nuser\n"));
+    s.delete(&sb);
+
+    // The same again: the image is the same content, so the build is the one already made.
+    let (status, again) = s.call(
+        "POST",
+        "/v1/templates",
+        Some(json!({ "name": format!("{name}:again"), "dockerfile": dockerfile, "context": context })),
+    );
+    assert_eq!((status, again["status"].as_str()), (202, Some("ready")), "{again}");
+    assert_eq!(again["digest"], done["digest"]);
+
+    // Missing: the image, or a registry the server may not pull from.
+    for (from, says) in [
+        (format!("{}/tiny/nothing:1", registry.host()), "could not be pulled"),
+        ("ghcr.io/example/app:1".to_string(), "not one this server pulls from"),
+    ] {
+        let (status, body) = s.call(
+            "POST",
+            "/v1/templates",
+            Some(json!({ "name": format!("{name}-bad"), "dockerfile": format!("FROM {from}\nRUN true\n") })),
+        );
+        assert_eq!(
+            (status, body["code"].as_str()),
+            (422, Some("invalid_argument")),
+            "{body}"
+        );
+        let message = body["message"].as_str().unwrap();
+        assert!(message.contains(&from) && message.contains(says), "{message}");
+    }
+    let (status, _) = s.call("DELETE", &format!("/v1/templates/{name}"), None);
+    assert_eq!(status, 204);
+}

@@ -118,6 +118,8 @@ impl Server {
         if !extra.contains(&"--tenant-share") {
             cmd.args(["--tenant-share", "1"]);
         }
+        // Image builds pull only from registries the tests start on loopback.
+        cmd.args(["--registry-allow", "127.0.0.1"]);
         if let Some(password) = console_password {
             cmd.env("AIRLOCK_CONSOLE_PASSWORD", password);
         }

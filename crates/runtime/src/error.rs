@@ -21,6 +21,9 @@ pub enum RuntimeError {
     DataDirInUse(String),
     #[error("template build failed: {0}")]
     TemplateBuild(#[from] crate::template::TemplateError),
+    /// An OCI image could not be made a template (a bad reference, a pull, a layer).
+    #[error(transparent)]
+    Image(crate::template::ImageError),
     /// The VM did not get to its agent's READY: `stage` is what it was doing (boot, restore,
     /// resume), `console` the tail of its console, `cause` what failed (none: the VMM exited).
     #[error("sandbox {id} failed to {stage}: {}; console:\n{console}", cause.as_ref().map_or_else(|| "the VMM exited".to_string(), |c| c.to_string()))]

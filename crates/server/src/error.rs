@@ -375,6 +375,7 @@ impl CoreError {
                 | NodeError::UnknownSandbox(_)
                 | NodeError::UnknownImage(_)
                 | NodeError::InvalidResources(_)
+                | NodeError::BadImage(_)
                 | NodeError::Failed(_) => c("runtime", 500),
             },
             CoreError::Unavailable(_) => c("unavailable", 503),
@@ -442,6 +443,7 @@ impl From<NodeError> for CoreError {
             NodeError::UnknownSandbox(id) => CoreError::not_found(Kind::Sandbox, id),
             NodeError::UnknownImage(id) => CoreError::not_found(Kind::Snapshot, id),
             NodeError::InvalidResources(m) => CoreError::InvalidResources(m),
+            NodeError::BadImage(m) => CoreError::invalid("from", m),
             other => CoreError::Node(other),
         }
     }

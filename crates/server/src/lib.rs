@@ -303,6 +303,8 @@ pub struct ServeOptions {
     pub egress_uplink: EgressUplink,
     /// Issuers whose JWTs sign callers in ([`core::federation`]); none: API keys only.
     pub jwt_issuers: Option<PathBuf>,
+    /// Where image builds pull from (`--registry-mirror`, `--registry-allow`).
+    pub registries: airlock_runtime::template::Registries,
     /// Warm pools to keep from the start: (template, VMs) at the default resources.
     pub warm_pools: Vec<(String, usize)>,
     /// Nodes on other hosts (their faces' addresses), instead of this host's runtime in this
@@ -488,6 +490,7 @@ pub async fn serve(opts: ServeOptions) -> anyhow::Result<()> {
         egress,
         federation: federation.clone(),
         build_contexts: Some(root.join("build-contexts")),
+        registries: opts.registries.clone(),
         ..core::Config::default()
     };
     let capacity = nodes.capacity();

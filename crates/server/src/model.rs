@@ -870,7 +870,8 @@ impl StepKind {
 pub struct BuildTemplateRequest {
     /// `name[:tag]` (tag `default` when none).
     pub name: String,
-    /// The parent template (a platform template or one of the tenant's); with `dockerfile`, its FROM.
+    /// The parent: a platform template, one of the tenant's, or an OCI image (`registry/repo:tag`,
+    /// pulled where the operator allows); with `dockerfile`, its FROM.
     #[serde(default)]
     pub from: Option<String>,
     #[serde(default)]
@@ -896,6 +897,22 @@ pub struct BuildTemplateRequest {
     pub memory_mib: Option<u32>,
     #[serde(default)]
     pub disk_mib: Option<u32>,
+    /// The registry account to pull an image parent with (this build only; never stored).
+    #[serde(default)]
+    pub registry_auth: Option<RegistryAuth>,
+}
+
+/// A registry account: a user name and a password or token.
+#[derive(Clone, Serialize, Deserialize, ToSchema)]
+pub struct RegistryAuth {
+    pub username: String,
+    pub password: String,
+}
+
+impl std::fmt::Debug for RegistryAuth {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "RegistryAuth({}, <hidden>)", self.username)
+    }
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]

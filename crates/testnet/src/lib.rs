@@ -15,7 +15,8 @@
 //! ```
 //!
 //! Beside it, test scaffolding of the same kind: [`Fabric`] (a cluster's hosts in namespaces on
-//! a bridge, `fabric.rs`), [`s3::Moto`] (an S3 server, `s3.rs`) and [`end_vmm_of`] (a VM a
+//! a bridge, `fabric.rs`), [`s3::Moto`] (an S3 server, `s3.rs`), [`registry::Registry`] (a
+//! container registry on loopback, `registry.rs`) and [`end_vmm_of`] (a VM a
 //! stopped test server left, `leftovers.rs`).
 //!
 //! Namespaces are named `egt-<pid>-<n>-<role>` and deleted on drop (also when a test panics);
@@ -30,6 +31,7 @@ use std::thread::JoinHandle;
 mod dns;
 mod fabric;
 mod leftovers;
+pub mod registry;
 pub mod s3;
 mod web;
 

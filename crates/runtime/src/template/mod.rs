@@ -11,6 +11,7 @@
 //! - `store`: the content-addressed store (manifests, blobs, lookup, prune)
 //! - `build`: one build, layer by layer, committed to the store
 //! - `kernel`, `debootstrap`, `packages` (apt, pip), `initramfs`: the builders
+//! - `oci`: OCI images pulled from a registry and made templates (layers unpacked strictly)
 //! - `command`, `progress`: running a build's commands, and what it shows while it runs
 
 mod build;
@@ -19,6 +20,7 @@ mod debootstrap;
 mod error;
 mod initramfs;
 mod kernel;
+mod oci;
 mod packages;
 mod progress;
 mod recipes;
@@ -29,6 +31,7 @@ pub use debootstrap::{host_mirror, mirror_from_sources};
 pub use error::TemplateError;
 pub use initramfs::locate_agent;
 pub use kernel::{module_depends, resolve_modules};
+pub use oci::{ImageError, ImageImport, Registries, RegistryCredentials, IMAGE_KEY_PREFIX};
 pub use recipes::{SeedRecipe, StartSpec, BASE, BUILDABLE, CODE_INTERPRETER, CODE_INTERPRETER_PORT, SEED};
 pub use store::{find_manifest, parse_reference, Built, Template, TemplateManifest, TemplateStore};
 pub(crate) use store::{INITRD_FILE, KERNEL_FILE, ROOTFS_FILE};

@@ -92,6 +92,8 @@ pub struct Config {
     pub uploads: uploads::UploadLimits,
     /// Where uploaded build contexts are kept (per tenant); None: builds cannot COPY.
     pub build_contexts: Option<std::path::PathBuf>,
+    /// Where builds from OCI images pull them (mirrors, the registries allowed).
+    pub registries: airlock_runtime::template::Registries,
 }
 
 impl Default for Config {
@@ -117,6 +119,7 @@ impl Default for Config {
             federation: Default::default(),
             uploads: Default::default(),
             build_contexts: None,
+            registries: Default::default(),
         }
     }
 }

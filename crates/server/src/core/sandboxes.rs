@@ -10,6 +10,7 @@ use crate::nodes::NodeError;
 use crate::records::{now_ms, SandboxRecord, Tenant};
 use crate::store::{parse_page_token, SandboxFilter};
 use airlock_agent_client::AgentClient;
+use airlock_runtime::template::TemplateManifest;
 use std::collections::BTreeMap;
 use std::time::Duration;
 
@@ -45,6 +46,9 @@ pub struct CreateSandbox {
     /// Start from this saved image (a build's cached step) as from a snapshot: its template
     /// and resources; `template` is then unused.
     pub from_saved: Option<crate::records::SnapshotRecord>,
+    /// A template the core resolved itself (a build's parent made of an OCI image), started
+    /// as it is; `template` is then unused.
+    pub parent: Option<TemplateManifest>,
 }
 
 #[derive(Debug, Clone)]
@@ -165,13 +169,15 @@ impl Core {
             }
         }
         // One of the tenant's snapshots (by id or name) before a template of that name.
-        let snapshot = match req.from_saved.clone() {
-            Some(saved) => Some(saved),
-            None => self.store.get_snapshot(&tenant.id, &req.template).await?,
+        let snapshot = match (req.from_saved.clone(), &req.parent) {
+            (Some(saved), _) => Some(saved),
+            (None, Some(_)) => None,
+            (None, None) => self.store.get_snapshot(&tenant.id, &req.template).await?,
         };
-        let template = match &snapshot {
-            Some(s) => self.resolve_template(&s.template).ok(),
-            None => Some(self.resolve_template_for(tenant, &req.template).await?),
+        let template = match (&snapshot, &req.parent) {
+            (Some(s), _) => self.resolve_template(&s.template).ok(),
+            (None, Some(parent)) => Some(parent.clone()),
+            (None, None) => Some(self.resolve_template_for(tenant, &req.template).await?),
         };
         // A built template's ENV, under what the create asks.
         let mut req = req;

@@ -147,7 +147,7 @@ impl From<CoreError> for RpcError {
                 NodeError::UnknownTemplate(..) | NodeError::UnknownSandbox(..) | NodeError::UnknownImage(..) => {
                     Code::NotFound
                 }
-                NodeError::InvalidResources(..) => Code::InvalidArgument,
+                NodeError::InvalidResources(..) | NodeError::BadImage(..) => Code::InvalidArgument,
                 NodeError::BootFailed(..) | NodeError::Network(..) | NodeError::Failed(..) => Code::Internal,
             },
         };

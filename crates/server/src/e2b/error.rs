@@ -67,7 +67,9 @@ impl From<CoreError> for E2bError {
                 NodeError::UnknownTemplate(..) | NodeError::UnknownSandbox(..) | NodeError::UnknownImage(..) => {
                     S::NOT_FOUND
                 }
-                NodeError::InvalidSandboxId(..) | NodeError::InvalidResources(..) => S::BAD_REQUEST,
+                NodeError::InvalidSandboxId(..) | NodeError::InvalidResources(..) | NodeError::BadImage(..) => {
+                    S::BAD_REQUEST
+                }
                 NodeError::SandboxIdTaken(..)
                 | NodeError::NotRunning(..)
                 | NodeError::StaleRun(..)

@@ -64,6 +64,7 @@ pub async fn create_sandbox(
                 },
                 inherit_egress: None,
                 from_saved: None,
+                parent: None,
             },
         )
         .await?;

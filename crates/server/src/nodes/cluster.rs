@@ -290,6 +290,22 @@ impl Nodes for Cluster {
         Ok(manifest)
     }
 
+    /// On the first member that answers; with object storage the others pull it at their
+    /// first create of it.
+    async fn import_image(&self, import: &super::ImageImport) -> Result<TemplateManifest, NodeError> {
+        let mut last = NodeError::Unsupported("import images: no node".into());
+        for (member, node) in self.snapshot().iter() {
+            match node.import_image(import).await {
+                Err(e @ NodeError::Unreachable(_)) => {
+                    tracing::warn!(%member, "importing {} elsewhere: {e}", import.image);
+                    last = e;
+                }
+                r => return r,
+            }
+        }
+        Err(last)
+    }
+
     /// On every member; one that does not answer keeps its copy (unused: no record names it).
     async fn remove_template(&self, name: &str) -> Result<(), NodeError> {
         for (member, node) in self.snapshot().iter() {

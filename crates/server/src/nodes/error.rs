@@ -47,6 +47,9 @@ pub enum NodeError {
     /// The node cannot do this at all (how it was set up): ask another.
     #[error("this node cannot {0}")]
     Unsupported(String),
+    /// An OCI image could not be made a template: the message names the image and why.
+    #[error("{0}")]
+    BadImage(String),
     /// The node did not answer (down, cut off, or past the call's deadline): the VM's fate is
     /// unknown, not failed.
     #[error(transparent)]
@@ -66,6 +69,7 @@ impl From<RuntimeError> for NodeError {
             RuntimeError::InvalidSandboxId(id) => NodeError::InvalidSandboxId(id),
             RuntimeError::SandboxIdTaken(id) => NodeError::SandboxIdTaken(id),
             RuntimeError::NotRunning(id) => NodeError::NotRunning(id),
+            RuntimeError::Image(e) => NodeError::BadImage(e.to_string()),
             e @ (RuntimeError::BootFailed { .. }
             | RuntimeError::TemplateStart { .. }
             | RuntimeError::PortNotReady { .. }) => NodeError::BootFailed(Box::new(e)),

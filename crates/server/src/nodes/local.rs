@@ -246,6 +246,15 @@ impl Nodes for LocalNode {
         Ok(manifest)
     }
 
+    async fn import_image(&self, import: &super::ImageImport) -> Result<TemplateManifest, NodeError> {
+        let manifest = self.runtime.templates().import_image(import).await?;
+        if let Some(objects) = &self.objects {
+            let template = self.runtime.templates().resolve(&manifest.name)?;
+            objects.push_template(&template).await.map_err(objects_error)?;
+        }
+        Ok(manifest)
+    }
+
     async fn remove_template(&self, name: &str) -> Result<(), NodeError> {
         Ok(self.runtime.remove_template(name)?)
     }

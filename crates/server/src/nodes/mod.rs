@@ -28,6 +28,7 @@ pub use watches::{WatchSpec, WatchStart};
 
 pub use crate::model::PoolInfo;
 use airlock_agent_client::AgentClient;
+pub use airlock_runtime::template::ImageImport;
 use airlock_runtime::template::TemplateManifest;
 pub use airlock_runtime::Capture;
 use airlock_runtime::Resources;
@@ -210,6 +211,13 @@ pub trait Nodes: Send + Sync {
     async fn capture_template(&self, id: &str, capture: &Capture) -> Result<TemplateManifest, NodeError> {
         let _ = (id, capture);
         Err(NodeError::Unsupported("build templates".into()))
+    }
+    /// Make template `import.name` of an OCI image on a node (`TemplateStore::import_image`),
+    /// unless it already is the image's current content; a node with object storage puts it
+    /// there too, for the others.
+    async fn import_image(&self, import: &ImageImport) -> Result<TemplateManifest, NodeError> {
+        let _ = import;
+        Err(NodeError::Unsupported("import images".into()))
     }
     /// Remove template `name` from every node that has it: sandboxes made from it run on (a
     /// missing one is not an error).

@@ -29,6 +29,8 @@ use tokio::sync::broadcast;
 pub const REPORT_EVERY: Duration = Duration::from_secs(1);
 /// The longest a lifecycle call may take (a create restores or boots a VM; a suspend writes its
 /// memory to disk), and a report.
+/// An image import: a pull and an unpack of up to `MAX_IMAGE_BYTES`.
+const IMPORT_LIMIT: Duration = Duration::from_secs(1800);
 const CALL_LIMIT: Duration = Duration::from_secs(600);
 /// A report is read from memory on the node: one that takes longer is from a node cut off
 /// (its packets dropped, no reset), which placement must skip within seconds.
@@ -332,6 +334,12 @@ impl Nodes for RemoteNode {
     async fn capture_template(&self, id: &str, capture: &super::Capture) -> Result<TemplateManifest, NodeError> {
         let path = format!("/vms/{id}/capture");
         self.inner.change(Method::POST, &path, Some(capture), CALL_LIMIT).await
+    }
+
+    async fn import_image(&self, import: &super::ImageImport) -> Result<TemplateManifest, NodeError> {
+        self.inner
+            .change(Method::POST, "/templates/import", Some(import), IMPORT_LIMIT)
+            .await
     }
 
     async fn remove_template(&self, name: &str) -> Result<(), NodeError> {

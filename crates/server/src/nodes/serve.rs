@@ -133,6 +133,7 @@ impl NodeFace {
             .route("/images/{image}", delete(delete_image))
             .route("/vms/{id}/capture", post(capture_template))
             .route("/templates/{name}", delete(remove_template))
+            .route("/templates/import", post(import_image))
             .route("/images/{image}/share", post(share_image))
             .route("/images/{image}/digest", get(digest_image))
             .route("/parked/{image}", delete(delete_parked))
@@ -383,6 +384,10 @@ async fn capture_template(
         Ok(manifest)
     })
     .await
+}
+
+async fn import_image(State(f): State<Face>, Json(import): Json<super::ImageImport>) -> Reply<TemplateManifest> {
+    to_completion(f.changing.clone(), async move { f.nodes.import_image(&import).await }).await
 }
 
 async fn remove_template(State(f): State<Face>, Path(name): Path<String>) -> Reply<()> {

@@ -146,7 +146,7 @@ impl ErrorReply {
     pub fn status(e: &NodeError) -> u16 {
         match e {
             NodeError::UnknownTemplate(_) | NodeError::UnknownSandbox(_) | NodeError::UnknownImage(_) => 404,
-            NodeError::InvalidResources(_) | NodeError::InvalidSandboxId(_) => 422,
+            NodeError::InvalidResources(_) | NodeError::InvalidSandboxId(_) | NodeError::BadImage(_) => 422,
             NodeError::SandboxIdTaken(_) | NodeError::NotRunning(_) | NodeError::StaleRun(_) | NodeError::Fenced(_) => {
                 409
             }
@@ -168,6 +168,7 @@ impl ErrorReply {
             NodeError::StaleRun(a) => ("stale_run", a.clone()),
             NodeError::Fenced(a) => ("fenced", a.clone()),
             NodeError::Unsupported(a) => ("unsupported", a.clone()),
+            NodeError::BadImage(a) => ("bad_image", a.clone()),
             NodeError::BootFailed(c) => ("boot_failed", c.to_string()),
             NodeError::Exhausted(c) => ("exhausted", c.to_string()),
             NodeError::Network(c) => ("network", c.to_string()),
@@ -199,6 +200,7 @@ impl ErrorReply {
             "stale_run" => NodeError::StaleRun(self.message),
             "fenced" => NodeError::Fenced(self.message),
             "unsupported" => NodeError::Unsupported(self.message),
+            "bad_image" => NodeError::BadImage(self.message),
             "boot_failed" => NodeError::BootFailed(cause(self.message)),
             "exhausted" => NodeError::Exhausted(cause(self.message)),
             "network" => NodeError::Network(cause(self.message)),

@@ -22,7 +22,8 @@ const MAX_STEP_BYTES: usize = 64 * 1024;
 /// What a build makes, as the core checked it.
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Definition {
-    /// The parent template: a platform template or the tenant's own (`name[:tag]`).
+    /// The parent: a platform template, the tenant's own (`name[:tag]`), else an OCI image
+    /// reference (see `Core::build_parent`).
     pub from: String,
     pub steps: Vec<BuildStep>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -39,6 +40,10 @@ pub struct Definition {
     pub memory_mib: Option<u32>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub disk_mib: Option<u32>,
+    /// The registry account to pull an image parent with: used by the request that starts the
+    /// build, never stored (the definition is) nor logged.
+    #[serde(skip)]
+    pub registry_auth: Option<airlock_runtime::template::RegistryCredentials>,
 }
 
 impl Definition {

@@ -22,6 +22,7 @@ use super::principal::Principal;
 use super::sandboxes::{acting_tenant, CreateSandbox};
 use super::Core;
 use crate::error::{Conflict, CoreError, CoreResult, Kind};
+use crate::nodes::ImageImport;
 use crate::records::{now_ms, BuildLogEntry, BuildRecord, BuildStatus, Tenant};
 use airlock_runtime::template::TemplateManifest;
 use futures_util::{Stream, StreamExt};
@@ -47,6 +48,18 @@ pub struct BuildRequest {
     /// `name[:tag]`; the tag is `default` when none is given.
     pub name: String,
     pub definition: Definition,
+}
+
+/// The prefix of templates made of OCI images in the nodes' stores (under [`BUILT_PREFIX`]).
+pub const IMAGE_PREFIX: &str = "build-oci-";
+
+/// The node template image `image` becomes for tenant `tenant_id`.
+fn image_template_name(tenant_id: &str, image: &str) -> String {
+    let mut h = Sha256::new();
+    h.update(tenant_id.as_bytes());
+    h.update([0]);
+    h.update(image.as_bytes());
+    format!("{IMAGE_PREFIX}{}", &hex::encode(h.finalize())[..24])
 }
 
 /// What a build VM's disk has beyond its parent's image, unless the build asks for a size.
@@ -84,10 +97,10 @@ pub fn split_name(reference: &str) -> CoreResult<(String, String)> {
     Ok((name.to_string(), tag.to_string()))
 }
 
-/// The airlock template an OCI image reference stands for on an install without a registry:
-/// E2B's default base and the Debian images it is close to (`AIRLOCK_IMAGE_MAP`, as
-/// `image=template,...`, adds or replaces entries). None: the image is not available here.
-pub fn image_fallback(image: &str) -> Option<String> {
+/// The airlock template an OCI image reference stands for: the operator's `AIRLOCK_IMAGE_MAP`
+/// (`image=template,...`) always; where the image cannot be pulled (`reachable` false), E2B's
+/// default base and the Debian images it is close to, as `base`. None: pull the image.
+pub fn image_fallback(image: &str, reachable: bool) -> Option<String> {
     let mut r = image.trim().to_ascii_lowercase();
     for prefix in ["docker.io/", "index.docker.io/", "registry-1.docker.io/"] {
         if let Some(rest) = r.strip_prefix(prefix) {
@@ -109,6 +122,9 @@ pub fn image_fallback(image: &str) -> Option<String> {
                 }
             }
         }
+    }
+    if reachable {
+        return None;
     }
     const BASE: &[&str] = &[
         "e2bdev/base:latest",
@@ -136,11 +152,13 @@ fn context_of(parent: &TemplateManifest) -> run::Context {
             user: b.user.clone(),
             workdir: b.workdir.clone(),
             env: b.env.clone(),
+            no_bash: false,
         },
         None => run::Context {
             user: "user".into(),
             workdir: None,
             env: Default::default(),
+            no_bash: false,
         },
     }
 }
@@ -310,17 +328,45 @@ impl Core {
                 ));
             }
         }
-        let parent = self
-            .resolve_template_for(tenant, &def.from)
-            .await
-            .map_err(|e| match e {
-                CoreError::NotFound { hint, .. } => {
-                    CoreError::invalid("from", format!("template {:?} not found{hint}", def.from))
-                }
-                e => e,
-            })?;
+        let parent = self.build_parent(tenant, def).await?;
         let key = def.cache_key(&parent.digest);
         Ok(Prepared { parent, key })
+    }
+
+    /// The template `def.from` names: a template (a platform one, then the tenant's), else an
+    /// OCI image made a template on a node, per tenant (no tenant starts from what another
+    /// pulled with its credentials), again only when the image's manifest changed.
+    async fn build_parent(&self, tenant: &Tenant, def: &Definition) -> CoreResult<TemplateManifest> {
+        let hint = match self.resolve_template_for(tenant, &def.from).await {
+            Ok(m) => return Ok(m),
+            Err(CoreError::NotFound { hint, .. }) => hint,
+            Err(e) => return Err(e),
+        };
+        if let Some(t) = image_fallback(&def.from, self.config.registries.reaches(&def.from)) {
+            tracing::info!(image = %def.from, template = %t, "FROM {} -> airlock {t}", def.from);
+            return self.resolve_template_for(tenant, &t).await;
+        }
+        let import = ImageImport {
+            image: def.from.trim().to_string(),
+            name: image_template_name(&tenant.id, def.from.trim()),
+            credentials: def.registry_auth.clone(),
+            registries: self.config.registries.clone(),
+        };
+        let started = std::time::Instant::now();
+        match self.nodes.import_image(&import).await {
+            Ok(m) => {
+                tracing::info!(image = %import.image, template = %m.name, "image parent ready in {} ms", started.elapsed().as_millis());
+                Ok(m)
+            }
+            // A bare name is more likely a template the caller misspelled than an image.
+            Err(crate::nodes::NodeError::BadImage(why)) if !def.from.contains(['/', '.', '@']) => {
+                Err(CoreError::invalid(
+                    "from",
+                    format!("template {:?} not found{hint}; as an image: {why}", def.from),
+                ))
+            }
+            Err(e) => Err(e.into()),
+        }
     }
 
     /// Run `build` (recorded already unless `insert`): the same content built before is taken
@@ -433,6 +479,7 @@ impl Core {
                     lifecycle: Default::default(),
                     inherit_egress: None,
                     from_saved,
+                    parent: parent.name.starts_with(IMAGE_PREFIX).then(|| parent.clone()),
                 },
             )
             .await?;

@@ -36,6 +36,25 @@ pub(super) struct Context {
     pub user: String,
     pub workdir: Option<String>,
     pub env: BTreeMap<String, String>,
+    /// The image has no `/bin/bash` (busybox, alpine): steps run with `/bin/sh`.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub no_bash: bool,
+}
+
+impl Context {
+    /// `sh -c script` as this image runs it: bash as a login shell where there is one.
+    fn shell_argv(&self, script: &str) -> Vec<String> {
+        match self.no_bash {
+            false => vec![
+                "/bin/bash".into(),
+                "-l".into(),
+                "-c".into(),
+                script.into(),
+                "bash".into(),
+            ],
+            true => vec!["/bin/sh".into(), "-c".into(), script.into(), "sh".into()],
+        }
+    }
 }
 
 /// Where a build's steps start: after the deepest cached one (`from_step` steps done, `context`
@@ -249,6 +268,10 @@ async fn steps(
     );
     log.flush().await;
     let mut ctx = start.context.clone();
+    ctx.no_bash = agent.stat("/bin/bash").await.is_err();
+    if ctx.no_bash {
+        log.line("info", "base", "the image has no /bin/bash: steps run with /bin/sh");
+    }
     for (i, step) in def.steps.iter().enumerate().take(start.from_step) {
         log.line("info", &(i + 1).to_string(), &format!("CACHED {}", describe(step)));
     }
@@ -276,7 +299,11 @@ async fn steps(
     build.step = Some("finalize".into());
     save(core, build).await;
     let start = def.start_cmd.as_ref().map(|cmd| StartSpec {
-        argv: vec!["/bin/bash".into(), "-l".into(), "-c".into(), cmd.clone()],
+        argv: {
+            let mut argv = ctx.shell_argv(cmd);
+            argv.pop();
+            argv
+        },
         user: ctx.user.clone(),
         ready_port: 0,
         ready_cmd: def.ready_cmd.clone(),
@@ -457,8 +484,18 @@ async fn run_step(
                 user: "root".into(),
                 ..ctx.clone()
             };
-            let script = r#"id -u -- "$1" >/dev/null 2>&1 || useradd -m -s /bin/bash -- "$1""#;
-            shell(agent, &root, script, std::slice::from_ref(&user), n, log)
+            // useradd where there is one (Debian), else busybox's adduser (alpine), else the
+            // account written into /etc/passwd and /etc/group by hand (a minimal image).
+            let script = r#"id -u "$1" >/dev/null 2>&1 && exit 0
+if command -v useradd >/dev/null 2>&1; then exec useradd -m -s "$2" -- "$1"; fi
+if command -v adduser >/dev/null 2>&1; then exec adduser -D -s "$2" "$1"; fi
+uid=1000
+while cut -d: -f3 /etc/passwd | grep -qx "$uid" || cut -d: -f3 /etc/group | grep -qx "$uid"; do uid=$((uid + 1)); done
+echo "$1:x:$uid:$uid::/home/$1:$2" >> /etc/passwd
+echo "$1:x:$uid:" >> /etc/group
+mkdir -p "/home/$1" && chown "$uid:$uid" "/home/$1""#;
+            let login = if ctx.no_bash { "/bin/sh" } else { "/bin/bash" };
+            shell(agent, &root, script, &[user.clone(), login.into()], n, log)
                 .await
                 .map_err(|e| failed(n, format!("failed to create user {user}: {}", e.reason())))?;
             ctx.user = user;
@@ -522,13 +559,14 @@ async fn copy(
 /// trailing `/`: into it), `$4` the owner, `$5` a mode. What a glob matches is copied under the
 /// glob's fixed prefix (`folder/*` copies `folder`'s matches into the destination); a directory's
 /// contents are copied into the destination, merging.
-const COPY_SCRIPT: &str = r#"set -euo pipefail
-shopt -s dotglob nullglob
+/// POSIX sh (bash, dash, busybox): images without bash copy too; bash also globs dotfiles.
+const COPY_SCRIPT: &str = r#"set -eu
+[ -z "${BASH_VERSION:-}" ] || shopt -s dotglob nullglob
 tar_file=$1 src=$2 dest=$3 owner=$4 mode=$5
 tmp=$(mktemp -d /tmp/.airlock-copy.XXXXXX)
 trap 'rm -rf "$tmp" "$tar_file"' EXIT
 mkdir "$tmp/ctx" "$tmp/sel"
-tar -xf "$tar_file" -C "$tmp/ctx" --no-same-owner
+tar -x -o -f "$tar_file" -C "$tmp/ctx"
 src=${src#./}
 case "$src" in
   *[\*\?\[]*)
@@ -536,12 +574,14 @@ case "$src" in
     prefix=${prefix%/*}
     [ "$prefix" = "${src%%[\*\?\[]*}" ] && prefix=""
     cd "$tmp/ctx"
-    matches=( $src )
-    [ ${#matches[@]} -gt 0 ] || { echo "no file matches $src" >&2; exit 1; }
-    for m in "${matches[@]}"; do
+    found=
+    for m in $src; do
+      [ -e "$m" ] || [ -L "$m" ] || continue
+      found=1
       mkdir -p "$tmp/sel/$(dirname "$m")"
       cp -a "$m" "$tmp/sel/$m"
     done
+    [ -n "$found" ] || { echo "no file matches $src" >&2; exit 1; }
     from="$tmp/sel/$prefix"
     ;;
   *) from="$tmp/ctx/$src" ;;
@@ -549,7 +589,7 @@ esac
 [ -e "$from" ] || [ -L "$from" ] || { echo "$src is not in the context" >&2; exit 1; }
 if [ -d "$from" ] && [ ! -L "$from" ]; then
   mkdir -p "$dest"
-  (cd "$from" && find . -mindepth 1 -printf '%P\n') > "$tmp/list"
+  (cd "$from" && find . ! -name . | sed 's|^\./||') > "$tmp/list"
   cp -a "$from/." "$dest/"
   target=$dest
 elif [ "${dest%/}" != "$dest" ] || [ -d "$dest" ]; then
@@ -595,13 +635,7 @@ async fn shell(
     step: &str,
     log: &mut Log,
 ) -> Result<(), Shell> {
-    let mut argv = vec![
-        "/bin/bash".into(),
-        "-l".into(),
-        "-c".into(),
-        script.to_string(),
-        "bash".into(),
-    ];
+    let mut argv = ctx.shell_argv(script);
     argv.extend(args.iter().cloned());
     let spec = ProcessSpec {
         argv,

@@ -7,7 +7,7 @@ use super::{
     AssignTags, BuildLogEntry, BuildReason, BuildStatusQuery, BuildStatusReply, FileLink, NewTemplate, RemoveTags,
     TagInfo, TagsAssigned, TemplateBuildStart, TemplateCreated,
 };
-use crate::core::builds::{image_fallback, Definition, UploadLink, MAX_LOG_PAGE};
+use crate::core::builds::{Definition, UploadLink, MAX_LOG_PAGE};
 use crate::core::{CoreError, Principal};
 use crate::e2b::E2bError;
 use crate::records::{rfc3339, BuildStatus};
@@ -132,22 +132,36 @@ pub async fn start_build(
     if build.name != template.to_ascii_lowercase() {
         return Err(CoreError::not_found(crate::core::Kind::Template, format!("{template}/{build_id}")).into());
     }
-    if req.from_image_registry.as_ref().is_some_and(|v| !v.is_null()) {
-        return Err(E2bError::bad_request("private registries are not supported"));
-    }
+    // A registry account for this pull only: never stored, never logged.
+    let registry_auth = match req.from_image_registry.as_ref().filter(|v| !v.is_null()) {
+        None => None,
+        Some(v) => {
+            let field = |k: &str| v.get(k).and_then(serde_json::Value::as_str).map(String::from);
+            match (field("type").as_deref(), field("username"), field("password")) {
+                (Some("registry"), Some(username), Some(password)) => {
+                    Some(airlock_runtime::template::RegistryCredentials { username, password })
+                }
+                (Some("registry"), ..) => {
+                    return Err(E2bError::bad_request(
+                        "fromImageRegistry: a registry account needs username and password",
+                    ))
+                }
+                (other, ..) => {
+                    return Err(E2bError::bad_request(format!(
+                        "fromImageRegistry of type {} is not supported (type registry is)",
+                        other.unwrap_or("(none)")
+                    )))
+                }
+            }
+        }
+    };
     if let Some(k) = req.other.keys().next() {
         return Err(CoreError::unsupported(k, "").into());
     }
+    // A template, else an image the core pulls (or stands a template in for).
     let from = match (&req.from_template, &req.from_image) {
         (Some(t), _) => t.clone(),
-        (None, image) => {
-            let image = image.as_deref().unwrap_or("e2bdev/base");
-            image_fallback(image).ok_or_else(|| {
-                E2bError::bad_request(format!(
-                    "image {image:?} is not available: no container registry here; use from_template(\"<airlock template>\") or one of: e2bdev/base, debian:bookworm, python:3.11, node:18"
-                ))
-            })?
-        }
+        (None, image) => image.clone().unwrap_or_else(|| "e2bdev/base".into()),
     };
     let stored: Definition = serde_json::from_str(&build.definition).unwrap_or_default();
     let definition = Definition {
@@ -156,6 +170,7 @@ pub async fn start_build(
         start_cmd: req.start_cmd.filter(|c| !c.trim().is_empty()),
         ready_cmd: req.ready_cmd.filter(|c| !c.trim().is_empty()),
         force: req.force.unwrap_or(false),
+        registry_auth,
         ..stored
     };
     state.core.start_build(&principal, &build_id, definition).await?;
