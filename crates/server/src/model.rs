@@ -899,20 +899,7 @@ pub struct BuildTemplateRequest {
     pub disk_mib: Option<u32>,
     /// The registry account to pull an image parent with (this build only; never stored).
     #[serde(default)]
-    pub registry_auth: Option<RegistryAuth>,
-}
-
-/// A registry account: a user name and a password or token.
-#[derive(Clone, Serialize, Deserialize, ToSchema)]
-pub struct RegistryAuth {
-    pub username: String,
-    pub password: String,
-}
-
-impl std::fmt::Debug for RegistryAuth {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "RegistryAuth({}, <hidden>)", self.username)
-    }
+    pub registry_auth: Option<airlock_runtime::template::RegistryCredentials>,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]

@@ -71,8 +71,10 @@ impl Registries {
     }
 }
 
-/// A registry account for one pull (never logged, never stored).
+/// A registry account for one pull: a user name and a password or token (never logged, never
+/// stored).
 #[derive(Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct RegistryCredentials {
     pub username: String,
     pub password: String,
@@ -594,32 +596,10 @@ impl tokio::io::AsyncWrite for Bounded {
 mod tests {
     use super::*;
 
-    fn header(kind: tar::EntryType, size: u64, mode: u32) -> tar::Header {
-        let mut h = tar::Header::new_gnu();
-        h.set_entry_type(kind);
-        h.set_size(size);
-        h.set_mode(mode);
-        h.set_uid(0);
-        h.set_gid(0);
-        h.set_mtime(1);
-        h
-    }
+    use airlock_testnet::registry::tar_layer;
 
     fn tar_of(entries: &[(&str, Option<&[u8]>)]) -> Vec<u8> {
-        let mut b = tar::Builder::new(Vec::new());
-        for (path, data) in entries {
-            match data {
-                Some(d) => {
-                    let mut h = header(tar::EntryType::Regular, d.len() as u64, 0o644);
-                    b.append_data(&mut h, path, *d).unwrap();
-                }
-                None => {
-                    let mut h = header(tar::EntryType::Directory, 0, 0o755);
-                    b.append_data(&mut h, path, &[][..]).unwrap();
-                }
-            }
-        }
-        b.into_inner().unwrap()
+        tar_layer(entries, &[], &[])
     }
 
     fn layer(dir: &Path, i: usize, bytes: Vec<u8>) -> (std::path::PathBuf, OciDescriptor) {
@@ -675,16 +655,14 @@ mod tests {
         let outside = dir.path().join("outside");
         std::fs::create_dir(&outside).unwrap();
         // A symlink to a directory outside, then a file written through it.
-        let mut b = tar::Builder::new(Vec::new());
-        let mut h = header(tar::EntryType::Symlink, 0, 0o777);
-        b.append_link(&mut h, "esc", &outside).unwrap();
-        let mut h = header(tar::EntryType::Regular, 1, 0o644);
-        b.append_data(&mut h, "esc/planted", &b"x"[..]).unwrap();
-        let (p, d) = layer(dir.path(), 0, b.into_inner().unwrap());
+        let escape = tar_layer(&[], &[("esc", outside.to_str().unwrap())], &[]);
         let mut budget = Budget {
             bytes: 1 << 20,
             entries: 100,
         };
+        let (p, d) = layer(dir.path(), 0, escape);
+        unpack_layer("t", &p, &d, &root, &mut budget).unwrap();
+        let (p, d) = layer(dir.path(), 3, tar_of(&[("esc/planted", Some(b"x"))]));
         assert!(unpack_layer("t", &p, &d, &root, &mut budget).is_err());
         assert!(!outside.join("planted").exists());
         // A whiteout through the symlink removes nothing outside.

@@ -96,12 +96,7 @@ pub async fn build_template(
     definition.vcpu = req.vcpu;
     definition.memory_mib = req.memory_mib;
     definition.disk_mib = req.disk_mib;
-    definition.registry_auth = req
-        .registry_auth
-        .map(|a| airlock_runtime::template::RegistryCredentials {
-            username: a.username,
-            password: a.password,
-        });
+    definition.registry_auth = req.registry_auth;
     let build = core
         .build_template(
             &principal,
