@@ -157,6 +157,8 @@ enum TemplateCommand {
     Rm { name: String },
     /// Print a build's log (following it until it ends).
     Logs { build: String },
+    /// Cancel a build: it ends with nothing of it left running or saved.
+    Cancel { build: String },
 }
 
 #[derive(Subcommand)]
@@ -441,6 +443,12 @@ async fn run(cli: Cli) -> anyhow::Result<u8> {
         } => {
             client()?.json("DELETE", &format!("/v1/templates/{name}"), None)?;
             println!("deleted {name}");
+        }
+        Command::Template {
+            command: TemplateCommand::Cancel { build },
+        } => {
+            let ended = client()?.json("DELETE", &format!("/v1/builds/{build}"), None)?;
+            println!("{}", serde_json::to_string_pretty(&ended)?);
         }
         Command::Template {
             command: TemplateCommand::Logs { build },

@@ -198,6 +198,10 @@ fn main() {
             "a_dockerfile_from_a_local_registry_builds",
             templates::a_dockerfile_from_a_local_registry_builds,
         ),
+        t(
+            "a_cancelled_build_leaves_nothing_behind",
+            templates::a_cancelled_build_leaves_nothing_behind,
+        ),
     ];
     let conclusion = libtest_mimic::run(&args, tests);
     cleanup();

@@ -169,14 +169,14 @@ CMD [\"python3\", \"-m\", \"http.server\", \"8000\"]
     let (out, code) = sh(
         s,
         &sb,
-        "cat /opt/app/hello.txt /opt/app/lib/mod.py /etc/airlock-built /home/user/whoami.txt; echo $GREETING $DERIVED; \
+        "pwd; cat /opt/app/hello.txt /opt/app/lib/mod.py /etc/airlock-built /home/user/whoami.txt; echo $GREETING $DERIVED; \
          stat -c %U /opt/app/hello.txt; \
          python3 -c \"import urllib.request; print(urllib.request.urlopen('http://127.0.0.1:8000/hello.txt').read().decode(), end='')\"",
     );
     assert_eq!(code, 0, "{out}");
     assert_eq!(
         out,
-        "hello from the context\nX = 1\nmarker\nuser\nhello hello-x\nroot\nhello from the context\n"
+        "/opt/app\nhello from the context\nX = 1\nmarker\nuser\nhello hello-x\nroot\nhello from the context\n"
     );
 
     // The same definition again: the built template at once, no VM.
@@ -388,15 +388,7 @@ pub(crate) fn a_server_killed_mid_build_leaves_nothing_behind() {
     );
     assert_eq!(status, 202, "{build}");
     let id = build["id"].as_str().unwrap().to_string();
-    let deadline = Instant::now() + Duration::from_secs(120);
-    loop {
-        let (_, b) = s1.call("GET", &format!("/v1/builds/{id}"), None);
-        if b["step"] == "1" {
-            break;
-        }
-        assert!(Instant::now() < deadline && b["status"] != "error", "{b}");
-        std::thread::sleep(Duration::from_millis(200));
-    }
+    wait_step_one(&s1, &id);
     let (_, list) = s1.call("GET", "/v1/sandboxes", None);
     let sandbox = list["sandboxes"][0]["id"].as_str().unwrap().to_string();
     s1.kill9();
@@ -433,6 +425,19 @@ pub(crate) fn a_server_killed_mid_build_leaves_nothing_behind() {
         .collect();
     assert!(leftovers.is_empty(), "{leftovers:?}");
     drop(s2);
+}
+
+/// Wait until build `id` runs its first step.
+fn wait_step_one(s: &Server, id: &str) {
+    let deadline = Instant::now() + Duration::from_secs(120);
+    loop {
+        let (_, b) = s.call("GET", &format!("/v1/builds/{id}"), None);
+        if b["step"] == "1" {
+            return;
+        }
+        assert!(Instant::now() < deadline && b["status"] != "error", "{b}");
+        std::thread::sleep(Duration::from_millis(200));
+    }
 }
 
 /// Names of the built templates in data dir `data`'s template store.
@@ -635,4 +640,46 @@ pub(crate) fn a_dockerfile_from_a_local_registry_builds() {
     }
     let (status, _) = s.call("DELETE", &format!("/v1/templates/{name}"), None);
     assert_eq!(status, 204);
+}
+
+/// `DELETE /v1/builds/{id}` mid-step: the build ends `error` naming the cancel, its build
+/// sandbox is deleted and no template of it is left; a second cancel answers it as it is.
+pub(crate) fn a_cancelled_build_leaves_nothing_behind() {
+    let s = server();
+    let (status, build) = s.call(
+        "POST",
+        "/v1/templates",
+        Some(json!({
+            "name": format!("api-cancel-{}", std::process::id()),
+            "from": "seed",
+            "steps": [{"type": "RUN", "args": [format!("echo {}; sleep 300", nonce())]}],
+        })),
+    );
+    assert_eq!(status, 202, "{build}");
+    let id = build["id"].as_str().unwrap().to_string();
+    wait_step_one(s, &id);
+    let (_, list) = s.call("GET", "/v1/sandboxes", None);
+    let sandbox = list["sandboxes"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|b| b["metadata"]["airlock.build"] == id.as_str())
+        .unwrap_or_else(|| panic!("no build sandbox in {list}"))["id"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    let (status, ended) = s.call("DELETE", &format!("/v1/builds/{id}"), None);
+    assert_eq!((status, ended["status"].as_str()), (200, Some("error")), "{ended}");
+    let message = ended["error"]["message"].as_str().unwrap();
+    assert!(message.starts_with("cancelled by"), "{message}");
+    wait_state(s, &sandbox, "deleted", Duration::from_secs(60)).expect("the build sandbox is deleted");
+    // Its run sees the end and stops; nothing of it stays in the template store.
+    std::thread::sleep(Duration::from_secs(2));
+    let data = test_data_dir();
+    assert!(
+        !built_templates(&data).contains(&format!("build-{id}.json")),
+        "no template of a cancelled build"
+    );
+    let (status, again) = s.call("DELETE", &format!("/v1/builds/{id}"), None);
+    assert_eq!((status, &again["error"]), (200, &ended["error"]), "{again}");
 }

@@ -46,7 +46,7 @@ use utoipa::OpenApi;
         native::create_session, native::list_sessions, native::get_session, native::stream_session, native::session_stdin,
         native::session_signal, native::session_resize, native::read_file, native::write_file, native::delete_file, native::list_files,
         native::list_templates, native::get_template, native::build_template, native::delete_template,
-        native::upload_context, native::list_builds, native::get_build, native::build_logs, native::system,
+        native::upload_context, native::list_builds, native::get_build, native::cancel_build, native::build_logs, native::system,
         native::admin::login, native::admin::create_tenant, native::admin::list_tenants, native::admin::get_tenant,
         native::admin::delete_tenant, native::admin::get_quota, native::admin::put_quota, native::admin::get_policy,
         native::admin::put_policy, native::admin::create_key, native::admin::list_keys, native::admin::revoke_key,
@@ -144,7 +144,7 @@ pub fn router(state: AppState) -> Router {
             get(native::get_template).delete(native::delete_template),
         )
         .route("/builds", get(native::list_builds))
-        .route("/builds/{id}", get(native::get_build))
+        .route("/builds/{id}", get(native::get_build).delete(native::cancel_build))
         .route("/builds/{id}/logs", get(native::build_logs))
         .route("/system", get(native::system))
         .fallback(native::not_found)

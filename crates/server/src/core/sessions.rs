@@ -305,11 +305,20 @@ impl Core {
         let id = format!("ses_{}", airlock_runtime::datadir::random_hex(8));
         let mut env = sandbox.env.clone();
         env.extend(req.env);
+        // A built template's last USER and WORKDIR are its processes' defaults, as in Docker.
+        let built = match (&req.user, &req.cwd) {
+            (Some(_), Some(_)) => None,
+            _ => self.nodes.template(&sandbox.template).and_then(|m| m.built),
+        };
         let spec = ProcessSpec {
             argv: req.argv,
-            cwd: req.cwd,
+            cwd: req.cwd.or_else(|| built.as_ref().and_then(|b| b.workdir.clone())),
             env,
-            user: Some(req.user.unwrap_or_else(|| "user".into())),
+            user: Some(
+                req.user
+                    .or_else(|| built.map(|b| b.user))
+                    .unwrap_or_else(|| "user".into()),
+            ),
             timeout_ms: req.timeout.map(|t| t.as_millis() as u64),
             stdin: req.stdin,
             pty: req.pty,

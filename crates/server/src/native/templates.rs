@@ -171,6 +171,19 @@ pub async fn get_build(
     Ok(Json(core.template_build(&principal, &id).await?.into()))
 }
 
+/// Cancel a build: unless it ended, it ends `error` (`cancelled by ...`) and leaves nothing
+/// running or saved; an ended build is answered as it is.
+#[utoipa::path(delete, path = "/v1/builds/{id}", tag = "templates", params(("id" = String, Path)),
+    responses((status = 200, body = TemplateBuild), ApiErrors),
+    security(("bearer" = [])))]
+pub async fn cancel_build(
+    State(core): State<Core>,
+    Extension(principal): Extension<Principal>,
+    Path(id): Path<String>,
+) -> ApiResult<Json<TemplateBuild>> {
+    Ok(Json(core.cancel_build(&principal, &id).await?.into()))
+}
+
 #[derive(Debug, Deserialize, utoipa::IntoParams)]
 #[into_params(parameter_in = Query)]
 pub struct LogsQuery {

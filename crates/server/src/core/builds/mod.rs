@@ -744,6 +744,28 @@ impl Core {
         });
     }
 
+    /// Cancel the caller's build `id`: unless it ended, it ends `error` ("cancelled"), its build
+    /// sandbox is deleted, and what its run still makes (a captured template) is removed when
+    /// the run sees the end. An ended build is answered as it is.
+    pub async fn cancel_build(&self, principal: &Principal, id: &str) -> CoreResult<BuildRecord> {
+        let tenant = acting_tenant(principal)?.clone();
+        let b = self.template_build(principal, id).await?;
+        let step = b.step.clone().unwrap_or_else(|| "base".into());
+        let error = format!("cancelled by {}", principal.actor());
+        // Whatever its heartbeat: only if it has not ended.
+        if self.end_build(&tenant, &b, i64::MAX, error, step).await? {
+            self.audit(
+                &principal.actor(),
+                Some(&tenant.name),
+                "template.cancel",
+                Some(id),
+                "ok",
+            )
+            .await;
+        }
+        self.template_build(principal, id).await
+    }
+
     pub async fn fail_stalled_builds(&self) {
         let before = now_ms() - STALLED_AFTER.as_millis() as i64;
         let Ok(stalled) = self.store.stalled_builds(before).await else {
@@ -767,32 +789,47 @@ impl Core {
                 false => "the build was interrupted: the server running it stopped".into(),
             };
             let step = b.step.clone().unwrap_or_else(|| "base".into());
-            // Only if it did not end or beat since it was read.
-            match self
-                .store
-                .fail_stalled_build(&b.id, before, &error, &step, now_ms())
-                .await
-            {
-                Ok(true) => {}
-                _ => continue,
-            }
-            tracing::warn!(build = %b.id, "{error}: failing it");
-            let line = BuildLogEntry {
-                seq: 0,
-                at_ms: now_ms(),
-                level: "error".into(),
-                step,
-                message: error,
+            let Some(tenant) = tenants.iter().find(|(t, _)| t.id == b.tenant_id).map(|(t, _)| t) else {
+                continue;
             };
-            let _ = self.store.append_build_logs(&b.id, &[line]).await;
-            let tenant = tenants.iter().find(|(t, _)| t.id == b.tenant_id).map(|(t, _)| t);
-            if let (Some(sandbox), Some(tenant)) = (&b.sandbox_id, tenant) {
-                if let Err(e) = self.delete_sandbox_by("build", tenant, sandbox).await {
-                    if !matches!(e, CoreError::NotFound { .. }) {
-                        tracing::warn!(build = %b.id, %sandbox, "the build sandbox was not deleted: {e}");
-                    }
-                }
+            // Only if it did not end or beat since it was read.
+            if let Ok(true) = self.end_build(tenant, &b, before, error.clone(), step).await {
+                tracing::warn!(build = %b.id, "{error}: failed it");
             }
         }
+    }
+
+    /// End build `b` `error` with `error` at `step` unless it ended or beat since `before_ms`:
+    /// the end logged, its build sandbox deleted. True when this call ended it.
+    async fn end_build(
+        &self,
+        tenant: &Tenant,
+        b: &BuildRecord,
+        before_ms: i64,
+        error: String,
+        step: String,
+    ) -> CoreResult<bool> {
+        if !self
+            .store
+            .fail_stalled_build(&b.id, before_ms, &error, &step, now_ms())
+            .await?
+        {
+            return Ok(false);
+        }
+        let line = BuildLogEntry {
+            seq: 0,
+            at_ms: now_ms(),
+            level: "error".into(),
+            step,
+            message: error,
+        };
+        self.store.append_build_logs(&b.id, &[line]).await?;
+        if let Some(sandbox) = &b.sandbox_id {
+            match self.delete_sandbox_by("build", tenant, sandbox).await {
+                Ok(_) | Err(CoreError::NotFound { .. }) => {}
+                Err(e) => tracing::warn!(build = %b.id, %sandbox, "the build sandbox was not deleted: {e}"),
+            }
+        }
+        Ok(true)
     }
 }

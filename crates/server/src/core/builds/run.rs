@@ -279,7 +279,10 @@ async fn steps(
         let n = (i + 1).to_string();
         build.step = Some(n.clone());
         if !save(core, build).await {
-            return Err(failed(&n, "the template was deleted while it built"));
+            return Err(failed(
+                &n,
+                "the build was cancelled, or its template deleted, while it ran",
+            ));
         }
         log.line("info", &n, &describe(step));
         let at = Instant::now();
