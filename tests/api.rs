@@ -202,6 +202,10 @@ fn main() {
             "a_cancelled_build_leaves_nothing_behind",
             templates::a_cancelled_build_leaves_nothing_behind,
         ),
+        t(
+            "a_deleted_tenant_leaves_no_build_behind",
+            templates::a_deleted_tenant_leaves_no_build_behind,
+        ),
     ];
     let conclusion = libtest_mimic::run(&args, tests);
     cleanup();

@@ -683,3 +683,90 @@ pub(crate) fn a_cancelled_build_leaves_nothing_behind() {
     let (status, again) = s.call("DELETE", &format!("/v1/builds/{id}"), None);
     assert_eq!((status, &again["error"]), (200, &ended["error"]), "{again}");
 }
+
+/// Deleting a tenant takes its builds with it: the templates it built and the image it pulled
+/// leave the node's store, its step cache's saved VMs go, its contexts and records too (a
+/// tenant of the same name later has none of it). On a data dir of its own, so that what is
+/// left can be counted.
+pub(crate) fn a_deleted_tenant_leaves_no_build_behind() {
+    use airlock_testnet::registry::{busybox_image, Registry};
+    let data = own_data_dir("build-purge");
+    let templates_before = built_templates(&data);
+    let s = Server::start(&data);
+    let tenant = format!("purged-{}", std::process::id());
+    s.cli_ok(&["tenant", "create", &tenant]);
+    let key = s.cli_ok(&["key", "create", "--tenant", &tenant]);
+    let key = key.as_str().unwrap().to_string();
+    let n = nonce();
+    let context = upload_context(&s, &key, &tar_of(&[("f.txt", &n)]));
+    let registry = Registry::start().expect("the test registry");
+    registry
+        .push("purge/busybox:1", &busybox_image().unwrap(), json!({ "config": {} }))
+        .expect("push");
+    let mut builds = Vec::new();
+    for (name, from) in [
+        ("from-seed", "seed".to_string()),
+        ("from-image", format!("{}/purge/busybox:1", registry.host())),
+    ] {
+        let (status, b) = s.call_with(
+            "POST",
+            "/v1/templates",
+            Some(json!({ "name": name, "from": from, "steps": [
+                {"type": "RUN", "args": [format!("echo {n} > /tmp/n")]},
+                {"type": "COPY", "args": ["f.txt", "/tmp/f.txt"], "filesHash": context},
+                {"type": "RUN", "args": ["cat /tmp/f.txt"]},
+            ]})),
+            Some(&key),
+            &[],
+        );
+        assert_eq!(status, 202, "{b}");
+        let done = wait_build_of(&s, &key, b["id"].as_str().unwrap());
+        assert_eq!(done["status"], "ready", "{done}");
+        builds.push(done["id"].as_str().unwrap().to_string());
+    }
+    let made: Vec<String> = built_templates(&data)
+        .into_iter()
+        .filter(|t| !templates_before.contains(t))
+        .collect();
+    assert!(made.iter().any(|t| t.starts_with("build-oci-")), "{made:?}");
+    let saved = std::fs::read_dir(data.join("images")).unwrap().count();
+    assert!(saved >= 4, "the step cache saved the build VMs: {saved}");
+
+    s.cli_ok(&["tenant", "rm", &tenant]);
+    let left: Vec<String> = built_templates(&data)
+        .into_iter()
+        .filter(|t| !templates_before.contains(t))
+        .collect();
+    assert!(left.is_empty(), "{left:?}");
+    let images: Vec<_> = std::fs::read_dir(data.join("images"))
+        .unwrap()
+        .flatten()
+        .map(|e| e.file_name())
+        .collect();
+    assert!(images.is_empty(), "{images:?}");
+    let contexts = data.join("build-contexts");
+    assert!(
+        std::fs::read_dir(&contexts).map_or(true, |d| d.count() == 0),
+        "no context is left in {}",
+        contexts.display()
+    );
+    // A new tenant of the same name starts with nothing.
+    s.cli_ok(&["tenant", "create", &tenant]);
+    let key = s.cli_ok(&["key", "create", "--tenant", &tenant]);
+    let key = key.as_str().unwrap();
+    for id in &builds {
+        let (status, _) = s.call_with("GET", &format!("/v1/builds/{id}"), None, Some(key), &[]);
+        assert_eq!(status, 404);
+    }
+    let (_, list) = s.call_with("GET", "/v1/templates", None, Some(key), &[]);
+    let names: Vec<&str> = list["templates"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter_map(|t| t["name"].as_str())
+        .collect();
+    assert!(
+        !names.contains(&"from-seed") && !names.contains(&"from-image"),
+        "{list}"
+    );
+}

@@ -264,8 +264,8 @@ impl Core {
     }
 
     /// Delete a tenant: its keys stop at once, its sandboxes are deleted (operations that run
-    /// on), its snapshots (records and images: they hold its sandboxes' memory), E2B state,
-    /// quotas and policy go. Its id is never given again, so a later tenant of the same name
+    /// on), its snapshots (records and images: they hold its sandboxes' memory), its builds
+    /// (`Core::purge_builds`), E2B state, quotas and policy go. Its id is never given again, so a later tenant of the same name
     /// starts with nothing. `default` stays: it holds the server's bootstrap key.
     pub async fn delete_tenant(&self, admin: &Admin, name: &str) -> CoreResult<u32> {
         let r = async {
@@ -290,6 +290,7 @@ impl Core {
                 self.delete_image_everywhere(&s).await?;
                 self.store.delete_snapshot(&t.id, &s.id).await?;
             }
+            self.purge_builds(&t).await?;
             self.store.delete_tenant(&t.id).await?;
             Ok(deleted)
         }

@@ -53,13 +53,20 @@ pub struct BuildRequest {
 /// The prefix of templates made of OCI images in the nodes' stores (under [`BUILT_PREFIX`]).
 pub const IMAGE_PREFIX: &str = "build-oci-";
 
-/// The node template image `image` becomes for tenant `tenant_id`.
+/// The node template image `image` becomes for tenant `tenant_id`: the tenant's prefix (see
+/// [`image_templates_of`]), then the image's.
 fn image_template_name(tenant_id: &str, image: &str) -> String {
     let mut h = Sha256::new();
     h.update(tenant_id.as_bytes());
     h.update([0]);
     h.update(image.as_bytes());
-    format!("{IMAGE_PREFIX}{}", &hex::encode(h.finalize())[..24])
+    format!("{}{}", image_templates_of(tenant_id), &hex::encode(h.finalize())[..16])
+}
+
+/// What the names of tenant `tenant_id`'s image templates start with.
+fn image_templates_of(tenant_id: &str) -> String {
+    let tenant = hex::encode(Sha256::digest(tenant_id.as_bytes()));
+    format!("{IMAGE_PREFIX}{}-", &tenant[..12])
 }
 
 /// What a build VM's disk has beyond its parent's image, unless the build asks for a size.
@@ -742,6 +749,48 @@ impl Core {
                 tokio::time::sleep(Duration::from_secs(5)).await;
             }
         });
+    }
+
+    /// Everything a deleted tenant's builds left: builds under way ended (their sandboxes
+    /// deleted), the step cache's images, the templates built and images pulled, the build
+    /// records, logs and tags, the uploaded contexts.
+    pub(crate) async fn purge_builds(&self, tenant: &Tenant) -> CoreResult<()> {
+        let builds = self.store.list_builds(&tenant.id, None).await?;
+        for b in builds
+            .iter()
+            .filter(|b| matches!(b.status, BuildStatus::Waiting | BuildStatus::Building))
+        {
+            let step = b.step.clone().unwrap_or_else(|| "base".into());
+            self.end_build(tenant, b, i64::MAX, "the tenant was deleted".into(), step)
+                .await?;
+        }
+        for c in self.store.cached_steps(&tenant.id).await? {
+            self.store.drop_cached_step(&tenant.id, &c.cache_key).await?;
+            if let Err(e) = self.nodes.delete_image(&c.image_id).await {
+                tracing::warn!(image = %c.image_id, "a cached step's image stays on a node for now: {e}");
+            }
+        }
+        let names: std::collections::BTreeSet<&str> = builds.iter().map(|b| b.name.as_str()).collect();
+        for name in names {
+            self.store.delete_builds(&tenant.id, name).await?;
+        }
+        let pulled = image_templates_of(&tenant.id);
+        let templates = builds.iter().filter_map(|b| b.template.clone()).chain(
+            self.nodes
+                .templates()
+                .into_iter()
+                .map(|m| m.name)
+                .filter(|n| n.starts_with(&pulled)),
+        );
+        for t in templates {
+            if let Err(e) = self.nodes.remove_template(&t).await {
+                tracing::warn!(template = %t, "a deleted tenant's template stays on a node for now: {e}");
+            }
+        }
+        if let Ok(dir) = self.build_contexts_dir(&tenant.id) {
+            let _ = tokio::fs::remove_dir_all(dir).await;
+        }
+        Ok(())
     }
 
     /// Cancel the caller's build `id`: unless it ended, it ends `error` ("cancelled"), its build
