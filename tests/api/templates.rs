@@ -640,6 +640,44 @@ pub(crate) fn a_dockerfile_from_a_local_registry_builds() {
     }
     let (status, _) = s.call("DELETE", &format!("/v1/templates/{name}"), None);
     assert_eq!(status, 204);
+
+    // A registry with an account: refused without it, pulled with it, the password in no log.
+    let password = format!("pw-{n}");
+    let private = Registry::start_with_account("alice", &password).expect("the registry with an account");
+    private
+        .push("team/busybox:1", &layers, json!({ "config": {} }))
+        .expect("push with the account");
+    let from = format!("{}/team/busybox:1", private.host());
+    let steps = json!([{"type": "RUN", "args": [format!("echo {n}")]}]);
+    let (status, body) = s.call(
+        "POST",
+        "/v1/templates",
+        Some(json!({ "name": format!("{name}-private"), "from": from, "steps": steps })),
+    );
+    assert_eq!(status, 422, "{body}");
+    assert!(body["message"].as_str().unwrap().contains(&from), "{body}");
+    let (status, build) = s.call(
+        "POST",
+        "/v1/templates",
+        Some(json!({ "name": format!("{name}-private"), "from": from, "steps": steps,
+            "registry_auth": { "username": "alice", "password": password } })),
+    );
+    assert_eq!(status, 202, "{build}");
+    let done = wait_build(s, build["id"].as_str().unwrap());
+    assert_eq!(done["status"], "ready", "{done}");
+    let logged = std::fs::read_to_string(&s.log).unwrap();
+    assert!(!logged.contains(&password), "the password is in the server's log");
+    let lines = log_lines(s, build["id"].as_str().unwrap());
+    assert!(!format!("{lines:?}{done}").contains(&password));
+    for db in ["airlock.db", "airlock.db-wal"] {
+        let bytes = std::fs::read(s.data.join(db)).unwrap_or_default();
+        assert!(
+            !bytes.windows(password.len()).any(|w| w == password.as_bytes()),
+            "the password is in the store ({db})"
+        );
+    }
+    let (status, _) = s.call("DELETE", &format!("/v1/templates/{name}-private"), None);
+    assert_eq!(status, 204);
 }
 
 /// `DELETE /v1/builds/{id}` mid-step: the build ends `error` naming the cancel, its build

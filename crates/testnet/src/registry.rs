@@ -22,6 +22,8 @@ const BUSYBOX: &str = "/bin/busybox";
 pub struct Registry {
     child: Child,
     pub addr: SocketAddr,
+    /// The account it asks for, if any (`start_with_account`).
+    account: Option<(String, String)>,
     _dir: tempfile::TempDir,
 }
 
@@ -40,6 +42,16 @@ pub struct Layer {
 
 impl Registry {
     pub fn start() -> io::Result<Registry> {
+        Self::start_inner(None)
+    }
+
+    /// A registry that answers only `user` with `password` (htpasswd, bcrypt by `htpasswd`
+    /// of apache2-utils), for reads and pushes alike.
+    pub fn start_with_account(user: &str, password: &str) -> io::Result<Registry> {
+        Self::start_inner(Some((user.to_string(), password.to_string())))
+    }
+
+    fn start_inner(account: Option<(String, String)>) -> io::Result<Registry> {
         if !std::path::Path::new(BIN).exists() {
             return Err(io::Error::other(format!(
                 "{BIN} not found: scripts/install-host-deps installs docker-registry"
@@ -52,13 +64,27 @@ impl Registry {
         };
         let addr: SocketAddr = format!("127.0.0.1:{port}").parse().expect("address");
         let config = dir.path().join("config.yml");
-        std::fs::write(
-            &config,
-            format!(
-                "version: 0.1\nlog:\n  level: warn\nstorage:\n  filesystem:\n    rootdirectory: {}\nhttp:\n  addr: {addr}\n",
-                dir.path().join("data").display()
-            ),
-        )?;
+        let mut yaml = format!(
+            "version: 0.1\nlog:\n  level: warn\nstorage:\n  filesystem:\n    rootdirectory: {}\nhttp:\n  addr: {addr}\n",
+            dir.path().join("data").display()
+        );
+        if let Some((user, password)) = &account {
+            let out = Command::new("htpasswd")
+                .args(["-Bbn", user, password])
+                .output()
+                .map_err(|e| {
+                    io::Error::other(format!(
+                        "htpasswd: {e}; scripts/install-host-deps installs apache2-utils"
+                    ))
+                })?;
+            let file = dir.path().join("htpasswd");
+            std::fs::write(&file, &out.stdout)?;
+            yaml.push_str(&format!(
+                "auth:\n  htpasswd:\n    realm: test\n    path: {}\n",
+                file.display()
+            ));
+        }
+        std::fs::write(&config, yaml)?;
         let child = Command::new(BIN)
             .arg("serve")
             .arg(&config)
@@ -66,7 +92,12 @@ impl Registry {
             .stdout(Stdio::null())
             .stderr(std::fs::File::create(dir.path().join("registry.log"))?)
             .spawn()?;
-        let registry = Registry { child, addr, _dir: dir };
+        let registry = Registry {
+            child,
+            addr,
+            account,
+            _dir: dir,
+        };
         let deadline = Instant::now() + Duration::from_secs(20);
         while TcpStream::connect_timeout(&addr, Duration::from_millis(200)).is_err() {
             if Instant::now() > deadline {
@@ -113,6 +144,10 @@ impl Registry {
             None,
         );
         let manifest = OciImageManifest::build(&pushed, &config, None);
+        let auth = match &self.account {
+            Some((user, password)) => RegistryAuth::Basic(user.clone(), password.clone()),
+            None => RegistryAuth::Anonymous,
+        };
         // Its own thread and runtime: callers may be inside one.
         std::thread::scope(|s| {
             s.spawn(|| {
@@ -125,7 +160,7 @@ impl Registry {
                         ..Default::default()
                     });
                     let r = client
-                        .push(&reference, &pushed, config, &RegistryAuth::Anonymous, Some(manifest))
+                        .push(&reference, &pushed, config, &auth, Some(manifest))
                         .await
                         .map_err(|e| io::Error::other(format!("push {reference}: {e}")))?;
                     let digest = r
@@ -137,7 +172,7 @@ impl Registry {
                     match digest {
                         Some(d) => Ok(d),
                         None => client
-                            .fetch_manifest_digest(&reference, &RegistryAuth::Anonymous)
+                            .fetch_manifest_digest(&reference, &auth)
                             .await
                             .map_err(|e| io::Error::other(format!("digest of {reference}: {e}"))),
                     }
