@@ -15,6 +15,7 @@ import urllib.request
 
 import pytest
 
+import registry
 import wildcard_dns
 
 # Before pytest or an SDK starts a thread: this process's own resolv.conf and trust store.
@@ -116,7 +117,7 @@ def _start_postgres(cleanups):
     return f"postgres://airlock@127.0.0.1:{port}/postgres"
 
 
-def _start_replicas(port, e2b, egress, log, procs, cleanups):
+def _start_replicas(port, e2b, egress, log, procs, cleanups, mirror):
     """Many hosts (issue 25): the suite's sandboxes on an `airlock node` process (the suite's
     data dir, its templates), placed by two `serve --store postgres://...` replicas; the SDK
     talks to the second only, which holds no VM: every call crosses to the node."""
@@ -147,7 +148,7 @@ def _start_replicas(port, e2b, egress, log, procs, cleanups):
             for f in ("server.secret", "credentials"):
                 shutil.copy(os.path.join(dirs[0], f), os.path.join(d, f))
         serve = [BIN, "--data-dir", d, "serve", "--listen", f"127.0.0.1:{p}", "--tenant-share", "1",
-                 "--store", store, "--node", node, "--node-secret-file", secret]
+                 "--store", store, "--node", node, "--node-secret-file", secret, *mirror]
         procs.append(subprocess.Popen(serve + (e2b if i > 0 else []), stdout=log, stderr=log))
         _wait_up(f"http://127.0.0.1:{p}", procs[-1], log.name, "/readyz",
                  lambda body: json.loads(body or b"{}").get("nodes_ready", 0) >= 1)
@@ -186,12 +187,15 @@ def airlock_server():
     procs = []
     cleanups = []
     try:
+        # The operator's mirror of docker.io: a registry of the suite's own on loopback.
+        mirror_host = registry.start(cleanups)
+        mirror = ["--registry-mirror", f"docker.io=http://{mirror_host}"]
         if os.environ.get("E2B_SUITE_ROUTE") == "replica":
-            _start_replicas(port, e2b, egress, log, procs, cleanups)
+            _start_replicas(port, e2b, egress, log, procs, cleanups, mirror)
         else:
             # A single-tenant node: the suite may use the whole node, not half of what disk is free.
             serve = [BIN, "--data-dir", DATA, "serve", "--listen", f"127.0.0.1:{port}", "--tenant-share", "1",
-                     *e2b, *egress]
+                     *e2b, *egress, *mirror]
             procs.append(subprocess.Popen(serve, stdout=log, stderr=log))
             _wait_up(url, procs[-1], log.name)
         # `--e2b`: the `e2b_<hex>` shape, which e2b 2.26 to 2.5x insist on; the others take any key.
@@ -205,7 +209,7 @@ def airlock_server():
             # The settings the README tells E2B users to set (API and envd share one port).
             os.environ["E2B_API_URL"] = url
             os.environ["E2B_SANDBOX_URL"] = url
-        yield {"url": url, "key": key, "internet": net}
+        yield {"url": url, "key": key, "internet": net, "mirror": mirror_host}
         _set_tenant_policy(url, ())
         # VMs outlive the server by design: delete what the tests left, then stop it.
         for sb in _native(url, key, "GET", "/v1/sandboxes?limit=100")["sandboxes"]:

@@ -5,6 +5,7 @@ step raises the SDK's build error with the step's message; tags and `exists` ans
 import uuid
 
 import pytest
+import registry
 from e2b import BuildException, Sandbox, Template, wait_for_port
 
 
@@ -91,3 +92,20 @@ def test_an_image_nobody_mirrors_fails_naming_it():
     with pytest.raises(Exception) as e:
         Template.build(template, _name("e2b-image"), cpu_count=1, memory_mb=1024)
     assert "registry.invalid/nobody/mirrors:this" in str(e.value)
+
+
+def test_an_image_the_operator_mirrors_builds(airlock_server):
+    """`from_image` of a Docker Hub name the operator mirrors (`--registry-mirror docker.io=`):
+    pulled from the mirror, its RUN run as `user` (made after the image, as E2B does), and a
+    sandbox of it starts."""
+    tag = "e2b-" + uuid.uuid4().hex[:8]
+    registry.push_busybox(airlock_server["mirror"], "library/busybox", tag)
+    nonce = uuid.uuid4().hex[:12]
+    template = Template().from_image(f"busybox:{tag}").run_cmd(f"echo {nonce} > /tmp/built; id -un >> /tmp/built")
+    name = _name("e2b-mirror")
+    Template.build(template, name, cpu_count=1, memory_mb=1024)
+    sbx = Sandbox.create(name, timeout=120)
+    try:
+        assert sbx.files.read("/tmp/built") == f"{nonce}\nuser\n"
+    finally:
+        sbx.kill()

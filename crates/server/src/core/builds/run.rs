@@ -272,6 +272,12 @@ async fn steps(
     if ctx.no_bash {
         log.line("info", "base", "the image has no /bin/bash: steps run with /bin/sh");
     }
+    // An image's build goes on as `user`, made now, as E2B's does after provisioning one (a
+    // build resuming from a cached step has it already).
+    if parent.name.starts_with(super::IMAGE_PREFIX) && start.from_step == 0 {
+        log.line("info", "base", "DEFAULT USER user");
+        become_user(&agent, &mut ctx, "user", "base", log).await?;
+    }
     for (i, step) in def.steps.iter().enumerate().take(start.from_step) {
         log.line("info", &(i + 1).to_string(), &format!("CACHED {}", describe(step)));
     }
@@ -481,15 +487,26 @@ async fn run_step(
             ctx.workdir = Some(path);
             Ok(())
         }
-        StepKind::User => {
-            let user = step.args[0].clone();
-            let root = Context {
-                user: "root".into(),
-                ..ctx.clone()
-            };
-            // useradd where there is one (Debian), else busybox's adduser (alpine), else the
-            // account written into /etc/passwd and /etc/group by hand (a minimal image).
-            let script = r#"id -u "$1" >/dev/null 2>&1 && exit 0
+        StepKind::User => become_user(agent, ctx, &step.args[0], n, log).await,
+        StepKind::Copy => copy(core, agent, ctx, step, n, build, log).await,
+    }
+}
+
+/// Make `user` the current user, creating it if the image lacks it: useradd where there is
+/// one (Debian), else busybox's adduser (alpine), else the account written into /etc/passwd
+/// and /etc/group by hand (a minimal image).
+async fn become_user(
+    agent: &AgentClient,
+    ctx: &mut Context,
+    user: &str,
+    n: &str,
+    log: &mut Log,
+) -> Result<(), StepError> {
+    let root = Context {
+        user: "root".into(),
+        ..ctx.clone()
+    };
+    let script = r#"id -u "$1" >/dev/null 2>&1 && exit 0
 if command -v useradd >/dev/null 2>&1; then exec useradd -m -s "$2" -- "$1"; fi
 if command -v adduser >/dev/null 2>&1; then exec adduser -D -s "$2" "$1"; fi
 uid=1000
@@ -497,15 +514,12 @@ while cut -d: -f3 /etc/passwd | grep -qx "$uid" || cut -d: -f3 /etc/group | grep
 echo "$1:x:$uid:$uid::/home/$1:$2" >> /etc/passwd
 echo "$1:x:$uid:" >> /etc/group
 mkdir -p "/home/$1" && chown "$uid:$uid" "/home/$1""#;
-            let login = if ctx.no_bash { "/bin/sh" } else { "/bin/bash" };
-            shell(agent, &root, script, &[user.clone(), login.into()], n, log)
-                .await
-                .map_err(|e| failed(n, format!("failed to create user {user}: {}", e.reason())))?;
-            ctx.user = user;
-            Ok(())
-        }
-        StepKind::Copy => copy(core, agent, ctx, step, n, build, log).await,
-    }
+    let login = if ctx.no_bash { "/bin/sh" } else { "/bin/bash" };
+    shell(agent, &root, script, &[user.to_string(), login.into()], n, log)
+        .await
+        .map_err(|e| failed(n, format!("failed to create user {user}: {}", e.reason())))?;
+    ctx.user = user.to_string();
+    Ok(())
 }
 
 /// Copy from an uploaded context: the tar goes into the guest, where it is unpacked and copied
