@@ -105,8 +105,9 @@ pub fn split_name(reference: &str) -> CoreResult<(String, String)> {
 }
 
 /// The airlock template an OCI image reference stands for: the operator's `AIRLOCK_IMAGE_MAP`
-/// (`image=template,...`) always; where the image cannot be pulled (`reachable` false), E2B's
-/// default base and the Debian images it is close to, as `base`. None: pull the image.
+/// (`image=template,...`) first; E2B's default base (the SDK's `Template()` with no parent) is
+/// always `base`, which is built to be it, rather than a pull of a GiB; where the image cannot
+/// be pulled (`reachable` false), the Debian images `base` is close to. None: pull the image.
 pub fn image_fallback(image: &str, reachable: bool) -> Option<String> {
     let mut r = image.trim().to_ascii_lowercase();
     for prefix in ["docker.io/", "index.docker.io/", "registry-1.docker.io/"] {
@@ -130,11 +131,13 @@ pub fn image_fallback(image: &str, reachable: bool) -> Option<String> {
             }
         }
     }
+    if r == "e2bdev/base:latest" {
+        return Some("base".into());
+    }
     if reachable {
         return None;
     }
     const BASE: &[&str] = &[
-        "e2bdev/base:latest",
         "debian:bookworm",
         "debian:bookworm-slim",
         "debian:12",
@@ -880,5 +883,30 @@ impl Core {
             }
         }
         Ok(true)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::image_fallback;
+
+    #[test]
+    fn images_stand_as_templates_only_where_they_must() {
+        // E2B's default base is `base` wherever it could be pulled from.
+        for reachable in [false, true] {
+            assert_eq!(image_fallback("e2bdev/base", reachable).as_deref(), Some("base"));
+            assert_eq!(
+                image_fallback("docker.io/e2bdev/base:latest", reachable).as_deref(),
+                Some("base")
+            );
+        }
+        // Debian's images: `base` only where they can't be pulled.
+        assert_eq!(image_fallback("debian:bookworm", false).as_deref(), Some("base"));
+        assert_eq!(
+            image_fallback("docker.io/library/python:3.11", false).as_deref(),
+            Some("base")
+        );
+        assert_eq!(image_fallback("debian:bookworm", true), None);
+        assert_eq!(image_fallback("ubuntu:22.04", false), None);
     }
 }
