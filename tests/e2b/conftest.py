@@ -188,7 +188,7 @@ def airlock_server():
     cleanups = []
     try:
         # The operator's mirror of docker.io: a registry of the suite's own on loopback.
-        mirror_host = registry.start(cleanups)
+        mirror_host = registry.start(procs, cleanups)
         mirror = ["--registry-mirror", f"docker.io=http://{mirror_host}"]
         if os.environ.get("E2B_SUITE_ROUTE") == "replica":
             _start_replicas(port, e2b, egress, log, procs, cleanups, mirror)

@@ -6,6 +6,7 @@ import hashlib
 import io
 import json
 import os
+import shutil
 import socket
 import subprocess
 import tarfile
@@ -17,9 +18,9 @@ BIN = "/usr/bin/docker-registry"
 BUSYBOX = "/bin/busybox"
 
 
-def start(cleanups):
-    """Start a registry; returns `127.0.0.1:<port>`. It is stopped, and its storage removed,
-    by `cleanups`."""
+def start(procs, cleanups):
+    """Start a registry; returns `127.0.0.1:<port>`. Its process joins `procs` (the suite's
+    `_stop` ends it), the removal of its storage `cleanups`."""
     work = tempfile.mkdtemp(prefix="airlock-e2b-registry-")
     s = socket.socket()
     s.bind(("127.0.0.1", 0))
@@ -32,18 +33,9 @@ def start(cleanups):
                 f"http:\n  addr: {host}\n")
     log = open(os.path.join(work, "registry.log"), "w")
     proc = subprocess.Popen([BIN, "serve", config], stdout=log, stderr=log, stdin=subprocess.DEVNULL)
-
-    def stop():
-        proc.terminate()
-        try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-        log.close()
-        subprocess.run(["rm", "-rf", work], check=False)
-
-    cleanups.append(stop)
+    log.close()
+    procs.append(proc)
+    cleanups.append(lambda: shutil.rmtree(work, ignore_errors=True))
     deadline = time.time() + 20
     while True:
         try:

@@ -25,6 +25,16 @@ pub struct LocalNode {
 }
 
 impl LocalNode {
+    /// A template this node made, put in object storage (when it has one) for the other nodes
+    /// to pull at their first create of it.
+    async fn publish(&self, manifest: TemplateManifest) -> Result<TemplateManifest, NodeError> {
+        if let Some(objects) = &self.objects {
+            let template = self.runtime.templates().resolve(&manifest.name)?;
+            objects.push_template(&template).await.map_err(objects_error)?;
+        }
+        Ok(manifest)
+    }
+
     /// `egress` must be the hook the runtime's networks were opened with.
     pub fn new(runtime: Runtime, egress: Option<Arc<NodeEgress>>) -> Self {
         if let Some(egress) = &egress {
@@ -239,20 +249,12 @@ impl Nodes for LocalNode {
         let lock = self.lock_for(id);
         let _guard = lock.lock().await;
         let manifest = self.runtime.capture_template(id, capture.clone()).await?;
-        if let Some(objects) = &self.objects {
-            let template = self.runtime.templates().resolve(&manifest.name)?;
-            objects.push_template(&template).await.map_err(objects_error)?;
-        }
-        Ok(manifest)
+        self.publish(manifest).await
     }
 
     async fn import_image(&self, import: &super::ImageImport) -> Result<TemplateManifest, NodeError> {
         let manifest = self.runtime.templates().import_image(import).await?;
-        if let Some(objects) = &self.objects {
-            let template = self.runtime.templates().resolve(&manifest.name)?;
-            objects.push_template(&template).await.map_err(objects_error)?;
-        }
-        Ok(manifest)
+        self.publish(manifest).await
     }
 
     async fn remove_template(&self, name: &str) -> Result<(), NodeError> {

@@ -42,17 +42,20 @@ pub(super) struct Context {
 }
 
 impl Context {
+    /// The image's shell: bash where there is one.
+    fn shell(&self) -> &'static str {
+        if self.no_bash {
+            "/bin/sh"
+        } else {
+            "/bin/bash"
+        }
+    }
+
     /// `sh -c script` as this image runs it: bash as a login shell where there is one.
     fn shell_argv(&self, script: &str) -> Vec<String> {
         match self.no_bash {
-            false => vec![
-                "/bin/bash".into(),
-                "-l".into(),
-                "-c".into(),
-                script.into(),
-                "bash".into(),
-            ],
-            true => vec!["/bin/sh".into(), "-c".into(), script.into(), "sh".into()],
+            false => vec!["/bin/bash".into(), "-l".into(), "-c".into(), script.into()],
+            true => vec!["/bin/sh".into(), "-c".into(), script.into()],
         }
     }
 }
@@ -308,11 +311,7 @@ async fn steps(
     build.step = Some("finalize".into());
     save(core, build).await;
     let start = def.start_cmd.as_ref().map(|cmd| StartSpec {
-        argv: {
-            let mut argv = ctx.shell_argv(cmd);
-            argv.pop();
-            argv
-        },
+        argv: ctx.shell_argv(cmd),
         user: ctx.user.clone(),
         ready_port: 0,
         ready_cmd: def.ready_cmd.clone(),
@@ -514,8 +513,7 @@ while cut -d: -f3 /etc/passwd | grep -qx "$uid" || cut -d: -f3 /etc/group | grep
 echo "$1:x:$uid:$uid::/home/$1:$2" >> /etc/passwd
 echo "$1:x:$uid:" >> /etc/group
 mkdir -p "/home/$1" && chown "$uid:$uid" "/home/$1""#;
-    let login = if ctx.no_bash { "/bin/sh" } else { "/bin/bash" };
-    shell(agent, &root, script, &[user.to_string(), login.into()], n, log)
+    shell(agent, &root, script, &[user.to_string(), ctx.shell().into()], n, log)
         .await
         .map_err(|e| failed(n, format!("failed to create user {user}: {}", e.reason())))?;
     ctx.user = user.to_string();
@@ -653,6 +651,8 @@ async fn shell(
     log: &mut Log,
 ) -> Result<(), Shell> {
     let mut argv = ctx.shell_argv(script);
+    // `$0`, then the script's arguments.
+    argv.push(ctx.shell().trim_start_matches("/bin/").into());
     argv.extend(args.iter().cloned());
     let spec = ProcessSpec {
         argv,
