@@ -42,6 +42,7 @@ fn seed(resources: Resources) -> CreateVm {
         resources,
         image: None,
         env: Default::default(),
+        volumes: Vec::new(),
     }
 }
 

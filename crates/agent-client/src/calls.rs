@@ -32,6 +32,21 @@ impl AgentClient {
             .map(drop)
     }
 
+    /// Mount a disk the host attached (a volume); slow like a sync: the guest finds the new
+    /// disk first, and grows its filesystem to the disk.
+    pub async fn mount_volume(&self, mount: &airlock_proto::MountVolume) -> Result<(), AgentError> {
+        let (resp, due) = self
+            .request(
+                &Route::MountVolume,
+                Self::json_body(mount),
+                Clock::Agent(self.deadlines.slow_call),
+            )
+            .await?;
+        collect_limited(resp.into_body(), RECORD_MAX, "POST /volumes/mount", due)
+            .await
+            .map(drop)
+    }
+
     /// Give the guest its identity (after every boot or restore; see `airlock_proto::Identity`).
     pub async fn set_identity(&self, identity: &airlock_proto::Identity) -> Result<(), AgentError> {
         self.call(Route::Identity, Self::json_body(identity)).await

@@ -16,7 +16,7 @@ const MODULE_LIST: &str = "/modules.list";
 const ROOT_DEVICE: &str = "/dev/vda";
 const AGENT_IN_ROOTFS: &str = "/usr/sbin/airlock-agent";
 
-fn log(msg: &str) {
+pub(crate) fn log(msg: &str) {
     // PID 1's stderr is the console; the host keeps it in console.log.
     eprintln!("airlock-agent: {msg}");
 }

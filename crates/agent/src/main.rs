@@ -13,6 +13,7 @@ mod metrics;
 mod process;
 mod server;
 mod users;
+mod volumes;
 
 use std::sync::Arc;
 use std::time::Duration;

@@ -179,6 +179,13 @@ async fn route(agent: Arc<Agent>, req: Request<Incoming>) -> Result<Response<Bod
             files::rename(&from, &to)?;
             Ok(json(StatusCode::OK, &files::stat(&to)?))
         }
+        Route::MountVolume => {
+            let mount: airlock_proto::MountVolume = read_json(req).await?;
+            tokio::task::spawn_blocking(move || crate::volumes::mount_volume(&mount))
+                .await
+                .map_err(|e| AgentError::internal(format!("mount task: {e}")))??;
+            Ok(json(StatusCode::OK, &serde_json::json!({})))
+        }
         Route::Tunnel { port } => tunnel(port, req).await,
         Route::Watch { path, recursive, entry } => watch(&files::clean_path(&path)?, recursive, entry),
     }

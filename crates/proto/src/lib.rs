@@ -280,6 +280,42 @@ pub fn check_metadata(metadata: &BTreeMap<String, String>) -> Result<(), String>
     Ok(())
 }
 
+/// Where the agent also mounts each volume for the host's file calls on it: a bind of the same
+/// filesystem that follows no symlink (`MS_NOSYMFOLLOW`), so a link planted in the volume
+/// cannot lead a call outside it. `<dir>/<serial>`.
+pub const VOLUME_ACCESS_DIR: &str = "/run/airlock/volumes";
+
+/// The longest volume serial (QEMU's `scsi-hd` serial limit is 36).
+pub const VOLUME_SERIAL_MAX: usize = 36;
+
+/// A disk the host attached (a `scsi-hd` whose serial is `serial`), to mount at `path`.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
+pub struct MountVolume {
+    pub serial: String,
+    pub path: String,
+    #[serde(default)]
+    pub read_only: bool,
+    /// A fresh volume's root directory is given to this user (the sandbox's default), so its
+    /// processes can write there.
+    #[serde(default)]
+    pub owner: Option<String>,
+}
+
+impl MountVolume {
+    /// The volume's access path in the guest ([`VOLUME_ACCESS_DIR`]).
+    pub fn access_path(serial: &str) -> String {
+        format!("{VOLUME_ACCESS_DIR}/{serial}")
+    }
+
+    /// A serial both ends accept: ASCII letters, digits and `-`, at most
+    /// [`VOLUME_SERIAL_MAX`].
+    pub fn valid_serial(serial: &str) -> bool {
+        !serial.is_empty()
+            && serial.len() <= VOLUME_SERIAL_MAX
+            && serial.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'-')
+    }
+}
+
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
 pub struct MkdirRequest {
     pub path: String,

@@ -89,6 +89,9 @@ pub enum Route {
     /// `GET /files/watch?path=[&recursive=true][&entry=true]` -> a stream of
     /// [`crate::WatchEvent`]s, one JSON line each.
     Watch { path: String, recursive: bool, entry: bool },
+    /// `POST /volumes/mount`, [`crate::MountVolume`] -> `{}` once the disk the host attached
+    /// is mounted where asked and under [`crate::VOLUME_ACCESS_DIR`].
+    MountVolume,
     /// `POST /tcp/{port}`: the request body goes to `127.0.0.1:<port>` in the guest, the
     /// response body is what comes back.
     Tunnel { port: u16 },
@@ -143,6 +146,7 @@ impl Route {
             | Route::Resize { .. }
             | Route::Mkdir
             | Route::Rename
+            | Route::MountVolume
             | Route::Tunnel { .. } => Method::Post,
             Route::WriteFile(_) => Method::Put,
             Route::Remove { .. } => Method::Delete,
@@ -189,6 +193,7 @@ impl Route {
                 }
                 uri
             }
+            Route::MountVolume => "/volumes/mount".into(),
             Route::Tunnel { port } => format!("/tcp/{port}"),
         }
     }
@@ -275,6 +280,7 @@ impl Route {
                 recursive: flag("recursive"),
                 entry: flag("entry"),
             },
+            (Post, ["volumes", "mount"]) => Route::MountVolume,
             (Post, ["tcp", port]) => Route::Tunnel {
                 port: port
                     .parse()
@@ -337,6 +343,7 @@ mod tests {
                 "/files/list?path=%2Fx&depth=2",
             ),
             (Route::Mkdir, "/files/mkdir"),
+            (Route::MountVolume, "/volumes/mount"),
             (Route::Rename, "/files/rename"),
             (
                 Route::Watch {

@@ -9,6 +9,14 @@ pub enum RuntimeError {
     UnknownSandbox(String),
     #[error("no saved image with id {0:?}")]
     UnknownImage(String),
+    /// A volume's id, size or mount this node refuses (the message says which).
+    #[error("{0}")]
+    InvalidVolume(String),
+    #[error("no volume with id {0:?} on this node")]
+    UnknownVolume(String),
+    /// The volume is held by a VM in a way that refuses this (the message names it).
+    #[error("{0}")]
+    VolumeBusy(String),
     #[error("invalid resources: {0}")]
     InvalidResources(String),
     #[error("QEMU is not installed ({0} not found); run scripts/install-host-deps as root")]

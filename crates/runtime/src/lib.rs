@@ -25,6 +25,7 @@ pub mod random;
 pub mod sandbox;
 pub mod template;
 pub mod vmm;
+pub mod volume;
 
 #[cfg(feature = "fake")]
 pub use vmm::fake;

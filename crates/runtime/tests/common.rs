@@ -81,6 +81,7 @@ pub fn create() -> Arc<Vm> {
         resources: small(),
         image: None,
         env: Default::default(),
+        volumes: Vec::new(),
     }))
     .expect("sandbox boots")
 }

@@ -23,6 +23,7 @@ fn seed(id: Option<&str>) -> CreateVm {
         resources: Resources::default(),
         image: None,
         env: Default::default(),
+        volumes: Vec::new(),
     }
 }
 

@@ -56,6 +56,7 @@ async fn bench() -> Bench {
         resources: Resources::default(),
         image: None,
         env: Default::default(),
+        volumes: Vec::new(),
     };
     let good = rt.create(create()).await.unwrap();
     let bad = rt.create(create()).await.unwrap();

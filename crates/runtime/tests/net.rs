@@ -117,6 +117,7 @@ fn create(id: &str, plan: Plan) -> Result<Arc<Vm>, RuntimeError> {
         resources: small(),
         image: None,
         env: Default::default(),
+        volumes: Vec::new(),
     }))
 }
 

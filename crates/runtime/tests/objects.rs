@@ -295,6 +295,7 @@ fn image(data_dir: &Path, id: &str, state_bytes: usize, rootfs: &[u8]) -> Image 
             kernel: dir.join("held/kernel"),
             initrd: dir.join("held/initrd"),
             rootfs: dir.join("held/rootfs"),
+            volume_bus: true,
         },
         created_at: "2026-12-02T17:00:00Z".into(),
         state_bytes: state.len() as u64,

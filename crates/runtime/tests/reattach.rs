@@ -29,6 +29,7 @@ fn child_creates_sandbox_and_exits() {
             resources: small(),
             image: None,
             env: Default::default(),
+            volumes: Vec::new(),
         };
         let sb = rt.create(seed()).await.unwrap();
         sb.agent()

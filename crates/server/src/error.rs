@@ -25,6 +25,7 @@ pub enum Kind {
     /// An API key, by its id.
     Key,
     Snapshot,
+    Volume,
 }
 
 impl Kind {
@@ -41,6 +42,7 @@ impl Kind {
             Kind::Tenant => "tenant",
             Kind::Key => "key",
             Kind::Snapshot => "snapshot",
+            Kind::Volume => "volume",
         }
     }
 }
@@ -192,6 +194,11 @@ pub enum Conflict {
     /// `default` can't be deleted: it holds the server's bootstrap key.
     #[error("tenant default holds the server's bootstrap key; revoke its keys instead")]
     DefaultTenant,
+    /// A volume is held by sandboxes in a way that refuses the change (the message names them).
+    #[error("{0}")]
+    VolumeBusy(String),
+    #[error("a volume named {0:?} exists")]
+    VolumeNameTaken(String),
 }
 
 /// A failure of the server itself (500 `internal`), keeping what caused it.
@@ -376,6 +383,9 @@ impl CoreError {
                 | NodeError::UnknownImage(_)
                 | NodeError::InvalidResources(_)
                 | NodeError::BadImage(_)
+                | NodeError::InvalidVolume(_)
+                | NodeError::UnknownVolume(_)
+                | NodeError::VolumeBusy(_)
                 | NodeError::Failed(_) => c("runtime", 500),
             },
             CoreError::Unavailable(_) => c("unavailable", 503),
@@ -397,6 +407,7 @@ fn not_found_code(kind: Kind) -> &'static str {
         Kind::Tenant => "tenant_not_found",
         Kind::Key => "key_not_found",
         Kind::Snapshot => "snapshot_not_found",
+        Kind::Volume => "volume_not_found",
     }
 }
 
@@ -444,6 +455,9 @@ impl From<NodeError> for CoreError {
             NodeError::UnknownImage(id) => CoreError::not_found(Kind::Snapshot, id),
             NodeError::InvalidResources(m) => CoreError::InvalidResources(m),
             NodeError::BadImage(m) => CoreError::invalid("from", m),
+            NodeError::InvalidVolume(m) => CoreError::invalid("volumes", m),
+            NodeError::UnknownVolume(id) => CoreError::not_found(Kind::Volume, id),
+            NodeError::VolumeBusy(m) => CoreError::Conflict(Conflict::VolumeBusy(m)),
             other => CoreError::Node(other),
         }
     }

@@ -193,6 +193,13 @@ impl Images {
         if sb.is_paused() {
             return Err(RuntimeError::NotRunning(format!("{id} (paused; resume it first)")));
         }
+        if let Some(v) = sb.volumes().first() {
+            // Its saved devices would name a disk no restored VM has: refused, never dropped.
+            return Err(RuntimeError::VolumeBusy(format!(
+                "sandbox {id} has volume {} mounted; a sandbox with volumes cannot be snapshotted or forked",
+                v.serial
+            )));
+        }
         let snapshotting = l.snapshotting("snapshot")?;
         let machine = sb.record.machine.clone().ok_or_else(|| RuntimeError::ControlCommand {
             command: "snapshot".into(),
@@ -330,6 +337,7 @@ mod tests {
                 kernel: dir.join("kernel"),
                 initrd: dir.join("initrd"),
                 rootfs: dir.join("rootfs"),
+                volume_bus: true,
             },
             created_at: String::new(),
             state_bytes: state.len() as u64,

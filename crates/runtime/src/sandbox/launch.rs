@@ -24,6 +24,8 @@ use std::time::{Duration, Instant, SystemTime};
 
 /// Marks a warm pool VM's dir (`<dir>/pool.json`): what a restart finds of a pool is removed.
 pub const POOL_MARKER: &str = "pool.json";
+/// Marks a volume helper VM's dir: a restart removes it like a pool VM.
+pub const HELPER_MARKER: &str = "helper.json";
 
 /// How long a template's own process (e.g. the code interpreter with its Jupyter kernel) may take
 /// to answer on its port, at least: far longer than the agent's boot under TCG on a busy host.
@@ -37,6 +39,9 @@ pub enum Purpose {
     /// A warm pool's VM: sealed (no egress until a claim attaches it), marked `pool.json`, kept
     /// out of the runtime's VMs.
     Pool,
+    /// A volume's helper VM (`sandbox/volumes.rs`): sealed, marked `helper.json`, kept out of
+    /// the runtime's VMs.
+    Helper,
     /// The KVM probe at start: sealed, since the server's egress side is not up yet (and a probe
     /// needs none), and discarded once it answered.
     Probe,
@@ -134,13 +139,16 @@ impl Launcher {
             machine_id: random_hex(16),
             machine: None,
             run: random_hex(8),
+            volumes: Vec::new(),
         };
         let mut link = None;
         let started = Instant::now();
         let result = async {
             let spec = machine(&id, &dir, &source, accel, &mut record);
-            if purpose == Purpose::Pool {
-                write_atomic(&dir.join(POOL_MARKER), b"{}")?;
+            match purpose {
+                Purpose::Pool => write_atomic(&dir.join(POOL_MARKER), b"{}")?,
+                Purpose::Helper => write_atomic(&dir.join(HELPER_MARKER), b"{}")?,
+                Purpose::Sandbox | Purpose::Probe => {}
             }
             record.write(&dir)?;
             let vm = self.start_vm(&id, &dir, spec, &mut link, purpose != Purpose::Sandbox).await?;
@@ -273,6 +281,11 @@ fn machine(id: &str, dir: &Path, source: &Source<'_>, accel: Accel, record: &mut
         hold(dir, "rootfs", &rootfs),
     ];
     let mut spec = VmSpec::new(id, dir.to_path_buf(), files, record.resources, accel);
+    // A machine saved before volumes existed resumes as it was: without their controller.
+    spec.volume_bus = match source {
+        Source::Image { machine: m, .. } => m.volume_bus,
+        _ => true,
+    };
     let (cmdline, memory_backend, layers) = match source {
         Source::Boot(..) => (crate::vmm::qemu::kernel_cmdline(id), false, vec![]),
         Source::BaseSnapshot {
@@ -308,6 +321,7 @@ fn machine(id: &str, dir: &Path, source: &Source<'_>, accel: Accel, record: &mut
         kernel: spec.kernel.clone(),
         initrd: spec.initrd.clone(),
         rootfs: spec.rootfs.clone(),
+        volume_bus: spec.volume_bus,
     };
     if let Source::Image { state, .. } = source {
         spec.snapshot = Some(SnapshotRole::Resume {

@@ -28,6 +28,7 @@ mod registry;
 pub mod saved;
 mod suspend;
 pub mod vm;
+mod volumes;
 
 use crate::datadir::{random_hex, DataDir, FileLock};
 use crate::error::{Result, RuntimeError};
@@ -53,6 +54,7 @@ pub use launch::start_template_process;
 pub use reconcile::RECONCILE_AT_ONCE;
 pub use suspend::{SuspendRecord, SUSPEND_MARKER, SUSPEND_STATE};
 pub use vm::{valid_sandbox_id, Output, StartKind, Timing, Vm, VmRecord};
+pub use volumes::{VolumeAccess, VolumeHolder, VolumeMount, HELPER_IDLE};
 
 pub struct RuntimeOptions {
     pub data_dir: PathBuf,
@@ -106,6 +108,8 @@ pub struct CreateVm {
     pub image: Option<String>,
     /// The VM's environment variables, handed to the guest with its identity.
     pub env: BTreeMap<String, String>,
+    /// Volumes attached and mounted once it runs (after a restore or a pool claim too).
+    pub volumes: Vec<VolumeMount>,
 }
 
 struct Inner {
@@ -115,6 +119,8 @@ struct Inner {
     base_snapshots: Arc<BaseSnapshots>,
     images: Images,
     pools: Arc<Pools>,
+    volumes: crate::volume::VolumeDisks,
+    helpers: volumes::Helpers,
 }
 
 /// The node runtime. Cheap to clone.
@@ -161,6 +167,8 @@ impl Runtime {
                 base_snapshots: Arc::new(BaseSnapshots::new(launcher.clone(), opts.base_snapshots)),
                 images: Images::new(launcher.clone()),
                 pools: Arc::new(Pools::new(launcher.clone())),
+                volumes: crate::volume::VolumeDisks::open(launcher.data.root())?,
+                helpers: Default::default(),
                 launcher,
             }),
         };
@@ -170,6 +178,14 @@ impl Runtime {
         rt.remove_unfinished_captures();
         rt.prune_blobs();
         console::spawn_trimmer(Arc::downgrade(&rt.inner), rt.inner.launcher.data.sandboxes());
+        let weak = Arc::downgrade(&rt.inner);
+        tokio::spawn(async move {
+            loop {
+                tokio::time::sleep(HELPER_IDLE / 4).await;
+                let Some(inner) = weak.upgrade() else { return };
+                Runtime { inner }.end_idle_helpers().await;
+            }
+        });
         let entries = rt.unsettled_entries();
         let weak = Arc::downgrade(&rt.inner);
         if opts.reconcile_in_background {
@@ -278,14 +294,24 @@ impl Runtime {
             Some(id) => id,
             None => random_hex(10),
         };
-        if let Some(vm) = self.inner.pools.take_claimed(&id) {
-            match self.inner.pools.hand_out(vm, &req.env).await {
-                Ok(vm) => return Ok(self.adopt_vm(vm)),
+        let mut vm = None;
+        if let Some(claimed) = self.inner.pools.take_claimed(&id) {
+            match self.inner.pools.hand_out(claimed, &req.env).await {
+                Ok(claimed) => vm = Some(self.adopt_vm(claimed)),
                 Err(e) => tracing::warn!(%id, "a claimed pool VM could not be handed out ({e}); starting one instead"),
             }
         }
-        let vm = self.start_new(id, &req, Purpose::Sandbox).await?;
-        Ok(self.adopt_vm(vm))
+        let vm = match vm {
+            Some(vm) => vm,
+            None => self.adopt_vm(self.start_new(id.clone(), &req, Purpose::Sandbox).await?),
+        };
+        if !req.volumes.is_empty() {
+            if let Err(e) = self.attach_volumes(&id, &req.volumes).await {
+                let _ = self.delete(&id).await;
+                return Err(e);
+            }
+        }
+        Ok(vm)
     }
 
     /// Start a new VM for `id` as `req` asks, for `purpose`: from its image, else from its
@@ -425,6 +451,7 @@ impl Runtime {
             return l.discard(id, &dir).map_err(|e| RuntimeError::io(&dir, e));
         }
         let vm = self.get(id)?;
+        self.sync_volumes_of(&vm).await;
         vm.set_deleting(true);
         let stopped = l.vmm.stop(&vm.handle, Duration::from_secs(5)).await;
         self.inner.registry.remove(id);
@@ -573,6 +600,7 @@ impl PoolStarter for Starter {
             resources: key.resources,
             image: None,
             env: BTreeMap::new(),
+            volumes: Vec::new(),
         };
         Runtime { inner }.start_new(random_hex(10), &req, Purpose::Pool).await
     }

@@ -77,8 +77,9 @@ impl Runtime {
         let record = VmRecord::load(&dir);
         let vm = VmHandle::load(&dir);
         let link = SandboxLink::load(&dir);
-        if dir.join(super::pools::MARKER).is_file() {
-            // A pool VM of the earlier process: never handed out, it just goes.
+        if dir.join(super::pools::MARKER).is_file() || dir.join(super::launch::HELPER_MARKER).is_file() {
+            // A pool VM of the earlier process, never handed out, or a volume's helper: it
+            // just goes (a helper's guest wrote nothing it was not asked to).
             l.stop_if_running(vm.or_else(|| VmHandle::orphan(&dir, l.vmm.name())))
                 .await;
             l.remove_network(link.as_ref()).await;

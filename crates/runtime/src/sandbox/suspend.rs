@@ -119,7 +119,7 @@ impl Runtime {
         )?
         .manifest;
         // Suspended before it leaves the running ones: it is never seen as gone.
-        self.inner.registry.suspend(vm.record.clone());
+        self.inner.registry.suspend(vm.record_now());
         self.inner.registry.remove(id);
         l.remove_network(vm.net.as_ref()).await;
         l.vmm.release(id);
@@ -155,6 +155,9 @@ impl Runtime {
         let mut link = None;
         let files = [machine.kernel.clone(), machine.initrd.clone(), machine.rootfs.clone()];
         let mut spec = VmSpec::new(id, dir.clone(), files, record.resources, record.accel);
+        spec.volume_bus = machine.volume_bus;
+        // Its volumes in the slots they had: the saved device state expects them there.
+        spec.volumes = record.volumes.clone();
         spec.snapshot = Some(SnapshotRole::Resume {
             state: dir.join(SUSPEND_STATE),
             resume: machine,

@@ -6,7 +6,7 @@ use crate::agent::AgentClient;
 use crate::datadir::random_hex;
 use crate::error::{Result, RuntimeError};
 use crate::net::SandboxLink;
-use crate::vmm::{Accel, Resources, ResumeSpec, VmHandle};
+use crate::vmm::{Accel, Resources, ResumeSpec, VmHandle, VolumeDisk};
 use airlock_proto::frame::EventKind;
 use airlock_proto::{ExitStatus, ProcessSpec};
 use futures_util::StreamExt;
@@ -49,6 +49,9 @@ pub struct VmRecord {
     /// records of an older server.
     #[serde(default)]
     pub run: String,
+    /// The volumes attached to it, in their slots (a resume attaches them again).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub volumes: Vec<VolumeDisk>,
 }
 
 impl VmRecord {
@@ -108,6 +111,8 @@ pub struct Vm {
     /// Its VMM is meant to exit (a delete or a suspend): the exit is not a crash.
     pub(super) deleting: AtomicBool,
     pub(super) paused: AtomicBool,
+    /// Its volumes now (the record's, and those attached since).
+    volumes: std::sync::Mutex<Vec<VolumeDisk>>,
 }
 
 impl Vm {
@@ -120,6 +125,7 @@ impl Vm {
         paused: bool,
     ) -> Arc<Self> {
         Arc::new(Self {
+            volumes: std::sync::Mutex::new(record.volumes.clone()),
             record,
             handle: vm,
             net,
@@ -149,6 +155,28 @@ impl Vm {
                 Ok(client)
             }
         }
+    }
+
+    /// The volumes attached to it.
+    pub fn volumes(&self) -> Vec<VolumeDisk> {
+        self.volumes.lock().unwrap_or_else(|e| e.into_inner()).clone()
+    }
+
+    /// Its record as it is now (with the volumes attached since it started), also written to
+    /// its dir.
+    pub(super) fn add_volume(&self, disk: VolumeDisk) -> Result<()> {
+        let mut volumes = self.volumes.lock().unwrap_or_else(|e| e.into_inner());
+        volumes.push(disk);
+        let mut record = self.record.clone();
+        record.volumes = volumes.clone();
+        record.write(&self.handle.dir)
+    }
+
+    /// Its record with the volumes it has now.
+    pub fn record_now(&self) -> VmRecord {
+        let mut record = self.record.clone();
+        record.volumes = self.volumes();
+        record
     }
 
     pub fn is_paused(&self) -> bool {

@@ -93,6 +93,9 @@ pub(super) const GUEST_MODULES: &[&str] = &[
     "virtio_rng",
     "virtio_net",
     "virtio_balloon",
+    // Volumes: hot-plugged `scsi-hd` disks on the VM's virtio-scsi controller.
+    "virtio_scsi",
+    "sd_mod",
 ];
 const SEED_PACKAGES: &[&str] = &["python3", "procps", "sudo", "ca-certificates", "less"];
 

@@ -126,6 +126,32 @@ pub struct VmSpec {
     pub network: Option<NetAttach>,
     /// Base snapshots (see `sandbox/base_snapshot.rs`): what makes this VM a snapshot's builder or clone.
     pub snapshot: Option<SnapshotRole>,
+    /// The controller volumes are hot-plugged on ([`Hotplug`]). Every new machine has one; a
+    /// machine saved before volumes existed resumes without.
+    pub volume_bus: bool,
+    /// Volumes attached from the start (a suspended VM's, resumed): on the controller in the
+    /// slots they had.
+    pub volumes: Vec<VolumeDisk>,
+}
+
+/// A volume's disk as a VM has it: a raw ext4 image on the host, a `scsi-hd` in the guest whose
+/// serial is the volume's id (how the agent finds it), in its own SCSI target (`slot`).
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
+pub struct VolumeDisk {
+    pub serial: String,
+    pub path: PathBuf,
+    pub read_only: bool,
+    pub slot: u32,
+}
+
+/// The most volumes one VM has (SCSI targets on its controller).
+pub const MAX_VOLUMES: usize = 8;
+
+/// What a VMM that can attach disks to a running VM offers (`Vmm::hotplug`).
+#[async_trait]
+pub trait Hotplug: Send + Sync {
+    /// Attach `disk` to a running VM's volume controller; the guest sees a new disk.
+    async fn attach_disk(&self, vm: &VmHandle, disk: &VolumeDisk) -> Result<()>;
 }
 
 /// A VM's part in a base snapshot. Builder and clones share every argument (a restore needs the
@@ -188,6 +214,9 @@ pub struct ResumeSpec {
     pub kernel: PathBuf,
     pub initrd: PathBuf,
     pub rootfs: PathBuf,
+    /// It has a volume controller ([`VmSpec::volume_bus`]); false in machines saved before.
+    #[serde(default)]
+    pub volume_bus: bool,
 }
 
 /// What a VMM that can save and restore VMs offers (`Vmm::snapshotting`).
@@ -250,6 +279,8 @@ impl VmSpec {
             accel,
             network: None,
             snapshot: None,
+            volume_bus: true,
+            volumes: Vec::new(),
         }
     }
 }
@@ -393,6 +424,10 @@ pub trait Vmm: Send + Sync {
     fn sweep(&self, _live: &std::collections::HashSet<String>) {}
     /// The isolation its VMs run in, where the driver jails them.
     fn isolation(&self) -> Option<crate::jail::Isolation> {
+        None
+    }
+    /// Attaching volumes to running VMs, where this VMM can.
+    fn hotplug(&self) -> Option<&dyn Hotplug> {
         None
     }
     /// Saving and restoring VMs, where the driver can.

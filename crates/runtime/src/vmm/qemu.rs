@@ -8,7 +8,10 @@
 use super::qmp::Qmp;
 use crate::error::{Result, RuntimeError};
 use crate::jail::{Jailer, Limits};
-use crate::vmm::{kill_and_wait, pid_alive, reap, wait_exit, Accel, SnapshotRole, Snapshotting, VmHandle, VmSpec, Vmm};
+use crate::vmm::{
+    kill_and_wait, pid_alive, reap, wait_exit, Accel, Hotplug, SnapshotRole, Snapshotting, VmHandle, VmSpec, Vmm,
+    VolumeDisk,
+};
 use async_trait::async_trait;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -131,6 +134,19 @@ impl QemuVmm {
             format!("virtserialport,chardev=agent,name={}", airlock_proto::AGENT_PORT_NAME),
             "-device".into(),
             "virtio-rng-device".into(),
+        ]);
+        if spec.volume_bus {
+            args.extend(["-device".into(), format!("virtio-scsi-device,id={VOLUME_BUS}")]);
+        }
+        for (disk, file) in spec.volumes.iter().zip(&attach.volumes) {
+            args.extend([
+                "-blockdev".into(),
+                volume_blockdev(disk, file),
+                "-device".into(),
+                volume_device(disk),
+            ]);
+        }
+        args.extend([
             "-chardev".into(),
             // append=on (O_APPEND): the runtime keeps the log under its cap by truncating it
             // (`vmm::trim_console`), and QEMU's next write then starts the file over.
@@ -181,6 +197,32 @@ pub struct Attach {
     netdev: Option<String>,
     /// `-object memory-backend-file,...`: guest RAM in a file (base snapshots).
     memory: Option<String>,
+    /// Each of the spec's volumes' file, as QEMU reaches it (`/dev/fdset/N` or a path).
+    volumes: Vec<String>,
+}
+
+/// The id of every VM's volume controller (its SCSI bus is `vols.0`).
+const VOLUME_BUS: &str = "vols";
+
+/// A volume's `-blockdev`/`blockdev-add` options, `file` being how QEMU reaches it. Locking
+/// is off like the root disk's: the runtime decides who may have a volume, and the fd it hands
+/// is the VM's for its life.
+fn volume_blockdev(disk: &VolumeDisk, file: &str) -> String {
+    format!(
+        "driver=raw,node-name=vol{},read-only={},discard=unmap,file.driver=file,file.filename={},file.locking=off",
+        disk.slot,
+        if disk.read_only { "on" } else { "off" },
+        opt_value(file)
+    )
+}
+
+/// A volume's `scsi-hd`, in its own target; the serial is how the guest's agent finds it.
+fn volume_device(disk: &VolumeDisk) -> String {
+    format!(
+        "scsi-hd,id=vold{slot},drive=vol{slot},bus={VOLUME_BUS}.0,scsi-id={slot},lun=0,serial={}",
+        disk.serial,
+        slot = disk.slot
+    )
 }
 
 /// The fd set holding a snapshot's device-state file (`file:/dev/fdset/4` in QMP's migrate).
@@ -191,6 +233,8 @@ const FROZEN_DISK_FD_SET: u32 = 5;
 const SAVE_FD_SET: u32 = 6;
 /// The first fd set of a saved VM's frozen layers below the nearest ([`FROZEN_DISK_FD_SET`]).
 const MORE_LAYERS_FD_SET: u32 = 10;
+/// The fd set of the volume in slot N is this plus N (on the command line or hot-plugged).
+const VOLUME_FD_SET: u32 = 40;
 
 impl Attach {
     /// The same machine with a NIC on `netdev` (a `-netdev` backend without its id): a raw VM
@@ -230,6 +274,7 @@ impl Attach {
             fd_sets: vec![],
             netdev: None,
             memory,
+            volumes: spec.volumes.iter().map(|v| v.path.display().to_string()).collect(),
         }
     }
 
@@ -272,6 +317,15 @@ impl Attach {
         };
         let set = |fd: i32, set: u32| vec!["-add-fd".to_string(), format!("fd={fd},set={set}")];
         let mut fd_sets = [set(backing, 1), set(disk_rw, 2), set(disk_ro, 2), set(console, 3)].concat();
+        let mut volumes = Vec::new();
+        for v in &spec.volumes {
+            let n = VOLUME_FD_SET + v.slot;
+            fd_sets.extend(set(jail.pass(open(&v.path, &mut ro())?)?, n));
+            if !v.read_only {
+                fd_sets.extend(set(jail.pass(open(&v.path, &mut rw.clone())?)?, n));
+            }
+            volumes.push(format!("/dev/fdset/{n}"));
+        }
         // The overlay's header names its backing by path, which the jailed QEMU cannot reach: the
         // chain is given here instead (a clone's: overlay -> frozen snapshot disk -> template).
         let mut disk = disk_chain(&[]);
@@ -334,6 +388,7 @@ impl Attach {
             fd_sets,
             netdev,
             memory,
+            volumes,
         })
     }
 }
@@ -607,6 +662,10 @@ impl Vmm for QemuVmm {
         Some(self)
     }
 
+    fn hotplug(&self) -> Option<&dyn Hotplug> {
+        Some(self)
+    }
+
     async fn export_disk(&self, vm: &VmHandle, layers: &[PathBuf], rootfs: &Path, to: &Path) -> Result<()> {
         // The chain spelled out as the VM ran it; zeros stay holes, so the image is as sparse
         // as the disk.
@@ -690,6 +749,49 @@ impl QemuVmm {
                 .map_err(|e| fail(format!("cont: {e}")))?;
         }
         Ok(())
+    }
+}
+
+#[async_trait]
+impl Hotplug for QemuVmm {
+    async fn attach_disk(&self, vm: &VmHandle, disk: &VolumeDisk) -> Result<()> {
+        use std::os::fd::AsFd;
+        let fail = |reason: String| RuntimeError::ControlCommand {
+            command: format!("attach volume {}", disk.serial),
+            reason,
+        };
+        let mut opts = std::fs::OpenOptions::new();
+        opts.read(true).write(!disk.read_only);
+        let file = opts.open(&disk.path).map_err(|e| RuntimeError::io(&disk.path, e))?;
+        let set = VOLUME_FD_SET + disk.slot;
+        let blockdev: serde_json::Value = serde_json::json!({
+            "driver": "raw",
+            "node-name": format!("vol{}", disk.slot),
+            "read-only": disk.read_only,
+            "discard": "unmap",
+            "file": {"driver": "file", "filename": format!("/dev/fdset/{set}"), "locking": "off"},
+        });
+        let device = serde_json::json!({
+            "driver": "scsi-hd",
+            "id": format!("vold{}", disk.slot),
+            "drive": format!("vol{}", disk.slot),
+            "bus": format!("{VOLUME_BUS}.0"),
+            "scsi-id": disk.slot,
+            "lun": 0,
+            "serial": disk.serial,
+        });
+        let run = async {
+            let mut qmp = Qmp::connect(&vm.control_socket).await?;
+            qmp.execute_with_fd("add-fd", Some(serde_json::json!({"fdset-id": set})), file.as_fd())
+                .await?;
+            qmp.execute("blockdev-add", Some(blockdev)).await?;
+            qmp.execute("device_add", Some(device)).await?;
+            std::io::Result::Ok(())
+        };
+        tokio::time::timeout(Duration::from_secs(10), run)
+            .await
+            .map_err(|_| fail("QMP gave no answer in 10s".into()))?
+            .map_err(|e| fail(e.to_string()))
     }
 }
 

@@ -115,6 +115,7 @@ pub fn resources_are_honoured_and_validated() {
         },
         image: None,
         env: Default::default(),
+        volumes: Vec::new(),
     }))
     .unwrap();
     let out = block_on(sb.run(sh(
@@ -134,6 +135,7 @@ pub fn resources_are_honoured_and_validated() {
         resources: r,
         image: None,
         env: Default::default(),
+        volumes: Vec::new(),
     })) {
         Err(RuntimeError::InvalidResources(m)) => m,
         Err(e) => panic!("wrong error {e}"),
@@ -157,6 +159,7 @@ pub fn resources_are_honoured_and_validated() {
         resources: small(),
         image: None,
         env: Default::default(),
+        volumes: Vec::new(),
     })) {
         Err(e @ RuntimeError::UnknownTemplate(_)) => assert!(e.to_string().contains("airlock template ls")),
         other => panic!("expected unknown template, got {:?}", other.err()),

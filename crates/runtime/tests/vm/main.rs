@@ -14,6 +14,7 @@ mod jail;
 mod lifecycle;
 mod processes;
 mod snapshots;
+mod volumes;
 
 use common::*;
 use libtest_mimic::Trial;
@@ -73,6 +74,9 @@ fn main() {
             catch(processes::processes_can_be_listed_and_reconnected_by_id)
         }),
         Trial::test("qemu_runs_jailed", || catch(jail::qemu_runs_jailed)),
+        Trial::test("a_volume_outlives_its_sandboxes_and_keeps_to_itself", || {
+            catch(volumes::a_volume_outlives_its_sandboxes_and_keeps_to_itself)
+        }),
         Trial::test("qemu_has_an_empty_network_namespace_of_its_own", || {
             catch(jail::qemu_has_an_empty_network_namespace_of_its_own)
         }),

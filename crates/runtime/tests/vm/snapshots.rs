@@ -139,6 +139,7 @@ pub fn sandboxes_from_a_saved_image_have_its_processes_and_files_and_lives_of_th
                         resources: Resources::default(),
                         image: Some(image_id),
                         env: Default::default(),
+                        volumes: Vec::new(),
                     })
                     .await
                     .unwrap();

@@ -147,7 +147,11 @@ impl From<CoreError> for RpcError {
                 NodeError::UnknownTemplate(..) | NodeError::UnknownSandbox(..) | NodeError::UnknownImage(..) => {
                     Code::NotFound
                 }
-                NodeError::InvalidResources(..) | NodeError::BadImage(..) => Code::InvalidArgument,
+                NodeError::InvalidResources(..) | NodeError::BadImage(..) | NodeError::InvalidVolume(..) => {
+                    Code::InvalidArgument
+                }
+                NodeError::UnknownVolume(..) => Code::NotFound,
+                NodeError::VolumeBusy(..) => Code::FailedPrecondition,
                 NodeError::BootFailed(..) | NodeError::Network(..) | NodeError::Failed(..) => Code::Internal,
             },
         };

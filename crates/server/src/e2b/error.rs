@@ -67,9 +67,12 @@ impl From<CoreError> for E2bError {
                 NodeError::UnknownTemplate(..) | NodeError::UnknownSandbox(..) | NodeError::UnknownImage(..) => {
                     S::NOT_FOUND
                 }
-                NodeError::InvalidSandboxId(..) | NodeError::InvalidResources(..) | NodeError::BadImage(..) => {
-                    S::BAD_REQUEST
-                }
+                NodeError::InvalidSandboxId(..)
+                | NodeError::InvalidResources(..)
+                | NodeError::BadImage(..)
+                | NodeError::InvalidVolume(..) => S::BAD_REQUEST,
+                NodeError::UnknownVolume(..) => S::NOT_FOUND,
+                NodeError::VolumeBusy(..) => S::CONFLICT,
                 NodeError::SandboxIdTaken(..)
                 | NodeError::NotRunning(..)
                 | NodeError::StaleRun(..)

@@ -29,6 +29,7 @@ impl Engine {
             egress: row.egress.clone(),
             node: row.node.clone(),
             keep_image: shared.is_some(),
+            volumes: Vec::new(),
             moved_from: shared,
         };
         match self.create_placed(vm, fallbacks).await {
@@ -383,6 +384,7 @@ impl Engine {
             node: row.node.clone(),
             moved_from: Some(parked.fingerprint.clone()),
             keep_image: false,
+            volumes: Vec::new(),
         };
         match self.create_placed(vm, fallbacks).await {
             Ok(booted) => {

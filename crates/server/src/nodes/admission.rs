@@ -142,6 +142,7 @@ mod tests {
             node: String::new(),
             moved_from: None,
             keep_image: false,
+            volumes: Vec::new(),
         }
     }
 

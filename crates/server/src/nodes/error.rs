@@ -50,6 +50,14 @@ pub enum NodeError {
     /// An OCI image could not be made a template: the message names the image and why.
     #[error("{0}")]
     BadImage(String),
+    /// A volume's id, size or mount the node refuses.
+    #[error("{0}")]
+    InvalidVolume(String),
+    #[error("no volume {0:?} on this node")]
+    UnknownVolume(String),
+    /// A VM holds the volume in a way that refuses this (the message names it).
+    #[error("{0}")]
+    VolumeBusy(String),
     /// The node did not answer (down, cut off, or past the call's deadline): the VM's fate is
     /// unknown, not failed.
     #[error(transparent)]
@@ -70,6 +78,9 @@ impl From<RuntimeError> for NodeError {
             RuntimeError::SandboxIdTaken(id) => NodeError::SandboxIdTaken(id),
             RuntimeError::NotRunning(id) => NodeError::NotRunning(id),
             RuntimeError::Image(e) => NodeError::BadImage(e.to_string()),
+            RuntimeError::InvalidVolume(m) => NodeError::InvalidVolume(m),
+            RuntimeError::UnknownVolume(v) => NodeError::UnknownVolume(v),
+            RuntimeError::VolumeBusy(m) => NodeError::VolumeBusy(m),
             e @ (RuntimeError::BootFailed { .. }
             | RuntimeError::TemplateStart { .. }
             | RuntimeError::PortNotReady { .. }) => NodeError::BootFailed(Box::new(e)),

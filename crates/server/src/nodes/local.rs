@@ -161,6 +161,16 @@ impl Nodes for LocalNode {
                 resources: sandbox.resources,
                 image: sandbox.image_id.clone(),
                 env: sandbox.env.clone(),
+                volumes: sandbox
+                    .volumes
+                    .iter()
+                    .map(|v| airlock_runtime::sandbox::VolumeMount {
+                        volume: v.volume.clone(),
+                        path: v.path.clone(),
+                        read_only: v.read_only,
+                        owner: v.owner.clone(),
+                    })
+                    .collect(),
             })
             .await;
         // A parked VM's image was for this start alone: the VM holds its own links to what it
@@ -320,6 +330,40 @@ impl Nodes for LocalNode {
 
     async fn delete_image(&self, image_id: &str) -> Result<(), NodeError> {
         Ok(self.runtime.delete_image(image_id)?)
+    }
+
+    async fn create_volume(&self, _node: &str, id: &str, size_mib: u64) -> Result<(), NodeError> {
+        let disks = self.runtime.volume_disks().clone();
+        let id = id.to_string();
+        tokio::task::spawn_blocking(move || disks.create(&id, size_mib))
+            .await
+            .map_err(|e| NodeError::Failed(Box::new(e)))??;
+        Ok(())
+    }
+
+    async fn resize_volume(&self, _node: &str, id: &str, size_mib: u64) -> Result<(), NodeError> {
+        if !self.runtime.volume_disks().exists(id) {
+            return Err(NodeError::UnknownVolume(id.into()));
+        }
+        Ok(self.runtime.volume_disks().grow(id, size_mib)?)
+    }
+
+    async fn delete_volume(&self, _node: &str, id: &str) -> Result<(), NodeError> {
+        Ok(self.runtime.delete_volume(id).await?)
+    }
+
+    async fn volume_access(&self, _node: &str, id: &str, write: bool) -> Result<super::VolumeAccess, NodeError> {
+        let a = self.runtime.volume_access(id, write).await?;
+        Ok(super::VolumeAccess {
+            agent: a.agent,
+            root: a.root,
+            sandbox: a.sandbox,
+        })
+    }
+
+    async fn volume_bytes(&self, _node: &str, id: &str) -> Option<u64> {
+        let disks = self.runtime.volume_disks();
+        disks.exists(id).then(|| disks.allocated(id))
     }
 
     async fn delete_parked(&self, image_id: &str) -> Result<(), NodeError> {

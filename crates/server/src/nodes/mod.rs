@@ -93,6 +93,30 @@ pub struct VmRequest {
     /// object storage keeps the image.
     #[serde(default)]
     pub keep_image: bool,
+    /// Volumes (on this node) mounted once the VM runs.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub volumes: Vec<VolumeMountSpec>,
+}
+
+/// A volume a VM mounts: the node's disk `volume` at `path` in the guest.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct VolumeMountSpec {
+    pub volume: String,
+    pub path: String,
+    #[serde(default)]
+    pub read_only: bool,
+    /// Who gets a fresh volume's root directory: the sandbox's default user.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub owner: Option<String>,
+}
+
+/// Where file calls on a volume go ([`Nodes::volume_access`]).
+pub struct VolumeAccess {
+    pub agent: AgentClient,
+    /// The volume's root in that guest (it follows no symlink).
+    pub root: String,
+    /// The sandbox serving the calls, or `None` for the node's helper VM.
+    pub sandbox: Option<String>,
 }
 
 /// A VM [`Nodes::park`] saved to object storage and ended (or an image
@@ -227,6 +251,33 @@ pub trait Nodes: Send + Sync {
     }
     /// Remove a saved image (a missing one is not an error).
     async fn delete_image(&self, image_id: &str) -> Result<(), NodeError>;
+
+    /// Make volume `id`'s disk on `node` (a member's name; '' in single-host mode): an empty
+    /// filesystem of `size_mib`. Volumes live on one node; its sandboxes are placed there.
+    async fn create_volume(&self, node: &str, id: &str, size_mib: u64) -> Result<(), NodeError> {
+        let _ = (node, id, size_mib);
+        Err(NodeError::Unsupported("keep volumes".into()))
+    }
+    /// Grow volume `id`'s disk to `size_mib`.
+    async fn resize_volume(&self, node: &str, id: &str, size_mib: u64) -> Result<(), NodeError> {
+        let _ = (node, id, size_mib);
+        Err(NodeError::Unsupported("keep volumes".into()))
+    }
+    /// Delete volume `id`'s disk; `VolumeBusy` while a VM has it.
+    async fn delete_volume(&self, node: &str, id: &str) -> Result<(), NodeError> {
+        let _ = (node, id);
+        Err(NodeError::Unsupported("keep volumes".into()))
+    }
+    /// Where file calls on volume `id` go (see `runtime::sandbox::volumes`).
+    async fn volume_access(&self, node: &str, id: &str, write: bool) -> Result<VolumeAccess, NodeError> {
+        let _ = (node, id, write);
+        Err(NodeError::Unsupported("keep volumes".into()))
+    }
+    /// The bytes volume `id`'s disk takes on `node` now.
+    async fn volume_bytes(&self, node: &str, id: &str) -> Option<u64> {
+        let _ = (node, id);
+        None
+    }
     /// Remove an image from object storage: a parked VM's, for a sandbox that ended parked, or
     /// a shared snapshot's (a missing one is not an error).
     async fn delete_parked(&self, image_id: &str) -> Result<(), NodeError> {

@@ -146,7 +146,12 @@ impl ErrorReply {
     pub fn status(e: &NodeError) -> u16 {
         match e {
             NodeError::UnknownTemplate(_) | NodeError::UnknownSandbox(_) | NodeError::UnknownImage(_) => 404,
-            NodeError::InvalidResources(_) | NodeError::InvalidSandboxId(_) | NodeError::BadImage(_) => 422,
+            NodeError::UnknownVolume(_) => 404,
+            NodeError::InvalidResources(_)
+            | NodeError::InvalidSandboxId(_)
+            | NodeError::BadImage(_)
+            | NodeError::InvalidVolume(_) => 422,
+            NodeError::VolumeBusy(_) => 409,
             NodeError::SandboxIdTaken(_) | NodeError::NotRunning(_) | NodeError::StaleRun(_) | NodeError::Fenced(_) => {
                 409
             }
@@ -169,6 +174,9 @@ impl ErrorReply {
             NodeError::Fenced(a) => ("fenced", a.clone()),
             NodeError::Unsupported(a) => ("unsupported", a.clone()),
             NodeError::BadImage(a) => ("bad_image", a.clone()),
+            NodeError::InvalidVolume(a) => ("invalid_volume", a.clone()),
+            NodeError::UnknownVolume(a) => ("unknown_volume", a.clone()),
+            NodeError::VolumeBusy(a) => ("volume_busy", a.clone()),
             NodeError::BootFailed(c) => ("boot_failed", c.to_string()),
             NodeError::Exhausted(c) => ("exhausted", c.to_string()),
             NodeError::Network(c) => ("network", c.to_string()),
@@ -201,6 +209,9 @@ impl ErrorReply {
             "fenced" => NodeError::Fenced(self.message),
             "unsupported" => NodeError::Unsupported(self.message),
             "bad_image" => NodeError::BadImage(self.message),
+            "invalid_volume" => NodeError::InvalidVolume(self.message),
+            "unknown_volume" => NodeError::UnknownVolume(self.message),
+            "volume_busy" => NodeError::VolumeBusy(self.message),
             "boot_failed" => NodeError::BootFailed(cause(self.message)),
             "exhausted" => NodeError::Exhausted(cause(self.message)),
             "network" => NodeError::Network(cause(self.message)),

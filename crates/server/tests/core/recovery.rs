@@ -43,6 +43,7 @@ async fn crash_mid_create_after_the_boot_succeeds_it() {
                 resources: Default::default(),
                 image: None,
                 env: Default::default(),
+                volumes: Vec::new(),
             })
             .await
             .map(|_| ())

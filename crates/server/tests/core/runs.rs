@@ -25,6 +25,7 @@ pub(crate) fn vm_request(id: &str) -> VmRequest {
         node: String::new(),
         moved_from: None,
         keep_image: false,
+        volumes: Vec::new(),
     }
 }
 

@@ -273,6 +273,8 @@ pub(super) async fn route(guest: Arc<Guest>, req: Request<Incoming>) -> Result<R
             let stat = stat(&fs, &p)?;
             Ok(json(StatusCode::OK, &MkdirResponse { created, stat }))
         }
+        // The fake VMM attaches no disks (no `Hotplug`), so there is never one to mount.
+        Route::MountVolume => Err(ApiErr::invalid("the fake guest has no disks to mount")),
         Route::Rename => {
             let r: RenameRequest = read_json(req).await?;
             let (from, to) = (clean_path(&r.from)?, clean_path(&r.to)?);
