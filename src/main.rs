@@ -61,6 +61,12 @@ enum Command {
         #[arg(last = true, required = true)]
         argv: Vec<String>,
     },
+    /// Create, list, inspect, grow and delete volumes: disks that outlive sandboxes
+    /// (`sandbox create --volume NAME:/path`).
+    Volume {
+        #[command(subcommand)]
+        command: VolumeCommand,
+    },
     /// Inspect operations.
     Ops {
         #[command(subcommand)]
@@ -178,6 +184,9 @@ enum SandboxCommand {
         /// Return at once with the operation instead of waiting.
         #[arg(long)]
         no_wait: bool,
+        /// Mount a volume: VOLUME:/path[:ro], repeatable.
+        #[arg(long = "volume")]
+        volumes: Vec<String>,
     },
     /// List sandboxes.
     Ls {
@@ -188,6 +197,25 @@ enum SandboxCommand {
     Get { id: String },
     /// Delete a sandbox.
     Rm { id: String },
+}
+
+#[derive(Subcommand)]
+enum VolumeCommand {
+    /// Create a volume; prints it with its token (shown this once).
+    Create {
+        name: String,
+        /// Size in MiB (default 1024; the disk is sparse).
+        #[arg(long)]
+        size_mib: Option<u64>,
+    },
+    /// List the tenant's volumes.
+    Ls,
+    /// Show one volume (id or name) and who mounts it.
+    Get { volume: String },
+    /// Grow a volume to SIZE_MIB.
+    Resize { volume: String, size_mib: u64 },
+    /// Delete a volume and its data (refused while a sandbox mounts it).
+    Rm { volume: String },
 }
 
 #[derive(Subcommand)]
@@ -307,6 +335,8 @@ enum QuotaCommand {
         sessions_per_sandbox: Option<u32>,
         #[arg(long)]
         creates_per_minute: Option<u32>,
+        #[arg(long)]
+        volume_mib: Option<u64>,
     },
 }
 
@@ -488,6 +518,7 @@ async fn run(cli: Cli) -> anyhow::Result<u8> {
                     timeout,
                     metadata,
                     no_wait,
+                    volumes,
                 } => {
                     let mut meta = serde_json::Map::new();
                     for kv in &metadata {
@@ -499,6 +530,22 @@ async fn run(cli: Cli) -> anyhow::Result<u8> {
                     let mut body = json!({ "template": template, "metadata": meta, "resources": shape.spec() });
                     if let Some(t) = timeout {
                         body["timeout"] = json!(t);
+                    }
+                    let mut mounts = Vec::new();
+                    for v in &volumes {
+                        let mut parts = v.splitn(3, ':');
+                        let (Some(volume), Some(path)) = (parts.next(), parts.next()) else {
+                            anyhow::bail!("--volume takes VOLUME:/path[:ro], got {v:?}");
+                        };
+                        let read_only = match parts.next() {
+                            None | Some("rw") => false,
+                            Some("ro") => true,
+                            Some(other) => anyhow::bail!("--volume {v:?}: the mode is ro or rw, not {other:?}"),
+                        };
+                        mounts.push(json!({"volume": volume, "path": path, "read_only": read_only}));
+                    }
+                    if !mounts.is_empty() {
+                        body["volumes"] = json!(mounts);
                     }
                     let id = blocking(move || c.create_sandbox(body, !no_wait)).await?;
                     println!("{id}");
@@ -532,6 +579,54 @@ async fn run(cli: Cli) -> anyhow::Result<u8> {
                 }
                 SandboxCommand::Rm { id } => {
                     blocking(move || c.delete_sandbox(&id, true)).await?;
+                }
+            }
+        }
+        Command::Volume { command } => {
+            let c = client()?;
+            match command {
+                VolumeCommand::Create { name, size_mib } => {
+                    let body = json!({"name": name, "size_mib": size_mib});
+                    print_json(&blocking(move || c.json("POST", "/v1/volumes", Some(body))).await?)
+                }
+                VolumeCommand::Ls => {
+                    let list = blocking(move || c.json("GET", "/v1/volumes", None)).await?;
+                    println!(
+                        "{:<22} {:<24} {:>9} {:>10}  {:<25} MOUNTED BY",
+                        "ID", "NAME", "SIZE", "USED", "CREATED"
+                    );
+                    for v in list["volumes"].as_array().into_iter().flatten() {
+                        let by: Vec<String> = v["mounted_by"]
+                            .as_array()
+                            .into_iter()
+                            .flatten()
+                            .map(|h| {
+                                let ro = if h["read_only"] == json!(true) { " (ro)" } else { "" };
+                                format!("{}{ro}", h["sandbox_id"].as_str().unwrap_or(""))
+                            })
+                            .collect();
+                        println!(
+                            "{:<22} {:<24} {:>8}M {:>9}M  {:<25} {}",
+                            v["id"].as_str().unwrap_or(""),
+                            v["name"].as_str().unwrap_or(""),
+                            v["size_mib"],
+                            v["used_bytes"]
+                                .as_u64()
+                                .map_or("-".to_string(), |b| (b >> 20).to_string()),
+                            v["created_at"].as_str().unwrap_or(""),
+                            by.join(", ")
+                        );
+                    }
+                }
+                VolumeCommand::Get { volume } => {
+                    print_json(&blocking(move || c.json("GET", &format!("/v1/volumes/{volume}"), None)).await?)
+                }
+                VolumeCommand::Resize { volume, size_mib } => {
+                    let body = json!({"size_mib": size_mib});
+                    print_json(&blocking(move || c.json("PATCH", &format!("/v1/volumes/{volume}"), Some(body))).await?)
+                }
+                VolumeCommand::Rm { volume } => {
+                    blocking(move || c.json("DELETE", &format!("/v1/volumes/{volume}"), None)).await?;
                 }
             }
         }
@@ -650,6 +745,7 @@ async fn run(cli: Cli) -> anyhow::Result<u8> {
                             disk_mib,
                             sessions_per_sandbox,
                             creates_per_minute,
+                            volume_mib,
                         },
                 } => {
                     let quota = airlock_server::model::Quota {
@@ -659,6 +755,7 @@ async fn run(cli: Cli) -> anyhow::Result<u8> {
                         disk_mib,
                         sessions_per_sandbox,
                         creates_per_minute,
+                        volume_mib,
                     };
                     admin.json(
                         "PUT",

@@ -23,6 +23,8 @@ mod sessions;
 mod snapshots;
 #[path = "api/templates.rs"]
 mod templates;
+#[path = "api/volumes.rs"]
+mod volumes;
 
 use base64::Engine as _;
 use common::*;
@@ -60,6 +62,14 @@ fn main() {
     let args = libtest_mimic::Arguments::from_args();
     let t = trial;
     let tests = vec![
+        t(
+            "volumes_keep_a_workspace_across_sandboxes_and_to_their_tenant",
+            volumes::volumes_keep_a_workspace_across_sandboxes_and_to_their_tenant,
+        ),
+        t(
+            "a_volume_survives_a_server_killed_mid_write",
+            volumes::a_volume_survives_a_server_killed_mid_write,
+        ),
         t(
             "walkthrough_create_session_stream_delete",
             sessions::walkthrough_create_session_stream_delete,

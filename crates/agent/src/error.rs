@@ -28,6 +28,10 @@ impl AgentError {
     }
     /// An I/O error on `path`, with the path in the message.
     pub fn io(path: &str, e: std::io::Error) -> Self {
+        // A symlink where none is followed (a volume's access path: `MS_NOSYMFOLLOW`).
+        if e.raw_os_error() == Some(libc::ELOOP) {
+            return Self::new(ErrorCode::PermissionDenied, format!("{path}: {e}"));
+        }
         let code = match e.kind() {
             std::io::ErrorKind::NotFound => ErrorCode::NotFound,
             std::io::ErrorKind::AlreadyExists => ErrorCode::AlreadyExists,

@@ -127,21 +127,18 @@ fn grow(device: &Path, mounted: &Path) -> Result<(), AgentError> {
     }
 }
 
-/// A volume nobody wrote yet has a root-owned root holding only `lost+found`: it becomes
-/// `owner`'s, once. A volume in use keeps whatever owner its users gave it.
+/// A volume nobody wrote yet (its root holding only `lost+found`) becomes `owner`'s, once. A
+/// volume in use keeps whatever owner its users gave it.
 fn give_fresh_root(root: &Path, owner: &str) -> Result<(), AgentError> {
     use std::os::unix::fs::MetadataExt;
     let meta = std::fs::metadata(root).map_err(|e| AgentError::io(&root.display().to_string(), e))?;
-    if meta.uid() != 0 {
-        return Ok(());
-    }
     let fresh = std::fs::read_dir(root)
         .map(|d| d.flatten().all(|e| e.file_name() == "lost+found"))
         .unwrap_or(false);
     let Some(user) = users::lookup(owner) else {
         return Ok(());
     };
-    if fresh && user.uid != 0 {
+    if fresh && user.uid != 0 && (meta.uid(), meta.gid()) != (user.uid, user.gid) {
         nix::unistd::chown(
             root,
             Some(nix::unistd::Uid::from_raw(user.uid)),

@@ -1,5 +1,5 @@
 //! This node's volumes' disks: `<data dir>/volumes/<id>.ext4`, a sparse raw file the host made
-//! (`mkfs.ext4` on a file nobody else wrote yet) and afterwards only grows, moves or deletes:
+//! (`mkfs.ext4` on a file nobody else wrote yet, its root uid 1000's) and afterwards only grows, moves or deletes:
 //! once a guest wrote it, its bytes are the guest's, so the host never mounts or reads them
 //! (file calls on a volume go through a guest that has it mounted: `sandbox/volumes.rs`).
 
@@ -59,6 +59,8 @@ impl VolumeDisks {
             let f = std::fs::File::create(&staging).map_err(|e| RuntimeError::io(&staging, e))?;
             f.set_len(size_mib << 20).map_err(|e| RuntimeError::io(&staging, e))?;
             drop(f);
+            // Its root is uid 1000's (`user` in airlock's and E2B's templates): files the
+            // content API writes before any sandbox mounts it are the sandboxes' user's.
             let out = Command::new("mkfs.ext4")
                 .args([
                     "-q",
@@ -66,7 +68,7 @@ impl VolumeDisks {
                     "-m",
                     "0",
                     "-E",
-                    "lazy_itable_init=1,lazy_journal_init=1,discard",
+                    "lazy_itable_init=1,lazy_journal_init=1,discard,root_owner=1000:1000",
                 ])
                 .arg("-L")
                 .arg(&id[..id.len().min(16)])

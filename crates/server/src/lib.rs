@@ -52,6 +52,9 @@ use utoipa::OpenApi;
         native::admin::put_policy, native::admin::create_key, native::admin::list_keys, native::admin::revoke_key,
         native::admin::audit, native::admin::put_pool, native::admin::list_pools, native::admin::system,
         native::admin::list_nodes,
+        native::create_volume, native::list_volumes, native::get_volume, native::resize_volume, native::delete_volume,
+        native::read_volume_file, native::write_volume_file, native::delete_volume_file, native::list_volume_files,
+        native::stat_volume_file, native::mkdir_volume,
     ),
     components(schemas(model::OutputEvent, model::ExitedEvent, model::TruncatedEvent)),
     modifiers(&BearerAuth),
@@ -143,6 +146,24 @@ pub fn router(state: AppState) -> Router {
             "/templates/{name}",
             get(native::get_template).delete(native::delete_template),
         )
+        .route("/volumes", post(native::create_volume).get(native::list_volumes))
+        .route(
+            "/volumes/{id}",
+            get(native::get_volume)
+                .patch(native::resize_volume)
+                .delete(native::delete_volume),
+        )
+        .route(
+            "/volumes/{id}/files",
+            upload_limits(
+                get(native::read_volume_file)
+                    .put(native::write_volume_file)
+                    .delete(native::delete_volume_file),
+            ),
+        )
+        .route("/volumes/{id}/files/list", get(native::list_volume_files))
+        .route("/volumes/{id}/files/stat", get(native::stat_volume_file))
+        .route("/volumes/{id}/files/mkdir", post(native::mkdir_volume))
         .route("/builds", get(native::list_builds))
         .route("/builds/{id}", get(native::get_build).delete(native::cancel_build))
         .route("/builds/{id}/logs", get(native::build_logs))

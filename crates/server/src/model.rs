@@ -193,6 +193,66 @@ pub struct CreateSandboxRequest {
     /// Resume the sandbox when a request reaches it (a session, a file, a port, E2B's envd)
     /// while it is suspended or paused. Default false: such a request gets 409 `invalid_state`.
     pub auto_resume: Option<bool>,
+    /// The tenant's volumes to mount: one sandbox may have a volume read-write, or any number
+    /// read-only, never both. The sandbox starts on the volumes' node.
+    pub volumes: Option<Vec<VolumeMount>>,
+}
+
+/// A volume mounted in a new sandbox.
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema, PartialEq, Eq)]
+pub struct VolumeMount {
+    /// The volume's id or name.
+    pub volume: String,
+    /// Absolute path in the guest (made if missing).
+    pub path: String,
+    #[serde(default)]
+    pub read_only: bool,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
+pub struct CreateVolumeRequest {
+    /// 1 to 64 letters, digits, `-`, `_`, `.`; unique in the tenant.
+    pub name: String,
+    /// Size in MiB (16 to 1048576; default 1024). The disk is sparse: only what is written
+    /// takes space, but the whole size counts against `volume_mib` and the node's disk.
+    pub size_mib: Option<u64>,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
+pub struct ResizeVolumeRequest {
+    /// The new size in MiB: a volume only grows.
+    pub size_mib: u64,
+}
+
+/// A tenant's volume: a disk that outlives sandboxes.
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
+pub struct Volume {
+    /// `vol-<hex>`.
+    pub id: String,
+    pub name: String,
+    pub size_mib: u64,
+    pub created_at: String,
+    /// The node it lives on ('' in single-host mode).
+    pub node: String,
+    /// Sandboxes (not ended) that mount it.
+    pub mounted_by: Vec<VolumeHolder>,
+    /// Bytes its disk takes now (sparse), if its node answered.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub used_bytes: Option<u64>,
+    /// The volume's own token (E2B's content API), only in the create's answer.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub token: Option<String>,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema, PartialEq, Eq)]
+pub struct VolumeHolder {
+    pub sandbox_id: String,
+    pub read_only: bool,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
+pub struct VolumeList {
+    pub volumes: Vec<Volume>,
 }
 
 /// An image of a sandbox saved while it ran (memory, running processes, files); new sandboxes
@@ -667,6 +727,9 @@ pub struct Quota {
     /// Creates admitted in any 60 seconds; past it, 429 `rate_limited` with `Retry-After`.
     #[serde(default)]
     pub creates_per_minute: Option<u32>,
+    /// Its volumes' sizes together, MiB.
+    #[serde(default)]
+    pub volume_mib: Option<u64>,
 }
 
 impl Quota {
@@ -679,6 +742,7 @@ impl Quota {
             disk_mib: self.disk_mib.or(defaults.disk_mib),
             sessions_per_sandbox: self.sessions_per_sandbox.or(defaults.sessions_per_sandbox),
             creates_per_minute: self.creates_per_minute.or(defaults.creates_per_minute),
+            volume_mib: self.volume_mib.or(defaults.volume_mib),
         }
     }
 }

@@ -330,6 +330,36 @@ impl BuildStatus {
     }
 }
 
+/// A tenant's volume: a disk on `node` ('' in single-host mode) that outlives sandboxes.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct VolumeRecord {
+    /// `vol-` and 16 hex: the disk's name on its node and its serial in guests.
+    pub id: String,
+    pub tenant_id: String,
+    pub name: String,
+    pub size_mib: u64,
+    pub node: String,
+    /// sha256 of the volume's own token (E2B's content API), hex; '' before one is issued.
+    pub token_hash: String,
+    pub created_at_ms: i64,
+}
+
+/// A volume a sandbox mounts.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct VolumeMountRecord {
+    pub volume_id: String,
+    pub path: String,
+    pub read_only: bool,
+}
+
+/// A sandbox not ended that mounts a volume.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct VolumeHolderRecord {
+    pub sandbox_id: String,
+    pub read_only: bool,
+    pub state: String,
+}
+
 /// A build of a tenant's template `name:tag`, as recorded. The template is the newest ready
 /// build of its name and tag.
 #[derive(Debug, Clone, PartialEq, Eq)]

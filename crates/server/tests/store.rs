@@ -882,6 +882,8 @@ mod builds;
 mod records;
 #[path = "store/sqlite.rs"]
 mod sqlite;
+#[path = "store/volumes.rs"]
+mod volumes;
 
 on_both!(each_replica_records_its_own_view_of_each_node);
 

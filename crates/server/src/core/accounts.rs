@@ -265,7 +265,7 @@ impl Core {
 
     /// Delete a tenant: its keys stop at once, its sandboxes are deleted (operations that run
     /// on), its snapshots (records and images: they hold its sandboxes' memory), its builds
-    /// (`Core::purge_builds`), E2B state, quotas and policy go. Its id is never given again, so a later tenant of the same name
+    /// (`Core::purge_builds`), volumes (`Core::purge_volumes`), E2B state, quotas and policy go. Its id is never given again, so a later tenant of the same name
     /// starts with nothing. `default` stays: it holds the server's bootstrap key.
     pub async fn delete_tenant(&self, admin: &Admin, name: &str) -> CoreResult<u32> {
         let r = async {
@@ -291,6 +291,7 @@ impl Core {
                 self.store.delete_snapshot(&t.id, &s.id).await?;
             }
             self.purge_builds(&t).await?;
+            self.purge_volumes(&t).await?;
             self.store.delete_tenant(&t.id).await?;
             Ok(deleted)
         }

@@ -34,6 +34,7 @@ pub mod snapshots;
 pub mod templates;
 pub mod tenants;
 pub mod uploads;
+pub mod volumes;
 
 pub use crate::error::{Conflict, CoreError, CoreResult, InternalError, Kind, Unreachable};
 pub use crate::nodes::watches::Taken as WatchTaken;
@@ -158,6 +159,8 @@ impl Config {
             disk_mib: self.max_disk_mib_per_tenant.or_else(|| share(budget.disk_mib)),
             sessions_per_sandbox: Some(self.max_sessions_per_sandbox),
             creates_per_minute: Some(self.max_creates_per_minute),
+            // Volumes are held on disk like sandboxes' disks: the same share of the node's.
+            volume_mib: share(budget.disk_mib),
         }
     }
 

@@ -49,6 +49,8 @@ pub struct CreateSandbox {
     /// A template the core resolved itself (a build's parent made of an OCI image), started
     /// as it is; `template` is then unused.
     pub parent: Option<TemplateManifest>,
+    /// The tenant's volumes to mount (see `core::volumes`): the sandbox goes to their node.
+    pub volumes: Vec<super::volumes::MountRequest>,
 }
 
 #[derive(Debug, Clone)]
@@ -241,6 +243,7 @@ impl Core {
         // The quota and the node's budgets count live sandboxes: not before the restart's
         // recovery has failed those whose VM is gone.
         self.engine.all_recovered().await?;
+        let (mounts, volume_node) = self.resolve_mounts(tenant, &req.volumes).await?;
         let egress = match req.inherit_egress {
             Some(parents) => parents,
             None => self.egress_for_create(principal, tenant, &req.egress).await?,
@@ -274,10 +277,17 @@ impl Core {
         // A warm pool's VM, where one is ready for this template and shape: its id is the
         // sandbox's. A create that does not go ahead gives it back.
         let mut row = row;
-        let pooled = match row.image_id {
+        let mut pooled = match row.image_id {
             None => self.nodes.claim(&row.template, &row.resources).await,
             Some(_) => None,
         };
+        // A pool VM elsewhere than the volumes' node is no use: it goes back.
+        if let (Some(id), Some(node)) = (&pooled, &volume_node) {
+            if self.nodes.owner(id).is_some_and(|o| o != *node) {
+                self.nodes.unclaim(id);
+                pooled = None;
+            }
+        }
         if let Some(id) = &pooled {
             row.id = id.clone();
         }
@@ -289,6 +299,20 @@ impl Core {
             (Some(id), _) | (None, Some(id)) => self.nodes.owner(id),
             (None, None) => None,
         };
+        // Its volumes' node, if it has any: nowhere else has their disks.
+        let pinned = match (volume_node, pinned) {
+            (Some(node), Some(other)) if node != other => {
+                return Err(CoreError::invalid(
+                    "volumes",
+                    format!("its volumes are on node {node:?}, its snapshot's image on {other:?}"),
+                ))
+            }
+            (Some(node), _) => Some(node),
+            (None, pinned) => pinned,
+        };
+        if !mounts.is_empty() {
+            self.store.put_sandbox_volumes(&row.id, &mounts).await?;
+        }
         let candidates = match snapshot.as_ref().and_then(|s| s.shared.as_deref()) {
             Some(machine) if pooled.is_none() => {
                 let (mut open, refused) = self.candidates_matching(machine);

@@ -65,6 +65,7 @@ impl Core {
             }
         }
         let row = self.sandbox(tenant, sandbox_id).await?;
+        self.refuse_if_mounting(&row.id).await?;
         // Not a paused one: QEMU leaves a saved VM that was not running in its after-migration
         // state, which no later save can start from.
         if row.state != SandboxState::Running {

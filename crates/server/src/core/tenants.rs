@@ -63,6 +63,7 @@ pub fn check_quota(quota: &Quota) -> CoreResult<()> {
         ("disk_mib", quota.disk_mib),
         ("sessions_per_sandbox", quota.sessions_per_sandbox.map(u64::from)),
         ("creates_per_minute", quota.creates_per_minute.map(u64::from)),
+        ("volume_mib", quota.volume_mib),
     ] {
         if v == Some(0) {
             return Err(CoreError::invalid(

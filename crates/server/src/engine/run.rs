@@ -32,7 +32,14 @@ impl Engine {
             volumes: Vec::new(),
             moved_from: shared,
         };
-        match self.create_placed(vm, fallbacks).await {
+        let created = async {
+            let vm = crate::nodes::VmRequest {
+                volumes: self.volume_mounts(&row).await?,
+                ..vm
+            };
+            self.create_placed(vm, fallbacks).await
+        };
+        match created.await {
             Ok(booted) => {
                 let _ = self.store.set_sandbox_boot(&row.id, &booted).await;
                 if let Some(image) = &row.image_id {
@@ -65,6 +72,30 @@ impl Engine {
                 self.finish(&op, Some((&e).into())).await;
             }
         }
+    }
+
+    /// The volumes sandbox `row` mounts, as its node mounts them: a fresh volume's root goes to
+    /// the user its processes run as (its template's last USER, else `user`).
+    async fn volume_mounts(&self, row: &SandboxRecord) -> Result<Vec<crate::nodes::VolumeMountSpec>, CoreError> {
+        let mounts = self.store.sandbox_volumes(&row.id).await?;
+        if mounts.is_empty() {
+            return Ok(Vec::new());
+        }
+        let owner = self
+            .nodes
+            .template(&row.template)
+            .and_then(|m| m.built)
+            .map(|b| b.user)
+            .unwrap_or_else(|| "user".into());
+        Ok(mounts
+            .into_iter()
+            .map(|m| crate::nodes::VolumeMountSpec {
+                volume: m.volume_id,
+                path: m.path,
+                read_only: m.read_only,
+                owner: Some(owner.clone()),
+            })
+            .collect())
     }
 
     /// Record when sandbox `row` times out, and tell its node, which ends the VM itself if no

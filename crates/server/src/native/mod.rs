@@ -8,12 +8,14 @@ mod sandboxes;
 mod sessions;
 mod snapshots;
 mod templates;
+mod volumes;
 
 pub use files::*;
 pub use sandboxes::*;
 pub use sessions::*;
 pub use snapshots::*;
 pub use templates::*;
+pub use volumes::*;
 
 use crate::core::egress::EgressRequest;
 use crate::core::sandboxes::{Change, CreateSandbox, ListSandboxes};

@@ -65,6 +65,16 @@ pub async fn create_sandbox(
                 inherit_egress: None,
                 from_saved: None,
                 parent: None,
+                volumes: req
+                    .volumes
+                    .unwrap_or_default()
+                    .into_iter()
+                    .map(|m| crate::core::volumes::MountRequest {
+                        volume: m.volume,
+                        path: m.path,
+                        read_only: m.read_only,
+                    })
+                    .collect(),
             },
         )
         .await?;

@@ -15,10 +15,12 @@ mod admit;
 pub mod builds;
 mod postgres;
 mod sqlite;
+pub mod volumes;
 
 pub use builds::BuildStore;
 pub use postgres::{redact_url, PgOpenError, PgStore};
 pub use sqlite::SqliteStore;
+pub use volumes::VolumeStore;
 
 use crate::model::ErrorBody;
 use crate::model::{Operation, OperationState, Quota, SandboxState, TenantUsage};
@@ -757,12 +759,20 @@ pub trait AccountStore: Send + Sync {
 
 /// The whole store, as the server holds it.
 pub trait Store:
-    TenantStore + SandboxStore + SnapshotStore + OperationStore + E2bStore + AccountStore + BuildStore
+    TenantStore + SandboxStore + SnapshotStore + OperationStore + E2bStore + AccountStore + BuildStore + VolumeStore
 {
 }
 
-impl<T: TenantStore + SandboxStore + SnapshotStore + OperationStore + E2bStore + AccountStore + BuildStore> Store
-    for T
+impl<
+        T: TenantStore
+            + SandboxStore
+            + SnapshotStore
+            + OperationStore
+            + E2bStore
+            + AccountStore
+            + BuildStore
+            + VolumeStore,
+    > Store for T
 {
 }
 

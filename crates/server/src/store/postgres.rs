@@ -557,3 +557,4 @@ impl E2bStore for PgStore {
 }
 
 super::builds::impl_build_store!(PgStore);
+super::volumes::impl_volume_store!(PgStore);

@@ -494,3 +494,4 @@ impl E2bStore for SqliteStore {
 }
 
 super::builds::impl_build_store!(SqliteStore);
+super::volumes::impl_volume_store!(SqliteStore);

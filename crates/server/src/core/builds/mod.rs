@@ -490,6 +490,7 @@ impl Core {
                     inherit_egress: None,
                     from_saved,
                     parent: parent.name.starts_with(IMAGE_PREFIX).then(|| parent.clone()),
+                    volumes: Vec::new(),
                 },
             )
             .await?;

@@ -88,7 +88,7 @@ impl TenantStore for PgStore {
 
     async fn quota(&self, tenant_id: &str) -> Result<Quota, StoreError> {
         let row = sqlx::query(
-            "SELECT sandboxes, vcpu, memory_mib, disk_mib, sessions_per_sandbox, creates_per_minute
+            "SELECT sandboxes, vcpu, memory_mib, disk_mib, sessions_per_sandbox, creates_per_minute, volume_mib
              FROM tenant_quotas WHERE tenant_id = $1",
         )
         .bind(tenant_id)
@@ -106,6 +106,7 @@ impl TenantStore for PgStore {
             disk_mib: get("disk_mib")?,
             sessions_per_sandbox: small(get("sessions_per_sandbox")?),
             creates_per_minute: small(get("creates_per_minute")?),
+            volume_mib: get("volume_mib")?,
         })
     }
 
@@ -113,11 +114,12 @@ impl TenantStore for PgStore {
         let big = |v: Option<u64>| v.map(|v| v.min(i64::MAX as u64) as i64);
         sqlx::query(
             "INSERT INTO tenant_quotas (tenant_id, sandboxes, vcpu, memory_mib, disk_mib, sessions_per_sandbox,
-                                        creates_per_minute, updated_at_ms) VALUES ($1, $2, $3, $4, $5, $6, $7, $8)
+                                        creates_per_minute, updated_at_ms, volume_mib) VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9)
              ON CONFLICT (tenant_id) DO UPDATE SET sandboxes = excluded.sandboxes, vcpu = excluded.vcpu,
                memory_mib = excluded.memory_mib, disk_mib = excluded.disk_mib,
                sessions_per_sandbox = excluded.sessions_per_sandbox,
-               creates_per_minute = excluded.creates_per_minute, updated_at_ms = excluded.updated_at_ms",
+               creates_per_minute = excluded.creates_per_minute, updated_at_ms = excluded.updated_at_ms,
+               volume_mib = excluded.volume_mib",
         )
         .bind(tenant_id)
         .bind(q.sandboxes.map(i64::from))
@@ -127,6 +129,7 @@ impl TenantStore for PgStore {
         .bind(q.sessions_per_sandbox.map(i64::from))
         .bind(q.creates_per_minute.map(i64::from))
         .bind(now_ms())
+        .bind(big(q.volume_mib))
         .execute(&self.pool)
         .await?;
         Ok(())

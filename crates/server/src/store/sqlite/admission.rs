@@ -48,7 +48,8 @@ pub(super) async fn usage_within(
     })
 }
 
-/// What every tenant's live sandboxes and snapshots on `node` hold of it: vCPUs, memory, disk.
+/// What every tenant's live sandboxes, snapshots and volumes on `node` hold of it: vCPUs,
+/// memory, disk.
 async fn node_usage_within(tx: &mut sqlx::Transaction<'_, sqlx::Sqlite>, node: &str) -> Result<NodeUsage, StoreError> {
     let (vcpu, memory, disk): (i64, i64, i64) = sqlx::query_as(&format!(
         "SELECT COALESCE(SUM(vcpu * {HOLDS_VM}), 0), COALESCE(SUM(memory_mib * {HOLDS_VM}), 0),
@@ -62,11 +63,16 @@ async fn node_usage_within(tx: &mut sqlx::Transaction<'_, sqlx::Sqlite>, node: &
         .bind(node)
         .fetch_one(&mut **tx)
         .await?;
+    // Volumes on the node hold their full size, like a sandbox's disk.
+    let (volumes,): (i64,) = sqlx::query_as("SELECT COALESCE(SUM(size_mib), 0) FROM volumes WHERE node = ?")
+        .bind(node)
+        .fetch_one(&mut **tx)
+        .await?;
     let n = |v: i64| v.max(0) as u64;
     Ok(NodeUsage {
         vcpu: n(vcpu),
         memory_mib: n(memory),
-        disk_mib: n(disk) + n(snapshots),
+        disk_mib: n(disk) + n(snapshots) + n(volumes),
     })
 }
 

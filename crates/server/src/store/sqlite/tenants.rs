@@ -87,7 +87,7 @@ impl TenantStore for SqliteStore {
 
     async fn quota(&self, tenant_id: &str) -> Result<Quota, StoreError> {
         let row = sqlx::query(
-            "SELECT sandboxes, vcpu, memory_mib, disk_mib, sessions_per_sandbox, creates_per_minute
+            "SELECT sandboxes, vcpu, memory_mib, disk_mib, sessions_per_sandbox, creates_per_minute, volume_mib
              FROM tenant_quotas WHERE tenant_id = ?",
         )
         .bind(tenant_id)
@@ -105,6 +105,7 @@ impl TenantStore for SqliteStore {
             disk_mib: get("disk_mib")?,
             sessions_per_sandbox: small(get("sessions_per_sandbox")?),
             creates_per_minute: small(get("creates_per_minute")?),
+            volume_mib: get("volume_mib")?,
         })
     }
 
@@ -112,11 +113,12 @@ impl TenantStore for SqliteStore {
         let big = |v: Option<u64>| v.map(|v| v.min(i64::MAX as u64) as i64);
         sqlx::query(
             "INSERT INTO tenant_quotas (tenant_id, sandboxes, vcpu, memory_mib, disk_mib, sessions_per_sandbox,
-                                        creates_per_minute, updated_at_ms) VALUES (?, ?, ?, ?, ?, ?, ?, ?)
+                                        creates_per_minute, updated_at_ms, volume_mib) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)
              ON CONFLICT (tenant_id) DO UPDATE SET sandboxes = excluded.sandboxes, vcpu = excluded.vcpu,
                memory_mib = excluded.memory_mib, disk_mib = excluded.disk_mib,
                sessions_per_sandbox = excluded.sessions_per_sandbox,
-               creates_per_minute = excluded.creates_per_minute, updated_at_ms = excluded.updated_at_ms",
+               creates_per_minute = excluded.creates_per_minute, updated_at_ms = excluded.updated_at_ms,
+               volume_mib = excluded.volume_mib",
         )
         .bind(tenant_id)
         .bind(q.sandboxes.map(i64::from))
@@ -126,6 +128,7 @@ impl TenantStore for SqliteStore {
         .bind(q.sessions_per_sandbox.map(i64::from))
         .bind(q.creates_per_minute.map(i64::from))
         .bind(now_ms())
+        .bind(big(q.volume_mib))
         .execute(&self.pool)
         .await?;
         Ok(())
