@@ -209,6 +209,8 @@ def airlock_server():
             # The settings the README tells E2B users to set (API and envd share one port).
             os.environ["E2B_API_URL"] = url
             os.environ["E2B_SANDBOX_URL"] = url
+            # The volume content API (e2b's Volume) is on the same port.
+            os.environ["E2B_VOLUME_API_URL"] = url
         yield {"url": url, "key": key, "internet": net, "mirror": mirror_host}
         _set_tenant_policy(url, ())
         # VMs outlive the server by design: delete what the tests left, then stop it.

@@ -176,9 +176,26 @@ impl AgentClient {
     where
         S: Stream<Item = Result<Bytes, std::io::Error>> + Send + 'static,
     {
+        self.write_file_as(path, user, None, metadata, data).await
+    }
+
+    /// [`Self::write_file_with_metadata`] with the file's permission bits set to `mode` (an
+    /// overwritten file keeps its own when `None`).
+    pub async fn write_file_as<S>(
+        &self,
+        path: &str,
+        user: Option<&str>,
+        mode: Option<u32>,
+        metadata: &std::collections::BTreeMap<String, String>,
+        data: S,
+    ) -> Result<FileStat, AgentError>
+    where
+        S: Stream<Item = Result<Bytes, std::io::Error>> + Send + 'static,
+    {
         let mut route = WriteFile {
             path: path.into(),
             user: user.map(Into::into),
+            mode,
             ..Default::default()
         };
         // The metadata (up to a few KiB, too much for a header) leads the body, its length in

@@ -20,9 +20,37 @@ pub fn lookup(name: &str) -> Option<User> {
     lookup_in(name, Path::new("/etc/passwd"), Path::new("/etc/group"))
 }
 
+/// By name, or numerically as `UID` or `UID:GID` (Docker's `--user`): a uid the guest's passwd
+/// lacks is an account of its own (its gid the uid unless given, home `/`).
 pub fn lookup_in(name: &str, passwd: &Path, group: &Path) -> Option<User> {
     let passwd = std::fs::read_to_string(passwd).ok()?;
-    let mut user = parse_passwd(&passwd, |n, _| n == name)?;
+    let numeric = || -> Option<(u32, Option<u32>)> {
+        let (uid, gid) = match name.split_once(':') {
+            Some((u, g)) => (u, Some(g.parse().ok()?)),
+            None => (name, None),
+        };
+        Some((uid.parse().ok()?, gid))
+    };
+    let mut user = match parse_passwd(&passwd, |n, _| n == name) {
+        Some(u) => u,
+        None => {
+            let (uid, gid) = numeric()?;
+            let mut u = parse_passwd(&passwd, |_, id| id == uid).unwrap_or(User {
+                name: uid.to_string(),
+                uid,
+                gid: uid,
+                home: "/".into(),
+                shell: "/bin/sh".into(),
+                groups: vec![uid],
+            });
+            if let Some(g) = gid {
+                u.gid = g;
+                u.groups = vec![g];
+                return Some(u);
+            }
+            u
+        }
+    };
     if let Ok(group) = std::fs::read_to_string(group) {
         user.groups = groups_of(&group, &user.name, user.gid);
     }
@@ -99,5 +127,10 @@ mod tests {
         assert_eq!((u.uid, u.gid, u.home.as_str()), (1000, 1000, "/home/user"));
         assert_eq!(u.groups, vec![1000, 27, 29]);
         assert!(lookup_in("nobody-here", &p, &g).is_none());
+        // Numerically: a known uid is its account; an unknown one stands alone; a gid is kept.
+        assert_eq!(lookup_in("1000", &p, &g).unwrap().name, "user");
+        let n = lookup_in("1234:55", &p, &g).unwrap();
+        assert_eq!((n.uid, n.gid, n.name.as_str()), (1234, 55, "1234"));
+        assert!(lookup_in("12x", &p, &g).is_none());
     }
 }

@@ -235,6 +235,14 @@ pub fn router(state: AppState) -> Router {
             post(e2b::control::assign_tags).delete(e2b::control::remove_tags),
         )
         .route("/templates/{id}/tags", get(e2b::control::get_tags))
+        .route(
+            "/volumes",
+            post(e2b::control::create_volume).get(e2b::control::list_volumes),
+        )
+        .route(
+            "/volumes/{id}",
+            get(e2b::control::get_volume).delete(e2b::control::delete_volume),
+        )
         // Newer SDKs (e.g. 2.63) create and connect through the v2 paths; same semantics.
         .route("/v2/sandboxes", get(e2b::control::list_v2).post(e2b::control::create))
         .route("/v2/sandboxes/{id}/connect", post(e2b::control::connect))
@@ -242,6 +250,23 @@ pub fn router(state: AppState) -> Router {
             e2b_state.clone(),
             e2b::control::require_tenant,
         ))
+        .with_state(e2b_state.clone());
+    // A volume's content API carries the volume's own token, not an API key.
+    let e2b_volumes = Router::new()
+        .route(
+            "/volumecontent/{id}/file",
+            upload_limits(get(e2b::control::read_file).put(e2b::control::write_file)),
+        )
+        .route(
+            "/volumecontent/{id}/dir",
+            get(e2b::control::list_dir).post(e2b::control::make_dir),
+        )
+        .route(
+            "/volumecontent/{id}/path",
+            get(e2b::control::stat_path)
+                .patch(e2b::control::update_path)
+                .delete(e2b::control::remove_path),
+        )
         .with_state(e2b_state.clone());
     // An upload link carries its own authority (signed), not an API key: E2B's presigned URLs.
     let e2b_uploads = Router::new()
@@ -276,6 +301,7 @@ pub fn router(state: AppState) -> Router {
         .nest("/v1", v1)
         .merge(e2b_api)
         .merge(e2b_uploads)
+        .merge(e2b_volumes)
         .merge(envd)
         .route("/readyz", get(native::readyz).with_state(core.clone()))
         .route(

@@ -302,6 +302,12 @@ impl Core {
         self.derive_token(b"sandbox-traffic-token:", sandbox_id)
     }
 
+    /// A volume's own token (E2B's content API), derived like a sandbox's so `GET /volumes/{id}`
+    /// can answer it again; stored hashed.
+    pub fn volume_token(&self, volume_id: &str) -> String {
+        format!("vt_{}", self.derive_token(b"volume-token:", volume_id))
+    }
+
     fn derive_token(&self, label: &[u8], sandbox_id: &str) -> String {
         use hmac::Mac;
         let mut mac = hmac::Hmac::<sha2::Sha256>::new_from_slice(&self.secret).expect("any key length");

@@ -8,8 +8,9 @@
 //! never mounts what a guest wrote. Paths are the volume's own (`/a/b`), `..` refused, and the
 //! guest's view of the volume follows no symlink, so nothing outside it is reached.
 //!
-//! Another tenant's volume answers like a missing one; its token (E2B's content API) is shown
-//! once and stored hashed.
+//! Another tenant's volume answers like a missing one; its token (E2B's content API) is derived
+//! from the server's secret (its owner can read it again, as E2B's `GET /volumes/{id}` does)
+//! and stored hashed.
 
 use super::sandboxes::acting_tenant;
 use super::{Core, CoreError, CoreResult, Kind, Principal};
@@ -111,7 +112,7 @@ fn check_mount_path(path: &str) -> CoreResult<()> {
 
 impl Core {
     /// A new volume of `size_mib` (default [`DEFAULT_VOLUME_MIB`]) named `name`, on the node
-    /// with the most disk left; with its token, shown this once.
+    /// with the most disk left; with its token.
     pub async fn create_volume(
         &self,
         principal: &Principal,
@@ -145,9 +146,10 @@ impl Core {
             return Err(Conflict::VolumeNameTaken(name.into()).into());
         }
         let node = self.volume_node(size_mib).await?;
-        let token = format!("vt_{}", airlock_runtime::datadir::random_hex(20));
+        let id = format!("vol-{}", airlock_runtime::datadir::random_hex(8));
+        let token = self.volume_token(&id);
         let record = VolumeRecord {
-            id: format!("vol-{}", airlock_runtime::datadir::random_hex(8)),
+            id,
             tenant_id: tenant.id.clone(),
             name: name.into(),
             size_mib,
@@ -489,8 +491,9 @@ impl VolumeFiles {
         self.access.agent.read_file(&p).await.map_err(self.err())
     }
 
-    /// Write `data` at `path` (parents made), owned like the volume's root unless `user` says.
-    pub async fn write<S>(&self, path: &str, data: S, user: Option<&str>) -> CoreResult<FileStat>
+    /// Write `data` at `path` (parents made), owned like the volume's root unless `user` says,
+    /// with permission bits `mode` if given.
+    pub async fn write<S>(&self, path: &str, data: S, user: Option<&str>, mode: Option<u32>) -> CoreResult<FileStat>
     where
         S: futures_util::Stream<Item = Result<Bytes, std::io::Error>> + Send + 'static,
     {
@@ -506,7 +509,7 @@ impl VolumeFiles {
         let stat = self
             .access
             .agent
-            .write_file_stream(&p, Some(&owner), data)
+            .write_file_as(&p, Some(&owner), mode, &Default::default(), data)
             .await
             .map_err(self.err())?;
         Ok(self.own(stat))

@@ -133,7 +133,7 @@ pub async fn write_volume_file(
         Err(e) => return crate::listen::drained(body, e.into_response()).await,
     };
     let data = body.into_data_stream().map(|r| r.map_err(std::io::Error::other));
-    match files.write(&q.path, data, None).await {
+    match files.write(&q.path, data, None, None).await {
         Ok(stat) => Json(file_info(stat)).into_response(),
         Err(e) => ApiError::from(e).into_response(),
     }

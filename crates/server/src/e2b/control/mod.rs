@@ -2,6 +2,7 @@
 //! translation onto the core's sandbox services.
 
 mod templates;
+mod volumes;
 mod wire;
 
 use super::{E2bError, E2bState, ENVD_VERSION};
@@ -19,6 +20,7 @@ use serde_json::Value;
 use std::collections::BTreeMap;
 use std::time::Duration;
 pub use templates::*;
+pub use volumes::*;
 pub use wire::*;
 
 type Result<T> = std::result::Result<T, E2bError>;
@@ -60,13 +62,6 @@ fn refuse_unsupported(req: &NewSandbox) -> std::result::Result<(), CoreError> {
     let no = |option: &str, why: &str| Err(CoreError::unsupported(option, why));
     if req.mcp.as_ref().is_some_and(|v| !v.is_null()) {
         return no("mcp", "");
-    }
-    if req
-        .volume_mounts
-        .as_ref()
-        .is_some_and(|v| v.as_array().map(|a| !a.is_empty()).unwrap_or(!v.is_null()))
-    {
-        return no("volumeMounts", "");
     }
     if req.iam.as_ref().is_some_and(|v| !v.is_null()) {
         return no("iam", "");
@@ -230,6 +225,7 @@ pub async fn create(
                     .and_then(|v| v.to_str().ok())
                     .map(String::from),
                 egress,
+                volumes: volumes::mounts(&req.volume_mounts)?,
                 ..Default::default()
             },
         )

@@ -382,3 +382,63 @@ pub struct TagInfo {
     #[serde(rename = "createdAt")]
     pub created_at: String,
 }
+
+/// `POST /volumes`.
+#[derive(Debug, Deserialize)]
+pub struct NewVolume {
+    pub name: String,
+}
+
+/// A volume as `GET /volumes` lists it.
+#[derive(Debug, Serialize)]
+pub struct VolumeReply {
+    #[serde(rename = "volumeID")]
+    pub volume_id: String,
+    pub name: String,
+}
+
+/// A volume with its content token (`POST /volumes`, `GET /volumes/{id}`).
+#[derive(Debug, Serialize)]
+pub struct VolumeAndToken {
+    #[serde(rename = "volumeID")]
+    pub volume_id: String,
+    pub name: String,
+    pub token: String,
+}
+
+/// One of a create's `volumeMounts`: the volume by name.
+#[derive(Debug, Deserialize, Serialize)]
+pub struct VolumeMountWire {
+    pub name: String,
+    pub path: String,
+}
+
+/// The content API's query: a path in the volume, and for writes who owns what is made.
+#[derive(Debug, Deserialize)]
+pub struct VolumePathQuery {
+    pub path: String,
+    pub depth: Option<u32>,
+    pub uid: Option<u32>,
+    pub gid: Option<u32>,
+    pub mode: Option<u32>,
+    pub force: Option<bool>,
+}
+
+/// A file or directory of a volume (`VolumeEntryStat`).
+#[derive(Debug, Serialize)]
+pub struct VolumeEntryStat {
+    pub name: String,
+    /// `file`, `directory`, `symlink` or `unknown`.
+    #[serde(rename = "type")]
+    pub kind: &'static str,
+    pub path: String,
+    pub size: u64,
+    pub mode: u32,
+    pub uid: u32,
+    pub gid: u32,
+    pub atime: String,
+    pub mtime: String,
+    pub ctime: String,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub target: Option<String>,
+}
