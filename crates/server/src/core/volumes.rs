@@ -145,6 +145,26 @@ impl Core {
         if self.store.get_volume(&tenant.id, name).await?.is_some() {
             return Err(Conflict::VolumeNameTaken(name.into()).into());
         }
+        // More than a whole node's disk never fits: a bad request, not a full node.
+        let largest = self.largest_budget().disk_mib;
+        if size_mib > largest {
+            return Err(CoreError::invalid(
+                "size_mib",
+                format!("must be at most {largest} MiB on these nodes (their free disk less --disk-reserve-mib), got {size_mib}"),
+            ));
+        }
+        // The quota before the nodes: past it is the tenant's limit (429), not a full node (503).
+        let quota = self.quota(tenant).await?;
+        let used = self.store.volume_mib_used(&tenant.id).await?;
+        if let Some(limit) = quota.volume_mib.filter(|l| used.saturating_add(size_mib) > *l) {
+            return Err(CoreError::from(crate::store::StoreError::QuotaExceeded {
+                quota: "volume_mib",
+                used,
+                asked: size_mib,
+                limit,
+            })
+            .for_tenant(&tenant.name));
+        }
         let node = self.volume_node(size_mib).await?;
         let id = format!("vol-{}", airlock_runtime::datadir::random_hex(8));
         let token = self.volume_token(&id);
@@ -157,7 +177,6 @@ impl Core {
             token_hash: crate::store::token_hash(&token),
             created_at_ms: now_ms(),
         };
-        let quota = self.quota(tenant).await?;
         let inserted = self
             .store
             .insert_volume(&record, quota.volume_mib)
