@@ -63,14 +63,6 @@ fn main() {
     let t = trial;
     let tests = vec![
         t(
-            "volumes_keep_a_workspace_across_sandboxes_and_to_their_tenant",
-            volumes::volumes_keep_a_workspace_across_sandboxes_and_to_their_tenant,
-        ),
-        t(
-            "a_volume_survives_a_server_killed_mid_write",
-            volumes::a_volume_survives_a_server_killed_mid_write,
-        ),
-        t(
             "walkthrough_create_session_stream_delete",
             sessions::walkthrough_create_session_stream_delete,
         ),
@@ -215,6 +207,15 @@ fn main() {
         t(
             "a_deleted_tenant_leaves_no_build_behind",
             templates::a_deleted_tenant_leaves_no_build_behind,
+        ),
+        // Late: by then `seed`'s base snapshot is built, which its readers' creates restore.
+        t(
+            "volumes_keep_a_workspace_across_sandboxes_and_to_their_tenant",
+            volumes::volumes_keep_a_workspace_across_sandboxes_and_to_their_tenant,
+        ),
+        t(
+            "a_volume_survives_a_server_killed_mid_write",
+            volumes::a_volume_survives_a_server_killed_mid_write,
         ),
     ];
     let conclusion = libtest_mimic::run(&args, tests);

@@ -156,6 +156,11 @@ pub(crate) fn volumes_keep_a_workspace_across_sandboxes_and_to_their_tenant() {
     let ro = json!([{ "volume": name, "path": "/data", "read_only": true }]);
     let r1 = s.create(json!({ "template": "seed", "timeout": "10m", "volumes": ro }));
     let r2 = s.create(json!({ "template": "seed", "timeout": "10m", "volumes": ro }));
+    // Restored from the base snapshot (or claimed from a pool), the volume attached after.
+    for r in [&r1, &r2] {
+        let (_, got) = s.call("GET", &format!("/v1/sandboxes/{r}"), None);
+        assert_ne!(got["start"]["from"], "boot", "{got}");
+    }
     for r in [&r1, &r2] {
         let (out, code) = sh(s, r, "cat /data/b.txt; echo x > /data/new.txt");
         assert_ne!(code, 0, "{out}");
