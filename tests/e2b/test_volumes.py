@@ -67,6 +67,7 @@ def test_a_sandbox_mounts_the_volume(volume):
             "cat /mnt/data/in/greeting.txt && echo from-the-sandbox > /mnt/data/out.txt && stat -c %U /mnt/data/out.txt"
         )
         assert r.stdout == "written before the sandbox\nuser\n", r
+        assert sbx.get_info().volume_mounts == [{"name": volume.name, "path": "/mnt/data"}]
         # While the sandbox has it, the API goes through it: it reads what the guest wrote.
         assert volume.read_file("/out.txt") == "from-the-sandbox\n"
         # In use: not destroyed.

@@ -145,26 +145,7 @@ impl Core {
         if self.store.get_volume(&tenant.id, name).await?.is_some() {
             return Err(Conflict::VolumeNameTaken(name.into()).into());
         }
-        // More than a whole node's disk never fits: a bad request, not a full node.
-        let largest = self.largest_budget().disk_mib;
-        if size_mib > largest {
-            return Err(CoreError::invalid(
-                "size_mib",
-                format!("must be at most {largest} MiB on these nodes (their free disk less --disk-reserve-mib), got {size_mib}"),
-            ));
-        }
-        // The quota before the nodes: past it is the tenant's limit (429), not a full node (503).
-        let quota = self.quota(tenant).await?;
-        let used = self.store.volume_mib_used(&tenant.id).await?;
-        if let Some(limit) = quota.volume_mib.filter(|l| used.saturating_add(size_mib) > *l) {
-            return Err(CoreError::from(crate::store::StoreError::QuotaExceeded {
-                quota: "volume_mib",
-                used,
-                asked: size_mib,
-                limit,
-            })
-            .for_tenant(&tenant.name));
-        }
+        self.volume_fits(tenant, size_mib, size_mib).await?;
         let node = self.volume_node(size_mib).await?;
         let id = format!("vol-{}", airlock_runtime::datadir::random_hex(8));
         let token = self.volume_token(&id);
@@ -177,6 +158,7 @@ impl Core {
             token_hash: crate::store::token_hash(&token),
             created_at_ms: now_ms(),
         };
+        let quota = self.quota(tenant).await?;
         let inserted = self
             .store
             .insert_volume(&record, quota.volume_mib)
@@ -190,6 +172,31 @@ impl Core {
             return Err(e.into());
         }
         Ok((record, token))
+    }
+
+    /// A volume of `size_mib`, `more` of it new to the tenant: not larger than any node's disk
+    /// (422: it never fits), then within the tenant's `volume_mib` quota (429): the tenant's
+    /// limit is said before a full node is (503). The store checks the quota again atomically.
+    async fn volume_fits(&self, tenant: &Tenant, size_mib: u64, more: u64) -> CoreResult<()> {
+        let largest = self.largest_budget().disk_mib;
+        if size_mib > largest {
+            return Err(CoreError::invalid(
+                "size_mib",
+                format!("must be at most {largest} MiB on these nodes (their free disk less --disk-reserve-mib), got {size_mib}"),
+            ));
+        }
+        let quota = self.quota(tenant).await?;
+        let used = self.store.volume_mib_used(&tenant.id).await?;
+        if let Some(limit) = quota.volume_mib.filter(|l| used.saturating_add(more) > *l) {
+            return Err(CoreError::from(crate::store::StoreError::QuotaExceeded {
+                quota: "volume_mib",
+                used,
+                asked: more,
+                limit,
+            })
+            .for_tenant(&tenant.name));
+        }
+        Ok(())
     }
 
     /// The node a new volume of `size_mib` goes to: among those taking sandboxes, the one
@@ -276,6 +283,16 @@ impl Core {
                     "size_mib",
                     format!("a volume only grows: it has {} MiB", v.size_mib),
                 ));
+            }
+            // What it grows by must fit its node's disk, next to everything else held there.
+            let more = size_mib - v.size_mib;
+            self.volume_fits(tenant, size_mib, more).await?;
+            if let Some(m) = self.nodes.members().into_iter().find(|m| m.name == v.node) {
+                let budget = self.config.budget(&m.capacity).disk_mib;
+                let held = m.capacity.disk_held_mib + self.store.node_volume_mib(&m.name).await?;
+                if held.saturating_add(more) > budget {
+                    return Err(CoreError::node_budget("disk", more, held, budget));
+                }
             }
             let quota = self.quota(tenant).await?;
             self.store
@@ -430,6 +447,20 @@ impl Core {
             }
         }
         Ok(())
+    }
+
+    /// What sandbox `row` mounts: (volume name, path), in order (a volume deleted since is
+    /// named by its id).
+    pub async fn mounts_of(&self, row: &crate::records::SandboxRecord) -> CoreResult<Vec<(String, String)>> {
+        let mut out = Vec::new();
+        for m in self.store.sandbox_volumes(&row.id).await? {
+            let name = match self.store.volume_by_id(&m.volume_id).await? {
+                Some(v) if v.tenant_id == row.tenant_id => v.name,
+                _ => m.volume_id,
+            };
+            out.push((name, m.path));
+        }
+        Ok(out)
     }
 
     /// A sandbox that mounts volumes: snapshots and forks are refused (their saved devices

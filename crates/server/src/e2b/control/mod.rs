@@ -171,6 +171,13 @@ async fn sandbox_detail(
                 OnTimeout::Suspend => "pause",
             },
         },
+        volume_mounts: state
+            .core
+            .mounts_of(row)
+            .await?
+            .into_iter()
+            .map(|(name, path)| VolumeMountWire { name, path })
+            .collect(),
         envd_access_token: tokens.map(|t| t.envd.clone()),
     })
 }

@@ -137,6 +137,9 @@ pub struct SandboxDetail {
     pub domain: Option<String>,
     pub allow_internet_access: bool,
     pub lifecycle: LifecycleReply,
+    /// The volumes it mounts, by name (`get_info().volume_mounts`).
+    #[serde(rename = "volumeMounts", skip_serializing_if = "Vec::is_empty")]
+    pub volume_mounts: Vec<VolumeMountWire>,
     /// Only on `GET /sandboxes/{id}`, never in a list.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub envd_access_token: Option<String>,
@@ -249,6 +252,7 @@ mod tests {
                 auto_resume: false,
                 on_timeout: "kill",
             },
+            volume_mounts: Vec::new(),
             envd_access_token: None,
         };
         let v = serde_json::to_value(&detail).unwrap();
