@@ -2,10 +2,19 @@
 `destroy`; files through the volume's own content API (its token); a sandbox created with
 `volume_mounts` reads what the API wrote and writes what the API then reads; a volume in use
 is not destroyed."""
+import os
 import uuid
 
 import pytest
 from e2b import Sandbox, Volume
+
+# Volumes live on one node, and a node process's face does not carry their calls yet: the
+# replica route (sandboxes on an `airlock node`) refuses them with 503 "this node cannot keep
+# volumes". Single-host mode has them.
+pytestmark = pytest.mark.skipif(
+    os.environ.get("E2B_SUITE_ROUTE") == "replica",
+    reason="volumes through a remote node's face are not built yet (single-host only)",
+)
 
 
 def _name():
