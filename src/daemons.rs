@@ -21,6 +21,11 @@ pub struct ServeArgs {
     /// SDK calls `localhost:49999`); requests are routed by `X-Access-Token`.
     #[arg(long, env = "AIRLOCK_E2B_DEBUG_LISTEN")]
     e2b_debug_listen: Option<SocketAddr>,
+    /// Also serve `GET /metrics` (Prometheus' text format) here, without a credential: an
+    /// address only the operator's Prometheus reaches (on the main listener `/metrics` asks
+    /// for a scrape token, `airlock admin scrape-token create`, or the admin's token).
+    #[arg(long, env = "AIRLOCK_METRICS_LISTEN")]
+    metrics_listen: Option<SocketAddr>,
     /// The E2B domain, for `E2B_DOMAIN=<domain>` setups: the API answers as `api.<domain>`,
     /// sandbox ports as `<port>-<sandbox id>.<domain>` (point wildcard DNS at this host).
     #[arg(long, env = "AIRLOCK_E2B_DOMAIN")]
@@ -381,6 +386,7 @@ impl ServeArgs {
             memory_reserve_mib: self.memory_reserve_mib,
             disk_reserve_mib: self.disk_reserve_mib,
             e2b_debug_listen: self.e2b_debug_listen,
+            metrics_listen: self.metrics_listen,
             e2b_domain: self.e2b_domain,
             tls: match (self.tls_listen, self.tls_cert, self.tls_key) {
                 (Some(listen), Some(cert), Some(key)) => Some(airlock_server::TlsOptions { listen, cert, key }),

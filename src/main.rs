@@ -1,6 +1,7 @@
 //! `airlock`: the command-line front of airlock: the server, template builds, and a client
 //! of the HTTP API for sandboxes, commands and operations.
 
+mod admin;
 mod client;
 mod daemons;
 mod templates;
@@ -79,7 +80,13 @@ enum Command {
     /// Manage a tenant's API keys (admin; through the API).
     Key {
         #[command(subcommand)]
-        command: KeyCommand,
+        command: admin::KeyCommand,
+    },
+    /// Mint, list and revoke the tokens Prometheus presents to read `GET /metrics` (admin;
+    /// through the API).
+    ScrapeToken {
+        #[command(subcommand)]
+        command: admin::ScrapeTokenCommand,
     },
     /// Manage tenants, their quotas and egress policies (admin; through the API).
     Tenant {
@@ -222,32 +229,6 @@ enum VolumeCommand {
 enum OpsCommand {
     /// Show one operation.
     Get { id: String },
-}
-
-#[derive(Subcommand)]
-enum KeyCommand {
-    /// Mint an API key (usable as E2B_API_KEY too); prints only the key, shown this once.
-    Create {
-        #[arg(long, default_value = "default")]
-        tenant: String,
-        /// What the key is for (shown by `key ls`).
-        #[arg(long, default_value = "")]
-        name: String,
-        /// Spell it `e2b_<hex>`, the shape e2b SDKs 2.26 to 2.5x require of E2B_API_KEY.
-        #[arg(long)]
-        e2b: bool,
-    },
-    /// List a tenant's keys (never the keys themselves).
-    Ls {
-        #[arg(long, default_value = "default")]
-        tenant: String,
-    },
-    /// Revoke a key by its id (`key ls`): its next call gets 401.
-    Revoke {
-        id: String,
-        #[arg(long, default_value = "default")]
-        tenant: String,
-    },
 }
 
 /// A sandbox's shape; what is left out is the server's default.
@@ -408,7 +389,7 @@ pub fn signal_number(name: &str) -> i32 {
     airlock_server::signals::number(name).unwrap_or(0)
 }
 
-fn print_json(v: &serde_json::Value) {
+pub(crate) fn print_json(v: &serde_json::Value) {
     println!("{}", serde_json::to_string_pretty(v).unwrap_or_default());
 }
 
@@ -681,26 +662,8 @@ async fn run(cli: Cli) -> anyhow::Result<u8> {
                 token["expires_at"].as_str().unwrap_or("?")
             );
         }
-        Command::Key { command } => {
-            let admin = client::Client::admin(&data_dir)?;
-            match command {
-                KeyCommand::Create { tenant, name, e2b } => {
-                    let k = admin.json(
-                        "POST",
-                        &format!("/v1/admin/tenants/{tenant}/keys"),
-                        Some(json!({"name": name, "e2b": e2b})),
-                    )?;
-                    println!("{}", k["key"].as_str().unwrap_or_default());
-                }
-                KeyCommand::Ls { tenant } => {
-                    print_json(&admin.json("GET", &format!("/v1/admin/tenants/{tenant}/keys"), None)?)
-                }
-                KeyCommand::Revoke { id, tenant } => {
-                    admin.json("DELETE", &format!("/v1/admin/tenants/{tenant}/keys/{id}"), None)?;
-                    eprintln!("revoked {id}");
-                }
-            }
-        }
+        Command::Key { command } => admin::keys(&client::Client::admin(&data_dir)?, command)?,
+        Command::ScrapeToken { command } => admin::scrape_tokens(&client::Client::admin(&data_dir)?, command)?,
         Command::Tenant { command } => {
             let admin = client::Client::admin(&data_dir)?;
             let out = match command {

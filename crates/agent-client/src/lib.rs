@@ -70,6 +70,44 @@ impl Default for Deadlines {
     }
 }
 
+/// How a call to an agent ended, as the call metrics count it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum CallOutcome {
+    /// The agent answered with success (for a stream: its response headers).
+    Ok,
+    /// The agent answered with an error of its own.
+    Refused,
+    /// No usable answer: the channel is down, the deadline passed, or the reply was malformed.
+    Failed,
+}
+
+impl CallOutcome {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            CallOutcome::Ok => "ok",
+            CallOutcome::Refused => "refused",
+            CallOutcome::Failed => "failed",
+        }
+    }
+}
+
+/// Told of every call this process makes to any agent: the route's name
+/// ([`airlock_proto::routes::Route::name`]), the time to its answer's headers, how it ended.
+pub type CallObserver = Box<dyn Fn(&'static str, Duration, CallOutcome) + Send + Sync>;
+
+static CALL_OBSERVER: std::sync::OnceLock<CallObserver> = std::sync::OnceLock::new();
+
+/// Set the process's call observer (the server's metrics); only the first one set counts.
+pub fn observe_calls(observer: CallObserver) {
+    let _ = CALL_OBSERVER.set(observer);
+}
+
+pub(crate) fn observed(route: &'static str, took: Duration, outcome: CallOutcome) {
+    if let Some(observer) = CALL_OBSERVER.get() {
+        observer(route, took, outcome);
+    }
+}
+
 #[derive(Debug, Clone, thiserror::Error)]
 pub enum AgentError {
     /// The channel is down (VM gone, or not booted yet).

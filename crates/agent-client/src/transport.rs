@@ -152,14 +152,39 @@ impl AgentClient {
             send.ready().await?;
             send.send_request(req).await
         };
-        tokio::time::timeout(limit, exchange)
+        let start = Instant::now();
+        let resp = tokio::time::timeout(limit, exchange)
             .await
-            .map_err(|_| late(&what, limit))?
-            .map_err(|e| AgentError::Transport(format!("{what}: {}", chain(&e))))
+            .map_err(|_| late(&what, limit))
+            .and_then(|r| r.map_err(|e| AgentError::Transport(format!("{what}: {}", chain(&e)))));
+        let outcome = match &resp {
+            Ok(r) if r.status().is_success() => crate::CallOutcome::Ok,
+            Ok(_) => crate::CallOutcome::Refused,
+            Err(_) => crate::CallOutcome::Failed,
+        };
+        crate::observed(route.name(), start.elapsed(), outcome);
+        resp
     }
 
     /// Send a request; the response once its headers are in, and when its body is due.
     pub(super) async fn request(
+        &self,
+        route: &Route,
+        body: ReqBody,
+        clock: Clock,
+    ) -> Result<(hyper::Response<Incoming>, Due), AgentError> {
+        let start = Instant::now();
+        let answer = self.exchange(route, body, clock).await;
+        let outcome = match &answer {
+            Ok(_) => crate::CallOutcome::Ok,
+            Err(AgentError::Api { .. }) => crate::CallOutcome::Refused,
+            Err(_) => crate::CallOutcome::Failed,
+        };
+        crate::observed(route.name(), start.elapsed(), outcome);
+        answer
+    }
+
+    async fn exchange(
         &self,
         route: &Route,
         body: ReqBody,

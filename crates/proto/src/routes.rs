@@ -125,6 +125,35 @@ fn encode(value: &str) -> String {
 }
 
 impl Route {
+    /// The route's name without its parameters: a bounded label (the host's call metrics).
+    pub fn name(&self) -> &'static str {
+        match self {
+            Route::Health => "health",
+            Route::Metrics => "metrics",
+            Route::Identity => "identity",
+            Route::Sync => "sync",
+            Route::Shutdown => "shutdown",
+            Route::Spawn => "spawn",
+            Route::Processes => "processes",
+            Route::Process { .. } => "process",
+            Route::Events { .. } => "events",
+            Route::Stdin { .. } => "stdin",
+            Route::CloseStdin { .. } => "close_stdin",
+            Route::Signal { .. } => "signal",
+            Route::Resize { .. } => "resize",
+            Route::ReadFile { .. } => "read_file",
+            Route::WriteFile(_) => "write_file",
+            Route::Remove { .. } => "remove",
+            Route::Stat { .. } => "stat",
+            Route::List { .. } => "list",
+            Route::Mkdir => "mkdir",
+            Route::Rename => "rename",
+            Route::Watch { .. } => "watch",
+            Route::MountVolume => "mount_volume",
+            Route::Tunnel { .. } => "tunnel",
+        }
+    }
+
     pub fn method(&self) -> Method {
         match self {
             Route::Health

@@ -26,6 +26,8 @@ pub enum Kind {
     Key,
     Snapshot,
     Volume,
+    /// A scrape token of `GET /metrics`, by its id.
+    ScrapeToken,
 }
 
 impl Kind {
@@ -43,6 +45,7 @@ impl Kind {
             Kind::Key => "key",
             Kind::Snapshot => "snapshot",
             Kind::Volume => "volume",
+            Kind::ScrapeToken => "scrape token",
         }
     }
 }
@@ -408,6 +411,7 @@ fn not_found_code(kind: Kind) -> &'static str {
         Kind::Key => "key_not_found",
         Kind::Snapshot => "snapshot_not_found",
         Kind::Volume => "volume_not_found",
+        Kind::ScrapeToken => "scrape_token_not_found",
     }
 }
 

@@ -21,6 +21,7 @@ pub mod nodes;
 pub mod records;
 pub mod signals;
 pub mod store;
+pub mod telemetry;
 
 use axum::routing::{get, post};
 use axum::Router;
@@ -51,7 +52,8 @@ use utoipa::OpenApi;
         native::admin::delete_tenant, native::admin::get_quota, native::admin::put_quota, native::admin::get_policy,
         native::admin::put_policy, native::admin::create_key, native::admin::list_keys, native::admin::revoke_key,
         native::admin::audit, native::admin::put_pool, native::admin::list_pools, native::admin::system,
-        native::admin::list_nodes,
+        native::admin::list_nodes, native::admin::create_scrape_token, native::admin::list_scrape_tokens,
+        native::admin::revoke_scrape_token,
         native::create_volume, native::list_volumes, native::get_volume, native::resize_volume, native::delete_volume,
         native::read_volume_file, native::write_volume_file, native::delete_volume_file, native::list_volume_files,
         native::stat_volume_file, native::mkdir_volume,
@@ -204,6 +206,14 @@ pub fn router(state: AppState) -> Router {
             axum::routing::delete(native::admin::revoke_key),
         )
         .route("/audit", get(native::admin::audit))
+        .route(
+            "/scrape-tokens",
+            post(native::admin::create_scrape_token).get(native::admin::list_scrape_tokens),
+        )
+        .route(
+            "/scrape-tokens/{id}",
+            axum::routing::delete(native::admin::revoke_scrape_token),
+        )
         .fallback(native::not_found)
         .route_layer(axum::middleware::from_fn_with_state(
             core.clone(),
@@ -304,10 +314,12 @@ pub fn router(state: AppState) -> Router {
         .merge(e2b_volumes)
         .merge(envd)
         .route("/readyz", get(native::readyz).with_state(core.clone()))
+        .route("/metrics", get(native::admin::metrics).with_state(core.clone()))
         .route(
             "/openapi-m1.json",
             get(move || async move { ([("content-type", "application/json")], doc.clone()) }),
         )
+        .route_layer(axum::middleware::from_fn(telemetry::mark_route))
         .fallback(native::not_found)
         .layer(axum::middleware::from_fn_with_state(
             core.clone(),
@@ -315,6 +327,30 @@ pub fn router(state: AppState) -> Router {
         ))
         // Bodies that are read whole stay small; the upload routes raise their own cap.
         .layer(axum::extract::DefaultBodyLimit::max(MAX_JSON_BODY))
+        // Every request counted, by the route its router matched (`telemetry::mark_route`).
+        .layer(axum::middleware::from_fn_with_state(
+            core.telemetry().clone(),
+            telemetry::track_http,
+        ))
+}
+
+/// Serve `app` on `addr` beside the main listener.
+async fn spawn_listener(
+    addr: SocketAddr,
+    app: Router,
+    what: &'static str,
+    limits: listen::Limits,
+) -> anyhow::Result<()> {
+    let listener = tokio::net::TcpListener::bind(addr)
+        .await
+        .map_err(|e| anyhow::anyhow!("listen on {addr}: {e}"))?;
+    tracing::info!("serving {what} on http://{addr}");
+    tokio::spawn(async move {
+        if let Err(e) = listen::serve(listener, app, None, limits).await {
+            tracing::error!("{what} listener: {e}");
+        }
+    });
+    Ok(())
 }
 
 pub struct ServeOptions {
@@ -338,6 +374,8 @@ pub struct ServeOptions {
     pub disk_reserve_mib: u64,
     /// Second listener for E2B's code-interpreter port (`E2B_DEBUG=true` clients).
     pub e2b_debug_listen: Option<SocketAddr>,
+    /// A listener serving `GET /metrics` without a credential (keep it private).
+    pub metrics_listen: Option<SocketAddr>,
     /// E2B domain for `E2B_DOMAIN` setups: returned to SDKs as the sandbox domain.
     pub e2b_domain: Option<String>,
     /// An HTTPS listener serving the same routes (for `E2B_DOMAIN` behind wildcard DNS).
@@ -567,6 +605,7 @@ pub async fn serve(opts: ServeOptions) -> anyhow::Result<()> {
         config.egress.profiles.defaults().join(", ")
     );
     let core = core::Core::new(store, nodes, config, secret);
+    telemetry::observe_agent_calls(core.telemetry());
     {
         use core::accounts::PASSWORD_ENV;
         let chosen = std::env::var(PASSWORD_ENV).ok();
@@ -617,19 +656,16 @@ pub async fn serve(opts: ServeOptions) -> anyhow::Result<()> {
         .map_err(|e| anyhow::anyhow!("listen on {}: {e}", opts.listen))?;
     tracing::info!("serving on http://{}", opts.listen);
     if let Some(addr) = opts.e2b_debug_listen {
-        let jupyter = tokio::net::TcpListener::bind(addr)
-            .await
-            .map_err(|e| anyhow::anyhow!("listen on {addr}: {e}"))?;
         let app = Router::new()
             .fallback(ingress::code_interpreter_by_token)
             .with_state(state.core.clone());
-        tracing::info!("serving the code-interpreter port on http://{addr}");
-        let limits = opts.limits;
-        tokio::spawn(async move {
-            if let Err(e) = listen::serve(jupyter, app, None, limits).await {
-                tracing::error!("code-interpreter listener: {e}");
-            }
-        });
+        spawn_listener(addr, app, "the code-interpreter port", opts.limits).await?;
+    }
+    if let Some(addr) = opts.metrics_listen {
+        let app = Router::new()
+            .route("/metrics", get(native::admin::open_metrics))
+            .with_state(state.core.clone());
+        spawn_listener(addr, app, "metrics (no credential asked)", opts.limits).await?;
     }
     let app = router(state);
     if let Some((addr, config)) = tls {

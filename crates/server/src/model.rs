@@ -850,6 +850,40 @@ pub struct KeyList {
     pub keys: Vec<KeyView>,
 }
 
+/// `POST /v1/admin/scrape-tokens`.
+#[derive(Debug, Clone, Default, Serialize, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct CreateScrapeTokenRequest {
+    /// What the token is for (shown in listings): the Prometheus that presents it.
+    #[serde(default)]
+    pub name: String,
+}
+
+/// A scrape token as listed: never the token itself.
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
+pub struct ScrapeTokenView {
+    /// What the token is revoked by.
+    pub id: String,
+    pub name: String,
+    /// The account that minted it.
+    pub created_by: String,
+    pub created_at: String,
+}
+
+/// A new scrape token: `token` is shown this once (only its hash is kept). Prometheus presents
+/// it as `Authorization: Bearer <token>` (`authorization.credentials` of a scrape config).
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
+pub struct NewScrapeToken {
+    pub token: String,
+    #[serde(flatten)]
+    pub info: ScrapeTokenView,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
+pub struct ScrapeTokenList {
+    pub tokens: Vec<ScrapeTokenView>,
+}
+
 /// One audit row.
 // The wire differs from the record (`records::AuditRecord`): `at` is RFC 3339 where the store
 // keeps `at_ms` (a doc comment would become the schema's description).

@@ -229,6 +229,17 @@ pub struct KeyRecord {
     pub revoked_at_ms: Option<i64>,
 }
 
+/// A scrape token as it is listed: never the token itself.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ScrapeTokenRecord {
+    /// `st_<16 hex>`.
+    pub id: String,
+    pub name: String,
+    /// The account that minted it.
+    pub created_by: String,
+    pub created_at_ms: i64,
+}
+
 /// One audit row: who did what to which object, and how it ended.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct AuditRecord {

@@ -20,6 +20,9 @@ mod doors;
 mod egress;
 #[path = "core/kube.rs"]
 mod kube;
+// `GET /metrics` (issue 28).
+#[path = "core/metrics.rs"]
+mod metrics;
 #[path = "core/quotas.rs"]
 mod quotas;
 #[path = "core/recovery.rs"]

@@ -28,6 +28,7 @@ pub mod metrics;
 pub(crate) mod placement;
 pub mod principal;
 pub mod sandboxes;
+pub mod scrape;
 pub mod sessions;
 pub mod sign_in;
 pub mod snapshots;

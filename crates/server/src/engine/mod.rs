@@ -130,6 +130,8 @@ pub struct Engine {
     disowned: Arc<std::sync::Mutex<std::collections::HashMap<reaper::Disowned, std::time::Instant>>>,
     /// Operation id -> the epoch of the lease this engine took it over with, until it ends.
     epochs: Arc<std::sync::Mutex<std::collections::HashMap<String, i64>>>,
+    /// What this process counts (operations, creates, its recovery) for `GET /metrics`.
+    telemetry: Arc<crate::telemetry::Telemetry>,
 }
 
 /// Operation id -> how many tasks of this process carry it out now (a recovery hands a
@@ -202,7 +204,13 @@ impl Engine {
             node_grace: reaper::NODE_GRACE,
             disowned: Default::default(),
             epochs: Default::default(),
+            telemetry: Default::default(),
         }
+    }
+
+    /// What this process counts, for `GET /metrics`.
+    pub fn telemetry(&self) -> &Arc<crate::telemetry::Telemetry> {
+        &self.telemetry
     }
 
     /// The same engine, judging a node's running sandboxes lost after `grace` unanswered.
@@ -526,7 +534,11 @@ impl Engine {
             OperationState::Failed
         };
         match self.store.finish_operation(&op.id, state, error.as_ref()).await {
-            Ok(true) => {}
+            Ok(true) => {
+                if let Some(took) = crate::telemetry::since_rfc3339(&op.created_at) {
+                    self.telemetry.operation_ended(op.kind.as_str(), error.is_none(), took);
+                }
+            }
             // This replica stalled past its lease and another took the operation over: its
             // end is the one recorded, not this late one.
             Ok(false) => tracing::warn!(op = %op.id, "another replica took the operation over; its end stands"),

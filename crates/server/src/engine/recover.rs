@@ -24,6 +24,7 @@ impl Engine {
     /// others are served at once. Sandboxes are recovered several at a time, each as soon as the
     /// node has re-attached (or lost) its VM; the VMs no live record claims go last.
     pub async fn start_recovery(&self) -> CoreResult<()> {
+        let began = std::time::Instant::now();
         // The operations of this server's earlier life and of replicas whose leases lapsed;
         // a sandbox another replica is changing now is that replica's to settle.
         let claimed = self.took(self.store.claim_operations(true).await?);
@@ -59,6 +60,7 @@ impl Engine {
             }
         }
         let ids: Vec<String> = pending.keys().cloned().collect();
+        let settling = ids.len();
         self.recovery.pending.lock().unwrap().extend(pending);
         self.recovery.under_way.store(true, std::sync::atomic::Ordering::SeqCst);
         let engine = self.clone();
@@ -88,7 +90,8 @@ impl Engine {
                 .under_way
                 .store(false, std::sync::atomic::Ordering::SeqCst);
             engine.recovered.send_modify(|n| *n += 1);
-            tracing::info!("recovery after the restart finished");
+            engine.telemetry.recovered(began.elapsed(), settling);
+            tracing::info!("recovery after the restart finished in {:?}", began.elapsed());
         });
         Ok(())
     }

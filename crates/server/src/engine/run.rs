@@ -55,6 +55,8 @@ impl Engine {
                     .await
                 {
                     tracing::info!(sandbox = %row.id, "created");
+                    let took = Duration::from_millis((now_ms() - row.created_at_ms).max(0) as u64);
+                    self.telemetry.create_ended(Some((&booted.start.from, took)));
                 } else {
                     // A delete was submitted during the boot, and may have found no VM yet: the
                     // VM just booted is nobody's, so it goes (deleting twice is harmless).
@@ -67,6 +69,7 @@ impl Engine {
             }
             Err(e) => {
                 tracing::warn!(sandbox = %row.id, "create failed: {e}");
+                self.telemetry.create_ended(None);
                 self.transition(&row.id, &[SandboxState::Creating], SandboxState::Failed)
                     .await;
                 self.finish(&op, Some((&e).into())).await;

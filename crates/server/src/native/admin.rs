@@ -257,3 +257,60 @@ pub async fn put_pool(
 ) -> ApiResult<axum::Json<PoolInfo>> {
     Ok(axum::Json(core.set_pool(&admin, &req).await?))
 }
+
+/// Mint a scrape token for `GET /metrics` (shown once).
+#[utoipa::path(post, path = "/v1/admin/scrape-tokens", tag = "admin", request_body = CreateScrapeTokenRequest,
+    responses((status = 201, body = NewScrapeToken), ApiErrors), security(("bearer" = [])))]
+pub async fn create_scrape_token(
+    State(core): State<Core>,
+    Extension(admin): Extension<Admin>,
+    Json(req): Json<CreateScrapeTokenRequest>,
+) -> ApiResult<(StatusCode, axum::Json<NewScrapeToken>)> {
+    Ok((
+        StatusCode::CREATED,
+        axum::Json(core.mint_scrape_token(&admin, &req.name).await?),
+    ))
+}
+
+#[utoipa::path(get, path = "/v1/admin/scrape-tokens", tag = "admin",
+    responses((status = 200, body = ScrapeTokenList), ApiErrors), security(("bearer" = [])))]
+pub async fn list_scrape_tokens(
+    State(core): State<Core>,
+    Extension(admin): Extension<Admin>,
+) -> ApiResult<axum::Json<ScrapeTokenList>> {
+    Ok(axum::Json(ScrapeTokenList {
+        tokens: core.scrape_tokens(&admin).await?,
+    }))
+}
+
+#[utoipa::path(delete, path = "/v1/admin/scrape-tokens/{id}", tag = "admin", params(("id" = String, Path)),
+    responses((status = 204), ApiErrors), security(("bearer" = [])))]
+pub async fn revoke_scrape_token(
+    State(core): State<Core>,
+    Extension(admin): Extension<Admin>,
+    Path(id): Path<String>,
+) -> ApiResult<StatusCode> {
+    core.revoke_scrape_token(&admin, &id).await?;
+    Ok(StatusCode::NO_CONTENT)
+}
+
+/// `GET /metrics`: Prometheus' text format, for a scrape token or the admin's token.
+pub async fn metrics(State(core): State<Core>, headers: axum::http::HeaderMap) -> Response {
+    let creds = Credentials::from_headers(&headers);
+    if let Err(e) = core.scrape_allowed(creds.bearer.as_deref()).await {
+        return super::ApiError::from(e).into_response();
+    }
+    open_metrics(State(core)).await
+}
+
+/// `GET /metrics` on `serve --metrics-listen`: no credential (the operator keeps it private).
+pub async fn open_metrics(State(core): State<Core>) -> Response {
+    match core.metrics_text().await {
+        Ok(text) => (
+            [(axum::http::header::CONTENT_TYPE, crate::telemetry::CONTENT_TYPE)],
+            text,
+        )
+            .into_response(),
+        Err(e) => super::ApiError::from(e).into_response(),
+    }
+}

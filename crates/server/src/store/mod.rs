@@ -14,11 +14,13 @@
 mod admit;
 pub mod builds;
 mod postgres;
+pub mod scrape_tokens;
 mod sqlite;
 pub mod volumes;
 
 pub use builds::BuildStore;
 pub use postgres::{redact_url, PgOpenError, PgStore};
+pub use scrape_tokens::ScrapeTokenStore;
 pub use sqlite::SqliteStore;
 pub use volumes::VolumeStore;
 
@@ -257,6 +259,8 @@ pub trait SandboxStore: Send + Sync {
     /// Every tenant's sandboxes in a [`LIVE_STATES`] state.
     async fn live_sandboxes(&self) -> Result<Vec<SandboxRecord>, StoreError>;
     async fn count_live_sandboxes(&self, tenant_id: &str) -> Result<u32, StoreError>;
+    /// Sessions recorded as running, per live sandbox that has any (the metrics' gauge).
+    async fn running_sessions(&self) -> Result<Vec<(String, u64)>, StoreError>;
     /// Place a sandbox still `creating` or `resuming` on `node` instead (its first node
     /// refused it) if it fits that node's `budget` next to what every sandbox and snapshot there
     /// holds. False when it is no longer starting (a delete came first); the tenant's quota
@@ -759,7 +763,15 @@ pub trait AccountStore: Send + Sync {
 
 /// The whole store, as the server holds it.
 pub trait Store:
-    TenantStore + SandboxStore + SnapshotStore + OperationStore + E2bStore + AccountStore + BuildStore + VolumeStore
+    TenantStore
+    + SandboxStore
+    + SnapshotStore
+    + OperationStore
+    + E2bStore
+    + AccountStore
+    + BuildStore
+    + VolumeStore
+    + ScrapeTokenStore
 {
 }
 
@@ -771,7 +783,8 @@ impl<
             + E2bStore
             + AccountStore
             + BuildStore
-            + VolumeStore,
+            + VolumeStore
+            + ScrapeTokenStore,
     > Store for T
 {
 }

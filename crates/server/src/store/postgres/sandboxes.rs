@@ -159,6 +159,16 @@ impl SandboxStore for PgStore {
         Ok(rows.iter().map(sandbox_from_row).collect())
     }
 
+    async fn running_sessions(&self) -> Result<Vec<(String, u64)>, StoreError> {
+        let rows: Vec<(String, i64)> = sqlx::query_as(&format!(
+            "SELECT sandbox_id, COUNT(*) FROM sessions WHERE NOT exited \
+             AND sandbox_id IN (SELECT id FROM sandboxes WHERE {LIVE}) GROUP BY sandbox_id"
+        ))
+        .fetch_all(&self.pool)
+        .await?;
+        Ok(rows.into_iter().map(|(id, n)| (id, n.max(0) as u64)).collect())
+    }
+
     async fn count_live_sandboxes(&self, tenant_id: &str) -> Result<u32, StoreError> {
         let n: (i64,) = sqlx::query_as(&format!(
             "SELECT COUNT(*) FROM sandboxes WHERE tenant_id = $1 AND {LIVE}"
