@@ -3,7 +3,7 @@
 //! One server (and one read-only sandbox) is shared by the tests: `server()` and `shared()`
 //! here, with the data dirs of their own that some tests start servers on, and the custom `main`
 //! (libtest-mimic) that lists the tests and cleans up after them. The tests are in `api/` by
-//! concern (sessions, lifecycle, snapshots, ports, errors, servers, cli, templates); the harness (`Server`)
+//! concern (sessions, lifecycle, snapshots, ports, errors, servers, cli, templates, volumes, metrics); the harness (`Server`)
 //! is `common/`, shared with `hostile.rs`.
 
 #[path = "api/cli.rs"]
@@ -13,6 +13,8 @@ mod common;
 mod errors;
 #[path = "api/lifecycle.rs"]
 mod lifecycle;
+#[path = "api/metrics.rs"]
+mod metrics;
 #[path = "api/ports.rs"]
 mod ports;
 #[path = "api/servers.rs"]
@@ -216,6 +218,10 @@ fn main() {
         t(
             "a_volume_survives_a_server_killed_mid_write",
             volumes::a_volume_survives_a_server_killed_mid_write,
+        ),
+        t(
+            "prometheus_scrapes_creates_sessions_and_egress_denials",
+            metrics::prometheus_scrapes_creates_sessions_and_egress_denials,
         ),
     ];
     let conclusion = libtest_mimic::run(&args, tests);

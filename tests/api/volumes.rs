@@ -4,17 +4,6 @@
 
 use super::*;
 
-/// Run `cmd` in sandbox `id` as its user; (stdout + stderr, exit code).
-fn sh(s: &Server, id: &str, cmd: &str) -> (String, i64) {
-    let sid = s.session(id, json!({ "argv": ["sh", "-c", cmd], "timeout": "120s" }));
-    let events = s.events(id, &sid, None, None);
-    let code = events.last().unwrap().2["exit_code"].as_i64().unwrap_or(-1);
-    (
-        format!("{}{}", decode(&events, "stdout"), decode(&events, "stderr")),
-        code,
-    )
-}
-
 fn put(s: &Server, key: &str, volume: &str, path: &str, body: &[u8]) -> (u16, Value) {
     let r = ureq::put(&format!("{}/v1/volumes/{volume}/files?path={path}", s.url))
         .set("Authorization", &format!("Bearer {key}"))

@@ -377,6 +377,17 @@ pub fn decode(events: &[(String, Option<String>, Value)], kind: &str) -> String 
         .collect()
 }
 
+/// Run `cmd` in sandbox `id` as its user; (stdout + stderr, exit code).
+pub fn sh(s: &Server, id: &str, cmd: &str) -> (String, i64) {
+    let sid = s.session(id, serde_json::json!({ "argv": ["sh", "-c", cmd], "timeout": "120s" }));
+    let events = s.events(id, &sid, None, None);
+    let code = events.last().unwrap().2["exit_code"].as_i64().unwrap_or(-1);
+    (
+        format!("{}{}", decode(&events, "stdout"), decode(&events, "stderr")),
+        code,
+    )
+}
+
 pub fn wait_state(s: &Server, id: &str, state: &str, within: Duration) -> Result<Duration, Value> {
     let start = Instant::now();
     loop {
