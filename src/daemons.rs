@@ -26,6 +26,10 @@ pub struct ServeArgs {
     /// for a scrape token, `airlock admin scrape-token create`, or the admin's token).
     #[arg(long, env = "AIRLOCK_METRICS_LISTEN")]
     metrics_listen: Option<SocketAddr>,
+    /// Let tenants' webhooks point at loopback, private, link-local and metadata addresses
+    /// (refused by default: a webhook is the server's own request).
+    #[arg(long, env = "AIRLOCK_WEBHOOK_ALLOW_PRIVATE")]
+    webhook_allow_private: bool,
     /// The E2B domain, for `E2B_DOMAIN=<domain>` setups: the API answers as `api.<domain>`,
     /// sandbox ports as `<port>-<sandbox id>.<domain>` (point wildcard DNS at this host).
     #[arg(long, env = "AIRLOCK_E2B_DOMAIN")]
@@ -387,6 +391,7 @@ impl ServeArgs {
             disk_reserve_mib: self.disk_reserve_mib,
             e2b_debug_listen: self.e2b_debug_listen,
             metrics_listen: self.metrics_listen,
+            webhook_allow_private: self.webhook_allow_private,
             e2b_domain: self.e2b_domain,
             tls: match (self.tls_listen, self.tls_cert, self.tls_key) {
                 (Some(listen), Some(cert), Some(key)) => Some(airlock_server::TlsOptions { listen, cert, key }),

@@ -28,6 +28,7 @@ pub enum Kind {
     Volume,
     /// A scrape token of `GET /metrics`, by its id.
     ScrapeToken,
+    Webhook,
 }
 
 impl Kind {
@@ -46,6 +47,7 @@ impl Kind {
             Kind::Snapshot => "snapshot",
             Kind::Volume => "volume",
             Kind::ScrapeToken => "scrape token",
+            Kind::Webhook => "webhook",
         }
     }
 }
@@ -412,6 +414,7 @@ fn not_found_code(kind: Kind) -> &'static str {
         Kind::Snapshot => "snapshot_not_found",
         Kind::Volume => "volume_not_found",
         Kind::ScrapeToken => "scrape_token_not_found",
+        Kind::Webhook => "webhook_not_found",
     }
 }
 

@@ -57,6 +57,9 @@ use utoipa::OpenApi;
         native::create_volume, native::list_volumes, native::get_volume, native::resize_volume, native::delete_volume,
         native::read_volume_file, native::write_volume_file, native::delete_volume_file, native::list_volume_files,
         native::stat_volume_file, native::mkdir_volume,
+        native::list_events, native::sandbox_events, native::stream_events, native::create_webhook,
+        native::list_webhooks, native::get_webhook, native::update_webhook, native::delete_webhook,
+        native::webhook_deliveries,
     ),
     components(schemas(model::OutputEvent, model::ExitedEvent, model::TruncatedEvent)),
     modifiers(&BearerAuth),
@@ -166,6 +169,17 @@ pub fn router(state: AppState) -> Router {
         .route("/volumes/{id}/files/list", get(native::list_volume_files))
         .route("/volumes/{id}/files/stat", get(native::stat_volume_file))
         .route("/volumes/{id}/files/mkdir", post(native::mkdir_volume))
+        .route("/events", get(native::list_events))
+        .route("/events/stream", get(native::stream_events))
+        .route("/sandboxes/{id}/events", get(native::sandbox_events))
+        .route("/webhooks", post(native::create_webhook).get(native::list_webhooks))
+        .route(
+            "/webhooks/{id}",
+            get(native::get_webhook)
+                .patch(native::update_webhook)
+                .delete(native::delete_webhook),
+        )
+        .route("/webhooks/{id}/deliveries", get(native::webhook_deliveries))
         .route("/builds", get(native::list_builds))
         .route("/builds/{id}", get(native::get_build).delete(native::cancel_build))
         .route("/builds/{id}/logs", get(native::build_logs))
@@ -376,6 +390,8 @@ pub struct ServeOptions {
     pub e2b_debug_listen: Option<SocketAddr>,
     /// A listener serving `GET /metrics` without a credential (keep it private).
     pub metrics_listen: Option<SocketAddr>,
+    /// Webhooks may point at loopback, private and link-local addresses.
+    pub webhook_allow_private: bool,
     /// E2B domain for `E2B_DOMAIN` setups: returned to SDKs as the sandbox domain.
     pub e2b_domain: Option<String>,
     /// An HTTPS listener serving the same routes (for `E2B_DOMAIN` behind wildcard DNS).
@@ -576,6 +592,7 @@ pub async fn serve(opts: ServeOptions) -> anyhow::Result<()> {
         federation: federation.clone(),
         build_contexts: Some(root.join("build-contexts")),
         registries: opts.registries.clone(),
+        webhook_allow_private: opts.webhook_allow_private,
         ..core::Config::default()
     };
     let capacity = nodes.capacity();
@@ -636,6 +653,11 @@ pub async fn serve(opts: ServeOptions) -> anyhow::Result<()> {
                     Ok(_) => {}
                     Err(e) => tracing::warn!("audit: pruning failed: {e}"),
                 }
+                match pruner.prune_events().await {
+                    Ok(n) if n > 0 => tracing::info!("events: pruned {n} past their retention"),
+                    Ok(_) => {}
+                    Err(e) => tracing::warn!("events: pruning failed: {e}"),
+                }
                 tokio::time::sleep(std::time::Duration::from_secs(6 * 3600)).await;
             }
         });
@@ -647,6 +669,7 @@ pub async fn serve(opts: ServeOptions) -> anyhow::Result<()> {
     core.spawn_metrics_sampler();
     core.spawn_rehoming();
     core.spawn_build_sweeper();
+    core.spawn_webhooks();
     let state = AppState {
         core,
         e2b_domain: opts.e2b_domain.map(Into::into),

@@ -850,6 +850,166 @@ pub struct KeyList {
     pub keys: Vec<KeyView>,
 }
 
+/// What happened to a sandbox: an event's `type`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize, ToSchema)]
+pub enum EventKind {
+    /// It runs (its create finished).
+    #[serde(rename = "sandbox.created")]
+    Created,
+    /// Its timeout or metadata changed.
+    #[serde(rename = "sandbox.updated")]
+    Updated,
+    #[serde(rename = "sandbox.paused")]
+    Paused,
+    #[serde(rename = "sandbox.suspended")]
+    Suspended,
+    #[serde(rename = "sandbox.resumed")]
+    Resumed,
+    #[serde(rename = "sandbox.snapshotted")]
+    Snapshotted,
+    /// Children were made from it (`data.children`).
+    #[serde(rename = "sandbox.forked")]
+    Forked,
+    /// Deleted (by a caller, or after its timeout).
+    #[serde(rename = "sandbox.killed")]
+    Killed,
+    /// Its timeout passed: it is deleted, or suspended with `on_timeout: suspend`
+    /// (`data.action`); the `killed` or `suspended` event follows.
+    #[serde(rename = "sandbox.timed_out")]
+    TimedOut,
+    /// Its create failed, or its VM ended on its own (`data.error`).
+    #[serde(rename = "sandbox.failed")]
+    Failed,
+}
+
+impl EventKind {
+    pub const ALL: [EventKind; 10] = [
+        EventKind::Created,
+        EventKind::Updated,
+        EventKind::Paused,
+        EventKind::Suspended,
+        EventKind::Resumed,
+        EventKind::Snapshotted,
+        EventKind::Forked,
+        EventKind::Killed,
+        EventKind::TimedOut,
+        EventKind::Failed,
+    ];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            EventKind::Created => "sandbox.created",
+            EventKind::Updated => "sandbox.updated",
+            EventKind::Paused => "sandbox.paused",
+            EventKind::Suspended => "sandbox.suspended",
+            EventKind::Resumed => "sandbox.resumed",
+            EventKind::Snapshotted => "sandbox.snapshotted",
+            EventKind::Forked => "sandbox.forked",
+            EventKind::Killed => "sandbox.killed",
+            EventKind::TimedOut => "sandbox.timed_out",
+            EventKind::Failed => "sandbox.failed",
+        }
+    }
+
+    pub fn parse(s: &str) -> Option<Self> {
+        Self::ALL.into_iter().find(|k| k.as_str() == s)
+    }
+}
+
+/// A sandbox's lifecycle event.
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
+pub struct Event {
+    pub id: String,
+    /// Increasing in the order events were recorded: the events API's cursor, an SSE stream's
+    /// event id.
+    pub seq: i64,
+    #[serde(rename = "type")]
+    pub kind: String,
+    pub sandbox_id: String,
+    pub at: String,
+    /// What else it says: the sandbox's template, how it started, an error, ...
+    #[schema(value_type = Object)]
+    pub data: serde_json::Value,
+}
+
+/// A page of events, newest first; `next_before` asks for the page after it.
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
+pub struct EventList {
+    pub events: Vec<Event>,
+    pub next_before: Option<i64>,
+}
+
+/// `POST /v1/webhooks`.
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct CreateWebhookRequest {
+    /// Where events are POSTed (http or https; not to loopback, private, link-local or
+    /// metadata addresses unless the operator allows it).
+    pub url: String,
+    /// The event types it gets (`sandbox.created`, ...); empty or left out: every type.
+    #[serde(default)]
+    pub events: Vec<String>,
+    #[serde(default)]
+    pub name: String,
+}
+
+/// `PATCH /v1/webhooks/{id}`: what is given changes.
+#[derive(Debug, Clone, Default, Serialize, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct UpdateWebhookRequest {
+    pub url: Option<String>,
+    pub events: Option<Vec<String>>,
+    pub name: Option<String>,
+    pub enabled: Option<bool>,
+}
+
+/// A webhook as listed: never its secret.
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
+pub struct WebhookView {
+    pub id: String,
+    pub name: String,
+    pub url: String,
+    pub events: Vec<String>,
+    pub enabled: bool,
+    pub created_at: String,
+    /// The last delivery attempt: when, the receiver's status (none: no answer), the error.
+    pub last_attempt_at: Option<String>,
+    pub last_status: Option<u16>,
+    pub last_error: Option<String>,
+    /// Failed tries of the event it delivers next.
+    pub attempts: u32,
+}
+
+/// A new webhook: `secret` is shown this once. Each delivery carries `Airlock-Signature:
+/// t=<unix seconds>,v1=<hex HMAC-SHA256 of "<t>.<body>" under the secret>`.
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
+pub struct NewWebhook {
+    pub secret: String,
+    #[serde(flatten)]
+    pub info: WebhookView,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
+pub struct WebhookList {
+    pub webhooks: Vec<WebhookView>,
+}
+
+/// One delivery attempt.
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
+pub struct DeliveryView {
+    pub event_id: String,
+    pub attempt: u32,
+    pub at: String,
+    pub status: Option<u16>,
+    pub error: Option<String>,
+    pub duration_ms: u64,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
+pub struct DeliveryList {
+    pub deliveries: Vec<DeliveryView>,
+}
+
 /// `POST /v1/admin/scrape-tokens`.
 #[derive(Debug, Clone, Default, Serialize, Deserialize, ToSchema)]
 #[serde(deny_unknown_fields)]

@@ -229,6 +229,57 @@ pub struct KeyRecord {
     pub revoked_at_ms: Option<i64>,
 }
 
+/// A lifecycle event of a sandbox (`sandbox.created`, `sandbox.paused`, ...).
+#[derive(Debug, Clone, PartialEq)]
+pub struct EventRecord {
+    /// Increasing in the order events were recorded; 0 before it is.
+    pub seq: i64,
+    /// `ev_<hex>`.
+    pub id: String,
+    pub tenant_id: String,
+    pub sandbox_id: String,
+    /// `sandbox.<what>`: [`crate::model::EventKind`]'s names.
+    pub kind: String,
+    pub at_ms: i64,
+    /// What else the event says (its template, how it started, an error...).
+    pub data: serde_json::Value,
+}
+
+/// A tenant's webhook and how far its deliveries got.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct WebhookRecord {
+    /// `wh_<hex>`.
+    pub id: String,
+    pub tenant_id: String,
+    pub name: String,
+    pub url: String,
+    /// The event kinds it gets (empty: every kind).
+    pub kinds: Vec<String>,
+    pub enabled: bool,
+    pub created_at_ms: i64,
+    /// The last event handled (delivered, or given up on).
+    pub cursor_seq: i64,
+    /// Tries of the next event so far, and when it is tried again.
+    pub attempts: u32,
+    pub next_at_ms: i64,
+    pub last_status: Option<u16>,
+    pub last_error: Option<String>,
+    pub last_attempt_at_ms: Option<i64>,
+}
+
+/// One attempt to deliver an event to a webhook.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct DeliveryRecord {
+    pub webhook_id: String,
+    pub event_id: String,
+    pub attempt: u32,
+    pub at_ms: i64,
+    /// The receiver's HTTP status, if it answered.
+    pub status: Option<u16>,
+    pub error: Option<String>,
+    pub duration_ms: u64,
+}
+
 /// A scrape token as it is listed: never the token itself.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ScrapeTokenRecord {

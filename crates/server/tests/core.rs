@@ -18,6 +18,9 @@ mod console;
 mod doors;
 #[path = "core/egress.rs"]
 mod egress;
+// Lifecycle events and webhooks (issue 28).
+#[path = "core/events.rs"]
+mod events;
 #[path = "core/kube.rs"]
 mod kube;
 // `GET /metrics` (issue 28).

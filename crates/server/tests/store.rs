@@ -878,6 +878,8 @@ async fn a_bad_or_unreachable_postgres_url_says_what_to_fix() {
 
 #[path = "store/builds.rs"]
 mod builds;
+#[path = "store/events.rs"]
+mod events;
 #[path = "store/metrics.rs"]
 mod metrics;
 #[path = "store/records.rs"]

@@ -292,6 +292,7 @@ impl Core {
             }
             self.purge_builds(&t).await?;
             self.purge_volumes(&t).await?;
+            self.store.delete_tenant_webhooks(&t.id).await?;
             self.store.delete_tenant(&t.id).await?;
             Ok(deleted)
         }

@@ -22,6 +22,7 @@ pub mod accounts;
 pub mod audit;
 pub mod builds;
 pub mod egress;
+pub mod events;
 pub mod federation;
 pub mod files;
 pub mod metrics;
@@ -36,6 +37,7 @@ pub mod templates;
 pub mod tenants;
 pub mod uploads;
 pub mod volumes;
+pub mod webhooks;
 
 pub use crate::error::{Conflict, CoreError, CoreResult, InternalError, Kind, Unreachable};
 pub use crate::nodes::watches::Taken as WatchTaken;
@@ -96,6 +98,9 @@ pub struct Config {
     pub build_contexts: Option<std::path::PathBuf>,
     /// Where builds from OCI images pull them (mirrors, the registries allowed).
     pub registries: airlock_runtime::template::Registries,
+    /// Webhooks may point at the platform's denied ranges (loopback, private, link-local,
+    /// metadata): off unless the operator says so (`serve --webhook-allow-private`).
+    pub webhook_allow_private: bool,
 }
 
 impl Default for Config {
@@ -122,6 +127,7 @@ impl Default for Config {
             uploads: Default::default(),
             build_contexts: None,
             registries: Default::default(),
+            webhook_allow_private: false,
         }
     }
 }

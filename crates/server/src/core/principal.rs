@@ -308,7 +308,7 @@ impl Core {
         format!("vt_{}", self.derive_token(b"volume-token:", volume_id))
     }
 
-    fn derive_token(&self, label: &[u8], sandbox_id: &str) -> String {
+    pub(super) fn derive_token(&self, label: &[u8], sandbox_id: &str) -> String {
         use hmac::Mac;
         let mut mac = hmac::Hmac::<sha2::Sha256>::new_from_slice(&self.secret).expect("any key length");
         mac.update(label);

@@ -562,6 +562,13 @@ impl Core {
         } else {
             self.engine.set_expiry(row, now_ms() + ms).await?;
         }
+        self.engine
+            .record_event(
+                &row.id,
+                crate::model::EventKind::Updated,
+                serde_json::json!({ "timeout_ms": ms }),
+            )
+            .await;
         Ok(())
     }
 

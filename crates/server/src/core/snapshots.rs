@@ -280,6 +280,14 @@ impl Core {
             };
             children.push(self.create_sandbox(principal, req).await);
         }
+        let made: Vec<&str> = children.iter().flatten().map(|c| c.sandbox_id.as_str()).collect();
+        self.engine
+            .record_event(
+                sandbox_id,
+                crate::model::EventKind::Forked,
+                serde_json::json!({ "children": made }),
+            )
+            .await;
         // The image goes once every child is past its restore.
         let core = self.clone();
         let ops: Vec<_> = children.iter().flatten().map(|c| c.operation.clone()).collect();

@@ -13,6 +13,7 @@ use crate::store::{CreateRecorded, NodeBudget, Store};
 use std::sync::Arc;
 use std::time::Duration;
 
+mod events;
 mod reaper;
 pub use reaper::NODE_GRACE;
 mod recover;
@@ -132,6 +133,8 @@ pub struct Engine {
     epochs: Arc<std::sync::Mutex<std::collections::HashMap<String, i64>>>,
     /// What this process counts (operations, creates, its recovery) for `GET /metrics`.
     telemetry: Arc<crate::telemetry::Telemetry>,
+    /// The `seq` of the newest lifecycle event this process recorded (`events.rs`).
+    events: Arc<tokio::sync::watch::Sender<i64>>,
 }
 
 /// Operation id -> how many tasks of this process carry it out now (a recovery hands a
@@ -205,6 +208,7 @@ impl Engine {
             disowned: Default::default(),
             epochs: Default::default(),
             telemetry: Default::default(),
+            events: Arc::new(tokio::sync::watch::channel(0).0),
         }
     }
 
@@ -538,6 +542,8 @@ impl Engine {
                 if let Some(took) = crate::telemetry::since_rfc3339(&op.created_at) {
                     self.telemetry.operation_ended(op.kind.as_str(), error.is_none(), took);
                 }
+                // Before waiters wake: whoever saw the operation end finds its event.
+                self.record_end(op, error.as_ref()).await;
             }
             // This replica stalled past its lease and another took the operation over: its
             // end is the one recorded, not this late one.

@@ -49,6 +49,8 @@ impl Engine {
         let live = [SandboxState::Running, SandboxState::Paused];
         if self.transition(id, &live, SandboxState::Failed).await {
             tracing::warn!(sandbox = %id, "its VM exited on its own; marking it failed");
+            let data = serde_json::json!({ "error": { "code": "vm_exited", "message": "its VM exited on its own" } });
+            self.record_event(id, crate::model::EventKind::Failed, data).await;
             let _ = self.store.set_paused_remaining(id, None).await;
         }
     }
@@ -229,6 +231,13 @@ impl Engine {
     pub(super) async fn timed_out(&self, row: SandboxRecord) {
         let suspend = row.lifecycle.on_timeout == crate::model::OnTimeout::Suspend
             && matches!(row.state, SandboxState::Running | SandboxState::Paused);
+        let action = if suspend { "suspend" } else { "delete" };
+        self.record_event(
+            &row.id,
+            crate::model::EventKind::TimedOut,
+            serde_json::json!({ "action": action }),
+        )
+        .await;
         if !suspend {
             tracing::info!(sandbox = %row.id, "timeout passed; deleting");
             let _ = self.submit(Action::Delete { sandbox: row }).await;

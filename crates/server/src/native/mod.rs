@@ -3,6 +3,7 @@
 
 pub mod admin;
 pub mod error;
+mod events;
 mod files;
 mod sandboxes;
 mod sessions;
@@ -10,6 +11,7 @@ mod snapshots;
 mod templates;
 mod volumes;
 
+pub use events::*;
 pub use files::*;
 pub use sandboxes::*;
 pub use sessions::*;

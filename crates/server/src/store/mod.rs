@@ -13,12 +13,14 @@
 
 mod admit;
 pub mod builds;
+pub mod events;
 mod postgres;
 pub mod scrape_tokens;
 mod sqlite;
 pub mod volumes;
 
 pub use builds::BuildStore;
+pub use events::{EventFilter, EventStore};
 pub use postgres::{redact_url, PgOpenError, PgStore};
 pub use scrape_tokens::ScrapeTokenStore;
 pub use sqlite::SqliteStore;
@@ -772,6 +774,7 @@ pub trait Store:
     + BuildStore
     + VolumeStore
     + ScrapeTokenStore
+    + EventStore
 {
 }
 
@@ -784,7 +787,8 @@ impl<
             + AccountStore
             + BuildStore
             + VolumeStore
-            + ScrapeTokenStore,
+            + ScrapeTokenStore
+            + EventStore,
     > Store for T
 {
 }

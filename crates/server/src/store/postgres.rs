@@ -559,3 +559,4 @@ impl E2bStore for PgStore {
 super::builds::impl_build_store!(PgStore);
 super::volumes::impl_volume_store!(PgStore);
 super::scrape_tokens::impl_scrape_token_store!(PgStore);
+super::events::impl_event_store!(PgStore);

@@ -496,3 +496,4 @@ impl E2bStore for SqliteStore {
 super::builds::impl_build_store!(SqliteStore);
 super::volumes::impl_volume_store!(SqliteStore);
 super::scrape_tokens::impl_scrape_token_store!(SqliteStore);
+super::events::impl_event_store!(SqliteStore);
