@@ -4,6 +4,7 @@
 mod admin;
 mod client;
 mod daemons;
+mod events;
 mod templates;
 
 use airlock_runtime::datadir::DEFAULT_DATA_DIR;
@@ -67,6 +68,14 @@ enum Command {
     Volume {
         #[command(subcommand)]
         command: VolumeCommand,
+    },
+    /// The tenant's sandbox lifecycle events (created, paused, killed, ...), newest first, or
+    /// followed as they happen (`-f`).
+    Events(events::EventsArgs),
+    /// Register, list and remove webhooks: lifecycle events POSTed to a URL, signed.
+    Webhook {
+        #[command(subcommand)]
+        command: events::WebhookCommand,
     },
     /// Inspect operations.
     Ops {
@@ -562,6 +571,14 @@ async fn run(cli: Cli) -> anyhow::Result<u8> {
                     blocking(move || c.delete_sandbox(&id, true)).await?;
                 }
             }
+        }
+        Command::Events(args) => {
+            let c = client()?;
+            blocking(move || events::events(&c, args)).await?
+        }
+        Command::Webhook { command } => {
+            let c = client()?;
+            blocking(move || events::webhooks(&c, command)).await?
         }
         Command::Volume { command } => {
             let c = client()?;

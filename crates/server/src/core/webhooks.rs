@@ -54,6 +54,16 @@ pub fn sign(secret: &str, at: i64, body: &[u8]) -> String {
     format!("t={at},v1={}", hex::encode(mac.finalize().into_bytes()))
 }
 
+fn check_name(name: &str) -> CoreResult<()> {
+    if name.len() > 128 || name.chars().any(char::is_control) {
+        return Err(CoreError::invalid(
+            "name",
+            "at most 128 characters, no control characters",
+        ));
+    }
+    Ok(())
+}
+
 fn view(w: &WebhookRecord) -> WebhookView {
     WebhookView {
         id: w.id.clone(),
@@ -125,12 +135,7 @@ impl Core {
     pub async fn create_webhook(&self, principal: &Principal, req: CreateWebhookRequest) -> CoreResult<NewWebhook> {
         let tenant = acting_tenant(principal)?;
         let r = async {
-            if req.name.len() > 128 || req.name.chars().any(char::is_control) {
-                return Err(CoreError::invalid(
-                    "name",
-                    "at most 128 characters, no control characters",
-                ));
-            }
+            check_name(&req.name)?;
             let kinds = parse_kinds(&req.events)?;
             self.webhook_addrs(&req.url).await?;
             if self.store.webhooks(&tenant.id).await?.len() >= MAX_WEBHOOKS {
@@ -206,12 +211,7 @@ impl Core {
             w.kinds = parse_kinds(&events)?;
         }
         if let Some(name) = req.name {
-            if name.len() > 128 || name.chars().any(char::is_control) {
-                return Err(CoreError::invalid(
-                    "name",
-                    "at most 128 characters, no control characters",
-                ));
-            }
+            check_name(&name)?;
             w.name = name;
         }
         if let Some(enabled) = req.enabled {

@@ -1,11 +1,17 @@
-//! What `GET /metrics` costs the sandboxes' users, against a running server: create TTI (to the
-//! first stdout byte of `echo`) and the exec round trip (`true`, one call to its exit) while a
-//! scraper reads `/metrics` every `--every-ms` (a Prometheus at 1 s), next to the same with no
-//! scraper, alternated run by run so both see the same machine. Also each scrape's time and size.
+//! What the operator's view costs the sandboxes' users, against a running server: create TTI (to
+//! the first stdout byte of `echo`) and the exec round trip (`true`, one call to its exit)
+//!
+//! - while a scraper reads `/metrics` every `--every-ms` (a Prometheus at 1 s),
+//! - while a webhook of every event points at a receiver that takes `--receiver-sleep-ms` (5 s)
+//!   to answer (deliveries are off the lifecycle path: creates must not wait for them),
+//!
+//! next to the same with neither, alternated run by run so all see the same machine. Also each
+//! scrape's time and size, and the deliveries the slow receiver got.
 //!
 //! ```text
+//! airlock serve --webhook-allow-private ...   # the receiver is on loopback
 //! AIRLOCK_API_KEY=... AIRLOCK_SCRAPE_TOKEN=$(airlock scrape-token create) \
-//!   cargo run --release -p airlock-bench --bin scrape-bench -- --url http://127.0.0.1:8080
+//!   cargo run --release -p airlock-bench --bin observe-bench -- --url http://127.0.0.1:8080
 //! ```
 
 // Its create, exec and statistics; the rest is the other benches'.
@@ -33,10 +39,13 @@ struct Args {
     #[arg(long, default_value_t = 5)]
     runs: usize,
     /// Exec round trips per run and phase.
-    #[arg(long, default_value_t = 20)]
+    #[arg(long, default_value_t = 100)]
     execs: usize,
     #[arg(long, default_value_t = 1000)]
     every_ms: u64,
+    /// How long the webhook receiver takes to answer each delivery.
+    #[arg(long, default_value_t = 5000)]
+    receiver_sleep_ms: u64,
     #[arg(long, default_value = "seed")]
     template: String,
     #[arg(long, default_value = "bench/results")]
@@ -82,6 +91,41 @@ impl Drop for Scraper {
     }
 }
 
+/// A webhook receiver on loopback that reads each delivery and answers 204 after `sleep`; the
+/// deliveries it got.
+fn slow_receiver(sleep: Duration) -> (String, Arc<std::sync::atomic::AtomicUsize>) {
+    use std::io::{BufRead, BufReader, Read, Write};
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let url = format!("http://{}/hook", listener.local_addr().unwrap());
+    let got = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let count = got.clone();
+    std::thread::spawn(move || {
+        for conn in listener.incoming().flatten() {
+            let count = count.clone();
+            std::thread::spawn(move || {
+                let mut reader = BufReader::new(conn.try_clone().unwrap());
+                let mut length = 0;
+                loop {
+                    let mut line = String::new();
+                    if reader.read_line(&mut line).unwrap_or(0) == 0 || line == "\r\n" {
+                        break;
+                    }
+                    if let Some(v) = line.to_ascii_lowercase().strip_prefix("content-length:") {
+                        length = v.trim().parse().unwrap_or(0);
+                    }
+                }
+                let mut body = vec![0; length];
+                let _ = reader.read_exact(&mut body);
+                std::thread::sleep(sleep);
+                count.fetch_add(1, Ordering::Relaxed);
+                let mut conn = conn;
+                let _ = conn.write_all(b"HTTP/1.1 204 No Content\r\nConnection: close\r\n\r\n");
+            });
+        }
+    });
+    (url, got)
+}
+
 #[derive(Default)]
 struct Phase {
     tti: Vec<f64>,
@@ -115,12 +159,29 @@ fn main() {
         .set("Authorization", &format!("Bearer {}", args.scrape_token))
         .call()
         .expect("GET /metrics with --scrape-token");
+    // Warm: the template's base snapshot exists and the first create's one-offs are paid.
+    let (_, warm) = api.tti(&args.template).expect("a first create");
+    api.delete(&warm);
     let execer = api.create(&args.template).expect("the exec sandbox");
     let scrapes = Arc::new(Mutex::new(Vec::new()));
-    let (mut quiet, mut scraped) = (Phase::default(), Phase::default());
+    let (receiver, delivered) = slow_receiver(Duration::from_millis(args.receiver_sleep_ms));
+    let hook = api
+        .call(
+            "POST",
+            "/webhooks",
+            Some(json!({"url": receiver, "name": "observe-bench"})),
+        )
+        .expect("a webhook to the slow receiver (serve --webhook-allow-private)");
+    let hook = hook["id"].as_str().unwrap().to_string();
+    let set_hook = |on: bool| {
+        api.call("PATCH", &format!("/webhooks/{hook}"), Some(json!({ "enabled": on })))
+            .expect("webhook on/off");
+    };
+    set_hook(false);
+    let (mut quiet, mut scraped, mut hooked) = (Phase::default(), Phase::default(), Phase::default());
     for run in 0..args.runs {
-        for scraping in [false, true] {
-            let _scraper = scraping.then(|| {
+        for which in ["quiet", "scraped", "webhook"] {
+            let _scraper = (which == "scraped").then(|| {
                 Scraper::start(
                     &api.url,
                     &args.scrape_token,
@@ -128,7 +189,14 @@ fn main() {
                     scrapes.clone(),
                 )
             });
-            let phase = if scraping { &mut scraped } else { &mut quiet };
+            if which == "webhook" {
+                set_hook(true);
+            }
+            let phase = match which {
+                "quiet" => &mut quiet,
+                "scraped" => &mut scraped,
+                _ => &mut hooked,
+            };
             run_phase(&api, &args, phase);
             for _ in 0..args.execs {
                 let t = Instant::now();
@@ -140,13 +208,18 @@ fn main() {
                     }
                 }
             }
+            if which == "webhook" {
+                set_hook(false);
+            }
         }
         eprintln!(
-            "run {run}: create TTI {:.0} ms scraped, {:.0} ms not",
+            "run {run}: create TTI {:.0} ms quiet, {:.0} ms scraped, {:.0} ms with a slow webhook",
+            quiet.tti.last().copied().unwrap_or(f64::NAN),
             scraped.tti.last().copied().unwrap_or(f64::NAN),
-            quiet.tti.last().copied().unwrap_or(f64::NAN)
+            hooked.tti.last().copied().unwrap_or(f64::NAN),
         );
     }
+    let _ = api.call("DELETE", &format!("/webhooks/{hook}"), None);
     api.delete(&execer);
     let scrapes = scrapes.lock().unwrap().clone();
     let scrape_ms: Vec<f64> = scrapes.iter().map(|s| s.0).collect();
@@ -158,40 +231,53 @@ fn main() {
         "execs_per_run": args.execs,
         "scrape_every_ms": args.every_ms,
         "template": args.template,
+        "receiver_sleep_ms": args.receiver_sleep_ms,
+        "create_tti_quiet": stats(&quiet.tti, quiet.failures),
         "create_tti_scraped": stats(&scraped.tti, scraped.failures),
-        "create_tti_not_scraped": stats(&quiet.tti, quiet.failures),
+        "create_tti_webhook": stats(&hooked.tti, hooked.failures),
+        "exec_quiet": stats(&quiet.exec, 0),
         "exec_scraped": stats(&scraped.exec, 0),
-        "exec_not_scraped": stats(&quiet.exec, 0),
+        "exec_webhook": stats(&hooked.exec, 0),
+        "deliveries_received": delivered.load(Ordering::Relaxed),
         "scrape": stats(&scrape_ms, 0),
         "scrape_bytes_max": bytes,
     });
     let p = |k: &str, q: &str| report[k][q].as_f64().unwrap_or(f64::NAN);
     let mut table = String::from(
-        "| measure | scraped p50 ms | not scraped p50 ms | ratio p50 | scraped p95 | not scraped p95 |\n| --- | --- | --- | --- | --- | --- |\n",
+        "| measure | quiet p50 ms | scraped p50 ms | ratio | slow webhook p50 ms | ratio | quiet p95 | scraped p95 | webhook p95 |\n| --- | --- | --- | --- | --- | --- | --- | --- | --- |\n",
     );
     for (label, key) in [("create TTI", "create_tti"), ("exec round trip", "exec")] {
-        let (s, n) = (format!("{key}_scraped"), format!("{key}_not_scraped"));
+        let (q, s, w) = (
+            format!("{key}_quiet"),
+            format!("{key}_scraped"),
+            format!("{key}_webhook"),
+        );
         table.push_str(&format!(
-            "| {label} | {:.1} | {:.1} | {:.2} | {:.1} | {:.1} |\n",
+            "| {label} | {:.1} | {:.1} | {:.2} | {:.1} | {:.2} | {:.1} | {:.1} | {:.1} |\n",
+            p(&q, "p50_ms"),
             p(&s, "p50_ms"),
-            p(&n, "p50_ms"),
-            p(&s, "p50_ms") / p(&n, "p50_ms"),
+            p(&s, "p50_ms") / p(&q, "p50_ms"),
+            p(&w, "p50_ms"),
+            p(&w, "p50_ms") / p(&q, "p50_ms"),
+            p(&q, "p95_ms"),
             p(&s, "p95_ms"),
-            p(&n, "p95_ms"),
+            p(&w, "p95_ms"),
         ));
     }
     table.push_str(&format!(
-        "\nA scrape every {} ms: {} scrapes, p50 {:.1} ms, p95 {:.1} ms, at most {bytes} bytes.\n\nMachine: {}\n",
+        "\nA scrape every {} ms: {} scrapes, p50 {:.1} ms, p95 {:.1} ms, at most {bytes} bytes. The webhook's receiver took {} ms per delivery and got {} during the run.\n\nMachine: {}\n",
         args.every_ms,
         scrape_ms.len(),
         p("scrape", "p50_ms"),
         p("scrape", "p95_ms"),
+        args.receiver_sleep_ms,
+        report["deliveries_received"],
         report["machine"]
     ));
     print!("{table}");
     std::fs::create_dir_all(&args.out).unwrap();
     let date = report["when"].as_str().unwrap().replace([':', '-'], "");
-    let path = args.out.join(format!("scrape-{}.json", &date[..15]));
+    let path = args.out.join(format!("observe-{}.json", &date[..15]));
     std::fs::write(&path, serde_json::to_vec_pretty(&report).unwrap()).unwrap();
     std::fs::write(path.with_extension("md"), format!("# {}\n\n{table}", path.display())).unwrap();
     eprintln!("wrote {}", path.display());
