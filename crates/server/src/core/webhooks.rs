@@ -279,11 +279,13 @@ impl Core {
     }
 
     async fn webhook_round(&self, in_flight: &Arc<InFlight>) -> CoreResult<()> {
-        if !self.store.lead(DUTY).await? {
+        // A read first: with no webhook, no replica writes the duty's lease twice a second.
+        let webhooks = self.store.enabled_webhooks().await?;
+        if webhooks.is_empty() || !self.store.lead(DUTY).await? {
             return Ok(());
         }
         let now = now_ms();
-        for w in self.store.enabled_webhooks().await? {
+        for w in webhooks {
             if w.next_at_ms > now
                 || !in_flight
                     .0
