@@ -8,6 +8,7 @@
 //! - `store`: the control-plane database (SQLite; versioned migrations)
 //! - `nodes`: the seam to the hosts that run VMs (`LocalNode` wraps the runtime)
 
+pub mod console;
 pub mod core;
 pub mod e2b;
 pub mod engine;
@@ -32,6 +33,8 @@ pub struct AppState {
     pub core: core::Core,
     /// The E2B domain (`api.<domain>`, `<port>-<id>.<domain>`) returned to SDKs, if configured.
     pub e2b_domain: Option<Arc<str>>,
+    /// The web console's sign-in lifetimes.
+    pub console: console::ConsoleSettings,
 }
 use std::net::SocketAddr;
 use std::path::PathBuf;
@@ -320,6 +323,7 @@ pub fn router(state: AppState) -> Router {
         ))
         .with_state(e2b_state);
     let doc = openapi_json();
+    let console = console::router(core.clone(), state.console);
     Router::new()
         .nest("/v1/admin", admin)
         .nest("/v1", v1)
@@ -327,6 +331,7 @@ pub fn router(state: AppState) -> Router {
         .merge(e2b_uploads)
         .merge(e2b_volumes)
         .merge(envd)
+        .merge(console)
         .route("/readyz", get(native::readyz).with_state(core.clone()))
         .route("/metrics", get(native::admin::metrics).with_state(core.clone()))
         .route(
@@ -673,6 +678,7 @@ pub async fn serve(opts: ServeOptions) -> anyhow::Result<()> {
     let state = AppState {
         core,
         e2b_domain: opts.e2b_domain.map(Into::into),
+        console: console::ConsoleSettings::default(),
     };
     let listener = tokio::net::TcpListener::bind(opts.listen)
         .await

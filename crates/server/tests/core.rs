@@ -18,6 +18,9 @@ mod console;
 mod doors;
 #[path = "core/egress.rs"]
 mod egress;
+// The web console's pages and refusals, over the fake VMM (issue 28).
+#[path = "core/web_console.rs"]
+mod web_console;
 // Lifecycle events and webhooks (issue 28).
 #[path = "core/events.rs"]
 mod events;

@@ -60,7 +60,7 @@ pub struct Created {
 }
 
 /// A page of sandboxes.
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, Default)]
 pub struct ListSandboxes {
     /// Only these states; empty means the live ones (creating, running, paused, deleting).
     pub states: Vec<SandboxState>,

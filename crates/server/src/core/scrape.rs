@@ -73,17 +73,10 @@ impl Core {
             ..Default::default()
         };
         let live = self.store.live_sandboxes().await?;
-        let mut used: std::collections::HashMap<String, Amounts> = Default::default();
         for row in &live {
             *o.sandboxes
                 .entry((row.state.as_str(), row.template.clone(), row.tenant_id.clone()))
                 .or_default() += 1;
-            let u = used.entry(row.node.clone()).or_default();
-            if row.state != crate::model::SandboxState::Suspended {
-                u.vcpu += u64::from(row.resources.vcpu);
-                u.memory_mib += u64::from(row.resources.memory_mib);
-            }
-            u.disk_mib += u64::from(row.resources.disk_mib);
         }
         let tenant_of: std::collections::HashMap<&str, &str> =
             live.iter().map(|r| (r.id.as_str(), r.tenant_id.as_str())).collect();
@@ -117,16 +110,36 @@ impl Core {
                 .collect()
                 .await;
         }
+        o.nodes = self.node_usage(&live);
+        Ok(o)
+    }
+
+    /// Each node's budgets and what the live sandboxes hold of them (the console's system page).
+    pub async fn node_budgets(&self, _admin: &Admin) -> CoreResult<Vec<NodeObserved>> {
+        Ok(self.node_usage(&self.store.live_sandboxes().await?))
+    }
+
+    /// Each node's budgets (vcpu, memory, disk) and what `live` holds of them: suspended
+    /// sandboxes hold only disk.
+    fn node_usage(&self, live: &[crate::records::SandboxRecord]) -> Vec<NodeObserved> {
+        let mut used: std::collections::HashMap<&str, Amounts> = Default::default();
+        for row in live {
+            let u = used.entry(row.node.as_str()).or_default();
+            if row.state != crate::model::SandboxState::Suspended {
+                u.vcpu += u64::from(row.resources.vcpu);
+                u.memory_mib += u64::from(row.resources.memory_mib);
+            }
+            u.disk_mib += u64::from(row.resources.disk_mib);
+        }
         let members = self.nodes.members();
-        o.nodes = self
-            .nodes_info()
+        self.nodes_info()
             .into_iter()
             .filter_map(|info| {
                 let member = members.iter().find(|m| m.name == info.name)?;
                 let budget = self.config.budget(&member.capacity);
                 Some(NodeObserved {
                     ready: info.state == NodeState::Ready,
-                    used: used.get(&info.name).copied().unwrap_or_default(),
+                    used: used.get(info.name.as_str()).copied().unwrap_or_default(),
                     budget: Amounts {
                         vcpu: budget.vcpu,
                         memory_mib: budget.memory_mib,
@@ -139,8 +152,7 @@ impl Core {
                     },
                 })
             })
-            .collect();
-        Ok(o)
+            .collect()
     }
 
     /// Mint a scrape token named `name`; the token is shown this once.

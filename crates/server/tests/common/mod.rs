@@ -56,6 +56,7 @@ pub async fn serve_core(
     let app = airlock_server::router(AppState {
         core: core.clone(),
         e2b_domain: None,
+        console: Default::default(),
     });
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();
@@ -322,14 +323,26 @@ impl Server {
     // --- HTTP
 
     pub async fn send(&self, method: Method, path: &str, headers: &[(&str, &str)], body: Body) -> Resp {
+        self.send_to(self.addr, method, path, headers, body).await
+    }
+
+    /// A request to `addr` (another listener of this server's core).
+    pub async fn send_to(
+        &self,
+        addr: SocketAddr,
+        method: Method,
+        path: &str,
+        headers: &[(&str, &str)],
+        body: Body,
+    ) -> Resp {
         let mut req = Request::builder().method(method).uri(path);
         if !headers.iter().any(|(k, _)| k.eq_ignore_ascii_case("host")) {
-            req = req.header("host", self.addr.to_string());
+            req = req.header("host", addr.to_string());
         }
         for (k, v) in headers {
             req = req.header(*k, *v);
         }
-        let stream = tokio::net::TcpStream::connect(self.addr).await.unwrap();
+        let stream = tokio::net::TcpStream::connect(addr).await.unwrap();
         let (mut sender, conn) = hyper::client::conn::http1::handshake(hyper_util::rt::TokioIo::new(stream))
             .await
             .unwrap();
@@ -350,6 +363,35 @@ impl Server {
     }
 
     /// A `/v1` call with the admin key.
+    /// root@local's password set to `password`, and an admin token signed in with it.
+    pub async fn admin_token(&self, password: &str) -> String {
+        self.core().ensure_console_account(Some(password)).await.unwrap();
+        let (status, body) = self
+            .json(
+                Method::POST,
+                "/v1/admin/login",
+                &[("content-type", "application/json")],
+                Body::from(serde_json::json!({"username": "root@local", "password": password}).to_string()),
+            )
+            .await;
+        assert_eq!(status, 200, "{body}");
+        body["token"].as_str().unwrap().to_string()
+    }
+
+    /// An admin route (`/v1/admin` + `path`) with an admin token.
+    pub async fn admin_json(&self, token: &str, method: Method, path: &str, body: Option<Value>) -> (u16, Value) {
+        let auth = format!("Bearer {token}");
+        let mut headers = vec![("authorization", auth.as_str())];
+        let body = match body {
+            Some(b) => {
+                headers.push(("content-type", "application/json"));
+                Body::from(b.to_string())
+            }
+            None => Body::empty(),
+        };
+        self.json(method, &format!("/v1/admin{path}"), &headers, body).await
+    }
+
     pub async fn v1(&self, method: Method, path: &str, body: Option<Value>) -> (u16, Value) {
         self.v1_as(&self.key, method, path, body).await
     }

@@ -7,17 +7,7 @@ use super::*;
 const PASSWORD: &str = "metrics-console-password";
 
 async fn admin_token(server: &Server) -> String {
-    server.core().ensure_console_account(Some(PASSWORD)).await.unwrap();
-    let (status, body) = server
-        .json(
-            Method::POST,
-            "/v1/admin/login",
-            &[("content-type", "application/json")],
-            Body::from(json!({"username": "root@local", "password": PASSWORD}).to_string()),
-        )
-        .await;
-    assert_eq!(status, 200, "{body}");
-    body["token"].as_str().unwrap().to_string()
+    server.admin_token(PASSWORD).await
 }
 
 async fn scrape(server: &Server, bearer: Option<&str>) -> (u16, String, String) {

@@ -1,0 +1,58 @@
+// The console's own script: the terminal (xterm.js over the sandbox's WebSocket), a region that
+// refreshes itself while an operation runs, and confirmations. Pages work without it otherwise.
+(function () {
+  "use strict";
+
+  // A sandbox's terminal: bytes both ways as binary messages, a resize as a text message.
+  var el = document.getElementById("terminal");
+  if (el && window.Terminal) {
+    var term = new window.Terminal({ convertEol: false, cursorBlink: true, fontSize: 14 });
+    var fit = window.FitAddon ? new window.FitAddon.FitAddon() : null;
+    if (fit) term.loadAddon(fit);
+    term.open(el);
+    if (fit) fit.fit();
+    var scheme = location.protocol === "https:" ? "wss://" : "ws://";
+    var ws = new WebSocket(scheme + location.host + el.dataset.ws);
+    ws.binaryType = "arraybuffer";
+    var enc = new TextEncoder();
+    var sendSize = function () {
+      if (ws.readyState === 1) ws.send(JSON.stringify({ cols: term.cols, rows: term.rows }));
+    };
+    ws.onopen = function () { el.dataset.state = "open"; sendSize(); term.focus(); };
+    ws.onmessage = function (m) {
+      if (typeof m.data === "string") term.write(m.data);
+      else term.write(new Uint8Array(m.data));
+    };
+    ws.onclose = function () { el.dataset.state = "closed"; term.write("\r\n[disconnected]\r\n"); };
+    term.onData(function (d) { if (ws.readyState === 1) ws.send(enc.encode(d)); });
+    term.onResize(sendSize);
+    window.addEventListener("resize", function () { if (fit) fit.fit(); });
+    window.airlockTerminal = term;
+  }
+
+  // While something settles (an operation, a sandbox starting), its region is fetched again.
+  function refresh() {
+    var region = document.querySelector("[data-refresh]");
+    if (!region) return;
+    var every = parseInt(region.dataset.refresh, 10) * 1000 || 2000;
+    setTimeout(function () {
+      fetch(location.href, { credentials: "same-origin" })
+        .then(function (r) { return r.text(); })
+        .then(function (html) {
+          var doc = new DOMParser().parseFromString(html, "text/html");
+          var fresh = doc.getElementById(region.id);
+          // Settled: the whole page again (a running sandbox's terminal and files appear).
+          if (!fresh || !fresh.hasAttribute("data-refresh")) { location.reload(); return; }
+          region.replaceWith(fresh);
+          refresh();
+        })
+        .catch(function () { refresh(); });
+    }, every);
+  }
+  refresh();
+
+  document.addEventListener("submit", function (e) {
+    var b = e.submitter;
+    if (b && b.dataset.confirm && !window.confirm(b.dataset.confirm)) e.preventDefault();
+  });
+})();

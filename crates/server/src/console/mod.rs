@@ -1,0 +1,321 @@
+//! `/console`: the web console, a door like `/v1` and E2B's. Pages are rendered on the server
+//! (maud: every value escaped) from the same core services the API uses; the only script
+//! library is xterm.js for the terminal, embedded in the binary with the console's own small
+//! script (`assets.rs`), so nothing is fetched at run time. A browser signs in as `root@local`
+//! (the admin's pages, `admin.rs`) or with a tenant's API key (that tenant's sandboxes,
+//! `sandboxes.rs`, and their terminal, `terminal.rs`); `logins.rs` keeps the sign-ins.
+//!
+//! Every form carries the session's CSRF token; the cookie is HttpOnly and SameSite=Strict, and
+//! the terminal's WebSocket must come from the console's own origin.
+
+mod admin;
+mod assets;
+mod logins;
+mod page;
+mod sandboxes;
+mod terminal;
+
+pub use logins::ConsoleSettings;
+
+use crate::core::accounts::Admin;
+use crate::core::{Core, Principal};
+use crate::error::CoreError;
+use crate::records::Tenant;
+use axum::extract::{ConnectInfo, Form, State};
+use axum::http::{header, HeaderMap, HeaderValue, StatusCode};
+use axum::response::{IntoResponse, Redirect, Response};
+use axum::routing::{get, post};
+use axum::{Extension, Router};
+use logins::{Credential, Logins, Session};
+use maud::html;
+use page::{Answer, Refused};
+use serde::Deserialize;
+use std::net::SocketAddr;
+use std::sync::Arc;
+
+/// The session cookie.
+const COOKIE: &str = "airlock_console";
+/// The sign-in form's own CSRF token, before there is a session (double submit).
+const LOGIN_COOKIE: &str = "airlock_console_login";
+
+#[derive(Clone)]
+pub struct ConsoleState {
+    core: Core,
+    logins: Arc<Logins>,
+}
+
+pub fn router(core: Core, settings: ConsoleSettings) -> Router {
+    let state = ConsoleState {
+        core,
+        logins: Arc::new(Logins::new(settings)),
+    };
+    Router::new()
+        .route("/console", get(home))
+        .route("/console/", get(home))
+        .route("/console/login", get(login_page).post(login))
+        .route("/console/logout", post(logout))
+        .route("/console/assets/{file}", get(assets::asset))
+        .route("/console/sandboxes", get(sandboxes::list).post(sandboxes::create))
+        .route("/console/sandboxes/{id}", get(sandboxes::show))
+        .route("/console/sandboxes/{id}/action", post(sandboxes::act))
+        .route("/console/sandboxes/{id}/terminal", get(terminal::open))
+        .route(
+            "/console/sandboxes/{id}/files",
+            crate::upload_limits(post(sandboxes::upload)),
+        )
+        .route("/console/sandboxes/{id}/download", get(sandboxes::download))
+        .route("/console/admin", get(admin::tenants).post(admin::create_tenant))
+        .route("/console/admin/tenants/{name}", get(admin::tenant))
+        .route("/console/admin/tenants/{name}/keys", post(admin::create_key))
+        .route("/console/admin/tenants/{name}/revoke", post(admin::revoke_key))
+        .route("/console/admin/audit", get(admin::audit))
+        .route("/console/admin/system", get(admin::system))
+        .route("/console/admin/pools", post(admin::set_pool))
+        .with_state(state)
+}
+
+/// Who a signed-in console request acts as.
+#[derive(Clone)]
+pub enum Viewer {
+    Admin(Admin),
+    Tenant { principal: Box<Principal>, tenant: Tenant },
+}
+
+/// A signed-in request: its session and who it acts as.
+#[derive(Clone)]
+pub struct Signed {
+    pub session: Session,
+    pub viewer: Viewer,
+}
+
+impl Signed {
+    /// The tenant's pages: the admin is sent to its own.
+    fn tenant(&self) -> Result<(&Principal, &Tenant), Refused> {
+        match &self.viewer {
+            Viewer::Tenant { principal, tenant } => Ok((principal, tenant)),
+            Viewer::Admin(_) => Err(Refused::Elsewhere("/console/admin")),
+        }
+    }
+
+    fn admin(&self) -> Result<&Admin, Refused> {
+        match &self.viewer {
+            Viewer::Admin(a) => Ok(a),
+            Viewer::Tenant { .. } => Err(Refused::Forbidden(
+                "these pages are the platform account's (root@local); sign in as it",
+            )),
+        }
+    }
+
+    /// A form's `csrf` field against the session's: a post without it changes nothing.
+    fn check_csrf(&self, given: Option<&str>) -> Result<(), Refused> {
+        match given {
+            Some(t) if logins::same_token(t, &self.session.csrf) => Ok(()),
+            _ => Err(Refused::Csrf),
+        }
+    }
+}
+
+fn cookie<'a>(headers: &'a HeaderMap, name: &str) -> Option<&'a str> {
+    headers
+        .get_all(header::COOKIE)
+        .iter()
+        .filter_map(|v| v.to_str().ok())
+        .flat_map(|v| v.split(';'))
+        .filter_map(|kv| kv.trim().split_once('='))
+        .find(|(k, _)| *k == name)
+        .map(|(_, v)| v)
+}
+
+/// The signed-in viewer of a request, asked of the core again with the session's credential.
+/// A page (`page`) without one goes to the sign-in page; anything else gets 401.
+async fn signed(state: &ConsoleState, headers: &HeaderMap, page: bool) -> Result<Signed, Refused> {
+    let Some(value) = cookie(headers, COOKIE) else {
+        return Err(Refused::SignIn { page, why: "signin" });
+    };
+    let Some(session) = state.logins.get(value) else {
+        return Err(Refused::SignIn { page, why: "ended" });
+    };
+    let viewer = match &session.credential {
+        Credential::Admin { token, .. } => state.core.admin(Some(token)).await.map(Viewer::Admin),
+        Credential::Key(key) => state.core.bearer_principal(Some(key)).await.map(|principal| {
+            let tenant = principal.tenant().cloned().expect("a key names a tenant");
+            Viewer::Tenant {
+                principal: Box::new(principal),
+                tenant,
+            }
+        }),
+    };
+    match viewer {
+        Ok(viewer) => Ok(Signed { session, viewer }),
+        Err(_) => {
+            state.logins.close(value);
+            Err(Refused::SignIn { page, why: "ended" })
+        }
+    }
+}
+
+async fn home(State(state): State<ConsoleState>, headers: HeaderMap) -> Answer {
+    Ok(match signed(&state, &headers, true).await?.viewer {
+        Viewer::Admin(_) => Redirect::to("/console/admin").into_response(),
+        Viewer::Tenant { .. } => Redirect::to("/console/sandboxes").into_response(),
+    })
+}
+
+#[derive(Deserialize)]
+struct LoginQuery {
+    why: Option<String>,
+}
+
+fn session_cookie(value: &str, max_age_s: i64) -> HeaderValue {
+    HeaderValue::from_str(&format!(
+        "{COOKIE}={value}; Path=/console; HttpOnly; SameSite=Strict; Max-Age={max_age_s}"
+    ))
+    .expect("a cookie of visible ASCII")
+}
+
+async fn login_page(
+    State(state): State<ConsoleState>,
+    headers: HeaderMap,
+    axum::extract::Query(q): axum::extract::Query<LoginQuery>,
+) -> Response {
+    if signed(&state, &headers, false).await.is_ok() {
+        return Redirect::to("/console").into_response();
+    }
+    let note = match q.why.as_deref() {
+        Some("ended") => Some("Your console session ended. Sign in again."),
+        Some("out") => Some("Signed out."),
+        _ => None,
+    };
+    login_form(StatusCode::OK, note, None)
+}
+
+/// The sign-in page with a fresh token for its forms (also in a cookie of its own: a post must
+/// carry both, so another site cannot sign a browser in as someone else).
+fn login_form(status: StatusCode, note: Option<&str>, error: Option<&str>) -> Response {
+    let token = airlock_runtime::datadir::random_hex(24);
+    let body = html! {
+        h1 { "Sign in" }
+        @if let Some(n) = note { p.note { (n) } }
+        @if let Some(e) = error { p.error #error { (e) } }
+        div.cols {
+            form.card method="post" action="/console/login" #signin-root {
+                h2 { "Platform account" }
+                input type="hidden" name="csrf" value=(token);
+                label { "Username " input name="username" value="root@local" autocomplete="username"; }
+                label { "Password " input type="password" name="password" autocomplete="current-password"; }
+                button type="submit" { "Sign in" }
+            }
+            form.card method="post" action="/console/login" #signin-key {
+                h2 { "Tenant" }
+                input type="hidden" name="csrf" value=(token);
+                label { "API key " input type="password" name="key" autocomplete="off"; }
+                button type="submit" { "Sign in with key" }
+            }
+        }
+    };
+    let mut r = (status, page::layout("Sign in", None, body)).into_response();
+    r.headers_mut().append(
+        header::SET_COOKIE,
+        HeaderValue::from_str(&format!(
+            "{LOGIN_COOKIE}={token}; Path=/console/login; HttpOnly; SameSite=Strict; Max-Age=3600"
+        ))
+        .expect("visible ASCII"),
+    );
+    r
+}
+
+#[derive(Deserialize)]
+struct LoginForm {
+    csrf: Option<String>,
+    username: Option<String>,
+    password: Option<String>,
+    key: Option<String>,
+}
+
+async fn login(
+    State(state): State<ConsoleState>,
+    peer: Option<Extension<ConnectInfo<SocketAddr>>>,
+    headers: HeaderMap,
+    Form(form): Form<LoginForm>,
+) -> Response {
+    let expected = cookie(&headers, LOGIN_COOKIE);
+    match (form.csrf.as_deref(), expected) {
+        (Some(a), Some(b)) if logins::same_token(a, b) => {}
+        _ => {
+            return login_form(
+                StatusCode::FORBIDDEN,
+                None,
+                Some("This sign-in form was not sent from the console's own page: try again."),
+            )
+        }
+    }
+    let credential = if let Some(key) = form.key.filter(|k| !k.trim().is_empty()) {
+        match state.core.bearer_principal(Some(key.trim())).await {
+            Ok(_) => Credential::Key(key.trim().to_string()),
+            Err(e) => return login_refused(e),
+        }
+    } else {
+        let client = peer.map(|Extension(ConnectInfo(addr))| addr.ip());
+        let username = form.username.unwrap_or_default();
+        match state
+            .core
+            .login(&username, &form.password.unwrap_or_default(), client)
+            .await
+        {
+            Ok(t) => Credential::Admin {
+                token: t.token,
+                // The token says so too (`expires_at`); the core refuses it after anyway.
+                expires_ms: crate::records::now_ms() + crate::core::accounts::ADMIN_TOKEN_TTL_MS,
+            },
+            Err(e) => return login_refused(e),
+        }
+    };
+    let (value, _) = state.logins.open(credential);
+    let mut r = Redirect::to("/console").into_response();
+    let max_age = state.logins.settings().lifetime.as_secs() as i64;
+    r.headers_mut()
+        .append(header::SET_COOKIE, session_cookie(&value, max_age));
+    r
+}
+
+fn login_refused(e: CoreError) -> Response {
+    let (status, _, message) = page::describe(&e);
+    let status = if status == StatusCode::TOO_MANY_REQUESTS {
+        status
+    } else {
+        StatusCode::UNAUTHORIZED
+    };
+    let message = if status == StatusCode::UNAUTHORIZED {
+        "Wrong username, password or key.".to_string()
+    } else {
+        message
+    };
+    login_form(status, None, Some(&message))
+}
+
+#[derive(Deserialize)]
+struct CsrfForm {
+    csrf: Option<String>,
+}
+
+async fn logout(State(state): State<ConsoleState>, headers: HeaderMap, Form(form): Form<CsrfForm>) -> Answer {
+    let signed = signed(&state, &headers, true).await?;
+    signed.check_csrf(form.csrf.as_deref())?;
+    if let Some(value) = cookie(&headers, COOKIE) {
+        state.logins.close(value);
+    }
+    let mut r = Redirect::to("/console/login?why=out").into_response();
+    r.headers_mut().append(header::SET_COOKIE, session_cookie("", 0));
+    Ok(r)
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn cookies_are_found_by_name() {
+        let mut h = axum::http::HeaderMap::new();
+        h.append("cookie", "a=1; airlock_console=cs_x; b=2".parse().unwrap());
+        assert_eq!(super::cookie(&h, super::COOKIE), Some("cs_x"));
+        assert_eq!(super::cookie(&h, "c"), None);
+    }
+}
