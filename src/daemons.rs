@@ -30,6 +30,13 @@ pub struct ServeArgs {
     /// (refused by default: a webhook is the server's own request).
     #[arg(long, env = "AIRLOCK_WEBHOOK_ALLOW_PRIVATE")]
     webhook_allow_private: bool,
+    /// A web console session ends after this long without a request (`30m`, `20s`).
+    #[arg(long, env = "AIRLOCK_CONSOLE_IDLE", default_value = "30m", value_parser = humantime::parse_duration)]
+    console_idle: std::time::Duration,
+    /// ... and this long after signing in, however busy (`12h`); root@local's also when its
+    /// hour-long admin token ends.
+    #[arg(long, env = "AIRLOCK_CONSOLE_LIFETIME", default_value = "12h", value_parser = humantime::parse_duration)]
+    console_lifetime: std::time::Duration,
     /// The E2B domain, for `E2B_DOMAIN=<domain>` setups: the API answers as `api.<domain>`,
     /// sandbox ports as `<port>-<sandbox id>.<domain>` (point wildcard DNS at this host).
     #[arg(long, env = "AIRLOCK_E2B_DOMAIN")]
@@ -392,6 +399,10 @@ impl ServeArgs {
             e2b_debug_listen: self.e2b_debug_listen,
             metrics_listen: self.metrics_listen,
             webhook_allow_private: self.webhook_allow_private,
+            console: airlock_server::console::ConsoleSettings {
+                idle: self.console_idle,
+                lifetime: self.console_lifetime,
+            },
             e2b_domain: self.e2b_domain,
             tls: match (self.tls_listen, self.tls_cert, self.tls_key) {
                 (Some(listen), Some(cert), Some(key)) => Some(airlock_server::TlsOptions { listen, cert, key }),

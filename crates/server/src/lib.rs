@@ -250,6 +250,9 @@ pub fn router(state: AppState) -> Router {
         .route("/sandboxes/{id}/snapshots", post(e2b::control::create_snapshot))
         .route("/sandboxes/{id}/fork", post(e2b::control::fork))
         .route("/snapshots", get(e2b::control::list_snapshots))
+        // Lifecycle events in E2B's shape (kept 7 days).
+        .route("/events/sandboxes", get(e2b::control::team_events))
+        .route("/events/sandboxes/{id}", get(e2b::control::sandbox_events))
         .route("/templates/{id}", axum::routing::delete(e2b::control::delete_template))
         .route("/templates/aliases/{alias}", get(e2b::control::template_alias))
         // E2B's template builder (the SDK's `Template.build`).
@@ -397,6 +400,8 @@ pub struct ServeOptions {
     pub metrics_listen: Option<SocketAddr>,
     /// Webhooks may point at loopback, private and link-local addresses.
     pub webhook_allow_private: bool,
+    /// The web console's sign-in lifetimes.
+    pub console: console::ConsoleSettings,
     /// E2B domain for `E2B_DOMAIN` setups: returned to SDKs as the sandbox domain.
     pub e2b_domain: Option<String>,
     /// An HTTPS listener serving the same routes (for `E2B_DOMAIN` behind wildcard DNS).
@@ -678,7 +683,7 @@ pub async fn serve(opts: ServeOptions) -> anyhow::Result<()> {
     let state = AppState {
         core,
         e2b_domain: opts.e2b_domain.map(Into::into),
-        console: console::ConsoleSettings::default(),
+        console: opts.console,
     };
     let listener = tokio::net::TcpListener::bind(opts.listen)
         .await

@@ -1,7 +1,8 @@
 //! A sandbox's terminal: a login shell on a PTY in the guest, as a session of its own, joined to
 //! the browser's xterm.js over a WebSocket. Binary messages are the terminal's bytes both ways;
 //! a text message from the browser is a resize (`{"cols":..,"rows":..}`). The shell is killed
-//! when the WebSocket closes; its exit closes the WebSocket.
+//! when the WebSocket closes, or at the first keystroke after its console session ended; its exit
+//! closes the WebSocket.
 
 use super::page::{Answer, Refused};
 use super::{signed, ConsoleState};
@@ -51,10 +52,14 @@ pub async fn open(
     let tenant = s.tenant()?.1.clone();
     let row = state.core.sandbox(&tenant, &id).await?;
     let core = state.core.clone();
+    let login = Login {
+        logins: state.logins.clone(),
+        cookie: super::cookie(&headers, super::COOKIE).unwrap_or_default().to_string(),
+    };
     Ok(ws
         .max_message_size(MAX_MESSAGE)
         .max_frame_size(MAX_MESSAGE)
-        .on_upgrade(move |socket| run(core, row, socket))
+        .on_upgrade(move |socket| run(core, row, login, socket))
         .into_response())
 }
 
@@ -64,7 +69,14 @@ struct Resize {
     rows: u16,
 }
 
-async fn run(core: crate::core::Core, sandbox: SandboxRecord, socket: WebSocket) {
+/// The console session a terminal belongs to: typing keeps it in use, and the terminal closes
+/// once it has ended (signed out, idle, past its lifetime).
+struct Login {
+    logins: std::sync::Arc<super::logins::Logins>,
+    cookie: String,
+}
+
+async fn run(core: crate::core::Core, sandbox: SandboxRecord, login: Login, socket: WebSocket) {
     let (mut to_browser, mut from_browser) = socket.split();
     let start = StartSession {
         argv: vec!["/bin/bash".into(), "-l".into()],
@@ -117,6 +129,9 @@ async fn run(core: crate::core::Core, sandbox: SandboxRecord, socket: WebSocket)
     };
     let input = async {
         while let Some(Ok(msg)) = from_browser.next().await {
+            if login.logins.get(&login.cookie).is_none() {
+                break;
+            }
             let sent = match msg {
                 Message::Binary(b) => core.session_stdin(&sandbox, &session, b.to_vec(), false).await,
                 Message::Text(t) => match serde_json::from_str::<Resize>(&t) {

@@ -95,6 +95,30 @@ impl Core {
         Ok((events, next))
     }
 
+    /// A page of events by offset (E2B's paging): only `kinds` (all if empty), oldest first if
+    /// `ascending`, else newest first.
+    pub async fn events_by_offset(
+        &self,
+        principal: &Principal,
+        sandbox_id: Option<&str>,
+        kinds: Vec<String>,
+        offset: u32,
+        limit: u32,
+        ascending: bool,
+    ) -> CoreResult<Vec<EventRecord>> {
+        if !(1..=MAX_PAGE).contains(&limit) {
+            return Err(CoreError::invalid("limit", format!("must be between 1 and {MAX_PAGE}")));
+        }
+        let filter = EventFilter {
+            limit,
+            kinds,
+            offset,
+            ascending,
+            ..self.event_filter(principal, sandbox_id).await?
+        };
+        Ok(self.store.events(&filter).await?)
+    }
+
     /// Events after `after` (a `seq`; 0: from the oldest kept), oldest first, then each new one
     /// as it is recorded, for as long as the caller reads. A store error ends the stream with it.
     pub async fn event_stream(

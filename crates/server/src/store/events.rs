@@ -15,6 +15,12 @@ pub struct EventFilter {
     pub after_seq: Option<i64>,
     pub before_seq: Option<i64>,
     pub limit: u32,
+    /// Only these kinds (`sandbox.created`, ...); empty: every kind.
+    pub kinds: Vec<String>,
+    /// Skip this many first (E2B's offset paging; 0 with a cursor).
+    pub offset: u32,
+    /// Without a cursor: oldest first instead of newest first.
+    pub ascending: bool,
 }
 
 #[async_trait]
@@ -144,16 +150,28 @@ pub(super) fn events_query(f: &EventFilter) -> (String, Option<i64>) {
     let (cmp, order, cursor) = match (f.after_seq, f.before_seq) {
         (Some(after), _) => (">", "ASC", Some(after)),
         (None, Some(before)) => ("<", "DESC", Some(before)),
-        (None, None) => (">", "DESC", None),
+        (None, None) => (">", if f.ascending { "ASC" } else { "DESC" }, None),
     };
+    // Kinds as one ",a,b," text: the same statement on both stores, however many kinds.
     (
         format!(
             "SELECT {EVENT_COLUMNS} FROM events WHERE tenant_id = $1 \
              AND (CAST($2 AS TEXT) IS NULL OR sandbox_id = $2) \
-             AND (CAST($3 AS BIGINT) IS NULL OR seq {cmp} $3) ORDER BY seq {order} LIMIT $4"
+             AND (CAST($3 AS BIGINT) IS NULL OR seq {cmp} $3) \
+             AND ($5 = '' OR $5 LIKE '%,' || kind || ',%') \
+             ORDER BY seq {order} LIMIT $4 OFFSET $6"
         ),
         cursor,
     )
+}
+
+/// [`EventFilter::kinds`] as the query's `$5`.
+pub(super) fn kinds_param(f: &EventFilter) -> String {
+    if f.kinds.is_empty() {
+        String::new()
+    } else {
+        format!(",{},", f.kinds.join(","))
+    }
 }
 
 /// Implements [`EventStore`] for a store whose pool is `self.pool` (both run the same SQL).
@@ -187,6 +205,8 @@ macro_rules! impl_event_store {
                     .bind(&f.sandbox_id)
                     .bind(cursor)
                     .bind(i64::from(f.limit))
+                    .bind($crate::store::events::kinds_param(f))
+                    .bind(i64::from(f.offset))
                     .fetch_all(&self.pool)
                     .await?;
                 Ok(rows.into_iter().map(Into::into).collect())

@@ -37,6 +37,13 @@ async fn receiver(fail_first: usize) -> (String, Got) {
     (format!("http://{addr}/hook"), got)
 }
 
+/// A page of E2B's events API (200 asserted).
+async fn e2b_events(server: &Server, path: &str) -> Value {
+    let (status, body) = server.e2b(Method::GET, path, Value::Null).await;
+    assert_eq!(status, 200, "{path}: {body}");
+    body
+}
+
 /// The receiver's check: `t=<unix>,v1=<hex HMAC-SHA256 of "<t>.<body>">` under `secret`.
 fn verify(secret: &str, header: &str, body: &[u8]) -> bool {
     use hmac::Mac;
@@ -224,6 +231,51 @@ async fn lifecycle_events_reach_a_webhook_signed_in_order_and_the_events_api() {
         "after Last-Event-ID, without loss or repeats"
     );
 
+    // E2B's door: the same events in E2B's names and shape, paged by offset.
+    let seen = e2b_events(&server, &format!("/events/sandboxes/{id}")).await;
+    let types: Vec<&str> = seen
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|e| e["type"].as_str().unwrap())
+        .collect();
+    assert_eq!(
+        types,
+        [
+            "sandbox.lifecycle.killed",
+            "sandbox.lifecycle.resumed",
+            "sandbox.lifecycle.paused",
+            "sandbox.lifecycle.created"
+        ],
+        "{seen}"
+    );
+    let created = &seen[3];
+    assert_eq!(
+        (created["version"].as_str(), created["sandboxId"].as_str()),
+        (Some("v1"), Some(id.as_str()))
+    );
+    assert_eq!(created["sandboxTemplateId"], "seed");
+    assert_eq!(created["id"], first.as_str(), "the same event as the webhook's");
+    assert!(created["timestamp"].as_str().unwrap().ends_with('Z'));
+    let asc = e2b_events(
+        &server,
+        &format!("/events/sandboxes/{id}?orderAsc=true&offset=1&limit=2"),
+    )
+    .await;
+    let types: Vec<&str> = asc
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|e| e["type"].as_str().unwrap())
+        .collect();
+    assert_eq!(types, ["sandbox.lifecycle.paused", "sandbox.lifecycle.resumed"]);
+    let killed = e2b_events(&server, "/events/sandboxes?types=sandbox.lifecycle.killed").await;
+    assert_eq!(killed.as_array().unwrap().len(), 1, "{killed}");
+    let (status, _) = server
+        .e2b(Method::GET, "/events/sandboxes?limit=500", Value::Null)
+        .await;
+    assert_eq!(status, 400);
+
     // Another tenant sees none of it.
     let admin = Admin {
         account: "root@local".into(),
@@ -240,6 +292,20 @@ async fn lifecycle_events_reach_a_webhook_signed_in_order_and_the_events_api() {
     );
     let (_, page) = server.v1_as(&other, Method::GET, "/events", None).await;
     assert_eq!(page["events"], json!([]));
+    let as_other = [("x-api-key", other.as_str())];
+    let (status, body) = server
+        .json(
+            Method::GET,
+            &format!("/events/sandboxes/{id}"),
+            &as_other,
+            Body::empty(),
+        )
+        .await;
+    assert_eq!(status, 404, "{body}");
+    let (_, body) = server
+        .json(Method::GET, "/events/sandboxes", &as_other, Body::empty())
+        .await;
+    assert_eq!(body, json!([]));
     let (status, _) = server
         .v1_as(&other, Method::GET, &format!("/webhooks/{hook_id}"), None)
         .await;

@@ -1,6 +1,7 @@
 //! E2B control plane: `/sandboxes`, `/v2/sandboxes`, timeouts, metrics, connect; each a
 //! translation onto the core's sandbox services.
 
+mod events;
 mod templates;
 mod volumes;
 mod wire;
@@ -16,6 +17,7 @@ use axum::extract::{Path, Query, Request, State};
 use axum::http::{HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::{Extension, Json};
+pub use events::*;
 use serde_json::Value;
 use std::collections::BTreeMap;
 use std::time::Duration;
