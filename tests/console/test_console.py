@@ -126,7 +126,8 @@ def test_console_as_a_user(server, browser, shot):
         assert fetch_status(d, "/console/sandboxes")[1].count('data-id="') == before
         form = d.find_element(By.ID, "create")
         form.find_element(By.CSS_SELECTOR, "button").click()
-        wait(d, lambda d: "/console/sandboxes/sb_" in d.current_url, what="the sandbox's page")
+        wait(d, lambda d: "/console/sandboxes/" in d.current_url and "?op=" in d.current_url,
+             what="the sandbox's page")
         sandbox_id = d.current_url.split("/console/sandboxes/")[1].split("?")[0]
         sandbox_url = url + f"/console/sandboxes/{sandbox_id}"
         wait(d, lambda d: text(d, "state") == "running", timeout=180, what="the sandbox running")
@@ -148,10 +149,14 @@ def test_console_as_a_user(server, browser, shot):
         d.get(sandbox_url)
         wait(d, lambda d: "blocked.test" in text(d, "denials"), timeout=30, what="the denial listed")
         assert int(text(d, "dns-denied")) >= 1
-        metrics = d.find_element(By.ID, "metrics")
-        assert int(metrics.get_attribute("data-samples")) >= 1
-        points = d.find_element(By.CSS_SELECTOR, "#chart-memory polyline").get_attribute("points")
-        assert points.strip(), "a memory line drawn"
+        # The charts: a line once the sampler has a second sample (reloaded until then).
+        def samples(d):
+            d.get(sandbox_url)
+            return int(d.find_element(By.ID, "metrics").get_attribute("data-samples")) >= 2
+        wait(d, samples, timeout=60, what="two metrics samples")
+        points = d.find_element(By.CSS_SELECTOR, "#chart-memory polyline").get_attribute("points").split()
+        assert len(points) >= 2, points
+        assert len(d.find_elements(By.CSS_SELECTOR, "#chart-cpu circle.sample")) == len(points)
         shot(d, "metrics-and-egress")
 
         # A file up, listed, and down again.

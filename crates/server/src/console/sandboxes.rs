@@ -81,6 +81,16 @@ pub async fn list(State(state): State<ConsoleState>, headers: HeaderMap, Query(q
             }
             @if rows.is_empty() { p.note { "No sandboxes yet." } }
         }
+        @if !snapshots.is_empty() {
+            h2 { "Snapshots" }
+            table #snapshots {
+                thead { tr { th { "Snapshot" } th { "Name" } th { "From" } th { "Template" } th { "Size (MiB)" } th { "Saved" } } }
+                tbody { @for sn in &snapshots { tr {
+                    td { (sn.id) } td { (sn.name.as_deref().unwrap_or("-")) } td { (sn.sandbox_id) }
+                    td { (sn.template) } td { (sn.bytes >> 20) } td { (age(sn.created_at_ms)) " ago" }
+                } } }
+            }
+        }
         h2 { "New sandbox" }
         form.card method="post" action="/console/sandboxes" #create {
             (csrf(&s))
@@ -414,6 +424,11 @@ fn chart(id: &str, title: &str, values: &[f64], max: f64) -> Markup {
             svg #{ "chart-" (id) } viewBox="0 0 360 100" width="360" height="100" role="img" aria-label=(title) {
                 rect x="0" y="0" width="360" height="100" fill="none" stroke="#ccc" {}
                 polyline fill="none" stroke="#2563eb" stroke-width="2" points=(points.join(" ")) {}
+                @for p in &points {
+                    @let (x, y) = p.split_once(',').unwrap_or(("0", "0"));
+                    circle.sample cx=(x) cy=(y) r="2.5" fill="#2563eb" {}
+                }
+                text x="4" y="12" font-size="10" fill="#667085" { (format!("{max:.0}")) }
             }
             figcaption { (title) ": " (format!("{last:.1}")) " (" (values.len()) " samples)" }
         }
