@@ -173,7 +173,7 @@ impl Proxy {
         };
         let _ = upstream.set_nodelay(true);
         if !is_http {
-            return relay::splice(client, upstream, head, self.config.idle_timeout).await;
+            return relay::splice(client, upstream, head, self.config.idle_timeout, sandbox.bytes()).await;
         }
         let bound = match &target {
             Target::Resolved(name, ..) => Some(name.as_str()),

@@ -21,7 +21,7 @@ use tokio::time::{timeout, Instant};
 
 use crate::http1::{RequestFramer, Step};
 use crate::policy::Decision;
-use crate::sandbox::{Path, SandboxEgress};
+use crate::sandbox::{ByteCounts, Path, SandboxEgress};
 use crate::sniff::{self, Sniffed};
 
 /// After a refused request, how long the upstream may stay quiet before the 403 goes out.
@@ -39,22 +39,42 @@ pub(crate) fn denied_reply(destination: &str, rule: &str) -> Vec<u8> {
 }
 
 /// When a connection last moved a byte, in ms since `start`; the watchdog closes it after `idle`.
+/// The bytes it passes on are counted into its sandbox's [`ByteCounts`] as they go.
 struct Activity {
     start: Instant,
     last: AtomicU64,
+    bytes: Arc<ByteCounts>,
+}
+
+/// Which way bytes went: from the sandbox, or to it.
+#[derive(Clone, Copy)]
+enum Way {
+    Sent,
+    Received,
 }
 
 impl Activity {
-    fn new() -> Arc<Self> {
+    fn new(bytes: Arc<ByteCounts>) -> Arc<Self> {
         Arc::new(Activity {
             start: Instant::now(),
             last: AtomicU64::new(0),
+            bytes,
         })
     }
 
     fn touch(&self) {
         self.last
             .store(self.start.elapsed().as_millis() as u64, Ordering::Relaxed);
+    }
+
+    /// `n` bytes passed on `way`.
+    fn moved(&self, way: Way, n: usize) {
+        self.touch();
+        let counter = match way {
+            Way::Sent => &self.bytes.sent,
+            Way::Received => &self.bytes.received,
+        };
+        counter.fetch_add(n as u64, Ordering::Relaxed);
     }
 
     /// Ends once nothing moved for `idle`.
@@ -72,7 +92,13 @@ impl Activity {
 
 /// Writes `head` (what was read while sniffing) to `upstream`, then copies both ways until both
 /// sides are done or nothing moved for `idle`. Each side's EOF is passed on as a half-close.
-pub(crate) async fn splice(client: TcpStream, mut upstream: TcpStream, head: Vec<u8>, idle: Duration) {
+pub(crate) async fn splice(
+    client: TcpStream,
+    mut upstream: TcpStream,
+    head: Vec<u8>,
+    idle: Duration,
+    bytes: Arc<ByteCounts>,
+) {
     if !head.is_empty()
         && timeout(idle, upstream.write_all(&head))
             .await
@@ -81,16 +107,17 @@ pub(crate) async fn splice(client: TcpStream, mut upstream: TcpStream, head: Vec
     {
         return;
     }
-    let activity = Activity::new();
+    let activity = Activity::new(bytes);
+    activity.moved(Way::Sent, head.len());
     let (cr, cw) = client.into_split();
     let (ur, uw) = upstream.into_split();
     tokio::select! {
-        _ = async { tokio::join!(pump(cr, uw, &activity), pump(ur, cw, &activity)) } => {}
+        _ = async { tokio::join!(pump(cr, uw, &activity, Way::Sent), pump(ur, cw, &activity, Way::Received)) } => {}
         _ = activity.watchdog(idle) => {}
     }
 }
 
-async fn pump(mut from: OwnedReadHalf, mut to: OwnedWriteHalf, activity: &Activity) {
+async fn pump(mut from: OwnedReadHalf, mut to: OwnedWriteHalf, activity: &Activity, way: Way) {
     let mut buf = vec![0u8; 64 * 1024];
     loop {
         match from.read(&mut buf).await {
@@ -100,7 +127,7 @@ async fn pump(mut from: OwnedReadHalf, mut to: OwnedWriteHalf, activity: &Activi
                 if to.write_all(&buf[..n]).await.is_err() {
                     break;
                 }
-                activity.touch();
+                activity.moved(way, n);
             }
         }
     }
@@ -147,7 +174,7 @@ enum Switch {
 /// Relays a plain-HTTP connection: `first` (the bytes read while sniffing) and everything after
 /// it from the guest, framed and judged request by request.
 pub(crate) async fn http(client: TcpStream, upstream: TcpStream, first: Vec<u8>, relay: HttpRelay<'_>) {
-    let activity = Activity::new();
+    let activity = Activity::new(relay.sandbox.bytes());
     let (cr, cw) = client.into_split();
     let (ur, uw) = upstream.into_split();
     let (ctl, ctl_rx) = mpsc::channel(2);
@@ -188,7 +215,7 @@ impl Requests<'_> {
         loop {
             match flow {
                 Flow::Continue => {}
-                Flow::Opaque => return pump(cr, self.uw, self.activity).await,
+                Flow::Opaque => return pump(cr, self.uw, self.activity, Way::Sent).await,
                 Flow::Stop => {
                     // Read and drop what the guest still sends, so closing doesn't reset the
                     // connection under the answer it is owed.
@@ -279,7 +306,7 @@ impl Requests<'_> {
             return Ok(());
         }
         self.uw.write_all(bytes).await?;
-        self.activity.touch();
+        self.activity.moved(Way::Sent, bytes.len());
         Ok(())
     }
 
@@ -333,7 +360,7 @@ async fn responses(
                     if cw.write_all(&buf[..n]).await.is_err() {
                         return;
                     }
-                    activity.touch();
+                    activity.moved(Way::Received, n);
                 }
                 None => break,
             },
@@ -396,7 +423,7 @@ async fn upgrade_answer(
             if cw.write_all(&head[..pass]).await.is_err() {
                 return Switch::Closed;
             }
-            activity.touch();
+            activity.moved(Way::Received, pass);
             match switch {
                 Some(s) => return s,
                 None => {

@@ -68,8 +68,21 @@ pub struct EgressCounters {
     pub tcp_denied: u64,
     pub dns_allowed: u64,
     pub dns_denied: u64,
+    /// Bytes passed from the sandbox to its destinations, and back (allowed connections'
+    /// payload as relayed; DNS not counted).
+    #[serde(default)]
+    pub bytes_sent: u64,
+    #[serde(default)]
+    pub bytes_received: u64,
     /// `"allow <rule>"` / `"deny <rule>"` -> decisions.
     pub by_rule: BTreeMap<String, u64>,
+}
+
+/// The bytes a sandbox's relayed connections moved, each way (see [`EgressCounters`]).
+#[derive(Debug, Default)]
+pub struct ByteCounts {
+    pub(crate) sent: AtomicU64,
+    pub(crate) received: AtomicU64,
 }
 
 #[derive(Debug, Clone, Serialize, serde::Deserialize)]
@@ -92,6 +105,7 @@ pub struct SandboxEgress {
     tcp_denied: AtomicU64,
     dns_allowed: AtomicU64,
     dns_denied: AtomicU64,
+    bytes: Arc<ByteCounts>,
     by_rule: Mutex<BTreeMap<String, u64>>,
     recent: Mutex<VecDeque<Denial>>,
     connections: Arc<Semaphore>,
@@ -122,9 +136,15 @@ impl SandboxEgress {
             tcp_denied: AtomicU64::new(0),
             dns_allowed: AtomicU64::new(0),
             dns_denied: AtomicU64::new(0),
+            bytes: Arc::default(),
             by_rule: Mutex::new(BTreeMap::new()),
             recent: Mutex::new(VecDeque::new()),
         })
+    }
+
+    /// What its relayed connections count their bytes into.
+    pub(crate) fn bytes(&self) -> Arc<ByteCounts> {
+        self.bytes.clone()
     }
 
     pub fn id(&self) -> &str {
@@ -234,6 +254,8 @@ impl SandboxEgress {
                 tcp_denied: self.tcp_denied.load(Ordering::Relaxed),
                 dns_allowed: self.dns_allowed.load(Ordering::Relaxed),
                 dns_denied: self.dns_denied.load(Ordering::Relaxed),
+                bytes_sent: self.bytes.sent.load(Ordering::Relaxed),
+                bytes_received: self.bytes.received.load(Ordering::Relaxed),
                 by_rule: self.by_rule.lock().unwrap().clone(),
             },
             recent_denials: self.recent.lock().unwrap().iter().cloned().collect(),

@@ -287,6 +287,10 @@ fn allowed_name_by_host_reaches_the_allowed_site() {
     let body = r.split_once("\r\n\r\n").map(|(_, b)| b).unwrap_or("");
     assert_eq!(body.len(), 8 << 20);
     assert!(body.bytes().all(|b| b == b'x'));
+    // Both requests and both answers are counted as the relay passed them on.
+    let c = w.sandbox.snapshot().counters;
+    assert!(c.bytes_received >= (8 << 20) + 2 * 17, "{c:?}");
+    assert!((2 * 35..200).contains(&c.bytes_sent), "{c:?}");
 }
 
 #[test]
@@ -309,6 +313,10 @@ fn sni_of_an_allowed_name_reaches_only_the_allowed_site() {
     bytes.extend_from_slice(b"GET / HTTP/1.1\r\nHost: other.test\r\n\r\n");
     let r = w.tcp((OTHER, 443), &bytes);
     assert!(served_by(&r, ALLOWED, 443), "{r}");
+    // Spliced bytes are counted too: the hello and what followed it, and the answer.
+    let c = w.sandbox.snapshot().counters;
+    assert_eq!(c.bytes_sent, bytes.len() as u64, "{c:?}");
+    assert_eq!(c.bytes_received, r.len() as u64, "{c:?}");
     // Plain HTTP to the allowed site's address with another Host: refused, nothing reached.
     let r = w.http((ALLOWED, 80), "other.test");
     assert!(

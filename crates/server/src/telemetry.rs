@@ -87,6 +87,13 @@ pub struct EgressLabels {
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct BytesLabels {
+    pub tenant: String,
+    /// `sent` (from the sandbox) or `received` (to it).
+    pub direction: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct PoolLabels {
     pub template: String,
     /// `<vcpu>x<memory MiB>`.
@@ -128,6 +135,7 @@ pub struct Telemetry {
     sandboxes: Family<SandboxLabels, Gauge>,
     sessions_running: Family<TenantLabels, Gauge>,
     egress_connections: Family<EgressLabels, Counter>,
+    egress_bytes: Family<BytesLabels, Counter>,
     dns_refused: Family<TenantLabels, Counter>,
     dns_answered: Family<TenantLabels, Counter>,
     pool_size: Family<PoolLabels, Gauge>,
@@ -172,6 +180,7 @@ impl Telemetry {
             sandboxes: Family::default(),
             sessions_running: Family::default(),
             egress_connections: Family::default(),
+            egress_bytes: Family::default(),
             dns_refused: Family::default(),
             dns_answered: Family::default(),
             pool_size: Family::default(),
@@ -229,6 +238,11 @@ impl Telemetry {
             "egress_connections",
             "Sandboxes' outbound connections judged by the egress proxy, by tenant and verdict",
             t.egress_connections.clone(),
+        );
+        registry.register(
+            "egress_bytes",
+            "Bytes sandboxes' allowed connections passed through the egress proxy, by tenant and direction",
+            t.egress_bytes.clone(),
         );
         registry.register(
             "egress_dns_refused",
@@ -390,6 +404,17 @@ impl Telemetry {
                 "denied",
                 grew(now.tcp_denied, before.tcp_denied),
             );
+            for (direction, now, before) in [
+                ("sent", now.bytes_sent, before.bytes_sent),
+                ("received", now.bytes_received, before.bytes_received),
+            ] {
+                self.egress_bytes
+                    .get_or_create(&BytesLabels {
+                        tenant: t.clone(),
+                        direction,
+                    })
+                    .inc_by(grew(now, before));
+            }
             // Touched even at 0, so the series exist from a sandbox's first scrape.
             self.dns_refused
                 .get_or_create(&TenantLabels { tenant: t.clone() })
@@ -567,6 +592,7 @@ mod tests {
         let counters = |tcp_denied, dns_denied| airlock_egress::EgressCounters {
             tcp_denied,
             dns_denied,
+            bytes_sent: tcp_denied * 100,
             ..Default::default()
         };
         let scrape = |c| Observed {
@@ -582,6 +608,10 @@ mod tests {
         );
         assert!(
             text.contains("airlock_egress_dns_refused_total{tenant=\"acme\"} 3"),
+            "{text}"
+        );
+        assert!(
+            text.contains("airlock_egress_bytes_total{tenant=\"acme\",direction=\"sent\"} 500"),
             "{text}"
         );
         // The sandbox ended: its counts stay.

@@ -311,6 +311,7 @@ pub async fn show(
             p #egress-counters {
                 "Connections allowed " strong { (e.counters.tcp_allowed) } ", denied " strong #tcp-denied { (e.counters.tcp_denied) }
                 "; DNS answered " strong { (e.counters.dns_allowed) } ", refused " strong #dns-denied { (e.counters.dns_denied) }
+                "; bytes sent " strong { (e.counters.bytes_sent) } ", received " strong { (e.counters.bytes_received) }
             }
             @let allowed = allowed_out(&e.policy);
             p { "Allowed out: " @if allowed.is_empty() { "nothing (no egress)" } @else { (allowed.join(", ")) } }
