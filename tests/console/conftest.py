@@ -120,6 +120,8 @@ def browser():
 @pytest.fixture(scope="session")
 def shot():
     os.makedirs(SHOTS, exist_ok=True)
+    for old in os.listdir(SHOTS):
+        os.remove(os.path.join(SHOTS, old))
     n = [0]
 
     def save(driver, name):

@@ -19,8 +19,12 @@ IGNORED = (NoSuchElementException, StaleElementReferenceException)
 
 
 def wait(d, cond, timeout=60, what="the page"):
-    return WebDriverWait(d, timeout, poll_frequency=0.2, ignored_exceptions=IGNORED).until(
-        lambda d: cond(d), message=f"waiting for {what}")
+    try:
+        return WebDriverWait(d, timeout, poll_frequency=0.2, ignored_exceptions=IGNORED).until(
+            lambda d: cond(d), message=f"waiting for {what}")
+    except Exception:
+        print(f"while waiting for {what}: {d.current_url}\n{d.find_element(By.TAG_NAME, 'main').text[:3000]}")
+        raise
 
 
 def text(d, id_):
@@ -158,6 +162,13 @@ def test_console_as_a_user(server, browser, shot):
         assert len(points) >= 2, points
         assert len(d.find_elements(By.CSS_SELECTOR, "#chart-cpu circle.sample")) == len(points)
         shot(d, "metrics-and-egress")
+
+        # The terminal's shell is a session: its page replays its output, live.
+        d.find_element(By.XPATH, "//table[@id='sessions']//tr[td/code[contains(text(), 'bash')]]//a").click()
+        wait(d, lambda d: "42" in text(d, "output").split(), timeout=30,
+             what=f"the session's output ({d.current_url})")
+        shot(d, "session-output")
+        d.get(sandbox_url)
 
         # A file up, listed, and down again.
         content = f"console upload {run}\n"

@@ -59,6 +59,11 @@ pub fn router(core: Core, settings: ConsoleSettings) -> Router {
         .route("/console/sandboxes/{id}", get(sandboxes::show))
         .route("/console/sandboxes/{id}/action", post(sandboxes::act))
         .route("/console/sandboxes/{id}/terminal", get(terminal::open))
+        .route("/console/sandboxes/{id}/sessions/{sid}", get(sandboxes::session_page))
+        .route(
+            "/console/sandboxes/{id}/sessions/{sid}/output",
+            get(sandboxes::session_output),
+        )
         .route(
             "/console/sandboxes/{id}/files",
             crate::upload_limits(post(sandboxes::upload)),

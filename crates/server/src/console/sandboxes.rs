@@ -50,6 +50,8 @@ pub async fn list(State(state): State<ConsoleState>, headers: HeaderMap, Query(q
         .await?;
     let rows = page_of.sandboxes;
     let snapshots = state.core.list_snapshots(&tenant, None).await.unwrap_or_default();
+    let (principal, _) = tenant_of(&s)?;
+    let webhooks = state.core.webhooks(&principal).await.unwrap_or_default();
     let templates = state.core.template_names();
     let op = match q.op {
         Some(id) => state.core.operation(&tenant, &id).await.ok(),
@@ -90,6 +92,20 @@ pub async fn list(State(state): State<ConsoleState>, headers: HeaderMap, Query(q
                     td { (sn.template) } td { (sn.bytes >> 20) } td { (age(sn.created_at_ms)) " ago" }
                 } } }
             }
+        }
+        @if !webhooks.is_empty() {
+            h2 { "Webhooks" }
+            table #webhooks {
+                thead { tr { th { "Webhook" } th { "URL" } th { "Events" } th { "Enabled" } th { "Last answer" } th { "Failed tries" } } }
+                tbody { @for w in &webhooks { tr {
+                    td { (w.name) } td { code { (w.url) } }
+                    td { @if w.events.is_empty() { "all" } @else { (w.events.join(", ")) } }
+                    td { (if w.enabled { "yes" } else { "no" }) }
+                    td { (w.last_status.map(|c| c.to_string()).or(w.last_error.clone()).unwrap_or_else(|| "-".into())) }
+                    td { (w.attempts) }
+                } } }
+            }
+            p.note { "Managed with " code { "airlock webhook" } " or " code { "/v1/webhooks" } "." }
         }
         h2 { "New sandbox" }
         form.card method="post" action="/console/sandboxes" #create {
@@ -359,7 +375,7 @@ pub async fn show(
                 thead { tr { th { "Session" } th { "Command" } th { "State" } th { "Exit" } th { "Started" } } }
                 tbody {
                     @for se in &sessions {
-                        tr { td { (se.id) } td { code { (se.argv.join(" ")) } } td { @if se.exited { "exited" } @else { "running" } } td { (se.exit_code.map(|c| c.to_string()).unwrap_or_default()) } td { (age(se.started_at_ms)) " ago" } }
+                        tr { td { a href={ "/console/sandboxes/" (row.id) "/sessions/" (se.id) } { (se.id) } } td { code { (se.argv.join(" ")) } } td { @if se.exited { "exited" } @else { "running" } } td { (se.exit_code.map(|c| c.to_string()).unwrap_or_default()) } td { (age(se.started_at_ms)) " ago" } }
                     }
                 }
             }
@@ -539,5 +555,107 @@ pub async fn download(
             )
                 .into_response())
         }
+    }
+}
+
+/// A session's page: its output as it comes (the page's script reads `output`, an event stream).
+pub async fn session_page(
+    State(state): State<ConsoleState>,
+    headers: HeaderMap,
+    Path((id, sid)): Path<(String, String)>,
+) -> Answer {
+    let s = signed(&state, &headers, true).await?;
+    let (_, tenant) = tenant_of(&s)?;
+    let row = state.core.sandbox(&tenant, &id).await?;
+    let session = state.core.session_record(&row, &sid).await?;
+    let body = html! {
+        h1 { "Session " code { (session.id) } }
+        p { "In " a href={ "/console/sandboxes/" (row.id) } { (row.id) } ": " code { (session.argv.join(" ")) } }
+        pre.output #output data-stream={ "/console/sandboxes/" (row.id) "/sessions/" (session.id) "/output" } {}
+        p #exit {}
+    };
+    Ok(page::layout(&format!("Session {sid}"), Some(&s), body).into_response())
+}
+
+/// A session's output from its start, then live: `out` events (text) and one `exit`.
+pub async fn session_output(
+    State(state): State<ConsoleState>,
+    headers: HeaderMap,
+    Path((id, sid)): Path<(String, String)>,
+) -> Answer {
+    use crate::core::sessions::SessionEvent;
+    use airlock_proto::frame::EventKind;
+    use axum::response::sse::{Event, KeepAlive, Sse};
+    use futures_util::StreamExt;
+    let s = signed(&state, &headers, false).await?;
+    let (_, tenant) = tenant_of(&s)?;
+    let row = state.core.sandbox(&tenant, &id).await?;
+    let session = state.core.session_record(&row, &sid).await?;
+    let events = state.core.session_events(&row, session, 0).await?;
+    let stream = events.map(|ev| {
+        let event = match ev {
+            Ok(SessionEvent::Event(ev)) => match ev.kind {
+                EventKind::Stdout(d) | EventKind::Stderr(d) => Event::default()
+                    .event("out")
+                    .data(plain_text(&String::from_utf8_lossy(&d))),
+                EventKind::Exit(exit) => Event::default().event("exit").data(
+                    exit.exit_code
+                        .map(|c| format!("exited with {c}"))
+                        .unwrap_or_else(|| "ended by a signal".into()),
+                ),
+            },
+            Ok(SessionEvent::Truncated { first, last }) => Event::default()
+                .event("out")
+                .data(format!("[output {first} to {last} is no longer kept]\n")),
+            Err(e) => Event::default().event("exit").data(e.to_string()),
+        };
+        Ok::<_, std::convert::Infallible>(event)
+    });
+    Ok(Sse::new(stream)
+        .keep_alive(KeepAlive::new().interval(std::time::Duration::from_secs(15)))
+        .into_response())
+}
+
+/// A terminal's output as plain text: escape sequences (colours, titles, modes) and carriage
+/// returns left out. A sequence split across two chunks may show in part.
+fn plain_text(s: &str) -> String {
+    let mut out = String::with_capacity(s.len());
+    let mut chars = s.chars().peekable();
+    while let Some(c) = chars.next() {
+        match c {
+            '\u{1b}' => match chars.next() {
+                // CSI: parameters, then one final byte in @..~.
+                Some('[') => {
+                    for c in chars.by_ref() {
+                        if ('@'..='~').contains(&c) {
+                            break;
+                        }
+                    }
+                }
+                // OSC: up to BEL or ST (ESC \\).
+                Some(']') => {
+                    while let Some(c) = chars.next() {
+                        if c == '\u{7}' || (c == '\u{1b}' && chars.next_if_eq(&'\\').is_some()) {
+                            break;
+                        }
+                    }
+                }
+                _ => {}
+            },
+            '\r' => {}
+            c if c.is_control() && c != '\n' && c != '\t' => {}
+            c => out.push(c),
+        }
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn terminal_output_as_plain_text() {
+        let raw = "\u{1b}[?2004h\u{1b}]0;user@x: ~\u{7}\u{1b}[01;32muser@x\u{1b}[00m:~$ ls\r\n\u{1b}[?2004l42\r\n";
+        assert_eq!(super::plain_text(raw), "user@x:~$ ls\n42\n");
+        assert_eq!(super::plain_text("a\u{1b}]2;t\u{1b}\\b\tc"), "ab\tc");
     }
 }

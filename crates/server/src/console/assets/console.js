@@ -30,6 +30,18 @@
     window.airlockTerminal = term;
   }
 
+  // A session's output, live: SSE text appended as it comes; its exit said once.
+  var out = document.getElementById("output");
+  if (out && window.EventSource) {
+    var source = new EventSource(out.dataset.stream);
+    source.addEventListener("out", function (e) { out.textContent += e.data; });
+    source.addEventListener("exit", function (e) {
+      document.getElementById("exit").textContent = e.data;
+      out.dataset.state = "exited";
+      source.close();
+    });
+  }
+
   // While something settles (an operation, a sandbox starting), its region is fetched again.
   function refresh() {
     var region = document.querySelector("[data-refresh]");
