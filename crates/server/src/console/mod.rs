@@ -3,7 +3,8 @@
 //! library is xterm.js for the terminal, embedded in the binary with the console's own small
 //! script (`assets.rs`), so nothing is fetched at run time. A browser signs in as `root@local`
 //! (the admin's pages, `admin.rs`) or with a tenant's API key (that tenant's sandboxes,
-//! `sandboxes.rs`, and their terminal, `terminal.rs`); `logins.rs` keeps the sign-ins.
+//! `sandboxes.rs`, their terminal, `terminal.rs`, and sessions' output, `sessions.rs`); `logins.rs`
+//! keeps the sign-ins.
 //!
 //! Every form carries the session's CSRF token; the cookie is HttpOnly and SameSite=Strict, and
 //! the terminal's WebSocket must come from the console's own origin.
@@ -13,6 +14,7 @@ mod assets;
 mod logins;
 mod page;
 mod sandboxes;
+mod sessions;
 mod terminal;
 
 pub use logins::ConsoleSettings;
@@ -59,10 +61,10 @@ pub fn router(core: Core, settings: ConsoleSettings) -> Router {
         .route("/console/sandboxes/{id}", get(sandboxes::show))
         .route("/console/sandboxes/{id}/action", post(sandboxes::act))
         .route("/console/sandboxes/{id}/terminal", get(terminal::open))
-        .route("/console/sandboxes/{id}/sessions/{sid}", get(sandboxes::session_page))
+        .route("/console/sandboxes/{id}/sessions/{sid}", get(sessions::session_page))
         .route(
             "/console/sandboxes/{id}/sessions/{sid}/output",
-            get(sandboxes::session_output),
+            get(sessions::session_output),
         )
         .route(
             "/console/sandboxes/{id}/files",
