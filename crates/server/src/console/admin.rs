@@ -1,6 +1,6 @@
 //! The platform account's pages: tenants (create, their keys minted and revoked, quotas and
-//! base egress policy shown), the audit log with filters, and the system (nodes and their
-//! budgets, warm pools resized here, templates, webhooks are per tenant: `/v1/webhooks`).
+//! base egress policy set), the audit log with filters, and the system (nodes and their
+//! budgets, warm pools resized here, templates). A tenant's webhooks are on its own pages.
 
 use super::page::{self, csrf, Answer, Refused};
 use super::{signed, ConsoleState, Signed};
@@ -71,9 +71,12 @@ async fn tenant_page(
             core.tenant_detail(admin, name).await?,
             core.list_keys(admin, name).await?,
             core.policy_as_admin(admin, name).await?,
+            core.tenant_quota(name).await?,
         ))
     };
-    let (info, keys, policy) = r.await?;
+    let (info, keys, policy, set) = r.await?;
+    let allow = rules_lines(&crate::core::egress::rules_view(&policy.allow));
+    let deny = rules_lines(&crate::core::egress::rules_view(&policy.deny));
     let q = &info.quota;
     let opt = |v: Option<u64>| v.map(|v| v.to_string()).unwrap_or_else(|| "-".into());
     let body = html! {
@@ -92,9 +95,30 @@ async fn tenant_page(
                 tr { td { "used" } td { (info.usage.sandboxes) } td { (info.usage.vcpu) } td { (info.usage.memory_mib) } td { (info.usage.disk_mib) } }
             }
         }
+        form.card method="post" action={ "/console/admin/tenants/" (info.name) "/quota" } #set-quota {
+            (csrf(s))
+            @for (field, label, v) in [
+                ("sandboxes", "Sandboxes", set.sandboxes.map(u64::from)),
+                ("vcpu", "vCPU", set.vcpu),
+                ("memory_mib", "Memory (MiB)", set.memory_mib),
+                ("disk_mib", "Disk (MiB)", set.disk_mib),
+                ("sessions_per_sandbox", "Sessions a sandbox", set.sessions_per_sandbox.map(u64::from)),
+                ("creates_per_minute", "Creates a minute", set.creates_per_minute.map(u64::from)),
+                ("volume_mib", "Volumes (MiB)", set.volume_mib),
+            ] {
+                label { (label) " " input type="number" min="0" name=(field) value=[v] placeholder="default" size="8"; }
+            }
+            button type="submit" { "Set quota" }
+        }
+        p.note { "Empty: the server's default (the node's budgets always apply)." }
         h2 { "Base egress policy" }
-        pre #policy { (serde_json::to_string_pretty(&policy).unwrap_or_default()) }
-        p.note { "Set with " code { "airlock tenant policy set --tenant " (info.name) } "." }
+        form.card method="post" action={ "/console/admin/tenants/" (info.name) "/policy" } #set-policy {
+            (csrf(s))
+            label { "Allowed out (a name, IP or CIDR a line)" br; textarea name="allow" rows="5" cols="40" { (allow) } }
+            label { "Denied" br; textarea name="deny" rows="5" cols="40" { (deny) } }
+            button type="submit" { "Set policy" }
+        }
+        p.note { "New sandboxes get it; running ones keep theirs." }
         h2 { "Keys" }
         table #keys {
             thead { tr { th { "Key" } th { "Name" } th { "Prefix" } th { "Created" } th { "Last used" } th {} } }
@@ -124,6 +148,94 @@ async fn tenant_page(
         }
     };
     Ok(page::layout(&format!("Tenant {name}"), Some(s), body).into_response())
+}
+
+/// Rules as the policy form shows them: one a line.
+fn rules_lines(r: &crate::model::EgressRules) -> String {
+    r.domains
+        .iter()
+        .chain(&r.ips)
+        .chain(&r.cidrs)
+        .cloned()
+        .collect::<Vec<_>>()
+        .join("\n")
+}
+
+/// The policy form's lines as rules: a CIDR has a `/`, an IP parses as one, the rest are names.
+fn rules_of(text: &str) -> crate::model::EgressRules {
+    let mut r = crate::model::EgressRules::default();
+    for line in text.lines().map(str::trim).filter(|l| !l.is_empty()) {
+        if line.contains('/') {
+            r.cidrs.push(line.to_string());
+        } else if line.parse::<std::net::IpAddr>().is_ok() {
+            r.ips.push(line.to_string());
+        } else {
+            r.domains.push(line.to_string());
+        }
+    }
+    r
+}
+
+#[derive(Deserialize)]
+pub struct QuotaForm {
+    csrf: Option<String>,
+    sandboxes: Option<String>,
+    vcpu: Option<String>,
+    memory_mib: Option<String>,
+    disk_mib: Option<String>,
+    sessions_per_sandbox: Option<String>,
+    creates_per_minute: Option<String>,
+    volume_mib: Option<String>,
+}
+
+pub async fn set_quota(
+    State(state): State<ConsoleState>,
+    headers: HeaderMap,
+    Path(name): Path<String>,
+    Form(f): Form<QuotaForm>,
+) -> Answer {
+    let (s, admin) = admin_of(&state, &headers).await?;
+    s.check_csrf(f.csrf.as_deref())?;
+    fn n<T: std::str::FromStr>(field: &str, v: &Option<String>) -> Result<Option<T>, CoreError> {
+        match v.as_deref().map(str::trim).filter(|v| !v.is_empty()) {
+            None => Ok(None),
+            Some(v) => v
+                .parse()
+                .map(Some)
+                .map_err(|_| CoreError::invalid(field, format!("{v:?} is not a whole number"))),
+        }
+    }
+    let quota = crate::model::Quota {
+        sandboxes: n("sandboxes", &f.sandboxes)?,
+        vcpu: n("vcpu", &f.vcpu)?,
+        memory_mib: n("memory_mib", &f.memory_mib)?,
+        disk_mib: n("disk_mib", &f.disk_mib)?,
+        sessions_per_sandbox: n("sessions_per_sandbox", &f.sessions_per_sandbox)?,
+        creates_per_minute: n("creates_per_minute", &f.creates_per_minute)?,
+        volume_mib: n("volume_mib", &f.volume_mib)?,
+    };
+    state.core.set_quota_as_admin(&admin, &name, quota).await?;
+    Ok(Redirect::to(&format!("/console/admin/tenants/{name}")).into_response())
+}
+
+#[derive(Deserialize)]
+pub struct PolicyForm {
+    csrf: Option<String>,
+    allow: String,
+    deny: String,
+}
+
+pub async fn set_policy(
+    State(state): State<ConsoleState>,
+    headers: HeaderMap,
+    Path(name): Path<String>,
+    Form(f): Form<PolicyForm>,
+) -> Answer {
+    let (s, admin) = admin_of(&state, &headers).await?;
+    s.check_csrf(f.csrf.as_deref())?;
+    let policy = crate::core::egress::tenant_policy_from_rules(&rules_of(&f.allow), &rules_of(&f.deny))?;
+    state.core.set_policy_as_admin(&admin, &name, policy).await?;
+    Ok(Redirect::to(&format!("/console/admin/tenants/{name}")).into_response())
 }
 
 #[derive(Deserialize)]

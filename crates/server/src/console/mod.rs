@@ -75,6 +75,8 @@ pub fn router(core: Core, settings: ConsoleSettings) -> Router {
         .route("/console/admin/tenants/{name}", get(admin::tenant))
         .route("/console/admin/tenants/{name}/keys", post(admin::create_key))
         .route("/console/admin/tenants/{name}/revoke", post(admin::revoke_key))
+        .route("/console/admin/tenants/{name}/quota", post(admin::set_quota))
+        .route("/console/admin/tenants/{name}/policy", post(admin::set_policy))
         .route("/console/admin/audit", get(admin::audit))
         .route("/console/admin/system", get(admin::system))
         .route("/console/admin/pools", post(admin::set_pool))

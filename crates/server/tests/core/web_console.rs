@@ -163,6 +163,48 @@ async fn web_console_signs_in_refuses_and_keeps_tenants_apart() {
     let page = admin.get("/console/admin/tenants/acme").await;
     assert!(!page.body.contains(&acme_key), "a key is shown once");
 
+    // Its quota and base egress policy, set from the console.
+    let quota = [("sandboxes", "3"), ("vcpu", ""), ("memory_mib", "4096")];
+    let page = admin.post("/console/admin/tenants/acme/quota", &quota).await;
+    assert_eq!(page.status, 403, "no token");
+    let mut with = quota.to_vec();
+    with.push(("csrf", &csrf));
+    let page = admin.post("/console/admin/tenants/acme/quota", &with).await;
+    assert_eq!(page.status, 303, "{}", page.body);
+    let (_, q) = server
+        .admin_json(&admin_token, Method::GET, "/tenants/acme/quota", None)
+        .await;
+    assert_eq!(
+        (q["sandboxes"].as_u64(), q["memory_mib"].as_u64()),
+        (Some(3), Some(4096)),
+        "{q}"
+    );
+    assert!(q["vcpu"].is_null(), "{q}");
+    let policy = [
+        ("allow", "allowed.test\n192.0.2.7\n198.51.100.0/24\n"),
+        ("deny", "evil.test"),
+        ("csrf", csrf.as_str()),
+    ];
+    let page = admin.post("/console/admin/tenants/acme/policy", &policy).await;
+    assert_eq!(page.status, 303, "{}", page.body);
+    let (_, p) = server
+        .admin_json(&admin_token, Method::GET, "/tenants/acme/egress", None)
+        .await;
+    assert_eq!(p["allow"]["domains"], json!(["allowed.test"]), "{p}");
+    assert_eq!(p["allow"]["ips"], json!(["192.0.2.7"]), "{p}");
+    assert_eq!(p["allow"]["cidrs"], json!(["198.51.100.0/24"]), "{p}");
+    assert_eq!(p["deny"]["domains"], json!(["evil.test"]), "{p}");
+    let page = admin
+        .post(
+            "/console/admin/tenants/acme/policy",
+            &[("allow", "*.wild.test"), ("deny", ""), ("csrf", &csrf)],
+        )
+        .await;
+    assert_eq!(page.status, 400, "a wildcard is refused: {}", page.body);
+    assert!(page.body.contains("invalid_egress") && page.body.contains("list each exact name"));
+    let page = admin.get("/console/admin/tenants/acme").await;
+    assert!(page.body.contains("allowed.test") && page.body.contains("value=\"4096\""));
+
     // Signing out ends the session: its cookie opens nothing afterwards.
     let old = admin.cookies.clone();
     let page = admin.post("/console/logout", &[("csrf", &csrf)]).await;
