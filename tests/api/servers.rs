@@ -465,6 +465,15 @@ pub(crate) fn a_replica_drives_a_node_in_its_own_process() {
 /// `airlock node` on `data`, listening on `addr` with `secret` (and `extra` flags), its output
 /// appended to `data/node.log`; returns once it listens.
 fn start_node(data: &Path, addr: &str, secret: &Path, extra: &[&str]) -> ChildGuard {
+    // The node binds its listener before it opens its runtime (a first start probes for KVM,
+    // 10 s here): it answers once it logs that it serves, so that is what is waited for.
+    let serving = |data: &Path| {
+        std::fs::read_to_string(data.join("node.log"))
+            .unwrap_or_default()
+            .matches("serving on")
+            .count()
+    };
+    let served_before = serving(data);
     let log = std::fs::OpenOptions::new()
         .create(true)
         .append(true)
@@ -484,10 +493,10 @@ fn start_node(data: &Path, addr: &str, secret: &Path, extra: &[&str]) -> ChildGu
             .unwrap(),
     );
     let deadline = Instant::now() + Duration::from_secs(120);
-    while std::net::TcpStream::connect(addr).is_err() {
+    while std::net::TcpStream::connect(addr).is_err() || serving(data) <= served_before {
         assert!(
             Instant::now() < deadline,
-            "the node did not listen; see {}",
+            "the node did not serve; see {}",
             data.join("node.log").display()
         );
         std::thread::sleep(Duration::from_millis(100));
