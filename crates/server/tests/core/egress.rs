@@ -161,7 +161,7 @@ async fn egress_report_shows_the_effective_policy_and_is_404_for_foreign_sandbox
     // Nothing proxied yet: zero counters, no denials.
     assert_eq!(
         r["counters"],
-        json!({"tcp_allowed": 0, "tcp_denied": 0, "dns_allowed": 0, "dns_denied": 0, "by_rule": {}})
+        json!({"tcp_allowed": 0, "tcp_denied": 0, "dns_allowed": 0, "dns_denied": 0, "bytes_sent": 0, "bytes_received": 0, "by_rule": {}})
     );
     assert_eq!(r["recent_denials"], json!([]));
     // The tenant's policy changing later does not reach a live sandbox.
