@@ -196,23 +196,14 @@ pub async fn set_quota(
 ) -> Answer {
     let (s, admin) = admin_of(&state, &headers).await?;
     s.check_csrf(f.csrf.as_deref())?;
-    fn n<T: std::str::FromStr>(field: &str, v: &Option<String>) -> Result<Option<T>, CoreError> {
-        match v.as_deref().map(str::trim).filter(|v| !v.is_empty()) {
-            None => Ok(None),
-            Some(v) => v
-                .parse()
-                .map(Some)
-                .map_err(|_| CoreError::invalid(field, format!("{v:?} is not a whole number"))),
-        }
-    }
     let quota = crate::model::Quota {
-        sandboxes: n("sandboxes", &f.sandboxes)?,
-        vcpu: n("vcpu", &f.vcpu)?,
-        memory_mib: n("memory_mib", &f.memory_mib)?,
-        disk_mib: n("disk_mib", &f.disk_mib)?,
-        sessions_per_sandbox: n("sessions_per_sandbox", &f.sessions_per_sandbox)?,
-        creates_per_minute: n("creates_per_minute", &f.creates_per_minute)?,
-        volume_mib: n("volume_mib", &f.volume_mib)?,
+        sandboxes: page::form_number("sandboxes", f.sandboxes.as_deref())?,
+        vcpu: page::form_number("vcpu", f.vcpu.as_deref())?,
+        memory_mib: page::form_number("memory_mib", f.memory_mib.as_deref())?,
+        disk_mib: page::form_number("disk_mib", f.disk_mib.as_deref())?,
+        sessions_per_sandbox: page::form_number("sessions_per_sandbox", f.sessions_per_sandbox.as_deref())?,
+        creates_per_minute: page::form_number("creates_per_minute", f.creates_per_minute.as_deref())?,
+        volume_mib: page::form_number("volume_mib", f.volume_mib.as_deref())?,
     };
     state.core.set_quota_as_admin(&admin, &name, quota).await?;
     Ok(Redirect::to(&format!("/console/admin/tenants/{name}")).into_response())

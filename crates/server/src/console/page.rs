@@ -139,3 +139,14 @@ pub fn age(ms: i64) -> String {
 pub fn time(ms: i64) -> String {
     crate::records::rfc3339(ms)
 }
+
+/// An optional whole number from a form field (empty is none), refused by the field's name.
+pub fn form_number<T: std::str::FromStr>(field: &str, v: Option<&str>) -> Result<Option<T>, CoreError> {
+    match v.map(str::trim).filter(|v| !v.is_empty()) {
+        None => Ok(None),
+        Some(v) => v
+            .parse()
+            .map(Some)
+            .map_err(|_| CoreError::invalid(field, format!("{v:?} is not a whole number"))),
+    }
+}

@@ -144,17 +144,6 @@ pub struct CreateForm {
     timeout: Option<String>,
 }
 
-/// An optional number from a form field (empty is none).
-fn number(field: &str, v: Option<&str>) -> Result<Option<u32>, CoreError> {
-    match v.map(str::trim).filter(|v| !v.is_empty()) {
-        None => Ok(None),
-        Some(v) => v
-            .parse()
-            .map(Some)
-            .map_err(|_| CoreError::invalid(field, format!("{v:?} is not a whole number"))),
-    }
-}
-
 pub async fn create(State(state): State<ConsoleState>, headers: HeaderMap, Form(f): Form<CreateForm>) -> Answer {
     let s = signed(&state, &headers, true).await?;
     s.check_csrf(f.csrf.as_deref())?;
@@ -170,8 +159,8 @@ pub async fn create(State(state): State<ConsoleState>, headers: HeaderMap, Form(
         Ok(CreateSandbox {
             template: f.template.clone(),
             runtime: None,
-            vcpu: number("vcpu", f.vcpu.as_deref())?,
-            memory_mib: number("memory_mib", f.memory_mib.as_deref())?,
+            vcpu: page::form_number("vcpu", f.vcpu.as_deref())?,
+            memory_mib: page::form_number("memory_mib", f.memory_mib.as_deref())?,
             disk_mib: None,
             timeout,
             env: Default::default(),
