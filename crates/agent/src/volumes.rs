@@ -47,7 +47,7 @@ pub fn mount_volume(req: &MountVolume) -> Result<(), AgentError> {
     } else {
         None
     };
-    mount(Some(dev.as_str()), &path, Some("ext4"), flags, data)
+    mount_settled(&dev, &path, flags, data)
         .map_err(|e| AgentError::internal(format!("mount {dev} (volume {}) on {p}: {e}", req.serial)))?;
     if !req.read_only {
         grow(&device, &path)?;
@@ -73,6 +73,20 @@ pub fn mount_volume(req: &MountVolume) -> Result<(), AgentError> {
         .map_err(|e| AgentError::internal(format!("remount {a} nosymfollow: {e}")))?;
     crate::boot::log(&format!("volume {} ({dev}) mounted on {p}", req.serial));
     Ok(())
+}
+
+/// Mount `dev`, waiting out a disk the SCSI scan has named but not yet brought up: its node and
+/// serial show before the disk opens, and an open in between is ENXIO (seen under TCG).
+fn mount_settled(dev: &str, path: &Path, flags: MsFlags, data: Option<&str>) -> nix::Result<()> {
+    let start = Instant::now();
+    loop {
+        match mount(Some(dev), path, Some("ext4"), flags, data) {
+            Err(nix::errno::Errno::ENXIO | nix::errno::Errno::ENOMEDIUM) if start.elapsed() < FIND_DISK => {
+                std::thread::sleep(Duration::from_millis(50))
+            }
+            other => return other,
+        }
+    }
 }
 
 /// The `/dev/sdX` whose SCSI serial (VPD page 0x80) is `serial`, waiting for the scan.

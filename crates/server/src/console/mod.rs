@@ -80,7 +80,24 @@ pub fn router(core: Core, settings: ConsoleSettings) -> Router {
         .route("/console/admin/audit", get(admin::audit))
         .route("/console/admin/system", get(admin::system))
         .route("/console/admin/pools", post(admin::set_pool))
+        .layer(axum::middleware::map_response(page_headers))
         .with_state(state)
+}
+
+/// On every console answer: never framed by another site (its buttons delete things), no
+/// referrer beyond the console, and pages (a new key is on one) kept by no cache; the assets
+/// set their own caching.
+async fn page_headers(mut r: Response) -> Response {
+    let h = r.headers_mut();
+    h.insert(header::X_FRAME_OPTIONS, HeaderValue::from_static("DENY"));
+    h.insert(
+        header::CONTENT_SECURITY_POLICY,
+        HeaderValue::from_static("frame-ancestors 'none'"),
+    );
+    h.insert(header::REFERRER_POLICY, HeaderValue::from_static("same-origin"));
+    h.entry(header::CACHE_CONTROL)
+        .or_insert(HeaderValue::from_static("no-store"));
+    r
 }
 
 /// Who a signed-in console request acts as.

@@ -132,6 +132,9 @@ async fn web_console_signs_in_refuses_and_keeps_tenants_apart() {
         "{}",
         page.body
     );
+    let resp = server.send(Method::GET, "/console/login", &[], Body::empty()).await;
+    assert_eq!(resp.headers["x-frame-options"], "DENY");
+    assert_eq!(resp.headers["cache-control"], "no-store");
     let page = admin.get("/console/admin").await;
     assert_eq!(page.status, 200);
     assert!(page.body.contains("root@local"));
