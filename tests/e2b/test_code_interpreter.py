@@ -196,6 +196,27 @@ def test_matplotlib_png_and_chart(ci):
     assert [list(map(float, p)) for p in chart.elements[0].points] == [[1, 3], [2, 1], [3, 2]]
 
 
+def test_a_figure_of_several_charts_is_a_superchart(ci):
+    """E2B's superchart test: one figure, a line and a scatter, each read out as its own chart."""
+    ex = ci.run_code(
+        "import matplotlib.pyplot as plt\nimport numpy as np\n"
+        "fig, axs = plt.subplots(1, 2, figsize=(10, 8))\nfig.suptitle('Multiple Charts Example', fontsize=16)\n"
+        "x1 = np.linspace(0, 10, 100)\naxs[0].plot(x1, np.sin(x1), 'r')\naxs[0].set_title('Sine Wave')\n"
+        "axs[0].grid(True)\naxs[1].scatter(np.random.rand(5), np.random.rand(5), c='blue', label='Dataset 1')\n"
+        "axs[1].set_xlabel('X')\naxs[1].set_ylabel('Y')\naxs[1].set_title('Scatter Plot')\naxs[1].grid(True)\n"
+        "plt.show()", timeout=300)
+    assert ex.error is None, ex.error
+    chart = ex.results[0].chart
+    assert chart is not None, ex.results
+    from e2b_code_interpreter.charts import LineChart, ScatterChart, SuperChart
+
+    assert isinstance(chart, SuperChart) and chart.title == "Multiple Charts Example"
+    line, scatter = chart.elements
+    assert isinstance(line, LineChart) and line.title == "Sine Wave" and len(line.elements[0].points) == 100
+    assert isinstance(scatter, ScatterChart) and (scatter.x_label, scatter.y_label) == ("X", "Y")
+    assert len(scatter.elements) == 1 and len(scatter.elements[0].points) == 5
+
+
 def test_dataframe_gives_data(ci):
     ex = ci.run_code("import pandas as pd\npd.DataFrame({'a': [1, 2, 3], 'b': ['x', 'y', 'z']})", timeout=300)
     assert ex.error is None, ex.error

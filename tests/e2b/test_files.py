@@ -66,6 +66,39 @@ def test_watch_reports_chmod_and_newer_sdks_get_entries(sbx):
         assert create.entry is not None and create.entry.name == "g.txt"
 
 
+def _events(handle, n, within=10):
+    """The watch's events once `n` have come, and whatever follows within a short quiet time."""
+    got = []
+    deadline = time.time() + within
+    while len(got) < n and time.time() < deadline:
+        got += handle.get_new_events()
+        time.sleep(0.1)
+    time.sleep(0.5)
+    got += handle.get_new_events()
+    return [(e.name, e.type.name) for e in got]
+
+
+def test_watch_events_are_envds_for_writes_renames_and_removes(sbx):
+    """The sequences E2B's own tests count (envd's fsnotify): a write is create (or a
+    truncating write), chmod (envd gives the file to its user), write."""
+    d = f"/home/user/envd-watch-{uuid.uuid4().hex[:6]}"
+    sbx.files.make_dir(f"{d}/nested")
+    handle = sbx.files.watch_dir(d)
+    sbx.files.write(f"{d}/f.txt", "new")
+    assert _events(handle, 3) == [("f.txt", "CREATE"), ("f.txt", "CHMOD"), ("f.txt", "WRITE")]
+    sbx.files.write(f"{d}/f.txt", "again")
+    assert _events(handle, 3) == [("f.txt", "WRITE"), ("f.txt", "CHMOD"), ("f.txt", "WRITE")]
+    sbx.files.rename(f"{d}/f.txt", f"{d}/g.txt")
+    assert _events(handle, 2) == [("f.txt", "RENAME"), ("g.txt", "CREATE")]
+    sbx.files.remove(f"{d}/g.txt")
+    assert _events(handle, 1) == [("g.txt", "REMOVE")]
+    handle.stop()
+    deep = sbx.files.watch_dir(d, recursive=True)
+    sbx.files.write(f"{d}/nested/n.txt", "deep")
+    assert _events(deep, 3) == [("nested/n.txt", "CREATE"), ("nested/n.txt", "CHMOD"), ("nested/n.txt", "WRITE")]
+    deep.stop()
+
+
 def test_file_metadata_round_trips(sbx):
     skip_unless_sdk_has("metadata" in inspect.signature(sbx.files.write).parameters, "files.write(metadata=)")
     p = f"/home/user/meta-{uuid.uuid4().hex[:6]}.txt"
@@ -96,6 +129,9 @@ def test_signed_urls_work_under_the_sandbox_url(airlock_server):
         down = s.download_url(p, use_signature_expiration=120)
         r = httpx.get(down)
         assert (r.status_code, r.content) == (200, b"signed upload")
+        # A genuine signature past its time: envd's exact answer.
+        r = httpx.get(s.download_url(p, use_signature_expiration=-10))
+        assert (r.status_code, r.json()) == (401, {"code": 401, "message": "signature is already expired"})
         # Another path than the signed one is refused as a missing sandbox would be.
         r = httpx.get(down.replace(p.replace("/", "%2F"), "%2Fetc%2Fshadow"))
         assert r.status_code == 502, r.text

@@ -6,6 +6,8 @@ import uuid
 import inspect
 import subprocess
 
+import httpx
+
 import pytest
 from conftest import skip_unless_sdk_has
 from e2b import CommandExitException, Sandbox, SandboxQuery
@@ -91,6 +93,31 @@ def test_pty_create_send_resize(sbx):
     text = out.decode(errors="replace")
     assert "50 132" in text, text
     assert result["r"].exit_code == 5
+
+
+def test_async_pty_disconnect_and_connect_again(sbx):
+    """E2B's async `test_connect_to_pty`: a PTY left by one handle is taken up by another,
+    which gets its output and its exit."""
+    import asyncio
+
+    from e2b import AsyncSandbox
+    from e2b.sandbox.commands.command_handle import PtySize
+
+    async def run():
+        s = await AsyncSandbox.connect(sbx.sandbox_id)
+        first, second = [], []
+        terminal = await s.pty.create(PtySize(80, 24), on_data=lambda x: first.append(x.decode()),
+                                      envs={"FOO": "bar"})
+        await s.pty.send_stdin(terminal.pid, b"echo $FOO\n")
+        await asyncio.sleep(0.3)
+        await terminal.disconnect()
+        again = await s.pty.connect(terminal.pid, on_data=lambda x: second.append(x.decode()))
+        await s.pty.send_stdin(terminal.pid, b"echo $FOO\nexit\n")
+        await again.wait()
+        assert again.pid == terminal.pid and again.exit_code == 0
+        assert "bar" in "".join(first) and "bar" in "".join(second), (first, second)
+
+    asyncio.run(asyncio.wait_for(run(), 60))
 
 
 def test_files_text_bytes_large_and_many(sbx):
@@ -243,7 +270,7 @@ def test_watch_dir_reports_changes(sbx):
     assert ("new.txt", "REMOVE") in names, names
 
 
-def test_lifecycle_timeout_info_list_connect(sbx):
+def test_lifecycle_timeout_info_list_connect(sbx, airlock_server):
     tag = uuid.uuid4().hex[:8]
     s = Sandbox.create(timeout=120, metadata={"run": tag})
     try:
@@ -253,6 +280,12 @@ def test_lifecycle_timeout_info_list_connect(sbx):
         found = Sandbox.list(query=SandboxQuery(metadata={"run": tag})).next_items()
         assert [x.sandbox_id for x in found] == [s.sandbox_id]
         assert Sandbox.list(query=SandboxQuery(metadata={"run": "nobody"})).next_items() == []
+        # E2B's v1 list (`GET /sandboxes`, still in its spec): running sandboxes, by metadata.
+        v1 = httpx.get(airlock_server["url"] + "/sandboxes", params={"metadata": f"run={tag}"},
+                       headers={"X-API-KEY": airlock_server["key"]})
+        assert v1.status_code == 200, v1.text
+        assert [(x["sandboxID"], x["metadata"]) for x in v1.json()] == [(s.sandbox_id, {"run": tag})]
+        assert v1.json()[0]["state"] == "running"
         other = Sandbox.connect(s.sandbox_id)
         assert other.commands.run("echo connected").stdout == "connected\n"
         assert other.files.write("/tmp/c.txt", "via connect").path == "/tmp/c.txt"

@@ -297,22 +297,52 @@ fn is_staging(path: &Path) -> bool {
 /// Targets an upload just renamed into place, and whether each existed before, so watchers report
 /// the upload as the create/write a user expects rather than as a rename of a hidden file. Every
 /// watcher sees the rename, so entries expire by age instead of being taken by the first.
-static LANDED_UPLOADS: std::sync::Mutex<Vec<(PathBuf, bool, std::time::Instant)>> = std::sync::Mutex::new(Vec::new());
+static LANDED_UPLOADS: std::sync::Mutex<Vec<(PathBuf, Landing, std::time::Instant)>> =
+    std::sync::Mutex::new(Vec::new());
 
-/// Record an upload about to land on `target` (call right before the rename).
-pub fn note_upload_landing(target: &Path, existed: bool) {
-    let mut landed = LANDED_UPLOADS.lock().unwrap_or_else(|e| e.into_inner());
-    landed.retain(|(_, _, at)| at.elapsed() < std::time::Duration::from_secs(30));
-    landed.push((target.to_path_buf(), existed, std::time::Instant::now()));
+/// What an upload landing on its target did there, for the events a watcher is told.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Landing {
+    /// The target was there before (its content replaced) rather than created.
+    pub existed: bool,
+    /// The new content has bytes (an empty one is never written to).
+    pub has_bytes: bool,
 }
 
-fn landed_upload(target: &Path) -> Option<bool> {
+impl Landing {
+    /// The events envd's write makes, which E2B's SDK tests count: it opens the target with
+    /// `O_CREAT|O_TRUNC` (a create when new; a truncation, a write, when not), gives it to the
+    /// user (a chmod, inotify's IN_ATTRIB), then writes the bytes (a write, when there are any).
+    fn events(self) -> Vec<WatchEventKind> {
+        let mut kinds = vec![
+            if self.existed {
+                WatchEventKind::Write
+            } else {
+                WatchEventKind::Create
+            },
+            WatchEventKind::Chmod,
+        ];
+        if self.has_bytes {
+            kinds.push(WatchEventKind::Write);
+        }
+        kinds
+    }
+}
+
+/// Record an upload about to land on `target` (call right before the rename).
+pub fn note_upload_landing(target: &Path, landing: Landing) {
+    let mut landed = LANDED_UPLOADS.lock().unwrap_or_else(|e| e.into_inner());
+    landed.retain(|(_, _, at)| at.elapsed() < std::time::Duration::from_secs(30));
+    landed.push((target.to_path_buf(), landing, std::time::Instant::now()));
+}
+
+fn landed_upload(target: &Path) -> Option<Landing> {
     let landed = LANDED_UPLOADS.lock().unwrap_or_else(|e| e.into_inner());
     landed
         .iter()
         .rev()
         .find(|(p, _, _)| p == target)
-        .map(|(_, existed, _)| *existed)
+        .map(|(_, landing, _)| *landing)
 }
 
 pub fn rename(from: &Path, to: &Path) -> Result<(), AgentError> {
@@ -334,22 +364,18 @@ pub fn translate(event: &notify::Event) -> Vec<WatchEvent> {
         path: p.to_string_lossy().to_string(),
         entry: None,
     };
-    // An upload landing (staging file renamed onto its target): a write, and a create if new.
+    // An upload landing (staging file renamed onto its target): the events of envd's write.
     if let K::Modify(ModifyKind::Name(RenameMode::To)) = event.kind {
-        if let Some(existed) = event.paths.first().and_then(|p| landed_upload(p)) {
+        if let Some(landing) = event.paths.first().and_then(|p| landed_upload(p)) {
             let p = &event.paths[0];
-            return match existed {
-                true => vec![event_at(WatchEventKind::Write, p)],
-                false => vec![event_at(WatchEventKind::Create, p), event_at(WatchEventKind::Write, p)],
-            };
+            return landing.events().into_iter().map(|k| event_at(k, p)).collect();
         }
     }
     let kind = match event.kind {
-        // The paired from+to report of a landing upload repeats the `To` event handled above.
-        K::Modify(ModifyKind::Name(RenameMode::Both)) if event.paths.first().is_some_and(|p| is_staging(p)) => {
-            return Vec::new()
-        }
-        K::Create(_) => WatchEventKind::Create,
+        // notify pairs a move's two halves into one more report; envd (fsnotify) has none.
+        K::Modify(ModifyKind::Name(RenameMode::Both)) => return Vec::new(),
+        // As fsnotify: the name moved away is renamed, the name moved to is created.
+        K::Create(_) | K::Modify(ModifyKind::Name(RenameMode::To)) => WatchEventKind::Create,
         K::Modify(ModifyKind::Name(_)) => WatchEventKind::Rename,
         K::Modify(ModifyKind::Metadata(_)) => WatchEventKind::Chmod,
         K::Modify(_) => WatchEventKind::Write,
@@ -443,6 +469,71 @@ impl RecursiveCatchUp {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// What a real inotify watch on `dir` reports, translated, while `act` runs.
+    fn watched(dir: &Path, act: impl FnOnce()) -> Vec<(WatchEventKind, String)> {
+        use notify::Watcher;
+        let (tx, rx) = std::sync::mpsc::channel();
+        let mut w = notify::recommended_watcher(move |r: notify::Result<notify::Event>| {
+            if let Ok(ev) = r {
+                for e in translate(&ev) {
+                    let _ = tx.send(e);
+                }
+            }
+        })
+        .unwrap();
+        w.watch(dir, notify::RecursiveMode::NonRecursive).unwrap();
+        act();
+        let mut got = Vec::new();
+        while let Ok(e) = rx.recv_timeout(std::time::Duration::from_millis(300)) {
+            let name = Path::new(&e.path).file_name().unwrap().to_string_lossy().to_string();
+            got.push((e.kind, name));
+        }
+        got
+    }
+
+    /// Land `content` on `target` as an upload does: staged beside it, then renamed over it.
+    fn land(target: &Path, content: &[u8]) {
+        let staging = Staging::beside(target);
+        std::fs::write(&staging.0, content).unwrap();
+        note_upload_landing(
+            target,
+            Landing {
+                existed: target.exists(),
+                has_bytes: !content.is_empty(),
+            },
+        );
+        std::fs::rename(&staging.0, target).unwrap();
+    }
+
+    #[test]
+    fn watch_events_are_envds_for_writes_renames_and_removes() {
+        use WatchEventKind::*;
+        let d = tempfile::tempdir().unwrap();
+        let dir = std::fs::canonicalize(d.path()).unwrap();
+        let f = dir.join("f.txt");
+        let s = |k, n: &str| (k, n.to_string());
+        // New, then overwritten, then emptied: as envd's open(O_CREAT|O_TRUNC), chown, write.
+        assert_eq!(
+            watched(&dir, || land(&f, b"one")),
+            [s(Create, "f.txt"), s(Chmod, "f.txt"), s(Write, "f.txt")]
+        );
+        assert_eq!(
+            watched(&dir, || land(&f, b"two")),
+            [s(Write, "f.txt"), s(Chmod, "f.txt"), s(Write, "f.txt")]
+        );
+        assert_eq!(watched(&dir, || land(&f, b"")), [s(Write, "f.txt"), s(Chmod, "f.txt")]);
+        // A rename: the old name renamed, the new one created (fsnotify's IN_MOVED_FROM/TO).
+        let g = dir.join("g.txt");
+        assert_eq!(
+            watched(&dir, || rename(&f, &g).unwrap()),
+            [s(Rename, "f.txt"), s(Create, "g.txt")]
+        );
+        assert_eq!(
+            watched(&dir, || std::fs::remove_file(&g).unwrap()),
+            [s(Remove, "g.txt")]
+        );
+    }
 
     #[test]
     fn clean_path_rejects_relative_and_parent_components() {

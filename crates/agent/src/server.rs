@@ -345,7 +345,14 @@ async fn receive_upload(
         std::fs::set_permissions(staging, std::fs::Permissions::from_mode(mode))
             .map_err(|e| AgentError::io(shown, e))?;
     }
-    files::note_upload_landing(target, existing.is_some());
+    let has_bytes = std::fs::metadata(staging).is_ok_and(|m| m.len() > 0);
+    files::note_upload_landing(
+        target,
+        files::Landing {
+            existed: existing.is_some(),
+            has_bytes,
+        },
+    );
     std::fs::rename(staging, target).map_err(|e| AgentError::io(shown, e))
 }
 

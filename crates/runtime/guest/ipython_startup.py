@@ -46,6 +46,10 @@ def _airlock_setup():
 
             if not isinstance(obj, Figure):
                 return super().__call__(obj)
+            if not hasattr(Figure, "get_suptitle"):
+                # matplotlib 3.8's getter, which e2b-charts reads a figure of several charts
+                # (its "superchart") with; Debian 12 ships 3.6.
+                Figure.get_suptitle = lambda fig: fig._suptitle.get_text() if fig._suptitle is not None else ""
             try:
                 from e2b_charts import chart_figure_to_dict
 

@@ -241,7 +241,7 @@ pub fn router(state: AppState) -> Router {
     // The E2B door on the same listener: its control plane (X-API-KEY) and envd (per-sandbox
     // access token); paths do not collide with /v1 or with each other.
     let e2b_api = Router::new()
-        .route("/sandboxes", post(e2b::control::create))
+        .route("/sandboxes", post(e2b::control::create).get(e2b::control::list_v1))
         .route("/sandboxes/{id}", get(e2b::control::get).delete(e2b::control::kill))
         .route("/sandboxes/{id}/timeout", post(e2b::control::set_timeout))
         .route("/sandboxes/{id}/connect", post(e2b::control::connect))

@@ -18,7 +18,7 @@
 //! [`BaseSnapshots`] owns the builds (which keys are being built or failed, the builder VMs
 //! running now). Uses `launch.rs` to boot a builder and `saved.rs` for the format.
 
-use super::launch::{start_template_process, Launcher, Source};
+use super::launch::{start_template_process, warm_first_shell, Launcher, Source};
 use super::saved::{Manifest, SavedMachine, SAVE_LIMIT};
 use crate::agent::AgentClient;
 use crate::datadir::random_hex;
@@ -33,8 +33,8 @@ use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant, SystemTime};
 
-/// Bumped when what a snapshot holds, or how it is restored, changes.
-pub const FORMAT: u32 = 1;
+/// Bumped when what a snapshot holds, or how it is restored, changes (2: a login shell has run).
+pub const FORMAT: u32 = 2;
 /// The prefix of a build's working dir.
 pub const BUILD_PREFIX: &str = ".build-";
 
@@ -308,6 +308,7 @@ impl BaseSnapshots {
             if let Some(start) = &template.manifest.start {
                 start_template_process(&client, start, limit).await?;
             }
+            warm_first_shell(&client).await;
             // Saved between sessions: a clone's host starts a new one.
             drop(client);
             tokio::time::sleep(Duration::from_millis(300)).await;

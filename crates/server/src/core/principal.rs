@@ -368,7 +368,7 @@ impl Core {
             return Err(CoreError::not_found(Kind::Sandbox, &sandbox.id));
         }
         if url.expiration.is_some_and(|e| e < crate::records::now_ms() / 1000) {
-            return Err(CoreError::Unauthenticated("signature expired".into()));
+            return Err(CoreError::Unauthenticated("signature is already expired".into()));
         }
         Ok(())
     }

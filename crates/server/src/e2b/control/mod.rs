@@ -562,6 +562,41 @@ pub async fn list_v2(
     Ok(resp)
 }
 
+/// `GET /sandboxes` (E2B's v1 list, still in its spec): every running sandbox of the team, a
+/// `metadata` filter, no paging; the same answer items as `/v2/sandboxes`.
+pub async fn list_v1(
+    State(state): State<E2bState>,
+    Extension(tenant): Extension<Tenant>,
+    Query(q): Query<MetadataQuery>,
+) -> Result<Response> {
+    let metadata = q.metadata.as_deref().map(parse_metadata_filter).unwrap_or_default();
+    let mut items = Vec::new();
+    let mut page_token = None;
+    loop {
+        let page = state
+            .core
+            .list_sandboxes(
+                &tenant,
+                ListSandboxes {
+                    states: vec![SandboxState::Running],
+                    metadata: metadata.clone(),
+                    page_token,
+                    limit: 100,
+                    newest_first: true,
+                    ..Default::default()
+                },
+            )
+            .await?;
+        for row in &page.sandboxes {
+            items.push(sandbox_detail(&state, row, None).await?);
+        }
+        match page.next_page_token {
+            Some(next) => page_token = Some(next),
+            None => return Ok(Json(items).into_response()),
+        }
+    }
+}
+
 /// `GET /sandboxes/{id}/metrics?start=&end=` (Unix seconds, both optional: the sandbox's life
 /// so far by default), from the core's sampled history.
 pub async fn metrics(

@@ -80,6 +80,12 @@ pub struct TimeoutBody {
 
 #[derive(Debug, Deserialize)]
 #[serde(rename_all = "camelCase")]
+pub struct MetadataQuery {
+    pub metadata: Option<String>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(rename_all = "camelCase")]
 pub struct ListQuery {
     pub metadata: Option<String>,
     pub state: Option<String>,
