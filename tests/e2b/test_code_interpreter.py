@@ -1,5 +1,6 @@
 """Unmodified e2b-code-interpreter calls against airlock's `code-interpreter-v1` template: E2B's
-code-interpreter API over real Jupyter kernels (IPython for python, bash_kernel for bash).
+code-interpreter API over real Jupyter kernels (IPython for python, bash_kernel for bash, IRkernel
+for R).
 
 Newer e2b-code-interpreter versions send `/execute` to E2B_SANDBOX_URL with
 `E2b-Sandbox-Id`/`E2b-Sandbox-Port: 49999` headers. Older ones (2.6.2 among them) only know
@@ -277,6 +278,35 @@ def test_bash_language(ci):
     assert ci.run_code("echo $((AIRLOCK_X * 2))", language="bash").logs.stdout == ["10\n"]
     assert ci.run_code("echo $AIRLOCK_E", language="bash", envs={"AIRLOCK_E": "a b"}).logs.stdout == ["a b\n"]
     assert ci.run_code("echo ${AIRLOCK_E-unset}", language="bash").logs.stdout == ["unset\n"]
+
+
+def test_r_language(ci):
+    """R on Debian's IRkernel: output as R prints it, envs for one execution (E2B's env_vars
+    tests for R), state across cells, an error with its message, an interrupt, a context with a
+    working directory."""
+    ex = ci.run_code('print("x")', language="r", timeout=300)
+    assert ex.error is None, ex.error
+    assert ex.logs.stdout == ['[1] "x"\n']
+    ex = ci.run_code('Sys.getenv("FOO")', envs={"FOO": "bar"}, language="r")
+    assert ex.results[0].text.strip() == '[1] "bar"'
+    ex = ci.run_code('Sys.getenv("FOO", unset = "default")', language="r")
+    assert ex.results[0].text.strip() == '[1] "default"'
+    assert ci.run_code('Sys.getenv("AIRLOCK_SANDBOX_ENV")', language="r").results[0].text.strip() == '[1] "from create"'
+    assert ci.run_code("y <- 21", language="r").error is None
+    assert ci.run_code("y * 2", language="r").results[0].text.strip() == "[1] 42"
+    ex = ci.run_code('stop("no such thing")', language="r")
+    assert ex.error is not None and "no such thing" in ex.error.value, ex.error
+    ctx = ci.create_code_context(language="r", cwd="/tmp")
+    try:
+        assert ci.run_code("getwd()", context=ctx).results[0].text.strip() == '[1] "/tmp"'
+        if header_routed():
+            from e2b import TimeoutException
+
+            with pytest.raises(TimeoutException):
+                ci.run_code("while (TRUE) Sys.sleep(0.05)", context=ctx, timeout=5)
+            assert ci.run_code("1 + 1", context=ctx, timeout=30).results[0].text.strip() == "[1] 2"
+    finally:
+        ci.remove_code_context(ctx)
 
 
 def test_bash_context_with_cwd(ci):

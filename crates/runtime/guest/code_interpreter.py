@@ -315,6 +315,15 @@ class Context:
                 else:
                     lines.append(f"export {k}={shlex.quote(base[k] if restore else str(v))}")
             return "\n".join(lines)
+        if self.language == "r":
+            # A JSON string is an R string literal; a quoted name is a valid argument name.
+            lines = []
+            for k, v in env_vars.items():
+                if restore and k not in base:
+                    lines.append(f"Sys.unsetenv({json.dumps(k)})")
+                else:
+                    lines.append(f"Sys.setenv({json.dumps(k)} = {json.dumps(base[k] if restore else str(v))})")
+            return "invisible({" + "; ".join(lines) + "})" if lines else ""
         return ""
 
     def reseed_code(self):
@@ -323,6 +332,8 @@ class Context:
                     "m['numpy'].random.seed() if 'numpy' in m else None))(__import__('sys').modules)")
         if self.language == "bash":
             return "RANDOM=$SRANDOM"
+        if self.language == "r":
+            return "set.seed(NULL)"  # as if never seeded: the next draw seeds from time and pid
         return ""
 
     async def execute(self, code, env_vars, emit, gone):

@@ -24,7 +24,7 @@ const BASE_EXTRA_PACKAGES: &[&str] = &[
 /// `debootstrap --include`.
 const BASE_APT_PACKAGES: &[&str] = &["npm"];
 /// `seed` + Jupyter (ipykernel, jupyter_client), pandas, matplotlib, E2B's chart extraction
-/// (`e2b-charts`) and a bash kernel, with airlock's code interpreter on port 49999: E2B's API
+/// (`e2b-charts`), a bash kernel and R's, with airlock's code interpreter on port 49999: E2B's API
 /// over a kernel per context (E2B's `code-interpreter-v1`).
 pub const CODE_INTERPRETER: &str = "code-interpreter-v1";
 /// Port the code interpreter listens on inside the sandbox (E2B's Jupyter port).
@@ -50,6 +50,9 @@ const CODE_INTERPRETER_PACKAGES: &[&str] = &[
     "python3-cffi-backend",
     "libboost-regex1.74.0",
 ];
+/// R and its Jupyter kernel (Debian's IRkernel, kernelspec `ir`): by apt, for R's web of
+/// dependencies debootstrap does not configure.
+const CODE_INTERPRETER_APT_PACKAGES: &[&str] = &["r-base-core", "r-cran-irkernel"];
 /// What Debian lacks, from PyPI: `e2b-charts` (which needs pydantic 2; bookworm has 1.10) and
 /// `bash_kernel`. Pinned by digest; unpacked into the guest's site directory.
 const CODE_INTERPRETER_WHEELS: &[Wheel] = &[
@@ -207,7 +210,7 @@ pub(super) fn definition(name: &str) -> Option<TemplateDef> {
                 (BASH_KERNEL_PATH, BASH_KERNEL_JSON, 0o644),
             ],
             wheels: CODE_INTERPRETER_WHEELS,
-            apt: &[],
+            apt: CODE_INTERPRETER_APT_PACKAGES,
             start: Some(StartSpec {
                 argv: vec![
                     "python3".into(),
@@ -321,6 +324,10 @@ mod tests {
         assert_ne!(with_npm.base_key(), plain.base_key());
         assert_ne!(with_npm.digest(), plain.digest());
         assert_eq!(definition(BASE).unwrap().apt, ["npm"]);
-        assert!(definition(SEED).unwrap().apt.is_empty() && definition(CODE_INTERPRETER).unwrap().apt.is_empty());
+        assert!(definition(SEED).unwrap().apt.is_empty());
+        assert_eq!(
+            definition(CODE_INTERPRETER).unwrap().apt,
+            ["r-base-core", "r-cran-irkernel"]
+        );
     }
 }
