@@ -23,13 +23,17 @@ def header_routed():
     return "get_sandbox_url" in inspect.getsource(Sandbox)
 
 
-@pytest.fixture(scope="module")
-def ci(airlock_server):
+def _interpreter(timeout):
     from e2b_code_interpreter import Sandbox
 
     # The sandbox keeps the connection settings it was created with.
     with contextlib.nullcontext() if header_routed() else domain_env():
-        s = Sandbox.create(timeout=900, envs={"AIRLOCK_SANDBOX_ENV": "from create"})
+        return Sandbox.create(timeout=timeout, envs={"AIRLOCK_SANDBOX_ENV": "from create"})
+
+
+@pytest.fixture(scope="module")
+def ci(airlock_server):
+    s = _interpreter(900)
     yield s
     delete_sandbox(airlock_server, s.sandbox_id)
 
@@ -284,10 +288,7 @@ def test_bash_language(ci):
 def ci_alone(airlock_server):
     """A code interpreter sandbox of a test's own: R's kernel (~100 MiB) beside the shared
     sandbox's Python and bash kernels does not fit its 512 MiB."""
-    from e2b_code_interpreter import Sandbox
-
-    with contextlib.nullcontext() if header_routed() else domain_env():
-        s = Sandbox.create(timeout=600, envs={"AIRLOCK_SANDBOX_ENV": "from create"})
+    s = _interpreter(600)
     yield s
     delete_sandbox(airlock_server, s.sandbox_id)
 

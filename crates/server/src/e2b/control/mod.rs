@@ -550,16 +550,21 @@ pub async fn list_v2(
             },
         )
         .await?;
-    let mut items = Vec::with_capacity(page.sandboxes.len());
-    for row in &page.sandboxes {
-        items.push(sandbox_detail(&state, row, None).await?);
-    }
-    let mut resp = Json(items).into_response();
+    let mut resp = Json(sandbox_details(&state, &page.sandboxes).await?).into_response();
     if let Some(n) = page.next_page_token {
         resp.headers_mut()
             .insert("x-next-token", n.parse().expect("ascii token"));
     }
     Ok(resp)
+}
+
+/// A page of sandboxes as E2B's list answers each (`/v2/sandboxes`, `/sandboxes`).
+async fn sandbox_details(state: &E2bState, rows: &[SandboxRecord]) -> Result<Vec<SandboxDetail>> {
+    let mut items = Vec::with_capacity(rows.len());
+    for row in rows {
+        items.push(sandbox_detail(state, row, None).await?);
+    }
+    Ok(items)
 }
 
 /// `GET /sandboxes` (E2B's v1 list, still in its spec): every running sandbox of the team, a
@@ -587,9 +592,7 @@ pub async fn list_v1(
                 },
             )
             .await?;
-        for row in &page.sandboxes {
-            items.push(sandbox_detail(&state, row, None).await?);
-        }
+        items.extend(sandbox_details(&state, &page.sandboxes).await?);
         match page.next_page_token {
             Some(next) => page_token = Some(next),
             None => return Ok(Json(items).into_response()),
