@@ -298,13 +298,23 @@ impl Core {
             let (core, in_flight) = (self.clone(), in_flight.clone());
             tokio::spawn(async move {
                 let id = w.id.clone();
-                if let Err(e) = core.deliver_pending(w).await {
+                if let Err(e) = core.deliver_fresh(w).await {
                     tracing::warn!(webhook = %id, "webhook: {e}");
                 }
                 in_flight.0.lock().unwrap_or_else(|e| e.into_inner()).remove(&id);
             });
         }
         Ok(())
+    }
+
+    /// Read `w` again now that this task holds it: the round's list may predate the progress
+    /// the previous task saved (its attempt count and backoff), and a stale copy would try the
+    /// same event again as the same attempt.
+    async fn deliver_fresh(&self, w: WebhookRecord) -> CoreResult<()> {
+        match self.store.webhook(&w.tenant_id, &w.id).await? {
+            Some(w) if w.enabled && w.next_at_ms <= now_ms() => self.deliver_pending(w).await,
+            _ => Ok(()),
+        }
     }
 
     /// Deliver `w`'s pending events in order until none is left or one fails (tried again after
