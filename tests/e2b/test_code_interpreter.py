@@ -1,6 +1,6 @@
 """Unmodified e2b-code-interpreter calls against airlock's `code-interpreter-v1` template: E2B's
 code-interpreter API over real Jupyter kernels (IPython for python, bash_kernel for bash, IRkernel
-for R).
+for R, Deno's for JavaScript and TypeScript, airlock's JShell kernel for Java).
 
 Newer e2b-code-interpreter versions send `/execute` to E2B_SANDBOX_URL with
 `E2b-Sandbox-Id`/`E2b-Sandbox-Port: 49999` headers. Older ones (2.6.2 among them) only know
@@ -286,8 +286,8 @@ def test_bash_language(ci):
 
 @pytest.fixture
 def ci_alone(airlock_server):
-    """A code interpreter sandbox of a test's own: R's kernel (~100 MiB) beside the shared
-    sandbox's Python and bash kernels does not fit its 512 MiB."""
+    """A code interpreter sandbox of a test's own, for a language's kernel (R's ~100 MiB, a JVM,
+    Deno) beside none of the shared sandbox's."""
     s = _interpreter(600)
     yield s
     delete_sandbox(airlock_server, s.sandbox_id)
@@ -295,8 +295,7 @@ def ci_alone(airlock_server):
 
 def test_r_language(ci_alone):
     """R on Debian's IRkernel: output as R prints it, envs for one execution (E2B's env_vars
-    tests for R), state across cells, an error with its message, an interrupt. One R kernel (a
-    second would not fit beside Python's in 512 MiB)."""
+    tests for R), state across cells, an error with its message, an interrupt."""
     ci = ci_alone
     ex = ci.run_code('print("x")', language="r", timeout=300)
     assert ex.error is None, ex.error
@@ -316,6 +315,81 @@ def test_r_language(ci_alone):
         with pytest.raises(TimeoutException):
             ci.run_code("while (TRUE) Sys.sleep(0.05)", language="r", timeout=5)
         assert ci.run_code("y + 1", language="r", timeout=30).results[0].text.strip() == "[1] 22"
+
+
+def test_javascript_and_typescript(ci_alone):
+    """Deno's kernel, as E2B's own default-kernel tests use it: console.log is stdout, ESM
+    imports, top-level await's value is the result, TypeScript, envs for one execution, an
+    error with its traceback, an interrupt; and the default javascript context is listed."""
+    ci = ci_alone
+    ex = ci.run_code("console.log('Hello, World!')", language="js", timeout=300)
+    assert ex.error is None, ex.error
+    assert ex.logs.stdout == ["Hello, World!\n"]
+    ex = ci.run_code("import { readFileSync } from 'fs'\nconsole.log(typeof readFileSync)", language="js")
+    assert ex.logs.stdout == ["function\n"], ex
+    assert ci.run_code("await Promise.resolve('Hello World!')", language="js").text == "Hello World!"
+    ex = ci.run_code("const message: string = 'Hello, World!'; console.log(message)", language="ts")
+    assert ex.error is None and ex.logs.stdout == ["Hello, World!\n"], ex
+    assert ci.run_code("process.env.FOO", language="js", envs={"FOO": "bar"}).text == "bar"
+    assert ci.run_code("process.env.FOO ?? 'unset'", language="js").text == "unset"
+    assert ci.run_code("process.env.AIRLOCK_SANDBOX_ENV", language="js").text == "from create"
+    assert ci.run_code("let y = 21", language="js").error is None
+    assert ci.run_code("y * 2", language="js").text == "42"
+    ex = ci.run_code("function f() { throw new Error('no such thing') }\nf()", language="js")
+    assert ex.error is not None and (ex.error.name, ex.error.value) == ("Error", "no such thing"), ex.error
+    assert "at f" in ex.error.traceback, ex.error.traceback
+    if header_routed():
+        from e2b import TimeoutException
+
+        # Deno's kernel ends on the interrupt's SIGINT (V8 cannot stop a running loop from
+        # outside): the context starts again, empty, and the next cell runs.
+        with pytest.raises(TimeoutException):
+            ci.run_code("while (true) {}", language="js", timeout=5)
+        assert ci.run_code("typeof y", language="js", timeout=120).text == "undefined"
+    languages = [c.language for c in ci.list_code_contexts()]
+    assert "python" in languages and "javascript" in languages, languages
+
+
+def test_java_language(ci_alone):
+    """airlock's Java kernel (JShell in one JVM): println streams its text and its newline
+    apart (E2B's test reads stdout[0]), the last expression is the result, envs for one
+    execution as system properties (as E2B's), an exception with its trace, a compile error,
+    an interrupt that keeps the state."""
+    ci = ci_alone
+    ex = ci.run_code('System.out.println("Hello, World!")', language="java", timeout=300)
+    assert ex.error is None, ex.error
+    assert ex.logs.stdout[0] == "Hello, World!" and "".join(ex.logs.stdout) == "Hello, World!\n"
+    assert ci.run_code("int y = 21;", language="java").error is None
+    assert ci.run_code("y * 2", language="java").text == "42"
+    ex = ci.run_code('System.getProperty("FOO")', language="java", envs={"FOO": "bar"})
+    assert ex.text == "bar", ex
+    assert ci.run_code('System.getProperty("FOO", "unset")', language="java").text == "unset"
+    assert ci.run_code('System.getenv("AIRLOCK_SANDBOX_ENV")', language="java").text == "from create"
+    ex = ci.run_code('void f() { throw new IllegalStateException("no such thing"); }\nf();', language="java")
+    assert ex.error is not None, ex
+    assert (ex.error.name, ex.error.value) == ("java.lang.IllegalStateException", "no such thing"), ex.error
+    assert ".f(#" in ex.error.traceback, ex.error.traceback  # JShell names a frame by its snippet
+    ex = ci.run_code('int z = "text";', language="java")
+    assert ex.error is not None and ex.error.name == "CompilationException", ex
+    assert "incompatible types" in ex.error.value, ex.error
+    if header_routed():
+        from e2b import TimeoutException
+
+        with pytest.raises(TimeoutException):
+            ci.run_code("while (true) { Thread.sleep(50); }", language="java", timeout=5)
+        assert ci.run_code("y + 1", language="java", timeout=30).text == "22"
+
+
+def test_a_context_may_start_anywhere(ci):
+    """E2B's kernels run as root: a context with options, in /root, is listed last as made."""
+    skip_unless_sdk_has(hasattr(ci, "list_code_contexts"), "Sandbox.list_code_contexts")
+    ctx = ci.create_code_context(language="python", cwd="/root")
+    try:
+        last = ci.list_code_contexts()[-1]
+        assert (last.id, last.language, last.cwd) == (ctx.id, "python", "/root")
+        assert ci.run_code("import os; os.getcwd()", context=ctx).text == "/root"
+    finally:
+        ci.remove_code_context(ctx)
 
 
 def test_bash_context_with_cwd(ci):

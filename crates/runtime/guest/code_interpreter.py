@@ -29,7 +29,8 @@ from jupyter_client.kernelspec import KernelSpecManager, NoSuchKernel
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 STARTUP = os.path.join(HERE, "ipython_startup.py")
-HOME = os.environ.get("HOME") or "/home/user"
+# Where contexts start unless asked otherwise, as in E2B (whose kernels, like these, run as root).
+HOME = "/home/user"
 SANDBOX_ENV = "/run/airlock/env.json"
 KEEPALIVE_S = 5
 MAX_HEAD = 64 * 1024
@@ -315,6 +316,26 @@ class Context:
                 else:
                     lines.append(f"export {k}={shlex.quote(base[k] if restore else str(v))}")
             return "\n".join(lines)
+        if self.language in ("javascript", "typescript"):
+            lines = []
+            for k, v in env_vars.items():
+                if restore and k not in base:
+                    lines.append(f"delete process.env[{json.dumps(k)}];")
+                else:
+                    lines.append(f"process.env[{json.dumps(k)}] = {json.dumps(base[k] if restore else str(v))};")
+            return "\n".join(lines + ["undefined;"]) if lines else ""
+        if self.language == "java":
+            # As E2B's Java kernel: a process cannot change its environment, so the values are
+            # system properties (System.getProperty). A JSON string is a Java string literal.
+            lines = []
+            for k, v in env_vars.items():
+                if restore and k not in base:
+                    lines.append(f"System.clearProperty({json.dumps(k)});")
+                elif restore:
+                    lines.append(f"System.setProperty({json.dumps(k)}, {json.dumps(base[k])});")
+                else:
+                    lines.append(f"System.setProperty({json.dumps(k)}, {json.dumps(str(v))});")
+            return "\n".join(lines)
         if self.language == "r":
             # A JSON string is an R string literal; a quoted name is a valid argument name.
             lines = []
@@ -406,6 +427,9 @@ class Server:
         return ctx
 
     async def default_context(self, language):
+        # TypeScript runs in javascript's default context: Deno's kernel runs both, and a
+        # second Deno beside the first would cost ~100 MiB for nothing.
+        language = "javascript" if language == "typescript" else language
         async with self.default_lock:
             ctx = self.contexts.get(self.defaults.get(language))
             if ctx is None:
@@ -427,7 +451,20 @@ class Server:
         if method == "GET" and parts == ["health"]:
             return await conn.reply(200, "OK")
         if method == "GET" and parts == ["contexts"]:
-            return await conn.reply(200, [c.view() for c in self.contexts.values()])
+            # E2B lists a default javascript context beside python's. Started here, on first
+            # ask, rather than before the template's snapshot: a kernel in the snapshot would
+            # hand every sandbox restored from it the same Math.random state, which JavaScript
+            # cannot reseed.
+            if "javascript" in self.supported():
+                try:
+                    await self.default_context("javascript")
+                except Exception as e:  # the list still answers; a run in javascript says why
+                    print(f"the default javascript context did not start: {e!r}", file=sys.stderr)
+            # The default contexts first (started lazily, javascript's may be newer than the
+            # others); then the others in the order they were made.
+            defaults = [self.contexts[i] for i in self.defaults.values() if i in self.contexts]
+            rest = [c for c in self.contexts.values() if c not in defaults]
+            return await conn.reply(200, [c.view() for c in defaults + rest])
         if method == "POST" and parts == ["contexts"]:
             req = conn.json(body)
             language = normalize_language(req.get("language"))

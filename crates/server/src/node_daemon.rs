@@ -160,10 +160,12 @@ pub async fn drain(face: &nodes::serve::NodeFace, node: &dyn Nodes, budget: std:
     }
 }
 
-/// Keep `pools` (template, size) at the default resources on `node`.
+/// Keep `pools` (template, size) at the resources a create naming none gets, on `node`.
 pub async fn set_pools(node: &dyn Nodes, pools: &[(String, usize)]) -> anyhow::Result<()> {
-    let defaults = airlock_runtime::Resources::default();
     for (template, size) in pools {
+        let defaults = node
+            .template(template)
+            .map_or_else(Default::default, |t| airlock_runtime::Resources::for_template(&t));
         node.set_pool(template, &defaults, *size)
             .await
             .map_err(|e| anyhow::anyhow!("--warm-pool {template}={size}: {e}"))?;

@@ -7,7 +7,7 @@ use super::debootstrap::host_mirror;
 use super::error::TemplateError;
 use super::initramfs::{build_initramfs, check_static, locate_agent};
 use super::kernel::{kernel_version_of, resolve_kernel_package, resolve_modules};
-use super::packages::install_wheels;
+use super::packages::{install_npm_binary, install_wheels};
 use super::progress::Progress;
 use super::recipes::{definition, SeedRecipe, TemplateDef, BUILDER_VERSION, GUEST_MODULES, SEED};
 use super::store::{short, Template, TemplateManifest, TemplateStore, INITRD_FILE, KERNEL_FILE, ROOTFS_FILE};
@@ -79,7 +79,13 @@ impl TemplateStore {
                 .map(|w| format!("{} sha256:{}", w.file_name(), w.sha256))
                 .collect(),
             apt: def.apt.iter().map(|s| s.to_string()).collect(),
+            npm: def
+                .npm
+                .iter()
+                .map(|b| format!("{} {}", b.spec(), b.integrity))
+                .collect(),
             start: def.start.clone(),
+            memory_mib: def.memory_mib,
             builder_version: BUILDER_VERSION,
         };
         let recipe_digest = recipe.digest();
@@ -103,6 +109,12 @@ impl TemplateStore {
             wheels.push(self.fetch_wheel(w)?);
         }
 
+        let mut npm = Vec::new();
+        for b in def.npm {
+            progress.step(&format!("fetching {} from npm", b.spec()));
+            npm.push(self.fetch_npm(b)?);
+        }
+
         let work = self.data.cache().join(format!("assemble-{}", random_hex(6)));
         let result = self.assemble(
             &def,
@@ -113,6 +125,7 @@ impl TemplateStore {
             &kernel_version,
             &base,
             &wheels,
+            &npm,
             &work,
             &progress,
         );
@@ -139,6 +152,7 @@ impl TemplateStore {
         kernel_version: &str,
         base: &Path,
         wheels: &[PathBuf],
+        npm: &[PathBuf],
         work: &Path,
         progress: &Progress,
     ) -> Result<Template> {
@@ -160,6 +174,10 @@ impl TemplateStore {
         if !wheels.is_empty() {
             progress.step("unpacking Python wheels");
             install_wheels(&rootfs, wheels)?;
+        }
+        for (b, tarball) in def.npm.iter().zip(npm) {
+            progress.step(&format!("unpacking {} from {}", b.dest, b.spec()));
+            install_npm_binary(tarball, b, &rootfs)?;
         }
         std::fs::write(
             rootfs.join("etc/airlock-template"),

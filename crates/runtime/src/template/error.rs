@@ -42,6 +42,17 @@ pub enum TemplateError {
         got: String,
         expected: String,
     },
+    /// A package from the npm registry is not what the recipe pins.
+    #[error("{package}: integrity {got}, expected {expected}")]
+    IntegrityMismatch {
+        package: String,
+        got: String,
+        expected: String,
+    },
+    #[error("npm pack {package} produced no tarball")]
+    NoTarball { package: String },
+    #[error("{package} has no {entry}")]
+    NpmEntryMissing { package: String, entry: String },
     #[error("no Debian mirror in /etc/apt/sources.list.d/debian.sources; pass --mirror or set AIRLOCK_DEBIAN_MIRROR")]
     NoMirror,
     #[error("apt knows no {meta_package}; run `apt-get update` (scripts/install-host-deps does)")]

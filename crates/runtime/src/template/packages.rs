@@ -1,10 +1,10 @@
-//! Packages past debootstrap: the apt step in the chroot and Python wheels fetched with pip
-//! (checked by digest, cached) and unpacked into the guest.
+//! Packages past debootstrap: the apt step in the chroot; Python wheels fetched with pip and
+//! single binaries out of npm packages (checked by digest, cached), unpacked into the guest.
 
 use super::command::{install_file, run, run_logged};
 use super::error::TemplateError;
 use super::progress::Progress;
-use super::recipes::Wheel;
+use super::recipes::{NpmBinary, Wheel};
 use super::store::TemplateStore;
 use crate::datadir::random_hex;
 use crate::digest::sha256_file;
@@ -20,9 +20,17 @@ pub(super) fn apt_install(root: &Path, packages: &[String], log: &Path, progress
     std::fs::copy("/etc/resolv.conf", &resolv).map_err(|e| RuntimeError::io(&resolv, e))?;
     // Check-Valid-Until: a host that builds from a frozen snapshot of the archive has Release
     // files past their validity date (debootstrap does not check it either).
+    // /proc mounted for the packages' scripts (the JDK's runs java), in a mount and pid
+    // namespace of the step's own: the mount and every process end with it, even if the build
+    // is killed.
+    let mut proc_at = std::ffi::OsString::from("--mount-proc=");
+    proc_at.push(root.join("proc"));
     let apt = |args: &[&str]| {
-        let mut cmd = Command::new("chroot");
-        cmd.arg(root)
+        let mut cmd = Command::new("unshare");
+        cmd.args(["--fork", "--pid"])
+            .arg(&proc_at)
+            .arg("chroot")
+            .arg(root)
             .args(["apt-get", "-q", "-y", "-o", "Acquire::Check-Valid-Until=false"])
             .args(args)
             .env("DEBIAN_FRONTEND", "noninteractive");
@@ -153,4 +161,88 @@ print(site)
     })();
     let _ = std::fs::remove_dir_all(&stage);
     res
+}
+
+impl TemplateStore {
+    /// An npm package's tarball from the cache (by integrity), else fetched with `npm pack` and
+    /// checked against the integrity the recipe pins. npm runs nothing of the package.
+    pub(super) fn fetch_npm(&self, b: &NpmBinary) -> Result<PathBuf> {
+        let key = &crate::digest::sha256_hex(b.integrity.as_bytes())[..16];
+        let dir = self.data.cache().join("npm").join(key);
+        let path = dir.join("package.tgz");
+        if path.exists() && npm_integrity(&path)? == b.integrity {
+            return Ok(path);
+        }
+        let tmp = dir.join(format!(".download-{}", random_hex(4)));
+        let res = (|| {
+            std::fs::create_dir_all(&tmp).map_err(|e| RuntimeError::io(&tmp, e))?;
+            run(
+                Command::new("npm")
+                    .args(["pack", "--silent", "--ignore-scripts", "--pack-destination"])
+                    .arg(&tmp)
+                    .arg(b.spec())
+                    .current_dir(&tmp),
+                &format!("npm pack {}", b.spec()),
+            )?;
+            let got_path = std::fs::read_dir(&tmp)
+                .map_err(|e| RuntimeError::io(&tmp, e))?
+                .flatten()
+                .map(|e| e.path())
+                .find(|p| p.extension().is_some_and(|x| x == "tgz"))
+                .ok_or_else(|| TemplateError::NoTarball { package: b.spec() })?;
+            let got = npm_integrity(&got_path)?;
+            if got != b.integrity {
+                return Err(TemplateError::IntegrityMismatch {
+                    package: b.spec(),
+                    got,
+                    expected: b.integrity.to_string(),
+                }
+                .into());
+            }
+            std::fs::rename(&got_path, &path).map_err(|e| RuntimeError::io(&path, e))
+        })();
+        let _ = std::fs::remove_dir_all(&tmp);
+        res.map(|_| path)
+    }
+}
+
+/// A file's integrity as the npm registry states it: `sha512-<base64>`.
+fn npm_integrity(path: &Path) -> Result<String> {
+    use base64::Engine;
+    use sha2::{Digest, Sha512};
+    let mut f = std::fs::File::open(path).map_err(|e| RuntimeError::io(path, e))?;
+    let mut h = Sha512::new();
+    std::io::copy(&mut f, &mut h).map_err(|e| RuntimeError::io(path, e))?;
+    Ok(format!(
+        "sha512-{}",
+        base64::engine::general_purpose::STANDARD.encode(h.finalize())
+    ))
+}
+
+/// Put `b.entry` of the package's `tarball` at `b.dest` in `rootfs`, executable.
+pub(super) fn install_npm_binary(tarball: &Path, b: &NpmBinary, rootfs: &Path) -> Result<()> {
+    use std::os::unix::fs::PermissionsExt;
+    let f = std::fs::File::open(tarball).map_err(|e| RuntimeError::io(tarball, e))?;
+    let mut archive = tar::Archive::new(flate2::read::GzDecoder::new(f));
+    let dest = rootfs.join(b.dest);
+    let entries = archive.entries().map_err(|e| RuntimeError::io(tarball, e))?;
+    for entry in entries {
+        let mut entry = entry.map_err(|e| RuntimeError::io(tarball, e))?;
+        let is_it = entry.path().is_ok_and(|p| p == Path::new(b.entry));
+        if !is_it || !entry.header().entry_type().is_file() {
+            continue;
+        }
+        let parent = dest.parent().expect("a destination in the rootfs");
+        std::fs::create_dir_all(parent).map_err(|e| RuntimeError::io(parent, e))?;
+        let mut out = std::fs::File::create(&dest).map_err(|e| RuntimeError::io(&dest, e))?;
+        std::io::copy(&mut entry, &mut out).map_err(|e| RuntimeError::io(&dest, e))?;
+        std::fs::set_permissions(&dest, std::fs::Permissions::from_mode(0o755))
+            .map_err(|e| RuntimeError::io(&dest, e))?;
+        return Ok(());
+    }
+    Err(TemplateError::NpmEntryMissing {
+        package: b.spec(),
+        entry: b.entry.to_string(),
+    }
+    .into())
 }

@@ -24,9 +24,12 @@ const BASE_EXTRA_PACKAGES: &[&str] = &[
 /// `debootstrap --include`.
 const BASE_APT_PACKAGES: &[&str] = &["npm"];
 /// `seed` + Jupyter (ipykernel, jupyter_client), pandas, matplotlib, E2B's chart extraction
-/// (`e2b-charts`), a bash kernel and R's, with airlock's code interpreter on port 49999: E2B's API
+/// (`e2b-charts`), a bash kernel, R's, Deno's (JavaScript, TypeScript) and
+/// our Java kernel over JShell, with airlock's code interpreter on port 49999: E2B's API
 /// over a kernel per context (E2B's `code-interpreter-v1`).
 pub const CODE_INTERPRETER: &str = "code-interpreter-v1";
+/// Python, Deno and a JVM side by side: 512 MiB thrashes (E2B runs it with 2048).
+const CODE_INTERPRETER_MEMORY_MIB: u32 = 1024;
 /// Port the code interpreter listens on inside the sandbox (E2B's Jupyter port).
 pub const CODE_INTERPRETER_PORT: u16 = 49999;
 const CODE_INTERPRETER_PY: &str = include_str!("../../guest/code_interpreter.py");
@@ -38,6 +41,14 @@ const IPYTHON_STARTUP_PATH: &str = "usr/lib/airlock/ipython_startup.py";
 const BASH_KERNEL_JSON: &str = r#"{"argv": ["/usr/bin/python3", "-m", "bash_kernel", "-f", "{connection_file}"], "display_name": "Bash", "language": "bash", "env": {"PS1": "$"}}
 "#;
 const BASH_KERNEL_PATH: &str = "usr/local/share/jupyter/kernels/bash/kernel.json";
+/// Java: our kernel (the registries package none) over JShell, the JDK's REPL engine.
+const JAVA_KERNEL_PY: &str = include_str!("../../guest/java_kernel.py");
+const JAVA_KERNEL_PY_PATH: &str = "usr/lib/airlock/java_kernel.py";
+const JSHELL_BRIDGE: &str = include_str!("../../guest/JShellBridge.java");
+const JSHELL_BRIDGE_PATH: &str = "usr/lib/airlock/JShellBridge.java";
+const JAVA_KERNEL_JSON: &str = r#"{"argv": ["/usr/bin/python3", "/usr/lib/airlock/java_kernel.py", "-f", "{connection_file}"], "display_name": "Java", "language": "java"}
+"#;
+const JAVA_KERNEL_PATH: &str = "usr/local/share/jupyter/kernels/java/kernel.json";
 const CODE_INTERPRETER_PACKAGES: &[&str] = &[
     "python3-ipykernel",
     "python3-jupyter-client",
@@ -50,9 +61,9 @@ const CODE_INTERPRETER_PACKAGES: &[&str] = &[
     "python3-cffi-backend",
     "libboost-regex1.74.0",
 ];
-/// R and its Jupyter kernel (Debian's IRkernel, kernelspec `ir`): by apt, for R's web of
-/// dependencies debootstrap does not configure.
-const CODE_INTERPRETER_APT_PACKAGES: &[&str] = &["r-base-core", "r-cran-irkernel"];
+/// R and its Jupyter kernel (Debian's IRkernel, kernelspec `ir`), and the JDK (JShell, for the
+/// Java kernel): by apt, for webs of dependencies debootstrap does not configure.
+const CODE_INTERPRETER_APT_PACKAGES: &[&str] = &["r-base-core", "r-cran-irkernel", "openjdk-17-jdk-headless"];
 /// What Debian lacks, from PyPI: `e2b-charts` (which needs pydantic 2; bookworm has 1.10) and
 /// `bash_kernel`. Pinned by digest; unpacked into the guest's site directory.
 const CODE_INTERPRETER_WHEELS: &[Wheel] = &[
@@ -85,6 +96,19 @@ const CODE_INTERPRETER_WHEELS: &[Wheel] = &[
         sha256: "7ce71b6880181241cf7ac8697a2f1eb6a8bd9b429f7ad6d27b8db9ba5f1c2d25",
     },
 ];
+/// Deno (its own Jupyter kernel: JavaScript and TypeScript, ESM `import`, top-level `await`),
+/// the platform binary the npm registry's `deno` package installs.
+const CODE_INTERPRETER_NPM: &[NpmBinary] = &[NpmBinary {
+    package: "@deno/linux-x64-glibc",
+    version: "2.9.6",
+    integrity: "sha512-3md4TKLCuzsLDmfOoC5KN7NAZaxSVkMgm64vg6foD00JBADCpYS2/5QqXfzgnP5ZQz3iLP9vBQJtEgc116OAoQ==",
+    entry: "package/deno",
+    dest: "usr/local/bin/deno",
+}];
+/// The `javascript` kernelspec (what `deno jupyter --install` would write), TypeScript too.
+const DENO_KERNEL_JSON: &str = r#"{"argv": ["/usr/local/bin/deno", "jupyter", "--kernel", "--conn", "{connection_file}"], "display_name": "Deno", "language": "typescript", "env": {"NO_COLOR": "1", "DENO_NO_UPDATE_CHECK": "1"}}
+"#;
+const DENO_KERNEL_PATH: &str = "usr/local/share/jupyter/kernels/javascript/kernel.json";
 /// Bumped when the assembly steps change in a way the recipe fields do not show.
 pub(super) const BUILDER_VERSION: u32 = 1;
 pub(super) const KERNEL_META_PACKAGE: &str = "linux-image-cloud-amd64";
@@ -144,8 +168,16 @@ pub struct SeedRecipe {
     /// as `wheels`.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub apt: Vec<String>,
+    /// Binaries from the npm registry, `<package>@<version> <integrity>` each. Absent when there
+    /// are none, as `wheels`.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub npm: Vec<String>,
     #[serde(default)]
     pub start: Option<StartSpec>,
+    /// The memory a sandbox of the template gets when its create names none, where the
+    /// platform's default is too little for it. Absent for the others, as `wheels`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub memory_mib: Option<u32>,
     pub builder_version: u32,
 }
 
@@ -163,7 +195,29 @@ pub(super) struct TemplateDef {
     /// Installed by apt in the chroot after debootstrap, for dependency webs debootstrap cannot
     /// configure.
     pub(super) apt: &'static [&'static str],
+    /// Single binaries out of npm packages (no Node involved), put where each says.
+    pub(super) npm: &'static [NpmBinary],
     pub(super) start: Option<StartSpec>,
+    pub(super) memory_mib: Option<u32>,
+}
+
+/// One file out of a package of the npm registry, fetched on the host at build time (by `npm
+/// pack`, so the machine's registry configuration applies) and checked against the registry's
+/// integrity (`sha512-<base64>`).
+pub(super) struct NpmBinary {
+    pub(super) package: &'static str,
+    pub(super) version: &'static str,
+    pub(super) integrity: &'static str,
+    /// The file's path in the package's tarball.
+    pub(super) entry: &'static str,
+    /// Where it goes in the guest.
+    pub(super) dest: &'static str,
+}
+
+impl NpmBinary {
+    pub(super) fn spec(&self) -> String {
+        format!("{}@{}", self.package, self.version)
+    }
 }
 
 /// A wheel from the Python package index, fetched on the host at build time (through pip, so
@@ -193,14 +247,18 @@ pub(super) fn definition(name: &str) -> Option<TemplateDef> {
             files: Vec::new(),
             wheels: &[],
             apt: &[],
+            npm: &[],
             start: None,
+            memory_mib: None,
         }),
         BASE => Some(TemplateDef {
             packages: SEED_PACKAGES.iter().chain(BASE_EXTRA_PACKAGES).copied().collect(),
             files: Vec::new(),
             wheels: &[],
             apt: BASE_APT_PACKAGES,
+            npm: &[],
             start: None,
+            memory_mib: None,
         }),
         CODE_INTERPRETER => Some(TemplateDef {
             packages: SEED_PACKAGES.iter().chain(CODE_INTERPRETER_PACKAGES).copied().collect(),
@@ -208,9 +266,14 @@ pub(super) fn definition(name: &str) -> Option<TemplateDef> {
                 (CODE_INTERPRETER_PATH, CODE_INTERPRETER_PY, 0o755),
                 (IPYTHON_STARTUP_PATH, IPYTHON_STARTUP_PY, 0o644),
                 (BASH_KERNEL_PATH, BASH_KERNEL_JSON, 0o644),
+                (DENO_KERNEL_PATH, DENO_KERNEL_JSON, 0o644),
+                (JAVA_KERNEL_PY_PATH, JAVA_KERNEL_PY, 0o644),
+                (JSHELL_BRIDGE_PATH, JSHELL_BRIDGE, 0o644),
+                (JAVA_KERNEL_PATH, JAVA_KERNEL_JSON, 0o644),
             ],
             wheels: CODE_INTERPRETER_WHEELS,
             apt: CODE_INTERPRETER_APT_PACKAGES,
+            npm: CODE_INTERPRETER_NPM,
             start: Some(StartSpec {
                 argv: vec![
                     "python3".into(),
@@ -218,12 +281,14 @@ pub(super) fn definition(name: &str) -> Option<TemplateDef> {
                     "--port".into(),
                     CODE_INTERPRETER_PORT.to_string(),
                 ],
-                user: "user".into(),
+                // Root, as E2B's: a context may start in any directory (`cwd="/root"`).
+                user: "root".into(),
                 ready_port: CODE_INTERPRETER_PORT,
                 ready_cmd: None,
                 cwd: None,
                 env: Default::default(),
             }),
+            memory_mib: Some(CODE_INTERPRETER_MEMORY_MIB),
         }),
         _ => None,
     }
@@ -265,7 +330,9 @@ mod tests {
             files_sha256: String::new(),
             wheels,
             apt: Vec::new(),
+            npm: Vec::new(),
             start: None,
+            memory_mib: None,
             builder_version: BUILDER_VERSION,
         };
         // A recipe without wheels serializes (and so digests) as it did before they existed.
@@ -304,10 +371,13 @@ mod tests {
             files_sha256: String::new(),
             wheels: Vec::new(),
             apt: Vec::new(),
+            npm: Vec::new(),
             start: None,
+            memory_mib: None,
             builder_version: BUILDER_VERSION,
         };
         assert!(serde_json::to_value(&plain).unwrap().get("apt").is_none());
+        assert!(serde_json::to_value(&plain).unwrap().get("npm").is_none());
         // The debootstrap cache key of a recipe without an apt step is what it always was.
         let old_key = serde_json::json!([
             plain.suite,
@@ -327,7 +397,7 @@ mod tests {
         assert!(definition(SEED).unwrap().apt.is_empty());
         assert_eq!(
             definition(CODE_INTERPRETER).unwrap().apt,
-            ["r-base-core", "r-cran-irkernel"]
+            ["r-base-core", "r-cran-irkernel", "openjdk-17-jdk-headless"]
         );
     }
 }

@@ -56,7 +56,24 @@ impl Default for Resources {
     }
 }
 
+/// Free room past its template's image a sandbox's disk has when the create names no size.
+pub const DISK_HEADROOM_MIB: u32 = 1024;
+
 impl Resources {
+    /// What a sandbox of `template` gets when the create names no shape: the defaults, with
+    /// the template's own memory if it names one, and a disk past the template's image by
+    /// [`DISK_HEADROOM_MIB`] where the default disk is too small for that (a 2.3 GiB code
+    /// interpreter must not start full, or not at all).
+    pub fn for_template(template: &TemplateManifest) -> Self {
+        let defaults = Self::default();
+        let image_mib = template.rootfs_bytes.div_ceil(1 << 20) as u32;
+        Self {
+            vcpu: defaults.vcpu,
+            memory_mib: template.recipe.memory_mib.unwrap_or(defaults.memory_mib),
+            disk_mib: defaults.disk_mib.max(image_mib.saturating_add(DISK_HEADROOM_MIB)),
+        }
+    }
+
     /// Check against the host and the template; the message names the field and the bound.
     pub fn validate(&self, template: &TemplateManifest) -> Result<()> {
         let host_cpus = std::thread::available_parallelism()

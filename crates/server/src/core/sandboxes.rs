@@ -188,7 +188,9 @@ impl Core {
                 req.env.entry(k.clone()).or_insert_with(|| v.clone());
             }
         }
-        let defaults = airlock_runtime::Resources::default();
+        let defaults = template
+            .as_ref()
+            .map_or_else(Default::default, airlock_runtime::Resources::for_template);
         let resources = airlock_runtime::Resources {
             vcpu: req.vcpu.unwrap_or(defaults.vcpu),
             memory_mib: req.memory_mib.unwrap_or(defaults.memory_mib),
