@@ -105,7 +105,7 @@ impl Runtime {
         Ok(manifest)
     }
 
-    /// The base snapshot a create of built template `name` with the default resources restores
+    /// The base snapshot a create of built template `name` naming no shape restores
     /// from, made now (a boot, its start command, its ready check): the first sandbox of it
     /// starts restored, as one of `seed` does. A failure is logged: creates then boot.
     async fn snapshot_built(&self, name: &str) {
@@ -113,7 +113,7 @@ impl Runtime {
             return;
         };
         let accel = self.accel().await;
-        let resources = super::launch::shape(&template, crate::Resources::default());
+        let resources = crate::Resources::for_template(&template.manifest);
         let snapshots = &self.inner.base_snapshots;
         let Some(key) = snapshots.key_for(&template, &resources, accel) else {
             return;

@@ -424,7 +424,7 @@ impl Core {
                 ));
             }
             let template = self.resolve_template(&req.template)?;
-            let defaults = airlock_runtime::Resources::default();
+            let defaults = airlock_runtime::Resources::for_template(&template);
             let spec = req.resources.as_ref();
             let resources = crate::model::Resources {
                 vcpu: spec.and_then(|r| r.vcpu).unwrap_or(defaults.vcpu),
