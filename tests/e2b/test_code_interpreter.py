@@ -282,6 +282,17 @@ def test_bash_language(ci):
     assert ci.run_code("echo $((AIRLOCK_X * 2))", language="bash").logs.stdout == ["10\n"]
     assert ci.run_code("echo $AIRLOCK_E", language="bash", envs={"AIRLOCK_E": "a b"}).logs.stdout == ["a b\n"]
     assert ci.run_code("echo ${AIRLOCK_E-unset}", language="bash").logs.stdout == ["unset\n"]
+    # bash_kernel's error, as E2B's (the same kernel): the exit status; the message is in the
+    # output (bash runs on a terminal, where stderr is stdout).
+    ex = ci.run_code("ls /no/such/dir", language="bash")
+    assert ex.error is not None and ex.error.value == "2", ex
+    assert "No such file or directory" in "".join(ex.logs.stdout + ex.logs.stderr), ex.logs
+    if header_routed():
+        from e2b import TimeoutException
+
+        with pytest.raises(TimeoutException):
+            ci.run_code("sleep 600", language="bash", timeout=5)
+        assert ci.run_code("echo $AIRLOCK_X", language="bash", timeout=30).logs.stdout == ["5\n"]
 
 
 @pytest.fixture
