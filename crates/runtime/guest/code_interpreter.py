@@ -307,45 +307,34 @@ class Context:
             drop = [k for k in env_vars if k not in base]
             return f"(lambda e: ([e.pop(k, None) for k in {drop!r}], e.update({keep!r})))(__import__('os').environ)"
         if self.language == "bash":
-            lines = []
-            for k, v in env_vars.items():
-                if not k.replace("_", "a").isalnum() or k[0].isdigit():
-                    continue
-                if restore and k not in base:
-                    lines.append(f"unset {k}")
-                else:
-                    lines.append(f"export {k}={shlex.quote(base[k] if restore else str(v))}")
+            names = {k: v for k, v in env_vars.items() if k.replace("_", "a").isalnum() and not k[0].isdigit()}
+            lines = self.env_lines(names, restore, lambda k, v: f"export {k}={shlex.quote(v)}", lambda k: f"unset {k}")
             return "\n".join(lines)
+        # A JSON string is a string literal in JavaScript, Java and R.
+        q = json.dumps
         if self.language in ("javascript", "typescript"):
-            lines = []
-            for k, v in env_vars.items():
-                if restore and k not in base:
-                    lines.append(f"delete process.env[{json.dumps(k)}];")
-                else:
-                    lines.append(f"process.env[{json.dumps(k)}] = {json.dumps(base[k] if restore else str(v))};")
+            lines = self.env_lines(env_vars, restore, lambda k, v: f"process.env[{q(k)}] = {q(v)};",
+                                   lambda k: f"delete process.env[{q(k)}];")
             return "\n".join(lines + ["undefined;"]) if lines else ""
         if self.language == "java":
             # As E2B's Java kernel: a process cannot change its environment, so the values are
-            # system properties (System.getProperty). A JSON string is a Java string literal.
-            lines = []
-            for k, v in env_vars.items():
-                if restore and k not in base:
-                    lines.append(f"System.clearProperty({json.dumps(k)});")
-                elif restore:
-                    lines.append(f"System.setProperty({json.dumps(k)}, {json.dumps(base[k])});")
-                else:
-                    lines.append(f"System.setProperty({json.dumps(k)}, {json.dumps(str(v))});")
+            # system properties (System.getProperty).
+            lines = self.env_lines(env_vars, restore, lambda k, v: f"System.setProperty({q(k)}, {q(v)});",
+                                   lambda k: f"System.clearProperty({q(k)});")
             return "\n".join(lines)
         if self.language == "r":
-            # A JSON string is an R string literal; a quoted name is a valid argument name.
-            lines = []
-            for k, v in env_vars.items():
-                if restore and k not in base:
-                    lines.append(f"Sys.unsetenv({json.dumps(k)})")
-                else:
-                    lines.append(f"Sys.setenv({json.dumps(k)} = {json.dumps(base[k] if restore else str(v))})")
+            # A quoted name is a valid argument name.
+            lines = self.env_lines(env_vars, restore, lambda k, v: f"Sys.setenv({q(k)} = {q(v)})",
+                                   lambda k: f"Sys.unsetenv({q(k)})")
             return "invisible({" + "; ".join(lines) + "})" if lines else ""
         return ""
+
+    def env_lines(self, env_vars, restore, set_line, unset_line):
+        """A line per variable: set to its value; or, restoring, back to the kernel's base
+        environment, unset where that has none."""
+        base = self.base_env
+        return [unset_line(k) if restore and k not in base else set_line(k, base[k] if restore else str(v))
+                for k, v in env_vars.items()]
 
     def reseed_code(self):
         if self.language == "python":
