@@ -9,13 +9,16 @@ import time
 import urllib.request
 
 import pytest
-from selenium.common.exceptions import NoSuchElementException, StaleElementReferenceException
+from selenium.common.exceptions import WebDriverException
 from selenium.webdriver.common.by import By
 from selenium.webdriver.support.ui import WebDriverWait
 
 from conftest import IDLE_SECONDS
 
-IGNORED = (NoSuchElementException, StaleElementReferenceException)
+# A wait polls: what fails while the page changes under it is "not yet". Besides a missing or
+# stale element, a page reloading itself (its operation settled) makes Chromium answer a read with
+# a bare WebDriverException. A real failure still ends at the timeout, with the page printed.
+IGNORED = (WebDriverException,)
 
 
 def wait(d, cond, timeout=60, what="the page"):
@@ -23,7 +26,10 @@ def wait(d, cond, timeout=60, what="the page"):
         return WebDriverWait(d, timeout, poll_frequency=0.2, ignored_exceptions=IGNORED).until(
             lambda d: cond(d), message=f"waiting for {what}")
     except Exception:
-        print(f"while waiting for {what}: {d.current_url}\n{d.find_element(By.TAG_NAME, 'main').text[:3000]}")
+        try:
+            print(f"while waiting for {what}: {d.current_url}\n{d.find_element(By.TAG_NAME, 'main').text[:3000]}")
+        except WebDriverException as e:
+            print(f"while waiting for {what}: the page could not be read: {e.msg}")
         raise
 
 
