@@ -244,6 +244,8 @@ CMD [\"python3\", \"-m\", \"http.server\", \"8000\"]
     assert_eq!(status, 404);
     assert_eq!(sh(s, &sb, "cat /etc/airlock-built"), ("marker\n".into(), 0));
     s.delete(&sb);
+    // The other tenant goes, its build with it.
+    s.cli_ok(&["tenant", "rm", &tenant]);
 }
 
 pub(crate) fn a_failing_step_names_itself_and_bad_definitions_are_refused() {
@@ -368,6 +370,7 @@ pub(crate) fn a_denied_host_is_named_and_a_build_over_quota_is_refused() {
         json!([]),
         "a refused build leaves no record: {builds}"
     );
+    s.cli_ok(&["tenant", "rm", &tenant]);
 }
 
 /// `kill -9` of the server while a build runs: after a restart the build ends `error`, its
@@ -438,6 +441,21 @@ fn wait_step_one(s: &Server, id: &str) {
         assert!(Instant::now() < deadline && b["status"] != "error", "{b}");
         std::thread::sleep(Duration::from_millis(200));
     }
+}
+
+/// Names of the templates in data dir `data`'s store made of OCI image `image` (its manifest's
+/// recipe digest is `oci <image>@<digest>`).
+fn pulled_templates(data: &std::path::Path, image: &str) -> Vec<String> {
+    let made_of = format!("oci {image}@");
+    built_templates(data)
+        .into_iter()
+        .filter(|n| {
+            std::fs::read(data.join("templates").join(n))
+                .ok()
+                .and_then(|b| serde_json::from_slice::<Value>(&b).ok())
+                .is_some_and(|m| m["recipe_digest"].as_str().is_some_and(|r| r.starts_with(&made_of)))
+        })
+        .collect()
 }
 
 /// Names of the built templates in data dir `data`'s template store.
@@ -638,8 +656,20 @@ pub(crate) fn a_dockerfile_from_a_local_registry_builds() {
         let message = body["message"].as_str().unwrap();
         assert!(message.contains(&from) && message.contains(says), "{message}");
     }
+    // Deleted, the template takes the image pulled for it along (no other build was made of it).
+    let image = format!("{}/tiny/busybox:1", registry.host());
+    assert_eq!(
+        pulled_templates(&s.data, &image).len(),
+        1,
+        "the pulled image is a template"
+    );
     let (status, _) = s.call("DELETE", &format!("/v1/templates/{name}"), None);
     assert_eq!(status, 204);
+    assert_eq!(
+        pulled_templates(&s.data, &image),
+        Vec::<String>::new(),
+        "the pulled image is left"
+    );
 
     // A registry with an account: refused without it, pulled with it, the password in no log.
     let password = format!("pw-{n}");
@@ -676,8 +706,10 @@ pub(crate) fn a_dockerfile_from_a_local_registry_builds() {
             "the password is in the store ({db})"
         );
     }
+    assert_eq!(pulled_templates(&s.data, &from).len(), 1);
     let (status, _) = s.call("DELETE", &format!("/v1/templates/{name}-private"), None);
     assert_eq!(status, 204);
+    assert_eq!(pulled_templates(&s.data, &from), Vec::<String>::new());
 }
 
 /// `DELETE /v1/builds/{id}` mid-step: the build ends `error` naming the cancel, its build

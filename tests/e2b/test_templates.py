@@ -2,15 +2,38 @@
 microVM through the E2B door (`/v3/templates`, signed uploads, the build's steps, its status and
 logs), then `Sandbox.create(name)` starts it with its files, env and start process; a failing
 step raises the SDK's build error with the step's message; tags and `exists` answer."""
+import urllib.error
 import uuid
 
 import pytest
 import registry
+from conftest import _native
 from e2b import BuildException, Sandbox, Template, wait_for_port
+
+# The templates this module builds: deleted when it ends (and the images pulled for them), since
+# the suite's runs share one data dir.
+BUILT = []
 
 
 def _name(prefix):
     return f"{prefix}-{uuid.uuid4().hex[:8]}"
+
+
+def _built(prefix):
+    name = _name(prefix)
+    BUILT.append(name)
+    return name
+
+
+@pytest.fixture(scope="module", autouse=True)
+def delete_what_was_built(airlock_server):
+    yield
+    for name in BUILT:
+        try:
+            _native(airlock_server["url"], airlock_server["key"], "DELETE", f"/v1/templates/{name}")
+        except urllib.error.HTTPError as e:
+            if e.code != 404:  # a build refused before it was recorded has nothing to delete
+                raise
 
 
 @pytest.fixture(scope="module")
@@ -32,7 +55,7 @@ def built(tmp_path_factory):
         .set_envs({"GREETING": "hello"})
         .set_start_cmd("python3 -m http.server 8000 --directory /app/folder", wait_for_port(8000))
     )
-    name = _name("e2b-tpl")
+    name = _built("e2b-tpl")
     logs = []
     info = Template.build(template, f"{name}:v1", cpu_count=1, memory_mb=1024, on_build_logs=logs.append)
     return {"name": name, "info": info, "logs": logs, "nonce": nonce}
@@ -81,7 +104,7 @@ def test_a_failing_step_raises_the_build_error_with_its_output():
     template = Template().from_template("base").run_cmd("echo about to fail && false")
     logs = []
     with pytest.raises(BuildException) as e:
-        Template.build(template, _name("e2b-fail"), cpu_count=1, memory_mb=1024, on_build_logs=logs.append)
+        Template.build(template, _built("e2b-fail"), cpu_count=1, memory_mb=1024, on_build_logs=logs.append)
     assert "failed to run command 'echo about to fail && false': command failed: exit status 1" in str(e.value)
     messages = [str(getattr(x, "message", x)) for x in logs]
     assert any("about to fail" in m for m in messages), messages
@@ -90,7 +113,7 @@ def test_a_failing_step_raises_the_build_error_with_its_output():
 def test_an_image_nobody_mirrors_fails_naming_it():
     template = Template().from_image("registry.invalid/nobody/mirrors:this").run_cmd("true")
     with pytest.raises(Exception) as e:
-        Template.build(template, _name("e2b-image"), cpu_count=1, memory_mb=1024)
+        Template.build(template, _built("e2b-image"), cpu_count=1, memory_mb=1024)
     assert "registry.invalid/nobody/mirrors:this" in str(e.value)
 
 
@@ -102,7 +125,7 @@ def test_an_image_the_operator_mirrors_builds(airlock_server):
     registry.push_busybox(airlock_server["mirror"], "library/busybox", tag)
     nonce = uuid.uuid4().hex[:12]
     template = Template().from_image(f"busybox:{tag}").run_cmd(f"echo {nonce} > /tmp/built; id -un >> /tmp/built")
-    name = _name("e2b-mirror")
+    name = _built("e2b-mirror")
     Template.build(template, name, cpu_count=1, memory_mb=1024)
     sbx = Sandbox.create(name, timeout=120)
     try:

@@ -200,7 +200,7 @@ pub(super) const INSERT: &str = "INSERT INTO template_builds (id, tenant_id, nam
      VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15, $16, $17, $18)";
 pub(super) const UPDATE: &str = "UPDATE template_builds SET status = $2, cache_key = $3, template = $4, digest = $5, \
      manifest = $6, node = $7, sandbox_id = $8, step = $9, error = $10, error_step = $11, finished_at_ms = $12, \
-     heartbeat_ms = $13 WHERE id = $1 AND status IN ('waiting', 'building')";
+     heartbeat_ms = $13, definition = $14 WHERE id = $1 AND status IN ('waiting', 'building')";
 
 /// Implements [`BuildStore`] for a store whose pool is `self.pool` (both run the same SQL).
 macro_rules! impl_build_store {
@@ -255,6 +255,7 @@ macro_rules! impl_build_store {
                     .bind(&b.error_step)
                     .bind(b.finished_at_ms)
                     .bind(b.heartbeat_ms)
+                    .bind(&b.definition)
                     .execute(&self.pool)
                     .await?;
                 Ok(done.rows_affected() > 0)

@@ -41,12 +41,15 @@ async fn builds_tags_logs_and_stalls(b: Backend) {
     );
     // Not ready yet: nothing serves app:v1.
     assert!(store.ready_build("t1", "app", "v1").await.unwrap().is_none());
+    // A waiting build's definition arrives when it starts (E2B's builder): it is kept.
+    first.definition = "{\"from\":\"busybox:1\"}".into();
     first.status = BuildStatus::Ready;
     first.template = Some("build-b1".into());
     first.digest = Some("sha256:d1".into());
     first.manifest = Some("{\"name\":\"build-b1\"}".into());
     first.finished_at_ms = Some(now - 9_000);
     assert!(store.update_build(&first).await.unwrap());
+    assert_eq!(store.get_build("t1", "b1").await.unwrap().unwrap(), first);
     assert_eq!(store.ready_build("t1", "app", "v1").await.unwrap().unwrap().id, "b1");
     assert!(store.ready_build("t2", "app", "v1").await.unwrap().is_none());
     assert_eq!(store.build_by_key("t1", "key-b1").await.unwrap().unwrap().id, "b1");

@@ -27,6 +27,7 @@ use crate::records::{now_ms, BuildLogEntry, BuildRecord, BuildStatus, Tenant};
 use airlock_runtime::template::TemplateManifest;
 use futures_util::{Stream, StreamExt};
 use sha2::{Digest, Sha256};
+use std::collections::BTreeSet;
 use std::path::PathBuf;
 use std::time::Duration;
 use tokio::io::AsyncWriteExt;
@@ -61,6 +62,13 @@ fn image_template_name(tenant_id: &str, image: &str) -> String {
     h.update([0]);
     h.update(image.as_bytes());
     format!("{}{}", image_templates_of(tenant_id), &hex::encode(h.finalize())[..16])
+}
+
+/// The node template build `b` of tenant `tenant_id` pulled for its parent, were its parent an
+/// image (for a template parent, a name no node has).
+fn image_parent_of(tenant_id: &str, b: &BuildRecord) -> Option<String> {
+    let def: Definition = serde_json::from_str(&b.definition).ok()?;
+    Some(image_template_name(tenant_id, def.from.trim()))
 }
 
 /// What the names of tenant `tenant_id`'s image templates start with.
@@ -565,8 +573,9 @@ impl Core {
             .collect())
     }
 
-    /// Delete the caller's template `name` (every tag and build). Sandboxes made from it run
-    /// on; a build under way ends with an error.
+    /// Delete the caller's template `name` (every tag and build), and the images pulled for its
+    /// parents that no other build of the caller was made of. Sandboxes made from it run on; a
+    /// build under way ends with an error.
     pub async fn delete_tenant_template(&self, principal: &Principal, name: &str) -> CoreResult<()> {
         let tenant = acting_tenant(principal)?;
         let (name, _) = split_name(name)?;
@@ -583,13 +592,22 @@ impl Core {
                 hint: String::new(),
             });
         }
-        // An image another of the tenant's builds still names (a cached build's) stays.
+        // An image another of the tenant's builds still names (a cached build's) stays; so does
+        // an image pulled for a parent while a build of it is left (a rebuild pulls no more).
         let kept = self.store.list_builds(&tenant.id, None).await?;
-        for t in gone.iter().filter_map(|b| b.template.as_deref()) {
-            if !kept.iter().any(|k| k.template.as_deref() == Some(t)) {
-                if let Err(e) = self.nodes.remove_template(t).await {
-                    tracing::warn!(template = t, "the built template stays on a node for now: {e}");
-                }
+        let still_pulled: BTreeSet<String> = kept.iter().filter_map(|b| image_parent_of(&tenant.id, b)).collect();
+        let pulled: BTreeSet<String> = gone
+            .iter()
+            .filter_map(|b| image_parent_of(&tenant.id, b))
+            .filter(|t| !still_pulled.contains(t) && self.nodes.template(t).is_some())
+            .collect();
+        let built = gone
+            .iter()
+            .filter_map(|b| b.template.clone())
+            .filter(|t| !kept.iter().any(|k| k.template.as_deref() == Some(t.as_str())));
+        for t in built.chain(pulled) {
+            if let Err(e) = self.nodes.remove_template(&t).await {
+                tracing::warn!(template = %t, "the template stays on a node for now: {e}");
             }
         }
         self.audit(
@@ -774,7 +792,7 @@ impl Core {
                 tracing::warn!(image = %c.image_id, "a cached step's image stays on a node for now: {e}");
             }
         }
-        let names: std::collections::BTreeSet<&str> = builds.iter().map(|b| b.name.as_str()).collect();
+        let names: BTreeSet<&str> = builds.iter().map(|b| b.name.as_str()).collect();
         for name in names {
             self.store.delete_builds(&tenant.id, name).await?;
         }
