@@ -44,6 +44,13 @@ PYTHON_ARGS = [
     "--PlainTextFormatter.max_seq_length=0",
     f"--IPKernelApp.exec_files={STARTUP}",
 ]
+# Deno's kernel hands a cell's output (console.log, its result) to a queue that another task
+# publishes, under whichever request is current then: a line can come after the cell's idle
+# status (seen: ~1 result in 40 under TCG). After each cell a silent flush puts this marker
+# through the same queue; what comes before it is the cell's.
+DENO_FLUSH_MIME = "application/x.airlock-flush"
+DENO_FLUSH = f"await Deno.jupyter.broadcast('display_data', {{data: {{'{DENO_FLUSH_MIME}': ''}}, metadata: {{}}, transient: {{}}}}); undefined;"
+DENO_FLUSH_S = 10
 # MIME type -> the key E2B's Result gives it; whatever is left goes to `extra`.
 MIME_KEYS = [
     ("text/html", "html"),
@@ -126,8 +133,10 @@ class BadBody(Exception):
 class Execution:
     """One execute_request in flight: its lines, and whether the kernel is done with it."""
 
-    def __init__(self, background=False):
+    def __init__(self, background=False, late_for=None):
         self.background = background
+        self.late_for = late_for  # a flush's: the cell whose late lines it passes on
+        self.flushed = asyncio.Event()  # a flush's: its marker came through
         self.queue = asyncio.Queue()
         self.errored = False
         self.idle = False
@@ -232,6 +241,11 @@ class Context:
             if ex is None:
                 continue
             kind, content = msg["msg_type"], msg["content"]
+            if kind == "display_data" and DENO_FLUSH_MIME in content.get("data", {}):
+                ex.flushed.set()
+                continue
+            if kind in ("stream", "display_data", "execute_result") and ex.late_for is not None:
+                ex = ex.late_for  # the flush's own error stays its own
             if kind == "stream" and content.get("name") in ("stdout", "stderr"):
                 ex.put({"type": content["name"], "text": content["text"], "timestamp": iso(msg["header"].get("date"))})
             elif kind == "error":
@@ -265,14 +279,14 @@ class Context:
 
     # --- cells ------------------------------------------------------------------------------
 
-    def submit(self, code, background):
+    def submit(self, code, background, late_for=None):
         # stop_on_error=False: a context runs one cell at a time, so there is never a queue worth
         # aborting, and with it on ipykernel aborts whatever arrives until a callback it schedules
         # after the failed cell's reply runs: the next cell, sent as soon as that reply came, was
         # sometimes answered "ExecutionAborted" (seen after an interrupted cell).
         msg_id = self.kc.execute(code, silent=background, store_history=not background,
                                  allow_stdin=False, stop_on_error=False)
-        ex = Execution(background)
+        ex = Execution(background, late_for)
         self.executions[msg_id] = ex
         return msg_id, ex
 
@@ -369,6 +383,8 @@ class Context:
             msg_id, ex = self.submit(code, False)
             try:
                 await self.stream(ex, emit, gone)
+                if self.language in ("javascript", "typescript") and generation == self.generation:
+                    await self.flush_late(ex, emit)
             except ClientGone:
                 # Interrupt the cell nobody waits for, so the next one runs; wait (a while) for
                 # the kernel to settle, so that the next request is not aborted with this one.
@@ -379,6 +395,24 @@ class Context:
                 self.executions.pop(msg_id, None)
                 if env_vars and generation == self.generation:  # a restarted kernel has its own
                     await self.run_background(self.env_code(env_vars, restore=True))
+
+    async def flush_late(self, cell, emit):
+        """Deno's lines for `cell` that came after its idle status, or are still queued in the
+        kernel: a silent flush's marker comes after them (bounded: a cell that broke
+        Deno.jupyter only loses its late lines)."""
+        msg_id, flush = self.submit(DENO_FLUSH, True, late_for=cell)
+        try:
+            await self.wait_done(flush, limit=DENO_FLUSH_S)
+            if flush.done.is_set() and not flush.errored:
+                await asyncio.wait_for(flush.flushed.wait(), DENO_FLUSH_S)
+        except asyncio.TimeoutError:
+            pass
+        finally:
+            self.executions.pop(msg_id, None)
+        while not cell.queue.empty():
+            line = cell.queue.get_nowait()
+            if line is not None:
+                await emit(line)
 
     async def stream(self, ex, emit, gone):
         loop = asyncio.get_running_loop()
