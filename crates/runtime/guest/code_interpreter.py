@@ -175,6 +175,11 @@ class Context:
         the sandbox's, as the kernel has them now."""
         return {**self.process_env, **self.sandbox_env}
 
+    @property
+    def deno(self):
+        """Whether Deno's kernel runs this context's language (javascript, typescript)."""
+        return KERNELS.get(self.language) == "javascript"
+
     def view(self):
         return {"id": self.id, "language": self.language, "cwd": self.cwd}
 
@@ -326,7 +331,7 @@ class Context:
             return "\n".join(lines)
         # A JSON string is a string literal in JavaScript, Java and R.
         q = json.dumps
-        if self.language in ("javascript", "typescript"):
+        if self.deno:
             lines = self.env_lines(env_vars, restore, lambda k, v: f"process.env[{q(k)}] = {q(v)};",
                                    lambda k: f"delete process.env[{q(k)}];")
             return "\n".join(lines + ["undefined;"]) if lines else ""
@@ -383,7 +388,7 @@ class Context:
             msg_id, ex = self.submit(code, False)
             try:
                 await self.stream(ex, emit, gone)
-                if self.language in ("javascript", "typescript") and generation == self.generation:
+                if self.deno and generation == self.generation:
                     await self.flush_late(ex, emit)
             except ClientGone:
                 # Interrupt the cell nobody waits for, so the next one runs; wait (a while) for
