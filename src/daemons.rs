@@ -415,6 +415,8 @@ impl ServeArgs {
             registries: airlock_runtime::template::Registries {
                 mirrors: self.registry_mirrors.into_iter().collect(),
                 allow: self.registry_allow,
+                // Each node fills in its own platform denies when it pulls.
+                denied: Vec::new(),
             },
             remote_nodes: self.nodes,
             nodes_dns: self.nodes_dns,

@@ -358,6 +358,12 @@ enum PolicyCommand {
 }
 
 fn main() -> ExitCode {
+    // The confined image unpacker (`template::confine`): before any thread exists.
+    let mut args = std::env::args_os().skip(1);
+    if args.next().as_deref() == Some(std::ffi::OsStr::new(airlock_runtime::template::UNPACK_ARG)) {
+        let stage = PathBuf::from(args.next().unwrap_or_default());
+        return ExitCode::from(airlock_runtime::template::unpack_child_main(&stage) as u8);
+    }
     tracing_subscriber::fmt()
         .with_env_filter(
             tracing_subscriber::EnvFilter::try_from_env("AIRLOCK_LOG")

@@ -3,7 +3,7 @@
 //! One server (and one read-only sandbox) is shared by the tests: `server()` and `shared()`
 //! here, with the data dirs of their own that some tests start servers on, and the custom `main`
 //! (libtest-mimic) that lists the tests and cleans up after them. The tests are in `api/` by
-//! concern (sessions, lifecycle, snapshots, ports, errors, servers, cli, templates, volumes, metrics); the harness (`Server`)
+//! concern (sessions, lifecycle, snapshots, ports, errors, servers, cli, templates, images, volumes, metrics); the harness (`Server`)
 //! is `common/`, shared with `hostile.rs`.
 
 #[path = "api/cli.rs"]
@@ -11,6 +11,8 @@ mod cli;
 mod common;
 #[path = "api/errors.rs"]
 mod errors;
+#[path = "api/images.rs"]
+mod images;
 #[path = "api/lifecycle.rs"]
 mod lifecycle;
 #[path = "api/metrics.rs"]
@@ -201,6 +203,10 @@ fn main() {
         t(
             "a_dockerfile_from_a_local_registry_builds",
             templates::a_dockerfile_from_a_local_registry_builds,
+        ),
+        t(
+            "a_hostile_image_leaves_the_host_untouched",
+            images::a_hostile_image_leaves_the_host_untouched,
         ),
         t(
             "a_cancelled_build_leaves_nothing_behind",

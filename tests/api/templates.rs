@@ -7,7 +7,7 @@ use super::*;
 
 /// A value no earlier run used: steps holding it are built, never taken from the step cache
 /// (which outlives a run on the same data dir).
-fn nonce() -> String {
+pub(crate) fn nonce() -> String {
     format!(
         "{}-{}",
         std::process::id(),
@@ -49,7 +49,7 @@ fn upload_context(s: &Server, key: &str, tar: &[u8]) -> String {
 }
 
 /// Poll build `id` until it ends (ready or error); returns it.
-fn wait_build(s: &Server, id: &str) -> Value {
+pub(crate) fn wait_build(s: &Server, id: &str) -> Value {
     wait_build_of(s, &s.key, id)
 }
 
@@ -67,7 +67,7 @@ fn wait_build_of(s: &Server, key: &str, id: &str) -> Value {
 }
 
 /// Every log line of build `id`, through the SSE stream (which ends with the build).
-fn log_lines(s: &Server, id: &str) -> Vec<Value> {
+pub(crate) fn log_lines(s: &Server, id: &str) -> Vec<Value> {
     let resp = ureq::get(&format!("{}/v1/builds/{id}/logs", s.url))
         .set("Authorization", &format!("Bearer {}", s.key))
         .set("Accept", "text/event-stream")
@@ -445,7 +445,7 @@ fn wait_step_one(s: &Server, id: &str) {
 
 /// Names of the templates in data dir `data`'s store made of OCI image `image` (its manifest's
 /// recipe digest is `oci <image>@<digest>`).
-fn pulled_templates(data: &std::path::Path, image: &str) -> Vec<String> {
+pub(crate) fn pulled_templates(data: &std::path::Path, image: &str) -> Vec<String> {
     let made_of = format!("oci {image}@");
     built_templates(data)
         .into_iter()

@@ -103,6 +103,14 @@ impl PlatformDenies {
     pub fn host_addrs(&self) -> impl Iterator<Item = &IpAddr> {
         self.host_addrs.iter()
     }
+
+    /// Every denied network, the host's addresses as single-address ones: for a check made
+    /// outside this crate (an image pull's dials).
+    pub fn networks(&self) -> Vec<IpNet> {
+        let mut nets: Vec<IpNet> = self.ranges.iter().map(|(n, _)| *n).collect();
+        nets.extend(self.host_addrs.iter().map(|a| IpNet::from(*a)));
+        nets
+    }
 }
 
 /// A validated set of rules: exact lowercase domains, addresses, networks.

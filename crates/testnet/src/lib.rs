@@ -16,7 +16,7 @@
 //!
 //! Beside it, test scaffolding of the same kind: [`Fabric`] (a cluster's hosts in namespaces on
 //! a bridge, `fabric.rs`), [`s3::Moto`] (an S3 server, `s3.rs`), [`registry::Registry`] (a
-//! container registry on loopback, `registry.rs`) and [`end_vmm_of`] (a VM a
+//! container registry on loopback, `registry.rs`; hostile images for it, `hostile.rs`) and [`end_vmm_of`] (a VM a
 //! stopped test server left, `leftovers.rs`).
 //!
 //! Namespaces are named `egt-<pid>-<n>-<role>` and deleted on drop (also when a test panics);
@@ -30,6 +30,7 @@ use std::thread::JoinHandle;
 
 mod dns;
 mod fabric;
+pub mod hostile;
 mod leftovers;
 pub mod registry;
 pub mod s3;

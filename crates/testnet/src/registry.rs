@@ -35,6 +35,7 @@ impl Drop for Registry {
 }
 
 /// One layer to push: its tar, gzipped or not.
+#[derive(Clone)]
 pub struct Layer {
     pub tar: Vec<u8>,
     pub gzip: bool,

@@ -73,6 +73,8 @@ pub enum TemplateError {
     AgentNotStatic(PathBuf),
     #[error("guest agent binary not found; build it with scripts/build or set AIRLOCK_AGENT_BIN")]
     AgentNotFound,
+    #[error(transparent)]
+    Confine(#[from] super::confine::ConfineError),
 }
 
 fn log_suffix(log: &Option<PathBuf>) -> String {

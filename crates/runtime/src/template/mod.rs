@@ -11,11 +11,15 @@
 //! - `store`: the content-addressed store (manifests, blobs, lookup, prune)
 //! - `build`: one build, layer by layer, committed to the store
 //! - `kernel`, `debootstrap`, `packages` (apt, pip), `initramfs`: the builders
-//! - `oci`: OCI images pulled from a registry and made templates (layers unpacked strictly)
+//! - `oci`: OCI images pulled from a registry and made templates; `pull_gate`: every dial a pull
+//!   makes, judged
+//! - `confine`: their layers applied (crates/unpack: with no symlink followed) by a process in
+//!   namespaces of its own that sees only the staging dir
 //! - `command`, `progress`: running a build's commands, and what it shows while it runs
 
 mod build;
 mod command;
+mod confine;
 mod debootstrap;
 mod error;
 mod initramfs;
@@ -23,10 +27,12 @@ mod kernel;
 mod oci;
 mod packages;
 mod progress;
+mod pull_gate;
 mod recipes;
 mod store;
 
 pub use build::BuildOptions;
+pub use confine::{child_main as unpack_child_main, UNPACK_ARG};
 pub use debootstrap::{host_mirror, mirror_from_sources};
 pub use error::TemplateError;
 pub use initramfs::locate_agent;

@@ -10,9 +10,11 @@
 //! canonicalizes each parent, and only this process writes the staging dir), device nodes and
 //! extended attributes are skipped, and the whole is bounded in bytes and entries.
 
-use super::command::{dir_bytes, install_file, run};
+use super::confine::{self, Answer, Job, JobLayer};
+use super::error::TemplateError;
 use super::initramfs::{check_static, locate_agent};
-use super::store::{Built, Template, TemplateManifest, TemplateStore, INITRD_FILE, KERNEL_FILE, ROOTFS_FILE};
+use super::pull_gate::PullGate;
+use super::store::{Built, Template, TemplateManifest, TemplateStore, INITRD_FILE, KERNEL_FILE};
 use super::SEED;
 use crate::datadir::random_hex;
 use crate::error::{Result, RuntimeError};
@@ -24,7 +26,6 @@ use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
 use std::path::Path;
 use std::pin::Pin;
-use std::process::Command;
 use std::task::{Context, Poll};
 use std::time::{Duration, SystemTime};
 
@@ -53,6 +54,10 @@ pub struct Registries {
     /// the operator's network. A mirrored registry is reached through its mirror.
     #[serde(default)]
     pub allow: Vec<String>,
+    /// Where a pull may not go but to the registry itself (a realm, a redirect): the node's
+    /// platform denies, filled in by the node that pulls. Empty: nowhere but the registry.
+    #[serde(default)]
+    pub denied: Vec<ipnet::IpNet>,
 }
 
 impl Registries {
@@ -151,14 +156,26 @@ impl TemplateStore {
     /// content (same manifest digest). Kernel and initramfs are `seed`'s.
     pub async fn import_image(&self, req: &ImageImport) -> Result<TemplateManifest> {
         let image = req.image.clone();
-        let (client, reference) = client_for(req)?;
+        let (reference, plain) = route_for(req)?;
+        let gate = PullGate::start(&authority_of(&reference, plain), plain, req.registries.denied.clone())
+            .await
+            .map_err(|e| RuntimeError::io("the pull's gate", e))?;
+        let client = client_through(&reference, plain, &gate);
         let auth = match &req.credentials {
             Some(c) => RegistryAuth::Basic(c.username.clone(), c.password.clone()),
             None => RegistryAuth::Anonymous,
         };
-        let pull = |e: oci_client::errors::OciDistributionError| ImageError::Pull {
+        let pull = |e: oci_client::errors::OciDistributionError| {
+            ImageError::Pull {
             image: image.clone(),
-            reason: e.to_string(),
+            reason: match gate.refused().as_slice() {
+                [] => pull_reason(&e),
+                hosts => format!(
+                    "the registry sent the pull to {}, which this server does not dial (only the registry itself, and other hosts over TLS outside the platform's denied ranges)",
+                    hosts.join(", ")
+                ),
+            },
+        }
         };
         let (manifest, digest, config) = client.pull_manifest_and_config(&reference, &auth).await.map_err(pull)?;
         let key = format!("{IMAGE_KEY_PREFIX}{image}@{digest}");
@@ -176,7 +193,7 @@ impl TemplateStore {
             }
             .into());
         }
-        let declared: u64 = manifest.layers.iter().map(|l| l.size.max(0) as u64).sum();
+        let declared = declared_bytes(&image, &manifest.layers)?;
         if declared > MAX_IMAGE_BYTES {
             return Err(ImageError::TooLarge {
                 image,
@@ -206,8 +223,14 @@ impl TemplateStore {
                     inner: file,
                     left: l.size.max(0) as u64,
                 };
-                // `pull_blob` checks the content against the descriptor's digest.
-                client.pull_blob(&reference, l, out).await.map_err(pull)?;
+                // `pull_blob` checks the content against the descriptor's digest. A layer's
+                // `urls` (a "foreign" layer) would be fetched from anywhere it names when the
+                // registry has no such blob: only the registry serves a layer here.
+                let l = OciDescriptor {
+                    urls: None,
+                    ..l.clone()
+                };
+                client.pull_blob(&reference, &l, out).await.map_err(pull)?;
                 files.push((path, l.clone()));
             }
             tracing::info!(image = %image, %digest, "pulled {} layers ({} MiB) in {} ms",
@@ -238,33 +261,51 @@ impl TemplateStore {
         key: &str,
         built: Built,
     ) -> Result<Template> {
-        let root = stage.join("rootfs");
-        std::fs::create_dir_all(&root).map_err(|e| RuntimeError::io(&root, e))?;
-        let mut budget = Budget {
-            bytes: MAX_UNPACKED_BYTES,
-            entries: MAX_ENTRIES,
-        };
-        for (path, desc) in layers {
-            unpack_layer(image, path, desc, &root, &mut budget)?;
-            let _ = std::fs::remove_file(path);
-        }
-        prepare_root(&root)?;
         let agent = locate_agent()?;
         check_static(&agent)?;
-        install_file(&agent, &root.join("usr/sbin/airlock-agent"), 0o755)?;
+        let staged_agent = stage.join("agent");
+        std::fs::copy(&agent, &staged_agent).map_err(|e| RuntimeError::io(&agent, e))?;
+        let job = Job {
+            layers: layers
+                .iter()
+                .map(|(path, desc)| {
+                    Ok(JobLayer {
+                        file: path.file_name().unwrap_or_default().to_string_lossy().into_owned(),
+                        gzip: matches!(layer_compression(image, desc)?, Compression::Gzip),
+                        digest: desc.digest.clone(),
+                    })
+                })
+                .collect::<Result<_>>()?,
+            budget_bytes: MAX_UNPACKED_BYTES,
+            budget_entries: MAX_ENTRIES,
+        };
+        let answer = if confine::available() {
+            confine::run(stage, &job).map_err(TemplateError::from)?
+        } else {
+            // Not root (no uid map, no chown) or not the airlock binary (a test's harness):
+            // the tree's own rules still hold, without the namespaces around them.
+            tracing::warn!(image, "unpacking in the server's own process: it cannot confine it");
+            confine::work(stage, &job)
+        };
+        let fail = |layer: String, reason: String| ImageError::Unpack {
+            image: image.to_string(),
+            layer,
+            reason,
+        };
+        match answer {
+            Answer::Done => {}
+            Answer::Refused { layer, reason } => return Err(fail(layer, reason).into()),
+            Answer::Failed { what, reason } => return Err(fail(format!("({what})"), reason).into()),
+            Answer::TooLarge { limit } => {
+                return Err(ImageError::TooLarge {
+                    image: image.to_string(),
+                    what: "its unpacked files".into(),
+                    limit: limit >> 20,
+                }
+                .into())
+            }
+        }
         let out = stage.join("out");
-        std::fs::create_dir_all(&out).map_err(|e| RuntimeError::io(&out, e))?;
-        let used = dir_bytes(&root)?;
-        let image_mib = ((used * 13 / 10) >> 20) + 64;
-        run(
-            Command::new("mkfs.ext4")
-                .args(["-q", "-F", "-L", "airlock-root", "-m", "0", "-b", "4096", "-d"])
-                .arg(&root)
-                .arg(out.join(ROOTFS_FILE))
-                .arg(format!("{image_mib}M")),
-            "mkfs.ext4",
-        )?;
-        let _ = std::fs::remove_dir_all(&root);
         for file in [KERNEL_FILE, INITRD_FILE] {
             let (from, to) = (seed.dir.join(file), out.join(file));
             if std::fs::hard_link(&from, &to).is_err() {
@@ -291,8 +332,9 @@ impl TemplateStore {
     }
 }
 
-/// The client for `req`'s registry (or its mirror) and the reference to pull there.
-fn client_for(req: &ImageImport) -> Result<(Client, Reference)> {
+/// Where `req` is pulled from: the reference at its registry (or that registry's mirror), and
+/// whether that one speaks plain HTTP.
+fn route_for(req: &ImageImport) -> Result<(Reference, bool)> {
     let image = &req.image;
     let bad = |reason: String| ImageError::Reference {
         image: image.clone(),
@@ -303,12 +345,12 @@ fn client_for(req: &ImageImport) -> Result<(Client, Reference)> {
         .parse()
         .map_err(|e: oci_client::ParseError| bad(e.to_string()))?;
     let registry = parsed.registry().to_string();
-    let mut insecure = Vec::new();
+    let mut plain = false;
     let target = match req.registries.mirrors.get(&registry) {
         Some(mirror) => {
             let host = match mirror.strip_prefix("http://") {
                 Some(h) => {
-                    insecure.push(h.trim_end_matches('/').to_string());
+                    plain = true;
                     h
                 }
                 None => mirror.strip_prefix("https://").unwrap_or(mirror),
@@ -328,7 +370,7 @@ fn client_for(req: &ImageImport) -> Result<(Client, Reference)> {
     };
     // A registry on this machine's loopback speaks plain HTTP (a test's, or a local cache).
     if matches!(host_of(&target), "127.0.0.1" | "localhost" | "[::1]") {
-        insecure.push(target.clone());
+        plain = true;
     }
     let reference = match (parsed.digest(), parsed.tag()) {
         (Some(d), _) => Reference::with_digest(target, parsed.repository().to_string(), d.to_string()),
@@ -338,17 +380,40 @@ fn client_for(req: &ImageImport) -> Result<(Client, Reference)> {
             tag.unwrap_or("latest").to_string(),
         ),
     };
+    Ok((reference, plain))
+}
+
+/// `host:port` of a reference's registry (the default port of its scheme added).
+fn authority_of(reference: &Reference, plain: bool) -> String {
+    let r = reference.registry();
+    if r.rsplit_once(':')
+        .is_some_and(|(_, p)| p.bytes().all(|b| b.is_ascii_digit()))
+    {
+        r.to_string()
+    } else {
+        format!("{r}:{}", if plain { 80 } else { 443 })
+    }
+}
+
+/// The pull's client: every connection through `gate` (see `pull_gate.rs`).
+fn client_through(reference: &Reference, plain: bool, gate: &PullGate) -> Client {
+    let insecure = if plain {
+        vec![reference.registry().to_string()]
+    } else {
+        vec![]
+    };
     // reqwest's TLS needs a process-wide crypto provider; the first caller installs ring.
     let _ = rustls::crypto::ring::default_provider().install_default();
-    let client = Client::new(ClientConfig {
+    Client::new(ClientConfig {
         protocol: ClientProtocol::HttpsExcept(insecure),
         platform_resolver: Some(Box::new(oci_client::client::linux_amd64_resolver)),
         read_timeout: Some(READ_TIMEOUT),
         connect_timeout: Some(Duration::from_secs(15)),
         user_agent: "airlock",
+        https_proxy: Some(gate.url()),
+        http_proxy: Some(gate.url()),
         ..Default::default()
-    });
-    Ok((client, reference))
+    })
 }
 
 /// `host` of `host:port` (an IPv6 literal keeps its brackets).
@@ -379,170 +444,6 @@ fn layer_compression(image: &str, l: &OciDescriptor) -> Result<Compression> {
     .into())
 }
 
-/// What the unpacking may still use.
-struct Budget {
-    bytes: u64,
-    entries: u64,
-}
-
-/// One layer over `root`: its whiteouts first (they apply to the layers below), then the rest.
-fn unpack_layer(image: &str, path: &Path, desc: &OciDescriptor, root: &Path, budget: &mut Budget) -> Result<()> {
-    let fail = |reason: String| ImageError::Unpack {
-        image: image.to_string(),
-        layer: desc.digest.clone(),
-        reason,
-    };
-    let open = || -> Result<tar::Archive<Box<dyn std::io::Read>>> {
-        let f = std::fs::File::open(path).map_err(|e| RuntimeError::io(path, e))?;
-        let f = std::io::BufReader::new(f);
-        let r: Box<dyn std::io::Read> = match layer_compression(image, desc)? {
-            Compression::None => Box::new(f),
-            Compression::Gzip => Box::new(flate2::read::GzDecoder::new(f)),
-        };
-        let mut a = tar::Archive::new(r);
-        a.set_preserve_permissions(true);
-        a.set_preserve_ownerships(true);
-        a.set_preserve_mtime(true);
-        a.set_unpack_xattrs(false);
-        a.set_overwrite(true);
-        Ok(a)
-    };
-    // Pass 1: whiteouts.
-    let mut a = open()?;
-    for entry in a.entries().map_err(|e| fail(e.to_string()))? {
-        let entry = entry.map_err(|e| fail(e.to_string()))?;
-        let rel = clean_path(&entry.path().map_err(|e| fail(e.to_string()))?).map_err(&fail)?;
-        let Some(file) = rel.file_name().and_then(|f| f.to_str()) else {
-            continue;
-        };
-        let parent = rel.parent().unwrap_or(Path::new(""));
-        if file == ".wh..wh..opq" {
-            let dir = inside(root, parent).map_err(&fail)?;
-            for e in std::fs::read_dir(&dir).into_iter().flatten().flatten() {
-                remove_any(&e.path());
-            }
-        } else if let Some(hidden) = file.strip_prefix(".wh.") {
-            let target = inside(root, &parent.join(hidden)).map_err(&fail)?;
-            remove_any(&target);
-        }
-    }
-    // Pass 2: everything else.
-    let mut a = open()?;
-    for entry in a.entries().map_err(|e| fail(e.to_string()))? {
-        let mut entry = entry.map_err(|e| fail(e.to_string()))?;
-        let rel = clean_path(&entry.path().map_err(|e| fail(e.to_string()))?).map_err(&fail)?;
-        let name = rel.file_name().and_then(|f| f.to_str()).unwrap_or("");
-        if name.starts_with(".wh.") || rel.as_os_str().is_empty() {
-            continue;
-        }
-        budget.entries = budget
-            .entries
-            .checked_sub(1)
-            .ok_or_else(|| fail(format!("more than {MAX_ENTRIES} entries")))?;
-        let size = entry.header().size().unwrap_or(0);
-        budget.bytes = budget.bytes.checked_sub(size).ok_or_else(|| ImageError::TooLarge {
-            image: image.to_string(),
-            what: "its unpacked files".into(),
-            limit: MAX_UNPACKED_BYTES >> 20,
-        })?;
-        let kind = entry.header().entry_type();
-        if kind.is_block_special() || kind.is_character_special() {
-            continue;
-        }
-        // A directory replaced by a file (or the other way) in a later layer: the old one goes.
-        if let Ok(dst) = inside(root, &rel) {
-            if let Ok(meta) = std::fs::symlink_metadata(&dst) {
-                if !(kind.is_dir() && meta.is_dir()) {
-                    remove_any(&dst);
-                }
-            }
-        }
-        entry
-            .unpack_in(root)
-            .map_err(|e| fail(format!("{}: {}", rel.display(), chain(&e))))?;
-    }
-    Ok(())
-}
-
-/// An error and its causes, as one line.
-fn chain(e: &dyn std::error::Error) -> String {
-    let mut s = e.to_string();
-    let mut at = e.source();
-    while let Some(c) = at {
-        s.push_str(&format!(": {c}"));
-        at = c.source();
-    }
-    s
-}
-
-/// A layer's path without `./` or a leading `/`; one with `..` is refused.
-fn clean_path(p: &Path) -> std::result::Result<std::path::PathBuf, String> {
-    let mut out = std::path::PathBuf::new();
-    for c in p.components() {
-        match c {
-            std::path::Component::Normal(n) => out.push(n),
-            std::path::Component::CurDir | std::path::Component::RootDir => {}
-            _ => return Err(format!("{}: a path with `..`", p.display())),
-        }
-    }
-    Ok(out)
-}
-
-/// `root/rel`, when no directory on the way is a symlink (a whiteout or replacement must not
-/// act through one).
-fn inside(root: &Path, rel: &Path) -> std::result::Result<std::path::PathBuf, String> {
-    let mut at = root.to_path_buf();
-    let parts: Vec<_> = rel.components().collect();
-    for (i, c) in parts.iter().enumerate() {
-        at.push(c);
-        if i + 1 < parts.len() {
-            if let Ok(m) = std::fs::symlink_metadata(&at) {
-                if m.file_type().is_symlink() {
-                    return Err(format!("{}: a path through a symlink", rel.display()));
-                }
-            }
-        }
-    }
-    Ok(at)
-}
-
-fn remove_any(p: &Path) {
-    match std::fs::symlink_metadata(p) {
-        Ok(m) if m.is_dir() => {
-            let _ = std::fs::remove_dir_all(p);
-        }
-        Ok(_) => {
-            let _ = std::fs::remove_file(p);
-        }
-        Err(_) => {}
-    }
-}
-
-/// What the agent needs of a root it did not come with: the mount points and `/etc` files.
-fn prepare_root(root: &Path) -> Result<()> {
-    for dir in ["dev", "proc", "sys", "tmp", "run", "etc", "root", "home", "usr/sbin"] {
-        let p = root.join(dir);
-        if std::fs::symlink_metadata(&p).is_err() {
-            std::fs::create_dir_all(&p).map_err(|e| RuntimeError::io(&p, e))?;
-        }
-    }
-    let files = [
-        ("etc/passwd", "root:x:0:0:root:/root:/bin/sh\n"),
-        ("etc/group", "root:x:0:\n"),
-        (
-            "etc/hosts",
-            "127.0.0.1 localhost\n::1 localhost ip6-localhost ip6-loopback\n",
-        ),
-    ];
-    for (rel, text) in files {
-        let p = root.join(rel);
-        if std::fs::symlink_metadata(&p).is_err() {
-            std::fs::write(&p, text).map_err(|e| RuntimeError::io(&p, e))?;
-        }
-    }
-    Ok(())
-}
-
 /// The template's defaults from the image's config: Docker's are root in `/`.
 fn built_of(config: &ImageConfig, digest: &str) -> Built {
     let pc = config.config.as_ref();
@@ -562,6 +463,32 @@ fn built_of(config: &ImageConfig, digest: &str) -> Built {
         user,
         workdir: pc.and_then(|c| c.working_dir.clone()).filter(|w| !w.is_empty()),
         env,
+    }
+}
+
+/// The layers' sizes as the manifest declares them, summed without wrapping; a negative one is
+/// no image.
+fn declared_bytes(image: &str, layers: &[OciDescriptor]) -> Result<u64> {
+    let mut total: u64 = 0;
+    for l in layers {
+        let size = u64::try_from(l.size).map_err(|_| ImageError::Pull {
+            image: image.to_string(),
+            reason: format!("layer {} declares a negative size", l.digest),
+        })?;
+        total = total.checked_add(size).unwrap_or(u64::MAX);
+    }
+    Ok(total)
+}
+
+/// What a tenant is told of a failed pull: the registry's answer, but of content that did not
+/// match its digest only that (what was received would be an oracle of whatever answered).
+fn pull_reason(e: &oci_client::errors::OciDistributionError) -> String {
+    use oci_client::errors::{DigestError, OciDistributionError as E};
+    match e {
+        E::DigestError(DigestError::VerificationError { expected, .. }) => {
+            format!("digest mismatch: the content is not {expected}")
+        }
+        e => e.to_string(),
     }
 }
 
@@ -595,89 +522,94 @@ impl tokio::io::AsyncWrite for Bounded {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    use std::sync::Arc;
 
-    use airlock_testnet::registry::tar_layer;
-
-    fn tar_of(entries: &[(&str, Option<&[u8]>)]) -> Vec<u8> {
-        tar_layer(entries, &[], &[])
-    }
-
-    fn layer(dir: &Path, i: usize, bytes: Vec<u8>) -> (std::path::PathBuf, OciDescriptor) {
-        let p = dir.join(format!("l{i}"));
-        std::fs::write(&p, &bytes).unwrap();
-        let d = OciDescriptor {
-            media_type: "application/vnd.oci.image.layer.v1.tar".into(),
-            digest: format!("sha256:{i}"),
-            size: bytes.len() as i64,
+    #[test]
+    fn declared_sizes_neither_wrap_nor_go_negative() {
+        let layer = |size: i64| OciDescriptor {
+            size,
+            digest: "sha256:x".into(),
             ..Default::default()
         };
-        (p, d)
-    }
-
-    #[test]
-    fn layers_apply_in_order_with_whiteouts() {
-        let dir = tempfile::tempdir().unwrap();
-        let root = dir.path().join("root");
-        std::fs::create_dir(&root).unwrap();
-        let one = tar_of(&[
-            ("etc/", None),
-            ("etc/keep", Some(b"1")),
-            ("etc/gone", Some(b"1")),
-            ("opt/", None),
-            ("opt/old", Some(b"1")),
-        ]);
-        let two = tar_of(&[
-            ("etc/.wh.gone", Some(b"")),
-            ("opt/.wh..wh..opq", Some(b"")),
-            ("opt/new", Some(b"2")),
-            ("etc/keep", Some(b"2")),
-        ]);
-        let mut budget = Budget {
-            bytes: 1 << 20,
-            entries: 100,
-        };
-        for (i, bytes) in [one, two].into_iter().enumerate() {
-            let (p, d) = layer(dir.path(), i, bytes);
-            unpack_layer("t", &p, &d, &root, &mut budget).unwrap();
-        }
-        assert_eq!(std::fs::read(root.join("etc/keep")).unwrap(), b"2");
-        assert!(!root.join("etc/gone").exists());
-        assert!(!root.join("opt/old").exists());
-        assert_eq!(std::fs::read(root.join("opt/new")).unwrap(), b"2");
-        assert!(!root.join("etc/.wh.gone").exists());
-    }
-
-    #[test]
-    fn escapes_are_refused() {
-        let dir = tempfile::tempdir().unwrap();
-        let root = dir.path().join("root");
-        std::fs::create_dir(&root).unwrap();
-        let outside = dir.path().join("outside");
-        std::fs::create_dir(&outside).unwrap();
-        // A symlink to a directory outside, then a file written through it.
-        let escape = tar_layer(&[], &[("esc", outside.to_str().unwrap())], &[]);
-        let mut budget = Budget {
-            bytes: 1 << 20,
-            entries: 100,
-        };
-        let (p, d) = layer(dir.path(), 0, escape);
-        unpack_layer("t", &p, &d, &root, &mut budget).unwrap();
-        let (p, d) = layer(dir.path(), 3, tar_of(&[("esc/planted", Some(b"x"))]));
-        assert!(unpack_layer("t", &p, &d, &root, &mut budget).is_err());
-        assert!(!outside.join("planted").exists());
-        // A whiteout through the symlink removes nothing outside.
-        std::fs::write(outside.join("victim"), b"v").unwrap();
-        let (p, d) = layer(dir.path(), 1, tar_of(&[("esc/.wh.victim", Some(b""))]));
-        assert!(unpack_layer("t", &p, &d, &root, &mut budget).is_err());
-        assert!(outside.join("victim").exists());
-        assert!(clean_path(Path::new("a/../../etc")).is_err());
-        // Too many bytes.
-        let mut small = Budget { bytes: 1, entries: 100 };
-        let (p, d) = layer(dir.path(), 2, tar_of(&[("big", Some(b"12345"))]));
+        assert_eq!(declared_bytes("i", &[layer(1), layer(2)]).unwrap(), 3);
+        // Summed as plain u64 these wrap to 1 in release: under every limit.
+        let huge = [layer(i64::MAX), layer(i64::MAX), layer(3)];
+        assert!(declared_bytes("i", &huge).unwrap() > MAX_IMAGE_BYTES);
         assert!(matches!(
-            unpack_layer("t", &p, &d, &root, &mut small),
-            Err(RuntimeError::Image(ImageError::TooLarge { .. }))
+            declared_bytes("i", &[layer(5), layer(-1)]),
+            Err(RuntimeError::Image(ImageError::Pull { .. }))
         ));
+        let mismatch =
+            oci_client::errors::OciDistributionError::DigestError(oci_client::errors::DigestError::VerificationError {
+                expected: "sha256:aaaa".into(),
+                actual: "sha256:bbbb".into(),
+            });
+        let said = pull_reason(&mismatch);
+        assert!(said.contains("digest mismatch") && !said.contains("bbbb"), "{said}");
+    }
+
+    /// A registry on loopback that sends every request elsewhere (`answer`), and a canary that
+    /// counts who reached it: the operator's network as a pull's realm or redirect would see it.
+    fn hostile_registry(answer: impl Fn(u16) -> String + Send + 'static) -> (u16, Arc<AtomicUsize>) {
+        let canary = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let canary_port = canary.local_addr().unwrap().port();
+        let hits = Arc::new(AtomicUsize::new(0));
+        let h = hits.clone();
+        std::thread::spawn(move || {
+            for c in canary.incoming().flatten() {
+                h.fetch_add(1, Ordering::SeqCst);
+                drop(c);
+            }
+        });
+        let registry = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let port = registry.local_addr().unwrap().port();
+        std::thread::spawn(move || {
+            use std::io::{Read, Write};
+            for mut c in registry.incoming().flatten() {
+                let mut buf = [0u8; 4096];
+                let _ = c.read(&mut buf);
+                let _ = c.write_all(answer(canary_port).as_bytes());
+            }
+        });
+        (port, hits)
+    }
+
+    #[tokio::test]
+    async fn a_pull_goes_nowhere_but_the_registry_and_public_tls_hosts() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = TemplateStore::new(crate::datadir::DataDir::open(dir.path()).unwrap());
+        let answers: [(&str, fn(u16) -> String); 3] = [
+            ("a token realm on the host's loopback", |p| {
+                format!("HTTP/1.1 401 Unauthorized\r\nWWW-Authenticate: Bearer realm=\"http://127.0.0.1:{p}/token\",service=\"r\"\r\nContent-Length: 0\r\n\r\n")
+            }),
+            ("a redirect to plain HTTP elsewhere", |p| {
+                format!("HTTP/1.1 307 Temporary Redirect\r\nLocation: http://127.0.0.1:{p}/v2/x/manifests/1\r\nContent-Length: 0\r\n\r\n")
+            }),
+            ("a redirect to TLS on a denied address", |p| {
+                format!("HTTP/1.1 307 Temporary Redirect\r\nLocation: https://localhost:{p}/v2/x/manifests/1\r\nContent-Length: 0\r\n\r\n")
+            }),
+        ];
+        for (what, answer) in answers {
+            let (port, hits) = hostile_registry(answer);
+            let req = ImageImport {
+                image: format!("127.0.0.1:{port}/x:1"),
+                name: "x".into(),
+                credentials: None,
+                registries: Registries {
+                    allow: vec!["127.0.0.1".into()],
+                    denied: vec!["127.0.0.0/8".parse().unwrap(), "::1/128".parse().unwrap()],
+                    ..Default::default()
+                },
+            };
+            let e = store.import_image(&req).await.unwrap_err();
+            assert_eq!(hits.load(Ordering::SeqCst), 0, "{what}: the canary was reached ({e})");
+            let said = e.to_string();
+            assert!(
+                said.contains("does not dial") && (said.contains("127.0.0.1") || said.contains("localhost")),
+                "{what}: {said}"
+            );
+        }
     }
 
     #[test]
@@ -691,22 +623,24 @@ mod tests {
         let only_local = Registries {
             mirrors: [("docker.io".to_string(), "http://127.0.0.1:5000".to_string())].into(),
             allow: vec!["127.0.0.1".into()],
+            ..Default::default()
         };
         assert!(only_local.reaches("python:3.12"));
         assert!(only_local.reaches("127.0.0.1:5001/x"));
         assert!(!only_local.reaches("ghcr.io/org/app"));
         assert!(!Registries::default().reaches("127.0.0.1:5001/x"));
-        let (_, r) = client_for(&req("python:3.12", only_local.clone())).unwrap();
+        let (r, plain) = route_for(&req("python:3.12", only_local.clone())).unwrap();
+        assert!(plain);
         assert_eq!(r.registry(), "127.0.0.1:5000");
         assert_eq!(r.repository(), "library/python");
-        let (_, r) = client_for(&req("127.0.0.1:5001/team/app:1", only_local.clone())).unwrap();
+        let (r, _) = route_for(&req("127.0.0.1:5001/team/app:1", only_local.clone())).unwrap();
         assert_eq!(r.registry(), "127.0.0.1:5001");
         assert!(matches!(
-            client_for(&req("ghcr.io/org/app", only_local)),
+            route_for(&req("ghcr.io/org/app", only_local)),
             Err(RuntimeError::Image(ImageError::NotAllowed { .. }))
         ));
         assert!(matches!(
-            client_for(&req("Not A Reference", Registries::default())),
+            route_for(&req("Not A Reference", Registries::default())),
             Err(RuntimeError::Image(ImageError::Reference { .. }))
         ));
         assert!(format!(

@@ -61,6 +61,11 @@ impl NodeEgress {
         }))
     }
 
+    /// This node's platform denies, as networks (an image pull's dials are held to them).
+    pub fn denied_networks(&self) -> Vec<ipnet::IpNet> {
+        self.config.platform.networks()
+    }
+
     fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
         m.lock().unwrap_or_else(|e| e.into_inner())
     }

@@ -263,7 +263,14 @@ impl Nodes for LocalNode {
     }
 
     async fn import_image(&self, import: &super::ImageImport) -> Result<TemplateManifest, NodeError> {
-        let manifest = self.runtime.templates().import_image(import).await?;
+        // The pull's dials are held to this node's platform denies (a node without sandbox
+        // networks: the built-in ranges).
+        let mut import = import.clone();
+        import.registries.denied = match &self.egress {
+            Some(e) => e.denied_networks(),
+            None => airlock_egress::PlatformDenies::new([]).networks(),
+        };
+        let manifest = self.runtime.templates().import_image(&import).await?;
         self.publish(manifest).await
     }
 
