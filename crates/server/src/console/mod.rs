@@ -163,7 +163,7 @@ async fn signed(state: &ConsoleState, headers: &HeaderMap, page: bool) -> Result
     };
     let viewer = match &session.credential {
         Credential::Admin { token, .. } => state.core.admin(Some(token)).await.map(Viewer::Admin),
-        Credential::Key(key) => state.core.bearer_principal(Some(key)).await.map(|principal| {
+        Credential::Key { key, .. } => state.core.bearer_principal(Some(key)).await.map(|principal| {
             let tenant = principal.tenant().cloned().expect("a key names a tenant");
             Viewer::Tenant {
                 principal: Box::new(principal),
@@ -277,7 +277,13 @@ async fn login(
     }
     let credential = if let Some(key) = form.key.filter(|k| !k.trim().is_empty()) {
         match state.core.bearer_principal(Some(key.trim())).await {
-            Ok(_) => Credential::Key(key.trim().to_string()),
+            Ok(p) => match p.tenant() {
+                Some(t) => Credential::Key {
+                    key: key.trim().to_string(),
+                    tenant_id: t.id.clone(),
+                },
+                None => return login_refused(CoreError::Unauthenticated("not a tenant's key".into())),
+            },
             Err(e) => return login_refused(e),
         }
     } else {
@@ -296,7 +302,17 @@ async fn login(
             Err(e) => return login_refused(e),
         }
     };
-    let (value, _) = state.logins.open(credential);
+    let Ok((value, _)) = state.logins.open(credential) else {
+        return login_form(
+            StatusCode::SERVICE_UNAVAILABLE,
+            None,
+            Some(&format!(
+                "The console keeps {} tenants' sign-ins already: sign in again once some have ended \
+                 (the API takes the key meanwhile).",
+                logins::MAX_LOGINS
+            )),
+        );
+    };
     let mut r = Redirect::to("/console").into_response();
     let max_age = state.logins.settings().lifetime.as_secs() as i64;
     r.headers_mut()
