@@ -122,6 +122,33 @@ async fn web_console_signs_in_refuses_and_keeps_tenants_apart() {
         .await;
     assert_eq!(page.status, 403, "no token: {}", page.body);
     assert!(!admin.cookies.contains_key("airlock_console"));
+    // A value made up for both the cookie and the form (the double submit another host of the
+    // domain could plant) is no token; nor is a real token with another nonce, or its time
+    // changed.
+    let credentials = [("username", "root@local"), ("password", PASSWORD)];
+    let mut forger = Browser::new(&server);
+    forger.cookies.insert("airlock_console_login".into(), "abc123".into());
+    let mut form = vec![("csrf", "abc123")];
+    form.extend_from_slice(&credentials);
+    let page = forger.post("/console/login", &form).await;
+    assert_eq!(page.status, 403, "a made-up token: {}", page.body);
+    let page = forger.get("/console/login").await;
+    let token = csrf_of(&page.body);
+    let (at, mac) = token.split_once('.').expect("<time>.<mac>");
+    let earlier = format!("{}.{mac}", at.parse::<i64>().unwrap() - 1);
+    for (nonce, token) in [("abc123", token.as_str()), ("", token.as_str())] {
+        let mut other = Browser::new(&server);
+        other.cookies.insert("airlock_console_login".into(), nonce.into());
+        let mut form = vec![("csrf", token)];
+        form.extend_from_slice(&credentials);
+        let page = other.post("/console/login", &form).await;
+        assert_eq!(page.status, 403, "another nonce {nonce:?}: {}", page.body);
+    }
+    let mut form = vec![("csrf", earlier.as_str())];
+    form.extend_from_slice(&credentials);
+    let page = forger.post("/console/login", &form).await;
+    assert_eq!(page.status, 403, "its time changed: {}", page.body);
+    assert!(!forger.cookies.contains_key("airlock_console"));
 
     let page = admin
         .sign_in(&[("username", "root@local"), ("password", PASSWORD)])
