@@ -73,6 +73,18 @@ pub fn backoff(failures: u32) -> Duration {
     Duration::from_secs(1u64 << failures.saturating_sub(1).min(6)).min(MAX_BACKOFF)
 }
 
+/// Why a receiver's answer `status` is no delivery, if it is none: only a 2xx is one. A 3xx
+/// (never followed: the agent takes no redirects) is a failed attempt like any other.
+fn answered(status: u16) -> Option<String> {
+    match status {
+        200..=299 => None,
+        300..=399 => Some(format!(
+            "the receiver answered {status}, a redirect (not followed: only a 2xx delivers)"
+        )),
+        _ => Some(format!("the receiver answered {status}")),
+    }
+}
+
 /// `t=<at>,v1=<hex>`: the signature of `body` sent at `at` (Unix seconds) under `secret`.
 pub fn sign(secret: &str, at: i64, body: &[u8]) -> String {
     use hmac::Mac;
@@ -434,8 +446,8 @@ impl Core {
                 .send_bytes(&body);
             // Only what is kept of the answer: its status, or the error as text.
             match sent {
-                Ok(r) => (Some(r.status()), None),
-                Err(ureq::Error::Status(code, _)) => (Some(code), Some(format!("the receiver answered {code}"))),
+                Ok(r) => (Some(r.status()), answered(r.status())),
+                Err(ureq::Error::Status(code, _)) => (Some(code), answered(code)),
                 Err(e) => (None, Some(e.to_string())),
             }
         })
@@ -482,6 +494,19 @@ mod tests {
         config.webhook_allow_private = true;
         assert_eq!(denied(&config, ip("127.0.0.1")), None);
         assert_eq!(denied(&config, ip("8.8.4.4")), None);
+    }
+
+    #[test]
+    fn only_a_2xx_delivers() {
+        for ok in [200, 202, 204, 299] {
+            assert_eq!(answered(ok), None, "{ok}");
+        }
+        for failed in [100, 301, 302, 307, 308, 399, 400, 500] {
+            assert!(
+                answered(failed).is_some_and(|e| e.contains(&failed.to_string())),
+                "{failed}"
+            );
+        }
     }
 
     #[test]

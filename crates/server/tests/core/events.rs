@@ -446,3 +446,38 @@ async fn a_delivery_checks_the_addresses_it_dials_again() {
     assert_eq!(hits.load(Ordering::SeqCst), 0, "nothing was dialed");
     server.stop().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_redirect_is_no_delivery_and_is_not_followed() {
+    use std::sync::atomic::Ordering;
+    let tmp = fresh();
+    let config = Config {
+        webhook_allow_private: true,
+        ..Config::default()
+    };
+    let server = Server::start_full(tmp.path(), 20, None, Duration::ZERO, ROOMY, config).await;
+    let core = server.core().clone();
+    server.on_server(async move { core.spawn_webhooks() }).await;
+    let (url, hits, redirected) = counting_receiver(302).await;
+    let (status, hook) = server
+        .v1(Method::POST, "/webhooks", Some(json!({"url": url, "name": "moved"})))
+        .await;
+    assert_eq!(status, 201, "{hook}");
+    let hook_id = hook["id"].as_str().unwrap().to_string();
+    server.running_sandbox().await;
+    // Tried again after its backoff (1 s): the first answer was no delivery.
+    let tries = deliveries(&server, &hook_id, 2).await;
+    assert_eq!(
+        tries[0]["event_id"], tries[1]["event_id"],
+        "the same event again: {tries:?}"
+    );
+    for t in &tries {
+        assert_eq!(t["status"], 302, "{t}");
+        assert!(t["error"].as_str().unwrap_or_default().contains("redirect"), "{t}");
+    }
+    assert!(hits.load(Ordering::SeqCst) >= 2);
+    assert_eq!(redirected.load(Ordering::SeqCst), 0, "the redirect is not followed");
+    let (_, w) = server.v1(Method::GET, &format!("/webhooks/{hook_id}"), None).await;
+    assert!(w["attempts"].as_u64().unwrap() >= 1, "{w}");
+    server.stop().await;
+}
