@@ -26,8 +26,9 @@ pub struct ServeArgs {
     /// for a scrape token, `airlock admin scrape-token create`, or the admin's token).
     #[arg(long, env = "AIRLOCK_METRICS_LISTEN")]
     metrics_listen: Option<SocketAddr>,
-    /// Let tenants' webhooks point at loopback, private, link-local and metadata addresses
-    /// (refused by default: a webhook is the server's own request).
+    /// Let tenants' webhooks point at loopback, private, link-local, metadata and
+    /// documentation addresses and this host's own (refused by default: a webhook is the
+    /// server's own request).
     #[arg(long, env = "AIRLOCK_WEBHOOK_ALLOW_PRIVATE")]
     webhook_allow_private: bool,
     /// A web console session ends after this long without a request (`30m`, `20s`).

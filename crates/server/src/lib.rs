@@ -398,7 +398,8 @@ pub struct ServeOptions {
     pub e2b_debug_listen: Option<SocketAddr>,
     /// A listener serving `GET /metrics` without a credential (keep it private).
     pub metrics_listen: Option<SocketAddr>,
-    /// Webhooks may point at loopback, private and link-local addresses.
+    /// Webhooks may point at the addresses they never reach otherwise (loopback, private,
+    /// link-local, documentation, this host's own).
     pub webhook_allow_private: bool,
     /// The web console's sign-in lifetimes.
     pub console: console::ConsoleSettings,
@@ -512,8 +513,25 @@ async fn load_tls(tls: &TlsOptions) -> anyhow::Result<axum_server::tls_rustls::R
         })
 }
 
+/// This host's own addresses, which no webhook may reach: its interfaces' and those its
+/// `listens` bind (an unspecified one is every interface's, listed already).
+fn own_addresses(listens: &[SocketAddr]) -> anyhow::Result<Vec<std::net::IpAddr>> {
+    let mut addrs = airlock_egress::local_addresses()
+        .map_err(|e| anyhow::anyhow!("this host's addresses (webhooks must never reach them): {e}"))?;
+    addrs.extend(listens.iter().map(SocketAddr::ip).filter(|ip| !ip.is_unspecified()));
+    addrs.sort();
+    addrs.dedup();
+    Ok(addrs)
+}
+
 /// Open everything, recover from the last run, and serve until the process is stopped.
 pub async fn serve(opts: ServeOptions) -> anyhow::Result<()> {
+    let listens: Vec<SocketAddr> = [Some(opts.listen), opts.tls.as_ref().map(|t| t.listen)]
+        .into_iter()
+        .chain([opts.e2b_debug_listen, opts.metrics_listen])
+        .flatten()
+        .collect();
+    let webhook_host_addrs = own_addresses(&listens)?;
     let tls = match &opts.tls {
         Some(t) => Some((t.listen, load_tls(t).await?)),
         None => None,
@@ -603,6 +621,7 @@ pub async fn serve(opts: ServeOptions) -> anyhow::Result<()> {
         build_contexts: Some(root.join("build-contexts")),
         registries: opts.registries.clone(),
         webhook_allow_private: opts.webhook_allow_private,
+        webhook_host_addrs,
         ..core::Config::default()
     };
     let capacity = nodes.capacity();
@@ -831,6 +850,19 @@ pub fn write_credentials(data_dir: &std::path::Path, key: &str, listen: &SocketA
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn a_webhook_never_reaches_this_hosts_interfaces_or_listeners() {
+        let listens = ["203.0.113.5:8080".parse().unwrap(), "0.0.0.0:80".parse().unwrap()];
+        let own = super::own_addresses(&listens).unwrap();
+        let ip = |s: &str| s.parse::<std::net::IpAddr>().unwrap();
+        assert!(own.contains(&ip("203.0.113.5")), "a listener's address: {own:?}");
+        assert!(own.contains(&ip("127.0.0.1")), "an interface's address: {own:?}");
+        assert!(!own.contains(&ip("0.0.0.0")), "{own:?}");
+        for a in airlock_egress::local_addresses().unwrap() {
+            assert!(own.contains(&a), "{a}: {own:?}");
+        }
+    }
+
     /// Set in the child process of `a_generated_password_without_a_terminal_goes_to_a_private_file`.
     const CHILD_DATA_DIR: &str = "AIRLOCK_TEST_CONSOLE_PASSWORD_DIR";
     const GENERATED: &str = "Generated-Password-4242xyz";

@@ -92,6 +92,10 @@ impl Default for Limits {
     }
 }
 
+/// On each request that came over a TLS listener (the console's cookies are then `Secure`).
+#[derive(Debug, Clone, Copy)]
+pub struct OverTls;
+
 /// Serve `app` on `listener` (over TLS when `tls` is given) until the listener fails for good.
 pub async fn serve(
     listener: TcpListener,
@@ -101,6 +105,10 @@ pub async fn serve(
 ) -> io::Result<()> {
     let permits = Arc::new(Semaphore::new(limits.max_connections.max(1)));
     let clients = Arc::new(Clients::new(limits.max_connections_per_client));
+    let app = match tls {
+        Some(_) => app.layer(axum::Extension(OverTls)),
+        None => app,
+    };
     let tls = tls.map(tokio_rustls::TlsAcceptor::from);
     let mut builder = auto::Builder::new(TokioExecutor::new());
     builder

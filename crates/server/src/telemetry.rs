@@ -12,7 +12,10 @@
 //!
 //! Every series is this replica's: Prometheus sums replicas. Tenants are labelled by name, the
 //! first [`MAX_TENANT_LABELS`] this process sees; the rest share the label `_other`, so a
-//! platform with many tenants cannot blow up the number of series.
+//! platform with many tenants cannot blow up the number of series. No label takes a value a
+//! client chose: a request's method is one of [`METHODS`] or `other`, its route the matched
+//! template or [`UNMATCHED`], its status the server's; a tenant's own templates share
+//! [`BUILT_TEMPLATES`].
 
 use axum::extract::{MatchedPath, Request, State};
 use axum::response::Response;
@@ -33,6 +36,12 @@ pub const MAX_TENANT_LABELS: usize = 100;
 pub const OTHER_TENANTS: &str = "_other";
 /// The route label of a request no route matched (a sandbox's port by Host, a 404).
 pub const UNMATCHED: &str = "unmatched";
+/// The template label of every sandbox of a tenant's own template (each build is a template
+/// named by its id; an id is never a label).
+pub const BUILT_TEMPLATES: &str = "_built";
+/// The label of every value outside a label's fixed set (a method no door serves, a start
+/// source no node reports today).
+pub const OTHER: &str = "other";
 /// The `Content-Type` of [`Telemetry::encode`]'s text.
 pub const CONTENT_TYPE: &str = prometheus_client::encoding::prometheus_text::CONTENT_TYPE;
 
@@ -43,8 +52,8 @@ pub struct ResultLabels {
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct StartLabels {
-    /// `boot`, `restore`, `pool`, `snapshot`.
-    pub from: String,
+    /// `boot`, `restore`, `pool`, `snapshot` (else [`OTHER`]).
+    pub from: &'static str,
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
@@ -55,7 +64,8 @@ pub struct OperationLabels {
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct HttpLabels {
-    pub method: String,
+    /// One of [`METHODS`], else [`OTHER`].
+    pub method: &'static str,
     /// The route's template (`/v1/sandboxes/{id}`), or [`UNMATCHED`].
     pub route: String,
     pub status: u16,
@@ -121,6 +131,24 @@ fn fast_buckets() -> Histogram {
     Histogram::new(prometheus_client::metrics::histogram::exponential_buckets(
         0.001, 2.0, 17,
     ))
+}
+
+/// The methods counted by name; a client may send any token as a method, and each new label
+/// value would be a series kept for the life of the process.
+pub const METHODS: [&str; 7] = ["GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"];
+
+/// `method` as its label: one of [`METHODS`], else [`OTHER`].
+pub fn method_label(method: &axum::http::Method) -> &'static str {
+    METHODS.into_iter().find(|m| *m == method.as_str()).unwrap_or(OTHER)
+}
+
+/// How a VM started, as its label: the node reports it as text (a remote node over the wire),
+/// so only the known sources are kept.
+fn start_label(from: &str) -> &'static str {
+    ["boot", "restore", "pool", "snapshot"]
+        .into_iter()
+        .find(|f| *f == from)
+        .unwrap_or(OTHER)
 }
 
 /// The process's families, registered once.
@@ -309,7 +337,9 @@ impl Telemetry {
         self.creates.get_or_create(&ResultLabels { result }).inc();
         if let Some((from, took)) = started {
             self.create_seconds
-                .get_or_create(&StartLabels { from: from.to_string() })
+                .get_or_create(&StartLabels {
+                    from: start_label(from),
+                })
                 .observe(took.as_secs_f64());
         }
     }
@@ -503,7 +533,7 @@ pub async fn track_http(
     req: Request,
     next: axum::middleware::Next,
 ) -> Response {
-    let method = req.method().as_str().to_string();
+    let method = method_label(req.method());
     let start = std::time::Instant::now();
     let resp = next.run(req).await;
     let route = resp
@@ -584,6 +614,19 @@ mod tests {
             .find(|l| l.starts_with("airlock_sandboxes{") && l.contains("tenant=\"_other\""))
             .unwrap();
         assert!(other.ends_with(" 5"), "{other}");
+    }
+
+    #[test]
+    fn labels_come_from_fixed_sets() {
+        use axum::http::Method;
+        for m in METHODS {
+            assert_eq!(method_label(&Method::from_bytes(m.as_bytes()).unwrap()), m);
+        }
+        for m in ["MADEUP", "get", "PROPFIND", "CONNECT", "TRACE"] {
+            assert_eq!(method_label(&Method::from_bytes(m.as_bytes()).unwrap()), OTHER, "{m}");
+        }
+        assert_eq!(start_label("restore"), "restore");
+        assert_eq!(start_label("anything a node says"), OTHER);
     }
 
     #[tokio::test]

@@ -3,24 +3,24 @@
 //! budgets, warm pools resized here, templates). A tenant's webhooks are on its own pages.
 
 use super::page::{self, csrf, Answer, Refused};
-use super::{signed, ConsoleState, Signed};
+use super::{signed, Browser, ConsoleState, Signed};
 use crate::core::accounts::Admin;
 use crate::error::CoreError;
 use crate::records::AuditFilter;
 use axum::extract::{Path, Query, State};
-use axum::http::{HeaderMap, StatusCode};
+use axum::http::StatusCode;
 use axum::response::{IntoResponse, Redirect};
 use axum::Form;
 use maud::html;
 use serde::Deserialize;
 
-async fn admin_of(state: &ConsoleState, headers: &HeaderMap) -> Result<(Signed, Admin), Refused> {
+async fn admin_of(state: &ConsoleState, headers: &Browser) -> Result<(Signed, Admin), Refused> {
     let s = signed(state, headers, true).await?;
     let admin = s.admin()?.clone();
     Ok((s, admin))
 }
 
-pub async fn tenants(State(state): State<ConsoleState>, headers: HeaderMap) -> Answer {
+pub async fn tenants(State(state): State<ConsoleState>, headers: Browser) -> Answer {
     let (s, admin) = admin_of(&state, &headers).await?;
     let tenants = state.core.list_tenants(&admin).await?;
     let body = html! {
@@ -45,14 +45,14 @@ pub struct NameForm {
     name: String,
 }
 
-pub async fn create_tenant(State(state): State<ConsoleState>, headers: HeaderMap, Form(f): Form<NameForm>) -> Answer {
+pub async fn create_tenant(State(state): State<ConsoleState>, headers: Browser, Form(f): Form<NameForm>) -> Answer {
     let (s, admin) = admin_of(&state, &headers).await?;
     s.check_csrf(f.csrf.as_deref())?;
     let t = state.core.create_tenant(&admin, f.name.trim()).await?;
     Ok(Redirect::to(&format!("/console/admin/tenants/{}", t.name)).into_response())
 }
 
-pub async fn tenant(State(state): State<ConsoleState>, headers: HeaderMap, Path(name): Path<String>) -> Answer {
+pub async fn tenant(State(state): State<ConsoleState>, headers: Browser, Path(name): Path<String>) -> Answer {
     let (s, admin) = admin_of(&state, &headers).await?;
     tenant_page(&state, &s, &admin, &name, None).await
 }
@@ -190,7 +190,7 @@ pub struct QuotaForm {
 
 pub async fn set_quota(
     State(state): State<ConsoleState>,
-    headers: HeaderMap,
+    headers: Browser,
     Path(name): Path<String>,
     Form(f): Form<QuotaForm>,
 ) -> Answer {
@@ -218,7 +218,7 @@ pub struct PolicyForm {
 
 pub async fn set_policy(
     State(state): State<ConsoleState>,
-    headers: HeaderMap,
+    headers: Browser,
     Path(name): Path<String>,
     Form(f): Form<PolicyForm>,
 ) -> Answer {
@@ -239,7 +239,7 @@ pub struct KeyForm {
 
 pub async fn create_key(
     State(state): State<ConsoleState>,
-    headers: HeaderMap,
+    headers: Browser,
     Path(name): Path<String>,
     Form(f): Form<KeyForm>,
 ) -> Answer {
@@ -258,7 +258,7 @@ pub async fn create_key(
 
 pub async fn revoke_key(
     State(state): State<ConsoleState>,
-    headers: HeaderMap,
+    headers: Browser,
     Path(name): Path<String>,
     Form(f): Form<KeyForm>,
 ) -> Answer {
@@ -278,7 +278,7 @@ pub struct AuditQuery {
     before: Option<i64>,
 }
 
-pub async fn audit(State(state): State<ConsoleState>, headers: HeaderMap, Query(q): Query<AuditQuery>) -> Answer {
+pub async fn audit(State(state): State<ConsoleState>, headers: Browser, Query(q): Query<AuditQuery>) -> Answer {
     let (s, admin) = admin_of(&state, &headers).await?;
     let some = |v: Option<String>| v.map(|v| v.trim().to_string()).filter(|v| !v.is_empty());
     let filter = AuditFilter {
@@ -310,7 +310,7 @@ pub async fn audit(State(state): State<ConsoleState>, headers: HeaderMap, Query(
     Ok(page::layout("Audit log", Some(&s), body).into_response())
 }
 
-pub async fn system(State(state): State<ConsoleState>, headers: HeaderMap) -> Answer {
+pub async fn system(State(state): State<ConsoleState>, headers: Browser) -> Answer {
     let (s, admin) = admin_of(&state, &headers).await?;
     let core = &state.core;
     let budgets = core.node_budgets(&admin).await?;
@@ -371,7 +371,7 @@ pub struct PoolForm {
     size: String,
 }
 
-pub async fn set_pool(State(state): State<ConsoleState>, headers: HeaderMap, Form(f): Form<PoolForm>) -> Answer {
+pub async fn set_pool(State(state): State<ConsoleState>, headers: Browser, Form(f): Form<PoolForm>) -> Answer {
     let (s, admin) = admin_of(&state, &headers).await?;
     s.check_csrf(f.csrf.as_deref())?;
     let Ok(size) = f.size.trim().parse::<usize>() else {

@@ -6,8 +6,11 @@
 //! `sandboxes.rs`, their terminal, `terminal.rs`, and sessions' output, `sessions.rs`); `logins.rs`
 //! keeps the sign-ins.
 //!
-//! Every form carries the session's CSRF token; the cookie is HttpOnly and SameSite=Strict, and
-//! the terminal's WebSocket must come from the console's own origin.
+//! Every form carries the session's CSRF token (the sign-in form one the server signed, bound to
+//! the browser's pre-sign-in cookie); the cookies are HttpOnly and SameSite=Strict, on the TLS
+//! listener also `Secure` and `__Host-` named (no other host, such as a sandbox's port under the
+//! same domain, can set or shadow them); the terminal's WebSocket must come from the console's
+//! own origin.
 
 mod admin;
 mod assets;
@@ -23,7 +26,7 @@ use crate::core::accounts::Admin;
 use crate::core::{Core, Principal};
 use crate::error::CoreError;
 use crate::records::Tenant;
-use axum::extract::{ConnectInfo, Form, State};
+use axum::extract::{ConnectInfo, Form, FromRequestParts, State};
 use axum::http::{header, HeaderMap, HeaderValue, StatusCode};
 use axum::response::{IntoResponse, Redirect, Response};
 use axum::routing::{get, post};
@@ -37,8 +40,70 @@ use std::sync::Arc;
 
 /// The session cookie.
 const COOKIE: &str = "airlock_console";
-/// The sign-in form's own CSRF token, before there is a session (double submit).
+/// The sign-in form's nonce, before there is a session: the form's token is signed for it.
 const LOGIN_COOKIE: &str = "airlock_console_login";
+/// The prefix of every console cookie's name over TLS: the browser then takes it only `Secure`,
+/// from this host itself, for the path `/`.
+const HOST_PREFIX: &str = "__Host-";
+
+/// A console request's headers, and whether it came over the TLS listener (which names its
+/// cookies).
+pub struct Browser {
+    headers: HeaderMap,
+    tls: bool,
+}
+
+impl std::ops::Deref for Browser {
+    type Target = HeaderMap;
+    fn deref(&self) -> &HeaderMap {
+        &self.headers
+    }
+}
+
+impl<S: Send + Sync> FromRequestParts<S> for Browser {
+    type Rejection = std::convert::Infallible;
+
+    async fn from_request_parts(parts: &mut axum::http::request::Parts, _: &S) -> Result<Self, Self::Rejection> {
+        Ok(Browser {
+            headers: parts.headers.clone(),
+            tls: parts.extensions.get::<crate::listen::OverTls>().is_some(),
+        })
+    }
+}
+
+impl Browser {
+    /// The value of the console's cookie `name`: over TLS only its `__Host-` one (a plain one
+    /// may have come from another host of the domain).
+    fn cookie(&self, name: &str) -> Option<&str> {
+        cookie(&self.headers, &cookie_name(name, self.tls))
+    }
+
+    /// A `Set-Cookie` of the console's cookie `name` (see [`set_cookie`]).
+    fn set_cookie(&self, name: &str, value: &str, path: &str, max_age_s: i64) -> HeaderValue {
+        set_cookie(name, value, path, max_age_s, self.tls)
+    }
+}
+
+fn cookie_name(name: &str, tls: bool) -> String {
+    match tls {
+        true => format!("{HOST_PREFIX}{name}"),
+        false => name.to_string(),
+    }
+}
+
+/// The console's cookie `name` for `path`; over TLS `__Host-` named, `Secure` and for `/`, as
+/// the prefix asks.
+fn set_cookie(name: &str, value: &str, path: &str, max_age_s: i64, tls: bool) -> HeaderValue {
+    let (path, secure) = match tls {
+        true => ("/", "; Secure"),
+        false => (path, ""),
+    };
+    HeaderValue::from_str(&format!(
+        "{}={value}; Path={path}; HttpOnly; SameSite=Strict; Max-Age={max_age_s}{secure}",
+        cookie_name(name, tls)
+    ))
+    .expect("a cookie of visible ASCII")
+}
 
 #[derive(Clone)]
 pub struct ConsoleState {
@@ -84,16 +149,18 @@ pub fn router(core: Core, settings: ConsoleSettings) -> Router {
         .with_state(state)
 }
 
-/// On every console answer: never framed by another site (its buttons delete things), no
-/// referrer beyond the console, and pages (a new key is on one) kept by no cache; the assets
-/// set their own caching.
+/// The console's Content-Security-Policy: never framed by another site (its buttons delete
+/// things); scripts only the console's own files (no inline script, `javascript:` URL or
+/// handler attribute runs, should a value ever slip past the escaping), no plugins, no `<base>`
+/// to move where those files load from.
+pub const CSP: &str = "frame-ancestors 'none'; script-src 'self'; object-src 'none'; base-uri 'none'";
+
+/// On every console answer: its [`CSP`], no referrer beyond the console, and pages (a new key
+/// is on one) kept by no cache; the assets set their own caching.
 async fn page_headers(mut r: Response) -> Response {
     let h = r.headers_mut();
     h.insert(header::X_FRAME_OPTIONS, HeaderValue::from_static("DENY"));
-    h.insert(
-        header::CONTENT_SECURITY_POLICY,
-        HeaderValue::from_static("frame-ancestors 'none'"),
-    );
+    h.insert(header::CONTENT_SECURITY_POLICY, HeaderValue::from_static(CSP));
     h.insert(header::REFERRER_POLICY, HeaderValue::from_static("same-origin"));
     h.entry(header::CACHE_CONTROL)
         .or_insert(HeaderValue::from_static("no-store"));
@@ -154,8 +221,8 @@ fn cookie<'a>(headers: &'a HeaderMap, name: &str) -> Option<&'a str> {
 
 /// The signed-in viewer of a request, asked of the core again with the session's credential.
 /// A page (`page`) without one goes to the sign-in page; anything else gets 401.
-async fn signed(state: &ConsoleState, headers: &HeaderMap, page: bool) -> Result<Signed, Refused> {
-    let Some(value) = cookie(headers, COOKIE) else {
+async fn signed(state: &ConsoleState, headers: &Browser, page: bool) -> Result<Signed, Refused> {
+    let Some(value) = headers.cookie(COOKIE) else {
         return Err(Refused::SignIn { page, why: "signin" });
     };
     let Some(session) = state.logins.get(value) else {
@@ -163,7 +230,7 @@ async fn signed(state: &ConsoleState, headers: &HeaderMap, page: bool) -> Result
     };
     let viewer = match &session.credential {
         Credential::Admin { token, .. } => state.core.admin(Some(token)).await.map(Viewer::Admin),
-        Credential::Key(key) => state.core.bearer_principal(Some(key)).await.map(|principal| {
+        Credential::Key { key, .. } => state.core.bearer_principal(Some(key)).await.map(|principal| {
             let tenant = principal.tenant().cloned().expect("a key names a tenant");
             Viewer::Tenant {
                 principal: Box::new(principal),
@@ -180,7 +247,7 @@ async fn signed(state: &ConsoleState, headers: &HeaderMap, page: bool) -> Result
     }
 }
 
-async fn home(State(state): State<ConsoleState>, headers: HeaderMap) -> Answer {
+async fn home(State(state): State<ConsoleState>, headers: Browser) -> Answer {
     Ok(match signed(&state, &headers, true).await?.viewer {
         Viewer::Admin(_) => Redirect::to("/console/admin").into_response(),
         Viewer::Tenant { .. } => Redirect::to("/console/sandboxes").into_response(),
@@ -192,16 +259,13 @@ struct LoginQuery {
     why: Option<String>,
 }
 
-fn session_cookie(value: &str, max_age_s: i64) -> HeaderValue {
-    HeaderValue::from_str(&format!(
-        "{COOKIE}={value}; Path=/console; HttpOnly; SameSite=Strict; Max-Age={max_age_s}"
-    ))
-    .expect("a cookie of visible ASCII")
+fn session_cookie(headers: &Browser, value: &str, max_age_s: i64) -> HeaderValue {
+    headers.set_cookie(COOKIE, value, "/console", max_age_s)
 }
 
 async fn login_page(
     State(state): State<ConsoleState>,
-    headers: HeaderMap,
+    headers: Browser,
     axum::extract::Query(q): axum::extract::Query<LoginQuery>,
 ) -> Response {
     if signed(&state, &headers, false).await.is_ok() {
@@ -212,13 +276,21 @@ async fn login_page(
         Some("out") => Some("Signed out."),
         _ => None,
     };
-    login_form(StatusCode::OK, note, None)
+    login_form(&state, &headers, StatusCode::OK, note, None)
 }
 
-/// The sign-in page with a fresh token for its forms (also in a cookie of its own: a post must
-/// carry both, so another site cannot sign a browser in as someone else).
-fn login_form(status: StatusCode, note: Option<&str>, error: Option<&str>) -> Response {
-    let token = airlock_runtime::datadir::random_hex(24);
+/// The sign-in page with a fresh nonce in a cookie of its own and, in its forms, the token the
+/// server signed for it: a post must carry both, so another site cannot sign a browser in as
+/// someone else (a value it made up is no token, and a cookie it planted is no nonce of it).
+fn login_form(
+    state: &ConsoleState,
+    headers: &Browser,
+    status: StatusCode,
+    note: Option<&str>,
+    error: Option<&str>,
+) -> Response {
+    let nonce = airlock_runtime::datadir::random_hex(24);
+    let token = state.core.sign_in_form_token(&nonce);
     let body = html! {
         h1 { "Sign in" }
         @if let Some(n) = note { p.note { (n) } }
@@ -242,10 +314,12 @@ fn login_form(status: StatusCode, note: Option<&str>, error: Option<&str>) -> Re
     let mut r = (status, page::layout("Sign in", None, body)).into_response();
     r.headers_mut().append(
         header::SET_COOKIE,
-        HeaderValue::from_str(&format!(
-            "{LOGIN_COOKIE}={token}; Path=/console/login; HttpOnly; SameSite=Strict; Max-Age=3600"
-        ))
-        .expect("visible ASCII"),
+        headers.set_cookie(
+            LOGIN_COOKIE,
+            &nonce,
+            "/console/login",
+            crate::core::principal::SIGN_IN_FORM_TTL_S,
+        ),
     );
     r
 }
@@ -261,14 +335,15 @@ struct LoginForm {
 async fn login(
     State(state): State<ConsoleState>,
     peer: Option<Extension<ConnectInfo<SocketAddr>>>,
-    headers: HeaderMap,
+    headers: Browser,
     Form(form): Form<LoginForm>,
 ) -> Response {
-    let expected = cookie(&headers, LOGIN_COOKIE);
-    match (form.csrf.as_deref(), expected) {
-        (Some(a), Some(b)) if logins::same_token(a, b) => {}
+    match (form.csrf.as_deref(), headers.cookie(LOGIN_COOKIE)) {
+        (Some(token), Some(nonce)) if state.core.sign_in_form_token_valid(nonce, token) => {}
         _ => {
             return login_form(
+                &state,
+                &headers,
                 StatusCode::FORBIDDEN,
                 None,
                 Some("This sign-in form was not sent from the console's own page: try again."),
@@ -277,8 +352,20 @@ async fn login(
     }
     let credential = if let Some(key) = form.key.filter(|k| !k.trim().is_empty()) {
         match state.core.bearer_principal(Some(key.trim())).await {
-            Ok(_) => Credential::Key(key.trim().to_string()),
-            Err(e) => return login_refused(e),
+            Ok(p) => match p.tenant() {
+                Some(t) => Credential::Key {
+                    key: key.trim().to_string(),
+                    tenant_id: t.id.clone(),
+                },
+                None => {
+                    return login_refused(
+                        &state,
+                        &headers,
+                        CoreError::Unauthenticated("not a tenant's key".into()),
+                    )
+                }
+            },
+            Err(e) => return login_refused(&state, &headers, e),
         }
     } else {
         let client = peer.map(|Extension(ConnectInfo(addr))| addr.ip());
@@ -293,18 +380,30 @@ async fn login(
                 // The token says so too (`expires_at`); the core refuses it after anyway.
                 expires_ms: crate::records::now_ms() + crate::core::accounts::ADMIN_TOKEN_TTL_MS,
             },
-            Err(e) => return login_refused(e),
+            Err(e) => return login_refused(&state, &headers, e),
         }
     };
-    let (value, _) = state.logins.open(credential);
+    let Ok((value, _)) = state.logins.open(credential) else {
+        return login_form(
+            &state,
+            &headers,
+            StatusCode::SERVICE_UNAVAILABLE,
+            None,
+            Some(&format!(
+                "The console keeps {} tenants' sign-ins already: sign in again once some have ended \
+                 (the API takes the key meanwhile).",
+                logins::MAX_LOGINS
+            )),
+        );
+    };
     let mut r = Redirect::to("/console").into_response();
     let max_age = state.logins.settings().lifetime.as_secs() as i64;
     r.headers_mut()
-        .append(header::SET_COOKIE, session_cookie(&value, max_age));
+        .append(header::SET_COOKIE, session_cookie(&headers, &value, max_age));
     r
 }
 
-fn login_refused(e: CoreError) -> Response {
+fn login_refused(state: &ConsoleState, headers: &Browser, e: CoreError) -> Response {
     let (status, _, message) = page::describe(&e);
     let status = if status == StatusCode::TOO_MANY_REQUESTS {
         status
@@ -316,7 +415,7 @@ fn login_refused(e: CoreError) -> Response {
     } else {
         message
     };
-    login_form(status, None, Some(&message))
+    login_form(state, headers, status, None, Some(&message))
 }
 
 #[derive(Deserialize)]
@@ -324,14 +423,15 @@ struct CsrfForm {
     csrf: Option<String>,
 }
 
-async fn logout(State(state): State<ConsoleState>, headers: HeaderMap, Form(form): Form<CsrfForm>) -> Answer {
+async fn logout(State(state): State<ConsoleState>, headers: Browser, Form(form): Form<CsrfForm>) -> Answer {
     let signed = signed(&state, &headers, true).await?;
     signed.check_csrf(form.csrf.as_deref())?;
-    if let Some(value) = cookie(&headers, COOKIE) {
+    if let Some(value) = headers.cookie(COOKIE) {
         state.logins.close(value);
     }
     let mut r = Redirect::to("/console/login?why=out").into_response();
-    r.headers_mut().append(header::SET_COOKIE, session_cookie("", 0));
+    r.headers_mut()
+        .append(header::SET_COOKIE, session_cookie(&headers, "", 0));
     Ok(r)
 }
 
@@ -343,5 +443,51 @@ mod tests {
         h.append("cookie", "a=1; airlock_console=cs_x; b=2".parse().unwrap());
         assert_eq!(super::cookie(&h, super::COOKIE), Some("cs_x"));
         assert_eq!(super::cookie(&h, "c"), None);
+    }
+
+    #[test]
+    fn over_tls_the_cookies_are_host_only_and_secure() {
+        use super::{set_cookie, Browser, COOKIE};
+        let plain = set_cookie(COOKIE, "cs_x", "/console", 60, false);
+        assert_eq!(
+            plain.to_str().unwrap(),
+            "airlock_console=cs_x; Path=/console; HttpOnly; SameSite=Strict; Max-Age=60"
+        );
+        let tls = set_cookie(COOKIE, "cs_x", "/console", 60, true);
+        assert_eq!(
+            tls.to_str().unwrap(),
+            "__Host-airlock_console=cs_x; Path=/; HttpOnly; SameSite=Strict; Max-Age=60; Secure"
+        );
+        // Over TLS only the prefixed cookie counts: a plain one may come from another host.
+        let mut h = axum::http::HeaderMap::new();
+        h.append(
+            "cookie",
+            "airlock_console=planted; __Host-airlock_console=cs_y".parse().unwrap(),
+        );
+        let over_tls = Browser {
+            headers: h.clone(),
+            tls: true,
+        };
+        assert_eq!(over_tls.cookie(COOKIE), Some("cs_y"));
+        let plain = Browser { headers: h, tls: false };
+        assert_eq!(plain.cookie(COOKIE), Some("planted"));
+        let mut h = axum::http::HeaderMap::new();
+        h.append("cookie", "airlock_console=planted".parse().unwrap());
+        assert_eq!(Browser { headers: h, tls: true }.cookie(COOKIE), None);
+    }
+
+    #[tokio::test]
+    async fn a_request_of_the_tls_listener_is_known_as_one() {
+        use axum::extract::FromRequestParts;
+        let tls_of = |over_tls: bool| async move {
+            let mut req = axum::http::Request::new(());
+            if over_tls {
+                req.extensions_mut().insert(crate::listen::OverTls);
+            }
+            let (mut parts, _) = req.into_parts();
+            super::Browser::from_request_parts(&mut parts, &()).await.unwrap().tls
+        };
+        assert!(tls_of(true).await);
+        assert!(!tls_of(false).await);
     }
 }

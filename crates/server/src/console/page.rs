@@ -66,7 +66,8 @@ pub fn error(signed: Option<&Signed>, status: StatusCode, code: &str, message: &
     let body = html! {
         h1 { "Refused" }
         p.error #error { span.code { (code) } ": " (message) }
-        p { a href="javascript:history.back()" { "Back" } }
+        // The script goes back a page (no `javascript:` URL: the CSP runs none); without it, home.
+        p { a href="/console" data-back { "Back" } }
     };
     (status, layout("Refused", signed, body)).into_response()
 }

@@ -3,7 +3,7 @@
 //! egress, events).
 
 use super::page::{self, age, csrf, time, Answer, Refused};
-use super::{signed, ConsoleState, Signed};
+use super::{signed, Browser, ConsoleState, Signed};
 use crate::core::sandboxes::{Change, CreateSandbox, ListSandboxes};
 use crate::core::Principal;
 use crate::error::CoreError;
@@ -11,7 +11,7 @@ use crate::model::{Lifecycle, OperationState, SandboxState};
 use crate::records::{SandboxRecord, Tenant};
 use axum::body::Body;
 use axum::extract::{Multipart, Path, Query, State};
-use axum::http::{header, HeaderMap, StatusCode};
+use axum::http::{header, StatusCode};
 use axum::response::{IntoResponse, Redirect};
 use axum::Form;
 use maud::{html, Markup};
@@ -34,7 +34,7 @@ pub struct ListQuery {
     op: Option<String>,
 }
 
-pub async fn list(State(state): State<ConsoleState>, headers: HeaderMap, Query(q): Query<ListQuery>) -> Answer {
+pub async fn list(State(state): State<ConsoleState>, headers: Browser, Query(q): Query<ListQuery>) -> Answer {
     let s = signed(&state, &headers, true).await?;
     let (_, tenant) = tenant_of(&s)?;
     let page_of = state
@@ -144,7 +144,7 @@ pub struct CreateForm {
     timeout: Option<String>,
 }
 
-pub async fn create(State(state): State<ConsoleState>, headers: HeaderMap, Form(f): Form<CreateForm>) -> Answer {
+pub async fn create(State(state): State<ConsoleState>, headers: Browser, Form(f): Form<CreateForm>) -> Answer {
     let s = signed(&state, &headers, true).await?;
     s.check_csrf(f.csrf.as_deref())?;
     let (principal, _) = tenant_of(&s)?;
@@ -186,7 +186,7 @@ pub struct ActionForm {
 
 pub async fn act(
     State(state): State<ConsoleState>,
-    headers: HeaderMap,
+    headers: Browser,
     Path(id): Path<String>,
     Form(f): Form<ActionForm>,
 ) -> Answer {
@@ -244,7 +244,7 @@ pub struct ShowQuery {
 
 pub async fn show(
     State(state): State<ConsoleState>,
-    headers: HeaderMap,
+    headers: Browser,
     Path(id): Path<String>,
     Query(q): Query<ShowQuery>,
 ) -> Answer {
@@ -445,7 +445,7 @@ fn chart(id: &str, title: &str, values: &[f64], max: f64) -> Markup {
 /// before it checks), then `dir`, then the file, streamed to the guest.
 pub async fn upload(
     State(state): State<ConsoleState>,
-    headers: HeaderMap,
+    headers: Browser,
     Path(id): Path<String>,
     mut form: Multipart,
 ) -> Answer {
@@ -511,7 +511,7 @@ pub struct DownloadQuery {
 
 pub async fn download(
     State(state): State<ConsoleState>,
-    headers: HeaderMap,
+    headers: Browser,
     Path(id): Path<String>,
     Query(q): Query<DownloadQuery>,
 ) -> Answer {

@@ -3,16 +3,15 @@
 
 use super::page::{self, Answer};
 use super::sandboxes::tenant_of;
-use super::{signed, ConsoleState};
+use super::{signed, Browser, ConsoleState};
 use axum::extract::{Path, State};
-use axum::http::HeaderMap;
 use axum::response::IntoResponse;
 use maud::html;
 
 /// A session's page: its output as it comes (the page's script reads `output`, an event stream).
 pub async fn session_page(
     State(state): State<ConsoleState>,
-    headers: HeaderMap,
+    headers: Browser,
     Path((id, sid)): Path<(String, String)>,
 ) -> Answer {
     let s = signed(&state, &headers, true).await?;
@@ -31,7 +30,7 @@ pub async fn session_page(
 /// A session's output from its start, then live: `out` events (text) and one `exit`.
 pub async fn session_output(
     State(state): State<ConsoleState>,
-    headers: HeaderMap,
+    headers: Browser,
     Path((id, sid)): Path<(String, String)>,
 ) -> Answer {
     use crate::core::sessions::SessionEvent;

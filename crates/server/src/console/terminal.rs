@@ -5,7 +5,7 @@
 //! closes the WebSocket.
 
 use super::page::{Answer, Refused};
-use super::{signed, ConsoleState};
+use super::{signed, Browser, ConsoleState};
 use crate::core::sessions::{SessionEvent, StartSession};
 use crate::records::{SandboxRecord, SessionRecord};
 use airlock_proto::frame::EventKind;
@@ -39,7 +39,7 @@ fn same_origin(headers: &HeaderMap) -> bool {
 
 pub async fn open(
     State(state): State<ConsoleState>,
-    headers: HeaderMap,
+    headers: Browser,
     Path(id): Path<String>,
     ws: WebSocketUpgrade,
 ) -> Answer {
@@ -54,7 +54,7 @@ pub async fn open(
     let core = state.core.clone();
     let login = Login {
         logins: state.logins.clone(),
-        cookie: super::cookie(&headers, super::COOKIE).unwrap_or_default().to_string(),
+        cookie: headers.cookie(super::COOKIE).unwrap_or_default().to_string(),
     };
     Ok(ws
         .max_message_size(MAX_MESSAGE)

@@ -99,8 +99,13 @@ pub struct Config {
     /// Where builds from OCI images pull them (mirrors, the registries allowed).
     pub registries: airlock_runtime::template::Registries,
     /// Webhooks may point at the platform's denied ranges (loopback, private, link-local,
-    /// metadata): off unless the operator says so (`serve --webhook-allow-private`).
+    /// metadata), documentation ranges and this host's addresses: off unless the operator says
+    /// so (`serve --webhook-allow-private`; the tests' receivers).
     pub webhook_allow_private: bool,
+    /// This host's own addresses (its interfaces' and its listeners'): webhooks never go there.
+    /// A replica of a cluster needs them said: its sandboxes' egress denies (a node's) name the
+    /// node's host, not the replica's.
+    pub webhook_host_addrs: Vec<std::net::IpAddr>,
 }
 
 impl Default for Config {
@@ -128,6 +133,7 @@ impl Default for Config {
             build_contexts: None,
             registries: Default::default(),
             webhook_allow_private: false,
+            webhook_host_addrs: Vec::new(),
         }
     }
 }

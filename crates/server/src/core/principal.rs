@@ -11,6 +11,9 @@ use axum::http::HeaderMap;
 use base64::Engine as _;
 use subtle::ConstantTimeEq;
 
+/// How long a console sign-in form's token is good for (its cookie lasts as long).
+pub const SIGN_IN_FORM_TTL_S: i64 = 3600;
+
 /// The secrets a request carries, as each door spells them.
 #[derive(Debug, Clone, Default)]
 pub struct Credentials {
@@ -306,6 +309,33 @@ impl Core {
     /// can answer it again; stored hashed.
     pub fn volume_token(&self, volume_id: &str) -> String {
         format!("vt_{}", self.derive_token(b"volume-token:", volume_id))
+    }
+
+    /// The token the console's sign-in form carries: `<unix seconds>.<MAC>` of the browser's
+    /// pre-sign-in cookie `nonce` and the time, under the server secret. A post must bring a
+    /// token this server made for the cookie it brings, within [`SIGN_IN_FORM_TTL_S`]: a value
+    /// another site made up (and planted as the cookie) is no such token.
+    pub fn sign_in_form_token(&self, nonce: &str) -> String {
+        self.sign_in_form_token_at(nonce, crate::records::now_ms() / 1000)
+    }
+
+    fn sign_in_form_token_at(&self, nonce: &str, at_s: i64) -> String {
+        let mac = self.derive_token(b"console-sign-in-form:", &format!("{nonce}\n{at_s}"));
+        format!("{at_s}.{mac}")
+    }
+
+    /// Whether `token` is one [`Core::sign_in_form_token`] made for `nonce` and has not ended.
+    pub fn sign_in_form_token_valid(&self, nonce: &str, token: &str) -> bool {
+        let Some(at_s) = token.split_once('.').and_then(|(at, _)| at.parse::<i64>().ok()) else {
+            return false;
+        };
+        let now_s = crate::records::now_ms() / 1000;
+        // A minute of grace for another replica's clock.
+        if nonce.is_empty() || nonce.contains('\n') || at_s > now_s + 60 || now_s - at_s > SIGN_IN_FORM_TTL_S {
+            return false;
+        }
+        let want = self.sign_in_form_token_at(nonce, at_s);
+        want.as_bytes().ct_eq(token.as_bytes()).into()
     }
 
     pub(super) fn derive_token(&self, label: &[u8], sandbox_id: &str) -> String {

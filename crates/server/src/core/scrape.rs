@@ -74,8 +74,12 @@ impl Core {
         };
         let live = self.store.live_sandboxes().await?;
         for row in &live {
+            let template = match row.template.starts_with(super::builds::BUILT_PREFIX) {
+                true => crate::telemetry::BUILT_TEMPLATES.to_string(),
+                false => row.template.clone(),
+            };
             *o.sandboxes
-                .entry((row.state.as_str(), row.template.clone(), row.tenant_id.clone()))
+                .entry((row.state.as_str(), template, row.tenant_id.clone()))
                 .or_default() += 1;
         }
         let tenant_of: std::collections::HashMap<&str, &str> =

@@ -9,9 +9,11 @@
 //! - **Order**: one event at a time per webhook, oldest first: the next waits until this one is
 //!   delivered (a 2xx) or given up on after [`MAX_ATTEMPTS`].
 //! - **Where**: http or https; a URL whose host resolves to the platform's denied ranges
-//!   (loopback, private, link-local, CGNAT, metadata, the host's own) is refused at creation and
-//!   at every delivery (a name that changes its answer gains nothing), unless the operator
-//!   allows it (`Config::webhook_allow_private`). No redirects are followed.
+//!   (loopback, private, link-local, CGNAT, metadata), this host's own addresses
+//!   (`Config::webhook_host_addrs`) or ranges no receiver lives in ([`NO_RECEIVER`]:
+//!   documentation, benchmarking) is refused at creation and at every delivery, where only the
+//!   addresses just checked are dialed (a name that changes its answer gains nothing), unless
+//!   the operator allows it (`Config::webhook_allow_private`). No redirects are followed.
 
 use super::events::{event_view, parse_kinds};
 use super::sandboxes::acting_tenant;
@@ -21,7 +23,7 @@ use crate::model::{CreateWebhookRequest, DeliveryView, NewWebhook, UpdateWebhook
 use crate::records::{now_ms, rfc3339, DeliveryRecord, EventRecord, WebhookRecord};
 use crate::store::EventFilter;
 use std::collections::HashSet;
-use std::net::SocketAddr;
+use std::net::{IpAddr, SocketAddr};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -39,9 +41,48 @@ pub const MAX_WEBHOOKS: usize = 20;
 const DUTY: &str = "webhooks";
 pub const SIGNATURE_HEADER: &str = "Airlock-Signature";
 
+/// Ranges webhooks never go to besides the platform's: no real receiver lives in them (RFC 5737
+/// documentation, RFC 2544 benchmarking, RFC 3849), and a test network or lab does.
+pub const NO_RECEIVER: [(&str, &str); 5] = [
+    ("192.0.2.0/24", "documentation"),
+    ("198.51.100.0/24", "documentation"),
+    ("203.0.113.0/24", "documentation"),
+    ("198.18.0.0/15", "benchmarking"),
+    ("2001:db8::/32", "documentation"),
+];
+
+/// Why webhooks never go to `ip` under `config`, if they never do.
+fn denied(config: &super::Config, ip: IpAddr) -> Option<String> {
+    if config.webhook_allow_private {
+        return None;
+    }
+    if let Some(d) = config.egress.platform.check(ip) {
+        return Some(d.rule);
+    }
+    if config.webhook_host_addrs.contains(&ip) {
+        return Some("this host's own address".into());
+    }
+    NO_RECEIVER.iter().find_map(|(net, why)| {
+        let net: ipnet::IpNet = net.parse().expect("built-in range parses");
+        net.contains(&ip).then(|| format!("{net} ({why})"))
+    })
+}
+
 /// The wait after a webhook's `failures`-th failed try of an event: 1 s, 2 s, 4 s, ... 60 s.
 pub fn backoff(failures: u32) -> Duration {
     Duration::from_secs(1u64 << failures.saturating_sub(1).min(6)).min(MAX_BACKOFF)
+}
+
+/// Why a receiver's answer `status` is no delivery, if it is none: only a 2xx is one. A 3xx
+/// (never followed: the agent takes no redirects) is a failed attempt like any other.
+fn answered(status: u16) -> Option<String> {
+    match status {
+        200..=299 => None,
+        300..=399 => Some(format!(
+            "the receiver answered {status}, a redirect (not followed: only a 2xx delivers)"
+        )),
+        _ => Some(format!("the receiver answered {status}")),
+    }
 }
 
 /// `t=<at>,v1=<hex>`: the signature of `body` sent at `at` (Unix seconds) under `secret`.
@@ -118,16 +159,11 @@ impl Core {
         if addrs.is_empty() {
             return Err(bad(format!("{host} resolves to no address")));
         }
-        if !self.config.webhook_allow_private {
-            if let Some(a) = addrs
-                .iter()
-                .find(|a| self.config.egress.platform.check(a.ip()).is_some())
-            {
-                return Err(bad(format!(
-                    "{host} resolves to {}, in the platform's denied ranges (loopback, private, link-local, metadata)",
-                    a.ip()
-                )));
-            }
+        if let Some((a, why)) = addrs.iter().find_map(|a| Some((a.ip(), denied(&self.config, a.ip())?))) {
+            return Err(bad(format!(
+                "{host} resolves to {a}, in the denied ranges webhooks never reach ({why}; loopback, \
+                 private, link-local, metadata, documentation, this host's own addresses)"
+            )));
         }
         Ok((parsed, addrs))
     }
@@ -410,8 +446,8 @@ impl Core {
                 .send_bytes(&body);
             // Only what is kept of the answer: its status, or the error as text.
             match sent {
-                Ok(r) => (Some(r.status()), None),
-                Err(ureq::Error::Status(code, _)) => (Some(code), Some(format!("the receiver answered {code}"))),
+                Ok(r) => (Some(r.status()), answered(r.status())),
+                Err(ureq::Error::Status(code, _)) => (Some(code), answered(code)),
                 Err(e) => (None, Some(e.to_string())),
             }
         })
@@ -429,6 +465,48 @@ mod tests {
     fn backoff_doubles_to_a_minute() {
         let secs: Vec<u64> = (1..=9).map(|n| backoff(n).as_secs()).collect();
         assert_eq!(secs, [1, 2, 4, 8, 16, 32, 60, 60, 60]);
+    }
+
+    #[test]
+    fn webhooks_never_reach_the_host_or_ranges_without_receivers() {
+        let ip = |s: &str| s.parse::<IpAddr>().unwrap();
+        let mut config = super::super::Config {
+            webhook_host_addrs: vec![ip("8.8.4.4")],
+            ..Default::default()
+        };
+        for (addr, says) in [
+            ("127.0.0.1", "loopback"),
+            ("10.1.2.3", "private"),
+            ("8.8.4.4", "own address"),
+            ("192.0.2.10", "documentation"),
+            ("198.51.100.1", "documentation"),
+            ("203.0.113.9", "documentation"),
+            ("198.19.255.1", "benchmarking"),
+            ("2001:db8::1", "documentation"),
+        ] {
+            let why = denied(&config, ip(addr));
+            assert!(why.as_deref().is_some_and(|w| w.contains(says)), "{addr}: {why:?}");
+        }
+        for public in ["8.8.8.8", "198.20.0.1", "2001:db9::1"] {
+            assert_eq!(denied(&config, ip(public)), None, "{public}");
+        }
+        // The operator's opt-out lifts every deny (the tests' receivers on loopback).
+        config.webhook_allow_private = true;
+        assert_eq!(denied(&config, ip("127.0.0.1")), None);
+        assert_eq!(denied(&config, ip("8.8.4.4")), None);
+    }
+
+    #[test]
+    fn only_a_2xx_delivers() {
+        for ok in [200, 202, 204, 299] {
+            assert_eq!(answered(ok), None, "{ok}");
+        }
+        for failed in [100, 301, 302, 307, 308, 399, 400, 500] {
+            assert!(
+                answered(failed).is_some_and(|e| e.contains(&failed.to_string())),
+                "{failed}"
+            );
+        }
     }
 
     #[test]

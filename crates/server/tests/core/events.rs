@@ -318,10 +318,21 @@ async fn lifecycle_events_reach_a_webhook_signed_in_order_and_the_events_api() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn webhook_urls_are_checked() {
     let tmp = fresh();
-    let server = Server::start(tmp.path(), 20, None).await;
+    // This host's own addresses as `serve` finds them; a public one stands for them here.
+    let config = Config {
+        webhook_host_addrs: vec!["8.8.4.4".parse().unwrap()],
+        ..Config::default()
+    };
+    let server = Server::start_full(tmp.path(), 20, None, Duration::ZERO, ROOMY, config).await;
     for (url, events, says) in [
         ("http://127.0.0.1:9/hook", json!([]), "denied ranges"),
         ("http://169.254.169.254/latest", json!([]), "denied ranges"),
+        ("http://8.8.4.4:8443/hook", json!([]), "this host's own address"),
+        ("http://192.0.2.10/hook", json!([]), "192.0.2.0/24 (documentation)"),
+        ("http://198.51.100.1/hook", json!([]), "documentation"),
+        ("http://203.0.113.9/hook", json!([]), "documentation"),
+        ("http://198.19.0.1/hook", json!([]), "198.18.0.0/15 (benchmarking)"),
+        ("http://[2001:db8::7]:8080/hook", json!([]), "documentation"),
         ("ftp://example.test/", json!([]), "http or https"),
         ("http://user:pw@example.test/", json!([]), "credentials"),
         ("not a url", json!([]), "not a URL"),
@@ -333,13 +344,140 @@ async fn webhook_urls_are_checked() {
         assert_eq!(status, 422, "{url}: {body}");
         assert!(body["message"].as_str().unwrap().contains(says), "{url}: {body}");
     }
+    // Registered, never dialed: this server runs no delivery task.
     let (status, body) = server
         .v1(
             Method::POST,
             "/webhooks",
-            Some(json!({"url": "http://203.0.113.9/", "events": ["sandbox.killed"]})),
+            Some(json!({"url": "http://8.8.8.8/", "events": ["sandbox.killed"]})),
         )
         .await;
     assert_eq!(status, 201, "a public address is fine: {body}");
+    server.stop().await;
+}
+
+/// A receiver's requests, counted, answered `status` (with a `Location` for a redirect).
+async fn counting_receiver(
+    status: u16,
+) -> (
+    String,
+    Arc<std::sync::atomic::AtomicUsize>,
+    Arc<std::sync::atomic::AtomicUsize>,
+) {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    let (hits, redirected) = (Arc::new(AtomicUsize::new(0)), Arc::new(AtomicUsize::new(0)));
+    let (h, r) = (hits.clone(), redirected.clone());
+    let app = axum::Router::new()
+        .route(
+            "/hook",
+            axum::routing::post(move || {
+                h.fetch_add(1, Ordering::SeqCst);
+                async move {
+                    (
+                        axum::http::StatusCode::from_u16(status).unwrap(),
+                        [(axum::http::header::LOCATION, "/elsewhere")],
+                    )
+                }
+            }),
+        )
+        .route(
+            "/elsewhere",
+            axum::routing::any(move || {
+                r.fetch_add(1, Ordering::SeqCst);
+                async { axum::http::StatusCode::NO_CONTENT }
+            }),
+        );
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(async move { axum::serve(listener, app).await });
+    (format!("http://{addr}/hook"), hits, redirected)
+}
+
+/// `hook`'s delivery attempts once there are at least `n` (30 s at most).
+async fn deliveries(server: &Server, hook: &str, n: usize) -> Vec<Value> {
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let (status, d) = server
+            .v1(Method::GET, &format!("/webhooks/{hook}/deliveries"), None)
+            .await;
+        assert_eq!(status, 200, "{d}");
+        let all = d["deliveries"].as_array().unwrap().clone();
+        if all.len() >= n {
+            return all;
+        }
+        assert!(Instant::now() < deadline, "deliveries so far: {d}");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_delivery_checks_the_addresses_it_dials_again() {
+    use std::sync::atomic::Ordering;
+    let tmp = fresh();
+    let server = Server::start(tmp.path(), 20, None).await;
+    let core = server.core().clone();
+    server.on_server(async move { core.spawn_webhooks() }).await;
+    let (url, hits, _) = counting_receiver(204).await;
+    // As a webhook whose name resolved elsewhere at registration would be: in the store as is.
+    let tenant = server.core().store().tenant_by_name("default").await.unwrap().unwrap();
+    let hook = airlock_server::records::WebhookRecord {
+        id: "wh_rebound".into(),
+        tenant_id: tenant.id,
+        name: "rebound".into(),
+        url,
+        kinds: vec![],
+        enabled: true,
+        created_at_ms: now_ms(),
+        cursor_seq: 0,
+        attempts: 0,
+        next_at_ms: 0,
+        last_status: None,
+        last_error: None,
+        last_attempt_at_ms: None,
+    };
+    server.core().store().insert_webhook(&hook).await.unwrap();
+    server.running_sandbox().await;
+    let tries = deliveries(&server, "wh_rebound", 1).await;
+    let error = tries[0]["error"].as_str().unwrap_or_default();
+    assert!(
+        tries[0]["status"].is_null() && error.contains("denied ranges") && error.contains("loopback"),
+        "{tries:?}"
+    );
+    assert_eq!(hits.load(Ordering::SeqCst), 0, "nothing was dialed");
+    server.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_redirect_is_no_delivery_and_is_not_followed() {
+    use std::sync::atomic::Ordering;
+    let tmp = fresh();
+    let config = Config {
+        webhook_allow_private: true,
+        ..Config::default()
+    };
+    let server = Server::start_full(tmp.path(), 20, None, Duration::ZERO, ROOMY, config).await;
+    let core = server.core().clone();
+    server.on_server(async move { core.spawn_webhooks() }).await;
+    let (url, hits, redirected) = counting_receiver(302).await;
+    let (status, hook) = server
+        .v1(Method::POST, "/webhooks", Some(json!({"url": url, "name": "moved"})))
+        .await;
+    assert_eq!(status, 201, "{hook}");
+    let hook_id = hook["id"].as_str().unwrap().to_string();
+    server.running_sandbox().await;
+    // Tried again after its backoff (1 s): the first answer was no delivery.
+    let tries = deliveries(&server, &hook_id, 2).await;
+    assert_eq!(
+        tries[0]["event_id"], tries[1]["event_id"],
+        "the same event again: {tries:?}"
+    );
+    for t in &tries {
+        assert_eq!(t["status"], 302, "{t}");
+        assert!(t["error"].as_str().unwrap_or_default().contains("redirect"), "{t}");
+    }
+    assert!(hits.load(Ordering::SeqCst) >= 2);
+    assert_eq!(redirected.load(Ordering::SeqCst), 0, "the redirect is not followed");
+    let (_, w) = server.v1(Method::GET, &format!("/webhooks/{hook_id}"), None).await;
+    assert!(w["attempts"].as_u64().unwrap() >= 1, "{w}");
     server.stop().await;
 }

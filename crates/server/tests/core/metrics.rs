@@ -182,3 +182,54 @@ async fn metrics_count_what_happened_for_whoever_may_scrape() {
     );
     server.stop().await;
 }
+
+/// The series of `family` in a scrape: its sample lines (buckets, sum and count of each label
+/// set).
+fn series(text: &str, family: &str) -> usize {
+    text.lines().filter(|l| l.starts_with(family)).count()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn made_up_methods_and_paths_add_no_series() {
+    let tmp = fresh();
+    let server = Server::start(tmp.path(), 20, None).await;
+    let admin = admin_token(&server).await;
+    const HTTP: &str = "airlock_http_request_duration_seconds";
+    // One request of each standard method first, so the series they make are there before.
+    for method in ["GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS", "MADEUP"] {
+        let method = Method::from_bytes(method.as_bytes()).unwrap();
+        server.send(method, "/nowhere", &[], Body::empty()).await;
+    }
+    let (_, _, text) = scrape(&server, Some(&admin)).await;
+    let before = series(&text, HTTP);
+    // Any client, no credential: a method and a path of its choosing each time.
+    let word = |n: usize| -> String { (0..n).map(|_| fastrand::alphabetic().to_ascii_uppercase()).collect() };
+    for i in 0..1000 {
+        let method = Method::from_bytes(word(3 + i % 10).as_bytes()).unwrap();
+        let path = match i % 3 {
+            0 => format!("/{}", word(12).to_lowercase()),
+            1 => format!("/v1/{}/{}", word(8).to_lowercase(), i),
+            _ => format!("/console/{}", word(8).to_lowercase()),
+        };
+        let resp = server.send(method, &path, &[], Body::empty()).await;
+        assert!(resp.status < 500, "{path}: {}", resp.status);
+    }
+    let (_, _, text) = scrape(&server, Some(&admin)).await;
+    let after = series(&text, HTTP);
+    eprintln!("{HTTP} lines: {before} before, {after} after 1000 made-up requests");
+    let methods: std::collections::BTreeSet<&str> = text
+        .lines()
+        .filter(|l| l.starts_with(HTTP))
+        .filter_map(|l| l.split("method=\"").nth(1)?.split('"').next())
+        .collect();
+    assert!(
+        methods
+            .iter()
+            .all(|m| ["GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS", "other"].contains(m)),
+        "{methods:?}"
+    );
+    // The scrapes' own series may appear; nothing a client chose does.
+    let per_set = 17 + 3;
+    assert!(after <= before + 2 * per_set, "{before} -> {after}:\n{text}");
+    server.stop().await;
+}

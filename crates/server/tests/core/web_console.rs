@@ -50,12 +50,27 @@ impl<'a> Browser<'a> {
         }
         let status = resp.status;
         let location = resp.headers.get("location").map(|v| v.to_str().unwrap().to_string());
+        let html = resp
+            .headers
+            .get("content-type")
+            .is_some_and(|v| v.to_str().unwrap().starts_with("text/html"));
+        let csp = resp
+            .headers
+            .get("content-security-policy")
+            .map(|v| v.to_str().unwrap().to_string());
         let bytes = axum::body::to_bytes(resp.body, 16 << 20).await.unwrap();
-        Page {
-            status,
-            location,
-            body: String::from_utf8_lossy(&bytes).into_owned(),
+        let body = String::from_utf8_lossy(&bytes).into_owned();
+        if path.starts_with("/console") {
+            let csp = csp.unwrap_or_default();
+            assert!(
+                csp.split(';').any(|d| d.trim() == "script-src 'self'") && csp.contains("frame-ancestors 'none'"),
+                "{path}: {csp:?}"
+            );
         }
+        if html {
+            only_scripts_of_files(path, &body);
+        }
+        Page { status, location, body }
     }
 
     async fn get(&mut self, path: &str) -> Page {
@@ -84,6 +99,32 @@ impl<'a> Browser<'a> {
         form.extend_from_slice(fields);
         self.post("/console/login", &form).await
     }
+}
+
+/// Every script of a page is one of the console's files: no inline one, no `javascript:` URL,
+/// no handler attribute (the CSP's `script-src 'self'` would stop them in a browser).
+fn only_scripts_of_files(path: &str, html: &str) {
+    let lower = html.to_ascii_lowercase();
+    for (at, _) in lower.match_indices("<script") {
+        let tag = &lower[at..at + lower[at..].find('>').unwrap()];
+        assert!(
+            tag.contains(" src=\"/console/assets/"),
+            "{path}: an inline script: {tag}"
+        );
+        assert!(
+            lower[at..].starts_with(&format!("{tag}></script>")),
+            "{path}: a script with a body"
+        );
+    }
+    assert!(!lower.contains("javascript:"), "{path}: a javascript: URL");
+    let handler = lower.split(|c: char| c.is_whitespace()).any(|w| {
+        w.strip_prefix("on")
+            .and_then(|rest| rest.split_once('='))
+            .is_some_and(|(name, value)| {
+                !name.is_empty() && name.chars().all(|c| c.is_ascii_lowercase()) && value.starts_with(['"', '\''])
+            })
+    });
+    assert!(!handler, "{path}: a handler attribute");
 }
 
 /// The CSRF token a page's forms carry.
@@ -122,6 +163,33 @@ async fn web_console_signs_in_refuses_and_keeps_tenants_apart() {
         .await;
     assert_eq!(page.status, 403, "no token: {}", page.body);
     assert!(!admin.cookies.contains_key("airlock_console"));
+    // A value made up for both the cookie and the form (the double submit another host of the
+    // domain could plant) is no token; nor is a real token with another nonce, or its time
+    // changed.
+    let credentials = [("username", "root@local"), ("password", PASSWORD)];
+    let mut forger = Browser::new(&server);
+    forger.cookies.insert("airlock_console_login".into(), "abc123".into());
+    let mut form = vec![("csrf", "abc123")];
+    form.extend_from_slice(&credentials);
+    let page = forger.post("/console/login", &form).await;
+    assert_eq!(page.status, 403, "a made-up token: {}", page.body);
+    let page = forger.get("/console/login").await;
+    let token = csrf_of(&page.body);
+    let (at, mac) = token.split_once('.').expect("<time>.<mac>");
+    let earlier = format!("{}.{mac}", at.parse::<i64>().unwrap() - 1);
+    for (nonce, token) in [("abc123", token.as_str()), ("", token.as_str())] {
+        let mut other = Browser::new(&server);
+        other.cookies.insert("airlock_console_login".into(), nonce.into());
+        let mut form = vec![("csrf", token)];
+        form.extend_from_slice(&credentials);
+        let page = other.post("/console/login", &form).await;
+        assert_eq!(page.status, 403, "another nonce {nonce:?}: {}", page.body);
+    }
+    let mut form = vec![("csrf", earlier.as_str())];
+    form.extend_from_slice(&credentials);
+    let page = forger.post("/console/login", &form).await;
+    assert_eq!(page.status, 403, "its time changed: {}", page.body);
+    assert!(!forger.cookies.contains_key("airlock_console"));
 
     let page = admin
         .sign_in(&[("username", "root@local"), ("password", PASSWORD)])

@@ -63,6 +63,12 @@
   }
   refresh();
 
+  // An error page's Back link: the page before, where there is one.
+  document.addEventListener("click", function (e) {
+    var a = e.target.closest && e.target.closest("a[data-back]");
+    if (a && window.history.length > 1) { e.preventDefault(); window.history.back(); }
+  });
+
   document.addEventListener("submit", function (e) {
     var b = e.submitter;
     if (b && b.dataset.confirm && !window.confirm(b.dataset.confirm)) e.preventDefault();
