@@ -14,7 +14,11 @@ fuzz_target!(|data: &[u8]| {
     std::fs::create_dir_all(outside.join("sub")).unwrap();
     std::fs::write(outside.join("victim"), b"v").unwrap();
     std::fs::create_dir(&root).unwrap();
-    for (link, target) in [("x", outside.to_str().unwrap()), ("up", "../outside"), ("usr", "../outside")] {
+    for (link, target) in [
+        ("x", outside.to_str().unwrap()),
+        ("up", "../outside"),
+        ("usr", "../outside"),
+    ] {
         std::os::unix::fs::symlink(target, root.join(link)).unwrap();
     }
     let tree = Tree::open(&root).unwrap();
@@ -29,7 +33,11 @@ fuzz_target!(|data: &[u8]| {
     let agent = dir.path().join("agent");
     std::fs::write(&agent, b"agent").unwrap();
     let _ = prepare_root(&tree, &agent);
-    let names: Vec<_> = std::fs::read_dir(&outside).unwrap().flatten().map(|e| e.file_name()).collect();
+    let names: Vec<_> = std::fs::read_dir(&outside)
+        .unwrap()
+        .flatten()
+        .map(|e| e.file_name())
+        .collect();
     assert_eq!(names.len(), 2, "the host dir changed: {names:?}");
     assert_eq!(std::fs::read(outside.join("victim")).unwrap(), b"v");
     assert_eq!(std::fs::read_dir(outside.join("sub")).unwrap().count(), 0);

@@ -10,8 +10,9 @@
 //!   so no capability it holds applies to one;
 //! - forks the pid namespace's init (which ends every process left in the namespace when it
 //!   exits), and that one builds a root of its own: a tmpfs with the host's `/usr` read-only (for
-//!   mke2fs and du), `/etc/mke2fs.conf` and `/etc/ld.so.cache`, and the staging dir at `/stage`,
-//!   all nosuid and nodev; pivots into it and detaches the host's;
+//!   mke2fs and du), `/etc/mke2fs.conf` and `/etc/ld.so.cache`, `/dev/null`, `zero`, `random` and
+//!   `urandom`, and the staging dir at `/stage`, all nosuid (and but for those four, nodev);
+//!   pivots into it and detaches the host's;
 //! - sets `no_new_privs`, drops every capability but the file-owner ones (chown, fowner, fsetid,
 //!   DAC override) from its bounding set, is not dumpable;
 //! - applies the layers (`unpack.rs`), adds airlock's files, runs `mkfs.ext4 -d` (inside the
@@ -317,8 +318,16 @@ fn enter_root() -> std::io::Result<()> {
         Some("mode=0755,size=1m"),
     )
     .map_err(sys)?;
-    for d in ["usr", "etc", "stage", "old", "tmp"] {
+    for d in ["usr", "etc", "stage", "old", "tmp", "dev"] {
         std::fs::create_dir(new.join(d))?;
+    }
+    // What a spawn and mke2fs open of /dev (a user namespace makes no device node: the host's,
+    // bound).
+    for n in ["null", "zero", "random", "urandom"] {
+        let at = new.join("dev").join(n);
+        std::fs::write(&at, b"")?;
+        mount(Some(&Path::new("/dev").join(n)), &at, none, MsFlags::MS_BIND, none).map_err(sys)?;
+        set_attrs(&at, MOUNT_ATTR_NOSUID, false)?;
     }
     // The loader's paths as the host has them (a merged /usr: links; else read-only binds).
     for d in ["bin", "sbin", "lib", "lib64"] {
