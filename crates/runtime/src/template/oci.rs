@@ -475,7 +475,7 @@ fn declared_bytes(image: &str, layers: &[OciDescriptor]) -> Result<u64> {
             image: image.to_string(),
             reason: format!("layer {} declares a negative size", l.digest),
         })?;
-        total = total.checked_add(size).unwrap_or(u64::MAX);
+        total = total.saturating_add(size);
     }
     Ok(total)
 }
@@ -549,6 +549,9 @@ mod tests {
         assert!(said.contains("digest mismatch") && !said.contains("bbbb"), "{said}");
     }
 
+    /// A hostile registry's answer to every request, given the canary's port.
+    type Answer = fn(u16) -> String;
+
     /// A registry on loopback that sends every request elsewhere (`answer`), and a canary that
     /// counts who reached it: the operator's network as a pull's realm or redirect would see it.
     fn hostile_registry(answer: impl Fn(u16) -> String + Send + 'static) -> (u16, Arc<AtomicUsize>) {
@@ -579,7 +582,7 @@ mod tests {
     async fn a_pull_goes_nowhere_but_the_registry_and_public_tls_hosts() {
         let dir = tempfile::tempdir().unwrap();
         let store = TemplateStore::new(crate::datadir::DataDir::open(dir.path()).unwrap());
-        let answers: [(&str, fn(u16) -> String); 3] = [
+        let answers: [(&str, Answer); 3] = [
             ("a token realm on the host's loopback", |p| {
                 format!("HTTP/1.1 401 Unauthorized\r\nWWW-Authenticate: Bearer realm=\"http://127.0.0.1:{p}/token\",service=\"r\"\r\nContent-Length: 0\r\n\r\n")
             }),

@@ -60,12 +60,10 @@ impl PullGate {
             while let Ok((conn, _)) = listener.accept().await {
                 let (rules, seen) = (rules.clone(), seen.clone());
                 tokio::spawn(async move {
-                    if let Err(host) = serve(conn, &rules).await {
-                        if let Some(host) = host {
-                            let mut s = seen.lock().unwrap();
-                            if s.len() < 16 && !s.contains(&host) {
-                                s.push(host);
-                            }
+                    if let Err(Some(host)) = serve(conn, &rules).await {
+                        let mut s = seen.lock().unwrap();
+                        if s.len() < 16 && !s.contains(&host) {
+                            s.push(host);
                         }
                     }
                 });
