@@ -133,7 +133,7 @@ pub struct ServeArgs {
     /// The port the node pods' faces listen on (`airlock node --listen`), for --nodes-kube.
     #[arg(long, env = "AIRLOCK_NODES_KUBE_PORT", default_value_t = 7701)]
     nodes_kube_port: u16,
-    /// The cluster secret node tokens are derived from (the node's --secret-file; at least 32
+    /// The cluster secret node calls are signed with (the node's --secret-file; at least 32
     /// bytes).
     #[arg(long, env = "AIRLOCK_NODE_SECRET_FILE")]
     node_secret_file: Option<PathBuf>,
@@ -183,7 +183,7 @@ pub struct NodeArgs {
     /// Where the node's face listens (API replicas call it; keep it on the cluster's network).
     #[arg(long, env = "AIRLOCK_NODE_LISTEN")]
     listen: SocketAddr,
-    /// The cluster secret callers' tokens are derived from (at least 32 bytes; the same file
+    /// The cluster secret callers sign their calls with (at least 32 bytes; the same file
     /// as every replica's --node-secret-file).
     #[arg(long, env = "AIRLOCK_NODE_SECRET_FILE")]
     secret_file: PathBuf,

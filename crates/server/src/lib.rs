@@ -427,7 +427,7 @@ pub struct ServeOptions {
     /// Or the Kubernetes API's pods of this namespace that match a label selector, their nodes
     /// at a port (`serve --nodes-kube`).
     pub nodes_kube: Option<(String, u16)>,
-    /// The cluster secret the remote nodes' tokens are derived from.
+    /// The cluster secret calls to the remote nodes are signed with.
     pub node_secret: Vec<u8>,
     /// How long every replica must have had no answer from a node before its running
     /// sandboxes are lost.

@@ -48,7 +48,7 @@ pub const EXPIRY_GRACE: std::time::Duration = std::time::Duration::from_secs(3);
 /// The shortest cluster secret a node or a replica accepts.
 pub const MIN_SECRET_BYTES: usize = 32;
 
-/// The cluster secret in `path` (surrounding whitespace ignored): node tokens are derived from it.
+/// The cluster secret in `path` (surrounding whitespace ignored): node calls and replies are signed with it.
 pub fn read_cluster_secret(path: &Path) -> anyhow::Result<Vec<u8>> {
     let bytes = std::fs::read(path).map_err(|e| anyhow::anyhow!("the cluster secret {}: {e}", path.display()))?;
     let secret = bytes.trim_ascii().to_vec();
@@ -174,7 +174,7 @@ pub async fn set_pools(node: &dyn Nodes, pools: &[(String, usize)]) -> anyhow::R
     Ok(())
 }
 
-/// `airlock node`: this host's node, its face served on `listen` to callers with tokens of
+/// `airlock node`: this host's node, its face served on `listen` to callers signing with
 /// `secret`, until the process is stopped.
 pub async fn serve_node(
     opts: NodeOptions,
@@ -191,7 +191,7 @@ pub async fn serve_node(
         .map_err(|e| anyhow::anyhow!("listen on {listen}: {e}"))?;
     let (node, egress) = open_local_node(opts).await?;
     tracing::info!(
-        "node {name}: serving on {listen} (HTTP/2, cluster tokens); egress digest {}",
+        "node {name}: serving on {listen} (HTTP/2, signed calls); egress digest {}",
         egress.digest()
     );
     let face = nodes::serve::NodeFace::new(node.clone(), &secret, &name, Some(rules))
