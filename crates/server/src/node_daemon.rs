@@ -174,6 +174,7 @@ pub async fn set_pools(node: &dyn Nodes, pools: &[(String, usize)]) -> anyhow::R
     Ok(())
 }
 
+#[allow(clippy::too_many_arguments)]
 /// `airlock node`: this host's node, its face served on `listen` to callers signing with
 /// `secret`, until the process is stopped.
 pub async fn serve_node(
@@ -184,14 +185,26 @@ pub async fn serve_node(
     rules: nodes::NodeRules,
     drain_budget: std::time::Duration,
     limits: crate::listen::Limits,
+    tls: Option<nodes::tls::TlsFiles>,
 ) -> anyhow::Result<()> {
+    let tls = match &tls {
+        Some(files) => Some(nodes::tls::server_config(files)?),
+        None => {
+            tracing::warn!(
+                "the node face is plain HTTP (calls signed, but env and registry credentials cross in clear): \
+                 give --tls-cert, --tls-key and --tls-ca"
+            );
+            None
+        }
+    };
     // Bound before the runtime opens, so a taken address fails at once.
     let listener = tokio::net::TcpListener::bind(listen)
         .await
         .map_err(|e| anyhow::anyhow!("listen on {listen}: {e}"))?;
     let (node, egress) = open_local_node(opts).await?;
     tracing::info!(
-        "node {name}: serving on {listen} (HTTP/2, signed calls); egress digest {}",
+        "node {name}: serving on {listen} (HTTP/2{}, signed calls); egress digest {}",
+        if tls.is_some() { " over mutual TLS" } else { "" },
         egress.digest()
     );
     let face = nodes::serve::NodeFace::new(node.clone(), &secret, &name, Some(rules))
@@ -200,7 +213,7 @@ pub async fn serve_node(
     exit_on_stop(node, move || async move {
         drain(&drained.0, &*drained.1, drain_budget).await
     });
-    Ok(crate::listen::serve(listener, face.router(), None, limits).await?)
+    Ok(crate::listen::serve(listener, face.router(), tls, limits).await?)
 }
 
 /// The node's egress side for `uplink`, and the platform denies completed with the addresses

@@ -57,7 +57,9 @@ pub struct RemoteNode {
 struct Inner {
     addr: SocketAddr,
     secret: Arc<[u8]>,
-    http: Client<HttpConnector, Full<Bytes>>,
+    /// The replica's TLS to the node (None: plain HTTP).
+    tls: Option<Arc<rustls::ClientConfig>>,
+    http: Client<hyper_rustls::HttpsConnector<HttpConnector>, Full<Bytes>>,
     report: Mutex<NodeReport>,
     /// The name the node signed its first verified report with: every call is signed for it.
     /// None until then, and nothing but reports is sent.
@@ -84,6 +86,18 @@ fn unreachable(addr: SocketAddr, what: &str, e: impl std::fmt::Display) -> NodeE
     ))))
 }
 
+/// An error with its causes (hyper's own text is terse: "client error (Connect)", where the
+/// cause is a certificate refused).
+fn chain(e: &(dyn std::error::Error + 'static)) -> String {
+    let mut text = e.to_string();
+    let mut source = e.source();
+    while let Some(s) = source {
+        text.push_str(&format!(": {s}"));
+        source = s.source();
+    }
+    text
+}
+
 /// The node answered, but not in its protocol.
 fn garbled(addr: SocketAddr, what: &str, e: impl std::fmt::Display) -> NodeError {
     NodeError::Failed(Box::new(RemoteFailure(format!(
@@ -93,7 +107,8 @@ fn garbled(addr: SocketAddr, what: &str, e: impl std::fmt::Display) -> NodeError
 
 impl Inner {
     fn url(&self, path: &str) -> String {
-        format!("http://{}{PREFIX}{path}", self.addr)
+        let scheme = if self.tls.is_some() { "https" } else { "http" };
+        format!("{scheme}://{}{PREFIX}{path}", self.addr)
     }
 
     /// The name calls are signed for; an error until the node proved the secret.
@@ -149,7 +164,7 @@ impl Inner {
                 .http
                 .request(req)
                 .await
-                .map_err(|e| unreachable(self.addr, &what, e))?;
+                .map_err(|e| unreachable(self.addr, &what, chain(&e)))?;
             let status = resp.status();
             let headers = resp.headers().clone();
             let bytes = http_body_util::Limited::new(resp.into_body(), REPLY_MAX)
@@ -275,8 +290,8 @@ impl Inner {
 impl RemoteNode {
     /// The node at `addr`, whose calls are signed with the cluster `secret`; fails when it does
     /// not answer its first report (or its answer does not prove the secret).
-    pub async fn connect(addr: SocketAddr, secret: &[u8]) -> Result<Self, NodeError> {
-        let node = Self::open(addr, secret).await;
+    pub async fn connect(addr: SocketAddr, link: impl Into<super::NodeLink>) -> Result<Self, NodeError> {
+        let node = Self::open(addr, link).await;
         let down = node.inner.down.lock().unwrap().clone();
         match down {
             Some(why) => Err(NodeError::Unreachable(Box::new(RemoteFailure(why)))),
@@ -286,17 +301,37 @@ impl RemoteNode {
 
     /// The node at `addr` whether or not it answers now: until it does, it has nothing and
     /// placement skips it ([`Nodes::members`] says why).
-    pub async fn open(addr: SocketAddr, secret: &[u8]) -> Self {
+    pub async fn open(addr: SocketAddr, link: impl Into<super::NodeLink>) -> Self {
+        let link: super::NodeLink = link.into();
+        // Without TLS the URLs are http:// and this config is never used.
+        let mut tls = link.tls.as_deref().cloned().unwrap_or_else(|| {
+            rustls::ClientConfig::builder_with_provider(Arc::new(rustls::crypto::ring::default_provider()))
+                .with_safe_default_protocol_versions()
+                .expect("ring's defaults")
+                .with_root_certificates(rustls::RootCertStore::empty())
+                .with_no_client_auth()
+        });
+        // The connector sets ALPN (h2) itself.
+        tls.alpn_protocols.clear();
+        let connector = hyper_rustls::HttpsConnectorBuilder::new()
+            .with_tls_config(tls)
+            .https_or_http()
+            .with_server_name_resolver(hyper_rustls::FixedServerNameResolver::new(
+                super::tls::node_server_name(),
+            ))
+            .enable_http2()
+            .build();
         let http = Client::builder(hyper_util::rt::TokioExecutor::new())
             .http2_only(true)
             .timer(hyper_util::rt::TokioTimer::new())
             .http2_keep_alive_interval(PING_EVERY)
             .http2_keep_alive_timeout(PING_LIMIT)
             .http2_keep_alive_while_idle(true)
-            .build_http();
+            .build(connector);
         let inner = Arc::new(Inner {
             addr,
-            secret: Arc::from(secret),
+            secret: link.secret,
+            tls: link.tls,
             http,
             name: Mutex::new(None),
             report: Mutex::new(NodeReport {
@@ -553,9 +588,17 @@ impl Nodes for RemoteNode {
                     .await
                     .map_err(|e| unreachable(addr, "agent connection", e))?;
                 let _ = stream.set_nodelay(true);
-                let c = AgentClient::handshake(stream)
-                    .await
-                    .map_err(|e| unreachable(addr, "agent connection", e))?;
+                let c = match &self.inner.tls {
+                    None => AgentClient::handshake(stream).await,
+                    Some(tls) => {
+                        let stream = tokio_rustls::TlsConnector::from(tls.clone())
+                            .connect(super::tls::node_server_name(), stream)
+                            .await
+                            .map_err(|e| unreachable(addr, "agent connection (TLS)", e))?;
+                        AgentClient::handshake(stream).await
+                    }
+                }
+                .map_err(|e| unreachable(addr, "agent connection", e))?;
                 *conn = Some(c.clone());
                 c
             }

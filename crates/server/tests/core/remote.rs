@@ -4,7 +4,7 @@
 
 use super::common::*;
 use airlock_runtime::fake;
-use airlock_server::nodes::{Nodes, RemoteNode};
+use airlock_server::nodes::{Capacity, Nodes, RemoteNode};
 use axum::body::Body;
 use axum::http::Method;
 use std::time::Duration;
@@ -209,4 +209,67 @@ async fn a_node_that_does_not_answer_is_unreachable() {
     let core = airlock_server::core::CoreError::from(err);
     assert_eq!(core.code().code, "node_unreachable");
     assert_eq!(core.code().status, 503);
+}
+
+/// Over mutual TLS: a caller whose certificate is not of the cluster's CA is refused by the
+/// node, and a node whose certificate is not is refused by the replica, whatever secret each
+/// holds; a plain HTTP caller gets no answer from a TLS face. The cluster's own pair talks.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_node_or_caller_without_the_clusters_certificate_is_refused_both_ways() {
+    use super::common::cluster::{node_link, pki, ClusterNode};
+    use airlock_server::nodes::{tls, NodeLink};
+    let tmp = fresh();
+    let pki = pki();
+    let node = ClusterNode::start(&tmp.path().join("node"), Capacity::default(), 0).await;
+    // The cluster's certificates: the report, and an agent connection.
+    let ok = RemoteNode::connect(node.addr, node_link()).await.unwrap();
+    assert_eq!(ok.reported_name(), "test-node");
+    // A stranger's client certificate, though it trusts the cluster's CA and has the secret.
+    let stranger = tls::client_config(&pki.files("stranger", "replica", "cluster")).unwrap();
+    let err = RemoteNode::connect(node.addr, NodeLink::new(NODE_SECRET, Some(stranger)))
+        .await
+        .err()
+        .expect("the node refuses a stranger's certificate");
+    eprintln!("refused: {err}");
+    assert!(
+        matches!(err, airlock_server::core::NodeError::Unreachable(_)),
+        "{err:?}"
+    );
+    // The cluster's own replica certificate, but the node's is a stranger's: the replica refuses.
+    let impostor = ClusterNode::start_tls(
+        &tmp.path().join("impostor"),
+        Capacity::default(),
+        tls::server_config(&pki.files("stranger", "node", "cluster")).unwrap(),
+    )
+    .await;
+    let err = RemoteNode::connect(impostor.addr, node_link())
+        .await
+        .err()
+        .expect("the replica refuses a node whose certificate is a stranger's");
+    eprintln!("refused: {err}");
+    assert!(
+        matches!(err, airlock_server::core::NodeError::Unreachable(_)),
+        "{err:?}"
+    );
+    // A node's own certificate (serverAuth only) does not make it a caller.
+    let as_node = tls::client_config(&pki.files("cluster", "node", "cluster")).unwrap();
+    let err = RemoteNode::connect(node.addr, NodeLink::new(NODE_SECRET, Some(as_node)))
+        .await
+        .err()
+        .expect("a node's certificate is no client's");
+    eprintln!("refused: {err}");
+    assert!(
+        matches!(err, airlock_server::core::NodeError::Unreachable(_)),
+        "{err:?}"
+    );
+    // Plain HTTP to the TLS face.
+    let err = RemoteNode::connect(node.addr, NODE_SECRET)
+        .await
+        .err()
+        .expect("plain HTTP gets no answer");
+    eprintln!("refused: {err}");
+    assert!(
+        matches!(err, airlock_server::core::NodeError::Unreachable(_)),
+        "{err:?}"
+    );
 }
