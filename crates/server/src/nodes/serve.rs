@@ -162,8 +162,8 @@ impl NodeFace {
 }
 
 /// The largest request body a node reads (to check its digest) on a route other than the
-/// agent's; each route's JSON extractor has its own, smaller bound.
-const REQUEST_MAX: usize = 16 << 20;
+/// agent's: axum's bound on a JSON body, which each route's extractor applies anyway.
+const REQUEST_MAX: usize = 2 << 20;
 
 /// Where a body streams and is signed [`super::wire::UNSIGNED`]: the agent route (both ways)
 /// and the exit stream (its answer).
@@ -173,13 +173,28 @@ fn streams(path: &str) -> bool {
     rest == "/exits" || (parts.next() == Some("vms") && parts.nth(1) == Some("agent"))
 }
 
-/// Every request checked against its signature ([`super::wire::verify_request`]): 401 (503
-/// when the nonces have no room) otherwise; every answer signed over its request's nonce.
+/// A request whose signature does not pass: 401, or 503 when the nonces have no room.
+fn unsigned(method: &axum::http::Method, path: &str, e: super::wire::Unsigned) -> Response {
+    tracing::warn!("refused {method} {path}: {e}");
+    let status = match e {
+        super::wire::Unsigned::Busy => StatusCode::SERVICE_UNAVAILABLE,
+        _ => StatusCode::UNAUTHORIZED,
+    };
+    refused(status, "unauthorized", &e.to_string())
+}
+
+/// Every request checked against its signature ([`super::wire::verify_request`]), refused
+/// otherwise ([`unsigned`]); every answer signed over its request's nonce.
 async fn signed(State(face): State<Face>, req: Request, next: axum::middleware::Next) -> Response {
-    use super::wire::{self, Unsigned};
+    use super::wire;
     let (parts, body) = req.into_parts();
     let path = parts.uri.path_and_query().map_or("/", |p| p.as_str()).to_string();
     let streamed = streams(parts.uri.path());
+    let is_report = parts.method == axum::http::Method::GET && parts.uri.path() == format!("{PREFIX}/report");
+    // Before the body is read: a request that cannot pass costs no buffer.
+    if let Err(e) = wire::precheck(&face.name, is_report, &parts.headers) {
+        return unsigned(&parts.method, parts.uri.path(), e);
+    }
     let (digest, body) = if streamed {
         (wire::UNSIGNED.to_string(), body)
     } else {
@@ -194,7 +209,6 @@ async fn signed(State(face): State<Face>, req: Request, next: axum::middleware::
             }
         }
     };
-    let is_report = parts.method == axum::http::Method::GET && parts.uri.path() == format!("{PREFIX}/report");
     let nonce = match wire::verify_request(
         &face.secret,
         &face.name,
@@ -206,14 +220,7 @@ async fn signed(State(face): State<Face>, req: Request, next: axum::middleware::
         &face.nonces,
     ) {
         Ok(nonce) => nonce,
-        Err(e) => {
-            tracing::warn!("refused {} {}: {e}", parts.method, parts.uri.path());
-            let status = match e {
-                Unsigned::Busy => StatusCode::SERVICE_UNAVAILABLE,
-                _ => StatusCode::UNAUTHORIZED,
-            };
-            return refused(status, "unauthorized", &e.to_string());
-        }
+        Err(e) => return unsigned(&parts.method, parts.uri.path(), e),
     };
     let resp = next.run(Request::from_parts(parts, body)).await;
     let (mut parts, body) = resp.into_parts();

@@ -421,23 +421,11 @@ pub fn verify_request(
     headers: &hyper::HeaderMap,
     nonces: &Nonces,
 ) -> Result<String, Unsigned> {
-    let header = |h: &'static str| headers.get(h).and_then(|v| v.to_str().ok()).ok_or(Unsigned::Missing(h));
-    let (target, time, nonce, tag) = (
-        header(TARGET_HEADER)?,
-        header(TIME_HEADER)?,
-        header(NONCE_HEADER)?,
-        header(SIGNATURE_HEADER)?,
-    );
-    if target != name && !(any_node_ok && target == ANY_NODE) {
-        return Err(Unsigned::OtherNode(target.chars().take(64).collect()));
-    }
+    let (target, time, nonce, tag) = precheck(name, any_node_ok, headers)?;
     let (Ok(t), Ok(tag)) = (time.parse::<u64>(), hex::decode(tag)) else {
         return Err(Unsigned::Signature);
     };
     let now = unix_now();
-    if t + SKEW.as_secs() < now || t > now + SKEW.as_secs() {
-        return Err(Unsigned::Stale);
-    }
     let Some(nonce_bytes) = hex::decode(nonce).ok().and_then(|n| <[u8; 16]>::try_from(n).ok()) else {
         return Err(Unsigned::Signature);
     };
@@ -456,6 +444,34 @@ pub fn verify_request(
     // Only once it is known to be of the secret: no stranger fills the set.
     nonces.admit(nonce_bytes, t, now)?;
     Ok(nonce.to_string())
+}
+
+/// What can be checked of a request before its body is read (no secret needed to pass it, so
+/// it only spares the node reading the body of a request that would be refused anyway): its
+/// signature's headers there, for this node, at a time within the window. Its target, time,
+/// nonce and tag.
+pub fn precheck<'h>(
+    name: &str,
+    any_node_ok: bool,
+    headers: &'h hyper::HeaderMap,
+) -> Result<(&'h str, &'h str, &'h str, &'h str), Unsigned> {
+    let header = |h: &'static str| headers.get(h).and_then(|v| v.to_str().ok()).ok_or(Unsigned::Missing(h));
+    let (target, time, nonce, tag) = (
+        header(TARGET_HEADER)?,
+        header(TIME_HEADER)?,
+        header(NONCE_HEADER)?,
+        header(SIGNATURE_HEADER)?,
+    );
+    header(BODY_HEADER)?;
+    if target != name && !(any_node_ok && target == ANY_NODE) {
+        return Err(Unsigned::OtherNode(target.chars().take(64).collect()));
+    }
+    let t = time.parse::<u64>().map_err(|_| Unsigned::Signature)?;
+    let now = unix_now();
+    if t + SKEW.as_secs() < now || t > now + SKEW.as_secs() {
+        return Err(Unsigned::Stale);
+    }
+    Ok((target, time, nonce, tag))
 }
 
 /// The signature of node `name`'s reply to the request of `nonce`: its status and body digest.
