@@ -26,7 +26,8 @@
 //! ([`sign_request`], headers [`TARGET_HEADER`] and on). A node ([`verify_request`]) refuses 401
 //! one signed for another node, one whose time is more than [`SKEW`] from its own either way,
 //! one whose nonce it saw in that window (a replay; it remembers at most [`NONCES_MAX`] and
-//! refuses 503 rather than forget one early), and any change of what was signed. A caller's
+//! refuses 503 rather than forget one early), one signed before it started (a process before
+//! it may have taken it), and any change of what was signed. A caller's
 //! first call to a node is `GET /report` for [`ANY_NODE`], the only route that takes it.
 //!
 //! Every reply the node signs back ([`sign_reply`]: over the request's nonce, the node's name,
@@ -356,6 +357,8 @@ pub enum Unsigned {
     Signature,
     #[error("the request was seen already (a replay)")]
     Replayed,
+    #[error("the request was signed before this node started (it cannot tell it from a replay)")]
+    BeforeStart,
     #[error("too many requests in the last {}s to remember their nonces", SKEW.as_secs())]
     Busy,
 }
@@ -366,6 +369,9 @@ pub enum Unsigned {
 pub struct Nonces {
     seen: std::sync::Mutex<(std::collections::HashMap<[u8; 16], u64>, u64)>,
     cap: usize,
+    /// When this set began (unix s): a request signed earlier may have been taken by an
+    /// earlier process of this node, whose nonces are gone, so it is refused.
+    since: u64,
 }
 
 /// The nonces a node holds at most: 131072 in a minute's window is over 2000 calls a second.
@@ -378,16 +384,25 @@ impl Default for Nonces {
 }
 
 impl Nonces {
+    /// A set beginning now, holding at most `cap` nonces.
     pub fn with_capacity(cap: usize) -> Self {
+        Nonces::since(cap, unix_now())
+    }
+
+    fn since(cap: usize, since: u64) -> Self {
         Nonces {
             seen: Default::default(),
             cap,
+            since,
         }
     }
 
     /// Remember `nonce`, signed at `time`, until that time's window has passed (then the time
     /// alone refuses it); false if it was seen, or if no room is left.
     fn admit(&self, nonce: [u8; 16], time: u64, now: u64) -> Result<(), Unsigned> {
+        if time < self.since {
+            return Err(Unsigned::BeforeStart);
+        }
         let mut guard = self.seen.lock().unwrap_or_else(|e| e.into_inner());
         let (seen, swept) = &mut *guard;
         if now != *swept || seen.len() >= self.cap {
@@ -626,12 +641,51 @@ mod tests {
         .enumerate()
         {
             let s = sign_request_at(SECRET, "GET", path, &body, "node-a", time, &nonce(i as u8));
-            let got = check(&headers(&s), "node-a", "GET", path, &body, &Nonces::default());
+            let got = check(
+                &headers(&s),
+                "node-a",
+                "GET",
+                path,
+                &body,
+                &Nonces::since(NONCES_MAX, 0),
+            );
             assert_eq!(got.is_ok(), ok, "{time} against {now}: {got:?}");
             if !ok {
                 assert_eq!(got, Err(Unsigned::Stale));
             }
         }
+    }
+
+    #[test]
+    fn a_request_signed_before_the_node_started_is_refused() {
+        // The node restarted: its last process may have taken this request, and its nonces
+        // went with it.
+        let body = body_digest(b"");
+        let now = unix_now();
+        let s = sign_request_at(
+            SECRET,
+            "GET",
+            "/node/v1/report",
+            &body,
+            "node-a",
+            now - 1,
+            &hex::encode([3u8; 16]),
+        );
+        let restarted = Nonces::since(NONCES_MAX, now);
+        assert_eq!(
+            check(&headers(&s), "node-a", "GET", "/node/v1/report", &body, &restarted),
+            Err(Unsigned::BeforeStart)
+        );
+        let s = sign_request_at(
+            SECRET,
+            "GET",
+            "/node/v1/report",
+            &body,
+            "node-a",
+            now,
+            &hex::encode([4u8; 16]),
+        );
+        assert!(check(&headers(&s), "node-a", "GET", "/node/v1/report", &body, &restarted).is_ok());
     }
 
     #[test]
