@@ -134,10 +134,20 @@ pub struct ServeArgs {
     /// The port the node pods' faces listen on (`airlock node --listen`), for --nodes-kube.
     #[arg(long, env = "AIRLOCK_NODES_KUBE_PORT", default_value_t = 7701)]
     nodes_kube_port: u16,
-    /// The cluster secret node tokens are derived from (the node's --secret-file; at least 32
+    /// The cluster secret node calls are signed with (the node's --secret-file; at least 32
     /// bytes).
     #[arg(long, env = "AIRLOCK_NODE_SECRET_FILE")]
     node_secret_file: Option<PathBuf>,
+    /// Mutual TLS to the nodes: this replica's client certificate (PEM chain, leaf first, of
+    /// the cluster CA, with `clientAuth`), presented to every node.
+    #[arg(long, env = "AIRLOCK_NODES_TLS_CERT", requires_all = ["node_tls_key", "node_tls_ca", "node_secret_file"])]
+    node_tls_cert: Option<PathBuf>,
+    /// Its private key (PEM).
+    #[arg(long, env = "AIRLOCK_NODES_TLS_KEY", requires = "node_tls_cert")]
+    node_tls_key: Option<PathBuf>,
+    /// The cluster CA (PEM): a node's certificate must be of it, for the name `airlock-node`.
+    #[arg(long, env = "AIRLOCK_NODES_TLS_CA", requires = "node_tls_cert")]
+    node_tls_ca: Option<PathBuf>,
     /// Many hosts: a node that no replica has had an answer from for this many seconds is
     /// judged dead; its running and paused sandboxes become `lost` (its suspended ones wait for
     /// it), and if it comes back, its VMs of them are removed.
@@ -184,7 +194,7 @@ pub struct NodeArgs {
     /// Where the node's face listens (API replicas call it; keep it on the cluster's network).
     #[arg(long, env = "AIRLOCK_NODE_LISTEN")]
     listen: SocketAddr,
-    /// The cluster secret callers' tokens are derived from (at least 32 bytes; the same file
+    /// The cluster secret callers sign their calls with (at least 32 bytes; the same file
     /// as every replica's --node-secret-file).
     #[arg(long, env = "AIRLOCK_NODE_SECRET_FILE")]
     secret_file: PathBuf,
@@ -192,6 +202,16 @@ pub struct NodeArgs {
     /// [default: the host name].
     #[arg(long, env = "AIRLOCK_NODE_NAME")]
     name: Option<String>,
+    /// Serve the face over mutual TLS: this node's certificate (PEM chain, leaf first, of the
+    /// cluster CA, naming `airlock-node`, with `serverAuth`).
+    #[arg(long, env = "AIRLOCK_NODE_TLS_CERT", requires_all = ["tls_key", "tls_ca"])]
+    tls_cert: Option<PathBuf>,
+    /// Its private key (PEM).
+    #[arg(long, env = "AIRLOCK_NODE_TLS_KEY", requires = "tls_cert")]
+    tls_key: Option<PathBuf>,
+    /// The cluster CA (PEM): only callers presenting a certificate of it are served.
+    #[arg(long, env = "AIRLOCK_NODE_TLS_CA", requires = "tls_cert")]
+    tls_ca: Option<PathBuf>,
     /// Creates this node runs at once; past it, it refuses (`capacity`) and the replica places
     /// the sandbox on another node.
     #[arg(long, env = "AIRLOCK_MAX_STARTS", default_value_t = airlock_server::node_daemon::DEFAULT_MAX_STARTS, value_parser = clap::value_parser!(u64).range(1..))]
@@ -423,6 +443,10 @@ impl ServeArgs {
             nodes_dns: self.nodes_dns,
             nodes_kube: self.nodes_kube.map(|selector| (selector, self.nodes_kube_port)),
             node_secret,
+            node_tls: match (self.node_tls_cert, self.node_tls_key, self.node_tls_ca) {
+                (Some(cert), Some(key), Some(ca)) => Some(airlock_server::nodes::tls::TlsFiles { cert, key, ca }),
+                _ => None,
+            },
             node_grace: std::time::Duration::from_secs(self.node_grace_seconds.max(1)),
         })
         .await
@@ -460,7 +484,11 @@ impl NodeArgs {
         };
         let name = self.name.unwrap_or_else(airlock_server::node_daemon::host_name);
         let drain = std::time::Duration::from_secs(self.drain_seconds);
-        airlock_server::node_daemon::serve_node(node, name, self.listen, secret, rules, drain, limits).await
+        let tls = match (self.tls_cert, self.tls_key, self.tls_ca) {
+            (Some(cert), Some(key), Some(ca)) => Some(airlock_server::nodes::tls::TlsFiles { cert, key, ca }),
+            _ => None,
+        };
+        airlock_server::node_daemon::serve_node(node, name, self.listen, secret, rules, drain, limits, tls).await
     }
 }
 

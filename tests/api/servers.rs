@@ -348,8 +348,9 @@ pub(crate) fn quota_is_exact_under_concurrent_creates_over_both_doors() {
 
 /// `airlock node` in a process of its own and `airlock serve --node` over it (what a replica on
 /// another host does, here over loopback): a sandbox is created, runs a command, takes and gives
-/// a file, and its egress is decided on the node (the node's counters reach the report); a
-/// server whose secret differs is refused; a node stopped drains (its sandbox suspended by the
+/// a file, and its egress is decided on the node (the node's counters reach the report); the
+/// two talk mutual TLS with certificates of one CA (openssl's); a server whose secret differs
+/// is refused; a node stopped drains (its sandbox suspended by the
 /// replica, exit 0) and the sandbox resumes whole once it is back; the node's VMs go with their
 /// sandboxes.
 pub(crate) fn a_replica_drives_a_node_in_its_own_process() {
@@ -361,7 +362,27 @@ pub(crate) fn a_replica_drives_a_node_in_its_own_process() {
     std::fs::write(&secret, "a cluster secret of at least thirty-two bytes\n").unwrap();
     let port = free_port();
     let node_addr = format!("127.0.0.1:{port}");
-    let start = || start_node(&node_data, &node_addr, &secret, &[]);
+    let pki = cluster_pki(&node_data);
+    let pem = |name: &str| pki.join(name).to_str().unwrap().to_string();
+    let node_tls = [
+        "--tls-cert".to_string(),
+        pem("node.crt"),
+        "--tls-key".into(),
+        pem("node.key"),
+        "--tls-ca".into(),
+        pem("ca.crt"),
+    ];
+    let node_tls: Vec<&str> = node_tls.iter().map(String::as_str).collect();
+    let replica_tls = [
+        "--node-tls-cert".to_string(),
+        pem("replica.crt"),
+        "--node-tls-key".into(),
+        pem("replica.key"),
+        "--node-tls-ca".into(),
+        pem("ca.crt"),
+    ];
+    let replica_tls: Vec<&str> = replica_tls.iter().map(String::as_str).collect();
+    let start = || start_node(&node_data, &node_addr, &secret, &node_tls);
     let mut node = start();
     // A short secret is refused by name before anything starts.
     let short = node_data.join("short.secret");
@@ -390,18 +411,18 @@ pub(crate) fn a_replica_drives_a_node_in_its_own_process() {
         ])
         .arg("--node-secret-file")
         .arg(&other)
+        .args(&replica_tls)
         .output()
         .unwrap();
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(
-        !out.status.success() && err.contains("a valid node token is required"),
+        !out.status.success() && err.contains("signature is not of the cluster secret"),
         "{err}"
     );
 
-    let s = Server::start_with(
-        &api_data,
-        &["--node", &node_addr, "--node-secret-file", secret.to_str().unwrap()],
-    );
+    let mut args = vec!["--node", &node_addr, "--node-secret-file", secret.to_str().unwrap()];
+    args.extend(&replica_tls);
+    let s = Server::start_with(&api_data, &args);
     let id = s.create(json!({ "template": "seed", "timeout": "10m" }));
     assert!(
         node_data.join("sandboxes").join(&id).exists(),
@@ -460,6 +481,78 @@ pub(crate) fn a_replica_drives_a_node_in_its_own_process() {
     node.stop();
     let _ = std::fs::remove_dir_all(&node_data);
     let _ = std::fs::remove_dir_all(&api_data);
+}
+
+/// A cluster CA in `dir/pki` and, of it, a node's certificate (`airlock-node`, serverAuth) and a
+/// replica's (clientAuth), made by openssl as the chart's README says.
+fn cluster_pki(dir: &Path) -> std::path::PathBuf {
+    let pki = dir.join("pki");
+    std::fs::create_dir_all(&pki).unwrap();
+    let openssl = |args: &[&str]| {
+        let out = Command::new("openssl").args(args).current_dir(&pki).output().unwrap();
+        assert!(
+            out.status.success(),
+            "openssl {args:?}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    };
+    let ec = ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:P-256", "-nodes"];
+    let mut ca = vec!["req", "-x509"];
+    ca.extend(ec);
+    ca.extend([
+        "-days",
+        "2",
+        "-subj",
+        "/CN=test cluster CA",
+        "-keyout",
+        "ca.key",
+        "-out",
+        "ca.crt",
+    ]);
+    ca.extend([
+        "-addext",
+        "basicConstraints=critical,CA:TRUE",
+        "-addext",
+        "keyUsage=critical,keyCertSign,cRLSign",
+    ]);
+    openssl(&ca);
+    for (who, usage, san) in [
+        ("node", "serverAuth", "DNS:airlock-node"),
+        ("replica", "clientAuth", "DNS:airlock-replica"),
+    ] {
+        let ext = format!(
+            "subjectAltName={san}\nextendedKeyUsage={usage}\nbasicConstraints=CA:FALSE\nkeyUsage=digitalSignature\n"
+        );
+        std::fs::write(pki.join(format!("{who}.ext")), ext).unwrap();
+        let (key, csr, crt, ext) = (
+            format!("{who}.key"),
+            format!("{who}.csr"),
+            format!("{who}.crt"),
+            format!("{who}.ext"),
+        );
+        let mut req = vec!["req"];
+        req.extend(ec);
+        req.extend(["-subj", "/CN=airlock", "-keyout", &key, "-out", &csr]);
+        openssl(&req);
+        openssl(&[
+            "x509",
+            "-req",
+            "-in",
+            &csr,
+            "-CA",
+            "ca.crt",
+            "-CAkey",
+            "ca.key",
+            "-CAcreateserial",
+            "-days",
+            "2",
+            "-extfile",
+            &ext,
+            "-out",
+            &crt,
+        ]);
+    }
+    pki
 }
 
 /// `airlock node` on `data`, listening on `addr` with `secret` (and `extra` flags), its output

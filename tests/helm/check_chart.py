@@ -159,6 +159,40 @@ def check(objs, setting, help_of):
     else:
         assert "AIRLOCK_OBJECTS" not in nenv and "AWS_SECRET_ACCESS_KEY" not in nenv
 
+    # The node face: mutual TLS from the two Secrets, and a NetworkPolicy admitting only the
+    # replicas to the node port; both off together in one rendering.
+    tls_env = {
+        "AIRLOCK_NODES_TLS_CERT": "/etc/airlock/tls/tls.crt",
+        "AIRLOCK_NODES_TLS_KEY": "/etc/airlock/tls/tls.key",
+        "AIRLOCK_NODES_TLS_CA": "/etc/airlock/tls/ca.crt",
+    }
+    node_tls_env = {k.replace("NODES_", "NODE_"): v for k, v in tls_env.items()}
+    nvolumes = {v["name"]: v for v in nspec["volumes"]}
+    policies = [o for (k, _), o in objs.items() if k == "NetworkPolicy"]
+    if setting == "nodeTls.enabled=false,networkPolicy.enabled=false":
+        assert not any(k in env for k in tls_env) and not any(k in nenv for k in node_tls_env)
+        assert "/etc/airlock/tls" not in mounts and "/etc/airlock/tls" not in nmounts
+        assert policies == []
+    else:
+        assert {k: env[k]["value"] for k in tls_env} == tls_env
+        assert {k: nenv[k]["value"] for k in node_tls_env} == node_tls_env
+        assert mounts["/etc/airlock/tls"]["readOnly"] is True and "/etc/airlock/tls" in nmounts
+        assert volumes["replica-tls"]["secret"]["secretName"] == "airlock-replica-tls"
+        assert nvolumes["node-tls"]["secret"]["secretName"] == "airlock-node-tls"
+        for v in (volumes["replica-tls"], nvolumes["node-tls"]):
+            assert {i["key"] for i in v["secret"]["items"]} == {"tls.crt", "tls.key", "ca.crt"}
+        (policy,) = policies
+        spec = policy["spec"]
+        assert selects(spec["podSelector"]["matchLabels"], node_labels)
+        assert not selects(spec["podSelector"]["matchLabels"], api_labels)
+        assert spec["policyTypes"] == ["Ingress"]
+        (rule,) = spec["ingress"]
+        (peer,) = rule["from"]
+        assert set(peer) == {"podSelector"}, "replicas of this namespace only"
+        assert selects(peer["podSelector"]["matchLabels"], api_labels)
+        assert not selects(peer["podSelector"]["matchLabels"], node_labels)
+        assert rule["ports"] == [{"port": 7421, "protocol": "TCP"}]
+
     # Every AIRLOCK_* variable is one the binary reads in that role.
     for container, sub in ((a, "serve"), (n, "node")):
         for name in env_of(container):
@@ -177,7 +211,7 @@ def main():
         return helps[sub]
 
     files = sorted(out.glob("*.yaml"))
-    assert len(files) == 10, files
+    assert len(files) == 12, files
     for f in files:
         setting = f.stem.split("-", 1)[1]
         check(objects(f), setting, help_of)

@@ -19,7 +19,7 @@ mod calls;
 mod session;
 mod transport;
 
-pub use session::AgentClient;
+pub use session::{AgentClient, Sign};
 pub use transport::ReqBody;
 
 use airlock_proto::ErrorCode;

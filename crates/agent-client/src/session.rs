@@ -81,7 +81,13 @@ pub struct AgentClient {
     /// route for a caller on another host ([`AgentClient::at`]).
     pub(super) base: Arc<str>,
     pub(super) authorization: Option<http::HeaderValue>,
+    /// Headers made for each request from its method and URI (a node's signature of it).
+    pub(super) sign: Option<Sign>,
 }
+
+/// What signs each request of a client for the node that passes it on: its headers, from the
+/// request's method and URI.
+pub type Sign = Arc<dyn Fn(&http::Method, &http::Uri) -> Vec<(http::HeaderName, http::HeaderValue)> + Send + Sync>;
 
 impl AgentClient {
     /// Open a session on the channel socket (does not wait for the guest: without a `READY` it
@@ -123,6 +129,7 @@ impl AgentClient {
             conn,
             base: Arc::from("http://agent"),
             authorization: None,
+            sign: None,
         })
     }
 
@@ -170,6 +177,12 @@ impl AgentClient {
             authorization,
             ..self.clone()
         }
+    }
+
+    /// The same client, each request signed by `sign` (its headers added to the request's).
+    pub fn signed_by(mut self, sign: Sign) -> Self {
+        self.sign = Some(sign);
+        self
     }
 
     pub fn with_deadlines(mut self, deadlines: Deadlines) -> Self {

@@ -136,6 +136,11 @@ impl AgentClient {
         if let Some(auth) = &self.authorization {
             req.headers_mut().insert(http::header::AUTHORIZATION, auth.clone());
         }
+        if let Some(sign) = &self.sign {
+            for (name, value) in sign(req.method(), req.uri()) {
+                req.headers_mut().insert(name, value);
+            }
+        }
         req
     }
 

@@ -428,8 +428,10 @@ pub struct ServeOptions {
     /// Or the Kubernetes API's pods of this namespace that match a label selector, their nodes
     /// at a port (`serve --nodes-kube`).
     pub nodes_kube: Option<(String, u16)>,
-    /// The cluster secret the remote nodes' tokens are derived from.
+    /// The cluster secret calls to the remote nodes are signed with.
     pub node_secret: Vec<u8>,
+    /// Mutual TLS to the nodes (`serve --node-tls-*`); None: plain HTTP, warned about.
+    pub node_tls: Option<nodes::tls::TlsFiles>,
     /// How long every replica must have had no answer from a node before its running
     /// sandboxes are lost.
     pub node_grace: std::time::Duration,
@@ -441,12 +443,16 @@ pub use node_daemon::EgressUplink;
 /// The nodes at `addrs` as one cluster, each named by its address. One that does not answer
 /// now is kept (placement skips it until it does); none answering is an error naming each,
 /// unless discovery will find more (`more_later`).
-async fn connect_nodes(addrs: &[SocketAddr], secret: &[u8], more_later: bool) -> anyhow::Result<nodes::Cluster> {
+async fn connect_nodes(
+    addrs: &[SocketAddr],
+    link: &nodes::NodeLink,
+    more_later: bool,
+) -> anyhow::Result<nodes::Cluster> {
     use nodes::Nodes as _;
     let mut members: Vec<(String, Arc<dyn nodes::Nodes>)> = Vec::new();
     let mut down = Vec::new();
     for addr in addrs {
-        let node = nodes::RemoteNode::open(*addr, secret).await;
+        let node = nodes::RemoteNode::open(*addr, link).await;
         match node.members().into_iter().next().and_then(|m| m.refuses) {
             Some(why) => {
                 tracing::warn!("--node {addr}: {why}");
@@ -575,16 +581,26 @@ pub async fn serve(opts: ServeOptions) -> anyhow::Result<()> {
                 ))),
                 (None, None) => None,
             };
-            let cluster = Arc::new(connect_nodes(&opts.remote_nodes, &opts.node_secret, source.is_some()).await?);
+            let tls = match &opts.node_tls {
+                Some(files) => Some(nodes::tls::client_config(files)?),
+                None => {
+                    tracing::warn!(
+                        "calls to nodes are plain HTTP (signed, but env and registry credentials cross in clear): \
+                         give --node-tls-cert, --node-tls-key and --node-tls-ca"
+                    );
+                    None
+                }
+            };
+            let link = nodes::NodeLink::new(&opts.node_secret, tls);
+            let cluster = Arc::new(connect_nodes(&opts.remote_nodes, &link, source.is_some()).await?);
             if let Some(source) = source {
-                let secret: Arc<[u8]> = Arc::from(opts.node_secret.as_slice());
                 let mut discovery = Discovery::default();
                 match source.list().await {
-                    Ok(found) => discovery.round(&cluster, found, &secret).await,
+                    Ok(found) => discovery.round(&cluster, found, &link).await,
                     Err(e) => tracing::warn!("discovery: {e}; asked again every {ROUND:?}"),
                 }
                 let weak = Arc::downgrade(&cluster);
-                tokio::spawn(discovery.follow(weak, secret, move || {
+                tokio::spawn(discovery.follow(weak, link, move || {
                     let source = source.clone();
                     async move { source.list().await }
                 }));

@@ -48,7 +48,7 @@ pub const EXPIRY_GRACE: std::time::Duration = std::time::Duration::from_secs(3);
 /// The shortest cluster secret a node or a replica accepts.
 pub const MIN_SECRET_BYTES: usize = 32;
 
-/// The cluster secret in `path` (surrounding whitespace ignored): node tokens are derived from it.
+/// The cluster secret in `path` (surrounding whitespace ignored): node calls and replies are signed with it.
 pub fn read_cluster_secret(path: &Path) -> anyhow::Result<Vec<u8>> {
     let bytes = std::fs::read(path).map_err(|e| anyhow::anyhow!("the cluster secret {}: {e}", path.display()))?;
     let secret = bytes.trim_ascii().to_vec();
@@ -174,7 +174,8 @@ pub async fn set_pools(node: &dyn Nodes, pools: &[(String, usize)]) -> anyhow::R
     Ok(())
 }
 
-/// `airlock node`: this host's node, its face served on `listen` to callers with tokens of
+#[allow(clippy::too_many_arguments)]
+/// `airlock node`: this host's node, its face served on `listen` to callers signing with
 /// `secret`, until the process is stopped.
 pub async fn serve_node(
     opts: NodeOptions,
@@ -184,14 +185,26 @@ pub async fn serve_node(
     rules: nodes::NodeRules,
     drain_budget: std::time::Duration,
     limits: crate::listen::Limits,
+    tls: Option<nodes::tls::TlsFiles>,
 ) -> anyhow::Result<()> {
+    let tls = match &tls {
+        Some(files) => Some(nodes::tls::server_config(files)?),
+        None => {
+            tracing::warn!(
+                "the node face is plain HTTP (calls signed, but env and registry credentials cross in clear): \
+                 give --tls-cert, --tls-key and --tls-ca"
+            );
+            None
+        }
+    };
     // Bound before the runtime opens, so a taken address fails at once.
     let listener = tokio::net::TcpListener::bind(listen)
         .await
         .map_err(|e| anyhow::anyhow!("listen on {listen}: {e}"))?;
     let (node, egress) = open_local_node(opts).await?;
     tracing::info!(
-        "node {name}: serving on {listen} (HTTP/2, cluster tokens); egress digest {}",
+        "node {name}: serving on {listen} (HTTP/2{}, signed calls); egress digest {}",
+        if tls.is_some() { " over mutual TLS" } else { "" },
         egress.digest()
     );
     let face = nodes::serve::NodeFace::new(node.clone(), &secret, &name, Some(rules))
@@ -200,7 +213,7 @@ pub async fn serve_node(
     exit_on_stop(node, move || async move {
         drain(&drained.0, &*drained.1, drain_budget).await
     });
-    Ok(crate::listen::serve(listener, face.router(), None, limits).await?)
+    Ok(crate::listen::serve(listener, face.router(), tls, limits).await?)
 }
 
 /// The node's egress side for `uplink`, and the platform denies completed with the addresses

@@ -64,14 +64,14 @@ pub struct Discovery {
 
 impl Discovery {
     /// One round: `listed` is what the source answered now.
-    pub async fn round(&mut self, cluster: &Cluster, listed: Vec<Listed>, secret: &[u8]) {
+    pub async fn round(&mut self, cluster: &Cluster, listed: Vec<Listed>, link: &super::NodeLink) {
         let addrs: Vec<SocketAddr> = listed.iter().map(|l| l.addr).collect();
         self.known.retain(|addr, _| addrs.contains(addr));
         for addr in &addrs {
             if self.known.contains_key(addr) {
                 continue;
             }
-            let node = RemoteNode::open(*addr, secret).await;
+            let node = RemoteNode::open(*addr, link).await;
             if let Some(why) = node.members().into_iter().next().and_then(|m| m.refuses) {
                 // Asked again next round.
                 tracing::debug!("discovery: node at {addr}: {why}");
@@ -96,7 +96,7 @@ impl Discovery {
     }
 
     /// Rounds every [`ROUND`] for as long as `cluster` lives, the addresses from `source`.
-    pub async fn follow<F, Fut>(mut self, cluster: std::sync::Weak<Cluster>, secret: Arc<[u8]>, source: F)
+    pub async fn follow<F, Fut>(mut self, cluster: std::sync::Weak<Cluster>, link: super::NodeLink, source: F)
     where
         F: Fn() -> Fut,
         Fut: Future<Output = Result<Vec<Listed>, String>>,
@@ -105,7 +105,7 @@ impl Discovery {
             tokio::time::sleep(ROUND).await;
             let Some(cluster) = cluster.upgrade() else { return };
             match source().await {
-                Ok(listed) => self.round(&cluster, listed, &secret).await,
+                Ok(listed) => self.round(&cluster, listed, &link).await,
                 // The last answer stands: a failed lookup is no evidence about any node.
                 Err(e) => tracing::warn!("discovery: {e}"),
             }

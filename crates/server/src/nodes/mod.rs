@@ -14,6 +14,7 @@ pub mod kube;
 mod local;
 mod remote;
 pub mod serve;
+pub mod tls;
 pub mod watches;
 pub mod wire;
 
@@ -24,6 +25,7 @@ pub use error::NodeError;
 pub use expiry::Expiry;
 pub use local::LocalNode;
 pub use remote::RemoteNode;
+pub use tls::NodeLink;
 pub use watches::{WatchSpec, WatchStart};
 
 pub use crate::model::PoolInfo;

@@ -5,6 +5,10 @@
 //! [`REPORT_EVERY`] and after every change this side asks for: a caller's view of a node is
 //! always a little stale, and the node admits on its own. Exits arrive on a long-lived stream.
 //! Agent calls go to the node's agent route over one HTTP/2 connection, which the node passes on.
+//!
+//! Every call is signed for the node's name (`wire::sign_request`) and every reply must verify
+//! (`wire::verify_reply`): the first call is a report for any node, and until a report's reply
+//! has proven the cluster secret and named the node, nothing else is sent to it.
 
 use super::wire::{
     self, ClaimRequest, Claimed, Digest, ErrorReply, NodeReport, PoolSize, RemoteFailure, Saved, Took, PREFIX,
@@ -53,8 +57,13 @@ pub struct RemoteNode {
 struct Inner {
     addr: SocketAddr,
     secret: Arc<[u8]>,
-    http: Client<HttpConnector, Full<Bytes>>,
+    /// The replica's TLS to the node (None: plain HTTP).
+    tls: Option<Arc<rustls::ClientConfig>>,
+    http: Client<hyper_rustls::HttpsConnector<HttpConnector>, Full<Bytes>>,
     report: Mutex<NodeReport>,
+    /// The name the node signed its first verified report with: every call is signed for it.
+    /// None until then, and nothing but reports is sent.
+    name: Mutex<Option<String>>,
     /// Why the last report failed, until one succeeds again (placement skips the node then).
     down: Mutex<Option<String>>,
     exits: broadcast::Sender<String>,
@@ -77,6 +86,18 @@ fn unreachable(addr: SocketAddr, what: &str, e: impl std::fmt::Display) -> NodeE
     ))))
 }
 
+/// An error with its causes (hyper's own text is terse: "client error (Connect)", where the
+/// cause is a certificate refused).
+fn chain(e: &(dyn std::error::Error + 'static)) -> String {
+    let mut text = e.to_string();
+    let mut source = e.source();
+    while let Some(s) = source {
+        text.push_str(&format!(": {s}"));
+        source = s.source();
+    }
+    text
+}
+
 /// The node answered, but not in its protocol.
 fn garbled(addr: SocketAddr, what: &str, e: impl std::fmt::Display) -> NodeError {
     NodeError::Failed(Box::new(RemoteFailure(format!(
@@ -86,7 +107,19 @@ fn garbled(addr: SocketAddr, what: &str, e: impl std::fmt::Display) -> NodeError
 
 impl Inner {
     fn url(&self, path: &str) -> String {
-        format!("http://{}{PREFIX}{path}", self.addr)
+        let scheme = if self.tls.is_some() { "https" } else { "http" };
+        format!("{scheme}://{}{PREFIX}{path}", self.addr)
+    }
+
+    /// The name calls are signed for; an error until the node proved the secret.
+    fn target(&self, what: &str) -> Result<String, NodeError> {
+        self.name.lock().unwrap().clone().ok_or_else(|| {
+            unreachable(
+                self.addr,
+                what,
+                "it has not yet proven the cluster secret (no report of it verified)",
+            )
+        })
     }
 
     /// One call; its JSON answer, or the node's error as the variant it sent.
@@ -101,11 +134,25 @@ impl Inner {
         let body = body.map_or_else(Bytes::new, |b| {
             Bytes::from(serde_json::to_vec(b).expect("serializable"))
         });
+        let target = match self.target(&what) {
+            Ok(name) => name,
+            Err(_) if method == Method::GET && path == "/report" => wire::ANY_NODE.to_string(),
+            Err(e) => return Err(e),
+        };
+        let signed = wire::sign_request(
+            &self.secret,
+            method.as_str(),
+            &format!("{PREFIX}{path}"),
+            &wire::body_digest(&body),
+            &target,
+        );
         let mut req = Request::builder()
             .method(method)
             .uri(self.url(path))
-            .header(hyper::header::AUTHORIZATION, wire::token(&self.secret, wire::TOKEN_TTL))
             .header(hyper::header::CONTENT_TYPE, "application/json");
+        for (name, value) in &signed.headers {
+            req = req.header(*name, value);
+        }
         if let Some(op) = wire::current_operation() {
             req = req
                 .header(wire::OPERATION_HEADER, op.id)
@@ -117,13 +164,23 @@ impl Inner {
                 .http
                 .request(req)
                 .await
-                .map_err(|e| unreachable(self.addr, &what, e))?;
+                .map_err(|e| unreachable(self.addr, &what, chain(&e)))?;
             let status = resp.status();
+            let headers = resp.headers().clone();
             let bytes = http_body_util::Limited::new(resp.into_body(), REPLY_MAX)
                 .collect()
                 .await
                 .map_err(|e| unreachable(self.addr, &what, e))?
                 .to_bytes();
+            self.proven(&signed.nonce, status.as_u16(), &wire::body_digest(&bytes), &headers)
+                .map_err(|e| match serde_json::from_slice::<ErrorReply>(&bytes) {
+                    // The node's refusal of our signature (unsigned: it has no nonce to sign for).
+                    Ok(reply) if reply.code == "unauthorized" => NodeError::Failed(Box::new(RemoteFailure(format!(
+                        "node {} refused {what}: {}",
+                        self.addr, reply.message
+                    )))),
+                    _ => garbled(self.addr, &what, e),
+                })?;
             if status.is_success() {
                 serde_json::from_slice(&bytes).map_err(|e| garbled(self.addr, &what, e))
             } else {
@@ -136,6 +193,23 @@ impl Inner {
         tokio::time::timeout(limit, exchange)
             .await
             .map_err(|_| unreachable(self.addr, &what, format!("no answer within {limit:?}")))?
+    }
+
+    /// Whether a reply to the request of `nonce` is the node's (of the cluster secret, from the
+    /// node the calls are for); the first one names it.
+    fn proven(&self, nonce: &str, status: u16, digest: &str, headers: &hyper::HeaderMap) -> Result<(), String> {
+        let Some(name) = wire::verify_reply(&self.secret, nonce, status, digest, headers) else {
+            return Err("its reply is not signed with the cluster secret".into());
+        };
+        let mut known = self.name.lock().unwrap();
+        match known.as_deref() {
+            Some(k) if k != name => Err(format!("its reply is signed by node {name:?}, not {k:?}")),
+            Some(_) => Ok(()),
+            None => {
+                *known = Some(name);
+                Ok(())
+            }
+        }
     }
 
     async fn refresh(&self) -> Result<(), NodeError> {
@@ -187,11 +261,15 @@ impl Inner {
     }
 
     async fn read_exits(&self) -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
-        let req = Request::builder()
-            .uri(self.url("/exits"))
-            .header(hyper::header::AUTHORIZATION, wire::token(&self.secret, wire::TOKEN_TTL))
-            .body(Full::new(Bytes::new()))?;
-        let mut body = self.http.request(req).await?.into_body();
+        let path = format!("{PREFIX}/exits");
+        let signed = wire::sign_request(&self.secret, "GET", &path, wire::UNSIGNED, &self.target("exits")?);
+        let mut req = Request::builder().uri(self.url("/exits"));
+        for (name, value) in &signed.headers {
+            req = req.header(*name, value);
+        }
+        let resp = self.http.request(req.body(Full::new(Bytes::new()))?).await?;
+        self.proven(&signed.nonce, resp.status().as_u16(), wire::UNSIGNED, resp.headers())?;
+        let mut body = resp.into_body();
         let mut line = Vec::new();
         while let Some(frame) = body.frame().await {
             if let Ok(data) = frame?.into_data() {
@@ -210,10 +288,10 @@ impl Inner {
 }
 
 impl RemoteNode {
-    /// The node at `addr`, whose calls carry tokens of the cluster `secret`; fails when it does
-    /// not answer its first report.
-    pub async fn connect(addr: SocketAddr, secret: &[u8]) -> Result<Self, NodeError> {
-        let node = Self::open(addr, secret).await;
+    /// The node at `addr`, whose calls are signed with the cluster `secret`; fails when it does
+    /// not answer its first report (or its answer does not prove the secret).
+    pub async fn connect(addr: SocketAddr, link: impl Into<super::NodeLink>) -> Result<Self, NodeError> {
+        let node = Self::open(addr, link).await;
         let down = node.inner.down.lock().unwrap().clone();
         match down {
             Some(why) => Err(NodeError::Unreachable(Box::new(RemoteFailure(why)))),
@@ -223,18 +301,39 @@ impl RemoteNode {
 
     /// The node at `addr` whether or not it answers now: until it does, it has nothing and
     /// placement skips it ([`Nodes::members`] says why).
-    pub async fn open(addr: SocketAddr, secret: &[u8]) -> Self {
+    pub async fn open(addr: SocketAddr, link: impl Into<super::NodeLink>) -> Self {
+        let link: super::NodeLink = link.into();
+        // Without TLS the URLs are http:// and this config is never used.
+        let mut tls = link.tls.as_deref().cloned().unwrap_or_else(|| {
+            rustls::ClientConfig::builder_with_provider(Arc::new(rustls::crypto::ring::default_provider()))
+                .with_safe_default_protocol_versions()
+                .expect("ring's defaults")
+                .with_root_certificates(rustls::RootCertStore::empty())
+                .with_no_client_auth()
+        });
+        // The connector sets ALPN (h2) itself.
+        tls.alpn_protocols.clear();
+        let connector = hyper_rustls::HttpsConnectorBuilder::new()
+            .with_tls_config(tls)
+            .https_or_http()
+            .with_server_name_resolver(hyper_rustls::FixedServerNameResolver::new(
+                super::tls::node_server_name(),
+            ))
+            .enable_http2()
+            .build();
         let http = Client::builder(hyper_util::rt::TokioExecutor::new())
             .http2_only(true)
             .timer(hyper_util::rt::TokioTimer::new())
             .http2_keep_alive_interval(PING_EVERY)
             .http2_keep_alive_timeout(PING_LIMIT)
             .http2_keep_alive_while_idle(true)
-            .build_http();
+            .build(connector);
         let inner = Arc::new(Inner {
             addr,
-            secret: Arc::from(secret),
+            secret: link.secret,
+            tls: link.tls,
             http,
+            name: Mutex::new(None),
             report: Mutex::new(NodeReport {
                 name: String::new(),
                 runtime_name: String::new(),
@@ -478,6 +577,8 @@ impl Nodes for RemoteNode {
     }
 
     async fn agent(&self, id: &str) -> Result<AgentClient, NodeError> {
+        // Nothing is sent to a node that has not proven the secret.
+        let (secret, target) = (self.inner.secret.clone(), self.inner.target("agent calls")?);
         let mut conn = self.inner.agent.lock().await;
         let root = match conn.as_ref().filter(|c| !c.is_closed()) {
             Some(c) => c.clone(),
@@ -487,16 +588,32 @@ impl Nodes for RemoteNode {
                     .await
                     .map_err(|e| unreachable(addr, "agent connection", e))?;
                 let _ = stream.set_nodelay(true);
-                let c = AgentClient::handshake(stream)
-                    .await
-                    .map_err(|e| unreachable(addr, "agent connection", e))?;
+                let c = match &self.inner.tls {
+                    None => AgentClient::handshake(stream).await,
+                    Some(tls) => {
+                        let stream = tokio_rustls::TlsConnector::from(tls.clone())
+                            .connect(super::tls::node_server_name(), stream)
+                            .await
+                            .map_err(|e| unreachable(addr, "agent connection (TLS)", e))?;
+                        AgentClient::handshake(stream).await
+                    }
+                }
+                .map_err(|e| unreachable(addr, "agent connection", e))?;
                 *conn = Some(c.clone());
                 c
             }
         };
-        let token = hyper::header::HeaderValue::from_str(&wire::token(&self.inner.secret, wire::TOKEN_TTL))
-            .expect("a token is ASCII");
-        Ok(root.at(&self.inner.url(&format!("/vms/{id}/agent")), Some(token)))
+        let sign: airlock_agent_client::Sign = Arc::new(move |method, uri| {
+            let path = uri.path_and_query().map_or("/", |p| p.as_str());
+            wire::sign_request(&secret, method.as_str(), path, wire::UNSIGNED, &target)
+                .headers
+                .into_iter()
+                .filter_map(|(name, value)| Some((hyper::header::HeaderName::from_static(name), value.parse().ok()?)))
+                .collect()
+        });
+        Ok(root
+            .at(&self.inner.url(&format!("/vms/{id}/agent")), None)
+            .signed_by(sign))
     }
 
     fn exits(&self) -> broadcast::Receiver<String> {

@@ -1,7 +1,8 @@
 //! A node's HTTP face (the routes in `wire.rs`) over the node's own `Nodes`: what `RemoteNode`
-//! calls from another host. Every call needs a valid token of the cluster secret; the agent
-//! route passes only calls of the agent's protocol (parsed as an `airlock_proto::routes::Route`)
-//! on to the VM's agent.
+//! calls from another host. Every call must be signed with the cluster secret for this node,
+//! fresh and not seen before, and every answer is signed back ([`signed`]; the rules in
+//! `wire.rs`); the agent route passes only calls of the agent's protocol (parsed as an
+//! `airlock_proto::routes::Route`) on to the VM's agent.
 
 use super::wire::{ClaimRequest, Claimed, Digest, ErrorReply, NodeReport, PoolSize, Saved, Took, VmRequest, PREFIX};
 use super::{Admission, Expiry, NodeError, NodeRules, Nodes};
@@ -30,6 +31,8 @@ struct Face {
     changing: Arc<std::sync::atomic::AtomicUsize>,
     /// The highest lease epoch each operation's calls carried ([`fence`]), and when.
     epochs: Arc<std::sync::Mutex<std::collections::HashMap<String, (i64, std::time::Instant)>>>,
+    /// The nonces of the requests accepted in the last window: a replay is refused.
+    nonces: Arc<super::wire::Nonces>,
 }
 
 impl Face {
@@ -103,6 +106,7 @@ impl NodeFace {
             draining: Default::default(),
             changing: Default::default(),
             epochs: Default::default(),
+            nonces: Default::default(),
         }))
     }
 
@@ -149,26 +153,96 @@ impl NodeFace {
             .route("/vms/{id}/agent/{*route}", any(agent))
             .layer(axum::middleware::from_fn_with_state(face.clone(), fence))
             .layer(axum::middleware::from_fn(log_change))
-            .layer(axum::middleware::from_fn_with_state(face.clone(), authorize))
-            .with_state(face);
-        Router::new().nest(PREFIX, routes)
+            .with_state(face.clone());
+        // Outside the nest: the path checked is the one signed, prefix and all.
+        Router::new()
+            .nest(PREFIX, routes)
+            .layer(axum::middleware::from_fn_with_state(face, signed))
     }
 }
 
-async fn authorize(State(face): State<Face>, req: Request, next: axum::middleware::Next) -> Response {
-    let ok = req
-        .headers()
-        .get(axum::http::header::AUTHORIZATION)
-        .and_then(|v| v.to_str().ok())
-        .is_some_and(|v| super::wire::token_valid(&face.secret, v));
-    if !ok {
-        return refused(
-            StatusCode::UNAUTHORIZED,
-            "unauthorized",
-            "a valid node token is required",
-        );
+/// The largest request body a node reads (to check its digest) on a route other than the
+/// agent's: axum's bound on a JSON body, which each route's extractor applies anyway.
+const REQUEST_MAX: usize = 2 << 20;
+
+/// Where a body streams and is signed [`super::wire::UNSIGNED`]: the agent route (both ways)
+/// and the exit stream (its answer).
+fn streams(path: &str) -> bool {
+    let rest = path.strip_prefix(PREFIX).unwrap_or("");
+    let mut parts = rest.split('/').skip(1);
+    rest == "/exits" || (parts.next() == Some("vms") && parts.nth(1) == Some("agent"))
+}
+
+/// A request whose signature does not pass: 401, or 503 when the nonces have no room.
+fn unsigned(method: &axum::http::Method, path: &str, e: super::wire::Unsigned) -> Response {
+    tracing::warn!("refused {method} {path}: {e}");
+    let status = match e {
+        super::wire::Unsigned::Busy => StatusCode::SERVICE_UNAVAILABLE,
+        _ => StatusCode::UNAUTHORIZED,
+    };
+    refused(status, "unauthorized", &e.to_string())
+}
+
+/// Every request checked against its signature ([`super::wire::verify_request`]), refused
+/// otherwise ([`unsigned`]); every answer signed over its request's nonce.
+async fn signed(State(face): State<Face>, req: Request, next: axum::middleware::Next) -> Response {
+    use super::wire;
+    let (parts, body) = req.into_parts();
+    let path = parts.uri.path_and_query().map_or("/", |p| p.as_str()).to_string();
+    let streamed = streams(parts.uri.path());
+    let is_report = parts.method == axum::http::Method::GET && parts.uri.path() == format!("{PREFIX}/report");
+    // Before the body is read: a request that cannot pass costs no buffer.
+    if let Err(e) = wire::precheck(&face.name, is_report, &parts.headers) {
+        return unsigned(&parts.method, parts.uri.path(), e);
     }
-    next.run(req).await
+    let (digest, body) = if streamed {
+        (wire::UNSIGNED.to_string(), body)
+    } else {
+        match axum::body::to_bytes(body, REQUEST_MAX).await {
+            Ok(bytes) => (wire::body_digest(&bytes), Body::from(bytes)),
+            Err(_) => {
+                return refused(
+                    StatusCode::PAYLOAD_TOO_LARGE,
+                    "too_large",
+                    "the request body is too large",
+                )
+            }
+        }
+    };
+    let nonce = match wire::verify_request(
+        &face.secret,
+        &face.name,
+        parts.method.as_str(),
+        &path,
+        &digest,
+        is_report,
+        &parts.headers,
+        &face.nonces,
+    ) {
+        Ok(nonce) => nonce,
+        Err(e) => return unsigned(&parts.method, parts.uri.path(), e),
+    };
+    let resp = next.run(Request::from_parts(parts, body)).await;
+    let (mut parts, body) = resp.into_parts();
+    let (digest, body) = if streamed {
+        (wire::UNSIGNED.to_string(), body)
+    } else {
+        match axum::body::to_bytes(body, usize::MAX).await {
+            Ok(bytes) => (wire::body_digest(&bytes), Body::from(bytes)),
+            Err(e) => return Failure(NodeError::Failed(Box::new(std::io::Error::other(e)))).into_response(),
+        }
+    };
+    let tag = wire::sign_reply(&face.secret, &nonce, &face.name, parts.status.as_u16(), &digest);
+    for (name, value) in [
+        (wire::NAME_HEADER, face.name.to_string()),
+        (wire::BODY_HEADER, digest),
+        (wire::SIGNATURE_HEADER, tag),
+    ] {
+        if let Ok(value) = axum::http::HeaderValue::from_str(&value) {
+            parts.headers.insert(name, value);
+        }
+    }
+    Response::from_parts(parts, body)
 }
 
 /// A change: not a read, not the agent's traffic, not a poll of a watch (a read too, however

@@ -1,10 +1,96 @@
 //! A cluster in-process: nodes (each a fake-VMM runtime behind its HTTP face, in a tokio runtime
 //! of its own, so dropping one is that node dying with its VMs) and API replicas (each a core
 //! over a `Cluster` of `RemoteNode`s, in its own tokio runtime) sharing one SQLite store, as
-//! replicas share Postgres.
+//! replicas share Postgres. Replicas reach the nodes over mutual TLS ([`pki`]), as a cluster
+//! in production does.
 
 use super::*;
-use airlock_server::nodes::{Cluster, RemoteNode};
+use airlock_server::nodes::tls::TlsFiles;
+use airlock_server::nodes::{Cluster, NodeLink, RemoteNode};
+
+/// Certificates made by openssl once per test process: the cluster's CA with a node's
+/// (`serverAuth`, `DNS:airlock-node`) and a replica's (`clientAuth`), and a stranger's CA with the
+/// same pair.
+pub struct TestPki {
+    dir: PathBuf,
+}
+
+/// The process's [`TestPki`].
+pub fn pki() -> &'static TestPki {
+    static PKI: std::sync::OnceLock<TestPki> = std::sync::OnceLock::new();
+    PKI.get_or_init(|| {
+        let dir = tempfile::tempdir().unwrap().keep();
+        let openssl = |args: &[&str]| {
+            let out = std::process::Command::new("openssl")
+                .args(args)
+                .current_dir(&dir)
+                .output()
+                .expect("openssl runs");
+            assert!(out.status.success(), "openssl {args:?}: {}", String::from_utf8_lossy(&out.stderr));
+        };
+        let ec = ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:P-256", "-nodes"];
+        for ca in ["cluster", "stranger"] {
+            let (key, pem, subj) = (format!("{ca}-ca.key"), format!("{ca}-ca.pem"), format!("/CN={ca} CA"));
+            let mut args = vec!["req", "-x509"];
+            args.extend(ec);
+            args.extend(["-keyout", &key, "-out", &pem, "-days", "3", "-subj", &subj]);
+            args.extend(["-addext", "basicConstraints=critical,CA:TRUE"]);
+            args.extend(["-addext", "keyUsage=critical,keyCertSign,cRLSign"]);
+            openssl(&args);
+            for (who, usage, san) in [
+                ("node", "serverAuth", "DNS:airlock-node"),
+                ("replica", "clientAuth", "DNS:airlock-replica"),
+            ] {
+                let name = format!("{ca}-{who}");
+                let ext = format!("{name}.ext");
+                std::fs::write(
+                    dir.join(&ext),
+                    format!("subjectAltName={san}\nextendedKeyUsage={usage}\nbasicConstraints=CA:FALSE\nkeyUsage=digitalSignature\n"),
+                )
+                .unwrap();
+                let (k, csr, crt) = (format!("{name}.key"), format!("{name}.csr"), format!("{name}.pem"));
+                let mut args = vec!["req"];
+                args.extend(ec);
+                args.extend(["-keyout", &k, "-out", &csr, "-subj", "/CN=airlock"]);
+                openssl(&args);
+                openssl(&[
+                    "x509", "-req", "-in", &csr, "-CA", &pem, "-CAkey", &key, "-CAcreateserial", "-out", &crt, "-days",
+                    "3", "-extfile", &ext,
+                ]);
+            }
+        }
+        TestPki { dir }
+    })
+}
+
+impl TestPki {
+    /// `who`'s (`node`, `replica`) certificate and key of `ca` (`cluster`, `stranger`), checking
+    /// the other side against `trusts`' CA.
+    pub fn files(&self, ca: &str, who: &str, trusts: &str) -> TlsFiles {
+        TlsFiles {
+            cert: self.dir.join(format!("{ca}-{who}.pem")),
+            key: self.dir.join(format!("{ca}-{who}.key")),
+            ca: self.dir.join(format!("{trusts}-ca.pem")),
+        }
+    }
+
+    /// A node's TLS with the cluster's certificate.
+    pub fn node_tls(&self) -> Arc<rustls::ServerConfig> {
+        airlock_server::nodes::tls::server_config(&self.files("cluster", "node", "cluster")).unwrap()
+    }
+
+    /// A replica's link to the cluster's nodes: the secret, and TLS with the cluster's
+    /// certificate.
+    pub fn link(&self) -> NodeLink {
+        let tls = airlock_server::nodes::tls::client_config(&self.files("cluster", "replica", "cluster")).unwrap();
+        NodeLink::new(NODE_SECRET, Some(tls))
+    }
+}
+
+/// What the test cluster's replicas reach its nodes with.
+pub fn node_link() -> NodeLink {
+    pki().link()
+}
 
 /// One node of a test cluster.
 pub struct ClusterNode {
@@ -36,12 +122,17 @@ impl ClusterNode {
         name: &str,
         rules: Option<airlock_server::nodes::NodeRules>,
     ) -> ClusterNode {
-        Self::start_full(dir, capacity, port, name, rules, Duration::ZERO).await
+        Self::start_full(dir, capacity, port, name, rules, Duration::ZERO, pki().node_tls()).await
+    }
+
+    /// [`ClusterNode::start`] serving its face with `tls` (another CA's certificate).
+    pub async fn start_tls(dir: &Path, capacity: Capacity, tls: Arc<rustls::ServerConfig>) -> ClusterNode {
+        Self::start_full(dir, capacity, 0, "test-node", None, Duration::ZERO, tls).await
     }
 
     /// [`ClusterNode::start`] for a node whose creates take `create_delay` longer.
     pub async fn start_slow(dir: &Path, capacity: Capacity, create_delay: Duration) -> ClusterNode {
-        Self::start_full(dir, capacity, 0, "test-node", None, create_delay).await
+        Self::start_full(dir, capacity, 0, "test-node", None, create_delay, pki().node_tls()).await
     }
 
     /// [`ClusterNode::start_ruled`] for a node whose creates take `create_delay` longer.
@@ -51,7 +142,16 @@ impl ClusterNode {
         rules: airlock_server::nodes::NodeRules,
         create_delay: Duration,
     ) -> ClusterNode {
-        Self::start_full(dir, capacity, 0, "test-node", Some(rules), create_delay).await
+        Self::start_full(
+            dir,
+            capacity,
+            0,
+            "test-node",
+            Some(rules),
+            create_delay,
+            pki().node_tls(),
+        )
+        .await
     }
 
     async fn start_full(
@@ -61,6 +161,7 @@ impl ClusterNode {
         name: &str,
         rules: Option<airlock_server::nodes::NodeRules>,
         create_delay: Duration,
+        tls: Arc<rustls::ServerConfig>,
     ) -> ClusterNode {
         let name = name.to_string();
         let tokio_rt = tokio::runtime::Builder::new_multi_thread()
@@ -82,7 +183,7 @@ impl ClusterNode {
                 tokio::spawn(airlock_server::listen::serve(
                     listener,
                     face.router(),
-                    None,
+                    Some(tls),
                     Limits::default(),
                 ));
                 (addr, face, node)
@@ -155,7 +256,7 @@ impl Server {
                     .expect("an admin key");
                 let mut members: Vec<(String, Arc<dyn Nodes>)> = Vec::new();
                 for addr in nodes {
-                    members.push((addr.to_string(), Arc::new(RemoteNode::open(addr, NODE_SECRET).await)));
+                    members.push((addr.to_string(), Arc::new(RemoteNode::open(addr, node_link()).await)));
                 }
                 let cluster = Arc::new(Cluster::new(members));
                 let (addr, core) = serve_core(Arc::new(store), cluster.clone(), config, false, Limits::default()).await;

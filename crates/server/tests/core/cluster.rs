@@ -3,7 +3,7 @@
 //! refuses with every node's reason; a sandbox on any node answers through either replica; a
 //! node that dies is skipped by new creates.
 
-use super::common::cluster::ClusterNode;
+use super::common::cluster::{node_link, ClusterNode};
 use super::common::*;
 use airlock_runtime::fake;
 use airlock_server::core::Config;
@@ -167,7 +167,7 @@ async fn discovered_nodes_join_by_name_and_a_node_back_at_a_new_address_keeps_it
     let replica = Server::start_replica(store_dir.path(), &[], None, replica_config()).await;
     let cluster = replica.cluster.clone().unwrap();
     let mut discovery = Discovery::default();
-    discovery.round(&cluster, listed(&[a.addr, b.addr]), NODE_SECRET).await;
+    discovery.round(&cluster, listed(&[a.addr, b.addr]), &node_link()).await;
     let names = |s: &Server| -> Vec<(String, bool)> {
         let mut m: Vec<_> = s
             .core()
@@ -182,7 +182,7 @@ async fn discovered_nodes_join_by_name_and_a_node_back_at_a_new_address_keeps_it
     assert_eq!(names(&replica), vec![("node-a".into(), true), ("node-b".into(), true)]);
 
     // node-b leaves the listing: no new sandbox goes there.
-    discovery.round(&cluster, listed(&[a.addr]), NODE_SECRET).await;
+    discovery.round(&cluster, listed(&[a.addr]), &node_link()).await;
     assert_eq!(names(&replica), vec![("node-a".into(), true), ("node-b".into(), false)]);
     let mut ids = Vec::new();
     for _ in 0..3 {
@@ -201,7 +201,7 @@ async fn discovered_nodes_join_by_name_and_a_node_back_at_a_new_address_keeps_it
     a.kill();
     let a = ClusterNode::start_named(dir_a.path(), FITS_FOUR, 0, "node-a").await;
     assert_ne!(a.addr, old_addr);
-    discovery.round(&cluster, listed(&[a.addr, b.addr]), NODE_SECRET).await;
+    discovery.round(&cluster, listed(&[a.addr, b.addr]), &node_link()).await;
     for id in &ids {
         replica.assert_answers(id).await;
     }

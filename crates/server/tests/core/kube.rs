@@ -3,7 +3,7 @@
 //! label selector and reads their nodes, exactly as it would from a kube-apiserver.
 
 use super::cluster::{node_of, replica_config, FITS_FOUR};
-use super::common::cluster::ClusterNode;
+use super::common::cluster::{node_link, ClusterNode};
 use super::common::*;
 use airlock_server::nodes::discovery::{Discovery, Listed, Source};
 use airlock_server::nodes::kube::KubeNodes;
@@ -131,14 +131,14 @@ async fn a_node_on_a_cordoned_host_takes_no_sandbox_and_drains() {
     let cluster = replica.cluster.clone().unwrap();
     let mut discovery = Discovery::default();
     discovery
-        .round(&cluster, source.list().await.unwrap(), NODE_SECRET)
+        .round(&cluster, source.list().await.unwrap(), &node_link())
         .await;
     let id = replica.running_sandbox().await;
     assert_eq!(node_of(&replica, &id).await, "airlock-node-a1b2c");
 
     api.lock().unwrap().cordoned = vec!["k1".into()];
     discovery
-        .round(&cluster, source.list().await.unwrap(), NODE_SECRET)
+        .round(&cluster, source.list().await.unwrap(), &node_link())
         .await;
     let m = replica.core().nodes().members().into_iter().next().unwrap();
     assert!(m.draining, "{m:?}");

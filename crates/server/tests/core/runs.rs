@@ -5,7 +5,7 @@
 //! fencing: a change from a replica whose lease of the operation was taken over is refused.
 
 use super::cluster::{node_of, replica_config};
-use super::common::cluster::ClusterNode;
+use super::common::cluster::{node_link, ClusterNode};
 use super::common::*;
 use airlock_runtime::fake;
 use airlock_server::core::{Config, NodeError};
@@ -33,7 +33,7 @@ pub(crate) fn vm_request(id: &str) -> VmRequest {
 async fn a_delete_naming_an_earlier_run_leaves_the_newer_one() {
     let dir = fresh();
     let node = ClusterNode::start(dir.path(), ROOMY, 0).await;
-    let remote = RemoteNode::connect(node.addr, NODE_SECRET).await.unwrap();
+    let remote = RemoteNode::connect(node.addr, node_link()).await.unwrap();
     let id = "runs00000001";
 
     let first = remote.create(&vm_request(id)).await.unwrap();
@@ -112,13 +112,13 @@ async fn a_vm_on_a_node_its_sandbox_is_not_on_goes_after_the_grace() {
         .await;
     assert!(put.status < 300, "put: {}", put.status);
     // The record names the run its node reports.
-    let home_node = RemoteNode::connect(here.addr, NODE_SECRET).await.unwrap();
+    let home_node = RemoteNode::connect(here.addr, node_link()).await.unwrap();
     let row = a.core().store().sandbox_by_id(&id).await.unwrap().unwrap();
     assert!(!row.run.is_empty());
     assert_eq!(home_node.vm_run(&id), Some(row.run.clone()));
 
     // A VM of the same id on the other node, as a move's old node might have kept.
-    let other = RemoteNode::connect(there.addr, NODE_SECRET).await.unwrap();
+    let other = RemoteNode::connect(there.addr, node_link()).await.unwrap();
     let leftover = other.create(&vm_request(&id)).await.unwrap();
     assert_ne!(leftover.run, row.run);
     let planted = Instant::now();
@@ -159,7 +159,7 @@ async fn a_change_under_a_lease_since_taken_over_is_refused() {
     use airlock_server::nodes::wire::{Carried, OPERATION};
     let dir = fresh();
     let node = ClusterNode::start(dir.path(), ROOMY, 0).await;
-    let remote = RemoteNode::connect(node.addr, NODE_SECRET).await.unwrap();
+    let remote = RemoteNode::connect(node.addr, node_link()).await.unwrap();
     let id = "fence0000001";
     remote.create(&vm_request(id)).await.unwrap();
     let under = |op: &str, epoch| Carried { id: op.into(), epoch };
