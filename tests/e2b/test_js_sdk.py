@@ -4,6 +4,7 @@ commands, files, signed URLs, list, kill, runCode."""
 import hashlib
 import os
 import subprocess
+import time
 
 JS = os.path.join(os.path.dirname(__file__), "js")
 
@@ -15,8 +16,16 @@ def _install():
     stamp = os.path.join(JS, "node_modules", ".airlock-lock.sha256")
     if os.path.exists(stamp) and open(stamp).read() == want:
         return
-    subprocess.run(["npm", "ci", "--ignore-scripts", "--no-audit", "--no-fund", "--loglevel=error"],
-                   cwd=JS, check=True, timeout=600)
+    # A registry lookup that fails for a moment (CI once saw ENOTFOUND for every package, which
+    # npm does not retry) is asked again, twice, before the test fails on it.
+    for attempt in range(3):
+        r = subprocess.run(["npm", "ci", "--ignore-scripts", "--no-audit", "--no-fund", "--loglevel=error"],
+                           cwd=JS, timeout=600)
+        if r.returncode == 0:
+            break
+        if attempt == 2:
+            r.check_returncode()
+        time.sleep(15 * (attempt + 1))
     with open(stamp, "w") as f:
         f.write(want)
 

@@ -122,26 +122,19 @@ impl Tree {
     /// The directory at `rel`, made (mode 0755, owned by the caller) where a component is
     /// missing; a component that exists must be a real directory.
     pub fn make_dirs(&self, rel: &Path) -> Result<OwnedFd> {
-        let mut at = self.dir(Path::new(""))?;
-        let mut walked = PathBuf::new();
-        for c in rel.components() {
-            let Component::Normal(name) = c else {
-                return Err(TreeError::Outside(rel.to_path_buf()));
-            };
-            walked.push(name);
-            match rustix::fs::mkdirat(&at, name, Mode::from_raw_mode(0o755)) {
-                Ok(()) | Err(rustix::io::Errno::EXIST) => {}
-                Err(e) => return Err(io_err(&walked, e)),
-            }
-            at = open_dir(at.as_fd(), name, &walked)?;
-        }
-        Ok(at)
+        self.walk_dirs(rel, false)
     }
 
     /// The directory at `rel` as [`Tree::make_dirs`] makes it, except that a symlink (or any
     /// other non-directory) in the way is removed and replaced by a real directory: for the
     /// places the host itself writes into (`etc`, `usr/sbin`).
     pub fn real_dirs(&self, rel: &Path) -> Result<OwnedFd> {
+        self.walk_dirs(rel, true)
+    }
+
+    /// `rel` component by component from the root, each made where missing (and, with
+    /// `replace`, where it is not a directory).
+    fn walk_dirs(&self, rel: &Path, replace: bool) -> Result<OwnedFd> {
         let mut at = self.dir(Path::new(""))?;
         let mut walked = PathBuf::new();
         for c in rel.components() {
@@ -149,13 +142,12 @@ impl Tree {
                 return Err(TreeError::Outside(rel.to_path_buf()));
             };
             walked.push(name);
-            match kind_at(at.as_fd(), name) {
-                Some(FileType::Directory) => {}
-                Some(_) => {
-                    remove_at(at.as_fd(), name, &walked)?;
-                    rustix::fs::mkdirat(&at, name, Mode::from_raw_mode(0o755)).map_err(|e| io_err(&walked, e))?;
-                }
-                None => rustix::fs::mkdirat(&at, name, Mode::from_raw_mode(0o755)).map_err(|e| io_err(&walked, e))?,
+            if replace && kind_at(at.as_fd(), name).is_some_and(|k| k != FileType::Directory) {
+                remove_at(at.as_fd(), name, &walked)?;
+            }
+            match rustix::fs::mkdirat(&at, name, Mode::from_raw_mode(0o755)) {
+                Ok(()) | Err(rustix::io::Errno::EXIST) => {}
+                Err(e) => return Err(io_err(&walked, e)),
             }
             at = open_dir(at.as_fd(), name, &walked)?;
         }

@@ -96,15 +96,7 @@ async fn serve(mut conn: TcpStream, rules: &Rules) -> Result<(), Option<String>>
     let (method, uri) = (parts.next().unwrap_or(""), parts.next().unwrap_or(""));
     if method.eq_ignore_ascii_case("CONNECT") {
         let authority = uri.to_ascii_lowercase();
-        let upstream = match dial(&authority, 443, rules, true).await {
-            Ok(s) => s,
-            Err(refused) => {
-                let _ = conn
-                    .write_all(b"HTTP/1.1 403 Forbidden\r\nContent-Length: 0\r\n\r\n")
-                    .await;
-                return Err(refused.then(|| host_part(&authority).to_string()));
-            }
-        };
+        let upstream = dial_or_refuse(&mut conn, &authority, 443, rules, true).await?;
         conn.write_all(b"HTTP/1.1 200 Connection Established\r\n\r\n")
             .await
             .map_err(|_| None)?;
@@ -122,15 +114,7 @@ async fn serve(mut conn: TcpStream, rules: &Rules) -> Result<(), Option<String>>
         Some(i) => (rest[..i].to_ascii_lowercase(), &rest[i..]),
         None => (rest.to_ascii_lowercase(), "/"),
     };
-    let upstream = match dial(&authority, 80, rules, false).await {
-        Ok(s) => s,
-        Err(refused) => {
-            let _ = conn
-                .write_all(b"HTTP/1.1 403 Forbidden\r\nContent-Length: 0\r\n\r\n")
-                .await;
-            return Err(refused.then(|| host_part(&authority).to_string()));
-        }
-    };
+    let upstream = dial_or_refuse(&mut conn, &authority, 80, rules, false).await?;
     let mut out = format!("{method} {path} HTTP/1.1\r\n");
     for line in lines.take_while(|l| !l.is_empty()) {
         let name = line.split(':').next().unwrap_or("").trim().to_ascii_lowercase();
@@ -151,6 +135,25 @@ async fn serve(mut conn: TcpStream, rules: &Rules) -> Result<(), Option<String>>
     first.extend_from_slice(&head[body_start..]);
     relay(conn, upstream, &first).await;
     Ok(())
+}
+
+/// [`dial`], or the client told 403 and the refused host named to the gate.
+async fn dial_or_refuse(
+    conn: &mut TcpStream,
+    authority: &str,
+    default_port: u16,
+    rules: &Rules,
+    tls: bool,
+) -> Result<TcpStream, Option<String>> {
+    match dial(authority, default_port, rules, tls).await {
+        Ok(s) => Ok(s),
+        Err(refused) => {
+            let _ = conn
+                .write_all(b"HTTP/1.1 403 Forbidden\r\nContent-Length: 0\r\n\r\n")
+                .await;
+            Err(refused.then(|| host_part(authority).to_string()))
+        }
+    }
 }
 
 fn host_part(authority: &str) -> &str {
