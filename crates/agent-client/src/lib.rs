@@ -20,7 +20,7 @@ mod session;
 mod transport;
 
 pub use session::{AgentClient, Sign};
-pub use transport::ReqBody;
+pub use transport::{chain as error_chain, ReqBody};
 
 use airlock_proto::ErrorCode;
 use std::time::Duration;

@@ -96,8 +96,9 @@ pub(super) struct Due {
     limit: Duration,
 }
 
-/// An error with its causes (hyper's own text is terse: "http2 error").
-pub(super) fn chain(e: &(dyn std::error::Error + 'static)) -> String {
+/// An error with its causes, as one line (hyper's own text is terse: "http2 error", "client
+/// error (Connect)" where the cause is a refused certificate).
+pub fn chain(e: &(dyn std::error::Error + 'static)) -> String {
     let mut text = e.to_string();
     let mut source = e.source();
     while let Some(s) = source {

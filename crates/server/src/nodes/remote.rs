@@ -86,18 +86,6 @@ fn unreachable(addr: SocketAddr, what: &str, e: impl std::fmt::Display) -> NodeE
     ))))
 }
 
-/// An error with its causes (hyper's own text is terse: "client error (Connect)", where the
-/// cause is a certificate refused).
-fn chain(e: &(dyn std::error::Error + 'static)) -> String {
-    let mut text = e.to_string();
-    let mut source = e.source();
-    while let Some(s) = source {
-        text.push_str(&format!(": {s}"));
-        source = s.source();
-    }
-    text
-}
-
 /// The node answered, but not in its protocol.
 fn garbled(addr: SocketAddr, what: &str, e: impl std::fmt::Display) -> NodeError {
     NodeError::Failed(Box::new(RemoteFailure(format!(
@@ -164,7 +152,7 @@ impl Inner {
                 .http
                 .request(req)
                 .await
-                .map_err(|e| unreachable(self.addr, &what, chain(&e)))?;
+                .map_err(|e| unreachable(self.addr, &what, airlock_agent_client::error_chain(&e)))?;
             let status = resp.status();
             let headers = resp.headers().clone();
             let bytes = http_body_util::Limited::new(resp.into_body(), REPLY_MAX)
