@@ -21,6 +21,7 @@
 //! The server bounds what it reads of the answer and the time the whole takes, then takes the
 //! image back: one regular file, opened with `O_NOFOLLOW`, owned by root again.
 
+use super::command::{dir_bytes, run as run_command};
 use airlock_unpack::{apply_layer, prepare_root, Budget, Meta, Tree, TreeError, UnpackError};
 use serde::{Deserialize, Serialize};
 use std::io::{Read, Write};
@@ -497,36 +498,17 @@ pub fn work(stage: &Path, job: &Job) -> Answer {
 /// `out/rootfs.ext4` of `rootfs/`: its bytes and a margin (as the platform's templates).
 fn make_image(stage: &Path) -> Result<(), (String, String)> {
     let root = stage.join("rootfs");
-    let du = std::process::Command::new("du")
-        .arg("-sb")
-        .arg(&root)
-        .output()
-        .map_err(|e| ("du".to_string(), e.to_string()))?;
-    let used: u64 = String::from_utf8_lossy(&du.stdout)
-        .split_whitespace()
-        .next()
-        .and_then(|n| n.parse().ok())
-        .ok_or_else(|| ("du".to_string(), String::from_utf8_lossy(&du.stderr).into_owned()))?;
+    let used = dir_bytes(&root).map_err(|e| ("du".to_string(), e.to_string()))?;
     let image_mib = ((used * 13 / 10) >> 20) + 64;
-    let out = std::process::Command::new("mkfs.ext4")
-        .args(["-q", "-F", "-L", "airlock-root", "-m", "0", "-b", "4096", "-d"])
-        .arg(&root)
-        .arg(stage.join("out").join(super::store::ROOTFS_FILE))
-        .arg(format!("{image_mib}M"))
-        .output()
-        .map_err(|e| ("mkfs.ext4".to_string(), e.to_string()))?;
-    if !out.status.success() {
-        let err = String::from_utf8_lossy(&out.stderr);
-        let tail: Vec<&str> = err.lines().rev().take(8).collect();
-        return Err((
-            "mkfs.ext4".into(),
-            format!(
-                "{}: {}",
-                out.status,
-                tail.into_iter().rev().collect::<Vec<_>>().join(" | ")
-            ),
-        ));
-    }
+    run_command(
+        std::process::Command::new("mkfs.ext4")
+            .args(["-q", "-F", "-L", "airlock-root", "-m", "0", "-b", "4096", "-d"])
+            .arg(&root)
+            .arg(stage.join("out").join(super::store::ROOTFS_FILE))
+            .arg(format!("{image_mib}M")),
+        "mkfs.ext4",
+    )
+    .map_err(|e| ("mkfs.ext4".to_string(), e.to_string()))?;
     let _ = std::fs::remove_dir_all(&root);
     Ok(())
 }
