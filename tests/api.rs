@@ -241,7 +241,13 @@ fn cleanup() {
     let Some(s) = SERVER.get() else { return };
     let (_, list) = s.call("GET", "/v1/sandboxes?limit=100", None);
     for sb in list["sandboxes"].as_array().into_iter().flatten() {
-        s.delete(sb["id"].as_str().unwrap());
+        // One already on its way out (a cancelled build's sandbox) may be gone by now.
+        let (status, r) = s.call("DELETE", &format!("/v1/sandboxes/{}", sb["id"].as_str().unwrap()), None);
+        if status == 202 {
+            s.wait_op(r["operation"]["id"].as_str().unwrap());
+        } else {
+            assert_eq!(status, 404, "{r}");
+        }
     }
     unsafe { libc::kill(s.child.id() as i32, libc::SIGTERM) };
     std::thread::sleep(Duration::from_millis(300));
